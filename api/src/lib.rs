@@ -1,0 +1,1 @@
+//! Ferry's REST API.

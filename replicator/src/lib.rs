@@ -1,0 +1,2 @@
+//! Ferry's data path: manifest, wire protocol, QUIC transport, sender,
+//! receiver, staging, publish and the catalog.

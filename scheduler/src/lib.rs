@@ -1,0 +1,1 @@
+//! Ferry's scheduler: pure logic, no I/O, clock passed in.
