@@ -1,0 +1,777 @@
+//! The catalog: Ferry's durable state in SQL (sqlx; SQLite in the data
+//! directory by default, WAL mode). Schema: `migrations/`.
+//!
+//! Source side: `transfers`. Sink side: `replicas` (one row per incoming
+//! transfer; published rows are replicas) and `chunks` (verified chunks in
+//! staging, the resume point after a crash).
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use nix::fcntl::{Flock, FlockArg};
+use serde::Serialize;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::{Row, SqlitePool};
+
+use crate::manifest::Hash;
+use crate::wire::FileInfo;
+
+/// Catalog failures.
+#[derive(Debug, thiserror::Error)]
+pub enum CatalogError {
+    /// The data directory could not be created or locked.
+    #[error("data directory {path}: {why}")]
+    DataDir {
+        /// The directory.
+        path: PathBuf,
+        /// What went wrong.
+        why: String,
+    },
+    /// An SQL error.
+    #[error("catalog: {0}")]
+    Sql(#[from] sqlx::Error),
+    /// Migrations failed (a newer or damaged catalog).
+    #[error("catalog migration: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    /// Stored data could not be decoded.
+    #[error("catalog holds bad data: {0}")]
+    Corrupt(String),
+}
+
+/// Milliseconds since the Unix epoch, the catalog's time unit.
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO)
+        .as_millis() as i64
+}
+
+/// Source-side transfer states (DESIGN.md, Vocabulary).
+pub mod state {
+    /// Waiting for its link.
+    pub const QUEUED: &str = "queued";
+    /// Chunks are moving.
+    pub const ACTIVE: &str = "active";
+    /// All chunks sent; the sink is checking the manifest.
+    pub const VERIFYING: &str = "verifying";
+    /// The replica is published at the sink.
+    pub const PUBLISHED: &str = "published";
+    /// Stopped by an error.
+    pub const FAILED: &str = "failed";
+    /// Stopped on request.
+    pub const CANCELLED: &str = "cancelled";
+    /// Sink side: chunks are arriving.
+    pub const RECEIVING: &str = "receiving";
+
+    /// True for states a transfer never leaves.
+    pub fn is_final(s: &str) -> bool {
+        matches!(s, PUBLISHED | FAILED | CANCELLED)
+    }
+}
+
+/// A source-side transfer row.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Transfer {
+    /// Transfer id (also sent to the sink).
+    pub id: i64,
+    /// Link name.
+    pub link: String,
+    /// Job name.
+    pub job: String,
+    /// Absolute checkpoint path at the source.
+    pub source_path: String,
+    /// Path relative to the source root.
+    pub rel: String,
+    /// Scheduler class.
+    pub class: String,
+    /// State, see [`state`].
+    pub state: String,
+    /// Bytes in the checkpoint.
+    pub bytes_total: i64,
+    /// Bytes verified at the sink (as far as the source knows).
+    pub bytes_done: i64,
+    /// Payload bytes put on the wire (resends included).
+    pub bytes_sent: i64,
+    /// Number of shards.
+    pub shards: i64,
+    /// Hex BLAKE3 manifest root once sealed.
+    pub manifest_root: Option<String>,
+    /// Path of the replica at the sink once published.
+    pub local_path: Option<String>,
+    /// Last error, if failed.
+    pub error: Option<String>,
+    /// Creation time (Unix ms).
+    pub created_at: i64,
+    /// When the transfer first became active (Unix ms).
+    pub started_at: Option<i64>,
+    /// When it reached a final state (Unix ms).
+    pub finished_at: Option<i64>,
+}
+
+/// A sink-side row: an incoming transfer, or a replica once published.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Replica {
+    /// Row id.
+    pub id: i64,
+    /// Source agent name (certificate SAN).
+    pub peer: String,
+    /// Source site.
+    pub source_site: String,
+    /// Transfer id at the source.
+    pub source_transfer: i64,
+    /// Job name.
+    pub job: String,
+    /// Absolute checkpoint path at the source.
+    pub source_path: String,
+    /// Path relative to the source root.
+    pub rel: String,
+    /// Chunk size in bytes.
+    pub chunk_size: i64,
+    /// State: `receiving`, `published`, `failed`, `cancelled`.
+    pub state: String,
+    /// Bytes in the checkpoint.
+    pub bytes_total: i64,
+    /// Bytes verified in staging.
+    pub bytes_done: i64,
+    /// Staging directory.
+    pub staging_path: String,
+    /// Where the replica is (or will be) published.
+    pub local_path: String,
+    /// Hex BLAKE3 manifest root once published.
+    pub manifest_root: Option<String>,
+    /// Last error.
+    pub error: Option<String>,
+    /// Creation time (Unix ms).
+    pub created_at: i64,
+    /// Publish time (Unix ms).
+    pub published_at: Option<i64>,
+}
+
+/// New sink-side row.
+#[derive(Debug, Clone)]
+pub struct NewReplica<'a> {
+    /// Source agent name.
+    pub peer: &'a str,
+    /// Source site.
+    pub source_site: &'a str,
+    /// Transfer id at the source.
+    pub source_transfer: i64,
+    /// Job.
+    pub job: &'a str,
+    /// Source path.
+    pub source_path: &'a str,
+    /// Relative path.
+    pub rel: &'a str,
+    /// Chunk size in bytes.
+    pub chunk_size: u32,
+    /// File list.
+    pub files: &'a [FileInfo],
+    /// Total bytes.
+    pub bytes_total: u64,
+    /// Staging directory.
+    pub staging_path: &'a str,
+    /// Publish path.
+    pub local_path: &'a str,
+}
+
+/// Handle to the catalog; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Catalog {
+    pool: SqlitePool,
+    _lock: std::sync::Arc<Flock<File>>,
+}
+
+const TRANSFER_COLS: &str = "id, link, job, source_path, rel, class, state, bytes_total, \
+    bytes_done, bytes_sent, shards, manifest_root, local_path, error, created_at, started_at, finished_at";
+
+const REPLICA_COLS: &str = "id, peer, source_site, source_transfer, job, source_path, rel, \
+    chunk_size, state, bytes_total, bytes_done, staging_path, local_path, manifest_root, error, \
+    created_at, published_at";
+
+fn transfer_row(r: &sqlx::sqlite::SqliteRow) -> Result<Transfer, sqlx::Error> {
+    Ok(Transfer {
+        id: r.try_get("id")?,
+        link: r.try_get("link")?,
+        job: r.try_get("job")?,
+        source_path: r.try_get("source_path")?,
+        rel: r.try_get("rel")?,
+        class: r.try_get("class")?,
+        state: r.try_get("state")?,
+        bytes_total: r.try_get("bytes_total")?,
+        bytes_done: r.try_get("bytes_done")?,
+        bytes_sent: r.try_get("bytes_sent")?,
+        shards: r.try_get("shards")?,
+        manifest_root: r.try_get("manifest_root")?,
+        local_path: r.try_get("local_path")?,
+        error: r.try_get("error")?,
+        created_at: r.try_get("created_at")?,
+        started_at: r.try_get("started_at")?,
+        finished_at: r.try_get("finished_at")?,
+    })
+}
+
+fn replica_row(r: &sqlx::sqlite::SqliteRow) -> Result<Replica, sqlx::Error> {
+    Ok(Replica {
+        id: r.try_get("id")?,
+        peer: r.try_get("peer")?,
+        source_site: r.try_get("source_site")?,
+        source_transfer: r.try_get("source_transfer")?,
+        job: r.try_get("job")?,
+        source_path: r.try_get("source_path")?,
+        rel: r.try_get("rel")?,
+        chunk_size: r.try_get("chunk_size")?,
+        state: r.try_get("state")?,
+        bytes_total: r.try_get("bytes_total")?,
+        bytes_done: r.try_get("bytes_done")?,
+        staging_path: r.try_get("staging_path")?,
+        local_path: r.try_get("local_path")?,
+        manifest_root: r.try_get("manifest_root")?,
+        error: r.try_get("error")?,
+        created_at: r.try_get("created_at")?,
+        published_at: r.try_get("published_at")?,
+    })
+}
+
+impl Catalog {
+    /// Opens (creating if needed) `data_dir/ferry.db`, takes an exclusive
+    /// lock on `data_dir/agent.lock` so two agents never share one data
+    /// directory, and applies the embedded migrations.
+    ///
+    /// # Errors
+    /// [`CatalogError::DataDir`] if the directory cannot be created or is
+    /// locked by another agent; SQL or migration errors otherwise (a
+    /// damaged catalog is reported, never deleted).
+    pub async fn open(data_dir: &Path) -> Result<Catalog, CatalogError> {
+        let dd = |why: String| CatalogError::DataDir {
+            path: data_dir.to_path_buf(),
+            why,
+        };
+        std::fs::create_dir_all(data_dir).map_err(|e| dd(e.to_string()))?;
+        let lock_file = File::create(data_dir.join("agent.lock")).map_err(|e| dd(e.to_string()))?;
+        let lock = Flock::lock(lock_file, FlockArg::LockExclusiveNonblock).map_err(|(_, e)| {
+            dd(format!(
+                "already in use by another ferry agent (agent.lock is held: {e})"
+            ))
+        })?;
+        let url = format!("sqlite://{}", data_dir.join("ferry.db").display());
+        let opts = SqliteConnectOptions::from_str(&url)?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .foreign_keys(true)
+            .busy_timeout(Duration::from_secs(5));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(4)
+            .connect_with(opts)
+            .await?;
+        sqlx::migrate!("../migrations").run(&pool).await?;
+        Ok(Catalog {
+            pool,
+            _lock: std::sync::Arc::new(lock),
+        })
+    }
+
+    /// Closes the pool, waiting for queries in flight.
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    // ---- source side ----
+
+    /// Inserts a queued transfer; returns its id.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn insert_transfer(
+        &self,
+        link: &str,
+        job: &str,
+        source_path: &str,
+        rel: &str,
+        class: &str,
+    ) -> Result<i64, CatalogError> {
+        let r = sqlx::query(
+            "INSERT INTO transfers (link, job, source_path, rel, class, state, created_at) \
+             VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING id",
+        )
+        .bind(link)
+        .bind(job)
+        .bind(source_path)
+        .bind(rel)
+        .bind(class)
+        .bind(state::QUEUED)
+        .bind(now_ms())
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(r.try_get("id")?)
+    }
+
+    /// One transfer by id.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn transfer(&self, id: i64) -> Result<Option<Transfer>, CatalogError> {
+        let q = format!("SELECT {TRANSFER_COLS} FROM transfers WHERE id = ?");
+        let r = sqlx::query(&q).bind(id).fetch_optional(&self.pool).await?;
+        Ok(r.as_ref().map(transfer_row).transpose()?)
+    }
+
+    /// Transfers, newest first, at most `limit`, starting after `offset`.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn transfers(&self, limit: i64, offset: i64) -> Result<Vec<Transfer>, CatalogError> {
+        let q = format!("SELECT {TRANSFER_COLS} FROM transfers ORDER BY id DESC LIMIT ? OFFSET ?");
+        let rows = sqlx::query(&q)
+            .bind(limit)
+            .bind(offset)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(transfer_row).collect::<Result<_, _>>()?)
+    }
+
+    /// Transfers not in a final state, oldest first (the work to resume
+    /// after a restart).
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn unfinished_transfers(&self) -> Result<Vec<Transfer>, CatalogError> {
+        let q = format!(
+            "SELECT {TRANSFER_COLS} FROM transfers WHERE state NOT IN (?, ?, ?) ORDER BY id"
+        );
+        let rows = sqlx::query(&q)
+            .bind(state::PUBLISHED)
+            .bind(state::FAILED)
+            .bind(state::CANCELLED)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(transfer_row).collect::<Result<_, _>>()?)
+    }
+
+    /// The newest transfer of `source_path` (exact match), if any.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn transfer_by_path(&self, source_path: &str) -> Result<Option<Transfer>, CatalogError> {
+        let q = format!(
+            "SELECT {TRANSFER_COLS} FROM transfers WHERE source_path = ? ORDER BY id DESC LIMIT 1"
+        );
+        let r = sqlx::query(&q)
+            .bind(source_path)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.as_ref().map(transfer_row).transpose()?)
+    }
+
+    /// Sets a transfer's state (and error text for `failed`), stamping
+    /// `started_at` on the first `active` and `finished_at` on final states.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_transfer_state(
+        &self,
+        id: i64,
+        new_state: &str,
+        error: Option<&str>,
+    ) -> Result<(), CatalogError> {
+        let now = now_ms();
+        sqlx::query(
+            "UPDATE transfers SET state = ?, error = COALESCE(?, error), \
+             started_at = CASE WHEN ? = 'active' AND started_at IS NULL THEN ? ELSE started_at END, \
+             finished_at = CASE WHEN ? IN ('published', 'failed', 'cancelled') THEN ? ELSE finished_at END \
+             WHERE id = ?",
+        )
+        .bind(new_state)
+        .bind(error)
+        .bind(new_state)
+        .bind(now)
+        .bind(new_state)
+        .bind(now)
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Records size, shard count and progress of a transfer.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_transfer_progress(
+        &self,
+        id: i64,
+        bytes_total: u64,
+        shards: u64,
+        bytes_done: u64,
+        bytes_sent: u64,
+    ) -> Result<(), CatalogError> {
+        sqlx::query(
+            "UPDATE transfers SET bytes_total = ?, shards = ?, bytes_done = ?, bytes_sent = ? WHERE id = ?",
+        )
+        .bind(bytes_total as i64)
+        .bind(shards as i64)
+        .bind(bytes_done as i64)
+        .bind(bytes_sent as i64)
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Marks a transfer published at `local_path` with manifest `root`.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_transfer_published(
+        &self,
+        id: i64,
+        root_hex: &str,
+        local_path: &str,
+    ) -> Result<(), CatalogError> {
+        sqlx::query(
+            "UPDATE transfers SET state = 'published', manifest_root = ?, local_path = ?, \
+             bytes_done = bytes_total, finished_at = ? WHERE id = ?",
+        )
+        .bind(root_hex)
+        .bind(local_path)
+        .bind(now_ms())
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    // ---- sink side ----
+
+    /// The row of an incoming transfer, if known.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn find_replica(
+        &self,
+        peer: &str,
+        source_transfer: i64,
+        source_path: &str,
+    ) -> Result<Option<Replica>, CatalogError> {
+        let q = format!(
+            "SELECT {REPLICA_COLS} FROM replicas WHERE peer = ? AND source_transfer = ? AND source_path = ?"
+        );
+        let r = sqlx::query(&q)
+            .bind(peer)
+            .bind(source_transfer)
+            .bind(source_path)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.as_ref().map(replica_row).transpose()?)
+    }
+
+    /// Inserts an incoming transfer in state `receiving`; returns its id.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn insert_replica(&self, n: &NewReplica<'_>) -> Result<i64, CatalogError> {
+        let files = serde_json::to_string(n.files).map_err(|e| CatalogError::Corrupt(e.to_string()))?;
+        let r = sqlx::query(
+            "INSERT INTO replicas (peer, source_site, source_transfer, job, source_path, rel, \
+             chunk_size, files, state, bytes_total, staging_path, local_path, created_at) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+        )
+        .bind(n.peer)
+        .bind(n.source_site)
+        .bind(n.source_transfer)
+        .bind(n.job)
+        .bind(n.source_path)
+        .bind(n.rel)
+        .bind(i64::from(n.chunk_size))
+        .bind(files)
+        .bind(state::RECEIVING)
+        .bind(n.bytes_total as i64)
+        .bind(n.staging_path)
+        .bind(n.local_path)
+        .bind(now_ms())
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(r.try_get("id")?)
+    }
+
+    /// The file list stored for a sink-side row.
+    ///
+    /// # Errors
+    /// SQL errors, or [`CatalogError::Corrupt`] if it cannot be decoded.
+    pub async fn replica_files(&self, id: i64) -> Result<Vec<FileInfo>, CatalogError> {
+        let r = sqlx::query("SELECT files FROM replicas WHERE id = ?")
+            .bind(id)
+            .fetch_one(&self.pool)
+            .await?;
+        let s: String = r.try_get("files")?;
+        serde_json::from_str(&s).map_err(|e| CatalogError::Corrupt(format!("file list of replica {id}: {e}")))
+    }
+
+    /// Replaces the file list of a row (a resumed transfer whose files
+    /// changed at the source) and its total.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_replica_files(&self, id: i64, files: &[FileInfo], bytes_total: u64) -> Result<(), CatalogError> {
+        let s = serde_json::to_string(files).map_err(|e| CatalogError::Corrupt(e.to_string()))?;
+        sqlx::query("UPDATE replicas SET files = ?, bytes_total = ? WHERE id = ?")
+            .bind(s)
+            .bind(bytes_total as i64)
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Verified chunks of a sink-side row: `(global index, hash)`.
+    ///
+    /// # Errors
+    /// SQL errors; [`CatalogError::Corrupt`] for a hash that is not 32 bytes.
+    pub async fn chunks(&self, replica: i64) -> Result<Vec<(u64, Hash)>, CatalogError> {
+        let rows = sqlx::query("SELECT idx, hash FROM chunks WHERE replica = ? ORDER BY idx")
+            .bind(replica)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter()
+            .map(|r| {
+                let idx: i64 = r.try_get("idx")?;
+                let h: Vec<u8> = r.try_get("hash")?;
+                let h: Hash = h
+                    .try_into()
+                    .map_err(|_| CatalogError::Corrupt(format!("chunk {idx} of replica {replica}")))?;
+                Ok((idx as u64, h))
+            })
+            .collect()
+    }
+
+    /// Records verified chunks `(replica, global index, hash)` in one
+    /// transaction, and bumps each row's `bytes_done` by the given bytes.
+    ///
+    /// # Errors
+    /// SQL errors (nothing is recorded then).
+    pub async fn add_chunks(&self, chunks: &[(i64, u64, Hash, u64)]) -> Result<(), CatalogError> {
+        let mut tx = self.pool.begin().await?;
+        for (replica, idx, hash, bytes) in chunks {
+            let r = sqlx::query("INSERT INTO chunks (replica, idx, hash) VALUES (?, ?, ?) ON CONFLICT DO NOTHING")
+                .bind(replica)
+                .bind(*idx as i64)
+                .bind(&hash[..])
+                .execute(&mut *tx)
+                .await?;
+            if r.rows_affected() > 0 {
+                sqlx::query("UPDATE replicas SET bytes_done = bytes_done + ? WHERE id = ?")
+                    .bind(*bytes as i64)
+                    .bind(replica)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Forgets verified chunks (they will be fetched again) and resets
+    /// `bytes_done` to `bytes_done`.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn drop_chunks(&self, replica: i64, idx: &[u64], bytes_done: u64) -> Result<(), CatalogError> {
+        let mut tx = self.pool.begin().await?;
+        for i in idx {
+            sqlx::query("DELETE FROM chunks WHERE replica = ? AND idx = ?")
+                .bind(replica)
+                .bind(*i as i64)
+                .execute(&mut *tx)
+                .await?;
+        }
+        sqlx::query("UPDATE replicas SET bytes_done = ? WHERE id = ?")
+            .bind(bytes_done as i64)
+            .bind(replica)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Marks a row published: stores the sealed manifest and its root and
+    /// deletes the per-chunk rows (no longer needed).
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_replica_published(
+        &self,
+        id: i64,
+        manifest: &[u8],
+        root_hex: &str,
+        local_path: &str,
+    ) -> Result<(), CatalogError> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(
+            "UPDATE replicas SET state = 'published', manifest = ?, manifest_root = ?, \
+             local_path = ?, bytes_done = bytes_total, published_at = ? WHERE id = ?",
+        )
+        .bind(manifest)
+        .bind(root_hex)
+        .bind(local_path)
+        .bind(now_ms())
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query("DELETE FROM chunks WHERE replica = ?")
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Sets a sink-side row's state and error.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_replica_state(&self, id: i64, new_state: &str, error: Option<&str>) -> Result<(), CatalogError> {
+        sqlx::query("UPDATE replicas SET state = ?, error = COALESCE(?, error) WHERE id = ?")
+            .bind(new_state)
+            .bind(error)
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// One sink-side row by id.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn replica(&self, id: i64) -> Result<Option<Replica>, CatalogError> {
+        let q = format!("SELECT {REPLICA_COLS} FROM replicas WHERE id = ?");
+        let r = sqlx::query(&q).bind(id).fetch_optional(&self.pool).await?;
+        Ok(r.as_ref().map(replica_row).transpose()?)
+    }
+
+    /// The sealed manifest of a published row.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn replica_manifest(&self, id: i64) -> Result<Option<Vec<u8>>, CatalogError> {
+        let r = sqlx::query("SELECT manifest FROM replicas WHERE id = ?")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(match r {
+            Some(r) => r.try_get("manifest")?,
+            None => None,
+        })
+    }
+
+    /// Sink-side rows, newest first; only published ones if `published`.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn replicas(&self, published: bool, limit: i64, offset: i64) -> Result<Vec<Replica>, CatalogError> {
+        let q = if published {
+            format!("SELECT {REPLICA_COLS} FROM replicas WHERE state = 'published' ORDER BY id DESC LIMIT ? OFFSET ?")
+        } else {
+            format!("SELECT {REPLICA_COLS} FROM replicas ORDER BY id DESC LIMIT ? OFFSET ?")
+        };
+        let rows = sqlx::query(&q)
+            .bind(limit)
+            .bind(offset)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(replica_row).collect::<Result<_, _>>()?)
+    }
+
+    /// The sink-side rows for a checkpoint at `source_path`, newest first:
+    /// the newest published one and the newest one overall tell resolve
+    /// what to answer.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn replicas_for_source(&self, source_path: &str) -> Result<Vec<Replica>, CatalogError> {
+        let q = format!("SELECT {REPLICA_COLS} FROM replicas WHERE source_path = ? ORDER BY id DESC LIMIT 16");
+        let rows = sqlx::query(&q)
+            .bind(source_path)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(replica_row).collect::<Result<_, _>>()?)
+    }
+
+    /// The newest published row whose `local_path` is `local_path`.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn replica_by_local_path(&self, local_path: &str) -> Result<Option<Replica>, CatalogError> {
+        let q = format!(
+            "SELECT {REPLICA_COLS} FROM replicas WHERE local_path = ? AND state = 'published' \
+             ORDER BY id DESC LIMIT 1"
+        );
+        let r = sqlx::query(&q)
+            .bind(local_path)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.as_ref().map(replica_row).transpose()?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[tokio::test]
+    async fn second_agent_on_one_data_dir_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let _c = Catalog::open(d.path()).await.unwrap();
+        let e = Catalog::open(d.path()).await.unwrap_err();
+        assert!(e.to_string().contains("already in use"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn transfer_and_replica_rows_roundtrip() {
+        let d = tempfile::tempdir().unwrap();
+        let c = Catalog::open(d.path()).await.unwrap();
+        let id = c.insert_transfer("l", "j", "/ck/s1", "s1", "scheduled").await.unwrap();
+        c.set_transfer_state(id, state::ACTIVE, None).await.unwrap();
+        assert_eq!(c.unfinished_transfers().await.unwrap().len(), 1);
+        c.set_transfer_published(id, "ab", "/eval/x").await.unwrap();
+        let t = c.transfer(id).await.unwrap().unwrap();
+        assert_eq!(t.state, "published");
+        assert!(t.started_at.is_some() && t.finished_at.is_some());
+        assert!(c.unfinished_transfers().await.unwrap().is_empty());
+
+        let files = vec![FileInfo {
+            path: "a".into(),
+            size: 5,
+            mode: 0o644,
+            mtime_ns: 1,
+        }];
+        let r = c
+            .insert_replica(&NewReplica {
+                peer: "p",
+                source_site: "s",
+                source_transfer: id,
+                job: "j",
+                source_path: "/ck/s1",
+                rel: "s1",
+                chunk_size: 1 << 20,
+                files: &files,
+                bytes_total: 5,
+                staging_path: "/st",
+                local_path: "/eval/x",
+            })
+            .await
+            .unwrap();
+        assert_eq!(c.replica_files(r).await.unwrap(), files);
+        c.add_chunks(&[(r, 0, [7; 32], 5)]).await.unwrap();
+        c.add_chunks(&[(r, 0, [7; 32], 5)]).await.unwrap();
+        assert_eq!(c.chunks(r).await.unwrap(), vec![(0, [7; 32])]);
+        c.set_replica_published(r, b"m", "ab", "/eval/x").await.unwrap();
+        assert!(c.chunks(r).await.unwrap().is_empty());
+        let rep = c.replica_by_local_path("/eval/x").await.unwrap().unwrap();
+        assert_eq!(rep.bytes_done, 5);
+        assert_eq!(c.replica_manifest(r).await.unwrap().unwrap(), b"m");
+    }
+}
