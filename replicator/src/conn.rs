@@ -1,0 +1,83 @@
+//! Framing of [`Control`] messages on a QUIC control stream, shared by the
+//! sender and the receiver.
+
+use quinn::{ReadExactError, RecvStream, SendStream};
+use tokio::sync::Mutex;
+
+use crate::wire::{frame_len, Control, WireError};
+
+/// QUIC application error codes Ferry closes connections and streams with.
+pub mod code {
+    /// Normal close (shutdown).
+    pub const DONE: u32 = 0;
+    /// The peer broke the protocol (bad frame, bad record, bad version).
+    pub const PROTOCOL: u32 = 1;
+    /// The peer's certificate name is not accepted here.
+    pub const NOT_ACCEPTED: u32 = 2;
+    /// A data stream for a transfer this connection does not know.
+    pub const UNKNOWN_TRANSFER: u32 = 3;
+    /// The agent is shutting down.
+    pub const SHUTDOWN: u32 = 4;
+}
+
+/// Errors on a control stream.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnError {
+    /// The peer sent a malformed frame.
+    #[error("protocol error from peer: {0}")]
+    Wire(#[from] WireError),
+    /// The stream or connection failed.
+    #[error("connection: {0}")]
+    Read(#[from] quinn::ReadExactError),
+    /// Writing failed.
+    #[error("connection: {0}")]
+    Write(#[from] quinn::WriteError),
+    /// The connection was lost.
+    #[error("connection: {0}")]
+    Connection(#[from] quinn::ConnectionError),
+    /// The peer said something that makes no sense at this point.
+    #[error("protocol error from peer: {0}")]
+    Unexpected(String),
+    /// The peer refused the connection or transfer.
+    #[error("peer: {0}")]
+    Peer(String),
+}
+
+/// Reads one control frame; `Ok(None)` when the peer finished the stream
+/// cleanly between frames.
+///
+/// # Errors
+/// [`ConnError`] for a truncated or malformed frame or a failed stream.
+pub async fn read_frame(recv: &mut RecvStream) -> Result<Option<Control>, ConnError> {
+    let mut prefix = [0u8; 4];
+    match recv.read_exact(&mut prefix).await {
+        Ok(()) => {}
+        Err(ReadExactError::FinishedEarly(0)) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    }
+    let len = frame_len(prefix)?;
+    let mut body = vec![0u8; len];
+    recv.read_exact(&mut body).await?;
+    Ok(Some(Control::decode(&body)?))
+}
+
+/// The sending half of a control stream, shareable between tasks.
+#[derive(Debug)]
+pub struct ControlSender(Mutex<SendStream>);
+
+impl ControlSender {
+    /// Wraps a stream.
+    pub fn new(s: SendStream) -> Self {
+        ControlSender(Mutex::new(s))
+    }
+
+    /// Sends one message.
+    ///
+    /// # Errors
+    /// [`ConnError::Write`] if the stream is gone.
+    pub async fn send(&self, msg: &Control) -> Result<(), ConnError> {
+        tracing::trace!(msg = msg.name(), "control send");
+        self.0.lock().await.write_all(&msg.encode()).await?;
+        Ok(())
+    }
+}

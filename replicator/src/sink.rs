@@ -1,0 +1,917 @@
+//! The receiving side: accepts QUIC connections from sources, writes chunks
+//! into a staging area inside the sink root, verifies each with BLAKE3,
+//! records verified chunks in the catalog, asks again for anything that
+//! fails, and publishes the replica atomically once the source has sealed
+//! the manifest and every chunk matches it.
+//!
+//! Layout under the sink root: replicas at `<root>/<site>/<job>/<rel>`,
+//! staging at `<root>/.ferry/staging/<row id>` (same file system, so the
+//! final move is one `rename`).
+
+use std::collections::HashMap;
+use std::fs::OpenOptions;
+use std::io;
+use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, UNIX_EPOCH};
+
+use quinn::{Connection, Endpoint, RecvStream, VarInt};
+use serde::Serialize;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, info, warn};
+
+use crate::catalog::{state, Catalog, CatalogError, NewReplica};
+use crate::conn::{code, read_frame, ConnError, ControlSender};
+use crate::manifest::{hex, validate_files, ChunkMap, Hash, Manifest};
+use crate::paths::check_name;
+use crate::tls;
+use crate::wire::{
+    BatchHeader, Control, FileInfo, Hello, RecordHeader, TransferKey, BATCH_HEADER_LEN,
+    PROTOCOL_VERSION, RECORD_HEADER_LEN,
+};
+
+/// Sink settings.
+#[derive(Debug, Clone)]
+pub struct SinkConfig {
+    /// This agent's name (its certificate SAN).
+    pub agent: String,
+    /// This agent's site.
+    pub site: String,
+    /// Directory that holds replicas and staging.
+    pub root: PathBuf,
+    /// Source agent names allowed to connect; empty allows any peer whose
+    /// certificate chains to the CA.
+    pub accept_peers: Vec<String>,
+    /// Bytes of free space to keep in the sink root's file system; a
+    /// transfer that would cut into it is refused.
+    pub reserve_bytes: u64,
+}
+
+/// What resolve answers for a source path.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(tag = "state", rename_all = "lowercase")]
+pub enum Resolution {
+    /// A verified replica is published here.
+    Local {
+        /// Local twin of the requested path.
+        local_path: String,
+        /// Hex BLAKE3 manifest root.
+        manifest_root: String,
+        /// Publish time, RFC 3339.
+        published_at: String,
+    },
+    /// Chunks are arriving.
+    Replicating {
+        /// Bytes verified so far.
+        bytes_done: u64,
+        /// Bytes in the checkpoint.
+        bytes_total: u64,
+        /// Estimated seconds to completion at the recent rate, if known.
+        eta_s: Option<f64>,
+    },
+    /// The sink has heard of it but holds no replica (failed or
+    /// cancelled).
+    Remote {
+        /// Why it is not here, if known.
+        reason: Option<String>,
+    },
+    /// Nothing known about this path.
+    Unknown,
+}
+
+/// Per-transfer state shared by all the streams of a connection.
+struct Live {
+    id: i64,
+    files: Vec<FileInfo>,
+    map: ChunkMap,
+    chunk_size: u32,
+    /// Manifest root of a replica that was already published when the
+    /// source (re)opened it; its commit is answered without touching disk.
+    published_root: Option<Hash>,
+    staging: PathBuf,
+    local_path: PathBuf,
+    bytes_total: u64,
+    started: Instant,
+    st: Mutex<LiveState>,
+}
+
+#[derive(Default)]
+struct LiveState {
+    verified: HashMap<u64, Hash>,
+    bytes_done: u64,
+    bytes_at_open: u64,
+    commit: Option<(Manifest, u64)>,
+    batches_done: u64,
+    publishing: bool,
+    failed: bool,
+}
+
+enum CatalogOp {
+    Chunk(i64, u64, Hash, u64),
+    Flush(oneshot::Sender<()>),
+}
+
+struct Inner {
+    cfg: SinkConfig,
+    catalog: Catalog,
+    live: Mutex<HashMap<i64, Arc<Live>>>,
+    chunks: mpsc::Sender<CatalogOp>,
+    changed: watch::Sender<u64>,
+    shutdown: CancellationToken,
+    tasks: TaskTracker,
+}
+
+/// A running sink; cheap to clone.
+#[derive(Clone)]
+pub struct Sink {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Sink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sink").field("root", &self.inner.cfg.root).finish()
+    }
+}
+
+/// Errors that fail one incoming transfer.
+#[derive(Debug, thiserror::Error)]
+enum TransferError {
+    #[error("{0}")]
+    Refused(String),
+    #[error(transparent)]
+    Catalog(#[from] CatalogError),
+    #[error("{0}")]
+    Io(#[from] io::Error),
+}
+
+impl Sink {
+    /// Starts accepting connections on `endpoint`.
+    ///
+    /// # Errors
+    /// [`io::Error`] if the sink root or its staging area cannot be
+    /// created.
+    pub fn start(cfg: SinkConfig, catalog: Catalog, endpoint: Endpoint) -> io::Result<Sink> {
+        std::fs::create_dir_all(staging_root(&cfg.root))
+            .map_err(|e| io::Error::new(e.kind(), format!("sink root {}: {e}", cfg.root.display())))?;
+        let (tx, rx) = mpsc::channel(65_536);
+        let inner = Arc::new(Inner {
+            cfg,
+            catalog: catalog.clone(),
+            live: Mutex::new(HashMap::new()),
+            chunks: tx,
+            changed: watch::channel(0).0,
+            shutdown: CancellationToken::new(),
+            tasks: TaskTracker::new(),
+        });
+        tokio::spawn(catalog_writer(catalog, rx));
+        let i = inner.clone();
+        inner.tasks.spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = i.shutdown.cancelled() => break,
+                    inc = endpoint.accept() => {
+                        let Some(inc) = inc else { break };
+                        let i2 = i.clone();
+                        i.tasks.spawn(async move { handle_connection(i2, inc).await });
+                    }
+                }
+            }
+            endpoint.close(VarInt::from_u32(code::SHUTDOWN), b"sink shutting down");
+        });
+        Ok(Sink { inner })
+    }
+
+    /// The catalog.
+    pub fn catalog(&self) -> &Catalog {
+        &self.inner.catalog
+    }
+
+    /// The sink root.
+    pub fn root(&self) -> &Path {
+        &self.inner.cfg.root
+    }
+
+    /// A counter that changes whenever a replica is published or progress
+    /// is made; used by long-polling resolve.
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.inner.changed.subscribe()
+    }
+
+    /// Resolves a source path (the checkpoint directory or any file under
+    /// it) to its local twin or its replication status.
+    ///
+    /// # Errors
+    /// Catalog errors.
+    pub async fn resolve(&self, path: &str) -> Result<Resolution, CatalogError> {
+        let mut ancestor = Some(Path::new(path));
+        while let Some(a) = ancestor {
+            let a_str = a.to_string_lossy();
+            if a_str.is_empty() || a_str == "/" {
+                break;
+            }
+            let rows = self.inner.catalog.replicas_for_source(&a_str).await?;
+            if let Some(first) = rows.first() {
+                let suffix = Path::new(path).strip_prefix(a).unwrap_or(Path::new(""));
+                if let Some(p) = rows.iter().find(|r| r.state == state::PUBLISHED) {
+                    let local = if suffix.as_os_str().is_empty() {
+                        PathBuf::from(&p.local_path)
+                    } else {
+                        Path::new(&p.local_path).join(suffix)
+                    };
+                    return Ok(Resolution::Local {
+                        local_path: local.to_string_lossy().into_owned(),
+                        manifest_root: p.manifest_root.clone().unwrap_or_default(),
+                        published_at: rfc3339(p.published_at.unwrap_or(0)),
+                    });
+                }
+                if let Some(r) = rows.iter().find(|r| r.state == state::RECEIVING) {
+                    let live = self.inner.live.lock().ok().and_then(|m| m.get(&r.id).cloned());
+                    let (done, eta) = match live {
+                        Some(l) => l.progress(),
+                        None => (r.bytes_done as u64, None),
+                    };
+                    return Ok(Resolution::Replicating {
+                        bytes_done: done,
+                        bytes_total: r.bytes_total as u64,
+                        eta_s: eta,
+                    });
+                }
+                return Ok(Resolution::Remote {
+                    reason: first.error.clone().or_else(|| Some(first.state.clone())),
+                });
+            }
+            ancestor = a.parent();
+        }
+        Ok(Resolution::Unknown)
+    }
+
+    /// Stops accepting, lets in-flight chunk writes finish, flushes the
+    /// catalog, and waits at most `deadline` for all tasks.
+    pub async fn shutdown(&self, deadline: Duration) {
+        self.inner.shutdown.cancel();
+        self.inner.tasks.close();
+        let _ = tokio::time::timeout(deadline, self.inner.tasks.wait()).await;
+        flush(&self.inner).await;
+    }
+}
+
+impl Live {
+    /// Verified bytes and an ETA in seconds from the rate since open.
+    fn progress(&self) -> (u64, Option<f64>) {
+        let Ok(st) = self.st.lock() else {
+            return (0, None);
+        };
+        let secs = self.started.elapsed().as_secs_f64();
+        let gained = st.bytes_done.saturating_sub(st.bytes_at_open) as f64;
+        let eta = (secs > 0.5 && gained > 0.0)
+            .then(|| (self.bytes_total.saturating_sub(st.bytes_done)) as f64 / (gained / secs));
+        (st.bytes_done, eta)
+    }
+}
+
+fn rfc3339(ms: i64) -> String {
+    let t = UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64);
+    humantime::format_rfc3339_seconds(t).to_string()
+}
+
+fn staging_root(root: &Path) -> PathBuf {
+    root.join(".ferry").join("staging")
+}
+
+async fn catalog_writer(catalog: Catalog, mut rx: mpsc::Receiver<CatalogOp>) {
+    let mut batch = Vec::new();
+    let mut waiters = Vec::new();
+    while let Some(op) = rx.recv().await {
+        let mut push = |op| match op {
+            CatalogOp::Chunk(r, i, h, b) => batch.push((r, i, h, b)),
+            CatalogOp::Flush(w) => waiters.push(w),
+        };
+        push(op);
+        while batch.len() < 4096 {
+            match rx.try_recv() {
+                Ok(op) => push(op),
+                Err(_) => break,
+            }
+        }
+        if !batch.is_empty() {
+            if let Err(e) = catalog.add_chunks(&batch).await {
+                // The chunks stay in staging; they are fetched again after a
+                // restart because the catalog does not list them.
+                warn!(error = %e, chunks = batch.len(), "could not record verified chunks");
+            }
+            batch.clear();
+        }
+        for w in waiters.drain(..) {
+            let _ = w.send(());
+        }
+    }
+}
+
+async fn flush(inner: &Inner) {
+    let (tx, rx) = oneshot::channel();
+    if inner.chunks.send(CatalogOp::Flush(tx)).await.is_ok() {
+        let _ = rx.await;
+    }
+}
+
+async fn handle_connection(inner: Arc<Inner>, incoming: quinn::Incoming) {
+    let remote = incoming.remote_address();
+    let conn = match incoming.await {
+        Ok(c) => c,
+        Err(e) => {
+            warn!(%remote, "refused connection: {}", tls::explain_handshake_error(&e));
+            return;
+        }
+    };
+    let peer = tls::peer_agent_name(&conn).unwrap_or_default();
+    if !inner.cfg.accept_peers.is_empty() && !inner.cfg.accept_peers.contains(&peer) {
+        warn!(%remote, peer, "refused peer: its certificate name is not in [sink] accept_peers");
+        conn.close(VarInt::from_u32(code::NOT_ACCEPTED), b"agent name not accepted by this sink");
+        return;
+    }
+    info!(%remote, peer, "source connected");
+    if let Err(e) = serve_connection(&inner, &conn, &peer).await {
+        warn!(peer, error = %e, "connection ended");
+        conn.close(VarInt::from_u32(code::PROTOCOL), e.to_string().as_bytes());
+    }
+}
+
+async fn serve_connection(inner: &Arc<Inner>, conn: &Connection, peer: &str) -> Result<(), ConnError> {
+    let (send, mut recv) = tokio::select! {
+        r = conn.accept_bi() => r?,
+        _ = inner.shutdown.cancelled() => return Ok(()),
+    };
+    let ctl = Arc::new(ControlSender::new(send));
+    let hello = match read_frame(&mut recv).await? {
+        Some(Control::Hello(h)) => h,
+        Some(m) => return Err(ConnError::Unexpected(format!("expected hello, got {}", m.name()))),
+        None => return Ok(()),
+    };
+    if hello.version != PROTOCOL_VERSION {
+        let message = format!(
+            "incompatible protocol version: peer speaks {}, this sink speaks {PROTOCOL_VERSION}",
+            hello.version
+        );
+        let _ = ctl.send(&Control::Error { message: message.clone() }).await;
+        return Err(ConnError::Peer(message));
+    }
+    if let Err(e) = check_name(&hello.site) {
+        return Err(ConnError::Unexpected(format!("bad site name: {e}")));
+    }
+    ctl.send(&Control::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        agent: inner.cfg.agent.clone(),
+        site: inner.cfg.site.clone(),
+    }))
+    .await?;
+
+    // Transfers opened on this connection, by source transfer id.
+    let open: Arc<Mutex<HashMap<u64, Arc<Live>>>> = Arc::default();
+    let streams = {
+        let (inner, conn, open, ctl) = (inner.clone(), conn.clone(), open.clone(), ctl.clone());
+        tokio::spawn(async move {
+            while let Ok(s) = conn.accept_uni().await {
+                let (inner, open, ctl, conn) = (inner.clone(), open.clone(), ctl.clone(), conn.clone());
+                inner.clone().tasks.spawn(async move {
+                    if let Err(e) = receive_batch(&inner, &open, &ctl, s).await {
+                        warn!(error = %e, "data stream failed; closing the connection");
+                        conn.close(VarInt::from_u32(code::PROTOCOL), e.to_string().as_bytes());
+                    }
+                });
+            }
+        })
+    };
+    let result = async {
+        loop {
+            let msg = tokio::select! {
+                m = read_frame(&mut recv) => m?,
+                _ = inner.shutdown.cancelled() => {
+                    conn.close(VarInt::from_u32(code::SHUTDOWN), b"sink shutting down");
+                    return Ok(());
+                }
+            };
+            let Some(msg) = msg else { return Ok(()) };
+            debug!(msg = msg.name(), "control");
+            match msg {
+                Control::Open {
+                    key,
+                    chunk_size,
+                    bytes_total,
+                    files,
+                } => {
+                    let id = key.id;
+                    match open_transfer(inner, peer, &hello.site, key, chunk_size, bytes_total, files).await {
+                        Ok((live, have)) => {
+                            if let Ok(mut m) = open.lock() {
+                                m.insert(id, live);
+                            }
+                            ctl.send(&Control::Have { id, chunks: have }).await?;
+                        }
+                        Err(e) => {
+                            warn!(transfer = id, peer, "refused transfer: {e}");
+                            ctl.send(&Control::Refuse { id, reason: e.to_string() }).await?;
+                        }
+                    }
+                }
+                Control::Commit { id, batches, manifest } => {
+                    let live = open.lock().ok().and_then(|m| m.get(&id).cloned());
+                    let Some(live) = live else {
+                        return Err(ConnError::Unexpected(format!("commit for unknown transfer {id}")));
+                    };
+                    if let Ok(mut st) = live.st.lock() {
+                        st.commit = Some((manifest, batches));
+                    }
+                    maybe_finish(inner, &live, &ctl, id).await?;
+                }
+                Control::Cancel { id, reason } => {
+                    let live = open.lock().ok().and_then(|mut m| m.remove(&id));
+                    if let Some(live) = live {
+                        info!(transfer = id, reason, "transfer cancelled by source");
+                        cancel_live(inner, &live, state::CANCELLED, &reason).await;
+                    }
+                }
+                Control::Error { message } => return Err(ConnError::Peer(message)),
+                other => {
+                    return Err(ConnError::Unexpected(format!("unexpected {} from a source", other.name())))
+                }
+            }
+        }
+    }
+    .await;
+    streams.abort();
+    result
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn open_transfer(
+    inner: &Arc<Inner>,
+    peer: &str,
+    site: &str,
+    key: TransferKey,
+    chunk_size: u32,
+    bytes_total: u64,
+    files: Vec<FileInfo>,
+) -> Result<(Arc<Live>, Vec<u64>), TransferError> {
+    let refuse = |s: String| TransferError::Refused(s);
+    validate_files(&files, chunk_size).map_err(|e| refuse(e.to_string()))?;
+    check_name(&key.job).map_err(|e| refuse(format!("job name: {e}")))?;
+    crate::paths::check_relative(&key.rel).map_err(|e| refuse(format!("relative path: {e}")))?;
+    let sum: u64 = files.iter().map(|f| f.size).sum();
+    if sum != bytes_total {
+        return Err(refuse(format!("bytes_total {bytes_total} != sum of file sizes {sum}")));
+    }
+    let root = &inner.cfg.root;
+    let local_path = root.join(site).join(&key.job).join(&key.rel);
+    let id_i64 = key.id as i64;
+    let existing = inner.catalog.find_replica(peer, id_i64, &key.source_path).await?;
+    let mut published_root = None;
+    let (row, mut have) = match existing {
+        Some(r) if r.state == state::RECEIVING || r.state == state::PUBLISHED => {
+            let old_files = inner.catalog.replica_files(r.id).await?;
+            let chunks = if r.state == state::PUBLISHED {
+                // Already published (the source missed our answer): every
+                // chunk is here; the commit is answered from the catalog.
+                let bytes = inner.catalog.replica_manifest(r.id).await?.unwrap_or_default();
+                let m = Manifest::decode(&bytes).map_err(|e| CatalogError::Corrupt(e.to_string()))?;
+                published_root = Some(m.root());
+                m.files.iter().flat_map(|f| f.chunks.iter().copied()).enumerate().map(|(g, h)| (g as u64, h)).collect()
+            } else if old_files == files && r.chunk_size == i64::from(chunk_size) {
+                inner.catalog.chunks(r.id).await?
+            } else {
+                // The files changed at the source since the first attempt:
+                // start over for this transfer.
+                inner.catalog.drop_chunks(r.id, &inner.catalog.chunks(r.id).await?.iter().map(|c| c.0).collect::<Vec<_>>(), 0).await?;
+                inner.catalog.set_replica_files(r.id, &files, bytes_total).await?;
+                Vec::new()
+            };
+            (r, chunks)
+        }
+        Some(r) => return Err(refuse(format!("transfer {} was already {} at this sink", key.id, r.state))),
+        None => {
+            let staging = staging_root(root).join(format!("{}-{}", sanitize(peer), key.id));
+            let id = inner
+                .catalog
+                .insert_replica(&NewReplica {
+                    peer,
+                    source_site: site,
+                    source_transfer: id_i64,
+                    job: &key.job,
+                    source_path: &key.source_path,
+                    rel: &key.rel,
+                    chunk_size,
+                    files: &files,
+                    bytes_total,
+                    staging_path: &staging.to_string_lossy(),
+                    local_path: &local_path.to_string_lossy(),
+                })
+                .await?;
+            let row = inner.catalog.replica(id).await?.ok_or_else(|| refuse("catalog row vanished".into()))?;
+            (row, Vec::new())
+        }
+    };
+    let map = ChunkMap::new(&files, chunk_size);
+    let mut verified = HashMap::with_capacity(have.len());
+    let mut done = 0u64;
+    for (g, h) in have.drain(..) {
+        if let Some((f, c)) = map.locate(g) {
+            done += map.span(f, c).1;
+            verified.insert(g, h);
+        }
+    }
+    let needed = bytes_total.saturating_sub(done);
+    if row.state != state::PUBLISHED {
+        let avail = free_bytes(root)?;
+        if avail < needed.saturating_add(inner.cfg.reserve_bytes) {
+            let msg = format!(
+                "not enough space at the sink: {} has {} bytes free (keeping {} in reserve), the checkpoint needs {} more bytes",
+                root.display(),
+                avail,
+                inner.cfg.reserve_bytes,
+                needed
+            );
+            inner.catalog.set_replica_state(row.id, state::FAILED, Some(&msg)).await?;
+            return Err(refuse(msg));
+        }
+    }
+    let staging = PathBuf::from(&row.staging_path);
+    if published_root.is_none() {
+        std::fs::create_dir_all(&staging)?;
+    }
+    let have_list: Vec<u64> = verified.keys().copied().collect();
+    let live = Arc::new(Live {
+        id: row.id,
+        files,
+        map,
+        chunk_size,
+        published_root,
+        staging,
+        local_path: if published_root.is_some() { PathBuf::from(&row.local_path) } else { local_path },
+        bytes_total,
+        started: Instant::now(),
+        st: Mutex::new(LiveState {
+            verified,
+            bytes_done: done,
+            bytes_at_open: done,
+            ..LiveState::default()
+        }),
+    });
+    if let Ok(mut m) = inner.live.lock() {
+        m.insert(row.id, live.clone());
+    }
+    info!(transfer = key.id, peer, path = %key.source_path, bytes_total, resumed_bytes = done, "transfer opened");
+    Ok((live, have_list))
+}
+
+fn sanitize(s: &str) -> String {
+    s.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' }).collect()
+}
+
+fn free_bytes(path: &Path) -> io::Result<u64> {
+    let s = nix::sys::statvfs::statvfs(path).map_err(io::Error::from)?;
+    Ok(s.blocks_available() as u64 * s.fragment_size() as u64)
+}
+
+/// Largest group of records hashed and written in one blocking task, in
+/// bytes.
+const GROUP_BYTES: usize = 8 << 20;
+
+async fn receive_batch(
+    inner: &Arc<Inner>,
+    open: &Mutex<HashMap<u64, Arc<Live>>>,
+    ctl: &ControlSender,
+    mut s: RecvStream,
+) -> Result<(), ConnError> {
+    let mut hb = [0u8; BATCH_HEADER_LEN];
+    s.read_exact(&mut hb).await?;
+    let header = BatchHeader::decode(&hb)?;
+    let live = open.lock().ok().and_then(|m| m.get(&header.transfer).cloned());
+    let Some(live) = live else {
+        let _ = s.stop(VarInt::from_u32(code::UNKNOWN_TRANSFER));
+        return Ok(());
+    };
+    let mut ended = false;
+    while !ended {
+        let mut group: Vec<(RecordHeader, Vec<u8>)> = Vec::new();
+        let mut bytes = 0usize;
+        while bytes < GROUP_BYTES && group.len() < 1024 {
+            let mut rb = [0u8; RECORD_HEADER_LEN];
+            match s.read_exact(&mut rb).await {
+                Ok(()) => {}
+                Err(quinn::ReadExactError::FinishedEarly(0)) => {
+                    ended = true;
+                    break;
+                }
+                Err(e) => return Err(e.into()),
+            }
+            let h = RecordHeader::decode(&rb)?;
+            let expected = live.map.index(h.file, h.chunk).map(|_| live.map.span(h.file, h.chunk).1);
+            if expected != Some(u64::from(h.len)) {
+                return Err(ConnError::Unexpected(format!(
+                    "{h:?} does not match the transfer's file list (expected length {expected:?})"
+                )));
+            }
+            let mut buf = vec![0u8; h.len as usize];
+            s.read_exact(&mut buf).await?;
+            bytes += buf.len();
+            group.push((h, buf));
+        }
+        if group.is_empty() {
+            continue;
+        }
+        let l2 = live.clone();
+        let res = tokio::task::spawn_blocking(move || write_group(&l2, group))
+            .await
+            .map_err(|e| io::Error::other(e.to_string()));
+        let (good, bad) = match res.and_then(|r| r) {
+            Ok(r) => r,
+            Err(e) => {
+                let reason = format!("writing staging data under {}: {e}", live.staging.display());
+                warn!(transfer = header.transfer, "{reason}");
+                cancel_live(inner, &live, state::FAILED, &reason).await;
+                ctl.send(&Control::Cancel { id: header.transfer, reason }).await?;
+                return Ok(());
+            }
+        };
+        if let Ok(mut st) = live.st.lock() {
+            for (g, h, len) in &good {
+                if st.verified.insert(*g, *h).is_none() {
+                    st.bytes_done += len;
+                }
+            }
+        }
+        for (g, h, len) in good {
+            let _ = inner.chunks.send(CatalogOp::Chunk(live.id, g, h, len)).await;
+        }
+        inner.changed.send_modify(|v| *v += 1);
+        if !bad.is_empty() {
+            warn!(transfer = header.transfer, chunks = bad.len(), "chunks failed BLAKE3 verification; asking again");
+            ctl.send(&Control::Need { id: header.transfer, chunks: bad }).await?;
+        }
+    }
+    if let Ok(mut st) = live.st.lock() {
+        st.batches_done += 1;
+    }
+    maybe_finish(inner, &live, ctl, header.transfer).await
+}
+
+type GroupResult = (Vec<(u64, Hash, u64)>, Vec<u64>);
+
+/// Hashes each record, writes the good ones into staging and returns
+/// `(verified (index, hash, bytes), failed indices)`.
+fn write_group(live: &Live, group: Vec<(RecordHeader, Vec<u8>)>) -> io::Result<GroupResult> {
+    let mut good = Vec::with_capacity(group.len());
+    let mut bad = Vec::new();
+    let mut current: Option<(u32, std::fs::File)> = None;
+    for (h, buf) in group {
+        let Some(g) = live.map.index(h.file, h.chunk) else { continue };
+        let hash = *blake3::hash(&buf).as_bytes();
+        if hash != h.hash {
+            bad.push(g);
+            continue;
+        }
+        if current.as_ref().map(|c| c.0) != Some(h.file) {
+            let rel = &live.files[h.file as usize].path;
+            current = Some((h.file, open_staging(&live.staging, rel)?));
+        }
+        if let Some((_, f)) = &current {
+            f.write_all_at(&buf, live.map.span(h.file, h.chunk).0)?;
+        }
+        good.push((g, hash, buf.len() as u64));
+    }
+    Ok((good, bad))
+}
+
+/// Opens (creating) a staging file without following a symlink at its
+/// name; parents are created as plain directories.
+fn open_staging(staging: &Path, rel: &str) -> io::Result<std::fs::File> {
+    let p = staging.join(rel);
+    let open = || {
+        OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(&p)
+    };
+    match open() {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            if let Some(parent) = p.parent() {
+                std::fs::create_dir_all(parent)?;
+            }
+            open()
+        }
+        r => r,
+    }
+}
+
+async fn cancel_live(inner: &Arc<Inner>, live: &Arc<Live>, new_state: &str, reason: &str) {
+    if let Ok(mut st) = live.st.lock() {
+        st.failed = true;
+    }
+    if let Ok(mut m) = inner.live.lock() {
+        m.remove(&live.id);
+    }
+    if let Err(e) = inner.catalog.set_replica_state(live.id, new_state, Some(reason)).await {
+        warn!(error = %e, "could not record transfer state");
+    }
+    let staging = live.staging.clone();
+    let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(staging)).await;
+    inner.changed.send_modify(|v| *v += 1);
+}
+
+/// After a commit and all its batches: publish if every chunk matches the
+/// sealed manifest, else ask for what is missing or wrong.
+async fn maybe_finish(inner: &Arc<Inner>, live: &Arc<Live>, ctl: &ControlSender, id: u64) -> Result<(), ConnError> {
+    enum Next {
+        Wait,
+        Need(Vec<u64>, u64),
+        Mismatch(String),
+        Publish(Manifest),
+    }
+    let next = {
+        let Ok(mut st) = live.st.lock() else { return Ok(()) };
+        match &st.commit {
+            Some((_, batches)) if st.batches_done >= *batches && !st.publishing && !st.failed => {}
+            _ => return Ok(()),
+        }
+        let Some((manifest, _)) = st.commit.take() else { return Ok(()) };
+        let infos = manifest.infos();
+        let same = infos.len() == live.files.len()
+            && infos.iter().zip(&live.files).all(|(a, b)| a.path == b.path && a.size == b.size)
+            && manifest.chunk_size == live.chunk_size;
+        if !same {
+            Next::Mismatch("sealed manifest does not match the file list the transfer was opened with".into())
+        } else {
+            let mut need = Vec::new();
+            let mut g = 0u64;
+            for f in &manifest.files {
+                for h in &f.chunks {
+                    if st.verified.get(&g) != Some(h) {
+                        need.push(g);
+                    }
+                    g += 1;
+                }
+            }
+            if need.is_empty() {
+                st.publishing = true;
+                Next::Publish(manifest)
+            } else {
+                // Drop wrong hashes so that the re-sent chunk is counted.
+                let mut dropped = 0;
+                for n in &need {
+                    if st.verified.remove(n).is_some() {
+                        if let Some((f, c)) = live.map.locate(*n) {
+                            dropped += live.map.span(f, c).1;
+                        }
+                    }
+                }
+                st.bytes_done -= dropped.min(st.bytes_done);
+                Next::Need(need, st.bytes_done)
+            }
+        }
+    };
+    match next {
+        Next::Wait => Ok(()),
+        Next::Mismatch(reason) => {
+            cancel_live(inner, live, state::FAILED, &reason).await;
+            ctl.send(&Control::Cancel { id, reason }).await
+        }
+        Next::Need(need, done) => {
+            flush(inner).await;
+            let _ = inner.catalog.drop_chunks(live.id, &need, done).await;
+            info!(transfer = id, chunks = need.len(), "chunks missing or wrong at commit; asking again");
+            ctl.send(&Control::Need { id, chunks: need }).await
+        }
+        Next::Publish(manifest) if live.published_root == Some(manifest.root()) => {
+            ctl.send(&Control::Published {
+                id,
+                local_path: live.local_path.to_string_lossy().into_owned(),
+                root: manifest.root(),
+            })
+            .await
+        }
+        Next::Publish(manifest) => {
+            flush(inner).await;
+            let root_hex = hex(&manifest.root());
+            let (l2, m2) = (live.clone(), manifest.clone());
+            let res = tokio::task::spawn_blocking(move || publish(&l2, &m2))
+                .await
+                .map_err(|e| io::Error::other(e.to_string()))
+                .and_then(|r| r);
+            if let Err(e) = res {
+                let reason = format!("publishing {}: {e}", live.local_path.display());
+                warn!(transfer = id, "{reason}");
+                cancel_live(inner, live, state::FAILED, &reason).await;
+                return ctl.send(&Control::Cancel { id, reason }).await;
+            }
+            let local = live.local_path.to_string_lossy().into_owned();
+            if let Err(e) = inner
+                .catalog
+                .set_replica_published(live.id, &manifest.encode(), &root_hex, &local)
+                .await
+            {
+                warn!(error = %e, "replica published on disk but the catalog could not record it");
+            }
+            if let Ok(mut m) = inner.live.lock() {
+                m.remove(&live.id);
+            }
+            inner.changed.send_modify(|v| *v += 1);
+            info!(transfer = id, path = %local, root = %root_hex, "replica published");
+            ctl.send(&Control::Published {
+                id,
+                local_path: local,
+                root: manifest.root(),
+            })
+            .await
+        }
+    }
+}
+
+/// Moves a verified staging directory into place: modes and mtimes set,
+/// data synced, the directory renamed (or atomically exchanged with an
+/// older version, which is then removed), and the commit markers moved in
+/// last, in the manifest's order.
+fn publish(live: &Live, m: &Manifest) -> io::Result<()> {
+    let staging = &live.staging;
+    if live.local_path.exists() && !live.local_path.is_dir() {
+        return Err(io::Error::other(format!("{} exists and is not a directory", live.local_path.display())));
+    }
+    for f in &m.files {
+        let p = staging.join(&f.path);
+        let file = open_staging(staging, &f.path)?;
+        let len = file.metadata()?.len();
+        if len != f.size {
+            file.set_len(f.size)?;
+            if len > f.size || f.size > 0 && len == 0 {
+                return Err(io::Error::other(format!("{} has {len} bytes, expected {}", p.display(), f.size)));
+            }
+        }
+        file.set_permissions(std::fs::Permissions::from_mode(f.mode & 0o7777))?;
+        let mtime = if f.mtime_ns >= 0 {
+            UNIX_EPOCH + Duration::from_nanos(f.mtime_ns as u64)
+        } else {
+            UNIX_EPOCH
+        };
+        file.set_modified(mtime)?;
+    }
+    let dir = std::fs::File::open(staging)?;
+    {
+        use std::os::fd::AsRawFd;
+        nix::unistd::syncfs(dir.as_raw_fd()).map_err(io::Error::from)?;
+    }
+    let held = staging.with_extension("markers");
+    std::fs::create_dir_all(&held)?;
+    for (i, mi) in m.markers.iter().enumerate() {
+        let f = &m.files[*mi as usize];
+        std::fs::rename(staging.join(&f.path), held.join(i.to_string()))?;
+    }
+    if let Some(parent) = live.local_path.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    if live.local_path.exists() {
+        nix::fcntl::renameat2(
+            None,
+            staging.as_path(),
+            None,
+            live.local_path.as_path(),
+            nix::fcntl::RenameFlags::RENAME_EXCHANGE,
+        )
+        .map_err(io::Error::from)?;
+    } else {
+        std::fs::rename(staging, &live.local_path)?;
+    }
+    for (i, mi) in m.markers.iter().enumerate() {
+        let f = &m.files[*mi as usize];
+        std::fs::rename(held.join(i.to_string()), live.local_path.join(&f.path))?;
+    }
+    std::fs::File::open(&live.local_path)?.sync_all()?;
+    let _ = std::fs::remove_dir(&held);
+    // After an exchange the previous version sits at the staging path.
+    if staging.exists() {
+        std::fs::remove_dir_all(staging)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dates_format_as_rfc3339() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(951_782_400_000 + 86_399_000), "2000-02-29T23:59:59Z");
+    }
+
+    #[test]
+    fn staging_files_refuse_symlinks() {
+        let d = tempfile::tempdir().expect("tempdir");
+        std::os::unix::fs::symlink("/etc/passwd", d.path().join("evil")).expect("symlink");
+        assert!(open_staging(d.path(), "evil").is_err());
+        assert!(open_staging(d.path(), "a/b/c").is_ok());
+    }
+}
