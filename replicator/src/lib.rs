@@ -5,6 +5,10 @@
 
 pub mod catalog;
 pub mod cc;
+pub mod conn;
 pub mod manifest;
 pub mod paths;
+pub mod sink;
+pub mod tls;
+pub mod transport;
 pub mod wire;
