@@ -9,6 +9,7 @@ pub mod conn;
 pub mod manifest;
 pub mod paths;
 pub mod sink;
+pub mod source;
 pub mod tls;
 pub mod transport;
 pub mod wire;

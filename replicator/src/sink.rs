@@ -285,15 +285,14 @@ async fn catalog_writer(catalog: Catalog, mut rx: mpsc::Receiver<CatalogOp>) {
     let mut batch = Vec::new();
     let mut waiters = Vec::new();
     while let Some(op) = rx.recv().await {
-        let mut push = |op| match op {
-            CatalogOp::Chunk(r, i, h, b) => batch.push((r, i, h, b)),
-            CatalogOp::Flush(w) => waiters.push(w),
-        };
-        push(op);
-        while batch.len() < 4096 {
-            match rx.try_recv() {
-                Ok(op) => push(op),
-                Err(_) => break,
+        let mut next = Some(op);
+        while let Some(op) = next.take() {
+            match op {
+                CatalogOp::Chunk(r, i, h, b) => batch.push((r, i, h, b)),
+                CatalogOp::Flush(w) => waiters.push(w),
+            }
+            if batch.len() < 4096 {
+                next = rx.try_recv().ok();
             }
         }
         if !batch.is_empty() {
@@ -727,7 +726,6 @@ async fn cancel_live(inner: &Arc<Inner>, live: &Arc<Live>, new_state: &str, reas
 /// sealed manifest, else ask for what is missing or wrong.
 async fn maybe_finish(inner: &Arc<Inner>, live: &Arc<Live>, ctl: &ControlSender, id: u64) -> Result<(), ConnError> {
     enum Next {
-        Wait,
         Need(Vec<u64>, u64),
         Mismatch(String),
         Publish(Manifest),
@@ -775,7 +773,6 @@ async fn maybe_finish(inner: &Arc<Inner>, live: &Arc<Live>, ctl: &ControlSender,
         }
     };
     match next {
-        Next::Wait => Ok(()),
         Next::Mismatch(reason) => {
             cancel_live(inner, live, state::FAILED, &reason).await;
             ctl.send(&Control::Cancel { id, reason }).await

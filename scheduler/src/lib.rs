@@ -1,1 +1,122 @@
-//! Ferry's scheduler: pure logic, no I/O, clock passed in.
+//! Ferry's scheduler: pure logic, no sockets, files, SQL or tokio; time is
+//! passed in. This first version orders transfers by class, then first
+//! come first served; scores, shares and pre-emption build on it.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// The scheduler's coarse tiers, strictly ordered: `Urgent` before
+/// `Scheduled` before `Background` (DESIGN.md, "Classes and score").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Class {
+    /// An eval is waiting (e.g. after a loss spike).
+    Urgent,
+    /// Regular checkpoint replication.
+    Scheduled,
+    /// Datasets, logs, archives.
+    Background,
+}
+
+impl Class {
+    /// The class's name as used in config, API and catalog.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Class::Urgent => "urgent",
+            Class::Scheduled => "scheduled",
+            Class::Background => "background",
+        }
+    }
+}
+
+impl fmt::Display for Class {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A class name that is not `urgent`, `scheduled` or `background`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownClass(pub String);
+
+impl fmt::Display for UnknownClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "unknown class {:?} (expected urgent, scheduled or background)",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for UnknownClass {}
+
+impl FromStr for Class {
+    type Err = UnknownClass;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "urgent" => Ok(Class::Urgent),
+            "scheduled" => Ok(Class::Scheduled),
+            "background" => Ok(Class::Background),
+            other => Err(UnknownClass(other.to_string())),
+        }
+    }
+}
+
+/// A transfer waiting for its link.
+#[derive(Debug, Clone)]
+pub struct Candidate<T> {
+    /// Its class.
+    pub class: Class,
+    /// When it was queued, milliseconds since the Unix epoch.
+    pub created_ms: i64,
+    /// Its id; breaks ties between equal creation times.
+    pub id: i64,
+    /// The caller's payload, returned when chosen.
+    pub item: T,
+}
+
+/// Picks the transfer to run next: the highest class, and within a class
+/// the oldest (first come, first served).
+pub fn next<T>(candidates: Vec<Candidate<T>>) -> Option<T> {
+    candidates
+        .into_iter()
+        .min_by_key(|c| (c.class, c.created_ms, c.id))
+        .map(|c| c.item)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn c(class: Class, created_ms: i64, id: i64) -> Candidate<i64> {
+        Candidate {
+            class,
+            created_ms,
+            id,
+            item: id,
+        }
+    }
+
+    #[test]
+    fn higher_class_goes_first_then_oldest() {
+        let q = vec![
+            c(Class::Background, 1, 1),
+            c(Class::Scheduled, 5, 2),
+            c(Class::Scheduled, 3, 3),
+            c(Class::Urgent, 9, 4),
+        ];
+        assert_eq!(next(q.clone()), Some(4));
+        assert_eq!(next(q[..3].to_vec()), Some(3));
+        assert_eq!(next(vec![c(Class::Scheduled, 3, 7), c(Class::Scheduled, 3, 6)]), Some(6));
+        assert_eq!(next::<i64>(vec![]), None);
+    }
+
+    #[test]
+    fn class_names_roundtrip_and_bad_names_are_named() {
+        for k in [Class::Urgent, Class::Scheduled, Class::Background] {
+            assert_eq!(k.as_str().parse::<Class>(), Ok(k));
+        }
+        let e = "soon".parse::<Class>().unwrap_err();
+        assert!(e.to_string().contains("\"soon\""));
+    }
+}

@@ -1,0 +1,881 @@
+//! The sending side: one QUIC connection per link, transfers taken from the
+//! catalog in the scheduler's order, each checkpoint read once (hashing
+//! and sending in one pass), chunks packed back to back into large batches
+//! on several unidirectional streams, then the sealed manifest sent as the
+//! commit. Chunks the sink already has are skipped; chunks it asks for
+//! again are re-read and re-sent.
+
+use std::collections::{HashMap, HashSet};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use quinn::{Connection, Endpoint, SendStream, VarInt};
+use serde::Serialize;
+use tokio::sync::{mpsc, Notify};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, info, warn};
+
+use crate::catalog::{state, Catalog, CatalogError, Transfer};
+use crate::cc::Share;
+use crate::conn::{code, read_frame, ConnError, ControlSender};
+use crate::manifest::{self, hex, ChunkMap, FileEntry, Hash, Manifest, ScanOptions};
+use crate::tls;
+use crate::transport::{transport_config, Tuning};
+use crate::wire::{BatchHeader, Control, FileInfo, Hello, RecordHeader, TransferKey, PROTOCOL_VERSION};
+
+/// A link as the source sees it.
+#[derive(Debug, Clone)]
+pub struct LinkConfig {
+    /// Link name.
+    pub name: String,
+    /// UDP address to dial (the sink, or a link emulator in front of it).
+    pub peer_addr: std::net::SocketAddr,
+    /// Agent name the sink's certificate must carry.
+    pub peer_name: String,
+    /// Ferry's share of the WAN, bit/s.
+    pub rate_bps: u64,
+    /// Expected base RTT.
+    pub rtt: Duration,
+}
+
+/// A directory tree whose checkpoints belong to one job and go over one
+/// link.
+#[derive(Debug, Clone)]
+pub struct RootConfig {
+    /// Absolute path.
+    pub path: PathBuf,
+    /// Job name.
+    pub job: String,
+    /// Link name.
+    pub link: String,
+}
+
+/// Source settings.
+#[derive(Debug, Clone)]
+pub struct SourceConfig {
+    /// This agent's name.
+    pub agent: String,
+    /// This agent's site.
+    pub site: String,
+    /// Chunk size in bytes.
+    pub chunk_size: u32,
+    /// Commit marker file names (generic rule); published last.
+    pub markers: Vec<String>,
+    /// Source roots.
+    pub roots: Vec<RootConfig>,
+    /// Links.
+    pub links: Vec<LinkConfig>,
+    /// Data streams in flight per transfer.
+    pub streams: usize,
+    /// Target batch size in bytes (a stream is finished after this many
+    /// payload bytes).
+    pub batch_bytes: u64,
+    /// How often source roots are scanned for directories holding a
+    /// commit marker; `None` disables the scan.
+    pub scan_interval: Option<Duration>,
+}
+
+/// Live progress of one transfer.
+#[derive(Debug, Default, Serialize, Clone, Copy)]
+pub struct Progress {
+    /// Bytes in the checkpoint.
+    pub bytes_total: u64,
+    /// Payload bytes written to QUIC streams (resends included).
+    pub bytes_sent: u64,
+    /// Bytes the sink already had when the transfer (re)started.
+    pub bytes_skipped: u64,
+}
+
+#[derive(Default)]
+struct LiveProgress {
+    total: AtomicU64,
+    sent: AtomicU64,
+    skipped: AtomicU64,
+}
+
+/// Why a transfer could not be submitted.
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    /// The path is not usable.
+    #[error("{0}")]
+    BadPath(String),
+    /// No such link.
+    #[error("unknown link {0:?}")]
+    UnknownLink(String),
+    /// Catalog failure.
+    #[error(transparent)]
+    Catalog(#[from] CatalogError),
+}
+
+struct LinkState {
+    cfg: LinkConfig,
+    client: quinn::ClientConfig,
+    wake: Notify,
+    share: Share,
+}
+
+struct Inner {
+    cfg: SourceConfig,
+    catalog: Catalog,
+    endpoint: Endpoint,
+    links: HashMap<String, Arc<LinkState>>,
+    progress: Mutex<HashMap<i64, Arc<LiveProgress>>>,
+    shutdown: CancellationToken,
+    tasks: TaskTracker,
+    /// Test hook: flip one byte in this many chunks after hashing them
+    /// (`FERRY_FAULT_CORRUPT_CHUNKS`), to prove the sink catches it.
+    corrupt: AtomicU64,
+}
+
+/// A running source; cheap to clone.
+#[derive(Clone)]
+pub struct Source {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Source").field("agent", &self.inner.cfg.agent).finish()
+    }
+}
+
+enum RunError {
+    /// Connection-level trouble: reconnect and resume.
+    Retry(String),
+    /// The transfer cannot succeed.
+    Fatal(String),
+    /// The agent is stopping.
+    Shutdown,
+}
+
+impl From<ConnError> for RunError {
+    fn from(e: ConnError) -> Self {
+        RunError::Retry(e.to_string())
+    }
+}
+impl From<CatalogError> for RunError {
+    fn from(e: CatalogError) -> Self {
+        RunError::Retry(format!("catalog: {e}"))
+    }
+}
+
+impl Source {
+    /// Starts one worker per link on `endpoint` (a client endpoint); work
+    /// left unfinished in the catalog resumes.
+    ///
+    /// # Errors
+    /// TLS configuration errors.
+    pub fn start(
+        cfg: SourceConfig,
+        catalog: Catalog,
+        endpoint: Endpoint,
+        identity: &tls::AgentIdentity,
+    ) -> Result<Source, tls::TlsError> {
+        let crypto = tls::client_crypto(identity)?;
+        let mut links = HashMap::new();
+        for l in &cfg.links {
+            let share = Share::new(l.rate_bps);
+            let mut client = quinn::ClientConfig::new(crypto.clone());
+            let tuning = Tuning {
+                rate_bps: l.rate_bps,
+                rtt: l.rtt,
+            };
+            client.transport_config(Arc::new(transport_config(tuning, Some(share.clone()))));
+            links.insert(
+                l.name.clone(),
+                Arc::new(LinkState {
+                    cfg: l.clone(),
+                    client,
+                    wake: Notify::new(),
+                    share,
+                }),
+            );
+        }
+        let corrupt = std::env::var("FERRY_FAULT_CORRUPT_CHUNKS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        let inner = Arc::new(Inner {
+            cfg,
+            catalog,
+            endpoint,
+            links,
+            progress: Mutex::new(HashMap::new()),
+            shutdown: CancellationToken::new(),
+            tasks: TaskTracker::new(),
+            corrupt: AtomicU64::new(corrupt),
+        });
+        for link in inner.links.values() {
+            let (i, l) = (inner.clone(), link.clone());
+            inner.tasks.spawn(link_worker(i, l));
+        }
+        if let Some(every) = inner.cfg.scan_interval {
+            let i = inner.clone();
+            inner.tasks.spawn(marker_scanner(i, every));
+        }
+        Ok(Source { inner })
+    }
+
+    /// The catalog.
+    pub fn catalog(&self) -> &Catalog {
+        &self.inner.catalog
+    }
+
+    /// Live progress of a transfer that is running now.
+    pub fn progress(&self, id: i64) -> Option<Progress> {
+        let m = self.inner.progress.lock().ok()?;
+        let p = m.get(&id)?;
+        Some(Progress {
+            bytes_total: p.total.load(Ordering::Relaxed),
+            bytes_sent: p.sent.load(Ordering::Relaxed),
+            bytes_skipped: p.skipped.load(Ordering::Relaxed),
+        })
+    }
+
+    /// Changes a link's rate cap (bit/s) at run time; the congestion
+    /// controller of its connection follows on the next ack. Returns false
+    /// for an unknown link.
+    pub fn set_link_rate(&self, link: &str, rate_bps: u64) -> bool {
+        match self.inner.links.get(link) {
+            Some(l) => {
+                l.share.set_rate_bps(rate_bps);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Names of the configured links.
+    pub fn links(&self) -> Vec<String> {
+        self.inner.links.keys().cloned().collect()
+    }
+
+    /// Queues a replication of the directory `path`, which must lie under
+    /// a configured source root; `link` overrides the root's link.
+    ///
+    /// # Errors
+    /// [`SubmitError::BadPath`] if the path is missing, not a directory or
+    /// not under a source root; [`SubmitError::UnknownLink`]; catalog
+    /// errors.
+    pub async fn submit(&self, path: &Path, link: Option<&str>) -> Result<Transfer, SubmitError> {
+        submit(&self.inner, path, link).await
+    }
+
+    /// Stops: running batches end at the next chunk boundary, transfers
+    /// stay resumable in the catalog; waits at most `deadline`.
+    pub async fn shutdown(&self, deadline: Duration) {
+        self.inner.shutdown.cancel();
+        self.inner.tasks.close();
+        let _ = tokio::time::timeout(deadline, self.inner.tasks.wait()).await;
+        self.inner
+            .endpoint
+            .close(VarInt::from_u32(code::SHUTDOWN), b"source shutting down");
+    }
+}
+
+async fn submit(inner: &Arc<Inner>, path: &Path, link: Option<&str>) -> Result<Transfer, SubmitError> {
+    let bad = |s: String| SubmitError::BadPath(s);
+    let abs = std::fs::canonicalize(path).map_err(|e| bad(format!("{}: {e}", path.display())))?;
+    if !abs.is_dir() {
+        return Err(bad(format!("{} is not a directory", abs.display())));
+    }
+    let root = inner
+        .cfg
+        .roots
+        .iter()
+        .filter(|r| abs.starts_with(&r.path))
+        .max_by_key(|r| r.path.as_os_str().len())
+        .ok_or_else(|| {
+            bad(format!(
+                "{} is not under any configured source root ([[source.roots]] path)",
+                abs.display()
+            ))
+        })?;
+    let link = link.unwrap_or(&root.link);
+    let state = inner
+        .links
+        .get(link)
+        .ok_or_else(|| SubmitError::UnknownLink(link.to_string()))?;
+    let rel = match abs.strip_prefix(&root.path) {
+        Ok(r) if !r.as_os_str().is_empty() => r.to_string_lossy().into_owned(),
+        _ => abs
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| root.job.clone()),
+    };
+    let id = inner
+        .catalog
+        .insert_transfer(link, &root.job, &abs.to_string_lossy(), &rel, "scheduled")
+        .await?;
+    info!(transfer = id, path = %abs.display(), link, "transfer queued");
+    state.wake.notify_one();
+    inner
+        .catalog
+        .transfer(id)
+        .await?
+        .ok_or_else(|| SubmitError::Catalog(CatalogError::Corrupt("new transfer vanished".into())))
+}
+
+/// Generic marker rule: a directory under a source root holding one of the
+/// configured marker files is committed; queue it once.
+async fn marker_scanner(inner: Arc<Inner>, every: Duration) {
+    loop {
+        for root in inner.cfg.roots.clone() {
+            let markers = inner.cfg.markers.clone();
+            let found = tokio::task::spawn_blocking(move || committed_dirs(&root.path, &markers, 4))
+                .await
+                .unwrap_or_default();
+            for dir in found {
+                let p = dir.to_string_lossy().into_owned();
+                match inner.catalog.transfer_by_path(&p).await {
+                    Ok(None) => {
+                        if let Err(e) = submit(&inner, &dir, None).await {
+                            warn!(path = p, error = %e, "could not queue committed checkpoint");
+                        }
+                    }
+                    Ok(Some(_)) => {}
+                    Err(e) => warn!(error = %e, "catalog"),
+                }
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = inner.shutdown.cancelled() => return,
+        }
+    }
+}
+
+fn committed_dirs(root: &Path, markers: &[String], depth: usize) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir(root) else { return out };
+    for e in rd.flatten() {
+        if !e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+            continue;
+        }
+        let p = e.path();
+        if markers.iter().any(|m| p.join(m).is_file()) {
+            if let Ok(c) = std::fs::canonicalize(&p) {
+                out.push(c);
+            }
+        } else if depth > 1 {
+            out.extend(committed_dirs(&p, markers, depth - 1));
+        }
+    }
+    out
+}
+
+/// An established connection to a sink with its control stream.
+struct LinkConn {
+    conn: Connection,
+    ctl: Arc<ControlSender>,
+    inbox: Arc<Mutex<HashMap<u64, mpsc::UnboundedSender<Control>>>>,
+}
+
+async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
+    let l = &link.cfg;
+    let connecting = inner
+        .endpoint
+        .connect_with(link.client.clone(), l.peer_addr, &l.peer_name)
+        .map_err(|e| format!("connect to {} ({}): {e}", l.peer_name, l.peer_addr))?;
+    let conn = connecting.await.map_err(|e| {
+        format!(
+            "handshake with {} ({}): {}",
+            l.peer_name,
+            l.peer_addr,
+            tls::explain_handshake_error(&e)
+        )
+    })?;
+    let hello = async {
+        let (send, mut recv) = conn.open_bi().await?;
+        let ctl = Arc::new(ControlSender::new(send));
+        ctl.send(&Control::Hello(Hello {
+            version: PROTOCOL_VERSION,
+            agent: inner.cfg.agent.clone(),
+            site: inner.cfg.site.clone(),
+        }))
+        .await?;
+        match read_frame(&mut recv).await? {
+            Some(Control::Hello(h)) if h.version == PROTOCOL_VERSION => Ok((ctl, recv, h)),
+            Some(Control::Hello(h)) => Err(ConnError::Peer(format!(
+                "incompatible protocol version: sink speaks {}, this source speaks {PROTOCOL_VERSION}",
+                h.version
+            ))),
+            Some(Control::Error { message }) => Err(ConnError::Peer(message)),
+            Some(m) => Err(ConnError::Unexpected(format!("expected hello, got {}", m.name()))),
+            None => Err(ConnError::Peer("sink closed the control stream".into())),
+        }
+    };
+    let (ctl, mut recv, h) = match tokio::time::timeout(Duration::from_secs(15), hello).await {
+        Ok(Ok(x)) => x,
+        Ok(Err(e)) => {
+            // A refusal after the TLS handshake shows up as a close reason.
+            let why = conn.close_reason().map(|r| r.to_string()).unwrap_or_else(|| e.to_string());
+            return Err(format!("hello with {}: {why}", l.peer_name));
+        }
+        Err(_) => return Err(format!("hello with {}: no answer within 15 s", l.peer_name)),
+    };
+    info!(link = l.name, peer = h.agent, site = h.site, "connected to sink");
+    let inbox: Arc<Mutex<HashMap<u64, mpsc::UnboundedSender<Control>>>> = Arc::default();
+    let ib = inbox.clone();
+    let c2 = conn.clone();
+    tokio::spawn(async move {
+        loop {
+            match read_frame(&mut recv).await {
+                Ok(Some(msg)) => {
+                    let id = match &msg {
+                        Control::Have { id, .. }
+                        | Control::Need { id, .. }
+                        | Control::Refuse { id, .. }
+                        | Control::Published { id, .. }
+                        | Control::Cancel { id, .. } => *id,
+                        Control::Error { message } => {
+                            warn!(message, "sink reported an error");
+                            break;
+                        }
+                        other => {
+                            warn!(msg = other.name(), "unexpected message from sink");
+                            c2.close(VarInt::from_u32(code::PROTOCOL), b"unexpected message");
+                            break;
+                        }
+                    };
+                    let tx = ib.lock().ok().and_then(|m| m.get(&id).cloned());
+                    if let Some(tx) = tx {
+                        let _ = tx.send(msg);
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    debug!(error = %e, "control stream ended");
+                    break;
+                }
+            }
+        }
+        // Dropping the senders tells every transfer the connection is gone.
+        if let Ok(mut m) = ib.lock() {
+            m.clear();
+        }
+    });
+    Ok(LinkConn { conn, ctl, inbox })
+}
+
+async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
+    let mut conn: Option<LinkConn> = None;
+    let mut backoff = Duration::from_millis(250);
+    loop {
+        if inner.shutdown.is_cancelled() {
+            return;
+        }
+        let next = match inner.catalog.unfinished_transfers().await {
+            Ok(ts) => scheduler::next(
+                ts.into_iter()
+                    .filter(|t| t.link == link.cfg.name)
+                    .map(|t| scheduler::Candidate {
+                        class: t.class.parse().unwrap_or(scheduler::Class::Scheduled),
+                        created_ms: t.created_at,
+                        id: t.id,
+                        item: t,
+                    })
+                    .collect(),
+            ),
+            Err(e) => {
+                warn!(error = %e, "catalog");
+                None
+            }
+        };
+        let Some(t) = next else {
+            tokio::select! {
+                _ = link.wake.notified() => continue,
+                _ = inner.shutdown.cancelled() => return,
+                _ = tokio::time::sleep(Duration::from_secs(5)) => continue,
+            }
+        };
+        if conn.as_ref().is_none_or(|c| c.conn.close_reason().is_some()) {
+            match dial(&inner, &link).await {
+                Ok(c) => {
+                    conn = Some(c);
+                    backoff = Duration::from_millis(250);
+                }
+                Err(e) => {
+                    warn!(link = link.cfg.name, retry_in = ?backoff, "{e}");
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => {}
+                        _ = inner.shutdown.cancelled() => return,
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(10));
+                    continue;
+                }
+            }
+        }
+        let Some(c) = conn.as_ref() else { continue };
+        let id = t.id;
+        match run_transfer(&inner, &link, c, t).await {
+            Ok(()) => {}
+            Err(RunError::Shutdown) => return,
+            Err(RunError::Fatal(why)) => {
+                warn!(transfer = id, "transfer failed: {why}");
+                let _ = inner.catalog.set_transfer_state(id, state::FAILED, Some(&why)).await;
+            }
+            Err(RunError::Retry(why)) => {
+                warn!(transfer = id, retry_in = ?backoff, "transfer interrupted, will resume: {why}");
+                conn = None;
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = inner.shutdown.cancelled() => return,
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(10));
+            }
+        }
+        if let Ok(mut m) = inner.progress.lock() {
+            m.remove(&id);
+        }
+    }
+}
+
+/// A chunk ready to go: where it belongs and its bytes.
+struct Record {
+    header: RecordHeader,
+    data: Vec<u8>,
+}
+
+async fn run_transfer(inner: &Arc<Inner>, link: &LinkState, c: &LinkConn, t: Transfer) -> Result<(), RunError> {
+    let id = t.id as u64;
+    inner.catalog.set_transfer_state(t.id, state::ACTIVE, None).await?;
+    let dir = PathBuf::from(&t.source_path);
+    let opts = ScanOptions {
+        markers: inner.cfg.markers.clone(),
+    };
+    let d2 = dir.clone();
+    let scan = tokio::task::spawn_blocking(move || manifest::scan(&d2, &opts))
+        .await
+        .map_err(|e| RunError::Fatal(e.to_string()))?
+        .map_err(|e| RunError::Fatal(format!("listing the checkpoint: {e}")))?;
+    let bytes_total: u64 = scan.files.iter().map(|f| f.size).sum();
+    let progress = Arc::new(LiveProgress::default());
+    progress.total.store(bytes_total, Ordering::Relaxed);
+    if let Ok(mut m) = inner.progress.lock() {
+        m.insert(t.id, progress.clone());
+    }
+    inner
+        .catalog
+        .set_transfer_progress(t.id, bytes_total, scan.files.len() as u64, 0, t.bytes_sent as u64)
+        .await?;
+
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    if let Ok(mut m) = c.inbox.lock() {
+        m.insert(id, tx);
+    }
+    let chunk_size = inner.cfg.chunk_size;
+    c.ctl
+        .send(&Control::Open {
+            key: TransferKey {
+                id,
+                job: t.job.clone(),
+                source_path: t.source_path.clone(),
+                rel: t.rel.clone(),
+            },
+            chunk_size,
+            bytes_total,
+            files: scan.files.clone(),
+        })
+        .await?;
+    let have: HashSet<u64> = match recv(inner, &mut rx).await? {
+        Control::Have { chunks, .. } => chunks.into_iter().collect(),
+        Control::Refuse { reason, .. } => return Err(RunError::Fatal(format!("sink refused: {reason}"))),
+        m => return Err(RunError::Retry(format!("expected have, got {}", m.name()))),
+    };
+    let map = Arc::new(ChunkMap::new(&scan.files, chunk_size));
+    let skipped: u64 = have
+        .iter()
+        .filter_map(|g| map.locate(*g))
+        .map(|(f, c)| map.span(f, c).1)
+        .sum();
+    progress.skipped.store(skipped, Ordering::Relaxed);
+    info!(transfer = id, files = scan.files.len(), bytes_total, already_at_sink = skipped, "sending");
+
+    // First pass: read every file once, hash every chunk, send the ones
+    // the sink lacks.
+    let files = Arc::new(scan.files);
+    let mut batches = 0u64;
+    let (entries, n) = {
+        let (files, map, dir, inner2) = (files.clone(), map.clone(), dir.clone(), inner.clone());
+        send_round(inner, link, c, id, &progress, move |out| {
+            read_all(&inner2, &dir, &files, chunk_size, &map, &have, out)
+        })
+        .await?
+    };
+    batches += n;
+    let manifest = Manifest {
+        chunk_size,
+        files: entries,
+        markers: scan.markers,
+    };
+    let root = manifest.root();
+    inner
+        .catalog
+        .set_transfer_progress(t.id, bytes_total, files.len() as u64, 0, progress.sent.load(Ordering::Relaxed))
+        .await?;
+
+    // Resend whatever the sink asks for, then commit; repeat until the sink
+    // publishes.
+    let mut need: Vec<u64> = Vec::new();
+    let manifest = Arc::new(manifest);
+    loop {
+        while let Ok(m) = rx.try_recv() {
+            match m {
+                Control::Need { chunks, .. } => need.extend(chunks),
+                other => return handle_end(inner, &t, other, &root).await,
+            }
+        }
+        if !need.is_empty() {
+            let list = std::mem::take(&mut need);
+            info!(transfer = id, chunks = list.len(), "re-sending chunks the sink asked for");
+            let (m2, dir, inner2) = (manifest.clone(), dir.clone(), inner.clone());
+            let map2 = map.clone();
+            let (_, n) = send_round(inner, link, c, id, &progress, move |out| {
+                read_some(&inner2, &dir, &m2, &map2, &list, out)
+            })
+            .await?;
+            batches += n;
+            continue;
+        }
+        inner.catalog.set_transfer_state(t.id, state::VERIFYING, None).await?;
+        c.ctl
+            .send(&Control::Commit {
+                id,
+                batches,
+                manifest: (*manifest).clone(),
+            })
+            .await?;
+        match recv(inner, &mut rx).await? {
+            Control::Need { chunks, .. } => {
+                need.extend(chunks);
+                inner.catalog.set_transfer_state(t.id, state::ACTIVE, None).await?;
+            }
+            other => return handle_end(inner, &t, other, &root).await,
+        }
+    }
+}
+
+async fn handle_end(inner: &Inner, t: &Transfer, msg: Control, root: &Hash) -> Result<(), RunError> {
+    match msg {
+        Control::Published {
+            local_path,
+            root: their_root,
+            ..
+        } => {
+            if &their_root != root {
+                return Err(RunError::Fatal(format!(
+                    "sink published manifest root {} but ours is {}",
+                    hex(&their_root),
+                    hex(root)
+                )));
+            }
+            inner
+                .catalog
+                .set_transfer_published(t.id, &hex(root), &local_path)
+                .await?;
+            info!(transfer = t.id, local_path, root = %hex(root), "replica published at the sink");
+            Ok(())
+        }
+        Control::Cancel { reason, .. } => Err(RunError::Fatal(format!("sink cancelled: {reason}"))),
+        Control::Refuse { reason, .. } => Err(RunError::Fatal(format!("sink refused: {reason}"))),
+        m => Err(RunError::Retry(format!("unexpected {} from sink", m.name()))),
+    }
+}
+
+async fn recv(inner: &Inner, rx: &mut mpsc::UnboundedReceiver<Control>) -> Result<Control, RunError> {
+    tokio::select! {
+        m = rx.recv() => m.ok_or_else(|| RunError::Retry("connection to the sink lost".into())),
+        _ = inner.shutdown.cancelled() => Err(RunError::Shutdown),
+    }
+}
+
+/// Runs `produce` on a blocking thread feeding records to `streams`
+/// writers; returns what `produce` returned and the number of batches
+/// (streams) sent.
+async fn send_round<T: Send + 'static>(
+    inner: &Arc<Inner>,
+    _link: &LinkState,
+    c: &LinkConn,
+    id: u64,
+    progress: &Arc<LiveProgress>,
+    produce: impl FnOnce(&mpsc::Sender<Record>) -> Result<T, String> + Send + 'static,
+) -> Result<(T, u64), RunError> {
+    let (tx, rx) = mpsc::channel::<Record>(inner.cfg.streams * 4);
+    let rx = Arc::new(tokio::sync::Mutex::new(rx));
+    let batches = Arc::new(AtomicU64::new(0));
+    let mut writers = tokio::task::JoinSet::new();
+    for _ in 0..inner.cfg.streams.max(1) {
+        let (rx, conn, batches, progress) = (rx.clone(), c.conn.clone(), batches.clone(), progress.clone());
+        let stop = inner.shutdown.clone();
+        let target = inner.cfg.batch_bytes;
+        writers.spawn(async move { write_batches(rx, conn, id, target, batches, progress, stop).await });
+    }
+    let producer = tokio::task::spawn_blocking(move || produce(&tx));
+    let mut result = Ok(());
+    while let Some(r) = writers.join_next().await {
+        if let Ok(Err(e)) = r {
+            result = Err(e);
+            writers.abort_all();
+        }
+    }
+    let produced = producer.await.map_err(|e| RunError::Fatal(e.to_string()))?;
+    if inner.shutdown.is_cancelled() {
+        return Err(RunError::Shutdown);
+    }
+    result.map_err(RunError::Retry)?;
+    let t = produced.map_err(RunError::Fatal)?;
+    Ok((t, batches.load(Ordering::Relaxed)))
+}
+
+async fn write_batches(
+    rx: Arc<tokio::sync::Mutex<mpsc::Receiver<Record>>>,
+    conn: Connection,
+    id: u64,
+    target: u64,
+    batches: Arc<AtomicU64>,
+    progress: Arc<LiveProgress>,
+    stop: CancellationToken,
+) -> Result<(), String> {
+    let mut stream: Option<(SendStream, u64)> = None;
+    let err = |e: &dyn std::fmt::Display| format!("sending a batch: {e}");
+    loop {
+        // A batch is interrupted at a chunk boundary when the agent stops.
+        let rec = tokio::select! {
+            r = async { rx.lock().await.recv().await } => r,
+            _ = stop.cancelled() => None,
+        };
+        let Some(rec) = rec else { break };
+        if stream.is_none() {
+            let mut s = conn.open_uni().await.map_err(|e| err(&e))?;
+            s.write_all(&BatchHeader { transfer: id }.encode())
+                .await
+                .map_err(|e| err(&e))?;
+            batches.fetch_add(1, Ordering::Relaxed);
+            stream = Some((s, 0));
+        }
+        if let Some((s, n)) = stream.as_mut() {
+            s.write_all(&rec.header.encode()).await.map_err(|e| err(&e))?;
+            s.write_all(&rec.data).await.map_err(|e| err(&e))?;
+            *n += rec.data.len() as u64;
+            progress.sent.fetch_add(rec.data.len() as u64, Ordering::Relaxed);
+            if *n >= target {
+                let _ = s.finish();
+                stream = None;
+            }
+        }
+    }
+    if let Some((mut s, _)) = stream {
+        let _ = s.finish();
+    }
+    Ok(())
+}
+
+fn maybe_corrupt(inner: &Inner, data: &mut [u8]) {
+    if data.is_empty() {
+        return;
+    }
+    let left = inner.corrupt.load(Ordering::Relaxed);
+    if left > 0 && inner.corrupt.compare_exchange(left, left - 1, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
+        warn!("fault injection: corrupting one chunk after hashing (FERRY_FAULT_CORRUPT_CHUNKS)");
+        data[0] ^= 0xff;
+    }
+}
+
+/// First pass over a checkpoint: each file read once, sequentially, one
+/// chunk per read; chunks the sink lacks are queued for sending.
+fn read_all(
+    inner: &Inner,
+    dir: &Path,
+    files: &[FileInfo],
+    chunk_size: u32,
+    map: &ChunkMap,
+    have: &HashSet<u64>,
+    out: &mpsc::Sender<Record>,
+) -> Result<Vec<FileEntry>, String> {
+    let mut entries = Vec::with_capacity(files.len());
+    for (fi, info) in files.iter().enumerate() {
+        let path = dir.join(&info.path);
+        let chunks = manifest::read_chunks(&path, info, chunk_size, |ci, bytes, hash| {
+            let g = map.index(fi as u32, ci).unwrap_or(u64::MAX);
+            if have.contains(&g) {
+                return Ok(());
+            }
+            let mut data = bytes.to_vec();
+            maybe_corrupt(inner, &mut data);
+            let rec = Record {
+                header: RecordHeader {
+                    file: fi as u32,
+                    chunk: ci,
+                    len: data.len() as u32,
+                    hash: *hash,
+                },
+                data,
+            };
+            out.blocking_send(rec).map_err(|_| manifest::ScanError::Unsupported {
+                path: path.clone(),
+                why: "sending stopped".into(),
+            })
+        })
+        .map_err(|e| e.to_string())?;
+        entries.push(FileEntry {
+            path: info.path.clone(),
+            size: info.size,
+            mode: info.mode,
+            mtime_ns: info.mtime_ns,
+            chunks,
+        });
+    }
+    Ok(entries)
+}
+
+/// Re-reads the chunks `list` (global indices) and queues them; a chunk
+/// whose bytes no longer match the sealed manifest means the source file
+/// changed after it was read.
+fn read_some(
+    inner: &Inner,
+    dir: &Path,
+    m: &Manifest,
+    map: &ChunkMap,
+    list: &[u64],
+    out: &mpsc::Sender<Record>,
+) -> Result<(), String> {
+    let mut open: Option<(u32, File)> = None;
+    for g in list {
+        let Some((fi, ci)) = map.locate(*g) else {
+            return Err(format!("sink asked for chunk {g}, which does not exist"));
+        };
+        let entry = &m.files[fi as usize];
+        if open.as_ref().map(|o| o.0) != Some(fi) {
+            let p = dir.join(&entry.path);
+            open = Some((fi, File::open(&p).map_err(|e| format!("{}: {e}", p.display()))?));
+        }
+        let (off, len) = map.span(fi, ci);
+        let mut data = vec![0u8; len as usize];
+        if let Some((_, f)) = &open {
+            f.read_exact_at(&mut data, off)
+                .map_err(|e| format!("{}: {e}", dir.join(&entry.path).display()))?;
+        }
+        let hash = *blake3::hash(&data).as_bytes();
+        if hash != entry.chunks[ci as usize] {
+            return Err(format!("{} changed while it was being copied", dir.join(&entry.path).display()));
+        }
+        maybe_corrupt(inner, &mut data);
+        out.blocking_send(Record {
+            header: RecordHeader {
+                file: fi,
+                chunk: ci,
+                len: len as u32,
+                hash,
+            },
+            data,
+        })
+        .map_err(|_| "sending stopped".to_string())?;
+    }
+    Ok(())
+}
