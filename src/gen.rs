@@ -1,0 +1,857 @@
+//! Realistic synthetic checkpoint generator (`ferry gen`).
+//!
+//! Writes a checkpoint directory with one file per tensor (a per-tensor
+//! shard layout) whose file count, size spread and share of tiny files
+//! follow the "Realistic sizes" section of `CHECKPOINT_FORMATS.md` (the
+//! project's checkpoint-format notes), scaled down so that CI disks suffice.
+//!
+//! # Model
+//!
+//! A multimodal model with three parts (all tensors bf16, 2 bytes per
+//! element):
+//!
+//! * a Llama-style decoder (`model/`) with `L` layers, hidden size `h`,
+//!   grouped-query attention with `n_kv * d = h / 4`, SwiGLU MLP width
+//!   `f = 3.5 h` and untied embeddings over a vocabulary of `V = 25 h`
+//!   (about 128 k at `h = 5120`). Its weights follow the dense-decoder
+//!   formula of `CHECKPOINT_FORMATS.md`,
+//!   `P = V*h*2 + L*(2h^2 + 2h*n_kv*d + 3h*f + 2h) + h`, in `9L + 3`
+//!   tensors of which `2L + 1` are norm weights, plus Qwen2-style q/k/v
+//!   biases (`3L` more small tensors);
+//! * a vision tower (`vision_tower/`, InternViT-style, width `h / 2`):
+//!   `D` blocks of 16 tensors, 12 of them LayerNorm weights and biases,
+//!   q/k-norm weights, layer scales and linear biases, plus patch/position
+//!   embeddings and a projector;
+//! * an audio tower (`audio_tower/`, Conformer-style, width `h / 2`):
+//!   `D` blocks of 40 tensors, 29 of them small (LayerNorm weights and
+//!   biases, linear and convolution biases, batch-norm statistics,
+//!   relative-position biases, the depthwise convolution kernel), plus a
+//!   subsampling stem and a projector.
+//!
+//! `CHECKPOINT_FORMATS.md` notes that modality towers are what push a large
+//! multimodal checkpoint past 60 % of tensors under 16 KiB (the seed
+//! paper's production trace); the towers above reproduce that mix.
+//!
+//! # Scaling formula
+//!
+//! For a target of `T` bytes:
+//!
+//! 1. `u = max(1, round(T / 32 MiB))`; `L = min(u, 80)` decoder layers,
+//!    so file counts grow with the target (about 2,900 files at the 1.4 GB
+//!    default) up to a 70B-class depth;
+//! 2. `h = 128 * max(u, 32)`: the Llama-2 7B/13B aspect ratio `h = 128 L`,
+//!    at least a 7B-class width, and wider instead of deeper beyond 80
+//!    layers (above about 2.7 GB);
+//! 3. tower depth `D = L`, raised one block at a time while the fraction
+//!    of shards under 16 KiB is below
+//!    [`GenOptions::small_fraction_target`] (at most `4L + 4`);
+//! 4. every tensor's reference element count `n_i` follows from `L`, `h`
+//!    and `D` as above; the scale factor is `s = (T / 2) / sum(n_i)` and
+//!    each tensor gets `m_i = max(1, round(s * n_i))` elements, i.e.
+//!    `2 * m_i` bytes. Counts and ratios between tensors are kept, as
+//!    `CHECKPOINT_FORMATS.md` asks of scaled-down generators;
+//! 5. `model/lm_head.bin`, written last, absorbs the rounding
+//!    remainder, so the files add up to exactly `T` bytes.
+//!
+//! The reference model holds about `(22 L + 57) h^2` elements (with
+//! `D = L`), so a scaled matrix gets about `T / (22 L + 57)` bytes per `h^2`
+//! reference elements and a vector `h` times less. With about 32 MiB per
+//! decoder layer every matrix (at least `h^2 / 4` reference elements) stays
+//! well above 16 KiB and every vector (at most `4.5 h`) well below it, so
+//! the small-shard share hardly depends on `T`: 65.6 % (93 files) at 20 MB,
+//! 67.2 % (433 files) at 200 MB, 67.6 % (2,881 files, two of 34 MiB) at
+//! the 1.4 GB default and 67.6 % (5,465 files) from 2.7 GB up. Below
+//! about 6 MB the smallest matrices drop under 16 KiB too.
+//!
+//! File contents are incompressible pseudo-random bytes from a
+//! [`SmallRng`] seeded per file from [`GenOptions::seed`], so a seed always
+//! yields the same bytes.
+
+use std::fs::{self, File};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use rand::rngs::SmallRng;
+use rand::{RngCore, SeedableRng};
+
+/// Default target size of a generated checkpoint, in bytes (1.4 GB).
+pub const DEFAULT_TOTAL_BYTES: u64 = 1_400_000_000;
+
+/// Default minimum fraction (0.0-1.0, by file count) of shards under
+/// [`SMALL_SHARD_BYTES`].
+pub const DEFAULT_SMALL_FRACTION_TARGET: f64 = 0.65;
+
+/// Size threshold in bytes below which a shard counts as small (16 KiB).
+pub const SMALL_SHARD_BYTES: u64 = 16 * 1024;
+
+/// Bytes of target size per decoder layer when choosing `L` (32 MiB).
+const BYTES_PER_LAYER: u64 = 32 * 1024 * 1024;
+
+/// Largest number of decoder layers the generator chooses.
+const MAX_LAYERS: u64 = 80;
+
+/// Bytes per tensor element (bf16).
+const ELEM_BYTES: u64 = 2;
+
+/// Size of the reusable write buffer, in bytes (8 MiB).
+const WRITE_BUF_BYTES: u64 = 8 * 1024 * 1024;
+
+/// Options for [`generate`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenOptions {
+    /// Output directory; created if missing. Existing files with the same
+    /// names are overwritten.
+    pub out: PathBuf,
+    /// Target total size of all tensor files, in bytes (the marker is not
+    /// counted). The files add up to exactly this many bytes.
+    pub total_bytes: u64,
+    /// Minimum fraction (0.0-1.0, by file count) of tensor files smaller
+    /// than [`SMALL_SHARD_BYTES`]; the modality towers are deepened until
+    /// it is reached. The natural mix is about 0.66-0.68 (0.656 for targets
+    /// under 48 MiB), so lower targets change nothing; up to about 0.71 is
+    /// reachable (0.70 nearly doubles the tower depth), higher targets fail
+    /// with [`io::ErrorKind::InvalidInput`]. Default
+    /// [`DEFAULT_SMALL_FRACTION_TARGET`] (0.65).
+    pub small_fraction_target: f64,
+    /// Seed of the pseudo-random file contents; the same seed and options
+    /// give byte-identical files.
+    pub seed: u64,
+    /// File name of a commit marker written directly in `out` after every
+    /// tensor file is closed (e.g. `"COMMITTED"`), or `None` for no marker.
+    /// A plain file name: no path separators, not `.` or `..`.
+    pub marker: Option<String>,
+}
+
+impl GenOptions {
+    /// Options for `total_bytes` bytes (see [`GenOptions::total_bytes`]) in
+    /// `out`, with the default small fraction (0.65), seed 0 and no marker.
+    pub fn new(out: impl Into<PathBuf>, total_bytes: u64) -> Self {
+        Self {
+            out: out.into(),
+            total_bytes,
+            small_fraction_target: DEFAULT_SMALL_FRACTION_TARGET,
+            seed: 0,
+            marker: None,
+        }
+    }
+}
+
+/// What [`generate`] wrote (tensor files only; the marker is not counted).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GenSummary {
+    /// Number of tensor files written.
+    pub shards: u64,
+    /// Total size of the tensor files, in bytes.
+    pub bytes: u64,
+    /// Number of tensor files smaller than [`SMALL_SHARD_BYTES`] (16 KiB).
+    pub small_shards: u64,
+    /// Size of the largest tensor file, in bytes.
+    pub largest: u64,
+}
+
+/// Generates a synthetic checkpoint as described in the [module
+/// docs](self): one file per tensor under `opts.out`, then the marker (if
+/// any) last. A stale marker of the same name is removed before the first
+/// tensor file is written.
+///
+/// `progress` is called after every write (at most 8 MiB each) with the
+/// number of tensor bytes written so far, up to `opts.total_bytes`.
+///
+/// # Errors
+///
+/// [`io::ErrorKind::InvalidInput`] for a bad marker name, a
+/// `small_fraction_target` outside 0.0-1.0 or above what the towers can
+/// reach, or a `total_bytes` too small for one element per tensor; any I/O
+/// error from creating directories or writing files.
+pub fn generate(opts: &GenOptions, progress: &dyn Fn(u64)) -> io::Result<GenSummary> {
+    let marker = match &opts.marker {
+        Some(name) => Some(opts.out.join(validate_marker(name)?)),
+        None => None,
+    };
+    let plan = Plan::new(opts.total_bytes, opts.small_fraction_target)?;
+
+    fs::create_dir_all(&opts.out)?;
+    if let Some(path) = &marker {
+        match fs::remove_file(path) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+    }
+    for dir in [MODEL, VISION, AUDIO] {
+        fs::create_dir_all(opts.out.join(dir))?;
+    }
+
+    let buf_len = plan.largest().min(WRITE_BUF_BYTES);
+    let mut buf = vec![0u8; usize::try_from(buf_len).map_err(invalid)?];
+    let mut written = 0u64;
+    for (index, (tensor, &bytes)) in plan.tensors.iter().zip(&plan.bytes).enumerate() {
+        let mut rng = SmallRng::seed_from_u64(file_seed(opts.seed, index as u64));
+        let mut file = File::create(opts.out.join(tensor.path()))?;
+        let mut left = bytes;
+        while left > 0 {
+            let chunk = &mut buf[..usize::try_from(left.min(buf_len)).map_err(invalid)?];
+            rng.fill_bytes(chunk);
+            file.write_all(chunk)?;
+            left -= chunk.len() as u64;
+            written += chunk.len() as u64;
+            progress(written);
+        }
+    }
+
+    if let Some(path) = &marker {
+        let summary = plan.summary();
+        let text = format!(
+            "ferry gen seed={} shards={} bytes={}\n",
+            opts.seed, summary.shards, summary.bytes
+        );
+        fs::write(path, text)?;
+    }
+    Ok(plan.summary())
+}
+
+/// Parses a size in bytes: a non-negative decimal number with an optional
+/// unit, e.g. `"1000"`, `"20MB"`, `"1.4GB"`, `"512KiB"`, `"2 GiB"`.
+///
+/// Units (case-insensitive): `B`; decimal SI `kB`, `MB`, `GB`, `TB`, `PB`
+/// (powers of 1000); binary IEC `KiB`, `MiB`, `GiB`, `TiB`, `PiB` (powers
+/// of 1024). Single letters such as `M` are rejected as ambiguous.
+///
+/// # Errors
+///
+/// A message naming the bad value for an empty or malformed number, an
+/// unknown unit, a result that is not a whole number of bytes (e.g.
+/// `"1.5B"`) or one that exceeds `u64::MAX` bytes.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let text = s.trim();
+    let num_end = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(num_end);
+    let unit = unit.trim_start();
+    let multiplier: u64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        "pb" => 1_000_000_000_000_000,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "tib" => 1 << 40,
+        "pib" => 1 << 50,
+        _ => {
+            return Err(format!(
+                "invalid size {s:?}: unknown unit {unit:?} \
+                 (use B, kB, MB, GB, TB, PB, KiB, MiB, GiB, TiB or PiB)"
+            ))
+        }
+    };
+    let (int_part, frac_part) = number.split_once('.').unwrap_or((number, ""));
+    let all_digits = |p: &str| p.bytes().all(|b| b.is_ascii_digit());
+    if int_part.is_empty() && frac_part.is_empty()
+        || !all_digits(int_part)
+        || !all_digits(frac_part)
+    {
+        return Err(format!(
+            "invalid size {s:?}: expected a number such as 20MB, 1.4GB or 512KiB"
+        ));
+    }
+    let too_large = || format!("invalid size {s:?}: larger than {} bytes", u64::MAX);
+    // Exact decimal arithmetic: value = digits / 10^frac_len * multiplier.
+    let mut digits: u128 = 0;
+    for b in int_part.bytes().chain(frac_part.bytes()) {
+        digits = digits
+            .checked_mul(10)
+            .and_then(|d| d.checked_add(u128::from(b - b'0')))
+            .ok_or_else(too_large)?;
+    }
+    let scale = u32::try_from(frac_part.len())
+        .ok()
+        .and_then(|n| 10u128.checked_pow(n))
+        .ok_or_else(too_large)?;
+    let scaled = digits
+        .checked_mul(u128::from(multiplier))
+        .ok_or_else(too_large)?;
+    if scaled % scale != 0 {
+        return Err(format!("invalid size {s:?}: not a whole number of bytes"));
+    }
+    u64::try_from(scaled / scale).map_err(|_| too_large())
+}
+
+/// Directory of the decoder tensors.
+const MODEL: &str = "model";
+/// Directory of the vision-tower tensors.
+const VISION: &str = "vision_tower";
+/// Directory of the audio-tower tensors.
+const AUDIO: &str = "audio_tower";
+
+/// One tensor of the reference model: its file name parts and unscaled
+/// element count.
+#[derive(Debug, Clone, Copy)]
+struct Tensor {
+    /// Directory under the output root.
+    dir: &'static str,
+    /// Block prefix such as `"layers"`, or `None` for a top-level tensor.
+    block: Option<(&'static str, u64)>,
+    /// Tensor name within its block, without the `.bin` suffix.
+    name: &'static str,
+    /// Element count before scaling.
+    ref_elems: f64,
+}
+
+impl Tensor {
+    /// Path of the tensor file relative to the output root.
+    fn path(&self) -> PathBuf {
+        let file = match self.block {
+            Some((prefix, i)) => format!("{prefix}.{i}.{}.bin", self.name),
+            None => format!("{}.bin", self.name),
+        };
+        Path::new(self.dir).join(file)
+    }
+}
+
+/// The scaled tensor list for one target size.
+#[derive(Debug)]
+struct Plan {
+    /// Decoder layers `L`.
+    layers: u64,
+    /// Reference hidden size `h`.
+    hidden: u64,
+    /// Vision and audio tower depth `D`.
+    tower_depth: u64,
+    /// Tensors in write order; the last one is `model/lm_head`.
+    tensors: Vec<Tensor>,
+    /// Scaled size of each tensor in bytes, parallel to `tensors`.
+    bytes: Vec<u64>,
+}
+
+impl Plan {
+    /// Chooses `L`, `h` and `D` for `total_bytes` bytes and a minimum small
+    /// fraction, and scales the tensors (see the module docs).
+    fn new(total_bytes: u64, small_fraction_target: f64) -> io::Result<Self> {
+        if !(0.0..=1.0).contains(&small_fraction_target) {
+            return Err(invalid(format!(
+                "small_fraction_target {small_fraction_target} is not between 0 and 1"
+            )));
+        }
+        let units = (total_bytes.saturating_add(BYTES_PER_LAYER / 2) / BYTES_PER_LAYER).max(1);
+        let layers = units.min(MAX_LAYERS);
+        let hidden = 128 * units.max(32);
+        let max_depth = 4 * layers + 4;
+        let mut depth = layers;
+        loop {
+            let plan = Self::scaled(total_bytes, layers, hidden, depth)?;
+            let fraction = plan.small_fraction();
+            if fraction >= small_fraction_target {
+                return Ok(plan);
+            }
+            if depth >= max_depth {
+                return Err(invalid(format!(
+                    "small_fraction_target {small_fraction_target} is above the {fraction:.3} \
+                     the generator reaches for {total_bytes} bytes"
+                )));
+            }
+            depth += 1;
+        }
+    }
+
+    /// Builds and scales the tensor list for fixed `L`, `h` and `D`.
+    fn scaled(total_bytes: u64, layers: u64, hidden: u64, depth: u64) -> io::Result<Self> {
+        let tensors = reference_model(layers, hidden, depth);
+        let ref_total: f64 = tensors.iter().map(|t| t.ref_elems).sum();
+        let scale = (total_bytes / ELEM_BYTES) as f64 / ref_total;
+        let mut bytes: Vec<u64> = tensors
+            .iter()
+            .map(|t| ((t.ref_elems * scale).round() as u64).max(1) * ELEM_BYTES)
+            .collect();
+        let last = bytes.len() - 1;
+        let others: u64 = bytes[..last].iter().sum();
+        if total_bytes < others + ELEM_BYTES {
+            return Err(invalid(format!(
+                "total_bytes {total_bytes} is too small: at least {} bytes are needed",
+                (last as u64 + 1) * ELEM_BYTES
+            )));
+        }
+        bytes[last] = total_bytes - others;
+        Ok(Self {
+            layers,
+            hidden,
+            tower_depth: depth,
+            tensors,
+            bytes,
+        })
+    }
+
+    /// Number of tensors under [`SMALL_SHARD_BYTES`].
+    fn small_shards(&self) -> u64 {
+        self.bytes
+            .iter()
+            .filter(|&&b| b < SMALL_SHARD_BYTES)
+            .count() as u64
+    }
+
+    /// Fraction (0.0-1.0) of tensors under [`SMALL_SHARD_BYTES`].
+    fn small_fraction(&self) -> f64 {
+        self.small_shards() as f64 / self.bytes.len() as f64
+    }
+
+    /// Size of the largest tensor in bytes.
+    fn largest(&self) -> u64 {
+        self.bytes.iter().copied().max().unwrap_or(0)
+    }
+
+    /// Summary of what writing this plan produces.
+    fn summary(&self) -> GenSummary {
+        GenSummary {
+            shards: self.bytes.len() as u64,
+            bytes: self.bytes.iter().sum(),
+            small_shards: self.small_shards(),
+            largest: self.largest(),
+        }
+    }
+}
+
+/// Unscaled tensor list of the multimodal reference model with `layers`
+/// decoder layers, hidden size `hidden` and `depth` blocks per tower, in
+/// write order with `model/lm_head` last.
+fn reference_model(layers: u64, hidden: u64, depth: u64) -> Vec<Tensor> {
+    let h = hidden as f64;
+    let kv = h / 4.0; // n_kv * d
+    let f = 3.5 * h; // MLP width
+    let vocab = 25.0 * h;
+    let w = h / 2.0; // tower width
+    let mut out = Vec::with_capacity((12 * layers + 56 * depth + 30) as usize);
+    let mut add = |dir, block, name, ref_elems| {
+        out.push(Tensor {
+            dir,
+            block,
+            name,
+            ref_elems,
+        })
+    };
+
+    // Vision tower (InternViT-style): 224 px / 14 px patches + class token.
+    add(VISION, None, "embeddings.class_embedding", w);
+    add(
+        VISION,
+        None,
+        "embeddings.patch_embedding.weight",
+        w * 3.0 * 14.0 * 14.0,
+    );
+    add(VISION, None, "embeddings.patch_embedding.bias", w);
+    add(VISION, None, "embeddings.position_embedding", 1025.0 * w);
+    for i in 0..depth {
+        let b = Some(("blocks", i));
+        add(VISION, b, "norm1.weight", w);
+        add(VISION, b, "norm1.bias", w);
+        add(VISION, b, "attn.qkv.weight", 3.0 * w * w);
+        add(VISION, b, "attn.qkv.bias", 3.0 * w);
+        add(VISION, b, "attn.q_norm.weight", w);
+        add(VISION, b, "attn.k_norm.weight", w);
+        add(VISION, b, "attn.proj.weight", w * w);
+        add(VISION, b, "attn.proj.bias", w);
+        add(VISION, b, "ls1", w);
+        add(VISION, b, "norm2.weight", w);
+        add(VISION, b, "norm2.bias", w);
+        add(VISION, b, "mlp.fc1.weight", 4.0 * w * w);
+        add(VISION, b, "mlp.fc1.bias", 4.0 * w);
+        add(VISION, b, "mlp.fc2.weight", 4.0 * w * w);
+        add(VISION, b, "mlp.fc2.bias", w);
+        add(VISION, b, "ls2", w);
+    }
+    // Projector after a 2x2 pixel shuffle (4w inputs).
+    add(VISION, None, "projector.norm.weight", 4.0 * w);
+    add(VISION, None, "projector.norm.bias", 4.0 * w);
+    add(VISION, None, "projector.linear_1.weight", 4.0 * w * h);
+    add(VISION, None, "projector.linear_1.bias", h);
+    add(VISION, None, "projector.linear_2.weight", h * h);
+    add(VISION, None, "projector.linear_2.bias", h);
+
+    // Audio tower (Conformer-style): 8x conv subsampling of 80 mel bins,
+    // blocks of macaron feed-forward, attention, convolution, feed-forward.
+    let feed_forward = |names: &[&'static str; 6]| {
+        let sizes = [w, w, 4.0 * w * w, 4.0 * w, 4.0 * w * w, w];
+        std::array::from_fn::<_, 6, _>(|k| (names[k], sizes[k]))
+    };
+    add(AUDIO, None, "subsampling.conv.0.weight", 9.0 * w);
+    add(AUDIO, None, "subsampling.conv.0.bias", w);
+    add(AUDIO, None, "subsampling.conv.2.weight", 9.0 * w);
+    add(AUDIO, None, "subsampling.conv.2.bias", w);
+    add(AUDIO, None, "subsampling.conv.3.weight", w * w);
+    add(AUDIO, None, "subsampling.conv.3.bias", w);
+    add(AUDIO, None, "subsampling.out.weight", 10.0 * w * w);
+    add(AUDIO, None, "subsampling.out.bias", w);
+    for i in 0..depth {
+        let b = Some(("layers", i));
+        for (name, n) in feed_forward(&FEED_FORWARD[0]) {
+            add(AUDIO, b, name, n);
+        }
+        add(AUDIO, b, "norm_self_att.weight", w);
+        add(AUDIO, b, "norm_self_att.bias", w);
+        add(AUDIO, b, "self_attn.pos_bias_u", w);
+        add(AUDIO, b, "self_attn.pos_bias_v", w);
+        add(AUDIO, b, "self_attn.linear_q.weight", w * w);
+        add(AUDIO, b, "self_attn.linear_q.bias", w);
+        add(AUDIO, b, "self_attn.linear_k.weight", w * w);
+        add(AUDIO, b, "self_attn.linear_k.bias", w);
+        add(AUDIO, b, "self_attn.linear_v.weight", w * w);
+        add(AUDIO, b, "self_attn.linear_v.bias", w);
+        add(AUDIO, b, "self_attn.linear_out.weight", w * w);
+        add(AUDIO, b, "self_attn.linear_out.bias", w);
+        add(AUDIO, b, "self_attn.linear_pos.weight", w * w);
+        add(AUDIO, b, "norm_conv.weight", w);
+        add(AUDIO, b, "norm_conv.bias", w);
+        add(AUDIO, b, "conv.pointwise_conv1.weight", 2.0 * w * w);
+        add(AUDIO, b, "conv.pointwise_conv1.bias", 2.0 * w);
+        add(AUDIO, b, "conv.depthwise_conv.weight", 9.0 * w);
+        add(AUDIO, b, "conv.depthwise_conv.bias", w);
+        add(AUDIO, b, "conv.batch_norm.weight", w);
+        add(AUDIO, b, "conv.batch_norm.bias", w);
+        add(AUDIO, b, "conv.batch_norm.running_mean", w);
+        add(AUDIO, b, "conv.batch_norm.running_var", w);
+        add(AUDIO, b, "conv.batch_norm.num_batches_tracked", 1.0);
+        add(AUDIO, b, "conv.pointwise_conv2.weight", w * w);
+        add(AUDIO, b, "conv.pointwise_conv2.bias", w);
+        for (name, n) in feed_forward(&FEED_FORWARD[1]) {
+            add(AUDIO, b, name, n);
+        }
+        add(AUDIO, b, "norm_out.weight", w);
+        add(AUDIO, b, "norm_out.bias", w);
+    }
+    add(AUDIO, None, "projector.linear_1.weight", w * h);
+    add(AUDIO, None, "projector.linear_1.bias", h);
+    add(AUDIO, None, "projector.linear_2.weight", h * h);
+    add(AUDIO, None, "projector.linear_2.bias", h);
+
+    // Llama-style decoder with Qwen2-style q/k/v biases.
+    add(MODEL, None, "embed_tokens", vocab * h);
+    for i in 0..layers {
+        let b = Some(("layers", i));
+        add(MODEL, b, "input_layernorm.weight", h);
+        add(MODEL, b, "self_attn.q_proj.weight", h * h);
+        add(MODEL, b, "self_attn.q_proj.bias", h);
+        add(MODEL, b, "self_attn.k_proj.weight", h * kv);
+        add(MODEL, b, "self_attn.k_proj.bias", kv);
+        add(MODEL, b, "self_attn.v_proj.weight", h * kv);
+        add(MODEL, b, "self_attn.v_proj.bias", kv);
+        add(MODEL, b, "self_attn.o_proj.weight", h * h);
+        add(MODEL, b, "post_attention_layernorm.weight", h);
+        add(MODEL, b, "mlp.gate_proj.weight", h * f);
+        add(MODEL, b, "mlp.up_proj.weight", h * f);
+        add(MODEL, b, "mlp.down_proj.weight", f * h);
+    }
+    add(MODEL, None, "norm.weight", h);
+    add(MODEL, None, "lm_head", vocab * h);
+    out
+}
+
+/// Tensor names of the two macaron feed-forward modules of a Conformer
+/// block: norm weight and bias, then the two linear layers.
+const FEED_FORWARD: [[&str; 6]; 2] = [
+    [
+        "norm_feed_forward1.weight",
+        "norm_feed_forward1.bias",
+        "feed_forward1.linear1.weight",
+        "feed_forward1.linear1.bias",
+        "feed_forward1.linear2.weight",
+        "feed_forward1.linear2.bias",
+    ],
+    [
+        "norm_feed_forward2.weight",
+        "norm_feed_forward2.bias",
+        "feed_forward2.linear1.weight",
+        "feed_forward2.linear1.bias",
+        "feed_forward2.linear2.weight",
+        "feed_forward2.linear2.bias",
+    ],
+];
+
+/// Per-file RNG seed: distinct for every file index under one seed.
+fn file_seed(seed: u64, index: u64) -> u64 {
+    seed ^ index.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+/// Checks that a marker name is a plain file name.
+fn validate_marker(name: &str) -> io::Result<&str> {
+    if name.is_empty() || name == "." || name == ".." || name.contains(['/', '\\', '\0']) {
+        return Err(invalid(format!(
+            "invalid marker name {name:?}: expected a plain file name"
+        )));
+    }
+    Ok(name)
+}
+
+/// An [`io::ErrorKind::InvalidInput`] error with `msg`.
+fn invalid(msg: impl ToString) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, msg.to_string())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+    use std::time::SystemTime;
+
+    /// Every regular file under `root` with its size and mtime.
+    fn walk(root: &Path) -> Vec<(PathBuf, u64, SystemTime)> {
+        let mut out = Vec::new();
+        let mut stack = vec![root.to_path_buf()];
+        while let Some(dir) = stack.pop() {
+            for entry in fs::read_dir(&dir).unwrap() {
+                let entry = entry.unwrap();
+                let meta = entry.metadata().unwrap();
+                if meta.is_dir() {
+                    stack.push(entry.path());
+                } else {
+                    let rel = entry.path().strip_prefix(root).unwrap().to_path_buf();
+                    out.push((rel, meta.len(), meta.modified().unwrap()));
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+
+    /// Generates `total` bytes into a fresh temp dir and checks the summary
+    /// against what is on disk.
+    fn generate_checked(total: u64, seed: u64) -> (tempfile::TempDir, GenSummary) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut opts = GenOptions::new(dir.path().join("ckpt"), total);
+        opts.seed = seed;
+        let last = Cell::new(0u64);
+        let summary = generate(&opts, &|n| {
+            assert!(n > last.get(), "progress must increase");
+            last.set(n);
+        })
+        .unwrap();
+        assert_eq!(last.get(), summary.bytes);
+        let files = walk(&opts.out);
+        assert_eq!(files.len() as u64, summary.shards);
+        assert_eq!(files.iter().map(|f| f.1).sum::<u64>(), summary.bytes);
+        let small = files.iter().filter(|f| f.1 < SMALL_SHARD_BYTES).count() as u64;
+        assert_eq!(small, summary.small_shards);
+        assert_eq!(files.iter().map(|f| f.1).max().unwrap(), summary.largest);
+        (dir, summary)
+    }
+
+    fn assert_within_2_percent(total: u64, summary: &GenSummary) {
+        let err = summary.bytes.abs_diff(total) as f64 / total as f64;
+        assert!(err <= 0.02, "{} bytes for a {total} target", summary.bytes);
+    }
+
+    #[test]
+    fn mix_and_total_at_20_mb() {
+        let total = parse_size("20MB").unwrap();
+        let (_dir, s) = generate_checked(total, 1);
+        let fraction = s.small_shards as f64 / s.shards as f64;
+        assert!(fraction > 0.6, "{s:?}");
+        assert!(fraction >= DEFAULT_SMALL_FRACTION_TARGET, "{s:?}");
+        assert_within_2_percent(total, &s);
+        assert_eq!(s.bytes, total);
+    }
+
+    #[test]
+    fn mix_and_total_at_200_mb() {
+        let total = parse_size("200MB").unwrap();
+        let (_dir, s) = generate_checked(total, 2);
+        let fraction = s.small_shards as f64 / s.shards as f64;
+        assert!(fraction > 0.6, "{s:?}");
+        assert_within_2_percent(total, &s);
+        assert_eq!(s.bytes, total);
+    }
+
+    #[test]
+    fn default_size_plan() {
+        let plan = Plan::new(DEFAULT_TOTAL_BYTES, DEFAULT_SMALL_FRACTION_TARGET).unwrap();
+        let s = plan.summary();
+        assert_eq!(s.bytes, DEFAULT_TOTAL_BYTES);
+        assert!((2_500..=3_300).contains(&s.shards), "{s:?}");
+        assert!(plan.small_fraction() > 0.65, "{s:?}");
+        assert!((10 << 20..100 << 20).contains(&s.largest), "{s:?}");
+        // Counts of the reference model: decoder 9L + 3 (2L + 1 norms) plus
+        // 3L biases, 16 tensors per vision block, 40 per audio block.
+        let (l, d) = (plan.layers, plan.tower_depth);
+        assert_eq!(s.shards, 12 * l + 3 + (4 + 16 * d + 6) + (8 + 40 * d + 4));
+        assert_eq!(plan.hidden, 128 * l.max(32));
+        let norms = plan
+            .tensors
+            .iter()
+            .filter(|t| t.dir == MODEL && t.name.contains("norm"))
+            .count() as u64;
+        assert_eq!(norms, 2 * l + 1);
+    }
+
+    #[test]
+    fn mix_is_stable_across_sizes() {
+        for total in [
+            10_000_000,
+            50_000_000,
+            500_000_000,
+            5_000_000_000,
+            50_000_000_000,
+            500_000_000_000,
+        ] {
+            let plan = Plan::new(total, DEFAULT_SMALL_FRACTION_TARGET).unwrap();
+            let f = plan.small_fraction();
+            assert!((0.65..0.72).contains(&f), "{total}: {f}");
+            assert_eq!(plan.summary().bytes, total);
+            // Vectors (at most 9 * tower width elements) stay small and
+            // square-ish matrices stay big, so the mix does not drift.
+            let h = plan.hidden as f64;
+            for (t, &b) in plan.tensors.iter().zip(&plan.bytes) {
+                if t.ref_elems <= 4.5 * h {
+                    assert!(b < SMALL_SHARD_BYTES, "{total}: {t:?} {b}");
+                } else if t.ref_elems >= h * h / 4.0 {
+                    assert!(b >= SMALL_SHARD_BYTES, "{total}: {t:?} {b}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn deterministic_for_a_seed() {
+        let total = 3_000_000;
+        let (a, sa) = generate_checked(total, 7);
+        let (b, sb) = generate_checked(total, 7);
+        let (c, _) = generate_checked(total, 8);
+        assert_eq!(sa, sb);
+        let (ra, rb, rc) = (
+            a.path().join("ckpt"),
+            b.path().join("ckpt"),
+            c.path().join("ckpt"),
+        );
+        let files = walk(&ra);
+        let mut differs = 0;
+        for (rel, _, _) in &files {
+            let bytes = fs::read(ra.join(rel)).unwrap();
+            assert_eq!(bytes, fs::read(rb.join(rel)).unwrap(), "{rel:?}");
+            if bytes != fs::read(rc.join(rel)).unwrap() {
+                differs += 1;
+            }
+        }
+        assert!(
+            differs > files.len() * 9 / 10,
+            "another seed changes the bytes"
+        );
+        // Files differ from each other too (per-file streams).
+        let embed = fs::read(ra.join("model/embed_tokens.bin")).unwrap();
+        let head = fs::read(ra.join("model/lm_head.bin")).unwrap();
+        assert_ne!(embed[..4096], head[..4096]);
+    }
+
+    #[test]
+    fn marker_is_written_last() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("step_1");
+        fs::create_dir_all(&out).unwrap();
+        // A stale marker from an earlier run must not survive the writes.
+        fs::write(out.join("COMMITTED"), b"stale").unwrap();
+        let mut opts = GenOptions::new(&out, 2_000_000);
+        opts.marker = Some("COMMITTED".to_string());
+        let seen_marker = Cell::new(false);
+        let summary = generate(&opts, &|_| {
+            if out.join("COMMITTED").exists() {
+                seen_marker.set(true);
+            }
+        })
+        .unwrap();
+        assert!(
+            !seen_marker.get(),
+            "marker existed while tensors were written"
+        );
+        let files = walk(&out);
+        let marker = files
+            .iter()
+            .find(|f| f.0 == Path::new("COMMITTED"))
+            .unwrap();
+        assert!(marker.1 > 0);
+        for f in &files {
+            assert!(marker.2 >= f.2, "{:?} is newer than the marker", f.0);
+        }
+        assert_eq!(files.len() as u64, summary.shards + 1);
+        assert_eq!(summary.bytes, 2_000_000);
+    }
+
+    #[test]
+    fn small_fraction_target_deepens_the_towers() {
+        let base = Plan::new(200_000_000, 0.0).unwrap();
+        let same = Plan::new(200_000_000, DEFAULT_SMALL_FRACTION_TARGET).unwrap();
+        assert_eq!(base.tower_depth, same.tower_depth);
+        let high = Plan::new(200_000_000, 0.70).unwrap();
+        assert!(high.small_fraction() >= 0.70);
+        assert!(high.tower_depth > base.tower_depth);
+        assert_eq!(high.summary().bytes, 200_000_000);
+    }
+
+    #[test]
+    fn invalid_options_are_rejected() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("x");
+        let check = |opts: &GenOptions| {
+            let err = generate(opts, &|_| {}).unwrap_err();
+            assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{err}");
+        };
+        for bad in [-0.1, 1.5, f64::NAN, 0.95] {
+            let mut opts = GenOptions::new(&out, 20_000_000);
+            opts.small_fraction_target = bad;
+            check(&opts);
+        }
+        for bad in ["", ".", "..", "a/b", "../COMMITTED"] {
+            let mut opts = GenOptions::new(&out, 20_000_000);
+            opts.marker = Some(bad.to_string());
+            check(&opts);
+        }
+        check(&GenOptions::new(&out, 100));
+        assert!(!out.exists(), "nothing is created for invalid options");
+    }
+
+    #[test]
+    fn parse_size_accepts_si_and_iec_units() {
+        let ok = [
+            ("1000", 1000),
+            ("0", 0),
+            ("1.4GB", 1_400_000_000),
+            ("20MB", 20_000_000),
+            ("512KiB", 512 * 1024),
+            ("2 GiB", 2 << 30),
+            (" 1.5KiB ", 1536),
+            ("7B", 7),
+            ("3kB", 3000),
+            ("1tb", 1_000_000_000_000),
+            ("1TiB", 1 << 40),
+            ("1PB", 1_000_000_000_000_000),
+            ("1.25MiB", 1_310_720),
+            (".5kB", 500),
+            ("10.MB", 10_000_000),
+            ("18446744073709551615", u64::MAX),
+        ];
+        for (s, want) in ok {
+            assert_eq!(parse_size(s), Ok(want), "{s:?}");
+        }
+    }
+
+    #[test]
+    fn parse_size_errors_name_the_value() {
+        for bad in [
+            "",
+            "GB",
+            "abc",
+            "-5",
+            "+5",
+            "1.2.3MB",
+            "5XB",
+            "20M",
+            "1e9",
+            "1.5",
+            "0.1B",
+            "18446744073709551616",
+            "99999999999999999999999PB",
+            ".",
+        ] {
+            let err = parse_size(bad).unwrap_err();
+            assert!(err.contains(&format!("{bad:?}")), "{bad:?}: {err}");
+        }
+    }
+}
