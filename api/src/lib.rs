@@ -1,1 +1,255 @@
-//! Ferry's REST API.
+//! Ferry's REST API (axum): resolve and replicas on sinks, transfers on
+//! sources, health everywhere. Errors are JSON objects
+//! `{"error": "<message naming the problem>"}`.
+//!
+//! Routes:
+//! - `GET /healthz`: `{"status": "ok", "agent", "roles"}`
+//! - `GET /v1/resolve?path=SOURCE_PATH[&wait=30s]` (sink): a
+//!   [`replicator::sink::Resolution`]; `wait` long-polls (at most 300 s)
+//!   until the path is local.
+//! - `GET /v1/replicas[?limit=&offset=]` (sink): replicas, newest first.
+//! - `POST /v1/transfers` `{"path": "...", "link": "..."}` (source): queue
+//!   a transfer; answers 201 with the transfer.
+//! - `GET /v1/transfers[?limit=&offset=]`, `GET /v1/transfers/{id}`
+//!   (source): transfers with live progress.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use replicator::catalog::Transfer;
+use replicator::sink::{Resolution, Sink};
+use replicator::source::{Progress, Source, SubmitError};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use tower_http::timeout::TimeoutLayer;
+
+/// Largest request body accepted, in bytes (64 KiB).
+pub const MAX_BODY: usize = 64 << 10;
+
+/// Longest `wait` honoured by resolve.
+pub const MAX_WAIT: Duration = Duration::from_secs(300);
+
+/// What the handlers can reach.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    /// This agent's name.
+    pub agent: String,
+    /// The source role, if this agent has it.
+    pub source: Option<Source>,
+    /// The sink role, if this agent has it.
+    pub sink: Option<Sink>,
+}
+
+/// An error answer: status code and a message naming the problem.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            message: message.into(),
+        }
+    }
+    fn unprocessable(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNPROCESSABLE_ENTITY, message)
+    }
+    fn internal(e: impl std::fmt::Display) -> Self {
+        tracing::error!(error = %e, "internal error");
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal error; see the agent's log")
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(json!({ "error": self.message }))).into_response()
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(r: JsonRejection) -> Self {
+        let status = match r.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            _ => StatusCode::UNPROCESSABLE_ENTITY,
+        };
+        ApiError::new(status, r.body_text())
+    }
+}
+
+/// Builds the router for `state`.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/v1/resolve", get(resolve))
+        .route("/v1/replicas", get(replicas))
+        .route("/v1/transfers", get(list_transfers).post(create_transfer))
+        .route("/v1/transfers/{id}", get(get_transfer))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such route") })
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(TimeoutLayer::with_status_code(
+            StatusCode::REQUEST_TIMEOUT,
+            MAX_WAIT + Duration::from_secs(30),
+        ))
+        .with_state(state)
+}
+
+async fn healthz(State(s): State<AppState>) -> Json<serde_json::Value> {
+    let mut roles = Vec::new();
+    if s.source.is_some() {
+        roles.push("source");
+    }
+    if s.sink.is_some() {
+        roles.push("sink");
+    }
+    Json(json!({ "status": "ok", "agent": s.agent, "roles": roles }))
+}
+
+fn sink(s: &AppState) -> Result<&Sink, ApiError> {
+    s.sink
+        .as_ref()
+        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "this agent is not a sink; ask the sink agent"))
+}
+
+fn source(s: &AppState) -> Result<&Source, ApiError> {
+    s.source
+        .as_ref()
+        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "this agent is not a source; ask the source agent"))
+}
+
+#[derive(Debug, Deserialize)]
+struct ResolveQuery {
+    path: Option<String>,
+    wait: Option<String>,
+}
+
+async fn resolve(State(s): State<AppState>, Query(q): Query<ResolveQuery>) -> Result<Json<Resolution>, ApiError> {
+    let sink = sink(&s)?;
+    let path = q
+        .path
+        .filter(|p| !p.is_empty())
+        .ok_or_else(|| ApiError::unprocessable("query parameter `path` is required"))?;
+    if !path.starts_with('/') {
+        return Err(ApiError::unprocessable("`path` must be an absolute source path"));
+    }
+    let wait = match q.wait.as_deref() {
+        None | Some("") => Duration::ZERO,
+        Some(w) => humantime::parse_duration(w)
+            .map_err(|e| ApiError::unprocessable(format!("`wait` {w:?} is not a duration like 30s: {e}")))?
+            .min(MAX_WAIT),
+    };
+    let deadline = Instant::now() + wait;
+    let mut changes = sink.changes();
+    loop {
+        let r = sink.resolve(&path).await.map_err(ApiError::internal)?;
+        if matches!(r, Resolution::Local { .. }) || Instant::now() >= deadline {
+            return Ok(Json(r));
+        }
+        let _ = tokio::time::timeout_at(deadline.into(), changes.changed()).await;
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct Page {
+    limit: Option<i64>,
+    offset: Option<i64>,
+}
+
+impl Page {
+    fn get(&self) -> Result<(i64, i64), ApiError> {
+        let limit = self.limit.unwrap_or(100);
+        let offset = self.offset.unwrap_or(0);
+        if !(1..=1000).contains(&limit) {
+            return Err(ApiError::unprocessable("`limit` must be between 1 and 1000"));
+        }
+        if offset < 0 {
+            return Err(ApiError::unprocessable("`offset` must not be negative"));
+        }
+        Ok((limit, offset))
+    }
+}
+
+async fn replicas(State(s): State<AppState>, Query(p): Query<Page>) -> Result<Response, ApiError> {
+    let (limit, offset) = p.get()?;
+    let rows = sink(&s)?
+        .catalog()
+        .replicas(false, limit, offset)
+        .await
+        .map_err(ApiError::internal)?;
+    Ok(Json(json!({ "items": rows, "limit": limit, "offset": offset })).into_response())
+}
+
+#[derive(Debug, Deserialize)]
+struct CreateTransfer {
+    path: String,
+    link: Option<String>,
+}
+
+/// A transfer with its live progress, as the API shows it.
+#[derive(Debug, Serialize)]
+struct TransferView {
+    #[serde(flatten)]
+    transfer: Transfer,
+    progress: Option<Progress>,
+}
+
+async fn create_transfer(
+    State(s): State<AppState>,
+    body: Result<Json<CreateTransfer>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(req) = body?;
+    let src = source(&s)?;
+    if req.path.is_empty() {
+        return Err(ApiError::unprocessable("`path` must not be empty"));
+    }
+    let t = src
+        .submit(&PathBuf::from(&req.path), req.link.as_deref())
+        .await
+        .map_err(|e| match e {
+            SubmitError::BadPath(m) => ApiError::unprocessable(format!("`path`: {m}")),
+            SubmitError::UnknownLink(l) => ApiError::unprocessable(format!("`link`: unknown link {l:?}")),
+            SubmitError::Catalog(e) => ApiError::internal(e),
+        })?;
+    Ok((StatusCode::CREATED, Json(TransferView { transfer: t, progress: None })).into_response())
+}
+
+async fn list_transfers(State(s): State<AppState>, Query(p): Query<Page>) -> Result<Response, ApiError> {
+    let (limit, offset) = p.get()?;
+    let src = source(&s)?;
+    let rows = src.catalog().transfers(limit, offset).await.map_err(ApiError::internal)?;
+    let items: Vec<_> = rows
+        .into_iter()
+        .map(|t| TransferView {
+            progress: src.progress(t.id),
+            transfer: t,
+        })
+        .collect();
+    Ok(Json(json!({ "items": items, "limit": limit, "offset": offset })).into_response())
+}
+
+async fn get_transfer(State(s): State<AppState>, Path(id): Path<String>) -> Result<Response, ApiError> {
+    let id: i64 = id
+        .parse()
+        .map_err(|_| ApiError::unprocessable(format!("transfer id {id:?} is not a number")))?;
+    let src = source(&s)?;
+    let t = src
+        .catalog()
+        .transfer(id)
+        .await
+        .map_err(ApiError::internal)?
+        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no transfer {id}")))?;
+    Ok(Json(TransferView {
+        progress: src.progress(t.id),
+        transfer: t,
+    })
+    .into_response())
+}

@@ -1,0 +1,450 @@
+//! `ferry serve` configuration: TOML, every key documented with its default
+//! and unit in `ops/ferry.example.toml`. Unknown keys are errors; every
+//! error names the key (TOML errors quote the offending line).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Deserializer};
+
+use crate::gen::parse_size;
+
+/// The whole file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// `[agent]`
+    pub agent: AgentSection,
+    /// `[api]`
+    #[serde(default)]
+    pub api: ApiSection,
+    /// `[quic]`
+    #[serde(default)]
+    pub quic: QuicSection,
+    /// `[tls]`
+    pub tls: TlsSection,
+    /// `[[links]]`
+    #[serde(default)]
+    pub links: Vec<LinkSection>,
+    /// `[[jobs]]`
+    #[serde(default)]
+    pub jobs: Vec<JobSection>,
+    /// `[source]`
+    pub source: Option<SourceSection>,
+    /// `[sink]`
+    pub sink: Option<SinkSection>,
+}
+
+/// What an agent does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Sends checkpoints.
+    Source,
+    /// Receives and publishes replicas.
+    Sink,
+    /// Both.
+    Both,
+}
+
+/// `[agent]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentSection {
+    /// Agent name; must equal its certificate's SAN.
+    pub name: String,
+    /// Site (datacenter) name.
+    pub site: String,
+    /// `source`, `sink` or `both`.
+    pub role: Role,
+    /// Directory for the catalog; default `./ferry-data`.
+    #[serde(default = "default_data_dir")]
+    pub data_dir: PathBuf,
+}
+
+fn default_data_dir() -> PathBuf {
+    PathBuf::from("ferry-data")
+}
+
+/// `[api]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiSection {
+    /// HTTP listen address; default `127.0.0.1:7070`.
+    #[serde(default = "default_api_listen")]
+    pub listen: SocketAddr,
+}
+
+impl Default for ApiSection {
+    fn default() -> Self {
+        ApiSection {
+            listen: default_api_listen(),
+        }
+    }
+}
+
+fn default_api_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 7070))
+}
+
+/// `[quic]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuicSection {
+    /// UDP listen address (sinks accept here; sources dial from here);
+    /// default `0.0.0.0:7443` for sinks, `0.0.0.0:0` for sources.
+    pub listen: Option<SocketAddr>,
+    /// Largest link rate this sink serves, sizing receive windows
+    /// (bit/s); default 1 Gbit/s.
+    #[serde(default = "default_rate", deserialize_with = "de_rate")]
+    pub max_link_rate: u64,
+    /// Largest RTT this sink serves, sizing receive windows; default 200 ms.
+    #[serde(default = "default_max_rtt", with = "humantime_serde")]
+    pub max_rtt: Duration,
+}
+
+impl Default for QuicSection {
+    fn default() -> Self {
+        QuicSection {
+            listen: None,
+            max_link_rate: default_rate(),
+            max_rtt: default_max_rtt(),
+        }
+    }
+}
+
+fn default_rate() -> u64 {
+    1_000_000_000
+}
+fn default_max_rtt() -> Duration {
+    Duration::from_millis(200)
+}
+
+/// `[tls]`: PEM files; relative paths are relative to the config file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsSection {
+    /// CA certificate.
+    pub ca: PathBuf,
+    /// This agent's certificate (SAN = agent name).
+    pub cert: PathBuf,
+    /// This agent's private key.
+    pub key: PathBuf,
+}
+
+/// `[[links]]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LinkSection {
+    /// Link name.
+    pub name: String,
+    /// Sink address `host:port` (or a link emulator in front of it).
+    pub peer: String,
+    /// Agent name the sink's certificate must carry.
+    pub peer_name: String,
+    /// Ferry's share of the WAN, e.g. `"1Gbit/s"`.
+    #[serde(deserialize_with = "de_rate")]
+    pub rate: u64,
+    /// Expected base RTT, e.g. `"100ms"`; default 100 ms.
+    #[serde(default = "default_rtt", with = "humantime_serde")]
+    pub rtt_hint: Duration,
+}
+
+fn default_rtt() -> Duration {
+    Duration::from_millis(100)
+}
+
+/// `[[jobs]]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobSection {
+    /// Job name.
+    pub name: String,
+    /// Model size in parameters.
+    #[serde(default)]
+    pub model_params: f64,
+    /// Importance 0..1.
+    #[serde(default)]
+    pub importance: f64,
+}
+
+/// `[source]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceSection {
+    /// Chunk size; default `"4MiB"`.
+    #[serde(default = "default_chunk", deserialize_with = "de_size")]
+    pub chunk_size: u64,
+    /// Commit marker file names (generic rule); default `["COMMITTED"]`.
+    #[serde(default = "default_markers")]
+    pub markers: Vec<String>,
+    /// Data streams in flight per transfer; default 4.
+    #[serde(default = "default_streams")]
+    pub streams: usize,
+    /// Payload bytes per batch (stream); default `"16MiB"`.
+    #[serde(default = "default_batch", deserialize_with = "de_size")]
+    pub batch_size: u64,
+    /// How often roots are scanned for committed directories; default
+    /// `"2s"`; `"0s"` disables the scan.
+    #[serde(default = "default_scan", with = "humantime_serde")]
+    pub scan_interval: Duration,
+    /// `[[source.roots]]`
+    #[serde(default)]
+    pub roots: Vec<RootSection>,
+}
+
+fn default_chunk() -> u64 {
+    4 << 20
+}
+fn default_markers() -> Vec<String> {
+    vec!["COMMITTED".into()]
+}
+fn default_streams() -> usize {
+    4
+}
+fn default_batch() -> u64 {
+    16 << 20
+}
+fn default_scan() -> Duration {
+    Duration::from_secs(2)
+}
+
+/// `[[source.roots]]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RootSection {
+    /// Directory holding a job's checkpoints.
+    pub path: PathBuf,
+    /// Job name.
+    pub job: String,
+    /// Link name.
+    pub link: String,
+}
+
+/// `[sink]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SinkSection {
+    /// Directory for replicas (and staging, under `.ferry/`).
+    pub root: PathBuf,
+    /// Source agent names allowed to connect; default: any with a
+    /// certificate from the CA.
+    #[serde(default)]
+    pub accept_peers: Vec<String>,
+    /// Free space to keep in the sink's file system; default `"1GiB"`.
+    #[serde(default = "default_reserve", deserialize_with = "de_size")]
+    pub reserve: u64,
+}
+
+fn default_reserve() -> u64 {
+    1 << 30
+}
+
+fn de_rate<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    let s = String::deserialize(d)?;
+    parse_rate(&s).map_err(serde::de::Error::custom)
+}
+
+fn de_size<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    let s = String::deserialize(d)?;
+    parse_size(&s).map_err(serde::de::Error::custom)
+}
+
+/// Parses a rate like `"1Gbit/s"`, `"250Mbit/s"`, `"800kbit/s"` or a bare
+/// number of bit/s into bit/s (decimal SI prefixes, as link rates are
+/// quoted).
+///
+/// # Errors
+/// A message naming the bad value.
+pub fn parse_rate(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let bad = || format!("{s:?} is not a rate like \"1Gbit/s\" or \"250Mbit/s\"");
+    let (num, mult) = if let Some(n) = t.strip_suffix("Gbit/s") {
+        (n, 1e9)
+    } else if let Some(n) = t.strip_suffix("Mbit/s") {
+        (n, 1e6)
+    } else if let Some(n) = t.strip_suffix("kbit/s") {
+        (n, 1e3)
+    } else if let Some(n) = t.strip_suffix("bit/s") {
+        (n, 1.0)
+    } else {
+        (t, 1.0)
+    };
+    let v: f64 = num.trim().parse().map_err(|_| bad())?;
+    if !(v.is_finite() && v > 0.0) {
+        return Err(bad());
+    }
+    let r = v * mult;
+    if r < 1000.0 || r > 1e13 {
+        return Err(format!("{s:?} is outside 1 kbit/s..10 Tbit/s"));
+    }
+    Ok(r as u64)
+}
+
+impl Config {
+    /// Reads, parses and checks a config file; relative TLS paths are
+    /// resolved against the file's directory.
+    ///
+    /// # Errors
+    /// A message naming the file and the bad key.
+    pub fn load(path: &Path) -> Result<Config> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("config file {}", path.display()))?;
+        let mut c: Config = toml::from_str(&text).map_err(|e| anyhow::anyhow!("config file {}: {e}", path.display()))?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        for p in [&mut c.tls.ca, &mut c.tls.cert, &mut c.tls.key] {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        }
+        c.check().with_context(|| format!("config file {}", path.display()))?;
+        Ok(c)
+    }
+
+    /// Checks cross-references and ranges.
+    ///
+    /// # Errors
+    /// A message naming the key.
+    pub fn check(&self) -> Result<()> {
+        let a = &self.agent;
+        if a.name.is_empty() {
+            bail!("agent.name must not be empty");
+        }
+        replicator::paths::check_name(&a.site).map_err(|e| anyhow::anyhow!("agent.site: {e}"))?;
+        let is_source = matches!(a.role, Role::Source | Role::Both);
+        let is_sink = matches!(a.role, Role::Sink | Role::Both);
+        if is_source && self.source.is_none() {
+            bail!("agent.role = source needs a [source] section");
+        }
+        if is_sink && self.sink.is_none() {
+            bail!("agent.role = sink needs a [sink] section");
+        }
+        for (i, l) in self.links.iter().enumerate() {
+            if l.name.is_empty() {
+                bail!("links[{i}].name must not be empty");
+            }
+            if self.links.iter().filter(|o| o.name == l.name).count() > 1 {
+                bail!("links[{i}].name {:?} is used twice", l.name);
+            }
+            if l.rtt_hint.is_zero() {
+                bail!("links[{i}].rtt_hint must be more than 0");
+            }
+        }
+        for (i, j) in self.jobs.iter().enumerate() {
+            replicator::paths::check_name(&j.name).map_err(|e| anyhow::anyhow!("jobs[{i}].name: {e}"))?;
+            if !(0.0..=1.0).contains(&j.importance) {
+                bail!("jobs[{i}].importance must be within 0..1, got {}", j.importance);
+            }
+        }
+        if let Some(s) = &self.source {
+            let cs = s.chunk_size;
+            if !(u64::from(replicator::manifest::MIN_CHUNK_SIZE)..=u64::from(replicator::wire::MAX_CHUNK)).contains(&cs) {
+                bail!("source.chunk_size must be within 64KiB..64MiB, got {cs} bytes");
+            }
+            if s.streams == 0 || s.streams > 64 {
+                bail!("source.streams must be within 1..64, got {}", s.streams);
+            }
+            for (i, r) in s.roots.iter().enumerate() {
+                if !r.path.is_absolute() {
+                    bail!("source.roots[{i}].path must be absolute, got {}", r.path.display());
+                }
+                replicator::paths::check_name(&r.job).map_err(|e| anyhow::anyhow!("source.roots[{i}].job: {e}"))?;
+                if !self.links.iter().any(|l| l.name == r.link) {
+                    bail!("source.roots[{i}].link {:?} is not a [[links]] name", r.link);
+                }
+            }
+            if is_source && self.links.is_empty() {
+                bail!("a source needs at least one [[links]] entry");
+            }
+        }
+        if let Some(s) = &self.sink {
+            if !s.root.is_absolute() {
+                bail!("sink.root must be absolute, got {}", s.root.display());
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    const GOOD: &str = r#"
+[agent]
+name = "train-a-1"
+site = "train-a"
+role = "source"
+[tls]
+ca = "ca.pem"
+cert = "a.pem"
+key = "a.key"
+[[links]]
+name = "to-eval"
+peer = "127.0.0.1:7443"
+peer_name = "eval-b-1"
+rate = "1Gbit/s"
+rtt_hint = "100ms"
+[source]
+[[source.roots]]
+path = "/ckpt/job"
+job = "job"
+link = "to-eval"
+"#;
+
+    fn load(text: &str) -> Result<Config> {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("ferry.toml");
+        std::fs::write(&p, text).unwrap();
+        Config::load(&p)
+    }
+
+    fn err(text: &str) -> String {
+        format!("{:#}", load(text).unwrap_err())
+    }
+
+    #[test]
+    fn good_config_gets_defaults() {
+        let c = load(GOOD).unwrap();
+        assert_eq!(c.links[0].rate, 1_000_000_000);
+        assert_eq!(c.api.listen.port(), 7070);
+        assert_eq!(c.source.as_ref().unwrap().chunk_size, 4 << 20);
+        assert!(c.tls.ca.is_absolute());
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let e = err(&GOOD.replace("[source]\n", "[source]\nbogus_key = 1\n"));
+        assert!(e.contains("bogus_key"), "{e}");
+    }
+
+    #[test]
+    fn bad_duration_and_rate_name_the_key() {
+        let e = err(&GOOD.replace("rtt_hint = \"100ms\"", "rtt_hint = \"100 parsecs\""));
+        assert!(e.contains("rtt_hint"), "{e}");
+        let e = err(&GOOD.replace("rate = \"1Gbit/s\"", "rate = \"fast\""));
+        assert!(e.contains("rate") && e.contains("fast"), "{e}");
+    }
+
+    #[test]
+    fn missing_file_and_bad_references_are_named() {
+        let e = format!("{:#}", Config::load(Path::new("/nonexistent/ferry.toml")).unwrap_err());
+        assert!(e.contains("/nonexistent/ferry.toml"), "{e}");
+        let e = err(&GOOD.replace("link = \"to-eval\"", "link = \"nope\""));
+        assert!(e.contains("source.roots[0].link"), "{e}");
+        let e = err(&GOOD.replace("role = \"source\"", "role = \"sink\""));
+        assert!(e.contains("[sink]"), "{e}");
+    }
+
+    #[test]
+    fn rates_parse() {
+        assert_eq!(parse_rate("1Gbit/s"), Ok(1_000_000_000));
+        assert_eq!(parse_rate("2.5Gbit/s"), Ok(2_500_000_000));
+        assert_eq!(parse_rate("250Mbit/s"), Ok(250_000_000));
+        assert_eq!(parse_rate("5000"), Ok(5000));
+        assert!(parse_rate("0Gbit/s").is_err());
+        assert!(parse_rate("1 GB").is_err());
+    }
+}
