@@ -615,3 +615,284 @@ impl AsyncUdpSocket for MemorySocket {
         false
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    const MBIT: u64 = 1_000_000;
+
+    /// 8 Mbit/s = 1 byte/µs; 972-byte payloads are 1000 wire bytes = 1 ms.
+    fn params(queue_bytes: u64) -> LinkParams {
+        LinkParams {
+            queue_bytes,
+            ..LinkParams::new(8 * MBIT, Duration::from_millis(20))
+        }
+    }
+
+    fn at(verdict: Verdict) -> Instant {
+        match verdict {
+            Verdict::Deliver { at, .. } => at,
+            Verdict::Drop(reason) => panic!("unexpected drop: {reason:?}"),
+        }
+    }
+
+    #[test]
+    fn new_uses_bdp_queue_and_half_rtt() {
+        let p = LinkParams::new(100 * MBIT, Duration::from_millis(20));
+        assert_eq!(p.queue_bytes, 250_000);
+        assert_eq!(p.one_way_delay, Duration::from_millis(10));
+        assert_eq!((p.loss, p.corrupt), (0.0, 0.0));
+    }
+
+    #[test]
+    fn burst_is_spaced_by_serialisation_time_plus_delay() {
+        let mut m = LinkModel::new(params(1 << 20));
+        let t0 = Instant::now();
+        let ms = Duration::from_millis(1);
+        for i in 1..=50u32 {
+            assert_eq!(at(m.offer(t0, 972)), t0 + 10 * ms + i * ms);
+        }
+        assert_eq!(m.backlog_bytes(t0), 50_000);
+        assert_eq!(m.backlog_bytes(t0 + Duration::from_micros(20_500)), 29_500);
+        // Long after, the link is idle again: serialisation + delay only.
+        let t1 = t0 + Duration::from_secs(1);
+        assert_eq!(at(m.offer(t1, 972)), t1 + ms + 10 * ms);
+    }
+
+    #[test]
+    fn long_run_rate_equals_cap_without_drift() {
+        // 100 Mbit/s, 1500-byte wire packets offered at twice the rate for
+        // 10 simulated seconds: the link never idles, so the last delivery
+        // must be exactly (delivered bits / rate) after the start.
+        let p = LinkParams::new(100 * MBIT, Duration::from_millis(20));
+        let mut m = LinkModel::new(p.clone());
+        let t0 = Instant::now();
+        let mut last = t0;
+        let mut wire_bits: u128 = 0;
+        for i in 0..166_666u32 {
+            if let Verdict::Deliver { at, .. } = m.offer(t0 + Duration::from_micros(60) * i, 1472) {
+                last = at;
+                wire_bits += 1500 * 8;
+            }
+        }
+        let busy = last - p.one_way_delay - t0;
+        let exact = (wire_bits * NANOS_PER_SEC).div_ceil(u128::from(p.rate_bps));
+        assert_eq!(busy.as_nanos(), exact);
+        let rate = wire_bits as f64 / busy.as_secs_f64();
+        assert!((rate / p.rate_bps as f64 - 1.0).abs() < 1e-6, "rate {rate}");
+        let stats = m.stats();
+        assert!(stats.dropped_queue > 70_000, "{stats:?}");
+        assert_eq!(stats.delivered_packets as u128 * 1500 * 8, wire_bits);
+    }
+
+    #[test]
+    fn queue_tail_drops_then_accepts_after_draining() {
+        let mut m = LinkModel::new(params(10_000));
+        let t0 = Instant::now();
+        for _ in 0..10 {
+            at(m.offer(t0, 972));
+        }
+        assert_eq!(m.offer(t0, 972), Verdict::Drop(DropReason::QueueFull));
+        assert_eq!(m.offer(t0, 972), Verdict::Drop(DropReason::QueueFull));
+        // One packet serialised after 1 ms: room for exactly one more.
+        let t1 = t0 + Duration::from_millis(1);
+        let last = at(m.offer(t1, 972));
+        assert_eq!(last, t0 + Duration::from_millis(21));
+        assert_eq!(m.offer(t1, 972), Verdict::Drop(DropReason::QueueFull));
+        // Fully drained: accepted again without queueing delay.
+        let t2 = t0 + Duration::from_millis(11);
+        assert_eq!(m.backlog_bytes(t2), 0);
+        assert_eq!(at(m.offer(t2, 972)), t2 + Duration::from_millis(11));
+        let stats = m.stats();
+        assert_eq!((stats.delivered_packets, stats.dropped_queue), (12, 3));
+        assert_eq!(stats.delivered_bytes, 12 * 972);
+    }
+
+    #[test]
+    fn random_loss_fraction_and_determinism() {
+        let p = LinkParams {
+            loss: 0.1,
+            seed: 7,
+            ..params(1 << 20)
+        };
+        let run = |p: LinkParams| {
+            let mut m = LinkModel::new(p);
+            let t0 = Instant::now();
+            let verdicts: Vec<bool> = (0..20_000u32)
+                .map(|i| {
+                    matches!(
+                        m.offer(t0 + Duration::from_millis(2) * i, 100),
+                        Verdict::Drop(_)
+                    )
+                })
+                .collect();
+            (verdicts, m.stats())
+        };
+        let (drops, stats) = run(p.clone());
+        assert_eq!(stats.dropped_queue, 0);
+        let fraction = stats.dropped_loss as f64 / 20_000.0;
+        assert!((0.08..0.12).contains(&fraction), "loss fraction {fraction}");
+        assert_eq!(run(p).0, drops);
+    }
+
+    #[test]
+    fn deliveries_stay_fifo_and_corruption_flips_one_byte() {
+        let mut m = LinkModel::new(LinkParams {
+            loss: 0.05,
+            corrupt: 0.2,
+            seed: 3,
+            ..LinkParams::new(10 * MBIT, Duration::from_millis(5))
+        });
+        let mut rng = StdRng::seed_from_u64(11);
+        let mut now = Instant::now();
+        let mut prev = now;
+        let mut corrupted = 0;
+        for _ in 0..10_000 {
+            now += Duration::from_micros(rng.gen_range(0..2_000));
+            // An occasional stale timestamp must not reorder deliveries.
+            let offered_at = now - Duration::from_micros(rng.gen_range(0..100));
+            if let Verdict::Deliver { at, corrupt } = m.offer(offered_at, rng.gen_range(0..1400)) {
+                assert!(at >= prev);
+                prev = at;
+                corrupted += u64::from(corrupt);
+            }
+        }
+        assert_eq!(m.stats().corrupted, corrupted);
+        assert!(corrupted > 0);
+        let original = vec![0x5a; 64];
+        let mut datagram = original.clone();
+        m.corrupt_in_place(&mut datagram);
+        let changed = original
+            .iter()
+            .zip(&datagram)
+            .filter(|(a, b)| a != b)
+            .count();
+        assert_eq!(changed, 1);
+    }
+
+    #[tokio::test]
+    async fn relay_echo_adds_rtt() {
+        let echo = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let echo_addr = echo.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 2048];
+            while let Ok((n, from)) = echo.recv_from(&mut buf).await {
+                let _ = echo.send_to(&buf[..n], from).await;
+            }
+        });
+        let link = LinkParams::new(100 * MBIT, Duration::from_millis(20));
+        let relay = spawn_relay(
+            "127.0.0.1:0".parse().unwrap(),
+            echo_addr,
+            link.clone(),
+            link,
+        )
+        .await
+        .unwrap();
+        let client = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let mut buf = vec![0u8; 2048];
+        for round in 0..3u8 {
+            let payload = vec![round; 1200];
+            let sent = Instant::now();
+            client.send_to(&payload, relay.local_addr()).await.unwrap();
+            let (n, from) =
+                tokio::time::timeout(Duration::from_secs(10), client.recv_from(&mut buf))
+                    .await
+                    .unwrap()
+                    .unwrap();
+            let rtt = sent.elapsed();
+            assert_eq!(from, relay.local_addr());
+            assert_eq!(&buf[..n], &payload[..]);
+            assert!(rtt >= Duration::from_millis(20), "rtt {rtt:?}");
+        }
+        let stats = relay.stats();
+        assert_eq!(
+            (stats.up.delivered_packets, stats.down.delivered_packets),
+            (3, 3)
+        );
+        assert_eq!(stats.up.delivered_bytes, 3 * 1200);
+        relay.shutdown().await;
+    }
+
+    /// Send `len` bytes on a uni stream from `a` to `b` over an in-memory
+    /// link and return what `b` received.
+    async fn quic_transfer(link: LinkParams, len: usize) -> (Vec<u8>, Vec<u8>, LinkStats) {
+        let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+        let cert_der = cert.cert.der().clone();
+        let key = rustls::pki_types::PrivatePkcs8KeyDer::from(cert.key_pair.serialize_der());
+        let server_config =
+            quinn::ServerConfig::with_single_cert(vec![cert_der.clone()], key.into()).unwrap();
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(cert_der).unwrap();
+        let client_config = quinn::ClientConfig::with_root_certificates(Arc::new(roots)).unwrap();
+
+        let (a_addr, b_addr) = (
+            "10.0.0.1:4000".parse().unwrap(),
+            "10.0.0.2:4433".parse().unwrap(),
+        );
+        let (a, b) = memory_pair(a_addr, b_addr, link.clone(), link);
+        let runtime = Arc::new(quinn::TokioRuntime);
+        let server = quinn::Endpoint::new_with_abstract_socket(
+            Default::default(),
+            Some(server_config),
+            b,
+            runtime.clone(),
+        )
+        .unwrap();
+        let mut client =
+            quinn::Endpoint::new_with_abstract_socket(Default::default(), None, a.clone(), runtime)
+                .unwrap();
+        client.set_default_client_config(client_config);
+
+        let payload: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+        let receiver = tokio::spawn(async move {
+            // A corrupted first Initial fails to authenticate; the client retries.
+            let conn = loop {
+                if let Ok(conn) = server.accept().await.unwrap().await {
+                    break conn;
+                }
+            };
+            let mut stream = conn.accept_uni().await.unwrap();
+            let data = stream.read_to_end(usize::MAX).await.unwrap();
+            conn.close(0u32.into(), b"done");
+            server.wait_idle().await;
+            data
+        });
+        let conn = client.connect(b_addr, "localhost").unwrap().await.unwrap();
+        let mut stream = conn.open_uni().await.unwrap();
+        stream.write_all(&payload).await.unwrap();
+        stream.finish().unwrap();
+        conn.closed().await;
+        let received = receiver.await.unwrap();
+        (payload, received, a.stats())
+    }
+
+    #[tokio::test]
+    async fn quinn_over_memory_pair_transfers_intact() {
+        let link = LinkParams::new(100 * MBIT, Duration::from_millis(20));
+        let run = quic_transfer(link, 2 << 20);
+        let (sent, received, stats) = tokio::time::timeout(Duration::from_secs(120), run)
+            .await
+            .unwrap();
+        assert!(received == sent, "payload mismatch");
+        assert!(stats.delivered_bytes > 2 << 20, "{stats:?}");
+    }
+
+    #[tokio::test]
+    async fn quinn_over_lossy_corrupting_link_transfers_intact() {
+        let link = LinkParams {
+            loss: 0.01,
+            corrupt: 0.01,
+            seed: 5,
+            ..LinkParams::new(100 * MBIT, Duration::from_millis(20))
+        };
+        let run = quic_transfer(link, 1 << 20);
+        let (sent, received, stats) = tokio::time::timeout(Duration::from_secs(120), run)
+            .await
+            .unwrap();
+        assert!(received == sent, "payload mismatch");
+        assert!(stats.dropped_loss > 0 && stats.corrupted > 0, "{stats:?}");
+    }
+}
