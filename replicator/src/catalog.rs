@@ -180,7 +180,7 @@ pub struct NewReplica<'a> {
 #[derive(Debug, Clone)]
 pub struct Catalog {
     pool: SqlitePool,
-    _lock: std::sync::Arc<Flock<File>>,
+    _lock: Option<std::sync::Arc<Flock<File>>>,
 }
 
 const TRANSFER_COLS: &str = "id, link, job, source_path, rel, class, state, bytes_total, \
@@ -269,8 +269,28 @@ impl Catalog {
         sqlx::migrate!("../migrations").run(&pool).await?;
         Ok(Catalog {
             pool,
-            _lock: std::sync::Arc::new(lock),
+            _lock: Some(std::sync::Arc::new(lock)),
         })
+    }
+
+    /// Opens an existing catalog read-only, without the agent lock, so
+    /// tools like `ferry verify` can read it while the agent runs.
+    ///
+    /// # Errors
+    /// [`CatalogError::DataDir`] if there is no catalog; SQL errors.
+    pub async fn open_read_only(data_dir: &Path) -> Result<Catalog, CatalogError> {
+        let db = data_dir.join("ferry.db");
+        if !db.is_file() {
+            return Err(CatalogError::DataDir {
+                path: data_dir.to_path_buf(),
+                why: "no catalog (ferry.db) here; is this the agent's data_dir?".into(),
+            });
+        }
+        let opts = SqliteConnectOptions::from_str(&format!("sqlite://{}", db.display()))?
+            .read_only(true)
+            .busy_timeout(Duration::from_secs(5));
+        let pool = SqlitePoolOptions::new().max_connections(1).connect_with(opts).await?;
+        Ok(Catalog { pool, _lock: None })
     }
 
     /// Closes the pool, waiting for queries in flight.

@@ -13,4 +13,5 @@ pub mod sink;
 pub mod source;
 pub mod tls;
 pub mod transport;
+pub mod verify;
 pub mod wire;

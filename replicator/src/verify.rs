@@ -1,0 +1,114 @@
+//! `ferry verify`: re-hash a published replica against the manifest the
+//! sink recorded when it published it.
+
+use std::path::Path;
+
+use crate::catalog::{Catalog, CatalogError};
+use crate::manifest::{self, hex, Manifest};
+use crate::wire::FileInfo;
+
+/// Outcome of a verification.
+#[derive(Debug, Clone)]
+pub struct Report {
+    /// Files checked.
+    pub files: usize,
+    /// Bytes read.
+    pub bytes: u64,
+    /// Hex manifest root.
+    pub root: String,
+    /// One line per difference (missing file, wrong size, chunk mismatch,
+    /// extra file).
+    pub problems: Vec<String>,
+}
+
+/// Errors before any file is checked.
+#[derive(Debug, thiserror::Error)]
+pub enum VerifyError {
+    /// Catalog trouble.
+    #[error(transparent)]
+    Catalog(#[from] CatalogError),
+    /// The path is not a published replica.
+    #[error("{0} is not a published replica in this sink's catalog")]
+    NotAReplica(String),
+    /// The stored manifest is damaged.
+    #[error("stored manifest of {0} cannot be decoded: {1}")]
+    BadManifest(String, String),
+}
+
+/// Re-hashes every file of the replica at `local_path` (absolute) and
+/// compares with the manifest stored in the catalog under `data_dir`.
+///
+/// # Errors
+/// [`VerifyError`] when the replica or its manifest cannot be found;
+/// differences are reported in [`Report::problems`], not as errors.
+pub async fn verify_replica(data_dir: &Path, local_path: &Path) -> Result<Report, VerifyError> {
+    let catalog = Catalog::open_read_only(data_dir).await?;
+    let lp = local_path.to_string_lossy().into_owned();
+    let row = catalog
+        .replica_by_local_path(&lp)
+        .await?
+        .ok_or_else(|| VerifyError::NotAReplica(lp.clone()))?;
+    let bytes = catalog
+        .replica_manifest(row.id)
+        .await?
+        .ok_or_else(|| VerifyError::NotAReplica(lp.clone()))?;
+    catalog.close().await;
+    let m = Manifest::decode(&bytes).map_err(|e| VerifyError::BadManifest(lp.clone(), e.to_string()))?;
+    let dir = local_path.to_path_buf();
+    let report = tokio::task::spawn_blocking(move || check(&dir, &m))
+        .await
+        .map_err(|e| VerifyError::BadManifest(lp, e.to_string()))?;
+    Ok(report)
+}
+
+/// Compares the files under `dir` with `m`.
+pub fn check(dir: &Path, m: &Manifest) -> Report {
+    let mut problems = Vec::new();
+    let mut bytes = 0;
+    for f in &m.files {
+        let p = dir.join(&f.path);
+        let info = match std::fs::metadata(&p) {
+            Ok(md) => FileInfo {
+                path: f.path.clone(),
+                size: md.len(),
+                mode: f.mode,
+                mtime_ns: {
+                    use std::os::unix::fs::MetadataExt;
+                    md.mtime() * 1_000_000_000 + md.mtime_nsec()
+                },
+            },
+            Err(e) => {
+                problems.push(format!("{}: {e}", f.path));
+                continue;
+            }
+        };
+        if info.size != f.size {
+            problems.push(format!("{}: {} bytes, manifest says {}", f.path, info.size, f.size));
+            continue;
+        }
+        match manifest::read_chunks(&p, &info, m.chunk_size, |_, _, _| Ok(())) {
+            Ok(hashes) => {
+                bytes += f.size;
+                for (i, (a, b)) in hashes.iter().zip(&f.chunks).enumerate() {
+                    if a != b {
+                        problems.push(format!("{}: chunk {i} hashes to {}, manifest says {}", f.path, hex(a), hex(b)));
+                    }
+                }
+            }
+            Err(e) => problems.push(format!("{}: {e}", f.path)),
+        }
+    }
+    if let Ok(scan) = manifest::scan(dir, &manifest::ScanOptions::default()) {
+        for f in scan.files {
+            if !m.files.iter().any(|e| e.path == f.path) {
+                problems.push(format!("{}: not in the manifest", f.path));
+            }
+        }
+    }
+    Report {
+        files: m.files.len(),
+        bytes,
+        root: hex(&m.root()),
+        problems,
+    }
+}

@@ -1,0 +1,198 @@
+//! Starting and stopping one agent (`ferry serve`, and both demo agents):
+//! catalog, QUIC endpoint, source and/or sink role, REST API.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use replicator::catalog::Catalog;
+use replicator::sink::{Sink, SinkConfig};
+use replicator::source::{LinkConfig, RootConfig, Source, SourceConfig};
+use replicator::tls::{self, AgentIdentity};
+use replicator::transport::{self, SocketKind, Tuning};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Config, Role};
+
+/// A running agent.
+#[derive(Debug)]
+pub struct Agent {
+    /// Agent name.
+    pub name: String,
+    /// Bound API address.
+    pub api_addr: SocketAddr,
+    /// Bound QUIC address.
+    pub quic_addr: SocketAddr,
+    /// Source role.
+    pub source: Option<Source>,
+    /// Sink role.
+    pub sink: Option<Sink>,
+    catalog: Catalog,
+    stop_api: CancellationToken,
+    api_task: tokio::task::JoinHandle<()>,
+}
+
+/// Overrides used by the demo and tests: a given UDP socket (an in-memory
+/// emulated link) instead of binding `quic.listen`.
+#[derive(Debug, Default)]
+pub struct Overrides {
+    /// Socket for the QUIC endpoint.
+    pub socket: Option<Arc<dyn quinn::AsyncUdpSocket>>,
+}
+
+/// Resolves `host:port` (DNS allowed).
+fn resolve_addr(s: &str) -> Result<SocketAddr> {
+    use std::net::ToSocketAddrs;
+    s.to_socket_addrs()
+        .with_context(|| format!("peer address {s:?}"))?
+        .next()
+        .with_context(|| format!("peer address {s:?} resolves to nothing"))
+}
+
+/// Starts an agent from `cfg`.
+///
+/// # Errors
+/// Anything that prevents the agent from serving: TLS files, data
+/// directory, bind failures; each names what failed.
+pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
+    let id = AgentIdentity::load(&cfg.tls.ca, &cfg.tls.cert, &cfg.tls.key).context("[tls]")?;
+    if id.name() != cfg.agent.name {
+        anyhow::bail!(
+            "agent.name is {:?} but the certificate {} is for {:?}",
+            cfg.agent.name,
+            cfg.tls.cert.display(),
+            id.name()
+        );
+    }
+    let catalog = Catalog::open(&cfg.agent.data_dir).await?;
+    let is_sink = matches!(cfg.agent.role, Role::Sink | Role::Both);
+    let is_source = matches!(cfg.agent.role, Role::Source | Role::Both);
+
+    let server = if is_sink {
+        let mut sc = quinn::ServerConfig::with_crypto(tls::server_crypto(&id)?);
+        let tuning = Tuning {
+            rate_bps: cfg.quic.max_link_rate,
+            rtt: cfg.quic.max_rtt,
+        };
+        sc.transport_config(Arc::new(transport::transport_config(tuning, None)));
+        Some(sc)
+    } else {
+        None
+    };
+    let socket = match ov.socket {
+        Some(s) => SocketKind::Memory(s),
+        None => {
+            let default = if is_sink { "0.0.0.0:7443" } else { "0.0.0.0:0" };
+            SocketKind::Udp(cfg.quic.listen.unwrap_or_else(|| default.parse().unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)))))
+        }
+    };
+    let endpoint = transport::endpoint(socket, server).context("[quic] listen")?;
+    let quic_addr = endpoint.local_addr()?;
+
+    let sink = match (&cfg.sink, is_sink) {
+        (Some(s), true) => Some(
+            Sink::start(
+                SinkConfig {
+                    agent: cfg.agent.name.clone(),
+                    site: cfg.agent.site.clone(),
+                    root: s.root.clone(),
+                    accept_peers: s.accept_peers.clone(),
+                    reserve_bytes: s.reserve,
+                },
+                catalog.clone(),
+                endpoint.clone(),
+            )
+            .context("[sink]")?,
+        ),
+        _ => None,
+    };
+    let source = match (&cfg.source, is_source) {
+        (Some(s), true) => {
+            let mut links = Vec::new();
+            for l in &cfg.links {
+                links.push(LinkConfig {
+                    name: l.name.clone(),
+                    peer_addr: resolve_addr(&l.peer).with_context(|| format!("link {:?}", l.name))?,
+                    peer_name: l.peer_name.clone(),
+                    rate_bps: l.rate,
+                    rtt: l.rtt_hint,
+                });
+            }
+            let sc = SourceConfig {
+                agent: cfg.agent.name.clone(),
+                site: cfg.agent.site.clone(),
+                chunk_size: s.chunk_size as u32,
+                markers: s.markers.clone(),
+                roots: s
+                    .roots
+                    .iter()
+                    .map(|r| RootConfig {
+                        path: std::fs::canonicalize(&r.path).unwrap_or_else(|_| r.path.clone()),
+                        job: r.job.clone(),
+                        link: r.link.clone(),
+                    })
+                    .collect(),
+                links,
+                streams: s.streams,
+                batch_bytes: s.batch_size,
+                scan_interval: (!s.scan_interval.is_zero()).then_some(s.scan_interval),
+            };
+            Some(Source::start(sc, catalog.clone(), endpoint.clone(), &id)?)
+        }
+        _ => None,
+    };
+
+    let listener = TcpListener::bind(cfg.api.listen)
+        .await
+        .with_context(|| format!("[api] listen {}", cfg.api.listen))?;
+    let api_addr = listener.local_addr()?;
+    if !api_addr.ip().is_loopback() {
+        tracing::warn!(%api_addr, "the API has no TLS and no tokens yet; bind it to loopback or a trusted network");
+    }
+    let router = api::router(api::AppState {
+        agent: cfg.agent.name.clone(),
+        source: source.clone(),
+        sink: sink.clone(),
+    });
+    let stop_api = CancellationToken::new();
+    let stop = stop_api.clone();
+    let api_task = tokio::spawn(async move {
+        let r = axum::serve(listener, router)
+            .with_graceful_shutdown(async move { stop.cancelled().await })
+            .await;
+        if let Err(e) = r {
+            tracing::error!(error = %e, "API server failed");
+        }
+    });
+    tracing::info!(agent = cfg.agent.name, %api_addr, %quic_addr, "agent started");
+    Ok(Agent {
+        name: cfg.agent.name.clone(),
+        api_addr,
+        quic_addr,
+        source,
+        sink,
+        catalog,
+        stop_api,
+        api_task,
+    })
+}
+
+impl Agent {
+    /// Drains: sources end batches at a chunk boundary, sinks finish
+    /// in-flight chunk writes and flush the catalog; the API stops; all
+    /// within `deadline`.
+    pub async fn stop(self, deadline: Duration) {
+        let half = deadline / 2;
+        if let Some(s) = &self.source {
+            s.shutdown(half).await;
+        }
+        if let Some(s) = &self.sink {
+            s.shutdown(half).await;
+        }
+        self.stop_api.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.api_task).await;
+        self.catalog.close().await;
+    }
+}

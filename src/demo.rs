@@ -1,0 +1,334 @@
+//! `ferry demo`: a realistic checkpoint replicated between two agents in
+//! this process across an in-memory emulated WAN link, with the measures
+//! of DESIGN.md ("Measures") printed at the end.
+
+use std::io::Read;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use replicator::linkemu::{memory_pair, LinkParams};
+use replicator::sink::Resolution;
+
+use crate::agent::{self, Overrides};
+use crate::config::{
+    AgentSection, ApiSection, Config, LinkSection, QuicSection, Role, RootSection, SinkSection,
+    SourceSection, TlsSection,
+};
+use crate::gen;
+
+/// Options of `ferry demo`.
+#[derive(Debug, clap::Args)]
+pub struct DemoArgs {
+    /// Checkpoint size, e.g. 1.4GB, 200MB.
+    #[arg(long, default_value = "1.4GB", value_parser = gen::parse_size)]
+    pub size: u64,
+    /// Link rate cap, e.g. 1Gbit/s.
+    #[arg(long, default_value = "1Gbit/s", value_parser = crate::config::parse_rate)]
+    pub rate: u64,
+    /// Round-trip time of the emulated link.
+    #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
+    pub rtt: Duration,
+    /// Random loss probability per datagram, 0..1, each direction.
+    #[arg(long, default_value_t = 0.0)]
+    pub loss: f64,
+    /// Print the summary as one JSON object on the last line of stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// Work directory (default: a new temporary directory, removed at
+    /// the end unless --keep).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// Keep the work directory (checkpoint, replica, catalogs, certs).
+    #[arg(long)]
+    pub keep: bool,
+}
+
+/// Physical limit in seconds (DESIGN.md, Measures): payload bytes x 8 x
+/// 1500/1448 / rate + 1.5 RTT.
+pub fn physical_limit_s(bytes: u64, rate_bps: u64, rtt: Duration) -> f64 {
+    bytes as f64 * 8.0 * 1500.0 / 1448.0 / rate_bps as f64 + 1.5 * rtt.as_secs_f64()
+}
+
+fn agent_config(dir: &Path, name: &str, role: Role, api: SocketAddr) -> Config {
+    let certs = dir.join("certs");
+    Config {
+        agent: AgentSection {
+            name: name.into(),
+            site: if role == Role::Sink { "eval-b" } else { "train-a" }.into(),
+            role,
+            data_dir: dir.join(format!("{name}-data")),
+        },
+        api: ApiSection { listen: api },
+        quic: QuicSection::default(),
+        tls: TlsSection {
+            ca: certs.join("ca.pem"),
+            cert: certs.join(format!("{name}.pem")),
+            key: certs.join(format!("{name}.key")),
+        },
+        links: Vec::new(),
+        jobs: Vec::new(),
+        source: None,
+        sink: None,
+    }
+}
+
+/// Runs the demo.
+///
+/// # Errors
+/// Any step that fails, named.
+pub async fn run(a: DemoArgs) -> Result<()> {
+    if !(0.0..1.0).contains(&a.loss) {
+        bail!("--loss must be within 0..1");
+    }
+    let mut tmp = None;
+    let dir = match &a.dir {
+        Some(d) => {
+            std::fs::create_dir_all(d).with_context(|| format!("{}", d.display()))?;
+            std::fs::canonicalize(d)?
+        }
+        None => {
+            let t = tempfile::Builder::new().prefix("ferry-demo-").tempdir()?;
+            let p = t.path().to_path_buf();
+            tmp = Some(t);
+            p
+        }
+    };
+    let say = |s: String| {
+        if a.json {
+            eprintln!("{s}");
+        } else {
+            println!("{s}");
+        }
+    };
+    say(format!(
+        "ferry demo: {} bytes over an emulated {} Mbit/s, {} ms RTT link{} (work dir {})",
+        a.size,
+        a.rate / 1_000_000,
+        a.rtt.as_millis(),
+        if a.loss > 0.0 { format!(", {} % loss", a.loss * 100.0) } else { String::new() },
+        dir.display()
+    ));
+
+    // 1. A realistic checkpoint, committed by its marker.
+    let src_root = dir.join("train").join("mm-demo");
+    let ckpt = src_root.join("step_001000");
+    if ckpt.exists() {
+        std::fs::remove_dir_all(&ckpt)?;
+    }
+    let bar = indicatif::ProgressBar::new(a.size);
+    bar.set_style(indicatif::ProgressStyle::with_template("generating checkpoint {bar:40} {bytes}/{total_bytes}")?);
+    if a.json {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let opts = gen::GenOptions {
+        marker: Some("COMMITTED".into()),
+        ..gen::GenOptions::new(ckpt.clone(), a.size)
+    };
+    let b2 = bar.clone();
+    let summary = tokio::task::spawn_blocking(move || gen::generate(&opts, &|n| b2.set_position(n))).await??;
+    bar.finish_and_clear();
+    say(format!(
+        "checkpoint: {} shards ({} under 16 KiB), {} bytes",
+        summary.shards + 1,
+        summary.small_shards,
+        summary.bytes
+    ));
+
+    // 2. Certificates and two agents joined by an emulated link.
+    replicator::tls::init_dev_pki(&dir.join("certs"), &["demo-source".into(), "demo-sink".into()], 30)?;
+    let src_addr: SocketAddr = "127.0.0.1:1".parse()?;
+    let dst_addr: SocketAddr = "127.0.0.1:2".parse()?;
+    let mut up = LinkParams::new(a.rate, a.rtt);
+    up.loss = a.loss;
+    up.seed = 1;
+    let mut down = up.clone();
+    down.seed = 2;
+    let (src_sock, dst_sock) = memory_pair(src_addr, dst_addr, up, down);
+
+    let loopback: SocketAddr = "127.0.0.1:0".parse()?;
+    let mut sink_cfg = agent_config(&dir, "demo-sink", Role::Sink, loopback);
+    sink_cfg.quic.max_link_rate = a.rate;
+    sink_cfg.quic.max_rtt = a.rtt;
+    sink_cfg.sink = Some(SinkSection {
+        root: dir.join("eval"),
+        accept_peers: vec!["demo-source".into()],
+        reserve: 0,
+    });
+    let mut src_cfg = agent_config(&dir, "demo-source", Role::Source, loopback);
+    src_cfg.links.push(LinkSection {
+        name: "to-eval".into(),
+        peer: dst_addr.to_string(),
+        peer_name: "demo-sink".into(),
+        rate: a.rate,
+        rtt_hint: a.rtt,
+    });
+    src_cfg.source = Some(SourceSection {
+        chunk_size: 4 << 20,
+        markers: vec!["COMMITTED".into()],
+        streams: 4,
+        batch_size: 16 << 20,
+        scan_interval: Duration::ZERO,
+        roots: vec![RootSection {
+            path: src_root.clone(),
+            job: "mm-demo".into(),
+            link: "to-eval".into(),
+        }],
+    });
+    sink_cfg.check()?;
+    src_cfg.check()?;
+    let sink_agent = agent::start(&sink_cfg, Overrides { socket: Some(dst_sock) }).await?;
+    let src_agent = agent::start(&src_cfg, Overrides { socket: Some(src_sock) }).await?;
+    let sink = sink_agent.sink.clone().context("sink role")?;
+
+    // 3. Push through the source's API, as `ferry push` does; the wall
+    //    time runs from this request to the publish at the sink.
+    let http = reqwest::Client::new();
+    let source_path = std::fs::canonicalize(&ckpt)?.to_string_lossy().into_owned();
+    let mut changes = sink.changes();
+    let t0 = Instant::now();
+    let resp = http
+        .post(format!("http://{}/v1/transfers", src_agent.api_addr))
+        .json(&serde_json::json!({ "path": source_path }))
+        .send()
+        .await?;
+    if !resp.status().is_success() {
+        bail!("push refused: {}", resp.text().await?);
+    }
+    let bar = indicatif::ProgressBar::new(summary.bytes);
+    bar.set_style(indicatif::ProgressStyle::with_template(
+        "replicating {bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+    )?);
+    if a.json {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let deadline = t0 + Duration::from_secs(600);
+    let (wall, resolution) = loop {
+        let r = sink.resolve(&source_path).await?;
+        match &r {
+            Resolution::Local { .. } => break (t0.elapsed(), r),
+            Resolution::Replicating { bytes_done, .. } => bar.set_position(*bytes_done),
+            Resolution::Remote { reason } => {
+                bail!("transfer failed: {}", reason.clone().unwrap_or_default())
+            }
+            Resolution::Unknown => {}
+        }
+        if Instant::now() > deadline {
+            bail!("no replica after 600 s");
+        }
+        if let Some(t) = src_agent.source.as_ref() {
+            if let Ok(Some(tr)) = t.catalog().transfer_by_path(&source_path).await {
+                if tr.state == "failed" {
+                    bail!("transfer failed: {}", tr.error.unwrap_or_default());
+                }
+            }
+        }
+        let _ = tokio::time::timeout(Duration::from_millis(100), changes.changed()).await;
+    };
+    bar.finish_and_clear();
+    let Resolution::Local { local_path, .. } = &resolution else {
+        bail!("unreachable: not local");
+    };
+    let replica = PathBuf::from(local_path);
+
+    // 4. Byte-for-byte comparison and the resolve answer over HTTP.
+    let (c1, c2) = (ckpt.clone(), replica.clone());
+    let verified = tokio::task::spawn_blocking(move || compare_trees(&c1, &c2)).await??;
+    let resolve: serde_json::Value = http
+        .get(format!("http://{}/v1/resolve", sink_agent.api_addr))
+        .query(&[("path", source_path.as_str())])
+        .send()
+        .await?
+        .json()
+        .await?;
+    src_agent.stop(Duration::from_secs(5)).await;
+    sink_agent.stop(Duration::from_secs(5)).await;
+
+    let bytes = summary.bytes;
+    let wall_s = wall.as_secs_f64();
+    let goodput = bytes as f64 * 8.0 / wall_s;
+    let limit_s = physical_limit_s(bytes, a.rate, a.rtt);
+    let out = serde_json::json!({
+        "shards": summary.shards + 1,
+        "bytes": bytes,
+        "wall_s": round3(wall_s),
+        "goodput_bps": goodput.round(),
+        "link_rate_bps": a.rate,
+        "rtt_ms": a.rtt.as_secs_f64() * 1000.0,
+        "loss": a.loss,
+        "utilisation": round3(goodput / a.rate as f64),
+        "limit_s": round3(limit_s),
+        "wall_over_limit": round3(wall_s / limit_s),
+        "replica_path": local_path,
+        "verified": verified,
+        "resolve": resolve,
+    });
+    say(format!(
+        "\nreplicated {} shards, {} bytes in {:.2} s\n  goodput      {:.1} Mbit/s\n  utilisation  {:.3} of the {} Mbit/s link\n  physical limit {:.2} s (wall time is {:.3} x the limit)\n  replica      {}\n  verified     {}\n  resolve      {}",
+        summary.shards + 1,
+        bytes,
+        wall_s,
+        goodput / 1e6,
+        goodput / a.rate as f64,
+        a.rate / 1_000_000,
+        limit_s,
+        wall_s / limit_s,
+        local_path,
+        if verified { "byte for byte identical to the source" } else { "DIFFERS from the source" },
+        resolve
+    ));
+    if a.keep || a.dir.is_some() {
+        say(format!("work directory kept: {}", dir.display()));
+    }
+    if a.json {
+        println!("{out}");
+    }
+    if a.keep {
+        if let Some(t) = tmp {
+            let _ = t.keep();
+        }
+    }
+    if !verified {
+        bail!("the replica differs from the source");
+    }
+    Ok(())
+}
+
+fn round3(v: f64) -> f64 {
+    (v * 1000.0).round() / 1000.0
+}
+
+/// True if both trees hold the same regular files with the same bytes.
+fn compare_trees(a: &Path, b: &Path) -> Result<bool> {
+    let opts = replicator::manifest::ScanOptions::default();
+    let sa = replicator::manifest::scan(a, &opts)?;
+    let sb = replicator::manifest::scan(b, &opts)?;
+    let mut pa: Vec<_> = sa.files.iter().map(|f| (&f.path, f.size)).collect();
+    let mut pb: Vec<_> = sb.files.iter().map(|f| (&f.path, f.size)).collect();
+    pa.sort();
+    pb.sort();
+    if pa != pb {
+        return Ok(false);
+    }
+    let mut ba = vec![0u8; 1 << 20];
+    let mut bb = vec![0u8; 1 << 20];
+    for (p, _) in pa {
+        let mut fa = std::fs::File::open(a.join(p))?;
+        let mut fb = std::fs::File::open(b.join(p))?;
+        loop {
+            let n = fa.read(&mut ba)?;
+            if n == 0 {
+                if fb.read(&mut bb[..1])? != 0 {
+                    return Ok(false);
+                }
+                break;
+            }
+            fb.read_exact(&mut bb[..n])?;
+            if ba[..n] != bb[..n] {
+                return Ok(false);
+            }
+        }
+    }
+    Ok(true)
+}
