@@ -85,7 +85,11 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
         Some(s) => SocketKind::Memory(s),
         None => {
             let default = if is_sink { "0.0.0.0:7443" } else { "0.0.0.0:0" };
-            SocketKind::Udp(cfg.quic.listen.unwrap_or_else(|| default.parse().unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)))))
+            SocketKind::Udp(cfg.quic.listen.unwrap_or_else(|| {
+                default
+                    .parse()
+                    .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)))
+            }))
         }
     };
     let endpoint = transport::endpoint(socket, server).context("[quic] listen")?;
@@ -114,7 +118,8 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
             for l in &cfg.links {
                 links.push(LinkConfig {
                     name: l.name.clone(),
-                    peer_addr: resolve_addr(&l.peer).with_context(|| format!("link {:?}", l.name))?,
+                    peer_addr: resolve_addr(&l.peer)
+                        .with_context(|| format!("link {:?}", l.name))?,
                     peer_name: l.peer_name.clone(),
                     rate_bps: l.rate,
                     rtt: l.rtt_hint,
@@ -166,6 +171,14 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
             tracing::error!(error = %e, "API server failed");
         }
     });
+    for j in &cfg.jobs {
+        tracing::info!(
+            job = j.name,
+            model_params = j.model_params,
+            importance = j.importance,
+            "job configured"
+        );
+    }
     tracing::info!(agent = cfg.agent.name, %api_addr, %quic_addr, "agent started");
     Ok(Agent {
         name: cfg.agent.name.clone(),

@@ -277,7 +277,7 @@ pub fn parse_rate(s: &str) -> Result<u64, String> {
         return Err(bad());
     }
     let r = v * mult;
-    if r < 1000.0 || r > 1e13 {
+    if !(1000.0..=1e13).contains(&r) {
         return Err(format!("{s:?} is outside 1 kbit/s..10 Tbit/s"));
     }
     Ok(r as u64)
@@ -290,15 +290,18 @@ impl Config {
     /// # Errors
     /// A message naming the file and the bad key.
     pub fn load(path: &Path) -> Result<Config> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("config file {}", path.display()))?;
-        let mut c: Config = toml::from_str(&text).map_err(|e| anyhow::anyhow!("config file {}: {e}", path.display()))?;
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("config file {}", path.display()))?;
+        let mut c: Config = toml::from_str(&text)
+            .map_err(|e| anyhow::anyhow!("config file {}: {e}", path.display()))?;
         let base = path.parent().unwrap_or(Path::new("."));
         for p in [&mut c.tls.ca, &mut c.tls.cert, &mut c.tls.key] {
             if p.is_relative() {
                 *p = base.join(&*p);
             }
         }
-        c.check().with_context(|| format!("config file {}", path.display()))?;
+        c.check()
+            .with_context(|| format!("config file {}", path.display()))?;
         Ok(c)
     }
 
@@ -332,14 +335,21 @@ impl Config {
             }
         }
         for (i, j) in self.jobs.iter().enumerate() {
-            replicator::paths::check_name(&j.name).map_err(|e| anyhow::anyhow!("jobs[{i}].name: {e}"))?;
+            replicator::paths::check_name(&j.name)
+                .map_err(|e| anyhow::anyhow!("jobs[{i}].name: {e}"))?;
             if !(0.0..=1.0).contains(&j.importance) {
-                bail!("jobs[{i}].importance must be within 0..1, got {}", j.importance);
+                bail!(
+                    "jobs[{i}].importance must be within 0..1, got {}",
+                    j.importance
+                );
             }
         }
         if let Some(s) = &self.source {
             let cs = s.chunk_size;
-            if !(u64::from(replicator::manifest::MIN_CHUNK_SIZE)..=u64::from(replicator::wire::MAX_CHUNK)).contains(&cs) {
+            if !(u64::from(replicator::manifest::MIN_CHUNK_SIZE)
+                ..=u64::from(replicator::wire::MAX_CHUNK))
+                .contains(&cs)
+            {
                 bail!("source.chunk_size must be within 64KiB..64MiB, got {cs} bytes");
             }
             if s.streams == 0 || s.streams > 64 {
@@ -347,11 +357,18 @@ impl Config {
             }
             for (i, r) in s.roots.iter().enumerate() {
                 if !r.path.is_absolute() {
-                    bail!("source.roots[{i}].path must be absolute, got {}", r.path.display());
+                    bail!(
+                        "source.roots[{i}].path must be absolute, got {}",
+                        r.path.display()
+                    );
                 }
-                replicator::paths::check_name(&r.job).map_err(|e| anyhow::anyhow!("source.roots[{i}].job: {e}"))?;
+                replicator::paths::check_name(&r.job)
+                    .map_err(|e| anyhow::anyhow!("source.roots[{i}].job: {e}"))?;
                 if !self.links.iter().any(|l| l.name == r.link) {
-                    bail!("source.roots[{i}].link {:?} is not a [[links]] name", r.link);
+                    bail!(
+                        "source.roots[{i}].link {:?} is not a [[links]] name",
+                        r.link
+                    );
                 }
             }
             if is_source && self.links.is_empty() {
@@ -430,12 +447,29 @@ link = "to-eval"
 
     #[test]
     fn missing_file_and_bad_references_are_named() {
-        let e = format!("{:#}", Config::load(Path::new("/nonexistent/ferry.toml")).unwrap_err());
+        let e = format!(
+            "{:#}",
+            Config::load(Path::new("/nonexistent/ferry.toml")).unwrap_err()
+        );
         assert!(e.contains("/nonexistent/ferry.toml"), "{e}");
         let e = err(&GOOD.replace("link = \"to-eval\"", "link = \"nope\""));
         assert!(e.contains("source.roots[0].link"), "{e}");
         let e = err(&GOOD.replace("role = \"source\"", "role = \"sink\""));
         assert!(e.contains("[sink]"), "{e}");
+    }
+
+    #[test]
+    fn example_config_parses() {
+        let c = load(include_str!("../ops/ferry.example.toml")).unwrap();
+        assert_eq!(c.agent.role, Role::Source);
+        assert_eq!(c.jobs[0].importance, 0.8);
+        // The commented [sink] block is valid too.
+        let sink = include_str!("../ops/ferry.example.toml")
+            .replace("role = \"source\"", "role = \"both\"")
+            .replace("# [sink]", "[sink]")
+            .replace("# root = ", "root = ");
+        let c = load(&sink).unwrap();
+        assert_eq!(c.sink.unwrap().reserve, 1 << 30);
     }
 
     #[test]

@@ -56,7 +56,12 @@ fn agent_config(dir: &Path, name: &str, role: Role, api: SocketAddr) -> Config {
     Config {
         agent: AgentSection {
             name: name.into(),
-            site: if role == Role::Sink { "eval-b" } else { "train-a" }.into(),
+            site: if role == Role::Sink {
+                "eval-b"
+            } else {
+                "train-a"
+            }
+            .into(),
             role,
             data_dir: dir.join(format!("{name}-data")),
         },
@@ -107,7 +112,11 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         a.size,
         a.rate / 1_000_000,
         a.rtt.as_millis(),
-        if a.loss > 0.0 { format!(", {} % loss", a.loss * 100.0) } else { String::new() },
+        if a.loss > 0.0 {
+            format!(", {} % loss", a.loss * 100.0)
+        } else {
+            String::new()
+        },
         dir.display()
     ));
 
@@ -118,7 +127,9 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         std::fs::remove_dir_all(&ckpt)?;
     }
     let bar = indicatif::ProgressBar::new(a.size);
-    bar.set_style(indicatif::ProgressStyle::with_template("generating checkpoint {bar:40} {bytes}/{total_bytes}")?);
+    bar.set_style(indicatif::ProgressStyle::with_template(
+        "generating checkpoint {bar:40} {bytes}/{total_bytes}",
+    )?);
     if a.json {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
@@ -127,7 +138,9 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         ..gen::GenOptions::new(ckpt.clone(), a.size)
     };
     let b2 = bar.clone();
-    let summary = tokio::task::spawn_blocking(move || gen::generate(&opts, &|n| b2.set_position(n))).await??;
+    let summary =
+        tokio::task::spawn_blocking(move || gen::generate(&opts, &|n| b2.set_position(n)))
+            .await??;
     bar.finish_and_clear();
     say(format!(
         "checkpoint: {} shards ({} under 16 KiB), {} bytes",
@@ -137,7 +150,11 @@ pub async fn run(a: DemoArgs) -> Result<()> {
     ));
 
     // 2. Certificates and two agents joined by an emulated link.
-    replicator::tls::init_dev_pki(&dir.join("certs"), &["demo-source".into(), "demo-sink".into()], 30)?;
+    replicator::tls::init_dev_pki(
+        &dir.join("certs"),
+        &["demo-source".into(), "demo-sink".into()],
+        30,
+    )?;
     let src_addr: SocketAddr = "127.0.0.1:1".parse()?;
     let dst_addr: SocketAddr = "127.0.0.1:2".parse()?;
     let mut up = LinkParams::new(a.rate, a.rtt);
@@ -178,8 +195,20 @@ pub async fn run(a: DemoArgs) -> Result<()> {
     });
     sink_cfg.check()?;
     src_cfg.check()?;
-    let sink_agent = agent::start(&sink_cfg, Overrides { socket: Some(dst_sock) }).await?;
-    let src_agent = agent::start(&src_cfg, Overrides { socket: Some(src_sock) }).await?;
+    let sink_agent = agent::start(
+        &sink_cfg,
+        Overrides {
+            socket: Some(dst_sock),
+        },
+    )
+    .await?;
+    let src_agent = agent::start(
+        &src_cfg,
+        Overrides {
+            socket: Some(src_sock),
+        },
+    )
+    .await?;
     let sink = sink_agent.sink.clone().context("sink role")?;
 
     // 3. Push through the source's API, as `ferry push` does; the wall

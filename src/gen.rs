@@ -311,8 +311,10 @@ impl Tensor {
     }
 }
 
-/// The scaled tensor list for one target size.
+/// The scaled tensor list for one target size. `layers`, `hidden` and
+/// `tower_depth` are kept for the tests that check the scaling formula.
 #[derive(Debug)]
+#[cfg_attr(not(test), allow(dead_code))]
 struct Plan {
     /// Decoder layers `L`.
     layers: u64,

@@ -73,7 +73,7 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
         /// Total size, e.g. 1.4GB, 200MB, 512MiB.
-        #[arg(long, default_value = "1.4GB", value_parser = gen::parse_size)]
+        #[arg(long, default_value_t = gen::DEFAULT_TOTAL_BYTES, value_parser = gen::parse_size)]
         size: u64,
         /// Seed for the content (same seed, same bytes).
         #[arg(long, default_value_t = 0)]
@@ -139,7 +139,9 @@ fn main() {
         "info"
     };
     tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_env("FERRY_LOG").unwrap_or_else(|_| EnvFilter::new(default)))
+        .with_env_filter(
+            EnvFilter::try_from_env("FERRY_LOG").unwrap_or_else(|_| EnvFilter::new(default)),
+        )
         .with_writer(std::io::stderr)
         .init();
     let rt = match tokio::runtime::Runtime::new() {
@@ -240,7 +242,11 @@ async fn push(path: &Path, link: Option<String>, server: &str, no_wait: bool) ->
     let status = resp.status();
     let body: serde_json::Value = resp.json().await.context("reading the answer")?;
     if !status.is_success() {
-        bail!("{}: {}", status, body["error"].as_str().unwrap_or("unknown error"));
+        bail!(
+            "{}: {}",
+            status,
+            body["error"].as_str().unwrap_or("unknown error")
+        );
     }
     let id = body["id"].as_i64().context("answer has no transfer id")?;
     println!("transfer {id} queued: {}", abs.display());
@@ -249,8 +255,10 @@ async fn push(path: &Path, link: Option<String>, server: &str, no_wait: bool) ->
     }
     let bar = indicatif::ProgressBar::new(1);
     bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta} {msg}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta} {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     loop {
         let t: serde_json::Value = client
@@ -260,7 +268,8 @@ async fn push(path: &Path, link: Option<String>, server: &str, no_wait: bool) ->
             .json()
             .await?;
         let total = t["bytes_total"].as_u64().unwrap_or(0);
-        let sent = t["progress"]["bytes_sent"].as_u64().unwrap_or(0) + t["progress"]["bytes_skipped"].as_u64().unwrap_or(0);
+        let sent = t["progress"]["bytes_sent"].as_u64().unwrap_or(0)
+            + t["progress"]["bytes_skipped"].as_u64().unwrap_or(0);
         bar.set_length(total.max(1));
         bar.set_position(sent.min(total));
         let state = t["state"].as_str().unwrap_or("?").to_string();
@@ -277,7 +286,10 @@ async fn push(path: &Path, link: Option<String>, server: &str, no_wait: bool) ->
             }
             "failed" | "cancelled" => {
                 bar.finish_and_clear();
-                bail!("transfer {id} {state}: {}", t["error"].as_str().unwrap_or("no reason given"));
+                bail!(
+                    "transfer {id} {state}: {}",
+                    t["error"].as_str().unwrap_or("no reason given")
+                );
             }
             _ => tokio::time::sleep(Duration::from_millis(200)).await,
         }

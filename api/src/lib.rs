@@ -65,7 +65,10 @@ impl ApiError {
     }
     fn internal(e: impl std::fmt::Display) -> Self {
         tracing::error!(error = %e, "internal error");
-        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal error; see the agent's log")
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal error; see the agent's log",
+        )
     }
 }
 
@@ -115,15 +118,21 @@ async fn healthz(State(s): State<AppState>) -> Json<serde_json::Value> {
 }
 
 fn sink(s: &AppState) -> Result<&Sink, ApiError> {
-    s.sink
-        .as_ref()
-        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "this agent is not a sink; ask the sink agent"))
+    s.sink.as_ref().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "this agent is not a sink; ask the sink agent",
+        )
+    })
 }
 
 fn source(s: &AppState) -> Result<&Source, ApiError> {
-    s.source
-        .as_ref()
-        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "this agent is not a source; ask the source agent"))
+    s.source.as_ref().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "this agent is not a source; ask the source agent",
+        )
+    })
 }
 
 #[derive(Debug, Deserialize)]
@@ -132,19 +141,26 @@ struct ResolveQuery {
     wait: Option<String>,
 }
 
-async fn resolve(State(s): State<AppState>, Query(q): Query<ResolveQuery>) -> Result<Json<Resolution>, ApiError> {
+async fn resolve(
+    State(s): State<AppState>,
+    Query(q): Query<ResolveQuery>,
+) -> Result<Json<Resolution>, ApiError> {
     let sink = sink(&s)?;
     let path = q
         .path
         .filter(|p| !p.is_empty())
         .ok_or_else(|| ApiError::unprocessable("query parameter `path` is required"))?;
     if !path.starts_with('/') {
-        return Err(ApiError::unprocessable("`path` must be an absolute source path"));
+        return Err(ApiError::unprocessable(
+            "`path` must be an absolute source path",
+        ));
     }
     let wait = match q.wait.as_deref() {
         None | Some("") => Duration::ZERO,
         Some(w) => humantime::parse_duration(w)
-            .map_err(|e| ApiError::unprocessable(format!("`wait` {w:?} is not a duration like 30s: {e}")))?
+            .map_err(|e| {
+                ApiError::unprocessable(format!("`wait` {w:?} is not a duration like 30s: {e}"))
+            })?
             .min(MAX_WAIT),
     };
     let deadline = Instant::now() + wait;
@@ -169,7 +185,9 @@ impl Page {
         let limit = self.limit.unwrap_or(100);
         let offset = self.offset.unwrap_or(0);
         if !(1..=1000).contains(&limit) {
-            return Err(ApiError::unprocessable("`limit` must be between 1 and 1000"));
+            return Err(ApiError::unprocessable(
+                "`limit` must be between 1 and 1000",
+            ));
         }
         if offset < 0 {
             return Err(ApiError::unprocessable("`offset` must not be negative"));
@@ -216,16 +234,32 @@ async fn create_transfer(
         .await
         .map_err(|e| match e {
             SubmitError::BadPath(m) => ApiError::unprocessable(format!("`path`: {m}")),
-            SubmitError::UnknownLink(l) => ApiError::unprocessable(format!("`link`: unknown link {l:?}")),
+            SubmitError::UnknownLink(l) => {
+                ApiError::unprocessable(format!("`link`: unknown link {l:?}"))
+            }
             SubmitError::Catalog(e) => ApiError::internal(e),
         })?;
-    Ok((StatusCode::CREATED, Json(TransferView { transfer: t, progress: None })).into_response())
+    Ok((
+        StatusCode::CREATED,
+        Json(TransferView {
+            transfer: t,
+            progress: None,
+        }),
+    )
+        .into_response())
 }
 
-async fn list_transfers(State(s): State<AppState>, Query(p): Query<Page>) -> Result<Response, ApiError> {
+async fn list_transfers(
+    State(s): State<AppState>,
+    Query(p): Query<Page>,
+) -> Result<Response, ApiError> {
     let (limit, offset) = p.get()?;
     let src = source(&s)?;
-    let rows = src.catalog().transfers(limit, offset).await.map_err(ApiError::internal)?;
+    let rows = src
+        .catalog()
+        .transfers(limit, offset)
+        .await
+        .map_err(ApiError::internal)?;
     let items: Vec<_> = rows
         .into_iter()
         .map(|t| TransferView {
@@ -236,7 +270,10 @@ async fn list_transfers(State(s): State<AppState>, Query(p): Query<Page>) -> Res
     Ok(Json(json!({ "items": items, "limit": limit, "offset": offset })).into_response())
 }
 
-async fn get_transfer(State(s): State<AppState>, Path(id): Path<String>) -> Result<Response, ApiError> {
+async fn get_transfer(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
     let id: i64 = id
         .parse()
         .map_err(|_| ApiError::unprocessable(format!("transfer id {id:?} is not a number")))?;

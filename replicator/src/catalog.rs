@@ -289,7 +289,10 @@ impl Catalog {
         let opts = SqliteConnectOptions::from_str(&format!("sqlite://{}", db.display()))?
             .read_only(true)
             .busy_timeout(Duration::from_secs(5));
-        let pool = SqlitePoolOptions::new().max_connections(1).connect_with(opts).await?;
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(opts)
+            .await?;
         Ok(Catalog { pool, _lock: None })
     }
 
@@ -374,7 +377,10 @@ impl Catalog {
     ///
     /// # Errors
     /// SQL errors.
-    pub async fn transfer_by_path(&self, source_path: &str) -> Result<Option<Transfer>, CatalogError> {
+    pub async fn transfer_by_path(
+        &self,
+        source_path: &str,
+    ) -> Result<Option<Transfer>, CatalogError> {
         let q = format!(
             "SELECT {TRANSFER_COLS} FROM transfers WHERE source_path = ? ORDER BY id DESC LIMIT 1"
         );
@@ -492,7 +498,8 @@ impl Catalog {
     /// # Errors
     /// SQL errors.
     pub async fn insert_replica(&self, n: &NewReplica<'_>) -> Result<i64, CatalogError> {
-        let files = serde_json::to_string(n.files).map_err(|e| CatalogError::Corrupt(e.to_string()))?;
+        let files =
+            serde_json::to_string(n.files).map_err(|e| CatalogError::Corrupt(e.to_string()))?;
         let r = sqlx::query(
             "INSERT INTO replicas (peer, source_site, source_transfer, job, source_path, rel, \
              chunk_size, files, state, bytes_total, staging_path, local_path, created_at) \
@@ -526,7 +533,8 @@ impl Catalog {
             .fetch_one(&self.pool)
             .await?;
         let s: String = r.try_get("files")?;
-        serde_json::from_str(&s).map_err(|e| CatalogError::Corrupt(format!("file list of replica {id}: {e}")))
+        serde_json::from_str(&s)
+            .map_err(|e| CatalogError::Corrupt(format!("file list of replica {id}: {e}")))
     }
 
     /// Replaces the file list of a row (a resumed transfer whose files
@@ -534,7 +542,12 @@ impl Catalog {
     ///
     /// # Errors
     /// SQL errors.
-    pub async fn set_replica_files(&self, id: i64, files: &[FileInfo], bytes_total: u64) -> Result<(), CatalogError> {
+    pub async fn set_replica_files(
+        &self,
+        id: i64,
+        files: &[FileInfo],
+        bytes_total: u64,
+    ) -> Result<(), CatalogError> {
         let s = serde_json::to_string(files).map_err(|e| CatalogError::Corrupt(e.to_string()))?;
         sqlx::query("UPDATE replicas SET files = ?, bytes_total = ? WHERE id = ?")
             .bind(s)
@@ -558,9 +571,9 @@ impl Catalog {
             .map(|r| {
                 let idx: i64 = r.try_get("idx")?;
                 let h: Vec<u8> = r.try_get("hash")?;
-                let h: Hash = h
-                    .try_into()
-                    .map_err(|_| CatalogError::Corrupt(format!("chunk {idx} of replica {replica}")))?;
+                let h: Hash = h.try_into().map_err(|_| {
+                    CatalogError::Corrupt(format!("chunk {idx} of replica {replica}"))
+                })?;
                 Ok((idx as u64, h))
             })
             .collect()
@@ -574,12 +587,14 @@ impl Catalog {
     pub async fn add_chunks(&self, chunks: &[(i64, u64, Hash, u64)]) -> Result<(), CatalogError> {
         let mut tx = self.pool.begin().await?;
         for (replica, idx, hash, bytes) in chunks {
-            let r = sqlx::query("INSERT INTO chunks (replica, idx, hash) VALUES (?, ?, ?) ON CONFLICT DO NOTHING")
-                .bind(replica)
-                .bind(*idx as i64)
-                .bind(&hash[..])
-                .execute(&mut *tx)
-                .await?;
+            let r = sqlx::query(
+                "INSERT INTO chunks (replica, idx, hash) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+            )
+            .bind(replica)
+            .bind(*idx as i64)
+            .bind(&hash[..])
+            .execute(&mut *tx)
+            .await?;
             if r.rows_affected() > 0 {
                 sqlx::query("UPDATE replicas SET bytes_done = bytes_done + ? WHERE id = ?")
                     .bind(*bytes as i64)
@@ -597,7 +612,12 @@ impl Catalog {
     ///
     /// # Errors
     /// SQL errors.
-    pub async fn drop_chunks(&self, replica: i64, idx: &[u64], bytes_done: u64) -> Result<(), CatalogError> {
+    pub async fn drop_chunks(
+        &self,
+        replica: i64,
+        idx: &[u64],
+        bytes_done: u64,
+    ) -> Result<(), CatalogError> {
         let mut tx = self.pool.begin().await?;
         for i in idx {
             sqlx::query("DELETE FROM chunks WHERE replica = ? AND idx = ?")
@@ -651,7 +671,12 @@ impl Catalog {
     ///
     /// # Errors
     /// SQL errors.
-    pub async fn set_replica_state(&self, id: i64, new_state: &str, error: Option<&str>) -> Result<(), CatalogError> {
+    pub async fn set_replica_state(
+        &self,
+        id: i64,
+        new_state: &str,
+        error: Option<&str>,
+    ) -> Result<(), CatalogError> {
         sqlx::query("UPDATE replicas SET state = ?, error = COALESCE(?, error) WHERE id = ?")
             .bind(new_state)
             .bind(error)
@@ -690,7 +715,12 @@ impl Catalog {
     ///
     /// # Errors
     /// SQL errors.
-    pub async fn replicas(&self, published: bool, limit: i64, offset: i64) -> Result<Vec<Replica>, CatalogError> {
+    pub async fn replicas(
+        &self,
+        published: bool,
+        limit: i64,
+        offset: i64,
+    ) -> Result<Vec<Replica>, CatalogError> {
         let q = if published {
             format!("SELECT {REPLICA_COLS} FROM replicas WHERE state = 'published' ORDER BY id DESC LIMIT ? OFFSET ?")
         } else {
@@ -710,8 +740,13 @@ impl Catalog {
     ///
     /// # Errors
     /// SQL errors.
-    pub async fn replicas_for_source(&self, source_path: &str) -> Result<Vec<Replica>, CatalogError> {
-        let q = format!("SELECT {REPLICA_COLS} FROM replicas WHERE source_path = ? ORDER BY id DESC LIMIT 16");
+    pub async fn replicas_for_source(
+        &self,
+        source_path: &str,
+    ) -> Result<Vec<Replica>, CatalogError> {
+        let q = format!(
+            "SELECT {REPLICA_COLS} FROM replicas WHERE source_path = ? ORDER BY id DESC LIMIT 16"
+        );
         let rows = sqlx::query(&q)
             .bind(source_path)
             .fetch_all(&self.pool)
@@ -723,7 +758,10 @@ impl Catalog {
     ///
     /// # Errors
     /// SQL errors.
-    pub async fn replica_by_local_path(&self, local_path: &str) -> Result<Option<Replica>, CatalogError> {
+    pub async fn replica_by_local_path(
+        &self,
+        local_path: &str,
+    ) -> Result<Option<Replica>, CatalogError> {
         let q = format!(
             "SELECT {REPLICA_COLS} FROM replicas WHERE local_path = ? AND state = 'published' \
              ORDER BY id DESC LIMIT 1"
@@ -753,7 +791,10 @@ mod tests {
     async fn transfer_and_replica_rows_roundtrip() {
         let d = tempfile::tempdir().unwrap();
         let c = Catalog::open(d.path()).await.unwrap();
-        let id = c.insert_transfer("l", "j", "/ck/s1", "s1", "scheduled").await.unwrap();
+        let id = c
+            .insert_transfer("l", "j", "/ck/s1", "s1", "scheduled")
+            .await
+            .unwrap();
         c.set_transfer_state(id, state::ACTIVE, None).await.unwrap();
         assert_eq!(c.unfinished_transfers().await.unwrap().len(), 1);
         c.set_transfer_published(id, "ab", "/eval/x").await.unwrap();
@@ -788,7 +829,9 @@ mod tests {
         c.add_chunks(&[(r, 0, [7; 32], 5)]).await.unwrap();
         c.add_chunks(&[(r, 0, [7; 32], 5)]).await.unwrap();
         assert_eq!(c.chunks(r).await.unwrap(), vec![(0, [7; 32])]);
-        c.set_replica_published(r, b"m", "ab", "/eval/x").await.unwrap();
+        c.set_replica_published(r, b"m", "ab", "/eval/x")
+            .await
+            .unwrap();
         assert!(c.chunks(r).await.unwrap().is_empty());
         let rep = c.replica_by_local_path("/eval/x").await.unwrap().unwrap();
         assert_eq!(rep.bytes_done, 5);

@@ -80,4 +80,14 @@ impl ControlSender {
         self.0.lock().await.write_all(&msg.encode()).await?;
         Ok(())
     }
+
+    /// Sends a last message, finishes the stream and waits (at most
+    /// `wait`) until the peer has read it, so that closing the connection
+    /// right after does not discard it.
+    pub async fn send_last(&self, msg: &Control, wait: std::time::Duration) {
+        let mut s = self.0.lock().await;
+        if s.write_all(&msg.encode()).await.is_ok() && s.finish().is_ok() {
+            let _ = tokio::time::timeout(wait, s.stopped()).await;
+        }
+    }
 }

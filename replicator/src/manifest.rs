@@ -151,7 +151,10 @@ pub fn validate_files(files: &[FileInfo], chunk_size: u32) -> Result<(), WireErr
     if !(MIN_CHUNK_SIZE..=crate::wire::MAX_CHUNK).contains(&chunk_size) {
         return Err(invalid(
             "chunk size",
-            format!("{chunk_size} bytes is outside {MIN_CHUNK_SIZE}..={}", crate::wire::MAX_CHUNK),
+            format!(
+                "{chunk_size} bytes is outside {MIN_CHUNK_SIZE}..={}",
+                crate::wire::MAX_CHUNK
+            ),
         ));
     }
     if files.len() > MAX_FILES as usize {
@@ -526,13 +529,19 @@ mod tests {
         let data = std::fs::read(d.path().join("big")).unwrap();
         let big = &m.files[0];
         assert_eq!(big.chunks.len(), 3);
-        assert_eq!(big.chunks[2], *blake3::hash(&data[2 * cs as usize..]).as_bytes());
+        assert_eq!(
+            big.chunks[2],
+            *blake3::hash(&data[2 * cs as usize..]).as_bytes()
+        );
         assert!(m.files[1].chunks.is_empty());
         let again = Manifest::decode(&m.encode()).unwrap();
         assert_eq!(again.root(), m.root());
         // Any change to the content changes the root.
         write(d.path(), "empty", 1);
-        assert_ne!(build(d.path(), &ScanOptions::default(), cs).unwrap().root(), m.root());
+        assert_ne!(
+            build(d.path(), &ScanOptions::default(), cs).unwrap().root(),
+            m.root()
+        );
     }
 
     #[test]

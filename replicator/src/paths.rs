@@ -121,7 +121,13 @@ mod tests {
 
     #[test]
     fn plain_paths_are_accepted() {
-        for good in ["a", "a/b.bin", ".metadata", "model/layers.0.attn.bin", "é/ü"] {
+        for good in [
+            "a",
+            "a/b.bin",
+            ".metadata",
+            "model/layers.0.attn.bin",
+            "é/ü",
+        ] {
             assert_eq!(check_relative(good), Ok(()));
         }
         assert!(check_name("job-1").is_ok());

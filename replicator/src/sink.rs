@@ -132,7 +132,9 @@ pub struct Sink {
 
 impl std::fmt::Debug for Sink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Sink").field("root", &self.inner.cfg.root).finish()
+        f.debug_struct("Sink")
+            .field("root", &self.inner.cfg.root)
+            .finish()
     }
 }
 
@@ -154,8 +156,9 @@ impl Sink {
     /// [`io::Error`] if the sink root or its staging area cannot be
     /// created.
     pub fn start(cfg: SinkConfig, catalog: Catalog, endpoint: Endpoint) -> io::Result<Sink> {
-        std::fs::create_dir_all(staging_root(&cfg.root))
-            .map_err(|e| io::Error::new(e.kind(), format!("sink root {}: {e}", cfg.root.display())))?;
+        std::fs::create_dir_all(staging_root(&cfg.root)).map_err(|e| {
+            io::Error::new(e.kind(), format!("sink root {}: {e}", cfg.root.display()))
+        })?;
         let (tx, rx) = mpsc::channel(65_536);
         let inner = Arc::new(Inner {
             cfg,
@@ -228,7 +231,12 @@ impl Sink {
                     });
                 }
                 if let Some(r) = rows.iter().find(|r| r.state == state::RECEIVING) {
-                    let live = self.inner.live.lock().ok().and_then(|m| m.get(&r.id).cloned());
+                    let live = self
+                        .inner
+                        .live
+                        .lock()
+                        .ok()
+                        .and_then(|m| m.get(&r.id).cloned());
                     let (done, eta) = match live {
                         Some(l) => l.progress(),
                         None => (r.bytes_done as u64, None),
@@ -328,17 +336,32 @@ async fn handle_connection(inner: Arc<Inner>, incoming: quinn::Incoming) {
     let peer = tls::peer_agent_name(&conn).unwrap_or_default();
     if !inner.cfg.accept_peers.is_empty() && !inner.cfg.accept_peers.contains(&peer) {
         warn!(%remote, peer, "refused peer: its certificate name is not in [sink] accept_peers");
-        conn.close(VarInt::from_u32(code::NOT_ACCEPTED), b"agent name not accepted by this sink");
+        conn.close(
+            VarInt::from_u32(code::NOT_ACCEPTED),
+            b"agent name not accepted by this sink",
+        );
         return;
     }
     info!(%remote, peer, "source connected");
-    if let Err(e) = serve_connection(&inner, &conn, &peer).await {
-        warn!(peer, error = %e, "connection ended");
-        conn.close(VarInt::from_u32(code::PROTOCOL), e.to_string().as_bytes());
+    match serve_connection(&inner, &conn, &peer).await {
+        Ok(()) => info!(peer, "source disconnected"),
+        // The peer went away (closed, crashed, or the link died): not an
+        // error of ours; it resumes when it reconnects.
+        Err(e @ (ConnError::Read(_) | ConnError::Connection(_))) => {
+            info!(peer, reason = %e, "source disconnected")
+        }
+        Err(e) => {
+            warn!(peer, error = %e, "closing the connection");
+            conn.close(VarInt::from_u32(code::PROTOCOL), e.to_string().as_bytes());
+        }
     }
 }
 
-async fn serve_connection(inner: &Arc<Inner>, conn: &Connection, peer: &str) -> Result<(), ConnError> {
+async fn serve_connection(
+    inner: &Arc<Inner>,
+    conn: &Connection,
+    peer: &str,
+) -> Result<(), ConnError> {
     let (send, mut recv) = tokio::select! {
         r = conn.accept_bi() => r?,
         _ = inner.shutdown.cancelled() => return Ok(()),
@@ -346,7 +369,12 @@ async fn serve_connection(inner: &Arc<Inner>, conn: &Connection, peer: &str) -> 
     let ctl = Arc::new(ControlSender::new(send));
     let hello = match read_frame(&mut recv).await? {
         Some(Control::Hello(h)) => h,
-        Some(m) => return Err(ConnError::Unexpected(format!("expected hello, got {}", m.name()))),
+        Some(m) => {
+            return Err(ConnError::Unexpected(format!(
+                "expected hello, got {}",
+                m.name()
+            )))
+        }
         None => return Ok(()),
     };
     if hello.version != PROTOCOL_VERSION {
@@ -354,7 +382,13 @@ async fn serve_connection(inner: &Arc<Inner>, conn: &Connection, peer: &str) -> 
             "incompatible protocol version: peer speaks {}, this sink speaks {PROTOCOL_VERSION}",
             hello.version
         );
-        let _ = ctl.send(&Control::Error { message: message.clone() }).await;
+        ctl.send_last(
+            &Control::Error {
+                message: message.clone(),
+            },
+            Duration::from_secs(2),
+        )
+        .await;
         return Err(ConnError::Peer(message));
     }
     if let Err(e) = check_name(&hello.site) {
@@ -373,7 +407,8 @@ async fn serve_connection(inner: &Arc<Inner>, conn: &Connection, peer: &str) -> 
         let (inner, conn, open, ctl) = (inner.clone(), conn.clone(), open.clone(), ctl.clone());
         tokio::spawn(async move {
             while let Ok(s) = conn.accept_uni().await {
-                let (inner, open, ctl, conn) = (inner.clone(), open.clone(), ctl.clone(), conn.clone());
+                let (inner, open, ctl, conn) =
+                    (inner.clone(), open.clone(), ctl.clone(), conn.clone());
                 inner.clone().tasks.spawn(async move {
                     if let Err(e) = receive_batch(&inner, &open, &ctl, s).await {
                         warn!(error = %e, "data stream failed; closing the connection");
@@ -402,7 +437,17 @@ async fn serve_connection(inner: &Arc<Inner>, conn: &Connection, peer: &str) -> 
                     files,
                 } => {
                     let id = key.id;
-                    match open_transfer(inner, peer, &hello.site, key, chunk_size, bytes_total, files).await {
+                    match open_transfer(
+                        inner,
+                        peer,
+                        &hello.site,
+                        key,
+                        chunk_size,
+                        bytes_total,
+                        files,
+                    )
+                    .await
+                    {
                         Ok((live, have)) => {
                             if let Ok(mut m) = open.lock() {
                                 m.insert(id, live);
@@ -411,14 +456,24 @@ async fn serve_connection(inner: &Arc<Inner>, conn: &Connection, peer: &str) -> 
                         }
                         Err(e) => {
                             warn!(transfer = id, peer, "refused transfer: {e}");
-                            ctl.send(&Control::Refuse { id, reason: e.to_string() }).await?;
+                            ctl.send(&Control::Refuse {
+                                id,
+                                reason: e.to_string(),
+                            })
+                            .await?;
                         }
                     }
                 }
-                Control::Commit { id, batches, manifest } => {
+                Control::Commit {
+                    id,
+                    batches,
+                    manifest,
+                } => {
                     let live = open.lock().ok().and_then(|m| m.get(&id).cloned());
                     let Some(live) = live else {
-                        return Err(ConnError::Unexpected(format!("commit for unknown transfer {id}")));
+                        return Err(ConnError::Unexpected(format!(
+                            "commit for unknown transfer {id}"
+                        )));
                     };
                     if let Ok(mut st) = live.st.lock() {
                         st.commit = Some((manifest, batches));
@@ -434,7 +489,10 @@ async fn serve_connection(inner: &Arc<Inner>, conn: &Connection, peer: &str) -> 
                 }
                 Control::Error { message } => return Err(ConnError::Peer(message)),
                 other => {
-                    return Err(ConnError::Unexpected(format!("unexpected {} from a source", other.name())))
+                    return Err(ConnError::Unexpected(format!(
+                        "unexpected {} from a source",
+                        other.name()
+                    )))
                 }
             }
         }
@@ -460,12 +518,17 @@ async fn open_transfer(
     crate::paths::check_relative(&key.rel).map_err(|e| refuse(format!("relative path: {e}")))?;
     let sum: u64 = files.iter().map(|f| f.size).sum();
     if sum != bytes_total {
-        return Err(refuse(format!("bytes_total {bytes_total} != sum of file sizes {sum}")));
+        return Err(refuse(format!(
+            "bytes_total {bytes_total} != sum of file sizes {sum}"
+        )));
     }
     let root = &inner.cfg.root;
     let local_path = root.join(site).join(&key.job).join(&key.rel);
     let id_i64 = key.id as i64;
-    let existing = inner.catalog.find_replica(peer, id_i64, &key.source_path).await?;
+    let existing = inner
+        .catalog
+        .find_replica(peer, id_i64, &key.source_path)
+        .await?;
     let mut published_root = None;
     let (row, mut have) = match existing {
         Some(r) if r.state == state::RECEIVING || r.state == state::PUBLISHED => {
@@ -473,22 +536,53 @@ async fn open_transfer(
             let chunks = if r.state == state::PUBLISHED {
                 // Already published (the source missed our answer): every
                 // chunk is here; the commit is answered from the catalog.
-                let bytes = inner.catalog.replica_manifest(r.id).await?.unwrap_or_default();
-                let m = Manifest::decode(&bytes).map_err(|e| CatalogError::Corrupt(e.to_string()))?;
+                let bytes = inner
+                    .catalog
+                    .replica_manifest(r.id)
+                    .await?
+                    .unwrap_or_default();
+                let m =
+                    Manifest::decode(&bytes).map_err(|e| CatalogError::Corrupt(e.to_string()))?;
                 published_root = Some(m.root());
-                m.files.iter().flat_map(|f| f.chunks.iter().copied()).enumerate().map(|(g, h)| (g as u64, h)).collect()
+                m.files
+                    .iter()
+                    .flat_map(|f| f.chunks.iter().copied())
+                    .enumerate()
+                    .map(|(g, h)| (g as u64, h))
+                    .collect()
             } else if old_files == files && r.chunk_size == i64::from(chunk_size) {
                 inner.catalog.chunks(r.id).await?
             } else {
                 // The files changed at the source since the first attempt:
                 // start over for this transfer.
-                inner.catalog.drop_chunks(r.id, &inner.catalog.chunks(r.id).await?.iter().map(|c| c.0).collect::<Vec<_>>(), 0).await?;
-                inner.catalog.set_replica_files(r.id, &files, bytes_total).await?;
+                inner
+                    .catalog
+                    .drop_chunks(
+                        r.id,
+                        &inner
+                            .catalog
+                            .chunks(r.id)
+                            .await?
+                            .iter()
+                            .map(|c| c.0)
+                            .collect::<Vec<_>>(),
+                        0,
+                    )
+                    .await?;
+                inner
+                    .catalog
+                    .set_replica_files(r.id, &files, bytes_total)
+                    .await?;
                 Vec::new()
             };
             (r, chunks)
         }
-        Some(r) => return Err(refuse(format!("transfer {} was already {} at this sink", key.id, r.state))),
+        Some(r) => {
+            return Err(refuse(format!(
+                "transfer {} was already {} at this sink",
+                key.id, r.state
+            )))
+        }
         None => {
             let staging = staging_root(root).join(format!("{}-{}", sanitize(peer), key.id));
             let id = inner
@@ -507,7 +601,11 @@ async fn open_transfer(
                     local_path: &local_path.to_string_lossy(),
                 })
                 .await?;
-            let row = inner.catalog.replica(id).await?.ok_or_else(|| refuse("catalog row vanished".into()))?;
+            let row = inner
+                .catalog
+                .replica(id)
+                .await?
+                .ok_or_else(|| refuse("catalog row vanished".into()))?;
             (row, Vec::new())
         }
     };
@@ -531,7 +629,10 @@ async fn open_transfer(
                 inner.cfg.reserve_bytes,
                 needed
             );
-            inner.catalog.set_replica_state(row.id, state::FAILED, Some(&msg)).await?;
+            inner
+                .catalog
+                .set_replica_state(row.id, state::FAILED, Some(&msg))
+                .await?;
             return Err(refuse(msg));
         }
     }
@@ -547,7 +648,11 @@ async fn open_transfer(
         chunk_size,
         published_root,
         staging,
-        local_path: if published_root.is_some() { PathBuf::from(&row.local_path) } else { local_path },
+        local_path: if published_root.is_some() {
+            PathBuf::from(&row.local_path)
+        } else {
+            local_path
+        },
         bytes_total,
         started: Instant::now(),
         st: Mutex::new(LiveState {
@@ -565,7 +670,15 @@ async fn open_transfer(
 }
 
 fn sanitize(s: &str) -> String {
-    s.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' }).collect()
+    s.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
 }
 
 fn free_bytes(path: &Path) -> io::Result<u64> {
@@ -586,7 +699,10 @@ async fn receive_batch(
     let mut hb = [0u8; BATCH_HEADER_LEN];
     s.read_exact(&mut hb).await?;
     let header = BatchHeader::decode(&hb)?;
-    let live = open.lock().ok().and_then(|m| m.get(&header.transfer).cloned());
+    let live = open
+        .lock()
+        .ok()
+        .and_then(|m| m.get(&header.transfer).cloned());
     let Some(live) = live else {
         let _ = s.stop(VarInt::from_u32(code::UNKNOWN_TRANSFER));
         return Ok(());
@@ -606,7 +722,10 @@ async fn receive_batch(
                 Err(e) => return Err(e.into()),
             }
             let h = RecordHeader::decode(&rb)?;
-            let expected = live.map.index(h.file, h.chunk).map(|_| live.map.span(h.file, h.chunk).1);
+            let expected = live
+                .map
+                .index(h.file, h.chunk)
+                .map(|_| live.map.span(h.file, h.chunk).1);
             if expected != Some(u64::from(h.len)) {
                 return Err(ConnError::Unexpected(format!(
                     "{h:?} does not match the transfer's file list (expected length {expected:?})"
@@ -630,7 +749,11 @@ async fn receive_batch(
                 let reason = format!("writing staging data under {}: {e}", live.staging.display());
                 warn!(transfer = header.transfer, "{reason}");
                 cancel_live(inner, &live, state::FAILED, &reason).await;
-                ctl.send(&Control::Cancel { id: header.transfer, reason }).await?;
+                ctl.send(&Control::Cancel {
+                    id: header.transfer,
+                    reason,
+                })
+                .await?;
                 return Ok(());
             }
         };
@@ -642,12 +765,23 @@ async fn receive_batch(
             }
         }
         for (g, h, len) in good {
-            let _ = inner.chunks.send(CatalogOp::Chunk(live.id, g, h, len)).await;
+            let _ = inner
+                .chunks
+                .send(CatalogOp::Chunk(live.id, g, h, len))
+                .await;
         }
         inner.changed.send_modify(|v| *v += 1);
         if !bad.is_empty() {
-            warn!(transfer = header.transfer, chunks = bad.len(), "chunks failed BLAKE3 verification; asking again");
-            ctl.send(&Control::Need { id: header.transfer, chunks: bad }).await?;
+            warn!(
+                transfer = header.transfer,
+                chunks = bad.len(),
+                "chunks failed BLAKE3 verification; asking again"
+            );
+            ctl.send(&Control::Need {
+                id: header.transfer,
+                chunks: bad,
+            })
+            .await?;
         }
     }
     if let Ok(mut st) = live.st.lock() {
@@ -665,7 +799,9 @@ fn write_group(live: &Live, group: Vec<(RecordHeader, Vec<u8>)>) -> io::Result<G
     let mut bad = Vec::new();
     let mut current: Option<(u32, std::fs::File)> = None;
     for (h, buf) in group {
-        let Some(g) = live.map.index(h.file, h.chunk) else { continue };
+        let Some(g) = live.map.index(h.file, h.chunk) else {
+            continue;
+        };
         let hash = *blake3::hash(&buf).as_bytes();
         if hash != h.hash {
             bad.push(g);
@@ -714,7 +850,11 @@ async fn cancel_live(inner: &Arc<Inner>, live: &Arc<Live>, new_state: &str, reas
     if let Ok(mut m) = inner.live.lock() {
         m.remove(&live.id);
     }
-    if let Err(e) = inner.catalog.set_replica_state(live.id, new_state, Some(reason)).await {
+    if let Err(e) = inner
+        .catalog
+        .set_replica_state(live.id, new_state, Some(reason))
+        .await
+    {
         warn!(error = %e, "could not record transfer state");
     }
     let staging = live.staging.clone();
@@ -724,25 +864,39 @@ async fn cancel_live(inner: &Arc<Inner>, live: &Arc<Live>, new_state: &str, reas
 
 /// After a commit and all its batches: publish if every chunk matches the
 /// sealed manifest, else ask for what is missing or wrong.
-async fn maybe_finish(inner: &Arc<Inner>, live: &Arc<Live>, ctl: &ControlSender, id: u64) -> Result<(), ConnError> {
+async fn maybe_finish(
+    inner: &Arc<Inner>,
+    live: &Arc<Live>,
+    ctl: &ControlSender,
+    id: u64,
+) -> Result<(), ConnError> {
     enum Next {
         Need(Vec<u64>, u64),
         Mismatch(String),
         Publish(Manifest),
     }
     let next = {
-        let Ok(mut st) = live.st.lock() else { return Ok(()) };
+        let Ok(mut st) = live.st.lock() else {
+            return Ok(());
+        };
         match &st.commit {
             Some((_, batches)) if st.batches_done >= *batches && !st.publishing && !st.failed => {}
             _ => return Ok(()),
         }
-        let Some((manifest, _)) = st.commit.take() else { return Ok(()) };
+        let Some((manifest, _)) = st.commit.take() else {
+            return Ok(());
+        };
         let infos = manifest.infos();
         let same = infos.len() == live.files.len()
-            && infos.iter().zip(&live.files).all(|(a, b)| a.path == b.path && a.size == b.size)
+            && infos
+                .iter()
+                .zip(&live.files)
+                .all(|(a, b)| a.path == b.path && a.size == b.size)
             && manifest.chunk_size == live.chunk_size;
         if !same {
-            Next::Mismatch("sealed manifest does not match the file list the transfer was opened with".into())
+            Next::Mismatch(
+                "sealed manifest does not match the file list the transfer was opened with".into(),
+            )
         } else {
             let mut need = Vec::new();
             let mut g = 0u64;
@@ -780,7 +934,11 @@ async fn maybe_finish(inner: &Arc<Inner>, live: &Arc<Live>, ctl: &ControlSender,
         Next::Need(need, done) => {
             flush(inner).await;
             let _ = inner.catalog.drop_chunks(live.id, &need, done).await;
-            info!(transfer = id, chunks = need.len(), "chunks missing or wrong at commit; asking again");
+            info!(
+                transfer = id,
+                chunks = need.len(),
+                "chunks missing or wrong at commit; asking again"
+            );
             ctl.send(&Control::Need { id, chunks: need }).await
         }
         Next::Publish(manifest) if live.published_root == Some(manifest.root()) => {
@@ -835,7 +993,10 @@ async fn maybe_finish(inner: &Arc<Inner>, live: &Arc<Live>, ctl: &ControlSender,
 fn publish(live: &Live, m: &Manifest) -> io::Result<()> {
     let staging = &live.staging;
     if live.local_path.exists() && !live.local_path.is_dir() {
-        return Err(io::Error::other(format!("{} exists and is not a directory", live.local_path.display())));
+        return Err(io::Error::other(format!(
+            "{} exists and is not a directory",
+            live.local_path.display()
+        )));
     }
     for f in &m.files {
         let p = staging.join(&f.path);
@@ -844,7 +1005,11 @@ fn publish(live: &Live, m: &Manifest) -> io::Result<()> {
         if len != f.size {
             file.set_len(f.size)?;
             if len > f.size || f.size > 0 && len == 0 {
-                return Err(io::Error::other(format!("{} has {len} bytes, expected {}", p.display(), f.size)));
+                return Err(io::Error::other(format!(
+                    "{} has {len} bytes, expected {}",
+                    p.display(),
+                    f.size
+                )));
             }
         }
         file.set_permissions(std::fs::Permissions::from_mode(f.mode & 0o7777))?;
@@ -901,7 +1066,10 @@ mod tests {
     #[test]
     fn dates_format_as_rfc3339() {
         assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
-        assert_eq!(rfc3339(951_782_400_000 + 86_399_000), "2000-02-29T23:59:59Z");
+        assert_eq!(
+            rfc3339(951_782_400_000 + 86_399_000),
+            "2000-02-29T23:59:59Z"
+        );
     }
 
     #[test]

@@ -26,7 +26,9 @@ use crate::conn::{code, read_frame, ConnError, ControlSender};
 use crate::manifest::{self, hex, ChunkMap, FileEntry, Hash, Manifest, ScanOptions};
 use crate::tls;
 use crate::transport::{transport_config, Tuning};
-use crate::wire::{BatchHeader, Control, FileInfo, Hello, RecordHeader, TransferKey, PROTOCOL_VERSION};
+use crate::wire::{
+    BatchHeader, Control, FileInfo, Hello, RecordHeader, TransferKey, PROTOCOL_VERSION,
+};
 
 /// A link as the source sees it.
 #[derive(Debug, Clone)]
@@ -140,7 +142,9 @@ pub struct Source {
 
 impl std::fmt::Debug for Source {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Source").field("agent", &self.inner.cfg.agent).finish()
+        f.debug_struct("Source")
+            .field("agent", &self.inner.cfg.agent)
+            .finish()
     }
 }
 
@@ -278,7 +282,11 @@ impl Source {
     }
 }
 
-async fn submit(inner: &Arc<Inner>, path: &Path, link: Option<&str>) -> Result<Transfer, SubmitError> {
+async fn submit(
+    inner: &Arc<Inner>,
+    path: &Path,
+    link: Option<&str>,
+) -> Result<Transfer, SubmitError> {
     let bad = |s: String| SubmitError::BadPath(s);
     let abs = std::fs::canonicalize(path).map_err(|e| bad(format!("{}: {e}", path.display())))?;
     if !abs.is_dir() {
@@ -327,9 +335,10 @@ async fn marker_scanner(inner: Arc<Inner>, every: Duration) {
     loop {
         for root in inner.cfg.roots.clone() {
             let markers = inner.cfg.markers.clone();
-            let found = tokio::task::spawn_blocking(move || committed_dirs(&root.path, &markers, 4))
-                .await
-                .unwrap_or_default();
+            let found =
+                tokio::task::spawn_blocking(move || committed_dirs(&root.path, &markers, 4))
+                    .await
+                    .unwrap_or_default();
             for dir in found {
                 let p = dir.to_string_lossy().into_owned();
                 match inner.catalog.transfer_by_path(&p).await {
@@ -352,7 +361,9 @@ async fn marker_scanner(inner: Arc<Inner>, every: Duration) {
 
 fn committed_dirs(root: &Path, markers: &[String], depth: usize) -> Vec<PathBuf> {
     let mut out = Vec::new();
-    let Ok(rd) = std::fs::read_dir(root) else { return out };
+    let Ok(rd) = std::fs::read_dir(root) else {
+        return out;
+    };
     for e in rd.flatten() {
         if !e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
             continue;
@@ -414,12 +425,20 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
         Ok(Ok(x)) => x,
         Ok(Err(e)) => {
             // A refusal after the TLS handshake shows up as a close reason.
-            let why = conn.close_reason().map(|r| r.to_string()).unwrap_or_else(|| e.to_string());
+            let why = conn
+                .close_reason()
+                .map(|r| r.to_string())
+                .unwrap_or_else(|| e.to_string());
             return Err(format!("hello with {}: {why}", l.peer_name));
         }
         Err(_) => return Err(format!("hello with {}: no answer within 15 s", l.peer_name)),
     };
-    info!(link = l.name, peer = h.agent, site = h.site, "connected to sink");
+    info!(
+        link = l.name,
+        peer = h.agent,
+        site = h.site,
+        "connected to sink"
+    );
     let inbox: Arc<Mutex<HashMap<u64, mpsc::UnboundedSender<Control>>>> = Arc::default();
     let ib = inbox.clone();
     let c2 = conn.clone();
@@ -494,7 +513,10 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                 _ = tokio::time::sleep(Duration::from_secs(5)) => continue,
             }
         };
-        if conn.as_ref().is_none_or(|c| c.conn.close_reason().is_some()) {
+        if conn
+            .as_ref()
+            .is_none_or(|c| c.conn.close_reason().is_some())
+        {
             match dial(&inner, &link).await {
                 Ok(c) => {
                     conn = Some(c);
@@ -518,7 +540,10 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
             Err(RunError::Shutdown) => return,
             Err(RunError::Fatal(why)) => {
                 warn!(transfer = id, "transfer failed: {why}");
-                let _ = inner.catalog.set_transfer_state(id, state::FAILED, Some(&why)).await;
+                let _ = inner
+                    .catalog
+                    .set_transfer_state(id, state::FAILED, Some(&why))
+                    .await;
             }
             Err(RunError::Retry(why)) => {
                 warn!(transfer = id, retry_in = ?backoff, "transfer interrupted, will resume: {why}");
@@ -542,9 +567,17 @@ struct Record {
     data: Vec<u8>,
 }
 
-async fn run_transfer(inner: &Arc<Inner>, link: &LinkState, c: &LinkConn, t: Transfer) -> Result<(), RunError> {
+async fn run_transfer(
+    inner: &Arc<Inner>,
+    link: &LinkState,
+    c: &LinkConn,
+    t: Transfer,
+) -> Result<(), RunError> {
     let id = t.id as u64;
-    inner.catalog.set_transfer_state(t.id, state::ACTIVE, None).await?;
+    inner
+        .catalog
+        .set_transfer_state(t.id, state::ACTIVE, None)
+        .await?;
     let dir = PathBuf::from(&t.source_path);
     let opts = ScanOptions {
         markers: inner.cfg.markers.clone(),
@@ -562,7 +595,13 @@ async fn run_transfer(inner: &Arc<Inner>, link: &LinkState, c: &LinkConn, t: Tra
     }
     inner
         .catalog
-        .set_transfer_progress(t.id, bytes_total, scan.files.len() as u64, 0, t.bytes_sent as u64)
+        .set_transfer_progress(
+            t.id,
+            bytes_total,
+            scan.files.len() as u64,
+            0,
+            t.bytes_sent as u64,
+        )
         .await?;
 
     let (tx, mut rx) = mpsc::unbounded_channel();
@@ -585,7 +624,9 @@ async fn run_transfer(inner: &Arc<Inner>, link: &LinkState, c: &LinkConn, t: Tra
         .await?;
     let have: HashSet<u64> = match recv(inner, &mut rx).await? {
         Control::Have { chunks, .. } => chunks.into_iter().collect(),
-        Control::Refuse { reason, .. } => return Err(RunError::Fatal(format!("sink refused: {reason}"))),
+        Control::Refuse { reason, .. } => {
+            return Err(RunError::Fatal(format!("sink refused: {reason}")))
+        }
         m => return Err(RunError::Retry(format!("expected have, got {}", m.name()))),
     };
     let map = Arc::new(ChunkMap::new(&scan.files, chunk_size));
@@ -595,7 +636,13 @@ async fn run_transfer(inner: &Arc<Inner>, link: &LinkState, c: &LinkConn, t: Tra
         .map(|(f, c)| map.span(f, c).1)
         .sum();
     progress.skipped.store(skipped, Ordering::Relaxed);
-    info!(transfer = id, files = scan.files.len(), bytes_total, already_at_sink = skipped, "sending");
+    info!(
+        transfer = id,
+        files = scan.files.len(),
+        bytes_total,
+        already_at_sink = skipped,
+        "sending"
+    );
 
     // First pass: read every file once, hash every chunk, send the ones
     // the sink lacks.
@@ -617,7 +664,13 @@ async fn run_transfer(inner: &Arc<Inner>, link: &LinkState, c: &LinkConn, t: Tra
     let root = manifest.root();
     inner
         .catalog
-        .set_transfer_progress(t.id, bytes_total, files.len() as u64, 0, progress.sent.load(Ordering::Relaxed))
+        .set_transfer_progress(
+            t.id,
+            bytes_total,
+            files.len() as u64,
+            0,
+            progress.sent.load(Ordering::Relaxed),
+        )
         .await?;
 
     // Resend whatever the sink asks for, then commit; repeat until the sink
@@ -633,7 +686,11 @@ async fn run_transfer(inner: &Arc<Inner>, link: &LinkState, c: &LinkConn, t: Tra
         }
         if !need.is_empty() {
             let list = std::mem::take(&mut need);
-            info!(transfer = id, chunks = list.len(), "re-sending chunks the sink asked for");
+            info!(
+                transfer = id,
+                chunks = list.len(),
+                "re-sending chunks the sink asked for"
+            );
             let (m2, dir, inner2) = (manifest.clone(), dir.clone(), inner.clone());
             let map2 = map.clone();
             let (_, n) = send_round(inner, link, c, id, &progress, move |out| {
@@ -643,7 +700,10 @@ async fn run_transfer(inner: &Arc<Inner>, link: &LinkState, c: &LinkConn, t: Tra
             batches += n;
             continue;
         }
-        inner.catalog.set_transfer_state(t.id, state::VERIFYING, None).await?;
+        inner
+            .catalog
+            .set_transfer_state(t.id, state::VERIFYING, None)
+            .await?;
         c.ctl
             .send(&Control::Commit {
                 id,
@@ -654,14 +714,22 @@ async fn run_transfer(inner: &Arc<Inner>, link: &LinkState, c: &LinkConn, t: Tra
         match recv(inner, &mut rx).await? {
             Control::Need { chunks, .. } => {
                 need.extend(chunks);
-                inner.catalog.set_transfer_state(t.id, state::ACTIVE, None).await?;
+                inner
+                    .catalog
+                    .set_transfer_state(t.id, state::ACTIVE, None)
+                    .await?;
             }
             other => return handle_end(inner, &t, other, &root).await,
         }
     }
 }
 
-async fn handle_end(inner: &Inner, t: &Transfer, msg: Control, root: &Hash) -> Result<(), RunError> {
+async fn handle_end(
+    inner: &Inner,
+    t: &Transfer,
+    msg: Control,
+    root: &Hash,
+) -> Result<(), RunError> {
     match msg {
         Control::Published {
             local_path,
@@ -684,11 +752,17 @@ async fn handle_end(inner: &Inner, t: &Transfer, msg: Control, root: &Hash) -> R
         }
         Control::Cancel { reason, .. } => Err(RunError::Fatal(format!("sink cancelled: {reason}"))),
         Control::Refuse { reason, .. } => Err(RunError::Fatal(format!("sink refused: {reason}"))),
-        m => Err(RunError::Retry(format!("unexpected {} from sink", m.name()))),
+        m => Err(RunError::Retry(format!(
+            "unexpected {} from sink",
+            m.name()
+        ))),
     }
 }
 
-async fn recv(inner: &Inner, rx: &mut mpsc::UnboundedReceiver<Control>) -> Result<Control, RunError> {
+async fn recv(
+    inner: &Inner,
+    rx: &mut mpsc::UnboundedReceiver<Control>,
+) -> Result<Control, RunError> {
     tokio::select! {
         m = rx.recv() => m.ok_or_else(|| RunError::Retry("connection to the sink lost".into())),
         _ = inner.shutdown.cancelled() => Err(RunError::Shutdown),
@@ -711,10 +785,17 @@ async fn send_round<T: Send + 'static>(
     let batches = Arc::new(AtomicU64::new(0));
     let mut writers = tokio::task::JoinSet::new();
     for _ in 0..inner.cfg.streams.max(1) {
-        let (rx, conn, batches, progress) = (rx.clone(), c.conn.clone(), batches.clone(), progress.clone());
+        let (rx, conn, batches, progress) = (
+            rx.clone(),
+            c.conn.clone(),
+            batches.clone(),
+            progress.clone(),
+        );
         let stop = inner.shutdown.clone();
         let target = inner.cfg.batch_bytes;
-        writers.spawn(async move { write_batches(rx, conn, id, target, batches, progress, stop).await });
+        writers.spawn(
+            async move { write_batches(rx, conn, id, target, batches, progress, stop).await },
+        );
     }
     let producer = tokio::task::spawn_blocking(move || produce(&tx));
     let mut result = Ok(());
@@ -760,10 +841,14 @@ async fn write_batches(
             stream = Some((s, 0));
         }
         if let Some((s, n)) = stream.as_mut() {
-            s.write_all(&rec.header.encode()).await.map_err(|e| err(&e))?;
+            s.write_all(&rec.header.encode())
+                .await
+                .map_err(|e| err(&e))?;
             s.write_all(&rec.data).await.map_err(|e| err(&e))?;
             *n += rec.data.len() as u64;
-            progress.sent.fetch_add(rec.data.len() as u64, Ordering::Relaxed);
+            progress
+                .sent
+                .fetch_add(rec.data.len() as u64, Ordering::Relaxed);
             if *n >= target {
                 let _ = s.finish();
                 stream = None;
@@ -781,7 +866,12 @@ fn maybe_corrupt(inner: &Inner, data: &mut [u8]) {
         return;
     }
     let left = inner.corrupt.load(Ordering::Relaxed);
-    if left > 0 && inner.corrupt.compare_exchange(left, left - 1, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
+    if left > 0
+        && inner
+            .corrupt
+            .compare_exchange(left, left - 1, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    {
         warn!("fault injection: corrupting one chunk after hashing (FERRY_FAULT_CORRUPT_CHUNKS)");
         data[0] ^= 0xff;
     }
@@ -817,10 +907,11 @@ fn read_all(
                 },
                 data,
             };
-            out.blocking_send(rec).map_err(|_| manifest::ScanError::Unsupported {
-                path: path.clone(),
-                why: "sending stopped".into(),
-            })
+            out.blocking_send(rec)
+                .map_err(|_| manifest::ScanError::Unsupported {
+                    path: path.clone(),
+                    why: "sending stopped".into(),
+                })
         })
         .map_err(|e| e.to_string())?;
         entries.push(FileEntry {
@@ -853,7 +944,10 @@ fn read_some(
         let entry = &m.files[fi as usize];
         if open.as_ref().map(|o| o.0) != Some(fi) {
             let p = dir.join(&entry.path);
-            open = Some((fi, File::open(&p).map_err(|e| format!("{}: {e}", p.display()))?));
+            open = Some((
+                fi,
+                File::open(&p).map_err(|e| format!("{}: {e}", p.display()))?,
+            ));
         }
         let (off, len) = map.span(fi, ci);
         let mut data = vec![0u8; len as usize];
@@ -863,7 +957,10 @@ fn read_some(
         }
         let hash = *blake3::hash(&data).as_bytes();
         if hash != entry.chunks[ci as usize] {
-            return Err(format!("{} changed while it was being copied", dir.join(&entry.path).display()));
+            return Err(format!(
+                "{} changed while it was being copied",
+                dir.join(&entry.path).display()
+            ));
         }
         maybe_corrupt(inner, &mut data);
         out.blocking_send(Record {

@@ -117,9 +117,12 @@ pub enum SocketKind {
 pub fn endpoint(socket: SocketKind, server: Option<quinn::ServerConfig>) -> io::Result<Endpoint> {
     let runtime = Arc::new(quinn::TokioRuntime);
     match socket {
-        SocketKind::Udp(addr) => {
-            Endpoint::new(EndpointConfig::default(), server, udp_socket(addr)?, runtime)
-        }
+        SocketKind::Udp(addr) => Endpoint::new(
+            EndpointConfig::default(),
+            server,
+            udp_socket(addr)?,
+            runtime,
+        ),
         SocketKind::Memory(s) => {
             Endpoint::new_with_abstract_socket(EndpointConfig::default(), server, s, runtime)
         }

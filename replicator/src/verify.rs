@@ -53,7 +53,8 @@ pub async fn verify_replica(data_dir: &Path, local_path: &Path) -> Result<Report
         .await?
         .ok_or_else(|| VerifyError::NotAReplica(lp.clone()))?;
     catalog.close().await;
-    let m = Manifest::decode(&bytes).map_err(|e| VerifyError::BadManifest(lp.clone(), e.to_string()))?;
+    let m = Manifest::decode(&bytes)
+        .map_err(|e| VerifyError::BadManifest(lp.clone(), e.to_string()))?;
     let dir = local_path.to_path_buf();
     let report = tokio::task::spawn_blocking(move || check(&dir, &m))
         .await
@@ -83,7 +84,10 @@ pub fn check(dir: &Path, m: &Manifest) -> Report {
             }
         };
         if info.size != f.size {
-            problems.push(format!("{}: {} bytes, manifest says {}", f.path, info.size, f.size));
+            problems.push(format!(
+                "{}: {} bytes, manifest says {}",
+                f.path, info.size, f.size
+            ));
             continue;
         }
         match manifest::read_chunks(&p, &info, m.chunk_size, |_, _, _| Ok(())) {
@@ -91,7 +95,12 @@ pub fn check(dir: &Path, m: &Manifest) -> Report {
                 bytes += f.size;
                 for (i, (a, b)) in hashes.iter().zip(&f.chunks).enumerate() {
                     if a != b {
-                        problems.push(format!("{}: chunk {i} hashes to {}, manifest says {}", f.path, hex(a), hex(b)));
+                        problems.push(format!(
+                            "{}: chunk {i} hashes to {}, manifest says {}",
+                            f.path,
+                            hex(a),
+                            hex(b)
+                        ));
                     }
                 }
             }

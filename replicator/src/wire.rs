@@ -17,7 +17,7 @@
 
 use std::fmt;
 
-use crate::manifest::{FileEntry, Manifest, Hash};
+use crate::manifest::{FileEntry, Hash, Manifest};
 
 /// Protocol version carried in [`Hello`]. Peers with a different version
 /// refuse the connection with [`Control::Error`] naming both versions.
@@ -453,7 +453,11 @@ pub struct RecordHeader {
 
 impl fmt::Debug for RecordHeader {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "record(file {}, chunk {}, {} B)", self.file, self.chunk, self.len)
+        write!(
+            f,
+            "record(file {}, chunk {}, {} B)",
+            self.file, self.chunk, self.len
+        )
     }
 }
 

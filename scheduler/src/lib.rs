@@ -107,7 +107,10 @@ mod tests {
         ];
         assert_eq!(next(q.clone()), Some(4));
         assert_eq!(next(q[..3].to_vec()), Some(3));
-        assert_eq!(next(vec![c(Class::Scheduled, 3, 7), c(Class::Scheduled, 3, 6)]), Some(6));
+        assert_eq!(
+            next(vec![c(Class::Scheduled, 3, 7), c(Class::Scheduled, 3, 6)]),
+            Some(6)
+        );
         assert_eq!(next::<i64>(vec![]), None);
     }
 
