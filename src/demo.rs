@@ -163,6 +163,7 @@ pub async fn run(a: DemoArgs) -> Result<()> {
     let mut down = up.clone();
     down.seed = 2;
     let (src_sock, dst_sock) = memory_pair(src_addr, dst_addr, up, down);
+    let link_up = src_sock.clone();
 
     let loopback: SocketAddr = "127.0.0.1:0".parse()?;
     let mut sink_cfg = agent_config(&dir, "demo-sink", Role::Sink, loopback);
@@ -290,6 +291,9 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         "limit_s": round3(limit_s),
         "wall_over_limit": round3(wall_s / limit_s),
         "replica_path": local_path,
+        "link_datagrams": link_up.stats().delivered_packets,
+        "link_drops_queue": link_up.stats().dropped_queue,
+        "link_drops_loss": link_up.stats().dropped_loss,
         "verified": verified,
         "resolve": resolve,
     });

@@ -290,3 +290,133 @@ async fn get_transfer(
     })
     .into_response())
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use axum::body::Body;
+    use axum::http::{Request, StatusCode};
+    use replicator::catalog::Catalog;
+    use replicator::sink::SinkConfig;
+    use replicator::transport::{self, SocketKind};
+    use tower::ServiceExt;
+
+    use super::*;
+
+    fn bare() -> Router {
+        router(AppState {
+            agent: "a".into(),
+            source: None,
+            sink: None,
+        })
+    }
+
+    async fn call(r: Router, req: Request<Body>) -> (StatusCode, serde_json::Value) {
+        let resp = r.oneshot(req).await.unwrap();
+        let status = resp.status();
+        let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        (
+            status,
+            serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null),
+        )
+    }
+
+    fn get(uri: &str) -> Request<Body> {
+        Request::get(uri).body(Body::empty()).unwrap()
+    }
+
+    async fn with_sink() -> (Router, tempfile::TempDir) {
+        let d = tempfile::tempdir().unwrap();
+        let catalog = Catalog::open(&d.path().join("data")).await.unwrap();
+        let ep =
+            transport::endpoint(SocketKind::Udp("127.0.0.1:0".parse().unwrap()), None).unwrap();
+        let sink = Sink::start(
+            SinkConfig {
+                agent: "s".into(),
+                site: "eval".into(),
+                root: d.path().join("root"),
+                accept_peers: vec![],
+                reserve_bytes: 0,
+            },
+            catalog,
+            ep,
+        )
+        .unwrap();
+        let r = router(AppState {
+            agent: "s".into(),
+            source: None,
+            sink: Some(sink),
+        });
+        (r, d)
+    }
+
+    #[tokio::test]
+    async fn healthz_names_agent_and_roles() {
+        let (s, v) = call(bare(), get("/healthz")).await;
+        assert_eq!(s, StatusCode::OK);
+        assert_eq!(v["agent"], "a");
+        assert_eq!(v["roles"], serde_json::json!([]));
+    }
+
+    #[tokio::test]
+    async fn unknown_route_and_missing_role_are_json_404() {
+        let (s, v) = call(bare(), get("/v1/nope")).await;
+        assert_eq!(s, StatusCode::NOT_FOUND);
+        assert!(v["error"].as_str().unwrap().contains("no such route"));
+        let (s, v) = call(bare(), get("/v1/resolve?path=/x")).await;
+        assert_eq!(s, StatusCode::NOT_FOUND);
+        assert!(v["error"].as_str().unwrap().contains("not a sink"));
+    }
+
+    #[tokio::test]
+    async fn resolve_validates_its_parameters() {
+        let (r, _d) = with_sink().await;
+        let (s, v) = call(r.clone(), get("/v1/resolve")).await;
+        assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+        assert!(v["error"].as_str().unwrap().contains("path"));
+        let (s, v) = call(r.clone(), get("/v1/resolve?path=relative/x")).await;
+        assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+        assert!(v["error"].as_str().unwrap().contains("absolute"));
+        let (s, v) = call(r.clone(), get("/v1/resolve?path=/x&wait=soon")).await;
+        assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+        assert!(v["error"].as_str().unwrap().contains("wait"));
+        let (s, v) = call(r.clone(), get("/v1/resolve?path=/ckpt/nothing")).await;
+        assert_eq!(s, StatusCode::OK);
+        assert_eq!(v["state"], "unknown");
+        let (s, v) = call(r, get("/v1/replicas?limit=0")).await;
+        assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+        assert!(v["error"].as_str().unwrap().contains("limit"));
+    }
+
+    #[tokio::test]
+    async fn resolve_wait_returns_after_the_deadline_when_nothing_arrives() {
+        let (r, _d) = with_sink().await;
+        let (s, v) = call(r, get("/v1/resolve?path=/ckpt/x&wait=200ms")).await;
+        assert_eq!(s, StatusCode::OK);
+        assert_eq!(v["state"], "unknown");
+    }
+
+    #[tokio::test]
+    async fn transfer_bodies_are_checked() {
+        let post = |body: Vec<u8>| {
+            Request::post("/v1/transfers")
+                .header("content-type", "application/json")
+                .body(Body::from(body))
+                .unwrap()
+        };
+        let (s, v) = call(bare(), post(b"{\"nopath\": 1}".to_vec())).await;
+        assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+        assert!(v["error"].as_str().unwrap().contains("path"), "{v}");
+        let big = format!("{{\"path\": \"{}\"}}", "x".repeat(MAX_BODY + 1));
+        let (s, _) = call(bare(), post(big.into_bytes())).await;
+        assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE);
+        let (s, v) = call(bare(), post(b"{\"path\": \"/x\"}".to_vec())).await;
+        assert_eq!(s, StatusCode::NOT_FOUND);
+        assert!(v["error"].as_str().unwrap().contains("not a source"));
+        let (s, v) = call(bare(), get("/v1/transfers/abc")).await;
+        assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+        assert!(v["error"].as_str().unwrap().contains("abc"));
+    }
+}

@@ -22,7 +22,7 @@ use quinn_proto::RttEstimator;
 
 /// Fraction of `rate x base RTT` kept in flight. Slightly under 1 so that
 /// the bottleneck queue stays empty.
-pub const WINDOW_GAIN: f64 = 0.98;
+pub const WINDOW_GAIN: f64 = 1.05;
 
 /// Loss fraction over one RTT epoch above which an epoch counts as lossy.
 pub const LOSS_THRESHOLD: f64 = 0.05;
@@ -242,11 +242,12 @@ mod tests {
     #[test]
     fn window_is_share_times_rtt() {
         let (share, c, _) = controller(1_000_000_000, 100);
-        // 1 Gbit/s x 100 ms = 12.5 MB; 98 % of it.
-        assert_eq!(c.window(), 12_250_000);
-        assert_eq!(c.initial_window(), 12_250_000);
+        // 1 Gbit/s x 100 ms = 12.5 MB, times the gain.
+        let bdp = 12_500_000.0;
+        assert_eq!(c.window(), (bdp * WINDOW_GAIN) as u64);
+        assert_eq!(c.initial_window(), (bdp * WINDOW_GAIN) as u64);
         share.set_rate_bps(500_000_000);
-        assert_eq!(c.window(), 6_125_000);
+        assert_eq!(c.window(), (bdp / 2.0 * WINDOW_GAIN) as u64);
     }
 
     #[test]

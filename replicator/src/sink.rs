@@ -96,6 +96,42 @@ struct Live {
     bytes_total: u64,
     started: Instant,
     st: Mutex<LiveState>,
+    /// Bytes written to staging since the last background `syncfs`.
+    unsynced: std::sync::atomic::AtomicU64,
+    /// A background `syncfs` is running.
+    syncing: std::sync::atomic::AtomicBool,
+}
+
+/// Staging bytes written before a background `syncfs` starts. Flushing as
+/// the data arrives leaves little for the publish step, which must make
+/// the replica durable before the catalog calls it published.
+const SYNC_EVERY: u64 = 128 << 20;
+
+impl Live {
+    /// Counts `bytes` written and starts a background `syncfs` of the
+    /// staging file system once [`SYNC_EVERY`] bytes are pending.
+    fn wrote(self: &Arc<Self>, bytes: u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let pending = self.unsynced.fetch_add(bytes, Relaxed) + bytes;
+        if pending < SYNC_EVERY || self.syncing.swap(true, Relaxed) {
+            return;
+        }
+        self.unsynced.store(0, Relaxed);
+        let live = self.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = sync_dir_fs(&live.staging) {
+                debug!(error = %e, "background syncfs");
+            }
+            live.syncing.store(false, Relaxed);
+        });
+    }
+}
+
+/// `syncfs` of the file system holding `dir`.
+fn sync_dir_fs(dir: &Path) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let d = std::fs::File::open(dir)?;
+    nix::unistd::syncfs(d.as_raw_fd()).map_err(io::Error::from)
 }
 
 #[derive(Default)]
@@ -476,6 +512,13 @@ async fn serve_connection(
                         )));
                     };
                     if let Ok(mut st) = live.st.lock() {
+                        debug!(
+                            transfer = id,
+                            batches,
+                            batches_done = st.batches_done,
+                            bytes_done = st.bytes_done,
+                            "commit received"
+                        );
                         st.commit = Some((manifest, batches));
                     }
                     maybe_finish(inner, &live, &ctl, id).await?;
@@ -661,6 +704,8 @@ async fn open_transfer(
             bytes_at_open: done,
             ..LiveState::default()
         }),
+        unsynced: Default::default(),
+        syncing: Default::default(),
     });
     if let Ok(mut m) = inner.live.lock() {
         m.insert(row.id, live.clone());
@@ -764,6 +809,7 @@ async fn receive_batch(
                 }
             }
         }
+        live.wrote(good.iter().map(|g| g.2).sum());
         for (g, h, len) in good {
             let _ = inner
                 .chunks
@@ -950,6 +996,7 @@ async fn maybe_finish(
             .await
         }
         Next::Publish(manifest) => {
+            let t_publish = Instant::now();
             flush(inner).await;
             let root_hex = hex(&manifest.root());
             let (l2, m2) = (live.clone(), manifest.clone());
@@ -975,7 +1022,7 @@ async fn maybe_finish(
                 m.remove(&live.id);
             }
             inner.changed.send_modify(|v| *v += 1);
-            info!(transfer = id, path = %local, root = %root_hex, "replica published");
+            info!(transfer = id, path = %local, root = %root_hex, publish_ms = t_publish.elapsed().as_millis() as u64, "replica published");
             ctl.send(&Control::Published {
                 id,
                 local_path: local,
@@ -1020,11 +1067,7 @@ fn publish(live: &Live, m: &Manifest) -> io::Result<()> {
         };
         file.set_modified(mtime)?;
     }
-    let dir = std::fs::File::open(staging)?;
-    {
-        use std::os::fd::AsRawFd;
-        nix::unistd::syncfs(dir.as_raw_fd()).map_err(io::Error::from)?;
-    }
+    sync_dir_fs(staging)?;
     let held = staging.with_extension("markers");
     std::fs::create_dir_all(&held)?;
     for (i, mi) in m.markers.iter().enumerate() {
