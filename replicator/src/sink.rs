@@ -219,6 +219,8 @@ impl Sink {
                 }
             }
             endpoint.close(VarInt::from_u32(code::SHUTDOWN), b"sink shutting down");
+            // Let the close reach the peers so they resume promptly.
+            let _ = tokio::time::timeout(Duration::from_secs(1), endpoint.wait_idle()).await;
         });
         Ok(Sink { inner })
     }
@@ -446,9 +448,16 @@ async fn serve_connection(
                 let (inner, open, ctl, conn) =
                     (inner.clone(), open.clone(), ctl.clone(), conn.clone());
                 inner.clone().tasks.spawn(async move {
-                    if let Err(e) = receive_batch(&inner, &open, &ctl, s).await {
-                        warn!(error = %e, "data stream failed; closing the connection");
-                        conn.close(VarInt::from_u32(code::PROTOCOL), e.to_string().as_bytes());
+                    match receive_batch(&inner, &open, &ctl, s).await {
+                        Ok(()) => {}
+                        // The connection went away; the source resumes later.
+                        Err(e @ (ConnError::Read(_) | ConnError::Connection(_))) => {
+                            debug!(error = %e, "data stream ended early")
+                        }
+                        Err(e) => {
+                            warn!(error = %e, "bad data stream; closing the connection");
+                            conn.close(VarInt::from_u32(code::PROTOCOL), e.to_string().as_bytes());
+                        }
                     }
                 });
             }

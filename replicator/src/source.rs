@@ -279,6 +279,7 @@ impl Source {
         self.inner
             .endpoint
             .close(VarInt::from_u32(code::SHUTDOWN), b"source shutting down");
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.inner.endpoint.wait_idle()).await;
     }
 }
 
@@ -797,6 +798,9 @@ async fn send_round<T: Send + 'static>(
             async move { write_batches(rx, conn, id, target, batches, progress, stop).await },
         );
     }
+    // Only the writers hold the receiver now: if they all stop (connection
+    // lost, shutdown), the producer's next send fails and it stops too.
+    drop(rx);
     let producer = tokio::task::spawn_blocking(move || produce(&tx));
     let mut result = Ok(());
     while let Some(r) = writers.join_next().await {

@@ -18,6 +18,10 @@ use crate::cc::{Share, ShareControllerFactory};
 /// measurements quoted in the spine issue.
 pub const SOCKET_BUFFER: usize = 64 << 20;
 
+/// A connection with no packet from the peer for this long is dead (a
+/// crashed agent or a cut link); transfers then resume on a new one.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Rate and RTT that size a connection's windows.
 #[derive(Debug, Clone, Copy)]
 pub struct Tuning {
@@ -41,7 +45,7 @@ fn varint(v: u64) -> VarInt {
 /// Transport parameters for a link with `tuning`: per-stream receive
 /// window one BDP (at least 8 MiB), connection receive and send windows
 /// two BDP (at least 16 MiB), up to 1024 concurrent data streams, initial
-/// RTT from the hint, 5 s keep-alive, 30 s idle timeout. With `share`, the
+/// RTT from the hint, 2 s keep-alive, [`IDLE_TIMEOUT`]. With `share`, the
 /// share-aware congestion controller replaces Cubic.
 pub fn transport_config(tuning: Tuning, share: Option<Share>) -> TransportConfig {
     let bdp = tuning.bdp();
@@ -52,8 +56,8 @@ pub fn transport_config(tuning: Tuning, share: Option<Share>) -> TransportConfig
         .max_concurrent_uni_streams(VarInt::from_u32(1024))
         .max_concurrent_bidi_streams(VarInt::from_u32(16))
         .initial_rtt(tuning.rtt)
-        .keep_alive_interval(Some(Duration::from_secs(5)))
-        .max_idle_timeout(IdleTimeout::try_from(Duration::from_secs(30)).ok())
+        .keep_alive_interval(Some(Duration::from_secs(2)))
+        .max_idle_timeout(IdleTimeout::try_from(IDLE_TIMEOUT).ok())
         .datagram_receive_buffer_size(None);
     if let Some(share) = share {
         t.congestion_controller_factory(Arc::new(ShareControllerFactory {
