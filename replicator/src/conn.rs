@@ -18,6 +18,8 @@ pub mod code {
     pub const UNKNOWN_TRANSFER: u32 = 3;
     /// The agent is shutting down.
     pub const SHUTDOWN: u32 = 4;
+    /// Data for a transfer the sink refused.
+    pub const REFUSED: u32 = 5;
 }
 
 /// Errors on a control stream.

@@ -440,7 +440,7 @@ async fn serve_connection(
     .await?;
 
     // Transfers opened on this connection, by source transfer id.
-    let open: Arc<Mutex<HashMap<u64, Arc<Live>>>> = Arc::default();
+    let open: Arc<Opened> = Arc::default();
     let streams = {
         let (inner, conn, open, ctl) = (inner.clone(), conn.clone(), open.clone(), ctl.clone());
         tokio::spawn(async move {
@@ -494,12 +494,11 @@ async fn serve_connection(
                     .await
                     {
                         Ok((live, have)) => {
-                            if let Ok(mut m) = open.lock() {
-                                m.insert(id, live);
-                            }
+                            open.insert(id, live);
                             ctl.send(&Control::Have { id, chunks: have }).await?;
                         }
                         Err(e) => {
+                            open.refuse(id);
                             warn!(transfer = id, peer, "refused transfer: {e}");
                             ctl.send(&Control::Refuse {
                                 id,
@@ -514,7 +513,7 @@ async fn serve_connection(
                     batches,
                     manifest,
                 } => {
-                    let live = open.lock().ok().and_then(|m| m.get(&id).cloned());
+                    let live = open.get(id);
                     let Some(live) = live else {
                         return Err(ConnError::Unexpected(format!(
                             "commit for unknown transfer {id}"
@@ -533,7 +532,7 @@ async fn serve_connection(
                     maybe_finish(inner, &live, &ctl, id).await?;
                 }
                 Control::Cancel { id, reason } => {
-                    let live = open.lock().ok().and_then(|mut m| m.remove(&id));
+                    let live = open.remove(id);
                     if let Some(live) = live {
                         info!(transfer = id, reason, "transfer cancelled by source");
                         cancel_live(inner, &live, state::CANCELLED, &reason).await;
@@ -740,26 +739,79 @@ fn free_bytes(path: &Path) -> io::Result<u64> {
     Ok(s.blocks_available() as u64 * s.fragment_size() as u64)
 }
 
+/// How long a data stream waits for its transfer's open.
+const OPEN_WAIT: Duration = Duration::from_secs(10);
+
+/// Transfers opened (or refused) on one connection, by source transfer id.
+#[derive(Default)]
+struct Opened {
+    live: Mutex<HashMap<u64, Arc<Live>>>,
+    refused: Mutex<std::collections::HashSet<u64>>,
+    changes: watch::Sender<u64>,
+}
+
+impl Opened {
+    fn get(&self, id: u64) -> Option<Arc<Live>> {
+        self.live.lock().ok().and_then(|m| m.get(&id).cloned())
+    }
+    fn is_refused(&self, id: u64) -> bool {
+        self.refused
+            .lock()
+            .map(|r| r.contains(&id))
+            .unwrap_or(false)
+    }
+    fn insert(&self, id: u64, live: Arc<Live>) {
+        if let Ok(mut m) = self.live.lock() {
+            m.insert(id, live);
+        }
+        self.changes.send_modify(|v| *v += 1);
+    }
+    fn refuse(&self, id: u64) {
+        if let Ok(mut r) = self.refused.lock() {
+            r.insert(id);
+        }
+        self.changes.send_modify(|v| *v += 1);
+    }
+    fn remove(&self, id: u64) -> Option<Arc<Live>> {
+        self.live.lock().ok().and_then(|mut m| m.remove(&id))
+    }
+}
+
 /// Largest group of records hashed and written in one blocking task, in
 /// bytes.
 const GROUP_BYTES: usize = 8 << 20;
 
 async fn receive_batch(
     inner: &Arc<Inner>,
-    open: &Mutex<HashMap<u64, Arc<Live>>>,
+    open: &Opened,
     ctl: &ControlSender,
     mut s: RecvStream,
 ) -> Result<(), ConnError> {
     let mut hb = [0u8; BATCH_HEADER_LEN];
     s.read_exact(&mut hb).await?;
     let header = BatchHeader::decode(&hb)?;
-    let live = open
-        .lock()
-        .ok()
-        .and_then(|m| m.get(&header.transfer).cloned());
-    let Some(live) = live else {
-        let _ = s.stop(VarInt::from_u32(code::UNKNOWN_TRANSFER));
-        return Ok(());
+    // A fresh transfer's data may overtake its open on the control stream:
+    // wait for the open to be handled.
+    let mut opened = open.changes.subscribe();
+    let deadline = tokio::time::Instant::now() + OPEN_WAIT;
+    let live = loop {
+        if let Some(l) = open.get(header.transfer) {
+            break l;
+        }
+        if open.is_refused(header.transfer) {
+            let _ = s.stop(VarInt::from_u32(code::REFUSED));
+            return Ok(());
+        }
+        if tokio::time::timeout_at(deadline, opened.changed())
+            .await
+            .is_err()
+        {
+            let _ = s.stop(VarInt::from_u32(code::UNKNOWN_TRANSFER));
+            return Err(ConnError::Unexpected(format!(
+                "data for transfer {} which was never opened",
+                header.transfer
+            )));
+        }
     };
     let mut ended = false;
     while !ended {

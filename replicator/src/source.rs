@@ -402,48 +402,59 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
             tls::explain_handshake_error(&e)
         )
     })?;
-    let hello = async {
-        let (send, mut recv) = conn.open_bi().await?;
-        let ctl = Arc::new(ControlSender::new(send));
-        ctl.send(&Control::Hello(Hello {
-            version: PROTOCOL_VERSION,
-            agent: inner.cfg.agent.clone(),
-            site: inner.cfg.site.clone(),
-        }))
-        .await?;
-        match read_frame(&mut recv).await? {
-            Some(Control::Hello(h)) if h.version == PROTOCOL_VERSION => Ok((ctl, recv, h)),
-            Some(Control::Hello(h)) => Err(ConnError::Peer(format!(
-                "incompatible protocol version: sink speaks {}, this source speaks {PROTOCOL_VERSION}",
-                h.version
-            ))),
-            Some(Control::Error { message }) => Err(ConnError::Peer(message)),
-            Some(m) => Err(ConnError::Unexpected(format!("expected hello, got {}", m.name()))),
-            None => Err(ConnError::Peer("sink closed the control stream".into())),
-        }
-    };
-    let (ctl, mut recv, h) = match tokio::time::timeout(Duration::from_secs(15), hello).await {
-        Ok(Ok(x)) => x,
-        Ok(Err(e)) => {
-            // A refusal after the TLS handshake shows up as a close reason.
-            let why = conn
-                .close_reason()
-                .map(|r| r.to_string())
-                .unwrap_or_else(|| e.to_string());
-            return Err(format!("hello with {}: {why}", l.peer_name));
-        }
-        Err(_) => return Err(format!("hello with {}: no answer within 15 s", l.peer_name)),
-    };
-    info!(
-        link = l.name,
-        peer = h.agent,
-        site = h.site,
-        "connected to sink"
-    );
+    // The hello is pipelined: the source sends it and goes straight on
+    // to open transfers; the reader checks the sink's hello (version) when
+    // it arrives and closes the connection with a clear log line if the
+    // sink is incompatible or refuses.
+    let (send, mut recv) = conn
+        .open_bi()
+        .await
+        .map_err(|e| format!("control stream to {}: {e}", l.peer_name))?;
+    let ctl = Arc::new(ControlSender::new(send));
+    ctl.send(&Control::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        agent: inner.cfg.agent.clone(),
+        site: inner.cfg.site.clone(),
+    }))
+    .await
+    .map_err(|e| format!("hello to {}: {e}", l.peer_name))?;
+    let (link_name, peer_name) = (l.name.clone(), l.peer_name.clone());
     let inbox: Arc<Mutex<HashMap<u64, mpsc::UnboundedSender<Control>>>> = Arc::default();
     let ib = inbox.clone();
     let c2 = conn.clone();
     tokio::spawn(async move {
+        let hello = tokio::time::timeout(Duration::from_secs(15), read_frame(&mut recv)).await;
+        let refusal = match hello {
+            Ok(Ok(Some(Control::Hello(h)))) if h.version == PROTOCOL_VERSION => {
+                info!(link = link_name, peer = h.agent, site = h.site, "connected to sink");
+                None
+            }
+            Ok(Ok(Some(Control::Hello(h)))) => Some(format!(
+                "incompatible protocol version: sink speaks {}, this source speaks {PROTOCOL_VERSION}",
+                h.version
+            )),
+            Ok(Ok(Some(Control::Error { message }))) => Some(message),
+            Ok(Ok(Some(m))) => Some(format!("expected hello, got {}", m.name())),
+            Ok(Ok(None)) => Some("sink closed the control stream".into()),
+            Ok(Err(e)) => Some(
+                c2.close_reason()
+                    .map(|r| r.to_string())
+                    .unwrap_or_else(|| e.to_string()),
+            ),
+            Err(_) => Some("no hello within 15 s".into()),
+        };
+        if let Some(why) = refusal {
+            warn!(
+                link = link_name,
+                peer = peer_name,
+                "sink refused the connection: {why}"
+            );
+            c2.close(VarInt::from_u32(code::PROTOCOL), b"hello failed");
+            if let Ok(mut m) = ib.lock() {
+                m.clear();
+            }
+            return;
+        }
         loop {
             match read_frame(&mut recv).await {
                 Ok(Some(msg)) => {
@@ -536,7 +547,7 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
         }
         let Some(c) = conn.as_ref() else { continue };
         let id = t.id;
-        match run_transfer(&inner, &link, c, t).await {
+        match run_transfer(&inner, c, t).await {
             Ok(()) => {}
             Err(RunError::Shutdown) => return,
             Err(RunError::Fatal(why)) => {
@@ -568,13 +579,11 @@ struct Record {
     data: Vec<u8>,
 }
 
-async fn run_transfer(
-    inner: &Arc<Inner>,
-    link: &LinkState,
-    c: &LinkConn,
-    t: Transfer,
-) -> Result<(), RunError> {
+async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(), RunError> {
     let id = t.id as u64;
+    // A transfer that never reached a sink needs no "have" list: its data
+    // follows the open at once, saving a round trip.
+    let fresh = t.started_at.is_none();
     inner
         .catalog
         .set_transfer_state(t.id, state::ACTIVE, None)
@@ -623,12 +632,16 @@ async fn run_transfer(
             files: scan.files.clone(),
         })
         .await?;
-    let have: HashSet<u64> = match recv(inner, &mut rx).await? {
-        Control::Have { chunks, .. } => chunks.into_iter().collect(),
-        Control::Refuse { reason, .. } => {
-            return Err(RunError::Fatal(format!("sink refused: {reason}")))
+    let have: HashSet<u64> = if fresh {
+        HashSet::new()
+    } else {
+        match recv(inner, c, &mut rx).await? {
+            Control::Have { chunks, .. } => chunks.into_iter().collect(),
+            Control::Refuse { reason, .. } => {
+                return Err(RunError::Fatal(format!("sink refused: {reason}")))
+            }
+            m => return Err(RunError::Retry(format!("expected have, got {}", m.name()))),
         }
-        m => return Err(RunError::Retry(format!("expected have, got {}", m.name()))),
     };
     let map = Arc::new(ChunkMap::new(&scan.files, chunk_size));
     let skipped: u64 = have
@@ -648,10 +661,11 @@ async fn run_transfer(
     // First pass: read every file once, hash every chunk, send the ones
     // the sink lacks.
     let files = Arc::new(scan.files);
+    let mut need: Vec<u64> = Vec::new();
     let mut batches = 0u64;
     let (entries, n) = {
         let (files, map, dir, inner2) = (files.clone(), map.clone(), dir.clone(), inner.clone());
-        send_round(inner, link, c, id, &progress, move |out| {
+        send_round(inner, c, id, &progress, &mut rx, &mut need, move |out| {
             read_all(&inner2, &dir, &files, chunk_size, &map, &have, out)
         })
         .await?
@@ -676,17 +690,19 @@ async fn run_transfer(
 
     // Resend whatever the sink asks for, then commit; repeat until the sink
     // publishes.
-    let mut need: Vec<u64> = Vec::new();
     let manifest = Arc::new(manifest);
     loop {
         while let Ok(m) = rx.try_recv() {
             match m {
                 Control::Need { chunks, .. } => need.extend(chunks),
+                Control::Have { .. } => {}
                 other => return handle_end(inner, &t, other, &root).await,
             }
         }
         if !need.is_empty() {
-            let list = std::mem::take(&mut need);
+            let mut list = std::mem::take(&mut need);
+            list.sort_unstable();
+            list.dedup();
             info!(
                 transfer = id,
                 chunks = list.len(),
@@ -694,7 +710,7 @@ async fn run_transfer(
             );
             let (m2, dir, inner2) = (manifest.clone(), dir.clone(), inner.clone());
             let map2 = map.clone();
-            let (_, n) = send_round(inner, link, c, id, &progress, move |out| {
+            let (_, n) = send_round(inner, c, id, &progress, &mut rx, &mut need, move |out| {
                 read_some(&inner2, &dir, &m2, &map2, &list, out)
             })
             .await?;
@@ -712,15 +728,19 @@ async fn run_transfer(
                 manifest: (*manifest).clone(),
             })
             .await?;
-        match recv(inner, &mut rx).await? {
-            Control::Need { chunks, .. } => {
-                need.extend(chunks);
-                inner
-                    .catalog
-                    .set_transfer_state(t.id, state::ACTIVE, None)
-                    .await?;
+        loop {
+            match recv(inner, c, &mut rx).await? {
+                Control::Have { .. } => continue,
+                Control::Need { chunks, .. } => {
+                    need.extend(chunks);
+                    inner
+                        .catalog
+                        .set_transfer_state(t.id, state::ACTIVE, None)
+                        .await?;
+                    break;
+                }
+                other => return handle_end(inner, &t, other, &root).await,
             }
-            other => return handle_end(inner, &t, other, &root).await,
         }
     }
 }
@@ -760,30 +780,38 @@ async fn handle_end(
     }
 }
 
+/// The next control message for this transfer; a lost connection or the
+/// agent stopping end the wait.
 async fn recv(
     inner: &Inner,
+    c: &LinkConn,
     rx: &mut mpsc::UnboundedReceiver<Control>,
 ) -> Result<Control, RunError> {
     tokio::select! {
         m = rx.recv() => m.ok_or_else(|| RunError::Retry("connection to the sink lost".into())),
+        e = c.conn.closed() => Err(RunError::Retry(format!("connection to the sink lost: {e}"))),
         _ = inner.shutdown.cancelled() => Err(RunError::Shutdown),
     }
 }
 
 /// Runs `produce` on a blocking thread feeding records to `streams`
 /// writers; returns what `produce` returned and the number of batches
-/// (streams) sent.
+/// (streams) sent. Control messages arriving meanwhile are handled: `need`
+/// collects chunks to send again, a refusal or cancel ends the round.
+#[allow(clippy::too_many_arguments)]
 async fn send_round<T: Send + 'static>(
     inner: &Arc<Inner>,
-    _link: &LinkState,
     c: &LinkConn,
     id: u64,
     progress: &Arc<LiveProgress>,
+    rx_ctl: &mut mpsc::UnboundedReceiver<Control>,
+    need: &mut Vec<u64>,
     produce: impl FnOnce(&mpsc::Sender<Record>) -> Result<T, String> + Send + 'static,
 ) -> Result<(T, u64), RunError> {
     let (tx, rx) = mpsc::channel::<Record>(inner.cfg.streams * 4);
     let rx = Arc::new(tokio::sync::Mutex::new(rx));
     let batches = Arc::new(AtomicU64::new(0));
+    let stop = inner.shutdown.child_token();
     let mut writers = tokio::task::JoinSet::new();
     for _ in 0..inner.cfg.streams.max(1) {
         let (rx, conn, batches, progress) = (
@@ -792,28 +820,65 @@ async fn send_round<T: Send + 'static>(
             batches.clone(),
             progress.clone(),
         );
-        let stop = inner.shutdown.clone();
+        let stop = stop.clone();
         let target = inner.cfg.batch_bytes;
         writers.spawn(
             async move { write_batches(rx, conn, id, target, batches, progress, stop).await },
         );
     }
     // Only the writers hold the receiver now: if they all stop (connection
-    // lost, shutdown), the producer's next send fails and it stops too.
+    // lost, shutdown, refusal), the producer's next send fails and it stops
+    // too.
     drop(rx);
     let producer = tokio::task::spawn_blocking(move || produce(&tx));
-    let mut result = Ok(());
-    while let Some(r) = writers.join_next().await {
-        if let Ok(Err(e)) = r {
-            result = Err(e);
-            writers.abort_all();
+    let mut result: Result<(), RunError> = Ok(());
+    let mut ctl_open = true;
+    loop {
+        tokio::select! {
+            r = writers.join_next() => match r {
+                None => break,
+                Some(Ok(Ok(()))) => {}
+                Some(Ok(Err(e))) => {
+                    if result.is_ok() {
+                        result = Err(RunError::Retry(e));
+                    }
+                    stop.cancel();
+                }
+                Some(Err(e)) => {
+                    result = Err(RunError::Retry(format!("stream writer: {e}")));
+                    stop.cancel();
+                }
+            },
+            m = rx_ctl.recv(), if ctl_open => match m {
+                Some(Control::Need { chunks, .. }) => need.extend(chunks),
+                Some(Control::Have { .. }) => {}
+                Some(Control::Refuse { reason, .. }) => {
+                    result = Err(RunError::Fatal(format!("sink refused: {reason}")));
+                    stop.cancel();
+                }
+                Some(Control::Cancel { reason, .. }) => {
+                    result = Err(RunError::Fatal(format!("sink cancelled: {reason}")));
+                    stop.cancel();
+                }
+                Some(other) => {
+                    result = Err(RunError::Retry(format!("unexpected {} from sink while sending", other.name())));
+                    stop.cancel();
+                }
+                None => {
+                    ctl_open = false;
+                    if result.is_ok() {
+                        result = Err(RunError::Retry("connection to the sink lost".into()));
+                    }
+                    stop.cancel();
+                }
+            },
         }
     }
     let produced = producer.await.map_err(|e| RunError::Fatal(e.to_string()))?;
     if inner.shutdown.is_cancelled() {
         return Err(RunError::Shutdown);
     }
-    result.map_err(RunError::Retry)?;
+    result?;
     let t = produced.map_err(RunError::Fatal)?;
     Ok((t, batches.load(Ordering::Relaxed)))
 }
