@@ -1,0 +1,224 @@
+//! A source and a sink in one process, joined by the in-memory emulated
+//! link: a checkpoint with small, multi-chunk and empty shards replicates
+//! byte for byte, resolves, and a re-push replaces the replica atomically.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use replicator::catalog::Catalog;
+use replicator::linkemu::{memory_pair, LinkParams};
+use replicator::manifest::MIN_CHUNK_SIZE;
+use replicator::sink::{Resolution, Sink, SinkConfig};
+use replicator::source::{LinkConfig, RootConfig, Source, SourceConfig};
+use replicator::tls::{self, AgentIdentity};
+use replicator::transport::{self, SocketKind};
+
+struct Pair {
+    dir: tempfile::TempDir,
+    source: Source,
+    sink: Sink,
+    root: PathBuf,
+}
+
+async fn pair(reserve_bytes: u64) -> Pair {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path();
+    let certs = base.join("certs");
+    tls::init_dev_pki(&certs, &["src".into(), "dst".into()], 2).unwrap();
+    let id = |n: &str| {
+        AgentIdentity::load(
+            &certs.join("ca.pem"),
+            &certs.join(format!("{n}.pem")),
+            &certs.join(format!("{n}.key")),
+        )
+        .unwrap()
+    };
+    let (a, b): (SocketAddr, SocketAddr) =
+        ("10.0.0.1:1".parse().unwrap(), "10.0.0.2:2".parse().unwrap());
+    let params = LinkParams::new(1_000_000_000, Duration::from_millis(10));
+    let (sa, sb) = memory_pair(a, b, params.clone(), params);
+    let server = quinn::ServerConfig::with_crypto(tls::server_crypto(&id("dst")).unwrap());
+    let sink_ep = transport::endpoint(SocketKind::Memory(sb), Some(server)).unwrap();
+    let sink = Sink::start(
+        SinkConfig {
+            agent: "dst".into(),
+            site: "train-a".into(),
+            root: base.join("eval"),
+            accept_peers: vec!["src".into()],
+            reserve_bytes,
+        },
+        Catalog::open(&base.join("dst-data")).await.unwrap(),
+        sink_ep,
+    )
+    .unwrap();
+    let root = base.join("ckpt").join("job");
+    std::fs::create_dir_all(&root).unwrap();
+    let root = std::fs::canonicalize(root).unwrap();
+    let src_ep = transport::endpoint(SocketKind::Memory(sa), None).unwrap();
+    let source = Source::start(
+        SourceConfig {
+            agent: "src".into(),
+            site: "train-a".into(),
+            chunk_size: MIN_CHUNK_SIZE,
+            markers: vec![".metadata".into()],
+            roots: vec![RootConfig {
+                path: root.clone(),
+                job: "job".into(),
+                link: "l".into(),
+            }],
+            links: vec![LinkConfig {
+                name: "l".into(),
+                peer_addr: b,
+                peer_name: "dst".into(),
+                rate_bps: 1_000_000_000,
+                rtt: Duration::from_millis(10),
+            }],
+            streams: 3,
+            batch_bytes: 256 << 10,
+            scan_interval: None,
+        },
+        Catalog::open(&base.join("src-data")).await.unwrap(),
+        src_ep,
+        &id("src"),
+    )
+    .unwrap();
+    Pair {
+        dir,
+        source,
+        sink,
+        root,
+    }
+}
+
+fn write_checkpoint(dir: &Path, seed: u8) {
+    std::fs::create_dir_all(dir.join("sub/deeper")).unwrap();
+    let data = |n: usize| {
+        (0..n)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+            .collect::<Vec<_>>()
+    };
+    std::fs::write(
+        dir.join("__0_0.distcp"),
+        data(3 * MIN_CHUNK_SIZE as usize + 123),
+    )
+    .unwrap();
+    std::fs::write(dir.join("sub/bias.bin"), data(700)).unwrap();
+    std::fs::write(dir.join("sub/deeper/empty"), b"").unwrap();
+    std::fs::write(dir.join(".metadata.tmp"), b"temporary: never replicated").unwrap();
+    std::fs::write(dir.join(".metadata"), data(99)).unwrap();
+}
+
+async fn wait_published(p: &Pair, id: i64) -> replicator::catalog::Transfer {
+    for _ in 0..600 {
+        let t = p.source.catalog().transfer(id).await.unwrap().unwrap();
+        match t.state.as_str() {
+            "published" => return t,
+            "failed" | "cancelled" => panic!("transfer {}: {:?}", t.state, t.error),
+            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+    panic!("transfer {id} not published within 30 s");
+}
+
+fn same_tree(a: &Path, b: &Path) {
+    let opts = replicator::manifest::ScanOptions::default();
+    let sa = replicator::manifest::scan(a, &opts).unwrap();
+    let sb = replicator::manifest::scan(b, &opts).unwrap();
+    assert_eq!(
+        sa.files, sb.files,
+        "file lists (paths, sizes, modes, mtimes) differ"
+    );
+    for f in &sa.files {
+        assert_eq!(
+            std::fs::read(a.join(&f.path)).unwrap(),
+            std::fs::read(b.join(&f.path)).unwrap(),
+            "{}",
+            f.path
+        );
+    }
+}
+
+#[tokio::test]
+async fn checkpoint_replicates_resolves_and_is_replaced_on_resave() {
+    let p = pair(0).await;
+    let ckpt = p.root.join("step_2");
+    write_checkpoint(&ckpt, 1);
+    let t = p.source.submit(&ckpt, None).await.unwrap();
+    let done = wait_published(&p, t.id).await;
+    let replica = PathBuf::from(done.local_path.unwrap());
+    assert_eq!(replica, p.dir.path().join("eval/train-a/job/step_2"));
+    assert!(
+        !replica.join(".metadata.tmp").exists(),
+        "temporaries are not replicated"
+    );
+    std::fs::remove_file(ckpt.join(".metadata.tmp")).unwrap();
+    same_tree(&ckpt, &replica);
+
+    let under = format!("{}/sub/bias.bin", ckpt.display());
+    match p.sink.resolve(&under).await.unwrap() {
+        Resolution::Local { local_path, .. } => {
+            assert_eq!(PathBuf::from(local_path), replica.join("sub/bias.bin"))
+        }
+        other => panic!("expected local, got {other:?}"),
+    }
+    let report = replicator::verify::check(
+        &replica,
+        &replicator::manifest::build(&ckpt, &Default::default(), MIN_CHUNK_SIZE).unwrap(),
+    );
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+
+    // A re-save at the same path becomes a new version in place.
+    write_checkpoint(&ckpt, 2);
+    std::fs::remove_file(ckpt.join(".metadata.tmp")).unwrap();
+    let t2 = p.source.submit(&ckpt, None).await.unwrap();
+    wait_published(&p, t2.id).await;
+    same_tree(&ckpt, &replica);
+    let staging = p.dir.path().join("eval/.ferry/staging");
+    assert_eq!(
+        std::fs::read_dir(staging).unwrap().count(),
+        0,
+        "staging is cleaned up"
+    );
+}
+
+#[tokio::test]
+async fn sink_without_room_refuses_and_publishes_nothing() {
+    let p = pair(u64::MAX / 4).await;
+    let ckpt = p.root.join("step_9");
+    write_checkpoint(&ckpt, 3);
+    let t = p.source.submit(&ckpt, None).await.unwrap();
+    let mut last = None;
+    for _ in 0..400 {
+        let t = p.source.catalog().transfer(t.id).await.unwrap().unwrap();
+        if t.state == "failed" {
+            last = Some(t);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let t = last.expect("transfer should fail");
+    assert!(t.error.unwrap().contains("not enough space"));
+    assert!(
+        !p.dir.path().join("eval/train-a").exists(),
+        "nothing published"
+    );
+}
+
+#[tokio::test]
+async fn paths_outside_source_roots_are_refused() {
+    let p = pair(0).await;
+    let e = p.source.submit(p.dir.path(), None).await.unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("not under any configured source root"),
+        "{e}"
+    );
+    let e = p
+        .source
+        .submit(&p.root.join("missing"), None)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("missing"), "{e}");
+}
