@@ -100,6 +100,8 @@ struct Live {
     unsynced: std::sync::atomic::AtomicU64,
     /// A background `syncfs` is running.
     syncing: std::sync::atomic::AtomicBool,
+    /// Chunk writes hold it shared, publishing holds it exclusively.
+    writes: Arc<tokio::sync::RwLock<()>>,
 }
 
 /// Staging bytes written before a background `syncfs` starts. Flushing as
@@ -714,6 +716,7 @@ async fn open_transfer(
         }),
         unsynced: Default::default(),
         syncing: Default::default(),
+        writes: Default::default(),
     });
     if let Ok(mut m) = inner.live.lock() {
         m.insert(row.id, live.clone());
@@ -842,13 +845,33 @@ async fn receive_batch(
             bytes += buf.len();
             group.push((h, buf));
         }
+        // Writes hold the read side of `writes`; publishing takes the write
+        // side, so no chunk lands in staging once the replica is being
+        // moved into place. Duplicates (a chunk asked for twice) and
+        // anything arriving after the publish began are dropped unwritten.
+        let guard = live.writes.clone().read_owned().await;
+        if let Ok(st) = live.st.lock() {
+            if st.publishing || st.failed {
+                group.clear();
+            } else {
+                group.retain(|(h, _)| {
+                    live.map
+                        .index(h.file, h.chunk)
+                        .is_none_or(|g| st.verified.get(&g) != Some(&h.hash))
+                });
+            }
+        }
         if group.is_empty() {
             continue;
         }
         let l2 = live.clone();
-        let res = tokio::task::spawn_blocking(move || write_group(&l2, group))
-            .await
-            .map_err(|e| io::Error::other(e.to_string()));
+        let res = tokio::task::spawn_blocking(move || {
+            let r = write_group(&l2, group);
+            drop(guard);
+            r
+        })
+        .await
+        .map_err(|e| io::Error::other(e.to_string()));
         let (good, bad) = match res.and_then(|r| r) {
             Ok(r) => r,
             Err(e) => {
@@ -1058,6 +1081,8 @@ async fn maybe_finish(
         }
         Next::Publish(manifest) => {
             let t_publish = Instant::now();
+            // Wait for chunk writes in flight; later ones see `publishing`.
+            let _exclusive = live.writes.clone().write_owned().await;
             flush(inner).await;
             let root_hex = hex(&manifest.root());
             let (l2, m2) = (live.clone(), manifest.clone());
