@@ -43,16 +43,21 @@ fn varint(v: u64) -> VarInt {
 }
 
 /// Transport parameters for a link with `tuning`: per-stream receive
-/// window one BDP (at least 8 MiB), connection receive and send windows
-/// two BDP (at least 16 MiB), up to 1024 concurrent data streams, initial
+/// window two BDP (at least 8 MiB), connection receive and send windows
+/// four BDP (at least 16 MiB), up to 1024 concurrent data streams, initial
 /// RTT from the hint, 2 s keep-alive, [`IDLE_TIMEOUT`]. With `share`, the
 /// share-aware congestion controller replaces Cubic.
+///
+/// Why more than one BDP: data behind a lost packet waits about 1.5 RTT
+/// for the retransmission and holds flow-control credit meanwhile. Measured
+/// with `ferry demo --loss 0.01` (1 Gbit/s, 100 ms): one BDP per stream and
+/// two per connection gave 0.72 of the link, two and four gave 0.89.
 pub fn transport_config(tuning: Tuning, share: Option<Share>) -> TransportConfig {
     let bdp = tuning.bdp();
     let mut t = TransportConfig::default();
-    t.stream_receive_window(varint(bdp.max(8 << 20)))
-        .receive_window(varint((2 * bdp).max(16 << 20)))
-        .send_window((2 * bdp).max(16 << 20))
+    t.stream_receive_window(varint((2 * bdp).max(8 << 20)))
+        .receive_window(varint((4 * bdp).max(16 << 20)))
+        .send_window((4 * bdp).max(16 << 20))
         .max_concurrent_uni_streams(VarInt::from_u32(1024))
         .max_concurrent_bidi_streams(VarInt::from_u32(16))
         .initial_rtt(tuning.rtt)
