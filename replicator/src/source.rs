@@ -260,7 +260,10 @@ impl Source {
     }
 
     /// Queues a replication of the directory `path`, which must lie under
-    /// a configured source root; `link` overrides the root's link.
+    /// a configured source root; `link` overrides the root's link. If the
+    /// same path is already queued or moving on that link, that transfer
+    /// is returned; once it is published, a new push copies it again (a
+    /// re-save becomes a new replica version).
     ///
     /// # Errors
     /// [`SubmitError::BadPath`] if the path is missing, not a directory or
@@ -317,6 +320,17 @@ async fn submit(
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| root.job.clone()),
     };
+    // Pushing a checkpoint that is already queued or moving returns that
+    // transfer instead of starting a second copy of the same bytes.
+    if let Some(t) = inner
+        .catalog
+        .transfer_by_path(&abs.to_string_lossy())
+        .await?
+    {
+        if !state::is_final(&t.state) && t.link == link {
+            return Ok(t);
+        }
+    }
     let id = inner
         .catalog
         .insert_transfer(link, &root.job, &abs.to_string_lossy(), &rel, "scheduled")

@@ -146,6 +146,11 @@ async fn checkpoint_replicates_resolves_and_is_replaced_on_resave() {
     let ckpt = p.root.join("step_2");
     write_checkpoint(&ckpt, 1);
     let t = p.source.submit(&ckpt, None).await.unwrap();
+    let again = p.source.submit(&ckpt, None).await.unwrap();
+    assert_eq!(
+        again.id, t.id,
+        "a second push of a queued checkpoint is the same transfer"
+    );
     let done = wait_published(&p, t.id).await;
     let replica = PathBuf::from(done.local_path.unwrap());
     assert_eq!(replica, p.dir.path().join("eval/train-a/job/step_2"));
