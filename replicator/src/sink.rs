@@ -632,8 +632,10 @@ async fn open_transfer(
         }
         Some(r) => {
             return Err(refuse(format!(
-                "transfer {} was already {} at this sink",
-                key.id, r.state
+                "transfer {} already {} at this sink: {}",
+                key.id,
+                r.state,
+                r.error.as_deref().unwrap_or("no reason recorded")
             )))
         }
         None => {

@@ -888,6 +888,26 @@ async fn send_round<T: Send + 'static>(
             },
         }
     }
+    // A sink that refuses or cancels a transfer stops its data streams and
+    // says why on the control stream; a writer may see the stop first.
+    // While the connection lives, give the reason a moment to arrive.
+    if matches!(result, Err(RunError::Retry(_))) && ctl_open && c.conn.close_reason().is_none() {
+        let until = tokio::time::Instant::now() + Duration::from_secs(2);
+        while let Ok(Some(m)) = tokio::time::timeout_at(until, rx_ctl.recv()).await {
+            match m {
+                Control::Refuse { reason, .. } => {
+                    result = Err(RunError::Fatal(format!("sink refused: {reason}")));
+                    break;
+                }
+                Control::Cancel { reason, .. } => {
+                    result = Err(RunError::Fatal(format!("sink cancelled: {reason}")));
+                    break;
+                }
+                Control::Need { chunks, .. } => need.extend(chunks),
+                _ => {}
+            }
+        }
+    }
     let produced = producer.await.map_err(|e| RunError::Fatal(e.to_string()))?;
     if inner.shutdown.is_cancelled() {
         return Err(RunError::Shutdown);
