@@ -30,6 +30,11 @@ use quinn_proto::RttEstimator;
 /// delay that makes the controller back off.
 pub const WINDOW_GAIN: f64 = 1.08;
 
+/// Time added to the RTT when sizing the window, for the agents'
+/// processing latency (endpoint drivers, hashing and disk writes on busy
+/// cores), which matters most on short paths.
+pub const PROCESSING_ALLOWANCE: Duration = Duration::from_millis(3);
+
 /// Loss fraction over one RTT epoch above which an epoch counts as lossy.
 pub const LOSS_THRESHOLD: f64 = 0.05;
 
@@ -119,7 +124,8 @@ pub struct ShareController {
 
 impl ShareController {
     fn full_window(&self) -> f64 {
-        self.share.rate_bps() as f64 / 8.0 * self.base_rtt.as_secs_f64() * WINDOW_GAIN
+        let rtt = self.base_rtt.as_secs_f64() * WINDOW_GAIN + PROCESSING_ALLOWANCE.as_secs_f64();
+        self.share.rate_bps() as f64 / 8.0 * rtt
     }
 
     fn min_window(&self) -> u64 {
@@ -248,12 +254,14 @@ mod tests {
     #[test]
     fn window_is_share_times_rtt() {
         let (share, c, _) = controller(1_000_000_000, 100);
-        // 1 Gbit/s x 100 ms = 12.5 MB, times the gain.
-        let bdp = 12_500_000.0;
-        assert_eq!(c.window(), (bdp * WINDOW_GAIN) as u64);
-        assert_eq!(c.initial_window(), (bdp * WINDOW_GAIN) as u64);
+        // 1 Gbit/s x (100 ms x gain + allowance).
+        let expect = |rate: f64| {
+            (rate / 8.0 * (0.1 * WINDOW_GAIN + PROCESSING_ALLOWANCE.as_secs_f64())) as u64
+        };
+        assert_eq!(c.window(), expect(1e9));
+        assert_eq!(c.initial_window(), expect(1e9));
         share.set_rate_bps(500_000_000);
-        assert_eq!(c.window(), (bdp / 2.0 * WINDOW_GAIN) as u64);
+        assert_eq!(c.window(), expect(5e8));
     }
 
     #[test]
