@@ -25,9 +25,10 @@ use quinn_proto::RttEstimator;
 /// the receiver's ack delay and both agents' processing latency. Measured
 /// with `ferry demo` (1 Gbit/s, 100 ms, 1.4 GB, both agents in one process
 /// on 2 cores): gain 0.98 gave 0.87-0.88 of the link, 1.05 gave 0.91-0.93,
-/// 1.10 gave 0.93, all with no queue drops. The excess over 1 is at most a
-/// standing queue of 8 % of the RTT at the bottleneck, well under the
-/// delay that makes the controller back off.
+/// 1.10 gave 0.93, all with no queue drops. The excess over 1 (with
+/// [`PROCESSING_ALLOWANCE`]) is at most a standing queue of 8 % of the RTT
+/// plus 3 ms at the bottleneck, under the delay that makes the controller
+/// back off.
 pub const WINDOW_GAIN: f64 = 1.08;
 
 /// Time added to the RTT when sizing the window, for the agents'
