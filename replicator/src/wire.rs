@@ -151,7 +151,7 @@ pub enum Control {
     Have {
         /// Source transfer id.
         id: u64,
-        /// Global chunk indices (see [`Manifest::chunk_index`]).
+        /// Global chunk indices (see [`crate::manifest::ChunkMap`]).
         chunks: Vec<u64>,
     },
     /// Sink to source: the transfer cannot be accepted.
