@@ -754,6 +754,47 @@ impl Catalog {
         Ok(rows.iter().map(replica_row).collect::<Result<_, _>>()?)
     }
 
+    /// A live or published row (not failed or cancelled) whose
+    /// `local_path` lies strictly inside `local_path` or strictly contains
+    /// it, if any: two such replicas would overlap on disk.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn overlapping_replica(
+        &self,
+        local_path: &str,
+    ) -> Result<Option<String>, CatalogError> {
+        let base = local_path.trim_end_matches('/');
+        // Descendants: paths in [base + "/", base + "0"), "0" being the
+        // byte after "/".
+        let r = sqlx::query(
+            "SELECT local_path FROM replicas WHERE state IN ('receiving', 'published') \
+             AND local_path >= ? AND local_path < ? LIMIT 1",
+        )
+        .bind(format!("{base}/"))
+        .bind(format!("{base}0"))
+        .fetch_optional(&self.pool)
+        .await?;
+        if let Some(r) = r {
+            return Ok(Some(r.try_get("local_path")?));
+        }
+        let mut p = Path::new(base).parent();
+        while let Some(a) = p {
+            let r = sqlx::query(
+                "SELECT local_path FROM replicas WHERE state IN ('receiving', 'published') \
+                 AND local_path = ? LIMIT 1",
+            )
+            .bind(a.to_string_lossy().as_ref())
+            .fetch_optional(&self.pool)
+            .await?;
+            if let Some(r) = r {
+                return Ok(Some(r.try_get("local_path")?));
+            }
+            p = a.parent();
+        }
+        Ok(None)
+    }
+
     /// The newest published row whose `local_path` is `local_path`.
     ///
     /// # Errors

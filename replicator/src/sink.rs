@@ -249,6 +249,10 @@ impl Sink {
     /// # Errors
     /// Catalog errors.
     pub async fn resolve(&self, path: &str) -> Result<Resolution, CatalogError> {
+        let Some(path) = normalize_source_path(path) else {
+            return Ok(Resolution::Unknown);
+        };
+        let path = path.as_str();
         let mut ancestor = Some(Path::new(path));
         while let Some(a) = ancestor {
             let a_str = a.to_string_lossy();
@@ -264,6 +268,10 @@ impl Sink {
                     } else {
                         Path::new(&p.local_path).join(suffix)
                     };
+                    // A file the checkpoint does not hold has no twin.
+                    if std::fs::symlink_metadata(&local).is_err() {
+                        return Ok(Resolution::Unknown);
+                    }
                     return Ok(Resolution::Local {
                         local_path: local.to_string_lossy().into_owned(),
                         manifest_root: p.manifest_root.clone().unwrap_or_default(),
@@ -318,6 +326,31 @@ impl Live {
             .then(|| (self.bytes_total.saturating_sub(st.bytes_done)) as f64 / (gained / secs));
         (st.bytes_done, eta)
     }
+}
+
+/// Lexically normalises an absolute source path: repeated and trailing
+/// slashes and `.` components are dropped. `None` for a relative path or
+/// one with a `..` component (refused rather than interpreted, since the
+/// source's symlinks are unknown here).
+pub fn normalize_source_path(path: &str) -> Option<String> {
+    if !path.starts_with('/') || path.contains('\0') {
+        return None;
+    }
+    let mut out = String::with_capacity(path.len());
+    for part in path.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => return None,
+            p => {
+                out.push('/');
+                out.push_str(p);
+            }
+        }
+    }
+    if out.is_empty() {
+        out.push('/');
+    }
+    Some(out)
 }
 
 fn rfc3339(ms: i64) -> String {
@@ -577,6 +610,16 @@ async fn open_transfer(
     }
     let root = &inner.cfg.root;
     let local_path = root.join(site).join(&key.job).join(&key.rel);
+    if let Some(other) = inner
+        .catalog
+        .overlapping_replica(&local_path.to_string_lossy())
+        .await?
+    {
+        return Err(refuse(format!(
+            "{} would overlap the replica at {other}: one checkpoint directory may not contain another",
+            local_path.display()
+        )));
+    }
     let id_i64 = key.id as i64;
     let existing = inner
         .catalog
@@ -1193,6 +1236,17 @@ fn publish(live: &Live, m: &Manifest) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn source_paths_are_normalised_or_refused() {
+        assert_eq!(
+            normalize_source_path("/a//b/./c/").as_deref(),
+            Some("/a/b/c")
+        );
+        assert_eq!(normalize_source_path("/").as_deref(), Some("/"));
+        assert_eq!(normalize_source_path("/a/../etc/passwd"), None);
+        assert_eq!(normalize_source_path("a/b"), None);
+    }
 
     #[test]
     fn dates_format_as_rfc3339() {

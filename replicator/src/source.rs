@@ -315,10 +315,12 @@ async fn submit(
         .ok_or_else(|| SubmitError::UnknownLink(link.to_string()))?;
     let rel = match abs.strip_prefix(&root.path) {
         Ok(r) if !r.as_os_str().is_empty() => r.to_string_lossy().into_owned(),
-        _ => abs
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| root.job.clone()),
+        _ => {
+            return Err(bad(format!(
+                "{} is a source root itself; push a checkpoint directory below it",
+                abs.display()
+            )))
+        }
     };
     // Pushing a checkpoint that is already queued or moving returns that
     // transfer instead of starting a second copy of the same bytes.

@@ -122,6 +122,17 @@ async fn wait_published(p: &Pair, id: i64) -> replicator::catalog::Transfer {
     panic!("transfer {id} not published within 30 s");
 }
 
+async fn wait_final(p: &Pair, id: i64) -> replicator::catalog::Transfer {
+    for _ in 0..600 {
+        let t = p.source.catalog().transfer(id).await.unwrap().unwrap();
+        if replicator::catalog::state::is_final(&t.state) {
+            return t;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("transfer {id} did not finish within 30 s");
+}
+
 fn same_tree(a: &Path, b: &Path) {
     let opts = replicator::manifest::ScanOptions::default();
     let sa = replicator::manifest::scan(a, &opts).unwrap();
@@ -168,6 +179,23 @@ async fn checkpoint_replicates_resolves_and_is_replaced_on_resave() {
         }
         other => panic!("expected local, got {other:?}"),
     }
+    // Paths are normalised; `..` and files the checkpoint lacks have no twin.
+    let messy = format!("{}//sub/./bias.bin", ckpt.display());
+    assert!(matches!(
+        p.sink.resolve(&messy).await.unwrap(),
+        Resolution::Local { .. }
+    ));
+    let escape = format!("{}/../../../etc/passwd", ckpt.display());
+    assert_eq!(p.sink.resolve(&escape).await.unwrap(), Resolution::Unknown);
+    let missing = format!("{}/no-such-file", ckpt.display());
+    assert_eq!(p.sink.resolve(&missing).await.unwrap(), Resolution::Unknown);
+
+    // A directory inside a replicated checkpoint would overlap it at the sink.
+    let nested = p.source.submit(&ckpt.join("sub"), None).await.unwrap();
+    let failed = wait_final(&p, nested.id).await;
+    assert_eq!(failed.state, "failed");
+    assert!(failed.error.unwrap().contains("overlap"));
+
     let report = replicator::verify::check(
         &replica,
         &replicator::manifest::build(&ckpt, &Default::default(), MIN_CHUNK_SIZE).unwrap(),
