@@ -283,6 +283,23 @@ pub fn parse_rate(s: &str) -> Result<u64, String> {
     Ok(r as u64)
 }
 
+/// Formats bit/s the way [`parse_rate`] reads them, e.g. `"1Gbit/s"`,
+/// `"250Mbit/s"`, `"5kbit/s"`.
+pub fn format_rate(bps: u64) -> String {
+    let (v, unit) = if bps >= 1_000_000_000 {
+        (bps as f64 / 1e9, "Gbit/s")
+    } else if bps >= 1_000_000 {
+        (bps as f64 / 1e6, "Mbit/s")
+    } else if bps >= 1_000 {
+        (bps as f64 / 1e3, "kbit/s")
+    } else {
+        (bps as f64, "bit/s")
+    };
+    let text = format!("{v:.3}");
+    let text = text.trim_end_matches('0').trim_end_matches('.');
+    format!("{text}{unit}")
+}
+
 impl Config {
     /// Reads, parses and checks a config file; relative TLS paths are
     /// resolved against the file's directory.
@@ -470,6 +487,14 @@ link = "to-eval"
             .replace("# root = ", "root = ");
         let c = load(&sink).unwrap();
         assert_eq!(c.sink.unwrap().reserve, 1 << 30);
+    }
+
+    #[test]
+    fn rates_format_back() {
+        for r in [1_000_000_000, 2_500_000_000, 250_000_000, 5_000] {
+            assert_eq!(parse_rate(&format_rate(r)), Ok(r));
+        }
+        assert_eq!(format_rate(1_000_000_000), "1Gbit/s");
     }
 
     #[test]

@@ -13,8 +13,8 @@ use replicator::sink::Resolution;
 
 use crate::agent::{self, Overrides};
 use crate::config::{
-    AgentSection, ApiSection, Config, LinkSection, QuicSection, Role, RootSection, SinkSection,
-    SourceSection, TlsSection,
+    format_rate, AgentSection, ApiSection, Config, LinkSection, QuicSection, Role, RootSection,
+    SinkSection, SourceSection, TlsSection,
 };
 use crate::gen;
 
@@ -44,6 +44,9 @@ pub struct DemoArgs {
     #[arg(long)]
     pub keep: bool,
 }
+
+/// Longest demo transfer accepted, in seconds of physical limit.
+const MAX_DEMO_S: f64 = 600.0;
 
 /// Physical limit in seconds (DESIGN.md, Measures): payload bytes x 8 x
 /// 1500/1448 / rate + 1.5 RTT.
@@ -85,13 +88,41 @@ fn agent_config(dir: &Path, name: &str, role: Role, api: SocketAddr) -> Config {
 /// Any step that fails, named.
 pub async fn run(a: DemoArgs) -> Result<()> {
     if !(0.0..1.0).contains(&a.loss) {
-        bail!("--loss must be within 0..1");
+        bail!("--loss must be within 0..1 (a probability), got {}", a.loss);
+    }
+    if a.size < 1000 {
+        bail!("--size must be at least 1kB, got {} bytes", a.size);
+    }
+    if a.rtt.is_zero() || a.rtt > Duration::from_secs(10) {
+        bail!("--rtt must be more than 0 and at most 10s, got {:?}", a.rtt);
+    }
+    let estimate = physical_limit_s(a.size, a.rate, a.rtt) / (1.0 - a.loss).max(0.01);
+    if estimate > MAX_DEMO_S {
+        bail!(
+            "this would take about {estimate:.0} s at {} (the demo stops at {MAX_DEMO_S:.0} s); raise --rate or lower --size",
+            format_rate(a.rate)
+        );
     }
     let mut tmp = None;
     let dir = match &a.dir {
         Some(d) => {
-            std::fs::create_dir_all(d).with_context(|| format!("{}", d.display()))?;
-            std::fs::canonicalize(d)?
+            std::fs::create_dir_all(d).with_context(|| format!("--dir {}", d.display()))?;
+            let d = std::fs::canonicalize(d)?;
+            // A rerun starts from scratch: remove what an earlier run left.
+            for sub in [
+                "train",
+                "eval",
+                "certs",
+                "demo-source-data",
+                "demo-sink-data",
+            ] {
+                let p = d.join(sub);
+                if p.exists() {
+                    std::fs::remove_dir_all(&p)
+                        .with_context(|| format!("removing the earlier run's {}", p.display()))?;
+                }
+            }
+            d
         }
         None => {
             let t = tempfile::Builder::new().prefix("ferry-demo-").tempdir()?;
@@ -107,10 +138,12 @@ pub async fn run(a: DemoArgs) -> Result<()> {
             println!("{s}");
         }
     };
+    crate::gen::ensure_space(&dir, a.size.saturating_mul(2))
+        .context("the demo needs room for the checkpoint and its replica")?;
     say(format!(
-        "ferry demo: {} bytes over an emulated {} Mbit/s, {} ms RTT link{} (work dir {})",
+        "ferry demo: {} bytes over an emulated {}, {} ms RTT link{} (work dir {})",
         a.size,
-        a.rate / 1_000_000,
+        format_rate(a.rate),
         a.rtt.as_millis(),
         if a.loss > 0.0 {
             format!(", {} % loss", a.loss * 100.0)
@@ -233,7 +266,7 @@ pub async fn run(a: DemoArgs) -> Result<()> {
     if a.json {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
-    let deadline = t0 + Duration::from_secs(600);
+    let deadline = t0 + Duration::from_secs_f64(MAX_DEMO_S + 60.0);
     let (wall, resolution) = loop {
         let r = sink.resolve(&source_path).await?;
         match &r {
@@ -245,7 +278,7 @@ pub async fn run(a: DemoArgs) -> Result<()> {
             Resolution::Unknown => {}
         }
         if Instant::now() > deadline {
-            bail!("no replica after 600 s");
+            bail!("no replica after {:.0} s", MAX_DEMO_S + 60.0);
         }
         if let Some(t) = src_agent.source.as_ref() {
             if let Ok(Some(tr)) = t.catalog().transfer_by_path(&source_path).await {
@@ -298,13 +331,13 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         "resolve": resolve,
     });
     say(format!(
-        "\nreplicated {} shards, {} bytes in {:.2} s\n  goodput      {:.1} Mbit/s\n  utilisation  {:.3} of the {} Mbit/s link\n  physical limit {:.2} s (wall time is {:.3} x the limit)\n  replica      {}\n  verified     {}\n  resolve      {}",
+        "\nreplicated {} shards, {} bytes in {:.2} s\n  goodput      {}\n  utilisation  {:.3} of the {} link\n  physical limit {:.2} s (wall time is {:.3} x the limit)\n  replica      {}\n  verified     {}\n  resolve      {}",
         summary.shards + 1,
         bytes,
         wall_s,
-        goodput / 1e6,
+        format_rate(goodput as u64),
         goodput / a.rate as f64,
-        a.rate / 1_000_000,
+        format_rate(a.rate),
         limit_s,
         wall_s / limit_s,
         local_path,
@@ -313,6 +346,8 @@ pub async fn run(a: DemoArgs) -> Result<()> {
     ));
     if a.keep || a.dir.is_some() {
         say(format!("work directory kept: {}", dir.display()));
+    } else {
+        say("the work directory is removed now; --keep keeps it".to_string());
     }
     if a.json {
         println!("{out}");

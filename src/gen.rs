@@ -75,6 +75,7 @@ use rand::rngs::SmallRng;
 use rand::{RngCore, SeedableRng};
 
 /// Default target size of a generated checkpoint, in bytes (1.4 GB).
+#[cfg_attr(not(test), allow(dead_code))] // the CLI spells it "1.4GB"; a test checks they agree
 pub const DEFAULT_TOTAL_BYTES: u64 = 1_400_000_000;
 
 /// Default minimum fraction (0.0-1.0, by file count) of shards under
@@ -581,7 +582,35 @@ fn validate_marker(name: &str) -> io::Result<&str> {
             "invalid marker name {name:?}: expected a plain file name"
         )));
     }
+    if [MODEL, VISION, AUDIO].contains(&name) {
+        return Err(invalid(format!(
+            "invalid marker name {name:?}: the generator writes a directory of that name"
+        )));
+    }
     Ok(name)
+}
+
+/// Checks that the file system that will hold `dir` (or its nearest
+/// existing ancestor) has `bytes` free plus 64 MiB.
+///
+/// # Errors
+/// [`io::ErrorKind::StorageFull`]-like error naming the directory, the
+/// free and the needed bytes.
+pub fn ensure_space(dir: &Path, bytes: u64) -> io::Result<()> {
+    let mut probe = dir;
+    while !probe.exists() {
+        probe = probe.parent().unwrap_or(Path::new("/"));
+    }
+    let st = nix::sys::statvfs::statvfs(probe).map_err(io::Error::from)?;
+    let free = st.blocks_available() as u64 * st.fragment_size() as u64;
+    let needed = bytes.saturating_add(64 << 20);
+    if free < needed {
+        return Err(io::Error::other(format!(
+            "{} has {free} bytes free; this needs {needed} (including a 64 MiB margin)",
+            probe.display()
+        )));
+    }
+    Ok(())
 }
 
 /// An [`io::ErrorKind::InvalidInput`] error with `msg`.
@@ -666,6 +695,7 @@ mod tests {
 
     #[test]
     fn default_size_plan() {
+        assert_eq!(parse_size("1.4GB"), Ok(DEFAULT_TOTAL_BYTES));
         let plan = Plan::new(DEFAULT_TOTAL_BYTES, DEFAULT_SMALL_FRACTION_TARGET).unwrap();
         let s = plan.summary();
         assert_eq!(s.bytes, DEFAULT_TOTAL_BYTES);

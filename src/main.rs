@@ -73,7 +73,7 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
         /// Total size, e.g. 1.4GB, 200MB, 512MiB.
-        #[arg(long, default_value_t = gen::DEFAULT_TOTAL_BYTES, value_parser = gen::parse_size)]
+        #[arg(long, default_value = "1.4GB", value_parser = gen::parse_size)]
         size: u64,
         /// Seed for the content (same seed, same bytes).
         #[arg(long, default_value_t = 0)]
@@ -98,7 +98,7 @@ enum Command {
         #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
         rtt: Duration,
         /// Random loss probability per datagram, 0..1.
-        #[arg(long, default_value_t = 0.0)]
+        #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
         loss: f64,
         /// Probability a datagram gets one byte flipped, 0..1.
         #[arg(long, default_value_t = 0.0)]
@@ -138,7 +138,9 @@ fn main() {
     } else {
         "info"
     };
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             EnvFilter::try_from_env("FERRY_LOG").unwrap_or_else(|_| EnvFilter::new(default)),
         )
@@ -182,14 +184,26 @@ async fn run(cli: Cli) -> Result<()> {
             seed,
             marker,
         } => {
+            if std::fs::read_dir(&out).is_ok_and(|mut d| d.next().is_some()) {
+                bail!(
+                    "--out {} exists and is not empty; choose a new directory",
+                    out.display()
+                );
+            }
+            if out.exists() && !out.is_dir() {
+                bail!("--out {} exists and is not a directory", out.display());
+            }
+            gen::ensure_space(&out, size).with_context(|| format!("--out {}", out.display()))?;
             let opts = gen::GenOptions {
                 marker: Some(marker),
                 seed,
                 ..gen::GenOptions::new(out.clone(), size)
             };
-            let s = tokio::task::spawn_blocking(move || gen::generate(&opts, &|_| {})).await??;
+            let s = tokio::task::spawn_blocking(move || gen::generate(&opts, &|_| {}))
+                .await?
+                .with_context(|| format!("generating into {}", out.display()))?;
             println!(
-                "{}: {} shards, {} bytes, {} under 16 KiB ({:.1} %), largest {} bytes",
+                "{}: {} shards + commit marker, {} bytes, {} under 16 KiB ({:.1} %), largest {} bytes",
                 out.display(),
                 s.shards,
                 s.bytes,
@@ -208,7 +222,11 @@ async fn run(cli: Cli) -> Result<()> {
             corrupt,
             queue,
         } => link_emu(listen, forward, rate, rtt, loss, corrupt, queue).await,
-        Command::Demo(args) => demo::run(args).await,
+        // Dropping the demo on Ctrl-C removes its temporary directory.
+        Command::Demo(args) => tokio::select! {
+            r = demo::run(args) => r,
+            _ = tokio::signal::ctrl_c() => bail!("interrupted; the demo's temporary directory was removed"),
+        },
     }
 }
 
@@ -260,13 +278,29 @@ async fn push(path: &Path, link: Option<String>, server: &str, no_wait: bool) ->
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
+    if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let mut last_line = String::new();
     loop {
         let t: serde_json::Value = client
             .get(format!("{base}/v1/transfers/{id}"))
             .send()
-            .await?
+            .await
+            .with_context(|| format!("source agent at {base}"))?
             .json()
             .await?;
+        // Say what is happening whenever it changes: the state, and for a
+        // transfer that cannot start, why (e.g. the sink is unreachable).
+        let line = match (t["state"].as_str(), t["error"].as_str()) {
+            (Some("queued"), Some(e)) => format!("queued, waiting for the link: {e}"),
+            (Some(s), _) => s.to_string(),
+            _ => String::new(),
+        };
+        if line != last_line {
+            bar.suspend(|| eprintln!("transfer {id}: {line}"));
+            last_line = line;
+        }
         let total = t["bytes_total"].as_u64().unwrap_or(0);
         let sent = t["progress"]["bytes_sent"].as_u64().unwrap_or(0)
             + t["progress"]["bytes_skipped"].as_u64().unwrap_or(0);

@@ -16,7 +16,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use axum::extract::rejection::JsonRejection;
+use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -75,6 +75,12 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         (self.status, Json(json!({ "error": self.message }))).into_response()
+    }
+}
+
+impl From<QueryRejection> for ApiError {
+    fn from(r: QueryRejection) -> Self {
+        ApiError::unprocessable(r.body_text())
     }
 }
 
@@ -143,8 +149,9 @@ struct ResolveQuery {
 
 async fn resolve(
     State(s): State<AppState>,
-    Query(q): Query<ResolveQuery>,
+    q: Result<Query<ResolveQuery>, QueryRejection>,
 ) -> Result<Json<Resolution>, ApiError> {
+    let Query(q) = q?;
     let sink = sink(&s)?;
     let path = q
         .path
@@ -196,7 +203,11 @@ impl Page {
     }
 }
 
-async fn replicas(State(s): State<AppState>, Query(p): Query<Page>) -> Result<Response, ApiError> {
+async fn replicas(
+    State(s): State<AppState>,
+    p: Result<Query<Page>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(p) = p?;
     let (limit, offset) = p.get()?;
     let rows = sink(&s)?
         .catalog()
@@ -207,6 +218,7 @@ async fn replicas(State(s): State<AppState>, Query(p): Query<Page>) -> Result<Re
 }
 
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct CreateTransfer {
     path: String,
     link: Option<String>,
@@ -226,8 +238,10 @@ async fn create_transfer(
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
     let src = source(&s)?;
-    if req.path.is_empty() {
-        return Err(ApiError::unprocessable("`path` must not be empty"));
+    if !req.path.starts_with('/') {
+        return Err(ApiError::unprocessable(
+            "`path` must be an absolute path at the source",
+        ));
     }
     let t = src
         .submit(&PathBuf::from(&req.path), req.link.as_deref())
@@ -251,8 +265,9 @@ async fn create_transfer(
 
 async fn list_transfers(
     State(s): State<AppState>,
-    Query(p): Query<Page>,
+    p: Result<Query<Page>, QueryRejection>,
 ) -> Result<Response, ApiError> {
+    let Query(p) = p?;
     let (limit, offset) = p.get()?;
     let src = source(&s)?;
     let rows = src
@@ -415,6 +430,12 @@ mod tests {
         let (s, v) = call(bare(), post(b"{\"path\": \"/x\"}".to_vec())).await;
         assert_eq!(s, StatusCode::NOT_FOUND);
         assert!(v["error"].as_str().unwrap().contains("not a source"));
+        let (s, v) = call(bare(), post(b"{\"path\": \"/x\", \"prio\": 1}".to_vec())).await;
+        assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+        assert!(v["error"].as_str().unwrap().contains("prio"), "{v}");
+        let (s, v) = call(bare(), get("/v1/replicas?limit=abc")).await;
+        assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+        assert!(v["error"].as_str().unwrap().contains("limit"), "{v}");
         let (s, v) = call(bare(), get("/v1/transfers/abc")).await;
         assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
         assert!(v["error"].as_str().unwrap().contains("abc"));

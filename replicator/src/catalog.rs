@@ -421,6 +421,20 @@ impl Catalog {
         Ok(())
     }
 
+    /// Sets (or with `None` clears) a transfer's last-problem text without
+    /// changing its state, e.g. why its link cannot connect.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_transfer_note(&self, id: i64, note: Option<&str>) -> Result<(), CatalogError> {
+        sqlx::query("UPDATE transfers SET error = ? WHERE id = ?")
+            .bind(note)
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
     /// Records size, shard count and progress of a transfer.
     ///
     /// # Errors

@@ -552,6 +552,7 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                 }
                 Err(e) => {
                     warn!(link = link.cfg.name, retry_in = ?backoff, "{e}");
+                    let _ = inner.catalog.set_transfer_note(t.id, Some(&e)).await;
                     tokio::select! {
                         _ = tokio::time::sleep(backoff) => {}
                         _ = inner.shutdown.cancelled() => return,
@@ -568,6 +569,15 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
             Err(RunError::Shutdown) => return,
             Err(RunError::Fatal(why)) => {
                 warn!(transfer = id, "transfer failed: {why}");
+                // Tell the sink, so it drops its staging data and stops
+                // reporting the transfer as replicating.
+                let _ = c
+                    .ctl
+                    .send(&Control::Cancel {
+                        id: id as u64,
+                        reason: why.clone(),
+                    })
+                    .await;
                 let _ = inner
                     .catalog
                     .set_transfer_state(id, state::FAILED, Some(&why))
@@ -600,6 +610,7 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
     // A transfer that never reached a sink needs no "have" list: its data
     // follows the open at once, saving a round trip.
     let fresh = t.started_at.is_none();
+    inner.catalog.set_transfer_note(t.id, None).await?;
     inner
         .catalog
         .set_transfer_state(t.id, state::ACTIVE, None)
