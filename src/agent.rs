@@ -42,15 +42,6 @@ pub struct Overrides {
     pub socket: Option<Arc<dyn quinn::AsyncUdpSocket>>,
 }
 
-/// Resolves `host:port` (DNS allowed).
-fn resolve_addr(s: &str) -> Result<SocketAddr> {
-    use std::net::ToSocketAddrs;
-    s.to_socket_addrs()
-        .with_context(|| format!("peer address {s:?}"))?
-        .next()
-        .with_context(|| format!("peer address {s:?} resolves to nothing"))
-}
-
 /// Starts an agent from `cfg`.
 ///
 /// # Errors
@@ -118,8 +109,7 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
             for l in &cfg.links {
                 links.push(LinkConfig {
                     name: l.name.clone(),
-                    peer_addr: resolve_addr(&l.peer)
-                        .with_context(|| format!("link {:?}", l.name))?,
+                    peer: l.peer.clone(),
                     peer_name: l.peer_name.clone(),
                     rate_bps: l.rate,
                     rtt: l.rtt_hint,

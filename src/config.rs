@@ -347,6 +347,11 @@ impl Config {
             if self.links.iter().filter(|o| o.name == l.name).count() > 1 {
                 bail!("links[{i}].name {:?} is used twice", l.name);
             }
+            match l.peer.rsplit_once(':') {
+                Some((host, port))
+                    if !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0) => {}
+                _ => bail!("links[{i}].peer must be host:port, got {:?}", l.peer),
+            }
             if l.rtt_hint.is_zero() {
                 bail!("links[{i}].rtt_hint must be more than 0");
             }

@@ -1,6 +1,6 @@
 //! `ferry demo`: a realistic checkpoint replicated between two agents in
 //! this process across an in-memory emulated WAN link, with the measures
-//! of DESIGN.md ("Measures") printed at the end.
+//! of ARCHITECTURE.md ("Measures") printed at the end.
 
 use std::io::Read;
 use std::net::SocketAddr;
@@ -48,7 +48,7 @@ pub struct DemoArgs {
 /// Longest demo transfer accepted, in seconds of physical limit.
 const MAX_DEMO_S: f64 = 600.0;
 
-/// Physical limit in seconds (DESIGN.md, Measures): payload bytes x 8 x
+/// Physical limit in seconds (ARCHITECTURE.md, "Measures"): payload bytes x 8 x
 /// 1500/1448 / rate + 1.5 RTT.
 pub fn physical_limit_s(bytes: u64, rate_bps: u64, rtt: Duration) -> f64 {
     bytes as f64 * 8.0 * 1500.0 / 1448.0 / rate_bps as f64 + 1.5 * rtt.as_secs_f64()

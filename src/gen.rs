@@ -2,7 +2,7 @@
 //!
 //! Writes a checkpoint directory with one file per tensor (a per-tensor
 //! shard layout) whose file count, size spread and share of tiny files
-//! follow the "Realistic sizes" section of `CHECKPOINT_FORMATS.md` (the
+//! follow the "Realistic sizes" section of `docs/CHECKPOINT_FORMATS.md` (the
 //! project's checkpoint-format notes), scaled down so that CI disks suffice.
 //!
 //! # Model
@@ -14,7 +14,7 @@
 //!   grouped-query attention with `n_kv * d = h / 4`, SwiGLU MLP width
 //!   `f = 3.5 h` and untied embeddings over a vocabulary of `V = 25 h`
 //!   (about 128 k at `h = 5120`). Its weights follow the dense-decoder
-//!   formula of `CHECKPOINT_FORMATS.md`,
+//!   formula of `docs/CHECKPOINT_FORMATS.md`,
 //!   `P = V*h*2 + L*(2h^2 + 2h*n_kv*d + 3h*f + 2h) + h`, in `9L + 3`
 //!   tensors of which `2L + 1` are norm weights, plus Qwen2-style q/k/v
 //!   biases (`3L` more small tensors);
@@ -28,7 +28,7 @@
 //!   relative-position biases, the depthwise convolution kernel), plus a
 //!   subsampling stem and a projector.
 //!
-//! `CHECKPOINT_FORMATS.md` notes that modality towers are what push a large
+//! `docs/CHECKPOINT_FORMATS.md` notes that modality towers are what push a large
 //! multimodal checkpoint past 60 % of tensors under 16 KiB (the seed
 //! paper's production trace); the towers above reproduce that mix.
 //!
@@ -49,7 +49,7 @@
 //!    and `D` as above; the scale factor is `s = (T / 2) / sum(n_i)` and
 //!    each tensor gets `m_i = max(1, round(s * n_i))` elements, i.e.
 //!    `2 * m_i` bytes. Counts and ratios between tensors are kept, as
-//!    `CHECKPOINT_FORMATS.md` asks of scaled-down generators;
+//!    `docs/CHECKPOINT_FORMATS.md` asks of scaled-down generators;
 //! 5. `model/lm_head.bin`, written last, absorbs the rounding
 //!    remainder, so the files add up to exactly `T` bytes.
 //!

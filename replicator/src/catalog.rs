@@ -48,7 +48,7 @@ pub fn now_ms() -> i64 {
         .as_millis() as i64
 }
 
-/// Source-side transfer states (DESIGN.md, Vocabulary).
+/// Source-side transfer states (ARCHITECTURE.md, "Vocabulary").
 pub mod state {
     /// Waiting for its link.
     pub const QUEUED: &str = "queued";

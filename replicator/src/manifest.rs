@@ -14,7 +14,7 @@ use crate::wire::{FileInfo, Reader, WireError, Writer, MAX_CHUNKS, MAX_FILES};
 pub type Hash = [u8; 32];
 
 /// Default chunk size in bytes (4 MiB): the unit of hashing, resume and
-/// scheduling (DESIGN.md, Vocabulary).
+/// scheduling (ARCHITECTURE.md, "Vocabulary").
 pub const DEFAULT_CHUNK_SIZE: u32 = 4 << 20;
 
 /// Smallest chunk size accepted from a peer, in bytes (64 KiB).

@@ -84,7 +84,7 @@ pub fn check_name(name: &str) -> Result<(), PathError> {
 }
 
 /// True for names that checkpoint writers use for temporary files, which
-/// are never part of a replica (CHECKPOINT_FORMATS.md, "Publish rule":
+/// are never part of a replica (docs/CHECKPOINT_FORMATS.md, "Publish rule":
 /// `*.tmp`, `.tmp*`, `*_tmp_*`, `*.orbax-checkpoint-tmp*`, `*-unfinished`).
 pub fn is_temporary(file_name: &str) -> bool {
     file_name.ends_with(".tmp")

@@ -35,8 +35,10 @@ use crate::wire::{
 pub struct LinkConfig {
     /// Link name.
     pub name: String,
-    /// UDP address to dial (the sink, or a link emulator in front of it).
-    pub peer_addr: std::net::SocketAddr,
+    /// Address to dial, `host:port` (the sink, or a link emulator in front
+    /// of it); the host is looked up at each dial, so a name that does not
+    /// resolve yet only delays the link.
+    pub peer: String,
     /// Agent name the sink's certificate must carry.
     pub peer_name: String,
     /// Ferry's share of the WAN, bit/s.
@@ -406,15 +408,19 @@ struct LinkConn {
 
 async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
     let l = &link.cfg;
+    let peer_addr = tokio::net::lookup_host(&l.peer)
+        .await
+        .map_err(|e| format!("looking up {}: {e}", l.peer))?
+        .next()
+        .ok_or_else(|| format!("{} resolves to no address", l.peer))?;
     let connecting = inner
         .endpoint
-        .connect_with(link.client.clone(), l.peer_addr, &l.peer_name)
-        .map_err(|e| format!("connect to {} ({}): {e}", l.peer_name, l.peer_addr))?;
+        .connect_with(link.client.clone(), peer_addr, &l.peer_name)
+        .map_err(|e| format!("connect to {} ({peer_addr}): {e}", l.peer_name))?;
     let conn = connecting.await.map_err(|e| {
         format!(
-            "handshake with {} ({}): {}",
+            "handshake with {} ({peer_addr}): {}",
             l.peer_name,
-            l.peer_addr,
             tls::explain_handshake_error(&e)
         )
     })?;

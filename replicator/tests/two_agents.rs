@@ -70,7 +70,7 @@ async fn pair(reserve_bytes: u64) -> Pair {
             }],
             links: vec![LinkConfig {
                 name: "l".into(),
-                peer_addr: b,
+                peer: b.to_string(),
                 peer_name: "dst".into(),
                 rate_bps: 1_000_000_000,
                 rtt: Duration::from_millis(10),

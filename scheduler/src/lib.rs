@@ -6,7 +6,7 @@ use std::fmt;
 use std::str::FromStr;
 
 /// The scheduler's coarse tiers, strictly ordered: `Urgent` before
-/// `Scheduled` before `Background` (DESIGN.md, "Classes and score").
+/// `Scheduled` before `Background` (ARCHITECTURE.md, "Vocabulary").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Class {
     /// An eval is waiting (e.g. after a loss spike).
