@@ -243,6 +243,33 @@ async fn sink_killed_mid_transfer_resumes() {
         format!("transfer finished before the sink could be killed ({done}/{total})")
     });
 
+    // First a graceful stop of the source: SIGTERM drains (batches end at
+    // a chunk boundary) and exits within 10 s; the restarted source
+    // resumes the transfer from the catalog.
+    let stopped = c.source.terminate(Duration::from_secs(10));
+    w.ensure(stopped.is_some_and(|(status, _)| status.success()), || {
+        format!("the source did not exit cleanly within 10 s of SIGTERM: {stopped:?}")
+    });
+    w.restart(&mut c.source).await;
+    let sink = &c.sink;
+    w.wait_until(
+        "the sink to verify more after the source restarted",
+        TRANSFER,
+        async || {
+            let r = w.try_resolve(sink, &ckpt).await?;
+            let now = r["bytes_done"].as_u64().unwrap_or(0);
+            if s(&r, "state") == "replicating" && now > done {
+                Ok(())
+            } else if s(&r, "state") == "local" {
+                w.fail("the transfer finished before the sink could be killed")
+            } else {
+                Err(r.to_string())
+            }
+        },
+    )
+    .await;
+
+    // Then a crash of the sink.
     c.sink.kill();
     w.restart(&mut c.sink).await;
 

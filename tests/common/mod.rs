@@ -89,6 +89,22 @@ impl Proc {
     pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
         self.child.try_wait().ok().flatten()
     }
+
+    /// Sends SIGTERM and waits up to `within` for the process to exit;
+    /// returns its status and how long it took, or `None` if it is still
+    /// running (it is then killed when dropped).
+    pub fn terminate(&mut self, within: Duration) -> Option<(std::process::ExitStatus, Duration)> {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let start = std::time::Instant::now();
+        while start.elapsed() < within {
+            if let Some(status) = self.exited() {
+                return Some((status, start.elapsed()));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
 }
 
 impl Drop for Proc {
@@ -292,6 +308,16 @@ impl Agent {
         if let Some(mut p) = self.proc.take() {
             p.kill();
         }
+    }
+
+    /// SIGTERMs the agent and waits up to `within` for it to drain and
+    /// exit; see [`Proc::terminate`].
+    pub fn terminate(&mut self, within: Duration) -> Option<(std::process::ExitStatus, Duration)> {
+        let r = self.proc.as_mut()?.terminate(within);
+        if r.is_some() {
+            self.proc = None;
+        }
+        r
     }
 
     /// Everything it wrote to stderr so far.
