@@ -391,6 +391,22 @@ impl Catalog {
         Ok(r.as_ref().map(transfer_row).transpose()?)
     }
 
+    /// True if an earlier transfer than `id` of `source_path` was
+    /// published (the sink may then hold most of its bytes already).
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn published_before(&self, source_path: &str, id: i64) -> Result<bool, CatalogError> {
+        let r = sqlx::query(
+            "SELECT id FROM transfers WHERE source_path = ? AND id < ? AND state = 'published' LIMIT 1",
+        )
+        .bind(source_path)
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(r.is_some())
+    }
+
     /// Sets a transfer's state (and error text for `failed`), stamping
     /// `started_at` on the first `active` and `finished_at` on final states.
     ///

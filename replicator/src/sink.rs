@@ -704,7 +704,19 @@ async fn open_transfer(
                 .replica(id)
                 .await?
                 .ok_or_else(|| refuse("catalog row vanished".into()))?;
-            (row, Vec::new())
+            let reused = reuse_published(
+                inner,
+                &key.source_path,
+                &local_path,
+                &files,
+                chunk_size,
+                &staging,
+            )
+            .await;
+            for (g, h, len) in &reused {
+                let _ = inner.chunks.send(CatalogOp::Chunk(id, *g, *h, *len)).await;
+            }
+            (row, reused.into_iter().map(|(g, h, _)| (g, h)).collect())
         }
     };
     let map = ChunkMap::new(&files, chunk_size);
@@ -768,6 +780,77 @@ async fn open_transfer(
     }
     info!(transfer = key.id, peer, path = %key.source_path, bytes_total, resumed_bytes = done, "transfer opened");
     Ok((live, have_list))
+}
+
+/// A re-save of a checkpoint that already has a published replica at the
+/// same place: files whose path, size, mode and mtime are unchanged are
+/// hard-linked from the published version into staging and their chunks
+/// counted as verified with the hashes of the published manifest, so they
+/// do not cross the WAN again. Should the content differ after all, the
+/// sealed manifest's hashes will not match and the chunks are asked for
+/// again. Returns `(global index, hash, bytes)` of the reused chunks.
+async fn reuse_published(
+    inner: &Inner,
+    source_path: &str,
+    local_path: &Path,
+    files: &[FileInfo],
+    chunk_size: u32,
+    staging: &Path,
+) -> Vec<(u64, Hash, u64)> {
+    let lp = local_path.to_string_lossy();
+    let Ok(rows) = inner.catalog.replicas_for_source(source_path).await else {
+        return Vec::new();
+    };
+    let Some(prev) = rows
+        .iter()
+        .find(|r| r.state == state::PUBLISHED && r.local_path == lp)
+    else {
+        return Vec::new();
+    };
+    let Ok(Some(bytes)) = inner.catalog.replica_manifest(prev.id).await else {
+        return Vec::new();
+    };
+    let Ok(old) = Manifest::decode(&bytes) else {
+        return Vec::new();
+    };
+    if old.chunk_size != chunk_size {
+        return Vec::new();
+    }
+    let (files, staging, old_dir) = (
+        files.to_vec(),
+        staging.to_path_buf(),
+        local_path.to_path_buf(),
+    );
+    tokio::task::spawn_blocking(move || {
+        let map = ChunkMap::new(&files, chunk_size);
+        let by_path: HashMap<&str, &crate::manifest::FileEntry> =
+            old.files.iter().map(|f| (f.path.as_str(), f)).collect();
+        let mut out = Vec::new();
+        for (fi, f) in files.iter().enumerate() {
+            let Some(e) = by_path.get(f.path.as_str()) else {
+                continue;
+            };
+            if (e.size, e.mode, e.mtime_ns) != (f.size, f.mode, f.mtime_ns) {
+                continue;
+            }
+            let dst = staging.join(&f.path);
+            let linked = dst
+                .parent()
+                .map_or(Ok(()), std::fs::create_dir_all)
+                .and_then(|()| std::fs::hard_link(old_dir.join(&f.path), &dst));
+            if linked.is_err() {
+                continue;
+            }
+            for (ci, h) in e.chunks.iter().enumerate() {
+                if let Some(g) = map.index(fi as u32, ci as u32) {
+                    out.push((g, *h, map.span(fi as u32, ci as u32).1));
+                }
+            }
+        }
+        out
+    })
+    .await
+    .unwrap_or_default()
 }
 
 fn sanitize(s: &str) -> String {
@@ -1007,15 +1090,26 @@ fn open_staging(staging: &Path, rel: &str) -> io::Result<std::fs::File> {
             .custom_flags(nix::libc::O_NOFOLLOW)
             .open(&p)
     };
-    match open() {
+    let file = match open() {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             if let Some(parent) = p.parent() {
                 std::fs::create_dir_all(parent)?;
             }
-            open()
+            open()?
         }
-        r => r,
+        r => r?,
+    };
+    // A file hard-linked from a published replica (see `reuse_published`)
+    // must never be written in place: that would change the published
+    // copy. Give staging its own copy first.
+    if std::os::unix::fs::MetadataExt::nlink(&file.metadata()?) > 1 {
+        drop(file);
+        let private = p.with_extension("ferry-cow");
+        std::fs::copy(&p, &private)?;
+        std::fs::rename(&private, &p)?;
+        return open();
     }
+    Ok(file)
 }
 
 async fn cancel_live(inner: &Arc<Inner>, live: &Arc<Live>, new_state: &str, reason: &str) {
@@ -1178,17 +1272,26 @@ fn publish(live: &Live, m: &Manifest) -> io::Result<()> {
     }
     for f in &m.files {
         let p = staging.join(&f.path);
-        let file = open_staging(staging, &f.path)?;
+        // Read-only: files hard-linked from the previous version stay
+        // shared (modes and times are set to the same values).
+        let file = match OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(&p)
+        {
+            Ok(file) => file,
+            Err(e) if e.kind() == io::ErrorKind::NotFound && f.size == 0 => {
+                open_staging(staging, &f.path)?
+            }
+            Err(e) => return Err(io::Error::new(e.kind(), format!("{}: {e}", p.display()))),
+        };
         let len = file.metadata()?.len();
         if len != f.size {
-            file.set_len(f.size)?;
-            if len > f.size || f.size > 0 && len == 0 {
-                return Err(io::Error::other(format!(
-                    "{} has {len} bytes, expected {}",
-                    p.display(),
-                    f.size
-                )));
-            }
+            return Err(io::Error::other(format!(
+                "{} has {len} bytes, expected {}",
+                p.display(),
+                f.size
+            )));
         }
         file.set_permissions(std::fs::Permissions::from_mode(f.mode & 0o7777))?;
         let mtime = if f.mtime_ns >= 0 {

@@ -613,9 +613,12 @@ struct Record {
 
 async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(), RunError> {
     let id = t.id as u64;
-    // A transfer that never reached a sink needs no "have" list: its data
-    // follows the open at once, saving a round trip.
-    let fresh = t.started_at.is_none();
+    // A transfer that never reached a sink, of a checkpoint never
+    // replicated before, needs no "have" list: its data follows the open at
+    // once, saving a round trip. Otherwise the sink may hold chunks already
+    // (a resume, or unchanged files of a re-save).
+    let fresh =
+        t.started_at.is_none() && !inner.catalog.published_before(&t.source_path, t.id).await?;
     inner.catalog.set_transfer_note(t.id, None).await?;
     inner
         .catalog

@@ -208,6 +208,44 @@ async fn checkpoint_replicates_resolves_and_is_replaced_on_resave() {
     let t2 = p.source.submit(&ckpt, None).await.unwrap();
     wait_published(&p, t2.id).await;
     same_tree(&ckpt, &replica);
+
+    // A re-save that changes one small file: unchanged files are reused at
+    // the sink, only the changed one crosses the link.
+    std::fs::write(ckpt.join("sub/bias.bin"), vec![7u8; 700]).unwrap();
+    let t3 = p.source.submit(&ckpt, None).await.unwrap();
+    let done3 = wait_published(&p, t3.id).await;
+    same_tree(&ckpt, &replica);
+    assert_eq!(
+        done3.bytes_sent, 700,
+        "only the changed file is sent: {done3:?}"
+    );
+
+    // Same size and mtime but other bytes: the sealed manifest's hashes
+    // catch it, and the published version is never written in place (a
+    // second hard link to its file must keep the old bytes).
+    let big = ckpt.join("__0_0.distcp");
+    let mtime = std::fs::metadata(&big).unwrap().modified().unwrap();
+    let witness = p.dir.path().join("witness");
+    std::fs::hard_link(replica.join("__0_0.distcp"), &witness).unwrap();
+    let before = std::fs::read(&witness).unwrap();
+    let mut changed = std::fs::read(&big).unwrap();
+    changed[5] ^= 0xff;
+    std::fs::write(&big, &changed).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&big)
+        .unwrap()
+        .set_modified(mtime)
+        .unwrap();
+    let t4 = p.source.submit(&ckpt, None).await.unwrap();
+    wait_published(&p, t4.id).await;
+    same_tree(&ckpt, &replica);
+    assert_eq!(
+        std::fs::read(&witness).unwrap(),
+        before,
+        "published bytes were overwritten in place"
+    );
+
     let staging = p.dir.path().join("eval/.ferry/staging");
     assert_eq!(
         std::fs::read_dir(staging).unwrap().count(),
