@@ -199,9 +199,16 @@ async fn run(cli: Cli) -> Result<()> {
                 seed,
                 ..gen::GenOptions::new(out.clone(), size)
             };
-            let s = tokio::task::spawn_blocking(move || gen::generate(&opts, &|_| {}))
-                .await?
-                .with_context(|| format!("generating into {}", out.display()))?;
+            let bar = indicatif::ProgressBar::new(size);
+            bar.set_style(indicatif::ProgressStyle::with_template(
+                "generating {bar:40} {bytes}/{total_bytes} {bytes_per_sec}",
+            )?);
+            let b2 = bar.clone();
+            let s =
+                tokio::task::spawn_blocking(move || gen::generate(&opts, &|n| b2.set_position(n)))
+                    .await?
+                    .with_context(|| format!("generating into {}", out.display()))?;
+            bar.finish_and_clear();
             println!(
                 "{}: {} shards + commit marker, {} bytes, {} under 16 KiB ({:.1} %), largest {} bytes",
                 out.display(),
