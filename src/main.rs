@@ -19,7 +19,15 @@ use tracing_subscriber::EnvFilter;
 /// an evaluation datacenter over QUIC, verified with BLAKE3 and published
 /// atomically, and tells eval jobs where the local copy is.
 #[derive(Debug, Parser)]
-#[command(name = "ferry", version, about, long_about = None)]
+#[command(
+    name = "ferry",
+    version,
+    about = "Replicates LLM training checkpoints between datacenters over QUIC, verified with BLAKE3 \
+             and published atomically, and tells eval jobs where the local copy is.",
+    after_help = "Try it without any setup: ferry demo\n\
+                  Run agents: ferry certs init ..., then ferry serve --config FILE \
+                  (every key: ops/ferry.example.toml)"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
