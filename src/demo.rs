@@ -45,6 +45,27 @@ pub struct DemoArgs {
     pub keep: bool,
 }
 
+/// The temporary work directory of a running demo, for cleanup after an
+/// interruption (see [`remove_work_dir`]).
+static WORK_DIR: std::sync::Mutex<Option<PathBuf>> = std::sync::Mutex::new(None);
+
+/// Removes the temporary work directory of an interrupted demo (call after
+/// its agents stopped); returns a note for the user.
+pub fn remove_work_dir() -> String {
+    let dir = WORK_DIR.lock().ok().and_then(|mut w| w.take());
+    match dir {
+        Some(d) if d.exists() => match std::fs::remove_dir_all(&d) {
+            Ok(()) => format!("; removed the demo's temporary directory {}", d.display()),
+            Err(e) => format!("; could not remove {}: {e}", d.display()),
+        },
+        Some(d) => format!("; removed the demo's temporary directory {}", d.display()),
+        None => String::new(),
+    }
+}
+
+/// File marking a `--dir` as the demo's own.
+const DEMO_STAMP: &str = ".ferry-demo";
+
 /// Longest demo transfer accepted, in seconds of physical limit.
 const MAX_DEMO_S: f64 = 600.0;
 
@@ -108,6 +129,23 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         Some(d) => {
             std::fs::create_dir_all(d).with_context(|| format!("--dir {}", d.display()))?;
             let d = std::fs::canonicalize(d)?;
+            // Only a directory the demo made (it holds the stamp) or an
+            // empty one is used: the demo deletes what it made earlier.
+            let stamp = d.join(DEMO_STAMP);
+            let empty = std::fs::read_dir(&d)
+                .map(|mut r| r.next().is_none())
+                .unwrap_or(false);
+            if !empty && !stamp.exists() {
+                bail!(
+                    "--dir {} is not empty and was not made by ferry demo; give an empty or new directory",
+                    d.display()
+                );
+            }
+            std::fs::write(
+                &stamp,
+                "made by ferry demo; its subdirectories are replaced on every run\n",
+            )
+            .with_context(|| format!("--dir {}", d.display()))?;
             // A rerun starts from scratch: remove what an earlier run left.
             for sub in [
                 "train",
@@ -127,6 +165,9 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         None => {
             let t = tempfile::Builder::new().prefix("ferry-demo-").tempdir()?;
             let p = t.path().to_path_buf();
+            if let Ok(mut w) = WORK_DIR.lock() {
+                *w = Some(p.clone());
+            }
             tmp = Some(t);
             p
         }

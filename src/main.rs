@@ -161,9 +161,42 @@ fn main() {
             std::process::exit(1);
         }
     };
-    if let Err(e) = rt.block_on(run(cli)) {
-        eprintln!("error: {e:#}");
-        std::process::exit(1);
+    // The demo owns a temporary directory: on Ctrl-C or SIGTERM its agents
+    // are stopped first (runtime shut down), then the directory removed.
+    let is_demo = matches!(cli.command, Command::Demo(_));
+    let outcome = rt.block_on(async {
+        let interrupted = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut term) => tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                },
+                Err(_) => {
+                    let _ = tokio::signal::ctrl_c().await;
+                }
+            }
+        };
+        if is_demo {
+            tokio::select! {
+                r = run(cli) => Some(r),
+                _ = interrupted => None,
+            }
+        } else {
+            Some(run(cli).await)
+        }
+    });
+    match outcome {
+        Some(Ok(())) => {}
+        Some(Err(e)) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(1);
+        }
+        None => {
+            rt.shutdown_timeout(Duration::from_secs(3));
+            let removed = demo::remove_work_dir();
+            eprintln!("interrupted{removed}");
+            std::process::exit(130);
+        }
     }
 }
 
@@ -237,11 +270,7 @@ async fn run(cli: Cli) -> Result<()> {
             corrupt,
             queue,
         } => link_emu(listen, forward, rate, rtt, loss, corrupt, queue).await,
-        // Dropping the demo on Ctrl-C removes its temporary directory.
-        Command::Demo(args) => tokio::select! {
-            r = demo::run(args) => r,
-            _ = tokio::signal::ctrl_c() => bail!("interrupted; the demo's temporary directory was removed"),
-        },
+        Command::Demo(args) => demo::run(args).await,
     }
 }
 

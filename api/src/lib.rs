@@ -232,6 +232,19 @@ struct TransferView {
     progress: Option<Progress>,
 }
 
+/// A transfer with live progress; while it runs, `bytes_sent` is the
+/// live count (the catalog's is updated at the end of each send round).
+fn view(src: &Source, mut t: Transfer) -> TransferView {
+    let progress = src.progress(t.id);
+    if let Some(p) = &progress {
+        t.bytes_sent = t.bytes_sent.max(p.bytes_sent as i64);
+    }
+    TransferView {
+        transfer: t,
+        progress,
+    }
+}
+
 async fn create_transfer(
     State(s): State<AppState>,
     body: Result<Json<CreateTransfer>, JsonRejection>,
@@ -275,13 +288,7 @@ async fn list_transfers(
         .transfers(limit, offset)
         .await
         .map_err(ApiError::internal)?;
-    let items: Vec<_> = rows
-        .into_iter()
-        .map(|t| TransferView {
-            progress: src.progress(t.id),
-            transfer: t,
-        })
-        .collect();
+    let items: Vec<_> = rows.into_iter().map(|t| view(src, t)).collect();
     Ok(Json(json!({ "items": items, "limit": limit, "offset": offset })).into_response())
 }
 
@@ -299,11 +306,7 @@ async fn get_transfer(
         .await
         .map_err(ApiError::internal)?
         .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no transfer {id}")))?;
-    Ok(Json(TransferView {
-        progress: src.progress(t.id),
-        transfer: t,
-    })
-    .into_response())
+    Ok(Json(view(src, t)).into_response())
 }
 
 #[cfg(test)]

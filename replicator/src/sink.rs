@@ -682,7 +682,20 @@ async fn open_transfer(
             )))
         }
         None => {
-            let staging = staging_root(root).join(format!("{}-{}", sanitize(peer), key.id));
+            // One staging directory per (peer, transfer, source path), the
+            // catalog row's key: a source that lost its catalog reuses
+            // transfer ids, and two agents may share a name by mistake.
+            let path_tag = blake3::hash(key.source_path.as_bytes()).to_hex();
+            let staging = staging_root(root).join(format!(
+                "{}-{}-{}",
+                sanitize(peer),
+                key.id,
+                &path_tag[..16]
+            ));
+            if staging.exists() {
+                // Left by a row this catalog no longer has: not ours to reuse.
+                let _ = std::fs::remove_dir_all(&staging);
+            }
             let id = inner
                 .catalog
                 .insert_replica(&NewReplica {
@@ -1258,12 +1271,38 @@ async fn maybe_finish(
     }
 }
 
+/// Removes files in staging that the sealed manifest does not list, so a
+/// replica holds exactly the frozen file set.
+fn remove_unlisted(staging: &Path, m: &Manifest) -> io::Result<()> {
+    let listed: std::collections::HashSet<&str> = m.files.iter().map(|f| f.path.as_str()).collect();
+    let scan = crate::manifest::scan(staging, &Default::default())
+        .map_err(|e| io::Error::other(e.to_string()))?;
+    for f in scan.files {
+        if !listed.contains(f.path.as_str()) {
+            warn!(path = %staging.join(&f.path).display(), "removing a staging file the manifest does not list");
+            std::fs::remove_file(staging.join(&f.path))?;
+        }
+    }
+    Ok(())
+}
+
 /// Moves a verified staging directory into place: modes and mtimes set,
 /// data synced, the directory renamed (or atomically exchanged with an
 /// older version, which is then removed), and the commit markers moved in
 /// last, in the manifest's order.
 fn publish(live: &Live, m: &Manifest) -> io::Result<()> {
     let staging = &live.staging;
+    let held = staging.with_extension("markers");
+    if held.exists() || !staging.exists() {
+        // A publish of this transfer was interrupted (the agent died
+        // between moving the replica and recording it). Which directory
+        // holds which version is not known here; refuse rather than risk
+        // publishing the wrong one. A new push publishes afresh.
+        return Err(io::Error::other(
+            "an earlier publish of this transfer was interrupted; push the checkpoint again",
+        ));
+    }
+    remove_unlisted(staging, m)?;
     if live.local_path.exists() && !live.local_path.is_dir() {
         return Err(io::Error::other(format!(
             "{} exists and is not a directory",
@@ -1302,7 +1341,6 @@ fn publish(live: &Live, m: &Manifest) -> io::Result<()> {
         file.set_modified(mtime)?;
     }
     sync_dir_fs(staging)?;
-    let held = staging.with_extension("markers");
     std::fs::create_dir_all(&held)?;
     for (i, mi) in m.markers.iter().enumerate() {
         let f = &m.files[*mi as usize];
