@@ -157,9 +157,9 @@ async fn resolve(
         .path
         .filter(|p| !p.is_empty())
         .ok_or_else(|| ApiError::unprocessable("query parameter `path` is required"))?;
-    if !path.starts_with('/') {
+    if replicator::sink::normalize_source_path(&path).is_none() {
         return Err(ApiError::unprocessable(
-            "`path` must be an absolute source path",
+            "`path` must be an absolute source path without `..` components",
         ));
     }
     let wait = match q.wait.as_deref() {
@@ -397,6 +397,9 @@ mod tests {
         let (s, v) = call(r.clone(), get("/v1/resolve?path=relative/x")).await;
         assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
         assert!(v["error"].as_str().unwrap().contains("absolute"));
+        let (s, v) = call(r.clone(), get("/v1/resolve?path=/ckpt/a/../b")).await;
+        assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+        assert!(v["error"].as_str().unwrap().contains(".."));
         let (s, v) = call(r.clone(), get("/v1/resolve?path=/x&wait=soon")).await;
         assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
         assert!(v["error"].as_str().unwrap().contains("wait"));
