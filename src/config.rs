@@ -377,7 +377,31 @@ impl Config {
             if s.streams == 0 || s.streams > 64 {
                 bail!("source.streams must be within 1..64, got {}", s.streams);
             }
+            if s.batch_size < 64 << 10 {
+                bail!(
+                    "source.batch_size must be at least 64KiB, got {} bytes",
+                    s.batch_size
+                );
+            }
+            for (i, m) in s.markers.iter().enumerate() {
+                replicator::paths::check_relative(m)
+                    .ok()
+                    .filter(|()| !m.contains('/'))
+                    .ok_or_else(|| {
+                        anyhow::anyhow!("source.markers[{i}] must be a plain file name, got {m:?}")
+                    })?;
+            }
             for (i, r) in s.roots.iter().enumerate() {
+                if r.path.parent().is_none() {
+                    bail!("source.roots[{i}].path must not be /");
+                }
+                if let Some(j) = s
+                    .roots
+                    .iter()
+                    .position(|o| o.path != r.path && o.path.starts_with(&r.path))
+                {
+                    bail!("source.roots[{i}].path contains source.roots[{j}].path; roots must not nest");
+                }
                 if !r.path.is_absolute() {
                     bail!(
                         "source.roots[{i}].path must be absolute, got {}",
@@ -492,6 +516,21 @@ link = "to-eval"
             .replace("# root = ", "root = ");
         let c = load(&sink).unwrap();
         assert_eq!(c.sink.unwrap().reserve, 1 << 30);
+    }
+
+    #[test]
+    fn source_section_limits_are_named() {
+        let e = err(&GOOD.replace("[source]\n", "[source]\nbatch_size = \"0B\"\n"));
+        assert!(e.contains("source.batch_size"), "{e}");
+        let e = err(&GOOD.replace("[source]\n", "[source]\nmarkers = [\"a/b\"]\n"));
+        assert!(e.contains("source.markers[0]"), "{e}");
+        let e = err(&GOOD.replace("path = \"/ckpt/job\"", "path = \"/\""));
+        assert!(e.contains("must not be /"), "{e}");
+        let nested = format!(
+            "{GOOD}[[source.roots]]\npath = \"/ckpt/job/sub\"\njob = \"job\"\nlink = \"to-eval\"\n"
+        );
+        let e = err(&nested);
+        assert!(e.contains("must not nest"), "{e}");
     }
 
     #[test]

@@ -31,7 +31,7 @@ pub struct DemoArgs {
     #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
     pub rtt: Duration,
     /// Random loss probability per datagram, 0..1, each direction.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub loss: f64,
     /// Print the summary as one JSON object on the last line of stdout.
     #[arg(long)]
