@@ -692,10 +692,9 @@ async fn open_transfer(
                 key.id,
                 &path_tag[..16]
             ));
-            if staging.exists() {
-                // Left by a row this catalog no longer has: not ours to reuse.
-                let _ = std::fs::remove_dir_all(&staging);
-            }
+            // Left by a row this catalog no longer has: not ours to reuse.
+            let leftover = staging.clone();
+            let _ = blocking(move || std::fs::remove_dir_all(leftover)).await;
             let id = inner
                 .catalog
                 .insert_replica(&NewReplica {
@@ -743,7 +742,8 @@ async fn open_transfer(
     }
     let needed = bytes_total.saturating_sub(done);
     if row.state != state::PUBLISHED {
-        let avail = free_bytes(root)?;
+        let r = root.clone();
+        let avail = blocking(move || free_bytes(&r)).await?;
         if avail < needed.saturating_add(inner.cfg.reserve_bytes) {
             let msg = format!(
                 "not enough space at the sink: {} has {} bytes free (keeping {} in reserve), the checkpoint needs {} more bytes",
@@ -761,7 +761,8 @@ async fn open_transfer(
     }
     let staging = PathBuf::from(&row.staging_path);
     if published_root.is_none() {
-        std::fs::create_dir_all(&staging)?;
+        let s2 = staging.clone();
+        blocking(move || std::fs::create_dir_all(s2)).await?;
     }
     let have_list: Vec<u64> = verified.keys().copied().collect();
     let live = Arc::new(Live {
@@ -864,6 +865,15 @@ async fn reuse_published(
     })
     .await
     .unwrap_or_default()
+}
+
+/// Runs file-system work on the blocking pool, off the async threads.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> io::Result<T> + Send + 'static,
+) -> io::Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| io::Error::other(e.to_string()))?
 }
 
 fn sanitize(s: &str) -> String {
@@ -1006,14 +1016,13 @@ async fn receive_batch(
             continue;
         }
         let l2 = live.clone();
-        let res = tokio::task::spawn_blocking(move || {
+        let res = blocking(move || {
             let r = write_group(&l2, group);
             drop(guard);
             r
         })
-        .await
-        .map_err(|e| io::Error::other(e.to_string()));
-        let (good, bad) = match res.and_then(|r| r) {
+        .await;
+        let (good, bad) = match res {
             Ok(r) => r,
             Err(e) => {
                 let reason = format!("writing staging data under {}: {e}", live.staging.display());
@@ -1238,10 +1247,7 @@ async fn maybe_finish(
             flush(inner).await;
             let root_hex = hex(&manifest.root());
             let (l2, m2) = (live.clone(), manifest.clone());
-            let res = tokio::task::spawn_blocking(move || publish(&l2, &m2))
-                .await
-                .map_err(|e| io::Error::other(e.to_string()))
-                .and_then(|r| r);
+            let res = blocking(move || publish(&l2, &m2)).await;
             if let Err(e) = res {
                 let reason = format!("publishing {}: {e}", live.local_path.display());
                 warn!(transfer = id, "{reason}");
