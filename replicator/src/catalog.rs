@@ -108,10 +108,33 @@ pub struct Transfer {
     pub started_at: Option<i64>,
     /// When it reached a final state (Unix ms).
     pub finished_at: Option<i64>,
+    /// The checkpoint's state at the source (see [`checkpoint`]).
+    pub checkpoint: String,
+    /// Format that recognised the checkpoint, if the watcher found it.
+    pub format: Option<String>,
+    /// When the checkpoint opened (Unix ms), if known.
+    pub opened_at: Option<i64>,
+    /// When the checkpoint was committed (Unix ms), if it is.
+    pub committed_at: Option<i64>,
+    /// Commit identity the watcher saw (marker size and mtime or the
+    /// like); a new one in the same directory is a re-save.
+    pub commit_identity: Option<String>,
+}
+
+/// Checkpoint states at the source (ARCHITECTURE.md, "Vocabulary").
+pub mod checkpoint {
+    /// Being written; the transfer streams what is complete so far.
+    pub const OPEN: &str = "open";
+    /// The format's commit predicate holds; the manifest can be sealed.
+    pub const COMMITTED: &str = "committed";
+    /// The writer gave up (idle timeout, or the format says so).
+    pub const ABANDONED: &str = "abandoned";
+    /// The directory disappeared before it was committed.
+    pub const DELETED: &str = "deleted";
 }
 
 /// A sink-side row: an incoming transfer, or a replica once published.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Replica {
     /// Row id.
     pub id: i64,
@@ -147,6 +170,14 @@ pub struct Replica {
     pub created_at: i64,
     /// Publish time (Unix ms).
     pub published_at: Option<i64>,
+    /// When the source committed the checkpoint (Unix ms, source clock).
+    pub committed_at: Option<i64>,
+    /// Publish time minus the source's commit time, seconds (can be
+    /// negative only if the two agents' clocks disagree).
+    pub commit_to_replica_s: Option<f64>,
+    /// Publish time minus the time the checkpoint opened at the source,
+    /// seconds.
+    pub open_to_replica_s: Option<f64>,
 }
 
 /// New sink-side row.
@@ -176,6 +207,16 @@ pub struct NewReplica<'a> {
     pub local_path: &'a str,
 }
 
+/// When a checkpoint opened and was committed at the source (Unix ms,
+/// the source's clock; 0 = unknown), as carried by the commit message.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SourceTimes {
+    /// Commit time.
+    pub committed_ms: i64,
+    /// Open time.
+    pub opened_ms: i64,
+}
+
 /// Handle to the catalog; cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Catalog {
@@ -184,11 +225,12 @@ pub struct Catalog {
 }
 
 const TRANSFER_COLS: &str = "id, link, job, source_path, rel, class, state, bytes_total, \
-    bytes_done, bytes_sent, shards, manifest_root, local_path, error, created_at, started_at, finished_at";
+    bytes_done, bytes_sent, shards, manifest_root, local_path, error, created_at, started_at, finished_at, \
+    checkpoint, format, opened_at, committed_at, commit_identity";
 
 const REPLICA_COLS: &str = "id, peer, source_site, source_transfer, job, source_path, rel, \
     chunk_size, state, bytes_total, bytes_done, staging_path, local_path, manifest_root, error, \
-    created_at, published_at";
+    created_at, published_at, committed_at, commit_to_replica_s, open_to_replica_s";
 
 fn transfer_row(r: &sqlx::sqlite::SqliteRow) -> Result<Transfer, sqlx::Error> {
     Ok(Transfer {
@@ -209,6 +251,11 @@ fn transfer_row(r: &sqlx::sqlite::SqliteRow) -> Result<Transfer, sqlx::Error> {
         created_at: r.try_get("created_at")?,
         started_at: r.try_get("started_at")?,
         finished_at: r.try_get("finished_at")?,
+        checkpoint: r.try_get("checkpoint")?,
+        format: r.try_get("format")?,
+        opened_at: r.try_get("opened_at")?,
+        committed_at: r.try_get("committed_at")?,
+        commit_identity: r.try_get("commit_identity")?,
     })
 }
 
@@ -231,6 +278,9 @@ fn replica_row(r: &sqlx::sqlite::SqliteRow) -> Result<Replica, sqlx::Error> {
         error: r.try_get("error")?,
         created_at: r.try_get("created_at")?,
         published_at: r.try_get("published_at")?,
+        committed_at: r.try_get("committed_at")?,
+        commit_to_replica_s: r.try_get("commit_to_replica_s")?,
+        open_to_replica_s: r.try_get("open_to_replica_s")?,
     })
 }
 
@@ -329,6 +379,70 @@ impl Catalog {
         .fetch_one(&self.pool)
         .await?;
         Ok(r.try_get("id")?)
+    }
+
+    /// Inserts a transfer of a checkpoint found by the watcher, in
+    /// checkpoint state `ckpt` ([`checkpoint`]); returns its id.
+    ///
+    /// # Errors
+    /// SQL errors.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn insert_watched_transfer(
+        &self,
+        link: &str,
+        job: &str,
+        source_path: &str,
+        rel: &str,
+        class: &str,
+        ckpt: &str,
+        format: &str,
+        opened_at: i64,
+        committed_at: Option<i64>,
+    ) -> Result<i64, CatalogError> {
+        let r = sqlx::query(
+            "INSERT INTO transfers (link, job, source_path, rel, class, state, created_at, \
+             checkpoint, format, opened_at, committed_at) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+        )
+        .bind(link)
+        .bind(job)
+        .bind(source_path)
+        .bind(rel)
+        .bind(class)
+        .bind(state::QUEUED)
+        .bind(now_ms())
+        .bind(ckpt)
+        .bind(format)
+        .bind(opened_at)
+        .bind(committed_at)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(r.try_get("id")?)
+    }
+
+    /// Records the checkpoint state of a transfer ([`checkpoint`]) and,
+    /// when committed, the commit time (Unix ms) and commit identity.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_checkpoint_state(
+        &self,
+        id: i64,
+        ckpt: &str,
+        committed_at: Option<i64>,
+        identity: Option<&str>,
+    ) -> Result<(), CatalogError> {
+        sqlx::query(
+            "UPDATE transfers SET checkpoint = ?, committed_at = COALESCE(?, committed_at), \
+             commit_identity = COALESCE(?, commit_identity) WHERE id = ?",
+        )
+        .bind(ckpt)
+        .bind(committed_at)
+        .bind(identity)
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
     }
 
     /// One transfer by id.
@@ -588,7 +702,7 @@ impl Catalog {
         Ok(())
     }
 
-    /// Verified chunks of a sink-side row: `(global index, hash)`.
+    /// Verified chunks of a sink-side row: `(chunk key, hash)`.
     ///
     /// # Errors
     /// SQL errors; [`CatalogError::Corrupt`] for a hash that is not 32 bytes.
@@ -609,7 +723,41 @@ impl Catalog {
             .collect()
     }
 
-    /// Records verified chunks `(replica, global index, hash)` in one
+    /// Replaces every verified chunk of a sink-side row with `chunks`
+    /// `(key, hash)` and sets its `bytes_done`, in one transaction (a
+    /// resumed transfer whose file table was renumbered).
+    ///
+    /// # Errors
+    /// SQL errors (nothing changes then).
+    pub async fn replace_chunks(
+        &self,
+        replica: i64,
+        chunks: &[(u64, Hash)],
+        bytes_done: u64,
+    ) -> Result<(), CatalogError> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("DELETE FROM chunks WHERE replica = ?")
+            .bind(replica)
+            .execute(&mut *tx)
+            .await?;
+        for (idx, hash) in chunks {
+            sqlx::query("INSERT INTO chunks (replica, idx, hash) VALUES (?, ?, ?)")
+                .bind(replica)
+                .bind(*idx as i64)
+                .bind(&hash[..])
+                .execute(&mut *tx)
+                .await?;
+        }
+        sqlx::query("UPDATE replicas SET bytes_done = ? WHERE id = ?")
+            .bind(bytes_done as i64)
+            .bind(replica)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Records verified chunks `(replica, chunk key, hash)` in one
     /// transaction, and bumps each row's `bytes_done` by the given bytes.
     ///
     /// # Errors
@@ -676,16 +824,25 @@ impl Catalog {
         manifest: &[u8],
         root_hex: &str,
         local_path: &str,
+        times: SourceTimes,
     ) -> Result<(), CatalogError> {
+        let now = now_ms();
+        let lag = |t: i64| (t > 0).then(|| (now - t) as f64 / 1000.0);
+        let known = |t: i64| (t > 0).then_some(t);
         let mut tx = self.pool.begin().await?;
         sqlx::query(
             "UPDATE replicas SET state = 'published', manifest = ?, manifest_root = ?, \
-             local_path = ?, bytes_done = bytes_total, published_at = ? WHERE id = ?",
+             local_path = ?, bytes_done = bytes_total, published_at = ?, opened_at = ?, \
+             committed_at = ?, commit_to_replica_s = ?, open_to_replica_s = ? WHERE id = ?",
         )
         .bind(manifest)
         .bind(root_hex)
         .bind(local_path)
-        .bind(now_ms())
+        .bind(now)
+        .bind(known(times.opened_ms))
+        .bind(known(times.committed_ms))
+        .bind(lag(times.committed_ms))
+        .bind(lag(times.opened_ms))
         .bind(id)
         .execute(&mut *tx)
         .await?;
@@ -900,7 +1057,7 @@ mod tests {
         c.add_chunks(&[(r, 0, [7; 32], 5)]).await.unwrap();
         c.add_chunks(&[(r, 0, [7; 32], 5)]).await.unwrap();
         assert_eq!(c.chunks(r).await.unwrap(), vec![(0, [7; 32])]);
-        c.set_replica_published(r, b"m", "ab", "/eval/x")
+        c.set_replica_published(r, b"m", "ab", "/eval/x", SourceTimes::default())
             .await
             .unwrap();
         assert!(c.chunks(r).await.unwrap().is_empty());

@@ -75,56 +75,79 @@ pub fn chunk_len(size: u64, chunk_size: u32, chunk: u64) -> u64 {
     (size.saturating_sub(start)).min(u64::from(chunk_size))
 }
 
-/// Maps (file, chunk) pairs to global chunk indices for one file list:
-/// global index = chunks of all earlier files + chunk index.
+/// Maps (file, chunk) pairs to chunk keys for one file table and back.
+///
+/// A chunk key is `file << 32 | chunk` (a `u64`): it names a chunk by its
+/// file's position in the transfer's file table and its index in that
+/// file, so keys stay valid while the table grows (new files appended,
+/// files still being written getting longer). Keys are what `Have` and
+/// `Need` carry and what the sink's catalog records per verified chunk.
 #[derive(Debug, Clone)]
 pub struct ChunkMap {
     chunk_size: u32,
-    /// First global index of each file; one extra entry holds the total.
-    starts: Vec<u64>,
     sizes: Vec<u64>,
 }
+
+/// Bits of a chunk key that hold the chunk index.
+const KEY_CHUNK_BITS: u32 = 32;
 
 impl ChunkMap {
     /// Builds the map for `files` with `chunk_size`-byte chunks.
     pub fn new(files: &[FileInfo], chunk_size: u32) -> Self {
-        let mut starts = Vec::with_capacity(files.len() + 1);
-        let mut next = 0u64;
-        for f in files {
-            starts.push(next);
-            next += chunk_count(f.size, chunk_size);
-        }
-        starts.push(next);
         ChunkMap {
             chunk_size,
-            starts,
             sizes: files.iter().map(|f| f.size).collect(),
         }
     }
 
     /// Total number of chunks.
     pub fn total(&self) -> u64 {
-        self.starts.last().copied().unwrap_or(0)
+        self.sizes
+            .iter()
+            .map(|s| chunk_count(*s, self.chunk_size))
+            .sum()
     }
 
-    /// Global index of `chunk` of `file`, or `None` if out of range.
-    pub fn index(&self, file: u32, chunk: u32) -> Option<u64> {
+    /// Number of files in the table.
+    pub fn len(&self) -> usize {
+        self.sizes.len()
+    }
+
+    /// True if the table has no files.
+    pub fn is_empty(&self) -> bool {
+        self.sizes.is_empty()
+    }
+
+    /// Sets the size of `file` (bytes), appending empty entries up to it
+    /// if the table is shorter: files grow and appear while a checkpoint
+    /// is written.
+    pub fn set_size(&mut self, file: u32, size: u64) {
         let f = file as usize;
-        let start = *self.starts.get(f)?;
-        let end = *self.starts.get(f + 1)?;
-        let g = start + u64::from(chunk);
-        (g < end).then_some(g)
+        if self.sizes.len() <= f {
+            self.sizes.resize(f + 1, 0);
+        }
+        self.sizes[f] = size;
     }
 
-    /// The (file, chunk) pair of a global index, or `None` if out of range.
-    pub fn locate(&self, global: u64) -> Option<(u32, u32)> {
-        if global >= self.total() {
-            return None;
-        }
-        // The last file whose start is <= global; empty files share a start
-        // with their successor, so take the last such file with chunks.
-        let f = self.starts.partition_point(|&s| s <= global) - 1;
-        Some((f as u32, (global - self.starts[f]) as u32))
+    /// Key of `chunk` of `file`, or `None` if out of range.
+    pub fn index(&self, file: u32, chunk: u32) -> Option<u64> {
+        let size = *self.sizes.get(file as usize)?;
+        (u64::from(chunk) < chunk_count(size, self.chunk_size))
+            .then_some(u64::from(file) << KEY_CHUNK_BITS | u64::from(chunk))
+    }
+
+    /// The (file, chunk) pair of a key, or `None` if out of range.
+    pub fn locate(&self, key: u64) -> Option<(u32, u32)> {
+        let (f, c) = ((key >> KEY_CHUNK_BITS) as u32, key as u32);
+        self.index(f, c).map(|_| (f, c))
+    }
+
+    /// All keys, file by file.
+    pub fn keys(&self) -> impl Iterator<Item = u64> + '_ {
+        self.sizes.iter().enumerate().flat_map(move |(f, s)| {
+            (0..chunk_count(*s, self.chunk_size))
+                .map(move |c| (f as u64) << KEY_CHUNK_BITS | c)
+        })
     }
 
     /// Byte offset and length of `chunk` of `file`.
@@ -556,16 +579,26 @@ mod tests {
                 mtime_ns: 0,
             })
             .collect();
-        let m = ChunkMap::new(&files, 64);
+        let mut m = ChunkMap::new(&files, 64);
         // 10 B -> 1 chunk, 0 B -> none, 200 B -> 4, 64 B -> 1.
         assert_eq!(m.total(), 6);
-        for g in 0..m.total() {
-            let (f, c) = m.locate(g).unwrap();
-            assert_eq!(m.index(f, c), Some(g));
+        let keys: Vec<u64> = m.keys().collect();
+        assert_eq!(keys.len(), 6);
+        for g in &keys {
+            let (f, c) = m.locate(*g).unwrap();
+            assert_eq!(m.index(f, c), Some(*g));
         }
         assert_eq!(m.index(1, 0), None);
         assert_eq!(m.index(2, 4), None);
-        assert_eq!(m.locate(6), None);
+        assert_eq!(m.locate(4 << 32), None);
+        // Keys stay valid while a file grows and the table gets longer.
+        let k = m.index(2, 3).unwrap();
+        m.set_size(2, 1000);
+        m.set_size(5, 1);
+        assert_eq!(m.index(2, 3), Some(k));
+        assert_eq!(m.span(2, 3), (192, 64));
+        assert_eq!(m.locate(5 << 32), Some((5, 0)));
+        m.set_size(2, 200);
         assert_eq!(m.span(2, 3), (192, 8));
     }
 

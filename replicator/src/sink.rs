@@ -23,13 +23,13 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use crate::catalog::{state, Catalog, CatalogError, NewReplica};
+use crate::catalog::{state, Catalog, CatalogError, NewReplica, SourceTimes};
 use crate::conn::{code, read_frame, ConnError, ControlSender};
 use crate::manifest::{hex, validate_files, ChunkMap, Hash, Manifest};
 use crate::paths::check_name;
 use crate::tls;
 use crate::wire::{
-    BatchHeader, Control, FileInfo, Hello, RecordHeader, TransferKey, BATCH_HEADER_LEN,
+    BatchHeader, Control, FileInfo, Hello, RecordHeader, TransferKey, WireError, BATCH_HEADER_LEN,
     PROTOCOL_VERSION, RECORD_HEADER_LEN,
 };
 
@@ -85,15 +85,16 @@ pub enum Resolution {
 /// Per-transfer state shared by all the streams of a connection.
 struct Live {
     id: i64,
-    files: Vec<FileInfo>,
-    map: ChunkMap,
+    /// The transfer's file table; grows while the checkpoint is written.
+    table: std::sync::RwLock<Table>,
+    /// Bumped whenever `table` changes, for data streams waiting on it.
+    table_changed: watch::Sender<u64>,
     chunk_size: u32,
     /// Manifest root of a replica that was already published when the
     /// source (re)opened it; its commit is answered without touching disk.
     published_root: Option<Hash>,
     staging: PathBuf,
     local_path: PathBuf,
-    bytes_total: u64,
     started: Instant,
     st: Mutex<LiveState>,
     /// Bytes written to staging since the last background `syncfs`.
@@ -102,6 +103,61 @@ struct Live {
     syncing: std::sync::atomic::AtomicBool,
     /// Chunk writes hold it shared, publishing holds it exclusively.
     writes: Arc<tokio::sync::RwLock<()>>,
+}
+
+/// A transfer's file table: files by position (chunk keys name positions,
+/// see [`ChunkMap`]) and by path.
+struct Table {
+    files: Vec<FileInfo>,
+    map: ChunkMap,
+    by_path: HashMap<String, u32>,
+    bytes_total: u64,
+}
+
+impl Table {
+    fn new(files: Vec<FileInfo>, chunk_size: u32) -> Table {
+        let map = ChunkMap::new(&files, chunk_size);
+        let by_path = files
+            .iter()
+            .enumerate()
+            .map(|(i, f)| (f.path.clone(), i as u32))
+            .collect();
+        let bytes_total = files.iter().map(|f| f.size).sum();
+        Table {
+            files,
+            map,
+            by_path,
+            bytes_total,
+        }
+    }
+
+    /// Applies a [`Control::Files`] update: entries with a known path
+    /// replace that file's size, mode and mtime; others are appended.
+    /// The whole new table is validated first; on error nothing changes.
+    fn update(&mut self, upd: &[FileInfo], chunk_size: u32) -> Result<(), WireError> {
+        let mut files = self.files.clone();
+        let mut by_path = self.by_path.clone();
+        for f in upd {
+            match by_path.get(&f.path) {
+                Some(i) => files[*i as usize] = f.clone(),
+                None => {
+                    by_path.insert(f.path.clone(), files.len() as u32);
+                    files.push(f.clone());
+                }
+            }
+        }
+        validate_files(&files, chunk_size)?;
+        *self = Table::new(files, chunk_size);
+        Ok(())
+    }
+
+    /// True if a record of `len` bytes for (file, chunk) lies inside the
+    /// file as the table knows it.
+    fn fits(&self, h: &RecordHeader) -> bool {
+        self.map.index(h.file, h.chunk).is_some()
+            && u64::from(h.len) <= self.map.span(h.file, h.chunk).1
+            && h.len > 0
+    }
 }
 
 /// Staging bytes written before a background `syncfs` starts. Flushing as
@@ -142,6 +198,7 @@ struct LiveState {
     bytes_done: u64,
     bytes_at_open: u64,
     commit: Option<(Manifest, u64)>,
+    times: SourceTimes,
     batches_done: u64,
     publishing: bool,
     failed: bool,
@@ -322,8 +379,9 @@ impl Live {
         };
         let secs = self.started.elapsed().as_secs_f64();
         let gained = st.bytes_done.saturating_sub(st.bytes_at_open) as f64;
+        let total = self.table.read().map(|t| t.bytes_total).unwrap_or(0);
         let eta = (secs > 0.5 && gained > 0.0)
-            .then(|| (self.bytes_total.saturating_sub(st.bytes_done)) as f64 / (gained / secs));
+            .then(|| (total.saturating_sub(st.bytes_done)) as f64 / (gained / secs));
         (st.bytes_done, eta)
     }
 }
@@ -543,8 +601,23 @@ async fn serve_connection(
                         }
                     }
                 }
+                Control::Files { id, files } => {
+                    let Some(live) = open.get(id) else {
+                        // Refused or cancelled here already: nothing to grow.
+                        continue;
+                    };
+                    if let Err(e) = grow_table(inner, &live, &files).await {
+                        let reason = e.to_string();
+                        warn!(transfer = id, peer, "{reason}");
+                        open.remove(id);
+                        cancel_live(inner, &live, state::FAILED, &reason).await;
+                        ctl.send(&Control::Cancel { id, reason }).await?;
+                    }
+                }
                 Control::Commit {
                     id,
+                    committed_ms,
+                    opened_ms,
                     batches,
                     manifest,
                 } => {
@@ -563,6 +636,10 @@ async fn serve_connection(
                             "commit received"
                         );
                         st.commit = Some((manifest, batches));
+                        st.times = SourceTimes {
+                            committed_ms,
+                            opened_ms,
+                        };
                     }
                     maybe_finish(inner, &live, &ctl, id).await?;
                 }
@@ -640,14 +717,30 @@ async fn open_transfer(
                 let m =
                     Manifest::decode(&bytes).map_err(|e| CatalogError::Corrupt(e.to_string()))?;
                 published_root = Some(m.root());
-                m.files
-                    .iter()
-                    .flat_map(|f| f.chunks.iter().copied())
-                    .enumerate()
-                    .map(|(g, h)| (g as u64, h))
-                    .collect()
-            } else if old_files == files && r.chunk_size == i64::from(chunk_size) {
-                inner.catalog.chunks(r.id).await?
+                published_keys(&m, &files)
+            } else if r.chunk_size == i64::from(chunk_size) {
+                // A resume: keep what is verified, re-keyed to the file
+                // table the source sends now (matched by path). Chunks of
+                // files that changed since are caught at commit, where
+                // every hash is compared with the sealed manifest.
+                let old = inner.catalog.chunks(r.id).await?;
+                let kept = rekey_chunks(&old_files, &files, chunk_size, &old);
+                if kept != old {
+                    let new_map = ChunkMap::new(&files, chunk_size);
+                    let done = kept
+                        .iter()
+                        .filter_map(|(k, _)| new_map.locate(*k))
+                        .map(|(f, c)| new_map.span(f, c).1)
+                        .sum();
+                    inner.catalog.replace_chunks(r.id, &kept, done).await?;
+                }
+                if old_files != files {
+                    inner
+                        .catalog
+                        .set_replica_files(r.id, &files, bytes_total)
+                        .await?;
+                }
+                kept
             } else {
                 // The files changed at the source since the first attempt:
                 // start over for this transfer.
@@ -767,8 +860,8 @@ async fn open_transfer(
     let have_list: Vec<u64> = verified.keys().copied().collect();
     let live = Arc::new(Live {
         id: row.id,
-        files,
-        map,
+        table: std::sync::RwLock::new(Table::new(files, chunk_size)),
+        table_changed: watch::channel(0).0,
         chunk_size,
         published_root,
         staging,
@@ -777,7 +870,6 @@ async fn open_transfer(
         } else {
             local_path
         },
-        bytes_total,
         started: Instant::now(),
         st: Mutex::new(LiveState {
             verified,
@@ -794,6 +886,97 @@ async fn open_transfer(
     }
     info!(transfer = key.id, peer, path = %key.source_path, bytes_total, resumed_bytes = done, "transfer opened");
     Ok((live, have_list))
+}
+
+/// Keys of a published manifest's chunks under the file table `files`
+/// (matched by path and size), with their hashes.
+fn published_keys(m: &Manifest, files: &[FileInfo]) -> Vec<(u64, Hash)> {
+    let by_path: HashMap<&str, &crate::manifest::FileEntry> =
+        m.files.iter().map(|f| (f.path.as_str(), f)).collect();
+    let map = ChunkMap::new(files, m.chunk_size);
+    let mut out = Vec::new();
+    for (fi, f) in files.iter().enumerate() {
+        let Some(e) = by_path.get(f.path.as_str()).filter(|e| e.size == f.size) else {
+            continue;
+        };
+        for (ci, h) in e.chunks.iter().enumerate() {
+            if let Some(k) = map.index(fi as u32, ci as u32) {
+                out.push((k, *h));
+            }
+        }
+    }
+    out
+}
+
+/// Re-keys verified chunks from the file table `old` to the table `new`
+/// (files matched by path); chunks whose file is gone or now shorter are
+/// dropped. Keys and order are unchanged when the tables agree.
+fn rekey_chunks(
+    old: &[FileInfo],
+    new: &[FileInfo],
+    chunk_size: u32,
+    chunks: &[(u64, Hash)],
+) -> Vec<(u64, Hash)> {
+    let old_map = ChunkMap::new(old, chunk_size);
+    let new_map = ChunkMap::new(new, chunk_size);
+    let new_pos: HashMap<&str, u32> = new
+        .iter()
+        .enumerate()
+        .map(|(i, f)| (f.path.as_str(), i as u32))
+        .collect();
+    chunks
+        .iter()
+        .filter_map(|(k, h)| {
+            let (f, c) = old_map.locate(*k)?;
+            let nf = *new_pos.get(old.get(f as usize)?.path.as_str())?;
+            Some((new_map.index(nf, c)?, *h))
+        })
+        .collect()
+}
+
+/// Applies a [`Control::Files`] update to a live transfer: validates it,
+/// checks the sink still has room for the larger checkpoint, records the
+/// table in the catalog (so a restart resumes with it) and wakes data
+/// streams waiting for the new entries.
+async fn grow_table(
+    inner: &Arc<Inner>,
+    live: &Arc<Live>,
+    files: &[FileInfo],
+) -> Result<(), TransferError> {
+    let (snapshot, total, grown) = {
+        let mut t = live
+            .table
+            .write()
+            .map_err(|_| TransferError::Refused("file table lock poisoned".into()))?;
+        let before = t.bytes_total;
+        t.update(files, live.chunk_size)
+            .map_err(|e| TransferError::Refused(format!("file table update: {e}")))?;
+        (
+            t.files.clone(),
+            t.bytes_total,
+            t.bytes_total.saturating_sub(before),
+        )
+    };
+    if grown > 0 {
+        let r = inner.cfg.root.clone();
+        let avail = blocking(move || free_bytes(&r)).await?;
+        let done = live.st.lock().map(|s| s.bytes_done).unwrap_or(0);
+        let needed = total.saturating_sub(done);
+        if avail < needed.saturating_add(inner.cfg.reserve_bytes) {
+            return Err(TransferError::Refused(format!(
+                "not enough space at the sink: {} has {avail} bytes free (keeping {} in reserve), the checkpoint, now {total} bytes, needs {needed} more",
+                inner.cfg.root.display(),
+                inner.cfg.reserve_bytes,
+            )));
+        }
+    }
+    inner
+        .catalog
+        .set_replica_files(live.id, &snapshot, total)
+        .await?;
+    live.table_changed.send_modify(|v| *v += 1);
+    inner.changed.send_modify(|v| *v += 1);
+    Ok(())
 }
 
 /// A re-save of a checkpoint that already has a published replica at the
@@ -982,17 +1165,17 @@ async fn receive_batch(
                 Err(e) => return Err(e.into()),
             }
             let h = RecordHeader::decode(&rb)?;
-            let expected = live
-                .map
-                .index(h.file, h.chunk)
-                .map(|_| live.map.span(h.file, h.chunk).1);
-            if expected != Some(u64::from(h.len)) {
-                return Err(ConnError::Unexpected(format!(
-                    "{h:?} does not match the transfer's file list (expected length {expected:?})"
-                )));
-            }
+            let fits = wait_for_table(&live, &h).await;
             let mut buf = vec![0u8; h.len as usize];
             s.read_exact(&mut buf).await?;
+            if !fits {
+                // Data of a file the source shrank or never announced (a
+                // race with a file-table update, or a confused peer):
+                // dropped unwritten; the commit asks for whatever is
+                // missing.
+                warn!(transfer = header.transfer, "{h:?} lies outside the transfer's file table; dropped");
+                continue;
+            }
             bytes += buf.len();
             group.push((h, buf));
         }
@@ -1005,11 +1188,8 @@ async fn receive_batch(
             if st.publishing || st.failed {
                 group.clear();
             } else {
-                group.retain(|(h, _)| {
-                    live.map
-                        .index(h.file, h.chunk)
-                        .is_none_or(|g| st.verified.get(&g) != Some(&h.hash))
-                });
+                let key = |h: &RecordHeader| u64::from(h.file) << 32 | u64::from(h.chunk);
+                group.retain(|(h, _)| st.verified.get(&key(h)) != Some(&h.hash));
             }
         }
         if group.is_empty() {
@@ -1038,6 +1218,8 @@ async fn receive_batch(
         };
         if let Ok(mut st) = live.st.lock() {
             for (g, h, len) in &good {
+                // A chunk re-sent with new content (its file changed while
+                // it was written) replaces the old hash; bytes count once.
                 if st.verified.insert(*g, *h).is_none() {
                     st.bytes_done += len;
                 }
@@ -1079,8 +1261,15 @@ fn write_group(live: &Live, group: Vec<(RecordHeader, Vec<u8>)>) -> io::Result<G
     let mut bad = Vec::new();
     let mut current: Option<(u32, std::fs::File)> = None;
     for (h, buf) in group {
-        let Some(g) = live.map.index(h.file, h.chunk) else {
-            continue;
+        let (g, rel) = {
+            let t = live
+                .table
+                .read()
+                .map_err(|_| io::Error::other("file table lock poisoned"))?;
+            let Some(g) = t.map.index(h.file, h.chunk) else {
+                continue;
+            };
+            (g, t.files[h.file as usize].path.clone())
         };
         let hash = *blake3::hash(&buf).as_bytes();
         if hash != h.hash {
@@ -1088,15 +1277,37 @@ fn write_group(live: &Live, group: Vec<(RecordHeader, Vec<u8>)>) -> io::Result<G
             continue;
         }
         if current.as_ref().map(|c| c.0) != Some(h.file) {
-            let rel = &live.files[h.file as usize].path;
-            current = Some((h.file, open_staging(&live.staging, rel)?));
+            current = Some((h.file, open_staging(&live.staging, &rel)?));
         }
         if let Some((_, f)) = &current {
-            f.write_all_at(&buf, live.map.span(h.file, h.chunk).0)?;
+            f.write_all_at(&buf, u64::from(h.chunk) * u64::from(live.chunk_size))?;
         }
         good.push((g, hash, buf.len() as u64));
     }
     Ok((good, bad))
+}
+
+/// Waits (at most [`OPEN_WAIT`]) until the file table holds the record's
+/// file and chunk: a file-table update on the control stream can be
+/// overtaken by the data that needs it. False if it never does.
+async fn wait_for_table(live: &Live, h: &RecordHeader) -> bool {
+    let fits = || live.table.read().map(|t| t.fits(h)).unwrap_or(false);
+    if fits() {
+        return true;
+    }
+    let mut changed = live.table_changed.subscribe();
+    let deadline = tokio::time::Instant::now() + OPEN_WAIT;
+    loop {
+        if fits() {
+            return true;
+        }
+        if tokio::time::timeout_at(deadline, changed.changed())
+            .await
+            .is_err()
+        {
+            return fits();
+        }
+    }
 }
 
 /// Opens (creating) a staging file without following a symlink at its
@@ -1164,7 +1375,7 @@ async fn maybe_finish(
     enum Next {
         Need(Vec<u64>, u64),
         Mismatch(String),
-        Publish(Manifest),
+        Publish(Manifest, SourceTimes),
     }
     let next = {
         let Ok(mut st) = live.st.lock() else {
@@ -1177,43 +1388,33 @@ async fn maybe_finish(
         let Some((manifest, _)) = st.commit.take() else {
             return Ok(());
         };
-        let infos = manifest.infos();
-        let same = infos.len() == live.files.len()
-            && infos
-                .iter()
-                .zip(&live.files)
-                .all(|(a, b)| a.path == b.path && a.size == b.size)
-            && manifest.chunk_size == live.chunk_size;
-        if !same {
-            Next::Mismatch(
-                "sealed manifest does not match the file list the transfer was opened with".into(),
-            )
-        } else {
+        match seal_table(live, &manifest) {
+            Err(why) => Next::Mismatch(why),
+            Ok(keys) => {
             let mut need = Vec::new();
-            let mut g = 0u64;
-            for f in &manifest.files {
-                for h in &f.chunks {
-                    if st.verified.get(&g) != Some(h) {
-                        need.push(g);
-                    }
-                    g += 1;
+            for (k, h) in &keys {
+                if st.verified.get(k) != Some(h) {
+                    need.push(*k);
                 }
             }
             if need.is_empty() {
                 st.publishing = true;
-                Next::Publish(manifest)
+                Next::Publish(manifest, st.times)
             } else {
                 // Drop wrong hashes so that the re-sent chunk is counted.
                 let mut dropped = 0;
-                for n in &need {
-                    if st.verified.remove(n).is_some() {
-                        if let Some((f, c)) = live.map.locate(*n) {
-                            dropped += live.map.span(f, c).1;
+                if let Ok(t) = live.table.read() {
+                    for n in &need {
+                        if st.verified.remove(n).is_some() {
+                            if let Some((f, c)) = t.map.locate(*n) {
+                                dropped += t.map.span(f, c).1;
+                            }
                         }
                     }
                 }
                 st.bytes_done -= dropped.min(st.bytes_done);
                 Next::Need(need, st.bytes_done)
+            }
             }
         }
     };
@@ -1232,7 +1433,7 @@ async fn maybe_finish(
             );
             ctl.send(&Control::Need { id, chunks: need }).await
         }
-        Next::Publish(manifest) if live.published_root == Some(manifest.root()) => {
+        Next::Publish(manifest, _) if live.published_root == Some(manifest.root()) => {
             ctl.send(&Control::Published {
                 id,
                 local_path: live.local_path.to_string_lossy().into_owned(),
@@ -1240,7 +1441,7 @@ async fn maybe_finish(
             })
             .await
         }
-        Next::Publish(manifest) => {
+        Next::Publish(manifest, times) => {
             let t_publish = Instant::now();
             // Wait for chunk writes in flight; later ones see `publishing`.
             let _exclusive = live.writes.clone().write_owned().await;
@@ -1257,7 +1458,7 @@ async fn maybe_finish(
             let local = live.local_path.to_string_lossy().into_owned();
             if let Err(e) = inner
                 .catalog
-                .set_replica_published(live.id, &manifest.encode(), &root_hex, &local)
+                .set_replica_published(live.id, &manifest.encode(), &root_hex, &local, times)
                 .await
             {
                 warn!(error = %e, "replica published on disk but the catalog could not record it");
@@ -1275,6 +1476,37 @@ async fn maybe_finish(
             .await
         }
     }
+}
+
+/// Matches a sealed manifest to the transfer's file table by path, sets
+/// each listed file's final size, and returns every chunk key of the
+/// manifest with its expected hash. Errors name a file the source never
+/// announced or a chunk size that differs.
+fn seal_table(live: &Live, m: &Manifest) -> Result<Vec<(u64, Hash)>, String> {
+    if m.chunk_size != live.chunk_size {
+        return Err(format!(
+            "sealed manifest uses {}-byte chunks, the transfer {}",
+            m.chunk_size, live.chunk_size
+        ));
+    }
+    let mut t = live
+        .table
+        .write()
+        .map_err(|_| "file table lock poisoned".to_string())?;
+    let mut keys = Vec::new();
+    for f in &m.files {
+        let Some(&fi) = t.by_path.get(&f.path) else {
+            return Err(format!(
+                "sealed manifest lists {:?}, which the source never announced",
+                f.path
+            ));
+        };
+        t.map.set_size(fi, f.size);
+        for (ci, h) in f.chunks.iter().enumerate() {
+            keys.push((u64::from(fi) << 32 | ci as u64, *h));
+        }
+    }
+    Ok(keys)
 }
 
 /// Removes files in staging that the sealed manifest does not list, so a
@@ -1319,7 +1551,7 @@ fn publish(live: &Live, m: &Manifest) -> io::Result<()> {
         let p = staging.join(&f.path);
         // Read-only: files hard-linked from the previous version stay
         // shared (modes and times are set to the same values).
-        let file = match OpenOptions::new()
+        let mut file = match OpenOptions::new()
             .read(true)
             .custom_flags(nix::libc::O_NOFOLLOW)
             .open(&p)
@@ -1330,7 +1562,16 @@ fn publish(live: &Live, m: &Manifest) -> io::Result<()> {
             }
             Err(e) => return Err(io::Error::new(e.kind(), format!("{}: {e}", p.display()))),
         };
-        let len = file.metadata()?.len();
+        let mut len = file.metadata()?.len();
+        if len > f.size {
+            // The file was rewritten shorter at the source while it was
+            // being copied: every chunk of the final content is verified,
+            // the bytes past its end are stale.
+            drop(file);
+            file = open_staging(staging, &f.path)?;
+            file.set_len(f.size)?;
+            len = f.size;
+        }
         if len != f.size {
             return Err(io::Error::other(format!(
                 "{} has {len} bytes, expected {}",

@@ -20,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use crate::catalog::{state, Catalog, CatalogError, Transfer};
+use crate::catalog::{state, Catalog, CatalogError, SourceTimes, Transfer};
 use crate::cc::Share;
 use crate::conn::{code, read_frame, ConnError, ControlSender};
 use crate::manifest::{self, hex, ChunkMap, FileEntry, Hash, Manifest, ScanOptions};
@@ -712,7 +712,6 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
         files: entries,
         markers: scan.markers,
     };
-    let root = manifest.root();
     inner
         .catalog
         .set_transfer_progress(
@@ -724,15 +723,51 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
         )
         .await?;
 
-    // Resend whatever the sink asks for, then commit; repeat until the sink
-    // publishes.
-    let manifest = Arc::new(manifest);
+    let slots: Vec<Option<usize>> = (0..files.len()).map(Some).collect();
+    let sealed = Sealed {
+        manifest: Arc::new(manifest),
+        map,
+        slots: Arc::new(slots),
+        times: SourceTimes::default(),
+    };
+    commit_loop(inner, c, &t, &dir, &progress, &mut rx, need, batches, sealed).await
+}
+
+/// A sealed manifest and how chunk keys of the transfer's file table map
+/// onto it.
+struct Sealed {
+    manifest: Arc<Manifest>,
+    /// The file table with final sizes.
+    map: Arc<ChunkMap>,
+    /// For each file-table position, the index of that file in the
+    /// manifest (`None`: not part of the replica).
+    slots: Arc<Vec<Option<usize>>>,
+    /// Open and commit times sent with the commit.
+    times: SourceTimes,
+}
+
+/// Resends whatever the sink asks for, then commits; repeats until the
+/// sink publishes.
+#[allow(clippy::too_many_arguments)]
+async fn commit_loop(
+    inner: &Arc<Inner>,
+    c: &LinkConn,
+    t: &Transfer,
+    dir: &Path,
+    progress: &Arc<LiveProgress>,
+    rx: &mut mpsc::UnboundedReceiver<Control>,
+    mut need: Vec<u64>,
+    mut batches: u64,
+    sealed: Sealed,
+) -> Result<(), RunError> {
+    let id = t.id as u64;
+    let root = sealed.manifest.root();
     loop {
         while let Ok(m) = rx.try_recv() {
             match m {
                 Control::Need { chunks, .. } => need.extend(chunks),
                 Control::Have { .. } => {}
-                other => return handle_end(inner, &t, other, &root).await,
+                other => return handle_end(inner, t, other, &root).await,
             }
         }
         if !need.is_empty() {
@@ -744,10 +779,10 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
                 chunks = list.len(),
                 "re-sending chunks the sink asked for"
             );
-            let (m2, dir, inner2) = (manifest.clone(), dir.clone(), inner.clone());
-            let map2 = map.clone();
-            let (_, n) = send_round(inner, c, id, &progress, &mut rx, &mut need, move |out| {
-                read_some(&inner2, &dir, &m2, &map2, &list, out)
+            let (m2, dir, inner2) = (sealed.manifest.clone(), dir.to_path_buf(), inner.clone());
+            let (map2, slots) = (sealed.map.clone(), sealed.slots.clone());
+            let (_, n) = send_round(inner, c, id, progress, rx, &mut need, move |out| {
+                read_some(&inner2, &dir, &m2, &map2, &slots, &list, out)
             })
             .await?;
             batches += n;
@@ -760,12 +795,14 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
         c.ctl
             .send(&Control::Commit {
                 id,
+                committed_ms: sealed.times.committed_ms,
+                opened_ms: sealed.times.opened_ms,
                 batches,
-                manifest: (*manifest).clone(),
+                manifest: (*sealed.manifest).clone(),
             })
             .await?;
         loop {
-            match recv(inner, c, &mut rx).await? {
+            match recv(inner, c, rx).await? {
                 Control::Have { .. } => continue,
                 Control::Need { chunks, .. } => {
                     need.extend(chunks);
@@ -775,7 +812,7 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
                         .await?;
                     break;
                 }
-                other => return handle_end(inner, &t, other, &root).await,
+                other => return handle_end(inner, t, other, &root).await,
             }
         }
     }
@@ -1050,7 +1087,8 @@ fn read_all(
     Ok(entries)
 }
 
-/// Re-reads the chunks `list` (global indices) and queues them; a chunk
+/// Re-reads the chunks `list` (keys of the file table `map`, whose
+/// positions `slots` maps to manifest entries) and queues them; a chunk
 /// whose bytes no longer match the sealed manifest means the source file
 /// changed after it was read.
 fn read_some(
@@ -1058,15 +1096,18 @@ fn read_some(
     dir: &Path,
     m: &Manifest,
     map: &ChunkMap,
+    slots: &[Option<usize>],
     list: &[u64],
     out: &mpsc::Sender<Record>,
 ) -> Result<(), String> {
     let mut open: Option<(u32, File)> = None;
     for g in list {
-        let Some((fi, ci)) = map.locate(*g) else {
+        let Some((fi, ci, entry)) = map.locate(*g).and_then(|(fi, ci)| {
+            let e = m.files.get((*slots.get(fi as usize)?)?)?;
+            Some((fi, ci, e))
+        }) else {
             return Err(format!("sink asked for chunk {g}, which does not exist"));
         };
-        let entry = &m.files[fi as usize];
         if open.as_ref().map(|o| o.0) != Some(fi) {
             let p = dir.join(&entry.path);
             open = Some((

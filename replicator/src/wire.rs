@@ -1,4 +1,9 @@
-//! Ferry's wire protocol, version 1: a sans-IO codec.
+//! Ferry's wire protocol, version 2: a sans-IO codec.
+//!
+//! Version 2 added [`Control::Files`] (a transfer's file table grows while
+//! its checkpoint is written), stable chunk keys (see
+//! [`crate::manifest::ChunkMap`]) and the commit and open times in
+//! [`Control::Commit`].
 //!
 //! Two kinds of QUIC streams carry it:
 //!
@@ -21,7 +26,7 @@ use crate::manifest::{FileEntry, Hash, Manifest};
 
 /// Protocol version carried in [`Hello`]. Peers with a different version
 /// refuse the connection with [`Control::Error`] naming both versions.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// Largest control frame body accepted, in bytes (64 MiB: a manifest of
 /// 100,000 shards with 4 MiB chunks is about 10 MiB).
@@ -147,11 +152,11 @@ pub enum Control {
         /// Files in manifest order.
         files: Vec<FileInfo>,
     },
-    /// Sink to source: global chunk indices already verified at the sink.
+    /// Sink to source: chunk keys already verified at the sink.
     Have {
         /// Source transfer id.
         id: u64,
-        /// Global chunk indices (see [`crate::manifest::ChunkMap`]).
+        /// Chunk keys (see [`crate::manifest::ChunkMap`]).
         chunks: Vec<u64>,
     },
     /// Sink to source: the transfer cannot be accepted.
@@ -166,13 +171,32 @@ pub enum Control {
     Need {
         /// Source transfer id.
         id: u64,
-        /// Global chunk indices.
+        /// Chunk keys.
         chunks: Vec<u64>,
     },
+    /// Source to sink: the file table of a transfer grew while its
+    /// checkpoint is being written. Each entry whose path is already in the
+    /// table updates that file's size, mode and mtime; any other entry is
+    /// appended. Positions never change, so chunk keys stay valid. Sent
+    /// before any chunk that needs the new entries.
+    Files {
+        /// Source transfer id.
+        id: u64,
+        /// New or changed files.
+        files: Vec<FileInfo>,
+    },
     /// Source to sink: every chunk was sent; here is the sealed manifest.
+    /// Files are matched to the transfer's file table by path; files of the
+    /// table that the manifest does not list are not part of the replica.
     Commit {
         /// Source transfer id.
         id: u64,
+        /// When the checkpoint was committed at the source (its marker
+        /// appeared), Unix milliseconds; 0 if unknown.
+        committed_ms: i64,
+        /// When the checkpoint opened at the source (its first file or
+        /// directory), Unix milliseconds; 0 if unknown.
+        opened_ms: i64,
         /// Number of data streams the source sent for this transfer on this
         /// connection, so the sink knows when all of them have arrived.
         batches: u64,
@@ -211,6 +235,7 @@ const T_COMMIT: u8 = 6;
 const T_PUBLISHED: u8 = 7;
 const T_CANCEL: u8 = 8;
 const T_ERROR: u8 = 9;
+const T_FILES: u8 = 10;
 
 impl Control {
     /// Short name of the message type, for logs.
@@ -221,6 +246,7 @@ impl Control {
             Control::Have { .. } => "have",
             Control::Refuse { .. } => "refuse",
             Control::Need { .. } => "need",
+            Control::Files { .. } => "files",
             Control::Commit { .. } => "commit",
             Control::Published { .. } => "published",
             Control::Cancel { .. } => "cancel",
@@ -272,13 +298,25 @@ impl Control {
                 w.u64(*id);
                 w.indices(chunks);
             }
+            Control::Files { id, files } => {
+                w.u8(T_FILES);
+                w.u64(*id);
+                w.u32(files.len() as u32);
+                for f in files {
+                    w.file_info(f);
+                }
+            }
             Control::Commit {
                 id,
+                committed_ms,
+                opened_ms,
                 batches,
                 manifest,
             } => {
                 w.u8(T_COMMIT);
                 w.u64(*id);
+                w.u64(*committed_ms as u64);
+                w.u64(*opened_ms as u64);
                 w.u64(*batches);
                 manifest.encode_into(&mut w.0);
             }
@@ -353,12 +391,25 @@ impl Control {
                 id: r.u64("transfer id")?,
                 chunks: r.indices()?,
             },
+            T_FILES => {
+                let id = r.u64("transfer id")?;
+                let n = r.count("file count", MAX_FILES, 4 + 8 + 4 + 8)?;
+                let mut files = Vec::with_capacity(n);
+                for _ in 0..n {
+                    files.push(r.file_info()?);
+                }
+                Control::Files { id, files }
+            }
             T_COMMIT => {
                 let id = r.u64("transfer id")?;
+                let committed_ms = r.u64("commit time")? as i64;
+                let opened_ms = r.u64("open time")? as i64;
                 let batches = r.u64("batch count")?;
                 let manifest = Manifest::decode_from(&mut r)?;
                 Control::Commit {
                     id,
+                    committed_ms,
+                    opened_ms,
                     batches,
                     manifest,
                 }
@@ -755,8 +806,19 @@ mod tests {
             id: 2,
             reason: "no space".into(),
         });
+        roundtrip(Control::Files {
+            id: 3,
+            files: vec![FileInfo {
+                path: "__0_0.distcp".into(),
+                size: 1 << 33,
+                mode: 0o644,
+                mtime_ns: 17,
+            }],
+        });
         roundtrip(Control::Commit {
             id: 3,
+            committed_ms: 1_700_000_000_000,
+            opened_ms: 1_699_999_990_000,
             batches: 12,
             manifest: manifest(),
         });
