@@ -115,24 +115,27 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
                     rtt: l.rtt_hint,
                 });
             }
+            let mut roots = Vec::new();
+            for (i, r) in s.roots.iter().enumerate() {
+                roots.push(RootConfig {
+                    path: std::fs::canonicalize(&r.path).unwrap_or_else(|_| r.path.clone()),
+                    job: r.job.clone(),
+                    link: r.link.clone(),
+                    watch: r.watch(i)?,
+                });
+            }
             let sc = SourceConfig {
                 agent: cfg.agent.name.clone(),
                 site: cfg.agent.site.clone(),
                 chunk_size: s.chunk_size as u32,
                 markers: s.markers.clone(),
-                roots: s
-                    .roots
-                    .iter()
-                    .map(|r| RootConfig {
-                        path: std::fs::canonicalize(&r.path).unwrap_or_else(|_| r.path.clone()),
-                        job: r.job.clone(),
-                        link: r.link.clone(),
-                    })
-                    .collect(),
+                roots,
                 links,
                 streams: s.streams,
                 batch_bytes: s.batch_size,
                 scan_interval: (!s.scan_interval.is_zero()).then_some(s.scan_interval),
+                quiet_period: s.quiet_period,
+                checkpoint_idle_timeout: s.checkpoint_idle_timeout,
             };
             Some(Source::start(sc, catalog.clone(), endpoint.clone(), &id)?)
         }

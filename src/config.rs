@@ -186,10 +186,19 @@ pub struct SourceSection {
     /// Payload bytes per batch (stream); default `"16MiB"`.
     #[serde(default = "default_batch", deserialize_with = "de_size")]
     pub batch_size: u64,
-    /// How often roots are scanned for committed directories; default
-    /// `"2s"`; `"0s"` disables the scan.
+    /// How often the watcher rescans the roots (the safety net under
+    /// inotify, the period in poll mode); default `"2s"`; `"0s"` turns the
+    /// watcher off.
     #[serde(default = "default_scan", with = "humantime_serde")]
     pub scan_interval: Duration,
+    /// A file with no close event seen counts as complete once unchanged
+    /// for this long and passing its format check; default `"2s"`.
+    #[serde(default = "default_quiet", with = "humantime_serde")]
+    pub quiet_period: Duration,
+    /// An open checkpoint with no change for this long is abandoned (its
+    /// transfer cancelled, the sink's staging removed); default `"30m"`.
+    #[serde(default = "default_idle", with = "humantime_serde")]
+    pub checkpoint_idle_timeout: Duration,
     /// `[[source.roots]]`
     #[serde(default)]
     pub roots: Vec<RootSection>,
@@ -210,6 +219,24 @@ fn default_batch() -> u64 {
 fn default_scan() -> Duration {
     Duration::from_secs(2)
 }
+fn default_quiet() -> Duration {
+    Duration::from_secs(2)
+}
+fn default_idle() -> Duration {
+    Duration::from_secs(30 * 60)
+}
+fn default_auto() -> String {
+    "auto".into()
+}
+fn default_start() -> String {
+    "on_open".into()
+}
+fn default_mode() -> String {
+    "inotify".into()
+}
+fn default_select() -> String {
+    "all".into()
+}
 
 /// `[[source.roots]]`
 #[derive(Debug, Clone, Deserialize)]
@@ -221,6 +248,99 @@ pub struct RootSection {
     pub job: String,
     /// Link name.
     pub link: String,
+    /// Checkpoint format (`dcp`, `torchtitan`, `megatron`, `megatron_dist`,
+    /// `deepspeed`, `hf`, `hf_trainer`, `nemo`, `orbax`, `bytecheckpoint`,
+    /// `generic`) or `auto` (default).
+    #[serde(default = "default_auto")]
+    pub format: String,
+    /// `on_open` (default) or `on_commit`.
+    #[serde(default = "default_start")]
+    pub start: String,
+    /// `inotify` (default) or `poll`.
+    #[serde(default = "default_mode")]
+    pub mode: String,
+    /// Globs of files to replicate (relative to the checkpoint
+    /// directory); default all.
+    #[serde(default)]
+    pub include: Vec<String>,
+    /// Globs of files never replicated.
+    #[serde(default)]
+    pub exclude: Vec<String>,
+    /// `all` (default), `latest_only` or `every_n_steps`.
+    #[serde(default = "default_select")]
+    pub select: String,
+    /// The eval cadence for `select = "every_n_steps"`.
+    #[serde(default)]
+    pub every_n_steps: Option<u64>,
+}
+
+impl RootSection {
+    /// A root with the defaults of every optional key.
+    pub fn new(path: PathBuf, job: &str, link: &str) -> RootSection {
+        RootSection {
+            path,
+            job: job.into(),
+            link: link.into(),
+            format: default_auto(),
+            start: default_start(),
+            mode: default_mode(),
+            include: Vec::new(),
+            exclude: Vec::new(),
+            select: default_select(),
+            every_n_steps: None,
+        }
+    }
+
+    /// The watcher settings of root number `i`.
+    ///
+    /// # Errors
+    /// A message naming the key (`source.roots[i].format` ...) and the
+    /// values it accepts.
+    pub fn watch(&self, i: usize) -> Result<replicator::source::watcher::RootWatch> {
+        use replicator::source::watcher::{Mode, RootWatch, Selection, Start};
+        let format = match self.format.as_str() {
+            "auto" => None,
+            f => Some(
+                f.parse()
+                    .map_err(|e| anyhow::anyhow!("source.roots[{i}].format: {e}"))?,
+            ),
+        };
+        let start = match self.start.as_str() {
+            "on_open" => Start::OnOpen,
+            "on_commit" => Start::OnCommit,
+            o => bail!("source.roots[{i}].start must be \"on_open\" or \"on_commit\", got {o:?}"),
+        };
+        let mode = match self.mode.as_str() {
+            "inotify" => Mode::Inotify,
+            "poll" => Mode::Poll,
+            o => bail!("source.roots[{i}].mode must be \"inotify\" or \"poll\", got {o:?}"),
+        };
+        let select = match (self.select.as_str(), self.every_n_steps) {
+            ("all", None) => Selection::All,
+            ("latest_only", None) => Selection::LatestOnly,
+            ("every_n_steps", Some(n)) if n > 0 => Selection::EveryNSteps(n),
+            ("every_n_steps", _) => {
+                bail!("source.roots[{i}].every_n_steps must be a positive number with select = \"every_n_steps\"")
+            }
+            ("all" | "latest_only", Some(_)) => {
+                bail!("source.roots[{i}].every_n_steps needs select = \"every_n_steps\"")
+            }
+            (o, _) => bail!(
+                "source.roots[{i}].select must be \"all\", \"latest_only\" or \"every_n_steps\", got {o:?}"
+            ),
+        };
+        let w = RootWatch {
+            format,
+            start,
+            mode,
+            include: self.include.clone(),
+            exclude: self.exclude.clone(),
+            select,
+        };
+        replicator::source::watcher::check_globs(&w)
+            .map_err(|e| anyhow::anyhow!("source.roots[{i}]: {e}"))?;
+        Ok(w)
+    }
 }
 
 /// `[sink]`
@@ -410,6 +530,7 @@ impl Config {
                 }
                 replicator::paths::check_name(&r.job)
                     .map_err(|e| anyhow::anyhow!("source.roots[{i}].job: {e}"))?;
+                r.watch(i)?;
                 if !self.links.iter().any(|l| l.name == r.link) {
                     bail!(
                         "source.roots[{i}].link {:?} is not a [[links]] name",

@@ -262,11 +262,9 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         streams: 4,
         batch_size: 16 << 20,
         scan_interval: Duration::ZERO,
-        roots: vec![RootSection {
-            path: src_root.clone(),
-            job: "mm-demo".into(),
-            link: "to-eval".into(),
-        }],
+        quiet_period: Duration::from_secs(2),
+        checkpoint_idle_timeout: Duration::from_secs(600),
+        roots: vec![RootSection::new(src_root.clone(), "mm-demo", "to-eval")],
     });
     sink_cfg.check()?;
     src_cfg.check()?;

@@ -505,6 +505,22 @@ impl Catalog {
         Ok(r.as_ref().map(transfer_row).transpose()?)
     }
 
+    /// Every transfer of `source_path`, oldest first.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn transfers_for_path(
+        &self,
+        source_path: &str,
+    ) -> Result<Vec<Transfer>, CatalogError> {
+        let q = format!("SELECT {TRANSFER_COLS} FROM transfers WHERE source_path = ? ORDER BY id");
+        let rows = sqlx::query(&q)
+            .bind(source_path)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(transfer_row).collect::<Result<_, _>>()?)
+    }
+
     /// True if an earlier transfer than `id` of `source_path` was
     /// published (the sink may then hold most of its bytes already).
     ///

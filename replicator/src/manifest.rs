@@ -145,8 +145,7 @@ impl ChunkMap {
     /// All keys, file by file.
     pub fn keys(&self) -> impl Iterator<Item = u64> + '_ {
         self.sizes.iter().enumerate().flat_map(move |(f, s)| {
-            (0..chunk_count(*s, self.chunk_size))
-                .map(move |c| (f as u64) << KEY_CHUNK_BITS | c)
+            (0..chunk_count(*s, self.chunk_size)).map(move |c| (f as u64) << KEY_CHUNK_BITS | c)
         })
     }
 

@@ -1173,7 +1173,10 @@ async fn receive_batch(
                 // race with a file-table update, or a confused peer):
                 // dropped unwritten; the commit asks for whatever is
                 // missing.
-                warn!(transfer = header.transfer, "{h:?} lies outside the transfer's file table; dropped");
+                warn!(
+                    transfer = header.transfer,
+                    "{h:?} lies outside the transfer's file table; dropped"
+                );
                 continue;
             }
             bytes += buf.len();
@@ -1391,30 +1394,30 @@ async fn maybe_finish(
         match seal_table(live, &manifest) {
             Err(why) => Next::Mismatch(why),
             Ok(keys) => {
-            let mut need = Vec::new();
-            for (k, h) in &keys {
-                if st.verified.get(k) != Some(h) {
-                    need.push(*k);
+                let mut need = Vec::new();
+                for (k, h) in &keys {
+                    if st.verified.get(k) != Some(h) {
+                        need.push(*k);
+                    }
                 }
-            }
-            if need.is_empty() {
-                st.publishing = true;
-                Next::Publish(manifest, st.times)
-            } else {
-                // Drop wrong hashes so that the re-sent chunk is counted.
-                let mut dropped = 0;
-                if let Ok(t) = live.table.read() {
-                    for n in &need {
-                        if st.verified.remove(n).is_some() {
-                            if let Some((f, c)) = t.map.locate(*n) {
-                                dropped += t.map.span(f, c).1;
+                if need.is_empty() {
+                    st.publishing = true;
+                    Next::Publish(manifest, st.times)
+                } else {
+                    // Drop wrong hashes so that the re-sent chunk is counted.
+                    let mut dropped = 0;
+                    if let Ok(t) = live.table.read() {
+                        for n in &need {
+                            if st.verified.remove(n).is_some() {
+                                if let Some((f, c)) = t.map.locate(*n) {
+                                    dropped += t.map.span(f, c).1;
+                                }
                             }
                         }
                     }
+                    st.bytes_done -= dropped.min(st.bytes_done);
+                    Next::Need(need, st.bytes_done)
                 }
-                st.bytes_done -= dropped.min(st.bytes_done);
-                Next::Need(need, st.bytes_done)
-            }
             }
         }
     };

@@ -15,12 +15,12 @@ use std::time::Duration;
 
 use quinn::{Connection, Endpoint, SendStream, VarInt};
 use serde::Serialize;
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::{mpsc, watch, Notify};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use crate::catalog::{state, Catalog, CatalogError, SourceTimes, Transfer};
+use crate::catalog::{checkpoint, state, Catalog, CatalogError, SourceTimes, Transfer};
 use crate::cc::Share;
 use crate::conn::{code, read_frame, ConnError, ControlSender};
 use crate::manifest::{self, hex, ChunkMap, FileEntry, Hash, Manifest, ScanOptions};
@@ -29,6 +29,11 @@ use crate::transport::{transport_config, Tuning};
 use crate::wire::{
     BatchHeader, Control, FileInfo, Hello, RecordHeader, TransferKey, PROTOCOL_VERSION,
 };
+
+mod streaming;
+pub mod watcher;
+
+pub use streaming::{CheckpointView, ViewFile, ViewState};
 
 /// A link as the source sees it.
 #[derive(Debug, Clone)]
@@ -57,6 +62,8 @@ pub struct RootConfig {
     pub job: String,
     /// Link name.
     pub link: String,
+    /// How the watcher follows this root.
+    pub watch: watcher::RootWatch,
 }
 
 /// Source settings.
@@ -79,9 +86,15 @@ pub struct SourceConfig {
     /// Target batch size in bytes (a stream is finished after this many
     /// payload bytes).
     pub batch_bytes: u64,
-    /// How often source roots are scanned for directories holding a
-    /// commit marker; `None` disables the scan.
+    /// How often the watcher rescans source roots (the safety net under
+    /// inotify, and the poll period); `None` turns the watcher off (only
+    /// `ferry push` starts transfers then).
     pub scan_interval: Option<Duration>,
+    /// A file with no close event counts as complete once unchanged for
+    /// this long (and its format check passes).
+    pub quiet_period: Duration,
+    /// An open checkpoint with no change for this long is abandoned.
+    pub checkpoint_idle_timeout: Duration,
 }
 
 /// Live progress of one transfer.
@@ -129,6 +142,8 @@ struct Inner {
     endpoint: Endpoint,
     links: HashMap<String, Arc<LinkState>>,
     progress: Mutex<HashMap<i64, Arc<LiveProgress>>>,
+    /// Views of watched checkpoints, by transfer id (see [`watcher`]).
+    views: Mutex<HashMap<i64, watch::Receiver<CheckpointView>>>,
     shutdown: CancellationToken,
     tasks: TaskTracker,
     /// Test hook: flip one byte in this many chunks after hashing them
@@ -157,6 +172,8 @@ enum RunError {
     Fatal(String),
     /// The agent is stopping.
     Shutdown,
+    /// The checkpoint was abandoned or deleted at the source.
+    Cancelled(String),
 }
 
 impl From<ConnError> for RunError {
@@ -212,6 +229,7 @@ impl Source {
             endpoint,
             links,
             progress: Mutex::new(HashMap::new()),
+            views: Mutex::new(HashMap::new()),
             shutdown: CancellationToken::new(),
             tasks: TaskTracker::new(),
             corrupt: AtomicU64::new(corrupt),
@@ -221,8 +239,17 @@ impl Source {
             inner.tasks.spawn(link_worker(i, l));
         }
         if let Some(every) = inner.cfg.scan_interval {
-            let i = inner.clone();
-            inner.tasks.spawn(marker_scanner(i, every));
+            let timing = watcher::WatchTiming {
+                rescan: every,
+                quiet: inner.cfg.quiet_period,
+                idle_timeout: inner.cfg.checkpoint_idle_timeout,
+            };
+            for root in inner.cfg.roots.clone() {
+                let i = inner.clone();
+                inner
+                    .tasks
+                    .spawn(watcher::watch_root(i, root, timing.clone()));
+            }
         }
         Ok(Source { inner })
     }
@@ -346,57 +373,6 @@ async fn submit(
         .transfer(id)
         .await?
         .ok_or_else(|| SubmitError::Catalog(CatalogError::Corrupt("new transfer vanished".into())))
-}
-
-/// Generic marker rule: a directory under a source root holding one of the
-/// configured marker files is committed; queue it once.
-async fn marker_scanner(inner: Arc<Inner>, every: Duration) {
-    loop {
-        for root in inner.cfg.roots.clone() {
-            let markers = inner.cfg.markers.clone();
-            let found =
-                tokio::task::spawn_blocking(move || committed_dirs(&root.path, &markers, 4))
-                    .await
-                    .unwrap_or_default();
-            for dir in found {
-                let p = dir.to_string_lossy().into_owned();
-                match inner.catalog.transfer_by_path(&p).await {
-                    Ok(None) => {
-                        if let Err(e) = submit(&inner, &dir, None).await {
-                            warn!(path = p, error = %e, "could not queue committed checkpoint");
-                        }
-                    }
-                    Ok(Some(_)) => {}
-                    Err(e) => warn!(error = %e, "catalog"),
-                }
-            }
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(every) => {}
-            _ = inner.shutdown.cancelled() => return,
-        }
-    }
-}
-
-fn committed_dirs(root: &Path, markers: &[String], depth: usize) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    let Ok(rd) = std::fs::read_dir(root) else {
-        return out;
-    };
-    for e in rd.flatten() {
-        if !e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
-            continue;
-        }
-        let p = e.path();
-        if markers.iter().any(|m| p.join(m).is_file()) {
-            if let Ok(c) = std::fs::canonicalize(&p) {
-                out.push(c);
-            }
-        } else if depth > 1 {
-            out.extend(committed_dirs(&p, markers, depth - 1));
-        }
-    }
-    out
 }
 
 /// An established connection to a sink with its control stream.
@@ -570,9 +546,42 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
         }
         let Some(c) = conn.as_ref() else { continue };
         let id = t.id;
-        match run_transfer(&inner, c, t).await {
+        let view = inner.views.lock().ok().and_then(|m| m.get(&id).cloned());
+        let result = match (t.format.is_some(), view) {
+            (false, _) => run_transfer(&inner, c, t).await,
+            (true, Some(view)) => streaming::run_watched(&inner, c, t, view).await,
+            (true, None)
+                if t.checkpoint == checkpoint::ABANDONED || t.checkpoint == checkpoint::DELETED =>
+            {
+                Err(RunError::Cancelled(format!("checkpoint {}", t.checkpoint)))
+            }
+            (true, None) => {
+                // The watcher has not looked at this checkpoint since the
+                // agent started: give it a moment.
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                    _ = inner.shutdown.cancelled() => return,
+                }
+                continue;
+            }
+        };
+        match result {
             Ok(()) => {}
             Err(RunError::Shutdown) => return,
+            Err(RunError::Cancelled(why)) => {
+                info!(transfer = id, "transfer cancelled: {why}");
+                let _ = c
+                    .ctl
+                    .send(&Control::Cancel {
+                        id: id as u64,
+                        reason: why.clone(),
+                    })
+                    .await;
+                let _ = inner
+                    .catalog
+                    .set_transfer_state(id, state::CANCELLED, Some(&why))
+                    .await;
+            }
             Err(RunError::Fatal(why)) => {
                 warn!(transfer = id, "transfer failed: {why}");
                 // Tell the sink, so it drops its staging data and stops
@@ -730,7 +739,10 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
         slots: Arc::new(slots),
         times: SourceTimes::default(),
     };
-    commit_loop(inner, c, &t, &dir, &progress, &mut rx, need, batches, sealed).await
+    commit_loop(
+        inner, c, &t, &dir, &progress, &mut rx, need, batches, sealed,
+    )
+    .await
 }
 
 /// A sealed manifest and how chunk keys of the transfer's file table map

@@ -1,0 +1,476 @@
+//! Predictive replication: the transfer of a checkpoint that is still being
+//! written (ARCHITECTURE.md, "Data path", steps 1-2).
+//!
+//! The watcher publishes a [`CheckpointView`] of the checkpoint each time it
+//! changes. From it this module:
+//!
+//! - announces new files and new sizes to the sink ([`Control::Files`]);
+//! - streams chunks as soon as they can no longer change: whole files once
+//!   they are complete, and the full chunks below the current end of files
+//!   that are only ever appended to (DCP `.distcp`, torch.save archives),
+//!   while they are still being written;
+//! - once such a file is complete, reads it again and re-sends any chunk
+//!   whose bytes changed, so a file rewritten below its old end is caught;
+//! - at commit, seals the manifest from the chunk hashes of the frozen file
+//!   set (temporaries and filtered files were never in the view) and hands
+//!   it to the commit loop shared with `ferry push`.
+//!
+//! A checkpoint the watcher declares abandoned or deleted cancels the
+//! transfer; the sink then removes its staging data.
+
+use super::*;
+use crate::manifest::{chunk_count, chunk_len};
+
+/// One file of a checkpoint as the watcher last saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ViewFile {
+    /// Path (relative to the checkpoint directory), size in bytes, mode
+    /// and mtime from the watcher's last `stat`.
+    pub info: FileInfo,
+    /// Closed after its last write (inotify), or quiet for the quiet period
+    /// and passing its format check (poll mode).
+    pub complete: bool,
+    /// Only ever appended to, so full chunks below its current end may be
+    /// sent before it is complete (see [`crate::formats::appendable`]).
+    pub appendable: bool,
+}
+
+/// Where a watched checkpoint stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ViewState {
+    /// Being written.
+    Open,
+    /// The format's commit predicate holds.
+    Committed {
+        /// Paths of the commit markers in the order the sink publishes
+        /// them (last, after every other file).
+        markers: Vec<String>,
+        /// Commit time at the source, Unix ms (the marker's appearance).
+        committed_ms: i64,
+    },
+    /// Abandoned or deleted: the transfer is cancelled with this reason.
+    Gone(String),
+}
+
+/// What the watcher knows about one checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointView {
+    /// Files to replicate: temporaries and files excluded by the root's
+    /// globs or profile are not listed.
+    pub files: Vec<ViewFile>,
+    /// Open, committed or gone.
+    pub state: ViewState,
+    /// When the checkpoint opened, Unix ms.
+    pub opened_ms: i64,
+}
+
+/// Per file of the table: what was sent.
+#[derive(Debug, Default, Clone)]
+struct Track {
+    /// Hash of each chunk as sent or as found at the sink, by chunk index.
+    hashes: Vec<Option<Hash>>,
+    /// Some chunks went while the file was still growing.
+    provisional: bool,
+    /// `(size, mtime_ns)` of the file when it was last read in full with
+    /// every chunk confirmed; `None` until then.
+    verified: Option<(u64, i64)>,
+}
+
+/// Work for the reading thread: chunks `from..to` of one file.
+struct FileJob {
+    idx: u32,
+    path: PathBuf,
+    size: u64,
+    from: u32,
+    to: u32,
+    /// Hashes already at the sink for chunks `from..to` (`None`: unknown).
+    known: Vec<Option<Hash>>,
+    /// The whole file is read, to confirm every chunk.
+    full: bool,
+}
+
+struct JobResult {
+    idx: u32,
+    full: bool,
+    /// `(chunk, hash)` of every chunk read.
+    hashes: Vec<(u32, Hash)>,
+    /// Some chunk was sent (not just confirmed).
+    sent: bool,
+    /// `(size, mtime_ns)` if the file did not change while it was read.
+    stable: Option<(u64, i64)>,
+}
+
+fn mtime_ns(md: &std::fs::Metadata) -> i64 {
+    use std::os::unix::fs::MetadataExt;
+    md.mtime() * 1_000_000_000 + md.mtime_nsec()
+}
+
+/// Reads the jobs' chunks in order, hashes them and queues those the sink
+/// does not have with the same hash. A file that vanished or shrank while
+/// read ends its job early and is reported as not stable.
+fn run_jobs(
+    inner: &Inner,
+    jobs: Vec<FileJob>,
+    have: &HashSet<u64>,
+    chunk_size: u32,
+    out: &mpsc::Sender<Record>,
+) -> Result<Vec<JobResult>, String> {
+    let mut results = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        let mut r = JobResult {
+            idx: job.idx,
+            full: job.full,
+            hashes: Vec::new(),
+            sent: false,
+            stable: None,
+        };
+        let file = match File::open(&job.path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                results.push(r);
+                continue;
+            }
+            Err(e) => return Err(format!("{}: {e}", job.path.display())),
+        };
+        let before = file
+            .metadata()
+            .map_err(|e| format!("{}: {e}", job.path.display()))?;
+        let mut complete_read = true;
+        for c in job.from..job.to {
+            let len = chunk_len(job.size, chunk_size, u64::from(c)) as usize;
+            let mut data = vec![0u8; len];
+            if file
+                .read_exact_at(&mut data, u64::from(c) * u64::from(chunk_size))
+                .is_err()
+            {
+                // Shorter than it was: the next view shows the new size.
+                complete_read = false;
+                break;
+            }
+            let hash = *blake3::hash(&data).as_bytes();
+            r.hashes.push((c, hash));
+            let known = job.known.get((c - job.from) as usize).copied().flatten();
+            let key = u64::from(job.idx) << 32 | u64::from(c);
+            if known == Some(hash) || (known.is_none() && have.contains(&key)) {
+                continue;
+            }
+            maybe_corrupt(inner, &mut data);
+            r.sent = true;
+            out.blocking_send(Record {
+                header: RecordHeader {
+                    file: job.idx,
+                    chunk: c,
+                    len: len as u32,
+                    hash,
+                },
+                data,
+            })
+            .map_err(|_| "sending stopped".to_string())?;
+        }
+        if let Ok(after) = std::fs::metadata(&job.path) {
+            let (a, b) = (
+                (before.len(), mtime_ns(&before)),
+                (after.len(), mtime_ns(&after)),
+            );
+            if complete_read && a == b && a.0 == job.size {
+                r.stable = Some(a);
+            }
+        }
+        results.push(r);
+    }
+    Ok(results)
+}
+
+/// Replicates a checkpoint the watcher follows, from its first files to
+/// the sink's publish.
+pub(super) async fn run_watched(
+    inner: &Arc<Inner>,
+    c: &LinkConn,
+    t: Transfer,
+    mut view: watch::Receiver<CheckpointView>,
+) -> Result<(), RunError> {
+    let id = t.id as u64;
+    let fresh =
+        t.started_at.is_none() && !inner.catalog.published_before(&t.source_path, t.id).await?;
+    inner.catalog.set_transfer_note(t.id, None).await?;
+    inner
+        .catalog
+        .set_transfer_state(t.id, state::ACTIVE, None)
+        .await?;
+    let dir = PathBuf::from(&t.source_path);
+    let chunk_size = inner.cfg.chunk_size;
+    let first = view.borrow_and_update().clone();
+    if let ViewState::Gone(why) = &first.state {
+        return Err(RunError::Cancelled(why.clone()));
+    }
+    let mut table: Vec<FileInfo> = first.files.iter().map(|f| f.info.clone()).collect();
+    let mut pos: HashMap<String, u32> = table
+        .iter()
+        .enumerate()
+        .map(|(i, f)| (f.path.clone(), i as u32))
+        .collect();
+    let mut tracks: Vec<Track> = vec![Track::default(); table.len()];
+    let progress = Arc::new(LiveProgress::default());
+    let total = |table: &[FileInfo]| table.iter().map(|f| f.size).sum::<u64>();
+    progress.total.store(total(&table), Ordering::Relaxed);
+    if let Ok(mut m) = inner.progress.lock() {
+        m.insert(t.id, progress.clone());
+    }
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    if let Ok(mut m) = c.inbox.lock() {
+        m.insert(id, tx);
+    }
+    c.ctl
+        .send(&Control::Open {
+            key: TransferKey {
+                id,
+                job: t.job.clone(),
+                source_path: t.source_path.clone(),
+                rel: t.rel.clone(),
+            },
+            chunk_size,
+            bytes_total: total(&table),
+            files: table.clone(),
+        })
+        .await?;
+    let have: Arc<HashSet<u64>> = Arc::new(if fresh {
+        HashSet::new()
+    } else {
+        match recv(inner, c, &mut rx).await? {
+            Control::Have { chunks, .. } => chunks.into_iter().collect(),
+            Control::Refuse { reason, .. } => {
+                return Err(RunError::Fatal(format!("sink refused: {reason}")))
+            }
+            m => return Err(RunError::Retry(format!("expected have, got {}", m.name()))),
+        }
+    });
+    info!(
+        transfer = id,
+        files = table.len(),
+        path = %dir.display(),
+        "streaming a checkpoint as it is written"
+    );
+    let mut need: Vec<u64> = Vec::new();
+    let mut batches = 0u64;
+    let (markers, committed_ms, last) = loop {
+        let v = view.borrow_and_update().clone();
+        let committed = match &v.state {
+            ViewState::Gone(why) => return Err(RunError::Cancelled(why.clone())),
+            ViewState::Committed { .. } => true,
+            ViewState::Open => false,
+        };
+        // New files and new sizes go to the sink before their chunks.
+        let mut grown = Vec::new();
+        for f in &v.files {
+            match pos.get(&f.info.path) {
+                Some(&i) if table[i as usize] == f.info => {}
+                Some(&i) => {
+                    table[i as usize] = f.info.clone();
+                    grown.push(f.info.clone());
+                }
+                None => {
+                    pos.insert(f.info.path.clone(), table.len() as u32);
+                    table.push(f.info.clone());
+                    tracks.push(Track::default());
+                    grown.push(f.info.clone());
+                }
+            }
+        }
+        if !grown.is_empty() {
+            c.ctl.send(&Control::Files { id, files: grown }).await?;
+            progress.total.store(total(&table), Ordering::Relaxed);
+        }
+        // Chunks the sink asked for again are sent again.
+        for k in need.drain(..) {
+            if let Some(tr) = tracks.get_mut((k >> 32) as usize) {
+                if let Some(h) = tr.hashes.get_mut(k as u32 as usize) {
+                    *h = None;
+                }
+                tr.verified = None;
+            }
+        }
+        let mut jobs = Vec::new();
+        let mut done = committed;
+        for f in &v.files {
+            let i = pos[&f.info.path];
+            let tr = &mut tracks[i as usize];
+            let size = f.info.size;
+            let n = chunk_count(size, chunk_size) as u32;
+            tr.hashes.resize(n as usize, None);
+            let path = dir.join(&f.info.path);
+            if f.complete || committed {
+                if tr.verified == Some((size, f.info.mtime_ns)) {
+                    continue;
+                }
+                done = false;
+                jobs.push(FileJob {
+                    idx: i,
+                    path,
+                    size,
+                    from: 0,
+                    to: n,
+                    known: tr.hashes.clone(),
+                    full: true,
+                });
+            } else {
+                done = false;
+                if !f.appendable {
+                    continue;
+                }
+                // Full chunks below the current end of an appended file.
+                let ready = (size / u64::from(chunk_size)) as u32;
+                if let Some(from) = tr.hashes[..ready as usize].iter().position(Option::is_none) {
+                    let from = from as u32;
+                    jobs.push(FileJob {
+                        idx: i,
+                        path,
+                        size,
+                        from,
+                        to: ready,
+                        known: tr.hashes[from as usize..ready as usize].to_vec(),
+                        full: false,
+                    });
+                }
+            }
+        }
+        if done {
+            let ViewState::Committed {
+                markers,
+                committed_ms,
+            } = v.state.clone()
+            else {
+                continue;
+            };
+            break (markers, committed_ms, v);
+        }
+        if !jobs.is_empty() {
+            let (inner2, have2) = (inner.clone(), have.clone());
+            let (results, n) =
+                send_round(inner, c, id, &progress, &mut rx, &mut need, move |out| {
+                    run_jobs(&inner2, jobs, &have2, chunk_size, out)
+                })
+                .await?;
+            batches += n;
+            let mut moved = false;
+            for r in results {
+                moved |= !r.hashes.is_empty() || r.stable.is_some();
+                let tr = &mut tracks[r.idx as usize];
+                for (ch, h) in &r.hashes {
+                    if let Some(slot) = tr.hashes.get_mut(*ch as usize) {
+                        *slot = Some(*h);
+                    }
+                }
+                if r.full {
+                    if let Some(stable) = r.stable {
+                        tr.verified = Some(stable);
+                        tr.provisional = false;
+                    }
+                } else if r.sent {
+                    tr.provisional = true;
+                }
+            }
+            if moved {
+                continue;
+            }
+            // Nothing could be read (files vanished or shrank): wait for
+            // the watcher's next view instead of spinning.
+        }
+        tokio::select! {
+            r = view.changed() => if r.is_err() {
+                return Err(RunError::Retry("the watcher stopped following this checkpoint".into()));
+            },
+            m = rx.recv() => match m {
+                Some(Control::Need { chunks, .. }) => need.extend(chunks),
+                Some(Control::Have { .. }) => {}
+                Some(Control::Refuse { reason, .. }) => {
+                    return Err(RunError::Fatal(format!("sink refused: {reason}")))
+                }
+                Some(Control::Cancel { reason, .. }) => {
+                    return Err(RunError::Fatal(format!("sink cancelled: {reason}")))
+                }
+                Some(other) => {
+                    return Err(RunError::Retry(format!("unexpected {} from sink", other.name())))
+                }
+                None => return Err(RunError::Retry("connection to the sink lost".into())),
+            },
+            e = c.conn.closed() => return Err(RunError::Retry(format!("connection to the sink lost: {e}"))),
+            _ = inner.shutdown.cancelled() => return Err(RunError::Shutdown),
+            // Appended files can grow without a new view (poll mode).
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+        }
+    };
+
+    // Seal: the frozen file set, non-markers by path, then the markers in
+    // the format's order.
+    let rank = |p: &str| markers.iter().position(|m| m == p);
+    let mut files: Vec<&ViewFile> = last.files.iter().collect();
+    files.sort_by(|a, b| {
+        let ka = (rank(&a.info.path).map_or(0, |r| r + 1), &a.info.path);
+        let kb = (rank(&b.info.path).map_or(0, |r| r + 1), &b.info.path);
+        ka.cmp(&kb)
+    });
+    let mut entries = Vec::with_capacity(files.len());
+    let mut slots: Vec<Option<usize>> = vec![None; table.len()];
+    let mut map = ChunkMap::new(&table, chunk_size);
+    for (mi, f) in files.iter().enumerate() {
+        let i = pos[&f.info.path];
+        slots[i as usize] = Some(mi);
+        map.set_size(i, f.info.size);
+        let chunks: Option<Vec<Hash>> = tracks[i as usize].hashes.iter().copied().collect();
+        let Some(chunks) = chunks else {
+            return Err(RunError::Retry(format!(
+                "{} has chunks not yet read at commit",
+                f.info.path
+            )));
+        };
+        entries.push(FileEntry {
+            path: f.info.path.clone(),
+            size: f.info.size,
+            mode: f.info.mode,
+            mtime_ns: f.info.mtime_ns,
+            chunks,
+        });
+    }
+    let marker_idx = files
+        .iter()
+        .enumerate()
+        .filter(|(_, f)| rank(&f.info.path).is_some())
+        .map(|(i, _)| i as u32)
+        .collect();
+    let manifest = Manifest {
+        chunk_size,
+        files: entries,
+        markers: marker_idx,
+    };
+    let bytes_total = manifest.bytes();
+    progress.total.store(bytes_total, Ordering::Relaxed);
+    inner
+        .catalog
+        .set_transfer_progress(
+            t.id,
+            bytes_total,
+            manifest.files.len() as u64,
+            0,
+            progress.sent.load(Ordering::Relaxed),
+        )
+        .await?;
+    info!(
+        transfer = id,
+        files = manifest.files.len(),
+        bytes_total,
+        "checkpoint committed; manifest sealed"
+    );
+    let sealed = Sealed {
+        manifest: Arc::new(manifest),
+        map: Arc::new(map),
+        slots: Arc::new(slots),
+        times: SourceTimes {
+            committed_ms,
+            opened_ms: last.opened_ms,
+        },
+    };
+    commit_loop(
+        inner, c, &t, &dir, &progress, &mut rx, need, batches, sealed,
+    )
+    .await
+}

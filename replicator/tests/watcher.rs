@@ -1,0 +1,304 @@
+//! The watcher and predictive replication, in process: real checkpoint
+//! saves (torch DCP, transformers safetensors) replayed from their recorded
+//! write order into a watched root; shards stream while they are written,
+//! the replica is published only after the commit, byte for byte.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::replay::Replay;
+use common::{pair_with, same_tree, wait_final, wait_published, Pair};
+use replicator::catalog::Transfer;
+use replicator::manifest::MIN_CHUNK_SIZE;
+use replicator::sink::Resolution;
+use replicator::source::watcher::{Mode, RootWatch, Start};
+use replicator::source::SourceConfig;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
+}
+
+fn watching(watch: RootWatch) -> impl FnOnce(&mut SourceConfig) {
+    move |cfg: &mut SourceConfig| {
+        cfg.scan_interval = Some(Duration::from_millis(200));
+        cfg.markers = vec!["COMMITTED".into()];
+        cfg.roots[0].watch = watch;
+    }
+}
+
+/// Waits for the watcher to queue a transfer of `dir`.
+async fn transfer_of(p: &Pair, dir: &Path) -> Transfer {
+    let path = dir.to_string_lossy();
+    for _ in 0..400 {
+        if let Some(t) = p.source.catalog().transfer_by_path(&path).await.unwrap() {
+            return t;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("no transfer of {path} within 20 s");
+}
+
+/// Waits until the source has put at least `bytes` on the wire for `id`.
+async fn wait_sent(p: &Pair, id: i64, bytes: u64) {
+    for _ in 0..400 {
+        if p.source.progress(id).is_some_and(|g| g.bytes_sent >= bytes) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!(
+        "transfer {id} sent {:?}, expected at least {bytes} bytes",
+        p.source.progress(id)
+    );
+}
+
+fn size(p: &Path) -> u64 {
+    std::fs::metadata(p).unwrap().len()
+}
+
+async fn assert_not_published(p: &Pair, dir: &Path) {
+    let r = p.sink.resolve(&dir.to_string_lossy()).await.unwrap();
+    assert!(
+        !matches!(r, Resolution::Local { .. }),
+        "published before the commit: {r:?}"
+    );
+    assert!(!p
+        .dir
+        .path()
+        .join("eval/train-a/job")
+        .join(dir.file_name().unwrap())
+        .exists());
+}
+
+#[tokio::test]
+async fn dcp_save_streams_while_written_and_publishes_at_commit() {
+    let p = pair_with(0, watching(RootWatch::default())).await;
+    let src = fixtures().join("dcp");
+    let mut save = Replay::new(
+        &src.join("dcp_save_trace.jsonl"),
+        &src,
+        &p.root,
+        "step_00000002",
+    );
+    let ckpt = p.root.join("step_00000002");
+    // Everything up to the commit: both ranks' shards written and closed,
+    // `.metadata.tmp` written, not yet renamed.
+    save.run_until(|o| o.op == "rename").await;
+    let t = transfer_of(&p, &ckpt).await;
+    assert_eq!(t.format.as_deref(), Some("dcp"));
+    let shards = size(&ckpt.join("__0_0.distcp")) + size(&ckpt.join("__1_0.distcp"));
+    wait_sent(&p, t.id, shards).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_not_published(&p, &ckpt).await;
+
+    save.finish().await;
+    let done = wait_published(&p, t.id).await;
+    let replica = PathBuf::from(done.local_path.unwrap());
+    same_tree(&ckpt, &replica);
+    assert!(!replica.join(".metadata.tmp").exists());
+    let t = p.source.catalog().transfer(t.id).await.unwrap().unwrap();
+    assert_eq!(t.checkpoint, "committed");
+    assert!(t.committed_at.is_some() && t.opened_at.is_some());
+    let rows = p
+        .sink
+        .catalog()
+        .replicas_for_source(&ckpt.to_string_lossy())
+        .await
+        .unwrap();
+    let row = rows.iter().find(|r| r.state == "published").unwrap();
+    let lag = row
+        .commit_to_replica_s
+        .expect("commit_to_replica_s recorded");
+    let open_lag = row.open_to_replica_s.expect("open_to_replica_s recorded");
+    assert!(lag >= 0.0 && open_lag >= lag, "{lag} {open_lag}");
+
+    // A re-save in place (new bytes, `.metadata` renamed over the old one)
+    // is a new commit identity: a new transfer, a new replica version.
+    let mut bytes = std::fs::read(ckpt.join("__0_0.distcp")).unwrap();
+    bytes[100] ^= 0x5a;
+    std::fs::write(ckpt.join("__0_0.distcp"), &bytes).unwrap();
+    let meta = std::fs::read(ckpt.join(".metadata")).unwrap();
+    std::fs::write(ckpt.join(".metadata.tmp"), &meta).unwrap();
+    std::fs::rename(ckpt.join(".metadata.tmp"), ckpt.join(".metadata")).unwrap();
+    let mut second = None;
+    for _ in 0..400 {
+        let t2 = p
+            .source
+            .catalog()
+            .transfer_by_path(&ckpt.to_string_lossy())
+            .await
+            .unwrap()
+            .unwrap();
+        if t2.id != t.id {
+            second = Some(t2);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let t2 = second.expect("a re-save starts a new transfer");
+    wait_published(&p, t2.id).await;
+    same_tree(&ckpt, &replica);
+}
+
+#[tokio::test]
+async fn safetensors_save_waits_for_a_whole_index() {
+    let p = pair_with(0, watching(RootWatch::default())).await;
+    let src = fixtures().join("safetensors/checkpoint");
+    let ckpt = p.root.join("checkpoint");
+    let mut save = Replay::new(
+        &fixtures().join("safetensors/safetensors_save_trace.jsonl"),
+        &src,
+        &ckpt,
+        "",
+    );
+    save.run_until(|o| o.path == "model.safetensors.index.json")
+        .await;
+    let t = transfer_of(&p, &ckpt).await;
+    assert_eq!(t.format.as_deref(), Some("hf"));
+    let shards: u64 = (1..=3)
+        .map(|i| size(&ckpt.join(format!("model-0000{i}-of-00003.safetensors"))))
+        .sum();
+    wait_sent(&p, t.id, shards).await;
+    // A half-written index (the marker is written in place) is re-read
+    // later, not taken as a commit and not an error.
+    let index = std::fs::read(src.join("model.safetensors.index.json")).unwrap();
+    std::fs::write(
+        ckpt.join("model.safetensors.index.json"),
+        &index[..index.len() / 2],
+    )
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_not_published(&p, &ckpt).await;
+    let t_now = p.source.catalog().transfer(t.id).await.unwrap().unwrap();
+    assert!(
+        !replicator::catalog::state::is_final(&t_now.state),
+        "{t_now:?}"
+    );
+
+    save.finish().await;
+    let done = wait_published(&p, t.id).await;
+    same_tree(&ckpt, Path::new(&done.local_path.unwrap()));
+}
+
+#[tokio::test]
+async fn checkpoint_deleted_mid_write_is_cancelled_and_staging_removed() {
+    let p = pair_with(0, watching(RootWatch::default())).await;
+    let src = fixtures().join("dcp");
+    let mut save = Replay::new(
+        &src.join("dcp_save_trace.jsonl"),
+        &src,
+        &p.root,
+        "step_00000002",
+    );
+    let ckpt = p.root.join("step_00000002");
+    // Rank 1's shard is closed, rank 0's is being written.
+    save.run_until(|o| o.op == "write_bytes" && o.path.ends_with("__0_0.distcp"))
+        .await;
+    let t = transfer_of(&p, &ckpt).await;
+    wait_sent(&p, t.id, size(&ckpt.join("__1_0.distcp"))).await;
+    std::fs::remove_dir_all(&ckpt).unwrap();
+    let t = wait_final(&p, t.id).await;
+    assert_eq!(t.state, "cancelled", "{t:?}");
+    assert!(t.error.unwrap().contains("deleted"));
+    let staging = p.dir.path().join("eval/.ferry/staging");
+    for _ in 0..100 {
+        if std::fs::read_dir(&staging).unwrap().count() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        std::fs::read_dir(&staging).unwrap().count(),
+        0,
+        "staging removed"
+    );
+    assert!(!p.dir.path().join("eval/train-a/job/step_00000002").exists());
+}
+
+#[tokio::test]
+async fn appended_shard_rewritten_below_its_end_is_sent_again() {
+    use std::io::Write;
+    use std::os::unix::fs::FileExt;
+    let p = pair_with(0, watching(RootWatch::default())).await;
+    let ckpt = p.root.join("step_7");
+    std::fs::create_dir_all(&ckpt).unwrap();
+    let cs = MIN_CHUNK_SIZE as usize;
+    let mut f = std::fs::File::create(ckpt.join("__0_0.distcp")).unwrap();
+    let first: Vec<u8> = (0..4 * cs).map(|i| (i % 251) as u8).collect();
+    f.write_all(&first).unwrap();
+    // Still open: the full chunks stream before the close.
+    let t = transfer_of(&p, &ckpt).await;
+    wait_sent(&p, t.id, 4 * cs as u64).await;
+    // Rewritten below its old end, then appended to and closed.
+    f.write_all_at(&vec![0xee; 1000], cs as u64 + 10).unwrap();
+    f.write_all(&[1u8; 777]).unwrap();
+    drop(f);
+    std::fs::write(ckpt.join(".metadata.tmp"), b"dcp metadata").unwrap();
+    std::fs::rename(ckpt.join(".metadata.tmp"), ckpt.join(".metadata")).unwrap();
+    let done = wait_published(&p, t.id).await;
+    same_tree(&ckpt, Path::new(done.local_path.as_deref().unwrap()));
+    assert!(
+        done.bytes_sent as usize > 4 * cs + 777,
+        "the changed chunk went again: {done:?}"
+    );
+}
+
+#[tokio::test]
+async fn poll_mode_picks_up_a_checkpoint_written_before_the_agent_started() {
+    let src = fixtures().join("dcp/step_00000002");
+    let watch = RootWatch {
+        mode: Mode::Poll,
+        start: Start::OnOpen,
+        ..Default::default()
+    };
+    let p = pair_with(0, move |cfg| {
+        let ckpt = cfg.roots[0].path.join("step_00000002");
+        std::fs::create_dir_all(&ckpt).unwrap();
+        for e in std::fs::read_dir(&src).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), ckpt.join(e.file_name())).unwrap();
+        }
+        watching(watch)(cfg);
+    })
+    .await;
+    let ckpt = p.root.join("step_00000002");
+    let t = transfer_of(&p, &ckpt).await;
+    let done = wait_published(&p, t.id).await;
+    same_tree(&ckpt, Path::new(&done.local_path.unwrap()));
+}
+
+#[tokio::test]
+async fn on_commit_waits_for_the_marker_before_queueing() {
+    let watch = RootWatch {
+        start: Start::OnCommit,
+        ..Default::default()
+    };
+    let p = pair_with(0, watching(watch)).await;
+    let src = fixtures().join("dcp");
+    let mut save = Replay::new(
+        &src.join("dcp_save_trace.jsonl"),
+        &src,
+        &p.root,
+        "step_00000002",
+    );
+    save.slowdown = 0.0;
+    let ckpt = p.root.join("step_00000002");
+    save.run_until(|o| o.op == "rename").await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert!(
+        p.source
+            .catalog()
+            .transfer_by_path(&ckpt.to_string_lossy())
+            .await
+            .unwrap()
+            .is_none(),
+        "on_commit queued an open checkpoint"
+    );
+    save.finish().await;
+    let t = transfer_of(&p, &ckpt).await;
+    let done = wait_published(&p, t.id).await;
+    same_tree(&ckpt, Path::new(&done.local_path.unwrap()));
+}
