@@ -6,6 +6,7 @@
 pub mod catalog;
 pub mod cc;
 pub mod conn;
+pub mod formats;
 pub mod linkemu;
 pub mod manifest;
 pub mod paths;
