@@ -20,7 +20,7 @@ use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::{Json, Router};
 use replicator::catalog::Transfer;
 use replicator::sink::{Resolution, Sink};
@@ -103,6 +103,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/replicas", get(replicas))
         .route("/v1/transfers", get(list_transfers).post(create_transfer))
         .route("/v1/transfers/{id}", get(get_transfer))
+        .route("/v1/checkpoints/announce", post(announce))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such route") })
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .layer(TimeoutLayer::with_status_code(
@@ -274,6 +275,61 @@ async fn create_transfer(
         }),
     )
         .into_response())
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Announce {
+    job: String,
+    step: u64,
+    path: String,
+    #[serde(default)]
+    expected_bytes: u64,
+}
+
+/// `POST /v1/checkpoints/announce`: a training controller says a
+/// checkpoint is coming; the transfer is queued before the first byte.
+async fn announce(
+    State(s): State<AppState>,
+    body: Result<Json<Announce>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(req) = body?;
+    let src = source(&s)?;
+    if !req.path.starts_with('/') {
+        return Err(ApiError::unprocessable(
+            "`path` must be an absolute path at the source",
+        ));
+    }
+    if req.job.is_empty() {
+        return Err(ApiError::unprocessable("`job` must not be empty"));
+    }
+    let t = src
+        .announce(
+            &req.job,
+            req.step,
+            &PathBuf::from(&req.path),
+            req.expected_bytes,
+        )
+        .await
+        .map_err(|e| match e {
+            SubmitError::BadPath(m) => ApiError::unprocessable(format!("`path`: {m}")),
+            SubmitError::UnknownLink(l) => {
+                ApiError::unprocessable(format!("`link`: unknown link {l:?}"))
+            }
+            SubmitError::Catalog(e) => ApiError::internal(e),
+        })?;
+    Ok(match t {
+        Some(t) => (
+            StatusCode::CREATED,
+            Json(json!({ "selected": true, "transfer": view(src, t) })),
+        )
+            .into_response(),
+        None => Json(json!({
+            "selected": false,
+            "reason": format!("step {} is not selected by the root's every_n_steps", req.step),
+        }))
+        .into_response(),
+    })
 }
 
 async fn list_transfers(

@@ -123,6 +123,9 @@ pub struct Transfer {
 
 /// Checkpoint states at the source (ARCHITECTURE.md, "Vocabulary").
 pub mod checkpoint {
+    /// A training controller said it is coming (`POST
+    /// /v1/checkpoints/announce`); no byte has landed yet.
+    pub const ANNOUNCED: &str = "announced";
     /// Being written; the transfer streams what is complete so far.
     pub const OPEN: &str = "open";
     /// The format's commit predicate holds; the manifest can be sealed.
@@ -396,7 +399,7 @@ impl Catalog {
         class: &str,
         ckpt: &str,
         format: &str,
-        opened_at: i64,
+        opened_at: Option<i64>,
         committed_at: Option<i64>,
     ) -> Result<i64, CatalogError> {
         let r = sqlx::query(
@@ -442,6 +445,19 @@ impl Catalog {
         .bind(id)
         .execute(&self.pool)
         .await?;
+        Ok(())
+    }
+
+    /// Sets when a transfer's checkpoint opened (Unix ms).
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_opened_at(&self, id: i64, opened_at: i64) -> Result<(), CatalogError> {
+        sqlx::query("UPDATE transfers SET opened_at = ? WHERE id = ?")
+            .bind(opened_at)
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
         Ok(())
     }
 

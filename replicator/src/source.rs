@@ -302,6 +302,98 @@ impl Source {
         submit(&self.inner, path, link).await
     }
 
+    /// Records a training controller's announcement that `job` will write
+    /// the checkpoint of `step` at `path` (about `expected_bytes` bytes):
+    /// a transfer is queued at once and starts when the watcher sees the
+    /// first bytes. If the path already has a transfer that is not
+    /// finished, that one is returned. `Ok(None)` when the root's selection
+    /// (`every_n_steps`) skips this step.
+    ///
+    /// # Errors
+    /// [`SubmitError::BadPath`] if `path` is not a directory name directly
+    /// under a configured source root of `job` (it need not exist yet);
+    /// catalog errors.
+    pub async fn announce(
+        &self,
+        job: &str,
+        step: u64,
+        path: &Path,
+        expected_bytes: u64,
+    ) -> Result<Option<Transfer>, SubmitError> {
+        let inner = &self.inner;
+        let bad = |s: String| SubmitError::BadPath(s);
+        let parent = path
+            .parent()
+            .ok_or_else(|| bad("path has no parent".into()))?;
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .ok_or_else(|| bad(format!("{} has no directory name", path.display())))?;
+        let parent =
+            std::fs::canonicalize(parent).map_err(|e| bad(format!("{}: {e}", parent.display())))?;
+        let root = inner
+            .cfg
+            .roots
+            .iter()
+            .find(|r| r.path == parent && inner.cfg.scan_interval.is_some())
+            .ok_or_else(|| {
+                bad(format!(
+                    "{} is not a checkpoint directory directly under a watched source root",
+                    path.display()
+                ))
+            })?;
+        if root.job != job {
+            return Err(bad(format!(
+                "{} belongs to job {:?}, not {job:?}",
+                parent.display(),
+                root.job
+            )));
+        }
+        if let watcher::Selection::EveryNSteps(n) = root.watch.select {
+            if step % n != 0 {
+                return Ok(None);
+            }
+        }
+        let abs = parent.join(name);
+        let abs_s = abs.to_string_lossy().into_owned();
+        if let Some(t) = inner.catalog.transfer_by_path(&abs_s).await? {
+            if !state::is_final(&t.state) {
+                return Ok(Some(t));
+            }
+        }
+        let format = root
+            .watch
+            .format
+            .map_or_else(|| "auto".to_string(), |f| f.to_string());
+        let id = inner
+            .catalog
+            .insert_watched_transfer(
+                &root.link,
+                &root.job,
+                &abs_s,
+                name,
+                "scheduled",
+                checkpoint::ANNOUNCED,
+                &format,
+                None,
+                None,
+            )
+            .await?;
+        inner
+            .catalog
+            .set_transfer_progress(id, expected_bytes, 0, 0, 0)
+            .await?;
+        info!(
+            transfer = id,
+            path = abs_s,
+            job,
+            step,
+            expected_bytes,
+            "checkpoint announced"
+        );
+        Ok(inner.catalog.transfer(id).await?)
+    }
+
     /// Stops: running batches end at the next chunk boundary, transfers
     /// stay resumable in the catalog; waits at most `deadline`.
     pub async fn shutdown(&self, deadline: Duration) {
@@ -502,7 +594,7 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
         let next = match inner.catalog.unfinished_transfers().await {
             Ok(ts) => scheduler::next(
                 ts.into_iter()
-                    .filter(|t| t.link == link.cfg.name)
+                    .filter(|t| t.link == link.cfg.name && runnable(&inner, t))
                     .map(|t| scheduler::Candidate {
                         class: t.class.parse().unwrap_or(scheduler::Class::Scheduled),
                         created_ms: t.created_at,
@@ -612,6 +704,15 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
             m.remove(&id);
         }
     }
+}
+
+/// A watched checkpoint's transfer can run once the watcher follows it
+/// (an announced checkpoint waits for its first bytes); others always.
+fn runnable(inner: &Inner, t: &Transfer) -> bool {
+    t.format.is_none()
+        || t.checkpoint == checkpoint::ABANDONED
+        || t.checkpoint == checkpoint::DELETED
+        || inner.views.lock().is_ok_and(|v| v.contains_key(&t.id))
 }
 
 /// A chunk ready to go: where it belongs and its bytes.

@@ -497,6 +497,32 @@ async fn process(
             }
         }
     }
+    // Announced checkpoints whose directory never appeared.
+    if let Ok(ts) = inner.catalog.unfinished_transfers().await {
+        let limit = timing.idle_timeout.as_millis() as i64;
+        for t in ts {
+            let dir = Path::new(&t.source_path);
+            if t.checkpoint == checkpoint::ANNOUNCED
+                && dir.parent() == Some(root.path.as_path())
+                && !present.contains(t.rel.as_str())
+                && now_ms() - t.created_at > limit
+            {
+                let why = format!(
+                    "announced checkpoint never appeared within {}",
+                    humantime::format_duration(timing.idle_timeout)
+                );
+                info!(transfer = t.id, "{why}");
+                let _ = inner
+                    .catalog
+                    .set_checkpoint_state(t.id, checkpoint::ABANDONED, None, None)
+                    .await;
+                let _ = inner
+                    .catalog
+                    .set_transfer_state(t.id, state::CANCELLED, Some(&why))
+                    .await;
+            }
+        }
+    }
     let newest_step = scans
         .iter()
         .filter(|(_, s)| s.as_ref().is_some_and(|s| !s.files.is_empty()))
@@ -709,6 +735,15 @@ async fn adopt(inner: &Arc<Inner>, abs: &str, scan: &DirScan) -> Ckpt {
     if let Some(o) = t.opened_at {
         c.opened_ms = o;
     }
+    if t.checkpoint == checkpoint::ANNOUNCED && !state::is_final(&t.state) {
+        // Announced by a training controller; its first bytes are here.
+        info!(transfer = t.id, path = abs, "announced checkpoint opened");
+        let _ = inner
+            .catalog
+            .set_checkpoint_state(t.id, checkpoint::OPEN, None, None)
+            .await;
+        let _ = inner.catalog.set_opened_at(t.id, c.opened_ms).await;
+    }
     if !state::is_final(&t.state) && t.format.is_some() {
         let (tx, rx) = watch::channel(CheckpointView {
             files: Vec::new(),
@@ -800,7 +835,7 @@ async fn start_transfer(
             "scheduled",
             ckpt,
             &format.to_string(),
-            c.opened_ms,
+            Some(c.opened_ms),
             commit.as_ref().map(|c| c.0),
         )
         .await
