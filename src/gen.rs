@@ -74,6 +74,8 @@ use std::path::{Path, PathBuf};
 use rand::rngs::SmallRng;
 use rand::{RngCore, SeedableRng};
 
+pub mod format;
+
 /// Default target size of a generated checkpoint, in bytes (1.4 GB).
 #[cfg_attr(not(test), allow(dead_code))] // the CLI spells it "1.4GB"; a test checks they agree
 pub const DEFAULT_TOTAL_BYTES: u64 = 1_400_000_000;
@@ -309,6 +311,15 @@ impl Tensor {
             None => format!("{}.bin", self.name),
         };
         Path::new(self.dir).join(file)
+    }
+
+    /// Dotted state-dict name, e.g. `model.layers.0.mlp.up_proj.weight`
+    /// (the file path without `.bin`, `/` read as `.`).
+    fn fqn(&self) -> String {
+        match self.block {
+            Some((prefix, i)) => format!("{}.{prefix}.{i}.{}", self.dir, self.name),
+            None => format!("{}.{}", self.dir, self.name),
+        }
     }
 }
 

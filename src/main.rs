@@ -76,19 +76,62 @@ enum Command {
     },
     /// Generate a realistic synthetic checkpoint (thousands of per-tensor
     /// shards, more than 60 % under 16 KiB, a few large ones).
+    ///
+    /// With --format, write it the way a training framework saves, over
+    /// time: one thread per rank, the framework's file names, write order
+    /// and commit marker (including the races where a marker lands before
+    /// every rank is done), optionally paced and with a simulated failure.
     Gen {
-        /// Output directory (created).
+        /// Output directory (created). With --format: the source root; the
+        /// checkpoint directory is created inside it (ROOT/step_00001000 for
+        /// dcp and generic, ROOT/iter_0001000 for megatron and
+        /// megatron_dist, ROOT/global_step1000 for deepspeed, ROOT/step-1000
+        /// for hf, ROOT/checkpoint-1000 for hf_trainer) and root-level
+        /// markers (DeepSpeed `latest`, Megatron
+        /// `latest_checkpointed_iteration.txt`) beside it.
         #[arg(long)]
         out: PathBuf,
-        /// Total size, e.g. 1.4GB, 200MB, 512MiB.
-        #[arg(long, default_value = "1.4GB", value_parser = gen::parse_size)]
+        /// Total size, e.g. 1.4GB, 200MB, 512MiB. With --format, the size of
+        /// all files of the checkpoint, framing included (within about 1 %).
+        #[arg(long, visible_alias = "target-bytes", default_value = "1.4GB", value_parser = gen::parse_size)]
         size: u64,
         /// Seed for the content (same seed, same bytes).
         #[arg(long, default_value_t = 0)]
         seed: u64,
-        /// Commit marker file written last.
+        /// Commit marker file written last (the per-tensor layout and
+        /// --format generic).
         #[arg(long, default_value = "COMMITTED")]
         marker: String,
+        /// Write like a framework: dcp (PyTorch DCP), megatron_dist
+        /// (Megatron-Core torch_dist), megatron (Megatron-LM legacy
+        /// mp_rank_XX/model_optim_rng.pt), deepspeed (ZeRO-2 with `latest`),
+        /// hf (transformers save_pretrained, sharded safetensors),
+        /// hf_trainer (HF Trainer checkpoint-N), generic (per-tensor files
+        /// and --marker). Without it: per-tensor files directly in --out,
+        /// the marker last.
+        #[arg(long)]
+        format: Option<gen::format::GenFormat>,
+        /// Training step of the checkpoint (names the directory; written
+        /// into trackers and trainer_state.json).
+        #[arg(long, default_value_t = 1000, requires = "format")]
+        step: u64,
+        /// Parallel writers, one thread each: DCP/FSDP ranks, Megatron
+        /// tensor-parallel ranks, DeepSpeed data-parallel ranks, HF Trainer
+        /// processes (hf writes from one).
+        #[arg(long, default_value_t = 4, requires = "format", value_parser = clap::value_parser!(u32).range(1..=4096))]
+        ranks: u32,
+        /// Aggregate write bandwidth of all ranks, e.g. 500Mbit/s, 2Gbit/s
+        /// (paced with sleeps; default: as fast as the disk).
+        #[arg(long, value_parser = config::parse_rate, requires = "format")]
+        write_rate: Option<u64>,
+        /// Simulate a failure: none; kill (stop for good half-way: partial
+        /// files, no marker); truncated (one data file cut to half, marker
+        /// written); zero-byte (one data file left empty, marker written);
+        /// stale-marker (the previous step's marker is written first);
+        /// reused-dir (two complete saves into the same directory, the
+        /// second with seed + 1).
+        #[arg(long, default_value = "none", requires = "format")]
+        fault: gen::format::Fault,
     },
     /// User-space WAN emulator: a UDP relay adding one-way delay, a rate
     /// cap with a bounded drop-tail queue, loss and corruption.
@@ -224,43 +267,26 @@ async fn run(cli: Cli) -> Result<()> {
             size,
             seed,
             marker,
-        } => {
-            if std::fs::read_dir(&out).is_ok_and(|mut d| d.next().is_some()) {
-                bail!(
-                    "--out {} exists and is not empty; choose a new directory",
-                    out.display()
-                );
+            format,
+            step,
+            ranks,
+            write_rate,
+            fault,
+        } => match format {
+            None => gen_per_tensor(out, size, seed, marker).await,
+            Some(format) => {
+                let opts = gen::format::SaveOptions {
+                    step,
+                    ranks,
+                    write_rate_bps: write_rate,
+                    seed,
+                    marker,
+                    fault,
+                    ..gen::format::SaveOptions::new(out, format, size)
+                };
+                gen_format(opts).await
             }
-            if out.exists() && !out.is_dir() {
-                bail!("--out {} exists and is not a directory", out.display());
-            }
-            gen::ensure_space(&out, size).with_context(|| format!("--out {}", out.display()))?;
-            let opts = gen::GenOptions {
-                marker: Some(marker),
-                seed,
-                ..gen::GenOptions::new(out.clone(), size)
-            };
-            let bar = indicatif::ProgressBar::new(size);
-            bar.set_style(indicatif::ProgressStyle::with_template(
-                "generating {bar:40} {bytes}/{total_bytes} {bytes_per_sec}",
-            )?);
-            let b2 = bar.clone();
-            let s =
-                tokio::task::spawn_blocking(move || gen::generate(&opts, &|n| b2.set_position(n)))
-                    .await?
-                    .with_context(|| format!("generating into {}", out.display()))?;
-            bar.finish_and_clear();
-            println!(
-                "{}: {} shards + commit marker, {} bytes, {} under 16 KiB ({:.1} %), largest {} bytes",
-                out.display(),
-                s.shards,
-                s.bytes,
-                s.small_shards,
-                100.0 * s.small_shards as f64 / s.shards.max(1) as f64,
-                s.largest
-            );
-            Ok(())
-        }
+        },
         Command::LinkEmu {
             listen,
             forward,
@@ -272,6 +298,105 @@ async fn run(cli: Cli) -> Result<()> {
         } => link_emu(listen, forward, rate, rtt, loss, corrupt, queue).await,
         Command::Demo(args) => demo::run(args).await,
     }
+}
+
+/// `ferry gen` without --format: the per-tensor layout of [`gen::generate`].
+async fn gen_per_tensor(out: PathBuf, size: u64, seed: u64, marker: String) -> Result<()> {
+    if std::fs::read_dir(&out).is_ok_and(|mut d| d.next().is_some()) {
+        bail!(
+            "--out {} exists and is not empty; choose a new directory",
+            out.display()
+        );
+    }
+    if out.exists() && !out.is_dir() {
+        bail!("--out {} exists and is not a directory", out.display());
+    }
+    gen::ensure_space(&out, size).with_context(|| format!("--out {}", out.display()))?;
+    let opts = gen::GenOptions {
+        marker: Some(marker),
+        seed,
+        ..gen::GenOptions::new(out.clone(), size)
+    };
+    let bar = indicatif::ProgressBar::new(size);
+    bar.set_style(indicatif::ProgressStyle::with_template(
+        "generating {bar:40} {bytes}/{total_bytes} {bytes_per_sec}",
+    )?);
+    let b2 = bar.clone();
+    let s = tokio::task::spawn_blocking(move || gen::generate(&opts, &|n| b2.set_position(n)))
+        .await?
+        .with_context(|| format!("generating into {}", out.display()))?;
+    bar.finish_and_clear();
+    println!(
+        "{}: {} shards + commit marker, {} bytes, {} under 16 KiB ({:.1} %), largest {} bytes",
+        out.display(),
+        s.shards,
+        s.bytes,
+        s.small_shards,
+        100.0 * s.small_shards as f64 / s.shards.max(1) as f64,
+        s.largest
+    );
+    Ok(())
+}
+
+/// `ferry gen --format F`: one checkpoint written the framework's way.
+async fn gen_format(opts: gen::format::SaveOptions) -> Result<()> {
+    let dir = opts.checkpoint_dir();
+    if std::fs::read_dir(&dir).is_ok_and(|mut d| d.next().is_some()) {
+        bail!(
+            "{} exists and is not empty; choose another --step or --out",
+            dir.display()
+        );
+    }
+    if opts.root.exists() && !opts.root.is_dir() {
+        bail!(
+            "--out {} exists and is not a directory",
+            opts.root.display()
+        );
+    }
+    let passes = if opts.fault == gen::format::Fault::ReusedDir {
+        2
+    } else {
+        1
+    };
+    gen::ensure_space(&opts.root, opts.total_bytes)
+        .with_context(|| format!("--out {}", opts.root.display()))?;
+    let bar = indicatif::ProgressBar::new(opts.total_bytes.saturating_mul(passes));
+    bar.set_style(indicatif::ProgressStyle::with_template(
+        "generating {bar:40} {bytes}/{total_bytes} {bytes_per_sec}",
+    )?);
+    let b2 = bar.clone();
+    let (format, fault) = (opts.format, opts.fault);
+    let s = tokio::task::spawn_blocking(move || gen::format::save(&opts, &|n| b2.set_position(n)))
+        .await?
+        .with_context(|| format!("writing a {format} checkpoint into {}", dir.display()))?;
+    bar.finish_and_clear();
+    let opened = humantime::format_rfc3339_millis(s.opened_at);
+    let commit = match s.committed_at {
+        Some(t) => format!(
+            "committed by {} at {}",
+            s.marker.display(),
+            humantime::format_rfc3339_millis(t)
+        ),
+        None => format!("NOT committed ({} was not written)", s.marker.display()),
+    };
+    println!(
+        "{}: {format} checkpoint, {} files, {} bytes, {} tensors ({} under 16 KiB, {:.1} %); \
+         opened at {opened}, {commit}",
+        s.dir.display(),
+        s.files,
+        s.bytes,
+        s.tensors,
+        s.small_tensors,
+        100.0 * s.small_tensors as f64 / s.tensors.max(1) as f64,
+    );
+    if fault != gen::format::Fault::None {
+        let damaged = s
+            .damaged
+            .map(|p| format!(" ({} damaged)", p.display()))
+            .unwrap_or_default();
+        println!("simulated fault: {fault}{damaged}");
+    }
+    Ok(())
 }
 
 async fn serve(path: &Path) -> Result<()> {
