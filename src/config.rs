@@ -640,6 +640,44 @@ link = "to-eval"
     }
 
     #[test]
+    fn watcher_keys_name_the_key_and_the_choices() {
+        let root = |extra: &str| {
+            GOOD.replace(
+                "path = \"/ckpt/job\"",
+                &format!("path = \"/ckpt/job\"\n{extra}"),
+            )
+        };
+        let e = err(&root("format = \"pytorch\""));
+        assert!(
+            e.contains("source.roots[0].format") && e.contains("deepspeed"),
+            "{e}"
+        );
+        let e = err(&root("start = \"now\""));
+        assert!(
+            e.contains("source.roots[0].start") && e.contains("on_commit"),
+            "{e}"
+        );
+        let e = err(&root("mode = \"fanotify\""));
+        assert!(e.contains("source.roots[0].mode"), "{e}");
+        let e = err(&root("select = \"every_n_steps\""));
+        assert!(e.contains("every_n_steps must be a positive number"), "{e}");
+        let e = err(&root("every_n_steps = 1000"));
+        assert!(e.contains("needs select"), "{e}");
+        let e = err(&root("include = [\"[bad\"]"));
+        assert!(e.contains("source.roots[0]") && e.contains("[bad"), "{e}");
+        let ok = load(&root(
+            "format = \"dcp\"\nstart = \"on_commit\"\nmode = \"poll\"\nselect = \"every_n_steps\"\nevery_n_steps = 1000",
+        ))
+        .unwrap();
+        let w = ok.source.unwrap().roots[0].watch(0).unwrap();
+        assert_eq!(
+            w.select,
+            replicator::source::watcher::Selection::EveryNSteps(1000)
+        );
+        assert_eq!(w.mode, replicator::source::watcher::Mode::Poll);
+    }
+
+    #[test]
     fn source_section_limits_are_named() {
         let e = err(&GOOD.replace("[source]\n", "[source]\nbatch_size = \"0B\"\n"));
         assert!(e.contains("source.batch_size"), "{e}");

@@ -43,6 +43,18 @@ pub struct DemoArgs {
     /// Keep the work directory (checkpoint, replica, catalogs, certs).
     #[arg(long)]
     pub keep: bool,
+    /// Write rate of the second phase's training job (a DCP save of
+    /// --size bytes by 4 ranks that the watcher replicates while it is
+    /// written); default half the link rate.
+    #[arg(long, value_parser = crate::config::parse_rate)]
+    pub write_rate: Option<u64>,
+    /// When the second phase's transfer starts: "on_open" (stream while
+    /// the checkpoint is written) or "on_commit" (copy after the commit).
+    #[arg(long, default_value = "on_open", value_parser = ["on_open", "on_commit"])]
+    pub start: String,
+    /// Skip the second phase (push only).
+    #[arg(long)]
+    pub no_watch: bool,
 }
 
 /// The temporary work directory of a running demo, for cleanup after an
@@ -179,8 +191,10 @@ pub async fn run(a: DemoArgs) -> Result<()> {
             println!("{s}");
         }
     };
-    crate::gen::ensure_space(&dir, a.size.saturating_mul(2))
-        .context("the demo needs room for the checkpoint and its replica")?;
+    let copies = if a.no_watch { 2 } else { 4 };
+    crate::gen::ensure_space(&dir, a.size.saturating_mul(copies))
+        .context("the demo needs room for its checkpoints and their replicas")?;
+    let write_rate = a.write_rate.unwrap_or(a.rate / 2).max(1);
     say(format!(
         "ferry demo: {} bytes over an emulated {}, {} ms RTT link{} (work dir {})",
         a.size,
@@ -207,10 +221,9 @@ pub async fn run(a: DemoArgs) -> Result<()> {
     if a.json {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
-    let opts = gen::GenOptions {
-        marker: Some("COMMITTED".into()),
-        ..gen::GenOptions::new(ckpt.clone(), a.size)
-    };
+    // No commit marker: the watcher leaves it alone and the push below is
+    // the only transfer of it.
+    let opts = gen::GenOptions::new(ckpt.clone(), a.size);
     let b2 = bar.clone();
     let summary =
         tokio::task::spawn_blocking(move || gen::generate(&opts, &|n| b2.set_position(n)))
@@ -218,9 +231,7 @@ pub async fn run(a: DemoArgs) -> Result<()> {
     bar.finish_and_clear();
     say(format!(
         "checkpoint: {} shards ({} under 16 KiB), {} bytes",
-        summary.shards + 1,
-        summary.small_shards,
-        summary.bytes
+        summary.shards, summary.small_shards, summary.bytes
     ));
 
     // 2. Certificates and two agents joined by an emulated link.
@@ -261,10 +272,17 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         markers: vec!["COMMITTED".into()],
         streams: 4,
         batch_size: 16 << 20,
-        scan_interval: Duration::ZERO,
+        scan_interval: if a.no_watch {
+            Duration::ZERO
+        } else {
+            Duration::from_secs(1)
+        },
         quiet_period: Duration::from_secs(2),
         checkpoint_idle_timeout: Duration::from_secs(600),
-        roots: vec![RootSection::new(src_root.clone(), "mm-demo", "to-eval")],
+        roots: vec![RootSection {
+            start: a.start.clone(),
+            ..RootSection::new(src_root.clone(), "mm-demo", "to-eval")
+        }],
     });
     sink_cfg.check()?;
     src_cfg.check()?;
@@ -344,34 +362,15 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         .await?
         .json()
         .await?;
-    src_agent.stop(Duration::from_secs(5)).await;
-    sink_agent.stop(Duration::from_secs(5)).await;
+    let link_stats = link_up.stats();
 
     let bytes = summary.bytes;
     let wall_s = wall.as_secs_f64();
     let goodput = bytes as f64 * 8.0 / wall_s;
     let limit_s = physical_limit_s(bytes, a.rate, a.rtt);
-    let out = serde_json::json!({
-        "shards": summary.shards + 1,
-        "bytes": bytes,
-        "wall_s": round3(wall_s),
-        "goodput_bps": goodput.round(),
-        "link_rate_bps": a.rate,
-        "rtt_ms": a.rtt.as_secs_f64() * 1000.0,
-        "loss": a.loss,
-        "utilisation": round3(goodput / a.rate as f64),
-        "limit_s": round3(limit_s),
-        "wall_over_limit": round3(wall_s / limit_s),
-        "replica_path": local_path,
-        "link_datagrams": link_up.stats().delivered_packets,
-        "link_drops_queue": link_up.stats().dropped_queue,
-        "link_drops_loss": link_up.stats().dropped_loss,
-        "verified": verified,
-        "resolve": resolve,
-    });
     say(format!(
-        "\nreplicated {} shards, {} bytes in {:.2} s\n  goodput      {}\n  utilisation  {:.3} of the {} link\n  physical limit {:.2} s (wall time is {:.3} x the limit)\n  replica      {}\n  verified     {}\n  resolve      {}",
-        summary.shards + 1,
+        "\npush phase: replicated {} shards, {} bytes in {:.2} s\n  goodput      {}\n  utilisation  {:.3} of the {} link\n  physical limit {:.2} s (wall time is {:.3} x the limit)\n  replica      {}\n  verified     {}\n  resolve      {}",
+        summary.shards,
         bytes,
         wall_s,
         format_rate(goodput as u64),
@@ -383,6 +382,122 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         if verified { "byte for byte identical to the source" } else { "DIFFERS from the source" },
         resolve
     ));
+
+    // 5. A training job writes the next checkpoint (DCP, 4 ranks, at the
+    //    write rate) while the watcher replicates it.
+    let watch = if a.no_watch {
+        None
+    } else {
+        let opts = gen::format::SaveOptions {
+            step: 2000,
+            seed: 2,
+            write_rate_bps: Some(write_rate),
+            ..gen::format::SaveOptions::new(&src_root, gen::format::GenFormat::Dcp, a.size)
+        };
+        say(format!(
+            "\nphase 2: a training job writes a DCP checkpoint ({} bytes, 4 ranks) at {}; the watcher replicates it ({})",
+            a.size,
+            format_rate(write_rate),
+            a.start
+        ));
+        let bar = indicatif::ProgressBar::new(a.size);
+        bar.set_style(indicatif::ProgressStyle::with_template(
+            "writing checkpoint {bar:40} {bytes}/{total_bytes} {bytes_per_sec}",
+        )?);
+        if a.json {
+            bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+        }
+        let b2 = bar.clone();
+        let saved =
+            tokio::task::spawn_blocking(move || gen::format::save(&opts, &|n| b2.set_position(n)))
+                .await??;
+        bar.finish_and_clear();
+        let path = saved.dir.to_string_lossy().into_owned();
+        let deadline = Instant::now() + Duration::from_secs_f64(MAX_DEMO_S + 60.0);
+        let bar = indicatif::ProgressBar::new(saved.bytes);
+        bar.set_style(indicatif::ProgressStyle::with_template(
+            "committed; replicating the rest {bar:40} {bytes}/{total_bytes}",
+        )?);
+        if a.json {
+            bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+        }
+        let local = loop {
+            match sink.resolve(&path).await? {
+                Resolution::Local { local_path, .. } => break PathBuf::from(local_path),
+                Resolution::Replicating { bytes_done, .. } => bar.set_position(bytes_done),
+                Resolution::Remote { reason } => {
+                    bail!("phase 2 transfer failed: {}", reason.unwrap_or_default())
+                }
+                Resolution::Unknown => {}
+            }
+            if Instant::now() > deadline {
+                bail!("phase 2: no replica after {:.0} s", MAX_DEMO_S + 60.0);
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(50), changes.changed()).await;
+        };
+        bar.finish_and_clear();
+        let row = sink
+            .catalog()
+            .replicas_for_source(&path)
+            .await?
+            .into_iter()
+            .find(|r| r.state == "published")
+            .context("phase 2: the published replica has no catalog row")?;
+        let (c1, c2) = (saved.dir.clone(), local.clone());
+        let same = tokio::task::spawn_blocking(move || compare_trees(&c1, &c2)).await??;
+        let write_s = saved
+            .committed_at
+            .and_then(|c| c.duration_since(saved.opened_at).ok())
+            .map_or(0.0, |d| d.as_secs_f64());
+        let commit_lag = row.commit_to_replica_s.unwrap_or(f64::NAN);
+        let open_lag = row.open_to_replica_s.unwrap_or(f64::NAN);
+        say(format!(
+            "  written in {write_s:.2} s; replica published {commit_lag:.3} s after the commit ({open_lag:.2} s after the checkpoint opened)\n  target: commit-to-replica <= 2 RTT + 1 s = {:.2} s\n  replica      {}\n  verified     {}",
+            2.0 * a.rtt.as_secs_f64() + 1.0,
+            local.display(),
+            if same { "byte for byte identical to the source" } else { "DIFFERS from the source" },
+        ));
+        Some((saved, write_s, commit_lag, open_lag, same, local))
+    };
+    src_agent.stop(Duration::from_secs(5)).await;
+    sink_agent.stop(Duration::from_secs(5)).await;
+
+    let mut out = serde_json::json!({
+        "shards": summary.shards,
+        "bytes": bytes,
+        "wall_s": round3(wall_s),
+        "goodput_bps": goodput.round(),
+        "link_rate_bps": a.rate,
+        "rtt_ms": a.rtt.as_secs_f64() * 1000.0,
+        "loss": a.loss,
+        "utilisation": round3(goodput / a.rate as f64),
+        "limit_s": round3(limit_s),
+        "wall_over_limit": round3(wall_s / limit_s),
+        "replica_path": local_path,
+        "link_datagrams": link_stats.delivered_packets,
+        "link_drops_queue": link_stats.dropped_queue,
+        "link_drops_loss": link_stats.dropped_loss,
+        "verified": verified,
+        "resolve": resolve,
+    });
+    let watch_ok = watch.as_ref().is_none_or(|w| w.4);
+    if let Some((saved, write_s, commit_lag, open_lag, same, local)) = &watch {
+        out["commit_to_replica_s"] = serde_json::json!(round3(*commit_lag));
+        out["open_to_replica_s"] = serde_json::json!(round3(*open_lag));
+        out["watch"] = serde_json::json!({
+            "format": "dcp",
+            "start": a.start,
+            "bytes": saved.bytes,
+            "files": saved.files,
+            "write_rate_bps": write_rate,
+            "write_s": round3(*write_s),
+            "commit_to_replica_s": round3(*commit_lag),
+            "open_to_replica_s": round3(*open_lag),
+            "target_s": round3(2.0 * a.rtt.as_secs_f64() + 1.0),
+            "replica_path": local,
+            "verified": same,
+        });
+    }
     if a.keep || a.dir.is_some() {
         say(format!("work directory kept: {}", dir.display()));
     } else {
@@ -396,8 +511,8 @@ pub async fn run(a: DemoArgs) -> Result<()> {
             let _ = t.keep();
         }
     }
-    if !verified {
-        bail!("the replica differs from the source");
+    if !verified || !watch_ok {
+        bail!("a replica differs from its source");
     }
     Ok(())
 }

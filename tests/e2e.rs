@@ -465,3 +465,93 @@ async fn bad_config_names_the_key() {
         || format!("a missing config file should be named: {out}"),
     );
 }
+
+/// Every format the generator writes, saved the way that framework saves
+/// (ranks in parallel at a bounded write rate, markers last or early as
+/// the framework does), into a root the source watches with `format =
+/// "auto"`: each checkpoint is recognised, replicated once (the DeepSpeed
+/// `latest` and HF `trainer_state.json` that land before the last rank's
+/// file do not publish a partial replica that a second version later
+/// fixes) and its replica is identical.
+#[tokio::test]
+async fn generated_saves_of_every_format_are_watched_and_replicated() {
+    let w = World::new("formats").await;
+    let c = w
+        .start_cluster("200Mbit/s", &[], |_, src| {
+            if let Some(s) = src.source.as_mut() {
+                s.scan_interval = "500ms".into();
+                s.extra = "quiet_period = \"1s\"\n".into();
+            }
+        })
+        .await;
+    let cases = [
+        ("dcp", "step_00000100", "dcp"),
+        ("megatron", "iter_0000200", "megatron"),
+        ("megatron_dist", "iter_0000300", "megatron_dist"),
+        ("deepspeed", "global_step400", "deepspeed"),
+        ("hf_trainer", "checkpoint-500", "hf_trainer"),
+        ("generic", "step_00000600", "generic"),
+    ];
+    for (i, (format, dir, detected)) in cases.iter().enumerate() {
+        let step = ((i + 1) * 100).to_string();
+        let root = w.source_root();
+        let out = w
+            .ferry(
+                &[
+                    "gen",
+                    "--out",
+                    root.to_str().unwrap(),
+                    "--format",
+                    format,
+                    "--step",
+                    &step,
+                    "--size",
+                    "6MB",
+                    "--write-rate",
+                    "100Mbit/s",
+                ],
+                &[],
+                Duration::from_secs(120),
+            )
+            .await;
+        w.ensure(out.success(), || {
+            format!("ferry gen --format {format}: {out}")
+        });
+        let ckpt = root.join(dir);
+        w.ensure(ckpt.is_dir(), || {
+            format!("gen did not write {}", ckpt.display())
+        });
+        let path = ckpt.to_str().unwrap().to_string();
+        let t = w
+            .wait_until(
+                &format!("{format} checkpoint to publish"),
+                TRANSFER,
+                async || {
+                    let ts = w.transfers(&c.source).await;
+                    let mine: Vec<&serde_json::Value> =
+                        ts.iter().filter(|t| s(t, "source_path") == path).collect();
+                    match mine.as_slice() {
+                        [] => Err("no transfer yet".to_string()),
+                        [t] if s(t, "state") == "published" => Ok((*t).clone()),
+                        [t] => Err(format!("transfer {}", s(t, "state"))),
+                        more => Err(format!("{} transfers of one save: {more:?}", more.len())),
+                    }
+                },
+            )
+            .await;
+        w.ensure(s(&t, "format") == *detected, || {
+            format!("{format} save recognised as {:?}", s(&t, "format"))
+        });
+        w.assert_same_tree(&ckpt, &w.replica_path(dir));
+    }
+    // Still exactly one transfer per save once everything settled.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let ts = w.transfers(&c.source).await;
+    w.ensure(ts.len() == cases.len(), || {
+        format!(
+            "expected {} transfers, got {}: {ts:?}",
+            cases.len(),
+            ts.len()
+        )
+    });
+}

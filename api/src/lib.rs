@@ -495,6 +495,33 @@ mod tests {
         let (s, v) = call(bare(), post(b"{\"path\": \"/x\", \"prio\": 1}".to_vec())).await;
         assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
         assert!(v["error"].as_str().unwrap().contains("prio"), "{v}");
+        let announce = |body: &str| {
+            Request::post("/v1/checkpoints/announce")
+                .header("content-type", "application/json")
+                .body(Body::from(body.to_string()))
+                .unwrap()
+        };
+        let (s, v) = call(
+            bare(),
+            announce(r#"{"job": "j", "path": "/ckpt/j/step_1"}"#),
+        )
+        .await;
+        assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+        assert!(v["error"].as_str().unwrap().contains("step"), "{v}");
+        let (s, v) = call(
+            bare(),
+            announce(r#"{"job": "j", "step": -1, "path": "/ckpt/j/step_1"}"#),
+        )
+        .await;
+        assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+        assert!(v["error"].as_str().unwrap().contains("step"), "{v}");
+        let (s, v) = call(
+            bare(),
+            announce(r#"{"job": "j", "step": 1, "path": "/ckpt/j/step_1"}"#),
+        )
+        .await;
+        assert_eq!(s, StatusCode::NOT_FOUND);
+        assert!(v["error"].as_str().unwrap().contains("not a source"));
         let (s, v) = call(bare(), get("/v1/replicas?limit=abc")).await;
         assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
         assert!(v["error"].as_str().unwrap().contains("limit"), "{v}");

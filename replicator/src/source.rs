@@ -329,8 +329,13 @@ impl Source {
             .file_name()
             .and_then(|n| n.to_str())
             .ok_or_else(|| bad(format!("{} has no directory name", path.display())))?;
-        let parent =
-            std::fs::canonicalize(parent).map_err(|e| bad(format!("{}: {e}", parent.display())))?;
+        let parent = std::fs::canonicalize(parent).map_err(|e| {
+            bad(format!(
+                "{} is not under a watched source root ({}: {e})",
+                path.display(),
+                parent.display()
+            ))
+        })?;
         let root = inner
             .cfg
             .roots

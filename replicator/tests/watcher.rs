@@ -302,3 +302,61 @@ async fn on_commit_waits_for_the_marker_before_queueing() {
     let done = wait_published(&p, t.id).await;
     same_tree(&ckpt, Path::new(&done.local_path.unwrap()));
 }
+
+#[tokio::test]
+async fn announced_checkpoint_waits_for_its_first_bytes() {
+    let p = pair_with(0, watching(RootWatch::default())).await;
+    let ckpt = p.root.join("step_00000002");
+    // Wrong job and a path outside the roots are refused by name.
+    let e = p.source.announce("other", 2, &ckpt, 1).await.unwrap_err();
+    assert!(e.to_string().contains("job"), "{e}");
+    let e = p
+        .source
+        .announce("job", 2, &p.dir.path().join("elsewhere/step_2"), 1)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("source root"), "{e}");
+
+    let t = p
+        .source
+        .announce("job", 2, &ckpt, 6_331_267)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(t.checkpoint, "announced");
+    assert_eq!(t.bytes_total, 6_331_267);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let still = p.source.catalog().transfer(t.id).await.unwrap().unwrap();
+    assert_eq!(still.state, "queued", "it waits for data: {still:?}");
+    let again = p
+        .source
+        .announce("job", 2, &ckpt, 0)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(again.id, t.id, "announcing twice is one transfer");
+
+    let src = fixtures().join("dcp");
+    let mut save = Replay::new(
+        &src.join("dcp_save_trace.jsonl"),
+        &src,
+        &p.root,
+        "step_00000002",
+    );
+    save.slowdown = 0.0;
+    save.finish().await;
+    let done = wait_published(&p, t.id).await;
+    same_tree(&ckpt, Path::new(done.local_path.as_deref().unwrap()));
+    assert!(done.opened_at.is_some());
+    let all = p
+        .source
+        .catalog()
+        .transfers_for_path(&ckpt.to_string_lossy())
+        .await
+        .unwrap();
+    assert_eq!(
+        all.len(),
+        1,
+        "the announced transfer carried the checkpoint"
+    );
+}

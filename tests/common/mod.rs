@@ -170,6 +170,14 @@ pub struct SourceSpec {
     pub root: PathBuf,
     /// `markers`
     pub markers: Vec<String>,
+    /// `scan_interval`: `"0s"` (the watcher off: every transfer is an
+    /// explicit `ferry push`) unless a test turns the watcher on.
+    pub scan_interval: String,
+    /// Extra TOML lines for `[source]` (e.g. `quiet_period = "1s"`).
+    pub extra: String,
+    /// Extra TOML lines for the `[[source.roots]]` entry (e.g. `format =
+    /// "dcp"`).
+    pub root_extra: String,
 }
 
 /// `[sink]`
@@ -248,15 +256,16 @@ impl AgentConfig {
         }
         if let Some(s) = &self.source {
             let markers: Vec<String> = s.markers.iter().map(toml_str).collect();
-            // The marker scan is off: every transfer in these tests is an
-            // explicit `ferry push`.
             t += &format!(
-                "\n[source]\nmarkers = [{}]\nscan_interval = \"0s\"\n\n\
-                 [[source.roots]]\npath = {}\njob = {}\nlink = {}\n",
+                "\n[source]\nmarkers = [{}]\nscan_interval = {}\n{}\n\
+                 [[source.roots]]\npath = {}\njob = {}\nlink = {}\n{}",
                 markers.join(", "),
+                toml_str(&s.scan_interval),
+                s.extra,
                 toml_path(&s.root),
                 toml_str(JOB),
                 toml_str(LINK),
+                s.root_extra,
             );
         }
         if let Some(s) = &self.sink {
@@ -583,6 +592,9 @@ impl World {
             source: Some(SourceSpec {
                 root: self.source_root(),
                 markers: vec!["COMMITTED".into()],
+                scan_interval: "0s".into(),
+                extra: String::new(),
+                root_extra: String::new(),
             }),
             sink: None,
         }

@@ -10,7 +10,14 @@
 //!   that are only ever appended to (DCP `.distcp`, torch.save archives),
 //!   while they are still being written;
 //! - once such a file is complete, reads it again and re-sends any chunk
-//!   whose bytes changed, so a file rewritten below its old end is caught;
+//!   whose bytes changed, so a file rewritten below its old end is caught.
+//!   This second read compares a fast XXH3-64 of each chunk with the one
+//!   taken when the chunk was sent, and computes BLAKE3 again only for
+//!   chunks that differ: it runs between the last rank's close and the
+//!   commit, so its speed is commit-to-replica lag. XXH3 guards against a
+//!   training job rewriting its own file, not against an adversary with
+//!   write access to the checkpoint; what reaches the sink is verified with
+//!   BLAKE3 either way;
 //! - at commit, seals the manifest from the chunk hashes of the frozen file
 //!   set (temporaries and filtered files were never in the view) and hands
 //!   it to the commit loop shared with `ferry push`.
@@ -69,6 +76,8 @@ pub struct CheckpointView {
 struct Track {
     /// Hash of each chunk as sent or as found at the sink, by chunk index.
     hashes: Vec<Option<Hash>>,
+    /// XXH3-64 of each chunk's bytes when its hash was taken.
+    quick: Vec<Option<u64>>,
     /// Some chunks went while the file was still growing.
     provisional: bool,
     /// `(size, mtime_ns)` of the file when it was last read in full with
@@ -85,6 +94,8 @@ struct FileJob {
     to: u32,
     /// Hashes already at the sink for chunks `from..to` (`None`: unknown).
     known: Vec<Option<Hash>>,
+    /// XXH3-64 of those chunks when their hashes were taken.
+    quick: Vec<Option<u64>>,
     /// The whole file is read, to confirm every chunk.
     full: bool,
 }
@@ -92,8 +103,8 @@ struct FileJob {
 struct JobResult {
     idx: u32,
     full: bool,
-    /// `(chunk, hash)` of every chunk read.
-    hashes: Vec<(u32, Hash)>,
+    /// `(chunk, BLAKE3, XXH3-64)` of every chunk read.
+    hashes: Vec<(u32, Hash, u64)>,
     /// Some chunk was sent (not just confirmed).
     sent: bool,
     /// `(size, mtime_ns)` if the file did not change while it was read.
@@ -147,9 +158,16 @@ fn run_jobs(
                 complete_read = false;
                 break;
             }
+            let i = (c - job.from) as usize;
+            let quick = xxhash_rust::xxh3::xxh3_64(&data);
+            let known = job.known.get(i).copied().flatten();
+            if let Some(h) = known.filter(|_| job.quick.get(i).copied().flatten() == Some(quick)) {
+                // Unchanged since it was sent.
+                r.hashes.push((c, h, quick));
+                continue;
+            }
             let hash = *blake3::hash(&data).as_bytes();
-            r.hashes.push((c, hash));
-            let known = job.known.get((c - job.from) as usize).copied().flatten();
+            r.hashes.push((c, hash, quick));
             let key = u64::from(job.idx) << 32 | u64::from(c);
             if known == Some(hash) || (known.is_none() && have.contains(&key)) {
                 continue;
@@ -233,7 +251,7 @@ pub(super) async fn run_watched(
             files: table.clone(),
         })
         .await?;
-    let have: Arc<HashSet<u64>> = Arc::new(if fresh {
+    let mut have: Arc<HashSet<u64>> = Arc::new(if fresh {
         HashSet::new()
     } else {
         match recv(inner, c, &mut rx).await? {
@@ -286,7 +304,14 @@ pub(super) async fn run_watched(
                 if let Some(h) = tr.hashes.get_mut(k as u32 as usize) {
                     *h = None;
                 }
+                if let Some(q) = tr.quick.get_mut(k as u32 as usize) {
+                    *q = None;
+                }
                 tr.verified = None;
+            }
+            // Asked for again: whatever the sink said it had, it lacks now.
+            if have.contains(&k) {
+                Arc::make_mut(&mut have).remove(&k);
             }
         }
         let mut jobs = Vec::new();
@@ -297,6 +322,7 @@ pub(super) async fn run_watched(
             let size = f.info.size;
             let n = chunk_count(size, chunk_size) as u32;
             tr.hashes.resize(n as usize, None);
+            tr.quick.resize(n as usize, None);
             let path = dir.join(&f.info.path);
             if f.complete || committed {
                 if tr.verified == Some((size, f.info.mtime_ns)) {
@@ -310,6 +336,7 @@ pub(super) async fn run_watched(
                     from: 0,
                     to: n,
                     known: tr.hashes.clone(),
+                    quick: tr.quick.clone(),
                     full: true,
                 });
             } else {
@@ -328,6 +355,7 @@ pub(super) async fn run_watched(
                         from,
                         to: ready,
                         known: tr.hashes[from as usize..ready as usize].to_vec(),
+                        quick: tr.quick[from as usize..ready as usize].to_vec(),
                         full: false,
                     });
                 }
@@ -344,6 +372,11 @@ pub(super) async fn run_watched(
             break (markers, committed_ms, v);
         }
         if !jobs.is_empty() {
+            let t_round = std::time::Instant::now();
+            let (n_full, n_chunks) = (
+                jobs.iter().filter(|j| j.full).count(),
+                jobs.iter().map(|j| u64::from(j.to - j.from)).sum::<u64>(),
+            );
             let (inner2, have2) = (inner.clone(), have.clone());
             let (results, n) =
                 send_round(inner, c, id, &progress, &mut rx, &mut need, move |out| {
@@ -351,13 +384,24 @@ pub(super) async fn run_watched(
                 })
                 .await?;
             batches += n;
+            debug!(
+                transfer = id,
+                files = n_full,
+                chunks = n_chunks,
+                committed,
+                ms = t_round.elapsed().as_millis() as u64,
+                "send round (files = whole-file reads)"
+            );
             let mut moved = false;
             for r in results {
                 moved |= !r.hashes.is_empty() || r.stable.is_some();
                 let tr = &mut tracks[r.idx as usize];
-                for (ch, h) in &r.hashes {
+                for (ch, h, q) in &r.hashes {
                     if let Some(slot) = tr.hashes.get_mut(*ch as usize) {
                         *slot = Some(*h);
+                    }
+                    if let Some(slot) = tr.quick.get_mut(*ch as usize) {
+                        *slot = Some(*q);
                     }
                 }
                 if r.full {

@@ -361,11 +361,22 @@ pub(super) async fn watch_root(inner: Arc<Inner>, root: RootConfig, timing: Watc
     let _inotify = if root.watch.mode == Mode::Inotify {
         let (closed, tx, overflow) = (closed.clone(), tx.clone(), overflow.clone());
         let handler = move |res: notify::Result<notify::Event>| {
-            use notify::event::{AccessKind, AccessMode, EventKind};
+            use notify::event::{AccessKind, AccessMode, EventKind, ModifyKind, RenameMode};
             match res {
                 Ok(ev) => {
                     if ev.need_rescan() {
                         overflow.store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    // A file closed and then renamed into place (DCP
+                    // `.metadata.tmp` -> `.metadata`) stays complete.
+                    if let (EventKind::Modify(ModifyKind::Name(RenameMode::Both)), [from, to]) =
+                        (&ev.kind, ev.paths.as_slice())
+                    {
+                        if let Ok(mut c) = closed.lock() {
+                            if let Some(v) = c.remove(from) {
+                                c.insert(to.clone(), v);
+                            }
+                        }
                     }
                     if matches!(
                         ev.kind,
