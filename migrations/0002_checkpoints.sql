@@ -14,6 +14,9 @@ ALTER TABLE transfers ADD COLUMN committed_at BIGINT;
 -- Commit identity (marker size and mtime, or the like): a new identity in
 -- the same directory is a re-save.
 ALTER TABLE transfers ADD COLUMN commit_identity TEXT;
+-- Replication profile: NULL for every file, 'weights-only' for a replica
+-- without optimizer state (formats that keep it in separate files).
+ALTER TABLE transfers ADD COLUMN profile TEXT;
 
 -- Sink side: the source's open and commit times (Unix ms, the source's
 -- clock) and the lags measured at publish, in seconds.
@@ -21,3 +24,4 @@ ALTER TABLE replicas ADD COLUMN opened_at BIGINT;
 ALTER TABLE replicas ADD COLUMN committed_at BIGINT;
 ALTER TABLE replicas ADD COLUMN commit_to_replica_s REAL;
 ALTER TABLE replicas ADD COLUMN open_to_replica_s REAL;
+ALTER TABLE replicas ADD COLUMN profile TEXT;

@@ -237,6 +237,9 @@ fn default_mode() -> String {
 fn default_select() -> String {
     "all".into()
 }
+fn default_profile() -> String {
+    "full".into()
+}
 
 /// `[[source.roots]]`
 #[derive(Debug, Clone, Deserialize)]
@@ -272,6 +275,10 @@ pub struct RootSection {
     /// The eval cadence for `select = "every_n_steps"`.
     #[serde(default)]
     pub every_n_steps: Option<u64>,
+    /// `full` (default) or `weights-only` (no optimizer state; formats
+    /// that keep it in separate files only).
+    #[serde(default = "default_profile")]
+    pub profile: String,
 }
 
 impl RootSection {
@@ -288,6 +295,7 @@ impl RootSection {
             exclude: Vec::new(),
             select: default_select(),
             every_n_steps: None,
+            profile: default_profile(),
         }
     }
 
@@ -297,7 +305,7 @@ impl RootSection {
     /// A message naming the key (`source.roots[i].format` ...) and the
     /// values it accepts.
     pub fn watch(&self, i: usize) -> Result<replicator::source::watcher::RootWatch> {
-        use replicator::source::watcher::{Mode, RootWatch, Selection, Start};
+        use replicator::source::watcher::{Mode, Profile, RootWatch, Selection, Start};
         let format = match self.format.as_str() {
             "auto" => None,
             f => Some(
@@ -329,6 +337,18 @@ impl RootSection {
                 "source.roots[{i}].select must be \"all\", \"latest_only\" or \"every_n_steps\", got {o:?}"
             ),
         };
+        let profile = match self.profile.as_str() {
+            "full" => Profile::Full,
+            "weights-only" => {
+                if let Some(f) = format {
+                    replicator::formats::is_optimizer_state(f, "").map_err(|why| {
+                        anyhow::anyhow!("source.roots[{i}].profile = \"weights-only\" is not possible with format = \"{f}\": {why}")
+                    })?;
+                }
+                Profile::WeightsOnly
+            }
+            o => bail!("source.roots[{i}].profile must be \"full\" or \"weights-only\", got {o:?}"),
+        };
         let w = RootWatch {
             format,
             start,
@@ -336,6 +356,7 @@ impl RootSection {
             include: self.include.clone(),
             exclude: self.exclude.clone(),
             select,
+            profile,
         };
         replicator::source::watcher::check_globs(&w)
             .map_err(|e| anyhow::anyhow!("source.roots[{i}]: {e}"))?;
@@ -663,6 +684,13 @@ link = "to-eval"
         assert!(e.contains("every_n_steps must be a positive number"), "{e}");
         let e = err(&root("every_n_steps = 1000"));
         assert!(e.contains("needs select"), "{e}");
+        let e = err(&root("format = \"dcp\"\nprofile = \"weights-only\""));
+        assert!(
+            e.contains("source.roots[0].profile") && e.contains("dcp"),
+            "{e}"
+        );
+        let e = err(&root("profile = \"tiny\""));
+        assert!(e.contains("source.roots[0].profile"), "{e}");
         let e = err(&root("include = [\"[bad\"]"));
         assert!(e.contains("source.roots[0]") && e.contains("[bad"), "{e}");
         let ok = load(&root(

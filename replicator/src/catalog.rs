@@ -119,6 +119,8 @@ pub struct Transfer {
     /// Commit identity the watcher saw (marker size and mtime or the
     /// like); a new one in the same directory is a re-save.
     pub commit_identity: Option<String>,
+    /// Replication profile (`weights-only`), if not every file.
+    pub profile: Option<String>,
 }
 
 /// Checkpoint states at the source (ARCHITECTURE.md, "Vocabulary").
@@ -181,6 +183,8 @@ pub struct Replica {
     /// Publish time minus the time the checkpoint opened at the source,
     /// seconds.
     pub open_to_replica_s: Option<f64>,
+    /// Replication profile (`weights-only`), if not every file.
+    pub profile: Option<String>,
 }
 
 /// New sink-side row.
@@ -208,6 +212,8 @@ pub struct NewReplica<'a> {
     pub staging_path: &'a str,
     /// Publish path.
     pub local_path: &'a str,
+    /// Replication profile (`weights-only`), if not every file.
+    pub profile: Option<&'a str>,
 }
 
 /// When a checkpoint opened and was committed at the source (Unix ms,
@@ -229,11 +235,11 @@ pub struct Catalog {
 
 const TRANSFER_COLS: &str = "id, link, job, source_path, rel, class, state, bytes_total, \
     bytes_done, bytes_sent, shards, manifest_root, local_path, error, created_at, started_at, finished_at, \
-    checkpoint, format, opened_at, committed_at, commit_identity";
+    checkpoint, format, opened_at, committed_at, commit_identity, profile";
 
 const REPLICA_COLS: &str = "id, peer, source_site, source_transfer, job, source_path, rel, \
     chunk_size, state, bytes_total, bytes_done, staging_path, local_path, manifest_root, error, \
-    created_at, published_at, committed_at, commit_to_replica_s, open_to_replica_s";
+    created_at, published_at, committed_at, commit_to_replica_s, open_to_replica_s, profile";
 
 fn transfer_row(r: &sqlx::sqlite::SqliteRow) -> Result<Transfer, sqlx::Error> {
     Ok(Transfer {
@@ -259,6 +265,7 @@ fn transfer_row(r: &sqlx::sqlite::SqliteRow) -> Result<Transfer, sqlx::Error> {
         opened_at: r.try_get("opened_at")?,
         committed_at: r.try_get("committed_at")?,
         commit_identity: r.try_get("commit_identity")?,
+        profile: r.try_get("profile")?,
     })
 }
 
@@ -284,6 +291,7 @@ fn replica_row(r: &sqlx::sqlite::SqliteRow) -> Result<Replica, sqlx::Error> {
         committed_at: r.try_get("committed_at")?,
         commit_to_replica_s: r.try_get("commit_to_replica_s")?,
         open_to_replica_s: r.try_get("open_to_replica_s")?,
+        profile: r.try_get("profile")?,
     })
 }
 
@@ -401,11 +409,12 @@ impl Catalog {
         format: &str,
         opened_at: Option<i64>,
         committed_at: Option<i64>,
+        profile: Option<&str>,
     ) -> Result<i64, CatalogError> {
         let r = sqlx::query(
             "INSERT INTO transfers (link, job, source_path, rel, class, state, created_at, \
-             checkpoint, format, opened_at, committed_at) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+             checkpoint, format, opened_at, committed_at, profile) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
         )
         .bind(link)
         .bind(job)
@@ -418,6 +427,7 @@ impl Catalog {
         .bind(format)
         .bind(opened_at)
         .bind(committed_at)
+        .bind(profile)
         .fetch_one(&self.pool)
         .await?;
         Ok(r.try_get("id")?)
@@ -678,8 +688,8 @@ impl Catalog {
             serde_json::to_string(n.files).map_err(|e| CatalogError::Corrupt(e.to_string()))?;
         let r = sqlx::query(
             "INSERT INTO replicas (peer, source_site, source_transfer, job, source_path, rel, \
-             chunk_size, files, state, bytes_total, staging_path, local_path, created_at) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+             chunk_size, files, state, bytes_total, staging_path, local_path, created_at, profile) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
         )
         .bind(n.peer)
         .bind(n.source_site)
@@ -694,6 +704,7 @@ impl Catalog {
         .bind(n.staging_path)
         .bind(n.local_path)
         .bind(now_ms())
+        .bind(n.profile)
         .fetch_one(&self.pool)
         .await?;
         Ok(r.try_get("id")?)

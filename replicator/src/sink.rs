@@ -62,6 +62,11 @@ pub enum Resolution {
         manifest_root: String,
         /// Publish time, RFC 3339.
         published_at: String,
+        /// `weights-only` for a replica without optimizer state (a file
+        /// of the checkpoint may then have no local twin); absent for a
+        /// full replica.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        profile: Option<String>,
     },
     /// Chunks are arriving.
     Replicating {
@@ -333,6 +338,7 @@ impl Sink {
                         local_path: local.to_string_lossy().into_owned(),
                         manifest_root: p.manifest_root.clone().unwrap_or_default(),
                         published_at: rfc3339(p.published_at.unwrap_or(0)),
+                        profile: p.profile.clone(),
                     });
                 }
                 if let Some(r) = rows.iter().find(|r| r.state == state::RECEIVING) {
@@ -678,6 +684,12 @@ async fn open_transfer(
     let refuse = |s: String| TransferError::Refused(s);
     validate_files(&files, chunk_size).map_err(|e| refuse(e.to_string()))?;
     check_name(&key.job).map_err(|e| refuse(format!("job name: {e}")))?;
+    if !matches!(key.profile.as_str(), "" | "weights-only") {
+        return Err(refuse(format!(
+            "unknown replication profile {:?} (this sink knows \"weights-only\")",
+            key.profile
+        )));
+    }
     crate::paths::check_relative(&key.rel).map_err(|e| refuse(format!("relative path: {e}")))?;
     let sum: u64 = files.iter().map(|f| f.size).sum();
     if sum != bytes_total {
@@ -802,6 +814,7 @@ async fn open_transfer(
                     bytes_total,
                     staging_path: &staging.to_string_lossy(),
                     local_path: &local_path.to_string_lossy(),
+                    profile: (!key.profile.is_empty()).then_some(key.profile.as_str()),
                 })
                 .await?;
             let row = inner

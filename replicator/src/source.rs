@@ -382,6 +382,7 @@ impl Source {
                 &format,
                 None,
                 None,
+                root.watch.profile.name(),
             )
             .await?;
         inner
@@ -777,6 +778,7 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
                 job: t.job.clone(),
                 source_path: t.source_path.clone(),
                 rel: t.rel.clone(),
+                profile: t.profile.clone().unwrap_or_default(),
             },
             chunk_size,
             bytes_total,

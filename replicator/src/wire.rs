@@ -119,6 +119,9 @@ pub struct TransferKey {
     pub source_path: String,
     /// Path of the checkpoint relative to its source root.
     pub rel: String,
+    /// Replication profile: empty for every file, `weights-only` for a
+    /// replica without optimizer state.
+    pub profile: String,
 }
 
 /// A file of a transfer as announced in [`Control::Open`], before its
@@ -276,6 +279,7 @@ impl Control {
                 w.str(&key.job);
                 w.long_str(&key.source_path);
                 w.long_str(&key.rel);
+                w.str(&key.profile);
                 w.u32(*chunk_size);
                 w.u64(*bytes_total);
                 w.u32(files.len() as u32);
@@ -364,6 +368,7 @@ impl Control {
                     job: r.str("job")?,
                     source_path: r.long_str("source path")?,
                     rel: r.long_str("relative path")?,
+                    profile: r.str("profile")?,
                 };
                 let chunk_size = r.u32("chunk size")?;
                 let bytes_total = r.u64("bytes total")?;
@@ -784,6 +789,7 @@ mod tests {
                 job: "mm".into(),
                 source_path: "/ckpt/mm/step_1".into(),
                 rel: "step_1".into(),
+                profile: "weights-only".into(),
             },
             chunk_size: 4 << 20,
             bytes_total: 10,

@@ -115,6 +115,7 @@ fn open(id: u64, rel: &str, files: Vec<FileInfo>) -> Control {
             job: "job".into(),
             source_path: format!("/ckpt/job/{rel}"),
             rel: rel.into(),
+            profile: String::new(),
         },
         chunk_size: 4 << 20,
         bytes_total,

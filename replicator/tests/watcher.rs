@@ -360,3 +360,59 @@ async fn announced_checkpoint_waits_for_its_first_bytes() {
         "the announced transfer carried the checkpoint"
     );
 }
+
+#[tokio::test]
+async fn weights_only_profile_leaves_optimizer_state_behind() {
+    use replicator::source::watcher::Profile;
+    let watch = RootWatch {
+        profile: Profile::WeightsOnly,
+        ..Default::default()
+    };
+    let p = pair_with(0, watching(watch)).await;
+    // An HF Trainer checkpoint: model shards, optimizer state, trainer
+    // state last.
+    let ckpt = p.root.join("checkpoint-10");
+    std::fs::create_dir_all(&ckpt).unwrap();
+    let model = fixtures().join("safetensors/checkpoint");
+    for e in std::fs::read_dir(&model).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), ckpt.join(e.file_name())).unwrap();
+    }
+    // torch.save archives (so their format check passes should the
+    // watcher start after they were closed): the DCP fixture's bytes.
+    let archive = std::fs::read(fixtures().join("dcp/step_00000002/__1_0.distcp")).unwrap();
+    for name in ["optimizer.pt", "scheduler.pt", "rng_state_0.pth"] {
+        std::fs::write(ckpt.join(name), &archive).unwrap();
+    }
+    std::fs::write(ckpt.join("trainer_state.json"), br#"{"global_step": 10}"#).unwrap();
+    // A DCP checkpoint cannot be split: it is not replicated at all.
+    let dcp = p.root.join("step_00000002");
+    std::fs::create_dir_all(&dcp).unwrap();
+    for e in std::fs::read_dir(fixtures().join("dcp/step_00000002")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dcp.join(e.file_name())).unwrap();
+    }
+
+    let t = transfer_of(&p, &ckpt).await;
+    assert_eq!(t.profile.as_deref(), Some("weights-only"));
+    let done = wait_published(&p, t.id).await;
+    let replica = PathBuf::from(done.local_path.unwrap());
+    for gone in ["optimizer.pt", "scheduler.pt", "rng_state_0.pth"] {
+        assert!(!replica.join(gone).exists(), "{gone} was replicated");
+        std::fs::remove_file(ckpt.join(gone)).unwrap();
+    }
+    same_tree(&ckpt, &replica);
+    match p.sink.resolve(&ckpt.to_string_lossy()).await.unwrap() {
+        Resolution::Local { profile, .. } => assert_eq!(profile.as_deref(), Some("weights-only")),
+        other => panic!("expected local, got {other:?}"),
+    }
+    assert!(
+        p.source
+            .catalog()
+            .transfer_by_path(&dcp.to_string_lossy())
+            .await
+            .unwrap()
+            .is_none(),
+        "a DCP checkpoint was queued under weights-only"
+    );
+}

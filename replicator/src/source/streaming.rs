@@ -245,6 +245,7 @@ pub(super) async fn run_watched(
                 job: t.job.clone(),
                 source_path: t.source_path.clone(),
                 rel: t.rel.clone(),
+                profile: t.profile.clone().unwrap_or_default(),
             },
             chunk_size,
             bytes_total: total(&table),

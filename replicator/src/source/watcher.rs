@@ -90,6 +90,31 @@ pub struct RootWatch {
     pub exclude: Vec<String>,
     /// Which checkpoints are replicated.
     pub select: Selection,
+    /// Which files of each checkpoint.
+    pub profile: Profile,
+}
+
+/// Which files of a checkpoint are replicated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Profile {
+    /// Every file.
+    #[default]
+    Full,
+    /// Weights only: files that hold optimizer state are left out
+    /// ([`formats::is_optimizer_state`]); refused for formats that keep
+    /// both in one file (DCP, torch_dist).
+    WeightsOnly,
+}
+
+impl Profile {
+    /// The name carried in the catalog and on the wire, `None` for
+    /// [`Profile::Full`].
+    pub fn name(self) -> Option<&'static str> {
+        match self {
+            Profile::Full => None,
+            Profile::WeightsOnly => Some("weights-only"),
+        }
+    }
 }
 
 /// Compiled include/exclude globs.
@@ -587,11 +612,22 @@ async fn process(
             }
         }
         let Some(format) = c.format else { continue };
+        let weights_only = root.watch.profile == Profile::WeightsOnly;
+        if weights_only {
+            if let Err(why) = formats::is_optimizer_state(format, "") {
+                if !c.settled {
+                    warn!(dir = abs_s, %format, "not replicated: profile = \"weights-only\" is not possible here: {why}");
+                    c.settled = true;
+                }
+                continue;
+            }
+        }
         let verdict = formats::verdict(format, &snap, markers);
         let files: Vec<ViewFile> = scan
             .files
             .iter()
             .filter(|f| filter.keeps(&f.path))
+            .filter(|f| !weights_only || formats::is_optimizer_state(format, &f.path) == Ok(false))
             .filter_map(|f| {
                 Some(ViewFile {
                     info: scan.infos.get(&f.path)?.clone(),
@@ -848,6 +884,7 @@ async fn start_transfer(
             &format.to_string(),
             Some(c.opened_ms),
             commit.as_ref().map(|c| c.0),
+            root.watch.profile.name(),
         )
         .await
     {
