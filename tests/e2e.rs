@@ -544,6 +544,20 @@ async fn generated_saves_of_every_format_are_watched_and_replicated() {
         });
         w.assert_same_tree(&ckpt, &w.replica_path(dir));
     }
+    // Markers beside the checkpoint directories follow their replicas:
+    // the newest Megatron iteration and DeepSpeed's tag.
+    let job_dir = w.replica_path("");
+    let read = |n: &str| {
+        std::fs::read_to_string(job_dir.join(n))
+            .unwrap_or_else(|e| w.fail(format!("{n} beside the replicas: {e}")))
+    };
+    w.ensure(read("latest").trim() == "global_step400", || {
+        format!("latest at the sink: {:?}", read("latest"))
+    });
+    let tracker = read("latest_checkpointed_iteration.txt");
+    w.ensure(tracker.trim() == "300", || {
+        format!("Megatron tracker at the sink: {tracker:?}")
+    });
     // Still exactly one transfer per save once everything settled.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let ts = w.transfers(&c.source).await;

@@ -204,6 +204,7 @@ struct LiveState {
     bytes_at_open: u64,
     commit: Option<(Manifest, u64)>,
     times: SourceTimes,
+    siblings: Vec<(String, Vec<u8>)>,
     batches_done: u64,
     publishing: bool,
     failed: bool,
@@ -626,6 +627,7 @@ async fn serve_connection(
                     opened_ms,
                     batches,
                     manifest,
+                    siblings,
                 } => {
                     let live = open.get(id);
                     let Some(live) = live else {
@@ -646,6 +648,7 @@ async fn serve_connection(
                             committed_ms,
                             opened_ms,
                         };
+                        st.siblings = siblings;
                     }
                     maybe_finish(inner, &live, &ctl, id).await?;
                 }
@@ -1471,6 +1474,17 @@ async fn maybe_finish(
                 cancel_live(inner, live, state::FAILED, &reason).await;
                 return ctl.send(&Control::Cancel { id, reason }).await;
             }
+            let siblings = live
+                .st
+                .lock()
+                .map(|mut st| std::mem::take(&mut st.siblings))
+                .unwrap_or_default();
+            if !siblings.is_empty() {
+                let l2 = live.clone();
+                if let Err(e) = blocking(move || write_siblings(&l2.local_path, &siblings)).await {
+                    warn!(transfer = id, error = %e, "could not write the markers beside the replica");
+                }
+            }
             let local = live.local_path.to_string_lossy().into_owned();
             if let Err(e) = inner
                 .catalog
@@ -1523,6 +1537,64 @@ fn seal_table(live: &Live, m: &Manifest) -> Result<Vec<(u64, Hash)>, String> {
         }
     }
     Ok(keys)
+}
+
+/// Writes the markers that live beside a checkpoint directory (DeepSpeed
+/// `latest`, Megatron's tracker) next to its replica, now that the replica
+/// is in place: each through a temporary file and a rename, and never
+/// moving a marker back to an older step than the one already there.
+fn write_siblings(replica: &Path, siblings: &[(String, Vec<u8>)]) -> io::Result<()> {
+    let Some(parent) = replica.parent() else {
+        return Ok(());
+    };
+    let step = |b: &[u8]| {
+        let t = String::from_utf8_lossy(b);
+        let digits: String = t
+            .trim()
+            .chars()
+            .rev()
+            .take_while(char::is_ascii_digit)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect();
+        digits.parse::<u64>().ok()
+    };
+    for (name, bytes) in siblings {
+        if check_name(name).is_err() || bytes.len() > crate::wire::MAX_SIBLING_BYTES as usize {
+            warn!(name, "ignoring a sibling marker with a bad name or size");
+            continue;
+        }
+        let dst = parent.join(name);
+        match std::fs::symlink_metadata(&dst) {
+            Ok(md) if !md.is_file() => {
+                warn!(path = %dst.display(), "not a regular file; marker not written");
+                continue;
+            }
+            Ok(_) => {
+                let old = std::fs::read(&dst)?;
+                if let (Some(o), Some(n)) = (step(&old), step(bytes)) {
+                    if o > n {
+                        continue;
+                    }
+                }
+            }
+            Err(_) => {}
+        }
+        let tmp = parent.join(format!(".{name}.ferry-tmp"));
+        {
+            let mut f = OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .custom_flags(nix::libc::O_NOFOLLOW)
+                .open(&tmp)?;
+            std::io::Write::write_all(&mut f, bytes)?;
+            f.sync_all()?;
+        }
+        std::fs::rename(&tmp, &dst)?;
+    }
+    std::fs::File::open(parent)?.sync_all()
 }
 
 /// Removes files in staging that the sealed manifest does not list, so a

@@ -846,6 +846,7 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
         map,
         slots: Arc::new(slots),
         times: SourceTimes::default(),
+        siblings: Vec::new(),
     };
     commit_loop(
         inner, c, &t, &dir, &progress, &mut rx, need, batches, sealed,
@@ -864,6 +865,8 @@ struct Sealed {
     slots: Arc<Vec<Option<usize>>>,
     /// Open and commit times sent with the commit.
     times: SourceTimes,
+    /// Markers beside the checkpoint directory, sent with the commit.
+    siblings: Vec<(String, Vec<u8>)>,
 }
 
 /// Resends whatever the sink asks for, then commits; repeats until the
@@ -919,6 +922,7 @@ async fn commit_loop(
                 opened_ms: sealed.times.opened_ms,
                 batches,
                 manifest: (*sealed.manifest).clone(),
+                siblings: sealed.siblings.clone(),
             })
             .await?;
         loop {

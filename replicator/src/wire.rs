@@ -41,6 +41,12 @@ pub const MAX_FILES: u32 = 4_000_000;
 /// Largest number of chunks in one list (have, need, manifest total).
 pub const MAX_CHUNKS: u32 = 64_000_000;
 
+/// Largest number of sibling markers in one commit.
+pub const MAX_SIBLINGS: u32 = 8;
+
+/// Largest sibling marker accepted, in bytes.
+pub const MAX_SIBLING_BYTES: u32 = 4096;
+
 /// Largest relative path accepted, in bytes (Linux `PATH_MAX`).
 pub const MAX_PATH: usize = 4096;
 
@@ -205,6 +211,11 @@ pub enum Control {
         batches: u64,
         /// The sealed manifest.
         manifest: Manifest,
+        /// Markers that live beside the checkpoint directory (DeepSpeed
+        /// `latest`, Megatron's `latest_checkpointed_iteration.txt`):
+        /// `(file name, content)`, written next to the replica after it is
+        /// in place. At most [`MAX_SIBLINGS`] of [`MAX_SIBLING_BYTES`].
+        siblings: Vec<(String, Vec<u8>)>,
     },
     /// Sink to source: the replica is published.
     Published {
@@ -316,6 +327,7 @@ impl Control {
                 opened_ms,
                 batches,
                 manifest,
+                siblings,
             } => {
                 w.u8(T_COMMIT);
                 w.u64(*id);
@@ -323,6 +335,12 @@ impl Control {
                 w.u64(*opened_ms as u64);
                 w.u64(*batches);
                 manifest.encode_into(&mut w.0);
+                w.u32(siblings.len() as u32);
+                for (name, bytes) in siblings {
+                    w.str(name);
+                    w.u32(bytes.len() as u32);
+                    w.0.extend_from_slice(bytes);
+                }
             }
             Control::Published {
                 id,
@@ -411,12 +429,20 @@ impl Control {
                 let opened_ms = r.u64("open time")? as i64;
                 let batches = r.u64("batch count")?;
                 let manifest = Manifest::decode_from(&mut r)?;
+                let n = r.count("sibling marker count", MAX_SIBLINGS, 2 + 4)?;
+                let mut siblings = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let name = r.str("sibling marker name")?;
+                    let len = r.count("sibling marker length", MAX_SIBLING_BYTES, 1)?;
+                    siblings.push((name, r.take(len, "sibling marker")?.to_vec()));
+                }
                 Control::Commit {
                     id,
                     committed_ms,
                     opened_ms,
                     batches,
                     manifest,
+                    siblings,
                 }
             }
             T_PUBLISHED => Control::Published {
@@ -827,6 +853,7 @@ mod tests {
             opened_ms: 1_699_999_990_000,
             batches: 12,
             manifest: manifest(),
+            siblings: vec![("latest".into(), b"global_step12".to_vec())],
         });
         roundtrip(Control::Published {
             id: 3,

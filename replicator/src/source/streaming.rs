@@ -54,6 +54,11 @@ pub enum ViewState {
         markers: Vec<String>,
         /// Commit time at the source, Unix ms (the marker's appearance).
         committed_ms: i64,
+        /// Markers beside the checkpoint directory that name this
+        /// checkpoint (DeepSpeed `latest`, Megatron's tracker): `(file
+        /// name, content)`, written beside the replica after it is in
+        /// place.
+        siblings: Vec<(String, Vec<u8>)>,
     },
     /// Abandoned or deleted: the transfer is cancelled with this reason.
     Gone(String),
@@ -271,7 +276,7 @@ pub(super) async fn run_watched(
     );
     let mut need: Vec<u64> = Vec::new();
     let mut batches = 0u64;
-    let (markers, committed_ms, last) = loop {
+    let (markers, committed_ms, siblings, last) = loop {
         let v = view.borrow_and_update().clone();
         let committed = match &v.state {
             ViewState::Gone(why) => return Err(RunError::Cancelled(why.clone())),
@@ -366,11 +371,12 @@ pub(super) async fn run_watched(
             let ViewState::Committed {
                 markers,
                 committed_ms,
+                siblings,
             } = v.state.clone()
             else {
                 continue;
             };
-            break (markers, committed_ms, v);
+            break (markers, committed_ms, siblings, v);
         }
         if !jobs.is_empty() {
             let t_round = std::time::Instant::now();
@@ -513,6 +519,7 @@ pub(super) async fn run_watched(
             committed_ms,
             opened_ms: last.opened_ms,
         },
+        siblings,
     };
     commit_loop(
         inner, c, &t, &dir, &progress, &mut rx, need, batches, sealed,

@@ -688,6 +688,7 @@ async fn process(
                 let state = ViewState::Committed {
                     markers,
                     committed_ms,
+                    siblings: sibling_markers(format, &dir, siblings),
                 };
                 if let Some((id, tx)) = &c.transfer {
                     let first = !matches!(tx.borrow().state, ViewState::Committed { .. });
@@ -754,6 +755,40 @@ async fn process(
                 }
             }
         }
+    }
+}
+
+/// Markers beside the checkpoint directory that name this checkpoint, with
+/// their content: DeepSpeed's `latest` (the tag, i.e. the directory name)
+/// and Megatron's `latest_checkpointed_iteration.txt` (the iteration).
+/// CHECKPOINT_FORMATS.md, "Publish rule" item 4: the sink writes them
+/// after the directory is in place.
+fn sibling_markers(format: Format, dir: &str, siblings: &[FileState]) -> Vec<(String, Vec<u8>)> {
+    let name = match format {
+        Format::DeepSpeed => "latest",
+        Format::MegatronLegacy | Format::MegatronDist => "latest_checkpointed_iteration.txt",
+        _ => return Vec::new(),
+    };
+    let Some(content) = siblings
+        .iter()
+        .find(|f| f.path == name)
+        .and_then(|f| f.content.clone())
+        .filter(|c| c.len() <= crate::wire::MAX_SIBLING_BYTES as usize)
+    else {
+        return Vec::new();
+    };
+    let text = String::from_utf8_lossy(&content).trim().to_string();
+    let names_this = match format {
+        Format::DeepSpeed => text == dir,
+        _ => text
+            .parse::<u64>()
+            .ok()
+            .is_some_and(|n| Some(n) == formats::step_of(dir)),
+    };
+    if names_this {
+        vec![(name.to_string(), content)]
+    } else {
+        Vec::new()
     }
 }
 
