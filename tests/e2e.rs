@@ -569,3 +569,65 @@ async fn generated_saves_of_every_format_are_watched_and_replicated() {
         )
     });
 }
+
+/// The source agent is killed (SIGKILL) while a training job is writing a
+/// checkpoint it streams, and restarted: the watcher picks the transfer up
+/// from the catalog, the checkpoint is replicated once and identical.
+#[tokio::test]
+async fn source_killed_while_a_checkpoint_is_written_resumes_it() {
+    let w = World::new("watch-kill").await;
+    let mut c = w
+        .start_cluster("200Mbit/s", &[], |_, src| {
+            if let Some(s) = src.source.as_mut() {
+                s.scan_interval = "500ms".into();
+                s.extra = "quiet_period = \"1s\"\n".into();
+            }
+        })
+        .await;
+    let root = w.source_root();
+    // 24 MB at 48 Mbit/s: the save takes about 4 s.
+    let mut gen = tokio::process::Command::new(FERRY)
+        .args(["gen", "--out", root.to_str().unwrap(), "--format", "dcp"])
+        .args([
+            "--step",
+            "700",
+            "--size",
+            "24MB",
+            "--write-rate",
+            "48Mbit/s",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let ckpt = root.join("step_00000700");
+    let path = ckpt.to_str().unwrap().to_string();
+    w.wait_until("the watcher to start streaming", TRANSFER, async || {
+        let ts = w.transfers(&c.source).await;
+        match ts.iter().find(|t| s(t, "source_path") == path) {
+            Some(t) if t["bytes_sent"].as_u64().unwrap_or(0) > 0 => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    c.source.kill();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    w.restart(&mut c.source).await;
+    let status = gen.wait().await.unwrap();
+    w.ensure(status.success(), || format!("ferry gen failed: {status}"));
+    let t = w
+        .wait_until("the checkpoint to publish", TRANSFER, async || {
+            let ts = w.transfers(&c.source).await;
+            let mine: Vec<&serde_json::Value> =
+                ts.iter().filter(|t| s(t, "source_path") == path).collect();
+            match mine.as_slice() {
+                [t] if s(t, "state") == "published" => Ok((*t).clone()),
+                [t] => Err(format!("transfer {}", s(t, "state"))),
+                other => Err(format!("{} transfers: {other:?}", other.len())),
+            }
+        })
+        .await;
+    w.ensure(s(&t, "checkpoint") == "committed", || format!("{t}"));
+    w.assert_same_tree(&ckpt, &w.replica_path("step_00000700"));
+}

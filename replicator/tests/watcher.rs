@@ -248,9 +248,20 @@ async fn appended_shard_rewritten_below_its_end_is_sent_again() {
 
 #[tokio::test]
 async fn poll_mode_picks_up_a_checkpoint_written_before_the_agent_started() {
+    written_before_start(Mode::Poll).await;
+}
+
+#[tokio::test]
+async fn inotify_mode_rescans_what_was_written_before_the_agent_started() {
+    written_before_start(Mode::Inotify).await;
+}
+
+/// No close event was ever seen for these files: the rescan, the quiet
+/// period and the format checks make them complete.
+async fn written_before_start(mode: Mode) {
     let src = fixtures().join("dcp/step_00000002");
     let watch = RootWatch {
-        mode: Mode::Poll,
+        mode,
         start: Start::OnOpen,
         ..Default::default()
     };
@@ -415,4 +426,114 @@ async fn weights_only_profile_leaves_optimizer_state_behind() {
             .is_none(),
         "a DCP checkpoint was queued under weights-only"
     );
+}
+
+fn committed_dir(root: &Path, name: &str, seed: u8) -> PathBuf {
+    let d = root.join(name);
+    std::fs::create_dir_all(&d).unwrap();
+    std::fs::write(d.join("weights.bin"), vec![seed; 70_000]).unwrap();
+    std::fs::write(d.join("COMMITTED"), b"").unwrap();
+    d
+}
+
+#[tokio::test]
+async fn every_n_steps_replicates_only_the_eval_cadence() {
+    use replicator::source::watcher::Selection;
+    let watch = RootWatch {
+        select: Selection::EveryNSteps(1000),
+        ..Default::default()
+    };
+    let p = pair_with(0, watching(watch)).await;
+    let skipped = committed_dir(&p.root, "step_1500", 1);
+    let kept = committed_dir(&p.root, "step_2000", 2);
+    let t = transfer_of(&p, &kept).await;
+    wait_published(&p, t.id).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(p
+        .source
+        .catalog()
+        .transfer_by_path(&skipped.to_string_lossy())
+        .await
+        .unwrap()
+        .is_none());
+    // An announcement of a step off the cadence is not selected either.
+    let off = p
+        .source
+        .announce("job", 2500, &p.root.join("step_2500"), 1)
+        .await
+        .unwrap();
+    assert!(off.is_none());
+}
+
+#[tokio::test]
+async fn latest_only_cancels_an_older_checkpoint_still_moving() {
+    use replicator::source::watcher::Selection;
+    let watch = RootWatch {
+        select: Selection::LatestOnly,
+        ..Default::default()
+    };
+    let p = pair_with(0, watching(watch)).await;
+    // Step 2 is being written (no .metadata yet) when step 4 starts.
+    let src = fixtures().join("dcp");
+    let mut save = Replay::new(
+        &src.join("dcp_save_trace.jsonl"),
+        &src,
+        &p.root,
+        "step_00000002",
+    );
+    save.slowdown = 0.0;
+    save.run_until(|o| o.op == "rename").await;
+    let old = p.root.join("step_00000002");
+    let t_old = transfer_of(&p, &old).await;
+    let new = p.root.join("step_00000004");
+    std::fs::create_dir_all(&new).unwrap();
+    std::fs::copy(old.join("__0_0.distcp"), new.join("__0_0.distcp")).unwrap();
+    let t_old = wait_final(&p, t_old.id).await;
+    assert_eq!(t_old.state, "cancelled", "{t_old:?}");
+    assert!(t_old.error.unwrap().contains("latest_only"));
+    std::fs::write(new.join(".metadata"), b"m").unwrap();
+    let t_new = transfer_of(&p, &new).await;
+    wait_published(&p, t_new.id).await;
+}
+
+#[tokio::test]
+async fn idle_checkpoint_is_abandoned_and_its_staging_removed() {
+    let p = pair_with(0, |cfg| {
+        watching(RootWatch::default())(cfg);
+        cfg.checkpoint_idle_timeout = Duration::from_secs(2);
+    })
+    .await;
+    let ckpt = p.root.join("step_00000002");
+    std::fs::create_dir_all(&ckpt).unwrap();
+    std::fs::copy(
+        fixtures().join("dcp/step_00000002/__0_0.distcp"),
+        ckpt.join("__0_0.distcp"),
+    )
+    .unwrap();
+    // Rank 1 never finishes; no .metadata ever comes.
+    let t = transfer_of(&p, &ckpt).await;
+    let t = wait_final(&p, t.id).await;
+    assert_eq!(t.state, "cancelled", "{t:?}");
+    assert!(
+        t.error.as_deref().unwrap_or("").contains("abandoned"),
+        "{t:?}"
+    );
+    assert_eq!(t.checkpoint, "abandoned");
+    let staging = p.dir.path().join("eval/.ferry/staging");
+    for _ in 0..100 {
+        if std::fs::read_dir(&staging).unwrap().count() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(std::fs::read_dir(&staging).unwrap().count(), 0);
+    // Nothing more happens to it, however long it sits there.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let all = p
+        .source
+        .catalog()
+        .transfers_for_path(&ckpt.to_string_lossy())
+        .await
+        .unwrap();
+    assert_eq!(all.len(), 1);
 }

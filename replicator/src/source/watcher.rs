@@ -296,7 +296,12 @@ fn scan_dir(
                 };
             }
             let closed_ok = closed.get(&abs) == Some(&(size, mt));
+            // The generic rule knows nothing of its files' formats (a
+            // `.bin` there is raw bytes, not a torch.save archive): quiet
+            // is enough.
+            let check = !matches!(format, None | Some(Format::Generic));
             let complete = closed_ok
+                || (now.duration_since(s.since) >= quiet && !check)
                 || (now.duration_since(s.since) >= quiet && {
                     if s.checked.is_none() {
                         s.checked = Some(
