@@ -1093,6 +1093,7 @@ mod tests {
                 bytes_total: 5,
                 staging_path: "/st",
                 local_path: "/eval/x",
+                profile: Some("weights-only"),
             })
             .await
             .unwrap();
@@ -1100,12 +1101,24 @@ mod tests {
         c.add_chunks(&[(r, 0, [7; 32], 5)]).await.unwrap();
         c.add_chunks(&[(r, 0, [7; 32], 5)]).await.unwrap();
         assert_eq!(c.chunks(r).await.unwrap(), vec![(0, [7; 32])]);
-        c.set_replica_published(r, b"m", "ab", "/eval/x", SourceTimes::default())
+        let times = SourceTimes {
+            committed_ms: now_ms() - 2_000,
+            opened_ms: now_ms() - 5_000,
+        };
+        c.set_replica_published(r, b"m", "ab", "/eval/x", times)
             .await
             .unwrap();
         assert!(c.chunks(r).await.unwrap().is_empty());
         let rep = c.replica_by_local_path("/eval/x").await.unwrap().unwrap();
         assert_eq!(rep.bytes_done, 5);
+        assert_eq!(rep.profile.as_deref(), Some("weights-only"));
+        assert_eq!(rep.committed_at, Some(times.committed_ms));
+        let lag = rep.commit_to_replica_s.unwrap();
+        let open = rep.open_to_replica_s.unwrap();
+        assert!(
+            (2.0..60.0).contains(&lag) && (5.0..60.0).contains(&open),
+            "{lag} {open}"
+        );
         assert_eq!(c.replica_manifest(r).await.unwrap().unwrap(), b"m");
     }
 }

@@ -8,7 +8,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use common::{pair, same_tree, wait_final, wait_published, Pair};
+use common::{pair, same_tree, wait_final, wait_published};
 use replicator::manifest::MIN_CHUNK_SIZE;
 use replicator::sink::Resolution;
 
