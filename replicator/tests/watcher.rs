@@ -537,3 +537,29 @@ async fn idle_checkpoint_is_abandoned_and_its_staging_removed() {
         .unwrap();
     assert_eq!(all.len(), 1);
 }
+
+#[tokio::test]
+async fn orbax_checkpoint_is_copied_once_renamed_into_place() {
+    let p = pair_with(0, watching(RootWatch::default())).await;
+    let tmp = p.root.join("5.orbax-checkpoint-tmp-1712345678");
+    std::fs::create_dir_all(tmp.join("state")).unwrap();
+    std::fs::write(tmp.join("state/array.bin"), vec![9u8; 100_000]).unwrap();
+    std::fs::write(tmp.join("_CHECKPOINT_METADATA"), b"{}").unwrap();
+    std::fs::write(tmp.join("commit_success.txt"), b"ok").unwrap();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert!(
+        p.source
+            .catalog()
+            .transfer_by_path(&tmp.to_string_lossy())
+            .await
+            .unwrap()
+            .is_none(),
+        "a temporary Orbax directory was queued"
+    );
+    let fin = p.root.join("5");
+    std::fs::rename(&tmp, &fin).unwrap();
+    let t = transfer_of(&p, &fin).await;
+    assert_eq!(t.format.as_deref(), Some("orbax"));
+    let done = wait_published(&p, t.id).await;
+    same_tree(&fin, Path::new(done.local_path.as_deref().unwrap()));
+}

@@ -668,6 +668,10 @@ async fn process(
                     && !superseded
                     && root.watch.start == Start::OnOpen
                     && !files.is_empty()
+                    // Orbax writes under a temporary directory name and
+                    // commits by renaming it: its replica can only be
+                    // named after the rename, so it is copied then.
+                    && !(format == Format::Orbax && dir.contains(".orbax-checkpoint-tmp"))
                 {
                     start_transfer(
                         inner,
