@@ -671,7 +671,7 @@ async fn process(
                     // Orbax writes under a temporary directory name and
                     // commits by renaming it: its replica can only be
                     // named after the rename, so it is copied then.
-                    && !(format == Format::Orbax && dir.contains(".orbax-checkpoint-tmp"))
+                    && (format != Format::Orbax || !dir.contains(".orbax-checkpoint-tmp"))
                 {
                     start_transfer(
                         inner,
