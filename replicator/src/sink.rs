@@ -94,6 +94,8 @@ struct Live {
     table: std::sync::RwLock<Table>,
     /// Bumped whenever `table` changes, for data streams waiting on it.
     table_changed: watch::Sender<u64>,
+    /// When the table was last written to the catalog.
+    table_saved: Mutex<Instant>,
     chunk_size: u32,
     /// Manifest root of a replica that was already published when the
     /// source (re)opened it; its commit is answered without touching disk.
@@ -116,7 +118,11 @@ struct Table {
     files: Vec<FileInfo>,
     map: ChunkMap,
     by_path: HashMap<String, u32>,
+    /// Every directory that holds a file of the table (`a`, `a/b` for
+    /// `a/b/c`), so a new file cannot also be a directory.
+    dirs: std::collections::HashSet<String>,
     bytes_total: u64,
+    chunks_total: u64,
 }
 
 impl Table {
@@ -128,31 +134,90 @@ impl Table {
             .map(|(i, f)| (f.path.clone(), i as u32))
             .collect();
         let bytes_total = files.iter().map(|f| f.size).sum();
+        let chunks_total = files
+            .iter()
+            .map(|f| crate::manifest::chunk_count(f.size, chunk_size))
+            .sum();
+        let dirs = files.iter().flat_map(|f| parents(&f.path)).collect();
         Table {
             files,
             map,
             by_path,
+            dirs,
             bytes_total,
+            chunks_total,
         }
     }
 
     /// Applies a [`Control::Files`] update: entries with a known path
     /// replace that file's size, mode and mtime; others are appended.
-    /// The whole new table is validated first; on error nothing changes.
+    /// Each entry is checked as [`validate_files`] checks a whole table
+    /// (plain relative path, not also a directory, bounded counts), at a
+    /// cost proportional to the update; on error nothing changes.
     fn update(&mut self, upd: &[FileInfo], chunk_size: u32) -> Result<(), WireError> {
-        let mut files = self.files.clone();
-        let mut by_path = self.by_path.clone();
+        let invalid = |what, why: String| WireError::Invalid { what, why };
+        let mut new_paths = std::collections::HashSet::new();
+        let mut new_dirs = std::collections::HashSet::new();
+        let mut files = self.files.len();
+        let (mut bytes, mut chunks) = (self.bytes_total, self.chunks_total);
+        let count = |size| crate::manifest::chunk_count(size, chunk_size);
         for f in upd {
-            match by_path.get(&f.path) {
-                Some(i) => files[*i as usize] = f.clone(),
-                None => {
-                    by_path.insert(f.path.clone(), files.len() as u32);
-                    files.push(f.clone());
-                }
+            crate::paths::check_relative(&f.path)
+                .map_err(|e| invalid("file path", e.to_string()))?;
+            if let Some(&i) = self.by_path.get(&f.path) {
+                let old = &self.files[i as usize];
+                bytes = bytes - old.size + f.size;
+                chunks = chunks - count(old.size) + count(f.size);
+                continue;
+            }
+            if !new_paths.insert(f.path.as_str()) {
+                return Err(invalid("file path", format!("{:?} listed twice", f.path)));
+            }
+            new_dirs.extend(parents(&f.path));
+            files += 1;
+            bytes += f.size;
+            chunks += count(f.size);
+        }
+        for p in &new_paths {
+            if self.dirs.contains(*p) || new_dirs.contains(*p) {
+                return Err(invalid(
+                    "file path",
+                    format!("{p:?} is both a file and a directory"),
+                ));
             }
         }
-        validate_files(&files, chunk_size)?;
-        *self = Table::new(files, chunk_size);
+        for d in &new_dirs {
+            if self.by_path.contains_key(d) {
+                return Err(invalid(
+                    "file path",
+                    format!("{d:?} is both a file and a directory"),
+                ));
+            }
+        }
+        if files > crate::wire::MAX_FILES as usize {
+            return Err(invalid("file count", format!("{files} files")));
+        }
+        if chunks > u64::from(crate::wire::MAX_CHUNKS) {
+            return Err(invalid("chunk count", format!("{chunks} chunks")));
+        }
+        for f in upd {
+            let i = match self.by_path.get(&f.path) {
+                Some(&i) => {
+                    self.files[i as usize] = f.clone();
+                    i
+                }
+                None => {
+                    let i = self.files.len() as u32;
+                    self.by_path.insert(f.path.clone(), i);
+                    self.files.push(f.clone());
+                    i
+                }
+            };
+            self.map.set_size(i, f.size);
+        }
+        self.dirs.extend(new_dirs);
+        self.bytes_total = bytes;
+        self.chunks_total = chunks;
         Ok(())
     }
 
@@ -163,6 +228,16 @@ impl Table {
             && u64::from(h.len) <= self.map.span(h.file, h.chunk).1
             && h.len > 0
     }
+}
+
+/// The parent directories of a relative path: `a/b/c` gives `a/b`, `a`.
+fn parents(path: &str) -> impl Iterator<Item = String> + '_ {
+    let mut p = path;
+    std::iter::from_fn(move || {
+        let i = p.rfind('/')?;
+        p = &p[..i];
+        Some(p.to_string())
+    })
 }
 
 /// Staging bytes written before a background `syncfs` starts. Flushing as
@@ -878,6 +953,7 @@ async fn open_transfer(
         id: row.id,
         table: std::sync::RwLock::new(Table::new(files, chunk_size)),
         table_changed: watch::channel(0).0,
+        table_saved: Mutex::new(Instant::now()),
         chunk_size,
         published_root,
         staging,
@@ -950,6 +1026,9 @@ fn rekey_chunks(
         .collect()
 }
 
+/// Longest time between two catalog copies of a growing file table.
+const TABLE_SAVE_EVERY: Duration = Duration::from_secs(2);
+
 /// Applies a [`Control::Files`] update to a live transfer: validates it,
 /// checks the sink still has room for the larger checkpoint, records the
 /// table in the catalog (so a restart resumes with it) and wakes data
@@ -959,6 +1038,22 @@ async fn grow_table(
     live: &Arc<Live>,
     files: &[FileInfo],
 ) -> Result<(), TransferError> {
+    // The catalog copy of the table lets a restarted sink keep the chunks
+    // it verified; it is rewritten at most every TABLE_SAVE_EVERY (a
+    // checkpoint of 100,000 files grows by thousands of updates). Chunks
+    // of files added since the last copy are asked for again after a
+    // crash, nothing worse.
+    let due = live
+        .table_saved
+        .lock()
+        .map(|mut t| {
+            let due = t.elapsed() >= TABLE_SAVE_EVERY;
+            if due {
+                *t = Instant::now();
+            }
+            due
+        })
+        .unwrap_or(true);
     let (snapshot, total, grown) = {
         let mut t = live
             .table
@@ -968,7 +1063,7 @@ async fn grow_table(
         t.update(files, live.chunk_size)
             .map_err(|e| TransferError::Refused(format!("file table update: {e}")))?;
         (
-            t.files.clone(),
+            due.then(|| t.files.clone()),
             t.bytes_total,
             t.bytes_total.saturating_sub(before),
         )
@@ -986,10 +1081,12 @@ async fn grow_table(
             )));
         }
     }
-    inner
-        .catalog
-        .set_replica_files(live.id, &snapshot, total)
-        .await?;
+    if let Some(files) = snapshot {
+        inner
+            .catalog
+            .set_replica_files(live.id, &files, total)
+            .await?;
+    }
     live.table_changed.send_modify(|v| *v += 1);
     inner.changed.send_modify(|v| *v += 1);
     Ok(())
@@ -1731,6 +1828,51 @@ mod tests {
             rfc3339(951_782_400_000 + 86_399_000),
             "2000-02-29T23:59:59Z"
         );
+    }
+
+    #[test]
+    fn file_table_grows_by_path_and_refuses_conflicts() {
+        let fi = |p: &str, size| FileInfo {
+            path: p.into(),
+            size,
+            mode: 0o644,
+            mtime_ns: 0,
+        };
+        let cs = crate::manifest::MIN_CHUNK_SIZE;
+        let mut t = Table::new(vec![fi("a/x", 10), fi("b", 0)], cs);
+        let key = t.map.index(0, 0).unwrap();
+        t.update(&[fi("a/x", 3 * u64::from(cs)), fi("c/d/e", 5)], cs)
+            .unwrap();
+        assert_eq!(t.files.len(), 3);
+        assert_eq!(t.map.index(0, 0), Some(key), "keys survive growth");
+        assert_eq!(t.map.file_size(0), 3 * u64::from(cs));
+        assert_eq!(t.bytes_total, 3 * u64::from(cs) + 5);
+        assert_eq!(t.chunks_total, 4);
+        let before = (t.files.clone(), t.bytes_total);
+        for bad in [
+            vec![fi("a", 1)],                 // an existing directory
+            vec![fi("b/y", 1)],               // under an existing file
+            vec![fi("n", 1), fi("n/m", 1)],   // both in one update
+            vec![fi("p", 1), fi("p", 2)],     // listed twice
+            vec![fi("../escape", 1)],         // not a plain relative path
+            vec![fi("ok", 1), fi("/abs", 1)], // one bad entry spoils all
+        ] {
+            assert!(t.update(&bad, cs).is_err(), "{bad:?} accepted");
+            assert_eq!(
+                (t.files.clone(), t.bytes_total),
+                before,
+                "{bad:?} changed the table"
+            );
+        }
+        let h = RecordHeader {
+            file: 2,
+            chunk: 0,
+            len: 5,
+            hash: [0; 32],
+        };
+        assert!(t.fits(&h));
+        assert!(!t.fits(&RecordHeader { len: 6, ..h }));
+        assert!(!t.fits(&RecordHeader { file: 3, ..h }));
     }
 
     #[test]
