@@ -388,14 +388,30 @@ pub(super) async fn watch_root(inner: Arc<Inner>, root: RootConfig, timing: Watc
     let overflow = Arc::new(std::sync::atomic::AtomicBool::new(false));
     // inotify: closes after writes make files complete; any event wakes
     // the scan. The watcher object must live as long as the loop.
+    // Checkpoint directories touched by events since the last pass; only
+    // those are scanned again until the next full rescan.
+    let dirty: Arc<Mutex<HashSet<String>>> = Arc::default();
     let _inotify = if root.watch.mode == Mode::Inotify {
         let (closed, tx, overflow) = (closed.clone(), tx.clone(), overflow.clone());
+        let (dirty, base) = (dirty.clone(), root.path.clone());
         let handler = move |res: notify::Result<notify::Event>| {
             use notify::event::{AccessKind, AccessMode, EventKind, ModifyKind, RenameMode};
             match res {
                 Ok(ev) => {
                     if ev.need_rescan() {
                         overflow.store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    if let Ok(mut d) = dirty.lock() {
+                        for p in &ev.paths {
+                            let first = p
+                                .strip_prefix(&base)
+                                .ok()
+                                .and_then(|r| r.components().next())
+                                .and_then(|c| c.as_os_str().to_str());
+                            if let Some(first) = first {
+                                d.insert(first.to_string());
+                            }
+                        }
                     }
                     // A file closed and then renamed into place (DCP
                     // `.metadata.tmp` -> `.metadata`) stays complete.
@@ -442,7 +458,19 @@ pub(super) async fn watch_root(inner: Arc<Inner>, root: RootConfig, timing: Watc
     info!(root = %root.path.display(), job = root.job, mode = ?root.watch.mode, start = ?root.watch.start, "watching for checkpoints");
     let mut ckpts: HashMap<String, Ckpt> = HashMap::new();
     let mut seen: Arc<Mutex<HashMap<PathBuf, Seen>>> = Arc::default();
+    let mut next_full = tokio::time::Instant::now();
     loop {
+        // A full pass scans every checkpoint directory (the safety net:
+        // missed events, idle timeouts, quiet periods); the passes between
+        // scan only the directories events touched.
+        let full = tokio::time::Instant::now() >= next_full;
+        if full {
+            next_full = tokio::time::Instant::now() + timing.rescan;
+        }
+        let touched: HashSet<String> = dirty
+            .lock()
+            .map(|mut d| std::mem::take(&mut *d))
+            .unwrap_or_default();
         let pass = tokio::task::spawn_blocking({
             let (path, fmt, closed, seen) = (
                 root.path.clone(),
@@ -460,6 +488,7 @@ pub(super) async fn watch_root(inner: Arc<Inner>, root: RootConfig, timing: Watc
                 let mut seen = seen.lock().unwrap_or_else(|e| e.into_inner());
                 let scans: Vec<(String, Option<DirScan>)> = dirs
                     .iter()
+                    .filter(|d| full || touched.contains(*d))
                     .map(|d| {
                         let f = formats_now.get(d).copied().flatten().or(fmt);
                         (
@@ -469,7 +498,9 @@ pub(super) async fn watch_root(inner: Arc<Inner>, root: RootConfig, timing: Watc
                     })
                     .collect();
                 // Forget files that are gone.
-                seen.retain(|p, _| p.exists());
+                if full {
+                    seen.retain(|p, _| p.exists());
+                }
                 (siblings, dirs, scans)
             }
         })
@@ -483,6 +514,7 @@ pub(super) async fn watch_root(inner: Arc<Inner>, root: RootConfig, timing: Watc
         .await;
         if overflow.swap(false, std::sync::atomic::Ordering::Relaxed) {
             debug!(root = %root.path.display(), "inotify overflow or error: rescanning");
+            next_full = tokio::time::Instant::now();
             continue;
         }
         tokio::select! {
@@ -491,7 +523,7 @@ pub(super) async fn watch_root(inner: Arc<Inner>, root: RootConfig, timing: Watc
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 while rx.try_recv().is_ok() {}
             }
-            _ = tokio::time::sleep(timing.rescan) => {}
+            _ = tokio::time::sleep_until(next_full) => {}
             _ = inner.shutdown.cancelled() => return,
         }
         if seen.lock().map(|s| s.len()).unwrap_or(0) > 1_000_000 {
@@ -513,11 +545,9 @@ async fn process(
     scans: Vec<(String, Option<DirScan>)>,
 ) {
     let markers = &inner.cfg.markers;
-    let present: HashSet<&str> = scans
-        .iter()
-        .filter(|(_, s)| s.is_some())
-        .map(|(d, _)| d.as_str())
-        .collect();
+    // Presence comes from the root's listing; a directory listed but gone
+    // by the time it was scanned is caught by the next pass.
+    let present: HashSet<&str> = dirs.iter().map(String::as_str).collect();
     // Deleted directories.
     let gone: Vec<String> = ckpts
         .keys()
@@ -567,7 +597,14 @@ async fn process(
     let newest_step = scans
         .iter()
         .filter(|(_, s)| s.as_ref().is_some_and(|s| !s.files.is_empty()))
-        .filter_map(|(d, _)| formats::step_of(d))
+        .map(|(d, _)| d.as_str())
+        .chain(
+            ckpts
+                .iter()
+                .filter(|(_, c)| c.signature.0 > 0)
+                .map(|(d, _)| d.as_str()),
+        )
+        .filter_map(formats::step_of)
         .max();
     for (dir, scan) in scans {
         let Some(scan) = scan else { continue };
