@@ -63,6 +63,27 @@
 //! the 1.4 GB default and 67.6 % (5,465 files) from 2.7 GB up. Below
 //! about 6 MB the smallest matrices drop under 16 KiB too.
 //!
+//! # Presets, scale and exact file counts
+//!
+//! The rule above is the default (`ferry gen` without `--model`,
+//! `--scale` or `--shards`, and [`GenOptions::new`]). [`Preset`] adds
+//! fixed tensor lists at full scale (Llama-2-7B, Llama-2-70B and this
+//! multimodal model at `L = D = 32`, `h = 4096`; parameter counts in the
+//! [`preset`] docs), sized one of three ways:
+//!
+//! * [`GenOptions::scale`] `S` (`0 < S <= 1`): every tensor gets
+//!   `max(1, round(S * n_i))` elements, so counts and ratios are kept and
+//!   the total follows from `S` ([`preview`] tells it before writing);
+//! * a total in bytes with a Llama preset: the largest `S <= 1` whose
+//!   tensors fit in `T` bytes (found by bisection, since the
+//!   one-element floor makes the total a step function of `S`), with
+//!   `model/lm_head.bin` absorbing the remainder, so the files add up to
+//!   exactly `T`; a `T` above the full-scale size is refused. The `mm`
+//!   preset sized in bytes is the size-driven rule above;
+//! * [`GenOptions::shards`] `N`: the preset's layer pattern repeated or
+//!   cut to exactly `N` tensors (the rule in the [`preset`] docs), then
+//!   sized to `T` bytes as above.
+//!
 //! File contents are incompressible pseudo-random bytes from a
 //! [`SmallRng`] seeded per file from [`GenOptions::seed`], so a seed always
 //! yields the same bytes.
@@ -75,6 +96,10 @@ use rand::rngs::SmallRng;
 use rand::{RngCore, SeedableRng};
 
 pub mod format;
+pub mod preset;
+
+use self::preset::RefModel;
+pub use self::preset::{Preset, MAX_SHARDS};
 
 /// Default target size of a generated checkpoint, in bytes (1.4 GB).
 #[cfg_attr(not(test), allow(dead_code))] // the CLI spells it "1.4GB"; a test checks they agree
@@ -106,12 +131,28 @@ pub struct GenOptions {
     /// names are overwritten.
     pub out: PathBuf,
     /// Target total size of all tensor files, in bytes (the marker is not
-    /// counted). The files add up to exactly this many bytes.
+    /// counted). The files add up to exactly this many bytes. Ignored when
+    /// [`GenOptions::scale`] is set.
     pub total_bytes: u64,
+    /// The model whose tensors are written (default
+    /// [`Preset::Multimodal`]).
+    pub model: Preset,
+    /// Scale factor `S` (`0 < S <= 1`) applied to every tensor's
+    /// full-scale element count (at least one element each) instead of
+    /// sizing by `total_bytes`; `None` (the default) sizes by
+    /// `total_bytes`. Excludes [`GenOptions::shards`].
+    pub scale: Option<f64>,
+    /// Exactly this many tensor files (1 to [`MAX_SHARDS`]; the marker
+    /// comes on top) adding up to `total_bytes`, by the rule of the
+    /// [`preset`] docs; `None` (the default) writes the preset's own
+    /// count.
+    pub shards: Option<u64>,
     /// Minimum fraction (0.0-1.0, by file count) of tensor files smaller
     /// than [`SMALL_SHARD_BYTES`]; the modality towers are deepened until
-    /// it is reached. The natural mix is about 0.66-0.68 (0.656 for targets
-    /// under 48 MiB), so lower targets change nothing; up to about 0.71 is
+    /// it is reached. Used by the size-driven `mm` plan only: a fixed
+    /// preset list has the share its shape gives (see [`preset`]). The
+    /// natural mix is about 0.66-0.68 (0.656 for targets under 48 MiB), so
+    /// lower targets change nothing; up to about 0.71 is
     /// reachable (0.70 nearly doubles the tower depth), higher targets fail
     /// with [`io::ErrorKind::InvalidInput`]. Default
     /// [`DEFAULT_SMALL_FRACTION_TARGET`] (0.65).
@@ -127,11 +168,15 @@ pub struct GenOptions {
 
 impl GenOptions {
     /// Options for `total_bytes` bytes (see [`GenOptions::total_bytes`]) in
-    /// `out`, with the default small fraction (0.65), seed 0 and no marker.
+    /// `out`, with the default small fraction (0.65), seed 0 and no marker:
+    /// the size-driven `mm` plan, no scale, no shard count.
     pub fn new(out: impl Into<PathBuf>, total_bytes: u64) -> Self {
         Self {
             out: out.into(),
             total_bytes,
+            model: Preset::Multimodal,
+            scale: None,
+            shards: None,
             small_fraction_target: DEFAULT_SMALL_FRACTION_TARGET,
             seed: 0,
             marker: None,
@@ -158,20 +203,20 @@ pub struct GenSummary {
 /// tensor file is written.
 ///
 /// `progress` is called after every write (at most 8 MiB each) with the
-/// number of tensor bytes written so far, up to `opts.total_bytes`.
+/// number of tensor bytes written so far, up to the total [`preview`]
+/// reports (`opts.total_bytes` unless a scale is set).
 ///
 /// # Errors
 ///
-/// [`io::ErrorKind::InvalidInput`] for a bad marker name, a
-/// `small_fraction_target` outside 0.0-1.0 or above what the towers can
-/// reach, or a `total_bytes` too small for one element per tensor; any I/O
-/// error from creating directories or writing files.
+/// [`io::ErrorKind::InvalidInput`] for a bad marker name or any sizing
+/// [`preview`] refuses; any I/O error from creating directories or
+/// writing files.
 pub fn generate(opts: &GenOptions, progress: &dyn Fn(u64)) -> io::Result<GenSummary> {
     let marker = match &opts.marker {
         Some(name) => Some(opts.out.join(validate_marker(name)?)),
         None => None,
     };
-    let plan = Plan::new(opts.total_bytes, opts.small_fraction_target)?;
+    let plan = Plan::for_options(opts)?;
 
     fs::create_dir_all(&opts.out)?;
     if let Some(path) = &marker {
@@ -180,7 +225,7 @@ pub fn generate(opts: &GenOptions, progress: &dyn Fn(u64)) -> io::Result<GenSumm
             _ => {}
         }
     }
-    for dir in [MODEL, VISION, AUDIO] {
+    for dir in plan.dirs() {
         fs::create_dir_all(opts.out.join(dir))?;
     }
 
@@ -210,6 +255,66 @@ pub fn generate(opts: &GenOptions, progress: &dyn Fn(u64)) -> io::Result<GenSumm
         fs::write(path, text)?;
     }
     Ok(plan.summary())
+}
+
+/// What [`generate`] would write for some options, without writing.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Preview {
+    /// File count, total, small files and largest file, as
+    /// [`generate`] would report them.
+    pub summary: GenSummary,
+    /// The factor applied to the preset's full-scale element counts
+    /// (0.0-1.0): [`GenOptions::scale`] if set, else the one found for
+    /// `total_bytes`; `None` for the size-driven `mm` plan, which has no
+    /// fixed full scale.
+    pub scale: Option<f64>,
+}
+
+/// Plans `opts` as [`generate`] would, without touching the disk: the
+/// files' count and total size (the size to check free space against and
+/// to print for a `--scale`).
+///
+/// # Errors
+///
+/// [`io::ErrorKind::InvalidInput`] for a `small_fraction_target` outside
+/// 0.0-1.0 or above what the towers can reach; a scale outside
+/// `0 < S <= 1` or set together with a shard count; a shard count outside
+/// the preset's fixed tensors to [`MAX_SHARDS`]; a `total_bytes` too small
+/// for one element per tensor, larger than the (stretched) preset at full
+/// scale, or (for `mm` with a shard count) leaving no more than 60 % of the
+/// files under 16 KiB. Messages name the numbers that clash.
+pub fn preview(opts: &GenOptions) -> io::Result<Preview> {
+    let plan = Plan::for_options(opts)?;
+    Ok(Preview {
+        summary: plan.summary(),
+        scale: plan.scale,
+    })
+}
+
+/// Parses a scale factor for `--scale`: a decimal number `S` with
+/// `0 < S <= 1`, e.g. `"0.01"`, `"1e-3"`, `"1"`.
+///
+/// # Errors
+/// A message naming the value for anything else (not a number, zero,
+/// negative, above 1, not finite).
+pub fn parse_scale(s: &str) -> Result<f64, String> {
+    let value: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("invalid scale {s:?}: expected a number such as 0.01"))?;
+    check_scale(value).map_err(|e| format!("invalid scale {s:?}: {e}"))
+}
+
+/// Checks `0 < scale <= 1`.
+fn check_scale(scale: f64) -> Result<f64, String> {
+    if scale > 0.0 && scale <= 1.0 {
+        Ok(scale)
+    } else {
+        Err(format!(
+            "{scale} is not in 0 < S <= 1 (a scale shrinks the full-scale model; \
+             it never grows it)"
+        ))
+    }
 }
 
 /// Parses a size in bytes: a non-negative decimal number with an optional
@@ -323,8 +428,18 @@ impl Tensor {
     }
 }
 
+/// How a [`Plan`] is sized.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Sizing {
+    /// A total in bytes.
+    Bytes(u64),
+    /// A factor on the full-scale element counts.
+    Scale(f64),
+}
+
 /// The scaled tensor list for one target size. `layers`, `hidden` and
-/// `tower_depth` are kept for the tests that check the scaling formula.
+/// `tower_depth` describe the reference shape (the scaling formula's
+/// tests check them; `save_pretrained` writes them into `config.json`).
 #[derive(Debug)]
 #[cfg_attr(not(test), allow(dead_code))]
 struct Plan {
@@ -332,15 +447,163 @@ struct Plan {
     layers: u64,
     /// Reference hidden size `h`.
     hidden: u64,
-    /// Vision and audio tower depth `D`.
+    /// Vision and audio tower depth `D` (0 without towers).
     tower_depth: u64,
     /// Tensors in write order; the last one is `model/lm_head`.
     tensors: Vec<Tensor>,
     /// Scaled size of each tensor in bytes, parallel to `tensors`.
     bytes: Vec<u64>,
+    /// Factor on a preset's full-scale element counts; `None` for the
+    /// size-driven `mm` plan.
+    scale: Option<f64>,
 }
 
 impl Plan {
+    /// The plan [`generate`] writes for `opts`.
+    fn for_options(opts: &GenOptions) -> io::Result<Self> {
+        let sizing = match opts.scale {
+            Some(s) => Sizing::Scale(s),
+            None => Sizing::Bytes(opts.total_bytes),
+        };
+        Self::build(opts.model, sizing, opts.shards, opts.small_fraction_target)
+    }
+
+    /// Plans `model` sized by `sizing`, with exactly `shards` tensors if
+    /// set (see the module docs and [`preview`] for the errors).
+    fn build(
+        model: Preset,
+        sizing: Sizing,
+        shards: Option<u64>,
+        small_fraction_target: f64,
+    ) -> io::Result<Self> {
+        match (sizing, shards) {
+            (Sizing::Scale(s), Some(n)) => Err(invalid(format!(
+                "scale {s} and {n} shards exclude each other: an exact shard count is sized \
+                 by total_bytes"
+            ))),
+            (Sizing::Scale(s), None) => {
+                let s = check_scale(s).map_err(|e| invalid(format!("scale {e}")))?;
+                Ok(Self::at_scale(model.full(), s))
+            }
+            (Sizing::Bytes(total), None) if model == Preset::Multimodal => {
+                Self::new(total, small_fraction_target)
+            }
+            (Sizing::Bytes(total), None) => Self::fitted(model, model.full(), total)
+                .map_err(|e| invalid(format!("size {total} bytes: {e}"))),
+            (Sizing::Bytes(total), Some(n)) => {
+                let clash = |e: String| {
+                    invalid(format!("{n} shards cannot be met with {total} bytes: {e}"))
+                };
+                let reference = model.with_shards(n)?;
+                let plan =
+                    Self::fitted(model, reference, total).map_err(|e| clash(e.to_string()))?;
+                let fraction = plan.small_fraction();
+                if model == Preset::Multimodal && fraction <= preset::SHARDS_MIN_SMALL_FRACTION {
+                    return Err(clash(format!(
+                        "only {:.1} % of the files would be under 16 KiB, and the {model} \
+                         preset keeps more than {:.0} % (use more shards or a smaller size)",
+                        100.0 * fraction,
+                        100.0 * preset::SHARDS_MIN_SMALL_FRACTION
+                    )));
+                }
+                Ok(plan)
+            }
+        }
+    }
+
+    /// `reference` with every element count multiplied by `scale` (at
+    /// least one element each).
+    fn at_scale(reference: RefModel, scale: f64) -> Self {
+        let bytes = reference
+            .tensors
+            .iter()
+            .map(|t| scaled_elems(t.ref_elems, scale) * ELEM_BYTES)
+            .collect();
+        Self::from_reference(reference, bytes, scale)
+    }
+
+    /// `reference` scaled to exactly `total_bytes` bytes: the largest
+    /// scale `S <= 1` whose element counts fit, found by bisection, with
+    /// the last tensor (`model/lm_head`) taking the remainder.
+    ///
+    /// # Errors
+    /// [`io::ErrorKind::InvalidInput`] if `total_bytes` is under one
+    /// element per tensor or above the full-scale size.
+    fn fitted(model: Preset, reference: RefModel, total_bytes: u64) -> io::Result<Self> {
+        let n = reference.tensors.len() as u64;
+        let least = n * ELEM_BYTES;
+        if total_bytes < least {
+            return Err(invalid(format!(
+                "each of the {n} tensor files needs at least one {ELEM_BYTES}-byte element \
+                 ({least} bytes)"
+            )));
+        }
+        let full = reference.params();
+        let target = total_bytes / ELEM_BYTES;
+        if target > full {
+            return Err(invalid(format!(
+                "the {model} preset holds {} bytes at full scale in {n} tensor files, and a \
+                 scale never exceeds 1",
+                full * ELEM_BYTES
+            )));
+        }
+        let count = |s: f64| -> u64 {
+            reference
+                .tensors
+                .iter()
+                .map(|t| scaled_elems(t.ref_elems, s))
+                .sum()
+        };
+        let (mut lo, mut hi) = (0.0, 1.0);
+        if count(hi) <= target {
+            lo = hi;
+        }
+        // count(lo) <= target < count(hi) unless lo == hi, and count never
+        // decreases; 80 halvings leave a gap far below any scale's ulp-level
+        // effect on a rounded count.
+        for _ in 0..80 {
+            let mid = (lo + hi) / 2.0;
+            if count(mid) <= target {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        let mut elems: Vec<u64> = reference
+            .tensors
+            .iter()
+            .map(|t| scaled_elems(t.ref_elems, lo))
+            .collect();
+        let spare = target - elems.iter().sum::<u64>();
+        let last = elems.len() - 1;
+        elems[last] += spare;
+        let mut bytes: Vec<u64> = elems.iter().map(|e| e * ELEM_BYTES).collect();
+        bytes[last] += total_bytes % ELEM_BYTES;
+        Ok(Self::from_reference(reference, bytes, lo))
+    }
+
+    fn from_reference(reference: RefModel, bytes: Vec<u64>, scale: f64) -> Self {
+        Self {
+            layers: reference.layers,
+            hidden: reference.hidden,
+            tower_depth: reference.tower_depth,
+            tensors: reference.tensors,
+            bytes,
+            scale: Some(scale),
+        }
+    }
+
+    /// The directories of the tensors, each once, in write order.
+    fn dirs(&self) -> Vec<&'static str> {
+        let mut dirs: Vec<&'static str> = Vec::new();
+        for t in &self.tensors {
+            if !dirs.contains(&t.dir) {
+                dirs.push(t.dir);
+            }
+        }
+        dirs
+    }
+
     /// Chooses `L`, `h` and `D` for `total_bytes` bytes and a minimum small
     /// fraction, and scales the tensors (see the module docs).
     fn new(total_bytes: u64, small_fraction_target: f64) -> io::Result<Self> {
@@ -372,7 +635,7 @@ impl Plan {
 
     /// Builds and scales the tensor list for fixed `L`, `h` and `D`.
     fn scaled(total_bytes: u64, layers: u64, hidden: u64, depth: u64) -> io::Result<Self> {
-        let tensors = reference_model(layers, hidden, depth);
+        let tensors = preset::multimodal(layers, hidden, depth);
         let ref_total: f64 = tensors.iter().map(|t| t.ref_elems).sum();
         let scale = (total_bytes / ELEM_BYTES) as f64 / ref_total;
         let mut bytes: Vec<u64> = tensors
@@ -394,6 +657,7 @@ impl Plan {
             tower_depth: depth,
             tensors,
             bytes,
+            scale: None,
         })
     }
 
@@ -426,160 +690,10 @@ impl Plan {
     }
 }
 
-/// Unscaled tensor list of the multimodal reference model with `layers`
-/// decoder layers, hidden size `hidden` and `depth` blocks per tower, in
-/// write order with `model/lm_head` last.
-fn reference_model(layers: u64, hidden: u64, depth: u64) -> Vec<Tensor> {
-    let h = hidden as f64;
-    let kv = h / 4.0; // n_kv * d
-    let f = 3.5 * h; // MLP width
-    let vocab = 25.0 * h;
-    let w = h / 2.0; // tower width
-    let mut out = Vec::with_capacity((12 * layers + 56 * depth + 30) as usize);
-    let mut add = |dir, block, name, ref_elems| {
-        out.push(Tensor {
-            dir,
-            block,
-            name,
-            ref_elems,
-        })
-    };
-
-    // Vision tower (InternViT-style): 224 px / 14 px patches + class token.
-    add(VISION, None, "embeddings.class_embedding", w);
-    add(
-        VISION,
-        None,
-        "embeddings.patch_embedding.weight",
-        w * 3.0 * 14.0 * 14.0,
-    );
-    add(VISION, None, "embeddings.patch_embedding.bias", w);
-    add(VISION, None, "embeddings.position_embedding", 1025.0 * w);
-    for i in 0..depth {
-        let b = Some(("blocks", i));
-        add(VISION, b, "norm1.weight", w);
-        add(VISION, b, "norm1.bias", w);
-        add(VISION, b, "attn.qkv.weight", 3.0 * w * w);
-        add(VISION, b, "attn.qkv.bias", 3.0 * w);
-        add(VISION, b, "attn.q_norm.weight", w);
-        add(VISION, b, "attn.k_norm.weight", w);
-        add(VISION, b, "attn.proj.weight", w * w);
-        add(VISION, b, "attn.proj.bias", w);
-        add(VISION, b, "ls1", w);
-        add(VISION, b, "norm2.weight", w);
-        add(VISION, b, "norm2.bias", w);
-        add(VISION, b, "mlp.fc1.weight", 4.0 * w * w);
-        add(VISION, b, "mlp.fc1.bias", 4.0 * w);
-        add(VISION, b, "mlp.fc2.weight", 4.0 * w * w);
-        add(VISION, b, "mlp.fc2.bias", w);
-        add(VISION, b, "ls2", w);
-    }
-    // Projector after a 2x2 pixel shuffle (4w inputs).
-    add(VISION, None, "projector.norm.weight", 4.0 * w);
-    add(VISION, None, "projector.norm.bias", 4.0 * w);
-    add(VISION, None, "projector.linear_1.weight", 4.0 * w * h);
-    add(VISION, None, "projector.linear_1.bias", h);
-    add(VISION, None, "projector.linear_2.weight", h * h);
-    add(VISION, None, "projector.linear_2.bias", h);
-
-    // Audio tower (Conformer-style): 8x conv subsampling of 80 mel bins,
-    // blocks of macaron feed-forward, attention, convolution, feed-forward.
-    let feed_forward = |names: &[&'static str; 6]| {
-        let sizes = [w, w, 4.0 * w * w, 4.0 * w, 4.0 * w * w, w];
-        std::array::from_fn::<_, 6, _>(|k| (names[k], sizes[k]))
-    };
-    add(AUDIO, None, "subsampling.conv.0.weight", 9.0 * w);
-    add(AUDIO, None, "subsampling.conv.0.bias", w);
-    add(AUDIO, None, "subsampling.conv.2.weight", 9.0 * w);
-    add(AUDIO, None, "subsampling.conv.2.bias", w);
-    add(AUDIO, None, "subsampling.conv.3.weight", w * w);
-    add(AUDIO, None, "subsampling.conv.3.bias", w);
-    add(AUDIO, None, "subsampling.out.weight", 10.0 * w * w);
-    add(AUDIO, None, "subsampling.out.bias", w);
-    for i in 0..depth {
-        let b = Some(("layers", i));
-        for (name, n) in feed_forward(&FEED_FORWARD[0]) {
-            add(AUDIO, b, name, n);
-        }
-        add(AUDIO, b, "norm_self_att.weight", w);
-        add(AUDIO, b, "norm_self_att.bias", w);
-        add(AUDIO, b, "self_attn.pos_bias_u", w);
-        add(AUDIO, b, "self_attn.pos_bias_v", w);
-        add(AUDIO, b, "self_attn.linear_q.weight", w * w);
-        add(AUDIO, b, "self_attn.linear_q.bias", w);
-        add(AUDIO, b, "self_attn.linear_k.weight", w * w);
-        add(AUDIO, b, "self_attn.linear_k.bias", w);
-        add(AUDIO, b, "self_attn.linear_v.weight", w * w);
-        add(AUDIO, b, "self_attn.linear_v.bias", w);
-        add(AUDIO, b, "self_attn.linear_out.weight", w * w);
-        add(AUDIO, b, "self_attn.linear_out.bias", w);
-        add(AUDIO, b, "self_attn.linear_pos.weight", w * w);
-        add(AUDIO, b, "norm_conv.weight", w);
-        add(AUDIO, b, "norm_conv.bias", w);
-        add(AUDIO, b, "conv.pointwise_conv1.weight", 2.0 * w * w);
-        add(AUDIO, b, "conv.pointwise_conv1.bias", 2.0 * w);
-        add(AUDIO, b, "conv.depthwise_conv.weight", 9.0 * w);
-        add(AUDIO, b, "conv.depthwise_conv.bias", w);
-        add(AUDIO, b, "conv.batch_norm.weight", w);
-        add(AUDIO, b, "conv.batch_norm.bias", w);
-        add(AUDIO, b, "conv.batch_norm.running_mean", w);
-        add(AUDIO, b, "conv.batch_norm.running_var", w);
-        add(AUDIO, b, "conv.batch_norm.num_batches_tracked", 1.0);
-        add(AUDIO, b, "conv.pointwise_conv2.weight", w * w);
-        add(AUDIO, b, "conv.pointwise_conv2.bias", w);
-        for (name, n) in feed_forward(&FEED_FORWARD[1]) {
-            add(AUDIO, b, name, n);
-        }
-        add(AUDIO, b, "norm_out.weight", w);
-        add(AUDIO, b, "norm_out.bias", w);
-    }
-    add(AUDIO, None, "projector.linear_1.weight", w * h);
-    add(AUDIO, None, "projector.linear_1.bias", h);
-    add(AUDIO, None, "projector.linear_2.weight", h * h);
-    add(AUDIO, None, "projector.linear_2.bias", h);
-
-    // Llama-style decoder with Qwen2-style q/k/v biases.
-    add(MODEL, None, "embed_tokens", vocab * h);
-    for i in 0..layers {
-        let b = Some(("layers", i));
-        add(MODEL, b, "input_layernorm.weight", h);
-        add(MODEL, b, "self_attn.q_proj.weight", h * h);
-        add(MODEL, b, "self_attn.q_proj.bias", h);
-        add(MODEL, b, "self_attn.k_proj.weight", h * kv);
-        add(MODEL, b, "self_attn.k_proj.bias", kv);
-        add(MODEL, b, "self_attn.v_proj.weight", h * kv);
-        add(MODEL, b, "self_attn.v_proj.bias", kv);
-        add(MODEL, b, "self_attn.o_proj.weight", h * h);
-        add(MODEL, b, "post_attention_layernorm.weight", h);
-        add(MODEL, b, "mlp.gate_proj.weight", h * f);
-        add(MODEL, b, "mlp.up_proj.weight", h * f);
-        add(MODEL, b, "mlp.down_proj.weight", f * h);
-    }
-    add(MODEL, None, "norm.weight", h);
-    add(MODEL, None, "lm_head", vocab * h);
-    out
+/// `ref_elems * scale` rounded, at least 1.
+fn scaled_elems(ref_elems: f64, scale: f64) -> u64 {
+    ((ref_elems * scale).round() as u64).max(1)
 }
-
-/// Tensor names of the two macaron feed-forward modules of a Conformer
-/// block: norm weight and bias, then the two linear layers.
-const FEED_FORWARD: [[&str; 6]; 2] = [
-    [
-        "norm_feed_forward1.weight",
-        "norm_feed_forward1.bias",
-        "feed_forward1.linear1.weight",
-        "feed_forward1.linear1.bias",
-        "feed_forward1.linear2.weight",
-        "feed_forward1.linear2.bias",
-    ],
-    [
-        "norm_feed_forward2.weight",
-        "norm_feed_forward2.bias",
-        "feed_forward2.linear1.weight",
-        "feed_forward2.linear1.bias",
-        "feed_forward2.linear2.weight",
-        "feed_forward2.linear2.bias",
-    ],
-];
 
 /// Per-file RNG seed: distinct for every file index under one seed.
 fn file_seed(seed: u64, index: u64) -> u64 {
@@ -894,6 +1008,230 @@ mod tests {
             ".",
         ] {
             let err = parse_size(bad).unwrap_err();
+            assert!(err.contains(&format!("{bad:?}")), "{bad:?}: {err}");
+        }
+    }
+
+    /// A preset plan for `opts` (no I/O).
+    fn plan_for(model: Preset, scale: Option<f64>, shards: Option<u64>, total: u64) -> Plan {
+        let opts = GenOptions {
+            model,
+            scale,
+            shards,
+            ..GenOptions::new("/nonexistent", total)
+        };
+        Plan::for_options(&opts).unwrap()
+    }
+
+    /// Element count of the first tensor whose dotted name ends with
+    /// `suffix`.
+    fn elems_of(plan: &Plan, suffix: &str) -> u64 {
+        let i = plan
+            .tensors
+            .iter()
+            .position(|t| t.fqn().ends_with(suffix))
+            .unwrap_or_else(|| panic!("no {suffix}"));
+        plan.bytes[i] / ELEM_BYTES
+    }
+
+    fn error_of(opts: &GenOptions) -> String {
+        let err = preview(opts).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{err}");
+        err.to_string()
+    }
+
+    #[test]
+    fn scale_keeps_counts_ratios_and_the_small_share() {
+        // Written to disk at about 2.7 MB.
+        let dir = tempfile::tempdir().unwrap();
+        let opts = GenOptions {
+            model: Preset::Llama7b,
+            scale: Some(2e-4),
+            ..GenOptions::new(dir.path().join("ckpt"), 0)
+        };
+        let s = generate(&opts, &|_| {}).unwrap();
+        let files = walk(&opts.out);
+        assert_eq!(files.len(), 291);
+        assert_eq!(s.shards, 291);
+        assert_eq!(files.iter().map(|f| f.1).sum::<u64>(), s.bytes);
+        // Each tensor is round(S * n) elements, so the total is S times
+        // the parameters (within the rounding of 291 tensors).
+        let want = 2.0 * 2e-4 * Preset::Llama7b.params() as f64;
+        assert!((s.bytes as f64 - want).abs() <= 291.0 * 2.0, "{}", s.bytes);
+        // The 2L + 1 norm weights and, this far down, the 4L attention
+        // matrices (h^2 * S = 3,355 elements) are under 16 KiB.
+        assert_eq!(s.small_shards, 65 + 4 * 32);
+        assert_eq!(preview(&opts).unwrap().scale, Some(2e-4));
+
+        // While every matrix stays above 16 KiB (S >= 4.9e-4 for the
+        // smallest, h * n_kv * d), the small files are the norms, 22.3 % as
+        // at full scale.
+        for scale in [1e-3, 0.05, 1.0] {
+            let plan = plan_for(Preset::Llama7b, Some(scale), None, 0);
+            let q = elems_of(&plan, "layers.0.self_attn.q_proj.weight") as f64;
+            let gate = elems_of(&plan, "layers.31.mlp.gate_proj.weight") as f64;
+            let ratio = q / gate;
+            assert!(
+                (ratio / (4096.0 / 11008.0) - 1.0).abs() < 1e-3,
+                "{scale}: {ratio}"
+            );
+            assert_eq!(
+                elems_of(&plan, "embed_tokens"),
+                elems_of(&plan, "lm_head"),
+                "{scale}"
+            );
+            assert_eq!(plan.small_shards(), 65, "{scale}");
+        }
+        // Llama-2-70B norms are exactly 16 KiB at full scale, so not small;
+        // any smaller scale makes all 2L + 1 of them small.
+        assert_eq!(
+            plan_for(Preset::Llama70b, Some(1.0), None, 0).small_shards(),
+            0
+        );
+        assert_eq!(
+            plan_for(Preset::Llama70b, Some(0.5), None, 0).small_shards(),
+            161
+        );
+        // The multimodal mix stays above 60 % at any scale.
+        for (scale, small) in [(1.0, 1_355), (0.5, 1_453), (0.4, 1_487), (1e-4, 2_199)] {
+            let plan = plan_for(Preset::Multimodal, Some(scale), None, 0);
+            assert_eq!(plan.tensors.len(), 2_201);
+            assert_eq!(plan.small_shards(), small, "{scale}");
+            assert!(plan.small_fraction() > 0.6, "{scale}");
+        }
+    }
+
+    #[test]
+    fn mm_preset_at_scale_is_the_size_driven_plan_of_1_gib() {
+        let sized = Plan::new(1 << 30, DEFAULT_SMALL_FRACTION_TARGET).unwrap();
+        let scaled = plan_for(Preset::Multimodal, Some(0.01), None, 0);
+        let paths = |p: &Plan| p.tensors.iter().map(Tensor::path).collect::<Vec<_>>();
+        assert_eq!(paths(&sized), paths(&scaled));
+        assert_eq!(
+            (sized.layers, sized.hidden, sized.tower_depth),
+            (32, 4096, 32)
+        );
+    }
+
+    #[test]
+    fn preset_sized_in_bytes_is_exact_and_never_above_full_scale() {
+        for total in [3_000_000, 3_000_001, 40_000_000] {
+            for model in [Preset::Llama7b, Preset::Llama70b] {
+                let plan = plan_for(model, None, None, total);
+                assert_eq!(plan.summary().bytes, total, "{model}");
+                let scale = plan.scale.unwrap();
+                assert!(scale > 0.0 && scale < 1.0, "{model}: {scale}");
+                // Ratios kept: both embeddings differ only by lm_head's
+                // share of the rounding remainder.
+                let (e, h) = (elems_of(&plan, "embed_tokens"), elems_of(&plan, "lm_head"));
+                assert!(
+                    h >= e && h - e <= plan.tensors.len() as u64,
+                    "{model}: {e} {h}"
+                );
+            }
+        }
+        let full = 2 * Preset::Llama7b.params();
+        let plan = plan_for(Preset::Llama7b, None, None, full);
+        assert_eq!(plan.scale, Some(1.0));
+        let err = error_of(&GenOptions {
+            model: Preset::Llama7b,
+            ..GenOptions::new("/nonexistent", full + 2)
+        });
+        assert!(
+            err.contains(&(full + 2).to_string()) && err.contains(&full.to_string()),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn shards_give_exactly_n_files_mostly_small() {
+        let dir = tempfile::tempdir().unwrap();
+        let total = 4_000_000;
+        let opts = GenOptions {
+            shards: Some(1_500),
+            ..GenOptions::new(dir.path().join("ckpt"), total)
+        };
+        let s = generate(&opts, &|_| {}).unwrap();
+        let files = walk(&opts.out);
+        assert_eq!(files.len(), 1_500);
+        assert_eq!(files.iter().map(|f| f.1).sum::<u64>(), total);
+        let small = files.iter().filter(|f| f.1 < SMALL_SHARD_BYTES).count();
+        assert!(small * 10 > files.len() * 6, "{small} of {}", files.len());
+        assert_eq!(
+            (s.shards, s.bytes, s.small_shards),
+            (1_500, total, small as u64)
+        );
+
+        // The benchmark extremes, planned only: 100,000 files of 100 MB in
+        // all, and few large files of a few GB.
+        for (model, n, total) in [
+            (Preset::Multimodal, MAX_SHARDS, 100_000_000),
+            (Preset::Multimodal, 2_000, 5_000_000_000),
+            (Preset::Multimodal, 97, 3_000_000),
+            (Preset::Llama7b, 100, 3_000_000),
+            (Preset::Llama70b, 10_000, 2_000_000_000),
+        ] {
+            let plan = plan_for(model, None, Some(n), total);
+            let s = plan.summary();
+            assert_eq!((s.shards, s.bytes), (n, total), "{model} {n} {total}");
+            if model == Preset::Multimodal {
+                assert!(plan.small_fraction() > 0.6, "{n} {total}: {s:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn shards_that_the_size_cannot_meet_are_refused() {
+        let opts = |model, n, total| GenOptions {
+            model,
+            shards: Some(n),
+            ..GenOptions::new("/nonexistent", total)
+        };
+        // Fewer than 2 bytes (one bf16 element) per file.
+        let err = error_of(&opts(Preset::Multimodal, 100_000, 150_000));
+        assert!(
+            err.contains("100000 shards") && err.contains("150000 bytes"),
+            "{err}"
+        );
+        // More bytes than so few files hold at full scale.
+        let err = error_of(&opts(Preset::Multimodal, 100, 5_000_000_000));
+        assert!(
+            err.contains("100 shards") && err.contains("5000000000 bytes"),
+            "{err}"
+        );
+        // The fixed mm tensors alone, close to full scale: 52 % small.
+        let err = error_of(&opts(Preset::Multimodal, 25, 1_800_000_000));
+        assert!(err.contains("25 shards") && err.contains("60 %"), "{err}");
+        // Fewer files than the fixed tensors, more than the limit.
+        let err = error_of(&opts(Preset::Llama7b, 2, 1_000_000));
+        assert!(
+            err.contains("2 shards") && err.contains("between 3"),
+            "{err}"
+        );
+        let err = error_of(&opts(Preset::Llama7b, MAX_SHARDS + 1, 1_000_000_000));
+        assert!(err.contains("100001"), "{err}");
+        // A scale and a shard count together; scales out of range.
+        let err = error_of(&GenOptions {
+            scale: Some(0.1),
+            ..opts(Preset::Multimodal, 1_000, 10_000_000)
+        });
+        assert!(err.contains("exclude each other"), "{err}");
+        for bad in [0.0, -0.5, 1.5, f64::NAN] {
+            let err = error_of(&GenOptions {
+                scale: Some(bad),
+                ..GenOptions::new("/nonexistent", 0)
+            });
+            assert!(err.contains("0 < S <= 1"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn parse_scale_accepts_fractions_up_to_one() {
+        for (s, want) in [("0.01", 0.01), ("1", 1.0), ("1e-3", 1e-3), (" 0.5 ", 0.5)] {
+            assert_eq!(parse_scale(s), Ok(want), "{s:?}");
+        }
+        for bad in ["", "0", "-0.1", "1.01", "2", "nan", "inf", "abc", "1/2"] {
+            let err = parse_scale(bad).unwrap_err();
             assert!(err.contains(&format!("{bad:?}")), "{bad:?}: {err}");
         }
     }

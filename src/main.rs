@@ -77,6 +77,10 @@ enum Command {
     /// Generate a realistic synthetic checkpoint (thousands of per-tensor
     /// shards, more than 60 % under 16 KiB, a few large ones).
     ///
+    /// --model picks a preset (7b, 70b, mm); --scale shrinks its full-scale
+    /// tensors by a factor instead of sizing by --size; --shards writes
+    /// exactly N tensor files of --size in all.
+    ///
     /// With --format, write it the way a training framework saves, over
     /// time: one thread per rank, the framework's file names, write order
     /// and commit marker (including the races where a marker lands before
@@ -93,8 +97,27 @@ enum Command {
         out: PathBuf,
         /// Total size, e.g. 1.4GB, 200MB, 512MiB. With --format, the size of
         /// all files of the checkpoint, framing included (within about 1 %).
+        /// With a 7b or 70b --model, the preset is scaled to it (never
+        /// above its full size).
         #[arg(long, visible_alias = "target-bytes", default_value = "1.4GB", value_parser = gen::parse_size)]
         size: u64,
+        /// Model preset: 7b (Llama-2-7B, 6.74e9 parameters, 291 tensors),
+        /// 70b (Llama-2-70B, 6.90e10, 723 tensors), mm (decoder with vision
+        /// and audio towers, more than 60 % of tensors under 16 KiB; sized
+        /// by --size it grows with the size, at --scale 1 it has 1.28e10
+        /// parameters in 2,201 tensors).
+        #[arg(long, default_value = "mm")]
+        model: gen::Preset,
+        /// Multiply every tensor's full-scale element count by S
+        /// (0 < S <= 1, at least one element each), keeping counts and
+        /// ratios; the resulting size is printed. Instead of --size.
+        #[arg(long, value_parser = gen::parse_scale, conflicts_with_all = ["size", "shards"])]
+        scale: Option<f64>,
+        /// Exactly N tensor files (1-100000, plus the marker) adding up to
+        /// --size: the model's layer pattern repeated or cut to N. Only for
+        /// the per-tensor layout (no --format, or --format generic).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=gen::MAX_SHARDS))]
+        shards: Option<u64>,
         /// Seed for the content (same seed, same bytes).
         #[arg(long, default_value_t = 0)]
         seed: u64,
@@ -265,6 +288,9 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Gen {
             out,
             size,
+            model,
+            scale,
+            shards,
             seed,
             marker,
             format,
@@ -273,7 +299,17 @@ async fn run(cli: Cli) -> Result<()> {
             write_rate,
             fault,
         } => match format {
-            None => gen_per_tensor(out, size, seed, marker).await,
+            None => {
+                let opts = gen::GenOptions {
+                    model,
+                    scale,
+                    shards,
+                    marker: Some(marker),
+                    seed,
+                    ..gen::GenOptions::new(out, size)
+                };
+                gen_per_tensor(opts).await
+            }
             Some(format) => {
                 let opts = gen::format::SaveOptions {
                     step,
@@ -282,6 +318,9 @@ async fn run(cli: Cli) -> Result<()> {
                     seed,
                     marker,
                     fault,
+                    model,
+                    scale,
+                    shards,
                     ..gen::format::SaveOptions::new(out, format, size)
                 };
                 gen_format(opts).await
@@ -301,7 +340,20 @@ async fn run(cli: Cli) -> Result<()> {
 }
 
 /// `ferry gen` without --format: the per-tensor layout of [`gen::generate`].
-async fn gen_per_tensor(out: PathBuf, size: u64, seed: u64, marker: String) -> Result<()> {
+async fn gen_per_tensor(opts: gen::GenOptions) -> Result<()> {
+    let out = opts.out.clone();
+    let preview = gen::preview(&opts).context("planning the checkpoint")?;
+    let size = preview.summary.bytes;
+    if let Some(scale) = preview.scale {
+        println!(
+            "model {} ({} parameters at full scale) at scale {scale:.6}: {} tensor files, \
+             {size} bytes, {} under 16 KiB",
+            opts.model,
+            opts.model.params(),
+            preview.summary.shards,
+            preview.summary.small_shards
+        );
+    }
     if std::fs::read_dir(&out).is_ok_and(|mut d| d.next().is_some()) {
         bail!(
             "--out {} exists and is not empty; choose a new directory",
@@ -312,11 +364,6 @@ async fn gen_per_tensor(out: PathBuf, size: u64, seed: u64, marker: String) -> R
         bail!("--out {} exists and is not a directory", out.display());
     }
     gen::ensure_space(&out, size).with_context(|| format!("--out {}", out.display()))?;
-    let opts = gen::GenOptions {
-        marker: Some(marker),
-        seed,
-        ..gen::GenOptions::new(out.clone(), size)
-    };
     let bar = indicatif::ProgressBar::new(size);
     bar.set_style(indicatif::ProgressStyle::with_template(
         "generating {bar:40} {bytes}/{total_bytes} {bytes_per_sec}",
@@ -358,9 +405,21 @@ async fn gen_format(opts: gen::format::SaveOptions) -> Result<()> {
     } else {
         1
     };
-    gen::ensure_space(&opts.root, opts.total_bytes)
+    let preview = gen::format::preview(&opts).context("planning the checkpoint")?;
+    if let Some(scale) = preview.scale {
+        println!(
+            "model {} ({} parameters at full scale) at scale {scale:.6}: {} tensors, {} bytes \
+             as {}",
+            opts.model,
+            opts.model.params(),
+            preview.tensors,
+            preview.bytes,
+            opts.format
+        );
+    }
+    gen::ensure_space(&opts.root, preview.bytes)
         .with_context(|| format!("--out {}", opts.root.display()))?;
-    let bar = indicatif::ProgressBar::new(opts.total_bytes.saturating_mul(passes));
+    let bar = indicatif::ProgressBar::new(preview.bytes.saturating_mul(passes));
     bar.set_style(indicatif::ProgressStyle::with_template(
         "generating {bar:40} {bytes}/{total_bytes} {bytes_per_sec}",
     )?);
@@ -562,4 +621,98 @@ async fn link_emu(
     );
     relay.shutdown().await;
     Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use clap::error::ErrorKind;
+
+    use super::*;
+
+    /// Parses `ferry gen --out x ARGS...`.
+    fn parse_gen(args: &[&str]) -> Result<Command, clap::Error> {
+        let argv = ["ferry", "gen", "--out", "x"]
+            .into_iter()
+            .chain(args.iter().copied());
+        Cli::try_parse_from(argv).map(|cli| cli.command)
+    }
+
+    fn refused(args: &[&str], kind: ErrorKind, words: &[&str]) {
+        let err = parse_gen(args).unwrap_err();
+        assert_eq!(err.kind(), kind, "{args:?}: {err}");
+        let text = err.to_string();
+        for w in words {
+            assert!(text.contains(w), "{args:?}: {text:?} lacks {w:?}");
+        }
+    }
+
+    #[test]
+    fn gen_flags_parse_into_the_options() {
+        let Command::Gen {
+            model,
+            scale,
+            shards,
+            size,
+            ..
+        } = parse_gen(&["--model", "70b", "--scale", "0.01"]).unwrap()
+        else {
+            panic!("not gen");
+        };
+        assert_eq!(
+            (model, scale, shards),
+            (gen::Preset::Llama70b, Some(0.01), None)
+        );
+        assert_eq!(
+            size,
+            gen::DEFAULT_TOTAL_BYTES,
+            "the default --size is no conflict"
+        );
+        let Command::Gen {
+            model,
+            scale,
+            shards,
+            size,
+            ..
+        } = parse_gen(&[
+            "--shards",
+            "100000",
+            "--target-bytes",
+            "100MB",
+            "--format",
+            "generic",
+        ])
+        .unwrap()
+        else {
+            panic!("not gen");
+        };
+        assert_eq!((model, scale), (gen::Preset::Multimodal, None));
+        assert_eq!((shards, size), (Some(100_000), 100_000_000));
+    }
+
+    #[test]
+    fn gen_flag_conflicts_are_refused_with_clear_errors() {
+        let conflict = ErrorKind::ArgumentConflict;
+        refused(
+            &["--scale", "0.1", "--size", "1GB"],
+            conflict,
+            &["--scale", "--size"],
+        );
+        refused(
+            &["--scale", "0.1", "--target-bytes", "1GB"],
+            conflict,
+            &["--scale"],
+        );
+        refused(
+            &["--scale", "0.1", "--shards", "500"],
+            conflict,
+            &["--scale", "--shards"],
+        );
+        let invalid = ErrorKind::ValueValidation;
+        refused(&["--scale", "0"], invalid, &["\"0\"", "0 < S <= 1"]);
+        refused(&["--scale", "1.5"], invalid, &["\"1.5\"", "0 < S <= 1"]);
+        refused(&["--shards", "100001"], invalid, &["100001", "1..=100000"]);
+        refused(&["--shards", "0"], invalid, &["--shards"]);
+        refused(&["--model", "8b"], invalid, &["\"8b\"", "7b, 70b, mm"]);
+    }
 }

@@ -7,8 +7,10 @@
 //! The per-format rules (file names, write order, who waits for whom) are
 //! in [`layout`], each citing `docs/CHECKPOINT_FORMATS.md` or the traced
 //! saves in `tests/fixtures/`. The tensor list is the one [`super::Plan`]
-//! scales for [`super::generate`] (more than 60 % of tensors under
-//! 16 KiB), multiplied by the state each framework saves per parameter
+//! scales for [`super::generate`] (by default the multimodal model with
+//! more than 60 % of tensors under 16 KiB; [`SaveOptions::model`] picks a
+//! [`Preset`], [`SaveOptions::scale`] a scale instead of a size),
+//! multiplied by the state each framework saves per parameter
 //! (weights, fp32 main copy, AdamW moments; 12-14 bytes per parameter for
 //! training formats, 2 for weights-only ones), and the framing is measured
 //! so the files add up to about [`SaveOptions::total_bytes`].
@@ -38,7 +40,7 @@ use rand::{RngCore, SeedableRng};
 use self::framing::{Crc32, Sink};
 use self::layout::{Cut, Event, FileJob, How, Layout, Step, Until};
 use self::pace::Throttle;
-use super::{file_seed, DEFAULT_SMALL_FRACTION_TARGET, SMALL_SHARD_BYTES};
+use super::{file_seed, Preset, DEFAULT_SMALL_FRACTION_TARGET, SMALL_SHARD_BYTES};
 
 /// A checkpoint format [`save`] can write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -235,11 +237,26 @@ pub struct SaveOptions {
     pub marker: String,
     /// The failure to simulate.
     pub fault: Fault,
+    /// The model whose parameters are saved (default
+    /// [`Preset::Multimodal`], sized by `total_bytes` as before presets
+    /// existed).
+    pub model: Preset,
+    /// Scale factor `S` (`0 < S <= 1`) on every tensor's full-scale
+    /// element count (at least one element each); the checkpoint's size
+    /// then follows from `S`, the format's bytes per parameter and its
+    /// framing ([`preview`] tells it), and `total_bytes` is ignored. `None`
+    /// (the default) sizes by `total_bytes`.
+    pub scale: Option<f64>,
+    /// Exactly this many tensor files (see
+    /// [`super::GenOptions::shards`]); only for [`GenFormat::Generic`], the
+    /// per-tensor layout. `None` by default.
+    pub shards: Option<u64>,
 }
 
 impl SaveOptions {
     /// Options for a `total_bytes` save of `format` into `root`: step
-    /// 1000, 4 ranks, unpaced, seed 0, marker `COMMITTED`, no fault.
+    /// 1000, 4 ranks, unpaced, seed 0, marker `COMMITTED`, no fault, the
+    /// size-driven `mm` model, no scale, no shard count.
     pub fn new(root: impl Into<PathBuf>, format: GenFormat, total_bytes: u64) -> Self {
         Self {
             root: root.into(),
@@ -252,6 +269,9 @@ impl SaveOptions {
             seed: 0,
             marker: "COMMITTED".to_string(),
             fault: Fault::None,
+            model: Preset::Multimodal,
+            scale: None,
+            shards: None,
         }
     }
 
@@ -298,9 +318,37 @@ pub struct SaveSummary {
 /// [`io::ErrorKind::InvalidInput`] for impossible options (zero ranks, a
 /// zero rate, a bad marker name, a size too small for the format's
 /// framing, a stale-marker fault at step 0, an unreachable small
-/// fraction); otherwise the first I/O error of any rank.
+/// fraction, a shard count with a format other than generic, a scale or
+/// size the model refuses as [`super::preview`] does); otherwise the first
+/// I/O error of any rank.
 pub fn save(opts: &SaveOptions, progress: &dyn Fn(u64)) -> io::Result<SaveSummary> {
     save_traced(opts, progress).map(|(summary, _)| summary)
+}
+
+/// What [`save`] would write for some options (one pass), without
+/// writing.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SavePreview {
+    /// Total size of the files, in bytes (framing included).
+    pub bytes: u64,
+    /// Tensors of the model, before any sharding across ranks.
+    pub tensors: u64,
+    /// The factor applied to the preset's full-scale element counts;
+    /// `None` for the size-driven `mm` plan (see [`super::Preview`]).
+    pub scale: Option<f64>,
+}
+
+/// Plans `opts` as [`save`] would, without touching the disk.
+///
+/// # Errors
+/// As [`save`] for impossible options.
+pub fn preview(opts: &SaveOptions) -> io::Result<SavePreview> {
+    let layout = layout::build(opts, opts.seed)?;
+    Ok(SavePreview {
+        bytes: layout.expected_bytes,
+        tensors: layout.tensors,
+        scale: layout.scale,
+    })
 }
 
 /// A file-system operation of a save, in the order they happened (the

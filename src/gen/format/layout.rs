@@ -17,7 +17,7 @@ use super::framing::{
     Entry, Item, Py, Sink, StTensor,
 };
 use super::{Fault, GenFormat, SaveOptions};
-use crate::gen::{file_seed, invalid, validate_marker, Plan};
+use crate::gen::{file_seed, invalid, validate_marker, Plan, Sizing};
 
 /// One action of a rank.
 #[derive(Debug)]
@@ -145,6 +145,10 @@ pub(super) struct Layout {
     pub(super) root_files: Vec<PathBuf>,
     /// The file the truncated or zero-byte fault damages, relative.
     pub(super) damaged: Option<PathBuf>,
+    /// Tensors of the model plan.
+    pub(super) tensors: u64,
+    /// The plan's factor on the preset's full-scale element counts.
+    pub(super) scale: Option<f64>,
 }
 
 /// The checkpoint directory's name for `format` at `step`: the
@@ -183,14 +187,25 @@ fn bytes_per_param(format: GenFormat) -> u64 {
 /// and the tensor budget shrunk to leave room for it, so the files add up
 /// to within about 0.5 % of the target (exactly, for generic).
 ///
+/// With [`SaveOptions::scale`] the plan is that scale of the model, and
+/// the size is whatever it comes to.
+///
 /// # Errors
 /// [`io::ErrorKind::InvalidInput`] for options no save can satisfy: zero
 /// ranks, a bad marker name, a stale-marker fault at step 0, a small
 /// fraction the tensor plan cannot reach, a total too small for the
-/// format's framing.
+/// format's framing or too large for the model at full scale, a bad
+/// scale, a shard count with a format other than generic.
 pub(super) fn build(opts: &SaveOptions, seed: u64) -> io::Result<Layout> {
     if opts.ranks == 0 {
         return Err(invalid("ranks must be at least 1"));
+    }
+    if let (Some(n), false) = (opts.shards, opts.format == GenFormat::Generic) {
+        return Err(invalid(format!(
+            "{n} shards: an exact shard count applies to the per-tensor layout (no format, \
+             or the generic format), not to {}",
+            opts.format
+        )));
     }
     if opts.format == GenFormat::Generic {
         validate_marker(&opts.marker)?;
@@ -199,6 +214,9 @@ pub(super) fn build(opts: &SaveOptions, seed: u64) -> io::Result<Layout> {
         return Err(invalid(
             "the stale-marker fault needs a step above 0 (the stale marker is step - 1's)",
         ));
+    }
+    if opts.scale.is_some() {
+        return build_for(opts, seed, opts.total_bytes);
     }
     let target = opts.total_bytes;
     let mut budget = target;
@@ -222,15 +240,31 @@ pub(super) fn build(opts: &SaveOptions, seed: u64) -> io::Result<Layout> {
     Ok(layout)
 }
 
-/// One layout whose tensor data (all state kinds) adds up to `budget`.
+/// One layout whose tensor data (all state kinds) adds up to `budget`
+/// (ignored with a scale).
 fn build_for(opts: &SaveOptions, seed: u64, budget: u64) -> io::Result<Layout> {
-    let plan_bytes = budget.saturating_mul(2) / bytes_per_param(opts.format);
-    let plan = Plan::new(plan_bytes, opts.small_fraction_target).map_err(|e| {
-        invalid(format!(
-            "total_bytes {} is too small for the {} format ({e})",
-            opts.total_bytes, opts.format
-        ))
-    })?;
+    let per_param = bytes_per_param(opts.format);
+    let plan = match opts.scale {
+        Some(s) => Plan::build(opts.model, Sizing::Scale(s), opts.shards, 0.0)?,
+        None => {
+            // The plan is in bf16 weights (2 bytes per parameter).
+            let plan_bytes = budget.saturating_mul(2) / per_param;
+            Plan::build(
+                opts.model,
+                Sizing::Bytes(plan_bytes),
+                opts.shards,
+                opts.small_fraction_target,
+            )
+            .map_err(|e| {
+                invalid(format!(
+                    "total_bytes {} does not suit the {} format ({per_param} bytes per \
+                     parameter, so about {plan_bytes} bytes of bf16 weights): {e}",
+                    opts.total_bytes, opts.format
+                ))
+            })?
+        }
+    };
+    let (tensors, scale) = (plan.tensors.len() as u64, plan.scale);
     let b = Builder::new(opts, seed, plan);
     let mut layout = match opts.format {
         GenFormat::Dcp => b.distcp(false),
@@ -241,6 +275,8 @@ fn build_for(opts: &SaveOptions, seed: u64, budget: u64) -> io::Result<Layout> {
         GenFormat::HfTrainer => b.hf_trainer(),
         GenFormat::Generic => b.generic(),
     };
+    layout.tensors = tensors;
+    layout.scale = scale;
     layout.expected_bytes = layout
         .ranks
         .iter()
@@ -437,6 +473,8 @@ impl<'a> Builder<'a> {
             marker,
             root_files: Vec::new(),
             damaged: None,
+            tensors: 0,
+            scale: None,
         }
     }
 
@@ -943,7 +981,7 @@ impl<'a> Builder<'a> {
     fn generic(&self) -> Layout {
         let marker = self.at(&self.opts.marker);
         let mut layout = self.layout(marker.clone());
-        for sub in [crate::gen::MODEL, crate::gen::VISION, crate::gen::AUDIO] {
+        for sub in self.plan.dirs() {
             layout.prelude.push(Step::Mkdir(self.at(sub)));
         }
         let n = self.plan.tensors.len();

@@ -719,3 +719,90 @@ fn gen_format_pacing_passes_through_the_throttle() {
     let lm = r.rel("model/lm_head.bin");
     assert_eq!(r.read(&lm), other.read(&lm), "same seed, same bytes");
 }
+
+#[test]
+fn gen_format_presets_with_a_scale_or_a_size() {
+    let at = |format, model, scale, total| SaveOptions {
+        model,
+        scale,
+        ..SaveOptions::new("/nonexistent", format, total)
+    };
+    // A scale fixes the tensors; the size follows (12 bytes per
+    // parameter for DCP, plus about 5 MB of framing for 4 ranks' records).
+    let small = preview(&at(GenFormat::Dcp, Preset::Llama7b, Some(1e-3), 0)).unwrap();
+    let double = preview(&at(GenFormat::Dcp, Preset::Llama7b, Some(2e-3), 0)).unwrap();
+    assert_eq!((small.tensors, small.scale), (291, Some(1e-3)));
+    let weights = 1e-3 * Preset::Llama7b.params() as f64;
+    let per_param = small.bytes as f64 / weights;
+    assert!((12.0..13.0).contains(&per_param), "{per_param}");
+    let growth = double.bytes as f64 / small.bytes as f64;
+    assert!((1.9..2.0).contains(&growth), "{growth}");
+    // A size scales the preset to it.
+    let sized = preview(&at(GenFormat::Dcp, Preset::Llama70b, None, 50_000_000)).unwrap();
+    assert!(sized.bytes.abs_diff(50_000_000) < 500_000, "{sized:?}");
+    assert_eq!(sized.tensors, 723);
+    assert!(sized.scale.is_some_and(|s| s > 0.0 && s < 1.0), "{sized:?}");
+    // The default keeps the size-driven multimodal plan (no scale).
+    assert_eq!(
+        preview(&SaveOptions::new("/x", GenFormat::Dcp, TOTAL))
+            .unwrap()
+            .scale,
+        None
+    );
+    // Above the full-scale size: Llama-2-7B in DCP is about 81 GB.
+    let err = preview(&at(GenFormat::Dcp, Preset::Llama7b, None, 100_000_000_000)).unwrap_err();
+    assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+    let msg = err.to_string();
+    assert!(msg.contains("100000000000") && msg.contains("dcp"), "{msg}");
+
+    // save_pretrained records the preset's shape.
+    let tmp = tempfile::tempdir().unwrap();
+    let opts = SaveOptions {
+        root: tmp.path().join("root"),
+        ..at(GenFormat::Hf, Preset::Llama7b, Some(1e-4), 0)
+    };
+    let r = run_with(opts, tmp);
+    let config: serde_json::Value = serde_json::from_slice(&r.read(r.rel("config.json"))).unwrap();
+    assert_eq!(config["hidden_size"], 4096);
+    assert_eq!(config["num_hidden_layers"], 32);
+    assert_eq!(r.summary.tensors, 291);
+}
+
+#[test]
+fn gen_generic_shards_write_exactly_n_tensor_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let opts = SaveOptions {
+        shards: Some(400),
+        ..options(tmp.path(), GenFormat::Generic, Fault::None, 3)
+    };
+    let r = run_with(opts, tmp);
+    check_committed(&r);
+    assert_eq!(r.files().len(), 401, "400 tensors and the marker");
+    assert_eq!(r.summary.tensors, 400);
+    assert!(small_fraction(&r.summary) > 0.6, "{:?}", r.summary);
+
+    // Only the per-tensor layout has a file per tensor to count.
+    for format in GenFormat::ALL {
+        let opts = SaveOptions {
+            shards: Some(400),
+            ..SaveOptions::new("/nonexistent", format, TOTAL)
+        };
+        match (format, preview(&opts)) {
+            (GenFormat::Generic, result) => assert!(result.is_ok()),
+            (_, result) => {
+                let err = result.unwrap_err();
+                assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+                assert!(err.to_string().contains(format.name()), "{err}");
+            }
+        }
+    }
+    // A Llama preset has no tower directories.
+    let tmp = tempfile::tempdir().unwrap();
+    let opts = SaveOptions {
+        model: Preset::Llama7b,
+        ..options(tmp.path(), GenFormat::Generic, Fault::None, 2)
+    };
+    let r = run_with(opts, tmp);
+    assert_eq!(r.files().len(), 292);
+    assert!(!r.summary.dir.join("vision_tower").exists());
+}
