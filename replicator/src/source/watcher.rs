@@ -181,8 +181,13 @@ struct Seen {
 }
 
 /// Files closed after writing, as reported by inotify: path -> (size,
-/// mtime) right after the close.
+/// mtime) right after the close, or [`GONE`].
 type Closed = Arc<Mutex<HashMap<PathBuf, (u64, i64)>>>;
+
+/// A close whose file was already renamed or removed when the event was
+/// handled (events are handled on the notify thread, after the fact); a
+/// rename of that path then completes its new name. Matches no real file.
+const GONE: (u64, i64) = (u64::MAX, i64::MIN);
 
 /// One checkpoint directory as the watcher follows it.
 struct Ckpt {
@@ -419,8 +424,18 @@ pub(super) async fn watch_root(inner: Arc<Inner>, root: RootConfig, timing: Watc
                         (&ev.kind, ev.paths.as_slice())
                     {
                         if let Ok(mut c) = closed.lock() {
-                            if let Some(v) = c.remove(from) {
-                                c.insert(to.clone(), v);
+                            match c.remove(from) {
+                                // Closed, then renamed before this thread
+                                // could stat it: stat the new name.
+                                Some(GONE) => {
+                                    if let Ok(md) = std::fs::symlink_metadata(to) {
+                                        c.insert(to.clone(), (md.len(), mtime_ns(&md)));
+                                    }
+                                }
+                                Some(v) => {
+                                    c.insert(to.clone(), v);
+                                }
+                                None => {}
                             }
                         }
                     }
@@ -429,10 +444,10 @@ pub(super) async fn watch_root(inner: Arc<Inner>, root: RootConfig, timing: Watc
                         EventKind::Access(AccessKind::Close(AccessMode::Write))
                     ) {
                         for p in &ev.paths {
-                            if let Ok(md) = std::fs::symlink_metadata(p) {
-                                if let Ok(mut c) = closed.lock() {
-                                    c.insert(p.clone(), (md.len(), mtime_ns(&md)));
-                                }
+                            let v = std::fs::symlink_metadata(p)
+                                .map_or(GONE, |md| (md.len(), mtime_ns(&md)));
+                            if let Ok(mut c) = closed.lock() {
+                                c.insert(p.clone(), v);
                             }
                         }
                     }
