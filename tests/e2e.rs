@@ -490,10 +490,12 @@ async fn generated_saves_of_every_format_are_watched_and_replicated() {
         ("megatron_dist", "iter_0000300", "megatron_dist"),
         ("deepspeed", "global_step400", "deepspeed"),
         ("hf_trainer", "checkpoint-500", "hf_trainer"),
+        // `save_pretrained` into torchtitan's `step-N` naming.
+        ("hf", "step-550", "torchtitan"),
         ("generic", "step_00000600", "generic"),
     ];
-    for (i, (format, dir, detected)) in cases.iter().enumerate() {
-        let step = ((i + 1) * 100).to_string();
+    for (format, dir, detected) in &cases {
+        let step = formats_step(dir);
         let root = w.source_root();
         let out = w
             .ferry(
@@ -630,4 +632,17 @@ async fn source_killed_while_a_checkpoint_is_written_resumes_it() {
         .await;
     w.ensure(s(&t, "checkpoint") == "committed", || format!("{t}"));
     w.assert_same_tree(&ckpt, &w.replica_path("step_00000700"));
+}
+
+/// The step in a generated checkpoint directory's name.
+fn formats_step(dir: &str) -> String {
+    dir.chars()
+        .rev()
+        .take_while(char::is_ascii_digit)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect::<String>()
+        .trim_start_matches('0')
+        .to_string()
 }
