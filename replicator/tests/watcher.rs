@@ -226,22 +226,24 @@ async fn appended_shard_rewritten_below_its_end_is_sent_again() {
     let ckpt = p.root.join("step_7");
     std::fs::create_dir_all(&ckpt).unwrap();
     let cs = MIN_CHUNK_SIZE as usize;
+    let src = fixtures().join("dcp/step_00000002");
+    let bytes = std::fs::read(src.join("__0_0.distcp")).unwrap();
     let mut f = std::fs::File::create(ckpt.join("__0_0.distcp")).unwrap();
-    let first: Vec<u8> = (0..4 * cs).map(|i| (i % 251) as u8).collect();
-    f.write_all(&first).unwrap();
+    f.write_all(&bytes[..4 * cs]).unwrap();
     // Still open: the full chunks stream before the close.
     let t = transfer_of(&p, &ckpt).await;
     wait_sent(&p, t.id, 4 * cs as u64).await;
     // Rewritten below its old end, then appended to and closed.
-    f.write_all_at(&vec![0xee; 1000], cs as u64 + 10).unwrap();
-    f.write_all(&[1u8; 777]).unwrap();
+    f.write_all_at(&[0xee; 1000], cs as u64 + 10).unwrap();
+    f.write_all(&bytes[4 * cs..]).unwrap();
     drop(f);
-    std::fs::write(ckpt.join(".metadata.tmp"), b"dcp metadata").unwrap();
+    std::fs::copy(src.join(".metadata"), ckpt.join(".metadata.tmp")).unwrap();
     std::fs::rename(ckpt.join(".metadata.tmp"), ckpt.join(".metadata")).unwrap();
     let done = wait_published(&p, t.id).await;
     same_tree(&ckpt, Path::new(done.local_path.as_deref().unwrap()));
+    let total = bytes.len() + size(&ckpt.join(".metadata")) as usize;
     assert!(
-        done.bytes_sent as usize > 4 * cs + 777,
+        done.bytes_sent as usize >= total + cs,
         "the changed chunk went again: {done:?}"
     );
 }
@@ -562,4 +564,28 @@ async fn orbax_checkpoint_is_copied_once_renamed_into_place() {
     assert_eq!(t.format.as_deref(), Some("orbax"));
     let done = wait_published(&p, t.id).await;
     same_tree(&fin, Path::new(done.local_path.as_deref().unwrap()));
+}
+
+#[tokio::test]
+async fn truncated_shard_is_never_published_even_with_its_marker() {
+    let p = pair_with(0, watching(RootWatch::default())).await;
+    let ckpt = p.root.join("step_00000002");
+    std::fs::create_dir_all(&ckpt).unwrap();
+    let src = fixtures().join("dcp/step_00000002");
+    std::fs::copy(src.join("__0_0.distcp"), ckpt.join("__0_0.distcp")).unwrap();
+    // Rank 1's shard lost its last 1000 bytes (the end record of its
+    // last torch.save item), yet rank 0 wrote `.metadata`.
+    let bytes = std::fs::read(src.join("__1_0.distcp")).unwrap();
+    std::fs::write(ckpt.join("__1_0.distcp"), &bytes[..bytes.len() - 1000]).unwrap();
+    std::fs::copy(src.join(".metadata"), ckpt.join(".metadata")).unwrap();
+    let t = transfer_of(&p, &ckpt).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let t = p.source.catalog().transfer(t.id).await.unwrap().unwrap();
+    assert_eq!(t.checkpoint, "open", "{t:?}");
+    assert!(!replicator::catalog::state::is_final(&t.state), "{t:?}");
+    assert_not_published(&p, &ckpt).await;
+    // The writer finishes the file: now it commits.
+    std::fs::write(ckpt.join("__1_0.distcp"), &bytes).unwrap();
+    let done = wait_published(&p, t.id).await;
+    same_tree(&ckpt, Path::new(done.local_path.as_deref().unwrap()));
 }

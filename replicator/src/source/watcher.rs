@@ -301,13 +301,19 @@ fn scan_dir(
                 };
             }
             let closed_ok = closed.get(&abs) == Some(&(size, mt));
-            // The generic rule knows nothing of its files' formats (a
-            // `.bin` there is raw bytes, not a torch.save archive): quiet
-            // is enough.
+            // Closed after its last write (or, without a close event,
+            // unchanged for the quiet period), and passing its format's
+            // check: a shard the writer left truncated or empty (a safetensors
+            // header promising more bytes, a torch.save archive without its
+            // end record) is never complete, so its checkpoint is never
+            // committed and is abandoned after the idle timeout. The generic
+            // rule knows nothing of its files' formats (a `.bin` there is raw
+            // bytes): closed or quiet is enough. Checked once per size and
+            // mtime.
+            let settled = closed_ok || now.duration_since(s.since) >= quiet;
             let check = !matches!(format, None | Some(Format::Generic));
-            let complete = closed_ok
-                || (now.duration_since(s.since) >= quiet && !check)
-                || (now.duration_since(s.since) >= quiet && {
+            let complete = settled
+                && (!check || {
                     if s.checked.is_none() {
                         s.checked = Some(
                             head_tail(&abs, size)
