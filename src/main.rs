@@ -130,7 +130,10 @@ enum Command {
         /// mp_rank_XX/model_optim_rng.pt), deepspeed (ZeRO-2 with `latest`),
         /// hf (transformers save_pretrained, sharded safetensors),
         /// hf_trainer (HF Trainer checkpoint-N), generic (per-tensor files
-        /// and --marker). Without it: per-tensor files directly in --out,
+        /// and --marker), torchtitan (DCP in step-N), nemo (NeMo 2
+        /// weights/ + context/ with a <name>-unfinished marker), orbax
+        /// (<N>.orbax-checkpoint-tmp-<ts>/ renamed to <N>/), bytecheckpoint
+        /// (global_step_N/{model,optimizer,extra_state}). Without it: per-tensor files directly in --out,
         /// the marker last.
         #[arg(long)]
         format: Option<gen::format::GenFormat>,

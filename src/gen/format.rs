@@ -65,11 +65,23 @@ pub enum GenFormat {
     HfTrainer,
     /// One file per tensor and a marker file: `step_%08d/`. Name `generic`.
     Generic,
+    /// torchtitan: a DCP save into `step-N/`. Name `torchtitan`.
+    Torchtitan,
+    /// NeMo 2 `ModelCheckpoint`: `model--step=N-consumed_samples=M/` with
+    /// `weights/` (torch_dist) and `context/`, bracketed by the sibling
+    /// marker file `<name>-unfinished`. Name `nemo`.
+    Nemo,
+    /// Orbax on POSIX: `<N>.orbax-checkpoint-tmp-<ts>/` (OCDBT) renamed
+    /// to `<N>/`. Name `orbax`.
+    Orbax,
+    /// ByteCheckpoint: `global_step_N/` with DCP-style `model/` and
+    /// `optimizer/` and `extra_state/`. Name `bytecheckpoint`.
+    ByteCheckpoint,
 }
 
 impl GenFormat {
     /// Every format, in the order of the names in [`GenFormat::NAMES`].
-    pub const ALL: [Self; 7] = [
+    pub const ALL: [Self; 11] = [
         Self::Dcp,
         Self::MegatronDist,
         Self::MegatronLegacy,
@@ -77,10 +89,14 @@ impl GenFormat {
         Self::Hf,
         Self::HfTrainer,
         Self::Generic,
+        Self::Torchtitan,
+        Self::Nemo,
+        Self::Orbax,
+        Self::ByteCheckpoint,
     ];
 
     /// The names [`FromStr`] accepts.
-    pub const NAMES: [&'static str; 7] = [
+    pub const NAMES: [&'static str; 11] = [
         "dcp",
         "megatron_dist",
         "megatron",
@@ -88,6 +104,10 @@ impl GenFormat {
         "hf",
         "hf_trainer",
         "generic",
+        "torchtitan",
+        "nemo",
+        "orbax",
+        "bytecheckpoint",
     ];
 
     /// The format's name, e.g. `"megatron_dist"`.
@@ -277,8 +297,10 @@ impl SaveOptions {
 
     /// The checkpoint directory [`save`] creates: `root/step_00001000`
     /// (dcp, generic), `root/iter_0001000` (Megatron), `root/global_step1000`
-    /// (DeepSpeed), `root/step-1000` (hf), `root/checkpoint-1000`
-    /// (hf_trainer).
+    /// (DeepSpeed), `root/step-1000` (hf, torchtitan), `root/checkpoint-1000`
+    /// (hf_trainer), `root/model--step=1000-consumed_samples=8000.0` (nemo),
+    /// `root/1000` (orbax, once renamed), `root/global_step_1000`
+    /// (bytecheckpoint).
     pub fn checkpoint_dir(&self) -> PathBuf {
         self.root.join(layout::dir_name(self.format, self.step))
     }
@@ -287,7 +309,8 @@ impl SaveOptions {
 /// What [`save`] wrote.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SaveSummary {
-    /// The checkpoint directory.
+    /// The checkpoint directory (for an Orbax save killed before its
+    /// rename, the temporary directory it was written in).
     pub dir: PathBuf,
     /// Regular files in `dir` (recursively) plus the root-level marker,
     /// as on disk at the end (a killed save's temp files included).
@@ -372,6 +395,7 @@ enum OpKind {
     Create,
     Fsync,
     Mkdir,
+    Remove,
     Rename(PathBuf),
     Truncate(u64),
 }
@@ -447,6 +471,9 @@ fn save_once(
     let opened_at = SystemTime::now();
     let (tx, rx) = mpsc::channel::<u64>();
     let mut written = written_before;
+    // The training job's checkpoint root exists before a save starts (NeMo
+    // writes its `-unfinished` marker there before the directory).
+    fs::create_dir_all(&opts.root)?;
     run_steps(&shared, 0, &layout.prelude, &tx)?;
     let results = std::thread::scope(|s| {
         let handles: Vec<_> = layout
@@ -504,7 +531,10 @@ fn summarize(
     opened_at: SystemTime,
     killed: bool,
 ) -> io::Result<SaveSummary> {
-    let dir = opts.root.join(&layout.dir);
+    let mut dir = opts.root.join(&layout.dir);
+    if let (Some(staging), false) = (&layout.staging, dir.exists()) {
+        dir = opts.root.join(staging);
+    }
     let (mut files, mut bytes) = (0, 0);
     let mut stack = vec![dir.clone()];
     while let Some(d) = stack.pop() {
@@ -560,6 +590,14 @@ fn run_steps(shared: &Shared, rank: u32, steps: &[Step], tx: &Sender<u64>) -> io
                 shared.record(rank, OpKind::Mkdir, path);
             }
             Step::Write(job) => write_file(shared, rank, job, tx)?,
+            Step::Remove(path) => {
+                fs::remove_file(shared.root.join(path))?;
+                shared.record(rank, OpKind::Remove, path);
+            }
+            Step::RenameDir { from, to } => {
+                fs::rename(shared.root.join(from), shared.root.join(to))?;
+                shared.record(rank, OpKind::Rename(to.clone()), from);
+            }
             Step::Damage { path, cut } => {
                 let file = OpenOptions::new()
                     .write(true)

@@ -26,6 +26,16 @@ pub(super) enum Step {
     Mkdir(PathBuf),
     /// Write one file.
     Write(FileJob),
+    /// Delete a file (NeMo's `-unfinished` marker, removed last).
+    Remove(PathBuf),
+    /// Rename a directory (Orbax's commit: the temporary directory
+    /// becomes `<step>/`).
+    RenameDir {
+        /// Current name, relative to the root.
+        from: PathBuf,
+        /// New name, relative to the root.
+        to: PathBuf,
+    },
     /// Cut a closed file short (the truncated and zero-byte faults).
     Damage {
         /// File, relative to the root.
@@ -84,6 +94,8 @@ pub(super) enum Content {
     Text(Vec<u8>),
     /// One raw tensor of this many pseudo-random bytes.
     Tensor(u64),
+    /// Raw tensors of these sizes, back to back (an OCDBT data file).
+    Tensors(Vec<u64>),
     /// A `torch.save` archive.
     Zip(Vec<Entry>),
     /// A DCP `.distcp`: `torch.save` records appended one per item.
@@ -133,6 +145,9 @@ pub(super) enum Until {
 pub(super) struct Layout {
     /// Checkpoint directory, relative to the root.
     pub(super) dir: PathBuf,
+    /// The directory the files are written in when it is not `dir`
+    /// (Orbax's temporary directory, renamed to `dir` at the commit).
+    pub(super) staging: Option<PathBuf>,
     /// Run before the ranks start: the directory, any stale marker.
     pub(super) prelude: Vec<Step>,
     /// Steps of each rank, run in parallel threads.
@@ -154,16 +169,35 @@ pub(super) struct Layout {
 /// The checkpoint directory's name for `format` at `step`: the
 /// framework's own naming (DCP as in the fixture and torchtitan's
 /// `step-N` for HF exports; Megatron `iter_%07d`; DeepSpeed
-/// `global_stepN`; HF Trainer `checkpoint-N`).
+/// `global_stepN`; HF Trainer `checkpoint-N`; NeMo 2's default
+/// `{model_name}--{step}-{consumed_samples}` filename with a global batch
+/// of [`NEMO_GLOBAL_BATCH`]; Orbax's bare step; ByteCheckpoint
+/// `global_step_N`). For Orbax this is the name after the commit rename.
 pub(super) fn dir_name(format: GenFormat, step: u64) -> String {
     match format {
         GenFormat::Dcp | GenFormat::Generic => format!("step_{step:08}"),
         GenFormat::MegatronDist | GenFormat::MegatronLegacy => format!("iter_{step:07}"),
         GenFormat::DeepSpeed => format!("global_step{step}"),
-        GenFormat::Hf => format!("step-{step}"),
+        GenFormat::Hf | GenFormat::Torchtitan => format!("step-{step}"),
         GenFormat::HfTrainer => format!("checkpoint-{step}"),
+        GenFormat::Nemo => format!(
+            "model--step={step}-consumed_samples={}.0",
+            step.saturating_mul(NEMO_GLOBAL_BATCH)
+        ),
+        GenFormat::Orbax => step.to_string(),
+        GenFormat::ByteCheckpoint => format!("global_step_{step}"),
     }
 }
+
+/// Global batch size behind the `consumed_samples` of NeMo directory names.
+pub(super) const NEMO_GLOBAL_BATCH: u64 = 8;
+
+/// Base of the seconds in Orbax temporary directory names
+/// (`<N>.orbax-checkpoint-tmp-<ts>`), 2023-11-14; the seed adds to it.
+const ORBAX_TS_BASE: u64 = 1_700_000_000;
+
+/// NeMo's `ModelCheckpoint.UNFINISHED_CHECKPOINT_SUFFIX`.
+pub(super) const NEMO_UNFINISHED: &str = "-unfinished";
 
 /// Megatron's tracker file, beside the `iter_*` directories.
 pub(super) const MEGATRON_TRACKER: &str = "latest_checkpointed_iteration.txt";
@@ -174,9 +208,17 @@ pub(super) const MEGATRON_TRACKER: &str = "latest_checkpointed_iteration.txt";
 fn bytes_per_param(format: GenFormat) -> u64 {
     match format {
         // fp32 weights, exp_avg, exp_avg_sq (FSDP2 state dict).
-        GenFormat::Dcp | GenFormat::HfTrainer => 12,
+        // Orbax: fp32 params and optax Adam's mu and nu.
+        GenFormat::Dcp
+        | GenFormat::HfTrainer
+        | GenFormat::Torchtitan
+        | GenFormat::Orbax
+        | GenFormat::ByteCheckpoint => 12,
         // bf16 weights; fp32 main params, exp_avg, exp_avg_sq.
-        GenFormat::MegatronDist | GenFormat::MegatronLegacy | GenFormat::DeepSpeed => 14,
+        GenFormat::MegatronDist
+        | GenFormat::MegatronLegacy
+        | GenFormat::DeepSpeed
+        | GenFormat::Nemo => 14,
         // bf16 weights only.
         GenFormat::Hf | GenFormat::Generic => 2,
     }
@@ -209,6 +251,23 @@ pub(super) fn build(opts: &SaveOptions, seed: u64) -> io::Result<Layout> {
     }
     if opts.format == GenFormat::Generic {
         validate_marker(&opts.marker)?;
+    }
+    let no_stale = [GenFormat::Nemo, GenFormat::Orbax, GenFormat::ByteCheckpoint];
+    if opts.fault == Fault::StaleMarker && no_stale.contains(&opts.format) {
+        // NeMo commits by removing a file, Orbax by renaming a directory:
+        // there is no marker to leave stale. ByteCheckpoint's is not
+        // modelled.
+        return Err(invalid(format!(
+            "the stale-marker fault is not modelled for the {} format",
+            opts.format
+        )));
+    }
+    if opts.fault == Fault::ReusedDir && opts.format == GenFormat::Orbax {
+        // Orbax refuses to save a step that exists, and a directory
+        // rename onto a non-empty `<step>/` fails.
+        return Err(invalid(
+            "the reused-dir fault does not apply to orbax: a step is never saved twice",
+        ));
     }
     if opts.fault == Fault::StaleMarker && opts.step == 0 {
         return Err(invalid(
@@ -267,7 +326,10 @@ fn build_for(opts: &SaveOptions, seed: u64, budget: u64) -> io::Result<Layout> {
     let (tensors, scale) = (plan.tensors.len() as u64, plan.scale);
     let b = Builder::new(opts, seed, plan);
     let mut layout = match opts.format {
-        GenFormat::Dcp => b.distcp(false),
+        GenFormat::Dcp | GenFormat::Torchtitan => b.distcp(false),
+        GenFormat::Nemo => b.nemo(),
+        GenFormat::Orbax => b.orbax(),
+        GenFormat::ByteCheckpoint => b.bytecheckpoint(),
         GenFormat::MegatronDist => b.distcp(true),
         GenFormat::MegatronLegacy => b.megatron_legacy(),
         GenFormat::DeepSpeed => b.deepspeed(),
@@ -303,6 +365,13 @@ pub(super) fn write_content(sink: &mut dyn Sink, content: &Content, hold: bool) 
         Content::Tensor(n) => {
             sink.put_random(*n, None)?;
             sink.tensor_done(*n);
+            Ok(())
+        }
+        Content::Tensors(sizes) => {
+            for &n in sizes {
+                sink.put_random(n, None)?;
+                sink.tensor_done(n);
+            }
             Ok(())
         }
         Content::Zip(entries) => write_zip(sink, entries, hold),
@@ -467,6 +536,7 @@ impl<'a> Builder<'a> {
     fn layout(&self, marker: PathBuf) -> Layout {
         Layout {
             dir: self.dir.clone(),
+            staging: None,
             prelude: vec![Step::Mkdir(self.dir.clone())],
             ranks: (0..self.ranks).map(|_| Vec::new()).collect(),
             expected_bytes: 0,
@@ -511,76 +581,14 @@ impl<'a> Builder<'a> {
         } else {
             &DCP_KINDS
         };
-        let mut items: Vec<Vec<(Py, Item)>> = vec![Vec::new(); self.ranks as usize];
-        let groups = Py::List(vec![Py::Dict(vec![
-            (Py::Str("lr".into()), Py::Str("0.0003".into())),
-            (Py::Str("weight_decay".into()), Py::Str("0.1".into())),
-            (Py::Str("params".into()), Py::Int(self.names.len() as i64)),
-        ])]);
-        items[0].push((
-            Py::Str("optimizer.param_groups".into()),
-            Item::Bytes(pickle(&groups)),
-        ));
-        let train_state = Py::Dict(vec![(Py::Str("step".into()), Py::Int(self.step() as i64))]);
-        items[self.last_rank() as usize].push((
-            Py::Str("train_state".into()),
-            Item::Bytes(pickle(&train_state)),
-        ));
-        for (i, (name, &elems)) in self.names.iter().zip(&self.elems).enumerate() {
-            for kind in kinds {
-                let fqn = format!("{}{name}{}", kind.prefix, kind.suffix);
-                for (rank, start, count) in self.shards(i, elems) {
-                    let key = Py::Tuple(vec![Py::Str(fqn.clone()), Py::Int(start as i64)]);
-                    let record = tensor_record(&fqn, count, count * kind.elem_bytes);
-                    items[rank].push((key, record));
-                }
-            }
-            if !megatron {
-                // AdamW's per-parameter `step` scalar, stored once.
-                let fqn = format!("optimizer.state.{name}.step");
-                let key = Py::Tuple(vec![Py::Str(fqn.clone()), Py::Int(0)]);
-                items[i % self.ranks as usize].push((key, tensor_record(&fqn, 1, 4)));
-            }
-        }
-
+        let items = self.dcp_items(kinds, true, true, !megatron);
         let metadata = self.at(".metadata");
         let mut layout = self.layout(metadata.clone());
-        let mut storage = Vec::new();
-        for (rank, rank_items) in items.into_iter().enumerate() {
-            let file = format!("__{rank}_0.distcp");
-            let path = self.at(&file);
-            let (keys, records): (Vec<Py>, Vec<Item>) = rank_items.into_iter().unzip();
-            let mut counter = Counter::default();
-            let spans = write_distcp(&mut counter, &records, false).unwrap_or_default();
-            for (key, (offset, length)) in keys.into_iter().zip(spans) {
-                let info = Py::Tuple(vec![
-                    Py::Str(file.clone()),
-                    Py::Int(offset as i64),
-                    Py::Int(length as i64),
-                ]);
-                storage.push((key, info));
-            }
-            let steps = &mut layout.ranks[rank];
-            steps.push(Step::Write(
-                FileJob::new(path.clone(), Content::DistCp(records)).fsync(),
-            ));
-            if rank as u32 == self.last_rank() {
-                if let Some(d) = self.damage(&path) {
-                    steps.push(d);
-                    layout.damaged = Some(path);
-                }
-            }
+        let storage = self.dcp_data(&mut layout, Path::new(""), items, true);
+        for steps in &mut layout.ranks {
             steps.push(Step::Post(Event::DataClosed));
         }
-
-        let save_id = |step: u64| format!("ferry-{:016x}-{step}", self.seed);
-        let metadata_pickle = |step: u64, storage: Vec<(Py, Py)>| {
-            pickle(&Py::Dict(vec![
-                (Py::Str("save_id".into()), Py::Str(save_id(step))),
-                (Py::Str("step".into()), Py::Int(step as i64)),
-                (Py::Str("storage_data".into()), Py::Dict(storage)),
-            ]))
-        };
+        let metadata_pickle = |step: u64, storage: Vec<(Py, Py)>| self.dcp_metadata(step, storage);
         let tracker = PathBuf::from(MEGATRON_TRACKER);
         if self.stale() {
             let prev = self.step() - 1;
@@ -622,6 +630,366 @@ impl<'a> Builder<'a> {
             layout.marker = tracker.clone();
             layout.root_files.push(tracker);
         }
+        rank0.push(Step::Commit);
+        rank0.push(Step::Post(Event::MarkerWritten));
+        layout
+    }
+
+    /// The items each rank's `.distcp` holds, in write order: the state
+    /// `kinds` of every parameter sharded as [`Builder::shards`] does, and
+    /// optionally the optimizer's `param_groups` (rank 0, first), the
+    /// `train_state` (last rank) and AdamW's per-parameter `step` scalar.
+    fn dcp_items(
+        &self,
+        kinds: &[Kind],
+        param_groups: bool,
+        train_state: bool,
+        step_scalars: bool,
+    ) -> Vec<Vec<(Py, Item)>> {
+        let mut items: Vec<Vec<(Py, Item)>> = vec![Vec::new(); self.ranks as usize];
+        if param_groups {
+            let groups = Py::List(vec![Py::Dict(vec![
+                (Py::Str("lr".into()), Py::Str("0.0003".into())),
+                (Py::Str("weight_decay".into()), Py::Str("0.1".into())),
+                (Py::Str("params".into()), Py::Int(self.names.len() as i64)),
+            ])]);
+            items[0].push((
+                Py::Str("optimizer.param_groups".into()),
+                Item::Bytes(pickle(&groups)),
+            ));
+        }
+        if train_state {
+            let state = Py::Dict(vec![(Py::Str("step".into()), Py::Int(self.step() as i64))]);
+            items[self.last_rank() as usize]
+                .push((Py::Str("train_state".into()), Item::Bytes(pickle(&state))));
+        }
+        for (i, (name, &elems)) in self.names.iter().zip(&self.elems).enumerate() {
+            for kind in kinds {
+                let fqn = format!("{}{name}{}", kind.prefix, kind.suffix);
+                for (rank, start, count) in self.shards(i, elems) {
+                    let key = Py::Tuple(vec![Py::Str(fqn.clone()), Py::Int(start as i64)]);
+                    let record = tensor_record(&fqn, count, count * kind.elem_bytes);
+                    items[rank].push((key, record));
+                }
+            }
+            if step_scalars {
+                // AdamW's per-parameter `step` scalar, stored once.
+                let fqn = format!("optimizer.state.{name}.step");
+                let key = Py::Tuple(vec![Py::Str(fqn.clone()), Py::Int(0)]);
+                items[i % self.ranks as usize].push((key, tensor_record(&fqn, 1, 4)));
+            }
+        }
+        items
+    }
+
+    /// Appends to each rank's steps the write of its `__{rank}_0.distcp`
+    /// in `sub` of the checkpoint directory (created under its final name,
+    /// appended, fsynced, closed); with `damage`, the last rank's file is
+    /// the fault's victim. Returns `.metadata`'s `storage_data`.
+    fn dcp_data(
+        &self,
+        layout: &mut Layout,
+        sub: &Path,
+        items: Vec<Vec<(Py, Item)>>,
+        damage: bool,
+    ) -> Vec<(Py, Py)> {
+        let mut storage = Vec::new();
+        for (rank, rank_items) in items.into_iter().enumerate() {
+            let file = format!("__{rank}_0.distcp");
+            let path = self.at(sub.join(&file));
+            let (keys, records): (Vec<Py>, Vec<Item>) = rank_items.into_iter().unzip();
+            let mut counter = Counter::default();
+            let spans = write_distcp(&mut counter, &records, false).unwrap_or_default();
+            for (key, (offset, length)) in keys.into_iter().zip(spans) {
+                let info = Py::Tuple(vec![
+                    Py::Str(file.clone()),
+                    Py::Int(offset as i64),
+                    Py::Int(length as i64),
+                ]);
+                storage.push((key, info));
+            }
+            let steps = &mut layout.ranks[rank];
+            steps.push(Step::Write(
+                FileJob::new(path.clone(), Content::DistCp(records)).fsync(),
+            ));
+            if damage && rank as u32 == self.last_rank() {
+                if let Some(d) = self.damage(&path) {
+                    steps.push(d);
+                    layout.damaged = Some(path);
+                }
+            }
+        }
+        storage
+    }
+
+    /// A DCP `.metadata` pickle for `step` (its `save_id` names the seed).
+    fn dcp_metadata(&self, step: u64, storage: Vec<(Py, Py)>) -> Vec<u8> {
+        let save_id = format!("ferry-{:016x}-{step}", self.seed);
+        pickle(&Py::Dict(vec![
+            (Py::Str("save_id".into()), Py::Str(save_id)),
+            (Py::Str("step".into()), Py::Int(step as i64)),
+            (Py::Str("storage_data".into()), Py::Dict(storage)),
+        ]))
+    }
+
+    /// DCP's `.metadata` in `sub`: written as `.metadata.tmp`, fsynced,
+    /// closed and renamed (`FileSystemWriter.finish`).
+    fn dcp_metadata_job(&self, sub: &Path, storage: Vec<(Py, Py)>) -> FileJob {
+        FileJob::text(
+            self.at(sub.join(".metadata")),
+            self.dcp_metadata(self.step(), storage),
+        )
+        .how(How::RenameAfterClose {
+            tmp: self.at(sub.join(".metadata.tmp")),
+        })
+        .fsync()
+    }
+
+    /// NeMo 2 `ModelCheckpoint._save_checkpoint`: rank 0 touches the
+    /// sibling marker `<name>-unfinished` in the root before anything else
+    /// (`set_checkpoint_unfinished_marker`, then a barrier); the ranks save
+    /// `<name>/weights/` as Megatron-Core torch_dist (`__{r}_0.distcp`,
+    /// then `.metadata` through `.metadata.tmp`, then `metadata.json`),
+    /// rank 0 dumps the trainer context into `<name>/context/`
+    /// (`io.json`, `model.yaml`), and removes the marker last
+    /// (`remove_checkpoint_unfinished_marker`; CHECKPOINT_FORMATS.md
+    /// "Publish rule" item 4). The marker's removal is the commit.
+    fn nemo(&self) -> Layout {
+        let unfinished = PathBuf::from(format!(
+            "{}{NEMO_UNFINISHED}",
+            dir_name(GenFormat::Nemo, self.step())
+        ));
+        let weights = Path::new("weights");
+        let metadata_json = self.at(weights.join("metadata.json"));
+        let mut layout = self.layout(metadata_json.clone());
+        layout.root_files.push(unfinished.clone());
+        layout
+            .prelude
+            .insert(0, Step::Write(FileJob::text(unfinished.clone(), "")));
+        layout.prelude.push(Step::Mkdir(self.at(weights)));
+        let items = self.dcp_items(&MEGATRON_KINDS, true, true, false);
+        let storage = self.dcp_data(&mut layout, weights, items, true);
+        for steps in &mut layout.ranks {
+            steps.push(Step::Post(Event::DataClosed));
+        }
+        let config = serde_json::json!({
+            "sharded_backend": "torch_dist",
+            "sharded_backend_version": 1,
+            "common_backend": "torch",
+            "common_backend_version": 1,
+        });
+        let io = serde_json::json!({
+            "root": {
+                "type": "ref",
+                "key": "trainer_context_1",
+            },
+            "objects": {
+                "trainer_context_1": {
+                    "type": ["nemo.lightning.io.api", "TrainerContext"],
+                    "model": "ferry_synthetic",
+                    "step": self.step(),
+                },
+            },
+        });
+        let yaml = format!(
+            "_target_: ferry.synthetic.Model\nhidden_size: {}\nnum_layers: {}\n\
+             tower_depth: {}\n",
+            self.plan.hidden, self.plan.layers, self.plan.tower_depth
+        );
+        let context = self.at("context");
+        let rank0 = &mut layout.ranks[0];
+        rank0.push(Step::Wait(Until::DataClosed(self.ranks)));
+        rank0.push(Step::Write(self.dcp_metadata_job(weights, storage)));
+        rank0.push(Step::Write(FileJob::text(
+            metadata_json,
+            config.to_string(),
+        )));
+        rank0.push(Step::Mkdir(context.clone()));
+        rank0.push(Step::Write(FileJob::text(
+            context.join("io.json"),
+            pretty(&io),
+        )));
+        rank0.push(Step::Write(FileJob::text(context.join("model.yaml"), yaml)));
+        rank0.push(Step::Remove(unfinished));
+        rank0.push(Step::Commit);
+        rank0.push(Step::Post(Event::MarkerWritten));
+        layout
+    }
+
+    /// Orbax on a POSIX file system (`AsyncCheckpointer` with the default
+    /// OCDBT PyTree handler): everything goes into
+    /// `<N>.orbax-checkpoint-tmp-<ts>/`. Each process `p` writes its
+    /// OCDBT data file `default/ocdbt.process_p/d/<hash>` (params and
+    /// Adam's `mu` and `nu`, appended), its `manifest.ocdbt` and
+    /// `default/array_metadatas/process_p`; after the barrier process 0
+    /// writes `default/_sharding`, `default/_METADATA`, the merged
+    /// `default/manifest.ocdbt`, `_CHECKPOINT_METADATA` and
+    /// `commit_success.txt`, then renames the directory to `<N>/`, which
+    /// is the commit (CHECKPOINT_FORMATS.md, Orbax row). `<ts>` is derived
+    /// from the seed, so a seed always yields the same names.
+    fn orbax(&self) -> Layout {
+        let tmp = PathBuf::from(format!(
+            "{}.orbax-checkpoint-tmp-{}",
+            self.step(),
+            ORBAX_TS_BASE + self.seed % 1_000_000
+        ));
+        let item = tmp.join("default");
+        let mut layout = self.layout(self.at("commit_success.txt"));
+        layout.staging = Some(tmp.clone());
+        layout.prelude = vec![
+            Step::Mkdir(tmp.clone()),
+            Step::Mkdir(item.join("array_metadatas")),
+        ];
+        let mut sizes: Vec<Vec<u64>> = vec![Vec::new(); self.ranks as usize];
+        for (i, &elems) in self.elems.iter().enumerate() {
+            // params, mu, nu: fp32 each.
+            for _ in 0..3 {
+                for (rank, _, count) in self.shards(i, elems) {
+                    sizes[rank].push(count * 4);
+                }
+            }
+        }
+        let mut rng = SmallRng::seed_from_u64(file_seed(self.seed, u64::MAX - 1));
+        for (rank, sizes) in sizes.into_iter().enumerate() {
+            let process = item.join(format!("ocdbt.process_{rank}"));
+            layout.prelude.push(Step::Mkdir(process.join("d")));
+            let hash: String = (0..32)
+                .map(|_| char::from(b"0123456789abcdef"[rng.gen_range(0..16)]))
+                .collect();
+            let data = process.join("d").join(hash);
+            let manifest = format!("ferry ocdbt manifest process={rank} files=1\n");
+            let array_metadata = serde_json::json!({
+                "array_metadatas": sizes.len(),
+                "process_index": rank,
+            });
+            let steps = &mut layout.ranks[rank];
+            steps.push(Step::Write(FileJob::new(
+                data.clone(),
+                Content::Tensors(sizes),
+            )));
+            if rank as u32 == self.last_rank() {
+                if let Some(d) = self.damage(&data) {
+                    steps.push(d);
+                    layout.damaged = Some(data);
+                }
+            }
+            steps.push(Step::Write(FileJob::text(
+                process.join("manifest.ocdbt"),
+                manifest,
+            )));
+            steps.push(Step::Write(FileJob::text(
+                item.join("array_metadatas").join(format!("process_{rank}")),
+                array_metadata.to_string(),
+            )));
+            steps.push(Step::Post(Event::DataClosed));
+        }
+        let tree: serde_json::Map<String, serde_json::Value> = self
+            .names
+            .iter()
+            .map(|n| {
+                let meta =
+                    serde_json::json!({ "value_type": "jax.Array", "skip_deserialize": false });
+                (format!("params.{n}"), meta)
+            })
+            .collect();
+        let metadata = serde_json::json!({
+            "tree_metadata": tree,
+            "use_zarr3": false,
+            "store_array_data_equal_to_fill_value": true,
+        });
+        let checkpoint_metadata = serde_json::json!({
+            "item_handlers": "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler",
+            "metrics": {},
+            "performance_metrics": {},
+            "init_timestamp_nsecs": (ORBAX_TS_BASE + self.seed % 1_000_000) * 1_000_000_000,
+            "commit_timestamp_nsecs": null,
+            "custom_metadata": { "step": self.step() },
+        });
+        let rank0 = &mut layout.ranks[0];
+        rank0.push(Step::Wait(Until::DataClosed(self.ranks)));
+        rank0.push(Step::Write(FileJob::text(item.join("_sharding"), "{}")));
+        rank0.push(Step::Write(FileJob::text(
+            item.join("_METADATA"),
+            metadata.to_string(),
+        )));
+        rank0.push(Step::Write(FileJob::text(
+            item.join("manifest.ocdbt"),
+            format!("ferry ocdbt manifest merged processes={}\n", self.ranks),
+        )));
+        rank0.push(Step::Write(FileJob::text(
+            tmp.join("_CHECKPOINT_METADATA"),
+            checkpoint_metadata.to_string(),
+        )));
+        rank0.push(Step::Write(FileJob::text(
+            tmp.join("commit_success.txt"),
+            format!(
+                "Checkpoint commit was successful to {}\n",
+                self.dir.display()
+            ),
+        )));
+        rank0.push(Step::RenameDir {
+            from: tmp,
+            to: self.dir.clone(),
+        });
+        rank0.push(Step::Commit);
+        rank0.push(Step::Post(Event::MarkerWritten));
+        layout
+    }
+
+    /// ByteCheckpoint (`bytecheckpoint.save` with FSDP): every rank writes
+    /// `model/__{r}_0.distcp` (fp32 weights), `optimizer/__{r}_0.distcp`
+    /// (AdamW moments, `param_groups`, `step`) and
+    /// `extra_state/extra_state_rank_{r}.pt` (RNG states); after the
+    /// barrier rank 0 writes `optimizer/.metadata` and then
+    /// `model/.metadata`, each through `.metadata.tmp` + rename as DCP does
+    /// (CHECKPOINT_FORMATS.md, ByteCheckpoint row).
+    fn bytecheckpoint(&self) -> Layout {
+        let (model, optimizer) = (Path::new("model"), Path::new("optimizer"));
+        let extra = self.at("extra_state");
+        let mut layout = self.layout(self.at(model.join(".metadata")));
+        for sub in [model, optimizer] {
+            layout.prelude.push(Step::Mkdir(self.at(sub)));
+        }
+        layout.prelude.push(Step::Mkdir(extra.clone()));
+        let weights = [Kind {
+            prefix: "",
+            suffix: "",
+            elem_bytes: 4,
+        }];
+        let moments = [
+            Kind {
+                prefix: "optimizer.state.",
+                suffix: ".exp_avg",
+                elem_bytes: 4,
+            },
+            Kind {
+                prefix: "optimizer.state.",
+                suffix: ".exp_avg_sq",
+                elem_bytes: 4,
+            },
+        ];
+        let model_items = self.dcp_items(&weights, false, false, false);
+        let model_storage = self.dcp_data(&mut layout, model, model_items, true);
+        let optim_items = self.dcp_items(&moments, true, false, true);
+        let optim_storage = self.dcp_data(&mut layout, optimizer, optim_items, false);
+        for rank in 0..self.ranks {
+            let name = format!("extra_state_rank_{rank}");
+            let archive = torch_archive(
+                &name,
+                pickle(&rng_pickle(self.seed ^ u64::from(rank))),
+                &[5056, 16],
+            );
+            let steps = &mut layout.ranks[rank as usize];
+            steps.push(Step::Write(FileJob::new(
+                extra.join(format!("{name}.pt")),
+                Content::Zip(archive),
+            )));
+            steps.push(Step::Post(Event::DataClosed));
+        }
+        let rank0 = &mut layout.ranks[0];
+        rank0.push(Step::Wait(Until::DataClosed(self.ranks)));
+        rank0.push(Step::Write(self.dcp_metadata_job(optimizer, optim_storage)));
+        rank0.push(Step::Write(self.dcp_metadata_job(model, model_storage)));
         rank0.push(Step::Commit);
         rank0.push(Step::Post(Event::MarkerWritten));
         layout

@@ -3,6 +3,8 @@
 
 use std::cell::Cell;
 
+use replicator::formats as rf;
+
 use super::framing::{central_directory, tail_eocd};
 use super::*;
 
@@ -808,4 +810,367 @@ fn gen_generic_shards_write_exactly_n_tensor_files() {
     let r = run_with(opts, tmp);
     assert_eq!(r.files().len(), 292);
     assert!(!r.summary.dir.join("vision_tower").exists());
+}
+
+/// What the watcher would see of a checkpoint directory: every file
+/// complete, content read where [`replicator::formats::wants_content`]
+/// asks for it (auto mode, so a superset of any one format's).
+struct Seen {
+    dir: String,
+    files: Vec<rf::FileState>,
+    siblings: Vec<rf::FileState>,
+    sibling_dirs: Vec<String>,
+}
+
+fn file_state(path: String, on_disk: &Path) -> rf::FileState {
+    let meta = fs::metadata(on_disk).unwrap();
+    let mtime_ns = meta
+        .modified()
+        .unwrap()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as i64;
+    let content = rf::wants_content(None, &path).then(|| fs::read(on_disk).unwrap());
+    rf::FileState {
+        path,
+        size: meta.len(),
+        mtime_ns,
+        complete: true,
+        content,
+    }
+}
+
+impl Seen {
+    /// Snapshot of `dir` (absolute) in its root.
+    fn of(dir: &Path) -> Self {
+        let root = dir.parent().unwrap();
+        let name = dir.file_name().unwrap().to_str().unwrap().to_string();
+        let mut files = Vec::new();
+        let mut stack = vec![dir.to_path_buf()];
+        while let Some(d) = stack.pop() {
+            for entry in fs::read_dir(&d).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    stack.push(path);
+                } else {
+                    let rel = path.strip_prefix(dir).unwrap().to_str().unwrap();
+                    files.push(file_state(rel.replace('\\', "/"), &path));
+                }
+            }
+        }
+        files.sort_by(|a, b| a.path.cmp(&b.path));
+        let (mut siblings, mut sibling_dirs) = (Vec::new(), Vec::new());
+        for entry in fs::read_dir(root).unwrap() {
+            let path = entry.unwrap().path();
+            let n = path.file_name().unwrap().to_str().unwrap().to_string();
+            if path.is_dir() {
+                if n != name {
+                    sibling_dirs.push(n);
+                }
+            } else {
+                siblings.push(file_state(n, &path));
+            }
+        }
+        Self {
+            dir: name,
+            files,
+            siblings,
+            sibling_dirs,
+        }
+    }
+
+    fn snap(&self) -> rf::Snapshot<'_> {
+        rf::Snapshot {
+            dir: &self.dir,
+            files: &self.files,
+            siblings: &self.siblings,
+            sibling_dirs: &self.sibling_dirs,
+        }
+    }
+
+    fn verdict(&self, format: rf::Format) -> rf::Verdict {
+        rf::verdict(format, &self.snap(), &[])
+    }
+
+    fn paths(&self) -> Vec<&str> {
+        self.files.iter().map(|f| f.path.as_str()).collect()
+    }
+}
+
+/// The four framework saves added with the watcher's formats, the format
+/// `recognise` must name, and the markers `verdict` must commit with.
+const FRAMEWORK_SAVES: [(GenFormat, rf::Format, &[&str]); 4] = [
+    (
+        GenFormat::Torchtitan,
+        rf::Format::Torchtitan,
+        &[".metadata"],
+    ),
+    (
+        GenFormat::Nemo,
+        rf::Format::Nemo,
+        &["weights/.metadata", "weights/metadata.json"],
+    ),
+    (GenFormat::Orbax, rf::Format::Orbax, &["commit_success.txt"]),
+    (
+        GenFormat::ByteCheckpoint,
+        rf::Format::ByteCheckpoint,
+        &["optimizer/.metadata", "model/.metadata"],
+    ),
+];
+
+fn markers(v: &rf::Verdict) -> Vec<String> {
+    match v {
+        rf::Verdict::Committed { markers, .. } => markers.clone(),
+        other => panic!("not committed: {other:?}"),
+    }
+}
+
+#[test]
+fn gen_framework_saves_are_recognised_and_committed_by_the_watcher_detectors() {
+    for (format, want, want_markers) in FRAMEWORK_SAVES {
+        let r = run(format, Fault::None, 2);
+        check_committed(&r);
+        assert_eq!(r.summary.dir, r.opts.checkpoint_dir(), "{format}");
+        let seen = Seen::of(&r.summary.dir);
+        assert_eq!(rf::recognise(&seen.snap()), Some(want), "{format}");
+        assert_eq!(markers(&seen.verdict(want)), want_markers, "{format}");
+        assert!(
+            seen.siblings.is_empty() && seen.sibling_dirs.is_empty(),
+            "{format}: no marker or temporary left in the root: {:?} {:?}",
+            seen.siblings,
+            seen.sibling_dirs
+        );
+    }
+}
+
+#[test]
+fn gen_framework_saves_killed_mid_save_stay_open() {
+    for (format, want, _) in FRAMEWORK_SAVES {
+        let r = run(format, Fault::KillMidSave, 2);
+        assert_eq!(r.summary.committed_at, None, "{format}");
+        let seen = Seen::of(&r.summary.dir);
+        assert!(!seen.files.is_empty(), "{format}: partial files stay");
+        assert_eq!(rf::recognise(&seen.snap()), Some(want), "{format}");
+        assert_eq!(seen.verdict(want), rf::Verdict::Open, "{format}");
+    }
+}
+
+#[test]
+fn gen_framework_saves_are_open_just_before_their_commit_step() {
+    // torchtitan and ByteCheckpoint: the tree as it is before the last
+    // `.metadata` rename (the temporary present, the final name absent).
+    for (format, want, last) in [
+        (GenFormat::Torchtitan, rf::Format::Torchtitan, ".metadata"),
+        (
+            GenFormat::ByteCheckpoint,
+            rf::Format::ByteCheckpoint,
+            "model/.metadata",
+        ),
+    ] {
+        let r = run(format, Fault::None, 2);
+        let mut seen = Seen::of(&r.summary.dir);
+        let f = seen.files.iter_mut().find(|f| f.path == last).unwrap();
+        f.path = format!("{last}.tmp");
+        assert_eq!(rf::recognise(&seen.snap()), Some(want), "{format}");
+        assert_eq!(seen.verdict(want), rf::Verdict::Open, "{format}");
+    }
+    // NeMo: everything written, the marker not yet removed.
+    let r = run(GenFormat::Nemo, Fault::None, 2);
+    let mut seen = Seen::of(&r.summary.dir);
+    let marker = format!("{}-unfinished", seen.dir);
+    seen.siblings.push(rf::FileState {
+        path: marker,
+        size: 0,
+        mtime_ns: 0,
+        complete: true,
+        content: None,
+    });
+    assert_eq!(rf::recognise(&seen.snap()), Some(rf::Format::Nemo));
+    assert_eq!(seen.verdict(rf::Format::Nemo), rf::Verdict::Open);
+    // Orbax: everything written, `commit_success.txt` included, under the
+    // temporary name the save renamed from.
+    let r = run(GenFormat::Orbax, Fault::None, 2);
+    let mut seen = Seen::of(&r.summary.dir);
+    let OpKind::Rename(to) = &r.trace.last().unwrap().kind else {
+        panic!("the last operation is the rename: {:?}", r.trace.last());
+    };
+    assert_eq!(to, Path::new("1000"));
+    seen.dir = r.trace.last().unwrap().path.to_str().unwrap().to_string();
+    assert!(seen.paths().contains(&"commit_success.txt"));
+    assert_eq!(rf::recognise(&seen.snap()), Some(rf::Format::Orbax));
+    assert_eq!(seen.verdict(rf::Format::Orbax), rf::Verdict::Open);
+}
+
+#[test]
+fn gen_torchtitan_is_dcp_in_step_n() {
+    let r = run(GenFormat::Torchtitan, Fault::None, 2);
+    check_committed(&r);
+    assert!(r.summary.dir.ends_with("step-1000"));
+    let names: Vec<_> = r.files().into_iter().map(|f| f.0).collect();
+    let want: Vec<PathBuf> = [".metadata", "__0_0.distcp", "__1_0.distcp"]
+        .iter()
+        .map(PathBuf::from)
+        .collect();
+    assert_eq!(names, want);
+    let tmp = r.rel(".metadata.tmp");
+    let rename = r.first(&OpKind::Rename(r.rel(".metadata")), &tmp);
+    for rank in 0..2 {
+        let data = r.rel(&format!("__{rank}_0.distcp"));
+        assert!(r.first(&OpKind::Close, &data) < r.first(&OpKind::Create, &tmp));
+        assert!(has_tail_eocd(&r.read(&data)));
+    }
+    assert_eq!(rename, r.trace.len() - 1);
+}
+
+#[test]
+fn gen_nemo_marker_comes_first_and_is_removed_last() {
+    let r = run(GenFormat::Nemo, Fault::None, 2);
+    check_committed(&r);
+    let name = layout::dir_name(GenFormat::Nemo, 1000);
+    assert_eq!(name, "model--step=1000-consumed_samples=8000.0");
+    let marker = PathBuf::from(format!("{name}-unfinished"));
+    assert_eq!(r.trace[0].kind, OpKind::Create);
+    assert_eq!(r.trace[0].path, marker, "the marker precedes the directory");
+    assert_eq!(r.trace[1].kind, OpKind::Close);
+    assert_eq!(r.trace[2].kind, OpKind::Mkdir);
+    let removed = r.first(&OpKind::Remove, &marker);
+    assert_eq!(removed, r.trace.len() - 1, "the removal is the last step");
+    assert!(!r.root().join(&marker).exists());
+    let names: Vec<_> = r.files().into_iter().map(|f| f.0).collect();
+    let want: Vec<PathBuf> = [
+        "context/io.json",
+        "context/model.yaml",
+        "weights/.metadata",
+        "weights/__0_0.distcp",
+        "weights/__1_0.distcp",
+        "weights/metadata.json",
+    ]
+    .iter()
+    .map(PathBuf::from)
+    .collect();
+    assert_eq!(names, want);
+    let meta = r.first(
+        &OpKind::Rename(r.rel("weights/.metadata")),
+        &r.rel("weights/.metadata.tmp"),
+    );
+    for rank in 0..2 {
+        assert!(
+            r.first(
+                &OpKind::Close,
+                &r.rel(&format!("weights/__{rank}_0.distcp"))
+            ) < meta
+        );
+    }
+    let json = r.first(&OpKind::Close, &r.rel("weights/metadata.json"));
+    let io = r.first(&OpKind::Close, &r.rel("context/io.json"));
+    assert!(meta < json && json < io && io < removed);
+    let config: serde_json::Value =
+        serde_json::from_slice(&r.read(r.rel("weights/metadata.json"))).unwrap();
+    assert_eq!(config["sharded_backend"], "torch_dist");
+}
+
+#[test]
+fn gen_orbax_writes_into_the_tmp_dir_and_renames_it_last() {
+    let r = run(GenFormat::Orbax, Fault::None, 2);
+    check_committed(&r);
+    let tmp = PathBuf::from(format!("1000.orbax-checkpoint-tmp-{}", 1_700_000_011));
+    for op in &r.trace[..r.trace.len() - 1] {
+        assert!(op.path.starts_with(&tmp), "{op:?} is inside {tmp:?}");
+    }
+    let last = r.trace.last().unwrap();
+    assert_eq!(
+        (&last.kind, &last.path),
+        (&OpKind::Rename(PathBuf::from("1000")), &tmp)
+    );
+    assert!(!r.root().join(&tmp).exists());
+    let names: Vec<String> = r
+        .files()
+        .into_iter()
+        .map(|f| f.0.to_str().unwrap().to_string())
+        .collect();
+    for want in [
+        "_CHECKPOINT_METADATA",
+        "commit_success.txt",
+        "default/_METADATA",
+        "default/_sharding",
+        "default/manifest.ocdbt",
+        "default/array_metadatas/process_0",
+        "default/array_metadatas/process_1",
+        "default/ocdbt.process_0/manifest.ocdbt",
+        "default/ocdbt.process_1/manifest.ocdbt",
+    ] {
+        assert!(names.iter().any(|n| n == want), "{want} in {names:?}");
+    }
+    assert_eq!(names.len(), 11, "and one data file per process: {names:?}");
+    let commit = r.first(&OpKind::Close, &tmp.join("commit_success.txt"));
+    let metadata = r.first(&OpKind::Close, &tmp.join("default/_METADATA"));
+    for p in 0..2 {
+        let data = r
+            .trace
+            .iter()
+            .position(|op| {
+                op.kind == OpKind::Close
+                    && op
+                        .path
+                        .starts_with(tmp.join(format!("default/ocdbt.process_{p}/d")))
+            })
+            .unwrap();
+        assert!(data < metadata, "process {p}'s data before _METADATA");
+    }
+    assert!(metadata < commit && commit == r.trace.len() - 2);
+}
+
+#[test]
+fn gen_bytecheckpoint_commits_optimizer_then_model_metadata() {
+    let r = run(GenFormat::ByteCheckpoint, Fault::None, 2);
+    check_committed(&r);
+    assert!(r.summary.dir.ends_with("global_step_1000"));
+    let names: Vec<_> = r.files().into_iter().map(|f| f.0).collect();
+    let want: Vec<PathBuf> = [
+        "extra_state/extra_state_rank_0.pt",
+        "extra_state/extra_state_rank_1.pt",
+        "model/.metadata",
+        "model/__0_0.distcp",
+        "model/__1_0.distcp",
+        "optimizer/.metadata",
+        "optimizer/__0_0.distcp",
+        "optimizer/__1_0.distcp",
+    ]
+    .iter()
+    .map(PathBuf::from)
+    .collect();
+    assert_eq!(names, want);
+    let optim_tmp = r.first(&OpKind::Create, &r.rel("optimizer/.metadata.tmp"));
+    let optim = r.first(
+        &OpKind::Rename(r.rel("optimizer/.metadata")),
+        &r.rel("optimizer/.metadata.tmp"),
+    );
+    let model_tmp = r.first(&OpKind::Create, &r.rel("model/.metadata.tmp"));
+    let model = r.first(
+        &OpKind::Rename(r.rel("model/.metadata")),
+        &r.rel("model/.metadata.tmp"),
+    );
+    for f in &names[..] {
+        let name = f.to_str().unwrap();
+        if !name.ends_with(".metadata") {
+            assert!(r.first(&OpKind::Close, &r.rel(name)) < optim_tmp, "{name}");
+            assert!(has_tail_eocd(&r.read(r.rel(name))), "{name}");
+        }
+    }
+    assert!(optim < model_tmp && model == r.trace.len() - 1);
+}
+
+#[test]
+fn gen_framework_saves_refuse_faults_they_cannot_show() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (format, fault) in [
+        (GenFormat::Nemo, Fault::StaleMarker),
+        (GenFormat::Orbax, Fault::StaleMarker),
+        (GenFormat::ByteCheckpoint, Fault::StaleMarker),
+        (GenFormat::Orbax, Fault::ReusedDir),
+    ] {
+        let opts = options(tmp.path(), format, fault, 2);
+        let err = save(&opts, &|_| {}).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{format} {fault}");
+    }
 }
