@@ -532,7 +532,33 @@ impl Config {
                         anyhow::anyhow!("source.markers[{i}] must be a plain file name, got {m:?}")
                     })?;
             }
+            if !s.scan_interval.is_zero() && s.scan_interval < Duration::from_millis(10) {
+                bail!(
+                    "source.scan_interval must be \"0s\" (watcher off) or at least 10ms, got {:?}",
+                    s.scan_interval
+                );
+            }
+            if s.quiet_period > Duration::from_secs(3600) {
+                bail!(
+                    "source.quiet_period must be at most 1h, got {}",
+                    humantime::format_duration(s.quiet_period)
+                );
+            }
+            if s.checkpoint_idle_timeout < Duration::from_secs(10)
+                || s.checkpoint_idle_timeout <= s.quiet_period
+            {
+                bail!(
+                    "source.checkpoint_idle_timeout must be at least 10s and longer than source.quiet_period ({}), got {}",
+                    humantime::format_duration(s.quiet_period),
+                    humantime::format_duration(s.checkpoint_idle_timeout)
+                );
+            }
             for (i, r) in s.roots.iter().enumerate() {
+                if let Some(j) = s.roots[..i].iter().position(|o| o.path == r.path) {
+                    bail!(
+                        "source.roots[{i}].path is the same directory as source.roots[{j}].path; give each root once"
+                    );
+                }
                 if r.path.parent().is_none() {
                     bail!("source.roots[{i}].path must not be /");
                 }
@@ -689,6 +715,19 @@ link = "to-eval"
             e.contains("source.roots[0].profile") && e.contains("dcp"),
             "{e}"
         );
+        let e = err(&GOOD.replace(
+            "[source]\n",
+            "[source]\ncheckpoint_idle_timeout = \"1ms\"\n",
+        ));
+        assert!(e.contains("source.checkpoint_idle_timeout"), "{e}");
+        let e = err(&GOOD.replace("[source]\n", "[source]\nscan_interval = \"1ns\"\n"));
+        assert!(e.contains("source.scan_interval"), "{e}");
+        let e = err(&GOOD.replace("[source]\n", "[source]\nquiet_period = \"100y\"\n"));
+        assert!(e.contains("source.quiet_period"), "{e}");
+        let twice = format!(
+            "{GOOD}[[source.roots]]\npath = \"/ckpt/job\"\njob = \"other\"\nlink = \"to-eval\"\n"
+        );
+        assert!(err(&twice).contains("same directory"), "{}", err(&twice));
         let e = err(&root("profile = \"tiny\""));
         assert!(e.contains("source.roots[0].profile"), "{e}");
         let e = err(&root("include = [\"[bad\"]"));

@@ -130,6 +130,15 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         bail!("--rtt must be more than 0 and at most 10s, got {:?}", a.rtt);
     }
     let estimate = physical_limit_s(a.size, a.rate, a.rtt) / (1.0 - a.loss).max(0.01);
+    if let Some(w) = a.write_rate.filter(|_| !a.no_watch) {
+        let write_s = a.size as f64 * 8.0 / w.max(1) as f64;
+        if write_s > MAX_DEMO_S {
+            bail!(
+                "the second phase would write for about {write_s:.0} s at --write-rate {} (the demo stops at {MAX_DEMO_S:.0} s); raise --write-rate or lower --size",
+                format_rate(w)
+            );
+        }
+    }
     if estimate > MAX_DEMO_S {
         bail!(
             "this would take about {estimate:.0} s at {} (the demo stops at {MAX_DEMO_S:.0} s); raise --rate or lower --size",
@@ -452,7 +461,7 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         let commit_lag = row.commit_to_replica_s.unwrap_or(f64::NAN);
         let open_lag = row.open_to_replica_s.unwrap_or(f64::NAN);
         say(format!(
-            "  written in {write_s:.2} s; replica published {commit_lag:.3} s after the commit ({open_lag:.2} s after the checkpoint opened)\n  target: commit-to-replica <= 2 RTT + 1 s = {:.2} s\n  replica      {}\n  verified     {}",
+            "  written in {write_s:.2} s; replica published {commit_lag:.3} s after the commit ({open_lag:.2} s after the checkpoint opened)\n  target with start = on_open: commit-to-replica <= 2 RTT + 1 s = {:.2} s\n  replica      {}\n  verified     {}",
             2.0 * a.rtt.as_secs_f64() + 1.0,
             local.display(),
             if same { "byte for byte identical to the source" } else { "DIFFERS from the source" },

@@ -651,3 +651,63 @@ fn formats_step(dir: &str) -> String {
         .trim_start_matches('0')
         .to_string()
 }
+
+/// Saves the generator damages after closing their files (one shard
+/// truncated or left empty, the commit marker written anyway) are never
+/// published: the shard fails its format's check, so the checkpoint never
+/// counts as committed.
+#[tokio::test]
+async fn damaged_saves_are_never_published() {
+    let w = World::new("damaged").await;
+    let c = w
+        .start_cluster("200Mbit/s", &[], |_, src| {
+            if let Some(s) = src.source.as_mut() {
+                s.scan_interval = "500ms".into();
+                s.extra = "quiet_period = \"1s\"\n".into();
+            }
+        })
+        .await;
+    let root = w.source_root();
+    let cases = [
+        ("dcp", "truncated", "1000", "step_00001000"),
+        ("dcp", "zero-byte", "1100", "step_00001100"),
+        ("hf", "truncated", "1200", "step-1200"),
+        ("hf_trainer", "zero-byte", "1300", "checkpoint-1300"),
+        ("deepspeed", "truncated", "1400", "global_step1400"),
+    ];
+    for (format, fault, step, _) in &cases {
+        let out = w
+            .ferry(
+                &[
+                    "gen",
+                    "--out",
+                    root.to_str().unwrap(),
+                    "--format",
+                    format,
+                    "--step",
+                    step,
+                ]
+                .into_iter()
+                .chain(["--size", "4MB", "--fault", fault])
+                .collect::<Vec<_>>(),
+                &[],
+                Duration::from_secs(60),
+            )
+            .await;
+        w.ensure(out.success(), || {
+            format!("ferry gen --format {format} --fault {fault}: {out}")
+        });
+    }
+    // Time for the watcher to see everything settle (quiet 1 s, rescans
+    // every 0.5 s) and for anything it wrongly committed to cross the link.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    for (format, fault, _, dir) in &cases {
+        let r = w.resolve(&c.sink, &root.join(dir)).await;
+        w.ensure(s(&r, "state") != "local", || {
+            format!("{format} save with a {fault} shard was published: {r}")
+        });
+        w.ensure(!w.replica_path(dir).exists(), || {
+            format!("{format} save with a {fault} shard has a replica directory")
+        });
+    }
+}

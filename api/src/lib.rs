@@ -260,13 +260,7 @@ async fn create_transfer(
     let t = src
         .submit(&PathBuf::from(&req.path), req.link.as_deref())
         .await
-        .map_err(|e| match e {
-            SubmitError::BadPath(m) => ApiError::unprocessable(format!("`path`: {m}")),
-            SubmitError::UnknownLink(l) => {
-                ApiError::unprocessable(format!("`link`: unknown link {l:?}"))
-            }
-            SubmitError::Catalog(e) => ApiError::internal(e),
-        })?;
+        .map_err(submit_error)?;
     Ok((
         StatusCode::CREATED,
         Json(TransferView {
@@ -275,6 +269,19 @@ async fn create_transfer(
         }),
     )
         .into_response())
+}
+
+/// A refused submission or announcement as a 422 naming the field (or a
+/// 500 for the catalog).
+fn submit_error(e: SubmitError) -> ApiError {
+    match e {
+        SubmitError::BadPath(m) => ApiError::unprocessable(format!("`path`: {m}")),
+        SubmitError::BadJob(m) => ApiError::unprocessable(format!("`job`: {m}")),
+        SubmitError::UnknownLink(l) => {
+            ApiError::unprocessable(format!("`link`: unknown link {l:?}"))
+        }
+        SubmitError::Catalog(e) => ApiError::internal(e),
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -311,13 +318,7 @@ async fn announce(
             req.expected_bytes,
         )
         .await
-        .map_err(|e| match e {
-            SubmitError::BadPath(m) => ApiError::unprocessable(format!("`path`: {m}")),
-            SubmitError::UnknownLink(l) => {
-                ApiError::unprocessable(format!("`link`: unknown link {l:?}"))
-            }
-            SubmitError::Catalog(e) => ApiError::internal(e),
-        })?;
+        .map_err(submit_error)?;
     Ok(match t {
         Some(t) => (
             StatusCode::CREATED,

@@ -458,6 +458,20 @@ impl Catalog {
         Ok(())
     }
 
+    /// Sets the format that recognised a transfer's checkpoint (an
+    /// announced one is queued before its format is known).
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_transfer_format(&self, id: i64, format: &str) -> Result<(), CatalogError> {
+        sqlx::query("UPDATE transfers SET format = ? WHERE id = ?")
+            .bind(format)
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
     /// Sets when a transfer's checkpoint opened (Unix ms).
     ///
     /// # Errors
@@ -867,6 +881,7 @@ impl Catalog {
         manifest: &[u8],
         root_hex: &str,
         local_path: &str,
+        bytes: u64,
         times: SourceTimes,
     ) -> Result<(), CatalogError> {
         let now = now_ms();
@@ -875,12 +890,14 @@ impl Catalog {
         let mut tx = self.pool.begin().await?;
         sqlx::query(
             "UPDATE replicas SET state = 'published', manifest = ?, manifest_root = ?, \
-             local_path = ?, bytes_done = bytes_total, published_at = ?, opened_at = ?, \
+             local_path = ?, bytes_total = ?, bytes_done = ?, published_at = ?, opened_at = ?, \
              committed_at = ?, commit_to_replica_s = ?, open_to_replica_s = ? WHERE id = ?",
         )
         .bind(manifest)
         .bind(root_hex)
         .bind(local_path)
+        .bind(bytes as i64)
+        .bind(bytes as i64)
         .bind(now)
         .bind(known(times.opened_ms))
         .bind(known(times.committed_ms))
@@ -1105,7 +1122,7 @@ mod tests {
             committed_ms: now_ms() - 2_000,
             opened_ms: now_ms() - 5_000,
         };
-        c.set_replica_published(r, b"m", "ab", "/eval/x", times)
+        c.set_replica_published(r, b"m", "ab", "/eval/x", 5, times)
             .await
             .unwrap();
         assert!(c.chunks(r).await.unwrap().is_empty());

@@ -1585,7 +1585,14 @@ async fn maybe_finish(
             let local = live.local_path.to_string_lossy().into_owned();
             if let Err(e) = inner
                 .catalog
-                .set_replica_published(live.id, &manifest.encode(), &root_hex, &local, times)
+                .set_replica_published(
+                    live.id,
+                    &manifest.encode(),
+                    &root_hex,
+                    &local,
+                    manifest.bytes(),
+                    times,
+                )
                 .await
             {
                 warn!(error = %e, "replica published on disk but the catalog could not record it");

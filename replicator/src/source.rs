@@ -124,6 +124,9 @@ pub enum SubmitError {
     /// No such link.
     #[error("unknown link {0:?}")]
     UnknownLink(String),
+    /// The job does not match the path's source root.
+    #[error("{0}")]
+    BadJob(String),
     /// Catalog failure.
     #[error(transparent)]
     Catalog(#[from] CatalogError),
@@ -348,11 +351,20 @@ impl Source {
                 ))
             })?;
         if root.job != job {
-            return Err(bad(format!(
+            return Err(SubmitError::BadJob(format!(
                 "{} belongs to job {:?}, not {job:?}",
                 parent.display(),
                 root.job
             )));
+        }
+        if name.starts_with('.') || crate::paths::is_temporary(name) {
+            return Err(bad(format!(
+                "{name:?} is a hidden or temporary name, not a checkpoint directory"
+            )));
+        }
+        let abs_probe = parent.join(name);
+        if abs_probe.exists() && !abs_probe.is_dir() {
+            return Err(bad(format!("{} is not a directory", abs_probe.display())));
         }
         if let watcher::Selection::EveryNSteps(n) = root.watch.select {
             if step % n != 0 {

@@ -109,6 +109,11 @@ async fn dcp_save_streams_while_written_and_publishes_at_commit() {
         .await
         .unwrap();
     let row = rows.iter().find(|r| r.state == "published").unwrap();
+    assert_eq!(
+        row.bytes_total as u64,
+        shards + size(&ckpt.join(".metadata")),
+        "the sink's row holds the sealed size, not the size at open"
+    );
     let lag = row
         .commit_to_replica_s
         .expect("commit_to_replica_s recorded");
@@ -329,6 +334,12 @@ async fn announced_checkpoint_waits_for_its_first_bytes() {
         .await
         .unwrap_err();
     assert!(e.to_string().contains("source root"), "{e}");
+    let e = p
+        .source
+        .announce("job", 2, &p.root.join("step_2.tmp"), 1)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("temporary"), "{e}");
 
     let t = p
         .source
@@ -361,6 +372,11 @@ async fn announced_checkpoint_waits_for_its_first_bytes() {
     let done = wait_published(&p, t.id).await;
     same_tree(&ckpt, Path::new(done.local_path.as_deref().unwrap()));
     assert!(done.opened_at.is_some());
+    assert_eq!(
+        done.format.as_deref(),
+        Some("dcp"),
+        "recognised once it opened"
+    );
     let all = p
         .source
         .catalog()
@@ -588,4 +604,34 @@ async fn truncated_shard_is_never_published_even_with_its_marker() {
     std::fs::write(ckpt.join("__1_0.distcp"), &bytes).unwrap();
     let done = wait_published(&p, t.id).await;
     same_tree(&ckpt, Path::new(done.local_path.as_deref().unwrap()));
+}
+
+#[tokio::test]
+async fn a_newer_commit_abandons_a_killed_save_that_held_the_link() {
+    let p = pair_with(0, watching(RootWatch::default())).await;
+    let src = fixtures().join("dcp/step_00000002");
+    // The save of step 2 was killed: one shard whole, one cut short, no
+    // `.metadata`. Its transfer holds the link, waiting for more data.
+    let killed = p.root.join("step_00000002");
+    std::fs::create_dir_all(&killed).unwrap();
+    std::fs::copy(src.join("__0_0.distcp"), killed.join("__0_0.distcp")).unwrap();
+    let half = std::fs::read(src.join("__1_0.distcp")).unwrap();
+    std::fs::write(killed.join("__1_0.distcp"), &half[..half.len() / 2]).unwrap();
+    let t_killed = transfer_of(&p, &killed).await;
+    // Training restarted and saved step 4 completely.
+    let next = p.root.join("step_00000004");
+    std::fs::create_dir_all(&next).unwrap();
+    for e in std::fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), next.join(e.file_name())).unwrap();
+    }
+    let t_killed = wait_final(&p, t_killed.id).await;
+    assert_eq!(t_killed.state, "cancelled", "{t_killed:?}");
+    assert!(
+        t_killed.error.as_deref().unwrap_or("").contains("step 4"),
+        "{t_killed:?}"
+    );
+    let t_next = transfer_of(&p, &next).await;
+    let done = wait_published(&p, t_next.id).await;
+    same_tree(&next, Path::new(done.local_path.as_deref().unwrap()));
 }

@@ -201,6 +201,8 @@ struct Ckpt {
     /// abandoned, superseded or failed before); a commit with a new
     /// identity still does.
     settled: bool,
+    /// The format's commit predicate held at the last look.
+    committed: bool,
 }
 
 /// A scan of one checkpoint directory.
@@ -627,6 +629,15 @@ async fn process(
         )
         .filter_map(formats::step_of)
         .max();
+    // A checkpoint still open when a newer one of the same root has
+    // committed was given up by its writer (CHECKPOINT_FORMATS.md: DCP and
+    // torch_dist "a newer sibling committed"; a killed save would
+    // otherwise hold its link until the idle timeout).
+    let newest_committed = ckpts
+        .iter()
+        .filter(|(_, c)| c.committed)
+        .filter_map(|(d, _)| formats::step_of(d))
+        .max();
     for (dir, scan) in scans {
         let Some(scan) = scan else { continue };
         let step = formats::step_of(&dir);
@@ -672,12 +683,26 @@ async fn process(
                 });
             if let Some(f) = c.format {
                 debug!(dir = abs_s, format = %f, "checkpoint format recognised");
+                if let Some((id, _)) = &c.transfer {
+                    if let Err(e) = inner.catalog.set_transfer_format(*id, &f.to_string()).await {
+                        warn!(error = %e, "catalog");
+                    }
+                }
             }
         }
         let Some(format) = c.format else { continue };
         let weights_only = root.watch.profile == Profile::WeightsOnly;
+        // torchtitan saves either DCP (weights and optimizer state mixed)
+        // or HF safetensors (weights only): the files decide.
+        let profile_format = if format == Format::Torchtitan
+            && !scan.files.iter().any(|f| f.path.ends_with(".distcp"))
+        {
+            Format::HfPretrained
+        } else {
+            format
+        };
         if weights_only {
-            if let Err(why) = formats::is_optimizer_state(format, "") {
+            if let Err(why) = formats::is_optimizer_state(profile_format, "") {
                 if !c.settled {
                     warn!(dir = abs_s, %format, "not replicated: profile = \"weights-only\" is not possible here: {why}");
                     c.settled = true;
@@ -690,7 +715,9 @@ async fn process(
             .files
             .iter()
             .filter(|f| filter.keeps(&f.path))
-            .filter(|f| !weights_only || formats::is_optimizer_state(format, &f.path) == Ok(false))
+            .filter(|f| {
+                !weights_only || formats::is_optimizer_state(profile_format, &f.path) == Ok(false)
+            })
             .filter_map(|f| {
                 Some(ViewFile {
                     info: scan.infos.get(&f.path)?.clone(),
@@ -702,12 +729,23 @@ async fn process(
         let superseded = root.watch.select == Selection::LatestOnly
             && step.is_some()
             && newest_step.is_some_and(|n| Some(n) > step);
+        c.committed = matches!(verdict, Verdict::Committed { .. });
+        let overtaken = step
+            .zip(newest_committed)
+            .and_then(|(s, n)| (n > s).then_some(n));
         match verdict {
             Verdict::Open => {
                 let idle = c.last_change.elapsed() >= timing.idle_timeout;
+                if overtaken.is_some() && c.transfer.is_none() {
+                    c.settled = true;
+                }
                 if let Some((id, tx)) = &c.transfer {
-                    if idle || superseded {
-                        let why = if idle {
+                    if idle || superseded || overtaken.is_some() {
+                        let why = if let Some(n) = overtaken {
+                            format!(
+                                "checkpoint abandoned: the newer checkpoint of step {n} committed while this one was still open"
+                            )
+                        } else if idle {
                             format!(
                                 "checkpoint abandoned: nothing written for {}",
                                 humantime::format_duration(timing.idle_timeout)
@@ -874,6 +912,7 @@ async fn adopt(inner: &Arc<Inner>, abs: &str, scan: &DirScan) -> Ckpt {
         last_change: Instant::now(),
         transfer: None,
         settled: false,
+        committed: false,
     };
     let Ok(Some(t)) = inner.catalog.transfer_by_path(abs).await else {
         return c;
