@@ -96,6 +96,8 @@ struct Live {
     table_changed: watch::Sender<u64>,
     /// When the table was last written to the catalog.
     table_saved: Mutex<Instant>,
+    /// A delayed write of the table to the catalog is scheduled.
+    table_pending: std::sync::atomic::AtomicBool,
     chunk_size: u32,
     /// Manifest root of a replica that was already published when the
     /// source (re)opened it; its commit is answered without touching disk.
@@ -954,6 +956,7 @@ async fn open_transfer(
         table: std::sync::RwLock::new(Table::new(files, chunk_size)),
         table_changed: watch::channel(0).0,
         table_saved: Mutex::new(Instant::now()),
+        table_pending: Default::default(),
         chunk_size,
         published_root,
         staging,
@@ -1086,6 +1089,36 @@ async fn grow_table(
             .catalog
             .set_replica_files(live.id, &files, total)
             .await?;
+    } else if !live
+        .table_pending
+        .swap(true, std::sync::atomic::Ordering::Relaxed)
+    {
+        // Not due yet: write the table as it will be then, so the last
+        // update of a checkpoint that stops growing reaches the catalog
+        // too (sizes shown by resolve and /v1/replicas).
+        let (inner, live) = (inner.clone(), live.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(TABLE_SAVE_EVERY).await;
+            live.table_pending
+                .store(false, std::sync::atomic::Ordering::Relaxed);
+            if let Ok(mut t) = live.table_saved.lock() {
+                *t = Instant::now();
+            }
+            let snap = live
+                .table
+                .read()
+                .ok()
+                .map(|t| (t.files.clone(), t.bytes_total));
+            if let Some((files, total)) = snap {
+                if let Err(e) = inner
+                    .catalog
+                    .set_replica_files(live.id, &files, total)
+                    .await
+                {
+                    debug!(error = %e, "file table not recorded");
+                }
+            }
+        });
     }
     live.table_changed.send_modify(|v| *v += 1);
     inner.changed.send_modify(|v| *v += 1);

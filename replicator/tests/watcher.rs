@@ -599,6 +599,10 @@ async fn truncated_shard_is_never_published_even_with_its_marker() {
     let t = p.source.catalog().transfer(t.id).await.unwrap().unwrap();
     assert_eq!(t.checkpoint, "open", "{t:?}");
     assert!(!replicator::catalog::state::is_final(&t.state), "{t:?}");
+    assert!(
+        t.error.as_deref().unwrap_or("").contains("__1_0.distcp"),
+        "the transfer says which file it waits for: {t:?}"
+    );
     assert_not_published(&p, &ckpt).await;
     // The writer finishes the file: now it commits.
     std::fs::write(ckpt.join("__1_0.distcp"), &bytes).unwrap();

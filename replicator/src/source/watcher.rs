@@ -203,6 +203,8 @@ struct Ckpt {
     settled: bool,
     /// The format's commit predicate held at the last look.
     committed: bool,
+    /// The note last written on its transfer (why it waits).
+    note: Option<String>,
 }
 
 /// A scan of one checkpoint directory.
@@ -210,6 +212,9 @@ struct DirScan {
     files: Vec<FileState>,
     infos: HashMap<String, FileInfo>,
     created_ms: Option<i64>,
+    /// Files closed (or quiet) that fail their format's check: truncated,
+    /// empty, or being rewritten.
+    suspect: Vec<String>,
 }
 
 fn mtime_ns(md: &std::fs::Metadata) -> i64 {
@@ -260,6 +265,7 @@ fn scan_dir(
         files: Vec::new(),
         infos: HashMap::new(),
         created_ms,
+        suspect: Vec::new(),
     };
     let closed = closed.lock().map(|c| c.clone()).unwrap_or_default();
     let mut stack = vec![String::new()];
@@ -325,6 +331,9 @@ fn scan_dir(
                     }
                     s.checked == Some(true)
                 });
+            if settled && check && s.checked == Some(false) {
+                out.suspect.push(rel_child.clone());
+            }
             let content = (formats::wants_content(format, &rel_child)
                 && size <= formats::MAX_CONTENT)
                 .then(|| read_small(&abs))
@@ -846,6 +855,24 @@ async fn process(
                 c.settled = true;
             }
         }
+        // Say why a transfer waits when files look damaged: the checkpoint
+        // cannot commit while they fail their format's check.
+        if let Some((id, _)) = &c.transfer {
+            let note = (!scan.suspect.is_empty()).then(|| {
+                format!(
+                    "waiting: {} file(s) closed but failing their format check (truncated, empty or rewritten?), e.g. {}",
+                    scan.suspect.len(),
+                    scan.suspect[0]
+                )
+            });
+            if note != c.note {
+                if let Some(n) = &note {
+                    warn!(transfer = id, dir = abs_s, "{n}");
+                }
+                let _ = inner.catalog.set_transfer_note(*id, note.as_deref()).await;
+                c.note = note;
+            }
+        }
         // A finished transfer no longer needs its view.
         if let Some((id, _)) = &c.transfer {
             if let Ok(Some(t)) = inner.catalog.transfer(*id).await {
@@ -913,6 +940,7 @@ async fn adopt(inner: &Arc<Inner>, abs: &str, scan: &DirScan) -> Ckpt {
         transfer: None,
         settled: false,
         committed: false,
+        note: None,
     };
     let Ok(Some(t)) = inner.catalog.transfer_by_path(abs).await else {
         return c;
