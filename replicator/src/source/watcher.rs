@@ -14,8 +14,9 @@
 //!
 //! Per checkpoint the format's detector ([`formats::verdict`]) decides
 //! open / committed / abandoned; the watcher adds the idle timeout
-//! (abandoned when nothing changes for `checkpoint_idle_timeout`) and
-//! deletion. A transfer is created when a checkpoint opens (`start =
+//! (abandoned when nothing changes for `checkpoint_idle_timeout`), a newer
+//! checkpoint of the same root committing while this one is open
+//! (abandoned), and deletion. A transfer is created when a checkpoint opens (`start =
 //! "on_open"`, the default) or when it commits (`"on_commit"`); its view
 //! ([`CheckpointView`]) is updated on every change and read by the
 //! streaming sender. A commit with a new identity in a directory that was
