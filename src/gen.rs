@@ -646,7 +646,7 @@ impl Plan {
         let others: u64 = bytes[..last].iter().sum();
         if total_bytes < others + ELEM_BYTES {
             return Err(invalid(format!(
-                "total_bytes {total_bytes} is too small: at least {} bytes are needed",
+                "{total_bytes} bytes of tensor data are too few: at least {} are needed (one bf16 element per tensor)",
                 (last as u64 + 1) * ELEM_BYTES
             )));
         }

@@ -288,8 +288,8 @@ pub(super) fn build(opts: &SaveOptions, seed: u64) -> io::Result<Layout> {
         let next = i128::from(budget) - over;
         if next <= 0 {
             return Err(invalid(format!(
-                "total_bytes {target} is too small for the {} format: its framing alone \
-                 takes about {} bytes",
+                "a size (--size) of {target} bytes is too small for the {} format: its \
+                 framing alone takes about {} bytes",
                 opts.format, layout.expected_bytes
             )));
         }
@@ -316,8 +316,8 @@ fn build_for(opts: &SaveOptions, seed: u64, budget: u64) -> io::Result<Layout> {
             )
             .map_err(|e| {
                 invalid(format!(
-                    "total_bytes {} does not suit the {} format ({per_param} bytes per \
-                     parameter, so about {plan_bytes} bytes of bf16 weights): {e}",
+                    "a size (--size) of {} bytes does not suit the {} format ({per_param} \
+                     bytes per parameter, so about {plan_bytes} bytes of bf16 weights): {e}",
                     opts.total_bytes, opts.format
                 ))
             })?
