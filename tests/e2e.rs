@@ -477,12 +477,7 @@ async fn bad_config_names_the_key() {
 async fn generated_saves_of_every_format_are_watched_and_replicated() {
     let w = World::new("formats").await;
     let c = w
-        .start_cluster("200Mbit/s", &[], |_, src| {
-            if let Some(s) = src.source.as_mut() {
-                s.scan_interval = "500ms".into();
-                s.extra = "quiet_period = \"1s\"\n".into();
-            }
-        })
+        .start_cluster("200Mbit/s", &[], |_, src| watcher_on(src))
         .await;
     let cases = [
         ("dcp", "step_00000100", "dcp"),
@@ -583,12 +578,7 @@ async fn generated_saves_of_every_format_are_watched_and_replicated() {
 async fn source_killed_while_a_checkpoint_is_written_resumes_it() {
     let w = World::new("watch-kill").await;
     let mut c = w
-        .start_cluster("200Mbit/s", &[], |_, src| {
-            if let Some(s) = src.source.as_mut() {
-                s.scan_interval = "500ms".into();
-                s.extra = "quiet_period = \"1s\"\n".into();
-            }
-        })
+        .start_cluster("200Mbit/s", &[], |_, src| watcher_on(src))
         .await;
     let root = w.source_root();
     // 24 MB at 48 Mbit/s: the save takes about 4 s.
@@ -660,12 +650,7 @@ fn formats_step(dir: &str) -> String {
 async fn damaged_saves_are_never_published() {
     let w = World::new("damaged").await;
     let c = w
-        .start_cluster("200Mbit/s", &[], |_, src| {
-            if let Some(s) = src.source.as_mut() {
-                s.scan_interval = "500ms".into();
-                s.extra = "quiet_period = \"1s\"\n".into();
-            }
-        })
+        .start_cluster("200Mbit/s", &[], |_, src| watcher_on(src))
         .await;
     let root = w.source_root();
     let cases = [
@@ -709,5 +694,13 @@ async fn damaged_saves_are_never_published() {
         w.ensure(!w.replica_path(dir).exists(), || {
             format!("{format} save with a {fault} shard has a replica directory")
         });
+    }
+}
+
+/// Turns the source's watcher on: rescans every 0.5 s, 1 s quiet period.
+fn watcher_on(src: &mut AgentConfig) {
+    if let Some(s) = src.source.as_mut() {
+        s.scan_interval = "500ms".into();
+        s.extra = "quiet_period = \"1s\"\n".into();
     }
 }

@@ -1916,6 +1916,28 @@ mod tests {
     }
 
     #[test]
+    fn sibling_markers_stay_in_place_and_never_go_back() {
+        let d = tempfile::tempdir().unwrap();
+        let job = d.path().join("site/job");
+        std::fs::create_dir_all(job.join("global_step20")).unwrap();
+        let marker = |s: &str| vec![("latest".to_string(), s.as_bytes().to_vec())];
+        write_siblings(&job.join("global_step20"), &marker("global_step20")).unwrap();
+        assert_eq!(std::fs::read(job.join("latest")).unwrap(), b"global_step20");
+        // An older checkpoint published later does not move it back.
+        write_siblings(&job.join("global_step10"), &marker("global_step10")).unwrap();
+        assert_eq!(std::fs::read(job.join("latest")).unwrap(), b"global_step20");
+        // Names a peer sends are plain names, within the replica's parent.
+        let bad = vec![
+            ("../escape".to_string(), b"x".to_vec()),
+            ("a/b".to_string(), b"x".to_vec()),
+            ("big".to_string(), vec![b'1'; 5000]),
+        ];
+        write_siblings(&job.join("global_step20"), &bad).unwrap();
+        assert!(!d.path().join("site/escape").exists());
+        assert!(!job.join("a").exists() && !job.join("big").exists());
+    }
+
+    #[test]
     fn staging_files_refuse_symlinks() {
         let d = tempfile::tempdir().expect("tempdir");
         std::os::unix::fs::symlink("/etc/passwd", d.path().join("evil")).expect("symlink");

@@ -739,12 +739,12 @@ struct Record {
     data: Vec<u8>,
 }
 
-async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(), RunError> {
-    let id = t.id as u64;
-    // A transfer that never reached a sink, of a checkpoint never
-    // replicated before, needs no "have" list: its data follows the open at
-    // once, saving a round trip. Otherwise the sink may hold chunks already
-    // (a resume, or unchanged files of a re-save).
+/// Marks a transfer active and says whether it is fresh: one that never
+/// reached a sink, of a checkpoint never replicated before, needs no
+/// "have" list, so its data follows the open at once, saving a round trip.
+/// Otherwise the sink may hold chunks already (a resume, or unchanged
+/// files of a re-save).
+async fn begin(inner: &Inner, t: &Transfer) -> Result<bool, RunError> {
     let fresh =
         t.started_at.is_none() && !inner.catalog.published_before(&t.source_path, t.id).await?;
     inner.catalog.set_transfer_note(t.id, None).await?;
@@ -752,6 +752,65 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
         .catalog
         .set_transfer_state(t.id, state::ACTIVE, None)
         .await?;
+    Ok(fresh)
+}
+
+/// Registers the live progress of a transfer of `total` bytes.
+fn track_progress(inner: &Inner, id: i64, total: u64) -> Arc<LiveProgress> {
+    let progress = Arc::new(LiveProgress::default());
+    progress.total.store(total, Ordering::Relaxed);
+    if let Ok(mut m) = inner.progress.lock() {
+        m.insert(id, progress.clone());
+    }
+    progress
+}
+
+/// Sends the open of `t` with the file table `files` and returns the
+/// transfer's inbox of control messages and the chunk keys the sink
+/// already has (none, without waiting, for a `fresh` transfer).
+async fn open_on_sink(
+    inner: &Inner,
+    c: &LinkConn,
+    t: &Transfer,
+    fresh: bool,
+    files: Vec<FileInfo>,
+) -> Result<(mpsc::UnboundedReceiver<Control>, HashSet<u64>), RunError> {
+    let id = t.id as u64;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    if let Ok(mut m) = c.inbox.lock() {
+        m.insert(id, tx);
+    }
+    c.ctl
+        .send(&Control::Open {
+            key: TransferKey {
+                id,
+                job: t.job.clone(),
+                source_path: t.source_path.clone(),
+                rel: t.rel.clone(),
+                profile: t.profile.clone().unwrap_or_default(),
+            },
+            chunk_size: inner.cfg.chunk_size,
+            bytes_total: files.iter().map(|f| f.size).sum(),
+            files,
+        })
+        .await?;
+    let have = if fresh {
+        HashSet::new()
+    } else {
+        match recv(inner, c, &mut rx).await? {
+            Control::Have { chunks, .. } => chunks.into_iter().collect(),
+            Control::Refuse { reason, .. } => {
+                return Err(RunError::Fatal(format!("sink refused: {reason}")))
+            }
+            m => return Err(RunError::Retry(format!("expected have, got {}", m.name()))),
+        }
+    };
+    Ok((rx, have))
+}
+
+async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(), RunError> {
+    let id = t.id as u64;
+    let fresh = begin(inner, &t).await?;
     let dir = PathBuf::from(&t.source_path);
     let opts = ScanOptions {
         markers: inner.cfg.markers.clone(),
@@ -762,11 +821,7 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
         .map_err(|e| RunError::Fatal(e.to_string()))?
         .map_err(|e| RunError::Fatal(format!("listing the checkpoint: {e}")))?;
     let bytes_total: u64 = scan.files.iter().map(|f| f.size).sum();
-    let progress = Arc::new(LiveProgress::default());
-    progress.total.store(bytes_total, Ordering::Relaxed);
-    if let Ok(mut m) = inner.progress.lock() {
-        m.insert(t.id, progress.clone());
-    }
+    let progress = track_progress(inner, t.id, bytes_total);
     inner
         .catalog
         .set_transfer_progress(
@@ -778,36 +833,8 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
         )
         .await?;
 
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    if let Ok(mut m) = c.inbox.lock() {
-        m.insert(id, tx);
-    }
     let chunk_size = inner.cfg.chunk_size;
-    c.ctl
-        .send(&Control::Open {
-            key: TransferKey {
-                id,
-                job: t.job.clone(),
-                source_path: t.source_path.clone(),
-                rel: t.rel.clone(),
-                profile: t.profile.clone().unwrap_or_default(),
-            },
-            chunk_size,
-            bytes_total,
-            files: scan.files.clone(),
-        })
-        .await?;
-    let have: HashSet<u64> = if fresh {
-        HashSet::new()
-    } else {
-        match recv(inner, c, &mut rx).await? {
-            Control::Have { chunks, .. } => chunks.into_iter().collect(),
-            Control::Refuse { reason, .. } => {
-                return Err(RunError::Fatal(format!("sink refused: {reason}")))
-            }
-            m => return Err(RunError::Retry(format!("expected have, got {}", m.name()))),
-        }
-    };
+    let (mut rx, have) = open_on_sink(inner, c, &t, fresh, scan.files.clone()).await?;
     let map = Arc::new(ChunkMap::new(&scan.files, chunk_size));
     let skipped: u64 = have
         .iter()

@@ -29,6 +29,18 @@ fn watching(watch: RootWatch) -> impl FnOnce(&mut SourceConfig) {
     }
 }
 
+/// The recorded torch DCP save of `step_00000002`, to replay into the
+/// watched root.
+fn dcp_save(p: &Pair) -> Replay {
+    let src = fixtures().join("dcp");
+    Replay::new(
+        &src.join("dcp_save_trace.jsonl"),
+        &src,
+        &p.root,
+        "step_00000002",
+    )
+}
+
 /// Waits for the watcher to queue a transfer of `dir`.
 async fn transfer_of(p: &Pair, dir: &Path) -> Transfer {
     let path = dir.to_string_lossy();
@@ -76,13 +88,7 @@ async fn assert_not_published(p: &Pair, dir: &Path) {
 #[tokio::test]
 async fn dcp_save_streams_while_written_and_publishes_at_commit() {
     let p = pair_with(0, watching(RootWatch::default())).await;
-    let src = fixtures().join("dcp");
-    let mut save = Replay::new(
-        &src.join("dcp_save_trace.jsonl"),
-        &src,
-        &p.root,
-        "step_00000002",
-    );
+    let mut save = dcp_save(&p);
     let ckpt = p.root.join("step_00000002");
     // Everything up to the commit: both ranks' shards written and closed,
     // `.metadata.tmp` written, not yet renamed.
@@ -191,13 +197,7 @@ async fn safetensors_save_waits_for_a_whole_index() {
 #[tokio::test]
 async fn checkpoint_deleted_mid_write_is_cancelled_and_staging_removed() {
     let p = pair_with(0, watching(RootWatch::default())).await;
-    let src = fixtures().join("dcp");
-    let mut save = Replay::new(
-        &src.join("dcp_save_trace.jsonl"),
-        &src,
-        &p.root,
-        "step_00000002",
-    );
+    let mut save = dcp_save(&p);
     let ckpt = p.root.join("step_00000002");
     // Rank 1's shard is closed, rank 0's is being written.
     save.run_until(|o| o.op == "write_bytes" && o.path.ends_with("__0_0.distcp"))
@@ -295,13 +295,7 @@ async fn on_commit_waits_for_the_marker_before_queueing() {
         ..Default::default()
     };
     let p = pair_with(0, watching(watch)).await;
-    let src = fixtures().join("dcp");
-    let mut save = Replay::new(
-        &src.join("dcp_save_trace.jsonl"),
-        &src,
-        &p.root,
-        "step_00000002",
-    );
+    let mut save = dcp_save(&p);
     save.slowdown = 0.0;
     let ckpt = p.root.join("step_00000002");
     save.run_until(|o| o.op == "rename").await;
@@ -360,13 +354,7 @@ async fn announced_checkpoint_waits_for_its_first_bytes() {
         .unwrap();
     assert_eq!(again.id, t.id, "announcing twice is one transfer");
 
-    let src = fixtures().join("dcp");
-    let mut save = Replay::new(
-        &src.join("dcp_save_trace.jsonl"),
-        &src,
-        &p.root,
-        "step_00000002",
-    );
+    let mut save = dcp_save(&p);
     save.slowdown = 0.0;
     save.finish().await;
     let done = wait_published(&p, t.id).await;
@@ -492,13 +480,7 @@ async fn latest_only_cancels_an_older_checkpoint_still_moving() {
     };
     let p = pair_with(0, watching(watch)).await;
     // Step 2 is being written (no .metadata yet) when step 4 starts.
-    let src = fixtures().join("dcp");
-    let mut save = Replay::new(
-        &src.join("dcp_save_trace.jsonl"),
-        &src,
-        &p.root,
-        "step_00000002",
-    );
+    let mut save = dcp_save(&p);
     save.slowdown = 0.0;
     save.run_until(|o| o.op == "rename").await;
     let old = p.root.join("step_00000002");

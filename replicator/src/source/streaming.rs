@@ -213,13 +213,7 @@ pub(super) async fn run_watched(
     mut view: watch::Receiver<CheckpointView>,
 ) -> Result<(), RunError> {
     let id = t.id as u64;
-    let fresh =
-        t.started_at.is_none() && !inner.catalog.published_before(&t.source_path, t.id).await?;
-    inner.catalog.set_transfer_note(t.id, None).await?;
-    inner
-        .catalog
-        .set_transfer_state(t.id, state::ACTIVE, None)
-        .await?;
+    let fresh = begin(inner, &t).await?;
     let dir = PathBuf::from(&t.source_path);
     let chunk_size = inner.cfg.chunk_size;
     let first = view.borrow_and_update().clone();
@@ -233,41 +227,10 @@ pub(super) async fn run_watched(
         .map(|(i, f)| (f.path.clone(), i as u32))
         .collect();
     let mut tracks: Vec<Track> = vec![Track::default(); table.len()];
-    let progress = Arc::new(LiveProgress::default());
     let total = |table: &[FileInfo]| table.iter().map(|f| f.size).sum::<u64>();
-    progress.total.store(total(&table), Ordering::Relaxed);
-    if let Ok(mut m) = inner.progress.lock() {
-        m.insert(t.id, progress.clone());
-    }
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    if let Ok(mut m) = c.inbox.lock() {
-        m.insert(id, tx);
-    }
-    c.ctl
-        .send(&Control::Open {
-            key: TransferKey {
-                id,
-                job: t.job.clone(),
-                source_path: t.source_path.clone(),
-                rel: t.rel.clone(),
-                profile: t.profile.clone().unwrap_or_default(),
-            },
-            chunk_size,
-            bytes_total: total(&table),
-            files: table.clone(),
-        })
-        .await?;
-    let mut have: Arc<HashSet<u64>> = Arc::new(if fresh {
-        HashSet::new()
-    } else {
-        match recv(inner, c, &mut rx).await? {
-            Control::Have { chunks, .. } => chunks.into_iter().collect(),
-            Control::Refuse { reason, .. } => {
-                return Err(RunError::Fatal(format!("sink refused: {reason}")))
-            }
-            m => return Err(RunError::Retry(format!("expected have, got {}", m.name()))),
-        }
-    });
+    let progress = track_progress(inner, t.id, total(&table));
+    let (mut rx, have) = open_on_sink(inner, c, &t, fresh, table.clone()).await?;
+    let mut have = Arc::new(have);
     info!(
         transfer = id,
         files = table.len(),
