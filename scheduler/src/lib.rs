@@ -5,6 +5,10 @@
 use std::fmt;
 use std::str::FromStr;
 
+mod policy;
+
+pub use policy::{Floors, Policy, PolicyKind, Weights};
+
 /// The scheduler's coarse tiers, strictly ordered: `Urgent` before
 /// `Scheduled` before `Background` (ARCHITECTURE.md, "Vocabulary").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
