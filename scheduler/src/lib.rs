@@ -1,17 +1,34 @@
 //! Ferry's scheduler: pure logic, no sockets, files, SQL or tokio; time is
-//! passed in. This first version orders transfers by class, then first
-//! come first served; scores, shares and pre-emption build on it.
+//! passed in (Unix milliseconds).
+//!
+//! - [`score`]: a transfer's score within its class, term by term, from
+//!   model size, importance, live signal severity and aging (DESIGN
+//!   "Classes and score"); [`severity`] decays signals with a half-life;
+//!   [`effective_class`] applies a signal's promotion to `urgent`.
+//! - [`LinkScheduler`]: one link's dispatcher. It is told which transfers
+//!   are active and which of their chunks are ready, and decides which
+//!   chunk goes next with what QUIC stream priority, under the class
+//!   floors, the shares by score and the link's rate cap; it also ranks
+//!   queued transfers for admission.
+//! - [`Policy`]: the settings, `priority` or `fifo`.
 
 use std::fmt;
 use std::str::FromStr;
 
+mod link;
 mod policy;
+mod score;
 
+pub use link::{priority, Decision, Explanation, LinkScheduler, Transfer, SCORE_REFRESH_MS};
 pub use policy::{Floors, Policy, PolicyKind, Weights};
+pub use score::{
+    effective_class, score, severity, Score, ScoreInputs, MIN_SIZE_TERM, SIZE_REFERENCE_PARAMS,
+};
 
 /// The scheduler's coarse tiers, strictly ordered: `Urgent` before
 /// `Scheduled` before `Background` (ARCHITECTURE.md, "Vocabulary").
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Class {
     /// An eval is waiting (e.g. after a loss spike).
     Urgent,

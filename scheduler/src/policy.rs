@@ -162,6 +162,12 @@ impl Policy {
                 return Err(format!("{name} must be from 0 to 0.5, got {v}"));
             }
         }
+        if self.floors.scheduled + self.floors.background > 0.9 {
+            return Err(format!(
+                "floors.scheduled + floors.background must be at most 0.9 (urgent keeps the rest), got {}",
+                self.floors.scheduled + self.floors.background
+            ));
+        }
         if !(1..=64).contains(&self.max_active) {
             return Err(format!(
                 "max_active must be from 1 to 64, got {}",

@@ -1,0 +1,594 @@
+//! One link's dispatcher: which ready chunk goes next, with what QUIC
+//! stream priority, under the link's rate cap.
+//!
+//! Two levels of start-time fair queuing (SFQ): classes share the link by
+//! class weight, transfers within a class by score. A chunk of `b` bytes
+//! advances its class's tag by `b / class weight` and its transfer's tag
+//! by `b / score`; the smallest tag goes next (ties: the higher class, the
+//! higher score, the older transfer). A class or transfer that becomes
+//! ready starts at the current virtual time (the tag of the last chunk
+//! sent), never earlier than where it stopped, so idling earns no credit;
+//! a class that becomes ready while only lower classes are ready starts
+//! at the virtual time, so it is served at the very next decision
+//! (pre-emption).
+//!
+//! Class weights while several classes are ready: each lower ready class
+//! gets its floor, the highest ready class the rest (defaults: urgent
+//! 0.85 with scheduled 0.10 and background 0.05). A class whose floor is 0
+//! is served only when no higher class is ready.
+//!
+//! The rate cap is a token bucket in payload bytes: it fills at the cap
+//! (bit/s / 8) up to `max(BDP, largest chunk)` bytes, and a chunk needs
+//! its length in tokens (a chunk longer than the bucket needs a full one).
+//! So over any window of `W` seconds, bytes dispatched are at most
+//! `cap x W + max(BDP, largest chunk)`.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use serde::Serialize;
+
+use crate::score::{score, severity, Score, ScoreInputs};
+use crate::{Class, Policy, PolicyKind};
+
+/// How often a transfer's score is recomputed (aging and severity decay
+/// move slowly), ms.
+pub const SCORE_REFRESH_MS: i64 = 1_000;
+
+/// Signals whose decayed severity falls below this are forgotten.
+const SEVERITY_FLOOR: f64 = 1e-3;
+
+/// A transfer as the scheduler sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Transfer {
+    /// Transfer id.
+    pub id: i64,
+    /// Effective class (see [`crate::effective_class`]).
+    pub class: Class,
+    /// Job name (its signals raise the score).
+    pub job: String,
+    /// Model parameters of the job, if known.
+    pub model_params: Option<f64>,
+    /// Importance 0..1 (the transfer's override, else the job's).
+    pub importance: f64,
+    /// Bytes not yet sent, for shares and ETAs.
+    pub bytes_left: u64,
+    /// When it was queued, Unix ms (aging; first come, first served).
+    pub created_ms: i64,
+}
+
+/// What to do next on the link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    /// Send the oldest ready chunk of transfer `id` (`bytes` long) on a
+    /// stream of that transfer with QUIC stream `priority` (higher first).
+    Send {
+        /// Transfer id.
+        id: i64,
+        /// Length of the chunk, bytes.
+        bytes: u64,
+        /// QUIC stream priority: 2 urgent, 1 scheduled, 0 background
+        /// (all 0 under `fifo`).
+        priority: i32,
+    },
+    /// A chunk is ready but the rate cap says wait until this time (Unix
+    /// ms).
+    Wait {
+        /// Earliest time to ask again, Unix ms.
+        until_ms: i64,
+    },
+    /// No chunk is ready.
+    Idle,
+}
+
+/// The QUIC stream priority of a class (higher is sent first).
+pub fn priority(class: Class) -> i32 {
+    match class {
+        Class::Urgent => 2,
+        Class::Scheduled => 1,
+        Class::Background => 0,
+    }
+}
+
+/// Why a transfer gets the share it gets.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Explanation {
+    /// Effective class.
+    pub class: Class,
+    /// Score and terms.
+    pub score: Score,
+    /// The weight of its class on the link now, 0..1.
+    pub class_weight: f64,
+    /// Its expected share of the link now, 0..1 (class weight x score /
+    /// sum of scores of the active transfers in its class).
+    pub share: f64,
+    /// The live severity of its job's signals, 0..1.
+    pub severity: f64,
+    /// Bytes left divided by share x rate cap, seconds (`None` with no
+    /// share).
+    pub eta_s: Option<f64>,
+}
+
+struct Entry {
+    t: Transfer,
+    /// Lengths of the ready chunks, oldest first.
+    ready: VecDeque<u64>,
+    /// Start tag (virtual bytes) of its next chunk.
+    tag: f64,
+    was_ready: bool,
+    score: Score,
+    scored_at: i64,
+}
+
+const CLASSES: [Class; 3] = [Class::Urgent, Class::Scheduled, Class::Background];
+
+fn ci(c: Class) -> usize {
+    match c {
+        Class::Urgent => 0,
+        Class::Scheduled => 1,
+        Class::Background => 2,
+    }
+}
+
+/// Token bucket in payload bytes.
+#[derive(Debug, Clone)]
+struct Bucket {
+    rate_bps: u64,
+    rtt_ms: u64,
+    tokens: f64,
+    at_ms: i64,
+}
+
+impl Bucket {
+    fn bytes_per_ms(&self) -> f64 {
+        self.rate_bps as f64 / 8.0 / 1000.0
+    }
+    fn bdp(&self) -> f64 {
+        self.bytes_per_ms() * self.rtt_ms as f64
+    }
+    fn refill(&mut self, now: i64, cap: f64) {
+        if now > self.at_ms {
+            let add = (now - self.at_ms) as f64 * self.bytes_per_ms();
+            self.tokens = (self.tokens + add).min(cap);
+            self.at_ms = now;
+        }
+    }
+}
+
+/// The scheduler of one link: active transfers, their ready chunks, the
+/// rate cap and the jobs' live signals. Feed it events; ask [`next`].
+///
+/// [`next`]: LinkScheduler::next
+pub struct LinkScheduler {
+    policy: Policy,
+    bucket: Bucket,
+    /// Largest chunk seen, bytes (the bucket holds at least one).
+    max_chunk: u64,
+    entries: BTreeMap<i64, Entry>,
+    signals: HashMap<String, Vec<(f64, i64)>>,
+    class_tag: [f64; 3],
+    class_was_ready: [bool; 3],
+    /// Virtual time between classes: the class tag of the last chunk sent.
+    v_link: f64,
+    /// Virtual time within each class.
+    v_class: [f64; 3],
+}
+
+impl std::fmt::Debug for LinkScheduler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LinkScheduler")
+            .field("transfers", &self.entries.len())
+            .field("rate_bps", &self.bucket.rate_bps)
+            .finish()
+    }
+}
+
+impl LinkScheduler {
+    /// A link with rate cap `rate_bps` (bit/s, at least 1) and base RTT
+    /// `rtt_ms`, at time `now_ms` (Unix ms); the bucket starts full.
+    pub fn new(policy: Policy, rate_bps: u64, rtt_ms: u64, now_ms: i64) -> LinkScheduler {
+        let mut bucket = Bucket {
+            rate_bps: rate_bps.max(1),
+            rtt_ms: rtt_ms.max(1),
+            tokens: 0.0,
+            at_ms: now_ms,
+        };
+        bucket.tokens = bucket.bdp();
+        LinkScheduler {
+            policy,
+            bucket,
+            max_chunk: 0,
+            entries: BTreeMap::new(),
+            signals: HashMap::new(),
+            class_tag: [0.0; 3],
+            class_was_ready: [false; 3],
+            v_link: 0.0,
+            v_class: [0.0; 3],
+        }
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// The rate cap, bit/s.
+    pub fn rate_bps(&self) -> u64 {
+        self.bucket.rate_bps
+    }
+
+    /// Bucket size in bytes: `max(BDP, largest chunk)`.
+    fn capacity(&self) -> f64 {
+        self.bucket.bdp().max(self.max_chunk as f64)
+    }
+
+    /// Changes the rate cap (bit/s, at least 1) from `now_ms` on; tokens
+    /// already earned are kept up to the new bucket size.
+    pub fn set_rate(&mut self, rate_bps: u64, now_ms: i64) {
+        let cap = self.capacity();
+        self.bucket.refill(now_ms, cap);
+        self.bucket.rate_bps = rate_bps.max(1);
+        self.bucket.tokens = self.bucket.tokens.min(self.capacity());
+    }
+
+    /// Adds a transfer (now active on the link) or updates its class,
+    /// importance, size or bytes left; ready chunks are kept.
+    pub fn upsert(&mut self, t: Transfer, now_ms: i64) {
+        let sc = self.score_of(&t, now_ms);
+        match self.entries.get_mut(&t.id) {
+            Some(e) => {
+                e.t = t;
+                e.score = sc;
+                e.scored_at = now_ms;
+            }
+            None => {
+                self.entries.insert(
+                    t.id,
+                    Entry {
+                        t,
+                        ready: VecDeque::new(),
+                        tag: 0.0,
+                        was_ready: false,
+                        score: sc,
+                        scored_at: now_ms,
+                    },
+                );
+            }
+        }
+    }
+
+    /// Removes a transfer (done, paused, cancelled); its ready chunks are
+    /// forgotten.
+    pub fn remove(&mut self, id: i64) {
+        self.entries.remove(&id);
+    }
+
+    /// Forgets the ready chunks of `id` (its sender restarted).
+    pub fn clear_ready(&mut self, id: i64) {
+        if let Some(e) = self.entries.get_mut(&id) {
+            e.ready.clear();
+        }
+    }
+
+    /// True if `id` is active on this link.
+    pub fn contains(&self, id: i64) -> bool {
+        self.entries.contains_key(&id)
+    }
+
+    /// Ids of the active transfers.
+    pub fn active(&self) -> Vec<i64> {
+        self.entries.keys().copied().collect()
+    }
+
+    /// A chunk of `bytes` of transfer `id` is ready to send (after the
+    /// chunks already ready). Unknown ids are ignored.
+    pub fn chunk_ready(&mut self, id: i64, bytes: u64) {
+        self.max_chunk = self.max_chunk.max(bytes);
+        if let Some(e) = self.entries.get_mut(&id) {
+            e.ready.push_back(bytes);
+        }
+    }
+
+    /// Records a signal of `severity` (0..1) for `job` received at
+    /// `at_ms`: the job's score rises (decaying with the half-life).
+    pub fn signal(&mut self, job: &str, severity: f64, at_ms: i64) {
+        self.signals
+            .entry(job.to_string())
+            .or_default()
+            .push((severity, at_ms));
+        for e in self.entries.values_mut() {
+            if e.t.job == job {
+                e.scored_at = i64::MIN;
+            }
+        }
+    }
+
+    /// The live severity of `job` at `now_ms`, 0..1.
+    pub fn severity(&self, job: &str, now_ms: i64) -> f64 {
+        match self.signals.get(job) {
+            Some(s) => severity(&self.policy, s.iter().copied(), now_ms),
+            None => 0.0,
+        }
+    }
+
+    fn score_of(&self, t: &Transfer, now_ms: i64) -> Score {
+        score(
+            &self.policy,
+            ScoreInputs {
+                model_params: t.model_params,
+                importance: t.importance,
+                severity: self.severity(&t.job, now_ms),
+                waiting_ms: (now_ms - t.created_ms).max(0) as u64,
+            },
+        )
+    }
+
+    fn refresh_scores(&mut self, now_ms: i64) {
+        let stale: Vec<i64> = self
+            .entries
+            .values()
+            .filter(|e| now_ms - e.scored_at >= SCORE_REFRESH_MS || e.scored_at > now_ms)
+            .map(|e| e.t.id)
+            .collect();
+        if stale.is_empty() {
+            return;
+        }
+        let half = self.policy.severity_half_life_ms.max(1) as f64;
+        for list in self.signals.values_mut() {
+            list.retain(|(s, at)| {
+                s * 0.5f64.powf((now_ms - at).max(0) as f64 / half) >= SEVERITY_FLOOR
+            });
+        }
+        self.signals.retain(|_, l| !l.is_empty());
+        for id in stale {
+            let Some(t) = self.entries.get(&id).map(|e| e.t.clone()) else {
+                continue;
+            };
+            let sc = self.score_of(&t, now_ms);
+            if let Some(e) = self.entries.get_mut(&id) {
+                e.score = sc;
+                e.scored_at = now_ms;
+            }
+        }
+    }
+
+    /// Weights of the classes given which are busy: each lower busy class
+    /// its floor, the highest busy class the rest.
+    fn class_weights(&self, busy: [bool; 3]) -> [f64; 3] {
+        let mut w = [0.0; 3];
+        let Some(top) = (0..3).find(|&i| busy[i]) else {
+            return w;
+        };
+        let mut rest = 1.0;
+        for i in top + 1..3 {
+            if busy[i] {
+                w[i] = self.policy.floors.of(CLASSES[i]);
+                rest -= w[i];
+            }
+        }
+        w[top] = rest.max(0.0);
+        w
+    }
+
+    /// The expected share of the link of every active transfer now
+    /// (class weight x score / sum of scores in its class, with every
+    /// class that has an active transfer counted as busy), 0..1. Under
+    /// `fifo` the oldest transfer has 1.
+    pub fn shares(&self) -> Vec<(i64, f64)> {
+        if self.policy.kind == PolicyKind::Fifo {
+            let oldest = self
+                .entries
+                .values()
+                .min_by_key(|e| (e.t.created_ms, e.t.id))
+                .map(|e| e.t.id);
+            return self
+                .entries
+                .keys()
+                .map(|&id| (id, if Some(id) == oldest { 1.0 } else { 0.0 }))
+                .collect();
+        }
+        let mut busy = [false; 3];
+        let mut sums = [0.0; 3];
+        for e in self.entries.values() {
+            busy[ci(e.t.class)] = true;
+            sums[ci(e.t.class)] += e.score.value;
+        }
+        let w = self.class_weights(busy);
+        self.entries
+            .values()
+            .map(|e| {
+                let c = ci(e.t.class);
+                (
+                    e.t.id,
+                    w[c] * e.score.value / sums[c].max(f64::MIN_POSITIVE),
+                )
+            })
+            .collect()
+    }
+
+    /// Explains the rank of active transfer `id` (`None` if not active).
+    pub fn explain(&self, id: i64, now_ms: i64) -> Option<Explanation> {
+        let e = self.entries.get(&id)?;
+        let share = self
+            .shares()
+            .into_iter()
+            .find(|(i, _)| *i == id)
+            .map_or(0.0, |(_, s)| s);
+        let mut busy = [false; 3];
+        for o in self.entries.values() {
+            busy[ci(o.t.class)] = true;
+        }
+        let rate = self.bucket.rate_bps as f64 / 8.0;
+        Some(Explanation {
+            class: e.t.class,
+            score: self.score_of(&e.t, now_ms),
+            class_weight: self.class_weights(busy)[ci(e.t.class)],
+            share,
+            severity: self.severity(&e.t.job, now_ms),
+            eta_s: (share > 0.0).then(|| e.t.bytes_left as f64 / (share * rate)),
+        })
+    }
+
+    /// Decides what goes next at `now_ms` and, for [`Decision::Send`],
+    /// commits to it: the chunk leaves the ready list and its bytes the
+    /// bucket. The caller must send that chunk.
+    pub fn next(&mut self, now_ms: i64) -> Decision {
+        self.refresh_scores(now_ms);
+        let cap = self.capacity();
+        self.bucket.refill(now_ms, cap);
+        let pick = match self.policy.kind {
+            PolicyKind::Fifo => self.pick_fifo(),
+            PolicyKind::Priority => self.pick_priority(),
+        };
+        let Some((id, class_w)) = pick else {
+            // Nothing ready: restart virtual time so tags stay small.
+            self.class_tag = [0.0; 3];
+            self.v_link = 0.0;
+            self.v_class = [0.0; 3];
+            for e in self.entries.values_mut() {
+                e.tag = 0.0;
+                e.was_ready = false;
+            }
+            self.class_was_ready = [false; 3];
+            return Decision::Idle;
+        };
+        let Some(e) = self.entries.get_mut(&id) else {
+            return Decision::Idle;
+        };
+        let bytes = e.ready.front().copied().unwrap_or(0);
+        let need = (bytes as f64).min(cap);
+        if self.bucket.tokens < need {
+            let wait_ms = ((need - self.bucket.tokens) / self.bucket.bytes_per_ms()).ceil();
+            return Decision::Wait {
+                until_ms: now_ms + (wait_ms as i64).max(1),
+            };
+        }
+        self.bucket.tokens -= bytes as f64;
+        e.ready.pop_front();
+        let c = ci(e.t.class);
+        let b = bytes.max(1) as f64;
+        self.v_class[c] = e.tag;
+        e.tag += b / e.score.value.max(1e-9);
+        e.t.bytes_left = e.t.bytes_left.saturating_sub(bytes);
+        let class = e.t.class;
+        if class_w > 0.0 {
+            self.v_link = self.class_tag[c];
+            self.class_tag[c] += b / class_w;
+        }
+        Decision::Send {
+            id,
+            bytes,
+            priority: match self.policy.kind {
+                PolicyKind::Fifo => 0,
+                PolicyKind::Priority => priority(class),
+            },
+        }
+    }
+
+    fn pick_fifo(&self) -> Option<(i64, f64)> {
+        self.entries
+            .values()
+            .filter(|e| !e.ready.is_empty())
+            .min_by_key(|e| (e.t.created_ms, e.t.id))
+            .map(|e| (e.t.id, 0.0))
+    }
+
+    fn pick_priority(&mut self) -> Option<(i64, f64)> {
+        let mut busy = [false; 3];
+        for e in self.entries.values() {
+            if !e.ready.is_empty() {
+                busy[ci(e.t.class)] = true;
+            }
+        }
+        let top = (0..3).find(|&i| busy[i])?;
+        // Classes that just became ready start at the virtual time; one
+        // above every other ready class goes first.
+        for i in 0..3 {
+            if busy[i] && !self.class_was_ready[i] {
+                let above_all = i == top && (i + 1..3).any(|j| busy[j]);
+                self.class_tag[i] = if above_all {
+                    self.v_link
+                } else {
+                    self.class_tag[i].max(self.v_link)
+                };
+            }
+        }
+        self.class_was_ready = busy;
+        let w = self.class_weights(busy);
+        let class = (0..3)
+            .filter(|&i| busy[i] && (w[i] > 0.0 || i == top))
+            .min_by(|&a, &b| {
+                self.class_tag[a]
+                    .total_cmp(&self.class_tag[b])
+                    .then(a.cmp(&b))
+            })?;
+        // Transfers of that class that just became ready start at the
+        // class's virtual time.
+        let v = self.v_class[class];
+        for e in self.entries.values_mut() {
+            let ready = !e.ready.is_empty();
+            if ready && !e.was_ready && ci(e.t.class) == class {
+                e.tag = e.tag.max(v);
+            }
+            if ci(e.t.class) == class || !ready {
+                e.was_ready = ready;
+            }
+        }
+        let e = self
+            .entries
+            .values()
+            .filter(|e| !e.ready.is_empty() && ci(e.t.class) == class)
+            .min_by(|a, b| {
+                a.tag
+                    .total_cmp(&b.tag)
+                    .then(b.score.value.total_cmp(&a.score.value))
+                    .then((a.t.created_ms, a.t.id).cmp(&(b.t.created_ms, b.t.id)))
+            })?;
+        Some((e.t.id, w[class]))
+    }
+
+    /// Which of `waiting` (queued transfers of this link, not active) to
+    /// start now, best first. Under `priority`: per class, up to
+    /// `max_active` active at once; within a class, transfers that have
+    /// waited `aging x (aging_cap - 1)` or longer (their aging term is at
+    /// its cap) go first, oldest first, then the highest score, then the
+    /// oldest. Under `fifo`: the oldest, up to `max_active` active in all.
+    pub fn admit(&self, waiting: &[Transfer], now_ms: i64) -> Vec<i64> {
+        let max = self.policy.max_active.max(1);
+        if self.policy.kind == PolicyKind::Fifo {
+            let free = max.saturating_sub(self.entries.len());
+            let mut w: Vec<&Transfer> = waiting
+                .iter()
+                .filter(|t| !self.entries.contains_key(&t.id))
+                .collect();
+            w.sort_by_key(|t| (t.created_ms, t.id));
+            return w.into_iter().take(free).map(|t| t.id).collect();
+        }
+        let overdue_ms = (self.policy.aging_ms as f64 * (self.policy.aging_cap - 1.0)) as i64;
+        let mut out = Vec::new();
+        for class in CLASSES {
+            let active = self.entries.values().filter(|e| e.t.class == class).count();
+            let free = max.saturating_sub(active);
+            let mut w: Vec<(bool, f64, &Transfer)> = waiting
+                .iter()
+                .filter(|t| t.class == class && !self.entries.contains_key(&t.id))
+                .map(|t| {
+                    let overdue = now_ms - t.created_ms >= overdue_ms;
+                    (overdue, self.score_of(t, now_ms).value, t)
+                })
+                .collect();
+            w.sort_by(|a, b| {
+                b.0.cmp(&a.0)
+                    .then_with(|| {
+                        if a.0 {
+                            std::cmp::Ordering::Equal
+                        } else {
+                            b.1.total_cmp(&a.1)
+                        }
+                    })
+                    .then((a.2.created_ms, a.2.id).cmp(&(b.2.created_ms, b.2.id)))
+            });
+            out.extend(w.into_iter().take(free).map(|x| x.2.id));
+        }
+        out
+    }
+}

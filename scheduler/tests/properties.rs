@@ -1,0 +1,374 @@
+//! Property tests of the link scheduler: shares by score, pre-emption at
+#![allow(clippy::unwrap_used)]
+//! the next decision, class floors, bounded waits and the rate cap.
+
+use proptest::prelude::*;
+use scheduler::{Class, Decision, Floors, LinkScheduler, Policy, PolicyKind, Transfer};
+
+const MIB: u64 = 1 << 20;
+/// A rate no test reaches (bit/s), for properties that are not about it.
+const FAST: u64 = 1 << 50;
+
+fn transfer(id: i64, class: Class, importance: f64, params: Option<f64>) -> Transfer {
+    Transfer {
+        id,
+        class,
+        job: format!("job-{id}"),
+        model_params: params,
+        importance,
+        bytes_left: u64::MAX / 4,
+        created_ms: 0,
+    }
+}
+
+/// Keeps every listed transfer ready (one chunk queued) and runs
+/// `decisions` decisions, one ms apart; returns the bytes each got and
+/// the order of sends.
+fn run(
+    s: &mut LinkScheduler,
+    ids: &[i64],
+    sizes: &[u64],
+    decisions: usize,
+    now: &mut i64,
+) -> (std::collections::HashMap<i64, u64>, Vec<i64>) {
+    let mut got = std::collections::HashMap::new();
+    let mut order = Vec::new();
+    let mut k = 0usize;
+    for &id in ids {
+        s.chunk_ready(id, sizes[k % sizes.len()]);
+        k += 1;
+    }
+    for _ in 0..decisions {
+        *now += 1;
+        match s.next(*now) {
+            Decision::Send { id, bytes, .. } => {
+                *got.entry(id).or_insert(0) += bytes;
+                order.push(id);
+                s.chunk_ready(id, sizes[k % sizes.len()]);
+                k += 1;
+            }
+            Decision::Wait { until_ms } => *now = until_ms - 1,
+            Decision::Idle => panic!("idle with ready chunks"),
+        }
+    }
+    (got, order)
+}
+
+fn chunk_sizes() -> impl Strategy<Value = Vec<u64>> {
+    prop::collection::vec(64 * 1024..=4 * MIB, 1..16)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Within one class, bytes follow scores.
+    #[test]
+    fn shares_within_a_class_follow_scores(
+        jobs in prop::collection::vec((0.0f64..=1.0, prop::option::of(1e8f64..1e12)), 2..6),
+        sizes in chunk_sizes(),
+    ) {
+        let mut s = LinkScheduler::new(Policy::default(), FAST, 100, 0);
+        let ids: Vec<i64> = (1..=jobs.len() as i64).collect();
+        for (&id, &(imp, p)) in ids.iter().zip(&jobs) {
+            s.upsert(transfer(id, Class::Scheduled, imp, p), 0);
+        }
+        let mut now = 0;
+        let (got, _) = run(&mut s, &ids, &sizes, 6000, &mut now);
+        let shares = s.shares();
+        let total: u64 = got.values().sum();
+        for (id, want) in shares {
+            let have = *got.get(&id).unwrap_or(&0) as f64 / total as f64;
+            prop_assert!((have - want).abs() < 0.01, "transfer {id}: share {have:.4}, score says {want:.4}");
+        }
+    }
+
+    /// A new urgent transfer is served at the very next decision, whatever
+    /// the lower classes did before; then it gets what the floors leave.
+    #[test]
+    fn urgent_arrival_preempts_at_the_next_decision(
+        lower in prop::collection::vec((prop::bool::ANY, 0.0f64..=1.0), 1..5),
+        before in 0usize..300,
+        sizes in chunk_sizes(),
+    ) {
+        let mut s = LinkScheduler::new(Policy::default(), FAST, 100, 0);
+        let ids: Vec<i64> = (1..=lower.len() as i64).collect();
+        for (&id, &(bg, imp)) in ids.iter().zip(&lower) {
+            let class = if bg { Class::Background } else { Class::Scheduled };
+            s.upsert(transfer(id, class, imp, None), 0);
+        }
+        let mut now = 0;
+        let (_, _) = run(&mut s, &ids, &sizes, before, &mut now);
+        let urgent = 100;
+        s.upsert(transfer(urgent, Class::Urgent, 0.0, None), now);
+        s.chunk_ready(urgent, sizes[0]);
+        now += 1;
+        let d = s.next(now);
+        prop_assert!(matches!(d, Decision::Send { id, priority: 2, .. } if id == urgent), "{d:?}");
+        // Keep it ready: over many decisions it gets 1 - floors of the
+        // busy lower classes.
+        let (got, _) = run(&mut s, &[urgent], &sizes, 4000, &mut now);
+        let total: u64 = got.values().sum();
+        let f = Policy::default().floors;
+        let sched = lower.iter().any(|l| !l.0);
+        let bg = lower.iter().any(|l| l.0);
+        let want = 1.0 - if sched { f.scheduled } else { 0.0 } - if bg { f.background } else { 0.0 };
+        let have = got[&urgent] as f64 / total as f64;
+        prop_assert!((have - want).abs() < 0.02, "urgent got {have:.3}, floors leave {want:.3}");
+    }
+
+    /// With non-zero floors no class starves: each class gets its weight,
+    /// and no ready transfer waits more than a bounded number of
+    /// decisions between two of its chunks.
+    #[test]
+    fn floors_hold_and_no_ready_transfer_starves(
+        fs in 0.01f64..0.3, fb in 0.01f64..0.3,
+        per_class in prop::collection::vec(1usize..3, 3),
+        sizes in chunk_sizes(),
+    ) {
+        let policy = Policy { floors: Floors { scheduled: fs, background: fb }, ..Policy::default() };
+        let mut s = LinkScheduler::new(policy, FAST, 100, 0);
+        let classes = [Class::Urgent, Class::Scheduled, Class::Background];
+        let mut ids = Vec::new();
+        let mut class_of = std::collections::HashMap::new();
+        for (c, &n) in classes.iter().zip(&per_class) {
+            for _ in 0..n {
+                let id = ids.len() as i64 + 1;
+                s.upsert(transfer(id, *c, 0.5, None), 0);
+                class_of.insert(id, *c);
+                ids.push(id);
+            }
+        }
+        let mut now = 0;
+        let (got, order) = run(&mut s, &ids, &sizes, 8000, &mut now);
+        let total: u64 = got.values().sum();
+        let weight = |c: Class| match c { Class::Urgent => 1.0 - fs - fb, Class::Scheduled => fs, Class::Background => fb };
+        for c in classes {
+            let have: u64 = got.iter().filter(|(id, _)| class_of[*id] == c).map(|(_, b)| *b).sum();
+            let have = have as f64 / total as f64;
+            prop_assert!((have - weight(c)).abs() < 0.02, "{c}: {have:.3} vs weight {:.3}", weight(c));
+        }
+        // Bound on the gap: while i waits one chunk (at most max/w_i of
+        // virtual time), another flow j gets at most max x w_j / (min x w_i)
+        // + 1 chunks, with w the transfer's weight on the link.
+        let (min, max) = (*sizes.iter().min().unwrap() as f64, *sizes.iter().max().unwrap() as f64);
+        let w = |id: i64| weight(class_of[&id]) / per_class[classes.iter().position(|c| *c == class_of[&id]).unwrap()] as f64;
+        for &i in &ids {
+            let bound: f64 = ids.iter().filter(|&&j| j != i).map(|&j| (max * w(j) / (min * w(i))).ceil() + 2.0).sum();
+            let mut last = None;
+            let mut worst = 0usize;
+            for (k, &id) in order.iter().enumerate() {
+                if id == i {
+                    if let Some(l) = last { worst = worst.max(k - l - 1); }
+                    last = Some(k);
+                }
+            }
+            prop_assert!(last.is_some(), "transfer {i} never sent");
+            prop_assert!(worst as f64 <= bound, "transfer {i} waited {worst} decisions, bound {bound}");
+        }
+    }
+
+    /// Over every window of 1 s or longer, bytes dispatched <= rate x
+    /// window + max(BDP, largest chunk).
+    #[test]
+    fn the_rate_cap_holds_over_every_window(
+        rate in 1_000_000u64..10_000_000_000,
+        rtt in 1u64..300,
+        sizes in prop::collection::vec(1..=4 * MIB, 1..32),
+        gaps in prop::collection::vec(0i64..50, 1..64),
+        transfers in 1usize..4,
+    ) {
+        let mut s = LinkScheduler::new(Policy::default(), rate, rtt, 0);
+        let ids: Vec<i64> = (1..=transfers as i64).collect();
+        for &id in &ids {
+            s.upsert(transfer(id, Class::Scheduled, 0.0, None), 0);
+        }
+        let mut sent: Vec<(i64, u64)> = Vec::new();
+        let mut now = 0i64;
+        let mut k = 0usize;
+        for &id in &ids { s.chunk_ready(id, sizes[0]); }
+        for step in 0..3000 {
+            match s.next(now) {
+                Decision::Send { id, bytes, .. } => {
+                    sent.push((now, bytes));
+                    k += 1;
+                    s.chunk_ready(id, sizes[k % sizes.len()]);
+                }
+                // Callers may come back early or late.
+                Decision::Wait { until_ms } => now = until_ms - (gaps[step % gaps.len()] % 3),
+                Decision::Idle => prop_assert!(false, "idle with ready chunks"),
+            }
+            now += gaps[step % gaps.len()] / 10;
+        }
+        let bdp = rate as f64 / 8.0 * rtt as f64 / 1000.0;
+        let burst = bdp.max(*sizes.iter().max().unwrap() as f64);
+        for a in 0..sent.len() {
+            let mut sum = 0.0;
+            for b in a..sent.len() {
+                sum += sent[b].1 as f64;
+                let window_ms = (sent[b].0 - sent[a].0).max(1000) as f64;
+                let allowed = rate as f64 / 8.0 * window_ms / 1000.0 + burst;
+                prop_assert!(sum <= allowed + 1.0, "{sum} bytes in {window_ms} ms, allowed {allowed}");
+            }
+        }
+    }
+
+    /// Admission: in a class, a transfer whose aging term is at its cap is
+    /// admitted before any younger one, however high their scores.
+    #[test]
+    fn overdue_transfers_are_admitted_first(
+        waiting in prop::collection::vec((0i64..2_000_000, 0.0f64..=1.0, prop::option::of(1e8f64..1e13)), 1..12),
+        max_active in 1usize..4,
+    ) {
+        let policy = Policy { max_active, ..Policy::default() };
+        let overdue_ms = (policy.aging_ms as f64 * (policy.aging_cap - 1.0)) as i64;
+        let s = LinkScheduler::new(policy, FAST, 100, 0);
+        let now = 2_000_000;
+        let ts: Vec<Transfer> = waiting.iter().enumerate().map(|(i, &(created, imp, p))| Transfer {
+            created_ms: created, ..transfer(i as i64 + 1, Class::Scheduled, imp, p)
+        }).collect();
+        let admitted = s.admit(&ts, now);
+        prop_assert_eq!(admitted.len(), ts.len().min(max_active));
+        let overdue = |id: i64| now - ts[id as usize - 1].created_ms >= overdue_ms;
+        let n_overdue = ts.iter().filter(|t| overdue(t.id)).count();
+        for (k, id) in admitted.iter().enumerate() {
+            prop_assert_eq!(overdue(*id), k < n_overdue, "admission order {:?}", admitted);
+        }
+    }
+}
+
+/// A stream of newer, higher-scored arrivals cannot hold an old transfer
+/// back beyond the aging bound `aging x (cap - 1)`.
+#[test]
+fn no_transfer_waits_beyond_the_aging_bound() {
+    let policy = Policy {
+        max_active: 1,
+        ..Policy::default()
+    };
+    let bound = (policy.aging_ms as f64 * (policy.aging_cap - 1.0)) as i64;
+    let mut s = LinkScheduler::new(policy, FAST, 100, 0);
+    let old = Transfer {
+        created_ms: 0,
+        ..transfer(1, Class::Scheduled, 0.0, Some(1e8))
+    };
+    let mut waiting = vec![old];
+    let mut admitted_at = None;
+    let mut next_id = 2;
+    let mut now = 0;
+    while now <= 2 * bound {
+        // A new, far more important transfer arrives every minute; the
+        // active one finishes.
+        waiting.push(Transfer {
+            created_ms: now,
+            ..transfer(next_id, Class::Scheduled, 1.0, Some(1e12))
+        });
+        next_id += 1;
+        for id in s.active() {
+            s.remove(id);
+        }
+        let pick = s.admit(&waiting, now);
+        assert_eq!(pick.len(), 1);
+        let t = waiting.iter().find(|t| t.id == pick[0]).unwrap().clone();
+        waiting.retain(|w| w.id != t.id);
+        s.upsert(t, now);
+        if pick[0] == 1 {
+            admitted_at = Some(now);
+            break;
+        }
+        now += 60_000;
+    }
+    let at = admitted_at.expect("the old transfer was never admitted");
+    assert!(
+        at >= bound - 60_000,
+        "admitted early at {at} ms: the score should have ruled"
+    );
+    assert!(at <= bound, "waited {at} ms, beyond the bound {bound} ms");
+}
+
+#[test]
+fn fifo_serves_the_oldest_ready_transfer_whatever_its_class() {
+    let policy = Policy {
+        kind: PolicyKind::Fifo,
+        ..Policy::default()
+    };
+    let mut s = LinkScheduler::new(policy, FAST, 100, 0);
+    s.upsert(
+        Transfer {
+            created_ms: 10,
+            ..transfer(1, Class::Background, 0.0, None)
+        },
+        20,
+    );
+    s.upsert(
+        Transfer {
+            created_ms: 15,
+            ..transfer(2, Class::Urgent, 1.0, Some(1e12))
+        },
+        20,
+    );
+    for _ in 0..3 {
+        s.chunk_ready(1, MIB);
+        s.chunk_ready(2, MIB);
+    }
+    let order: Vec<Decision> = (0..6).map(|k| s.next(21 + k)).collect();
+    let ids: Vec<i64> = order
+        .iter()
+        .map(|d| match d {
+            Decision::Send { id, priority, .. } => {
+                assert_eq!(*priority, 0);
+                *id
+            }
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(ids, vec![1, 1, 1, 2, 2, 2]);
+    assert_eq!(s.next(30), Decision::Idle);
+}
+
+#[test]
+fn promotion_of_an_active_transfer_preempts_and_a_rate_change_applies_at_once() {
+    let mut s = LinkScheduler::new(Policy::default(), 80_000_000, 100, 0); // 10 MB/s, BDP 1 MB
+    s.upsert(transfer(1, Class::Background, 0.0, None), 0);
+    s.upsert(transfer(2, Class::Scheduled, 0.0, None), 0);
+    for _ in 0..50 {
+        s.chunk_ready(1, 100_000);
+        s.chunk_ready(2, 100_000);
+    }
+    let mut now = 0;
+    for _ in 0..20 {
+        now += 10;
+        let _ = s.next(now);
+    }
+    s.upsert(transfer(1, Class::Urgent, 0.0, None), now);
+    now += 10;
+    assert!(matches!(
+        s.next(now),
+        Decision::Send {
+            id: 1,
+            priority: 2,
+            ..
+        }
+    ));
+    // Drain the bucket, then halve the rate: the wait doubles.
+    let mut until = now;
+    for _ in 0..40 {
+        match s.next(now) {
+            Decision::Wait { until_ms } => {
+                until = until_ms;
+                break;
+            }
+            Decision::Send { .. } => {}
+            Decision::Idle => panic!("idle"),
+        }
+    }
+    assert!(until > now, "the bucket never ran dry");
+    let fast_wait = until - now;
+    s.set_rate(40_000_000, now);
+    match s.next(now) {
+        Decision::Wait { until_ms } => assert!(
+            until_ms - now >= 2 * fast_wait - 1,
+            "wait {} ms at half rate vs {fast_wait} ms",
+            until_ms - now
+        ),
+        other => panic!("{other:?}"),
+    }
+}
