@@ -106,6 +106,7 @@ pub fn next<T>(candidates: Vec<Candidate<T>>) -> Option<T> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
