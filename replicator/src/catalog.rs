@@ -38,6 +38,9 @@ pub enum CatalogError {
     /// Stored data could not be decoded.
     #[error("catalog holds bad data: {0}")]
     Corrupt(String),
+    /// A value to store is out of range; the message names the field.
+    #[error("{0}")]
+    Invalid(String),
 }
 
 /// Milliseconds since the Unix epoch, the catalog's time unit.
@@ -54,6 +57,10 @@ pub mod state {
     pub const QUEUED: &str = "queued";
     /// Chunks are moving.
     pub const ACTIVE: &str = "active";
+    /// Stopped on request (or by the scheduler) until resumed; not final:
+    /// it alternates with `active` and is resumed after a restart like
+    /// any unfinished transfer.
+    pub const PAUSED: &str = "paused";
     /// All chunks sent; the sink is checking the manifest.
     pub const VERIFYING: &str = "verifying";
     /// The replica is published at the sink.
@@ -72,7 +79,7 @@ pub mod state {
 }
 
 /// A source-side transfer row.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Transfer {
     /// Transfer id (also sent to the sink).
     pub id: i64,
@@ -121,6 +128,15 @@ pub struct Transfer {
     pub commit_identity: Option<String>,
     /// Replication profile (`weights-only`), if not every file.
     pub profile: Option<String>,
+    /// Importance override for this transfer, 0..1; `None` = the job's
+    /// importance.
+    pub importance: Option<f64>,
+    /// While now (Unix ms) is before this, the transfer is `urgent`
+    /// because a signal promoted it; [`Transfer::class`] is the class it
+    /// returns to. `None` = not promoted.
+    pub urgent_until: Option<i64>,
+    /// Id of the signal that promoted it (`signals.id`), if any.
+    pub signal: Option<i64>,
 }
 
 /// Checkpoint states at the source (ARCHITECTURE.md, "Vocabulary").
@@ -235,7 +251,8 @@ pub struct Catalog {
 
 const TRANSFER_COLS: &str = "id, link, job, source_path, rel, class, state, bytes_total, \
     bytes_done, bytes_sent, shards, manifest_root, local_path, error, created_at, started_at, finished_at, \
-    checkpoint, format, opened_at, committed_at, commit_identity, profile";
+    checkpoint, format, opened_at, committed_at, commit_identity, profile, importance, \
+    urgent_until, signal";
 
 const REPLICA_COLS: &str = "id, peer, source_site, source_transfer, job, source_path, rel, \
     chunk_size, state, bytes_total, bytes_done, staging_path, local_path, manifest_root, error, \
@@ -266,7 +283,21 @@ fn transfer_row(r: &sqlx::sqlite::SqliteRow) -> Result<Transfer, sqlx::Error> {
         committed_at: r.try_get("committed_at")?,
         commit_identity: r.try_get("commit_identity")?,
         profile: r.try_get("profile")?,
+        importance: r.try_get("importance")?,
+        urgent_until: r.try_get("urgent_until")?,
+        signal: r.try_get("signal")?,
     })
+}
+
+/// `v` if it is a number from 0 to 1, else an error naming `field`.
+fn check_unit(field: &str, v: f64) -> Result<f64, CatalogError> {
+    if (0.0..=1.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err(CatalogError::Invalid(format!(
+            "{field} must be a number from 0 to 1, got {v}"
+        )))
+    }
 }
 
 fn replica_row(r: &sqlx::sqlite::SqliteRow) -> Result<Replica, sqlx::Error> {
@@ -669,6 +700,96 @@ impl Catalog {
         Ok(())
     }
 
+    /// Sets a transfer's class (`urgent`, `scheduled` or `background`),
+    /// e.g. an operator re-prioritising it. Also ends any promotion by a
+    /// signal (clears `urgent_until` and `signal`): the class set by hand
+    /// is the one that holds.
+    ///
+    /// # Errors
+    /// [`CatalogError::Invalid`] naming `class` for an unknown class; SQL
+    /// errors.
+    pub async fn set_transfer_class(&self, id: i64, class: &str) -> Result<(), CatalogError> {
+        let class: scheduler::Class = class
+            .parse()
+            .map_err(|e| CatalogError::Invalid(format!("class: {e}")))?;
+        sqlx::query(
+            "UPDATE transfers SET class = ?, urgent_until = NULL, signal = NULL WHERE id = ?",
+        )
+        .bind(class.as_str())
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Sets (`Some`, 0..1) or clears (`None`: the job's importance holds
+    /// again) a transfer's importance override.
+    ///
+    /// # Errors
+    /// [`CatalogError::Invalid`] naming `importance` outside 0..1; SQL
+    /// errors.
+    pub async fn set_transfer_importance(
+        &self,
+        id: i64,
+        importance: Option<f64>,
+    ) -> Result<(), CatalogError> {
+        let importance = importance
+            .map(|v| check_unit("importance", v))
+            .transpose()?;
+        sqlx::query("UPDATE transfers SET importance = ? WHERE id = ?")
+            .bind(importance)
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Promotes a transfer to `urgent` until `until_ms` (Unix ms) because
+    /// of signal `signal_id`; its `class` stays the class it returns to.
+    /// A later promotion replaces an earlier one.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn promote_urgent(
+        &self,
+        id: i64,
+        until_ms: i64,
+        signal_id: i64,
+    ) -> Result<(), CatalogError> {
+        sqlx::query("UPDATE transfers SET urgent_until = ?, signal = ? WHERE id = ?")
+            .bind(until_ms)
+            .bind(signal_id)
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// The transfer of `job` that a signal promotes: the one created last
+    /// (largest `created_at`, then largest id) that is not published,
+    /// failed or cancelled. Queued, active, paused and verifying transfers
+    /// all count.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn newest_unpublished_transfer(
+        &self,
+        job: &str,
+    ) -> Result<Option<Transfer>, CatalogError> {
+        let q = format!(
+            "SELECT {TRANSFER_COLS} FROM transfers WHERE job = ? AND state NOT IN (?, ?, ?) \
+             ORDER BY created_at DESC, id DESC LIMIT 1"
+        );
+        let r = sqlx::query(&q)
+            .bind(job)
+            .bind(state::PUBLISHED)
+            .bind(state::FAILED)
+            .bind(state::CANCELLED)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.as_ref().map(transfer_row).transpose()?)
+    }
+
     // ---- sink side ----
 
     /// The row of an incoming transfer, if known.
@@ -814,20 +935,27 @@ impl Catalog {
         Ok(())
     }
 
-    /// Records verified chunks `(replica, chunk key, hash)` in one
-    /// transaction, and bumps each row's `bytes_done` by the given bytes.
+    /// Records verified chunks `(replica, chunk key, hash, length in
+    /// bytes)` in one transaction, each with its length and the time
+    /// (Unix ms) it was recorded as verified, and bumps each row's
+    /// `bytes_done` by the chunk's length. A chunk already recorded is
+    /// left as it is (first arrival wins).
     ///
     /// # Errors
     /// SQL errors (nothing is recorded then).
     pub async fn add_chunks(&self, chunks: &[(i64, u64, Hash, u64)]) -> Result<(), CatalogError> {
+        let now = now_ms();
         let mut tx = self.pool.begin().await?;
         for (replica, idx, hash, bytes) in chunks {
             let r = sqlx::query(
-                "INSERT INTO chunks (replica, idx, hash) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+                "INSERT INTO chunks (replica, idx, hash, verified_at, bytes) VALUES (?, ?, ?, ?, ?) \
+                 ON CONFLICT DO NOTHING",
             )
             .bind(replica)
             .bind(*idx as i64)
             .bind(&hash[..])
+            .bind(now)
+            .bind(*bytes as i64)
             .execute(&mut *tx)
             .await?;
             if r.rows_affected() > 0 {
@@ -1137,5 +1265,162 @@ mod tests {
             "{lag} {open}"
         );
         assert_eq!(c.replica_manifest(r).await.unwrap().unwrap(), b"m");
+    }
+
+    async fn replica_for(c: &Catalog, id: i64) -> i64 {
+        c.insert_replica(&NewReplica {
+            peer: "p",
+            source_site: "s",
+            source_transfer: id,
+            job: "j",
+            source_path: "/ck/s1",
+            rel: "s1",
+            chunk_size: 1 << 20,
+            files: &[],
+            bytes_total: 10,
+            staging_path: "/st",
+            local_path: "/eval/x",
+            profile: None,
+        })
+        .await
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn add_chunks_records_arrival_time_and_length() {
+        let d = tempfile::tempdir().unwrap();
+        let c = Catalog::open(d.path()).await.unwrap();
+        let r = replica_for(&c, 1).await;
+        let before = now_ms();
+        c.add_chunks(&[(r, 0, [1; 32], 7), (r, 1, [2; 32], 3)])
+            .await
+            .unwrap();
+        let after = now_ms();
+        // A repeat keeps the first arrival and does not count twice.
+        c.add_chunks(&[(r, 0, [1; 32], 99)]).await.unwrap();
+        let rows: Vec<(i64, Option<i64>, Option<i64>)> = sqlx::query_as(
+            "SELECT idx, verified_at, bytes FROM chunks WHERE replica = ? ORDER BY idx",
+        )
+        .bind(r)
+        .fetch_all(&c.pool)
+        .await
+        .unwrap();
+        assert_eq!(rows.len(), 2);
+        assert_eq!((rows[0].0, rows[0].2), (0, Some(7)));
+        assert_eq!((rows[1].0, rows[1].2), (1, Some(3)));
+        for (_, at, _) in &rows {
+            let at = at.unwrap();
+            assert!((before..=after).contains(&at), "{before} {at} {after}");
+        }
+        assert_eq!(c.replica(r).await.unwrap().unwrap().bytes_done, 10);
+    }
+
+    #[tokio::test]
+    async fn class_importance_and_urgent_promotion() {
+        let d = tempfile::tempdir().unwrap();
+        let c = Catalog::open(d.path()).await.unwrap();
+        let id = c
+            .insert_transfer("l", "j", "/ck/s1", "s1", "scheduled")
+            .await
+            .unwrap();
+        let t = c.transfer(id).await.unwrap().unwrap();
+        assert_eq!((t.importance, t.urgent_until, t.signal), (None, None, None));
+
+        c.promote_urgent(id, 1_000_000, 7).await.unwrap();
+        let t = c.transfer(id).await.unwrap().unwrap();
+        assert_eq!(t.class, "scheduled");
+        assert_eq!((t.urgent_until, t.signal), (Some(1_000_000), Some(7)));
+
+        c.set_transfer_class(id, "background").await.unwrap();
+        let t = c.transfer(id).await.unwrap().unwrap();
+        assert_eq!(t.class, "background");
+        assert_eq!((t.urgent_until, t.signal), (None, None));
+
+        let e = c.set_transfer_class(id, "soon").await.unwrap_err();
+        assert!(
+            matches!(e, CatalogError::Invalid(_)) && e.to_string().contains("class"),
+            "{e}"
+        );
+        assert_eq!(c.transfer(id).await.unwrap().unwrap().class, "background");
+
+        c.set_transfer_importance(id, Some(0.7)).await.unwrap();
+        assert_eq!(c.transfer(id).await.unwrap().unwrap().importance, Some(0.7));
+        let e = c.set_transfer_importance(id, Some(2.0)).await.unwrap_err();
+        assert!(e.to_string().contains("importance"), "{e}");
+        assert_eq!(c.transfer(id).await.unwrap().unwrap().importance, Some(0.7));
+        c.set_transfer_importance(id, None).await.unwrap();
+        assert_eq!(c.transfer(id).await.unwrap().unwrap().importance, None);
+    }
+
+    #[tokio::test]
+    async fn newest_unpublished_skips_final_transfers_and_keeps_paused() {
+        let d = tempfile::tempdir().unwrap();
+        let c = Catalog::open(d.path()).await.unwrap();
+        assert_eq!(c.newest_unpublished_transfer("j").await.unwrap(), None);
+        let mut ids = Vec::new();
+        // (created_at, state): the newest is published, the one with the
+        // largest id was created earlier.
+        for (n, (created, st)) in [
+            (3_000, state::PAUSED),
+            (2_000, state::QUEUED),
+            (4_000, state::PUBLISHED),
+            (5_000, state::CANCELLED),
+            (6_000, state::FAILED),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let id = c
+                .insert_transfer("l", "j", &format!("/ck/s{n}"), "s", "scheduled")
+                .await
+                .unwrap();
+            sqlx::query("UPDATE transfers SET created_at = ?, state = ? WHERE id = ?")
+                .bind(created)
+                .bind(st)
+                .bind(id)
+                .execute(&c.pool)
+                .await
+                .unwrap();
+            ids.push(id);
+        }
+        // Another job's newer transfer does not count.
+        let other = c
+            .insert_transfer("l", "k", "/ck/o", "o", "scheduled")
+            .await
+            .unwrap();
+        let t = c.newest_unpublished_transfer("j").await.unwrap().unwrap();
+        assert_eq!((t.id, t.state.as_str()), (ids[0], state::PAUSED));
+        assert_eq!(
+            c.newest_unpublished_transfer("k")
+                .await
+                .unwrap()
+                .unwrap()
+                .id,
+            other
+        );
+        // Paused is not final: it is resumed after a restart.
+        assert!(!state::is_final(state::PAUSED));
+        let unfinished: Vec<i64> = c
+            .unfinished_transfers()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|t| t.id)
+            .collect();
+        assert_eq!(unfinished, [ids[0], ids[1], other]);
+        // Equal creation times: the larger id is the newer.
+        sqlx::query("UPDATE transfers SET created_at = 3000 WHERE id = ?")
+            .bind(ids[1])
+            .execute(&c.pool)
+            .await
+            .unwrap();
+        assert_eq!(
+            c.newest_unpublished_transfer("j")
+                .await
+                .unwrap()
+                .unwrap()
+                .id,
+            ids[1]
+        );
     }
 }
