@@ -38,6 +38,9 @@ pub enum CatalogError {
     /// Stored data could not be decoded.
     #[error("catalog holds bad data: {0}")]
     Corrupt(String),
+    /// A value to store is out of range; the message names the field.
+    #[error("{0}")]
+    Invalid(String),
 }
 
 /// Milliseconds since the Unix epoch, the catalog's time unit.
@@ -54,6 +57,10 @@ pub mod state {
     pub const QUEUED: &str = "queued";
     /// Chunks are moving.
     pub const ACTIVE: &str = "active";
+    /// Stopped on request (or by the scheduler) until resumed; not final:
+    /// it alternates with `active` and is resumed after a restart like
+    /// any unfinished transfer.
+    pub const PAUSED: &str = "paused";
     /// All chunks sent; the sink is checking the manifest.
     pub const VERIFYING: &str = "verifying";
     /// The replica is published at the sink.
@@ -72,7 +79,7 @@ pub mod state {
 }
 
 /// A source-side transfer row.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Transfer {
     /// Transfer id (also sent to the sink).
     pub id: i64,
@@ -121,6 +128,15 @@ pub struct Transfer {
     pub commit_identity: Option<String>,
     /// Replication profile (`weights-only`), if not every file.
     pub profile: Option<String>,
+    /// Importance override for this transfer, 0..1; `None` = the job's
+    /// importance.
+    pub importance: Option<f64>,
+    /// While now (Unix ms) is before this, the transfer is `urgent`
+    /// because a signal promoted it; [`Transfer::class`] is the class it
+    /// returns to. `None` = not promoted.
+    pub urgent_until: Option<i64>,
+    /// Id of the signal that promoted it ([`Signal::id`]), if any.
+    pub signal: Option<i64>,
 }
 
 /// Checkpoint states at the source (ARCHITECTURE.md, "Vocabulary").
@@ -226,6 +242,52 @@ pub struct SourceTimes {
     pub opened_ms: i64,
 }
 
+/// Where a [`Job`] row came from.
+pub mod origin {
+    /// The `[[jobs]]` of the config file, rewritten at every start.
+    pub const CONFIG: &str = "config";
+    /// The API; kept across restarts until set again, whatever the config
+    /// file says.
+    pub const API: &str = "api";
+}
+
+/// A job (training run) as the scheduler ranks it.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Job {
+    /// Job name.
+    pub name: String,
+    /// Model size in parameters; `None` = unknown (the size term is 1).
+    pub model_params: Option<f64>,
+    /// Importance, 0..1.
+    pub importance: f64,
+    /// Where the values came from: [`origin::CONFIG`] or [`origin::API`].
+    pub origin: String,
+    /// When the row was last written (Unix ms).
+    pub updated_at: i64,
+}
+
+/// An anomaly report from a training controller.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Signal {
+    /// Signal id.
+    pub id: i64,
+    /// Job it is about.
+    pub job: String,
+    /// What was seen (loss spike, NaN, ...; the API defines the names).
+    pub kind: String,
+    /// Severity when received, 0..1 (it decays with the configured
+    /// half-life).
+    pub severity: f64,
+    /// Training step the controller reported, if any.
+    pub step: Option<i64>,
+    /// The client's retry key, if it sent one.
+    pub idempotency_key: Option<String>,
+    /// The transfer it promoted to `urgent` ([`Transfer::id`]), if any.
+    pub transfer: Option<i64>,
+    /// When it was received (Unix ms).
+    pub received_at: i64,
+}
+
 /// Handle to the catalog; cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Catalog {
@@ -235,7 +297,8 @@ pub struct Catalog {
 
 const TRANSFER_COLS: &str = "id, link, job, source_path, rel, class, state, bytes_total, \
     bytes_done, bytes_sent, shards, manifest_root, local_path, error, created_at, started_at, finished_at, \
-    checkpoint, format, opened_at, committed_at, commit_identity, profile";
+    checkpoint, format, opened_at, committed_at, commit_identity, profile, importance, \
+    urgent_until, signal";
 
 const REPLICA_COLS: &str = "id, peer, source_site, source_transfer, job, source_path, rel, \
     chunk_size, state, bytes_total, bytes_done, staging_path, local_path, manifest_root, error, \
@@ -266,7 +329,66 @@ fn transfer_row(r: &sqlx::sqlite::SqliteRow) -> Result<Transfer, sqlx::Error> {
         committed_at: r.try_get("committed_at")?,
         commit_identity: r.try_get("commit_identity")?,
         profile: r.try_get("profile")?,
+        importance: r.try_get("importance")?,
+        urgent_until: r.try_get("urgent_until")?,
+        signal: r.try_get("signal")?,
     })
+}
+
+const JOB_COLS: &str = "name, model_params, importance, origin, updated_at";
+
+const SIGNAL_COLS: &str = "id, job, kind, severity, step, idempotency_key, transfer, received_at";
+
+fn job_row(r: &sqlx::sqlite::SqliteRow) -> Result<Job, sqlx::Error> {
+    Ok(Job {
+        name: r.try_get("name")?,
+        model_params: r.try_get("model_params")?,
+        importance: r.try_get("importance")?,
+        origin: r.try_get("origin")?,
+        updated_at: r.try_get("updated_at")?,
+    })
+}
+
+fn signal_row(r: &sqlx::sqlite::SqliteRow) -> Result<Signal, sqlx::Error> {
+    Ok(Signal {
+        id: r.try_get("id")?,
+        job: r.try_get("job")?,
+        kind: r.try_get("kind")?,
+        severity: r.try_get("severity")?,
+        step: r.try_get("step")?,
+        idempotency_key: r.try_get("idempotency_key")?,
+        transfer: r.try_get("transfer")?,
+        received_at: r.try_get("received_at")?,
+    })
+}
+
+/// `v` if it is a number from 0 to 1, else an error naming `field`.
+fn check_unit(field: &str, v: f64) -> Result<f64, CatalogError> {
+    if (0.0..=1.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err(CatalogError::Invalid(format!(
+            "{field} must be a number from 0 to 1, got {v}"
+        )))
+    }
+}
+
+/// A model size in parameters: `None` and 0 are unknown (`None`); a
+/// negative or non-finite size is an error naming `field`.
+fn check_params(field: &str, v: Option<f64>) -> Result<Option<f64>, CatalogError> {
+    match v {
+        None => Ok(None),
+        Some(0.0) => Ok(None),
+        Some(p) if p.is_finite() && p > 0.0 => Ok(Some(p)),
+        Some(p) => Err(CatalogError::Invalid(format!(
+            "{field} must be a finite number of parameters, 0 or more, got {p}"
+        ))),
+    }
+}
+
+/// A job name usable in paths, else an error naming `field`.
+fn check_job_name(field: &str, name: &str) -> Result<(), CatalogError> {
+    crate::paths::check_name(name).map_err(|e| CatalogError::Invalid(format!("{field}: {e}")))
 }
 
 fn replica_row(r: &sqlx::sqlite::SqliteRow) -> Result<Replica, sqlx::Error> {
@@ -669,6 +791,293 @@ impl Catalog {
         Ok(())
     }
 
+    /// Sets a transfer's class (`urgent`, `scheduled` or `background`),
+    /// e.g. an operator re-prioritising it. Also ends any promotion by a
+    /// signal (clears `urgent_until` and `signal`): the class set by hand
+    /// is the one that holds.
+    ///
+    /// # Errors
+    /// [`CatalogError::Invalid`] naming `class` for an unknown class; SQL
+    /// errors.
+    pub async fn set_transfer_class(&self, id: i64, class: &str) -> Result<(), CatalogError> {
+        let class: scheduler::Class = class
+            .parse()
+            .map_err(|e| CatalogError::Invalid(format!("class: {e}")))?;
+        sqlx::query(
+            "UPDATE transfers SET class = ?, urgent_until = NULL, signal = NULL WHERE id = ?",
+        )
+        .bind(class.as_str())
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Sets (`Some`, 0..1) or clears (`None`: the job's importance holds
+    /// again) a transfer's importance override.
+    ///
+    /// # Errors
+    /// [`CatalogError::Invalid`] naming `importance` outside 0..1; SQL
+    /// errors.
+    pub async fn set_transfer_importance(
+        &self,
+        id: i64,
+        importance: Option<f64>,
+    ) -> Result<(), CatalogError> {
+        let importance = importance
+            .map(|v| check_unit("importance", v))
+            .transpose()?;
+        sqlx::query("UPDATE transfers SET importance = ? WHERE id = ?")
+            .bind(importance)
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Promotes a transfer to `urgent` until `until_ms` (Unix ms) because
+    /// of signal `signal_id`; its `class` stays the class it returns to.
+    /// A later promotion replaces an earlier one.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn promote_urgent(
+        &self,
+        id: i64,
+        until_ms: i64,
+        signal_id: i64,
+    ) -> Result<(), CatalogError> {
+        sqlx::query("UPDATE transfers SET urgent_until = ?, signal = ? WHERE id = ?")
+            .bind(until_ms)
+            .bind(signal_id)
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// The transfer of `job` that a signal promotes: the one created last
+    /// (largest `created_at`, then largest id) that is not published,
+    /// failed or cancelled. Queued, active, paused and verifying transfers
+    /// all count.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn newest_unpublished_transfer(
+        &self,
+        job: &str,
+    ) -> Result<Option<Transfer>, CatalogError> {
+        let q = format!(
+            "SELECT {TRANSFER_COLS} FROM transfers WHERE job = ? AND state NOT IN (?, ?, ?) \
+             ORDER BY created_at DESC, id DESC LIMIT 1"
+        );
+        let r = sqlx::query(&q)
+            .bind(job)
+            .bind(state::PUBLISHED)
+            .bind(state::FAILED)
+            .bind(state::CANCELLED)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.as_ref().map(transfer_row).transpose()?)
+    }
+
+    // ---- jobs and signals (source side) ----
+
+    /// Writes the config file's `[[jobs]]` `(name, model_params,
+    /// importance)` in one transaction: new jobs are added and config jobs
+    /// updated (origin `config`), but a job last set through the API
+    /// (origin `api`) keeps its API values across restarts until it is set
+    /// again; the config file does not overwrite it. Jobs no longer in the
+    /// config file are left as they are. `model_params` of `None` or 0 is
+    /// an unknown size; importance is 0..1.
+    ///
+    /// # Errors
+    /// [`CatalogError::Invalid`] naming the job and field (nothing is
+    /// written then); SQL errors.
+    pub async fn sync_config_jobs(
+        &self,
+        jobs: &[(String, Option<f64>, f64)],
+    ) -> Result<(), CatalogError> {
+        let mut rows = Vec::with_capacity(jobs.len());
+        for (name, params, importance) in jobs {
+            check_job_name("job name", name)?;
+            let params = check_params(&format!("job {name:?} model_params"), *params)?;
+            let importance = check_unit(&format!("job {name:?} importance"), *importance)?;
+            rows.push((name, params, importance));
+        }
+        let now = now_ms();
+        let mut tx = self.pool.begin().await?;
+        for (name, params, importance) in rows {
+            sqlx::query(
+                "INSERT INTO jobs (name, model_params, importance, origin, updated_at) \
+                 VALUES (?, ?, ?, ?, ?) \
+                 ON CONFLICT (name) DO UPDATE SET model_params = excluded.model_params, \
+                 importance = excluded.importance, updated_at = excluded.updated_at \
+                 WHERE jobs.origin = ?",
+            )
+            .bind(name)
+            .bind(params)
+            .bind(importance)
+            .bind(origin::CONFIG)
+            .bind(now)
+            .bind(origin::CONFIG)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Sets a job's model size (parameters; `None` or 0 = unknown) and
+    /// importance (0..1) through the API, adding the job if it is new.
+    /// The row's origin becomes `api`: config file values no longer
+    /// overwrite it, also after a restart. Returns the row as stored.
+    ///
+    /// # Errors
+    /// [`CatalogError::Invalid`] naming the field; SQL errors.
+    pub async fn put_job(
+        &self,
+        name: &str,
+        model_params: Option<f64>,
+        importance: f64,
+    ) -> Result<Job, CatalogError> {
+        check_job_name("job name", name)?;
+        let params = check_params("model_params", model_params)?;
+        let importance = check_unit("importance", importance)?;
+        let q = format!(
+            "INSERT INTO jobs (name, model_params, importance, origin, updated_at) \
+             VALUES (?, ?, ?, ?, ?) \
+             ON CONFLICT (name) DO UPDATE SET model_params = excluded.model_params, \
+             importance = excluded.importance, origin = excluded.origin, \
+             updated_at = excluded.updated_at RETURNING {JOB_COLS}"
+        );
+        let r = sqlx::query(&q)
+            .bind(name)
+            .bind(params)
+            .bind(importance)
+            .bind(origin::API)
+            .bind(now_ms())
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(job_row(&r)?)
+    }
+
+    /// One job by name.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn job(&self, name: &str) -> Result<Option<Job>, CatalogError> {
+        let q = format!("SELECT {JOB_COLS} FROM jobs WHERE name = ?");
+        let r = sqlx::query(&q)
+            .bind(name)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.as_ref().map(job_row).transpose()?)
+    }
+
+    /// Every job, by name.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn jobs(&self) -> Result<Vec<Job>, CatalogError> {
+        let q = format!("SELECT {JOB_COLS} FROM jobs ORDER BY name");
+        let rows = sqlx::query(&q).fetch_all(&self.pool).await?;
+        Ok(rows.iter().map(job_row).collect::<Result<_, _>>()?)
+    }
+
+    /// Records a signal about `job` (severity 0..1, received now). With an
+    /// idempotency `key` already used, nothing is inserted and the signal
+    /// first stored under that key is returned, whatever its job, kind or
+    /// severity. The flag is true if the signal is new.
+    ///
+    /// # Errors
+    /// [`CatalogError::Invalid`] naming the field (job name, severity);
+    /// SQL errors.
+    pub async fn insert_signal(
+        &self,
+        job: &str,
+        kind: &str,
+        severity: f64,
+        step: Option<i64>,
+        key: Option<&str>,
+    ) -> Result<(Signal, bool), CatalogError> {
+        check_job_name("job", job)?;
+        if kind.is_empty() {
+            return Err(CatalogError::Invalid("kind must not be empty".into()));
+        }
+        let severity = check_unit("severity", severity)?;
+        let q = format!(
+            "INSERT INTO signals (job, kind, severity, step, idempotency_key, received_at) \
+             VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (idempotency_key) DO NOTHING \
+             RETURNING {SIGNAL_COLS}"
+        );
+        let r = sqlx::query(&q)
+            .bind(job)
+            .bind(kind)
+            .bind(severity)
+            .bind(step)
+            .bind(key)
+            .bind(now_ms())
+            .fetch_optional(&self.pool)
+            .await?;
+        if let Some(r) = r {
+            return Ok((signal_row(&r)?, true));
+        }
+        // Only a used key makes the insert do nothing.
+        let q = format!("SELECT {SIGNAL_COLS} FROM signals WHERE idempotency_key = ?");
+        let r = sqlx::query(&q)
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await?
+            .ok_or_else(|| {
+                CatalogError::Corrupt(format!(
+                    "signal with idempotency key {key:?} was neither inserted nor found"
+                ))
+            })?;
+        Ok((signal_row(&r)?, false))
+    }
+
+    /// Records the transfer a signal promoted.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_signal_transfer(
+        &self,
+        signal_id: i64,
+        transfer_id: i64,
+    ) -> Result<(), CatalogError> {
+        sqlx::query("UPDATE signals SET transfer = ? WHERE id = ?")
+            .bind(transfer_id)
+            .bind(signal_id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Signals received at or after `since_ms` (Unix ms), oldest first (by
+    /// id): the ones whose decayed severity still counts.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn signals_since(&self, since_ms: i64) -> Result<Vec<Signal>, CatalogError> {
+        let q = format!("SELECT {SIGNAL_COLS} FROM signals WHERE received_at >= ? ORDER BY id");
+        let rows = sqlx::query(&q).bind(since_ms).fetch_all(&self.pool).await?;
+        Ok(rows.iter().map(signal_row).collect::<Result<_, _>>()?)
+    }
+
+    /// The `limit` newest signals, newest first (a negative limit is 0).
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn recent_signals(&self, limit: i64) -> Result<Vec<Signal>, CatalogError> {
+        let q = format!("SELECT {SIGNAL_COLS} FROM signals ORDER BY id DESC LIMIT ?");
+        let rows = sqlx::query(&q)
+            .bind(limit.max(0))
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(signal_row).collect::<Result<_, _>>()?)
+    }
+
     // ---- sink side ----
 
     /// The row of an incoming transfer, if known.
@@ -814,20 +1223,27 @@ impl Catalog {
         Ok(())
     }
 
-    /// Records verified chunks `(replica, chunk key, hash)` in one
-    /// transaction, and bumps each row's `bytes_done` by the given bytes.
+    /// Records verified chunks `(replica, chunk key, hash, length in
+    /// bytes)` in one transaction, each with its length and the time
+    /// (Unix ms) it was recorded as verified, and bumps each row's
+    /// `bytes_done` by the chunk's length. A chunk already recorded is
+    /// left as it is (first arrival wins).
     ///
     /// # Errors
     /// SQL errors (nothing is recorded then).
     pub async fn add_chunks(&self, chunks: &[(i64, u64, Hash, u64)]) -> Result<(), CatalogError> {
+        let now = now_ms();
         let mut tx = self.pool.begin().await?;
         for (replica, idx, hash, bytes) in chunks {
             let r = sqlx::query(
-                "INSERT INTO chunks (replica, idx, hash) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+                "INSERT INTO chunks (replica, idx, hash, verified_at, bytes) VALUES (?, ?, ?, ?, ?) \
+                 ON CONFLICT DO NOTHING",
             )
             .bind(replica)
             .bind(*idx as i64)
             .bind(&hash[..])
+            .bind(now)
+            .bind(*bytes as i64)
             .execute(&mut *tx)
             .await?;
             if r.rows_affected() > 0 {
@@ -1137,5 +1553,393 @@ mod tests {
             "{lag} {open}"
         );
         assert_eq!(c.replica_manifest(r).await.unwrap().unwrap(), b"m");
+    }
+
+    async fn replica_for(c: &Catalog, id: i64) -> i64 {
+        c.insert_replica(&NewReplica {
+            peer: "p",
+            source_site: "s",
+            source_transfer: id,
+            job: "j",
+            source_path: "/ck/s1",
+            rel: "s1",
+            chunk_size: 1 << 20,
+            files: &[],
+            bytes_total: 10,
+            staging_path: "/st",
+            local_path: "/eval/x",
+            profile: None,
+        })
+        .await
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn add_chunks_records_arrival_time_and_length() {
+        let d = tempfile::tempdir().unwrap();
+        let c = Catalog::open(d.path()).await.unwrap();
+        let r = replica_for(&c, 1).await;
+        let before = now_ms();
+        c.add_chunks(&[(r, 0, [1; 32], 7), (r, 1, [2; 32], 3)])
+            .await
+            .unwrap();
+        let after = now_ms();
+        // A repeat keeps the first arrival and does not count twice.
+        c.add_chunks(&[(r, 0, [1; 32], 99)]).await.unwrap();
+        let rows: Vec<(i64, Option<i64>, Option<i64>)> = sqlx::query_as(
+            "SELECT idx, verified_at, bytes FROM chunks WHERE replica = ? ORDER BY idx",
+        )
+        .bind(r)
+        .fetch_all(&c.pool)
+        .await
+        .unwrap();
+        assert_eq!(rows.len(), 2);
+        assert_eq!((rows[0].0, rows[0].2), (0, Some(7)));
+        assert_eq!((rows[1].0, rows[1].2), (1, Some(3)));
+        for (_, at, _) in &rows {
+            let at = at.unwrap();
+            assert!((before..=after).contains(&at), "{before} {at} {after}");
+        }
+        assert_eq!(c.replica(r).await.unwrap().unwrap().bytes_done, 10);
+    }
+
+    #[tokio::test]
+    async fn signals_are_idempotent_by_key() {
+        let d = tempfile::tempdir().unwrap();
+        let c = Catalog::open(d.path()).await.unwrap();
+        let (s1, new) = c
+            .insert_signal("j", "loss_spike", 0.8, Some(1200), Some("k1"))
+            .await
+            .unwrap();
+        assert!(new);
+        assert_eq!(
+            (s1.job.as_str(), s1.kind.as_str(), s1.severity, s1.step),
+            ("j", "loss_spike", 0.8, Some(1200))
+        );
+        assert_eq!(s1.idempotency_key.as_deref(), Some("k1"));
+        assert_eq!(s1.transfer, None);
+        // The retry returns the first signal and inserts nothing.
+        let (again, new) = c
+            .insert_signal("j", "nan", 0.1, None, Some("k1"))
+            .await
+            .unwrap();
+        assert!(!new);
+        assert_eq!(again, s1);
+        // Without a key every signal is new.
+        let (s2, new2) = c
+            .insert_signal("j", "manual", 1.0, None, None)
+            .await
+            .unwrap();
+        let (s3, new3) = c
+            .insert_signal("k", "manual", 0.0, None, None)
+            .await
+            .unwrap();
+        assert!(new2 && new3);
+        assert!(s1.id < s2.id && s2.id < s3.id);
+
+        let ids = |v: Vec<Signal>| v.into_iter().map(|s| s.id).collect::<Vec<_>>();
+        assert_eq!(
+            ids(c.recent_signals(10).await.unwrap()),
+            [s3.id, s2.id, s1.id]
+        );
+        assert_eq!(ids(c.recent_signals(2).await.unwrap()), [s3.id, s2.id]);
+        assert!(c.recent_signals(-1).await.unwrap().is_empty());
+        assert_eq!(
+            ids(c.signals_since(s1.received_at).await.unwrap()),
+            [s1.id, s2.id, s3.id]
+        );
+        assert!(c.signals_since(now_ms() + 60_000).await.unwrap().is_empty());
+
+        c.set_signal_transfer(s2.id, 42).await.unwrap();
+        let got = c.recent_signals(3).await.unwrap();
+        assert_eq!(got[1].transfer, Some(42));
+        assert_eq!(got[0].transfer, None);
+
+        for (sev, what) in [
+            (1.5, "severity"),
+            (f64::NAN, "severity"),
+            (-0.1, "severity"),
+        ] {
+            let e = c
+                .insert_signal("j", "x", sev, None, None)
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(e, CatalogError::Invalid(_)) && e.to_string().contains(what),
+                "{e}"
+            );
+        }
+        let e = c.insert_signal("", "x", 0.5, None, None).await.unwrap_err();
+        assert!(e.to_string().contains("job"), "{e}");
+        let e = c.insert_signal("j", "", 0.5, None, None).await.unwrap_err();
+        assert!(e.to_string().contains("kind"), "{e}");
+        assert_eq!(c.recent_signals(100).await.unwrap().len(), 3);
+    }
+
+    #[tokio::test]
+    async fn api_jobs_survive_config_sync() {
+        let d = tempfile::tempdir().unwrap();
+        let c = Catalog::open(d.path()).await.unwrap();
+        c.sync_config_jobs(&[("a".into(), Some(7e10), 0.8), ("b".into(), Some(0.0), 0.2)])
+            .await
+            .unwrap();
+        let a = c.job("a").await.unwrap().unwrap();
+        assert_eq!(
+            (a.model_params, a.importance, a.origin.as_str()),
+            (Some(7e10), 0.8, origin::CONFIG)
+        );
+        // 0 parameters is an unknown size.
+        assert_eq!(c.job("b").await.unwrap().unwrap().model_params, None);
+        assert_eq!(c.job("zzz").await.unwrap(), None);
+
+        let put = c.put_job("a", None, 1.0).await.unwrap();
+        assert_eq!(
+            (put.model_params, put.importance, put.origin.as_str()),
+            (None, 1.0, origin::API)
+        );
+        assert_eq!(c.job("a").await.unwrap().unwrap(), put);
+
+        // A restart with changed config: the API row keeps its values, the
+        // config row follows the file, a new config job is added.
+        c.sync_config_jobs(&[
+            ("a".into(), Some(1e9), 0.1),
+            ("b".into(), Some(1e9), 0.3),
+            ("c".into(), None, 0.0),
+        ])
+        .await
+        .unwrap();
+        assert_eq!(c.job("a").await.unwrap().unwrap(), put);
+        let b = c.job("b").await.unwrap().unwrap();
+        assert_eq!((b.model_params, b.importance), (Some(1e9), 0.3));
+        let names: Vec<String> = c
+            .jobs()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|j| j.name)
+            .collect();
+        assert_eq!(names, ["a", "b", "c"]);
+
+        // Setting it again through the API replaces the API values.
+        let put2 = c.put_job("a", Some(3e9), 0.5).await.unwrap();
+        assert_eq!((put2.model_params, put2.importance), (Some(3e9), 0.5));
+
+        // Bad values name the job and field; nothing of the batch is written.
+        let e = c
+            .sync_config_jobs(&[("b".into(), None, 0.9), ("d".into(), None, 1.5)])
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("\"d\" importance"), "{e}");
+        assert_eq!(c.job("b").await.unwrap().unwrap().importance, 0.3);
+        assert_eq!(c.job("d").await.unwrap(), None);
+        let e = c
+            .sync_config_jobs(&[("e".into(), Some(-1.0), 0.5)])
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("\"e\" model_params"), "{e}");
+        let e = c.put_job("a", Some(f64::INFINITY), 0.5).await.unwrap_err();
+        assert!(e.to_string().contains("model_params"), "{e}");
+        let e = c.put_job("a", None, f64::NAN).await.unwrap_err();
+        assert!(e.to_string().contains("importance"), "{e}");
+        let e = c.put_job("../x", None, 0.5).await.unwrap_err();
+        assert!(e.to_string().contains("job name"), "{e}");
+        assert_eq!(c.job("a").await.unwrap().unwrap(), put2);
+    }
+
+    #[tokio::test]
+    async fn class_importance_and_urgent_promotion() {
+        let d = tempfile::tempdir().unwrap();
+        let c = Catalog::open(d.path()).await.unwrap();
+        let id = c
+            .insert_transfer("l", "j", "/ck/s1", "s1", "scheduled")
+            .await
+            .unwrap();
+        let t = c.transfer(id).await.unwrap().unwrap();
+        assert_eq!((t.importance, t.urgent_until, t.signal), (None, None, None));
+
+        c.promote_urgent(id, 1_000_000, 7).await.unwrap();
+        let t = c.transfer(id).await.unwrap().unwrap();
+        assert_eq!(t.class, "scheduled");
+        assert_eq!((t.urgent_until, t.signal), (Some(1_000_000), Some(7)));
+
+        c.set_transfer_class(id, "background").await.unwrap();
+        let t = c.transfer(id).await.unwrap().unwrap();
+        assert_eq!(t.class, "background");
+        assert_eq!((t.urgent_until, t.signal), (None, None));
+
+        let e = c.set_transfer_class(id, "soon").await.unwrap_err();
+        assert!(
+            matches!(e, CatalogError::Invalid(_)) && e.to_string().contains("class"),
+            "{e}"
+        );
+        assert_eq!(c.transfer(id).await.unwrap().unwrap().class, "background");
+
+        c.set_transfer_importance(id, Some(0.7)).await.unwrap();
+        assert_eq!(c.transfer(id).await.unwrap().unwrap().importance, Some(0.7));
+        let e = c.set_transfer_importance(id, Some(2.0)).await.unwrap_err();
+        assert!(e.to_string().contains("importance"), "{e}");
+        assert_eq!(c.transfer(id).await.unwrap().unwrap().importance, Some(0.7));
+        c.set_transfer_importance(id, None).await.unwrap();
+        assert_eq!(c.transfer(id).await.unwrap().unwrap().importance, None);
+    }
+
+    #[tokio::test]
+    async fn newest_unpublished_skips_final_transfers_and_keeps_paused() {
+        let d = tempfile::tempdir().unwrap();
+        let c = Catalog::open(d.path()).await.unwrap();
+        assert_eq!(c.newest_unpublished_transfer("j").await.unwrap(), None);
+        let mut ids = Vec::new();
+        // (created_at, state): the newest is published, the one with the
+        // largest id was created earlier.
+        for (n, (created, st)) in [
+            (3_000, state::PAUSED),
+            (2_000, state::QUEUED),
+            (4_000, state::PUBLISHED),
+            (5_000, state::CANCELLED),
+            (6_000, state::FAILED),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let id = c
+                .insert_transfer("l", "j", &format!("/ck/s{n}"), "s", "scheduled")
+                .await
+                .unwrap();
+            sqlx::query("UPDATE transfers SET created_at = ?, state = ? WHERE id = ?")
+                .bind(created)
+                .bind(st)
+                .bind(id)
+                .execute(&c.pool)
+                .await
+                .unwrap();
+            ids.push(id);
+        }
+        // Another job's newer transfer does not count.
+        let other = c
+            .insert_transfer("l", "k", "/ck/o", "o", "scheduled")
+            .await
+            .unwrap();
+        let t = c.newest_unpublished_transfer("j").await.unwrap().unwrap();
+        assert_eq!((t.id, t.state.as_str()), (ids[0], state::PAUSED));
+        assert_eq!(
+            c.newest_unpublished_transfer("k")
+                .await
+                .unwrap()
+                .unwrap()
+                .id,
+            other
+        );
+        // Paused is not final: it is resumed after a restart.
+        assert!(!state::is_final(state::PAUSED));
+        let unfinished: Vec<i64> = c
+            .unfinished_transfers()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|t| t.id)
+            .collect();
+        assert_eq!(unfinished, [ids[0], ids[1], other]);
+        // Equal creation times: the larger id is the newer.
+        sqlx::query("UPDATE transfers SET created_at = 3000 WHERE id = ?")
+            .bind(ids[1])
+            .execute(&c.pool)
+            .await
+            .unwrap();
+        assert_eq!(
+            c.newest_unpublished_transfer("j")
+                .await
+                .unwrap()
+                .unwrap()
+                .id,
+            ids[1]
+        );
+    }
+
+    #[tokio::test]
+    async fn version_2_catalog_migrates_and_keeps_its_rows() {
+        let d = tempfile::tempdir().unwrap();
+        let mdir = d.path().join("migrations-v2");
+        std::fs::create_dir(&mdir).unwrap();
+        std::fs::write(
+            mdir.join("0001_catalog.sql"),
+            include_str!("../../migrations/0001_catalog.sql"),
+        )
+        .unwrap();
+        std::fs::write(
+            mdir.join("0002_checkpoints.sql"),
+            include_str!("../../migrations/0002_checkpoints.sql"),
+        )
+        .unwrap();
+        let data = d.path().join("data");
+        std::fs::create_dir(&data).unwrap();
+        let opts = SqliteConnectOptions::from_str(&format!(
+            "sqlite://{}",
+            data.join("ferry.db").display()
+        ))
+        .unwrap()
+        .create_if_missing(true);
+        let pool = SqlitePoolOptions::new().connect_with(opts).await.unwrap();
+        sqlx::migrate::Migrator::new(mdir.as_path())
+            .await
+            .unwrap()
+            .run(&pool)
+            .await
+            .unwrap();
+        sqlx::query(
+            "INSERT INTO transfers (id, link, job, source_path, rel, class, state, created_at) \
+             VALUES (5, 'l', 'j', '/ck/s1', 's1', 'background', 'queued', 1000)",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        sqlx::query(
+            "INSERT INTO replicas (id, peer, source_site, source_transfer, job, source_path, rel, \
+             chunk_size, files, state, bytes_total, staging_path, local_path, created_at) \
+             VALUES (9, 'p', 's', 5, 'j', '/ck/s1', 's1', 1048576, '[]', 'receiving', 10, '/st', \
+             '/eval/x', 1000)",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        sqlx::query("INSERT INTO chunks (replica, idx, hash) VALUES (9, 0, ?)")
+            .bind(&[3u8; 32][..])
+            .execute(&pool)
+            .await
+            .unwrap();
+        pool.close().await;
+
+        let c = Catalog::open(&data).await.unwrap();
+        let t = c.transfer(5).await.unwrap().unwrap();
+        assert_eq!((t.class.as_str(), t.created_at), ("background", 1000));
+        assert_eq!((t.importance, t.urgent_until, t.signal), (None, None, None));
+        assert_eq!(c.chunks(9).await.unwrap(), vec![(0, [3; 32])]);
+        let old: (Option<i64>, Option<i64>) =
+            sqlx::query_as("SELECT verified_at, bytes FROM chunks WHERE replica = 9")
+                .fetch_one(&c.pool)
+                .await
+                .unwrap();
+        assert_eq!(old, (None, None));
+        assert!(c.jobs().await.unwrap().is_empty());
+        c.put_job("j", Some(7e9), 0.5).await.unwrap();
+        let (s, _) = c.insert_signal("j", "nan", 1.0, None, None).await.unwrap();
+        c.promote_urgent(5, 2_000, s.id).await.unwrap();
+        assert_eq!(
+            c.newest_unpublished_transfer("j")
+                .await
+                .unwrap()
+                .unwrap()
+                .signal,
+            Some(s.id)
+        );
+        let v: i64 = sqlx::query_scalar("SELECT MAX(version) FROM _sqlx_migrations")
+            .fetch_one(&c.pool)
+            .await
+            .unwrap();
+        assert_eq!(v, 3);
+        c.close().await;
+        drop(c);
+        // Opening again applies nothing new and keeps the rows.
+        let c = Catalog::open(&data).await.unwrap();
+        assert_eq!(c.job("j").await.unwrap().unwrap().importance, 0.5);
     }
 }

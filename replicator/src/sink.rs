@@ -1848,6 +1848,7 @@ fn publish(live: &Live, m: &Manifest) -> io::Result<()> {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
 
     #[test]
