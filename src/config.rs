@@ -35,6 +35,9 @@ pub struct Config {
     pub source: Option<SourceSection>,
     /// `[sink]`
     pub sink: Option<SinkSection>,
+    /// `[scheduler]`; every key optional.
+    #[serde(default)]
+    pub scheduler: SchedulerSection,
 }
 
 /// What an agent does.
@@ -162,12 +165,147 @@ fn default_rtt() -> Duration {
 pub struct JobSection {
     /// Job name.
     pub name: String,
-    /// Model size in parameters.
+    /// Model size in parameters (finite, >= 0); default 0 = unknown (the
+    /// score's size term is then 1).
     #[serde(default)]
     pub model_params: f64,
-    /// Importance 0..1.
+    /// Importance 0..1; default 0.
     #[serde(default)]
     pub importance: f64,
+}
+
+/// `[scheduler]`: how transfers are ranked and share a link (DESIGN
+/// "Classes and score"). Every key is optional and defaults to
+/// [`scheduler::Policy::default()`]; [`SchedulerSection::policy`] turns it
+/// into the scheduler's settings.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SchedulerSection {
+    /// `"priority"` (default: classes, floors and scores) or `"fifo"`
+    /// (first come, first served; the baseline).
+    pub policy: String,
+    /// `T` of the aging term `min(1 + waiting / T, cap)`; default `"10m"`.
+    #[serde(with = "humantime_serde")]
+    pub aging: Duration,
+    /// `cap` of the aging term, 1..1000; default 2.0.
+    pub aging_cap: f64,
+    /// Half-life of a signal's severity; default `"10m"`.
+    #[serde(with = "humantime_serde")]
+    pub severity_half_life: Duration,
+    /// How long a signal keeps its job's newest unpublished checkpoint
+    /// `urgent`; default `"30m"`.
+    #[serde(with = "humantime_serde")]
+    pub urgent_for: Duration,
+    /// Transfers of one class moving at once on one link, 1..64; default 4.
+    pub max_active: usize,
+    /// `[scheduler.weights]`
+    pub weights: WeightsSection,
+    /// `[scheduler.floors]`
+    pub floors: FloorsSection,
+}
+
+/// `[scheduler.weights]`: the weights of the score's terms, each 0..100.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WeightsSection {
+    /// `a`, per decade of model parameters above 1e9; default 0.5.
+    pub model_size: f64,
+    /// `b`, times the importance (0..1); default 1.0.
+    pub importance: f64,
+    /// `c`, times the live signal severity (0..1); default 2.0.
+    pub severity: f64,
+}
+
+/// `[scheduler.floors]`: the share (0..0.5 of the link's rate) a lower
+/// class keeps while a higher class is busy.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FloorsSection {
+    /// Floor of `scheduled` while `urgent` is busy; default 0.10.
+    pub scheduled: f64,
+    /// Floor of `background` while a higher class is busy; default 0.05.
+    pub background: f64,
+}
+
+impl Default for WeightsSection {
+    fn default() -> Self {
+        let w = scheduler::Weights::default();
+        WeightsSection {
+            model_size: w.size,
+            importance: w.importance,
+            severity: w.severity,
+        }
+    }
+}
+
+impl Default for FloorsSection {
+    fn default() -> Self {
+        let f = scheduler::Floors::default();
+        FloorsSection {
+            scheduled: f.scheduled,
+            background: f.background,
+        }
+    }
+}
+
+impl Default for SchedulerSection {
+    fn default() -> Self {
+        let p = scheduler::Policy::default();
+        SchedulerSection {
+            policy: p.kind.as_str().into(),
+            aging: Duration::from_millis(p.aging_ms),
+            aging_cap: p.aging_cap,
+            severity_half_life: Duration::from_millis(p.severity_half_life_ms),
+            urgent_for: Duration::from_millis(p.urgent_for_ms),
+            max_active: p.max_active,
+            weights: WeightsSection::default(),
+            floors: FloorsSection::default(),
+        }
+    }
+}
+
+impl SchedulerSection {
+    /// The scheduler's settings, checked with [`scheduler::Policy::check`].
+    /// Durations are truncated to whole milliseconds.
+    ///
+    /// # Errors
+    /// A message naming the key, prefixed `scheduler.` (e.g.
+    /// `scheduler.floors.scheduled must be from 0 to 0.5, got 0.9`).
+    pub fn policy(&self) -> Result<scheduler::Policy> {
+        use scheduler::PolicyKind;
+        let kind = match self.policy.as_str() {
+            "priority" => PolicyKind::Priority,
+            "fifo" => PolicyKind::Fifo,
+            o => bail!("scheduler.policy must be \"priority\" or \"fifo\", got {o:?}"),
+        };
+        let ms = |key: &str, d: Duration| {
+            u64::try_from(d.as_millis()).map_err(|_| {
+                anyhow::anyhow!(
+                    "scheduler.{key} is too long, got {}",
+                    humantime::format_duration(d)
+                )
+            })
+        };
+        let p = scheduler::Policy {
+            kind,
+            weights: scheduler::Weights {
+                size: self.weights.model_size,
+                importance: self.weights.importance,
+                severity: self.weights.severity,
+            },
+            aging_ms: ms("aging", self.aging)?,
+            aging_cap: self.aging_cap,
+            severity_half_life_ms: ms("severity_half_life", self.severity_half_life)?,
+            urgent_for_ms: ms("urgent_for", self.urgent_for)?,
+            floors: scheduler::Floors {
+                scheduled: self.floors.scheduled,
+                background: self.floors.background,
+            },
+            max_active: self.max_active,
+        };
+        p.check().map_err(|e| anyhow::anyhow!("scheduler.{e}"))?;
+        Ok(p)
+    }
 }
 
 /// `[source]`
@@ -500,6 +638,18 @@ impl Config {
         for (i, j) in self.jobs.iter().enumerate() {
             replicator::paths::check_name(&j.name)
                 .map_err(|e| anyhow::anyhow!("jobs[{i}].name: {e}"))?;
+            if let Some(k) = self.jobs[..i].iter().position(|o| o.name == j.name) {
+                bail!(
+                    "jobs[{i}].name {:?} is used twice (also jobs[{k}]); give each job once",
+                    j.name
+                );
+            }
+            if !(j.model_params.is_finite() && j.model_params >= 0.0) {
+                bail!(
+                    "jobs[{i}].model_params must be a finite number of parameters, 0 (unknown) or more, got {}",
+                    j.model_params
+                );
+            }
             if !(0.0..=1.0).contains(&j.importance) {
                 bail!(
                     "jobs[{i}].importance must be within 0..1, got {}",
@@ -507,6 +657,7 @@ impl Config {
                 );
             }
         }
+        self.scheduler.policy()?;
         if let Some(s) = &self.source {
             let cs = s.chunk_size;
             if !(u64::from(replicator::manifest::MIN_CHUNK_SIZE)
@@ -687,6 +838,16 @@ link = "to-eval"
     }
 
     #[test]
+    fn example_scheduler_section_is_the_default() {
+        // ops/ferry.example.toml writes every [scheduler] key with its
+        // default value: the documented defaults are the real ones.
+        let text = include_str!("../ops/ferry.example.toml");
+        assert!(text.contains("\n[scheduler]\n") && text.contains("\n[scheduler.floors]\n"));
+        let c = load(text).unwrap();
+        assert_eq!(c.scheduler, SchedulerSection::default());
+    }
+
+    #[test]
     fn watcher_keys_name_the_key_and_the_choices() {
         let root = |extra: &str| {
             GOOD.replace(
@@ -757,6 +918,97 @@ link = "to-eval"
         );
         let e = err(&nested);
         assert!(e.contains("must not nest"), "{e}");
+    }
+
+    #[test]
+    fn scheduler_section_defaults_to_the_policy_defaults() {
+        let c = load(GOOD).unwrap();
+        assert_eq!(c.scheduler, SchedulerSection::default());
+        assert_eq!(c.scheduler.policy().unwrap(), scheduler::Policy::default());
+        // An empty section and an empty sub-table are the defaults too.
+        let c = load(&format!("{GOOD}[scheduler]\n[scheduler.floors]\n")).unwrap();
+        assert_eq!(c.scheduler.policy().unwrap(), scheduler::Policy::default());
+    }
+
+    #[test]
+    fn scheduler_keys_are_read() {
+        let c = load(&format!(
+            "{GOOD}[scheduler]\npolicy = \"fifo\"\naging = \"90s\"\naging_cap = 3.5\n\
+             severity_half_life = \"1h\"\nurgent_for = \"5m\"\nmax_active = 8\n\
+             [scheduler.weights]\nmodel_size = 0.25\nimportance = 3\nseverity = 0\n\
+             [scheduler.floors]\nscheduled = 0.2\nbackground = 0\n"
+        ))
+        .unwrap();
+        let p = c.scheduler.policy().unwrap();
+        assert_eq!(p.kind, scheduler::PolicyKind::Fifo);
+        assert_eq!(
+            (p.aging_ms, p.severity_half_life_ms, p.urgent_for_ms),
+            (90_000, 3_600_000, 300_000)
+        );
+        assert_eq!((p.aging_cap, p.max_active), (3.5, 8));
+        assert_eq!(
+            (p.weights.size, p.weights.importance, p.weights.severity),
+            (0.25, 3.0, 0.0)
+        );
+        assert_eq!((p.floors.scheduled, p.floors.background), (0.2, 0.0));
+    }
+
+    #[test]
+    fn bad_scheduler_keys_are_named() {
+        let sched = |body: &str| err(&format!("{GOOD}[scheduler]\n{body}\n"));
+        let e = sched("policy = \"lifo\"");
+        assert!(
+            e.contains("scheduler.policy") && e.contains("\"lifo\"") && e.contains("fifo"),
+            "{e}"
+        );
+        let e = sched("[scheduler.floors]\nscheduled = 0.9");
+        assert!(
+            e.contains("scheduler.floors.scheduled must be from 0 to 0.5, got 0.9"),
+            "{e}"
+        );
+        let e = sched("[scheduler.weights]\nseverity = -1");
+        assert!(e.contains("scheduler.weights.severity"), "{e}");
+        let e = sched("[scheduler.weights]\nimportance = nan");
+        assert!(e.contains("scheduler.weights.importance"), "{e}");
+        let e = sched("aging_cap = 0.5");
+        assert!(e.contains("scheduler.aging_cap"), "{e}");
+        let e = sched("aging = \"0s\"");
+        assert!(e.contains("scheduler.aging"), "{e}");
+        let e = sched("severity_half_life = \"10 fortnights\"");
+        assert!(e.contains("severity_half_life"), "{e}");
+        let e = sched("max_active = 0");
+        assert!(e.contains("scheduler.max_active"), "{e}");
+        let e = sched("max_active = -1");
+        assert!(e.contains("max_active"), "{e}");
+        // Unknown keys, also in the sub-tables.
+        let e = sched("polcy = \"fifo\"");
+        assert!(e.contains("polcy"), "{e}");
+        let e = sched("[scheduler.weights]\nsize = 0.5");
+        assert!(e.contains("size") && e.contains("model_size"), "{e}");
+        let e = sched("[scheduler.floors]\nurgent = 0.5");
+        assert!(e.contains("urgent"), "{e}");
+    }
+
+    #[test]
+    fn bad_jobs_are_named() {
+        let job = |body: &str| err(&format!("{GOOD}[[jobs]]\nname = \"a\"\n{body}\n"));
+        let e = job("[[jobs]]\nname = \"b\"\n[[jobs]]\nname = \"a\"");
+        assert!(
+            e.contains("jobs[2].name \"a\" is used twice") && e.contains("jobs[0]"),
+            "{e}"
+        );
+        let e = job("model_params = -7e9");
+        assert!(e.contains("jobs[0].model_params"), "{e}");
+        let e = job("model_params = inf");
+        assert!(e.contains("jobs[0].model_params"), "{e}");
+        let e = job("importance = 1.5");
+        assert!(e.contains("jobs[0].importance"), "{e}");
+        let e = job("importance = nan");
+        assert!(e.contains("jobs[0].importance"), "{e}");
+        let e = job("weight = 1");
+        assert!(e.contains("weight"), "{e}");
+        let c = load(&format!("{GOOD}[[jobs]]\nname = \"a\"\nmodel_params = 0\n")).unwrap();
+        assert_eq!((c.jobs[0].model_params, c.jobs[0].importance), (0.0, 0.0));
     }
 
     #[test]

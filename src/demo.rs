@@ -112,6 +112,7 @@ fn agent_config(dir: &Path, name: &str, role: Role, api: SocketAddr) -> Config {
         jobs: Vec::new(),
         source: None,
         sink: None,
+        scheduler: Default::default(),
     }
 }
 
