@@ -21,6 +21,10 @@ CREATE INDEX transfers_job ON transfers (job, created_at);
 -- carried over when a resumed transfer's file table was renumbered.
 ALTER TABLE chunks ADD COLUMN verified_at BIGINT;
 ALTER TABLE chunks ADD COLUMN bytes BIGINT;
+-- Sink side: what the chunk rows said about arrival once they are gone
+-- (they are dropped at publish): JSON [[window start, Unix ms, bytes],
+-- ...] in 100 ms windows, oldest first.
+ALTER TABLE replicas ADD COLUMN arrivals TEXT;
 
 -- Source side: jobs (training runs) the scheduler ranks by. A row comes
 -- from the config file (origin 'config', rewritten at every start) or the

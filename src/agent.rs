@@ -136,7 +136,27 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
                 scan_interval: (!s.scan_interval.is_zero()).then_some(s.scan_interval),
                 quiet_period: s.quiet_period,
                 checkpoint_idle_timeout: s.checkpoint_idle_timeout,
+                policy: cfg.scheduler.policy()?,
             };
+            // Jobs from the config file; jobs set through the API keep
+            // their values (see `Catalog::sync_config_jobs`).
+            let jobs: Vec<(String, Option<f64>, f64)> = cfg
+                .jobs
+                .iter()
+                .map(|j| {
+                    let p = (j.model_params > 0.0).then_some(j.model_params);
+                    (j.name.clone(), p, j.importance)
+                })
+                .collect();
+            catalog
+                .sync_config_jobs(&jobs)
+                .await
+                .context("storing [[jobs]] in the catalog")?;
+            tracing::info!(
+                policy = sc.policy.kind.as_str(),
+                max_active = sc.policy.max_active,
+                "scheduler"
+            );
             Some(Source::start(sc, catalog.clone(), endpoint.clone(), &id)?)
         }
         _ => None,

@@ -11,7 +11,18 @@
 //! - `POST /v1/transfers` `{"path": "...", "link": "..."}` (source): queue
 //!   a transfer; answers 201 with the transfer.
 //! - `GET /v1/transfers[?limit=&offset=]`, `GET /v1/transfers/{id}`
-//!   (source): transfers with live progress.
+//!   (source): transfers with live progress; one transfer also has its
+//!   `ranking` (class, score term by term, share of the link).
+//! - `POST /v1/transfers/{id}/pause|resume|cancel`, `PATCH
+//!   /v1/transfers/{id}` `{"class"?, "importance"?}` (source): operator
+//!   control; 409 when the transfer's state does not allow it.
+//! - `GET /v1/jobs`, `PUT /v1/jobs/{job}` `{"model_params"?, "importance"}`
+//!   (source): jobs as the scheduler ranks them.
+//! - `GET /v1/links`, `PUT /v1/links/{link}` `{"rate_bps"}` (source): a
+//!   link's rate cap, changed live.
+//! - `POST /v1/signals` `{"job", "kind", "severity", "step"?,
+//!   "idempotency_key"?}`, `GET /v1/signals[?limit=]` (source): anomaly
+//!   signals from training controllers; 404 for an unknown job.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -20,11 +31,11 @@ use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use replicator::catalog::Transfer;
 use replicator::sink::{Resolution, Sink};
-use replicator::source::{Progress, Source, SubmitError};
+use replicator::source::{OpsError, Progress, Source, SubmitError};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tower_http::timeout::TimeoutLayer;
@@ -102,7 +113,16 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/resolve", get(resolve))
         .route("/v1/replicas", get(replicas))
         .route("/v1/transfers", get(list_transfers).post(create_transfer))
-        .route("/v1/transfers/{id}", get(get_transfer))
+        .route(
+            "/v1/transfers/{id}",
+            get(get_transfer).patch(patch_transfer),
+        )
+        .route("/v1/transfers/{id}/{action}", post(transfer_action))
+        .route("/v1/jobs", get(list_jobs))
+        .route("/v1/jobs/{job}", put(put_job))
+        .route("/v1/links", get(list_links))
+        .route("/v1/links/{link}", put(put_link))
+        .route("/v1/signals", get(list_signals).post(post_signal))
         .route("/v1/checkpoints/announce", post(announce))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such route") })
         .layer(DefaultBodyLimit::max(MAX_BODY))
@@ -223,6 +243,8 @@ async fn replicas(
 struct CreateTransfer {
     path: String,
     link: Option<String>,
+    /// `scheduled` (default), `background` or `urgent`.
+    class: Option<String>,
 }
 
 /// A transfer with its live progress, as the API shows it.
@@ -257,8 +279,14 @@ async fn create_transfer(
             "`path` must be an absolute path at the source",
         ));
     }
+    let class = match req.class.as_deref() {
+        None => scheduler::Class::Scheduled,
+        Some(c) => c
+            .parse()
+            .map_err(|e| ApiError::unprocessable(format!("`class`: {e}")))?,
+    };
     let t = src
-        .submit(&PathBuf::from(&req.path), req.link.as_deref())
+        .submit_as(&PathBuf::from(&req.path), req.link.as_deref(), class)
         .await
         .map_err(submit_error)?;
     Ok((
@@ -349,13 +377,16 @@ async fn list_transfers(
     Ok(Json(json!({ "items": items, "limit": limit, "offset": offset })).into_response())
 }
 
+fn transfer_id(id: &str) -> Result<i64, ApiError> {
+    id.parse()
+        .map_err(|_| ApiError::unprocessable(format!("transfer id {id:?} is not a number")))
+}
+
 async fn get_transfer(
     State(s): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    let id: i64 = id
-        .parse()
-        .map_err(|_| ApiError::unprocessable(format!("transfer id {id:?} is not a number")))?;
+    let id = transfer_id(&id)?;
     let src = source(&s)?;
     let t = src
         .catalog()
@@ -363,7 +394,220 @@ async fn get_transfer(
         .await
         .map_err(ApiError::internal)?
         .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no transfer {id}")))?;
+    let ranking = src.ranking(&t).await.map_err(ApiError::internal)?;
+    let mut v = serde_json::to_value(view(src, t)).map_err(ApiError::internal)?;
+    v["ranking"] = serde_json::to_value(ranking).map_err(ApiError::internal)?;
+    Ok(Json(v).into_response())
+}
+
+/// An operator or controller request refused by the source, as 404, 409
+/// or 422 naming the field.
+fn ops_error(e: OpsError) -> ApiError {
+    match e {
+        OpsError::UnknownJob(_) | OpsError::UnknownTransfer(_) => {
+            ApiError::new(StatusCode::NOT_FOUND, e.to_string())
+        }
+        OpsError::Invalid(m) => ApiError::unprocessable(m),
+        OpsError::Conflict(m) => ApiError::new(StatusCode::CONFLICT, m),
+        OpsError::Catalog(e) => ApiError::internal(e),
+    }
+}
+
+/// `POST /v1/transfers/{id}/{pause|resume|cancel}`.
+async fn transfer_action(
+    State(s): State<AppState>,
+    Path((id, action)): Path<(String, String)>,
+) -> Result<Response, ApiError> {
+    let id = transfer_id(&id)?;
+    let src = source(&s)?;
+    let t = match action.as_str() {
+        "pause" => src.pause(id).await,
+        "resume" => src.resume(id).await,
+        "cancel" => src.cancel(id).await,
+        other => {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!("no action {other:?} (expected pause, resume or cancel)"),
+            ))
+        }
+    }
+    .map_err(ops_error)?;
     Ok(Json(view(src, t)).into_response())
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PatchTransfer {
+    class: Option<String>,
+    /// A number 0..1, or `null` to return to the job's importance.
+    #[serde(default, deserialize_with = "some_or_null")]
+    importance: Option<Option<f64>>,
+}
+
+/// Tells an absent field (`None`) from an explicit `null` (`Some(None)`).
+fn some_or_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<f64>>, D::Error> {
+    Option::<f64>::deserialize(d).map(Some)
+}
+
+/// `PATCH /v1/transfers/{id}`: set class and/or importance.
+async fn patch_transfer(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    body: Result<Json<PatchTransfer>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let id = transfer_id(&id)?;
+    let Json(req) = body?;
+    if req.class.is_none() && req.importance.is_none() {
+        return Err(ApiError::unprocessable(
+            "nothing to change: give `class` and/or `importance`",
+        ));
+    }
+    let src = source(&s)?;
+    let t = src
+        .reprioritise(id, req.class.as_deref(), req.importance)
+        .await
+        .map_err(ops_error)?;
+    Ok(Json(view(src, t)).into_response())
+}
+
+async fn list_jobs(State(s): State<AppState>) -> Result<Response, ApiError> {
+    let src = source(&s)?;
+    let jobs = src.catalog().jobs().await.map_err(ApiError::internal)?;
+    Ok(Json(json!({ "items": jobs })).into_response())
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PutJob {
+    model_params: Option<f64>,
+    importance: f64,
+}
+
+/// `PUT /v1/jobs/{job}`: a job's model size and importance.
+async fn put_job(
+    State(s): State<AppState>,
+    Path(job): Path<String>,
+    body: Result<Json<PutJob>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(req) = body?;
+    let src = source(&s)?;
+    let j = src
+        .put_job(&job, req.model_params, req.importance)
+        .await
+        .map_err(ops_error)?;
+    Ok(Json(j).into_response())
+}
+
+fn link_view(src: &Source, name: &str) -> serde_json::Value {
+    json!({ "name": name, "rate_bps": src.link_rate(name) })
+}
+
+async fn list_links(State(s): State<AppState>) -> Result<Response, ApiError> {
+    let src = source(&s)?;
+    let mut names = src.links();
+    names.sort();
+    let items: Vec<_> = names.iter().map(|n| link_view(src, n)).collect();
+    Ok(Json(json!({ "items": items })).into_response())
+}
+
+/// Smallest and largest rate cap accepted, bit/s.
+pub const RATE_BOUNDS: (u64, u64) = (1_000, 1_000_000_000_000);
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PutLink {
+    rate_bps: u64,
+}
+
+/// `PUT /v1/links/{link}`: change the rate cap live.
+async fn put_link(
+    State(s): State<AppState>,
+    Path(link): Path<String>,
+    body: Result<Json<PutLink>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(req) = body?;
+    let src = source(&s)?;
+    if !(RATE_BOUNDS.0..=RATE_BOUNDS.1).contains(&req.rate_bps) {
+        return Err(ApiError::unprocessable(format!(
+            "`rate_bps` must be from {} to {} bit/s, got {}",
+            RATE_BOUNDS.0, RATE_BOUNDS.1, req.rate_bps
+        )));
+    }
+    if !src.set_link_rate(&link, req.rate_bps) {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("unknown link {link:?}"),
+        ));
+    }
+    tracing::info!(link, rate_bps = req.rate_bps, "link rate cap changed");
+    Ok(Json(link_view(src, &link)).into_response())
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PostSignal {
+    job: String,
+    kind: String,
+    severity: f64,
+    step: Option<i64>,
+    idempotency_key: Option<String>,
+}
+
+/// `POST /v1/signals`: 201 with what the signal did (200 when the
+/// idempotency key was seen before).
+async fn post_signal(
+    State(s): State<AppState>,
+    body: Result<Json<PostSignal>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(req) = body?;
+    let src = source(&s)?;
+    if let Some(k) = &req.idempotency_key {
+        if k.is_empty() || k.len() > 200 {
+            return Err(ApiError::unprocessable(
+                "`idempotency_key` must be 1 to 200 bytes",
+            ));
+        }
+    }
+    let out = src
+        .signal(
+            &req.job,
+            &req.kind,
+            req.severity,
+            req.step,
+            req.idempotency_key.as_deref(),
+        )
+        .await
+        .map_err(ops_error)?;
+    let status = if out.new {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((status, Json(out)).into_response())
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SignalQuery {
+    limit: Option<i64>,
+}
+
+async fn list_signals(
+    State(s): State<AppState>,
+    q: Result<Query<SignalQuery>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(q) = q?;
+    let limit = q.limit.unwrap_or(100);
+    if !(1..=1000).contains(&limit) {
+        return Err(ApiError::unprocessable("`limit` must be from 1 to 1000"));
+    }
+    let src = source(&s)?;
+    let items = src
+        .catalog()
+        .recent_signals(limit)
+        .await
+        .map_err(ApiError::internal)?;
+    Ok(Json(json!({ "items": items })).into_response())
 }
 
 #[cfg(test)]

@@ -288,6 +288,22 @@ pub struct Signal {
     pub received_at: i64,
 }
 
+/// A chunk verified at the sink, as [`Catalog::add_chunks`] records it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VerifiedChunk {
+    /// Sink-side row id.
+    pub replica: i64,
+    /// Chunk key (`file position << 32 | chunk index`).
+    pub key: u64,
+    /// Its BLAKE3 hash.
+    pub hash: Hash,
+    /// Its length, bytes.
+    pub bytes: u64,
+    /// When its last byte arrived, Unix ms; `None` = when recorded (a
+    /// chunk found in staging or reused from an older version).
+    pub arrived_ms: Option<i64>,
+}
+
 /// Handle to the catalog; cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Catalog {
@@ -1189,6 +1205,34 @@ impl Catalog {
             .collect()
     }
 
+    /// When the bytes of a sink-side row arrived: `(window start, Unix ms;
+    /// bytes verified in that window)` for each [`ARRIVAL_WINDOW_MS`]
+    /// window with any, oldest first; from the chunk rows while the
+    /// transfer is receiving, from the summary kept at publish afterwards.
+    /// Chunks recorded before catalog version 3 (no time) are left out.
+    /// Shows whose bytes reached the sink when (the priority tests and the
+    /// benchmark's pre-emption latency read it).
+    ///
+    /// # Errors
+    /// SQL errors; [`CatalogError::Corrupt`] for an unreadable summary.
+    pub async fn chunk_arrivals(&self, replica: i64) -> Result<Vec<(i64, u64)>, CatalogError> {
+        let mut conn = self.pool.acquire().await?;
+        let live = arrival_windows(&mut conn, replica).await?;
+        if !live.is_empty() {
+            return Ok(live);
+        }
+        let kept: Option<Option<String>> =
+            sqlx::query_scalar("SELECT arrivals FROM replicas WHERE id = ?")
+                .bind(replica)
+                .fetch_optional(&mut *conn)
+                .await?;
+        match kept.flatten() {
+            Some(j) => serde_json::from_str(&j)
+                .map_err(|e| CatalogError::Corrupt(format!("arrivals of replica {replica}: {e}"))),
+            None => Ok(Vec::new()),
+        }
+    }
+
     /// Replaces every verified chunk of a sink-side row with `chunks`
     /// `(key, hash)` and sets its `bytes_done`, in one transaction (a
     /// resumed transfer whose file table was renumbered).
@@ -1223,33 +1267,32 @@ impl Catalog {
         Ok(())
     }
 
-    /// Records verified chunks `(replica, chunk key, hash, length in
-    /// bytes)` in one transaction, each with its length and the time
-    /// (Unix ms) it was recorded as verified, and bumps each row's
-    /// `bytes_done` by the chunk's length. A chunk already recorded is
-    /// left as it is (first arrival wins).
+    /// Records verified chunks in one transaction, each with its length
+    /// and arrival time, and bumps each row's `bytes_done` by the chunk's
+    /// length. A chunk already recorded is left as it is (first arrival
+    /// wins).
     ///
     /// # Errors
     /// SQL errors (nothing is recorded then).
-    pub async fn add_chunks(&self, chunks: &[(i64, u64, Hash, u64)]) -> Result<(), CatalogError> {
+    pub async fn add_chunks(&self, chunks: &[VerifiedChunk]) -> Result<(), CatalogError> {
         let now = now_ms();
         let mut tx = self.pool.begin().await?;
-        for (replica, idx, hash, bytes) in chunks {
+        for c in chunks {
             let r = sqlx::query(
                 "INSERT INTO chunks (replica, idx, hash, verified_at, bytes) VALUES (?, ?, ?, ?, ?) \
                  ON CONFLICT DO NOTHING",
             )
-            .bind(replica)
-            .bind(*idx as i64)
-            .bind(&hash[..])
-            .bind(now)
-            .bind(*bytes as i64)
+            .bind(c.replica)
+            .bind(c.key as i64)
+            .bind(&c.hash[..])
+            .bind(c.arrived_ms.unwrap_or(now))
+            .bind(c.bytes as i64)
             .execute(&mut *tx)
             .await?;
             if r.rows_affected() > 0 {
                 sqlx::query("UPDATE replicas SET bytes_done = bytes_done + ? WHERE id = ?")
-                    .bind(*bytes as i64)
-                    .bind(replica)
+                    .bind(c.bytes as i64)
+                    .bind(c.replica)
                     .execute(&mut *tx)
                     .await?;
             }
@@ -1322,6 +1365,16 @@ impl Catalog {
         .bind(id)
         .execute(&mut *tx)
         .await?;
+        // Keep when the bytes arrived (100 ms windows) before the chunk
+        // rows go.
+        let windows = arrival_windows(&mut tx, id).await?;
+        let json = serde_json::to_string(&windows)
+            .map_err(|e| CatalogError::Corrupt(format!("arrival windows: {e}")))?;
+        sqlx::query("UPDATE replicas SET arrivals = ? WHERE id = ?")
+            .bind(json)
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
         sqlx::query("DELETE FROM chunks WHERE replica = ?")
             .bind(id)
             .execute(&mut *tx)
@@ -1478,6 +1531,35 @@ impl Catalog {
     }
 }
 
+/// Width of the windows in which chunk arrivals are summed, ms (the
+/// window of the pre-emption latency measure, DESIGN "Measures").
+pub const ARRIVAL_WINDOW_MS: i64 = 100;
+
+/// Bytes verified per [`ARRIVAL_WINDOW_MS`] window for one sink-side row,
+/// from its chunk rows.
+async fn arrival_windows(
+    conn: &mut sqlx::SqliteConnection,
+    replica: i64,
+) -> Result<Vec<(i64, u64)>, CatalogError> {
+    let rows = sqlx::query(
+        "SELECT (verified_at / ?) * ? AS w, SUM(bytes) AS b FROM chunks \
+         WHERE replica = ? AND verified_at IS NOT NULL AND bytes IS NOT NULL \
+         GROUP BY w ORDER BY w",
+    )
+    .bind(ARRIVAL_WINDOW_MS)
+    .bind(ARRIVAL_WINDOW_MS)
+    .bind(replica)
+    .fetch_all(conn)
+    .await?;
+    rows.iter()
+        .map(|r| {
+            let w: i64 = r.try_get("w")?;
+            let b: i64 = r.try_get("b")?;
+            Ok((w, b.max(0) as u64))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -1531,8 +1613,8 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(c.replica_files(r).await.unwrap(), files);
-        c.add_chunks(&[(r, 0, [7; 32], 5)]).await.unwrap();
-        c.add_chunks(&[(r, 0, [7; 32], 5)]).await.unwrap();
+        c.add_chunks(&[vc(r, 0, [7; 32], 5)]).await.unwrap();
+        c.add_chunks(&[vc(r, 0, [7; 32], 5)]).await.unwrap();
         assert_eq!(c.chunks(r).await.unwrap(), vec![(0, [7; 32])]);
         let times = SourceTimes {
             committed_ms: now_ms() - 2_000,
@@ -1574,20 +1656,41 @@ mod tests {
         .unwrap()
     }
 
+    fn vc(replica: i64, key: u64, hash: Hash, bytes: u64) -> VerifiedChunk {
+        VerifiedChunk {
+            replica,
+            key,
+            hash,
+            bytes,
+            arrived_ms: None,
+        }
+    }
+
     #[tokio::test]
     async fn add_chunks_records_arrival_time_and_length() {
         let d = tempfile::tempdir().unwrap();
         let c = Catalog::open(d.path()).await.unwrap();
         let r = replica_for(&c, 1).await;
         let before = now_ms();
-        c.add_chunks(&[(r, 0, [1; 32], 7), (r, 1, [2; 32], 3)])
+        c.add_chunks(&[vc(r, 0, [1; 32], 7), vc(r, 1, [2; 32], 3)])
             .await
             .unwrap();
         let after = now_ms();
         // A repeat keeps the first arrival and does not count twice.
-        c.add_chunks(&[(r, 0, [1; 32], 99)]).await.unwrap();
+        c.add_chunks(&[vc(r, 0, [1; 32], 99)]).await.unwrap();
+        // An arrival time given is kept as given.
+        c.add_chunks(&[VerifiedChunk {
+            arrived_ms: Some(1_234),
+            ..vc(r, 2, [3; 32], 4)
+        }])
+        .await
+        .unwrap();
+        assert_eq!(
+            c.chunk_arrivals(r).await.unwrap().first(),
+            Some(&(1_200, 4))
+        );
         let rows: Vec<(i64, Option<i64>, Option<i64>)> = sqlx::query_as(
-            "SELECT idx, verified_at, bytes FROM chunks WHERE replica = ? ORDER BY idx",
+            "SELECT idx, verified_at, bytes FROM chunks WHERE replica = ? AND idx < 2 ORDER BY idx",
         )
         .bind(r)
         .fetch_all(&c.pool)
@@ -1600,7 +1703,7 @@ mod tests {
             let at = at.unwrap();
             assert!((before..=after).contains(&at), "{before} {at} {after}");
         }
-        assert_eq!(c.replica(r).await.unwrap().unwrap().bytes_done, 10);
+        assert_eq!(c.replica(r).await.unwrap().unwrap().bytes_done, 14);
     }
 
     #[tokio::test]

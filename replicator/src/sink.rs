@@ -23,7 +23,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use crate::catalog::{state, Catalog, CatalogError, NewReplica, SourceTimes};
+use crate::catalog::{
+    now_ms, state, Catalog, CatalogError, NewReplica, SourceTimes, VerifiedChunk,
+};
 use crate::conn::{code, read_frame, ConnError, ControlSender};
 use crate::manifest::{hex, validate_files, ChunkMap, Hash, Manifest};
 use crate::paths::check_name;
@@ -288,7 +290,7 @@ struct LiveState {
 }
 
 enum CatalogOp {
-    Chunk(i64, u64, Hash, u64),
+    Chunk(VerifiedChunk),
     Flush(oneshot::Sender<()>),
 }
 
@@ -511,7 +513,7 @@ async fn catalog_writer(catalog: Catalog, mut rx: mpsc::Receiver<CatalogOp>) {
         let mut next = Some(op);
         while let Some(op) = next.take() {
             match op {
-                CatalogOp::Chunk(r, i, h, b) => batch.push((r, i, h, b)),
+                CatalogOp::Chunk(c) => batch.push(c),
                 CatalogOp::Flush(w) => waiters.push(w),
             }
             if batch.len() < 4096 {
@@ -912,7 +914,14 @@ async fn open_transfer(
             )
             .await;
             for (g, h, len) in &reused {
-                let _ = inner.chunks.send(CatalogOp::Chunk(id, *g, *h, *len)).await;
+                let c = VerifiedChunk {
+                    replica: id,
+                    key: *g,
+                    hash: *h,
+                    bytes: *len,
+                    arrived_ms: None,
+                };
+                let _ = inner.chunks.send(CatalogOp::Chunk(c)).await;
             }
             (row, reused.into_iter().map(|(g, h, _)| (g, h)).collect())
         }
@@ -1298,7 +1307,8 @@ async fn receive_batch(
     };
     let mut ended = false;
     while !ended {
-        let mut group: Vec<(RecordHeader, Vec<u8>)> = Vec::new();
+        // Records with their arrival time (Unix ms).
+        let mut group: Vec<(RecordHeader, Vec<u8>, i64)> = Vec::new();
         let mut bytes = 0usize;
         while bytes < GROUP_BYTES && group.len() < 1024 {
             let mut rb = [0u8; RECORD_HEADER_LEN];
@@ -1326,7 +1336,7 @@ async fn receive_batch(
                 continue;
             }
             bytes += buf.len();
-            group.push((h, buf));
+            group.push((h, buf, now_ms()));
         }
         // Writes hold the read side of `writes`; publishing takes the write
         // side, so no chunk lands in staging once the replica is being
@@ -1338,12 +1348,18 @@ async fn receive_batch(
                 group.clear();
             } else {
                 let key = |h: &RecordHeader| u64::from(h.file) << 32 | u64::from(h.chunk);
-                group.retain(|(h, _)| st.verified.get(&key(h)) != Some(&h.hash));
+                group.retain(|(h, _, _)| st.verified.get(&key(h)) != Some(&h.hash));
             }
         }
         if group.is_empty() {
             continue;
         }
+        let arrived: HashMap<u64, i64> = group
+            .iter()
+            .map(|(h, _, at)| (u64::from(h.file) << 32 | u64::from(h.chunk), *at))
+            .collect();
+        let group: Vec<(RecordHeader, Vec<u8>)> =
+            group.into_iter().map(|(h, b, _)| (h, b)).collect();
         let l2 = live.clone();
         let res = blocking(move || {
             let r = write_group(&l2, group);
@@ -1376,10 +1392,14 @@ async fn receive_batch(
         }
         live.wrote(good.iter().map(|g| g.2).sum());
         for (g, h, len) in good {
-            let _ = inner
-                .chunks
-                .send(CatalogOp::Chunk(live.id, g, h, len))
-                .await;
+            let c = VerifiedChunk {
+                replica: live.id,
+                key: g,
+                hash: h,
+                bytes: len,
+                arrived_ms: arrived.get(&g).copied(),
+            };
+            let _ = inner.chunks.send(CatalogOp::Chunk(c)).await;
         }
         inner.changed.send_modify(|v| *v += 1);
         if !bad.is_empty() {

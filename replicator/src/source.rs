@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use quinn::{Connection, Endpoint, SendStream, VarInt};
+use quinn::{Connection, Endpoint, VarInt};
 use serde::Serialize;
 use tokio::sync::{mpsc, watch, Notify};
 use tokio_util::sync::CancellationToken;
@@ -26,12 +26,14 @@ use crate::conn::{code, read_frame, ConnError, ControlSender};
 use crate::manifest::{self, hex, ChunkMap, FileEntry, Hash, Manifest, ScanOptions};
 use crate::tls;
 use crate::transport::{transport_config, Tuning};
-use crate::wire::{
-    BatchHeader, Control, FileInfo, Hello, RecordHeader, TransferKey, PROTOCOL_VERSION,
-};
+use crate::wire::{Control, FileInfo, Hello, RecordHeader, TransferKey, PROTOCOL_VERSION};
 
+mod dispatch;
 mod streaming;
 pub mod watcher;
+
+use dispatch::{LinkSched, Lost};
+use watcher::wake;
 
 pub use streaming::{CheckpointView, ViewFile, ViewState};
 
@@ -95,6 +97,8 @@ pub struct SourceConfig {
     pub quiet_period: Duration,
     /// An open checkpoint with no change for this long is abandoned.
     pub checkpoint_idle_timeout: Duration,
+    /// How transfers are ranked and the link shared (`[scheduler]`).
+    pub policy: scheduler::Policy,
 }
 
 /// Live progress of one transfer.
@@ -132,11 +136,89 @@ pub enum SubmitError {
     Catalog(#[from] CatalogError),
 }
 
+/// Kinds of signal a training controller may send (`POST /v1/signals`).
+pub const SIGNAL_KINDS: [&str; 5] = [
+    "loss_spike",
+    "grad_norm_spike",
+    "nan",
+    "eval_regression",
+    "manual",
+];
+
+/// What a signal did.
+#[derive(Debug, Clone, Serialize)]
+pub struct SignalOutcome {
+    /// The stored signal.
+    pub signal: crate::catalog::Signal,
+    /// False if its idempotency key was seen before (nothing changed).
+    pub new: bool,
+    /// The transfer promoted to `urgent`, if the job had an unpublished
+    /// checkpoint.
+    pub promoted: Option<i64>,
+    /// Until when it stays `urgent`, Unix ms.
+    pub urgent_until: Option<i64>,
+}
+
+/// Why an operator or controller request was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum OpsError {
+    /// No such job.
+    #[error("unknown job {0:?} (not in [[jobs]], not set through the API, not the job of a source root)")]
+    UnknownJob(String),
+    /// No such transfer.
+    #[error("no transfer {0}")]
+    UnknownTransfer(i64),
+    /// A field is out of range; the message names it.
+    #[error("{0}")]
+    Invalid(String),
+    /// The transfer's state does not allow it.
+    #[error("{0}")]
+    Conflict(String),
+    /// Catalog failure.
+    #[error(transparent)]
+    Catalog(#[from] CatalogError),
+}
+
+/// Why a transfer ranks where it does (`GET /v1/transfers/{id}`).
+#[derive(Debug, Clone, Serialize)]
+pub struct Ranking {
+    /// `priority` or `fifo` (under `fifo` the score is shown but unused).
+    pub policy: &'static str,
+    /// Effective class now.
+    pub class: scheduler::Class,
+    /// Promoted to `urgent` by a signal until this time (Unix ms).
+    pub promoted_until: Option<i64>,
+    /// The score and its four terms.
+    pub score: scheduler::Score,
+    /// Model parameters used (`None`: unknown, size term 1).
+    pub model_params: Option<f64>,
+    /// Importance used, 0..1.
+    pub importance: f64,
+    /// Where the importance came from: `transfer` (override), `job`, or
+    /// `default` (0, job unknown to the catalog).
+    pub importance_from: &'static str,
+    /// Live severity of the job's signals, 0..1.
+    pub severity: f64,
+    /// Seconds since the transfer was queued (the aging term's input).
+    pub waiting_s: f64,
+    /// Running on its link now (queued transfers have no share).
+    pub active: bool,
+    /// Its class's weight on the link now, 0..1.
+    pub class_weight: Option<f64>,
+    /// Its expected share of the link's rate cap now, 0..1.
+    pub share: Option<f64>,
+    /// Estimated seconds to send what is left at that share.
+    pub eta_s: Option<f64>,
+}
+
 struct LinkState {
     cfg: LinkConfig,
     client: quinn::ClientConfig,
+    /// Wakes the link worker: a transfer was queued, changed or stopped.
     wake: Notify,
     share: Share,
+    /// The link's scheduler and the queues of its active transfers.
+    sched: Arc<LinkSched>,
 }
 
 struct Inner {
@@ -177,6 +259,9 @@ enum RunError {
     Shutdown,
     /// The checkpoint was abandoned or deleted at the source.
     Cancelled(String),
+    /// An operator paused or cancelled the transfer (the catalog holds
+    /// which).
+    Stopped,
 }
 
 impl From<ConnError> for RunError {
@@ -206,6 +291,12 @@ impl Source {
         let mut links = HashMap::new();
         for l in &cfg.links {
             let share = Share::new(l.rate_bps);
+            let sched = Arc::new(LinkSched::new(scheduler::LinkScheduler::new(
+                cfg.policy.clone(),
+                dispatch::payload_rate(l.rate_bps),
+                l.rtt.as_millis() as u64,
+                crate::catalog::now_ms(),
+            )));
             let mut client = quinn::ClientConfig::new(crypto.clone());
             let tuning = Tuning {
                 rate_bps: l.rate_bps,
@@ -219,6 +310,7 @@ impl Source {
                     client,
                     wake: Notify::new(),
                     share,
+                    sched,
                 }),
             );
         }
@@ -273,13 +365,18 @@ impl Source {
         })
     }
 
-    /// Changes a link's rate cap (bit/s) at run time; the congestion
-    /// controller of its connection follows on the next ack. Returns false
-    /// for an unknown link.
+    /// Changes a link's rate cap (bit/s) at run time: the scheduler's
+    /// token bucket at once, the congestion controller of its connection on
+    /// the next ack. Returns false for an unknown link.
     pub fn set_link_rate(&self, link: &str, rate_bps: u64) -> bool {
         match self.inner.links.get(link) {
             Some(l) => {
                 l.share.set_rate_bps(rate_bps);
+                l.sched
+                    .lock()
+                    .ls
+                    .set_rate(dispatch::payload_rate(rate_bps), crate::catalog::now_ms());
+                l.sched.poke();
                 true
             }
             None => false,
@@ -289,6 +386,327 @@ impl Source {
     /// Names of the configured links.
     pub fn links(&self) -> Vec<String> {
         self.inner.links.keys().cloned().collect()
+    }
+
+    /// A link's current rate cap, bit/s (`None`: unknown link).
+    pub fn link_rate(&self, link: &str) -> Option<u64> {
+        self.inner.links.get(link).map(|l| l.share.rate_bps())
+    }
+
+    /// The scheduler's settings.
+    pub fn policy(&self) -> &scheduler::Policy {
+        &self.inner.cfg.policy
+    }
+
+    /// True if `job` is known: configured or set through the API (the
+    /// catalog's jobs), or the job of a source root.
+    ///
+    /// # Errors
+    /// Catalog errors.
+    pub async fn known_job(&self, job: &str) -> Result<bool, CatalogError> {
+        Ok(self.inner.cfg.roots.iter().any(|r| r.job == job)
+            || self.inner.catalog.job(job).await?.is_some())
+    }
+
+    /// Records a training controller's signal about `job`: the job's
+    /// severity rises (decaying with the policy's half-life) and its
+    /// newest unpublished transfer becomes `urgent` for the policy's
+    /// `urgent_for`. A repeated `idempotency_key` returns the first
+    /// signal's outcome and changes nothing.
+    ///
+    /// # Errors
+    /// [`OpsError::UnknownJob`]; [`OpsError::Invalid`] naming the field
+    /// (`kind` not one of [`SIGNAL_KINDS`], `severity` outside 0..1);
+    /// catalog errors.
+    pub async fn signal(
+        &self,
+        job: &str,
+        kind: &str,
+        severity: f64,
+        step: Option<i64>,
+        idempotency_key: Option<&str>,
+    ) -> Result<SignalOutcome, OpsError> {
+        let inner = &self.inner;
+        if !SIGNAL_KINDS.contains(&kind) {
+            return Err(OpsError::Invalid(format!(
+                "kind: unknown kind {kind:?} (expected one of {})",
+                SIGNAL_KINDS.join(", ")
+            )));
+        }
+        if !severity.is_finite() || !(0.0..=1.0).contains(&severity) {
+            return Err(OpsError::Invalid(format!(
+                "severity: must be a number from 0 to 1, got {severity}"
+            )));
+        }
+        if !self.known_job(job).await? {
+            return Err(OpsError::UnknownJob(job.to_string()));
+        }
+        let (mut sig, new) = inner
+            .catalog
+            .insert_signal(job, kind, severity, step, idempotency_key)
+            .await?;
+        if !new {
+            let t = match sig.transfer {
+                Some(id) => inner.catalog.transfer(id).await?,
+                None => None,
+            };
+            return Ok(SignalOutcome {
+                urgent_until: t.as_ref().and_then(|t| t.urgent_until),
+                promoted: sig.transfer,
+                signal: sig,
+                new: false,
+            });
+        }
+        for l in inner.links.values() {
+            l.sched.lock().ls.signal(job, severity, sig.received_at);
+        }
+        let mut outcome = SignalOutcome {
+            promoted: None,
+            urgent_until: None,
+            signal: sig.clone(),
+            new: true,
+        };
+        if let Some(t) = inner.catalog.newest_unpublished_transfer(job).await? {
+            let until = sig.received_at + inner.cfg.policy.urgent_for_ms as i64;
+            inner.catalog.promote_urgent(t.id, until, sig.id).await?;
+            inner.catalog.set_signal_transfer(sig.id, t.id).await?;
+            sig.transfer = Some(t.id);
+            info!(
+                job,
+                kind,
+                severity,
+                transfer = t.id,
+                path = t.source_path,
+                "signal: transfer promoted to urgent"
+            );
+            outcome = SignalOutcome {
+                promoted: Some(t.id),
+                urgent_until: Some(until),
+                signal: sig,
+                new: true,
+            };
+            wake(inner, &t);
+        } else {
+            info!(
+                job,
+                kind, severity, "signal: no unpublished checkpoint to promote"
+            );
+        }
+        for l in inner.links.values() {
+            l.sched.poke();
+        }
+        Ok(outcome)
+    }
+
+    /// Sets a job's model size (parameters; `None` = unknown) and
+    /// importance (0..1) through the API; scores follow within a second.
+    ///
+    /// # Errors
+    /// [`OpsError::Invalid`] naming the field; catalog errors.
+    pub async fn put_job(
+        &self,
+        name: &str,
+        model_params: Option<f64>,
+        importance: f64,
+    ) -> Result<crate::catalog::Job, OpsError> {
+        if let Err(e) = crate::paths::check_name(name) {
+            return Err(OpsError::Invalid(format!("job: {e}")));
+        }
+        if !importance.is_finite() || !(0.0..=1.0).contains(&importance) {
+            return Err(OpsError::Invalid(format!(
+                "importance: must be a number from 0 to 1, got {importance}"
+            )));
+        }
+        if let Some(p) = model_params {
+            if !p.is_finite() || p < 0.0 {
+                return Err(OpsError::Invalid(format!(
+                    "model_params: must be a number >= 0, got {p}"
+                )));
+            }
+        }
+        let job = self
+            .inner
+            .catalog
+            .put_job(name, model_params.filter(|p| *p > 0.0), importance)
+            .await?;
+        self.wake_all();
+        Ok(job)
+    }
+
+    fn wake_all(&self) {
+        for l in self.inner.links.values() {
+            l.wake.notify_one();
+            l.sched.poke();
+        }
+    }
+
+    async fn existing(&self, id: i64) -> Result<Transfer, OpsError> {
+        self.inner
+            .catalog
+            .transfer(id)
+            .await?
+            .ok_or(OpsError::UnknownTransfer(id))
+    }
+
+    /// Pauses transfer `id`: its chunks stop at the next chunk boundary;
+    /// what the sink verified stays (resume continues from there).
+    ///
+    /// # Errors
+    /// [`OpsError::UnknownTransfer`]; [`OpsError::Conflict`] if it is
+    /// finished or already paused; catalog errors.
+    pub async fn pause(&self, id: i64) -> Result<Transfer, OpsError> {
+        let t = self.existing(id).await?;
+        if state::is_final(&t.state) || t.state == state::PAUSED {
+            return Err(OpsError::Conflict(format!(
+                "transfer {id} is {}; only queued or moving transfers can be paused",
+                t.state
+            )));
+        }
+        self.inner
+            .catalog
+            .set_transfer_state(id, state::PAUSED, None)
+            .await?;
+        wake(&self.inner, &t);
+        self.existing(id).await
+    }
+
+    /// Resumes paused transfer `id` (it is queued again, in its class).
+    ///
+    /// # Errors
+    /// [`OpsError::UnknownTransfer`]; [`OpsError::Conflict`] if it is not
+    /// paused; catalog errors.
+    pub async fn resume(&self, id: i64) -> Result<Transfer, OpsError> {
+        let t = self.existing(id).await?;
+        if t.state != state::PAUSED {
+            return Err(OpsError::Conflict(format!(
+                "transfer {id} is {}, not paused",
+                t.state
+            )));
+        }
+        self.inner
+            .catalog
+            .set_transfer_state(id, state::QUEUED, None)
+            .await?;
+        wake(&self.inner, &t);
+        self.existing(id).await
+    }
+
+    /// Cancels transfer `id`: it stops, and the sink drops its staging
+    /// data. A checkpoint the watcher still follows is not copied again
+    /// unless it is re-saved.
+    ///
+    /// # Errors
+    /// [`OpsError::UnknownTransfer`]; [`OpsError::Conflict`] if it is
+    /// finished; catalog errors.
+    pub async fn cancel(&self, id: i64) -> Result<Transfer, OpsError> {
+        let t = self.existing(id).await?;
+        if state::is_final(&t.state) {
+            return Err(OpsError::Conflict(format!(
+                "transfer {id} is already {}",
+                t.state
+            )));
+        }
+        self.inner
+            .catalog
+            .set_transfer_state(id, state::CANCELLED, Some("cancelled by an operator"))
+            .await?;
+        wake(&self.inner, &t);
+        self.existing(id).await
+    }
+
+    /// Sets the class of transfer `id` (`urgent`, `scheduled`,
+    /// `background`), ending any promotion by a signal; and/or its
+    /// importance override (0..1; `Some(None)` returns to the job's).
+    ///
+    /// # Errors
+    /// [`OpsError::UnknownTransfer`]; [`OpsError::Invalid`] naming the
+    /// field; [`OpsError::Conflict`] if it is finished; catalog errors.
+    pub async fn reprioritise(
+        &self,
+        id: i64,
+        class: Option<&str>,
+        importance: Option<Option<f64>>,
+    ) -> Result<Transfer, OpsError> {
+        let t = self.existing(id).await?;
+        if state::is_final(&t.state) {
+            return Err(OpsError::Conflict(format!(
+                "transfer {id} is already {}",
+                t.state
+            )));
+        }
+        if let Some(c) = class {
+            c.parse::<scheduler::Class>()
+                .map_err(|e| OpsError::Invalid(format!("class: {e}")))?;
+        }
+        if let Some(Some(i)) = importance {
+            if !i.is_finite() || !(0.0..=1.0).contains(&i) {
+                return Err(OpsError::Invalid(format!(
+                    "importance: must be a number from 0 to 1, got {i}"
+                )));
+            }
+        }
+        if let Some(c) = class {
+            self.inner.catalog.set_transfer_class(id, c).await?;
+        }
+        if let Some(i) = importance {
+            self.inner.catalog.set_transfer_importance(id, i).await?;
+        }
+        wake(&self.inner, &t);
+        for l in self.inner.links.values() {
+            l.sched.poke();
+        }
+        self.existing(id).await
+    }
+
+    /// Why transfer `t` ranks where it does now: its effective class,
+    /// score term by term and, if it is active, its share of the link.
+    ///
+    /// # Errors
+    /// Catalog errors.
+    pub async fn ranking(&self, t: &Transfer) -> Result<Ranking, CatalogError> {
+        let now = crate::catalog::now_ms();
+        let job = self.inner.catalog.job(&t.job).await?;
+        let jobs: HashMap<String, crate::catalog::Job> =
+            job.iter().map(|j| (j.name.clone(), j.clone())).collect();
+        let st = sched_transfer(t, &jobs, now);
+        let link = self.inner.links.get(&t.link);
+        let (explained, severity) = match link {
+            Some(l) => {
+                let s = l.sched.lock();
+                (s.ls.explain(t.id, now), s.ls.severity(&t.job, now))
+            }
+            None => (None, 0.0),
+        };
+        let score = scheduler::score(
+            &self.inner.cfg.policy,
+            scheduler::ScoreInputs {
+                model_params: st.model_params,
+                importance: st.importance,
+                severity,
+                waiting_ms: (now - t.created_at).max(0) as u64,
+            },
+        );
+        Ok(Ranking {
+            policy: self.inner.cfg.policy.kind.as_str(),
+            class: st.class,
+            promoted_until: t.urgent_until.filter(|u| *u > now),
+            score: explained.map_or(score, |e| e.score),
+            model_params: st.model_params,
+            importance: st.importance,
+            importance_from: if t.importance.is_some() {
+                "transfer"
+            } else if job.is_some() {
+                "job"
+            } else {
+                "default"
+            },
+            severity,
+            waiting_s: (now - t.created_at).max(0) as f64 / 1000.0,
+            active: explained.is_some(),
+            class_weight: explained.map(|e| e.class_weight),
+            share: explained.map(|e| e.share),
+            eta_s: explained.and_then(|e| e.eta_s),
+        })
     }
 
     /// Queues a replication of the directory `path`, which must lie under
@@ -302,7 +720,22 @@ impl Source {
     /// not under a source root; [`SubmitError::UnknownLink`]; catalog
     /// errors.
     pub async fn submit(&self, path: &Path, link: Option<&str>) -> Result<Transfer, SubmitError> {
-        submit(&self.inner, path, link).await
+        submit(&self.inner, path, link, scheduler::Class::Scheduled).await
+    }
+
+    /// Like [`Source::submit`], in `class`: `background` for datasets,
+    /// logs and archives (any directory under a source root), so every
+    /// cross-DC copy of the service goes through the link's scheduler.
+    ///
+    /// # Errors
+    /// As [`Source::submit`].
+    pub async fn submit_as(
+        &self,
+        path: &Path,
+        link: Option<&str>,
+        class: scheduler::Class,
+    ) -> Result<Transfer, SubmitError> {
+        submit(&self.inner, path, link, class).await
     }
 
     /// Records a training controller's announcement that `job` will write
@@ -429,6 +862,7 @@ async fn submit(
     inner: &Arc<Inner>,
     path: &Path,
     link: Option<&str>,
+    class: scheduler::Class,
 ) -> Result<Transfer, SubmitError> {
     let bad = |s: String| SubmitError::BadPath(s);
     let abs = std::fs::canonicalize(path).map_err(|e| bad(format!("{}: {e}", path.display())))?;
@@ -474,9 +908,15 @@ async fn submit(
     }
     let id = inner
         .catalog
-        .insert_transfer(link, &root.job, &abs.to_string_lossy(), &rel, "scheduled")
+        .insert_transfer(
+            link,
+            &root.job,
+            &abs.to_string_lossy(),
+            &rel,
+            class.as_str(),
+        )
         .await?;
-    info!(transfer = id, path = %abs.display(), link, "transfer queued");
+    info!(transfer = id, path = %abs.display(), link, %class, "transfer queued");
     state.wake.notify_one();
     inner
         .catalog
@@ -486,10 +926,13 @@ async fn submit(
 }
 
 /// An established connection to a sink with its control stream.
+#[derive(Clone)]
 struct LinkConn {
     conn: Connection,
     ctl: Arc<ControlSender>,
     inbox: Arc<Mutex<HashMap<u64, mpsc::UnboundedSender<Control>>>>,
+    /// The link's dispatcher (its writers run on this connection).
+    sched: Arc<LinkSched>,
 }
 
 async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
@@ -599,43 +1042,132 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
             m.clear();
         }
     });
-    Ok(LinkConn { conn, ctl, inbox })
+    for _ in 0..inner.cfg.streams.max(1) {
+        tokio::spawn(dispatch::writer(
+            link.sched.clone(),
+            conn.clone(),
+            inner.cfg.batch_bytes,
+            inner.shutdown.child_token(),
+        ));
+    }
+    Ok(LinkConn {
+        conn,
+        ctl,
+        inbox,
+        sched: link.sched.clone(),
+    })
 }
 
+/// How often the link worker looks at the queue without being woken
+/// (promotions expire, scores age, watched checkpoints get their view).
+const RECONCILE_EVERY: Duration = Duration::from_secs(1);
+
+/// The scheduler's view of a catalog row at `now_ms`: effective class,
+/// the job's size and importance (the transfer's override first).
+fn sched_transfer(
+    t: &Transfer,
+    jobs: &HashMap<String, crate::catalog::Job>,
+    now_ms: i64,
+) -> scheduler::Transfer {
+    let job = jobs.get(&t.job);
+    let class = t.class.parse().unwrap_or(scheduler::Class::Scheduled);
+    scheduler::Transfer {
+        id: t.id,
+        class: scheduler::effective_class(class, t.urgent_until, now_ms),
+        job: t.job.clone(),
+        model_params: job.and_then(|j| j.model_params),
+        importance: t.importance.or(job.map(|j| j.importance)).unwrap_or(0.0),
+        bytes_left: (t.bytes_total - t.bytes_done).max(0) as u64,
+        created_ms: t.created_at,
+    }
+}
+
+/// A transfer task's end: its id and result.
+type Ended = (i64, Result<(), RunError>);
+
+/// Runs one link: keeps a connection to its sink while there is work,
+/// admits queued transfers in the scheduler's order (up to `max_active`
+/// per class) and runs them concurrently, their chunks interleaved by
+/// the link's dispatcher. Paused and cancelled transfers are stopped.
 async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
     let mut conn: Option<LinkConn> = None;
     let mut backoff = Duration::from_millis(250);
+    let mut dial_after = tokio::time::Instant::now();
+    let mut running: tokio::task::JoinSet<Ended> = tokio::task::JoinSet::new();
+    let mut stops: HashMap<i64, CancellationToken> = HashMap::new();
+    // Signals still live after a restart raise their jobs' scores again.
+    let horizon = 20 * inner.cfg.policy.severity_half_life_ms as i64;
+    match inner
+        .catalog
+        .signals_since(crate::catalog::now_ms() - horizon)
+        .await
+    {
+        Ok(sigs) => {
+            let mut s = link.sched.lock();
+            for g in sigs {
+                s.ls.signal(&g.job, g.severity, g.received_at);
+            }
+        }
+        Err(e) => warn!(error = %e, "catalog: loading signals"),
+    }
     loop {
         if inner.shutdown.is_cancelled() {
-            return;
+            break;
         }
-        let next = match inner.catalog.unfinished_transfers().await {
-            Ok(ts) => scheduler::next(
-                ts.into_iter()
-                    .filter(|t| t.link == link.cfg.name && runnable(&inner, t))
-                    .map(|t| scheduler::Candidate {
-                        class: t.class.parse().unwrap_or(scheduler::Class::Scheduled),
-                        created_ms: t.created_at,
-                        id: t.id,
-                        item: t,
-                    })
-                    .collect(),
+        let now = crate::catalog::now_ms();
+        let (ts, jobs) = match (
+            inner.catalog.unfinished_transfers().await,
+            inner.catalog.jobs().await,
+        ) {
+            (Ok(ts), Ok(jobs)) => (
+                ts,
+                jobs.into_iter()
+                    .map(|j| (j.name.clone(), j))
+                    .collect::<HashMap<_, _>>(),
             ),
-            Err(e) => {
+            (Err(e), _) | (_, Err(e)) => {
                 warn!(error = %e, "catalog");
-                None
+                tokio::select! {
+                    _ = tokio::time::sleep(RECONCILE_EVERY) => continue,
+                    _ = inner.shutdown.cancelled() => break,
+                }
             }
         };
-        let Some(t) = next else {
-            tokio::select! {
-                _ = link.wake.notified() => continue,
-                _ = inner.shutdown.cancelled() => return,
-                _ = tokio::time::sleep(Duration::from_secs(5)) => continue,
+        let mine: Vec<&Transfer> = ts.iter().filter(|t| t.link == link.cfg.name).collect();
+        // Running transfers: follow class and importance changes; stop the
+        // ones an operator paused or cancelled (the catalog says so first).
+        for t in &mine {
+            if let Some(stop) = stops.get(&t.id) {
+                if t.state == state::PAUSED {
+                    stop.cancel();
+                } else {
+                    link.sched
+                        .lock()
+                        .ls
+                        .upsert(sched_transfer(t, &jobs, now), now);
+                }
             }
-        };
-        if conn
-            .as_ref()
-            .is_none_or(|c| c.conn.close_reason().is_some())
+        }
+        for (id, stop) in &stops {
+            if !mine.iter().any(|t| t.id == *id) {
+                // Cancelled (final) by an operator.
+                stop.cancel();
+            }
+        }
+        link.sched.poke();
+        let waiting: Vec<scheduler::Transfer> = mine
+            .iter()
+            .filter(|t| {
+                t.state != state::PAUSED && !stops.contains_key(&t.id) && runnable(&inner, t)
+            })
+            .map(|t| sched_transfer(t, &jobs, now))
+            .collect();
+        if !waiting.is_empty()
+            && conn
+                .as_ref()
+                .is_none_or(|c| c.conn.close_reason().is_some())
+            && running.is_empty()
+            && tokio::time::Instant::now() >= dial_after
         {
             match dial(&inner, &link).await {
                 Ok(c) => {
@@ -644,82 +1176,138 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                 }
                 Err(e) => {
                     warn!(link = link.cfg.name, retry_in = ?backoff, "{e}");
-                    let _ = inner.catalog.set_transfer_note(t.id, Some(&e)).await;
-                    tokio::select! {
-                        _ = tokio::time::sleep(backoff) => {}
-                        _ = inner.shutdown.cancelled() => return,
+                    for t in waiting.iter().take(16) {
+                        let _ = inner.catalog.set_transfer_note(t.id, Some(&e)).await;
                     }
+                    dial_after = tokio::time::Instant::now() + backoff;
                     backoff = (backoff * 2).min(Duration::from_secs(10));
+                }
+            }
+        }
+        if let Some(c) = conn.as_ref().filter(|c| c.conn.close_reason().is_none()) {
+            let admit = link.sched.lock().ls.admit(&waiting, now);
+            for id in admit {
+                let Some(t) = mine.iter().find(|t| t.id == id).map(|t| (*t).clone()) else {
                     continue;
-                }
+                };
+                let st = sched_transfer(&t, &jobs, now);
+                link.sched.activate(st, Arc::new(LiveProgress::default()));
+                let stop = inner.shutdown.child_token();
+                stops.insert(id, stop.clone());
+                let (inner2, c2) = (inner.clone(), c.clone());
+                running.spawn(async move {
+                    let r = tokio::select! {
+                        r = run_one(&inner2, &c2, t) => r,
+                        _ = stop.cancelled() => Err(RunError::Stopped),
+                    };
+                    (id, r)
+                });
             }
         }
-        let Some(c) = conn.as_ref() else { continue };
-        let id = t.id;
-        let view = inner.views.lock().ok().and_then(|m| m.get(&id).cloned());
-        let result = match (t.format.is_some(), view) {
-            (false, _) => run_transfer(&inner, c, t).await,
-            (true, Some(view)) => streaming::run_watched(&inner, c, t, view).await,
-            (true, None)
-                if t.checkpoint == checkpoint::ABANDONED || t.checkpoint == checkpoint::DELETED =>
-            {
-                Err(RunError::Cancelled(format!("checkpoint {}", t.checkpoint)))
-            }
-            (true, None) => {
-                // The watcher has not looked at this checkpoint since the
-                // agent started: give it a moment.
-                tokio::select! {
-                    _ = tokio::time::sleep(Duration::from_millis(200)) => {}
-                    _ = inner.shutdown.cancelled() => return,
-                }
-                continue;
-            }
+        let sleep = if conn.is_none() && !waiting.is_empty() {
+            tokio::time::sleep_until(dial_after.max(tokio::time::Instant::now()))
+        } else {
+            tokio::time::sleep(RECONCILE_EVERY)
         };
-        match result {
-            Ok(()) => {}
-            Err(RunError::Shutdown) => return,
-            Err(RunError::Cancelled(why)) => {
-                info!(transfer = id, "transfer cancelled: {why}");
-                let _ = c
-                    .ctl
-                    .send(&Control::Cancel {
-                        id: id as u64,
-                        reason: why.clone(),
-                    })
-                    .await;
-                let _ = inner
-                    .catalog
-                    .set_transfer_state(id, state::CANCELLED, Some(&why))
-                    .await;
-            }
-            Err(RunError::Fatal(why)) => {
-                warn!(transfer = id, "transfer failed: {why}");
-                // Tell the sink, so it drops its staging data and stops
-                // reporting the transfer as replicating.
-                let _ = c
-                    .ctl
-                    .send(&Control::Cancel {
-                        id: id as u64,
-                        reason: why.clone(),
-                    })
-                    .await;
-                let _ = inner
-                    .catalog
-                    .set_transfer_state(id, state::FAILED, Some(&why))
-                    .await;
-            }
-            Err(RunError::Retry(why)) => {
-                warn!(transfer = id, retry_in = ?backoff, "transfer interrupted, will resume: {why}");
-                conn = None;
-                tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
-                    _ = inner.shutdown.cancelled() => return,
+        tokio::select! {
+            Some(r) = running.join_next(), if !running.is_empty() => {
+                let Ok((id, result)) = r else { continue };
+                stops.remove(&id);
+                link.sched.deactivate(id);
+                if let Some(c) = conn.as_ref() {
+                    if let Ok(mut m) = c.inbox.lock() {
+                        m.remove(&(id as u64));
+                    }
                 }
-                backoff = (backoff * 2).min(Duration::from_secs(10));
+                let lost = end_transfer(&inner, conn.as_ref(), id, result, backoff).await;
+                if let Some(c) = conn.as_ref().filter(|_| lost) {
+                    // Every transfer on this connection resumes on a new one.
+                    c.conn.close(VarInt::from_u32(code::PROTOCOL), b"resuming on a new connection");
+                    conn = None;
+                    dial_after = tokio::time::Instant::now() + backoff;
+                    backoff = (backoff * 2).min(Duration::from_secs(10));
+                }
             }
+            _ = link.wake.notified() => {}
+            _ = sleep => {}
+            _ = inner.shutdown.cancelled() => {}
         }
-        if let Ok(mut m) = inner.progress.lock() {
-            m.remove(&id);
+    }
+    // Stopping: transfers end at their next await; batches at a chunk
+    // boundary (the writers see the same token).
+    while running.join_next().await.is_some() {}
+}
+
+/// Runs transfer `t` to its end on `c`.
+async fn run_one(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(), RunError> {
+    let view = inner.views.lock().ok().and_then(|m| m.get(&t.id).cloned());
+    match (t.format.is_some(), view) {
+        (false, _) => run_transfer(inner, c, t).await,
+        (true, Some(view)) => streaming::run_watched(inner, c, t, view).await,
+        (true, None) => Err(RunError::Cancelled(format!("checkpoint {}", t.checkpoint))),
+    }
+}
+
+/// Records how a transfer task ended; true if the connection must be
+/// replaced (the transfer resumes on the next one).
+async fn end_transfer(
+    inner: &Inner,
+    c: Option<&LinkConn>,
+    id: i64,
+    result: Result<(), RunError>,
+    backoff: Duration,
+) -> bool {
+    if let Ok(mut m) = inner.progress.lock() {
+        m.remove(&id);
+    }
+    let tell_sink = |why: String| async move {
+        // Tell the sink, so it drops its staging data and stops reporting
+        // the transfer as replicating.
+        if let Some(c) = c {
+            let _ = c
+                .ctl
+                .send(&Control::Cancel {
+                    id: id as u64,
+                    reason: why,
+                })
+                .await;
+        }
+    };
+    match result {
+        Ok(()) | Err(RunError::Shutdown) => false,
+        Err(RunError::Stopped) => {
+            // An operator paused or cancelled it; the catalog says which.
+            if let Ok(Some(t)) = inner.catalog.transfer(id).await {
+                if t.state == state::CANCELLED {
+                    info!(transfer = id, "transfer cancelled by an operator");
+                    tell_sink("cancelled by an operator".into()).await;
+                } else {
+                    info!(transfer = id, state = t.state, "transfer stopped");
+                }
+            }
+            false
+        }
+        Err(RunError::Cancelled(why)) => {
+            info!(transfer = id, "transfer cancelled: {why}");
+            tell_sink(why.clone()).await;
+            let _ = inner
+                .catalog
+                .set_transfer_state(id, state::CANCELLED, Some(&why))
+                .await;
+            false
+        }
+        Err(RunError::Fatal(why)) => {
+            warn!(transfer = id, "transfer failed: {why}");
+            tell_sink(why.clone()).await;
+            let _ = inner
+                .catalog
+                .set_transfer_state(id, state::FAILED, Some(&why))
+                .await;
+            false
+        }
+        Err(RunError::Retry(why)) => {
+            warn!(transfer = id, retry_in = ?backoff, "transfer interrupted, will resume: {why}");
+            true
         }
     }
 }
@@ -1030,10 +1618,12 @@ async fn recv(
     }
 }
 
-/// Runs `produce` on a blocking thread feeding records to `streams`
-/// writers; returns what `produce` returned and the number of batches
-/// (streams) sent. Control messages arriving meanwhile are handled: `need`
-/// collects chunks to send again, a refusal or cancel ends the round.
+/// Runs `produce` on a blocking thread; the records it makes go to the
+/// link's dispatcher (which interleaves them with other transfers' in the
+/// scheduler's order). Returns what `produce` returned and the number of
+/// batches (streams) this round opened. Control messages arriving
+/// meanwhile are handled: `need` collects chunks to send again, a refusal
+/// or cancel ends the round.
 #[allow(clippy::too_many_arguments)]
 async fn send_round<T: Send + 'static>(
     inner: &Arc<Inner>,
@@ -1044,75 +1634,109 @@ async fn send_round<T: Send + 'static>(
     need: &mut Vec<u64>,
     produce: impl FnOnce(&mpsc::Sender<Record>) -> Result<T, String> + Send + 'static,
 ) -> Result<(T, u64), RunError> {
-    let (tx, rx) = mpsc::channel::<Record>(inner.cfg.streams * 4);
-    let rx = Arc::new(tokio::sync::Mutex::new(rx));
-    let batches = Arc::new(AtomicU64::new(0));
-    let stop = inner.shutdown.child_token();
-    let mut writers = tokio::task::JoinSet::new();
-    for _ in 0..inner.cfg.streams.max(1) {
-        let (rx, conn, batches, progress) = (
-            rx.clone(),
-            c.conn.clone(),
-            batches.clone(),
-            progress.clone(),
-        );
-        let stop = stop.clone();
-        let target = inner.cfg.batch_bytes;
-        writers.spawn(
-            async move { write_batches(rx, conn, id, target, batches, progress, stop).await },
-        );
-    }
-    // Only the writers hold the receiver now: if they all stop (connection
-    // lost, shutdown, refusal), the producer's next send fails and it stops
-    // too.
-    drop(rx);
+    let tid = id as i64;
+    let sched = c.sched.clone();
+    sched.set_progress(tid, progress.clone());
+    let before = sched.batches(tid);
+    let (tx, mut rx) = mpsc::channel::<Record>(2);
+    // If this round ends early (connection lost, refusal), dropping `rx`
+    // makes the producer's next send fail and it stops too.
     let producer = tokio::task::spawn_blocking(move || produce(&tx));
     let mut result: Result<(), RunError> = Ok(());
     let mut ctl_open = true;
-    loop {
-        tokio::select! {
-            r = writers.join_next() => match r {
-                None => break,
-                Some(Ok(Ok(()))) => {}
-                Some(Ok(Err(e))) => {
-                    if result.is_ok() {
-                        result = Err(RunError::Retry(e));
-                    }
-                    stop.cancel();
+    // A control message while sending: true if the round must end.
+    let mut on_ctl =
+        |m: Option<Control>, result: &mut Result<(), RunError>, ctl_open: &mut bool| {
+            let err = match m {
+                Some(Control::Need { chunks, .. }) => {
+                    need.extend(chunks);
+                    return false;
                 }
-                Some(Err(e)) => {
-                    result = Err(RunError::Retry(format!("stream writer: {e}")));
-                    stop.cancel();
-                }
-            },
-            m = rx_ctl.recv(), if ctl_open => match m {
-                Some(Control::Need { chunks, .. }) => need.extend(chunks),
-                Some(Control::Have { .. }) => {}
+                Some(Control::Have { .. }) => return false,
                 Some(Control::Refuse { reason, .. }) => {
-                    result = Err(RunError::Fatal(format!("sink refused: {reason}")));
-                    stop.cancel();
+                    RunError::Fatal(format!("sink refused: {reason}"))
                 }
                 Some(Control::Cancel { reason, .. }) => {
-                    result = Err(RunError::Fatal(format!("sink cancelled: {reason}")));
-                    stop.cancel();
+                    RunError::Fatal(format!("sink cancelled: {reason}"))
                 }
-                Some(other) => {
-                    result = Err(RunError::Retry(format!("unexpected {} from sink while sending", other.name())));
-                    stop.cancel();
-                }
+                Some(other) => RunError::Retry(format!(
+                    "unexpected {} from sink while sending",
+                    other.name()
+                )),
                 None => {
-                    ctl_open = false;
-                    if result.is_ok() {
-                        result = Err(RunError::Retry("connection to the sink lost".into()));
-                    }
-                    stop.cancel();
+                    *ctl_open = false;
+                    RunError::Retry("connection to the sink lost".into())
                 }
-            },
+            };
+            *result = Err(err);
+            true
+        };
+    let lost = |e: Lost| RunError::Retry(e.0);
+    'produce: loop {
+        tokio::select! {
+            r = rx.recv() => {
+                let Some(rec) = r else { break };
+                let push = sched.push(&c.conn, tid, rec);
+                tokio::pin!(push);
+                loop {
+                    tokio::select! {
+                        r = &mut push => {
+                            if let Err(e) = r {
+                                result = Err(lost(e));
+                                break 'produce;
+                            }
+                            break;
+                        }
+                        m = rx_ctl.recv(), if ctl_open => {
+                            if on_ctl(m, &mut result, &mut ctl_open) {
+                                break 'produce;
+                            }
+                        }
+                        _ = inner.shutdown.cancelled() => {
+                            result = Err(RunError::Shutdown);
+                            break 'produce;
+                        }
+                    }
+                }
+            }
+            m = rx_ctl.recv(), if ctl_open => {
+                if on_ctl(m, &mut result, &mut ctl_open) {
+                    break;
+                }
+            }
+            _ = inner.shutdown.cancelled() => {
+                result = Err(RunError::Shutdown);
+                break;
+            }
+        }
+    }
+    drop(rx);
+    if result.is_ok() {
+        let flush = sched.flush(&c.conn, tid);
+        tokio::pin!(flush);
+        loop {
+            tokio::select! {
+                r = &mut flush => {
+                    if let Err(e) = r {
+                        result = Err(lost(e));
+                    }
+                    break;
+                }
+                m = rx_ctl.recv(), if ctl_open => {
+                    if on_ctl(m, &mut result, &mut ctl_open) {
+                        break;
+                    }
+                }
+                _ = inner.shutdown.cancelled() => {
+                    result = Err(RunError::Shutdown);
+                    break;
+                }
+            }
         }
     }
     // A sink that refuses or cancels a transfer stops its data streams and
-    // says why on the control stream; a writer may see the stop first.
-    // While the connection lives, give the reason a moment to arrive.
+    // says why on the control stream; the connection may look lost first.
+    // While it lives, give the reason a moment to arrive.
     if matches!(result, Err(RunError::Retry(_))) && ctl_open && c.conn.close_reason().is_none() {
         let until = tokio::time::Instant::now() + Duration::from_secs(2);
         while let Ok(Some(m)) = tokio::time::timeout_at(until, rx_ctl.recv()).await {
@@ -1136,54 +1760,7 @@ async fn send_round<T: Send + 'static>(
     }
     result?;
     let t = produced.map_err(RunError::Fatal)?;
-    Ok((t, batches.load(Ordering::Relaxed)))
-}
-
-async fn write_batches(
-    rx: Arc<tokio::sync::Mutex<mpsc::Receiver<Record>>>,
-    conn: Connection,
-    id: u64,
-    target: u64,
-    batches: Arc<AtomicU64>,
-    progress: Arc<LiveProgress>,
-    stop: CancellationToken,
-) -> Result<(), String> {
-    let mut stream: Option<(SendStream, u64)> = None;
-    let err = |e: &dyn std::fmt::Display| format!("sending a batch: {e}");
-    loop {
-        // A batch is interrupted at a chunk boundary when the agent stops.
-        let rec = tokio::select! {
-            r = async { rx.lock().await.recv().await } => r,
-            _ = stop.cancelled() => None,
-        };
-        let Some(rec) = rec else { break };
-        if stream.is_none() {
-            let mut s = conn.open_uni().await.map_err(|e| err(&e))?;
-            s.write_all(&BatchHeader { transfer: id }.encode())
-                .await
-                .map_err(|e| err(&e))?;
-            batches.fetch_add(1, Ordering::Relaxed);
-            stream = Some((s, 0));
-        }
-        if let Some((s, n)) = stream.as_mut() {
-            s.write_all(&rec.header.encode())
-                .await
-                .map_err(|e| err(&e))?;
-            s.write_all(&rec.data).await.map_err(|e| err(&e))?;
-            *n += rec.data.len() as u64;
-            progress
-                .sent
-                .fetch_add(rec.data.len() as u64, Ordering::Relaxed);
-            if *n >= target {
-                let _ = s.finish();
-                stream = None;
-            }
-        }
-    }
-    if let Some((mut s, _)) = stream {
-        let _ = s.finish();
-    }
-    Ok(())
+    Ok((t, sched.batches(tid) - before))
 }
 
 fn maybe_corrupt(inner: &Inner, data: &mut [u8]) {

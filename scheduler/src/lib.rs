@@ -83,58 +83,10 @@ impl FromStr for Class {
     }
 }
 
-/// A transfer waiting for its link.
-#[derive(Debug, Clone)]
-pub struct Candidate<T> {
-    /// Its class.
-    pub class: Class,
-    /// When it was queued, milliseconds since the Unix epoch.
-    pub created_ms: i64,
-    /// Its id; breaks ties between equal creation times.
-    pub id: i64,
-    /// The caller's payload, returned when chosen.
-    pub item: T,
-}
-
-/// Picks the transfer to run next: the highest class, and within a class
-/// the oldest (first come, first served).
-pub fn next<T>(candidates: Vec<Candidate<T>>) -> Option<T> {
-    candidates
-        .into_iter()
-        .min_by_key(|c| (c.class, c.created_ms, c.id))
-        .map(|c| c.item)
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-
-    fn c(class: Class, created_ms: i64, id: i64) -> Candidate<i64> {
-        Candidate {
-            class,
-            created_ms,
-            id,
-            item: id,
-        }
-    }
-
-    #[test]
-    fn higher_class_goes_first_then_oldest() {
-        let q = vec![
-            c(Class::Background, 1, 1),
-            c(Class::Scheduled, 5, 2),
-            c(Class::Scheduled, 3, 3),
-            c(Class::Urgent, 9, 4),
-        ];
-        assert_eq!(next(q.clone()), Some(4));
-        assert_eq!(next(q[..3].to_vec()), Some(3));
-        assert_eq!(
-            next(vec![c(Class::Scheduled, 3, 7), c(Class::Scheduled, 3, 6)]),
-            Some(6)
-        );
-        assert_eq!(next::<i64>(vec![]), None);
-    }
 
     #[test]
     fn class_names_roundtrip_and_bad_names_are_named() {

@@ -317,7 +317,7 @@ impl LinkScheduler {
                 model_params: t.model_params,
                 importance: t.importance,
                 severity: self.severity(&t.job, now_ms),
-                waiting_ms: (now_ms - t.created_ms).max(0) as u64,
+                waiting_ms: now_ms.saturating_sub(t.created_ms).max(0) as u64,
             },
         )
     }
@@ -326,7 +326,9 @@ impl LinkScheduler {
         let stale: Vec<i64> = self
             .entries
             .values()
-            .filter(|e| now_ms - e.scored_at >= SCORE_REFRESH_MS || e.scored_at > now_ms)
+            .filter(|e| {
+                now_ms.saturating_sub(e.scored_at) >= SCORE_REFRESH_MS || e.scored_at > now_ms
+            })
             .map(|e| e.t.id)
             .collect();
         if stale.is_empty() {
@@ -335,7 +337,7 @@ impl LinkScheduler {
         let half = self.policy.severity_half_life_ms.max(1) as f64;
         for list in self.signals.values_mut() {
             list.retain(|(s, at)| {
-                s * 0.5f64.powf((now_ms - at).max(0) as f64 / half) >= SEVERITY_FLOOR
+                s * 0.5f64.powf(now_ms.saturating_sub(*at).max(0) as f64 / half) >= SEVERITY_FLOOR
             });
         }
         self.signals.retain(|_, l| !l.is_empty());

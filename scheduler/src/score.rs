@@ -91,7 +91,7 @@ pub fn severity(
             } else {
                 0.0
             };
-            let age = (now_ms - at).max(0) as f64;
+            let age = now_ms.saturating_sub(at).max(0) as f64;
             s * 0.5f64.powf(age / half)
         })
         .fold(0.0, f64::max)

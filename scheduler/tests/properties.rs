@@ -147,13 +147,21 @@ proptest! {
             let have = have as f64 / total as f64;
             prop_assert!((have - weight(c)).abs() < 0.02, "{c}: {have:.3} vs weight {:.3}", weight(c));
         }
-        // Bound on the gap: while i waits one chunk (at most max/w_i of
-        // virtual time), another flow j gets at most max x w_j / (min x w_i)
-        // + 1 chunks, with w the transfer's weight on the link.
+        // Bound on the gap, from start-time fair queuing at two levels:
+        // while i waits one chunk, another flow j of the same weight level
+        // gets at most max x w_j / (min x w_i) + 1 chunks. Within i's class
+        // that allows K class services between two of i's; each of the
+        // K + 1 class-level intervals holds at most M chunks of other
+        // classes.
         let (min, max) = (*sizes.iter().min().unwrap() as f64, *sizes.iter().max().unwrap() as f64);
-        let w = |id: i64| weight(class_of[&id]) / per_class[classes.iter().position(|c| *c == class_of[&id]).unwrap()] as f64;
+        let class_ix = |id: i64| classes.iter().position(|c| *c == class_of[&id]).unwrap();
+        let turns = |wj: f64, wi: f64| (max * wj / (min * wi)).ceil() + 1.0;
         for &i in &ids {
-            let bound: f64 = ids.iter().filter(|&&j| j != i).map(|&j| (max * w(j) / (min * w(i))).ceil() + 2.0).sum();
+            let c = class_ix(i);
+            let in_class = ids.iter().filter(|&&j| j != i && class_ix(j) == c).count() as f64;
+            let k = in_class * turns(1.0, 1.0);
+            let m: f64 = (0..3).filter(|&d| d != c).map(|d| turns(weight(classes[d]), weight(classes[c]))).sum();
+            let bound = k + (k + 1.0) * m;
             let mut last = None;
             let mut worst = 0usize;
             for (k, &id) in order.iter().enumerate() {

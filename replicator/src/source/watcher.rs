@@ -981,7 +981,7 @@ async fn adopt(inner: &Arc<Inner>, abs: &str, scan: &DirScan) -> Ckpt {
     c
 }
 
-fn wake(inner: &Inner, t: &Transfer) {
+pub(super) fn wake(inner: &Inner, t: &Transfer) {
     if let Some(l) = inner.links.get(&t.link) {
         l.wake.notify_one();
     }

@@ -87,6 +87,7 @@ pub async fn pair_with(reserve_bytes: u64, adjust: impl FnOnce(&mut SourceConfig
         scan_interval: None,
         quiet_period: Duration::from_millis(300),
         checkpoint_idle_timeout: Duration::from_secs(600),
+        policy: Default::default(),
     };
     adjust(&mut cfg);
     let source = Source::start(

@@ -1,0 +1,363 @@
+//! The link's dispatcher: every transfer active on a link hands its ready
+//! chunks here, and a few stream writers per connection ask the link's
+//! [`LinkScheduler`] which one goes next (DESIGN "Data path", step 3).
+//!
+//! - A transfer's ready chunks wait in its queue (at most
+//!   [`QUEUE_RECORDS`] records and [`QUEUE_BYTES`] bytes, so its reader
+//!   stays a little ahead of the link); the scheduler knows their lengths.
+//! - A writer asks the scheduler, takes the chosen chunk and writes it on a
+//!   QUIC stream of that transfer (a batch) whose priority is the class's
+//!   (urgent bytes leave first even when lower-class bytes are already
+//!   buffered in quinn). A writer ends its batch when the next decision is
+//!   for another transfer (a lower-class batch is cut at a chunk boundary
+//!   the moment a higher class has data), when the batch is full, when the
+//!   transfer has nothing more queued, and when the link is idle or
+//!   waiting on its rate cap with nothing queued for that transfer.
+//! - A transfer's send round ends with [`LinkSched::flush`]: every chunk it
+//!   queued is written and every batch it opened is finished, so the batch
+//!   count sent with the commit is exact.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use quinn::{Connection, SendStream};
+use scheduler::{Decision, LinkScheduler};
+use tokio::sync::Notify;
+
+use super::{LiveProgress, Record};
+use crate::catalog::now_ms;
+use crate::wire::BatchHeader;
+
+/// Records a transfer may have queued before its reader waits.
+pub const QUEUE_RECORDS: usize = 16;
+/// Bytes a transfer may have queued before its reader waits (a larger
+/// record is still accepted into an empty queue).
+pub const QUEUE_BYTES: u64 = 32 << 20;
+
+/// Payload bytes per 1500-byte packet at a 1500-byte MTU (DESIGN
+/// "Measures"): the rate cap in payload terms is `cap x 1448 / 1500`.
+pub const PAYLOAD_PER_PACKET: u64 = 1448;
+/// Packet size the payload fraction refers to, bytes.
+pub const PACKET_BYTES: u64 = 1500;
+
+/// The payload rate (bit/s) that fills a link capped at `cap_bps`.
+pub fn payload_rate(cap_bps: u64) -> u64 {
+    (u128::from(cap_bps) * u128::from(PAYLOAD_PER_PACKET) / u128::from(PACKET_BYTES)) as u64
+}
+
+/// One transfer's queue.
+struct Queue {
+    recs: VecDeque<Record>,
+    bytes: u64,
+    /// Records taken by a writer and not yet written.
+    in_write: usize,
+    /// Batches (streams) of this transfer open now.
+    open: usize,
+    /// Batches opened since the transfer became active.
+    batches: u64,
+    progress: Arc<LiveProgress>,
+}
+
+impl Queue {
+    fn drained(&self) -> bool {
+        self.recs.is_empty() && self.in_write == 0 && self.open == 0
+    }
+}
+
+/// The scheduler and the queues of one link, behind one lock.
+pub(crate) struct SchedState {
+    /// The link's scheduler.
+    pub(crate) ls: LinkScheduler,
+    queues: HashMap<i64, Queue>,
+}
+
+/// One link's scheduling state, shared by its transfers and writers.
+pub(crate) struct LinkSched {
+    state: Mutex<SchedState>,
+    /// Writers wait here for ready chunks.
+    ready: Notify,
+    /// Readers wait here for queue space, flushes for their last batch.
+    moved: Notify,
+}
+
+/// A connection ended while a transfer was sending.
+#[derive(Debug)]
+pub(crate) struct Lost(pub String);
+
+impl LinkSched {
+    pub(crate) fn new(ls: LinkScheduler) -> LinkSched {
+        LinkSched {
+            state: Mutex::new(SchedState {
+                ls,
+                queues: HashMap::new(),
+            }),
+            ready: Notify::new(),
+            moved: Notify::new(),
+        }
+    }
+
+    /// The locked state (a poisoned lock is taken over: the state is
+    /// plain data and stays consistent between statements).
+    pub(crate) fn lock(&self) -> MutexGuard<'_, SchedState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Wakes the writers (a class, rate or signal changed).
+    pub(crate) fn poke(&self) {
+        self.ready.notify_waiters();
+    }
+
+    /// Makes `t` active with an empty queue reporting to `progress`.
+    pub(crate) fn activate(&self, t: scheduler::Transfer, progress: Arc<LiveProgress>) {
+        let mut s = self.lock();
+        let id = t.id;
+        s.ls.upsert(t, now_ms());
+        s.queues.insert(
+            id,
+            Queue {
+                recs: VecDeque::new(),
+                bytes: 0,
+                in_write: 0,
+                open: 0,
+                batches: 0,
+                progress,
+            },
+        );
+    }
+
+    /// Sets the live-progress counters of active transfer `id`.
+    pub(crate) fn set_progress(&self, id: i64, progress: Arc<LiveProgress>) {
+        if let Some(q) = self.lock().queues.get_mut(&id) {
+            q.progress = progress;
+        }
+    }
+
+    /// Ends `id`'s activity: its queue and scheduler entry are dropped.
+    pub(crate) fn deactivate(&self, id: i64) {
+        let mut s = self.lock();
+        s.ls.remove(id);
+        s.queues.remove(&id);
+        drop(s);
+        self.moved.notify_waiters();
+    }
+
+    /// Batches opened for `id` since it became active.
+    pub(crate) fn batches(&self, id: i64) -> u64 {
+        self.lock().queues.get(&id).map_or(0, |q| q.batches)
+    }
+
+    /// Queues a ready chunk of `id`, waiting while its queue is full.
+    ///
+    /// # Errors
+    /// [`Lost`] if `conn` closes meanwhile or `id` is not active.
+    pub(crate) async fn push(&self, conn: &Connection, id: i64, rec: Record) -> Result<(), Lost> {
+        let len = rec.data.len() as u64;
+        let mut rec = Some(rec);
+        loop {
+            let moved = self.moved.notified();
+            tokio::pin!(moved);
+            moved.as_mut().enable();
+            {
+                let mut s = self.lock();
+                let Some(q) = s.queues.get_mut(&id) else {
+                    return Err(Lost("the transfer is no longer active".into()));
+                };
+                if q.recs.is_empty()
+                    || (q.recs.len() < QUEUE_RECORDS && q.bytes + len <= QUEUE_BYTES)
+                {
+                    if let Some(r) = rec.take() {
+                        q.recs.push_back(r);
+                    }
+                    q.bytes += len;
+                    s.ls.chunk_ready(id, len);
+                    drop(s);
+                    self.ready.notify_waiters();
+                    return Ok(());
+                }
+            }
+            tokio::select! {
+                _ = moved => {}
+                e = conn.closed() => return Err(Lost(format!("connection to the sink lost: {e}"))),
+            }
+        }
+    }
+
+    /// Waits until every chunk `id` queued is written and its batches are
+    /// finished.
+    ///
+    /// # Errors
+    /// [`Lost`] if `conn` closes first.
+    pub(crate) async fn flush(&self, conn: &Connection, id: i64) -> Result<(), Lost> {
+        loop {
+            let moved = self.moved.notified();
+            tokio::pin!(moved);
+            moved.as_mut().enable();
+            if self.lock().queues.get(&id).is_none_or(Queue::drained) {
+                return Ok(());
+            }
+            tokio::select! {
+                _ = moved => {}
+                e = conn.closed() => return Err(Lost(format!("connection to the sink lost: {e}"))),
+            }
+        }
+    }
+}
+
+enum Step {
+    Send(i64, i32, Record),
+    Wait(i64),
+    Idle,
+}
+
+/// Writes the chunks the scheduler picks onto `conn` until it closes;
+/// batches hold about `target` payload bytes.
+pub(crate) async fn writer(
+    sched: Arc<LinkSched>,
+    conn: Connection,
+    target: u64,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    let mut cur: Option<(i64, SendStream, u64)> = None;
+    let finish = |cur: &mut Option<(i64, SendStream, u64)>| {
+        if let Some((id, mut s, _)) = cur.take() {
+            let _ = s.finish();
+            if let Some(q) = sched.lock().queues.get_mut(&id) {
+                q.open = q.open.saturating_sub(1);
+            }
+            sched.moved.notify_waiters();
+        }
+    };
+    loop {
+        if stop.is_cancelled() {
+            // The agent stops: batches end at a chunk boundary.
+            finish(&mut cur);
+            return;
+        }
+        let ready = sched.ready.notified();
+        tokio::pin!(ready);
+        ready.as_mut().enable();
+        let step = {
+            let mut s = sched.lock();
+            match s.ls.next(now_ms()) {
+                Decision::Send { id, priority, .. } => {
+                    let rec = s.queues.get_mut(&id).and_then(|q| {
+                        let r = q.recs.pop_front()?;
+                        q.bytes = q.bytes.saturating_sub(r.data.len() as u64);
+                        q.in_write += 1;
+                        Some(r)
+                    });
+                    match rec {
+                        Some(r) => Step::Send(id, priority, r),
+                        // Deactivated between the decision and now.
+                        None => continue,
+                    }
+                }
+                Decision::Wait { until_ms } => Step::Wait(until_ms),
+                Decision::Idle => Step::Idle,
+            }
+        };
+        sched.moved.notify_waiters();
+        match step {
+            Step::Send(id, priority, rec) => {
+                if cur.as_ref().is_some_and(|c| c.0 != id) {
+                    finish(&mut cur);
+                }
+                let len = rec.data.len() as u64;
+                let res = write(&sched, &conn, &mut cur, id, priority, rec).await;
+                let (progress, empty) = {
+                    let mut s = sched.lock();
+                    match s.queues.get_mut(&id) {
+                        Some(q) => {
+                            q.in_write = q.in_write.saturating_sub(1);
+                            (Some(q.progress.clone()), q.recs.is_empty())
+                        }
+                        None => (None, true),
+                    }
+                };
+                if res.is_err() {
+                    // The connection is gone: every transfer on it stops
+                    // (their flushes and pushes see the close).
+                    finish(&mut cur);
+                    conn.close(0u32.into(), b"stream write failed");
+                    return;
+                }
+                if let Some(p) = progress {
+                    p.sent.fetch_add(len, Ordering::Relaxed);
+                }
+                if empty || cur.as_ref().is_some_and(|c| c.2 >= target) {
+                    finish(&mut cur);
+                }
+                sched.moved.notify_waiters();
+            }
+            Step::Wait(until_ms) => {
+                let idle_cur = cur.as_ref().is_some_and(|c| {
+                    sched
+                        .lock()
+                        .queues
+                        .get(&c.0)
+                        .is_none_or(|q| q.recs.is_empty())
+                });
+                if idle_cur {
+                    finish(&mut cur);
+                }
+                let wait = std::time::Duration::from_millis((until_ms - now_ms()).max(1) as u64);
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = ready => {}
+                    _ = conn.closed() => { finish(&mut cur); return; }
+                    _ = stop.cancelled() => { finish(&mut cur); return; }
+                }
+            }
+            Step::Idle => {
+                finish(&mut cur);
+                tokio::select! {
+                    _ = ready => {}
+                    _ = conn.closed() => return,
+                    _ = stop.cancelled() => return,
+                }
+            }
+        }
+    }
+}
+
+/// Writes `rec` on the writer's batch of `id`, opening one (with the
+/// class's priority) if needed.
+async fn write(
+    sched: &LinkSched,
+    conn: &Connection,
+    cur: &mut Option<(i64, SendStream, u64)>,
+    id: i64,
+    priority: i32,
+    rec: Record,
+) -> Result<(), String> {
+    let err = |e: &dyn std::fmt::Display| format!("sending a batch: {e}");
+    if cur.is_none() {
+        let mut s = conn.open_uni().await.map_err(|e| err(&e))?;
+        let _ = s.set_priority(priority);
+        {
+            let mut st = sched.lock();
+            if let Some(q) = st.queues.get_mut(&id) {
+                q.batches += 1;
+                q.open += 1;
+            }
+        }
+        s.write_all(
+            &BatchHeader {
+                transfer: id as u64,
+            }
+            .encode(),
+        )
+        .await
+        .map_err(|e| err(&e))?;
+        *cur = Some((id, s, 0));
+    }
+    if let Some((_, s, n)) = cur.as_mut() {
+        s.write_all(&rec.header.encode())
+            .await
+            .map_err(|e| err(&e))?;
+        s.write_all(&rec.data).await.map_err(|e| err(&e))?;
+        *n += rec.data.len() as u64;
+    }
+    Ok(())
+}
