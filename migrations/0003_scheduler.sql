@@ -22,8 +22,9 @@ CREATE INDEX transfers_job ON transfers (job, created_at);
 ALTER TABLE chunks ADD COLUMN verified_at BIGINT;
 ALTER TABLE chunks ADD COLUMN bytes BIGINT;
 -- Sink side: what the chunk rows said about arrival once they are gone
--- (they are dropped at publish): JSON [[window start, Unix ms, bytes],
--- ...] in 100 ms windows, oldest first.
+-- (they are dropped at publish): JSON {"bin_ms": width, "bins": [[bin
+-- start (Unix ms), bytes], ...]}, oldest first; bins are 10 ms wide, or
+-- ten times wider until at most 10,000 cover the transfer.
 ALTER TABLE replicas ADD COLUMN arrivals TEXT;
 
 -- Source side: jobs (training runs) the scheduler ranks by. A row comes

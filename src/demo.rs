@@ -18,6 +18,8 @@ use crate::config::{
 };
 use crate::gen;
 
+mod priority;
+
 /// Options of `ferry demo`.
 #[derive(Debug, clap::Args)]
 pub struct DemoArgs {
@@ -55,6 +57,18 @@ pub struct DemoArgs {
     /// Skip the second phase (push only).
     #[arg(long)]
     pub no_watch: bool,
+    /// Run the scheduler scenario instead of the push and watch phases: a
+    /// checkpoint alone, then against background copies filling the link
+    /// with a loss-spike signal (urgent), then the same under fifo; prints
+    /// each wall time over the solo time and the pre-emption latency.
+    #[arg(long)]
+    pub priority: bool,
+    /// --priority: size of the checkpoint that becomes urgent.
+    #[arg(long, default_value = "300MB", value_parser = gen::parse_size)]
+    pub urgent_size: u64,
+    /// --priority: total size of the background copies (4 of them).
+    #[arg(long, default_value = "1.6GB", value_parser = gen::parse_size)]
+    pub background_size: u64,
 }
 
 /// The temporary work directory of a running demo, for cleanup after an
@@ -175,6 +189,10 @@ pub async fn run(a: DemoArgs) -> Result<()> {
                 "certs",
                 "demo-source-data",
                 "demo-sink-data",
+                "data",
+                "run-solo",
+                "run-priority",
+                "run-fifo",
             ] {
                 let p = d.join(sub);
                 if p.exists() {
@@ -201,6 +219,42 @@ pub async fn run(a: DemoArgs) -> Result<()> {
             println!("{s}");
         }
     };
+    if a.priority {
+        let total = a.urgent_size.saturating_add(a.background_size);
+        if a.urgent_size < 1000 || a.background_size < 4000 {
+            bail!("--urgent-size must be at least 1kB and --background-size at least 4kB");
+        }
+        let est = physical_limit_s(total, a.rate, a.rtt);
+        if est > MAX_DEMO_S {
+            bail!(
+                "the fifo run would take about {est:.0} s at {} (the demo stops at {MAX_DEMO_S:.0} s); lower --urgent-size or --background-size",
+                format_rate(a.rate)
+            );
+        }
+        crate::gen::ensure_space(&dir, total.saturating_mul(2))
+            .context("the demo needs room for its checkpoints and their replicas")?;
+        replicator::tls::init_dev_pki(
+            &dir.join("certs"),
+            &["demo-source".into(), "demo-sink".into()],
+            30,
+        )?;
+        say(format!(
+            "ferry demo --priority: emulated {}, {} ms RTT link (work dir {})",
+            format_rate(a.rate),
+            a.rtt.as_millis(),
+            dir.display()
+        ));
+        let out = priority::run(&a, &dir, &say).await?;
+        if a.json {
+            println!("{}", serde_json::json!({ "priority": out }));
+        }
+        if a.keep {
+            if let Some(t) = tmp {
+                let _ = t.keep();
+            }
+        }
+        return Ok(());
+    }
     let copies = if a.no_watch { 2 } else { 4 };
     crate::gen::ensure_space(&dir, a.size.saturating_mul(copies))
         .context("the demo needs room for its checkpoints and their replicas")?;
@@ -250,66 +304,20 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         &["demo-source".into(), "demo-sink".into()],
         30,
     )?;
-    let src_addr: SocketAddr = "127.0.0.1:1".parse()?;
-    let dst_addr: SocketAddr = "127.0.0.1:2".parse()?;
-    let mut up = LinkParams::new(a.rate, a.rtt);
-    up.loss = a.loss;
-    up.seed = 1;
-    let mut down = up.clone();
-    down.seed = 2;
-    let (src_sock, dst_sock) = memory_pair(src_addr, dst_addr, up, down);
-    let link_up = src_sock.clone();
-
-    let loopback: SocketAddr = "127.0.0.1:0".parse()?;
-    let mut sink_cfg = agent_config(&dir, "demo-sink", Role::Sink, loopback);
-    sink_cfg.quic.max_link_rate = a.rate;
-    sink_cfg.quic.max_rtt = a.rtt;
-    sink_cfg.sink = Some(SinkSection {
-        root: dir.join("eval"),
-        accept_peers: vec!["demo-source".into()],
-        reserve: 0,
-    });
-    let mut src_cfg = agent_config(&dir, "demo-source", Role::Source, loopback);
-    src_cfg.links.push(LinkSection {
-        name: "to-eval".into(),
-        peer: dst_addr.to_string(),
-        peer_name: "demo-sink".into(),
-        rate: a.rate,
-        rtt_hint: a.rtt,
-    });
-    src_cfg.source = Some(SourceSection {
-        chunk_size: 4 << 20,
-        markers: vec!["COMMITTED".into()],
-        streams: 4,
-        batch_size: 16 << 20,
-        scan_interval: if a.no_watch {
-            Duration::ZERO
-        } else {
-            Duration::from_secs(1)
-        },
-        quiet_period: Duration::from_secs(2),
-        checkpoint_idle_timeout: Duration::from_secs(600),
-        roots: vec![RootSection {
-            start: a.start.clone(),
-            ..RootSection::new(src_root.clone(), "mm-demo", "to-eval")
-        }],
-    });
-    sink_cfg.check()?;
-    src_cfg.check()?;
-    let sink_agent = agent::start(
-        &sink_cfg,
-        Overrides {
-            socket: Some(dst_sock),
-        },
-    )
-    .await?;
-    let src_agent = agent::start(
-        &src_cfg,
-        Overrides {
-            socket: Some(src_sock),
-        },
-    )
-    .await?;
+    let roots = vec![RootSection {
+        start: a.start.clone(),
+        ..RootSection::new(src_root.clone(), "mm-demo", "to-eval")
+    }];
+    let scan = if a.no_watch {
+        Duration::ZERO
+    } else {
+        Duration::from_secs(1)
+    };
+    let DemoPair {
+        source: src_agent,
+        sink: sink_agent,
+        link: link_up,
+    } = start_pair(&dir, &dir, &a, roots, scan, Default::default()).await?;
     let sink = sink_agent.sink.clone().context("sink role")?;
 
     // 3. Push through the source's API, as `ferry push` does; the wall
@@ -525,6 +533,87 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         bail!("a replica differs from its source");
     }
     Ok(())
+}
+
+/// Two agents in this process joined by an emulated link.
+pub(crate) struct DemoPair {
+    /// The source agent (link `to-eval`).
+    pub source: agent::Agent,
+    /// The sink agent.
+    pub sink: agent::Agent,
+    /// The source's end of the link (its statistics).
+    pub link: std::sync::Arc<replicator::linkemu::MemorySocket>,
+}
+
+/// Starts a sink and a source (certificates from `dir/certs`, data dirs
+/// under `data`) joined by a fresh emulated link of `a`'s rate, RTT and
+/// loss; the source follows `roots` (rescanning every `scan`, 0 = no
+/// watcher) and schedules with `scheduler`.
+pub(crate) async fn start_pair(
+    dir: &Path,
+    data: &Path,
+    a: &DemoArgs,
+    roots: Vec<RootSection>,
+    scan: Duration,
+    scheduler: crate::config::SchedulerSection,
+) -> Result<DemoPair> {
+    let src_addr: SocketAddr = "127.0.0.1:1".parse()?;
+    let dst_addr: SocketAddr = "127.0.0.1:2".parse()?;
+    let mut up = LinkParams::new(a.rate, a.rtt);
+    up.loss = a.loss;
+    up.seed = 1;
+    let mut down = up.clone();
+    down.seed = 2;
+    let (src_sock, dst_sock) = memory_pair(src_addr, dst_addr, up, down);
+    let link = src_sock.clone();
+
+    let loopback: SocketAddr = "127.0.0.1:0".parse()?;
+    let mut sink_cfg = agent_config(dir, "demo-sink", Role::Sink, loopback);
+    sink_cfg.agent.data_dir = data.join("demo-sink-data");
+    sink_cfg.quic.max_link_rate = a.rate;
+    sink_cfg.quic.max_rtt = a.rtt;
+    sink_cfg.sink = Some(SinkSection {
+        root: data.join("eval"),
+        accept_peers: vec!["demo-source".into()],
+        reserve: 0,
+    });
+    let mut src_cfg = agent_config(dir, "demo-source", Role::Source, loopback);
+    src_cfg.agent.data_dir = data.join("demo-source-data");
+    src_cfg.links.push(LinkSection {
+        name: "to-eval".into(),
+        peer: dst_addr.to_string(),
+        peer_name: "demo-sink".into(),
+        rate: a.rate,
+        rtt_hint: a.rtt,
+    });
+    src_cfg.scheduler = scheduler;
+    src_cfg.source = Some(SourceSection {
+        chunk_size: 4 << 20,
+        markers: vec!["COMMITTED".into()],
+        streams: 4,
+        batch_size: 16 << 20,
+        scan_interval: scan,
+        quiet_period: Duration::from_secs(2),
+        checkpoint_idle_timeout: Duration::from_secs(600),
+        roots,
+    });
+    sink_cfg.check()?;
+    src_cfg.check()?;
+    let sink = agent::start(
+        &sink_cfg,
+        Overrides {
+            socket: Some(dst_sock),
+        },
+    )
+    .await?;
+    let source = agent::start(
+        &src_cfg,
+        Overrides {
+            socket: Some(src_sock),
+        },
+    )
+    .await?;
+    Ok(DemoPair { source, sink, link })
 }
 
 fn round3(v: f64) -> f64 {

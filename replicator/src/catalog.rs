@@ -1205,20 +1205,18 @@ impl Catalog {
             .collect()
     }
 
-    /// When the bytes of a sink-side row arrived: `(window start, Unix ms;
-    /// bytes verified in that window)` for each [`ARRIVAL_WINDOW_MS`]
-    /// window with any, oldest first; from the chunk rows while the
-    /// transfer is receiving, from the summary kept at publish afterwards.
-    /// Chunks recorded before catalog version 3 (no time) are left out.
-    /// Shows whose bytes reached the sink when (the priority tests and the
-    /// benchmark's pre-emption latency read it).
+    /// When the bytes of a sink-side row arrived, in [`Arrivals`] bins;
+    /// from the chunk rows while the transfer is receiving, from the
+    /// summary kept at publish afterwards. Chunks recorded before catalog
+    /// version 3 (no time) are left out. Shows whose bytes reached the
+    /// sink when (the priority tests and the pre-emption latency read it).
     ///
     /// # Errors
     /// SQL errors; [`CatalogError::Corrupt`] for an unreadable summary.
-    pub async fn chunk_arrivals(&self, replica: i64) -> Result<Vec<(i64, u64)>, CatalogError> {
+    pub async fn chunk_arrivals(&self, replica: i64) -> Result<Arrivals, CatalogError> {
         let mut conn = self.pool.acquire().await?;
-        let live = arrival_windows(&mut conn, replica).await?;
-        if !live.is_empty() {
+        let live = arrival_bins(&mut conn, replica).await?;
+        if !live.bins.is_empty() {
             return Ok(live);
         }
         let kept: Option<Option<String>> =
@@ -1229,7 +1227,10 @@ impl Catalog {
         match kept.flatten() {
             Some(j) => serde_json::from_str(&j)
                 .map_err(|e| CatalogError::Corrupt(format!("arrivals of replica {replica}: {e}"))),
-            None => Ok(Vec::new()),
+            None => Ok(Arrivals {
+                bin_ms: ARRIVAL_BIN_MS,
+                bins: Vec::new(),
+            }),
         }
     }
 
@@ -1365,9 +1366,8 @@ impl Catalog {
         .bind(id)
         .execute(&mut *tx)
         .await?;
-        // Keep when the bytes arrived (100 ms windows) before the chunk
-        // rows go.
-        let windows = arrival_windows(&mut tx, id).await?;
+        // Keep when the bytes arrived (in bins) before the chunk rows go.
+        let windows = arrival_bins(&mut tx, id).await?;
         let json = serde_json::to_string(&windows)
             .map_err(|e| CatalogError::Corrupt(format!("arrival windows: {e}")))?;
         sqlx::query("UPDATE replicas SET arrivals = ? WHERE id = ?")
@@ -1531,33 +1531,71 @@ impl Catalog {
     }
 }
 
-/// Width of the windows in which chunk arrivals are summed, ms (the
-/// window of the pre-emption latency measure, DESIGN "Measures").
-pub const ARRIVAL_WINDOW_MS: i64 = 100;
+/// Finest width of the bins chunk arrivals are summed in, ms.
+pub const ARRIVAL_BIN_MS: i64 = 10;
 
-/// Bytes verified per [`ARRIVAL_WINDOW_MS`] window for one sink-side row,
-/// from its chunk rows.
-async fn arrival_windows(
+/// Most bins kept per sink-side row: a longer transfer gets bins ten
+/// times wider until it fits (10 ms bins cover 100 s).
+pub const MAX_ARRIVAL_BINS: i64 = 10_000;
+
+/// Bytes verified at the sink per time bin.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct Arrivals {
+    /// Bin width, ms: [`ARRIVAL_BIN_MS`] times a power of ten.
+    pub bin_ms: i64,
+    /// `(bin start, Unix ms; bytes whose chunk arrived in the bin)`, for
+    /// bins with any, oldest first.
+    pub bins: Vec<(i64, u64)>,
+}
+
+impl Arrivals {
+    /// Bytes that arrived in bins starting within `from..to` (Unix ms).
+    pub fn bytes_between(&self, from: i64, to: i64) -> u64 {
+        self.bins
+            .iter()
+            .filter(|(s, _)| (from..to).contains(s))
+            .map(|b| b.1)
+            .sum()
+    }
+}
+
+/// The arrival bins of one sink-side row, from its chunk rows.
+async fn arrival_bins(
     conn: &mut sqlx::SqliteConnection,
     replica: i64,
-) -> Result<Vec<(i64, u64)>, CatalogError> {
+) -> Result<Arrivals, CatalogError> {
+    let span: (Option<i64>, Option<i64>) = sqlx::query_as(
+        "SELECT MIN(verified_at), MAX(verified_at) FROM chunks \
+         WHERE replica = ? AND verified_at IS NOT NULL AND bytes IS NOT NULL",
+    )
+    .bind(replica)
+    .fetch_one(&mut *conn)
+    .await?;
+    let mut bin = ARRIVAL_BIN_MS;
+    if let (Some(lo), Some(hi)) = span {
+        while (hi - lo) / bin >= MAX_ARRIVAL_BINS {
+            bin *= 10;
+        }
+    }
     let rows = sqlx::query(
         "SELECT (verified_at / ?) * ? AS w, SUM(bytes) AS b FROM chunks \
          WHERE replica = ? AND verified_at IS NOT NULL AND bytes IS NOT NULL \
          GROUP BY w ORDER BY w",
     )
-    .bind(ARRIVAL_WINDOW_MS)
-    .bind(ARRIVAL_WINDOW_MS)
+    .bind(bin)
+    .bind(bin)
     .bind(replica)
-    .fetch_all(conn)
+    .fetch_all(&mut *conn)
     .await?;
-    rows.iter()
+    let bins = rows
+        .iter()
         .map(|r| {
             let w: i64 = r.try_get("w")?;
             let b: i64 = r.try_get("b")?;
             Ok((w, b.max(0) as u64))
         })
-        .collect()
+        .collect::<Result<_, CatalogError>>()?;
+    Ok(Arrivals { bin_ms: bin, bins })
 }
 
 #[cfg(test)]
@@ -1680,14 +1718,14 @@ mod tests {
         c.add_chunks(&[vc(r, 0, [1; 32], 99)]).await.unwrap();
         // An arrival time given is kept as given.
         c.add_chunks(&[VerifiedChunk {
-            arrived_ms: Some(1_234),
+            arrived_ms: Some(before - 5_003),
             ..vc(r, 2, [3; 32], 4)
         }])
         .await
         .unwrap();
         assert_eq!(
-            c.chunk_arrivals(r).await.unwrap().first(),
-            Some(&(1_200, 4))
+            c.chunk_arrivals(r).await.unwrap().bins.first(),
+            Some(&((before - 5_003) / 10 * 10, 4))
         );
         let rows: Vec<(i64, Option<i64>, Option<i64>)> = sqlx::query_as(
             "SELECT idx, verified_at, bytes FROM chunks WHERE replica = ? AND idx < 2 ORDER BY idx",

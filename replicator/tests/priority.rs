@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use common::{pair_with, wait_published, Pair};
 use rand::RngCore;
+use replicator::catalog::Arrivals;
 use replicator::source::RootConfig;
 use scheduler::{Class, Policy, PolicyKind};
 
@@ -114,9 +115,8 @@ async fn start_load(p: &Pair, other: &Path, data: &Path) -> Vec<i64> {
     panic!("the load never started moving");
 }
 
-/// Sink-side arrivals `(100 ms window start, bytes)` of the replica of
-/// source transfer `id`.
-async fn arrivals(p: &Pair, id: i64) -> Vec<(i64, u64)> {
+/// Sink-side arrivals of the replica of source transfer `id`.
+async fn arrivals(p: &Pair, id: i64) -> Arrivals {
     let reps = p.sink.catalog().replicas(false, 100, 0).await.unwrap();
     let r = reps
         .iter()
@@ -143,9 +143,8 @@ async fn a_loss_spike_makes_a_checkpoint_urgent_and_its_bytes_go_first() {
         Some(t.id),
         "the newest checkpoint is promoted"
     );
-    // Whole 100 ms arrival windows after the one the signal came in.
-    let w = replicator::catalog::ARRIVAL_WINDOW_MS;
-    let since = (out.signal.received_at / w + 1) * w;
+    // Arrival bins after the one the signal came in.
+    let since = out.signal.received_at + 1;
     let again = p
         .source
         .signal("job", "loss_spike", 0.9, Some(100), Some("spike-100"))
@@ -163,26 +162,17 @@ async fn a_loss_spike_makes_a_checkpoint_urgent_and_its_bytes_go_first() {
     // From the first whole window after the signal to the window of the
     // checkpoint's last byte (verification and publish send nothing).
     let urgent = arrivals(&p, t.id).await;
-    let last = urgent.last().unwrap().0;
-    let mine: u64 = urgent
-        .iter()
-        .filter(|(at, _)| (since..=last).contains(at))
-        .map(|a| a.1)
-        .sum();
+    let end = urgent.bins.last().unwrap().0 + urgent.bin_ms;
+    let mine = urgent.bytes_between(since, end);
     let mut theirs = 0u64;
     for id in &load {
-        theirs += arrivals(&p, *id)
-            .await
-            .iter()
-            .filter(|(at, _)| (since..=last).contains(at))
-            .map(|a| a.1)
-            .sum::<u64>();
+        theirs += arrivals(&p, *id).await.bytes_between(since, end);
     }
     let until = done.finished_at.unwrap();
     let share = mine as f64 / (mine + theirs) as f64;
     eprintln!("urgent share after the signal: {share:.3}");
     if std::env::var("FERRY_TEST_DEBUG").is_ok() {
-        eprintln!("signal window {since}, publish {until}");
+        eprintln!("signal {since}, publish {until}");
         eprintln!("urgent: {:?}", arrivals(&p, t.id).await);
         for id in &load {
             eprintln!("{id}: {:?}", arrivals(&p, *id).await);
@@ -222,17 +212,100 @@ async fn under_fifo_the_signal_changes_nothing_and_the_checkpoint_waits_its_turn
         .unwrap();
     assert_eq!(out.promoted, Some(t.id), "the class is still recorded");
     let done = wait_published(&p, t.id).await;
-    let first_byte = arrivals(&p, t.id).await.first().unwrap().0;
+    let first_byte = arrivals(&p, t.id).await.bins.first().unwrap().0;
     for id in load {
         let l = wait_published(&p, id).await;
         assert!(
             l.finished_at.unwrap() <= done.finished_at.unwrap(),
             "transfer {id} (older) finished after the checkpoint under fifo"
         );
-        let last = arrivals(&p, id).await.last().unwrap().0;
+        let a = arrivals(&p, id).await;
+        let last = a.bins.last().unwrap().0;
         assert!(
-            last <= first_byte + replicator::catalog::ARRIVAL_WINDOW_MS,
+            last <= first_byte + 100.max(a.bin_ms),
             "transfer {id} (older) still sent at {last} after the checkpoint's first byte at {first_byte}"
         );
     }
+}
+
+/// Bytes the sink has verified for source transfer `id` (0 before its
+/// row exists).
+async fn sink_bytes(p: &Pair, id: i64) -> i64 {
+    let reps = p.sink.catalog().replicas(false, 100, 0).await.unwrap();
+    reps.iter()
+        .find(|r| r.source_transfer == id)
+        .map_or(0, |r| r.bytes_done)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_moving_transfer_pauses_resumes_and_cancels() {
+    let (p, _, data) = pair_for(PolicyKind::Priority).await;
+    let a = data.join("a");
+    let b = data.join("b");
+    write_dir(&a, 8, 2 << 20);
+    write_dir(&b, 8, 2 << 20);
+    let ta = p.source.submit(&a, None).await.unwrap();
+    let tb = p.source.submit(&b, None).await.unwrap();
+    // Pause `a` once bytes arrive: they stop arriving, `b` goes on.
+    for _ in 0..400 {
+        if sink_bytes(&p, ta.id).await > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let paused = p.source.pause(ta.id).await.unwrap();
+    assert_eq!(paused.state, "paused");
+    assert!(
+        p.source.pause(ta.id).await.is_err(),
+        "pausing twice is refused"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let held = sink_bytes(&p, ta.id).await;
+    let b_then = sink_bytes(&p, tb.id).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(sink_bytes(&p, ta.id).await, held, "a paused transfer moved");
+    assert!(
+        sink_bytes(&p, tb.id).await > b_then,
+        "the other transfer stopped too"
+    );
+    assert!(
+        held < 16 << 20,
+        "paused after it finished; the test proves nothing"
+    );
+    // Resume: it completes from where it was, byte for byte.
+    assert_eq!(p.source.resume(ta.id).await.unwrap().state, "queued");
+    wait_published(&p, ta.id).await;
+    let rep = p.sink.catalog().replicas(true, 100, 0).await.unwrap();
+    let local = rep
+        .iter()
+        .find(|r| r.source_transfer == ta.id)
+        .unwrap()
+        .local_path
+        .clone();
+    common::same_tree(&a, Path::new(&local));
+
+    // Cancel `b` while it moves: the sink drops its staging data.
+    let c = data.join("c");
+    write_dir(&c, 8, 2 << 20);
+    let tc = p.source.submit(&c, None).await.unwrap();
+    for _ in 0..400 {
+        if sink_bytes(&p, tc.id).await > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let cancelled = p.source.cancel(tc.id).await.unwrap();
+    assert_eq!(cancelled.state, "cancelled");
+    let mut gone = false;
+    for _ in 0..200 {
+        let reps = p.sink.catalog().replicas(false, 100, 0).await.unwrap();
+        let r = reps.iter().find(|r| r.source_transfer == tc.id).unwrap();
+        if r.state == "cancelled" && !Path::new(&r.staging_path).exists() {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(gone, "the sink kept the cancelled transfer's staging data");
+    wait_published(&p, tb.id).await;
 }

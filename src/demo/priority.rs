@@ -1,0 +1,264 @@
+//! `ferry demo --priority`: the scheduler under load (DESIGN "Performance
+//! targets"). Three runs over the same emulated link, each on fresh
+//! agents:
+//!
+//! 1. **solo**: a checkpoint pushed alone; its wall time (request to
+//!    publish) is the reference.
+//! 2. **priority**: background copies fill the link; the checkpoint is
+//!    queued and a loss-spike signal for its job follows at once. Its wall
+//!    time over the solo time, and the pre-emption latency: from the
+//!    signal's acceptance to the end of the first 100 ms window in which
+//!    its bytes arriving at the sink reach 80 % of the rate cap (the sink's
+//!    catalog records when each chunk arrived).
+//! 3. **fifo**: the same as 2 with `policy = "fifo"`.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use replicator::catalog::Arrivals;
+use replicator::sink::{Resolution, Sink};
+use serde_json::{json, Value};
+
+use super::{round3, start_pair, DemoArgs};
+use crate::config::{RootSection, SchedulerSection};
+use crate::gen;
+
+/// Background copies that fill the link.
+const BACKGROUND_COPIES: usize = 4;
+
+/// Share of the rate cap urgent bytes must reach in one window for
+/// pre-emption to count as done (DESIGN "Measures").
+const PREEMPTED_SHARE: f64 = 0.8;
+
+/// How long the background load runs alone before the signal.
+const LOAD_FIRST: Duration = Duration::from_secs(3);
+
+/// Runs the three runs and returns their measures as JSON.
+///
+/// # Errors
+/// Any step that fails, named.
+pub(super) async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value> {
+    let train = dir.join("train").join("mm-demo");
+    let data = dir.join("data");
+    let ckpt = train.join("step_005000");
+    say(format!(
+        "priority: a {} byte checkpoint against {} background copies of {} bytes each",
+        a.urgent_size,
+        BACKGROUND_COPIES,
+        a.background_size / BACKGROUND_COPIES as u64
+    ));
+    let mut sets = Vec::new();
+    for i in 0..BACKGROUND_COPIES {
+        sets.push(data.join(format!("set-{i}")));
+    }
+    let warmup = data.join("warmup");
+    {
+        let mut jobs = vec![(ckpt.clone(), a.urgent_size), (warmup.clone(), 100_000)];
+        for s in &sets {
+            jobs.push((s.clone(), a.background_size / BACKGROUND_COPIES as u64));
+        }
+        tokio::task::spawn_blocking(move || -> Result<()> {
+            for (out, size) in jobs {
+                gen::generate(&gen::GenOptions::new(out, size), &|_| {})?;
+            }
+            Ok(())
+        })
+        .await??;
+    }
+    let ckpt = std::fs::canonicalize(&ckpt)?;
+    let sets: Vec<PathBuf> = sets
+        .iter()
+        .map(std::fs::canonicalize)
+        .collect::<std::io::Result<_>>()?;
+    let roots = vec![
+        RootSection::new(std::fs::canonicalize(&train)?, "mm-demo", "to-eval"),
+        RootSection::new(std::fs::canonicalize(&data)?, "archive", "to-eval"),
+    ];
+
+    let solo = {
+        let run_dir = dir.join("run-solo");
+        let pair = start_pair(
+            dir,
+            &run_dir,
+            a,
+            roots.clone(),
+            Duration::ZERO,
+            Default::default(),
+        )
+        .await?;
+        let api = pair.source.api_addr;
+        let sink = pair.sink.sink.clone().context("sink role")?;
+        // The other runs find the connection up (their load opened it):
+        // so does this one, after a small copy.
+        let warmup = std::fs::canonicalize(&warmup)?;
+        post(api, "/v1/transfers", json!({ "path": warmup })).await?;
+        wait_local(&sink, &warmup, Instant::now()).await?;
+        let t0 = Instant::now();
+        post(api, "/v1/transfers", json!({ "path": ckpt })).await?;
+        let wall = wait_local(&sink, &ckpt, t0).await?;
+        pair.source.stop(Duration::from_secs(5)).await;
+        pair.sink.stop(Duration::from_secs(5)).await;
+        let _ = std::fs::remove_dir_all(&run_dir);
+        say(format!("  solo      {wall:.2} s"));
+        wall
+    };
+
+    let mut out = json!({
+        "urgent_bytes": a.urgent_size,
+        "background_bytes": a.background_size,
+        "background_copies": BACKGROUND_COPIES,
+        "solo_s": round3(solo),
+    });
+    for policy in ["priority", "fifo"] {
+        let run_dir = dir.join(format!("run-{policy}"));
+        let sched = SchedulerSection {
+            policy: policy.into(),
+            ..Default::default()
+        };
+        let pair = start_pair(dir, &run_dir, a, roots.clone(), Duration::ZERO, sched).await?;
+        let api = pair.source.api_addr;
+        let sink = pair.sink.sink.clone().context("sink role")?;
+        let mut background = Vec::new();
+        for s in &sets {
+            let t = post(
+                api,
+                "/v1/transfers",
+                json!({ "path": s, "class": "background" }),
+            )
+            .await?;
+            background.push(t["id"].as_i64().context("transfer id")?);
+        }
+        tokio::time::sleep(LOAD_FIRST).await;
+        let t0 = Instant::now();
+        post(api, "/v1/transfers", json!({ "path": ckpt })).await?;
+        let sig = post(
+            api,
+            "/v1/signals",
+            json!({ "job": "mm-demo", "kind": "loss_spike", "severity": 0.9, "step": 5000 }),
+        )
+        .await?;
+        let signal_ms = sig["signal"]["received_at"]
+            .as_i64()
+            .context("signal time")?;
+        let wall = wait_local(&sink, &ckpt, t0).await?;
+        let rows = sink
+            .catalog()
+            .replicas_for_source(&ckpt.to_string_lossy())
+            .await?;
+        let row = rows
+            .iter()
+            .find(|r| r.state == "published")
+            .context("the urgent replica has no catalog row")?;
+        let arrivals = sink.catalog().chunk_arrivals(row.id).await?;
+        let latency = preemption_latency_s(&arrivals, signal_ms, a.rate);
+        // The load is not needed any more.
+        for id in &background {
+            let _ = post(api, &format!("/v1/transfers/{id}/cancel"), json!({})).await;
+        }
+        pair.source.stop(Duration::from_secs(5)).await;
+        pair.sink.stop(Duration::from_secs(5)).await;
+        let _ = std::fs::remove_dir_all(&run_dir);
+        let rtt = a.rtt.as_secs_f64();
+        say(format!(
+            "  {policy:<9} {wall:.2} s ({:.3} x solo); pre-emption latency {}",
+            wall / solo,
+            latency.map_or("not reached".into(), |l| format!(
+                "{:.3} s ({:.2} RTT)",
+                l,
+                l / rtt
+            ))
+        ));
+        out[policy] = json!({
+            "wall_s": round3(wall),
+            "over_solo": round3(wall / solo),
+            "preemption_latency_s": latency.map(round3),
+            "preemption_latency_rtt": latency.map(|l| round3(l / rtt)),
+        });
+    }
+    say("  targets: urgent <= 1.1 x solo; pre-emption latency <= 2 RTT".into());
+    Ok(out)
+}
+
+/// Width of the window of the pre-emption latency, ms (DESIGN
+/// "Measures").
+const WINDOW_MS: i64 = 100;
+
+/// Seconds from `signal_ms` to the end of the first [`WINDOW_MS`] window
+/// in which the bytes arriving at the sink reach [`PREEMPTED_SHARE`] of
+/// `rate_bps`. Windows slide in steps of one arrival bin, the first
+/// starting with the bin the signal came in; `None` if none reaches it.
+fn preemption_latency_s(a: &Arrivals, signal_ms: i64, rate_bps: u64) -> Option<f64> {
+    let need = PREEMPTED_SHARE * rate_bps as f64 / 8.0 * WINDOW_MS as f64 / 1000.0;
+    let step = a.bin_ms.max(1);
+    let last = a.bins.last()?.0;
+    let mut start = signal_ms.div_euclid(step) * step;
+    while start <= last {
+        let end = start + WINDOW_MS.max(step);
+        if a.bytes_between(start, end) as f64 >= need {
+            return Some((end - signal_ms) as f64 / 1000.0);
+        }
+        start += step;
+    }
+    None
+}
+
+async fn post(api: std::net::SocketAddr, path: &str, body: Value) -> Result<Value> {
+    let r = reqwest::Client::new()
+        .post(format!("http://{api}{path}"))
+        .json(&body)
+        .send()
+        .await?;
+    let status = r.status();
+    let v: Value = r.json().await.unwrap_or(Value::Null);
+    if !status.is_success() {
+        bail!("POST {path}: {status}: {v}");
+    }
+    Ok(v)
+}
+
+/// Waits until `path` resolves as local at `sink`; seconds since `t0`.
+async fn wait_local(sink: &Sink, path: &Path, t0: Instant) -> Result<f64> {
+    let path = path.to_string_lossy();
+    let mut changes = sink.changes();
+    let deadline = t0 + Duration::from_secs(600);
+    loop {
+        match sink.resolve(&path).await? {
+            Resolution::Local { .. } => return Ok(t0.elapsed().as_secs_f64()),
+            Resolution::Remote { reason } => {
+                bail!("transfer failed: {}", reason.unwrap_or_default())
+            }
+            _ => {}
+        }
+        if Instant::now() > deadline {
+            bail!("no replica of {path} after 600 s");
+        }
+        let _ = tokio::time::timeout(Duration::from_millis(20), changes.changed()).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latency_is_the_end_of_the_first_full_window_after_the_signal() {
+        // 1 Gbit/s: 80 % of a 100 ms window is 10 MB; 10 ms bins.
+        let mut bins = vec![(900, 20_000_000)];
+        bins.extend(
+            (1000..1300)
+                .step_by(10)
+                .map(|t| (t, if t < 1100 { 300_000 } else { 1_200_000 })),
+        );
+        let a = Arrivals { bin_ms: 10, bins };
+        // From 1100 on, 1.2 MB per 10 ms: [1070, 1170) has 0.9 + 8.4 =
+        // 9.3 MB, [1080, 1180) has 0.6 + 9.6 = 10.2 MB and is the first.
+        assert_eq!(preemption_latency_s(&a, 1050, 1_000_000_000), Some(0.13));
+        // Bytes before the signal do not count.
+        let early = Arrivals {
+            bin_ms: 10,
+            bins: vec![(900, 20_000_000)],
+        };
+        assert_eq!(preemption_latency_s(&early, 1050, 1_000_000_000), None);
+    }
+}
