@@ -129,8 +129,7 @@ async fn restart_the_source_agent_with_a_full_queue_classes_scores_progress_come
         .unwrap();
     assert_eq!(out.promoted, Some(urgent), "the job's newest checkpoint");
     let until_ms = out.urgent_until.unwrap();
-    // Paused once it moves (pausing a transfer the link worker is just
-    // starting is another matter).
+    // Paused once it moves (a pause as the transfer starts: operator.rs).
     until(&src, paused, "becomes active", |t| t.state == "active").await;
     let t = src.pause(paused).await.unwrap();
     assert_eq!(t.state, "paused");
