@@ -617,7 +617,10 @@ mod tests {
     use axum::http::{Request, StatusCode};
     use replicator::catalog::Catalog;
     use replicator::sink::SinkConfig;
+    use replicator::source::{LinkConfig, RootConfig, SourceConfig};
+    use replicator::tls::{self, AgentIdentity};
     use replicator::transport::{self, SocketKind};
+    use serde_json::Value;
     use tower::ServiceExt;
 
     use super::*;
@@ -773,5 +776,502 @@ mod tests {
         let (s, v) = call(bare(), get("/v1/transfers/abc")).await;
         assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
         assert!(v["error"].as_str().unwrap().contains("abc"));
+    }
+
+    /// The weight of the importance term in [`with_source`]'s policy; not
+    /// the default 1, so `1 + importance` and `1 + w x importance` differ.
+    const IMPORTANCE_WEIGHT: f64 = 3.0;
+
+    /// A source agent whose links lead nowhere, so transfers stay queued.
+    struct WithSource {
+        router: Router,
+        source: Source,
+        /// Root of job `job`: `step-N` directories below it can be pushed.
+        root: PathBuf,
+        _nothing_answers: std::net::UdpSocket,
+        _dir: tempfile::TempDir,
+    }
+
+    impl WithSource {
+        fn r(&self) -> Router {
+            self.router.clone()
+        }
+
+        /// A checkpoint directory `name` under the root, queued through
+        /// the API in `class` (`None`: the default); returns its id.
+        async fn push(&self, name: &str, class: Option<&str>) -> i64 {
+            let dir = self.root.join(name);
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("shard.bin"), b"weights").unwrap();
+            let mut body = json!({ "path": dir.to_str().unwrap() });
+            if let Some(c) = class {
+                body["class"] = json!(c);
+            }
+            let (s, v) = call(self.r(), send("POST", "/v1/transfers", &body.to_string())).await;
+            assert_eq!(s, StatusCode::CREATED, "{v}");
+            v["id"].as_i64().unwrap()
+        }
+
+        async fn transfer(&self, id: i64) -> Value {
+            let (s, v) = call(self.r(), get(&format!("/v1/transfers/{id}"))).await;
+            assert_eq!(s, StatusCode::OK, "{v}");
+            v
+        }
+    }
+
+    /// A source with job `job` (root `ckpt/job`) and links `l` (10 Gbit/s)
+    /// and `m` (1 Gbit/s) whose peer is a UDP socket nothing reads: the
+    /// links never connect and every transfer stays queued.
+    async fn with_source() -> WithSource {
+        let d = tempfile::tempdir().unwrap();
+        let certs = d.path().join("certs");
+        tls::init_dev_pki(&certs, &["src".into()], 2).unwrap();
+        let identity = AgentIdentity::load(
+            &certs.join("ca.pem"),
+            &certs.join("src.pem"),
+            &certs.join("src.key"),
+        )
+        .unwrap();
+        let root = d.path().join("ckpt").join("job");
+        std::fs::create_dir_all(&root).unwrap();
+        let root = std::fs::canonicalize(root).unwrap();
+        let hole = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let peer = hole.local_addr().unwrap().to_string();
+        let link = |name: &str, rate_bps| LinkConfig {
+            name: name.into(),
+            peer: peer.clone(),
+            peer_name: "dst".into(),
+            rate_bps,
+            rtt: Duration::from_millis(10),
+        };
+        let mut policy = scheduler::Policy::default();
+        policy.weights.importance = IMPORTANCE_WEIGHT;
+        let cfg = SourceConfig {
+            agent: "src".into(),
+            site: "train-a".into(),
+            chunk_size: replicator::manifest::MIN_CHUNK_SIZE,
+            markers: vec![],
+            roots: vec![RootConfig {
+                path: root.clone(),
+                job: "job".into(),
+                link: "l".into(),
+                watch: Default::default(),
+            }],
+            links: vec![link("l", 10_000_000_000), link("m", 1_000_000_000)],
+            streams: 1,
+            batch_bytes: 256 << 10,
+            scan_interval: None,
+            quiet_period: Duration::from_millis(300),
+            checkpoint_idle_timeout: Duration::from_secs(600),
+            policy,
+        };
+        let ep =
+            transport::endpoint(SocketKind::Udp("127.0.0.1:0".parse().unwrap()), None).unwrap();
+        let catalog = Catalog::open(&d.path().join("data")).await.unwrap();
+        let source = Source::start(cfg, catalog, ep, &identity).unwrap();
+        let router = router(AppState {
+            agent: "src".into(),
+            source: Some(source.clone()),
+            sink: None,
+        });
+        WithSource {
+            router,
+            source,
+            root,
+            _nothing_answers: hole,
+            _dir: d,
+        }
+    }
+
+    fn send(method: &str, uri: &str, body: &str) -> Request<Body> {
+        Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("content-type", "application/json")
+            .body(Body::from(body.to_string()))
+            .unwrap()
+    }
+
+    /// Asserts the answer is `status` with an error message containing
+    /// every one of `names`.
+    #[track_caller]
+    fn refused(got: (StatusCode, Value), status: StatusCode, names: &[&str]) {
+        let (s, v) = got;
+        assert_eq!(s, status, "{v}");
+        let msg = v["error"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no error: {v}"));
+        for n in names {
+            assert!(msg.contains(n), "error {msg:?} does not name {n:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn signals_are_checked_promote_the_newest_checkpoint_and_are_idempotent() {
+        let w = with_source().await;
+        let older = w.push("step-1", None).await;
+        let newest = w.push("step-2", None).await;
+        let post = |body: &str| send("POST", "/v1/signals", body);
+
+        let r = post(r#"{"job": "nosuchjob", "kind": "loss_spike", "severity": 0.5}"#);
+        refused(call(w.r(), r).await, StatusCode::NOT_FOUND, &["nosuchjob"]);
+        let r = post(r#"{"job": "job", "kind": "loss_spike", "severity": 3}"#);
+        refused(
+            call(w.r(), r).await,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &["severity"],
+        );
+        let r = post(r#"{"kind": "loss_spike", "severity": 0.5}"#);
+        refused(
+            call(w.r(), r).await,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &["`job`"],
+        );
+        let r = post(r#"{"job": "job", "kind": "meteor", "severity": 0.5}"#);
+        refused(
+            call(w.r(), r).await,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &["kind", "meteor"],
+        );
+        let r = post(r#"{"job": "job", "kind": "nan", "severity": 0.5, "idempotency_key": ""}"#);
+        refused(
+            call(w.r(), r).await,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &["idempotency_key"],
+        );
+        // None of these was stored or promoted anything.
+        let (s, v) = call(w.r(), get("/v1/signals")).await;
+        assert_eq!(s, StatusCode::OK);
+        assert_eq!(v["items"], json!([]), "refused signals were stored: {v}");
+        assert_eq!(w.transfer(newest).await["ranking"]["class"], "scheduled");
+
+        let good = r#"{"job": "job", "kind": "loss_spike", "severity": 0.8, "step": 2,
+                       "idempotency_key": "spike-2"}"#;
+        let (s, first) = call(w.r(), post(good)).await;
+        assert_eq!(s, StatusCode::CREATED, "{first}");
+        assert_eq!(first["new"], true);
+        assert_eq!(
+            first["promoted"], newest,
+            "the newest unpublished checkpoint"
+        );
+        assert!(first["urgent_until"].as_i64().unwrap() > replicator::catalog::now_ms());
+        let sig = first["signal"]["id"].as_i64().unwrap();
+        assert_eq!(first["signal"]["job"], "job");
+        assert_eq!(first["signal"]["transfer"], newest);
+
+        let (s, again) = call(w.r(), post(good)).await;
+        assert_eq!(
+            s,
+            StatusCode::OK,
+            "a repeated key is not a new signal: {again}"
+        );
+        assert_eq!(again["new"], false);
+        assert_eq!(again["signal"]["id"], sig);
+        assert_eq!(again["promoted"], newest);
+        assert_eq!(again["urgent_until"], first["urgent_until"]);
+
+        let (s, v) = call(w.r(), get("/v1/signals")).await;
+        assert_eq!(s, StatusCode::OK);
+        let items = v["items"].as_array().unwrap();
+        assert_eq!(items.len(), 1, "{v}");
+        assert_eq!(items[0]["id"], sig);
+        assert_eq!(items[0]["kind"], "loss_spike");
+        assert_eq!(items[0]["step"], 2);
+        assert_eq!(items[0]["idempotency_key"], "spike-2");
+        let (s, v) = call(w.r(), get("/v1/signals?limit=0")).await;
+        refused((s, v), StatusCode::UNPROCESSABLE_ENTITY, &["limit"]);
+
+        let promoted = w.transfer(newest).await;
+        assert_eq!(promoted["class"], "scheduled", "the class it returns to");
+        assert_eq!(promoted["urgent_until"], first["urgent_until"]);
+        let ranking = &promoted["ranking"];
+        assert_eq!(ranking["class"], "urgent", "{ranking}");
+        assert_eq!(ranking["promoted_until"], first["urgent_until"]);
+        let severity = ranking["severity"].as_f64().unwrap();
+        assert!((0.79..=0.8).contains(&severity), "{ranking}");
+        let other = w.transfer(older).await;
+        assert_eq!(other["ranking"]["class"], "scheduled");
+        assert_eq!(other["urgent_until"], Value::Null);
+    }
+
+    #[tokio::test]
+    async fn a_job_set_through_the_api_is_listed_and_scores_its_transfers() {
+        let w = with_source().await;
+        let id = w.push("step-1", None).await;
+        let before = w.transfer(id).await;
+        assert_eq!(before["ranking"]["importance_from"], "default");
+        assert_eq!(before["ranking"]["score"]["importance"], 1.0);
+
+        let put = |body: &str| send("PUT", "/v1/jobs/job", body);
+        refused(
+            call(w.r(), put(r#"{"importance": 1.5}"#)).await,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &["importance"],
+        );
+        refused(
+            call(w.r(), put(r#"{"importance": 0.5, "model_params": -1}"#)).await,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &["model_params"],
+        );
+        refused(
+            call(w.r(), put(r#"{"model_params": 7e9}"#)).await,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &["importance"],
+        );
+        let (s, v) = call(w.r(), get("/v1/jobs")).await;
+        assert_eq!(s, StatusCode::OK);
+        assert_eq!(v["items"], json!([]), "refused jobs were stored: {v}");
+
+        let (s, v) = call(w.r(), put(r#"{"importance": 0.6, "model_params": 7e9}"#)).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(v["name"], "job");
+        assert_eq!(v["origin"], "api");
+        let (s, v) = call(w.r(), get("/v1/jobs")).await;
+        assert_eq!(s, StatusCode::OK);
+        let items = v["items"].as_array().unwrap();
+        assert_eq!(items.len(), 1, "{v}");
+        assert_eq!(items[0]["name"], "job");
+        assert_eq!(items[0]["origin"], "api");
+        assert_eq!(items[0]["importance"], 0.6);
+        assert_eq!(items[0]["model_params"], 7e9);
+
+        let ranking = w.transfer(id).await["ranking"].clone();
+        assert_eq!(ranking["importance_from"], "job", "{ranking}");
+        assert_eq!(ranking["importance"], 0.6);
+        assert_eq!(ranking["model_params"], 7e9);
+        let term = ranking["score"]["importance"].as_f64().unwrap();
+        let want = 1.0 + IMPORTANCE_WEIGHT * 0.6;
+        assert!(
+            (term - want).abs() < 1e-9,
+            "importance term {term}, want {want}"
+        );
+        let s = &ranking["score"];
+        let product = ["size", "importance", "severity", "aging"]
+            .iter()
+            .map(|k| s[k].as_f64().unwrap())
+            .product::<f64>();
+        assert!((s["value"].as_f64().unwrap() - product).abs() < 1e-9, "{s}");
+    }
+
+    #[tokio::test]
+    async fn link_rates_change_live_and_bad_ones_are_refused() {
+        let w = with_source().await;
+        let put = |link: &str, body: &str| send("PUT", &format!("/v1/links/{link}"), body);
+        refused(
+            call(w.r(), put("nowhere", r#"{"rate_bps": 5000000}"#)).await,
+            StatusCode::NOT_FOUND,
+            &["nowhere"],
+        );
+        refused(
+            call(w.r(), put("l", r#"{"rate_bps": 0}"#)).await,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &["rate_bps"],
+        );
+        refused(
+            call(w.r(), put("l", r#"{"rate_bps": -5}"#)).await,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &["rate_bps"],
+        );
+        let (s, v) = call(w.r(), put("l", r#"{"rate_bps": 250000000}"#)).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(v, json!({ "name": "l", "rate_bps": 250_000_000u64 }));
+        let (s, v) = call(w.r(), get("/v1/links")).await;
+        assert_eq!(s, StatusCode::OK);
+        assert_eq!(
+            v["items"],
+            json!([
+                { "name": "l", "rate_bps": 250_000_000u64 },
+                { "name": "m", "rate_bps": 1_000_000_000u64 },
+            ])
+        );
+        assert_eq!(w.source.link_rate("l"), Some(250_000_000));
+    }
+
+    #[tokio::test]
+    async fn transfer_actions_follow_the_state() {
+        let w = with_source().await;
+        let id = w.push("step-1", None).await;
+        let act = |what: &str| send("POST", &format!("/v1/transfers/{id}/{what}"), "");
+
+        let (s, v) = call(w.r(), act("pause")).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(v["id"], id);
+        assert_eq!(v["state"], "paused");
+        assert_eq!(w.transfer(id).await["state"], "paused");
+        refused(
+            call(w.r(), act("pause")).await,
+            StatusCode::CONFLICT,
+            &["paused"],
+        );
+        let (s, v) = call(w.r(), act("resume")).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(v["state"], "queued");
+        refused(
+            call(w.r(), act("resume")).await,
+            StatusCode::CONFLICT,
+            &["not paused"],
+        );
+        let (s, v) = call(w.r(), act("cancel")).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(v["state"], "cancelled");
+        assert!(v["finished_at"].is_i64(), "{v}");
+        refused(
+            call(w.r(), act("cancel")).await,
+            StatusCode::CONFLICT,
+            &["cancelled"],
+        );
+        refused(
+            call(w.r(), act("pause")).await,
+            StatusCode::CONFLICT,
+            &["cancelled"],
+        );
+        refused(
+            call(w.r(), act("resume")).await,
+            StatusCode::CONFLICT,
+            &["cancelled"],
+        );
+        assert_eq!(w.transfer(id).await["state"], "cancelled");
+
+        refused(
+            call(w.r(), act("explode")).await,
+            StatusCode::NOT_FOUND,
+            &["explode"],
+        );
+        let r = send("POST", "/v1/transfers/999/pause", "");
+        refused(call(w.r(), r).await, StatusCode::NOT_FOUND, &["999"]);
+        let r = send("POST", "/v1/transfers/abc/pause", "");
+        refused(
+            call(w.r(), r).await,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &["abc"],
+        );
+        refused(
+            call(w.r(), get("/v1/transfers/999")).await,
+            StatusCode::NOT_FOUND,
+            &["999"],
+        );
+    }
+
+    #[tokio::test]
+    async fn patch_sets_class_and_importance_and_null_returns_to_the_job() {
+        let w = with_source().await;
+        let id = w.push("step-1", None).await;
+        let (s, v) = call(w.r(), send("PUT", "/v1/jobs/job", r#"{"importance": 0.6}"#)).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        let patch = |body: &str| send("PATCH", &format!("/v1/transfers/{id}"), body);
+
+        refused(
+            call(w.r(), patch(r#"{"class": "soon"}"#)).await,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &["class", "soon"],
+        );
+        refused(
+            call(w.r(), patch("{}")).await,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &["class", "importance"],
+        );
+        refused(
+            call(w.r(), patch(r#"{"importance": 1.5}"#)).await,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &["importance"],
+        );
+        refused(
+            call(w.r(), patch(r#"{"class": "background", "importance": 2}"#)).await,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &["importance"],
+        );
+        refused(
+            call(w.r(), patch(r#"{"prio": 1}"#)).await,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &["prio"],
+        );
+        let r = send("PATCH", "/v1/transfers/999", r#"{"class": "urgent"}"#);
+        refused(call(w.r(), r).await, StatusCode::NOT_FOUND, &["999"]);
+        // Nothing refused changed the transfer.
+        let t = w.transfer(id).await;
+        assert_eq!(t["class"], "scheduled");
+        assert_eq!(t["importance"], Value::Null);
+        assert_eq!(t["ranking"]["importance_from"], "job");
+
+        let (s, v) = call(
+            w.r(),
+            patch(r#"{"class": "background", "importance": 0.3}"#),
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(v["class"], "background");
+        assert_eq!(v["importance"], 0.3);
+        let t = w.transfer(id).await;
+        assert_eq!(t["class"], "background");
+        assert_eq!(t["ranking"]["class"], "background");
+        assert_eq!(t["ranking"]["importance_from"], "transfer");
+        assert_eq!(t["ranking"]["importance"], 0.3);
+
+        let (s, v) = call(w.r(), patch(r#"{"importance": null}"#)).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(v["importance"], Value::Null);
+        let t = w.transfer(id).await;
+        assert_eq!(t["class"], "background", "the class is left as it was");
+        assert_eq!(t["ranking"]["importance_from"], "job");
+        assert_eq!(t["ranking"]["importance"], 0.6);
+
+        let (s, _) = call(
+            w.r(),
+            send("POST", &format!("/v1/transfers/{id}/cancel"), ""),
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK);
+        refused(
+            call(w.r(), patch(r#"{"class": "urgent"}"#)).await,
+            StatusCode::CONFLICT,
+            &["cancelled"],
+        );
+    }
+
+    #[tokio::test]
+    async fn transfers_are_queued_in_the_class_asked_for() {
+        let w = with_source().await;
+        let id = w.push("logs", Some("background")).await;
+        let t = w.transfer(id).await;
+        assert_eq!(t["class"], "background");
+        assert_eq!(t["state"], "queued");
+        assert_eq!(t["ranking"]["class"], "background");
+        let id = w.push("step-1", None).await;
+        assert_eq!(w.transfer(id).await["class"], "scheduled");
+
+        let dir = w.root.join("step-2");
+        std::fs::create_dir_all(&dir).unwrap();
+        let body = json!({ "path": dir.to_str().unwrap(), "class": "x" }).to_string();
+        refused(
+            call(w.r(), send("POST", "/v1/transfers", &body)).await,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &["class", "\"x\""],
+        );
+        let body = json!({ "path": dir.to_str().unwrap(), "link": "nowhere" }).to_string();
+        refused(
+            call(w.r(), send("POST", "/v1/transfers", &body)).await,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &["link", "nowhere"],
+        );
+        let (s, v) = call(w.r(), get("/v1/transfers")).await;
+        assert_eq!(s, StatusCode::OK);
+        assert_eq!(v["items"].as_array().unwrap().len(), 2, "{v}");
+    }
+
+    #[tokio::test]
+    async fn oversized_bodies_on_the_new_routes_are_413() {
+        let w = with_source().await;
+        let pad = "x".repeat(MAX_BODY + 1);
+        let big = format!(
+            r#"{{"job": "job", "kind": "manual", "severity": 0.5, "idempotency_key": "{pad}"}}"#
+        );
+        let (s, v) = call(w.r(), send("POST", "/v1/signals", &big)).await;
+        assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE, "{v}");
+        let big = format!(r#"{{"importance": 0.5, "pad": "{pad}"}}"#);
+        let (s, v) = call(w.r(), send("PUT", "/v1/jobs/job", &big)).await;
+        assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE, "{v}");
+        let (s, v) = call(w.r(), get("/v1/signals")).await;
+        assert_eq!(s, StatusCode::OK);
+        assert_eq!(v["items"], json!([]));
     }
 }

@@ -717,6 +717,11 @@ impl Catalog {
 
     /// Sets a transfer's state (and error text for `failed`), stamping
     /// `started_at` on the first `active` and `finished_at` on final states.
+    /// A final state is never left, and a `paused` transfer does not become
+    /// `active` or `verifying` (only resume, cancel or a failure move it):
+    /// the transfer task's own writes must not undo an operator's pause or
+    /// cancel that landed while it was starting or sending; such a write
+    /// changes nothing.
     ///
     /// # Errors
     /// SQL errors.
@@ -731,7 +736,8 @@ impl Catalog {
             "UPDATE transfers SET state = ?, error = COALESCE(?, error), \
              started_at = CASE WHEN ? = 'active' AND started_at IS NULL THEN ? ELSE started_at END, \
              finished_at = CASE WHEN ? IN ('published', 'failed', 'cancelled') THEN ? ELSE finished_at END \
-             WHERE id = ?",
+             WHERE id = ? AND state NOT IN ('published', 'failed', 'cancelled') \
+             AND NOT (state = 'paused' AND ? IN ('active', 'verifying'))",
         )
         .bind(new_state)
         .bind(error)
@@ -740,6 +746,7 @@ impl Catalog {
         .bind(new_state)
         .bind(now)
         .bind(id)
+        .bind(new_state)
         .execute(&self.pool)
         .await?;
         Ok(())
@@ -1609,6 +1616,61 @@ mod tests {
         let _c = Catalog::open(d.path()).await.unwrap();
         let e = Catalog::open(d.path()).await.unwrap_err();
         assert!(e.to_string().contains("already in use"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn pause_and_final_states_are_not_undone_by_the_transfer_task() {
+        let d = tempfile::tempdir().unwrap();
+        let c = Catalog::open(d.path()).await.unwrap();
+        let state_of = |id| {
+            let c = c.clone();
+            async move { c.transfer(id).await.unwrap().unwrap().state }
+        };
+        let id = c
+            .insert_transfer("l", "j", "/ck/s1", "s1", "scheduled")
+            .await
+            .unwrap();
+        c.set_transfer_state(id, state::PAUSED, None).await.unwrap();
+        for s in [state::ACTIVE, state::VERIFYING] {
+            c.set_transfer_state(id, s, None).await.unwrap();
+            assert_eq!(state_of(id).await, "paused", "after {s}");
+        }
+        c.set_transfer_state(id, state::QUEUED, None).await.unwrap();
+        assert_eq!(state_of(id).await, "queued", "resumed");
+        c.set_transfer_state(id, state::ACTIVE, None).await.unwrap();
+        assert_eq!(state_of(id).await, "active");
+        c.set_transfer_state(id, state::PAUSED, None).await.unwrap();
+        c.set_transfer_state(id, state::CANCELLED, Some("by hand"))
+            .await
+            .unwrap();
+        let t = c.transfer(id).await.unwrap().unwrap();
+        assert_eq!(t.state, "cancelled", "a paused transfer can be cancelled");
+        let finished = t.finished_at;
+        assert!(finished.is_some());
+        for s in [
+            state::ACTIVE,
+            state::VERIFYING,
+            state::QUEUED,
+            state::FAILED,
+        ] {
+            c.set_transfer_state(id, s, Some("late")).await.unwrap();
+            let t = c.transfer(id).await.unwrap().unwrap();
+            assert_eq!(t.state, "cancelled", "after {s}");
+            assert_eq!(
+                (t.error.as_deref(), t.finished_at),
+                (Some("by hand"), finished)
+            );
+        }
+        // A paused transfer may still fail.
+        let id = c
+            .insert_transfer("l", "j", "/ck/s2", "s2", "scheduled")
+            .await
+            .unwrap();
+        c.set_transfer_state(id, state::PAUSED, None).await.unwrap();
+        c.set_transfer_state(id, state::FAILED, Some("gone"))
+            .await
+            .unwrap();
+        assert_eq!(state_of(id).await, "failed");
     }
 
     #[tokio::test]

@@ -32,69 +32,24 @@ pub async fn pair(reserve_bytes: u64) -> Pair {
 pub async fn pair_with(reserve_bytes: u64, adjust: impl FnOnce(&mut SourceConfig)) -> Pair {
     let dir = tempfile::tempdir().unwrap();
     let base = dir.path();
-    let certs = base.join("certs");
-    tls::init_dev_pki(&certs, &["src".into(), "dst".into()], 2).unwrap();
-    let id = |n: &str| {
-        AgentIdentity::load(
-            &certs.join("ca.pem"),
-            &certs.join(format!("{n}.pem")),
-            &certs.join(format!("{n}.key")),
-        )
-        .unwrap()
-    };
+    let certs = dev_pki(base);
     let (a, b): (SocketAddr, SocketAddr) =
         ("10.0.0.1:1".parse().unwrap(), "10.0.0.2:2".parse().unwrap());
     let params = LinkParams::new(1_000_000_000, Duration::from_millis(10));
     let (sa, sb) = memory_pair(a, b, params.clone(), params);
-    let server = quinn::ServerConfig::with_crypto(tls::server_crypto(&id("dst")).unwrap());
+    let server =
+        quinn::ServerConfig::with_crypto(tls::server_crypto(&identity(&certs, "dst")).unwrap());
     let sink_ep = transport::endpoint(SocketKind::Memory(sb), Some(server)).unwrap();
-    let sink = Sink::start(
-        SinkConfig {
-            agent: "dst".into(),
-            site: "train-a".into(),
-            root: base.join("eval"),
-            accept_peers: vec!["src".into()],
-            reserve_bytes,
-        },
-        Catalog::open(&base.join("dst-data")).await.unwrap(),
-        sink_ep,
-    )
-    .unwrap();
-    let root = base.join("ckpt").join("job");
-    std::fs::create_dir_all(&root).unwrap();
-    let root = std::fs::canonicalize(root).unwrap();
+    let sink = start_sink(base, reserve_bytes, sink_ep).await;
+    let root = job_root(base);
     let src_ep = transport::endpoint(SocketKind::Memory(sa), None).unwrap();
-    let mut cfg = SourceConfig {
-        agent: "src".into(),
-        site: "train-a".into(),
-        chunk_size: MIN_CHUNK_SIZE,
-        markers: vec![".metadata".into()],
-        roots: vec![RootConfig {
-            path: root.clone(),
-            job: "job".into(),
-            link: "l".into(),
-            watch: Default::default(),
-        }],
-        links: vec![LinkConfig {
-            name: "l".into(),
-            peer: b.to_string(),
-            peer_name: "dst".into(),
-            rate_bps: 1_000_000_000,
-            rtt: Duration::from_millis(10),
-        }],
-        streams: 3,
-        batch_bytes: 256 << 10,
-        scan_interval: None,
-        quiet_period: Duration::from_millis(300),
-        checkpoint_idle_timeout: Duration::from_secs(600),
-        policy: Default::default(),
-    };
+    let mut cfg = source_config(&root, b);
     adjust(&mut cfg);
     let source = Source::start(
         cfg,
         Catalog::open(&base.join("src-data")).await.unwrap(),
         src_ep,
-        &id("src"),
+        &identity(&certs, "src"),
     )
     .unwrap();
     Pair {
@@ -105,9 +60,131 @@ pub async fn pair_with(reserve_bytes: u64, adjust: impl FnOnce(&mut SourceConfig
     }
 }
 
-pub async fn wait_published(p: &Pair, id: i64) -> replicator::catalog::Transfer {
+/// A development PKI for agents `src` and `dst` in `base/certs`.
+fn dev_pki(base: &Path) -> PathBuf {
+    let certs = base.join("certs");
+    tls::init_dev_pki(&certs, &["src".into(), "dst".into()], 2).unwrap();
+    certs
+}
+
+fn identity(certs: &Path, name: &str) -> AgentIdentity {
+    AgentIdentity::load(
+        &certs.join("ca.pem"),
+        &certs.join(format!("{name}.pem")),
+        &certs.join(format!("{name}.key")),
+    )
+    .unwrap()
+}
+
+async fn start_sink(base: &Path, reserve_bytes: u64, ep: quinn::Endpoint) -> Sink {
+    Sink::start(
+        SinkConfig {
+            agent: "dst".into(),
+            site: "train-a".into(),
+            root: base.join("eval"),
+            accept_peers: vec!["src".into()],
+            reserve_bytes,
+        },
+        Catalog::open(&base.join("dst-data")).await.unwrap(),
+        ep,
+    )
+    .unwrap()
+}
+
+/// `base/ckpt/job`, created and canonical.
+fn job_root(base: &Path) -> PathBuf {
+    let root = base.join("ckpt").join("job");
+    std::fs::create_dir_all(&root).unwrap();
+    std::fs::canonicalize(root).unwrap()
+}
+
+/// Source settings of the tests: job `job` at `root`, link `l` to the sink
+/// at `peer`, watcher off.
+fn source_config(root: &Path, peer: SocketAddr) -> SourceConfig {
+    SourceConfig {
+        agent: "src".into(),
+        site: "train-a".into(),
+        chunk_size: MIN_CHUNK_SIZE,
+        markers: vec![".metadata".into()],
+        roots: vec![RootConfig {
+            path: root.to_path_buf(),
+            job: "job".into(),
+            link: "l".into(),
+            watch: Default::default(),
+        }],
+        links: vec![LinkConfig {
+            name: "l".into(),
+            peer: peer.to_string(),
+            peer_name: "dst".into(),
+            rate_bps: 1_000_000_000,
+            rtt: Duration::from_millis(10),
+        }],
+        streams: 3,
+        batch_bytes: 256 << 10,
+        scan_interval: None,
+        quiet_period: Duration::from_millis(300),
+        checkpoint_idle_timeout: Duration::from_secs(600),
+        policy: Default::default(),
+    }
+}
+
+/// A sink on UDP loopback and what it takes to start a source for it, as
+/// often as needed, on the same catalog directory (`src-data`): a source
+/// agent restarted. (The in-memory link's sockets cannot be taken by a
+/// second source endpoint, hence real sockets.)
+pub struct Restartable {
+    pub dir: tempfile::TempDir,
+    pub sink: Sink,
+    /// Root of job `job`.
+    pub root: PathBuf,
+    /// Settings of the first source (link `l` leads to the sink).
+    pub cfg: SourceConfig,
+    certs: PathBuf,
+}
+
+impl Restartable {
+    pub async fn new(adjust: impl FnOnce(&mut SourceConfig)) -> Restartable {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path();
+        let certs = dev_pki(base);
+        let server =
+            quinn::ServerConfig::with_crypto(tls::server_crypto(&identity(&certs, "dst")).unwrap());
+        let sink_ep = transport::endpoint(
+            SocketKind::Udp("127.0.0.1:0".parse().unwrap()),
+            Some(server),
+        )
+        .unwrap();
+        let sink_addr = sink_ep.local_addr().unwrap();
+        let sink = start_sink(base, 0, sink_ep).await;
+        let root = job_root(base);
+        let mut cfg = source_config(&root, sink_addr);
+        adjust(&mut cfg);
+        Restartable {
+            dir,
+            sink,
+            root,
+            cfg,
+            certs,
+        }
+    }
+
+    /// Starts a source with `cfg` on the catalog in `src-data` and a new
+    /// UDP endpoint. The catalog is opened anew, so a source started
+    /// before must have stopped and been dropped (its catalog lock freed).
+    pub async fn start_source(&self, cfg: SourceConfig) -> Source {
+        let catalog = Catalog::open(&self.dir.path().join("src-data"))
+            .await
+            .unwrap();
+        let ep =
+            transport::endpoint(SocketKind::Udp("127.0.0.1:0".parse().unwrap()), None).unwrap();
+        Source::start(cfg, catalog, ep, &identity(&self.certs, "src")).unwrap()
+    }
+}
+
+/// Waits (at most 30 s) for `source` to publish transfer `id`.
+pub async fn published_by(source: &Source, id: i64) -> replicator::catalog::Transfer {
     for _ in 0..600 {
-        let t = p.source.catalog().transfer(id).await.unwrap().unwrap();
+        let t = source.catalog().transfer(id).await.unwrap().unwrap();
         match t.state.as_str() {
             "published" => return t,
             "failed" | "cancelled" => panic!("transfer {}: {:?}", t.state, t.error),
@@ -115,6 +192,10 @@ pub async fn wait_published(p: &Pair, id: i64) -> replicator::catalog::Transfer 
         }
     }
     panic!("transfer {id} not published within 30 s");
+}
+
+pub async fn wait_published(p: &Pair, id: i64) -> replicator::catalog::Transfer {
+    published_by(&p.source, id).await
 }
 
 pub async fn wait_final(p: &Pair, id: i64) -> replicator::catalog::Transfer {
