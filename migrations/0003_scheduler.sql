@@ -21,6 +21,9 @@ CREATE INDEX transfers_job ON transfers (job, created_at);
 -- carried over when a resumed transfer's file table was renumbered.
 ALTER TABLE chunks ADD COLUMN verified_at BIGINT;
 ALTER TABLE chunks ADD COLUMN bytes BIGINT;
+-- Sink side: when the chunk's first byte was read (Unix ms); its bytes
+-- count as arriving evenly from then to verified_at.
+ALTER TABLE chunks ADD COLUMN arrival_started BIGINT;
 -- Sink side: what the chunk rows said about arrival once they are gone
 -- (they are dropped at publish): JSON {"bin_ms": width, "bins": [[bin
 -- start (Unix ms), bytes], ...]}, oldest first; bins are 10 ms wide, or

@@ -63,6 +63,10 @@ pub async fn read_frame(recv: &mut RecvStream) -> Result<Option<Control>, ConnEr
     Ok(Some(Control::decode(&body)?))
 }
 
+/// QUIC stream priority of the control stream: above every data stream
+/// (data streams use 0..=2 by class).
+pub const CONTROL_PRIORITY: i32 = 16;
+
 /// The sending half of a control stream, shareable between tasks.
 #[derive(Debug)]
 pub struct ControlSender(Mutex<SendStream>);
@@ -70,6 +74,10 @@ pub struct ControlSender(Mutex<SendStream>);
 impl ControlSender {
     /// Wraps a stream.
     pub fn new(s: SendStream) -> Self {
+        // Control messages are small and gate everything else (an open
+        // before its data, a commit before the publish): they go before
+        // any data stream, urgent ones included.
+        let _ = s.set_priority(CONTROL_PRIORITY);
         ControlSender(Mutex::new(s))
     }
 

@@ -920,6 +920,7 @@ async fn open_transfer(
                     hash: *h,
                     bytes: *len,
                     arrived_ms: None,
+                    arrival_started_ms: None,
                 };
                 let _ = inner.chunks.send(CatalogOp::Chunk(c)).await;
             }
@@ -1307,8 +1308,8 @@ async fn receive_batch(
     };
     let mut ended = false;
     while !ended {
-        // Records with their arrival time (Unix ms).
-        let mut group: Vec<(RecordHeader, Vec<u8>, i64)> = Vec::new();
+        // Records with the arrival of their first and last byte (Unix ms).
+        let mut group: Vec<(RecordHeader, Vec<u8>, (i64, i64))> = Vec::new();
         let mut bytes = 0usize;
         while bytes < GROUP_BYTES && group.len() < 1024 {
             let mut rb = [0u8; RECORD_HEADER_LEN];
@@ -1320,6 +1321,7 @@ async fn receive_batch(
                 }
                 Err(e) => return Err(e.into()),
             }
+            let first_byte = now_ms();
             let h = RecordHeader::decode(&rb)?;
             let fits = wait_for_table(&live, &h).await;
             let mut buf = vec![0u8; h.len as usize];
@@ -1336,7 +1338,7 @@ async fn receive_batch(
                 continue;
             }
             bytes += buf.len();
-            group.push((h, buf, now_ms()));
+            group.push((h, buf, (first_byte, now_ms())));
         }
         // Writes hold the read side of `writes`; publishing takes the write
         // side, so no chunk lands in staging once the replica is being
@@ -1354,7 +1356,7 @@ async fn receive_batch(
         if group.is_empty() {
             continue;
         }
-        let arrived: HashMap<u64, i64> = group
+        let arrived: HashMap<u64, (i64, i64)> = group
             .iter()
             .map(|(h, _, at)| (u64::from(h.file) << 32 | u64::from(h.chunk), *at))
             .collect();
@@ -1397,7 +1399,8 @@ async fn receive_batch(
                 key: g,
                 hash: h,
                 bytes: len,
-                arrived_ms: arrived.get(&g).copied(),
+                arrived_ms: arrived.get(&g).map(|a| a.1),
+                arrival_started_ms: arrived.get(&g).map(|a| a.0),
             };
             let _ = inner.chunks.send(CatalogOp::Chunk(c)).await;
         }

@@ -1398,7 +1398,9 @@ async fn open_on_sink(
 
 async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(), RunError> {
     let id = t.id as u64;
+    let t_start = std::time::Instant::now();
     let fresh = begin(inner, &t).await?;
+    let t_begun = t_start.elapsed();
     let dir = PathBuf::from(&t.source_path);
     let opts = ScanOptions {
         markers: inner.cfg.markers.clone(),
@@ -1408,6 +1410,7 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
         .await
         .map_err(|e| RunError::Fatal(e.to_string()))?
         .map_err(|e| RunError::Fatal(format!("listing the checkpoint: {e}")))?;
+    let t_scanned = t_start.elapsed();
     let bytes_total: u64 = scan.files.iter().map(|f| f.size).sum();
     let progress = track_progress(inner, t.id, bytes_total);
     inner
@@ -1422,7 +1425,16 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
         .await?;
 
     let chunk_size = inner.cfg.chunk_size;
+    let t_recorded = t_start.elapsed();
     let (mut rx, have) = open_on_sink(inner, c, &t, fresh, scan.files.clone()).await?;
+    debug!(
+        transfer = id,
+        begin_ms = t_begun.as_millis() as u64,
+        scan_ms = (t_scanned - t_begun).as_millis() as u64,
+        record_ms = (t_recorded - t_scanned).as_millis() as u64,
+        open_ms = (t_start.elapsed() - t_recorded).as_millis() as u64,
+        "transfer start"
+    );
     let map = Arc::new(ChunkMap::new(&scan.files, chunk_size));
     let skipped: u64 = have
         .iter()

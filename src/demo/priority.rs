@@ -58,10 +58,15 @@ pub(super) async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Resul
         for s in &sets {
             jobs.push((s.clone(), a.background_size / BACKGROUND_COPIES as u64));
         }
+        let d = dir.to_path_buf();
         tokio::task::spawn_blocking(move || -> Result<()> {
             for (out, size) in jobs {
                 gen::generate(&gen::GenOptions::new(out, size), &|_| {})?;
             }
+            // The sink makes each replica durable with a syncfs at publish:
+            // flush the generated data now, or the first publish pays for it.
+            let f = std::fs::File::open(&d)?;
+            nix::unistd::syncfs(std::os::fd::AsRawFd::as_raw_fd(&f))?;
             Ok(())
         })
         .await??;

@@ -353,11 +353,24 @@ async fn write(
         *cur = Some((id, s, 0));
     }
     if let Some((_, s, n)) = cur.as_mut() {
+        let t0 = std::time::Instant::now();
         s.write_all(&rec.header.encode())
             .await
             .map_err(|e| err(&e))?;
         s.write_all(&rec.data).await.map_err(|e| err(&e))?;
         *n += rec.data.len() as u64;
+        let took = t0.elapsed();
+        if took > std::time::Duration::from_millis(20) {
+            // The connection's send window or the stream's flow control
+            // is full: the link (or the sink) is slower than the rate cap.
+            tracing::debug!(
+                transfer = id,
+                priority,
+                bytes = rec.data.len(),
+                ms = took.as_millis() as u64,
+                "slow chunk write"
+            );
+        }
     }
     Ok(())
 }
