@@ -883,8 +883,9 @@ impl Catalog {
 
     /// The transfer of `job` that a signal promotes: the one created last
     /// (largest `created_at`, then largest id) that is not published,
-    /// failed or cancelled. Queued, active, paused and verifying transfers
-    /// all count.
+    /// failed or cancelled, and not in class `background` (datasets and
+    /// logs are not checkpoints; a checkpoint an operator put there stays
+    /// there). Queued, active, paused and verifying transfers all count.
     ///
     /// # Errors
     /// SQL errors.
@@ -894,7 +895,7 @@ impl Catalog {
     ) -> Result<Option<Transfer>, CatalogError> {
         let q = format!(
             "SELECT {TRANSFER_COLS} FROM transfers WHERE job = ? AND state NOT IN (?, ?, ?) \
-             ORDER BY created_at DESC, id DESC LIMIT 1"
+             AND class <> 'background' ORDER BY created_at DESC, id DESC LIMIT 1"
         );
         let r = sqlx::query(&q)
             .bind(job)
@@ -2096,6 +2097,15 @@ mod tests {
                 .id,
             ids[1]
         );
+        // A newer background copy (logs under the job's root) is not a
+        // checkpoint: the signal still promotes the checkpoint.
+        let logs = c
+            .insert_transfer("l", "j", "/ck/logs", "logs", "background")
+            .await
+            .unwrap();
+        let t = c.newest_unpublished_transfer("j").await.unwrap().unwrap();
+        assert_ne!(t.id, logs);
+        assert_eq!(t.id, ids[1]);
     }
 
     #[tokio::test]
