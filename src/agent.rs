@@ -189,7 +189,7 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
             job = j.name,
             model_params = j.model_params,
             importance = j.importance,
-            "job configured"
+            "job in the config file (values set through PUT /v1/jobs take precedence)"
         );
     }
     tracing::info!(agent = cfg.agent.name, %api_addr, %quic_addr, "agent started");

@@ -174,7 +174,7 @@ pub struct JobSection {
     pub importance: f64,
 }
 
-/// `[scheduler]`: how transfers are ranked and share a link (DESIGN
+/// `[scheduler]`: how transfers are ranked and share a link (ARCHITECTURE.md
 /// "Classes and score"). Every key is optional and defaults to
 /// [`scheduler::Policy::default()`]; [`SchedulerSection::policy`] turns it
 /// into the scheduler's settings.

@@ -17,9 +17,11 @@
 //!   /v1/transfers/{id}` `{"class"?, "importance"?}` (source): operator
 //!   control; 409 when the transfer's state does not allow it.
 //! - `GET /v1/jobs`, `PUT /v1/jobs/{job}` `{"model_params"?, "importance"}`
-//!   (source): jobs as the scheduler ranks them.
+//!   (source): jobs as the scheduler ranks them (`model_params` absent
+//!   keeps the size, `null` makes it unknown).
 //! - `GET /v1/links`, `PUT /v1/links/{link}` `{"rate_bps"}` (source): a
-//!   link's rate cap, changed live.
+//!   link's rate cap, changed live until the agent restarts (then the
+//!   config's `rate` holds again).
 //! - `POST /v1/signals` `{"job", "kind", "severity", "step"?,
 //!   "idempotency_key"?}`, `GET /v1/signals[?limit=]` (source): anomaly
 //!   signals from training controllers; 404 for an unknown job.
@@ -479,7 +481,9 @@ async fn list_jobs(State(s): State<AppState>) -> Result<Response, ApiError> {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct PutJob {
-    model_params: Option<f64>,
+    /// Absent: unchanged; `null` or 0: unknown.
+    #[serde(default, deserialize_with = "some_or_null")]
+    model_params: Option<Option<f64>>,
     importance: f64,
 }
 
@@ -1051,6 +1055,17 @@ mod tests {
             .map(|k| s[k].as_f64().unwrap())
             .product::<f64>();
         assert!((s["value"].as_f64().unwrap() - product).abs() < 1e-9, "{s}");
+
+        // Leaving `model_params` out keeps the size; `null` forgets it.
+        let (s, v) = call(w.r(), put(r#"{"importance": 0.9}"#)).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(
+            (v["importance"].clone(), v["model_params"].clone()),
+            (json!(0.9), json!(7e9))
+        );
+        let (s, v) = call(w.r(), put(r#"{"importance": 0.9, "model_params": null}"#)).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(v["model_params"], json!(null));
     }
 
     #[tokio::test]

@@ -2140,7 +2140,7 @@ mod tests {
             .unwrap();
         sqlx::query(
             "INSERT INTO transfers (id, link, job, source_path, rel, class, state, created_at) \
-             VALUES (5, 'l', 'j', '/ck/s1', 's1', 'background', 'queued', 1000)",
+             VALUES (5, 'l', 'j', '/ck/s1', 's1', 'scheduled', 'queued', 1000)",
         )
         .execute(&pool)
         .await
@@ -2163,7 +2163,7 @@ mod tests {
 
         let c = Catalog::open(&data).await.unwrap();
         let t = c.transfer(5).await.unwrap().unwrap();
-        assert_eq!((t.class.as_str(), t.created_at), ("background", 1000));
+        assert_eq!((t.class.as_str(), t.created_at), ("scheduled", 1000));
         assert_eq!((t.importance, t.urgent_until, t.signal), (None, None, None));
         assert_eq!(c.chunks(9).await.unwrap(), vec![(0, [3; 32])]);
         let old: (Option<i64>, Option<i64>) =

@@ -733,6 +733,9 @@ async fn serve_connection(
                 }
                 Control::Cancel { id, reason } => {
                     let live = open.remove(id);
+                    // Batches still on their way are dropped, not waited
+                    // for (they would hold the connection up).
+                    open.refuse(id);
                     if let Some(live) = live {
                         info!(transfer = id, reason, "transfer cancelled by source");
                         cancel_live(inner, &live, state::CANCELLED, &reason).await;
@@ -1257,6 +1260,9 @@ impl Opened {
         if let Ok(mut m) = self.live.lock() {
             m.insert(id, live);
         }
+        if let Ok(mut r) = self.refused.lock() {
+            r.remove(&id);
+        }
         self.changes.send_modify(|v| *v += 1);
     }
     fn refuse(&self, id: u64) {
@@ -1519,6 +1525,15 @@ fn open_staging(staging: &Path, rel: &str) -> io::Result<std::fs::File> {
 
 async fn cancel_live(inner: &Arc<Inner>, live: &Arc<Live>, new_state: &str, reason: &str) {
     if let Ok(mut st) = live.st.lock() {
+        if st.publishing {
+            // Too late: every chunk matched and the replica is being
+            // moved into place; the source hears it was published.
+            info!(
+                transfer = live.id,
+                reason, "stop arrived during publish; publishing anyway"
+            );
+            return;
+        }
         st.failed = true;
     }
     if let Ok(mut m) = inner.live.lock() {
@@ -1531,6 +1546,9 @@ async fn cancel_live(inner: &Arc<Inner>, live: &Arc<Live>, new_state: &str, reas
     {
         warn!(error = %e, "could not record transfer state");
     }
+    // Group writes in flight hold the read side: once they are done, no
+    // writer recreates the directory (they see `failed` and write nothing).
+    let _writes = live.writes.clone().write_owned().await;
     let staging = live.staging.clone();
     let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(staging)).await;
     inner.changed.send_modify(|v| *v += 1);

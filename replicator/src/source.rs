@@ -157,6 +157,9 @@ pub struct SignalOutcome {
     pub promoted: Option<i64>,
     /// Until when it stays `urgent`, Unix ms.
     pub urgent_until: Option<i64>,
+    /// The promoted transfer's state (a `paused` one stays paused, urgent
+    /// once resumed).
+    pub promoted_state: Option<String>,
 }
 
 /// Why an operator or controller request was refused.
@@ -219,6 +222,8 @@ struct LinkState {
     share: Share,
     /// The link's scheduler and the queues of its active transfers.
     sched: Arc<LinkSched>,
+    /// Connections established since the agent started.
+    connections: AtomicU64,
 }
 
 struct Inner {
@@ -311,6 +316,7 @@ impl Source {
                     wake: Notify::new(),
                     share,
                     sched,
+                    connections: AtomicU64::new(0),
                 }),
             );
         }
@@ -393,6 +399,15 @@ impl Source {
         self.inner.links.get(link).map(|l| l.share.rate_bps())
     }
 
+    /// Connections to the sink established on `link` since the agent
+    /// started (`None`: unknown link); more than one means it reconnected.
+    pub fn link_connections(&self, link: &str) -> Option<u64> {
+        self.inner
+            .links
+            .get(link)
+            .map(|l| l.connections.load(Ordering::Relaxed))
+    }
+
     /// The scheduler's settings.
     pub fn policy(&self) -> &scheduler::Policy {
         &self.inner.cfg.policy
@@ -410,8 +425,9 @@ impl Source {
 
     /// Records a training controller's signal about `job`: the job's
     /// severity rises (decaying with the policy's half-life) and its
-    /// newest unpublished transfer becomes `urgent` for the policy's
-    /// `urgent_for`. A repeated `idempotency_key` returns the first
+    /// newest unpublished, non-background transfer becomes `urgent` for
+    /// the policy's `urgent_for` (whatever the severity: a `manual`
+    /// signal of severity 0 is a plain "I need it now"). A repeated `idempotency_key` returns the first
     /// signal's outcome and changes nothing.
     ///
     /// # Errors
@@ -452,6 +468,7 @@ impl Source {
             };
             return Ok(SignalOutcome {
                 urgent_until: t.as_ref().and_then(|t| t.urgent_until),
+                promoted_state: t.as_ref().map(|t| t.state.clone()),
                 promoted: sig.transfer,
                 signal: sig,
                 new: false,
@@ -463,6 +480,7 @@ impl Source {
         let mut outcome = SignalOutcome {
             promoted: None,
             urgent_until: None,
+            promoted_state: None,
             signal: sig.clone(),
             new: true,
         };
@@ -482,6 +500,7 @@ impl Source {
             outcome = SignalOutcome {
                 promoted: Some(t.id),
                 urgent_until: Some(until),
+                promoted_state: Some(t.state.clone()),
                 signal: sig,
                 new: true,
             };
@@ -498,15 +517,17 @@ impl Source {
         Ok(outcome)
     }
 
-    /// Sets a job's model size (parameters; `None` = unknown) and
-    /// importance (0..1) through the API; scores follow within a second.
+    /// Sets a job's importance (0..1) and model size through the API:
+    /// `model_params` `None` keeps the size it has, `Some(None)` (or 0)
+    /// makes it unknown, `Some(Some(p))` sets it (parameters). Scores
+    /// follow within a second.
     ///
     /// # Errors
     /// [`OpsError::Invalid`] naming the field; catalog errors.
     pub async fn put_job(
         &self,
         name: &str,
-        model_params: Option<f64>,
+        model_params: Option<Option<f64>>,
         importance: f64,
     ) -> Result<crate::catalog::Job, OpsError> {
         if let Err(e) = crate::paths::check_name(name) {
@@ -517,18 +538,23 @@ impl Source {
                 "importance: must be a number from 0 to 1, got {importance}"
             )));
         }
-        if let Some(p) = model_params {
+        if let Some(Some(p)) = model_params {
             if !p.is_finite() || p < 0.0 {
                 return Err(OpsError::Invalid(format!(
                     "model_params: must be a number >= 0, got {p}"
                 )));
             }
         }
-        let job = self
-            .inner
-            .catalog
-            .put_job(name, model_params.filter(|p| *p > 0.0), importance)
-            .await?;
+        let params = match model_params {
+            Some(p) => p.filter(|p| *p > 0.0),
+            None => self
+                .inner
+                .catalog
+                .job(name)
+                .await?
+                .and_then(|j| j.model_params),
+        };
+        let job = self.inner.catalog.put_job(name, params, importance).await?;
         self.wake_all();
         Ok(job)
     }
@@ -1082,6 +1108,16 @@ fn sched_transfer(
     }
 }
 
+/// Bytes a running transfer has still to send, from its live progress
+/// (the catalog's `bytes_done` moves only at publish).
+fn live_bytes_left(inner: &Inner, id: i64) -> Option<u64> {
+    let m = inner.progress.lock().ok()?;
+    let p = m.get(&id)?;
+    let total = p.total.load(Ordering::Relaxed);
+    let done = p.sent.load(Ordering::Relaxed) + p.skipped.load(Ordering::Relaxed);
+    Some(total.saturating_sub(done))
+}
+
 /// A transfer task's end: its id and result.
 type Ended = (i64, Result<(), RunError>);
 
@@ -1141,10 +1177,9 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                 if t.state == state::PAUSED {
                     stop.cancel();
                 } else {
-                    link.sched
-                        .lock()
-                        .ls
-                        .upsert(sched_transfer(t, &jobs, now), now);
+                    let mut st = sched_transfer(t, &jobs, now);
+                    st.bytes_left = live_bytes_left(&inner, t.id).unwrap_or(st.bytes_left);
+                    link.sched.lock().ls.upsert(st, now);
                 }
             }
         }
@@ -1171,6 +1206,7 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
         {
             match dial(&inner, &link).await {
                 Ok(c) => {
+                    link.connections.fetch_add(1, Ordering::Relaxed);
                     conn = Some(c);
                     backoff = Duration::from_millis(250);
                 }

@@ -251,3 +251,46 @@ async fn wrong_protocol_version_gets_a_clear_error() {
         other => panic!("expected an error naming both versions, got {other:?}"),
     }
 }
+
+/// A batch that reaches the sink after its transfer was cancelled (a
+/// source cancels a transfer whose first batch is on its way) is stopped
+/// at once; the connection is not closed and no staging data comes back.
+#[tokio::test]
+async fn a_batch_after_its_cancel_is_dropped_and_the_connection_lives() {
+    let s = setup().await;
+    let (conn, mut send, mut recv, _) = connect(&s, PROTOCOL_VERSION).await;
+    send.write_all(&open(1, "step", vec![file("a", 10)]).encode())
+        .await
+        .unwrap();
+    assert!(matches!(
+        read_frame(&mut recv).await.unwrap(),
+        Some(Control::Have { .. })
+    ));
+    send.write_all(
+        &Control::Cancel {
+            id: 1,
+            reason: "cancelled by an operator".into(),
+        }
+        .encode(),
+    )
+    .await
+    .unwrap();
+    // Let the cancel land first, as it does when control frames overtake
+    // data.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut data = conn.open_uni().await.unwrap();
+    data.write_all(&BatchHeader { transfer: 1 }.encode())
+        .await
+        .unwrap();
+    let stopped = tokio::time::timeout(Duration::from_secs(3), data.stopped())
+        .await
+        .expect("the sink neither stopped the batch nor closed within 3 s");
+    assert!(stopped.is_ok(), "{stopped:?}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(conn.close_reason().is_none(), "{:?}", conn.close_reason());
+    let staged: Vec<String> = files_under(&s.sink_root)
+        .into_iter()
+        .filter(|f| f.contains("1-"))
+        .collect();
+    assert!(staged.is_empty(), "{staged:?}");
+}

@@ -300,7 +300,8 @@ async fn a_moving_transfer_pauses_resumes_and_cancels() {
         .clone();
     common::same_tree(&a, Path::new(&local));
 
-    // Cancel `b` while it moves: the sink drops its staging data.
+    // Cancel a third one, `c`, while it moves: the sink drops its staging
+    // data (and keeps it dropped).
     let c = data.join("c");
     write_dir(&c, 8, 1 << 20);
     let tc = p.source.submit(&c, None).await.unwrap();
@@ -323,5 +324,15 @@ async fn a_moving_transfer_pauses_resumes_and_cancels() {
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     assert!(gone, "the sink kept the cancelled transfer's staging data");
+    // Batches that were on their way do not bring it back.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let reps = p.sink.catalog().replicas(false, 100, 0).await.unwrap();
+    let r = reps.iter().find(|r| r.source_transfer == tc.id).unwrap();
+    assert!(!Path::new(&r.staging_path).exists(), "staging came back");
     wait_published(&p, tb.id).await;
+    assert_eq!(
+        p.source.link_connections("l"),
+        Some(1),
+        "pause, resume and cancel replaced the connection"
+    );
 }

@@ -2,7 +2,7 @@
 //! passed in (Unix milliseconds).
 //!
 //! - [`score`]: a transfer's score within its class, term by term, from
-//!   model size, importance, live signal severity and aging (DESIGN
+//!   model size, importance, live signal severity and aging (ARCHITECTURE.md
 //!   "Classes and score"); [`severity`] decays signals with a half-life;
 //!   [`effective_class`] applies a signal's promotion to `urgent`.
 //! - [`LinkScheduler`]: one link's dispatcher. It is told which transfers

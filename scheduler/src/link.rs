@@ -553,7 +553,8 @@ impl LinkScheduler {
     /// `max_active` active at once; within a class, transfers that have
     /// waited `aging x (aging_cap - 1)` or longer (their aging term is at
     /// its cap) go first, oldest first, then the highest score, then the
-    /// oldest. Under `fifo`: the oldest, up to `max_active` active in all.
+    /// oldest (with `aging_cap` 1 there is no overdue rule). Under `fifo`:
+    /// the oldest, up to `max_active` active in all.
     pub fn admit(&self, waiting: &[Transfer], now_ms: i64) -> Vec<i64> {
         let max = self.policy.max_active.max(1);
         if self.policy.kind == PolicyKind::Fifo {
@@ -565,7 +566,12 @@ impl LinkScheduler {
             w.sort_by_key(|t| (t.created_ms, t.id));
             return w.into_iter().take(free).map(|t| t.id).collect();
         }
-        let overdue_ms = (self.policy.aging_ms as f64 * (self.policy.aging_cap - 1.0)) as i64;
+        // With a cap of 1 aging is off, and so is the overdue rule.
+        let overdue_ms = if self.policy.aging_cap > 1.0 {
+            (self.policy.aging_ms as f64 * (self.policy.aging_cap - 1.0)) as i64
+        } else {
+            i64::MAX
+        };
         let mut out = Vec::new();
         for class in CLASSES {
             let active = self.entries.values().filter(|e| e.t.class == class).count();
@@ -574,7 +580,7 @@ impl LinkScheduler {
                 .iter()
                 .filter(|t| t.class == class && !self.entries.contains_key(&t.id))
                 .map(|t| {
-                    let overdue = now_ms - t.created_ms >= overdue_ms;
+                    let overdue = now_ms.saturating_sub(t.created_ms) >= overdue_ms;
                     (overdue, self.score_of(t, now_ms).value, t)
                 })
                 .collect();

@@ -7,7 +7,7 @@ use crate::Class;
 /// How transfers are ranked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PolicyKind {
-    /// Classes, floors and scores (DESIGN "Classes and score").
+    /// Classes, floors and scores (ARCHITECTURE.md "Classes and score").
     #[default]
     Priority,
     /// First come, first served: classes, scores and signals are recorded
@@ -52,9 +52,10 @@ impl Default for Weights {
     }
 }
 
-/// Share a lower class keeps while a higher class is busy, each 0..1
-/// (DESIGN defaults: scheduled 10 %, background 5 %). A floor of 0 lets
-/// that class wait as long as higher classes have data to send.
+/// Share a lower class keeps while a higher class is busy, each 0..0.5
+/// and together at most 0.9 (defaults: scheduled 10 %, background 5 %).
+/// A floor of 0 lets that class wait as long as higher classes have data
+/// to send.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Floors {
     /// Floor of `scheduled` while `urgent` is busy.
@@ -142,17 +143,23 @@ impl Policy {
                 return Err(format!("{name} must be a number from 0 to 100, got {v}"));
             }
         }
-        if self.aging_ms == 0 {
-            return Err("aging must be longer than 0 s".into());
+        const YEAR_MS: u64 = 365 * 24 * 3600 * 1000;
+        for (name, v) in [
+            ("aging", self.aging_ms),
+            ("severity_half_life", self.severity_half_life_ms),
+            ("urgent_for", self.urgent_for_ms),
+        ] {
+            if v == 0 || v > YEAR_MS {
+                return Err(format!(
+                    "{name} must be longer than 0 s and at most 365 days, got {v} ms"
+                ));
+            }
         }
         if !self.aging_cap.is_finite() || !(1.0..=1000.0).contains(&self.aging_cap) {
             return Err(format!(
                 "aging_cap must be from 1 to 1000, got {}",
                 self.aging_cap
             ));
-        }
-        if self.severity_half_life_ms == 0 {
-            return Err("severity_half_life must be longer than 0 s".into());
         }
         for (name, v) in [
             ("floors.scheduled", self.floors.scheduled),

@@ -1,4 +1,4 @@
-//! The score of a transfer within its class, term by term (DESIGN
+//! The score of a transfer within its class, term by term (ARCHITECTURE.md
 //! "Classes and score"), the live severity of a job's signals, and the
 //! effective class of a transfer promoted by a signal.
 

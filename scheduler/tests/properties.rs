@@ -380,3 +380,24 @@ fn promotion_of_an_active_transfer_preempts_and_a_rate_change_applies_at_once() 
         other => panic!("{other:?}"),
     }
 }
+
+/// With `aging_cap` 1 aging is off: admission is by score alone, however
+/// long a transfer waited.
+#[test]
+fn with_aging_off_admission_follows_the_score() {
+    let policy = Policy {
+        max_active: 1,
+        aging_cap: 1.0,
+        ..Policy::default()
+    };
+    let s = LinkScheduler::new(policy, FAST, 100, 0);
+    let old = Transfer {
+        created_ms: 0,
+        ..transfer(1, Class::Scheduled, 0.0, None)
+    };
+    let new = Transfer {
+        created_ms: 10_000_000,
+        ..transfer(2, Class::Scheduled, 1.0, None)
+    };
+    assert_eq!(s.admit(&[old, new], 10_000_001), vec![2]);
+}

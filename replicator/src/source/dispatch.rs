@@ -1,6 +1,6 @@
 //! The link's dispatcher: every transfer active on a link hands its ready
 //! chunks here, and a few stream writers per connection ask the link's
-//! [`LinkScheduler`] which one goes next (DESIGN "Data path", step 3).
+//! [`LinkScheduler`] which one goes next (ARCHITECTURE.md "Bird's-eye view").
 //!
 //! - A transfer's ready chunks wait in its queue (at most
 //!   [`QUEUE_RECORDS`] records and [`QUEUE_BYTES`] bytes, so its reader
@@ -35,7 +35,7 @@ pub const QUEUE_RECORDS: usize = 16;
 /// record is still accepted into an empty queue).
 pub const QUEUE_BYTES: u64 = 32 << 20;
 
-/// Payload bytes per 1500-byte packet at a 1500-byte MTU (DESIGN
+/// Payload bytes per 1500-byte packet at a 1500-byte MTU (ARCHITECTURE.md
 /// "Measures"): the rate cap in payload terms is `cap x 1448 / 1500`.
 pub const PAYLOAD_PER_PACKET: u64 = 1448;
 /// Packet size the payload fraction refers to, bytes.
@@ -275,12 +275,29 @@ pub(crate) async fn writer(
                         None => (None, true),
                     }
                 };
-                if res.is_err() {
-                    // The connection is gone: every transfer on it stops
-                    // (their flushes and pushes see the close).
-                    finish(&mut cur);
-                    conn.close(0u32.into(), b"stream write failed");
-                    return;
+                match res {
+                    Ok(()) => {}
+                    Err(WriteFail::Stream(e)) => {
+                        // The sink stopped this batch (a refused or
+                        // cancelled transfer): drop it; the transfer learns
+                        // why on the control stream.
+                        tracing::debug!(transfer = id, "{e}");
+                        if let Some((sid, _, _)) = cur.take() {
+                            if let Some(q) = sched.lock().queues.get_mut(&sid) {
+                                q.open = q.open.saturating_sub(1);
+                            }
+                        }
+                        sched.moved.notify_waiters();
+                        continue;
+                    }
+                    Err(WriteFail::Connection(e)) => {
+                        // Every transfer on it stops (their flushes and
+                        // pushes see the close).
+                        tracing::debug!(transfer = id, "{e}");
+                        finish(&mut cur);
+                        conn.close(0u32.into(), b"stream write failed");
+                        return;
+                    }
                 }
                 if let Some(p) = progress {
                     p.sent.fetch_add(len, Ordering::Relaxed);
@@ -323,6 +340,24 @@ pub(crate) async fn writer(
 
 /// Writes `rec` on the writer's batch of `id`, opening one (with the
 /// class's priority) if needed.
+/// Why a chunk could not be written.
+enum WriteFail {
+    /// The sink stopped this batch (it refused or dropped the transfer):
+    /// the other batches go on.
+    Stream(String),
+    /// The connection is gone.
+    Connection(String),
+}
+
+fn classify(e: quinn::WriteError) -> WriteFail {
+    match e {
+        quinn::WriteError::ConnectionLost(e) => {
+            WriteFail::Connection(format!("sending a batch: {e}"))
+        }
+        other => WriteFail::Stream(format!("sending a batch: {other}")),
+    }
+}
+
 async fn write(
     sched: &LinkSched,
     conn: &Connection,
@@ -330,10 +365,12 @@ async fn write(
     id: i64,
     priority: i32,
     rec: Record,
-) -> Result<(), String> {
-    let err = |e: &dyn std::fmt::Display| format!("sending a batch: {e}");
+) -> Result<(), WriteFail> {
     if cur.is_none() {
-        let mut s = conn.open_uni().await.map_err(|e| err(&e))?;
+        let s = conn
+            .open_uni()
+            .await
+            .map_err(|e| WriteFail::Connection(format!("opening a batch: {e}")))?;
         let _ = s.set_priority(priority);
         {
             let mut st = sched.lock();
@@ -342,22 +379,20 @@ async fn write(
                 q.open += 1;
             }
         }
-        s.write_all(
+        let s = cur.insert((id, s, 0));
+        s.1.write_all(
             &BatchHeader {
                 transfer: id as u64,
             }
             .encode(),
         )
         .await
-        .map_err(|e| err(&e))?;
-        *cur = Some((id, s, 0));
+        .map_err(classify)?;
     }
     if let Some((_, s, n)) = cur.as_mut() {
         let t0 = std::time::Instant::now();
-        s.write_all(&rec.header.encode())
-            .await
-            .map_err(|e| err(&e))?;
-        s.write_all(&rec.data).await.map_err(|e| err(&e))?;
+        s.write_all(&rec.header.encode()).await.map_err(classify)?;
+        s.write_all(&rec.data).await.map_err(classify)?;
         *n += rec.data.len() as u64;
         let took = t0.elapsed();
         if took > std::time::Duration::from_millis(20) {
