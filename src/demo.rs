@@ -61,13 +61,13 @@ pub struct DemoArgs {
     /// checkpoint alone, then against background copies filling the link
     /// with a loss-spike signal (urgent), then the same under fifo; prints
     /// each wall time over the solo time and the pre-emption latency.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["size", "write_rate", "start", "no_watch"])]
     pub priority: bool,
     /// --priority: size of the checkpoint that becomes urgent.
-    #[arg(long, default_value = "300MB", value_parser = gen::parse_size)]
+    #[arg(long, default_value = "300MB", value_parser = gen::parse_size, requires = "priority")]
     pub urgent_size: u64,
     /// --priority: total size of the background copies (4 of them).
-    #[arg(long, default_value = "1.6GB", value_parser = gen::parse_size)]
+    #[arg(long, default_value = "1.6GB", value_parser = gen::parse_size, requires = "priority")]
     pub background_size: u64,
 }
 

@@ -53,6 +53,10 @@ enum Command {
         /// Link to use instead of the source root's.
         #[arg(long)]
         link: Option<String>,
+        /// Scheduler class: "scheduled" (default), "background" (datasets,
+        /// logs: the rest of the link, at least its floor) or "urgent".
+        #[arg(long, default_value = "scheduled", value_parser = ["scheduled", "background", "urgent"])]
+        class: String,
         /// Source agent API.
         #[arg(long, env = "FERRY_SERVER", default_value = "http://127.0.0.1:7070")]
         server: String,
@@ -275,9 +279,10 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Push {
             path,
             link,
+            class,
             server,
             no_wait,
-        } => push(&path, link, &server, no_wait).await,
+        } => push(&path, link, &class, &server, no_wait).await,
         Command::Verify { path, config } => verify(&path, &config).await,
         Command::Certs {
             command: CertsCommand::Init { out, agents, days },
@@ -478,13 +483,19 @@ async fn serve(path: &Path) -> Result<()> {
     Ok(())
 }
 
-async fn push(path: &Path, link: Option<String>, server: &str, no_wait: bool) -> Result<()> {
+async fn push(
+    path: &Path,
+    link: Option<String>,
+    class: &str,
+    server: &str,
+    no_wait: bool,
+) -> Result<()> {
     let abs = std::fs::canonicalize(path).with_context(|| format!("{}", path.display()))?;
     let client = reqwest::Client::new();
     let base = server.trim_end_matches('/');
     let resp = client
         .post(format!("{base}/v1/transfers"))
-        .json(&serde_json::json!({ "path": abs, "link": link }))
+        .json(&serde_json::json!({ "path": abs, "link": link, "class": class }))
         .send()
         .await
         .with_context(|| format!("source agent at {base}"))?;
