@@ -179,7 +179,29 @@ pub enum OpsError {
     Conflict(String),
     /// Catalog failure.
     #[error(transparent)]
-    Catalog(#[from] CatalogError),
+    Catalog(CatalogError),
+}
+
+impl From<CatalogError> for OpsError {
+    /// A value the catalog refuses is the caller's mistake (its message
+    /// names the field); anything else is the catalog's.
+    fn from(e: CatalogError) -> Self {
+        match e {
+            CatalogError::Invalid(m) => OpsError::Invalid(m),
+            other => OpsError::Catalog(other),
+        }
+    }
+}
+
+/// Refuses an operator action on a transfer that has finished.
+fn not_final(t: &Transfer) -> Result<(), OpsError> {
+    if state::is_final(&t.state) {
+        return Err(OpsError::Conflict(format!(
+            "transfer {} is already {}",
+            t.id, t.state
+        )));
+    }
+    Ok(())
 }
 
 /// Why a transfer ranks where it does (`GET /v1/transfers/{id}`).
@@ -530,23 +552,9 @@ impl Source {
         model_params: Option<Option<f64>>,
         importance: f64,
     ) -> Result<crate::catalog::Job, OpsError> {
-        if let Err(e) = crate::paths::check_name(name) {
-            return Err(OpsError::Invalid(format!("job: {e}")));
-        }
-        if !importance.is_finite() || !(0.0..=1.0).contains(&importance) {
-            return Err(OpsError::Invalid(format!(
-                "importance: must be a number from 0 to 1, got {importance}"
-            )));
-        }
-        if let Some(Some(p)) = model_params {
-            if !p.is_finite() || p < 0.0 {
-                return Err(OpsError::Invalid(format!(
-                    "model_params: must be a number >= 0, got {p}"
-                )));
-            }
-        }
+        // The catalog checks name, size and importance (errors name them).
         let params = match model_params {
-            Some(p) => p.filter(|p| *p > 0.0),
+            Some(p) => p,
             None => self
                 .inner
                 .catalog
@@ -582,10 +590,10 @@ impl Source {
     /// finished or already paused; catalog errors.
     pub async fn pause(&self, id: i64) -> Result<Transfer, OpsError> {
         let t = self.existing(id).await?;
-        if state::is_final(&t.state) || t.state == state::PAUSED {
+        not_final(&t)?;
+        if t.state == state::PAUSED {
             return Err(OpsError::Conflict(format!(
-                "transfer {id} is {}; only queued or moving transfers can be paused",
-                t.state
+                "transfer {id} is already paused"
             )));
         }
         self.inner
@@ -626,12 +634,7 @@ impl Source {
     /// finished; catalog errors.
     pub async fn cancel(&self, id: i64) -> Result<Transfer, OpsError> {
         let t = self.existing(id).await?;
-        if state::is_final(&t.state) {
-            return Err(OpsError::Conflict(format!(
-                "transfer {id} is already {}",
-                t.state
-            )));
-        }
+        not_final(&t)?;
         self.inner
             .catalog
             .set_transfer_state(id, state::CANCELLED, Some("cancelled by an operator"))
@@ -654,12 +657,7 @@ impl Source {
         importance: Option<Option<f64>>,
     ) -> Result<Transfer, OpsError> {
         let t = self.existing(id).await?;
-        if state::is_final(&t.state) {
-            return Err(OpsError::Conflict(format!(
-                "transfer {id} is already {}",
-                t.state
-            )));
-        }
+        not_final(&t)?;
         if let Some(c) = class {
             c.parse::<scheduler::Class>()
                 .map_err(|e| OpsError::Invalid(format!("class: {e}")))?;

@@ -10,8 +10,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use common::{pair_with, wait_published, Pair};
-use rand::RngCore;
+use common::{pair_with, wait_published, write_dir, Pair};
 use replicator::catalog::Arrivals;
 use replicator::source::RootConfig;
 use scheduler::{Class, Policy, PolicyKind};
@@ -25,16 +24,6 @@ const RATE: u64 = 50_000_000;
 /// One test of this file at a time: each loads its own link, and they
 /// would compete for the CPU.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn write_dir(dir: &Path, files: usize, size: usize) {
-    std::fs::create_dir_all(dir).unwrap();
-    let mut rng = rand::thread_rng();
-    for i in 0..files {
-        let mut b = vec![0u8; size];
-        rng.fill_bytes(&mut b);
-        std::fs::write(dir.join(format!("shard-{i}.bin")), b).unwrap();
-    }
-}
 
 async fn pair_for(kind: PolicyKind) -> (Pair, PathBuf, PathBuf) {
     let mut other = PathBuf::new();

@@ -9,8 +9,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::{published_by, same_tree, Restartable};
-use rand::RngCore;
+use common::{published_by, same_tree, write_dir, Restartable};
 use replicator::catalog::Transfer;
 use replicator::sink::Resolution;
 use replicator::source::{RootConfig, Source};
@@ -21,16 +20,6 @@ use scheduler::Class;
 const SLOW: u64 = 16_000_000;
 /// Chunk size: progress at the sink comes in chunks of this size.
 const CHUNK: u32 = 256 << 10;
-
-fn write_dir(dir: &Path, files: usize, size: usize) {
-    std::fs::create_dir_all(dir).unwrap();
-    let mut rng = rand::thread_rng();
-    for i in 0..files {
-        let mut b = vec![0u8; size];
-        rng.fill_bytes(&mut b);
-        std::fs::write(dir.join(format!("shard-{i}.bin")), b).unwrap();
-    }
-}
 
 async fn row(s: &Source, id: i64) -> Transfer {
     s.catalog().transfer(id).await.unwrap().unwrap()

@@ -184,3 +184,70 @@ impl Policy {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_settings_are_named() {
+        assert_eq!(Policy::default().check(), Ok(()));
+        let bad = |p: Policy, name: &str| {
+            let e = p.check().err().unwrap_or_default();
+            assert!(e.starts_with(name), "{e}");
+        };
+        let year = 365 * 24 * 3600 * 1000;
+        bad(
+            Policy {
+                urgent_for_ms: 0,
+                ..Policy::default()
+            },
+            "urgent_for",
+        );
+        bad(
+            Policy {
+                urgent_for_ms: year + 1,
+                ..Policy::default()
+            },
+            "urgent_for",
+        );
+        bad(
+            Policy {
+                severity_half_life_ms: 0,
+                ..Policy::default()
+            },
+            "severity_half_life",
+        );
+        bad(
+            Policy {
+                aging_ms: year * 2,
+                ..Policy::default()
+            },
+            "aging",
+        );
+        bad(
+            Policy {
+                aging_cap: f64::NAN,
+                ..Policy::default()
+            },
+            "aging_cap",
+        );
+        bad(
+            Policy {
+                floors: Floors {
+                    scheduled: 0.5,
+                    background: 0.5,
+                },
+                ..Policy::default()
+            },
+            "floors.scheduled + floors.background",
+        );
+        bad(
+            Policy {
+                max_active: 0,
+                ..Policy::default()
+            },
+            "max_active",
+        );
+    }
+}

@@ -109,7 +109,7 @@ pub(super) async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Resul
         let wall = wait_local(&sink, &ckpt, t0).await?;
         pair.source.stop(Duration::from_secs(5)).await;
         pair.sink.stop(Duration::from_secs(5)).await;
-        let _ = std::fs::remove_dir_all(&run_dir);
+        remove_run(run_dir).await;
         say(format!("  solo      {wall:.2} s"));
         wall
     };
@@ -168,7 +168,7 @@ pub(super) async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Resul
         }
         pair.source.stop(Duration::from_secs(5)).await;
         pair.sink.stop(Duration::from_secs(5)).await;
-        let _ = std::fs::remove_dir_all(&run_dir);
+        remove_run(run_dir).await;
         let rtt = a.rtt.as_secs_f64();
         say(format!(
             "  {policy:<9} {wall:.2} s ({:.3} x solo); pre-emption latency {}",
@@ -204,6 +204,11 @@ pub(super) async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Resul
         "preemption_latency_met": latency_ok,
     });
     Ok(out)
+}
+
+/// Removes a finished run's data (gigabytes: off the async threads).
+async fn remove_run(dir: PathBuf) {
+    let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(dir)).await;
 }
 
 /// `bytes` in MB (10^6), for messages.

@@ -226,3 +226,15 @@ pub fn same_tree(a: &Path, b: &Path) {
         );
     }
 }
+
+/// Writes `files` files of `size` random bytes (`shard-N.bin`) into `dir`.
+pub fn write_dir(dir: &Path, files: usize, size: usize) {
+    use rand::RngCore;
+    std::fs::create_dir_all(dir).unwrap();
+    let mut rng = rand::thread_rng();
+    for i in 0..files {
+        let mut b = vec![0u8; size];
+        rng.fill_bytes(&mut b);
+        std::fs::write(dir.join(format!("shard-{i}.bin")), b).unwrap();
+    }
+}
