@@ -531,53 +531,7 @@ fn de_size<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
     parse_size(&s).map_err(serde::de::Error::custom)
 }
 
-/// Parses a rate like `"1Gbit/s"`, `"250Mbit/s"`, `"800kbit/s"` or a bare
-/// number of bit/s into bit/s (decimal SI prefixes, as link rates are
-/// quoted).
-///
-/// # Errors
-/// A message naming the bad value.
-pub fn parse_rate(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let bad = || format!("{s:?} is not a rate like \"1Gbit/s\" or \"250Mbit/s\"");
-    let (num, mult) = if let Some(n) = t.strip_suffix("Gbit/s") {
-        (n, 1e9)
-    } else if let Some(n) = t.strip_suffix("Mbit/s") {
-        (n, 1e6)
-    } else if let Some(n) = t.strip_suffix("kbit/s") {
-        (n, 1e3)
-    } else if let Some(n) = t.strip_suffix("bit/s") {
-        (n, 1.0)
-    } else {
-        (t, 1.0)
-    };
-    let v: f64 = num.trim().parse().map_err(|_| bad())?;
-    if !(v.is_finite() && v > 0.0) {
-        return Err(bad());
-    }
-    let r = v * mult;
-    if !(1000.0..=1e13).contains(&r) {
-        return Err(format!("{s:?} is outside 1 kbit/s..10 Tbit/s"));
-    }
-    Ok(r as u64)
-}
-
-/// Formats bit/s the way [`parse_rate`] reads them, e.g. `"1Gbit/s"`,
-/// `"250Mbit/s"`, `"5kbit/s"`.
-pub fn format_rate(bps: u64) -> String {
-    let (v, unit) = if bps >= 1_000_000_000 {
-        (bps as f64 / 1e9, "Gbit/s")
-    } else if bps >= 1_000_000 {
-        (bps as f64 / 1e6, "Mbit/s")
-    } else if bps >= 1_000 {
-        (bps as f64 / 1e3, "kbit/s")
-    } else {
-        (bps as f64, "bit/s")
-    };
-    let text = format!("{v:.3}");
-    let text = text.trim_end_matches('0').trim_end_matches('.');
-    format!("{text}{unit}")
-}
+pub use replicator::units::{format_rate, parse_rate};
 
 impl Config {
     /// Reads, parses and checks a config file; relative TLS paths are

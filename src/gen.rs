@@ -88,6 +88,7 @@
 //! [`SmallRng`] seeded per file from [`GenOptions::seed`], so a seed always
 //! yields the same bytes.
 
+pub use replicator::units::parse_size;
 use std::fs::{self, File};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
@@ -315,76 +316,6 @@ fn check_scale(scale: f64) -> Result<f64, String> {
              it never grows it)"
         ))
     }
-}
-
-/// Parses a size in bytes: a non-negative decimal number with an optional
-/// unit, e.g. `"1000"`, `"20MB"`, `"1.4GB"`, `"512KiB"`, `"2 GiB"`.
-///
-/// Units (case-insensitive): `B`; decimal SI `kB`, `MB`, `GB`, `TB`, `PB`
-/// (powers of 1000); binary IEC `KiB`, `MiB`, `GiB`, `TiB`, `PiB` (powers
-/// of 1024). Single letters such as `M` are rejected as ambiguous.
-///
-/// # Errors
-///
-/// A message naming the bad value for an empty or malformed number, an
-/// unknown unit, a result that is not a whole number of bytes (e.g.
-/// `"1.5B"`) or one that exceeds `u64::MAX` bytes.
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let text = s.trim();
-    let num_end = text
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(text.len());
-    let (number, unit) = text.split_at(num_end);
-    let unit = unit.trim_start();
-    let multiplier: u64 = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "kb" => 1_000,
-        "mb" => 1_000_000,
-        "gb" => 1_000_000_000,
-        "tb" => 1_000_000_000_000,
-        "pb" => 1_000_000_000_000_000,
-        "kib" => 1 << 10,
-        "mib" => 1 << 20,
-        "gib" => 1 << 30,
-        "tib" => 1 << 40,
-        "pib" => 1 << 50,
-        _ => {
-            return Err(format!(
-                "invalid size {s:?}: unknown unit {unit:?} \
-                 (use B, kB, MB, GB, TB, PB, KiB, MiB, GiB, TiB or PiB)"
-            ))
-        }
-    };
-    let (int_part, frac_part) = number.split_once('.').unwrap_or((number, ""));
-    let all_digits = |p: &str| p.bytes().all(|b| b.is_ascii_digit());
-    if int_part.is_empty() && frac_part.is_empty()
-        || !all_digits(int_part)
-        || !all_digits(frac_part)
-    {
-        return Err(format!(
-            "invalid size {s:?}: expected a number such as 20MB, 1.4GB or 512KiB"
-        ));
-    }
-    let too_large = || format!("invalid size {s:?}: larger than {} bytes", u64::MAX);
-    // Exact decimal arithmetic: value = digits / 10^frac_len * multiplier.
-    let mut digits: u128 = 0;
-    for b in int_part.bytes().chain(frac_part.bytes()) {
-        digits = digits
-            .checked_mul(10)
-            .and_then(|d| d.checked_add(u128::from(b - b'0')))
-            .ok_or_else(too_large)?;
-    }
-    let scale = u32::try_from(frac_part.len())
-        .ok()
-        .and_then(|n| 10u128.checked_pow(n))
-        .ok_or_else(too_large)?;
-    let scaled = digits
-        .checked_mul(u128::from(multiplier))
-        .ok_or_else(too_large)?;
-    if scaled % scale != 0 {
-        return Err(format!("invalid size {s:?}: not a whole number of bytes"));
-    }
-    u64::try_from(scaled / scale).map_err(|_| too_large())
 }
 
 /// Directory of the decoder tensors.

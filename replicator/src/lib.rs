@@ -14,5 +14,6 @@ pub mod sink;
 pub mod source;
 pub mod tls;
 pub mod transport;
+pub mod units;
 pub mod verify;
 pub mod wire;

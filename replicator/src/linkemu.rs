@@ -54,8 +54,17 @@ pub struct LinkParams {
     pub loss: f64,
     /// Probability (0..=1) that a delivered datagram gets one byte flipped.
     pub corrupt: f64,
-    /// Seed of the random number generator used for loss and corruption.
+    /// Seed of the random number generator used for loss, corruption and
+    /// jitter.
     pub seed: u64,
+    /// Jitter: each datagram's propagation delay is `one_way_delay` plus a
+    /// uniform offset in `[-jitter, +jitter]` (never below zero), as netem's
+    /// uniform jitter. Zero by default.
+    pub jitter: Duration,
+    /// Whether jitter may reorder datagrams. When `false` (the default) a
+    /// datagram is never delivered before the one offered before it, so
+    /// jitter only bunches datagrams up (and TCP sees no false reordering).
+    pub reorder: bool,
 }
 
 impl LinkParams {
@@ -71,6 +80,8 @@ impl LinkParams {
             loss: 0.0,
             corrupt: 0.0,
             seed: 0,
+            jitter: Duration::ZERO,
+            reorder: false,
         }
     }
 }
@@ -122,7 +133,10 @@ pub struct LinkStats {
 /// datagram is tail-dropped (an idle link always accepts). Otherwise it is
 /// delivered at `max(now, busy_until) + wire_bytes * 8 / rate + one_way_delay`.
 /// Time is kept as exact integer nanoseconds from the start of the current
-/// busy period, so long runs do not drift. Deliveries are in FIFO order.
+/// busy period, so long runs do not drift. Deliveries are in FIFO order
+/// unless [`LinkParams::reorder`] lets jitter reorder them (the relay and the
+/// in-memory pair deliver in offer order whatever the instants; the TUN
+/// emulator in `ops/wanem` honours reordering).
 #[derive(Debug)]
 pub struct LinkModel {
     params: LinkParams,
@@ -133,6 +147,8 @@ pub struct LinkModel {
     period_bits: u128,
     /// Latest `now` seen; earlier instants are clamped to it.
     last_now: Option<Instant>,
+    /// Latest delivery instant handed out (keeps order under jitter).
+    last_at: Option<Instant>,
     stats: LinkStats,
 }
 
@@ -145,6 +161,7 @@ impl LinkModel {
             period_start: None,
             period_bits: 0,
             last_now: None,
+            last_at: None,
             stats: LinkStats::default(),
         }
     }
@@ -174,15 +191,30 @@ impl LinkModel {
         u64::try_from(left).unwrap_or(u64::MAX)
     }
 
-    /// Offer a datagram of `payload_len` UDP payload bytes at `now`.
+    /// Offer a datagram of `payload_len` UDP payload bytes at `now`; its
+    /// size on the wire is `payload_len + WIRE_OVERHEAD_BYTES`.
     pub fn offer(&mut self, now: Instant, payload_len: usize) -> Verdict {
+        self.offer_sized(
+            now,
+            payload_len as u64 + WIRE_OVERHEAD_BYTES,
+            payload_len as u64,
+        )
+    }
+
+    /// Offer an IP packet of `packet_len` bytes (header included) at `now`,
+    /// as an IP-layer emulator sees it: the rate cap and queue apply to
+    /// `packet_len`, and the delivered-bytes counter counts it.
+    pub fn offer_packet(&mut self, now: Instant, packet_len: usize) -> Verdict {
+        self.offer_sized(now, packet_len as u64, packet_len as u64)
+    }
+
+    fn offer_sized(&mut self, now: Instant, wire: u64, counted: u64) -> Verdict {
         let now = self.last_now.map_or(now, |last| last.max(now));
         self.last_now = Some(now);
         if self.chance(self.params.loss) {
             self.stats.dropped_loss += 1;
             return Verdict::Drop(DropReason::Loss);
         }
-        let wire = payload_len as u64 + WIRE_OVERHEAD_BYTES;
         let backlog = self.backlog_bytes(now);
         let start = match self.period_start {
             Some(start) if backlog > 0 => {
@@ -209,12 +241,27 @@ impl LinkModel {
         };
         let corrupt = self.chance(self.params.corrupt);
         self.stats.delivered_packets += 1;
-        self.stats.delivered_bytes += payload_len as u64;
+        self.stats.delivered_bytes += counted;
         self.stats.corrupted += u64::from(corrupt);
-        Verdict::Deliver {
-            at: start + serialised + self.params.one_way_delay,
-            corrupt,
+        let mut at = start + serialised + self.propagation_delay();
+        if !self.params.reorder {
+            at = self.last_at.map_or(at, |last| last.max(at));
         }
+        self.last_at = Some(self.last_at.map_or(at, |last| last.max(at)));
+        Verdict::Deliver { at, corrupt }
+    }
+
+    /// `one_way_delay` plus this datagram's jitter offset.
+    fn propagation_delay(&mut self) -> Duration {
+        let base = self.params.one_way_delay;
+        let jitter = self.params.jitter;
+        if jitter.is_zero() {
+            return base;
+        }
+        let span = jitter.as_nanos() as i128;
+        let offset = self.rng.gen_range(-span..=span);
+        let nanos = (base.as_nanos() as i128 + offset).max(0);
+        Duration::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX))
     }
 
     /// Flip one randomly chosen byte of `datagram` (XOR with a random
@@ -708,6 +755,58 @@ mod tests {
         let stats = m.stats();
         assert_eq!((stats.delivered_packets, stats.dropped_queue), (12, 3));
         assert_eq!(stats.delivered_bytes, 12 * 972);
+    }
+
+    #[test]
+    fn jitter_spreads_delay_without_reordering_unless_asked() {
+        let ms = Duration::from_millis(1);
+        let base = LinkParams {
+            jitter: 5 * ms,
+            seed: 9,
+            ..LinkParams::new(0, Duration::from_millis(40))
+        };
+        let run = |p: LinkParams| {
+            let mut m = LinkModel::new(p);
+            let t0 = Instant::now();
+            (0..2_000u32)
+                .map(|i| {
+                    let now = t0 + Duration::from_micros(100) * i;
+                    at(m.offer_packet(now, 1500)) - now
+                })
+                .collect::<Vec<Duration>>()
+        };
+        // Unlimited rate: the delay is the propagation delay alone.
+        let ordered = run(base.clone());
+        let (lo, hi) = (ordered.iter().min().unwrap(), ordered.iter().max().unwrap());
+        assert!(*lo >= 15 * ms && *hi <= 25 * ms, "{lo:?}..{hi:?}");
+        assert!(*hi - *lo > 8 * ms, "jitter not applied: {lo:?}..{hi:?}");
+        // Offers are 100 µs apart, so order holds iff each delay is at least
+        // the previous one minus 100 µs.
+        let inversions = |d: &[Duration]| {
+            d.windows(2)
+                .filter(|w| w[1] + Duration::from_micros(100) < w[0])
+                .count()
+        };
+        assert_eq!(inversions(&ordered), 0);
+        let reordered = run(LinkParams {
+            reorder: true,
+            ..base
+        });
+        assert!(inversions(&reordered) > 100, "{}", inversions(&reordered));
+        let (lo, hi) = (
+            reordered.iter().min().unwrap(),
+            reordered.iter().max().unwrap(),
+        );
+        assert!(*lo >= 15 * ms && *hi <= 25 * ms, "{lo:?}..{hi:?}");
+    }
+
+    #[test]
+    fn offer_packet_counts_the_whole_packet() {
+        // 8 Mbit/s: a 1000-byte IP packet takes 1 ms; no UDP overhead added.
+        let mut m = LinkModel::new(params(1 << 20));
+        let t0 = Instant::now();
+        assert_eq!(at(m.offer_packet(t0, 1000)), t0 + Duration::from_millis(11));
+        assert_eq!(m.stats().delivered_bytes, 1000);
     }
 
     #[test]
