@@ -1135,6 +1135,7 @@ impl Catalog {
     pub async fn insert_replica(&self, n: &NewReplica<'_>) -> Result<i64, CatalogError> {
         let files =
             serde_json::to_string(n.files).map_err(|e| CatalogError::Corrupt(e.to_string()))?;
+        let mut tx = self.pool.begin().await?;
         let r = sqlx::query(
             "INSERT INTO replicas (peer, source_site, source_transfer, job, source_path, rel, \
              chunk_size, files, state, bytes_total, staging_path, local_path, created_at, profile) \
@@ -1147,16 +1148,23 @@ impl Catalog {
         .bind(n.source_path)
         .bind(n.rel)
         .bind(i64::from(n.chunk_size))
-        .bind(files)
+        .bind("")
         .bind(state::RECEIVING)
         .bind(n.bytes_total as i64)
         .bind(n.staging_path)
         .bind(n.local_path)
         .bind(now_ms())
         .bind(n.profile)
-        .fetch_one(&self.pool)
+        .fetch_one(&mut *tx)
         .await?;
-        Ok(r.try_get("id")?)
+        let id: i64 = r.try_get("id")?;
+        sqlx::query("INSERT INTO replica_files (replica, files) VALUES (?, ?)")
+            .bind(id)
+            .bind(files)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(id)
     }
 
     /// The file list stored for a sink-side row.
@@ -1164,10 +1172,11 @@ impl Catalog {
     /// # Errors
     /// SQL errors, or [`CatalogError::Corrupt`] if it cannot be decoded.
     pub async fn replica_files(&self, id: i64) -> Result<Vec<FileInfo>, CatalogError> {
-        let r = sqlx::query("SELECT files FROM replicas WHERE id = ?")
+        let r = sqlx::query("SELECT files FROM replica_files WHERE replica = ?")
             .bind(id)
-            .fetch_one(&self.pool)
-            .await?;
+            .fetch_optional(&self.pool)
+            .await?
+            .ok_or_else(|| CatalogError::Corrupt(format!("replica {id} has no file list")))?;
         let s: String = r.try_get("files")?;
         serde_json::from_str(&s)
             .map_err(|e| CatalogError::Corrupt(format!("file list of replica {id}: {e}")))
@@ -1185,12 +1194,18 @@ impl Catalog {
         bytes_total: u64,
     ) -> Result<(), CatalogError> {
         let s = serde_json::to_string(files).map_err(|e| CatalogError::Corrupt(e.to_string()))?;
-        sqlx::query("UPDATE replicas SET files = ?, bytes_total = ? WHERE id = ?")
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("UPDATE replica_files SET files = ? WHERE replica = ?")
             .bind(s)
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("UPDATE replicas SET bytes_total = ? WHERE id = ?")
             .bind(bytes_total as i64)
             .bind(id)
-            .execute(&self.pool)
+            .execute(&mut *tx)
             .await?;
+        tx.commit().await?;
         Ok(())
     }
 
@@ -1288,6 +1303,9 @@ impl Catalog {
     pub async fn add_chunks(&self, chunks: &[VerifiedChunk]) -> Result<(), CatalogError> {
         let now = now_ms();
         let mut tx = self.pool.begin().await?;
+        // One bytes_done update per replica and batch: an UPDATE rewrites
+        // the whole row.
+        let mut gained: Vec<(i64, i64)> = Vec::new();
         for c in chunks {
             let r = sqlx::query(
                 "INSERT INTO chunks (replica, idx, hash, verified_at, bytes, arrival_started) \
@@ -1303,12 +1321,18 @@ impl Catalog {
             .execute(&mut *tx)
             .await?;
             if r.rows_affected() > 0 {
-                sqlx::query("UPDATE replicas SET bytes_done = bytes_done + ? WHERE id = ?")
-                    .bind(c.bytes as i64)
-                    .bind(c.replica)
-                    .execute(&mut *tx)
-                    .await?;
+                match gained.iter_mut().find(|(id, _)| *id == c.replica) {
+                    Some((_, n)) => *n += c.bytes as i64,
+                    None => gained.push((c.replica, c.bytes as i64)),
+                }
             }
+        }
+        for (id, n) in gained {
+            sqlx::query("UPDATE replicas SET bytes_done = bytes_done + ? WHERE id = ?")
+                .bind(n)
+                .bind(id)
+                .execute(&mut *tx)
+                .await?;
         }
         tx.commit().await?;
         Ok(())
@@ -2110,6 +2134,12 @@ mod tests {
 
     #[tokio::test]
     async fn version_2_catalog_migrates_and_keeps_its_rows() {
+        let old_files = vec![FileInfo {
+            path: "model/a.bin".into(),
+            size: 10,
+            mode: 0o644,
+            mtime_ns: 7,
+        }];
         let d = tempfile::tempdir().unwrap();
         let mdir = d.path().join("migrations-v2");
         std::fs::create_dir(&mdir).unwrap();
@@ -2148,9 +2178,10 @@ mod tests {
         sqlx::query(
             "INSERT INTO replicas (id, peer, source_site, source_transfer, job, source_path, rel, \
              chunk_size, files, state, bytes_total, staging_path, local_path, created_at) \
-             VALUES (9, 'p', 's', 5, 'j', '/ck/s1', 's1', 1048576, '[]', 'receiving', 10, '/st', \
+             VALUES (9, 'p', 's', 5, 'j', '/ck/s1', 's1', 1048576, ?, 'receiving', 10, '/st', \
              '/eval/x', 1000)",
         )
+        .bind(serde_json::to_string(&old_files).unwrap())
         .execute(&pool)
         .await
         .unwrap();
@@ -2162,6 +2193,8 @@ mod tests {
         pool.close().await;
 
         let c = Catalog::open(&data).await.unwrap();
+        // 0004 moved the file table out of the row.
+        assert_eq!(c.replica_files(9).await.unwrap(), old_files);
         let t = c.transfer(5).await.unwrap().unwrap();
         assert_eq!((t.class.as_str(), t.created_at), ("scheduled", 1000));
         assert_eq!((t.importance, t.urgent_until, t.signal), (None, None, None));
@@ -2188,7 +2221,7 @@ mod tests {
             .fetch_one(&c.pool)
             .await
             .unwrap();
-        assert_eq!(v, 3);
+        assert_eq!(v, 4);
         c.close().await;
         drop(c);
         // Opening again applies nothing new and keeps the rows.

@@ -91,6 +91,10 @@ struct Args {
     /// (the most a packet is early).
     #[arg(long, default_value = "50us", value_parser = humantime::parse_duration)]
     release_window: Duration,
+    /// Let the kernel process packets written into each device in NAPI
+    /// batches (IFF_NAPI), which allows GRO at the receiving end.
+    #[arg(long)]
+    napi: bool,
     /// Write counters as JSON to this file every 200 ms and at exit
     /// (replaced atomically).
     #[arg(long)]
@@ -149,8 +153,22 @@ fn run() -> Result<()> {
     signals.thread_block().context("blocking SIGINT/SIGTERM")?;
 
     let home = File::open("/proc/thread-self/ns/net").context("opening own network namespace")?;
-    let a = create_device(&args.a_netns, &args.dev, args.a_addr, args.b_addr, args.mtu)?;
-    let b = create_device(&args.b_netns, &args.dev, args.b_addr, args.a_addr, args.mtu);
+    let a = create_device(
+        &args.a_netns,
+        &args.dev,
+        args.a_addr,
+        args.b_addr,
+        args.mtu,
+        args.napi,
+    )?;
+    let b = create_device(
+        &args.b_netns,
+        &args.dev,
+        args.b_addr,
+        args.a_addr,
+        args.mtu,
+        args.napi,
+    );
     nix::sched::setns(&home, CloneFlags::CLONE_NEWNET).context("returning to own namespace")?;
     let b = b?;
 
@@ -249,6 +267,7 @@ fn create_device(
     addr: Ipv4Addr,
     peer: Ipv4Addr,
     mtu: u16,
+    napi: bool,
 ) -> Result<tun::Device> {
     let path = Path::new("/var/run/netns").join(netns);
     let ns = File::open(&path).with_context(|| {
@@ -266,7 +285,10 @@ fn create_device(
         .destination(peer)
         .netmask(Ipv4Addr::new(255, 255, 255, 255))
         .mtu(mtu)
-        .up();
+        .up()
+        .platform_config(|p| {
+            p.napi(napi);
+        });
     tun::create(&cfg).with_context(|| format!("creating TUN device {dev} in {netns:?}"))
 }
 

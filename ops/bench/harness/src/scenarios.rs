@@ -1,0 +1,885 @@
+//! The scenarios of ops/bench/run (issue text and ARCHITECTURE.md
+//! "Measures" define each number).
+
+use super::agents::{wait_port, Agents, Placement};
+use super::*;
+
+/// Longest copy of the throughput and rtt scenarios (seconds).
+const COPY_CAP: Duration = Duration::from_secs(300);
+/// Cap per tool under 1 % loss (seconds).
+const LOSS_CAP: Duration = Duration::from_secs(120);
+/// RTTs of the sweep (ms).
+const RTT_SWEEP_MS: [u64; 4] = [10, 50, 100, 200];
+/// The coexistence window (seconds).
+const COEXIST_S: u64 = 30;
+
+/// The servers the baselines copy from, in the source namespace.
+struct Servers {
+    rsync: Option<Guard>,
+    http: Option<Guard>,
+}
+
+impl Servers {
+    fn none() -> Servers {
+        Servers {
+            rsync: None,
+            http: None,
+        }
+    }
+
+    fn rsync(&mut self, b: &Bench) -> Result<()> {
+        if self.rsync.is_some() {
+            return Ok(());
+        }
+        let conf = b.work.join("rsyncd.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "uid = root\ngid = root\nuse chroot = no\n\n[src]\npath = {}\nread only = yes\n",
+                b.src_root().display()
+            ),
+        )?;
+        let child = in_ns(SRC_NS, "rsync")
+            .args(["--daemon", "--no-detach"])
+            .arg(format!("--config={}", conf.display()))
+            .arg(format!("--port={RSYNC_PORT}"))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(b.log("rsyncd.log"))?)
+            .spawn()
+            .context("starting rsync --daemon")?;
+        self.rsync = Some(Guard(Some(child)));
+        wait_port(&format!("{SRC_MGMT}:{RSYNC_PORT}"), Duration::from_secs(10))
+    }
+
+    fn http(&mut self, b: &Bench) -> Result<()> {
+        if self.http.is_some() {
+            return Ok(());
+        }
+        let child = in_ns(SRC_NS, "rclone")
+            .args(["serve", "http"])
+            .arg(b.src_root())
+            .args(["--addr", &format!("0.0.0.0:{HTTP_PORT}")])
+            .arg("--config")
+            .arg(rclone_conf(b)?)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(b.log("rclone-serve.log"))?)
+            .spawn()
+            .context("starting rclone serve http")?;
+        self.http = Some(Guard(Some(child)));
+        wait_port(&format!("{SRC_MGMT}:{HTTP_PORT}"), Duration::from_secs(10))
+    }
+}
+
+/// An empty rclone config file (rclone warns without one).
+fn rclone_conf(b: &Bench) -> Result<PathBuf> {
+    let p = b.work.join("rclone.conf");
+    if !p.exists() {
+        std::fs::write(&p, "")?;
+    }
+    Ok(p)
+}
+
+/// Bytes in a (partial) copy.
+fn tree_bytes(dir: &Path) -> u64 {
+    list_tree(dir).map_or(0, |fs| fs.iter().map(|f| f.len).sum())
+}
+
+/// Copies `ck` with `tool` over `link` and verifies the copy.
+fn copy_with(
+    b: &mut Bench,
+    link: &Link,
+    servers: &mut Servers,
+    tool: &str,
+    ck: &Ckpt,
+    scenario: &str,
+    cap: Duration,
+) -> Result<Record> {
+    say(format!(
+        "{scenario}: {tool} copies {} ({:.0} MB, {} files) at RTT {} ms",
+        ck.name,
+        ck.bytes as f64 / 1e6,
+        ck.files,
+        link.rtt.as_millis()
+    ));
+    let rate = link.rate;
+    let mk = |wall: f64, bytes: u64, files: u64| {
+        Record::copy(
+            scenario,
+            tool,
+            bytes,
+            files,
+            wall,
+            rate,
+            link.rtt_ms(),
+            link.loss,
+        )
+    };
+    let before;
+    let mut rec = match tool {
+        "ferry" => {
+            let agents =
+                Agents::start(b, Placement::Wan, rate, link.rtt, &[b.src_root()], scenario)?;
+            before = link.snap()?;
+            let pushed = agents.push_and_wait(&ck.dir, cap)?;
+            let mut rec = mk(pushed.wall_s, ck.bytes, ck.files);
+            if pushed.state == "published" {
+                let local = PathBuf::from(
+                    pushed.view["local_path"]
+                        .as_str()
+                        .context("published transfer without local_path")?,
+                );
+                compare_trees(&ck.dir, &local, None)
+                    .with_context(|| format!("ferry's replica of {} differs", ck.name))?;
+                rec.verified = true;
+            } else {
+                rec.finished = false;
+                let done = pushed.view["progress"]["bytes_sent"].as_u64().unwrap_or(0);
+                rec.extra = json!({ "state": pushed.state, "bytes_done": done, "error": pushed.view["error"] });
+                agents.cancel(pushed.id).ok();
+            }
+            let sink_root = agents.sink_root.clone();
+            agents.stop();
+            b.discard(&sink_root);
+            rec
+        }
+        "rsync" | "rclone" => {
+            let dest = b.dest(tool)?;
+            let mut cmd;
+            if tool == "rsync" {
+                servers.rsync(b)?;
+                cmd = in_ns(DST_NS, "rsync");
+                cmd.arg("-a")
+                    .arg(format!("rsync://{SRC_ADDR}:{RSYNC_PORT}/src/{}/", ck.name))
+                    .arg(format!("{}/", dest.display()));
+            } else {
+                servers.http(b)?;
+                cmd = in_ns(DST_NS, "rclone");
+                cmd.arg("copy")
+                    .arg(format!(":http:{}", ck.name))
+                    .arg(&dest)
+                    .args(["--http-url", &format!("http://{SRC_ADDR}:{HTTP_PORT}/")])
+                    .args(["--transfers", "16"])
+                    .arg("--config")
+                    .arg(rclone_conf(b)?);
+            }
+            before = link.snap()?;
+            let (wall, finished, code) =
+                timed(&mut cmd, cap, &b.log(&format!("{scenario}-{tool}.log")))?;
+            let mut rec = mk(wall, ck.bytes, ck.files);
+            if finished && code == Some(0) {
+                compare_trees(&ck.dir, &dest, None)
+                    .with_context(|| format!("{tool}'s copy of {} differs", ck.name))?;
+                rec.verified = true;
+            } else {
+                rec.finished = false;
+                rec.extra = json!({ "bytes_done": tree_bytes(&dest), "exit_code": code });
+            }
+            b.discard(&dest);
+            rec
+        }
+        "per-file" => {
+            servers.http(b)?;
+            let dest = b.dest(tool)?;
+            let files = list_tree(&ck.dir)?;
+            let step = (files.len() / PER_FILE_SUBSET).max(1);
+            let subset: Vec<PathBuf> = files
+                .iter()
+                .step_by(step)
+                .take(PER_FILE_SUBSET)
+                .map(|f| f.rel.clone())
+                .collect();
+            let sub_bytes: u64 = files
+                .iter()
+                .step_by(step)
+                .take(PER_FILE_SUBSET)
+                .map(|f| f.len)
+                .sum();
+            let mut cfg = String::new();
+            for rel in &subset {
+                let rel_s = rel.to_string_lossy();
+                cfg += &format!(
+                    "url = \"http://{SRC_ADDR}:{HTTP_PORT}/{}/{rel_s}\"\noutput = \"{}\"\n",
+                    ck.name,
+                    dest.join(rel).display()
+                );
+            }
+            let cfg_path = b.work.join("per-file.curl");
+            std::fs::write(&cfg_path, cfg)?;
+            let mut cmd = in_ns(DST_NS, "curl");
+            cmd.args([
+                "--silent",
+                "--show-error",
+                "--fail",
+                "--create-dirs",
+                "--config",
+            ])
+            .arg(&cfg_path);
+            before = link.snap()?;
+            let (wall, finished, code) =
+                timed(&mut cmd, cap, &b.log(&format!("{scenario}-per-file.log")))?;
+            if !(finished && code == Some(0)) {
+                bail!(
+                    "per-file fetch failed (exit {code:?}); see {}",
+                    b.log(&format!("{scenario}-per-file.log")).display()
+                );
+            }
+            let checked =
+                compare_trees(&ck.dir, &dest, Some(&subset)).context("per-file copy differs")?;
+            // Projection to the whole checkpoint: the subset is every
+            // step-th shard in path order, so its sizes follow the whole.
+            let projected = wall * files.len() as f64 / subset.len() as f64;
+            let mut rec = mk(projected, ck.bytes, ck.files);
+            rec.verified = checked.files == subset.len() as u64;
+            rec.extra = json!({
+                "projected": true,
+                "subset_files": subset.len(),
+                "subset_bytes": sub_bytes,
+                "subset_wall_s": wall,
+                "per_file_ms": wall * 1000.0 / subset.len() as f64,
+            });
+            b.discard(&dest);
+            rec
+        }
+        other => bail!("unknown tool {other}"),
+    };
+    let after = link.snap()?;
+    rec.counters = Link::counters(&before, &after);
+    say(format!(
+        "  {tool}: {:.2} s{}, {:.0} Mbit/s, utilisation {:.3}, {:.3} x limit{}",
+        rec.wall_s,
+        if rec.extra["projected"] == json!(true) {
+            " (projected)"
+        } else {
+            ""
+        },
+        rec.goodput_bps / 1e6,
+        rec.utilisation,
+        rec.wall_over_limit,
+        if rec.finished {
+            String::new()
+        } else {
+            " NOT FINISHED".into()
+        }
+    ));
+    b.records.push(rec.clone());
+    Ok(rec)
+}
+
+/// Checks the emulator: ping RTT within 5 % of the setting; with `iperf`,
+/// a 10 s iperf3 TCP flow within 10 % of the cap.
+fn check_emulator(b: &mut Bench, link: &Link, iperf: bool) -> Result<()> {
+    let out = cmd_ok(
+        in_ns(SRC_NS, "ping").args(["-c", "10", "-i", "0.2", "-q", DST_ADDR]),
+        "ping across the emulator",
+    )?;
+    // rtt min/avg/max/mdev = 100.267/100.383/100.871/0.170 ms
+    let avg = out
+        .lines()
+        .find(|l| l.contains("min/avg/max"))
+        .and_then(|l| l.split('=').nth(1))
+        .and_then(|v| v.trim().split('/').nth(1))
+        .and_then(|v| v.parse::<f64>().ok())
+        .context("no RTT in ping's output")?;
+    let setting = link.rtt_ms();
+    let dev = (avg - setting).abs() / setting.max(1e-9);
+    say(format!(
+        "emulator: ping RTT {avg:.2} ms for {setting:.0} ms ({:+.1} %)",
+        (avg / setting - 1.0) * 100.0
+    ));
+    let mut rec = Record::copy(
+        "emulator",
+        "ping",
+        0,
+        0,
+        avg / 1000.0,
+        link.rate,
+        setting,
+        link.loss,
+    );
+    rec.goodput_bps = 0.0;
+    rec.verified = dev <= 0.05;
+    rec.extra = json!({ "rtt_avg_ms": avg, "within_5pct": dev <= 0.05 });
+    b.records.push(rec);
+    if iperf {
+        let _server = Guard(Some(
+            in_ns(DST_NS, "iperf3")
+                .arg("-s")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .context("starting iperf3 -s")?,
+        ));
+        wait_port(&format!("{DST_MGMT}:5201"), Duration::from_secs(10))?;
+        let before = link.snap()?;
+        let json_out = cmd_ok(
+            in_ns(SRC_NS, "iperf3").args(["-c", DST_ADDR, "-t", "10", "-O", "2", "-J"]),
+            "iperf3 across the emulator",
+        )?;
+        let after = link.snap()?;
+        let v: Value = serde_json::from_str(&json_out).context("iperf3 -J output")?;
+        let bps = v["end"]["sum_received"]["bits_per_second"]
+            .as_f64()
+            .context("iperf3: no received rate")?;
+        let secs = v["end"]["sum_received"]["seconds"].as_f64().unwrap_or(10.0);
+        let ratio = bps / link.rate as f64;
+        say(format!(
+            "emulator: iperf3 TCP {:.0} Mbit/s = {:.3} of the cap",
+            bps / 1e6,
+            ratio
+        ));
+        let bytes = (bps * secs / 8.0) as u64;
+        let mut rec = Record::copy(
+            "emulator", "iperf3", bytes, 0, secs, link.rate, setting, link.loss,
+        );
+        rec.verified = ratio >= 0.9;
+        rec.counters = Link::counters(&before, &after);
+        rec.extra = json!({ "ratio_to_cap": ratio, "within_10pct": ratio >= 0.9 });
+        b.records.push(rec);
+    }
+    Ok(())
+}
+
+/// throughput: every tool on the default link.
+pub fn scenario_throughput(b: &mut Bench, ck: &Ckpt) -> Result<()> {
+    let link = Link::up(b, b.args.rtt, 0.0)?;
+    check_emulator(b, &link, true)?;
+    let mut servers = Servers::none();
+    for tool in ["ferry", "rsync", "rclone", "per-file"] {
+        if !b.args.tools.is_empty() && !b.args.tools.iter().any(|t| t == tool) {
+            continue;
+        }
+        copy_with(b, &link, &mut servers, tool, ck, "throughput", COPY_CAP)?;
+    }
+    drop(servers);
+    link.down();
+    Ok(())
+}
+
+/// The baseline with the shortest wall time in the throughput scenario
+/// (rsync when it did not run).
+fn best_baseline(b: &Bench) -> String {
+    b.records
+        .iter()
+        .filter(|r| r.scenario == "throughput" && r.tool != "ferry" && r.finished)
+        .min_by(|x, y| x.wall_s.total_cmp(&y.wall_s))
+        .map_or("rsync".to_string(), |r| r.tool.clone())
+}
+
+/// rtt: Ferry and the best baseline at each RTT of the sweep.
+pub fn scenario_rtt(b: &mut Bench, ck: &Ckpt) -> Result<()> {
+    let best = best_baseline(b);
+    for ms in RTT_SWEEP_MS {
+        let rtt = Duration::from_millis(ms);
+        let same = b
+            .records
+            .iter()
+            .filter(|r| r.scenario == "throughput" && (r.rtt_ms - ms as f64).abs() < 1e-9)
+            .filter(|r| r.tool == "ferry" || r.tool == best)
+            .cloned()
+            .collect::<Vec<_>>();
+        if same.len() == 2 {
+            // Measured in the throughput scenario on the same link.
+            for mut r in same {
+                r.scenario = "rtt".into();
+                r.extra["from"] = json!("throughput");
+                b.records.push(r);
+            }
+            continue;
+        }
+        let link = Link::up(b, rtt, 0.0)?;
+        check_emulator(b, &link, false)?;
+        let mut servers = Servers::none();
+        for tool in ["ferry", best.as_str()] {
+            copy_with(b, &link, &mut servers, tool, ck, "rtt", COPY_CAP)?;
+        }
+        drop(servers);
+        link.down();
+    }
+    Ok(())
+}
+
+/// loss: 1 % random loss each way, Ferry and rsync, ~100 MB, 120 s cap.
+pub fn scenario_loss(b: &mut Bench) -> Result<()> {
+    let ck = b.gen("loss", &["--size", "100MB", "--seed", "3"])?;
+    let link = Link::up(b, b.args.rtt, 0.01)?;
+    let mut servers = Servers::none();
+    for tool in ["ferry", "rsync"] {
+        copy_with(b, &link, &mut servers, tool, &ck, "loss", LOSS_CAP)?;
+    }
+    drop(servers);
+    link.down();
+    std::fs::remove_dir_all(&ck.dir)?;
+    Ok(())
+}
+
+/// coexist: Ferry beside an iperf3 TCP flow for 30 s; each one's share of
+/// the link (IP bytes delivered source to sink by the emulator).
+pub fn scenario_coexist(b: &mut Bench, main: &Ckpt) -> Result<()> {
+    // A checkpoint large enough to last the window: hard links to the main
+    // checkpoint's files, three times (no extra disk, warm page cache).
+    let dir = b.src_root().join("coexist");
+    for i in 0..3 {
+        let copy = dir.join(format!("part{i}"));
+        std::fs::create_dir_all(&copy)?;
+        for f in list_tree(&main.dir)? {
+            let to = copy.join(&f.rel);
+            if let Some(parent) = to.parent() {
+                std::fs::create_dir_all(parent)?;
+            }
+            std::fs::hard_link(main.dir.join(&f.rel), &to)?;
+        }
+    }
+    std::fs::write(dir.join("COMMITTED"), b"")?;
+    let ck = Ckpt::read("coexist", dir.clone())?;
+    let link = Link::up(b, b.args.rtt, 0.0)?;
+    say(format!(
+        "coexist: Ferry ({:.1} GB) beside iperf3 for {COEXIST_S} s",
+        ck.bytes as f64 / 1e9
+    ));
+    let agents = Agents::start(
+        b,
+        Placement::Wan,
+        link.rate,
+        link.rtt,
+        &[b.src_root()],
+        "coexist",
+    )?;
+    let _server = Guard(Some(
+        in_ns(DST_NS, "iperf3")
+            .arg("-s")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting iperf3 -s")?,
+    ));
+    wait_port(&format!("{DST_MGMT}:5201"), Duration::from_secs(10))?;
+    let id = agents.push(&ck.dir, "scheduled")?;
+    let before = link.snap()?;
+    let (tcp0, udp0) = link.forward_bytes()?;
+    let t0 = Instant::now();
+    let out = cmd_ok(
+        in_ns(SRC_NS, "iperf3").args(["-c", DST_ADDR, "-t", &COEXIST_S.to_string(), "-J"]),
+        "iperf3 beside ferry",
+    )?;
+    let window = t0.elapsed().as_secs_f64();
+    // The stats file is rewritten every 200 ms.
+    std::thread::sleep(Duration::from_millis(250));
+    let (tcp1, udp1) = link.forward_bytes()?;
+    let after = link.snap()?;
+    let state = agents.transfer(id)?["state"]
+        .as_str()
+        .unwrap_or("?")
+        .to_string();
+    agents.cancel(id).ok();
+    let sink_root = agents.sink_root.clone();
+    agents.stop();
+    b.discard(&sink_root);
+    link.down();
+    std::fs::remove_dir_all(&dir)?;
+    let v: Value = serde_json::from_str(&out).context("iperf3 -J output")?;
+    let iperf_bps = v["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .unwrap_or(0.0);
+    let cap_bits = b.args.rate as f64 * window;
+    let tcp_share = (tcp1 - tcp0) as f64 * 8.0 / cap_bits;
+    let udp_share = (udp1 - udp0) as f64 * 8.0 / cap_bits;
+    say(format!(
+        "  shares of the link over {window:.1} s: ferry {udp_share:.3}, iperf3 (TCP) {tcp_share:.3}; ferry's transfer was {state} at the end"
+    ));
+    let counters = Link::counters(&before, &after);
+    for (tool, share, bytes) in [
+        ("ferry", udp_share, udp1 - udp0),
+        ("iperf3", tcp_share, tcp1 - tcp0),
+    ] {
+        let mut r = Record::copy(
+            "coexist",
+            tool,
+            bytes,
+            0,
+            window,
+            b.args.rate,
+            link_rtt_ms(b),
+            0.0,
+        );
+        r.limit_s = 0.0;
+        r.wall_over_limit = 0.0;
+        r.counters = counters;
+        r.extra = json!({
+            "share": share,
+            "share_counts": "IP bytes (headers included) delivered source to sink by the emulator over the window",
+            "iperf3_reported_bps": iperf_bps,
+            "target_min_share": 0.30,
+        });
+        r.verified = false;
+        b.records.push(r);
+    }
+    Ok(())
+}
+
+fn link_rtt_ms(b: &Bench) -> f64 {
+    b.args.rtt.as_secs_f64() * 1000.0
+}
+
+/// scale: a 100,000-shard checkpoint of tiny files, then 1,000 queued
+/// transfers; time and peak resident memory of each agent.
+pub fn scenario_scale(b: &mut Bench) -> Result<()> {
+    let shards = b.args.scale_shards;
+    let ck = b.gen(
+        "scale",
+        &[
+            "--shards",
+            &shards.to_string(),
+            "--size",
+            &(shards * 4096).to_string(),
+            "--seed",
+            "5",
+        ],
+    )?;
+    // 1,000 small checkpoints under a second root (one job each root).
+    let qroot = b.work.join("queue-src");
+    for i in 0..1000 {
+        let d = qroot.join(format!("ckpt-{i:04}"));
+        std::fs::create_dir_all(&d)?;
+        let data: Vec<u8> = (0..4096u32)
+            .map(|j| (j.wrapping_mul(31) ^ i) as u8)
+            .collect();
+        std::fs::write(d.join("shard.bin"), data)?;
+        std::fs::write(d.join("COMMITTED"), b"")?;
+    }
+    let link = Link::up(b, b.args.rtt, 0.0)?;
+    let agents = Agents::start(
+        b,
+        Placement::Wan,
+        link.rate,
+        link.rtt,
+        &[b.src_root(), qroot.clone()],
+        "scale",
+    )?;
+    say(format!(
+        "scale: {} shards ({:.0} MB)",
+        ck.files,
+        ck.bytes as f64 / 1e6
+    ));
+    let before = link.snap()?;
+    let pushed = agents.push_and_wait(&ck.dir, Duration::from_secs(600))?;
+    if pushed.state != "published" {
+        bail!(
+            "scale: the {shards}-shard transfer ended {}: {}",
+            pushed.state,
+            pushed.view["error"]
+        );
+    }
+    let local = PathBuf::from(pushed.view["local_path"].as_str().context("local_path")?);
+    compare_trees(&ck.dir, &local, None).context("scale: replica differs")?;
+    let (rss_src1, rss_dst1) = agents.peak_rss();
+    let mut r = Record::copy(
+        "scale",
+        "ferry",
+        ck.bytes,
+        ck.files,
+        pushed.wall_s,
+        link.rate,
+        link.rtt_ms(),
+        0.0,
+    );
+    r.verified = true;
+    r.counters = Link::counters(&before, &link.snap()?);
+    r.extra = json!({
+        "case": format!("{shards} shards"),
+        "peak_rss_source_bytes": rss_src1,
+        "peak_rss_sink_bytes": rss_dst1,
+        "target_rss_bytes": 512u64 << 20,
+    });
+    say(format!(
+        "  {:.2} s ({:.3} x limit); peak RSS source {} MiB, sink {} MiB",
+        r.wall_s,
+        r.wall_over_limit,
+        rss_src1 >> 20,
+        rss_dst1 >> 20
+    ));
+    b.records.push(r);
+
+    say("scale: 1,000 queued transfers of 4 KiB");
+    let before = link.snap()?;
+    let t0 = Instant::now();
+    let mut ids = Vec::with_capacity(1000);
+    for i in 0..1000 {
+        ids.push(agents.push(&qroot.join(format!("ckpt-{i:04}")), "scheduled")?);
+    }
+    let submit_s = t0.elapsed().as_secs_f64();
+    let mut max_queued = 0usize;
+    let published = loop {
+        let all = agents.transfers()?;
+        let mine: Vec<&Value> = all
+            .iter()
+            .filter(|t| t["id"].as_i64().is_some_and(|id| ids.contains(&id)))
+            .collect();
+        let published = mine.iter().filter(|t| t["state"] == "published").count();
+        let failed: Vec<&&Value> = mine
+            .iter()
+            .filter(|t| matches!(t["state"].as_str(), Some("failed" | "cancelled")))
+            .collect();
+        if let Some(f) = failed.first() {
+            bail!(
+                "scale: a queued transfer ended {}: {}",
+                f["state"],
+                f["error"]
+            );
+        }
+        max_queued = max_queued.max(mine.iter().filter(|t| t["state"] == "queued").count());
+        if published == ids.len() || t0.elapsed() > Duration::from_secs(900) {
+            break published;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    let wall = t0.elapsed().as_secs_f64();
+    let (rss_src, rss_dst) = agents.peak_rss();
+    let mut ok = published == ids.len();
+    for (i, id) in ids.iter().enumerate().take(1000) {
+        if !ok {
+            break;
+        }
+        let v = agents.transfer(*id)?;
+        let local = PathBuf::from(v["local_path"].as_str().unwrap_or(""));
+        ok = compare_trees(&qroot.join(format!("ckpt-{i:04}")), &local, None).is_ok();
+    }
+    let bytes = 1000 * 4096;
+    let mut r = Record::copy(
+        "scale",
+        "ferry",
+        bytes,
+        2000,
+        wall,
+        link.rate,
+        link.rtt_ms(),
+        0.0,
+    );
+    r.verified = ok;
+    r.finished = published == ids.len();
+    r.limit_s = 0.0;
+    r.wall_over_limit = 0.0;
+    r.counters = Link::counters(&before, &link.snap()?);
+    r.extra = json!({
+        "case": "1,000 queued transfers",
+        "transfers": ids.len(),
+        "published": published,
+        "submit_s": submit_s,
+        "max_seen_queued": max_queued,
+        "per_transfer_ms": wall * 1000.0 / ids.len() as f64,
+        "peak_rss_source_bytes": rss_src,
+        "peak_rss_sink_bytes": rss_dst,
+        "target_rss_bytes": 512u64 << 20,
+    });
+    say(format!(
+        "  {published} published in {wall:.1} s (submitted in {submit_s:.1} s); peak RSS source {} MiB, sink {} MiB",
+        rss_src >> 20,
+        rss_dst >> 20
+    ));
+    b.records.push(r);
+    let sink_root = agents.sink_root.clone();
+    agents.stop();
+    b.discard(&sink_root);
+    link.down();
+    std::fs::remove_dir_all(&ck.dir)?;
+    std::fs::remove_dir_all(&qroot)?;
+    Ok(())
+}
+
+/// cpu: CPU seconds per GB of Ferry (source + sink) against a bare quinn
+/// transfer of the same bytes, both on loopback.
+pub fn scenario_cpu(b: &mut Bench, ck: &Ckpt) -> Result<()> {
+    say(format!(
+        "cpu: bare quinn, 3 runs of {:.0} MB on loopback",
+        ck.bytes as f64 / 1e6
+    ));
+    let mut quinn = Vec::new();
+    for _ in 0..3 {
+        let out = cmd_ok(
+            Command::new(b.repo.join(&b.args.bin).join("quinn-bare"))
+                .args(["--bytes", &ck.bytes.to_string()]),
+            "quinn-bare",
+        )?;
+        let v: Value =
+            serde_json::from_str(out.lines().last().unwrap_or("")).context("quinn-bare JSON")?;
+        quinn.push(v);
+    }
+    quinn.sort_by(|x, y| {
+        x["cpu_s"]
+            .as_f64()
+            .unwrap_or(0.0)
+            .total_cmp(&y["cpu_s"].as_f64().unwrap_or(0.0))
+    });
+    let q = quinn[1].clone();
+    let q_cpu = q["cpu_s"].as_f64().unwrap_or(f64::NAN);
+    say(format!(
+        "cpu: ferry, {:.0} MB on loopback",
+        ck.bytes as f64 / 1e6
+    ));
+    let agents = Agents::start(
+        b,
+        Placement::Loopback,
+        10_000_000_000,
+        Duration::from_millis(1),
+        &[b.src_root()],
+        "cpu",
+    )?;
+    let (s0, d0) = agents.cpu_s();
+    let pushed = agents.push_and_wait(&ck.dir, COPY_CAP)?;
+    let (s1, d1) = agents.cpu_s();
+    if pushed.state != "published" {
+        bail!(
+            "cpu: the transfer ended {}: {}",
+            pushed.state,
+            pushed.view["error"]
+        );
+    }
+    let local = PathBuf::from(pushed.view["local_path"].as_str().context("local_path")?);
+    compare_trees(&ck.dir, &local, None).context("cpu: replica differs")?;
+    let sink_root = agents.sink_root.clone();
+    agents.stop();
+    b.discard(&sink_root);
+    let gb = ck.bytes as f64 / 1e9;
+    let ferry_cpu = (s1 - s0) + (d1 - d0);
+    let mut r = Record::copy(
+        "cpu",
+        "ferry",
+        ck.bytes,
+        ck.files,
+        pushed.wall_s,
+        0,
+        0.0,
+        0.0,
+    );
+    r.verified = true;
+    r.extra = json!({
+        "cpu_s": ferry_cpu,
+        "cpu_source_s": s1 - s0,
+        "cpu_sink_s": d1 - d0,
+        "cpu_s_per_gb": ferry_cpu / gb,
+        "over_quinn": ferry_cpu / q_cpu,
+        "target_over_quinn": 1.5,
+    });
+    say(format!(
+        "  ferry {:.2} CPU s/GB (source {:.2} s, sink {:.2} s) vs bare quinn {:.2} CPU s/GB: {:.2} x",
+        ferry_cpu / gb,
+        s1 - s0,
+        d1 - d0,
+        q_cpu / gb,
+        ferry_cpu / q_cpu
+    ));
+    b.records.push(r);
+    let mut r = Record::copy(
+        "cpu",
+        "quinn",
+        ck.bytes,
+        0,
+        q["wall_s"].as_f64().unwrap_or(0.0),
+        0,
+        0.0,
+        0.0,
+    );
+    r.verified = false;
+    r.extra = json!({
+        "cpu_s": q_cpu,
+        "cpu_s_per_gb": q_cpu / gb,
+        "runs_cpu_s": quinn.iter().map(|v| v["cpu_s"].clone()).collect::<Vec<_>>(),
+        "note": "median of 3 runs; the bytes are not files and are not compared",
+    });
+    b.records.push(r);
+    Ok(())
+}
+
+/// The last stdout line of a `ferry demo --json` run, parsed.
+fn demo_json(b: &Bench, args: &[&str], log: &str) -> Result<Value> {
+    let rate = b.args.rate.to_string();
+    let rtt = format!("{}ms", b.args.rtt.as_millis());
+    let out = Command::new(&b.ferry)
+        .arg("demo")
+        .args(args)
+        .args(["--json", "--rate", &format!("{rate}bit/s"), "--rtt", &rtt])
+        .stderr(std::fs::File::create(b.log(log))?)
+        .output()
+        .context("starting ferry demo")?;
+    if !out.status.success() {
+        bail!(
+            "ferry demo {} failed; see {}",
+            args.join(" "),
+            b.log(log).display()
+        );
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(text.lines().last().unwrap_or("")).context("ferry demo --json output")
+}
+
+/// priority: `ferry demo --priority` (in-process agents on the in-memory
+/// emulated link of the same rate and RTT).
+pub fn scenario_priority(b: &mut Bench) -> Result<()> {
+    say("priority: ferry demo --priority (solo, priority, fifo)");
+    let v = demo_json(b, &["--priority"], "priority-demo.log")?;
+    let p = &v["priority"];
+    for policy in ["priority", "fifo"] {
+        let wall = p[policy]["wall_s"].as_f64().unwrap_or(f64::NAN);
+        let bytes = p["urgent_bytes"].as_u64().unwrap_or(0);
+        let mut r = Record::copy(
+            "priority",
+            "ferry",
+            bytes,
+            0,
+            wall,
+            b.args.rate,
+            link_rtt_ms(b),
+            0.0,
+        );
+        r.verified = true;
+        r.extra = json!({
+            "policy": policy,
+            "solo_s": p["solo_s"],
+            "over_solo": p[policy]["over_solo"],
+            "preemption_latency_s": p[policy]["preemption_latency_s"],
+            "preemption_latency_rtt": p[policy]["preemption_latency_rtt"],
+            "background_bytes": p["background_bytes"],
+            "link": "ferry demo: both agents in one process, in-memory emulated link",
+        });
+        say(format!(
+            "  {policy}: {} x solo, pre-emption latency {} RTT",
+            p[policy]["over_solo"], p[policy]["preemption_latency_rtt"]
+        ));
+        b.records.push(r);
+    }
+    Ok(())
+}
+
+/// lag: a DCP checkpoint written at half the link rate, `on_open` against
+/// `on_commit`: commit-to-replica lag (`ferry demo` phase 2).
+pub fn scenario_lag(b: &mut Bench) -> Result<()> {
+    for start in ["on_open", "on_commit"] {
+        say(format!("lag: ferry demo, start = {start}"));
+        let v = demo_json(b, &["--start", start], &format!("lag-{start}.log"))?;
+        let w = &v["watch"];
+        let bytes = w["bytes"].as_u64().unwrap_or(0);
+        let lag = w["commit_to_replica_s"].as_f64().unwrap_or(f64::NAN);
+        let mut r = Record::copy(
+            "lag",
+            "ferry",
+            bytes,
+            w["files"].as_u64().unwrap_or(0),
+            w["open_to_replica_s"].as_f64().unwrap_or(f64::NAN),
+            b.args.rate,
+            link_rtt_ms(b),
+            0.0,
+        );
+        r.verified = w["verified"].as_bool().unwrap_or(false);
+        r.extra = json!({
+            "start": start,
+            "write_rate_bps": w["write_rate_bps"],
+            "write_s": w["write_s"],
+            "commit_to_replica_s": lag,
+            "open_to_replica_s": w["open_to_replica_s"],
+            "target_s": w["target_s"],
+            "link": "ferry demo: both agents in one process, in-memory emulated link",
+        });
+        say(format!("  commit-to-replica {lag:.3} s"));
+        b.records.push(r);
+    }
+    Ok(())
+}
