@@ -45,6 +45,24 @@ pub enum ConnError {
     Peer(String),
 }
 
+/// Reads exactly `len` bytes from `recv` into a new vector, copying them
+/// once from quinn's buffers (no zero-filled buffer first).
+///
+/// # Errors
+/// [`ReadExactError::FinishedEarly`] with the bytes read if the stream ends
+/// first; [`ReadExactError::ReadError`] if it fails.
+pub async fn read_vec(recv: &mut RecvStream, len: usize) -> Result<Vec<u8>, ReadExactError> {
+    let mut buf = Vec::with_capacity(len);
+    while buf.len() < len {
+        match recv.read_chunk(len - buf.len(), true).await {
+            Ok(Some(c)) => buf.extend_from_slice(&c.bytes),
+            Ok(None) => return Err(ReadExactError::FinishedEarly(buf.len())),
+            Err(e) => return Err(ReadExactError::ReadError(e)),
+        }
+    }
+    Ok(buf)
+}
+
 /// Reads one control frame; `Ok(None)` when the peer finished the stream
 /// cleanly between frames.
 ///

@@ -1330,8 +1330,7 @@ async fn receive_batch(
             let first_byte = now_ms();
             let h = RecordHeader::decode(&rb)?;
             let fits = wait_for_table(&live, &h).await;
-            let mut buf = vec![0u8; h.len as usize];
-            s.read_exact(&mut buf).await?;
+            let buf = crate::conn::read_vec(&mut s, h.len as usize).await?;
             if !fits {
                 // Data of a file the source shrank or never announced (a
                 // race with a file-table update, or a confused peer):

@@ -7,6 +7,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
+use std::io::{Read, Seek};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -1902,10 +1903,20 @@ fn read_some(
             ));
         }
         let (off, len) = map.span(fi, ci);
-        let mut data = vec![0u8; len as usize];
+        // Read into uninitialised capacity (no zero fill): seek, then
+        // read_to_end on at most `len` bytes.
+        let mut data = Vec::with_capacity(len as usize);
         if let Some((_, f)) = &open {
-            f.read_exact_at(&mut data, off)
-                .map_err(|e| format!("{}: {e}", dir.join(&entry.path).display()))?;
+            let io = |e: std::io::Error| format!("{}: {e}", dir.join(&entry.path).display());
+            let mut r: &File = f;
+            r.seek(std::io::SeekFrom::Start(off)).map_err(io)?;
+            r.take(len).read_to_end(&mut data).map_err(io)?;
+            if data.len() as u64 != len {
+                return Err(format!(
+                    "{} changed while it was being copied (shorter than its manifest)",
+                    dir.join(&entry.path).display()
+                ));
+            }
         }
         let hash = *blake3::hash(&data).as_bytes();
         if hash != entry.chunks[ci as usize] {

@@ -96,7 +96,8 @@ struct Args {
     #[arg(long)]
     napi: bool,
     /// Write counters as JSON to this file every 200 ms and at exit
-    /// (replaced atomically).
+    /// (replaced atomically): `{"pid", "a_to_b": {...}, "b_to_a": {...}}`
+    /// with the fields of `wanem::DirectionStats`.
     #[arg(long)]
     stats: Option<PathBuf>,
 }
@@ -386,6 +387,7 @@ fn writer(mut dev: impl Write, d: &Direction, window: Duration, stop: &AtomicBoo
 
 fn write_stats(path: &Path, dirs: &[Arc<Direction>; 2]) -> Result<()> {
     let json = serde_json::json!({
+        "pid": std::process::id(),
         "a_to_b": *lock(&dirs[0].stats),
         "b_to_a": *lock(&dirs[1].stats),
     });

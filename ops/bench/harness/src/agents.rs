@@ -281,7 +281,7 @@ fn proc_status_kb(pid: u32, field: &str) -> u64 {
 
 /// utime + stime of a process in seconds (/proc/PID/stat fields 14 and 15,
 /// in clock ticks of 1/100 s, the Linux USER_HZ).
-fn proc_cpu_s(pid: u32) -> f64 {
+pub fn proc_cpu_s(pid: u32) -> f64 {
     let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
         return 0.0;
     };

@@ -412,6 +412,15 @@ impl Link {
         ))
     }
 
+    /// CPU seconds the emulator process has used so far.
+    fn cpu_s(&self) -> f64 {
+        std::fs::read(&self.stats)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+            .and_then(|v| v["pid"].as_u64())
+            .map_or(0.0, |pid| agents::proc_cpu_s(pid as u32))
+    }
+
     fn down(mut self) {
         self.proc_.stop(Duration::from_secs(10));
     }

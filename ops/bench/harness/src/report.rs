@@ -229,6 +229,29 @@ fn markdown(b: &Bench, machine: &Value, date: &str, mode: &str) -> String {
                 counters(r),
             );
         }
+        let cpu_lines: Vec<&Record> = rs
+            .iter()
+            .filter(|r| r.tool == "ferry" && r.extra["cpu_emulator_s"].is_number())
+            .filter(|r| r.extra["from"].is_null())
+            .collect();
+        if !cpu_lines.is_empty() {
+            let _ = writeln!(s, "\nCPU seconds during each Ferry copy (the machine has 2 cores, so 2 x wall CPU seconds in all):\n\n| scenario | RTT ms | wall s | source | sink | emulator | sum / (2 x wall) |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+            for r in cpu_lines {
+                let f = |k: &str| r.extra[k].as_f64().unwrap_or(0.0);
+                let sum = f("cpu_source_s") + f("cpu_sink_s") + f("cpu_emulator_s");
+                let _ = writeln!(
+                    s,
+                    "| {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                    r.scenario,
+                    r.rtt_ms,
+                    r.wall_s,
+                    f("cpu_source_s"),
+                    f("cpu_sink_s"),
+                    f("cpu_emulator_s"),
+                    sum / (2.0 * r.wall_s)
+                );
+            }
+        }
         let per_file: Vec<&Record> = rs.iter().filter(|r| r.tool == "per-file").collect();
         for r in per_file {
             let _ = writeln!(
