@@ -221,11 +221,18 @@ impl Controller for ShareController {
 
     fn window(&self) -> u64 {
         let mut w = self.full_window();
-        if self.delay_backoff {
-            // The queue is someone else's (a loss-based flow keeps it full):
-            // hold `factor x share` over the RTT actually seen, or the
-            // queueing delay would cut Ferry's rate further (measured with
-            // ops/bench coexist: 0.21 of the link beside one Cubic flow).
+        if self.delay_backoff && self.factor <= MIN_FACTOR_DELAY + 1e-9 {
+            // Backed off to the delay floor and the queue is still there:
+            // it is someone else's (a loss-based flow keeps it full). Hold
+            // `factor x share` over the RTT actually seen, or the queueing
+            // delay would cut Ferry's rate further (ops/bench coexist: 0.20
+            // of the link beside one Cubic flow without this). Only at the
+            // floor: above it, a delay that is Ferry's own (busy cores
+            // answering late) would grow the window, the queue with it, and
+            // urgent data would wait behind it (seen in `ferry demo
+            // --priority` when this applied at every factor). At half the
+            // share, a delay of its own would have to exceed the base RTT
+            // to keep a queue standing.
             w = w.max(self.share.rate_bps() as f64 / 8.0 * self.smoothed.as_secs_f64());
         }
         ((w * self.factor) as u64).max(self.min_window())
