@@ -30,6 +30,10 @@ use nix::sys::signal::{SigSet, Signal};
 use replicator::linkemu::{LinkModel, LinkParams, Verdict};
 use wanem::{DelayLine, DirectionStats};
 
+/// Smallest default queue (bytes): 64 packets of 1500 bytes, for RTTs so
+/// short that one bandwidth-delay product holds almost nothing.
+const MIN_QUEUE_BYTES: u64 = 64 * 1500;
+
 /// Largest packet read from a TUN device (bytes); the devices' MTU is far
 /// below it.
 const MAX_PACKET_BYTES: usize = 65_536;
@@ -71,7 +75,7 @@ struct Args {
     #[arg(long, default_value = "1Gbit/s", value_parser = replicator::units::parse_rate)]
     rate: u64,
     /// Queue in front of the rate cap, bytes (tail drop). Default: one
-    /// bandwidth-delay product (rate x RTT / 8).
+    /// bandwidth-delay product (rate x RTT / 8), at least 96,000 bytes.
     #[arg(long, value_parser = replicator::units::parse_size)]
     queue: Option<u64>,
     /// Random loss probability per packet and direction, 0..1 (e.g. 0.01).
@@ -134,6 +138,8 @@ fn run() -> Result<()> {
         bail!("--jitter needs a non-zero --rtt");
     }
     let mut params = LinkParams::new(args.rate, args.rtt);
+    // A BDP queue is tiny at a short RTT: keep room for a burst of packets.
+    params.queue_bytes = params.queue_bytes.max(MIN_QUEUE_BYTES);
     if let Some(q) = args.queue {
         if q < u64::from(args.mtu) {
             bail!(

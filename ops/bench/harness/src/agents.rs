@@ -141,7 +141,7 @@ impl Agents {
                 .stderr(std::fs::File::create(b.log(log))?)
                 .spawn()
                 .context("starting ferry serve")?;
-            Ok(Guard(Some(child)))
+            Ok(Guard::new(child))
         };
         let dst = spawn(DST_NS, &dst_path, &format!("{tag}-sink.log"))?;
         let src = spawn(SRC_NS, &src_path, &format!("{tag}-source.log"))?;

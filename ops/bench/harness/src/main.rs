@@ -71,7 +71,8 @@ struct Args {
     /// Shards of the scale scenario's checkpoint (its size is 4 KiB each).
     #[arg(long, default_value_t = 100_000)]
     scale_shards: u64,
-    /// Work directory (checkpoints, copies, agent data); emptied first.
+    /// Work directory (checkpoints, copies, agent data); emptied at the start
+    /// if it is empty or was made by ferry-bench (refused otherwise).
     #[arg(long, default_value = "/var/tmp/ferry-bench")]
     work: PathBuf,
     /// Where RESULTS.md and results/ are written.
@@ -116,6 +117,10 @@ fn say(msg: impl AsRef<str>) {
 
 fn run() -> Result<()> {
     let args = Args::parse();
+    handle_signals()?;
+    if args.rtt < Duration::from_millis(1) {
+        bail!("--rtt must be at least 1ms");
+    }
     if !nix::unistd::geteuid().is_root() {
         bail!("needs root (it creates network namespaces); run ops/bench/run as root");
     }
@@ -143,10 +148,7 @@ fn run() -> Result<()> {
         }
     }
     let work = args.work.clone();
-    if work.exists() {
-        std::fs::remove_dir_all(&work).with_context(|| format!("emptying {}", work.display()))?;
-    }
-    std::fs::create_dir_all(work.join("logs"))?;
+    prepare_work(&work)?;
     let mut b = Bench {
         args,
         repo,
@@ -175,7 +177,19 @@ fn run() -> Result<()> {
     } else {
         1_400_000_000
     });
-    let main_ckpt = b.gen("throughput", &["--size", &size.to_string()])?;
+    let needs_main = ["throughput", "rtt", "coexist", "cpu"]
+        .iter()
+        .any(|sc| wanted(sc, &b));
+    let main_ckpt = if needs_main {
+        b.gen("throughput", &["--size", &size.to_string()])?
+    } else {
+        Ckpt {
+            name: String::new(),
+            dir: PathBuf::new(),
+            bytes: 0,
+            files: 0,
+        }
+    };
 
     if wanted("throughput", &b) {
         scenario_throughput(&mut b, &main_ckpt)?;
@@ -210,6 +224,34 @@ fn run() -> Result<()> {
     Ok(())
 }
 
+/// File marking a directory as ferry-bench's own work directory.
+const WORK_MARKER: &str = ".ferry-bench-work";
+
+/// Empties `work` for a new run, but only if it is missing, empty or marked
+/// as ours: a mistyped `--work` must not delete someone's data.
+fn prepare_work(work: &Path) -> Result<()> {
+    if work.exists() {
+        let empty = std::fs::read_dir(work)
+            .with_context(|| format!("--work {}", work.display()))?
+            .next()
+            .is_none();
+        if !empty && !work.join(WORK_MARKER).exists() {
+            bail!(
+                "--work {} is not empty and not a ferry-bench work directory (no {WORK_MARKER}); refusing to empty it",
+                work.display()
+            );
+        }
+        std::fs::remove_dir_all(work).with_context(|| format!("emptying {}", work.display()))?;
+    }
+    std::fs::create_dir_all(work.join("logs"))
+        .with_context(|| format!("creating {}", work.display()))?;
+    std::fs::write(
+        work.join(WORK_MARKER),
+        b"ferry-bench work directory; emptied by each run\n",
+    )?;
+    Ok(())
+}
+
 fn which(tool: &str) -> Option<PathBuf> {
     std::env::var_os("PATH").and_then(|paths| {
         std::env::split_paths(&paths)
@@ -220,7 +262,16 @@ fn which(tool: &str) -> Option<PathBuf> {
 
 /// Runs `cmd` to completion; an error carries its stderr.
 fn cmd_ok(cmd: &mut Command, what: &str) -> Result<String> {
-    let out = cmd.output().with_context(|| format!("starting {what}"))?;
+    let child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("starting {what}"))?;
+    let pid = child.id();
+    register(pid);
+    let out = child.wait_with_output();
+    unregister(pid);
+    let out = out.with_context(|| format!("running {what}"))?;
     if !out.status.success() {
         bail!(
             "{what} failed ({}): {}",
@@ -238,8 +289,83 @@ fn in_ns(ns: &str, program: &str) -> Command {
     c
 }
 
+/// Every child process alive, so a SIGINT/SIGTERM of the harness stops
+/// them (the emulator's script then tears the namespaces down).
+static CHILDREN: std::sync::Mutex<Vec<u32>> = std::sync::Mutex::new(Vec::new());
+
+fn register(pid: u32) {
+    if let Ok(mut c) = CHILDREN.lock() {
+        c.push(pid);
+    }
+}
+
+fn unregister(pid: u32) {
+    if let Ok(mut c) = CHILDREN.lock() {
+        c.retain(|p| *p != pid);
+    }
+}
+
+/// Handles SIGINT, SIGTERM and SIGHUP in one thread (signal-hook: a
+/// handler and a pipe, no blocked mask for children to inherit): SIGTERM to
+/// every child, a wait for their teardown, exit.
+fn handle_signals() -> Result<()> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
+        .context("signal handlers")?;
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            let Some(sig) = signals.forever().next() else {
+                return;
+            };
+            say(format!(
+                "signal {sig}: stopping every child and tearing the link down"
+            ));
+            let pids = CHILDREN.lock().map(|c| c.clone()).unwrap_or_default();
+            for pid in &pids {
+                if let Ok(p) = i32::try_from(*pid) {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(p),
+                        nix::sys::signal::Signal::SIGTERM,
+                    );
+                }
+            }
+            // The netns script removes the namespaces within a few seconds.
+            let end = Instant::now() + Duration::from_secs(15);
+            while Instant::now() < end
+                && pids
+                    .iter()
+                    .any(|p| Path::new(&format!("/proc/{p}")).exists() && !zombie(*p))
+            {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            std::process::exit(128 + sig);
+        })
+        .context("starting the signal thread")?;
+    Ok(())
+}
+
+/// Whether process `pid` has exited but not been reaped.
+fn zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, r)| r.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(true)
+}
+
 /// A child that is killed and reaped when dropped.
 struct Guard(Option<Child>);
+
+impl Guard {
+    /// Takes ownership of a spawned child (registered for signal cleanup).
+    fn new(c: Child) -> Guard {
+        register(c.id());
+        Guard(Some(c))
+    }
+}
 
 impl Guard {
     fn pid(&self) -> Option<u32> {
@@ -248,6 +374,7 @@ impl Guard {
     /// SIGTERM, then SIGKILL after `grace`.
     fn stop(&mut self, grace: Duration) {
         if let Some(mut c) = self.0.take() {
+            unregister(c.id());
             if let Ok(pid) = i32::try_from(c.id()) {
                 let _ = nix::sys::signal::kill(
                     nix::unistd::Pid::from_raw(pid),
@@ -282,6 +409,14 @@ fn timed(cmd: &mut Command, cap: Duration, log: &Path) -> Result<(f64, bool, Opt
         .stderr(logf)
         .spawn()
         .context("starting a copy")?;
+    let pid = child.id();
+    register(pid);
+    let result = wait_capped(&mut child, t0, cap);
+    unregister(pid);
+    result
+}
+
+fn wait_capped(child: &mut Child, t0: Instant, cap: Duration) -> Result<(f64, bool, Option<i32>)> {
     loop {
         if let Some(status) = child.try_wait()? {
             return Ok((t0.elapsed().as_secs_f64(), true, status.code()));
@@ -324,7 +459,7 @@ impl Link {
         ));
         let mut child = Command::new(b.repo.join("ops/wanem/netns"))
             .arg("--rtt")
-            .arg(format!("{}ms", rtt.as_millis()))
+            .arg(format!("{}us", rtt.as_micros()))
             .args(["--rate", &rate.to_string(), "--loss", &loss.to_string()])
             .arg("--stats")
             .arg(&stats)
@@ -334,7 +469,7 @@ impl Link {
             .spawn()
             .context("starting ops/wanem/netns")?;
         let out = child.stdout.take().context("netns stdout")?;
-        let mut guard = Guard(Some(child));
+        let mut guard = Guard::new(child);
         let mut reader = BufReader::new(out);
         let mut line = String::new();
         loop {

@@ -33,8 +33,11 @@ pub fn write(b: &Bench) -> Result<()> {
         },
         "records": b.records,
     });
+    // Only a full run replaces latest.json (and RESULTS.md's section).
     let json_name = if b.args.quick {
         "latest-quick.json"
+    } else if !b.args.only.is_empty() || !b.args.tools.is_empty() {
+        "latest-partial.json"
     } else {
         "latest.json"
     };
@@ -44,7 +47,7 @@ pub fn write(b: &Bench) -> Result<()> {
     )?;
     let md = markdown(b, &machine, &date, mode);
     println!("{md}");
-    if !b.args.quick && b.args.only.is_empty() {
+    if json_name == "latest.json" {
         splice(&out.join("RESULTS.md"), &md)?;
         chart(b, &results.join("rtt.svg"))?;
     } else if b.records.iter().any(|r| r.scenario == "rtt") {
@@ -53,7 +56,7 @@ pub fn write(b: &Bench) -> Result<()> {
     say(format!(
         "results: {}{}",
         results.join(json_name).display(),
-        if !b.args.quick && b.args.only.is_empty() {
+        if json_name == "latest.json" {
             format!(", {}", out.join("RESULTS.md").display())
         } else {
             String::new()

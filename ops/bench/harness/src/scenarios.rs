@@ -47,7 +47,7 @@ impl Servers {
             .stderr(std::fs::File::create(b.log("rsyncd.log"))?)
             .spawn()
             .context("starting rsync --daemon")?;
-        self.rsync = Some(Guard(Some(child)));
+        self.rsync = Some(Guard::new(child));
         wait_port(&format!("{SRC_MGMT}:{RSYNC_PORT}"), Duration::from_secs(10))
     }
 
@@ -65,7 +65,7 @@ impl Servers {
             .stderr(std::fs::File::create(b.log("rclone-serve.log"))?)
             .spawn()
             .context("starting rclone serve http")?;
-        self.http = Some(Guard(Some(child)));
+        self.http = Some(Guard::new(child));
         wait_port(&format!("{SRC_MGMT}:{HTTP_PORT}"), Duration::from_secs(10))
     }
 }
@@ -254,6 +254,12 @@ fn copy_with(
     };
     let after = link.snap()?;
     rec.counters = Link::counters(&before, &after);
+    if !rec.finished {
+        // Measures of what was done, not of the whole checkpoint.
+        let done = rec.extra["bytes_done"].as_u64().unwrap_or(0);
+        rec.goodput_bps = done as f64 * 8.0 / rec.wall_s;
+        rec.utilisation = ferry_bench::utilisation(done, rec.link_rate_bps, rec.wall_s);
+    }
     if tool == "ferry" {
         say(format!(
             "  CPU during the copy: source {:.2} s, sink {:.2} s, emulator {:.2} s (wall {:.2} s, 2 cores)",
@@ -320,40 +326,37 @@ fn check_emulator(b: &mut Bench, link: &Link, iperf: bool) -> Result<()> {
     rec.extra = json!({ "rtt_avg_ms": avg, "within_5pct": dev <= 0.05 });
     b.records.push(rec);
     if iperf {
-        let _server = Guard(Some(
+        let _server = Guard::new(
             in_ns(DST_NS, "iperf3")
                 .arg("-s")
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()
                 .context("starting iperf3 -s")?,
-        ));
+        );
         wait_port(&format!("{DST_MGMT}:5201"), Duration::from_secs(10))?;
         // Goodput over seconds 2-12 of a 12 s flow (after slow start),
         // from the TCP bytes the emulator delivered: iperf3's own interval
         // figures are bursty (application reads) and its --omit summary
         // over-counts.
         let before = link.snap()?;
-        let mut client = Guard(Some(
+        let mut client = Guard::new(
             in_ns(SRC_NS, "iperf3")
                 .args(["-c", DST_ADDR, "-t", "12", "-J"])
                 .stdout(Stdio::piped())
                 .stderr(Stdio::null())
                 .spawn()
                 .context("starting iperf3 -c")?,
-        ));
+        );
         std::thread::sleep(Duration::from_secs(2));
         let (tcp0, _) = link.forward_bytes()?;
         let t0 = Instant::now();
         std::thread::sleep(Duration::from_secs(10));
         let (tcp1, _) = link.forward_bytes()?;
         let window = t0.elapsed().as_secs_f64();
-        let out = client
-            .0
-            .take()
-            .context("iperf3 client")?
-            .wait_with_output()
-            .context("iperf3 -c")?;
+        let child = client.0.take().context("iperf3 client")?;
+        unregister(child.id());
+        let out = child.wait_with_output().context("iperf3 -c")?;
         let after = link.snap()?;
         let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
         let iperf_bps = v["end"]["sum_received"]["bits_per_second"].as_f64();
@@ -491,14 +494,14 @@ pub fn scenario_coexist(b: &mut Bench, main: &Ckpt) -> Result<()> {
         &[b.src_root()],
         "coexist",
     )?;
-    let _server = Guard(Some(
+    let _server = Guard::new(
         in_ns(DST_NS, "iperf3")
             .arg("-s")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .context("starting iperf3 -s")?,
-    ));
+    );
     wait_port(&format!("{DST_MGMT}:5201"), Duration::from_secs(10))?;
     let id = agents.push(&ck.dir, "scheduled")?;
     let before = link.snap()?;
