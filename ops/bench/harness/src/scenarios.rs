@@ -290,6 +290,20 @@ fn copy_with(
     Ok(rec)
 }
 
+/// An iperf3 server in the sink namespace, listening once this returns.
+fn iperf3_server() -> Result<Guard> {
+    let server = Guard::new(
+        in_ns(DST_NS, "iperf3")
+            .arg("-s")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting iperf3 -s")?,
+    );
+    wait_port(&format!("{DST_MGMT}:5201"), Duration::from_secs(10))?;
+    Ok(server)
+}
+
 /// Checks the emulator: ping RTT within 5 % of the setting; with `iperf`,
 /// a 10 s iperf3 TCP flow within 10 % of the cap.
 fn check_emulator(b: &mut Bench, link: &Link, iperf: bool) -> Result<()> {
@@ -326,15 +340,7 @@ fn check_emulator(b: &mut Bench, link: &Link, iperf: bool) -> Result<()> {
     rec.extra = json!({ "rtt_avg_ms": avg, "within_5pct": dev <= 0.05 });
     b.records.push(rec);
     if iperf {
-        let _server = Guard::new(
-            in_ns(DST_NS, "iperf3")
-                .arg("-s")
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .context("starting iperf3 -s")?,
-        );
-        wait_port(&format!("{DST_MGMT}:5201"), Duration::from_secs(10))?;
+        let _server = iperf3_server()?;
         // Goodput over seconds 2-12 of a 12 s flow (after slow start),
         // from the TCP bytes the emulator delivered: iperf3's own interval
         // figures are bursty (application reads) and its --omit summary
@@ -494,15 +500,7 @@ pub fn scenario_coexist(b: &mut Bench, main: &Ckpt) -> Result<()> {
         &[b.src_root()],
         "coexist",
     )?;
-    let _server = Guard::new(
-        in_ns(DST_NS, "iperf3")
-            .arg("-s")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting iperf3 -s")?,
-    );
-    wait_port(&format!("{DST_MGMT}:5201"), Duration::from_secs(10))?;
+    let _server = iperf3_server()?;
     let id = agents.push(&ck.dir, "scheduled")?;
     let before = link.snap()?;
     let (tcp0, udp0) = link.forward_bytes()?;

@@ -101,52 +101,13 @@ struct Args {
     streams: u32,
 }
 
-/// Parses a byte count: a plain integer or a decimal number followed by a
-/// unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; case-insensitive), rounded to
-/// the nearest byte. Zero is rejected.
+/// Parses a byte count with [`replicator::units::parse_size`] (e.g.
+/// `1400000000`, `1.4GB`, `512MiB`); zero is refused.
 fn parse_bytes(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = (&t[..split], t[split..].trim());
-    let mult: u128 = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "kb" => 1_000,
-        "mb" => 1_000_000,
-        "gb" => 1_000_000_000,
-        "tb" => 1_000_000_000_000,
-        "kib" => 1 << 10,
-        "mib" => 1 << 20,
-        "gib" => 1 << 30,
-        "tib" => 1 << 40,
-        _ => {
-            return Err(format!(
-                "unknown unit {unit:?} (use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)"
-            ))
-        }
-    };
-    let (int_part, frac_part) = num.split_once('.').unwrap_or((num, ""));
-    if int_part.is_empty() && frac_part.is_empty() {
-        return Err(format!("{s:?} is not a byte count"));
+    match replicator::units::parse_size(s)? {
+        0 => Err("the byte count must be at least 1".into()),
+        n => Ok(n),
     }
-    if frac_part.contains('.') || frac_part.len() > 18 {
-        return Err(format!("{s:?} is not a byte count"));
-    }
-    let digits = format!("{int_part}{frac_part}");
-    let mantissa: u128 = digits
-        .parse()
-        .map_err(|_| format!("{s:?} is not a byte count"))?;
-    let scale = 10u128.pow(frac_part.len() as u32);
-    let bytes = mantissa
-        .checked_mul(mult)
-        .map(|v| (v + scale / 2) / scale)
-        .and_then(|v| u64::try_from(v).ok())
-        .ok_or_else(|| format!("{s:?} is too large"))?;
-    if bytes == 0 {
-        return Err("the byte count must be at least 1".into());
-    }
-    Ok(bytes)
 }
 
 /// Process CPU time so far: (user, system) seconds, all threads.
