@@ -167,13 +167,22 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
         .with_context(|| format!("[api] listen {}", cfg.api.listen))?;
     let api_addr = listener.local_addr()?;
     if !api_addr.ip().is_loopback() {
-        tracing::warn!(%api_addr, "the API has no TLS and no tokens yet; bind it to loopback or a trusted network");
+        tracing::warn!(%api_addr, "the API has no TLS; bind it to loopback or a trusted network");
     }
-    let router = api::router(api::AppState {
-        agent: cfg.agent.name.clone(),
-        source: source.clone(),
-        sink: sink.clone(),
-    });
+    let auth = cfg.api.auth()?;
+    if auth.is_open() {
+        tracing::warn!(
+            "[api] allow_unauthenticated = true: requests without a token may do anything"
+        );
+    } else if cfg.api.tokens.is_empty() {
+        tracing::warn!("[api] has no tokens: every request but /, /healthz and /openapi.json will get 401 (make one with `ferry token new --role operator`)");
+    }
+    let router = api::router(api::AppState::new(
+        cfg.agent.name.clone(),
+        source.clone(),
+        sink.clone(),
+        auth,
+    ));
     let stop_api = CancellationToken::new();
     let stop = stop_api.clone();
     let api_task = tokio::spawn(async move {

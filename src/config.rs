@@ -78,13 +78,72 @@ pub struct ApiSection {
     /// HTTP listen address; default `127.0.0.1:7070`.
     #[serde(default = "default_api_listen")]
     pub listen: SocketAddr,
+    /// Serve requests without a token as if they had every role (a local
+    /// demo only); default false.
+    #[serde(default)]
+    pub allow_unauthenticated: bool,
+    /// `[[api.tokens]]`: accepted bearer tokens, by hash.
+    #[serde(default)]
+    pub tokens: Vec<TokenSection>,
 }
 
 impl Default for ApiSection {
     fn default() -> Self {
         ApiSection {
             listen: default_api_listen(),
+            allow_unauthenticated: false,
+            tokens: Vec::new(),
         }
+    }
+}
+
+/// `[[api.tokens]]`: one accepted token (`ferry token new` prints the
+/// entry).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenSection {
+    /// Name shown in logs and 403 answers instead of the token.
+    pub name: String,
+    /// `reader`, `signaler` or `operator`.
+    pub role: String,
+    /// `blake3:<64 hex digits>`, the BLAKE3 hash of the token.
+    pub hash: String,
+}
+
+impl ApiSection {
+    /// The access rule these settings describe.
+    ///
+    /// # Errors
+    /// A message naming the bad `api.tokens` entry.
+    pub fn auth(&self) -> Result<api::Auth> {
+        let mut entries = Vec::new();
+        for (i, t) in self.tokens.iter().enumerate() {
+            if t.name.is_empty() {
+                bail!("api.tokens[{i}].name must not be empty");
+            }
+            if self.tokens[..i].iter().any(|o| o.name == t.name) {
+                bail!("api.tokens[{i}].name {:?} is used twice", t.name);
+            }
+            let role: api::Role = t
+                .role
+                .parse()
+                .map_err(|e| anyhow::anyhow!("api.tokens[{i}].role: {e}"))?;
+            let hash = api::auth::parse_hash(&t.hash)
+                .map_err(|e| anyhow::anyhow!("api.tokens[{i}].hash: {e}"))?;
+            if entries.iter().any(|e: &api::TokenEntry| e.hash == hash) {
+                bail!("api.tokens[{i}].hash is the hash of an earlier entry's token");
+            }
+            entries.push(api::TokenEntry {
+                name: t.name.clone(),
+                role,
+                hash,
+            });
+        }
+        Ok(if self.allow_unauthenticated {
+            api::Auth::open(entries)
+        } else {
+            api::Auth::tokens(entries)
+        })
     }
 }
 
@@ -573,6 +632,7 @@ impl Config {
         if is_sink && self.sink.is_none() {
             bail!("agent.role = sink needs a [sink] section");
         }
+        self.api.auth()?;
         for (i, l) in self.links.iter().enumerate() {
             if l.name.is_empty() {
                 bail!("links[{i}].name must not be empty");
@@ -775,6 +835,44 @@ link = "to-eval"
         assert!(e.contains("source.roots[0].link"), "{e}");
         let e = err(&GOOD.replace("role = \"source\"", "role = \"sink\""));
         assert!(e.contains("[sink]"), "{e}");
+    }
+
+    #[test]
+    fn api_tokens_are_checked_and_name_the_entry() {
+        let tok = api::auth::new_token();
+        let hash = api::auth::hash_token(&tok);
+        let with = |entries: &str| format!("{GOOD}\n{entries}");
+        let entry = |name: &str, role: &str, hash: &str| {
+            format!("[[api.tokens]]\nname = \"{name}\"\nrole = \"{role}\"\nhash = \"{hash}\"\n")
+        };
+        let c = load(&with(&entry("ops", "operator", &hash))).unwrap();
+        let auth = c.api.auth().unwrap();
+        assert!(!auth.is_open());
+        let hv = format!("Bearer {tok}").parse().unwrap();
+        assert_eq!(
+            auth.authenticate(Some(&hv)).unwrap().role,
+            api::Role::Operator
+        );
+        assert!(auth.authenticate(None).is_err(), "no token must be refused");
+
+        let e = err(&with(&entry("ops", "admin", &hash)));
+        assert!(
+            e.contains("api.tokens[0].role") && e.contains("admin"),
+            "{e}"
+        );
+        let e = err(&with(&entry("ops", "reader", &tok)));
+        assert!(e.contains("api.tokens[0].hash"), "{e}");
+        assert!(!e.contains(&tok[10..]), "the error shows the token: {e}");
+        let two =
+            entry("ops", "reader", &hash) + &entry("ops", "operator", &api::auth::hash_token("x"));
+        let e = err(&with(&two));
+        assert!(
+            e.contains("api.tokens[1].name") && e.contains("twice"),
+            "{e}"
+        );
+        let two = entry("a", "reader", &hash) + &entry("b", "operator", &hash);
+        let e = err(&with(&two));
+        assert!(e.contains("api.tokens[1].hash"), "{e}");
     }
 
     #[test]

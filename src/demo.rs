@@ -115,7 +115,12 @@ fn agent_config(dir: &Path, name: &str, role: Role, api: SocketAddr) -> Config {
             role,
             data_dir: dir.join(format!("{name}-data")),
         },
-        api: ApiSection { listen: api },
+        // The demo's agents are local and short-lived: no tokens.
+        api: ApiSection {
+            listen: api,
+            allow_unauthenticated: true,
+            tokens: Vec::new(),
+        },
         quic: QuicSection::default(),
         tls: TlsSection {
             ca: certs.join("ca.pem"),

@@ -79,7 +79,7 @@ pub mod state {
 }
 
 /// A source-side transfer row.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
 pub struct Transfer {
     /// Transfer id (also sent to the sink).
     pub id: i64,
@@ -155,7 +155,7 @@ pub mod checkpoint {
 }
 
 /// A sink-side row: an incoming transfer, or a replica once published.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
 pub struct Replica {
     /// Row id.
     pub id: i64,
@@ -252,7 +252,7 @@ pub mod origin {
 }
 
 /// A job (training run) as the scheduler ranks it.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
 pub struct Job {
     /// Job name.
     pub name: String,
@@ -267,7 +267,7 @@ pub struct Job {
 }
 
 /// An anomaly report from a training controller.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
 pub struct Signal {
     /// Signal id.
     pub id: i64,
@@ -1096,9 +1096,18 @@ impl Catalog {
     /// # Errors
     /// SQL errors.
     pub async fn recent_signals(&self, limit: i64) -> Result<Vec<Signal>, CatalogError> {
-        let q = format!("SELECT {SIGNAL_COLS} FROM signals ORDER BY id DESC LIMIT ?");
+        self.signals_page(limit, 0).await
+    }
+
+    /// Signals, newest first: `limit` of them after skipping `offset`.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn signals_page(&self, limit: i64, offset: i64) -> Result<Vec<Signal>, CatalogError> {
+        let q = format!("SELECT {SIGNAL_COLS} FROM signals ORDER BY id DESC LIMIT ? OFFSET ?");
         let rows = sqlx::query(&q)
             .bind(limit.max(0))
+            .bind(offset.max(0))
             .fetch_all(&self.pool)
             .await?;
         Ok(rows.iter().map(signal_row).collect::<Result<_, _>>()?)
@@ -1912,6 +1921,7 @@ mod tests {
         );
         assert_eq!(ids(c.recent_signals(2).await.unwrap()), [s3.id, s2.id]);
         assert!(c.recent_signals(-1).await.unwrap().is_empty());
+        assert_eq!(ids(c.signals_page(2, 1).await.unwrap()), [s2.id, s1.id]);
         assert_eq!(
             ids(c.signals_since(s1.received_at).await.unwrap()),
             [s1.id, s2.id, s3.id]

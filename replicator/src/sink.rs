@@ -53,7 +53,7 @@ pub struct SinkConfig {
 }
 
 /// What resolve answers for a source path.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
 #[serde(tag = "state", rename_all = "lowercase")]
 pub enum Resolution {
     /// A verified replica is published here.

@@ -103,7 +103,7 @@ pub struct SourceConfig {
 }
 
 /// Live progress of one transfer.
-#[derive(Debug, Default, Serialize, Clone, Copy)]
+#[derive(Debug, Default, Serialize, Clone, Copy, utoipa::ToSchema)]
 pub struct Progress {
     /// Bytes in the checkpoint.
     pub bytes_total: u64,
@@ -147,7 +147,7 @@ pub const SIGNAL_KINDS: [&str; 5] = [
 ];
 
 /// What a signal did.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct SignalOutcome {
     /// The stored signal.
     pub signal: crate::catalog::Signal,
@@ -206,7 +206,7 @@ fn not_final(t: &Transfer) -> Result<(), OpsError> {
 }
 
 /// Why a transfer ranks where it does (`GET /v1/transfers/{id}`).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct Ranking {
     /// `priority` or `fifo` (under `fifo` the score is shown but unused).
     pub policy: &'static str,

@@ -27,7 +27,9 @@ pub use score::{
 
 /// The scheduler's coarse tiers, strictly ordered: `Urgent` before
 /// `Scheduled` before `Background` (ARCHITECTURE.md, "Vocabulary").
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, utoipa::ToSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Class {
     /// An eval is waiting (e.g. after a loss spike).

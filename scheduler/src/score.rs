@@ -14,7 +14,7 @@ pub const SIZE_REFERENCE_PARAMS: f64 = 1e9;
 pub const MIN_SIZE_TERM: f64 = 0.1;
 
 /// A score and its terms; `value` is their product.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Score {
     /// The product of the four terms, > 0.
     pub value: f64,

@@ -232,7 +232,7 @@ impl AgentConfig {
     pub fn to_toml(&self) -> String {
         let mut t = format!(
             "[agent]\nname = {}\nsite = {}\nrole = {}\ndata_dir = {}\n\n\
-             [api]\nlisten = {}\n\n[quic]\nlisten = {}\n\n\
+             [api]\nlisten = {}\nallow_unauthenticated = true\n\n[quic]\nlisten = {}\n\n\
              [tls]\nca = {}\ncert = {}\nkey = {}\n",
             toml_str(&self.name),
             toml_str(&self.site),

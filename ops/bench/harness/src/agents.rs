@@ -75,10 +75,9 @@ impl Agents {
             ),
         };
         let max_rate = rate.max(1_000_000_000);
-        let common =
-            |name: &str, role: &str, api: &str, quic: &str, data: &Path| {
-                format!(
-                "[agent]\nname = {}\nsite = {}\nrole = {}\ndata_dir = {}\n\n[api]\nlisten = {}\n\n\
+        let common = |name: &str, role: &str, api: &str, quic: &str, data: &Path| {
+            format!(
+                "[agent]\nname = {}\nsite = {}\nrole = {}\ndata_dir = {}\n\n[api]\nlisten = {}\nallow_unauthenticated = true\n\n\
                  [quic]\nlisten = {}\nmax_link_rate = {}\nmax_rtt = {}\n\n\
                  [tls]\nca = {}\ncert = {}\nkey = {}\n",
                 toml_str(name),
@@ -93,7 +92,7 @@ impl Agents {
                 p(&certs.join(format!("{name}.pem"))),
                 p(&certs.join(format!("{name}.key"))),
             )
-            };
+        };
         let mut src_cfg = common(
             "train-a-1",
             "source",

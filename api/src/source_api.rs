@@ -1,0 +1,691 @@
+//! Source routes: transfers and their control, jobs, links, signals and
+//! announcements.
+
+use std::path::PathBuf;
+
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use replicator::catalog::{Job, Signal, Transfer};
+use replicator::source::{OpsError, Progress, Ranking, SignalOutcome, Source, SubmitError};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ApiError, ErrorBody};
+use crate::{AppState, Page};
+
+pub(crate) fn source(s: &AppState) -> Result<&Source, ApiError> {
+    s.source
+        .as_ref()
+        .ok_or_else(|| ApiError::not_found("this agent is not a source; ask the source agent"))
+}
+
+/// Body of `POST /v1/transfers`.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct CreateTransfer {
+    /// Absolute path of a directory under a source root.
+    path: String,
+    /// Link to use instead of the source root's.
+    link: Option<String>,
+    /// `scheduled` (default), `background` or `urgent`.
+    class: Option<String>,
+}
+
+/// A transfer with its live progress, as the API shows it.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub(crate) struct TransferView {
+    #[serde(flatten)]
+    transfer: Transfer,
+    /// Live progress while it runs (`null` otherwise).
+    progress: Option<Progress>,
+}
+
+/// A transfer with its ranking (`GET /v1/transfers/{id}`).
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub(crate) struct TransferDetail {
+    #[serde(flatten)]
+    view: TransferView,
+    /// Why it ranks where it does: class, score term by term, share.
+    ranking: Ranking,
+}
+
+/// A transfer with live progress; while it runs, `bytes_sent` is the
+/// live count (the catalog's is updated at the end of each send round).
+pub(crate) fn view(src: &Source, mut t: Transfer) -> TransferView {
+    let progress = src.progress(t.id);
+    if let Some(p) = &progress {
+        t.bytes_sent = t.bytes_sent.max(p.bytes_sent as i64);
+    }
+    TransferView {
+        transfer: t,
+        progress,
+    }
+}
+
+/// Queue a transfer of a directory under a source root (any directory:
+/// a checkpoint, or a dataset in class `background`).
+#[utoipa::path(
+    post, path = "/v1/transfers", tag = "source",
+    request_body = CreateTransfer,
+    security(("bearer" = ["operator"])),
+    responses(
+        (status = 201, description = "Queued", body = TransferView),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 403, description = "The token's role is below operator", body = ErrorBody),
+        (status = 413, description = "Body over 64 KiB", body = ErrorBody),
+        (status = 422, description = "A field is invalid; the message names it", body = ErrorBody),
+    )
+)]
+pub(crate) async fn create_transfer(
+    State(s): State<AppState>,
+    body: Result<Json<CreateTransfer>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(req) = body?;
+    let src = source(&s)?;
+    if !req.path.starts_with('/') {
+        return Err(ApiError::unprocessable(
+            "`path` must be an absolute path at the source",
+        ));
+    }
+    let class = match req.class.as_deref() {
+        None => scheduler::Class::Scheduled,
+        Some(c) => c
+            .parse()
+            .map_err(|e| ApiError::unprocessable(format!("`class`: {e}")))?,
+    };
+    let t = src
+        .submit_as(&PathBuf::from(&req.path), req.link.as_deref(), class)
+        .await
+        .map_err(submit_error)?;
+    Ok((
+        StatusCode::CREATED,
+        Json(TransferView {
+            transfer: t,
+            progress: None,
+        }),
+    )
+        .into_response())
+}
+
+/// A refused submission or announcement as a 422 naming the field (or a
+/// 500 for the catalog).
+fn submit_error(e: SubmitError) -> ApiError {
+    match e {
+        SubmitError::BadPath(m) => ApiError::unprocessable(format!("`path`: {m}")),
+        SubmitError::BadJob(m) => ApiError::unprocessable(format!("`job`: {m}")),
+        SubmitError::UnknownLink(l) => {
+            ApiError::unprocessable(format!("`link`: unknown link {l:?}"))
+        }
+        SubmitError::Catalog(e) => ApiError::internal(e),
+    }
+}
+
+/// Body of `POST /v1/checkpoints/announce`.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Announce {
+    /// Job name.
+    job: String,
+    /// Training step of the checkpoint.
+    step: u64,
+    /// Absolute path the checkpoint will be written to, under a source
+    /// root.
+    path: String,
+    /// Expected size, bytes (0 = unknown).
+    #[serde(default)]
+    expected_bytes: u64,
+}
+
+/// Answer of `POST /v1/checkpoints/announce`.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub(crate) struct AnnounceOutcome {
+    /// False if the root's `every_n_steps` skips this step.
+    selected: bool,
+    /// The queued transfer, when selected.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    transfer: Option<TransferView>,
+    /// Why it was not selected.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<String>,
+}
+
+/// A training controller says a checkpoint is coming: the transfer is
+/// queued before the first byte is written.
+#[utoipa::path(
+    post, path = "/v1/checkpoints/announce", tag = "source",
+    request_body = Announce,
+    security(("bearer" = ["signaler"])),
+    responses(
+        (status = 201, description = "Queued", body = AnnounceOutcome),
+        (status = 200, description = "Not selected (every_n_steps)", body = AnnounceOutcome),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 403, description = "The token's role is below signaler", body = ErrorBody),
+        (status = 413, description = "Body over 64 KiB", body = ErrorBody),
+        (status = 422, description = "A field is invalid; the message names it", body = ErrorBody),
+    )
+)]
+pub(crate) async fn announce(
+    State(s): State<AppState>,
+    body: Result<Json<Announce>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(req) = body?;
+    let src = source(&s)?;
+    if !req.path.starts_with('/') {
+        return Err(ApiError::unprocessable(
+            "`path` must be an absolute path at the source",
+        ));
+    }
+    if req.job.is_empty() {
+        return Err(ApiError::unprocessable("`job` must not be empty"));
+    }
+    let t = src
+        .announce(
+            &req.job,
+            req.step,
+            &PathBuf::from(&req.path),
+            req.expected_bytes,
+        )
+        .await
+        .map_err(submit_error)?;
+    Ok(match t {
+        Some(t) => (
+            StatusCode::CREATED,
+            Json(AnnounceOutcome {
+                selected: true,
+                transfer: Some(view(src, t)),
+                reason: None,
+            }),
+        )
+            .into_response(),
+        None => Json(AnnounceOutcome {
+            selected: false,
+            transfer: None,
+            reason: Some(format!(
+                "step {} is not selected by the root's every_n_steps",
+                req.step
+            )),
+        })
+        .into_response(),
+    })
+}
+
+/// A page of transfers.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub(crate) struct TransferPage {
+    items: Vec<TransferView>,
+    limit: i64,
+    offset: i64,
+}
+
+/// Transfers with live progress, newest first.
+#[utoipa::path(
+    get, path = "/v1/transfers", tag = "source",
+    params(Page),
+    security(("bearer" = ["reader"])),
+    responses(
+        (status = 200, description = "A page of transfers", body = TransferPage),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 422, description = "`limit` or `offset` out of range", body = ErrorBody),
+    )
+)]
+pub(crate) async fn list_transfers(
+    State(s): State<AppState>,
+    p: Result<Query<Page>, QueryRejection>,
+) -> Result<Json<TransferPage>, ApiError> {
+    let Query(p) = p?;
+    let (limit, offset) = p.get()?;
+    let src = source(&s)?;
+    let rows = src
+        .catalog()
+        .transfers(limit, offset)
+        .await
+        .map_err(ApiError::internal)?;
+    let items = rows.into_iter().map(|t| view(src, t)).collect();
+    Ok(Json(TransferPage {
+        items,
+        limit,
+        offset,
+    }))
+}
+
+fn transfer_id(id: Result<Path<String>, PathRejection>) -> Result<i64, ApiError> {
+    let Path(id) = id?;
+    id.parse()
+        .map_err(|_| ApiError::unprocessable(format!("transfer id {id:?} is not a number")))
+}
+
+/// One transfer with its ranking: effective class, score term by term and
+/// their inputs, share of the link and ETA.
+#[utoipa::path(
+    get, path = "/v1/transfers/{id}", tag = "source",
+    params(("id" = i64, Path, description = "Transfer id")),
+    security(("bearer" = ["reader"])),
+    responses(
+        (status = 200, description = "The transfer", body = TransferDetail),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 404, description = "No such transfer", body = ErrorBody),
+        (status = 422, description = "The id is not a number", body = ErrorBody),
+    )
+)]
+pub(crate) async fn get_transfer(
+    State(s): State<AppState>,
+    id: Result<Path<String>, PathRejection>,
+) -> Result<Json<TransferDetail>, ApiError> {
+    let id = transfer_id(id)?;
+    let src = source(&s)?;
+    let t = src
+        .catalog()
+        .transfer(id)
+        .await
+        .map_err(ApiError::internal)?
+        .ok_or_else(|| ApiError::not_found(format!("no transfer {id}")))?;
+    let ranking = src.ranking(&t).await.map_err(ApiError::internal)?;
+    Ok(Json(TransferDetail {
+        view: view(src, t),
+        ranking,
+    }))
+}
+
+/// An operator or controller request refused by the source, as 404, 409
+/// or 422 naming the field.
+fn ops_error(e: OpsError) -> ApiError {
+    match e {
+        OpsError::UnknownJob(_) | OpsError::UnknownTransfer(_) => {
+            ApiError::not_found(e.to_string())
+        }
+        OpsError::Invalid(m) => ApiError::unprocessable(m),
+        OpsError::Conflict(m) => ApiError::new(StatusCode::CONFLICT, m),
+        OpsError::Catalog(e) => ApiError::internal(e),
+    }
+}
+
+macro_rules! action {
+    ($name:ident, $verb:literal, $doc:literal) => {
+        #[doc = $doc]
+        #[utoipa::path(
+            post, path = concat!("/v1/transfers/{id}/", $verb), tag = "source",
+            params(("id" = i64, Path, description = "Transfer id")),
+            security(("bearer" = ["operator"])),
+            responses(
+                (status = 200, description = "Done; the transfer as it is now", body = TransferView),
+                (status = 401, description = "No or unknown token", body = ErrorBody),
+                (status = 403, description = "The token's role is below operator", body = ErrorBody),
+                (status = 404, description = "No such transfer", body = ErrorBody),
+                (status = 409, description = "The transfer's state does not allow it", body = ErrorBody),
+                (status = 422, description = "The id is not a number", body = ErrorBody),
+            )
+        )]
+        pub(crate) async fn $name(
+            State(s): State<AppState>,
+            id: Result<Path<String>, PathRejection>,
+        ) -> Result<Json<TransferView>, ApiError> {
+            let id = transfer_id(id)?;
+            let src = source(&s)?;
+            let t = src.$name(id).await.map_err(ops_error)?;
+            tracing::info!(transfer = id, action = $verb, "operator action");
+            Ok(Json(view(src, t)))
+        }
+    };
+}
+
+action!(
+    pause,
+    "pause",
+    "Pause a transfer: its batches stop at a chunk boundary; it keeps its place and resumes with `resume` (also after a restart)."
+);
+action!(
+    resume,
+    "resume",
+    "Resume a paused transfer (it is queued again)."
+);
+action!(
+    cancel,
+    "cancel",
+    "Cancel a transfer for good; nothing is published."
+);
+
+/// Body of `PATCH /v1/transfers/{id}`.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PatchTransfer {
+    /// `urgent`, `scheduled` or `background`.
+    class: Option<String>,
+    /// A number 0..1, or `null` to return to the job's importance.
+    #[serde(default, deserialize_with = "some_or_null")]
+    #[schema(value_type = Option<f64>)]
+    importance: Option<Option<f64>>,
+}
+
+/// Tells an absent field (`None`) from an explicit `null` (`Some(None)`).
+fn some_or_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<f64>>, D::Error> {
+    Option::<f64>::deserialize(d).map(Some)
+}
+
+/// Set a transfer's class and/or importance override.
+#[utoipa::path(
+    patch, path = "/v1/transfers/{id}", tag = "source",
+    params(("id" = i64, Path, description = "Transfer id")),
+    request_body = PatchTransfer,
+    security(("bearer" = ["operator"])),
+    responses(
+        (status = 200, description = "Changed; the transfer as it is now", body = TransferView),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 403, description = "The token's role is below operator", body = ErrorBody),
+        (status = 404, description = "No such transfer", body = ErrorBody),
+        (status = 409, description = "The transfer has finished", body = ErrorBody),
+        (status = 413, description = "Body over 64 KiB", body = ErrorBody),
+        (status = 422, description = "A field is invalid; the message names it", body = ErrorBody),
+    )
+)]
+pub(crate) async fn patch_transfer(
+    State(s): State<AppState>,
+    id: Result<Path<String>, PathRejection>,
+    body: Result<Json<PatchTransfer>, JsonRejection>,
+) -> Result<Json<TransferView>, ApiError> {
+    let id = transfer_id(id)?;
+    let Json(req) = body?;
+    if req.class.is_none() && req.importance.is_none() {
+        return Err(ApiError::unprocessable(
+            "nothing to change: give `class` and/or `importance`",
+        ));
+    }
+    let src = source(&s)?;
+    let t = src
+        .reprioritise(id, req.class.as_deref(), req.importance)
+        .await
+        .map_err(ops_error)?;
+    tracing::info!(transfer = id, class = req.class, importance = ?req.importance, "operator changed a transfer");
+    Ok(Json(view(src, t)))
+}
+
+/// A page of jobs.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub(crate) struct JobPage {
+    items: Vec<Job>,
+    limit: i64,
+    offset: i64,
+}
+
+/// Jobs as the scheduler ranks them (from `[[jobs]]` or `PUT /v1/jobs`).
+#[utoipa::path(
+    get, path = "/v1/jobs", tag = "source",
+    params(Page),
+    security(("bearer" = ["reader"])),
+    responses(
+        (status = 200, description = "A page of jobs, by name", body = JobPage),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 422, description = "`limit` or `offset` out of range", body = ErrorBody),
+    )
+)]
+pub(crate) async fn list_jobs(
+    State(s): State<AppState>,
+    p: Result<Query<Page>, QueryRejection>,
+) -> Result<Json<JobPage>, ApiError> {
+    let Query(p) = p?;
+    let (limit, offset) = p.get()?;
+    let src = source(&s)?;
+    let jobs = src.catalog().jobs().await.map_err(ApiError::internal)?;
+    let items = jobs
+        .into_iter()
+        .skip(offset as usize)
+        .take(limit as usize)
+        .collect();
+    Ok(Json(JobPage {
+        items,
+        limit,
+        offset,
+    }))
+}
+
+/// Body of `PUT /v1/jobs/{job}`.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PutJob {
+    /// Model size in parameters. Absent: unchanged; `null` or 0: unknown.
+    #[serde(default, deserialize_with = "some_or_null")]
+    #[schema(value_type = Option<f64>)]
+    model_params: Option<Option<f64>>,
+    /// Importance 0..1.
+    importance: f64,
+}
+
+/// Set a job's model size and importance (kept across restarts, over the
+/// config file's `[[jobs]]`).
+#[utoipa::path(
+    put, path = "/v1/jobs/{job}", tag = "source",
+    params(("job" = String, Path, description = "Job name")),
+    request_body = PutJob,
+    security(("bearer" = ["operator"])),
+    responses(
+        (status = 200, description = "The job as stored", body = Job),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 403, description = "The token's role is below operator", body = ErrorBody),
+        (status = 413, description = "Body over 64 KiB", body = ErrorBody),
+        (status = 422, description = "A field is invalid; the message names it", body = ErrorBody),
+    )
+)]
+pub(crate) async fn put_job(
+    State(s): State<AppState>,
+    job: Result<Path<String>, PathRejection>,
+    body: Result<Json<PutJob>, JsonRejection>,
+) -> Result<Json<Job>, ApiError> {
+    let Path(job) = job?;
+    let Json(req) = body?;
+    let src = source(&s)?;
+    let j = src
+        .put_job(&job, req.model_params, req.importance)
+        .await
+        .map_err(ops_error)?;
+    tracing::info!(job, importance = req.importance, "operator set a job");
+    Ok(Json(j))
+}
+
+/// A link and its rate cap.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub(crate) struct LinkView {
+    /// Link name.
+    name: String,
+    /// Rate cap now, bit/s.
+    rate_bps: Option<u64>,
+}
+
+fn link_view(src: &Source, name: &str) -> LinkView {
+    LinkView {
+        name: name.to_string(),
+        rate_bps: src.link_rate(name),
+    }
+}
+
+/// A page of links.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub(crate) struct LinkPage {
+    items: Vec<LinkView>,
+    limit: i64,
+    offset: i64,
+}
+
+/// The source's links and their rate caps.
+#[utoipa::path(
+    get, path = "/v1/links", tag = "source",
+    params(Page),
+    security(("bearer" = ["reader"])),
+    responses(
+        (status = 200, description = "A page of links, by name", body = LinkPage),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 422, description = "`limit` or `offset` out of range", body = ErrorBody),
+    )
+)]
+pub(crate) async fn list_links(
+    State(s): State<AppState>,
+    p: Result<Query<Page>, QueryRejection>,
+) -> Result<Json<LinkPage>, ApiError> {
+    let Query(p) = p?;
+    let (limit, offset) = p.get()?;
+    let src = source(&s)?;
+    let mut names = src.links();
+    names.sort();
+    let items = names
+        .iter()
+        .skip(offset as usize)
+        .take(limit as usize)
+        .map(|n| link_view(src, n))
+        .collect();
+    Ok(Json(LinkPage {
+        items,
+        limit,
+        offset,
+    }))
+}
+
+/// Smallest and largest rate cap accepted, bit/s.
+pub const RATE_BOUNDS: (u64, u64) = (1_000, 1_000_000_000_000);
+
+/// Body of `PUT /v1/links/{link}`.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PutLink {
+    /// New rate cap, bit/s (1,000 to 10^12).
+    rate_bps: u64,
+}
+
+/// Change a link's rate cap live (until the agent restarts; then the
+/// config's `rate` holds again).
+#[utoipa::path(
+    put, path = "/v1/links/{link}", tag = "source",
+    params(("link" = String, Path, description = "Link name")),
+    request_body = PutLink,
+    security(("bearer" = ["operator"])),
+    responses(
+        (status = 200, description = "The link as it is now", body = LinkView),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 403, description = "The token's role is below operator", body = ErrorBody),
+        (status = 404, description = "No such link", body = ErrorBody),
+        (status = 413, description = "Body over 64 KiB", body = ErrorBody),
+        (status = 422, description = "`rate_bps` out of range", body = ErrorBody),
+    )
+)]
+pub(crate) async fn put_link(
+    State(s): State<AppState>,
+    link: Result<Path<String>, PathRejection>,
+    body: Result<Json<PutLink>, JsonRejection>,
+) -> Result<Json<LinkView>, ApiError> {
+    let Path(link) = link?;
+    let Json(req) = body?;
+    let src = source(&s)?;
+    if !(RATE_BOUNDS.0..=RATE_BOUNDS.1).contains(&req.rate_bps) {
+        return Err(ApiError::unprocessable(format!(
+            "`rate_bps` must be from {} to {} bit/s, got {}",
+            RATE_BOUNDS.0, RATE_BOUNDS.1, req.rate_bps
+        )));
+    }
+    if !src.set_link_rate(&link, req.rate_bps) {
+        return Err(ApiError::not_found(format!("unknown link {link:?}")));
+    }
+    tracing::info!(link, rate_bps = req.rate_bps, "link rate cap changed");
+    Ok(Json(link_view(src, &link)))
+}
+
+/// Body of `POST /v1/signals`.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PostSignal {
+    /// Job name.
+    job: String,
+    /// `loss_spike`, `grad_norm_spike`, `nan`, `eval_regression` or
+    /// `manual`.
+    kind: String,
+    /// 0..1.
+    severity: f64,
+    /// Training step, if known.
+    step: Option<i64>,
+    /// A retry with the same key (1 to 200 bytes) answers the first
+    /// signal's outcome and changes nothing.
+    idempotency_key: Option<String>,
+}
+
+/// An anomaly signal from a training controller: the job's score rises and
+/// its newest unpublished checkpoint becomes `urgent` for a while.
+#[utoipa::path(
+    post, path = "/v1/signals", tag = "source",
+    request_body = PostSignal,
+    security(("bearer" = ["signaler"])),
+    responses(
+        (status = 201, description = "Stored; what it did", body = SignalOutcome),
+        (status = 200, description = "The idempotency key was seen before; the first outcome", body = SignalOutcome),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 403, description = "The token's role is below signaler", body = ErrorBody),
+        (status = 404, description = "Unknown job", body = ErrorBody),
+        (status = 413, description = "Body over 64 KiB", body = ErrorBody),
+        (status = 422, description = "A field is invalid; the message names it", body = ErrorBody),
+    )
+)]
+pub(crate) async fn post_signal(
+    State(s): State<AppState>,
+    body: Result<Json<PostSignal>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(req) = body?;
+    let src = source(&s)?;
+    if let Some(k) = &req.idempotency_key {
+        if k.is_empty() || k.len() > 200 {
+            return Err(ApiError::unprocessable(
+                "`idempotency_key` must be 1 to 200 bytes",
+            ));
+        }
+    }
+    let out: SignalOutcome = src
+        .signal(
+            &req.job,
+            &req.kind,
+            req.severity,
+            req.step,
+            req.idempotency_key.as_deref(),
+        )
+        .await
+        .map_err(ops_error)?;
+    let status = if out.new {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((status, Json(out)).into_response())
+}
+
+/// A page of signals.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub(crate) struct SignalPage {
+    items: Vec<Signal>,
+    limit: i64,
+    offset: i64,
+}
+
+/// Signals received, newest first.
+#[utoipa::path(
+    get, path = "/v1/signals", tag = "source",
+    params(Page),
+    security(("bearer" = ["reader"])),
+    responses(
+        (status = 200, description = "A page of signals", body = SignalPage),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 422, description = "`limit` or `offset` out of range", body = ErrorBody),
+    )
+)]
+pub(crate) async fn list_signals(
+    State(s): State<AppState>,
+    p: Result<Query<Page>, QueryRejection>,
+) -> Result<Json<SignalPage>, ApiError> {
+    let Query(p) = p?;
+    let (limit, offset) = p.get()?;
+    let src = source(&s)?;
+    let items = src
+        .catalog()
+        .signals_page(limit, offset)
+        .await
+        .map_err(ApiError::internal)?;
+    Ok(Json(SignalPage {
+        items,
+        limit,
+        offset,
+    }))
+}

@@ -1,0 +1,951 @@
+//! Router tests with `oneshot`.
+#![allow(clippy::unwrap_used)]
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use replicator::catalog::Catalog;
+use replicator::sink::SinkConfig;
+use replicator::source::{LinkConfig, RootConfig, SourceConfig};
+use replicator::tls::{self, AgentIdentity};
+use replicator::transport::{self, SocketKind};
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use tower::ServiceExt;
+
+use super::*;
+
+fn bare() -> Router {
+    router(AppState::new("a".into(), None, None, Auth::open(vec![])))
+}
+
+async fn call(r: Router, req: Request<Body>) -> (StatusCode, serde_json::Value) {
+    let resp = r.oneshot(req).await.unwrap();
+    let status = resp.status();
+    let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
+        .await
+        .unwrap();
+    (
+        status,
+        serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null),
+    )
+}
+
+fn get(uri: &str) -> Request<Body> {
+    Request::get(uri).body(Body::empty()).unwrap()
+}
+
+async fn with_sink() -> (Router, tempfile::TempDir) {
+    let d = tempfile::tempdir().unwrap();
+    let catalog = Catalog::open(&d.path().join("data")).await.unwrap();
+    let ep = transport::endpoint(SocketKind::Udp("127.0.0.1:0".parse().unwrap()), None).unwrap();
+    let sink = Sink::start(
+        SinkConfig {
+            agent: "s".into(),
+            site: "eval".into(),
+            root: d.path().join("root"),
+            accept_peers: vec![],
+            reserve_bytes: 0,
+        },
+        catalog,
+        ep,
+    )
+    .unwrap();
+    let r = router(AppState::new(
+        "s".into(),
+        None,
+        Some(sink),
+        Auth::open(vec![]),
+    ));
+    (r, d)
+}
+
+#[tokio::test]
+async fn healthz_names_agent_and_roles() {
+    let (s, v) = call(bare(), get("/healthz")).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["agent"], "a");
+    assert_eq!(v["roles"], serde_json::json!([]));
+}
+
+#[tokio::test]
+async fn unknown_route_and_missing_role_are_json_404() {
+    let (s, v) = call(bare(), get("/v1/nope")).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert!(v["error"].as_str().unwrap().contains("no such route"));
+    // An agent serves only its roles' routes and says what it is.
+    let (s, v) = call(bare(), get("/v1/resolve?path=/x")).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let e = v["error"].as_str().unwrap();
+    assert!(
+        e.contains("GET /v1/resolve") && e.contains("no role"),
+        "{e}"
+    );
+    let w = with_source().await;
+    let (s, v) = call(w.r(), get("/v1/replicas")).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let e = v["error"].as_str().unwrap();
+    assert!(
+        e.contains("has source") && e.contains("/openapi.json"),
+        "{e}"
+    );
+}
+
+#[tokio::test]
+async fn resolve_validates_its_parameters() {
+    let (r, _d) = with_sink().await;
+    let (s, v) = call(r.clone(), get("/v1/resolve")).await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(v["error"].as_str().unwrap().contains("path"));
+    let (s, v) = call(r.clone(), get("/v1/resolve?path=relative/x")).await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(v["error"].as_str().unwrap().contains("absolute"));
+    let (s, v) = call(r.clone(), get("/v1/resolve?path=/ckpt/a/../b")).await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(v["error"].as_str().unwrap().contains(".."));
+    let (s, v) = call(r.clone(), get("/v1/resolve?path=/x&wait=soon")).await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(v["error"].as_str().unwrap().contains("wait"));
+    let (s, v) = call(r.clone(), get("/v1/resolve?path=/ckpt/nothing")).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["state"], "unknown");
+    let (s, v) = call(r, get("/v1/replicas?limit=0")).await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(v["error"].as_str().unwrap().contains("limit"));
+}
+
+#[tokio::test]
+async fn resolve_wait_returns_after_the_deadline_when_nothing_arrives() {
+    let (r, _d) = with_sink().await;
+    let (s, v) = call(r, get("/v1/resolve?path=/ckpt/x&wait=200ms")).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["state"], "unknown");
+}
+
+#[tokio::test]
+async fn transfer_bodies_are_checked() {
+    let w = with_source().await;
+    let bare = || w.r();
+    let post = |body: Vec<u8>| {
+        Request::post("/v1/transfers")
+            .header("content-type", "application/json")
+            .body(Body::from(body))
+            .unwrap()
+    };
+    let (s, v) = call(bare(), post(b"{\"nopath\": 1}".to_vec())).await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(v["error"].as_str().unwrap().contains("path"), "{v}");
+    let big = format!("{{\"path\": \"{}\"}}", "x".repeat(MAX_BODY + 1));
+    let (s, _) = call(bare(), post(big.into_bytes())).await;
+    assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE);
+    let (s, v) = call(bare(), post(b"{\"path\": \"/x\"}".to_vec())).await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(v["error"].as_str().unwrap().contains("/x"), "{v}");
+    let (s, v) = call(bare(), post(b"{\"path\": \"/x\", \"prio\": 1}".to_vec())).await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(v["error"].as_str().unwrap().contains("prio"), "{v}");
+    let announce = |body: &str| {
+        Request::post("/v1/checkpoints/announce")
+            .header("content-type", "application/json")
+            .body(Body::from(body.to_string()))
+            .unwrap()
+    };
+    let (s, v) = call(
+        bare(),
+        announce(r#"{"job": "j", "path": "/ckpt/j/step_1"}"#),
+    )
+    .await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(v["error"].as_str().unwrap().contains("step"), "{v}");
+    let (s, v) = call(
+        bare(),
+        announce(r#"{"job": "j", "step": -1, "path": "/ckpt/j/step_1"}"#),
+    )
+    .await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(v["error"].as_str().unwrap().contains("step"), "{v}");
+    let (s, v) = call(
+        bare(),
+        announce(r#"{"job": "j", "step": 1, "path": "/ckpt/j/step_1"}"#),
+    )
+    .await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(v["error"].as_str().unwrap().contains("path"), "{v}");
+    let (s, v) = call(bare(), get("/v1/transfers?limit=abc")).await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(v["error"].as_str().unwrap().contains("limit"), "{v}");
+    let (s, v) = call(bare(), get("/v1/transfers/abc")).await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(v["error"].as_str().unwrap().contains("abc"));
+}
+
+/// The weight of the importance term in [`with_source`]'s policy; not
+/// the default 1, so `1 + importance` and `1 + w x importance` differ.
+const IMPORTANCE_WEIGHT: f64 = 3.0;
+
+/// A source agent whose links lead nowhere, so transfers stay queued.
+struct WithSource {
+    router: Router,
+    source: Source,
+    /// Root of job `job`: `step-N` directories below it can be pushed.
+    root: PathBuf,
+    _nothing_answers: std::net::UdpSocket,
+    _dir: tempfile::TempDir,
+}
+
+impl WithSource {
+    fn r(&self) -> Router {
+        self.router.clone()
+    }
+
+    /// A checkpoint directory `name` under the root, queued through
+    /// the API in `class` (`None`: the default); returns its id.
+    async fn push(&self, name: &str, class: Option<&str>) -> i64 {
+        let dir = self.root.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("shard.bin"), b"weights").unwrap();
+        let mut body = json!({ "path": dir.to_str().unwrap() });
+        if let Some(c) = class {
+            body["class"] = json!(c);
+        }
+        let (s, v) = call(self.r(), send("POST", "/v1/transfers", &body.to_string())).await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        v["id"].as_i64().unwrap()
+    }
+
+    async fn transfer(&self, id: i64) -> Value {
+        let (s, v) = call(self.r(), get(&format!("/v1/transfers/{id}"))).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        v
+    }
+}
+
+/// A source with job `job` (root `ckpt/job`) and links `l` (10 Gbit/s)
+/// and `m` (1 Gbit/s) whose peer is a UDP socket nothing reads: the
+/// links never connect and every transfer stays queued.
+async fn with_source() -> WithSource {
+    let d = tempfile::tempdir().unwrap();
+    let certs = d.path().join("certs");
+    tls::init_dev_pki(&certs, &["src".into()], 2).unwrap();
+    let identity = AgentIdentity::load(
+        &certs.join("ca.pem"),
+        &certs.join("src.pem"),
+        &certs.join("src.key"),
+    )
+    .unwrap();
+    let root = d.path().join("ckpt").join("job");
+    std::fs::create_dir_all(&root).unwrap();
+    let root = std::fs::canonicalize(root).unwrap();
+    let hole = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let peer = hole.local_addr().unwrap().to_string();
+    let link = |name: &str, rate_bps| LinkConfig {
+        name: name.into(),
+        peer: peer.clone(),
+        peer_name: "dst".into(),
+        rate_bps,
+        rtt: Duration::from_millis(10),
+    };
+    let mut policy = scheduler::Policy::default();
+    policy.weights.importance = IMPORTANCE_WEIGHT;
+    let cfg = SourceConfig {
+        agent: "src".into(),
+        site: "train-a".into(),
+        chunk_size: replicator::manifest::MIN_CHUNK_SIZE,
+        markers: vec![],
+        roots: vec![RootConfig {
+            path: root.clone(),
+            job: "job".into(),
+            link: "l".into(),
+            watch: Default::default(),
+        }],
+        links: vec![link("l", 10_000_000_000), link("m", 1_000_000_000)],
+        streams: 1,
+        batch_bytes: 256 << 10,
+        scan_interval: None,
+        quiet_period: Duration::from_millis(300),
+        checkpoint_idle_timeout: Duration::from_secs(600),
+        policy,
+    };
+    let ep = transport::endpoint(SocketKind::Udp("127.0.0.1:0".parse().unwrap()), None).unwrap();
+    let catalog = Catalog::open(&d.path().join("data")).await.unwrap();
+    let source = Source::start(cfg, catalog, ep, &identity).unwrap();
+    let router = router(AppState::new(
+        "src".into(),
+        Some(source.clone()),
+        None,
+        Auth::open(vec![]),
+    ));
+    WithSource {
+        router,
+        source,
+        root,
+        _nothing_answers: hole,
+        _dir: d,
+    }
+}
+
+fn send(method: &str, uri: &str, body: &str) -> Request<Body> {
+    Request::builder()
+        .method(method)
+        .uri(uri)
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .unwrap()
+}
+
+/// Asserts the answer is `status` with an error message containing
+/// every one of `names`.
+#[track_caller]
+fn refused(got: (StatusCode, Value), status: StatusCode, names: &[&str]) {
+    let (s, v) = got;
+    assert_eq!(s, status, "{v}");
+    let msg = v["error"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no error: {v}"));
+    for n in names {
+        assert!(msg.contains(n), "error {msg:?} does not name {n:?}");
+    }
+}
+
+#[tokio::test]
+async fn signals_are_checked_promote_the_newest_checkpoint_and_are_idempotent() {
+    let w = with_source().await;
+    let older = w.push("step-1", None).await;
+    let newest = w.push("step-2", None).await;
+    let post = |body: &str| send("POST", "/v1/signals", body);
+
+    let r = post(r#"{"job": "nosuchjob", "kind": "loss_spike", "severity": 0.5}"#);
+    refused(call(w.r(), r).await, StatusCode::NOT_FOUND, &["nosuchjob"]);
+    let r = post(r#"{"job": "job", "kind": "loss_spike", "severity": 3}"#);
+    refused(
+        call(w.r(), r).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &["severity"],
+    );
+    let r = post(r#"{"kind": "loss_spike", "severity": 0.5}"#);
+    refused(
+        call(w.r(), r).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &["`job`"],
+    );
+    let r = post(r#"{"job": "job", "kind": "meteor", "severity": 0.5}"#);
+    refused(
+        call(w.r(), r).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &["kind", "meteor"],
+    );
+    let r = post(r#"{"job": "job", "kind": "nan", "severity": 0.5, "idempotency_key": ""}"#);
+    refused(
+        call(w.r(), r).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &["idempotency_key"],
+    );
+    // None of these was stored or promoted anything.
+    let (s, v) = call(w.r(), get("/v1/signals")).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["items"], json!([]), "refused signals were stored: {v}");
+    assert_eq!(w.transfer(newest).await["ranking"]["class"], "scheduled");
+
+    let good = r#"{"job": "job", "kind": "loss_spike", "severity": 0.8, "step": 2,
+                   "idempotency_key": "spike-2"}"#;
+    let (s, first) = call(w.r(), post(good)).await;
+    assert_eq!(s, StatusCode::CREATED, "{first}");
+    assert_eq!(first["new"], true);
+    assert_eq!(
+        first["promoted"], newest,
+        "the newest unpublished checkpoint"
+    );
+    assert!(first["urgent_until"].as_i64().unwrap() > replicator::catalog::now_ms());
+    let sig = first["signal"]["id"].as_i64().unwrap();
+    assert_eq!(first["signal"]["job"], "job");
+    assert_eq!(first["signal"]["transfer"], newest);
+
+    let (s, again) = call(w.r(), post(good)).await;
+    assert_eq!(
+        s,
+        StatusCode::OK,
+        "a repeated key is not a new signal: {again}"
+    );
+    assert_eq!(again["new"], false);
+    assert_eq!(again["signal"]["id"], sig);
+    assert_eq!(again["promoted"], newest);
+    assert_eq!(again["urgent_until"], first["urgent_until"]);
+
+    let (s, v) = call(w.r(), get("/v1/signals")).await;
+    assert_eq!(s, StatusCode::OK);
+    let items = v["items"].as_array().unwrap();
+    assert_eq!(items.len(), 1, "{v}");
+    assert_eq!(items[0]["id"], sig);
+    assert_eq!(items[0]["kind"], "loss_spike");
+    assert_eq!(items[0]["step"], 2);
+    assert_eq!(items[0]["idempotency_key"], "spike-2");
+    let (s, v) = call(w.r(), get("/v1/signals?limit=0")).await;
+    refused((s, v), StatusCode::UNPROCESSABLE_ENTITY, &["limit"]);
+
+    let promoted = w.transfer(newest).await;
+    assert_eq!(promoted["class"], "scheduled", "the class it returns to");
+    assert_eq!(promoted["urgent_until"], first["urgent_until"]);
+    let ranking = &promoted["ranking"];
+    assert_eq!(ranking["class"], "urgent", "{ranking}");
+    assert_eq!(ranking["promoted_until"], first["urgent_until"]);
+    let severity = ranking["severity"].as_f64().unwrap();
+    assert!((0.79..=0.8).contains(&severity), "{ranking}");
+    let other = w.transfer(older).await;
+    assert_eq!(other["ranking"]["class"], "scheduled");
+    assert_eq!(other["urgent_until"], Value::Null);
+}
+
+#[tokio::test]
+async fn a_job_set_through_the_api_is_listed_and_scores_its_transfers() {
+    let w = with_source().await;
+    let id = w.push("step-1", None).await;
+    let before = w.transfer(id).await;
+    assert_eq!(before["ranking"]["importance_from"], "default");
+    assert_eq!(before["ranking"]["score"]["importance"], 1.0);
+
+    let put = |body: &str| send("PUT", "/v1/jobs/job", body);
+    refused(
+        call(w.r(), put(r#"{"importance": 1.5}"#)).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &["importance"],
+    );
+    refused(
+        call(w.r(), put(r#"{"importance": 0.5, "model_params": -1}"#)).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &["model_params"],
+    );
+    refused(
+        call(w.r(), put(r#"{"model_params": 7e9}"#)).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &["importance"],
+    );
+    let (s, v) = call(w.r(), get("/v1/jobs")).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["items"], json!([]), "refused jobs were stored: {v}");
+
+    let (s, v) = call(w.r(), put(r#"{"importance": 0.6, "model_params": 7e9}"#)).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["name"], "job");
+    assert_eq!(v["origin"], "api");
+    let (s, v) = call(w.r(), get("/v1/jobs")).await;
+    assert_eq!(s, StatusCode::OK);
+    let items = v["items"].as_array().unwrap();
+    assert_eq!(items.len(), 1, "{v}");
+    assert_eq!(items[0]["name"], "job");
+    assert_eq!(items[0]["origin"], "api");
+    assert_eq!(items[0]["importance"], 0.6);
+    assert_eq!(items[0]["model_params"], 7e9);
+
+    let ranking = w.transfer(id).await["ranking"].clone();
+    assert_eq!(ranking["importance_from"], "job", "{ranking}");
+    assert_eq!(ranking["importance"], 0.6);
+    assert_eq!(ranking["model_params"], 7e9);
+    let term = ranking["score"]["importance"].as_f64().unwrap();
+    let want = 1.0 + IMPORTANCE_WEIGHT * 0.6;
+    assert!(
+        (term - want).abs() < 1e-9,
+        "importance term {term}, want {want}"
+    );
+    let s = &ranking["score"];
+    let product = ["size", "importance", "severity", "aging"]
+        .iter()
+        .map(|k| s[k].as_f64().unwrap())
+        .product::<f64>();
+    assert!((s["value"].as_f64().unwrap() - product).abs() < 1e-9, "{s}");
+
+    // Leaving `model_params` out keeps the size; `null` forgets it.
+    let (s, v) = call(w.r(), put(r#"{"importance": 0.9}"#)).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(
+        (v["importance"].clone(), v["model_params"].clone()),
+        (json!(0.9), json!(7e9))
+    );
+    let (s, v) = call(w.r(), put(r#"{"importance": 0.9, "model_params": null}"#)).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["model_params"], json!(null));
+}
+
+#[tokio::test]
+async fn link_rates_change_live_and_bad_ones_are_refused() {
+    let w = with_source().await;
+    let put = |link: &str, body: &str| send("PUT", &format!("/v1/links/{link}"), body);
+    refused(
+        call(w.r(), put("nowhere", r#"{"rate_bps": 5000000}"#)).await,
+        StatusCode::NOT_FOUND,
+        &["nowhere"],
+    );
+    refused(
+        call(w.r(), put("l", r#"{"rate_bps": 0}"#)).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &["rate_bps"],
+    );
+    refused(
+        call(w.r(), put("l", r#"{"rate_bps": -5}"#)).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &["rate_bps"],
+    );
+    let (s, v) = call(w.r(), put("l", r#"{"rate_bps": 250000000}"#)).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v, json!({ "name": "l", "rate_bps": 250_000_000u64 }));
+    let (s, v) = call(w.r(), get("/v1/links")).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(
+        v["items"],
+        json!([
+            { "name": "l", "rate_bps": 250_000_000u64 },
+            { "name": "m", "rate_bps": 1_000_000_000u64 },
+        ])
+    );
+    assert_eq!(w.source.link_rate("l"), Some(250_000_000));
+}
+
+#[tokio::test]
+async fn transfer_actions_follow_the_state() {
+    let w = with_source().await;
+    let id = w.push("step-1", None).await;
+    let act = |what: &str| send("POST", &format!("/v1/transfers/{id}/{what}"), "");
+
+    let (s, v) = call(w.r(), act("pause")).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["id"], id);
+    assert_eq!(v["state"], "paused");
+    assert_eq!(w.transfer(id).await["state"], "paused");
+    refused(
+        call(w.r(), act("pause")).await,
+        StatusCode::CONFLICT,
+        &["paused"],
+    );
+    let (s, v) = call(w.r(), act("resume")).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["state"], "queued");
+    refused(
+        call(w.r(), act("resume")).await,
+        StatusCode::CONFLICT,
+        &["not paused"],
+    );
+    let (s, v) = call(w.r(), act("cancel")).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["state"], "cancelled");
+    assert!(v["finished_at"].is_i64(), "{v}");
+    refused(
+        call(w.r(), act("cancel")).await,
+        StatusCode::CONFLICT,
+        &["cancelled"],
+    );
+    refused(
+        call(w.r(), act("pause")).await,
+        StatusCode::CONFLICT,
+        &["cancelled"],
+    );
+    refused(
+        call(w.r(), act("resume")).await,
+        StatusCode::CONFLICT,
+        &["cancelled"],
+    );
+    assert_eq!(w.transfer(id).await["state"], "cancelled");
+
+    refused(
+        call(w.r(), act("explode")).await,
+        StatusCode::NOT_FOUND,
+        &["explode"],
+    );
+    let r = send("POST", "/v1/transfers/999/pause", "");
+    refused(call(w.r(), r).await, StatusCode::NOT_FOUND, &["999"]);
+    let r = send("POST", "/v1/transfers/abc/pause", "");
+    refused(
+        call(w.r(), r).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &["abc"],
+    );
+    refused(
+        call(w.r(), get("/v1/transfers/999")).await,
+        StatusCode::NOT_FOUND,
+        &["999"],
+    );
+}
+
+#[tokio::test]
+async fn patch_sets_class_and_importance_and_null_returns_to_the_job() {
+    let w = with_source().await;
+    let id = w.push("step-1", None).await;
+    let (s, v) = call(w.r(), send("PUT", "/v1/jobs/job", r#"{"importance": 0.6}"#)).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let patch = |body: &str| send("PATCH", &format!("/v1/transfers/{id}"), body);
+
+    refused(
+        call(w.r(), patch(r#"{"class": "soon"}"#)).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &["class", "soon"],
+    );
+    refused(
+        call(w.r(), patch("{}")).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &["class", "importance"],
+    );
+    refused(
+        call(w.r(), patch(r#"{"importance": 1.5}"#)).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &["importance"],
+    );
+    refused(
+        call(w.r(), patch(r#"{"class": "background", "importance": 2}"#)).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &["importance"],
+    );
+    refused(
+        call(w.r(), patch(r#"{"prio": 1}"#)).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &["prio"],
+    );
+    let r = send("PATCH", "/v1/transfers/999", r#"{"class": "urgent"}"#);
+    refused(call(w.r(), r).await, StatusCode::NOT_FOUND, &["999"]);
+    // Nothing refused changed the transfer.
+    let t = w.transfer(id).await;
+    assert_eq!(t["class"], "scheduled");
+    assert_eq!(t["importance"], Value::Null);
+    assert_eq!(t["ranking"]["importance_from"], "job");
+
+    let (s, v) = call(
+        w.r(),
+        patch(r#"{"class": "background", "importance": 0.3}"#),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["class"], "background");
+    assert_eq!(v["importance"], 0.3);
+    let t = w.transfer(id).await;
+    assert_eq!(t["class"], "background");
+    assert_eq!(t["ranking"]["class"], "background");
+    assert_eq!(t["ranking"]["importance_from"], "transfer");
+    assert_eq!(t["ranking"]["importance"], 0.3);
+
+    let (s, v) = call(w.r(), patch(r#"{"importance": null}"#)).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["importance"], Value::Null);
+    let t = w.transfer(id).await;
+    assert_eq!(t["class"], "background", "the class is left as it was");
+    assert_eq!(t["ranking"]["importance_from"], "job");
+    assert_eq!(t["ranking"]["importance"], 0.6);
+
+    let (s, _) = call(
+        w.r(),
+        send("POST", &format!("/v1/transfers/{id}/cancel"), ""),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    refused(
+        call(w.r(), patch(r#"{"class": "urgent"}"#)).await,
+        StatusCode::CONFLICT,
+        &["cancelled"],
+    );
+}
+
+#[tokio::test]
+async fn transfers_are_queued_in_the_class_asked_for() {
+    let w = with_source().await;
+    let id = w.push("logs", Some("background")).await;
+    let t = w.transfer(id).await;
+    assert_eq!(t["class"], "background");
+    assert_eq!(t["state"], "queued");
+    assert_eq!(t["ranking"]["class"], "background");
+    let id = w.push("step-1", None).await;
+    assert_eq!(w.transfer(id).await["class"], "scheduled");
+
+    let dir = w.root.join("step-2");
+    std::fs::create_dir_all(&dir).unwrap();
+    let body = json!({ "path": dir.to_str().unwrap(), "class": "x" }).to_string();
+    refused(
+        call(w.r(), send("POST", "/v1/transfers", &body)).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &["class", "\"x\""],
+    );
+    let body = json!({ "path": dir.to_str().unwrap(), "link": "nowhere" }).to_string();
+    refused(
+        call(w.r(), send("POST", "/v1/transfers", &body)).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &["link", "nowhere"],
+    );
+    let (s, v) = call(w.r(), get("/v1/transfers")).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["items"].as_array().unwrap().len(), 2, "{v}");
+}
+
+#[tokio::test]
+async fn oversized_bodies_on_the_new_routes_are_413() {
+    let w = with_source().await;
+    let pad = "x".repeat(MAX_BODY + 1);
+    let big = format!(
+        r#"{{"job": "job", "kind": "manual", "severity": 0.5, "idempotency_key": "{pad}"}}"#
+    );
+    let (s, v) = call(w.r(), send("POST", "/v1/signals", &big)).await;
+    assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE, "{v}");
+    let big = format!(r#"{{"importance": 0.5, "pad": "{pad}"}}"#);
+    let (s, v) = call(w.r(), send("PUT", "/v1/jobs/job", &big)).await;
+    assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE, "{v}");
+    let (s, v) = call(w.r(), get("/v1/signals")).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["items"], json!([]));
+}
+
+/// A token of each role and the access rule that accepts them.
+fn tokens() -> (Auth, Vec<(Role, String)>) {
+    let mut entries = Vec::new();
+    let mut toks = Vec::new();
+    for role in Role::ALL {
+        let t = auth::new_token();
+        entries.push(TokenEntry {
+            name: format!("{role}-token"),
+            role,
+            hash: auth::parse_hash(&auth::hash_token(&t)).unwrap(),
+        });
+        toks.push((role, t));
+    }
+    (Auth::tokens(entries), toks)
+}
+
+fn with_token(mut r: Request<Body>, token: Option<&str>) -> Request<Body> {
+    if let Some(t) = token {
+        r.headers_mut()
+            .insert("authorization", format!("Bearer {t}").parse().unwrap());
+    }
+    r
+}
+
+/// Every operation in `doc`, as (method, path template, lowest role or
+/// `None` when it needs no token).
+fn operations(doc: &Value) -> Vec<(String, String, Option<Role>)> {
+    let mut ops = Vec::new();
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            let sec = op["security"]
+                .as_array()
+                .unwrap_or_else(|| panic!("{method} {path} has no security requirement"));
+            let role = sec.iter().find_map(|req| {
+                let scopes = req.get("bearer")?.as_array()?;
+                assert_eq!(scopes.len(), 1, "{method} {path}: {req}");
+                Some(scopes[0].as_str().unwrap().parse::<Role>().unwrap())
+            });
+            ops.push((method.to_uppercase(), path.clone(), role));
+        }
+    }
+    ops
+}
+
+/// Checks that every `$ref` in `v` points at a schema in `doc`.
+fn refs_resolve(doc: &Value, v: &Value, at: &str) {
+    match v {
+        Value::Object(m) => {
+            if let Some(r) = m.get("$ref").and_then(Value::as_str) {
+                let name = r
+                    .strip_prefix("#/components/schemas/")
+                    .unwrap_or_else(|| panic!("{at}: unexpected $ref {r}"));
+                assert!(
+                    doc["components"]["schemas"].get(name).is_some(),
+                    "{at}: $ref {r} points at nothing"
+                );
+            }
+            for (k, x) in m {
+                refs_resolve(doc, x, &format!("{at}/{k}"));
+            }
+        }
+        Value::Array(a) => a.iter().for_each(|x| refs_resolve(doc, x, at)),
+        _ => {}
+    }
+}
+
+async fn openapi(r: &Router) -> Value {
+    let (s, doc) = call(r.clone(), get("/openapi.json")).await;
+    assert_eq!(s, StatusCode::OK, "openapi.json needs no token: {doc}");
+    doc
+}
+
+#[tokio::test]
+async fn openapi_lists_exactly_the_routes_served_and_their_roles_are_enforced() {
+    let w = with_source().await;
+    let id = w.push("step-1", None).await;
+    let (_sink_router, d) = with_sink().await;
+    let catalog = Catalog::open(&d.path().join("data2")).await.unwrap();
+    let ep = transport::endpoint(SocketKind::Udp("127.0.0.1:0".parse().unwrap()), None).unwrap();
+    let sink = Sink::start(
+        SinkConfig {
+            agent: "both".into(),
+            site: "eval".into(),
+            root: d.path().join("root2"),
+            accept_peers: vec![],
+            reserve_bytes: 0,
+        },
+        catalog,
+        ep,
+    )
+    .unwrap();
+    let (auth, toks) = tokens();
+    let both = router(AppState::new(
+        "both".into(),
+        Some(w.source.clone()),
+        Some(sink.clone()),
+        auth.clone(),
+    ));
+    let doc = openapi(&both).await;
+    assert!(
+        doc["openapi"].as_str().unwrap().starts_with("3.1"),
+        "{}",
+        doc["openapi"]
+    );
+    assert!(doc["info"]["title"].is_string() && doc["info"]["version"].is_string());
+    refs_resolve(&doc, &doc, "#");
+    let ops = operations(&doc);
+    let listed: std::collections::BTreeSet<(String, String)> =
+        ops.iter().map(|(m, p, _)| (m.clone(), p.clone())).collect();
+    for want in [
+        ("GET", "/healthz"),
+        ("GET", "/openapi.json"),
+        ("GET", "/v1/resolve"),
+        ("GET", "/v1/replicas"),
+        ("POST", "/v1/transfers"),
+        ("GET", "/v1/transfers/{id}"),
+        ("POST", "/v1/transfers/{id}/pause"),
+        ("PUT", "/v1/links/{link}"),
+        ("POST", "/v1/signals"),
+        ("POST", "/v1/checkpoints/announce"),
+    ] {
+        assert!(
+            listed.contains(&(want.0.to_string(), want.1.to_string())),
+            "{want:?} is not listed"
+        );
+    }
+
+    let concrete = |p: &str| {
+        p.replace("{id}", &id.to_string())
+            .replace("{job}", "job")
+            .replace("{link}", "l")
+    };
+    // Every listed operation is served (never the fallback), refuses a
+    // missing token with 401 and a lower role with 403, and lets its
+    // role through.
+    for (method, path, role) in &ops {
+        let uri = concrete(path);
+        let req = |tok: Option<&str>| with_token(send(method, &uri, "{}"), tok);
+        let (s, v) = call(both.clone(), req(None)).await;
+        let Some(role) = role else {
+            assert!(s.is_success(), "{method} {path} without a token: {s} {v}");
+            continue;
+        };
+        assert_eq!(s, StatusCode::UNAUTHORIZED, "{method} {path}: {v}");
+        assert!(
+            v["error"]
+                .as_str()
+                .unwrap()
+                .contains("missing bearer token"),
+            "{v}"
+        );
+        for (r, t) in &toks {
+            let (s, v) = call(both.clone(), req(Some(t))).await;
+            if r < role {
+                assert_eq!(s, StatusCode::FORBIDDEN, "{method} {path} as {r}: {v}");
+                let e = v["error"].as_str().unwrap();
+                assert!(e.contains(r.as_str()) && e.contains(role.as_str()), "{e}");
+                assert!(!e.contains(t.as_str()), "a token was echoed: {e}");
+            } else {
+                assert!(
+                    s != StatusCode::UNAUTHORIZED && s != StatusCode::FORBIDDEN,
+                    "{method} {path} as {r}: {s} {v}"
+                );
+                let e = v["error"].as_str().unwrap_or("");
+                assert!(!e.contains("no such route"), "{method} {path}: {e}");
+            }
+        }
+    }
+    // A bad token is 401 whatever the role needed.
+    let (s, v) = call(
+        both.clone(),
+        with_token(get("/v1/transfers"), Some("ferry_nope")),
+    )
+    .await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    assert!(v["error"].as_str().unwrap().contains("unknown"), "{v}");
+
+    // A source-only and a sink-only agent list only their roles' routes,
+    // and the other role's routes are not served.
+    let src_only = router(AppState::new(
+        "s".into(),
+        Some(w.source.clone()),
+        None,
+        auth.clone(),
+    ));
+    let sink_only = router(AppState::new("k".into(), None, Some(sink), auth));
+    let op_token = &toks[2].1;
+    for (r, has, lacks) in [
+        (&src_only, "/v1/transfers", "/v1/resolve"),
+        (&sink_only, "/v1/resolve", "/v1/transfers"),
+    ] {
+        let doc = openapi(r).await;
+        let paths = doc["paths"].as_object().unwrap();
+        assert!(
+            paths.contains_key(has) && !paths.contains_key(lacks),
+            "{paths:?}"
+        );
+        assert!(paths.contains_key("/healthz"));
+        let (s, v) = call(r.clone(), with_token(get(lacks), Some(op_token))).await;
+        assert_eq!(s, StatusCode::NOT_FOUND, "{lacks}: {v}");
+        assert!(
+            v["error"].as_str().unwrap().contains("no such route"),
+            "{v}"
+        );
+        let served: Vec<_> = operations(&doc)
+            .into_iter()
+            .filter(|(_, p, _)| !p.contains('{'))
+            .collect();
+        assert!(!served.is_empty());
+    }
+}
+
+#[tokio::test]
+async fn errors_are_json_for_405_and_413_too() {
+    let w = with_source().await;
+    let (s, v) = call(w.r(), send("DELETE", "/v1/transfers", "")).await;
+    assert_eq!(s, StatusCode::METHOD_NOT_ALLOWED);
+    let e = v["error"].as_str().unwrap();
+    assert!(e.contains("DELETE /v1/transfers"), "{e}");
+    let pad = "x".repeat(MAX_BODY + 1);
+    let (s, v) = call(w.r(), send("PUT", "/v1/links/l", &pad)).await;
+    assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(v["error"].is_string(), "{v}");
+}
+
+#[tokio::test]
+async fn lists_page_with_limit_and_offset() {
+    let w = with_source().await;
+    let ids = [
+        w.push("step-1", None).await,
+        w.push("step-2", None).await,
+        w.push("step-3", None).await,
+    ];
+    let page = |q: &str| get(&format!("/v1/transfers?{q}"));
+    let (s, v) = call(w.r(), page("limit=2")).await;
+    assert_eq!(s, StatusCode::OK);
+    let got: Vec<i64> = v["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["id"].as_i64().unwrap())
+        .collect();
+    assert_eq!(got, [ids[2], ids[1]], "newest first");
+    assert_eq!(
+        (v["limit"].as_i64(), v["offset"].as_i64()),
+        (Some(2), Some(0))
+    );
+    let (s, v) = call(w.r(), page("limit=2&offset=2")).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["items"][0]["id"], ids[0]);
+    assert_eq!(v["items"].as_array().unwrap().len(), 1);
+    for bad in ["limit=0", "limit=1001", "offset=-1", "limit=x"] {
+        let (s, v) = call(w.r(), page(bad)).await;
+        assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY, "{bad}: {v}");
+        let field = bad.split('=').next().unwrap();
+        assert!(v["error"].as_str().unwrap().contains(field), "{bad}: {v}");
+    }
+    let (s, v) = call(w.r(), get("/v1/links?limit=1&offset=1")).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(
+        v["items"],
+        json!([{ "name": "m", "rate_bps": 1_000_000_000u64 }])
+    );
+}
