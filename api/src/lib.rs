@@ -42,6 +42,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tower_http::timeout::TimeoutLayer;
 
+mod metrics;
+
 /// Largest request body accepted, in bytes (64 KiB).
 pub const MAX_BODY: usize = 64 << 10;
 
@@ -126,6 +128,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/links/{link}", put(put_link))
         .route("/v1/signals", get(list_signals).post(post_signal))
         .route("/v1/checkpoints/announce", post(announce))
+        .route("/metrics", get(metrics::handler))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such route") })
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .layer(TimeoutLayer::with_status_code(
