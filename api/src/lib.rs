@@ -15,6 +15,7 @@
 
 pub mod auth;
 pub mod error;
+mod metrics;
 mod sink_api;
 mod source_api;
 
@@ -184,7 +185,11 @@ pub fn build(state: AppState) -> (Router, utoipa::openapi::OpenApi) {
     let long_timeout = MAX_WAIT + REQUEST_TIMEOUT;
     // (routes, the role they need, their timeout); axum refuses a
     // route layer on a group without routes, so only filled ones are kept.
-    let mut groups: Vec<(OpenApiRouter<AppState>, Role, Duration)> = Vec::new();
+    let mut groups: Vec<(OpenApiRouter<AppState>, Role, Duration)> = vec![(
+        OpenApiRouter::new().routes(routes!(metrics::handler)),
+        Role::Reader,
+        REQUEST_TIMEOUT,
+    )];
     if state.sink.is_some() {
         groups.push((
             OpenApiRouter::new().routes(routes!(sink_api::replicas)),

@@ -409,6 +409,19 @@ fn check_job_name(field: &str, name: &str) -> Result<(), CatalogError> {
     crate::paths::check_name(name).map_err(|e| CatalogError::Invalid(format!("{field}: {e}")))
 }
 
+/// Rows of `table` (`transfers` or `replicas`) per state.
+async fn state_counts(
+    pool: &SqlitePool,
+    table: &'static str,
+) -> Result<Vec<(String, i64)>, CatalogError> {
+    let q = format!("SELECT state, COUNT(*) AS n FROM {table} GROUP BY state ORDER BY state");
+    let rows = sqlx::query(&q).fetch_all(pool).await?;
+    Ok(rows
+        .iter()
+        .map(|r| Ok((r.try_get("state")?, r.try_get("n")?)))
+        .collect::<Result<_, sqlx::Error>>()?)
+}
+
 fn replica_row(r: &sqlx::sqlite::SqliteRow) -> Result<Replica, sqlx::Error> {
     Ok(Replica {
         id: r.try_get("id")?,
@@ -647,6 +660,23 @@ impl Catalog {
             .fetch_all(&self.pool)
             .await?;
         Ok(rows.iter().map(transfer_row).collect::<Result<_, _>>()?)
+    }
+
+    /// Source-side transfers per state (states with none are left out).
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn transfer_state_counts(&self) -> Result<Vec<(String, i64)>, CatalogError> {
+        state_counts(&self.pool, "transfers").await
+    }
+
+    /// Sink-side rows (incoming transfers and replicas) per state (states
+    /// with none are left out).
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn replica_state_counts(&self) -> Result<Vec<(String, i64)>, CatalogError> {
+        state_counts(&self.pool, "replicas").await
     }
 
     /// Transfers not in a final state, oldest first (the work to resume
@@ -1376,7 +1406,9 @@ impl Catalog {
     }
 
     /// Marks a row published: stores the sealed manifest and its root and
-    /// deletes the per-chunk rows (no longer needed).
+    /// deletes the per-chunk rows (no longer needed). Returns the
+    /// commit-to-replica lag it stored, seconds (`None`: commit time
+    /// unknown).
     ///
     /// # Errors
     /// SQL errors.
@@ -1388,7 +1420,7 @@ impl Catalog {
         local_path: &str,
         bytes: u64,
         times: SourceTimes,
-    ) -> Result<(), CatalogError> {
+    ) -> Result<Option<f64>, CatalogError> {
         let now = now_ms();
         let lag = |t: i64| (t > 0).then(|| (now - t) as f64 / 1000.0);
         let known = |t: i64| (t > 0).then_some(t);
@@ -1425,7 +1457,7 @@ impl Catalog {
             .execute(&mut *tx)
             .await?;
         tx.commit().await?;
-        Ok(())
+        Ok(lag(times.committed_ms))
     }
 
     /// Sets a sink-side row's state and error.
@@ -1739,7 +1771,15 @@ mod tests {
             .unwrap();
         c.set_transfer_state(id, state::ACTIVE, None).await.unwrap();
         assert_eq!(c.unfinished_transfers().await.unwrap().len(), 1);
+        assert_eq!(
+            c.transfer_state_counts().await.unwrap(),
+            vec![("active".to_string(), 1)]
+        );
         c.set_transfer_published(id, "ab", "/eval/x").await.unwrap();
+        assert_eq!(
+            c.transfer_state_counts().await.unwrap(),
+            vec![("published".to_string(), 1)]
+        );
         let t = c.transfer(id).await.unwrap().unwrap();
         assert_eq!(t.state, "published");
         assert!(t.started_at.is_some() && t.finished_at.is_some());
@@ -1772,19 +1812,29 @@ mod tests {
         c.add_chunks(&[vc(r, 0, [7; 32], 5)]).await.unwrap();
         c.add_chunks(&[vc(r, 0, [7; 32], 5)]).await.unwrap();
         assert_eq!(c.chunks(r).await.unwrap(), vec![(0, [7; 32])]);
+        assert_eq!(
+            c.replica_state_counts().await.unwrap(),
+            vec![("receiving".to_string(), 1)]
+        );
         let times = SourceTimes {
             committed_ms: now_ms() - 2_000,
             opened_ms: now_ms() - 5_000,
         };
-        c.set_replica_published(r, b"m", "ab", "/eval/x", 5, times)
+        let stored_lag = c
+            .set_replica_published(r, b"m", "ab", "/eval/x", 5, times)
             .await
             .unwrap();
+        assert_eq!(
+            c.replica_state_counts().await.unwrap(),
+            vec![("published".to_string(), 1)]
+        );
         assert!(c.chunks(r).await.unwrap().is_empty());
         let rep = c.replica_by_local_path("/eval/x").await.unwrap().unwrap();
         assert_eq!(rep.bytes_done, 5);
         assert_eq!(rep.profile.as_deref(), Some("weights-only"));
         assert_eq!(rep.committed_at, Some(times.committed_ms));
         let lag = rep.commit_to_replica_s.unwrap();
+        assert_eq!(stored_lag, Some(lag), "the lag returned is the one stored");
         let open = rep.open_to_replica_s.unwrap();
         assert!(
             (2.0..60.0).contains(&lag) && (5.0..60.0).contains(&open),

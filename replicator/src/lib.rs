@@ -9,6 +9,7 @@ pub mod conn;
 pub mod formats;
 pub mod linkemu;
 pub mod manifest;
+pub mod metrics;
 pub mod paths;
 pub mod sink;
 pub mod source;

@@ -28,6 +28,7 @@ use crate::catalog::{
 };
 use crate::conn::{code, read_frame, ConnError, ControlSender};
 use crate::manifest::{hex, validate_files, ChunkMap, Hash, Manifest};
+use crate::metrics::{MetricsError, SinkMetrics};
 use crate::paths::check_name;
 use crate::tls;
 use crate::wire::{
@@ -302,6 +303,8 @@ struct Inner {
     changed: watch::Sender<u64>,
     shutdown: CancellationToken,
     tasks: TaskTracker,
+    /// This sink's Prometheus registry.
+    metrics: SinkMetrics,
 }
 
 /// A running sink; cheap to clone.
@@ -348,6 +351,7 @@ impl Sink {
             changed: watch::channel(0).0,
             shutdown: CancellationToken::new(),
             tasks: TaskTracker::new(),
+            metrics: SinkMetrics::new(),
         });
         tokio::spawn(catalog_writer(catalog, rx));
         let i = inner.clone();
@@ -377,6 +381,17 @@ impl Sink {
     /// The sink root.
     pub fn root(&self) -> &Path {
         &self.inner.cfg.root
+    }
+
+    /// This sink's metrics in the Prometheus text exposition format
+    /// (version 0.0.4, [`crate::metrics::CONTENT_TYPE`]); the gauges of
+    /// replicas per state are read from the catalog first.
+    ///
+    /// # Errors
+    /// [`MetricsError`].
+    pub async fn render_metrics(&self) -> Result<String, MetricsError> {
+        let states = self.inner.catalog.replica_state_counts().await?;
+        Ok(self.inner.metrics.render(&states)?)
     }
 
     /// A counter that changes whenever a replica is published or progress
@@ -619,7 +634,10 @@ async fn serve_connection(
     .await?;
 
     // Transfers opened on this connection, by source transfer id.
-    let open: Arc<Opened> = Arc::default();
+    let open = Arc::new(Opened {
+        received: inner.metrics.received_for(peer),
+        ..Opened::default()
+    });
     let streams = {
         let (inner, conn, open, ctl) = (inner.clone(), conn.clone(), open.clone(), ctl.clone());
         tokio::spawn(async move {
@@ -1244,6 +1262,8 @@ struct Opened {
     live: Mutex<HashMap<u64, Arc<Live>>>,
     refused: Mutex<std::collections::HashSet<u64>>,
     changes: watch::Sender<u64>,
+    /// Verified payload bytes from this connection's peer (metrics).
+    received: prometheus_client::metrics::counter::Counter,
 }
 
 impl Opened {
@@ -1397,7 +1417,9 @@ async fn receive_batch(
                 }
             }
         }
-        live.wrote(good.iter().map(|g| g.2).sum());
+        let verified: u64 = good.iter().map(|g| g.2).sum();
+        open.received.inc_by(verified);
+        live.wrote(verified);
         for (g, h, len) in good {
             let c = VerifiedChunk {
                 replica: live.id,
@@ -1411,6 +1433,7 @@ async fn receive_batch(
         }
         inner.changed.send_modify(|v| *v += 1);
         if !bad.is_empty() {
+            inner.metrics.verification_failures.inc_by(bad.len() as u64);
             warn!(
                 transfer = header.transfer,
                 chunks = bad.len(),
@@ -1581,11 +1604,20 @@ async fn maybe_finish(
             Err(why) => Next::Mismatch(why),
             Ok(keys) => {
                 let mut need = Vec::new();
+                let mut wrong = 0u64;
                 for (k, h) in &keys {
-                    if st.verified.get(k) != Some(h) {
-                        need.push(*k);
+                    match st.verified.get(k) {
+                        Some(v) if v == h => {}
+                        Some(_) => {
+                            wrong += 1;
+                            need.push(*k);
+                        }
+                        None => need.push(*k),
                     }
                 }
+                // Verified against the hash sent with it, but not the
+                // sealed manifest's.
+                inner.metrics.verification_failures.inc_by(wrong);
                 if need.is_empty() {
                     st.publishing = true;
                     Next::Publish(manifest, st.times)
@@ -1609,6 +1641,7 @@ async fn maybe_finish(
     };
     match next {
         Next::Mismatch(reason) => {
+            inner.metrics.verification_failures.inc();
             cancel_live(inner, live, state::FAILED, &reason).await;
             ctl.send(&Control::Cancel { id, reason }).await
         }
@@ -1656,7 +1689,8 @@ async fn maybe_finish(
                 }
             }
             let local = live.local_path.to_string_lossy().into_owned();
-            if let Err(e) = inner
+            inner.metrics.published.inc();
+            match inner
                 .catalog
                 .set_replica_published(
                     live.id,
@@ -1668,7 +1702,11 @@ async fn maybe_finish(
                 )
                 .await
             {
-                warn!(error = %e, "replica published on disk but the catalog could not record it");
+                Ok(Some(lag_s)) => inner.metrics.observe_lag(lag_s),
+                Ok(None) => {}
+                Err(e) => {
+                    warn!(error = %e, "replica published on disk but the catalog could not record it")
+                }
             }
             if let Ok(mut m) = inner.live.lock() {
                 m.remove(&live.id);

@@ -25,6 +25,7 @@ use crate::catalog::{checkpoint, state, Catalog, CatalogError, SourceTimes, Tran
 use crate::cc::Share;
 use crate::conn::{code, read_frame, ConnError, ControlSender};
 use crate::manifest::{self, hex, ChunkMap, FileEntry, Hash, Manifest, ScanOptions};
+use crate::metrics::{LinkSampler, LinkStats, MetricsError, RateWindow, SourceMetrics};
 use crate::tls;
 use crate::transport::{transport_config, Tuning};
 use crate::wire::{Control, FileInfo, Hello, RecordHeader, TransferKey, PROTOCOL_VERSION};
@@ -111,6 +112,10 @@ pub struct Progress {
     pub bytes_sent: u64,
     /// Bytes the sink already had when the transfer (re)started.
     pub bytes_skipped: u64,
+    /// Payload bit/s written for this transfer over the last ~5 s
+    /// ([`crate::metrics::RATE_WINDOW_MS`]; resends included), updated
+    /// every second; 0 when idle.
+    pub rate_bps: f64,
 }
 
 #[derive(Default)]
@@ -118,6 +123,8 @@ struct LiveProgress {
     total: AtomicU64,
     sent: AtomicU64,
     skipped: AtomicU64,
+    /// [`Progress::rate_bps`] as `f64` bits, set by the sampler.
+    rate_bits: AtomicU64,
 }
 
 /// Why a transfer could not be submitted.
@@ -247,6 +254,8 @@ struct LinkState {
     sched: Arc<LinkSched>,
     /// Connections established since the agent started.
     connections: AtomicU64,
+    /// Rates by class and their history, fed by the sampler.
+    sampler: Mutex<LinkSampler>,
 }
 
 struct Inner {
@@ -262,6 +271,8 @@ struct Inner {
     /// Test hook: flip one byte in this many chunks after hashing them
     /// (`FERRY_FAULT_CORRUPT_CHUNKS`), to prove the sink catches it.
     corrupt: AtomicU64,
+    /// This source's Prometheus registry.
+    metrics: SourceMetrics,
 }
 
 /// A running source; cheap to clone.
@@ -316,15 +327,19 @@ impl Source {
         identity: &tls::AgentIdentity,
     ) -> Result<Source, tls::TlsError> {
         let crypto = tls::client_crypto(identity)?;
+        let metrics = SourceMetrics::new();
         let mut links = HashMap::new();
         for l in &cfg.links {
             let share = Share::new(l.rate_bps);
-            let sched = Arc::new(LinkSched::new(scheduler::LinkScheduler::new(
-                cfg.policy.clone(),
-                dispatch::payload_rate(l.rate_bps),
-                l.rtt.as_millis() as u64,
-                crate::catalog::now_ms(),
-            )));
+            let sched = Arc::new(LinkSched::new(
+                scheduler::LinkScheduler::new(
+                    cfg.policy.clone(),
+                    dispatch::payload_rate(l.rate_bps),
+                    l.rtt.as_millis() as u64,
+                    crate::catalog::now_ms(),
+                ),
+                metrics.link(&l.name),
+            ));
             let mut client = quinn::ClientConfig::new(crypto.clone());
             let tuning = Tuning {
                 rate_bps: l.rate_bps,
@@ -340,6 +355,7 @@ impl Source {
                     share,
                     sched,
                     connections: AtomicU64::new(0),
+                    sampler: Mutex::new(LinkSampler::default()),
                 }),
             );
         }
@@ -357,7 +373,9 @@ impl Source {
             shutdown: CancellationToken::new(),
             tasks: TaskTracker::new(),
             corrupt: AtomicU64::new(corrupt),
+            metrics,
         });
+        inner.tasks.spawn(sampler(inner.clone()));
         for link in inner.links.values() {
             let (i, l) = (inner.clone(), link.clone());
             inner.tasks.spawn(link_worker(i, l));
@@ -391,7 +409,51 @@ impl Source {
             bytes_total: p.total.load(Ordering::Relaxed),
             bytes_sent: p.sent.load(Ordering::Relaxed),
             bytes_skipped: p.skipped.load(Ordering::Relaxed),
+            rate_bps: f64::from_bits(p.rate_bits.load(Ordering::Relaxed)),
         })
+    }
+
+    /// Live rates of every link, sorted by name: rate cap, payload bit/s
+    /// by class over the last ~5 s and, if `with_history`, one point per
+    /// second for the last 10 minutes (leave it out when polling often).
+    pub fn link_stats(&self, with_history: bool) -> Vec<LinkStats> {
+        let mut out: Vec<LinkStats> = self
+            .inner
+            .links
+            .values()
+            .map(|l| link_stats(l, with_history))
+            .collect();
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        out
+    }
+
+    /// This source's metrics in the Prometheus text exposition format
+    /// (version 0.0.4, [`crate::metrics::CONTENT_TYPE`]); the gauges of
+    /// queue depth and states are computed from the catalog first.
+    ///
+    /// # Errors
+    /// [`MetricsError`].
+    pub async fn render_metrics(&self) -> Result<String, MetricsError> {
+        let inner = &self.inner;
+        let states = inner.catalog.transfer_state_counts().await?;
+        let unfinished = inner.catalog.unfinished_transfers().await?;
+        let now = crate::catalog::now_ms();
+        let mut queued: HashMap<(String, scheduler::Class), i64> = HashMap::new();
+        for t in &unfinished {
+            let class = t.class.parse().unwrap_or(scheduler::Class::Scheduled);
+            let class = scheduler::effective_class(class, t.urgent_until, now);
+            *queued.entry((t.link.clone(), class)).or_default() += 1;
+        }
+        let links = self
+            .link_stats(false)
+            .into_iter()
+            .map(|l| (l.name, l.rate_bps, l.utilisation))
+            .collect();
+        Ok(inner.metrics.render(&crate::metrics::SourceScrape {
+            links,
+            queued,
+            states,
+        })?)
     }
 
     /// Changes a link's rate cap (bit/s) at run time: the scheduler's
@@ -1117,6 +1179,76 @@ fn live_bytes_left(inner: &Inner, id: i64) -> Option<u64> {
     Some(total.saturating_sub(done))
 }
 
+/// A link's [`LinkStats`] from its sampler.
+fn link_stats(l: &LinkState, with_history: bool) -> LinkStats {
+    let rate_bps = l.share.rate_bps();
+    let s = l.sampler.lock().unwrap_or_else(|p| p.into_inner());
+    let class_bps = s.class_rates();
+    let goodput_bps = class_bps.total();
+    LinkStats {
+        name: l.cfg.name.clone(),
+        rate_bps,
+        goodput_bps,
+        utilisation: if rate_bps > 0 {
+            goodput_bps / rate_bps as f64
+        } else {
+            0.0
+        },
+        class_bps,
+        history: if with_history {
+            s.history()
+        } else {
+            Vec::new()
+        },
+    }
+}
+
+/// A transfer's rate window and the progress counters it follows (a
+/// restarted transfer gets new ones).
+type TransferWindow = (Arc<LiveProgress>, RateWindow<1>);
+
+/// Takes one sample at `at_ms`: each link's payload bytes by class, each
+/// running transfer's bytes sent; stores the rates they give.
+fn take_sample(inner: &Inner, at_ms: i64, windows: &mut HashMap<i64, TransferWindow>) {
+    for l in inner.links.values() {
+        let totals = l.sched.counters.sent_totals();
+        l.sampler
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .sample(at_ms, totals);
+    }
+    let live: Vec<(i64, Arc<LiveProgress>)> = match inner.progress.lock() {
+        Ok(m) => m.iter().map(|(id, p)| (*id, p.clone())).collect(),
+        Err(_) => return,
+    };
+    windows.retain(|id, _| live.iter().any(|(i, _)| i == id));
+    for (id, p) in live {
+        let w = windows
+            .entry(id)
+            .or_insert_with(|| (p.clone(), RateWindow::new(crate::metrics::RATE_WINDOW_MS)));
+        if !Arc::ptr_eq(&w.0, &p) {
+            *w = (p.clone(), RateWindow::new(crate::metrics::RATE_WINDOW_MS));
+        }
+        w.1.push(at_ms, [p.sent.load(Ordering::Relaxed)]);
+        let [rate] = w.1.rates_bps();
+        p.rate_bits.store(rate.to_bits(), Ordering::Relaxed);
+    }
+}
+
+/// The 1-second sampler behind live rates ([`Source::link_stats`],
+/// [`Progress::rate_bps`], link utilisation); stops with the source.
+async fn sampler(inner: Arc<Inner>) {
+    let mut windows = HashMap::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(crate::metrics::SAMPLE_EVERY_MS));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => take_sample(&inner, crate::catalog::now_ms(), &mut windows),
+            _ = inner.shutdown.cancelled() => return,
+        }
+    }
+}
+
 /// A transfer task's end: its id and result.
 type Ended = (i64, Result<(), RunError>);
 
@@ -1571,6 +1703,7 @@ async fn commit_loop(
             let mut list = std::mem::take(&mut need);
             list.sort_unstable();
             list.dedup();
+            c.sched.counters.retries.inc_by(list.len() as u64);
             info!(
                 transfer = id,
                 chunks = list.len(),
@@ -1938,4 +2071,207 @@ fn read_some(
         .map_err(|_| "sending stopped".to_string())?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use crate::metrics::{class_index, HistoryPoint};
+    use crate::transport::{endpoint, SocketKind};
+
+    const MB: u64 = 1_000_000;
+
+    /// A source with job `job` (its root `ckpt/job` on link `l`) and links
+    /// `l` (1 Gbit/s) and `m` (10 Gbit/s) whose peer is a UDP socket
+    /// nothing reads: transfers stay queued.
+    async fn quiet_source() -> (Source, PathBuf, std::net::UdpSocket, tempfile::TempDir) {
+        let d = tempfile::tempdir().unwrap();
+        let certs = d.path().join("certs");
+        tls::init_dev_pki(&certs, &["src".into()], 2).unwrap();
+        let identity = tls::AgentIdentity::load(
+            &certs.join("ca.pem"),
+            &certs.join("src.pem"),
+            &certs.join("src.key"),
+        )
+        .unwrap();
+        let root = d.path().join("ckpt").join("job");
+        std::fs::create_dir_all(&root).unwrap();
+        let root = std::fs::canonicalize(root).unwrap();
+        let hole = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let link = |name: &str, rate_bps| LinkConfig {
+            name: name.into(),
+            peer: hole.local_addr().unwrap().to_string(),
+            peer_name: "dst".into(),
+            rate_bps,
+            rtt: Duration::from_millis(10),
+        };
+        let cfg = SourceConfig {
+            agent: "src".into(),
+            site: "train-a".into(),
+            chunk_size: manifest::MIN_CHUNK_SIZE,
+            markers: vec![],
+            roots: vec![RootConfig {
+                path: root.clone(),
+                job: "job".into(),
+                link: "l".into(),
+                watch: Default::default(),
+            }],
+            // Not in name order: link_stats sorts.
+            links: vec![link("m", 10_000_000_000), link("l", 1_000_000_000)],
+            streams: 1,
+            batch_bytes: 256 << 10,
+            scan_interval: None,
+            quiet_period: Duration::from_millis(300),
+            checkpoint_idle_timeout: Duration::from_secs(600),
+            policy: scheduler::Policy::default(),
+        };
+        let ep = endpoint(SocketKind::Udp("127.0.0.1:0".parse().unwrap()), None).unwrap();
+        let catalog = Catalog::open(&d.path().join("data")).await.unwrap();
+        let source = Source::start(cfg, catalog, ep, &identity).unwrap();
+        (source, root, hole, d)
+    }
+
+    /// The sampler's maths, driven with explicit timestamps once the
+    /// source (and its own 1-second sampler) stopped: a transfer's rate,
+    /// each link's class rates, utilisation and history, and the gauges
+    /// rendered from them.
+    #[tokio::test]
+    async fn sampled_rates_feed_progress_link_stats_and_the_utilisation_gauge() {
+        let (source, _root, _hole, _d) = quiet_source().await;
+        source.shutdown(Duration::from_secs(5)).await;
+        let inner = &source.inner;
+        let progress = track_progress(inner, 7, 100 * MB);
+        let l = inner.links["l"].sched.counters.clone();
+        let (urgent, scheduled) = (
+            class_index(scheduler::Class::Urgent),
+            class_index(scheduler::Class::Scheduled),
+        );
+        let mut windows = HashMap::new();
+        // Later than any sample the stopped sampler may have taken.
+        let t0 = crate::catalog::now_ms() + 60_000;
+        take_sample(inner, t0, &mut windows);
+        assert_eq!(source.progress(7).unwrap().rate_bps, 0.0);
+        // 1 MB/s of the transfer (scheduled) for 7 s; urgent 2 MB/s from
+        // the third second on.
+        for k in 1..=7i64 {
+            progress.sent.fetch_add(MB, Ordering::Relaxed);
+            l.sent[scheduled].inc_by(MB);
+            if k >= 3 {
+                l.sent[urgent].inc_by(2 * MB);
+            }
+            take_sample(inner, t0 + k * 1000, &mut windows);
+        }
+        // Over the last 5 s.
+        assert_eq!(source.progress(7).unwrap().rate_bps, 8e6);
+        let stats = source.link_stats(true);
+        let names: Vec<&str> = stats.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["l", "m"]);
+        let s = &stats[0];
+        assert_eq!(s.rate_bps, 1_000_000_000);
+        assert_eq!(
+            (
+                s.class_bps.urgent,
+                s.class_bps.scheduled,
+                s.class_bps.background
+            ),
+            (16e6, 8e6, 0.0)
+        );
+        assert_eq!(s.goodput_bps, 24e6);
+        assert_eq!(s.utilisation, 0.024);
+        assert_eq!(s.history.len(), 7);
+        assert_eq!(
+            s.history[1],
+            HistoryPoint {
+                at_ms: t0 + 2000,
+                urgent_bps: 0.0,
+                scheduled_bps: 8e6,
+                background_bps: 0.0,
+            }
+        );
+        assert_eq!(s.history[6].urgent_bps, 16e6);
+        assert!(source
+            .link_stats(false)
+            .iter()
+            .all(|s| s.history.is_empty()));
+        assert_eq!(stats[1].goodput_bps, 0.0);
+
+        // A rate change shows in the cap and the utilisation at once.
+        assert!(source.set_link_rate("l", 100_000_000));
+        let text = source.render_metrics().await.unwrap();
+        let gauge = |name: &str| {
+            text.lines()
+                .find_map(|line| line.strip_prefix(&format!("{name}{{link=\"l\"}} ")))
+                .unwrap_or_else(|| panic!("no {name} for l in:\n{text}"))
+                .parse::<f64>()
+                .unwrap()
+        };
+        assert_eq!(gauge("ferry_link_capacity_bits_per_second"), 1e8);
+        assert_eq!(gauge("ferry_link_utilisation_ratio"), 0.24);
+
+        // Idle for 5 s: the transfer's rate and the link's drop to 0,
+        // and a transfer that restarted gets a fresh window.
+        for k in 8..=12i64 {
+            take_sample(inner, t0 + k * 1000, &mut windows);
+        }
+        assert_eq!(source.progress(7).unwrap().rate_bps, 0.0);
+        assert_eq!(source.link_stats(false)[0].goodput_bps, 0.0);
+        let again = track_progress(inner, 7, 100 * MB);
+        again.sent.store(MB, Ordering::Relaxed);
+        take_sample(inner, t0 + 13_000, &mut windows);
+        again.sent.store(2 * MB, Ordering::Relaxed);
+        take_sample(inner, t0 + 14_000, &mut windows);
+        assert_eq!(source.progress(7).unwrap().rate_bps, 8e6);
+    }
+
+    /// Queue depth counts unfinished transfers by link and effective
+    /// class (a signal's promotion included), states by state.
+    #[tokio::test]
+    async fn queue_depth_and_states_come_from_the_catalog() {
+        let (source, root, _hole, _d) = quiet_source().await;
+        for name in ["a", "b", "c"] {
+            std::fs::create_dir_all(root.join(name)).unwrap();
+        }
+        source.submit(&root.join("a"), None).await.unwrap();
+        source
+            .submit_as(&root.join("b"), None, scheduler::Class::Background)
+            .await
+            .unwrap();
+        let c = source.submit(&root.join("c"), Some("m")).await.unwrap();
+        // Promotes the newest unpublished, non-background transfer: c.
+        let out = source
+            .signal("job", "manual", 0.5, None, None)
+            .await
+            .unwrap();
+        assert_eq!(out.promoted, Some(c.id));
+        let text = source.render_metrics().await.unwrap();
+        source.shutdown(Duration::from_secs(1)).await;
+        let value = |series: &str| {
+            text.lines()
+                .find_map(|line| line.strip_prefix(&format!("{series} ")))
+                .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
+                .parse::<f64>()
+                .unwrap()
+        };
+        let depth = |l: &str, c: &str| {
+            value(&format!(
+                "ferry_queue_depth_transfers{{link=\"{l}\",class=\"{c}\"}}"
+            ))
+        };
+        assert_eq!(depth("l", "scheduled"), 1.0);
+        assert_eq!(depth("l", "background"), 1.0);
+        assert_eq!(depth("l", "urgent"), 0.0);
+        assert_eq!(depth("m", "urgent"), 1.0);
+        assert_eq!(depth("m", "scheduled"), 0.0);
+        // The link worker may have made a transfer active already; none
+        // is final.
+        let st = |s: &str| value(&format!("ferry_state_transfers{{state=\"{s}\"}}"));
+        assert_eq!(st("queued") + st("active"), 3.0);
+        assert_eq!(st("published") + st("failed") + st("cancelled"), 0.0);
+        assert_eq!(
+            value("ferry_sent_bytes_total{link=\"m\",class=\"urgent\"}"),
+            0.0
+        );
+    }
 }

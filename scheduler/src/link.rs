@@ -274,6 +274,12 @@ impl LinkScheduler {
         self.entries.contains_key(&id)
     }
 
+    /// The class active transfer `id` is served in now (as last given to
+    /// [`LinkScheduler::upsert`]); `None` if it is not active.
+    pub fn class_of(&self, id: i64) -> Option<Class> {
+        self.entries.get(&id).map(|e| e.t.class)
+    }
+
     /// Ids of the active transfers.
     pub fn active(&self) -> Vec<i64> {
         self.entries.keys().copied().collect()

@@ -346,7 +346,11 @@ fn promotion_of_an_active_transfer_preempts_and_a_rate_change_applies_at_once() 
         now += 10;
         let _ = s.next(now);
     }
+    assert_eq!(s.class_of(1), Some(Class::Background));
     s.upsert(transfer(1, Class::Urgent, 0.0, None), now);
+    // The class a sent chunk is counted in follows the promotion.
+    assert_eq!(s.class_of(1), Some(Class::Urgent));
+    assert_eq!(s.class_of(3), None);
     now += 10;
     assert!(matches!(
         s.next(now),

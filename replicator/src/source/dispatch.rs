@@ -27,6 +27,7 @@ use tokio::sync::Notify;
 
 use super::{LiveProgress, Record};
 use crate::catalog::now_ms;
+use crate::metrics::{class_index, LinkCounters};
 use crate::wire::BatchHeader;
 
 /// Records a transfer may have queued before its reader waits.
@@ -79,6 +80,8 @@ pub(crate) struct LinkSched {
     ready: Notify,
     /// Readers wait here for queue space, flushes for their last batch.
     moved: Notify,
+    /// The link's metrics (payload bytes by class, chunk retries).
+    pub(crate) counters: LinkCounters,
 }
 
 /// A connection ended while a transfer was sending.
@@ -86,7 +89,7 @@ pub(crate) struct LinkSched {
 pub(crate) struct Lost(pub String);
 
 impl LinkSched {
-    pub(crate) fn new(ls: LinkScheduler) -> LinkSched {
+    pub(crate) fn new(ls: LinkScheduler, counters: LinkCounters) -> LinkSched {
         LinkSched {
             state: Mutex::new(SchedState {
                 ls,
@@ -94,6 +97,7 @@ impl LinkSched {
             }),
             ready: Notify::new(),
             moved: Notify::new(),
+            counters,
         }
     }
 
@@ -205,7 +209,8 @@ impl LinkSched {
 }
 
 enum Step {
-    Send(i64, i32, Record),
+    /// Transfer, stream priority, index of its effective class, chunk.
+    Send(i64, i32, usize, Record),
     Wait(i64),
     Idle,
 }
@@ -241,6 +246,11 @@ pub(crate) async fn writer(
             let mut s = sched.lock();
             match s.ls.next(now_ms()) {
                 Decision::Send { id, priority, .. } => {
+                    // The class the scheduler served it in (a promotion
+                    // shows here, whatever the policy's priorities).
+                    let class =
+                        s.ls.class_of(id)
+                            .map_or(class_index(scheduler::Class::Scheduled), class_index);
                     let rec = s.queues.get_mut(&id).and_then(|q| {
                         let r = q.recs.pop_front()?;
                         q.bytes = q.bytes.saturating_sub(r.data.len() as u64);
@@ -248,7 +258,7 @@ pub(crate) async fn writer(
                         Some(r)
                     });
                     match rec {
-                        Some(r) => Step::Send(id, priority, r),
+                        Some(r) => Step::Send(id, priority, class, r),
                         // Deactivated between the decision and now.
                         None => continue,
                     }
@@ -259,7 +269,7 @@ pub(crate) async fn writer(
         };
         sched.moved.notify_waiters();
         match step {
-            Step::Send(id, priority, rec) => {
+            Step::Send(id, priority, class, rec) => {
                 if cur.as_ref().is_some_and(|c| c.0 != id) {
                     finish(&mut cur);
                 }
@@ -301,6 +311,9 @@ pub(crate) async fn writer(
                 }
                 if let Some(p) = progress {
                     p.sent.fetch_add(len, Ordering::Relaxed);
+                }
+                if let Some(c) = sched.counters.sent.get(class) {
+                    c.inc_by(len);
                 }
                 if empty || cur.as_ref().is_some_and(|c| c.2 >= target) {
                     finish(&mut cur);

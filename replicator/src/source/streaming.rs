@@ -268,6 +268,9 @@ pub(super) async fn run_watched(
             progress.total.store(total(&table), Ordering::Relaxed);
         }
         // Chunks the sink asked for again are sent again.
+        need.sort_unstable();
+        need.dedup();
+        c.sched.counters.retries.inc_by(need.len() as u64);
         for k in need.drain(..) {
             if let Some(tr) = tracks.get_mut((k >> 32) as usize) {
                 if let Some(h) = tr.hashes.get_mut(k as u32 as usize) {

@@ -1,0 +1,936 @@
+//! Prometheus metrics and live rates.
+//!
+//! Each [`Source`] and [`Sink`] owns its own registry (no global
+//! recorder: `ferry demo` runs two agents in one process); [`render`]
+//! writes the Prometheus text exposition format (version 0.0.4) of an
+//! agent with either role or both, after updating the gauges computed at
+//! scrape time (queue depth and states from the catalog, rate caps and
+//! utilisation from the source's sampler).
+//!
+//! Names follow `ferry_<name>_<unit>`; counters end in `_total`.
+//!
+//! Source:
+//! - `ferry_sent_bytes_total{link,class}`: payload bytes written to QUIC
+//!   streams (chunk bytes only: no record or batch headers, no QUIC
+//!   retransmissions; chunks sent again are counted again), by the
+//!   transfer's effective class when the chunk was written (`urgent` while
+//!   a signal promotes it).
+//! - `ferry_chunk_retries_total{link}`: chunks the sink asked for again
+//!   (a `Need`: the chunk failed BLAKE3 on arrival, or was missing or wrong
+//!   when the commit was checked), counted once per chunk each time the
+//!   source queues such a request for re-sending. Not counted: chunks sent
+//!   again because a transfer resumed on a new connection (the source does
+//!   not track which unverified chunks it had sent), chunks of a watched
+//!   file sent again because the file changed while it was written, and
+//!   QUIC packet retransmissions.
+//! - `ferry_link_capacity_bits_per_second{link}`: the link's rate cap.
+//! - `ferry_link_utilisation_ratio{link}`: payload bit/s over the last
+//!   [`RATE_WINDOW_MS`] divided by the rate cap (ARCHITECTURE.md
+//!   "Measures": at most about 1448/1500 at a 1500-byte MTU).
+//! - `ferry_queue_depth_transfers{link,class}`: transfers not in a final
+//!   state, by link and effective class.
+//! - `ferry_state_transfers{state}`: transfers per state.
+//!
+//! Sink:
+//! - `ferry_received_bytes_total{peer}`: payload bytes that matched their
+//!   BLAKE3 hash and were written to staging, by source agent.
+//! - `ferry_verification_failures_total`: chunks whose bytes did not hash
+//!   to the BLAKE3 sent with them, chunks whose verified hash differed
+//!   from the sealed manifest's at commit, and sealed manifests that did
+//!   not match the transfer's file table.
+//! - `ferry_published_replicas_total`: replicas published (moved into
+//!   place) by this process.
+//! - `ferry_commit_to_replica_lag_seconds`: histogram of publish time
+//!   minus the source's commit time, for replicas whose commit time is
+//!   known (watched checkpoints; a plain `ferry push` has none).
+//! - `ferry_replica_state_replicas{state}`: sink-side rows per state.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::AtomicU64;
+use std::sync::Mutex;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use scheduler::Class;
+use serde::Serialize;
+
+use crate::catalog::{state, CatalogError};
+use crate::sink::Sink;
+use crate::source::Source;
+
+/// The `Content-Type` of [`render`]'s output: the Prometheus text
+/// exposition format, version 0.0.4.
+pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
+
+/// Live rates (transfer, link, class) are averaged over about this long,
+/// ms.
+pub const RATE_WINDOW_MS: i64 = 5_000;
+
+/// The source's sampler runs this often, ms.
+pub const SAMPLE_EVERY_MS: u64 = 1_000;
+
+/// Points of per-class throughput history kept per link: one per
+/// sample, 10 minutes.
+pub const HISTORY_POINTS: usize = 600;
+
+/// Upper bounds of the commit-to-replica lag histogram's buckets,
+/// seconds (0.1 s to 1 h).
+pub const LAG_BUCKETS_S: [f64; 15] = [
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0,
+];
+
+/// Classes in index order (see [`class_index`]).
+pub(crate) const CLASSES: [Class; 3] = [Class::Urgent, Class::Scheduled, Class::Background];
+
+/// Source-side transfer states, always reported (0 when none).
+const TRANSFER_STATES: [&str; 7] = [
+    state::QUEUED,
+    state::ACTIVE,
+    state::PAUSED,
+    state::VERIFYING,
+    state::PUBLISHED,
+    state::FAILED,
+    state::CANCELLED,
+];
+
+/// Sink-side row states, always reported (0 when none).
+const REPLICA_STATES: [&str; 4] = [
+    state::RECEIVING,
+    state::PUBLISHED,
+    state::FAILED,
+    state::CANCELLED,
+];
+
+/// Position of `c` in [`CLASSES`].
+pub(crate) fn class_index(c: Class) -> usize {
+    match c {
+        Class::Urgent => 0,
+        Class::Scheduled => 1,
+        Class::Background => 2,
+    }
+}
+
+/// Why the metrics could not be rendered.
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    /// Reading the catalog for the scrape-time gauges failed.
+    #[error("reading the catalog for metrics: {0}")]
+    Catalog(#[from] CatalogError),
+    /// Encoding the text failed.
+    #[error("encoding metrics: {0}")]
+    Encode(#[from] std::fmt::Error),
+}
+
+/// The Prometheus text exposition (version 0.0.4, [`CONTENT_TYPE`]) of an
+/// agent with the source role, the sink role or both: the source's
+/// metrics first, then the sink's. Gauges computed at scrape time are
+/// updated first (this reads the catalog).
+///
+/// # Errors
+/// [`MetricsError`].
+pub async fn render(source: Option<&Source>, sink: Option<&Sink>) -> Result<String, MetricsError> {
+    let mut out = String::new();
+    if let Some(s) = source {
+        out += &s.render_metrics().await?;
+    }
+    if let Some(s) = sink {
+        out += &s.render_metrics().await?;
+    }
+    Ok(out)
+}
+
+// ------------------------------------------------------------- rates --
+
+/// Bits per second between two readings of a byte counter.
+fn bps(bytes: u64, ms: i64) -> f64 {
+    if ms <= 0 {
+        return 0.0;
+    }
+    bytes as f64 * 8.0 * 1000.0 / ms as f64
+}
+
+/// A sliding window over `N` cumulative byte counters sampled at explicit
+/// times (Unix ms): rates are taken between the newest sample and the
+/// newest one at least the window's width older (or the oldest kept,
+/// while fewer have been taken).
+#[derive(Debug, Clone)]
+pub(crate) struct RateWindow<const N: usize> {
+    width_ms: i64,
+    samples: VecDeque<(i64, [u64; N])>,
+}
+
+impl<const N: usize> RateWindow<N> {
+    /// An empty window `width_ms` wide.
+    pub(crate) fn new(width_ms: i64) -> Self {
+        RateWindow {
+            width_ms: width_ms.max(1),
+            samples: VecDeque::new(),
+        }
+    }
+
+    /// Adds the counters' values at `at_ms`. A sample older than the
+    /// newest (the clock stepped back) or a counter that went down (it
+    /// was replaced) starts the window afresh.
+    pub(crate) fn push(&mut self, at_ms: i64, totals: [u64; N]) {
+        if let Some((t, v)) = self.samples.back() {
+            if at_ms <= *t || v.iter().zip(&totals).any(|(old, new)| new < old) {
+                self.samples.clear();
+            }
+        }
+        self.samples.push_back((at_ms, totals));
+        // Keep one sample at or before the window's start.
+        while self
+            .samples
+            .get(1)
+            .is_some_and(|(t, _)| *t <= at_ms - self.width_ms)
+        {
+            self.samples.pop_front();
+        }
+    }
+
+    /// Bit/s of each counter over the window; 0 with fewer than two
+    /// samples.
+    pub(crate) fn rates_bps(&self) -> [f64; N] {
+        let mut out = [0.0; N];
+        if let (Some((t0, v0)), Some((t1, v1))) = (self.samples.front(), self.samples.back()) {
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = bps(v1[i].saturating_sub(v0[i]), t1 - t0);
+            }
+        }
+        out
+    }
+}
+
+/// Payload bit/s of one link by class.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct ClassRates {
+    /// `urgent` class, bit/s.
+    pub urgent: f64,
+    /// `scheduled` class, bit/s.
+    pub scheduled: f64,
+    /// `background` class, bit/s.
+    pub background: f64,
+}
+
+impl ClassRates {
+    fn from_array(r: [f64; 3]) -> ClassRates {
+        ClassRates {
+            urgent: r[0],
+            scheduled: r[1],
+            background: r[2],
+        }
+    }
+
+    /// All classes together, bit/s.
+    pub fn total(&self) -> f64 {
+        self.urgent + self.scheduled + self.background
+    }
+}
+
+/// One second of a link's throughput history.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct HistoryPoint {
+    /// End of the interval, Unix ms.
+    pub at_ms: i64,
+    /// `urgent` payload bit/s over the interval (about one second).
+    pub urgent_bps: f64,
+    /// `scheduled` payload bit/s over the interval.
+    pub scheduled_bps: f64,
+    /// `background` payload bit/s over the interval.
+    pub background_bps: f64,
+}
+
+/// A link's live rates, as `Source::link_stats` reports them.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LinkStats {
+    /// Link name.
+    pub name: String,
+    /// The link's rate cap, bit/s.
+    pub rate_bps: u64,
+    /// Payload bit/s written to the link, all classes, over the last
+    /// [`RATE_WINDOW_MS`] (resent chunks included).
+    pub goodput_bps: f64,
+    /// `goodput_bps / rate_bps` (0 with no cap), 0..about 0.97 (payload
+    /// is about 1448 of every 1500 bytes on the wire).
+    pub utilisation: f64,
+    /// Payload bit/s per class over the last [`RATE_WINDOW_MS`].
+    pub class_bps: ClassRates,
+    /// Per-class payload bit/s, one point per sample (every second),
+    /// oldest first, the last 10 minutes at most ([`HISTORY_POINTS`]);
+    /// empty when not asked for.
+    pub history: Vec<HistoryPoint>,
+}
+
+/// A link's rate window by class and its per-second history.
+#[derive(Debug, Clone)]
+pub(crate) struct LinkSampler {
+    window: RateWindow<3>,
+    last: Option<(i64, [u64; 3])>,
+    history: VecDeque<HistoryPoint>,
+}
+
+impl Default for LinkSampler {
+    fn default() -> Self {
+        LinkSampler {
+            window: RateWindow::new(RATE_WINDOW_MS),
+            last: None,
+            history: VecDeque::with_capacity(HISTORY_POINTS),
+        }
+    }
+}
+
+impl LinkSampler {
+    /// Adds the link's cumulative payload bytes per class (in
+    /// [`CLASSES`] order) at `at_ms`; from the second sample on, a
+    /// history point covers the interval since the previous one.
+    pub(crate) fn sample(&mut self, at_ms: i64, totals: [u64; 3]) {
+        self.window.push(at_ms, totals);
+        if let Some((t, v)) = self.last {
+            if at_ms > t {
+                let r = |i: usize| bps(totals[i].saturating_sub(v[i]), at_ms - t);
+                if self.history.len() == HISTORY_POINTS {
+                    self.history.pop_front();
+                }
+                self.history.push_back(HistoryPoint {
+                    at_ms,
+                    urgent_bps: r(0),
+                    scheduled_bps: r(1),
+                    background_bps: r(2),
+                });
+            }
+        }
+        self.last = Some((at_ms, totals));
+    }
+
+    /// Payload bit/s per class over the window.
+    pub(crate) fn class_rates(&self) -> ClassRates {
+        ClassRates::from_array(self.window.rates_bps())
+    }
+
+    /// The history, oldest first.
+    pub(crate) fn history(&self) -> Vec<HistoryPoint> {
+        self.history.iter().copied().collect()
+    }
+}
+
+// ----------------------------------------------------------- labels --
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LinkLabel {
+    link: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LinkClassLabel {
+    link: String,
+    class: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabel {
+    state: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PeerLabel {
+    peer: String,
+}
+
+fn encode(registry: &Registry) -> Result<String, std::fmt::Error> {
+    let mut out = String::new();
+    prometheus_client::encoding::prometheus_text::encode(&mut out, registry)?;
+    Ok(out)
+}
+
+/// Sets `family` to `counts` by state, every state of `always` included.
+fn set_states(family: &Family<StateLabel, Gauge>, always: &[&str], counts: &[(String, i64)]) {
+    family.clear();
+    for s in always {
+        family
+            .get_or_create(&StateLabel {
+                state: (*s).to_string(),
+            })
+            .set(0);
+    }
+    for (s, n) in counts {
+        family
+            .get_or_create(&StateLabel { state: s.clone() })
+            .set(*n);
+    }
+}
+
+// ----------------------------------------------------------- source --
+
+/// One link's counters, created once so that the send path only adds to
+/// atomics.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct LinkCounters {
+    /// Payload bytes written, by class in [`CLASSES`] order.
+    pub(crate) sent: [Counter; 3],
+    /// Chunks the sink asked for again.
+    pub(crate) retries: Counter,
+}
+
+impl LinkCounters {
+    /// Payload bytes written so far, by class in [`CLASSES`] order.
+    pub(crate) fn sent_totals(&self) -> [u64; 3] {
+        [self.sent[0].get(), self.sent[1].get(), self.sent[2].get()]
+    }
+}
+
+/// What the source knows at scrape time.
+#[derive(Debug, Default)]
+pub(crate) struct SourceScrape {
+    /// Per configured link: name, rate cap (bit/s), utilisation (ratio).
+    pub(crate) links: Vec<(String, u64, f64)>,
+    /// Transfers not in a final state by link and effective class.
+    pub(crate) queued: HashMap<(String, Class), i64>,
+    /// Transfers per state.
+    pub(crate) states: Vec<(String, i64)>,
+}
+
+/// The source's registry.
+pub(crate) struct SourceMetrics {
+    registry: Registry,
+    /// Held while the scrape-time gauges are set and the text encoded.
+    scrape: Mutex<()>,
+    sent: Family<LinkClassLabel, Counter>,
+    retries: Family<LinkLabel, Counter>,
+    capacity: Family<LinkLabel, Gauge>,
+    utilisation: Family<LinkLabel, Gauge<f64, AtomicU64>>,
+    queue_depth: Family<LinkClassLabel, Gauge>,
+    states: Family<StateLabel, Gauge>,
+}
+
+impl std::fmt::Debug for SourceMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SourceMetrics").finish_non_exhaustive()
+    }
+}
+
+impl SourceMetrics {
+    /// A registry with the source's metrics.
+    pub(crate) fn new() -> SourceMetrics {
+        let mut registry = Registry::default();
+        let m = SourceMetrics {
+            registry: Registry::default(),
+            scrape: Mutex::new(()),
+            sent: Family::default(),
+            retries: Family::default(),
+            capacity: Family::default(),
+            utilisation: Family::default(),
+            queue_depth: Family::default(),
+            states: Family::default(),
+        };
+        registry.register(
+            "ferry_sent_bytes",
+            "Payload bytes the source wrote to QUIC streams (chunk bytes, resent chunks \
+             included), by link and by the transfer's effective class when written, in bytes",
+            m.sent.clone(),
+        );
+        registry.register(
+            "ferry_chunk_retries",
+            "Chunks the sink asked for again (failed BLAKE3 on arrival, or missing or wrong \
+             at commit) that the source queued for re-sending, by link, in chunks",
+            m.retries.clone(),
+        );
+        registry.register(
+            "ferry_link_capacity_bits_per_second",
+            "The link's rate cap (Ferry's share of the WAN), in bits per second",
+            m.capacity.clone(),
+        );
+        registry.register(
+            "ferry_link_utilisation_ratio",
+            "Payload bits per second sent on the link over the last 5 seconds divided by its \
+             rate cap, a ratio (at most about 1448/1500)",
+            m.utilisation.clone(),
+        );
+        registry.register(
+            "ferry_queue_depth_transfers",
+            "Transfers not in a final state, by link and effective class, in transfers",
+            m.queue_depth.clone(),
+        );
+        registry.register(
+            "ferry_state_transfers",
+            "Transfers per state, in transfers",
+            m.states.clone(),
+        );
+        SourceMetrics { registry, ..m }
+    }
+
+    /// The counters of `link`, created now (each a handle on the
+    /// registry's series, so the send path needs no label lookup).
+    pub(crate) fn link(&self, link: &str) -> LinkCounters {
+        let sent = CLASSES.map(|c| {
+            self.sent
+                .get_or_create(&LinkClassLabel {
+                    link: link.to_string(),
+                    class: c.as_str(),
+                })
+                .clone()
+        });
+        let retries = self
+            .retries
+            .get_or_create(&LinkLabel {
+                link: link.to_string(),
+            })
+            .clone();
+        LinkCounters { sent, retries }
+    }
+
+    /// Sets the scrape-time gauges from `s` and encodes the registry.
+    pub(crate) fn render(&self, s: &SourceScrape) -> Result<String, std::fmt::Error> {
+        let _one = self.scrape.lock().unwrap_or_else(|p| p.into_inner());
+        self.capacity.clear();
+        self.utilisation.clear();
+        self.queue_depth.clear();
+        for (link, cap, util) in &s.links {
+            let l = LinkLabel { link: link.clone() };
+            self.capacity
+                .get_or_create(&l)
+                .set(i64::try_from(*cap).unwrap_or(i64::MAX));
+            self.utilisation.get_or_create(&l).set(*util);
+            for c in CLASSES {
+                self.queue_depth
+                    .get_or_create(&LinkClassLabel {
+                        link: link.clone(),
+                        class: c.as_str(),
+                    })
+                    .set(0);
+            }
+        }
+        for ((link, class), n) in &s.queued {
+            self.queue_depth
+                .get_or_create(&LinkClassLabel {
+                    link: link.clone(),
+                    class: class.as_str(),
+                })
+                .set(*n);
+        }
+        set_states(&self.states, &TRANSFER_STATES, &s.states);
+        encode(&self.registry)
+    }
+}
+
+// ------------------------------------------------------------- sink --
+
+/// The sink's registry.
+pub(crate) struct SinkMetrics {
+    registry: Registry,
+    scrape: Mutex<()>,
+    received: Family<PeerLabel, Counter>,
+    /// Chunks and manifests that failed verification.
+    pub(crate) verification_failures: Counter,
+    /// Commit-to-replica lag, seconds.
+    pub(crate) lag: Histogram,
+    /// Replicas published.
+    pub(crate) published: Counter,
+    replica_states: Family<StateLabel, Gauge>,
+}
+
+impl std::fmt::Debug for SinkMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SinkMetrics").finish_non_exhaustive()
+    }
+}
+
+impl SinkMetrics {
+    /// A registry with the sink's metrics.
+    pub(crate) fn new() -> SinkMetrics {
+        let mut registry = Registry::default();
+        let m = SinkMetrics {
+            registry: Registry::default(),
+            scrape: Mutex::new(()),
+            received: Family::default(),
+            verification_failures: Counter::default(),
+            lag: Histogram::new(LAG_BUCKETS_S),
+            published: Counter::default(),
+            replica_states: Family::default(),
+        };
+        registry.register(
+            "ferry_received_bytes",
+            "Payload bytes that matched their BLAKE3 hash and were written to staging, by \
+             source agent, in bytes",
+            m.received.clone(),
+        );
+        registry.register(
+            "ferry_verification_failures",
+            "Chunks that failed BLAKE3 verification on arrival or differed from the sealed \
+             manifest at commit, plus sealed manifests that did not match the transfer's file \
+             table, in chunks (manifests count one each)",
+            m.verification_failures.clone(),
+        );
+        registry.register(
+            "ferry_published_replicas",
+            "Replicas published by this sink since it started, in replicas",
+            m.published.clone(),
+        );
+        registry.register(
+            "ferry_commit_to_replica_lag_seconds",
+            "Publish time at the sink minus the source's commit time, for replicas whose \
+             commit time is known (negative values from clock skew count as 0), in seconds",
+            m.lag.clone(),
+        );
+        registry.register(
+            "ferry_replica_state_replicas",
+            "Sink-side transfers and replicas per state, in replicas",
+            m.replica_states.clone(),
+        );
+        SinkMetrics { registry, ..m }
+    }
+
+    /// The received-bytes counter of `peer` (a handle: keep it per
+    /// connection).
+    pub(crate) fn received_for(&self, peer: &str) -> Counter {
+        self.received
+            .get_or_create(&PeerLabel {
+                peer: peer.to_string(),
+            })
+            .clone()
+    }
+
+    /// Records a commit-to-replica lag of `lag_s` seconds.
+    pub(crate) fn observe_lag(&self, lag_s: f64) {
+        if lag_s.is_finite() {
+            self.lag.observe(lag_s.max(0.0));
+        }
+    }
+
+    /// Sets the replica-state gauges from `states` and encodes the
+    /// registry.
+    pub(crate) fn render(&self, states: &[(String, i64)]) -> Result<String, std::fmt::Error> {
+        let _one = self.scrape.lock().unwrap_or_else(|p| p.into_inner());
+        set_states(&self.replica_states, &REPLICA_STATES, states);
+        encode(&self.registry)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    const MB: u64 = 1_000_000;
+
+    fn close(a: f64, b: f64) {
+        assert!((a - b).abs() <= 1e-9 * b.abs().max(1.0), "{a} != {b}");
+    }
+
+    #[test]
+    fn window_rate_spans_about_five_seconds() {
+        let mut w = RateWindow::<1>::new(5_000);
+        assert_eq!(w.rates_bps(), [0.0]);
+        w.push(10_000, [0]);
+        assert_eq!(w.rates_bps(), [0.0], "one sample has no rate");
+        // 1 MB per second for 3 s: 8 Mbit/s over the 3 s seen so far.
+        for s in 1..=3 {
+            w.push(10_000 + s * 1000, [s as u64 * MB]);
+        }
+        assert_eq!(w.rates_bps(), [8e6]);
+        // Then 3 MB/s for 5 s: the window drops the slow seconds.
+        for s in 1..=5 {
+            w.push(13_000 + s * 1000, [3 * MB + s as u64 * 3 * MB]);
+        }
+        assert_eq!(w.rates_bps(), [24e6]);
+        // Idle for 5 s: back to 0.
+        for s in 1..=5 {
+            w.push(18_000 + s * 1000, [18 * MB]);
+        }
+        assert_eq!(w.rates_bps(), [0.0]);
+    }
+
+    #[test]
+    fn window_covers_a_late_sample_and_restarts_when_counters_go_back() {
+        let mut w = RateWindow::<2>::new(5_000);
+        w.push(0, [0, 0]);
+        // A sampler that fell behind: 9 s since the last sample.
+        w.push(9_000, [9 * MB, 0]);
+        assert_eq!(w.rates_bps(), [8e6, 0.0]);
+        // The counter was replaced (a transfer restarted): fresh window.
+        w.push(10_000, [MB, 0]);
+        assert_eq!(w.rates_bps(), [0.0, 0.0]);
+        w.push(11_000, [2 * MB, MB / 2]);
+        assert_eq!(w.rates_bps(), [8e6, 4e6]);
+        // The clock stepped back: fresh window too.
+        w.push(5_000, [3 * MB, MB]);
+        assert_eq!(w.rates_bps(), [0.0, 0.0]);
+    }
+
+    #[test]
+    fn history_has_one_point_per_sample_by_class_capped_at_ten_minutes() {
+        let mut l = LinkSampler::default();
+        l.sample(1_000, [0, 0, 0]);
+        assert!(l.history().is_empty(), "the first sample has no interval");
+        l.sample(2_000, [MB, 2 * MB, 0]);
+        l.sample(2_500, [MB, 2 * MB, MB]);
+        assert_eq!(
+            l.history(),
+            vec![
+                HistoryPoint {
+                    at_ms: 2_000,
+                    urgent_bps: 8e6,
+                    scheduled_bps: 16e6,
+                    background_bps: 0.0,
+                },
+                HistoryPoint {
+                    at_ms: 2_500,
+                    urgent_bps: 0.0,
+                    scheduled_bps: 0.0,
+                    background_bps: 16e6,
+                },
+            ]
+        );
+        // Over the 1.5 s seen so far.
+        let r = l.class_rates();
+        close(r.urgent, 8e6 / 1.5);
+        close(r.scheduled, 16e6 / 1.5);
+        close(r.background, 8e6 / 1.5);
+        close(r.total(), 32e6 / 1.5);
+        for s in 0..700u64 {
+            l.sample(3_000 + s as i64 * 1000, [MB, 2 * MB, MB + s]);
+        }
+        let h = l.history();
+        assert_eq!(h.len(), HISTORY_POINTS);
+        assert_eq!(h.last().map(|p| p.at_ms), Some(3_000 + 699 * 1000));
+        assert_eq!(h.first().map(|p| p.at_ms), Some(3_000 + 100 * 1000));
+        assert!(h.windows(2).all(|w| w[1].at_ms - w[0].at_ms == 1000));
+        assert!(h.iter().skip(1).all(|p| p.background_bps == 8.0));
+    }
+
+    /// Checks the exposition line by line (prometheus-parse skips lines
+    /// it cannot read, so it alone would not notice a malformed one):
+    /// every family has HELP then TYPE, every sample belongs to the
+    /// family declared last and has a number; returns the families.
+    pub(crate) fn strict_families(text: &str) -> HashMap<String, String> {
+        let mut families = HashMap::new();
+        let mut current: Option<(String, String)> = None;
+        let name_ok = |n: &str| {
+            !n.is_empty()
+                && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                && !n.starts_with(|c: char| c.is_ascii_digit())
+        };
+        let mut help: Option<String> = None;
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# HELP ") {
+                let (name, doc) = rest.split_once(' ').unwrap();
+                assert!(name_ok(name), "bad name in {line:?}");
+                assert!(!doc.trim().is_empty(), "empty HELP in {line:?}");
+                help = Some(name.to_string());
+            } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let (name, ty) = rest.split_once(' ').unwrap();
+                assert_eq!(help.as_deref(), Some(name), "TYPE without HELP: {line:?}");
+                assert!(["counter", "gauge", "histogram"].contains(&ty), "{line:?}");
+                assert!(
+                    families.insert(name.to_string(), ty.to_string()).is_none(),
+                    "family {name} twice"
+                );
+                current = Some((name.to_string(), ty.to_string()));
+            } else {
+                assert!(!line.starts_with('#'), "stray comment {line:?}");
+                let (series, value) = line.rsplit_once(' ').unwrap();
+                let v = value.replace("+Inf", "inf");
+                assert!(v.parse::<f64>().is_ok(), "bad value in {line:?}");
+                let name = series.split('{').next().unwrap();
+                let (fam, ty) = current.as_ref().expect("sample before any TYPE");
+                let ok = if ty == "histogram" {
+                    ["_bucket", "_sum", "_count"]
+                        .iter()
+                        .any(|s| name.strip_suffix(s) == Some(fam.as_str()))
+                } else {
+                    name == fam
+                };
+                assert!(ok, "{name} is not a sample of family {fam} ({ty})");
+                if let Some(labels) = series.strip_prefix(name) {
+                    if !labels.is_empty() {
+                        assert!(labels.starts_with('{') && labels.ends_with('}'), "{line:?}");
+                    }
+                }
+            }
+        }
+        families
+    }
+
+    pub(crate) fn parse(text: &str) -> prometheus_parse::Scrape {
+        prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string()))).unwrap()
+    }
+
+    pub(crate) fn value(s: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
+        let found: Vec<f64> = s
+            .samples
+            .iter()
+            .filter(|x| x.metric == name && labels.iter().all(|(k, v)| x.labels.get(k) == Some(*v)))
+            .map(|x| match &x.value {
+                prometheus_parse::Value::Counter(v)
+                | prometheus_parse::Value::Gauge(v)
+                | prometheus_parse::Value::Untyped(v) => *v,
+                other => panic!("{name}: {other:?}"),
+            })
+            .collect();
+        assert_eq!(found.len(), 1, "{name}{labels:?}: {found:?}");
+        found[0]
+    }
+
+    #[test]
+    fn source_text_parses_with_the_names_labels_and_values_set() {
+        let m = SourceMetrics::new();
+        let l = m.link("to-eval");
+        l.sent[class_index(Class::Urgent)].inc_by(5 * MB);
+        l.sent[class_index(Class::Background)].inc_by(7);
+        l.retries.inc_by(3);
+        // The handle and the registry's series are the same counter.
+        assert_eq!(m.link("to-eval").sent_totals(), [5 * MB, 0, 7]);
+        let scrape = SourceScrape {
+            links: vec![("to-eval".into(), 1_000_000_000, 0.5)],
+            queued: HashMap::from([
+                (("to-eval".into(), Class::Scheduled), 2),
+                (("gone".into(), Class::Background), 1),
+            ]),
+            states: vec![("queued".into(), 2), ("published".into(), 4)],
+        };
+        let text = m.render(&scrape).unwrap();
+        let fam = strict_families(&text);
+        let expect = [
+            ("ferry_sent_bytes_total", "counter"),
+            ("ferry_chunk_retries_total", "counter"),
+            ("ferry_link_capacity_bits_per_second", "gauge"),
+            ("ferry_link_utilisation_ratio", "gauge"),
+            ("ferry_queue_depth_transfers", "gauge"),
+            ("ferry_state_transfers", "gauge"),
+        ];
+        for (n, ty) in expect {
+            assert_eq!(fam.get(n).map(String::as_str), Some(ty), "{n} in:\n{text}");
+        }
+        assert_eq!(fam.len(), expect.len(), "{text}");
+        assert!(text.contains("# HELP ferry_sent_bytes_total "));
+        let s = parse(&text);
+        let sent = |c| {
+            value(
+                &s,
+                "ferry_sent_bytes_total",
+                &[("link", "to-eval"), ("class", c)],
+            )
+        };
+        assert_eq!(
+            (sent("urgent"), sent("scheduled"), sent("background")),
+            (5e6, 0.0, 7.0)
+        );
+        assert_eq!(
+            value(&s, "ferry_chunk_retries_total", &[("link", "to-eval")]),
+            3.0
+        );
+        assert_eq!(
+            value(
+                &s,
+                "ferry_link_capacity_bits_per_second",
+                &[("link", "to-eval")]
+            ),
+            1e9
+        );
+        assert_eq!(
+            value(&s, "ferry_link_utilisation_ratio", &[("link", "to-eval")]),
+            0.5
+        );
+        let depth = |l, c| {
+            value(
+                &s,
+                "ferry_queue_depth_transfers",
+                &[("link", l), ("class", c)],
+            )
+        };
+        assert_eq!(depth("to-eval", "scheduled"), 2.0);
+        assert_eq!(depth("to-eval", "urgent"), 0.0);
+        assert_eq!(depth("gone", "background"), 1.0);
+        let st = |x| value(&s, "ferry_state_transfers", &[("state", x)]);
+        assert_eq!(
+            (st("queued"), st("published"), st("failed")),
+            (2.0, 4.0, 0.0)
+        );
+
+        // The next scrape forgets what is gone.
+        let text = m
+            .render(&SourceScrape {
+                links: vec![("to-eval".into(), 2_000_000_000, 0.0)],
+                ..Default::default()
+            })
+            .unwrap();
+        let s = parse(&text);
+        assert!(!text.contains("gone"), "{text}");
+        assert_eq!(
+            value(
+                &s,
+                "ferry_link_capacity_bits_per_second",
+                &[("link", "to-eval")]
+            ),
+            2e9
+        );
+        assert_eq!(
+            value(&s, "ferry_state_transfers", &[("state", "published")]),
+            0.0
+        );
+    }
+
+    #[test]
+    fn sink_text_parses_with_the_names_and_a_lag_histogram() {
+        let m = SinkMetrics::new();
+        m.received_for("train-a-1").inc_by(42);
+        m.received_for("train-a-1").inc_by(8);
+        m.verification_failures.inc_by(2);
+        m.published.inc();
+        m.observe_lag(0.3);
+        m.observe_lag(-1.0);
+        m.observe_lag(4000.0);
+        let text = m
+            .render(&[("published".into(), 1), ("receiving".into(), 2)])
+            .unwrap();
+        let fam = strict_families(&text);
+        let expect = [
+            ("ferry_received_bytes_total", "counter"),
+            ("ferry_verification_failures_total", "counter"),
+            ("ferry_published_replicas_total", "counter"),
+            ("ferry_commit_to_replica_lag_seconds", "histogram"),
+            ("ferry_replica_state_replicas", "gauge"),
+        ];
+        for (n, ty) in expect {
+            assert_eq!(fam.get(n).map(String::as_str), Some(ty), "{n} in:\n{text}");
+        }
+        assert_eq!(fam.len(), expect.len(), "{text}");
+        let s = parse(&text);
+        assert_eq!(
+            value(&s, "ferry_received_bytes_total", &[("peer", "train-a-1")]),
+            50.0
+        );
+        assert_eq!(value(&s, "ferry_verification_failures_total", &[]), 2.0);
+        assert_eq!(value(&s, "ferry_published_replicas_total", &[]), 1.0);
+        assert_eq!(
+            value(&s, "ferry_commit_to_replica_lag_seconds_count", &[]),
+            3.0
+        );
+        close(
+            value(&s, "ferry_commit_to_replica_lag_seconds_sum", &[]),
+            4000.3,
+        );
+        let h = s
+            .samples
+            .iter()
+            .find(|x| x.metric == "ferry_commit_to_replica_lag_seconds")
+            .map(|x| x.value.clone());
+        let Some(prometheus_parse::Value::Histogram(b)) = h else {
+            panic!("no histogram in {text}");
+        };
+        let le = |x: f64| b.iter().find(|c| c.less_than == x).map(|c| c.count);
+        assert_eq!(le(0.1), Some(1.0), "the negative lag counts as 0");
+        assert_eq!(le(0.5), Some(2.0));
+        assert_eq!(le(3600.0), Some(2.0));
+        assert_eq!(le(f64::INFINITY), Some(3.0));
+        let st = |x| value(&s, "ferry_replica_state_replicas", &[("state", x)]);
+        assert_eq!(
+            (st("receiving"), st("published"), st("failed")),
+            (2.0, 1.0, 0.0)
+        );
+    }
+}
