@@ -18,6 +18,7 @@ pub mod error;
 mod metrics;
 mod sink_api;
 mod source_api;
+mod ui;
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -178,6 +179,7 @@ pub fn build(state: AppState) -> (Router, utoipa::openapi::OpenApi) {
     let open: OpenApiRouter<AppState> = OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(healthz))
         .routes(routes!(openapi_json))
+        .routes(routes!(ui::index))
         .route_layer(TimeoutLayer::with_status_code(
             StatusCode::REQUEST_TIMEOUT,
             REQUEST_TIMEOUT,
@@ -185,21 +187,32 @@ pub fn build(state: AppState) -> (Router, utoipa::openapi::OpenApi) {
     let long_timeout = MAX_WAIT + REQUEST_TIMEOUT;
     // (routes, the role they need, their timeout); axum refuses a
     // route layer on a group without routes, so only filled ones are kept.
-    let mut groups: Vec<(OpenApiRouter<AppState>, Role, Duration)> = vec![(
-        OpenApiRouter::new().routes(routes!(metrics::handler)),
-        Role::Reader,
-        REQUEST_TIMEOUT,
-    )];
+    let mut groups: Vec<(OpenApiRouter<AppState>, Role, Option<Duration>)> = vec![
+        (
+            OpenApiRouter::new()
+                .routes(routes!(ui::status))
+                .routes(routes!(metrics::handler))
+                .routes(routes!(whoami)),
+            Role::Reader,
+            Some(REQUEST_TIMEOUT),
+        ),
+        // A stream: no timeout; it ends when the client goes away.
+        (
+            OpenApiRouter::new().routes(routes!(ui::events)),
+            Role::Reader,
+            None,
+        ),
+    ];
     if state.sink.is_some() {
         groups.push((
             OpenApiRouter::new().routes(routes!(sink_api::replicas)),
             Role::Reader,
-            REQUEST_TIMEOUT,
+            Some(REQUEST_TIMEOUT),
         ));
         groups.push((
             OpenApiRouter::new().routes(routes!(sink_api::resolve)),
             Role::Reader,
-            long_timeout,
+            Some(long_timeout),
         ));
     }
     if state.source.is_some() {
@@ -220,15 +233,20 @@ pub fn build(state: AppState) -> (Router, utoipa::openapi::OpenApi) {
             .routes(routes!(source_api::cancel))
             .routes(routes!(source_api::put_job))
             .routes(routes!(source_api::put_link));
-        groups.push((reader, Role::Reader, REQUEST_TIMEOUT));
-        groups.push((signaler, Role::Signaler, REQUEST_TIMEOUT));
-        groups.push((operator, Role::Operator, REQUEST_TIMEOUT));
+        groups.push((reader, Role::Reader, Some(REQUEST_TIMEOUT)));
+        groups.push((signaler, Role::Signaler, Some(REQUEST_TIMEOUT)));
+        groups.push((operator, Role::Operator, Some(REQUEST_TIMEOUT)));
     }
     let mut api = open;
     for (routes, role, timeout) in groups {
-        api = api.merge(routes.route_layer(guard(role)).route_layer(
-            TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, timeout),
-        ));
+        let mut routes = routes.route_layer(guard(role));
+        if let Some(t) = timeout {
+            routes = routes.route_layer(TimeoutLayer::with_status_code(
+                StatusCode::REQUEST_TIMEOUT,
+                t,
+            ));
+        }
+        api = api.merge(routes);
     }
     let (router, doc) = api.split_for_parts();
     let _ = state
@@ -290,6 +308,35 @@ async fn healthz(State(s): State<AppState>) -> Json<Health> {
 async fn openapi_json(State(s): State<AppState>) -> Response {
     let doc = s.openapi.get().cloned().unwrap_or_else(|| "{}".into());
     ([(header::CONTENT_TYPE, "application/json")], doc).into_response()
+}
+
+/// Who the caller is (`GET /v1/whoami`).
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+struct WhoAmI {
+    /// The token's configured name (`anonymous` without a token on an
+    /// agent with `allow_unauthenticated`).
+    name: String,
+    /// Its role.
+    role: Role,
+}
+
+/// The caller's token name and role (the UI shows it and offers actions
+/// only to operators).
+#[utoipa::path(
+    get, path = "/v1/whoami", tag = "agent",
+    security(("bearer" = ["reader"])),
+    responses(
+        (status = 200, description = "The caller", body = WhoAmI),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+    )
+)]
+async fn whoami(caller: Option<axum::Extension<auth::Caller>>) -> Result<Json<WhoAmI>, ApiError> {
+    let axum::Extension(c) =
+        caller.ok_or_else(|| ApiError::internal("whoami reached without authentication"))?;
+    Ok(Json(WhoAmI {
+        name: c.name,
+        role: c.role,
+    }))
 }
 
 #[cfg(test)]

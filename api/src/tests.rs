@@ -20,6 +20,19 @@ fn bare() -> Router {
 async fn call(r: Router, req: Request<Body>) -> (StatusCode, serde_json::Value) {
     let resp = r.oneshot(req).await.unwrap();
     let status = resp.status();
+    let ct = resp.headers().get("content-type").cloned();
+    if ct.is_some_and(|c| c.as_bytes().starts_with(b"text/event-stream")) {
+        // An endless stream: the first event is enough.
+        let mut body = resp.into_body().into_data_stream();
+        let first =
+            tokio::time::timeout(Duration::from_secs(10), futures::StreamExt::next(&mut body))
+                .await
+                .expect("no event within 10 s")
+                .expect("the stream ended")
+                .unwrap();
+        let text = String::from_utf8(first.to_vec()).unwrap();
+        return (status, json!({ "event_stream": text }));
+    }
     let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
         .await
         .unwrap();
@@ -947,5 +960,91 @@ async fn lists_page_with_limit_and_offset() {
     assert_eq!(
         v["items"],
         json!([{ "name": "m", "rate_bps": 1_000_000_000u64 }])
+    );
+}
+
+#[tokio::test]
+async fn the_ui_page_needs_no_token_and_its_data_does() {
+    let w = with_source().await;
+    let (auth, toks) = tokens();
+    let r = router(AppState::new(
+        "src".into(),
+        Some(w.source.clone()),
+        None,
+        auth,
+    ));
+    let resp = r.clone().oneshot(get("/")).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert!(resp.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/html"));
+    let html = axum::body::to_bytes(resp.into_body(), 1 << 22)
+        .await
+        .unwrap();
+    let html = String::from_utf8(html.to_vec()).unwrap();
+    for needle in [
+        "<title>Ferry</title>",
+        "id=\"queue\"",
+        "/v1/events",
+        "Authorization",
+    ] {
+        assert!(html.contains(needle), "the page lacks {needle}");
+    }
+    let (s, _) = call(r.clone(), get("/v1/status")).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, _) = call(r.clone(), get("/v1/events")).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, v) = call(r.clone(), with_token(get("/v1/whoami"), Some(&toks[0].1))).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v, json!({ "name": "reader-token", "role": "reader" }));
+}
+
+#[tokio::test]
+async fn status_and_events_show_the_queue_in_rank_order_with_score_terms() {
+    let w = with_source().await;
+    let low = w.push("logs", Some("background")).await;
+    let high = w.push("step-1", Some("urgent")).await;
+    let mid = w.push("step-2", None).await;
+    let (s, st) = call(w.r(), get("/v1/status?history=true")).await;
+    assert_eq!(s, StatusCode::OK, "{st}");
+    assert_eq!(st["agent"], "src");
+    assert_eq!(st["roles"], json!(["source"]));
+    assert_eq!(st["open"], true);
+    let ids: Vec<i64> = st["transfers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["id"].as_i64().unwrap())
+        .collect();
+    assert_eq!(ids, [high, mid, low], "urgent, scheduled, background");
+    let row = &st["transfers"][0];
+    assert_eq!(row["ranking"]["class"], "urgent");
+    assert!(row["ranking"]["score"]["value"].as_f64().unwrap() > 0.0);
+    assert_eq!(row["state"], "queued");
+    let links = st["links"].as_array().unwrap();
+    assert_eq!(links.len(), 2, "{st}");
+    assert_eq!(links[0]["name"], "l");
+    assert_eq!(links[0]["rate_bps"], 10_000_000_000u64);
+    assert!(links[0]["history"].is_array());
+    assert_eq!(st["signals"], json!([]));
+    let (s, v) = call(w.r(), get("/v1/status?history=maybe")).await;
+    refused((s, v), StatusCode::UNPROCESSABLE_ENTITY, &["history"]);
+
+    // The event stream's first event is the same status.
+    let (s, v) = call(w.r(), get("/v1/events")).await;
+    assert_eq!(s, StatusCode::OK);
+    let text = v["event_stream"].as_str().unwrap();
+    assert!(text.starts_with("event: status\n"), "{text}");
+    let data: String = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    let ev: Value = serde_json::from_str(&data).unwrap();
+    assert_eq!(ev["transfers"][0]["id"], high);
+    assert_eq!(
+        ev["links"][0]["history"],
+        json!([]),
+        "events carry no history"
     );
 }

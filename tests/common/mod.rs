@@ -35,6 +35,9 @@ pub const JOB: &str = "llama-7b";
 /// Link name used by the source.
 pub const LINK: &str = "to-eval";
 
+/// The `[api]` lines of test agents unless a test sets tokens.
+pub const OPEN_API: &str = "allow_unauthenticated = true\n";
+
 /// How long an agent may take to answer `/healthz` after being spawned.
 const STARTUP: Duration = Duration::from_secs(30);
 /// Lines of each log shown when a test fails.
@@ -79,6 +82,11 @@ pub struct Proc {
 }
 
 impl Proc {
+    /// Owns `child` from now on.
+    pub fn new(child: Child) -> Proc {
+        Proc { child }
+    }
+
     /// SIGKILLs the process and reaps it.
     pub fn kill(&mut self) {
         let _ = self.child.kill();
@@ -204,6 +212,9 @@ pub struct AgentConfig {
     pub api_port: u16,
     /// `[quic] listen`
     pub quic_listen: String,
+    /// Lines of `[api]` after `listen` (default: `allow_unauthenticated =
+    /// true`); `[[api.tokens]]` tables may follow.
+    pub api: String,
     /// `[tls] ca`
     pub ca: PathBuf,
     /// `[tls] cert`
@@ -232,13 +243,14 @@ impl AgentConfig {
     pub fn to_toml(&self) -> String {
         let mut t = format!(
             "[agent]\nname = {}\nsite = {}\nrole = {}\ndata_dir = {}\n\n\
-             [api]\nlisten = {}\nallow_unauthenticated = true\n\n[quic]\nlisten = {}\n\n\
+             [api]\nlisten = {}\n{}\n[quic]\nlisten = {}\n\n\
              [tls]\nca = {}\ncert = {}\nkey = {}\n",
             toml_str(&self.name),
             toml_str(&self.site),
             toml_str(&self.role),
             toml_path(&self.data_dir),
             toml_str(format!("127.0.0.1:{}", self.api_port)),
+            self.api,
             toml_str(&self.quic_listen),
             toml_path(&self.ca),
             toml_path(&self.cert),
@@ -556,6 +568,7 @@ impl World {
             data_dir: self.root.join("sink").join("data"),
             api_port: free_tcp_port(),
             quic_listen: format!("127.0.0.1:{}", free_udp_port()),
+            api: OPEN_API.into(),
             ca: certs.join("ca.pem"),
             cert: certs.join(format!("{SINK_NAME}.pem")),
             key: certs.join(format!("{SINK_NAME}.key")),
@@ -579,6 +592,7 @@ impl World {
             data_dir: self.root.join("source").join("data"),
             api_port: free_tcp_port(),
             quic_listen: "127.0.0.1:0".into(),
+            api: OPEN_API.into(),
             ca: certs.join("ca.pem"),
             cert: certs.join(format!("{SOURCE_NAME}.pem")),
             key: certs.join(format!("{SOURCE_NAME}.key")),
@@ -658,7 +672,7 @@ impl World {
         let child = cmd
             .spawn()
             .unwrap_or_else(|e| self.fail(format!("cannot start {}: {e}", agent.label)));
-        agent.proc = Some(Proc { child });
+        agent.proc = Some(Proc::new(child));
         let url = format!("{}/healthz", agent.url());
         let label = agent.label.clone();
         let proc = agent.proc.as_mut().unwrap();
@@ -696,7 +710,7 @@ impl World {
             .stderr(File::create(&err_path).unwrap())
             .spawn()
             .unwrap_or_else(|e| self.fail(format!("cannot start ferry link-emu: {e}")));
-        let mut proc = Proc { child };
+        let mut proc = Proc::new(child);
         self.wait_until("ferry link-emu to listen", STARTUP, async || {
             if let Some(status) = proc.exited() {
                 self.fail(format!("ferry link-emu exited during startup: {status}"));

@@ -1,0 +1,272 @@
+//! The ops web UI: one page at `/` (HTML, CSS and plain JavaScript
+//! embedded at compile time from `api/ui/`), fed by `GET /v1/status` and
+//! the server-sent events of `GET /v1/events` (one `status` event a
+//! second). The page asks for a token and sends it as a bearer header; it
+//! needs `reader` to watch and `operator` to act.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Query, State};
+use axum::http::header;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use replicator::catalog::{state, Replica, Signal, Transfer};
+use replicator::source::Ranking;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ApiError, ErrorBody};
+use crate::source_api::{view, TransferView};
+use crate::AppState;
+
+/// The page, assembled once from its three files.
+const PAGE: &str = concat!(
+    include_str!("../ui/head.html"),
+    "<style>\n",
+    include_str!("../ui/app.css"),
+    "</style>\n",
+    include_str!("../ui/body.html"),
+    "<script>\n",
+    include_str!("../ui/app.js"),
+    "</script>\n</body>\n</html>\n"
+);
+
+/// How often `/v1/events` sends a status.
+pub const EVENT_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Finished transfers stay in the queue view this long, ms.
+const RECENT_MS: i64 = 10 * 60 * 1000;
+
+/// Most unfinished transfers in one status.
+const MAX_QUEUE_ROWS: usize = 200;
+
+/// The ops web UI (HTML). No token needed to load the page; its data
+/// needs `reader`, its actions `operator`.
+#[utoipa::path(
+    get, path = "/", tag = "agent",
+    security(()),
+    responses((status = 200, description = "The ops web UI", content_type = "text/html"))
+)]
+pub(crate) async fn index() -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        PAGE,
+    )
+        .into_response()
+}
+
+/// One row of the queue view.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub(crate) struct QueueRow {
+    #[serde(flatten)]
+    transfer: TransferView,
+    /// Why it ranks where it does (unfinished transfers only).
+    ranking: Option<Ranking>,
+}
+
+/// A published checkpoint as the source saw it.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub(crate) struct PublishedRow {
+    /// Transfer id.
+    id: i64,
+    /// Job name.
+    job: String,
+    /// Checkpoint path relative to its source root.
+    rel: String,
+    /// Bytes in the checkpoint.
+    bytes_total: i64,
+    /// Replica path at the sink.
+    local_path: Option<String>,
+    /// When the sink confirmed the publish, Unix ms (source clock).
+    published_at: Option<i64>,
+    /// Publish confirmation minus commit time, seconds (source clock);
+    /// `null` when the commit time is unknown.
+    commit_to_replica_s: Option<f64>,
+}
+
+/// Everything the UI shows, at one instant.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub(crate) struct Status {
+    /// Agent name.
+    agent: String,
+    /// `source` and/or `sink`.
+    roles: Vec<&'static str>,
+    /// Server time, Unix ms.
+    now_ms: i64,
+    /// True if requests without a token may act (`allow_unauthenticated`).
+    open: bool,
+    /// Links with rate cap, utilisation and throughput per class (source);
+    /// `history` is filled only when asked for.
+    #[schema(value_type = Vec<Object>)]
+    links: Vec<replicator::metrics::LinkStats>,
+    /// Unfinished transfers in rank order (class, then score), then those
+    /// finished in the last 10 minutes, newest first (source).
+    transfers: Vec<QueueRow>,
+    /// The last 20 published checkpoints with commit-to-replica lag
+    /// (source).
+    published: Vec<PublishedRow>,
+    /// The last 10 signals (source).
+    signals: Vec<Signal>,
+    /// The last 30 replicas, incoming and published, with lag (sink).
+    replicas: Vec<Replica>,
+}
+
+fn class_rank(c: scheduler::Class) -> u8 {
+    match c {
+        scheduler::Class::Urgent => 0,
+        scheduler::Class::Scheduled => 1,
+        scheduler::Class::Background => 2,
+    }
+}
+
+/// The status of `s` now.
+pub(crate) async fn snapshot(s: &AppState, with_history: bool) -> Result<Status, ApiError> {
+    let now = replicator::catalog::now_ms();
+    let mut st = Status {
+        agent: s.agent.clone(),
+        roles: s.roles(),
+        now_ms: now,
+        open: s.auth.is_open(),
+        links: Vec::new(),
+        transfers: Vec::new(),
+        published: Vec::new(),
+        signals: Vec::new(),
+        replicas: Vec::new(),
+    };
+    if let Some(src) = &s.source {
+        let cat = src.catalog();
+        st.links = src.link_stats(with_history);
+        let mut live = cat
+            .unfinished_transfers()
+            .await
+            .map_err(ApiError::internal)?;
+        // The newest ones if there are very many.
+        if live.len() > MAX_QUEUE_ROWS {
+            live.drain(..live.len() - MAX_QUEUE_ROWS);
+        }
+        let mut rows = Vec::with_capacity(live.len());
+        for t in live {
+            let r = src.ranking(&t).await.map_err(ApiError::internal)?;
+            rows.push((t, r));
+        }
+        rows.sort_by(|(a, ra), (b, rb)| {
+            class_rank(ra.class)
+                .cmp(&class_rank(rb.class))
+                .then(rb.score.value.total_cmp(&ra.score.value))
+                .then(a.id.cmp(&b.id))
+        });
+        st.transfers = rows
+            .into_iter()
+            .map(|(t, r)| QueueRow {
+                transfer: view(src, t),
+                ranking: Some(r),
+            })
+            .collect();
+        let recent: Vec<Transfer> = cat
+            .transfers(200, 0)
+            .await
+            .map_err(ApiError::internal)?
+            .into_iter()
+            .filter(|t| state::is_final(&t.state))
+            .collect();
+        for t in &recent {
+            if t.state == state::PUBLISHED && st.published.len() < 20 {
+                st.published.push(PublishedRow {
+                    id: t.id,
+                    job: t.job.clone(),
+                    rel: t.rel.clone(),
+                    bytes_total: t.bytes_total,
+                    local_path: t.local_path.clone(),
+                    published_at: t.finished_at,
+                    commit_to_replica_s: t
+                        .finished_at
+                        .zip(t.committed_at)
+                        .map(|(f, c)| (f - c) as f64 / 1000.0),
+                });
+            }
+        }
+        st.transfers.extend(
+            recent
+                .into_iter()
+                .filter(|t| t.finished_at.is_some_and(|f| now - f < RECENT_MS))
+                .map(|t| QueueRow {
+                    transfer: view(src, t),
+                    ranking: None,
+                }),
+        );
+        st.signals = cat.recent_signals(10).await.map_err(ApiError::internal)?;
+    }
+    if let Some(sink) = &s.sink {
+        st.replicas = sink
+            .catalog()
+            .replicas(false, 30, 0)
+            .await
+            .map_err(ApiError::internal)?;
+    }
+    Ok(st)
+}
+
+/// Query of `GET /v1/status`.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub(crate) struct StatusQuery {
+    /// Include each link's per-class throughput of the last 10 minutes
+    /// (one point a second).
+    history: Option<bool>,
+}
+
+/// What the UI shows: links, the queue in rank order with progress, rate
+/// and score terms, recent signals, published replicas with lag.
+#[utoipa::path(
+    get, path = "/v1/status", tag = "agent",
+    params(StatusQuery),
+    security(("bearer" = ["reader"])),
+    responses(
+        (status = 200, description = "The agent's status now", body = Status),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 422, description = "`history` is not true or false", body = ErrorBody),
+    )
+)]
+pub(crate) async fn status(
+    State(s): State<AppState>,
+    q: Result<Query<StatusQuery>, QueryRejection>,
+) -> Result<Json<Status>, ApiError> {
+    let Query(q) = q?;
+    Ok(Json(snapshot(&s, q.history.unwrap_or(false)).await?))
+}
+
+/// Server-sent events: a `status` event (the body of `GET /v1/status`
+/// without history) at once and then every second, until the client
+/// goes away.
+#[utoipa::path(
+    get, path = "/v1/events", tag = "agent",
+    security(("bearer" = ["reader"])),
+    responses(
+        (status = 200, description = "text/event-stream of `status` events", content_type = "text/event-stream"),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+    )
+)]
+pub(crate) async fn events(State(s): State<AppState>) -> Response {
+    let stream = futures::stream::unfold(
+        (s, tokio::time::interval(EVENT_INTERVAL)),
+        |(s, mut tick)| async move {
+            tick.tick().await;
+            let ev = match snapshot(&s, false).await {
+                Ok(st) => Event::default().event("status").json_data(st),
+                Err(e) => Event::default().event("error").json_data(ErrorBody {
+                    error: e.message.clone(),
+                }),
+            };
+            let ev = ev.unwrap_or_else(|_| Event::default().event("error").data("encoding"));
+            Some((Ok::<_, Infallible>(ev), (s, tick)))
+        },
+    );
+    Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}

@@ -1,0 +1,278 @@
+//! The ops web UI in a real browser: headless Chromium driven through
+//! chromedriver (WebDriver) opens the source agent's UI while a transfer
+//! runs behind a slow emulated link, watches its progress bar advance with
+//! a reader token (no actions offered), pauses the transfer with an
+//! operator token and sees the state change, in the page and in the API.
+//!
+//! Needs the Debian packages `chromium` and `chromium-driver` (`ops/test`
+//! installs them); `CHROMEDRIVER` and `CHROMIUM` override the paths.
+//! Screenshots go to `<target>/tmp/browser/`.
+
+#![allow(clippy::unwrap_used)]
+
+// Shared with tests/e2e.rs, which uses the rest of it.
+#[allow(dead_code)]
+mod common;
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use fantoccini::{Client, ClientBuilder, Locator};
+use serde_json::{json, Value};
+
+/// Bound for every wait on the page.
+const PAGE_WAIT: Duration = Duration::from_secs(60);
+
+fn tool(var: &str, default: &str) -> PathBuf {
+    let p = std::env::var_os(var).map_or_else(|| PathBuf::from(default), PathBuf::from);
+    assert!(
+        p.exists(),
+        "{} not found: install the Debian packages chromium and chromium-driver \
+         (ops/test does) or set {var}",
+        p.display()
+    );
+    p
+}
+
+/// chromedriver on a free port, killed on drop.
+struct Driver {
+    _proc: Proc,
+    url: String,
+}
+
+async fn start_driver(w: &World) -> Driver {
+    let bin = tool("CHROMEDRIVER", "/usr/bin/chromedriver");
+    let port = free_tcp_port();
+    let log = std::fs::File::create(w.root.join("chromedriver.log")).unwrap();
+    let child = Command::new(bin)
+        .arg(format!("--port={port}"))
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let proc = Proc::new(child);
+    let url = format!("http://127.0.0.1:{port}");
+    let status = format!("{url}/status");
+    w.wait_until("chromedriver to listen", PAGE_WAIT, async || {
+        reqwest::get(&status)
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    })
+    .await;
+    Driver { _proc: proc, url }
+}
+
+async fn browser(w: &World, d: &Driver) -> Client {
+    let chromium = tool("CHROMIUM", "/usr/bin/chromium");
+    let profile = w.root.join("chromium-profile");
+    let caps = json!({
+        "goog:chromeOptions": {
+            "binary": chromium,
+            "args": [
+                "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--no-first-run", "--window-size=1500,1000",
+                format!("--user-data-dir={}", profile.display()),
+            ]
+        }
+    });
+    let caps = caps.as_object().unwrap().clone();
+    // Only plain HTTP to chromedriver, but the client wants a provider.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    ClientBuilder::rustls()
+        .unwrap()
+        .capabilities(caps)
+        .connect(&d.url)
+        .await
+        .unwrap_or_else(|e| w.fail(format!("chromedriver refused a session: {e}")))
+}
+
+/// Waits until `f` returns `Some`, re-evaluating every 200 ms.
+async fn until<T>(
+    w: &World,
+    what: &str,
+    mut f: impl AsyncFnMut() -> Result<Option<T>, String>,
+) -> T {
+    let start = Instant::now();
+    let mut last = String::new();
+    while start.elapsed() < PAGE_WAIT {
+        match f().await {
+            Ok(Some(v)) => return v,
+            Ok(None) => {}
+            Err(e) => last = e,
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    w.fail(format!("timed out waiting for {what} (last: {last})"))
+}
+
+async fn js(c: &Client, script: &str) -> Result<Value, String> {
+    c.execute(script, vec![]).await.map_err(|e| e.to_string())
+}
+
+async fn use_token(c: &Client, token: &str) {
+    let input = c.find(Locator::Css("#token")).await.unwrap();
+    input.send_keys(token).await.unwrap();
+    c.find(Locator::Css("#token-use"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+}
+
+/// The bytes the page's progress bar of transfer `id` shows as done.
+async fn progress(c: &Client, id: i64) -> Result<Option<f64>, String> {
+    let v = js(
+        c,
+        &format!(
+            "const p = document.querySelector('tr[data-id=\"{id}\"] progress'); \
+             return p ? p.value : null;"
+        ),
+    )
+    .await?;
+    Ok(v.as_f64())
+}
+
+async fn screenshot(c: &Client, name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("browser");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, c.screenshot().await.unwrap()).unwrap();
+    eprintln!("screenshot: {}", path.display());
+    path
+}
+
+#[tokio::test]
+async fn the_ui_shows_a_transfer_advance_and_an_operator_pauses_it() {
+    let w = World::new("browser").await;
+    let ckpt = w.source_root().join("step_000200");
+    w.gen(&ckpt, "80MB").await;
+    let reader = api::auth::new_token();
+    let operator = api::auth::new_token();
+    let tokens = format!(
+        "[[api.tokens]]\nname = \"eval-dashboard\"\nrole = \"reader\"\nhash = \"{}\"\n\n\
+         [[api.tokens]]\nname = \"ops\"\nrole = \"operator\"\nhash = \"{}\"\n",
+        api::auth::hash_token(&reader),
+        api::auth::hash_token(&operator)
+    );
+    // 80 MB at 20 Mbit/s: about half a minute, long enough to watch.
+    let c = w
+        .start_cluster("20Mbit/s", &[], |_, src| src.api = tokens.clone())
+        .await;
+    let http = reqwest::Client::new();
+    let url = c.source.url();
+    let r = http
+        .post(format!("{url}/v1/transfers"))
+        .json(&json!({ "path": ckpt }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401, "the source must want a token");
+    let r = http
+        .post(format!("{url}/v1/transfers"))
+        .bearer_auth(&operator)
+        .json(&json!({ "path": ckpt }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let id = r.json::<Value>().await.unwrap()["id"].as_i64().unwrap();
+
+    let d = start_driver(&w).await;
+    let b = browser(&w, &d).await;
+    b.goto(&format!("{url}/")).await.unwrap();
+    // Without a token the page says it needs one.
+    until(&w, "the page to ask for a token", async || {
+        let t = js(&b, "return document.querySelector('#notice').textContent").await?;
+        Ok(t.as_str().filter(|t| t.contains("401")).map(|_| ()))
+    })
+    .await;
+
+    // A reader sees the transfer move, and no actions.
+    use_token(&b, &reader).await;
+    let first = until(&w, "a progress bar with bytes done", async || {
+        Ok(progress(&b, id).await?.filter(|v| *v > 0.0))
+    })
+    .await;
+    let later = until(&w, "the progress bar to advance", async || {
+        Ok(progress(&b, id).await?.filter(|v| *v > first))
+    })
+    .await;
+    let who = js(&b, "return document.querySelector('#whoami').textContent")
+        .await
+        .unwrap();
+    assert!(
+        who.as_str().unwrap().contains("reader"),
+        "whoami shows {who}"
+    );
+    let buttons = js(
+        &b,
+        &format!("return document.querySelectorAll('tr[data-id=\"{id}\"] button').length"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(buttons, json!(0), "a reader was offered actions");
+    eprintln!("progress bar: {first} then {later} bytes");
+
+    // An operator pauses it.
+    use_token(&b, &operator).await;
+    let pause = until(&w, "a pause button", async || {
+        match b
+            .find(Locator::Css(&format!(
+                "tr[data-id=\"{id}\"] button[data-action=\"pause\"]"
+            )))
+            .await
+        {
+            Ok(e) => Ok(Some(e)),
+            Err(e) => Err(e.to_string()),
+        }
+    })
+    .await;
+    // Let a few more events arrive, then keep the picture of a transfer
+    // in progress (docs/ui.png is made from it).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    screenshot(&b, "ui-transfer.png").await;
+    pause.click().await.unwrap();
+    let notice = until(&w, "the pause to be confirmed", async || {
+        let t = js(&b, "return document.querySelector('#notice').textContent").await?;
+        Ok(t.as_str()
+            .filter(|t| t.contains(&format!("Paused transfer {id}")))
+            .map(str::to_string))
+    })
+    .await;
+    assert!(notice.contains("paused"), "{notice}");
+    until(&w, "the row to show paused", async || {
+        let s = js(
+            &b,
+            &format!(
+                "const s = document.querySelector('tr[data-id=\"{id}\"] .state'); \
+                 return s ? s.dataset.state : null;"
+            ),
+        )
+        .await?;
+        Ok((s == json!("paused")).then_some(()))
+    })
+    .await;
+    // The page now offers resume, and the agent agrees.
+    b.find(Locator::Css(&format!(
+        "tr[data-id=\"{id}\"] button[data-action=\"resume\"]"
+    )))
+    .await
+    .unwrap();
+    let t: Value = http
+        .get(format!("{url}/v1/transfers/{id}"))
+        .bearer_auth(&reader)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(t["state"], "paused", "{t}");
+    screenshot(&b, "ui-paused.png").await;
+    b.close().await.unwrap();
+}
