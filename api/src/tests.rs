@@ -1048,3 +1048,67 @@ async fn status_and_events_show_the_queue_in_rank_order_with_score_terms() {
         "events carry no history"
     );
 }
+
+/// Collects what the agent logs while `f` runs.
+#[derive(Clone, Default)]
+struct LogBuf(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogBuf {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn tokens_never_reach_the_log() {
+    let buf = LogBuf::default();
+    let sub = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::TRACE)
+        .with_writer({
+            let b = buf.clone();
+            move || b.clone()
+        })
+        .finish();
+    let _guard = tracing::subscriber::set_default(sub);
+    let w = with_source().await;
+    let id = w.push("step-1", None).await;
+    let (auth, toks) = tokens();
+    let r = router(AppState::new(
+        "src".into(),
+        Some(w.source.clone()),
+        None,
+        auth,
+    ));
+    let op = &toks[2].1;
+    let reader = &toks[0].1;
+    for (req, tok) in [
+        (send("POST", &format!("/v1/transfers/{id}/pause"), ""), op),
+        (
+            send(
+                "PATCH",
+                &format!("/v1/transfers/{id}"),
+                r#"{"class": "urgent"}"#,
+            ),
+            op,
+        ),
+        (send("PUT", "/v1/links/l", r#"{"rate_bps": 5000000}"#), op),
+        (
+            send("PUT", "/v1/links/l", r#"{"rate_bps": 5000000}"#),
+            reader,
+        ),
+        (get("/v1/transfers"), &format!("{op}x")),
+    ] {
+        let (s, _) = call(r.clone(), with_token(req, Some(tok))).await;
+        assert!(s != StatusCode::INTERNAL_SERVER_ERROR);
+    }
+    let log = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+    assert!(log.contains("operator action"), "nothing was logged: {log}");
+    for (_, t) in &toks {
+        let secret = &t[auth::TOKEN_PREFIX.len()..];
+        assert!(!log.contains(secret), "a token is in the log:\n{log}");
+    }
+}
