@@ -181,6 +181,18 @@ async fn corrupted_chunks_are_detected_and_resent() {
         c.sink.stderr().contains("failed BLAKE3 verification"),
         || "the sink never reported chunks that failed BLAKE3 verification".into(),
     );
+    // The metrics count them: three chunks corrupted once each fail
+    // verification, and the source sends each again at least once.
+    let sink_m = scrape(&w, &c.sink).await;
+    let failures = metric(&sink_m, "ferry_verification_failures_total", &[]);
+    w.ensure(failures == Some(3.0), || {
+        format!("ferry_verification_failures_total is {failures:?}, not 3")
+    });
+    let src_m = scrape(&w, &c.source).await;
+    let retries = metric(&src_m, "ferry_chunk_retries_total", &[("link", LINK)]);
+    w.ensure(retries.is_some_and(|r| r >= 3.0), || {
+        format!("ferry_chunk_retries_total is {retries:?}, expected at least 3")
+    });
     let v = w.verify(&c.sink, &replica).await;
     w.ensure(v.success(), || format!("ferry verify failed: {v}"));
 }
