@@ -181,6 +181,18 @@ async fn corrupted_chunks_are_detected_and_resent() {
         c.sink.stderr().contains("failed BLAKE3 verification"),
         || "the sink never reported chunks that failed BLAKE3 verification".into(),
     );
+    // The metrics count them: three chunks corrupted once each fail
+    // verification, and the source sends each again at least once.
+    let sink_m = scrape(&w, &c.sink).await;
+    let failures = metric(&sink_m, "ferry_verification_failures_total", &[]);
+    w.ensure(failures == Some(3.0), || {
+        format!("ferry_verification_failures_total is {failures:?}, not 3")
+    });
+    let src_m = scrape(&w, &c.source).await;
+    let retries = metric(&src_m, "ferry_chunk_retries_total", &[("link", LINK)]);
+    w.ensure(retries.is_some_and(|r| r >= 3.0), || {
+        format!("ferry_chunk_retries_total is {retries:?}, expected at least 3")
+    });
     let v = w.verify(&c.sink, &replica).await;
     w.ensure(v.success(), || format!("ferry verify failed: {v}"));
 }
@@ -626,6 +638,112 @@ async fn source_killed_while_a_checkpoint_is_written_resumes_it() {
         .await;
     w.ensure(s(&t, "checkpoint") == "committed", || format!("{t}"));
     w.assert_same_tree(&ckpt, &w.replica_path("step_00000700"));
+}
+
+/// `/metrics` of both agents moves when a checkpoint the watcher follows
+/// replicates: bytes sent on the link in its class and bytes received
+/// from the source grow by at least the checkpoint's size, the sink
+/// publishes one replica and observes one commit-to-replica lag, and the
+/// source counts one more published transfer.
+#[tokio::test]
+async fn metrics_move_when_a_watched_checkpoint_replicates() {
+    let w = World::new("metrics").await;
+    let c = w
+        .start_cluster("200Mbit/s", &[], |_, src| watcher_on(src))
+        .await;
+    let (src0, sink0) = (scrape(&w, &c.source).await, scrape(&w, &c.sink).await);
+    let link = [("link", LINK)];
+    let sent_labels = [("link", LINK), ("class", "scheduled")];
+    let from = [("peer", SOURCE_NAME)];
+    w.ensure(
+        metric(&src0, "ferry_link_capacity_bits_per_second", &link) == Some(200e6),
+        || "the source reports its link's rate cap, 200 Mbit/s".into(),
+    );
+
+    let root = w.source_root();
+    let out = w
+        .ferry(
+            &["gen", "--out", root.to_str().unwrap(), "--format", "dcp"]
+                .into_iter()
+                .chain(["--step", "800", "--size", "8MB"])
+                .chain(["--write-rate", "100Mbit/s"])
+                .collect::<Vec<_>>(),
+            &[],
+            Duration::from_secs(120),
+        )
+        .await;
+    w.ensure(out.success(), || format!("ferry gen --format dcp: {out}"));
+    let ckpt = root.join("step_00000800");
+    let path = ckpt.to_str().unwrap().to_string();
+    w.wait_until("the checkpoint to publish", TRANSFER, async || {
+        let ts = w.transfers(&c.source).await;
+        match ts.iter().find(|t| s(t, "source_path") == path) {
+            Some(t) if s(t, "state") == "published" => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    let rel = ckpt.file_name().unwrap().to_str().unwrap();
+    w.assert_same_tree(&ckpt, &w.replica_path(rel));
+    let size = tree_bytes(&ckpt) as f64;
+
+    let (src1, sink1) = (scrape(&w, &c.source).await, scrape(&w, &c.sink).await);
+    let grew = |a: &prometheus_parse::Scrape, b: &prometheus_parse::Scrape, name, labels| {
+        metric(b, name, labels).unwrap_or(0.0) - metric(a, name, labels).unwrap_or(0.0)
+    };
+    let sent = grew(&src0, &src1, "ferry_sent_bytes_total", &sent_labels);
+    w.ensure(sent >= size, || {
+        format!(
+            "ferry_sent_bytes_total{sent_labels:?} grew by {sent}, the checkpoint is {size} bytes"
+        )
+    });
+    let received = grew(&sink0, &sink1, "ferry_received_bytes_total", &from);
+    w.ensure(received >= size, || {
+        format!(
+            "ferry_received_bytes_total{from:?} grew by {received}, the checkpoint is {size} bytes"
+        )
+    });
+    for (name, by) in [
+        ("ferry_published_replicas_total", 1.0),
+        ("ferry_commit_to_replica_lag_seconds_count", 1.0),
+    ] {
+        let d = grew(&sink0, &sink1, name, &[]);
+        w.ensure(d == by, || format!("{name} grew by {d}, not {by}"));
+    }
+    let published = [("state", "published")];
+    let d = grew(&src0, &src1, "ferry_state_transfers", &published);
+    w.ensure(d == 1.0, || {
+        format!("ferry_state_transfers{{state=\"published\"}} grew by {d}, not 1")
+    });
+}
+
+/// `GET /metrics` of `agent`, parsed as Prometheus text.
+async fn scrape(w: &World, agent: &Agent) -> prometheus_parse::Scrape {
+    let text = w.metrics_text(agent).await;
+    prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string()))).unwrap_or_else(|e| {
+        w.fail(format!(
+            "{} /metrics does not parse: {e}\n{text}",
+            agent.label
+        ))
+    })
+}
+
+/// The value of the one sample of `name` with `labels` (among others),
+/// if there is one; a histogram's `_sum` and `_count` are samples of
+/// their own.
+fn metric(s: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let mut found = s
+        .samples
+        .iter()
+        .filter(|x| x.metric == name && labels.iter().all(|(k, v)| x.labels.get(k) == Some(*v)));
+    let one = found.next()?;
+    assert!(found.next().is_none(), "more than one {name}{labels:?}");
+    match one.value {
+        prometheus_parse::Value::Counter(v)
+        | prometheus_parse::Value::Gauge(v)
+        | prometheus_parse::Value::Untyped(v) => Some(v),
+        _ => None,
+    }
 }
 
 /// The step in a generated checkpoint directory's name.

@@ -254,8 +254,9 @@ pub struct LinkStats {
     /// Payload bit/s written to the link, all classes, over the last
     /// [`RATE_WINDOW_MS`] (resent chunks included).
     pub goodput_bps: f64,
-    /// `goodput_bps / rate_bps` (0 with no cap), 0..about 0.97 (payload
-    /// is about 1448 of every 1500 bytes on the wire).
+    /// `goodput_bps / rate_bps` (0 with no cap), a ratio: at most about
+    /// 0.97 on a full link (payload is about 1448 of every 1500 bytes on
+    /// the wire), more for a few seconds after the cap is lowered.
     pub utilisation: f64,
     /// Payload bit/s per class over the last [`RATE_WINDOW_MS`].
     pub class_bps: ClassRates,

@@ -813,6 +813,38 @@ impl World {
         v["items"].as_array().cloned().unwrap_or_default()
     }
 
+    /// `GET /metrics` of `agent`: its Prometheus text, checked to come
+    /// with the text format's content type (version 0.0.4). The only
+    /// place a metrics request is built, so the only one to change when
+    /// the API wants a token.
+    pub async fn metrics_text(&self, agent: &Agent) -> String {
+        let url = format!("{}/metrics", agent.url());
+        let r = self
+            .http
+            .get(&url)
+            .send()
+            .await
+            .unwrap_or_else(|e| self.fail(format!("GET {url}: {e}")));
+        let status = r.status();
+        let ct = r
+            .headers()
+            .get(reqwest::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string();
+        let body = r
+            .text()
+            .await
+            .unwrap_or_else(|e| self.fail(format!("GET {url}: {e}")));
+        self.ensure(status.is_success(), || {
+            format!("GET {url}: HTTP {status}: {body}")
+        });
+        self.ensure(ct.starts_with("text/plain; version=0.0.4"), || {
+            format!("GET {url}: content type {ct:?}, not the Prometheus text format")
+        });
+        body
+    }
+
     // --------------------------------------------------------- trees --
 
     /// Fails unless `replica` holds exactly the files and directories of
