@@ -145,9 +145,14 @@ pub(crate) async fn snapshot(s: &AppState, with_history: bool) -> Result<Status,
             .unfinished_transfers()
             .await
             .map_err(ApiError::internal)?;
-        // The newest ones if there are very many.
+        // If there are very many: every one that is moving or paused,
+        // then the newest queued ones.
         if live.len() > MAX_QUEUE_ROWS {
-            live.drain(..live.len() - MAX_QUEUE_ROWS);
+            let (mut keep, queued): (Vec<_>, Vec<_>) =
+                live.into_iter().partition(|t| t.state != state::QUEUED);
+            let room = MAX_QUEUE_ROWS.saturating_sub(keep.len());
+            keep.extend(queued.into_iter().rev().take(room));
+            live = keep;
         }
         let mut rows = Vec::with_capacity(live.len());
         for t in live {

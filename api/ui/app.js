@@ -280,7 +280,9 @@ function drawChart(svg, points, cap, now) {
 function liveDone(t) {
   if (t.state === 'published') return t.bytes_total;
   const p = t.progress;
-  const live = p ? Math.min(p.bytes_total || t.bytes_total, p.bytes_sent + p.bytes_skipped) : 0;
+  const moved = p ? p.bytes_sent + p.bytes_skipped : 0;
+  const cap = p ? Math.max(p.bytes_total, t.bytes_total) : 0;
+  const live = cap > 0 ? Math.min(cap, moved) : moved;
   return Math.max(t.bytes_done, live);
 }
 
@@ -346,17 +348,25 @@ function updateRow(tr, t, now) {
   s.className = 'state ' + t.state;
   s.dataset.state = t.state;
   const done = liveDone(t);
+  // While the checkpoint is being written its size is not final.
+  const total = Math.max(t.bytes_total, t.progress ? t.progress.bytes_total : 0);
+  const writing = t.checkpoint === 'open' || t.checkpoint === 'announced';
   const bar = tr.querySelector('progress');
-  bar.max = Math.max(1, t.bytes_total);
-  bar.value = done;
+  if (total > 0) {
+    bar.max = total;
+    bar.value = Math.min(done, total);
+  } else {
+    bar.removeAttribute('value'); // indeterminate
+  }
   bar.dataset.done = done;
-  bar.title = t.bytes_total ? (100 * done / t.bytes_total).toFixed(1) + ' %' : '';
-  setCell(tr.querySelector('.bytes'), fmtBytes(done) + ' / ' + fmtBytes(t.bytes_total));
+  bar.title = total ? (100 * Math.min(done, total) / total).toFixed(1) + ' %' : '';
+  setCell(tr.querySelector('.bytes'), fmtBytes(done) + ' / ' + (writing ? '≥ ' : '') + fmtBytes(Math.max(total, done))
+    + (writing ? ' (being written)' : ''));
   const rate = t.progress && t.state === 'active' ? t.progress.rate_bps : null;
   setCell(tr.querySelector('.rate'), rate ? fmtRate(rate) : '–');
   let eta = null;
-  if (t.state === 'active' && rate > 0) eta = (t.bytes_total - done) * 8 / rate;
-  else if (r && r.eta_s != null && t.state !== 'paused') eta = r.eta_s;
+  if (!writing && t.state === 'active' && rate > 0 && total >= done) eta = (total - done) * 8 / rate;
+  else if (!writing && r && r.eta_s != null && t.state !== 'paused') eta = r.eta_s;
   setCell(tr.querySelector('.eta'), eta == null ? '–' : fmtDur(eta));
   setCell(tr.querySelector('.age'), fmtDur((now - t.created_at) / 1000));
   const act = tr.querySelector('.act');
@@ -485,7 +495,9 @@ function renderSignals(st) {
 function renderReplicas(st) {
   fill($('#replicas tbody'), st.replicas.map((r) => {
     const bar = el('progress', { max: Math.max(1, r.bytes_total), value: r.state === 'published' ? r.bytes_total : r.bytes_done });
-    return [r.id, r.job, r.source_path, r.state, bar, r.state === 'published' ? r.local_path : '–',
+    const done = r.state === 'published' ? r.bytes_total : r.bytes_done;
+    return [r.id, r.job, r.source_path, r.state, bar, fmtBytes(done) + ' / ' + fmtBytes(r.bytes_total),
+            r.state === 'published' ? r.local_path : '–',
             fmtTime(r.published_at), fmtDur(r.commit_to_replica_s)];
   }));
 }
