@@ -119,7 +119,7 @@ fn agent_config(dir: &Path, name: &str, role: Role, api: SocketAddr) -> Config {
         api: ApiSection {
             listen: api,
             allow_unauthenticated: true,
-            tokens: Vec::new(),
+            ..ApiSection::default()
         },
         quic: QuicSection::default(),
         tls: TlsSection {
