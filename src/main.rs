@@ -345,13 +345,22 @@ fn main() {
     let is_demo = matches!(cli.command, Command::Demo(_));
     let outcome = rt.block_on(async {
         let interrupted = async {
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(mut term) => tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                },
-                Err(_) => {
-                    let _ = tokio::signal::ctrl_c().await;
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+            loop {
+                match &mut term {
+                    Some(term) => tokio::select! {
+                        _ = tokio::signal::ctrl_c() => {}
+                        _ = term.recv() => {}
+                    },
+                    None => {
+                        let _ = tokio::signal::ctrl_c().await;
+                    }
+                }
+                // `demo --keep-running` stops its agents itself on the
+                // first one; a second one stops at once.
+                if !demo::handles_interrupts() || demo::interrupt() {
+                    break;
                 }
             }
         };
@@ -834,6 +843,69 @@ mod tests {
         };
         assert_eq!((model, scale), (gen::Preset::Multimodal, None));
         assert_eq!((shards, size), (Some(100_000), 100_000_000));
+    }
+
+    #[test]
+    fn demo_keep_running_flags() {
+        let demo = |args: &[&str]| {
+            let argv = ["ferry", "demo"].into_iter().chain(args.iter().copied());
+            Cli::try_parse_from(argv).map(|cli| cli.command)
+        };
+        let Command::Demo(a) = demo(&["--keep-running", "--checkpoint-every", "2m"]).unwrap()
+        else {
+            panic!("not demo");
+        };
+        assert!(a.keep_running);
+        assert_eq!(a.checkpoint_every, Duration::from_secs(120));
+        assert_eq!(a.load_size, 200_000_000);
+        let e = demo(&["--checkpoint-every", "2m"]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::MissingRequiredArgument, "{e}");
+        let e = demo(&["--keep-running", "--json"]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::ArgumentConflict, "{e}");
+        let e = demo(&["--keep-running", "--priority"]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::ArgumentConflict, "{e}");
+    }
+
+    #[test]
+    fn client_flags_and_token_env_stay_secret() {
+        let cli = Cli::try_parse_from([
+            "ferry",
+            "status",
+            "--server",
+            "https://a:7070",
+            "--token",
+            "ferry_s3cret",
+        ])
+        .unwrap();
+        let Command::Status { server, .. } = &cli.command else {
+            panic!("not status");
+        };
+        assert_eq!(server.server, "https://a:7070");
+        assert!(server.token.is_some());
+        assert!(
+            !format!("{cli:?}").contains("s3cret"),
+            "Debug shows the token"
+        );
+        let Command::Signal { step, .. } = Cli::try_parse_from([
+            "ferry",
+            "signal",
+            "--job",
+            "j",
+            "--kind",
+            "nan",
+            "--severity",
+            "1",
+            "--step",
+            "7",
+        ])
+        .unwrap()
+        .command
+        else {
+            panic!("not signal");
+        };
+        assert_eq!(step, Some(7));
+        let e = Cli::try_parse_from(["ferry", "token", "new", "--role", "admin"]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidValue, "{e}");
     }
 
     #[test]
