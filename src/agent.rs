@@ -23,6 +23,9 @@ pub struct Agent {
     pub name: String,
     /// Bound API address.
     pub api_addr: SocketAddr,
+    /// The API's base URL: `https://ADDR` with `[api] tls_cert`,
+    /// `http://ADDR` otherwise (no trailing slash).
+    pub api_url: String,
     /// Bound QUIC address.
     pub quic_addr: SocketAddr,
     /// Source role.
@@ -162,12 +165,28 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
         _ => None,
     };
 
+    cfg.api.check_transport()?;
+    let api_tls = match cfg.api.tls()? {
+        Some((cert, key)) => Some(Arc::new(
+            tls::api_server_config(cert, key).context("[api] tls_cert, tls_key")?,
+        )),
+        None => None,
+    };
     let listener = TcpListener::bind(cfg.api.listen)
         .await
         .with_context(|| format!("[api] listen {}", cfg.api.listen))?;
     let api_addr = listener.local_addr()?;
-    if !api_addr.ip().is_loopback() {
-        tracing::warn!(%api_addr, "the API has no TLS; bind it to loopback or a trusted network");
+    let api_url = api_url(api_addr, api_tls.is_some());
+    if api_tls.is_some() {
+        tracing::info!("API and web UI at {api_url} (HTTPS only)");
+    } else if api_addr.ip().is_loopback() {
+        tracing::info!(
+            "API and web UI at {api_url} (plain HTTP on loopback only: reachable from this host; set [api] tls_cert and tls_key for HTTPS)"
+        );
+    } else {
+        tracing::warn!(
+            "API and web UI at {api_url} (plain HTTP on a non-loopback address because [api] allow_plaintext = true: tokens and answers cross the network unencrypted)"
+        );
     }
     let auth = cfg.api.auth()?;
     if auth.is_open() {
@@ -185,14 +204,34 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
     ));
     let stop_api = CancellationToken::new();
     let stop = stop_api.clone();
-    let api_task = tokio::spawn(async move {
-        let r = axum::serve(listener, router)
-            .with_graceful_shutdown(async move { stop.cancelled().await })
-            .await;
-        if let Err(e) = r {
-            tracing::error!(error = %e, "API server failed");
+    let api_task = match api_tls {
+        None => tokio::spawn(async move {
+            let r = axum::serve(listener, router)
+                .with_graceful_shutdown(async move { stop.cancelled().await })
+                .await;
+            if let Err(e) = r {
+                tracing::error!(error = %e, "API server failed");
+            }
+        }),
+        Some(tls) => {
+            let handle = axum_server::Handle::new();
+            let server = axum_server::from_tcp_rustls(
+                listener.into_std()?,
+                axum_server::tls_rustls::RustlsConfig::from_config(tls),
+            )
+            .context("[api] listen")?
+            .handle(handle.clone());
+            tokio::spawn(async move {
+                stop.cancelled().await;
+                handle.graceful_shutdown(Some(Duration::from_millis(500)));
+            });
+            tokio::spawn(async move {
+                if let Err(e) = server.serve(router.into_make_service()).await {
+                    tracing::error!(error = %e, "API server failed");
+                }
+            })
         }
-    });
+    };
     for j in &cfg.jobs {
         tracing::info!(
             job = j.name,
@@ -205,6 +244,7 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
     Ok(Agent {
         name: cfg.agent.name.clone(),
         api_addr,
+        api_url,
         quic_addr,
         source,
         sink,
@@ -212,6 +252,12 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
         stop_api,
         api_task,
     })
+}
+
+/// `https://ADDR` or `http://ADDR` (IPv6 in brackets).
+fn api_url(addr: SocketAddr, tls: bool) -> String {
+    let scheme = if tls { "https" } else { "http" };
+    format!("{scheme}://{addr}")
 }
 
 impl Agent {

@@ -75,9 +75,24 @@ fn default_data_dir() -> PathBuf {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ApiSection {
-    /// HTTP listen address; default `127.0.0.1:7070`.
+    /// Listen address (HTTPS with `tls_cert` and `tls_key`, plain HTTP
+    /// otherwise); default `127.0.0.1:7070`. Without TLS it must be a
+    /// loopback address unless `allow_plaintext` is set.
     #[serde(default = "default_api_listen")]
     pub listen: SocketAddr,
+    /// PEM certificate chain (leaf first) the API serves HTTPS with;
+    /// relative to the config file. Given with `tls_key` or not at all;
+    /// default none (plain HTTP).
+    #[serde(default)]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of `tls_cert`; relative to the config file.
+    #[serde(default)]
+    pub tls_key: Option<PathBuf>,
+    /// Serve plain HTTP on a non-loopback `listen` (tokens then cross the
+    /// network in clear; only for a trusted management network); default
+    /// false.
+    #[serde(default)]
+    pub allow_plaintext: bool,
     /// Serve requests without a token as if they had every role (a local
     /// demo only); default false.
     #[serde(default)]
@@ -91,6 +106,9 @@ impl Default for ApiSection {
     fn default() -> Self {
         ApiSection {
             listen: default_api_listen(),
+            tls_cert: None,
+            tls_key: None,
+            allow_plaintext: false,
             allow_unauthenticated: false,
             tokens: Vec::new(),
         }
@@ -111,6 +129,44 @@ pub struct TokenSection {
 }
 
 impl ApiSection {
+    /// The API's certificate and key files when HTTPS is configured.
+    ///
+    /// # Errors
+    /// A message naming `api.tls_cert` or `api.tls_key` when only one of
+    /// them is given.
+    pub fn tls(&self) -> Result<Option<(&Path, &Path)>> {
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(c), Some(k)) => Ok(Some((c.as_path(), k.as_path()))),
+            (None, None) => Ok(None),
+            (Some(_), None) => bail!(
+                "api.tls_cert is set but api.tls_key is not: give both (HTTPS) or neither (plain HTTP on loopback)"
+            ),
+            (None, Some(_)) => bail!(
+                "api.tls_key is set but api.tls_cert is not: give both (HTTPS) or neither (plain HTTP on loopback)"
+            ),
+        }
+    }
+
+    /// Checks the transport settings: TLS files both or neither, and no
+    /// plain HTTP on a non-loopback address unless `allow_plaintext`.
+    ///
+    /// # Errors
+    /// A message naming the key and how to fix it.
+    pub fn check_transport(&self) -> Result<()> {
+        let tls = self.tls()?;
+        if tls.is_none() && !self.listen.ip().is_loopback() && !self.allow_plaintext {
+            bail!(
+                "api.listen = \"{}\" is not a loopback address and the API has no TLS: \
+                 tokens and answers would cross the network in clear. Set api.tls_cert and \
+                 api.tls_key to serve HTTPS (`ferry certs init --api-host HOST` makes a \
+                 certificate), listen on 127.0.0.1, or set api.allow_plaintext = true for a \
+                 trusted management network",
+                self.listen
+            );
+        }
+        Ok(())
+    }
+
     /// The access rule these settings describe.
     ///
     /// # Errors
@@ -593,8 +649,9 @@ fn de_size<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
 pub use replicator::units::{format_rate, parse_rate};
 
 impl Config {
-    /// Reads, parses and checks a config file; relative TLS paths are
-    /// resolved against the file's directory.
+    /// Reads, parses and checks a config file; relative TLS paths (`[tls]`,
+    /// `api.tls_cert`, `api.tls_key`) are resolved against the file's
+    /// directory.
     ///
     /// # Errors
     /// A message naming the file and the bad key.
@@ -604,7 +661,11 @@ impl Config {
         let mut c: Config = toml::from_str(&text)
             .map_err(|e| anyhow::anyhow!("config file {}: {e}", path.display()))?;
         let base = path.parent().unwrap_or(Path::new("."));
-        for p in [&mut c.tls.ca, &mut c.tls.cert, &mut c.tls.key] {
+        let api_tls = [&mut c.api.tls_cert, &mut c.api.tls_key];
+        for p in [&mut c.tls.ca, &mut c.tls.cert, &mut c.tls.key]
+            .into_iter()
+            .chain(api_tls.into_iter().flatten())
+        {
             if p.is_relative() {
                 *p = base.join(&*p);
             }
@@ -633,6 +694,7 @@ impl Config {
             bail!("agent.role = sink needs a [sink] section");
         }
         self.api.auth()?;
+        self.api.check_transport()?;
         for (i, l) in self.links.iter().enumerate() {
             if l.name.is_empty() {
                 bail!("links[{i}].name must not be empty");
@@ -876,6 +938,52 @@ link = "to-eval"
     }
 
     #[test]
+    fn api_tls_is_both_or_neither_and_plaintext_stays_on_loopback() {
+        let api = |lines: &str| format!("{GOOD}\n[api]\n{lines}\n");
+        // Both files: HTTPS on any address; relative paths follow the file.
+        let c = load(&api(
+            "listen = \"0.0.0.0:7070\"\ntls_cert = \"api.pem\"\ntls_key = \"/etc/ferry/api.key\"",
+        ))
+        .unwrap();
+        let (cert, key) = c.api.tls().unwrap().unwrap();
+        assert!(cert.is_absolute() && cert.ends_with("api.pem"), "{cert:?}");
+        assert_eq!(key, Path::new("/etc/ferry/api.key"));
+        // One without the other names both keys.
+        let e = err(&api("tls_cert = \"api.pem\""));
+        assert!(
+            e.contains("api.tls_cert is set but api.tls_key is not"),
+            "{e}"
+        );
+        let e = err(&api("tls_key = \"api.key\""));
+        assert!(
+            e.contains("api.tls_key is set but api.tls_cert is not"),
+            "{e}"
+        );
+        // Plain HTTP: loopback (v4 or v6) is fine, anything else refused.
+        for ok in ["127.0.0.1:7070", "127.0.0.2:80", "[::1]:7070"] {
+            let c = load(&api(&format!("listen = \"{ok}\""))).unwrap();
+            assert!(c.api.tls().unwrap().is_none());
+        }
+        for bad in ["0.0.0.0:7070", "10.48.0.1:7070", "[::]:7070"] {
+            let e = err(&api(&format!("listen = \"{bad}\"")));
+            assert!(
+                e.contains("api.listen")
+                    && e.contains(bad)
+                    && e.contains("api.tls_cert")
+                    && e.contains("allow_plaintext = true"),
+                "{e}"
+            );
+        }
+        // ... unless plain HTTP is allowed explicitly.
+        let c = load(&api("listen = \"10.48.0.1:7070\"\nallow_plaintext = true")).unwrap();
+        assert!(c.api.allow_plaintext && c.api.tls().unwrap().is_none());
+        // The default is loopback, plain HTTP, not allowed elsewhere.
+        let d = ApiSection::default();
+        assert!(d.listen.ip().is_loopback() && !d.allow_plaintext && d.tls_cert.is_none());
+        d.check_transport().unwrap();
+    }
+
+    #[test]
     fn example_config_parses() {
         let c = load(include_str!("../ops/ferry.example.toml")).unwrap();
         assert_eq!(c.agent.role, Role::Source);
@@ -887,6 +995,25 @@ link = "to-eval"
             .replace("# root = ", "root = ");
         let c = load(&sink).unwrap();
         assert_eq!(c.sink.unwrap().reserve, 1 << 30);
+        // So are the commented HTTPS and token lines.
+        let tok = api::auth::new_token();
+        let api = include_str!("../ops/ferry.example.toml")
+            .replace("# tls_cert = ", "tls_cert = ")
+            .replace("# tls_key = ", "tls_key = ")
+            .replace("# [[api.tokens]]", "[[api.tokens]]")
+            .replace("# name = ", "name = ")
+            .replace("# role = ", "role = ")
+            .replace("# hash = \"blake3:", "hash = \"blake3:")
+            .replace(
+                &format!("blake3:{}", "0".repeat(64)),
+                &api::auth::hash_token(&tok),
+            );
+        let c = load(&api).unwrap();
+        assert!(c.api.tls().unwrap().is_some());
+        assert_eq!(c.api.tokens.len(), 1);
+        let hv = format!("Bearer {tok}").parse().unwrap();
+        let caller = c.api.auth().unwrap().authenticate(Some(&hv)).unwrap();
+        assert_eq!(caller.role, api::Role::Operator);
     }
 
     #[test]

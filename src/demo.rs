@@ -18,7 +18,10 @@ use crate::config::{
 };
 use crate::gen;
 
+mod keep;
 mod priority;
+
+pub use keep::{handles_interrupts, interrupt};
 
 /// Options of `ferry demo`.
 #[derive(Debug, clap::Args)]
@@ -63,6 +66,22 @@ pub struct DemoArgs {
     /// each wall time over the solo time and the pre-emption latency.
     #[arg(long, conflicts_with_all = ["size", "write_rate", "start", "no_watch"])]
     pub priority: bool,
+    /// After the first replica (and the watch phase), keep both agents,
+    /// their API and web UI running with a background load and a new
+    /// checkpoint every --checkpoint-every, printing each agent's address,
+    /// until Ctrl-C; then stop them and remove the work directory (unless
+    /// --keep or --dir). The newest 2 checkpoints and replicas are kept.
+    #[arg(long, conflicts_with_all = ["json", "priority"])]
+    pub keep_running: bool,
+    /// --keep-running: how often the training job starts a new checkpoint
+    /// (DCP, 4 ranks, --size bytes at --write-rate), e.g. 30s, 2m.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration, requires = "keep_running")]
+    pub checkpoint_every: Duration,
+    /// --keep-running: size of each background push (a generated dataset
+    /// in class background; one moves while the next is generated); 0
+    /// turns the load off.
+    #[arg(long, default_value = "200MB", value_parser = gen::parse_size, requires = "keep_running")]
+    pub load_size: u64,
     /// --priority: size of the checkpoint that becomes urgent.
     #[arg(long, default_value = "300MB", value_parser = gen::parse_size, requires = "priority")]
     pub urgent_size: u64,
@@ -119,7 +138,7 @@ fn agent_config(dir: &Path, name: &str, role: Role, api: SocketAddr) -> Config {
         api: ApiSection {
             listen: api,
             allow_unauthenticated: true,
-            tokens: Vec::new(),
+            ..ApiSection::default()
         },
         quic: QuicSection::default(),
         tls: TlsSection {
@@ -260,8 +279,19 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         }
         return Ok(());
     }
+    if a.keep_running && a.checkpoint_every < Duration::from_secs(1) {
+        bail!("--checkpoint-every must be at least 1s");
+    }
     let copies = if a.no_watch { 2 } else { 4 };
-    crate::gen::ensure_space(&dir, a.size.saturating_mul(copies))
+    // --keep-running: the newest checkpoints, one being written, their
+    // replicas; two background datasets and their replicas.
+    let (copies, load) = if a.keep_running {
+        let kept = keep::KEEP_CHECKPOINTS as u64 + 1;
+        (copies.max(2 * kept), a.load_size.saturating_mul(4))
+    } else {
+        (copies, 0)
+    };
+    crate::gen::ensure_space(&dir, a.size.saturating_mul(copies).saturating_add(load))
         .context("the demo needs room for its checkpoints and their replicas")?;
     let write_rate = a.write_rate.unwrap_or(a.rate / 2).max(1);
     say(format!(
@@ -309,11 +339,20 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         &["demo-source".into(), "demo-sink".into()],
         30,
     )?;
-    let roots = vec![RootSection {
+    let mut roots = vec![RootSection {
         start: a.start.clone(),
         ..RootSection::new(src_root.clone(), "mm-demo", "to-eval")
     }];
-    let scan = if a.no_watch {
+    let datasets = dir.join("train").join("datasets");
+    if a.keep_running {
+        std::fs::create_dir_all(&datasets)?;
+        roots.push(RootSection::new(
+            std::fs::canonicalize(&datasets)?,
+            keep::LOAD_JOB,
+            "to-eval",
+        ));
+    }
+    let scan = if a.no_watch && !a.keep_running {
         Duration::ZERO
     } else {
         Duration::from_secs(1)
@@ -482,6 +521,20 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         ));
         Some((saved, write_s, commit_lag, open_lag, same, local))
     };
+    if a.keep_running {
+        keep::run(keep::Running {
+            args: &a,
+            source_url: src_agent.api_url.clone(),
+            sink_url: sink_agent.api_url.clone(),
+            sink: sink.clone(),
+            source: src_agent.source.clone().context("source role")?,
+            checkpoints: std::fs::canonicalize(&src_root)?,
+            datasets: std::fs::canonicalize(&datasets)?,
+            write_rate,
+            last_step: if a.no_watch { 1000 } else { 2000 },
+        })
+        .await?;
+    }
     src_agent.stop(Duration::from_secs(5)).await;
     sink_agent.stop(Duration::from_secs(5)).await;
 

@@ -1,7 +1,10 @@
-//! The `ferry` command: agents (`serve`), clients (`push`, `verify`),
-//! tools (`certs`, `gen`, `link-emu`) and the self-contained `demo`.
+//! The `ferry` command: agents (`serve`), API clients (`status`,
+//! `resolve`, `signal`, `push`), `verify`, tools (`certs`, `token`, `gen`,
+//! `link-emu`) and the self-contained `demo`.
 
 mod agent;
+mod client;
+mod commands;
 mod config;
 mod demo;
 mod gen;
@@ -46,7 +49,8 @@ enum Command {
         config: PathBuf,
     },
     /// Replicate a committed checkpoint directory now (a client of
-    /// `POST /v1/transfers` on the source agent).
+    /// `POST /v1/transfers` on the source agent; needs an operator token
+    /// unless the agent allows unauthenticated requests).
     Push {
         /// Checkpoint directory; must be under a configured source root.
         path: PathBuf,
@@ -57,12 +61,77 @@ enum Command {
         /// logs: the rest of the link, at least its floor) or "urgent".
         #[arg(long, default_value = "scheduled", value_parser = ["scheduled", "background", "urgent"])]
         class: String,
-        /// Source agent API.
-        #[arg(long, env = "FERRY_SERVER", default_value = "http://127.0.0.1:7070")]
-        server: String,
+        #[command(flatten)]
+        server: client::ServerArgs,
         /// Return after queueing instead of waiting for the replica.
         #[arg(long)]
         no_wait: bool,
+    },
+    /// What an agent holds and moves: a source's transfers per state, its
+    /// active and queued ones (class, progress) and its links' rate caps;
+    /// a sink's replicas. Needs a reader token.
+    Status {
+        #[command(flatten)]
+        server: client::ServerArgs,
+        /// Print the API's JSON (healthz, links, transfers, replicas)
+        /// instead.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Where a checkpoint is at a sink: prints its local path (exit code
+    /// 0), or its state and progress on stderr (exit code 3: not local).
+    /// Needs a reader token.
+    #[command(
+        after_help = "Exit codes: 0 local (the path is printed), 3 not local (replicating, \
+                            remote or unknown), 1 error.\n\
+                            Example: ckpt=$(ferry resolve /ckpt/mm-large/step_001000 --wait 5m \
+                            --server https://eval-b-1:7070) && run_eval \"$ckpt\""
+    )]
+    Resolve {
+        /// The checkpoint's absolute path at the source (or a path inside
+        /// it).
+        path: String,
+        /// Wait up to this long (e.g. 30s, 5m; at most 5m) for the path
+        /// to become local before answering.
+        #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
+        wait: Duration,
+        #[command(flatten)]
+        server: client::ServerArgs,
+        /// Print the API's JSON answer instead (exit codes unchanged).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Send an anomaly signal for a training job to the source: the job's
+    /// score rises and its newest unpublished checkpoint becomes urgent
+    /// for a while (`[scheduler] urgent_for`). Needs a signaler token.
+    Signal {
+        /// Job name.
+        #[arg(long)]
+        job: String,
+        /// What was seen: loss_spike, grad_norm_spike, nan,
+        /// eval_regression or manual.
+        #[arg(long)]
+        kind: String,
+        /// How bad, 0..1.
+        #[arg(long)]
+        severity: f64,
+        /// Training step at which it was seen.
+        #[arg(long)]
+        step: Option<i64>,
+        /// A retry with the same key (1 to 200 bytes) changes nothing and
+        /// prints the first signal's outcome.
+        #[arg(long)]
+        idempotency_key: Option<String>,
+        #[command(flatten)]
+        server: client::ServerArgs,
+        /// Print the API's JSON answer instead.
+        #[arg(long)]
+        json: bool,
+    },
+    /// API bearer tokens.
+    Token {
+        #[command(subcommand)]
+        command: TokenCommand,
     },
     /// Re-hash a published replica against its manifest and report any
     /// difference (reads the sink's catalog).
@@ -195,10 +264,40 @@ enum Command {
 }
 
 #[derive(Debug, Subcommand)]
+enum TokenCommand {
+    /// Make a new random token: prints it once (first line of stdout) and
+    /// the [[api.tokens]] entry to add to the agent's config, which holds
+    /// only the token's hash. Roles: reader (resolve, list, status, UI),
+    /// signaler (also signals and announcements), operator (also push,
+    /// pause, resume, cancel, class, importance, jobs, rate caps).
+    #[command(
+        after_help = "Example: ferry token new --role signaler --name trainer-mm-large \
+                            >> token.txt; give the first line to the client (FERRY_TOKEN), \
+                            paste the rest into the agent's config file and restart it."
+    )]
+    New {
+        /// What the token may do: reader, signaler or operator.
+        #[arg(long, value_parser = ["reader", "signaler", "operator"])]
+        role: String,
+        /// Name shown in the agent's logs and 403 answers instead of the
+        /// token (default: ROLE-<8 hex digits of its hash>).
+        #[arg(long)]
+        name: Option<String>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 enum CertsCommand {
     /// Make a development CA (reused if present) and a certificate per
     /// agent, SAN = agent name: DIR/ca.pem, DIR/ca.key, DIR/NAME.pem,
-    /// DIR/NAME.key.
+    /// DIR/NAME.key. With --api-host, also an HTTPS certificate per agent
+    /// for its API: DIR/NAME-api.pem, DIR/NAME-api.key.
+    #[command(
+        after_help = "HTTPS for the API: ferry certs init --out certs --agent train-a-1 \
+                            --api-host localhost --api-host 127.0.0.1, then in the agent's config \
+                            [api] tls_cert = \"certs/train-a-1-api.pem\", tls_key = \
+                            \"certs/train-a-1-api.key\"; clients pass --ca-cert certs/ca.pem."
+    )]
     Init {
         /// Output directory.
         #[arg(long)]
@@ -206,6 +305,13 @@ enum CertsCommand {
         /// Agent names (repeat).
         #[arg(long = "agent", required = true)]
         agents: Vec<String>,
+        /// Also write NAME-api.pem and NAME-api.key, an HTTPS server
+        /// certificate for each agent's API ([api] tls_cert, tls_key)
+        /// valid for the agent name and this host: a DNS name or an IP
+        /// address clients dial (repeat, e.g. --api-host localhost
+        /// --api-host 127.0.0.1 --api-host train-a-1.example).
+        #[arg(long = "api-host", value_name = "HOST")]
+        api_hosts: Vec<String>,
         /// Validity in days.
         #[arg(long, default_value_t = 365)]
         days: u32,
@@ -239,13 +345,22 @@ fn main() {
     let is_demo = matches!(cli.command, Command::Demo(_));
     let outcome = rt.block_on(async {
         let interrupted = async {
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(mut term) => tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                },
-                Err(_) => {
-                    let _ = tokio::signal::ctrl_c().await;
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+            loop {
+                match &mut term {
+                    Some(term) => tokio::select! {
+                        _ = tokio::signal::ctrl_c() => {}
+                        _ = term.recv() => {}
+                    },
+                    None => {
+                        let _ = tokio::signal::ctrl_c().await;
+                    }
+                }
+                // `demo --keep-running` stops its agents itself on the
+                // first one; a second one stops at once.
+                if !demo::handles_interrupts() || demo::interrupt() {
+                    break;
                 }
             }
         };
@@ -261,6 +376,9 @@ fn main() {
     match outcome {
         Some(Ok(())) => {}
         Some(Err(e)) => {
+            if let Some(client::Exit(code)) = e.downcast_ref::<client::Exit>() {
+                std::process::exit(*code);
+            }
             eprintln!("error: {e:#}");
             std::process::exit(1);
         }
@@ -283,11 +401,50 @@ async fn run(cli: Cli) -> Result<()> {
             server,
             no_wait,
         } => push(&path, link, &class, &server, no_wait).await,
+        Command::Status { server, json } => commands::status(&server, json).await,
+        Command::Resolve {
+            path,
+            wait,
+            server,
+            json,
+        } => commands::resolve(&server, &path, wait, json).await,
+        Command::Signal {
+            job,
+            kind,
+            severity,
+            step,
+            idempotency_key,
+            server,
+            json,
+        } => {
+            let s = commands::SignalArgs {
+                job,
+                kind,
+                severity,
+                step,
+                idempotency_key,
+            };
+            commands::signal(&server, &s, json).await
+        }
+        Command::Token {
+            command: TokenCommand::New { role, name },
+        } => {
+            let role: api::Role = role.parse().map_err(|e: String| anyhow::anyhow!(e))?;
+            let (_, text) = commands::token_new(role, name.as_deref())?;
+            print!("{text}");
+            Ok(())
+        }
         Command::Verify { path, config } => verify(&path, &config).await,
         Command::Certs {
-            command: CertsCommand::Init { out, agents, days },
+            command:
+                CertsCommand::Init {
+                    out,
+                    agents,
+                    api_hosts,
+                    days,
+                },
         } => {
-            let written = replicator::tls::init_dev_pki(&out, &agents, days)?;
+            let written = replicator::tls::init_dev_pki_with_api(&out, &agents, &api_hosts, days)?;
             for p in written {
                 println!("wrote {}", p.display());
             }
@@ -470,8 +627,8 @@ async fn serve(path: &Path) -> Result<()> {
     let cfg = config::Config::load(path)?;
     let agent = agent::start(&cfg, agent::Overrides::default()).await?;
     println!(
-        "ferry agent {} ({:?}) serving: API http://{}/ QUIC {}",
-        agent.name, cfg.agent.role, agent.api_addr, agent.quic_addr
+        "ferry agent {} ({:?}) serving: API {}/ QUIC {}",
+        agent.name, cfg.agent.role, agent.api_url, agent.quic_addr
     );
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
@@ -487,27 +644,17 @@ async fn push(
     path: &Path,
     link: Option<String>,
     class: &str,
-    server: &str,
+    server: &client::ServerArgs,
     no_wait: bool,
 ) -> Result<()> {
     let abs = std::fs::canonicalize(path).with_context(|| format!("{}", path.display()))?;
-    let client = reqwest::Client::new();
-    let base = server.trim_end_matches('/');
-    let resp = client
-        .post(format!("{base}/v1/transfers"))
-        .json(&serde_json::json!({ "path": abs, "link": link, "class": class }))
-        .send()
-        .await
-        .with_context(|| format!("source agent at {base}"))?;
-    let status = resp.status();
-    let body: serde_json::Value = resp.json().await.context("reading the answer")?;
-    if !status.is_success() {
-        bail!(
-            "{}: {}",
-            status,
-            body["error"].as_str().unwrap_or("unknown error")
-        );
-    }
+    let client = client::Client::new(server, client::REQUEST_TIMEOUT)?;
+    let (_, body) = client
+        .post(
+            "/v1/transfers",
+            &serde_json::json!({ "path": abs, "link": link, "class": class }),
+        )
+        .await?;
     let id = body["id"].as_i64().context("answer has no transfer id")?;
     println!("transfer {id} queued: {}", abs.display());
     if no_wait {
@@ -525,13 +672,7 @@ async fn push(
     }
     let mut last_line = String::new();
     loop {
-        let t: serde_json::Value = client
-            .get(format!("{base}/v1/transfers/{id}"))
-            .send()
-            .await
-            .with_context(|| format!("source agent at {base}"))?
-            .json()
-            .await?;
+        let t = client.get(&format!("/v1/transfers/{id}"), &[]).await?;
         // Say what is happening whenever it changes: the state, and for a
         // transfer that cannot start, why (e.g. the sink is unreachable).
         let line = match (t["state"].as_str(), t["error"].as_str()) {
@@ -702,6 +843,69 @@ mod tests {
         };
         assert_eq!((model, scale), (gen::Preset::Multimodal, None));
         assert_eq!((shards, size), (Some(100_000), 100_000_000));
+    }
+
+    #[test]
+    fn demo_keep_running_flags() {
+        let demo = |args: &[&str]| {
+            let argv = ["ferry", "demo"].into_iter().chain(args.iter().copied());
+            Cli::try_parse_from(argv).map(|cli| cli.command)
+        };
+        let Command::Demo(a) = demo(&["--keep-running", "--checkpoint-every", "2m"]).unwrap()
+        else {
+            panic!("not demo");
+        };
+        assert!(a.keep_running);
+        assert_eq!(a.checkpoint_every, Duration::from_secs(120));
+        assert_eq!(a.load_size, 200_000_000);
+        let e = demo(&["--checkpoint-every", "2m"]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::MissingRequiredArgument, "{e}");
+        let e = demo(&["--keep-running", "--json"]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::ArgumentConflict, "{e}");
+        let e = demo(&["--keep-running", "--priority"]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::ArgumentConflict, "{e}");
+    }
+
+    #[test]
+    fn client_flags_and_token_env_stay_secret() {
+        let cli = Cli::try_parse_from([
+            "ferry",
+            "status",
+            "--server",
+            "https://a:7070",
+            "--token",
+            "ferry_s3cret",
+        ])
+        .unwrap();
+        let Command::Status { server, .. } = &cli.command else {
+            panic!("not status");
+        };
+        assert_eq!(server.server, "https://a:7070");
+        assert!(server.token.is_some());
+        assert!(
+            !format!("{cli:?}").contains("s3cret"),
+            "Debug shows the token"
+        );
+        let Command::Signal { step, .. } = Cli::try_parse_from([
+            "ferry",
+            "signal",
+            "--job",
+            "j",
+            "--kind",
+            "nan",
+            "--severity",
+            "1",
+            "--step",
+            "7",
+        ])
+        .unwrap()
+        .command
+        else {
+            panic!("not signal");
+        };
+        assert_eq!(step, Some(7));
+        let e = Cli::try_parse_from(["ferry", "token", "new", "--role", "admin"]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidValue, "{e}");
     }
 
     #[test]

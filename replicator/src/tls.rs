@@ -66,6 +66,11 @@ pub enum TlsError {
     /// `validity_days` was zero.
     #[error("validity_days must be at least 1")]
     ZeroValidity,
+    /// An API host name is neither a DNS name nor an IP address.
+    #[error(
+        "invalid API host {0:?}: give a DNS name (letters, digits, '-' and '.') or an IP address"
+    )]
+    InvalidApiHost(String),
     /// Only one of `ca.pem` and `ca.key` exists in the directory.
     #[error("{}: ca.pem and ca.key must both exist (to reuse the CA) or both be absent", .0.display())]
     IncompleteCa(PathBuf),
@@ -89,11 +94,30 @@ pub fn init_dev_pki(
     agents: &[String],
     validity_days: u32,
 ) -> Result<Vec<PathBuf>, TlsError> {
+    init_dev_pki_with_api(out, agents, &[], validity_days)
+}
+
+/// Like [`init_dev_pki`]; when `api_hosts` is not empty, also writes for
+/// each agent an HTTPS certificate for its REST API,
+/// `<name>-api.pem` (serverAuth only; SANs: the agent name and every host
+/// in `api_hosts`, each a DNS name such as `localhost` or an IP address
+/// such as `127.0.0.1`) and `<name>-api.key` (mode 0600), signed by the
+/// same CA. It is kept apart from the agent's QUIC certificate so that
+/// host names never widen what an agent name authenticates.
+pub fn init_dev_pki_with_api(
+    out: &Path,
+    agents: &[String],
+    api_hosts: &[String],
+    validity_days: u32,
+) -> Result<Vec<PathBuf>, TlsError> {
     if validity_days == 0 {
         return Err(TlsError::ZeroValidity);
     }
     if let Some(bad) = agents.iter().find(|a| !valid_agent_name(a)) {
         return Err(TlsError::InvalidAgentName(bad.clone()));
+    }
+    if let Some(bad) = api_hosts.iter().find(|h| !valid_api_host(h)) {
+        return Err(TlsError::InvalidApiHost(bad.clone()));
     }
     fs::create_dir_all(out).map_err(|e| TlsError::Write(out.to_owned(), e))?;
     let (ca_path, ca_key_path) = (out.join("ca.pem"), out.join("ca.key"));
@@ -149,8 +173,58 @@ pub fn init_dev_pki(
         write_file(&cert_path, &cert.map_err(gen_err(&cert_path))?.pem(), 0o644)?;
         write_file(&key_path, &key.serialize_pem(), 0o600)?;
         written.extend([cert_path, key_path]);
+        if api_hosts.is_empty() {
+            continue;
+        }
+        let cert_path = out.join(format!("{name}-api.pem"));
+        let key_path = out.join(format!("{name}-api.key"));
+        let key = KeyPair::generate().map_err(gen_err(&key_path))?;
+        let mut sans = vec![name.clone()];
+        for h in api_hosts {
+            if !sans.contains(h) {
+                sans.push(h.clone());
+            }
+        }
+        let mut params = base_params(sans, format!("{name} API"), validity_days, &cert_path)?;
+        params.is_ca = IsCa::ExplicitNoCa;
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        params.use_authority_key_identifier_extension = true;
+        let cert = params.signed_by(&key, &ca, &ca_key);
+        write_file(&cert_path, &cert.map_err(gen_err(&cert_path))?.pem(), 0o644)?;
+        write_file(&key_path, &key.serialize_pem(), 0o600)?;
+        written.extend([cert_path, key_path]);
     }
     Ok(written)
+}
+
+/// The rustls server configuration of the REST API's HTTPS listener: the
+/// certificate chain in `cert` (PEM, leaf first) and its private key in
+/// `key`, TLS 1.2 and 1.3 with the ring provider, ALPN `h2` and
+/// `http/1.1`, no client certificate (clients send bearer tokens).
+///
+/// # Errors
+/// A [`TlsError`] naming the file that is missing, malformed or does not
+/// match.
+pub fn api_server_config(cert: &Path, key: &Path) -> Result<rustls::ServerConfig, TlsError> {
+    let chain = read_certs(cert)?;
+    let key_der = PrivateKeyDer::from_pem_slice(&read(key)?).map_err(|e| match e {
+        pem::Error::NoItemsFound => TlsError::NoKey(key.to_owned()),
+        e => TlsError::Pem(key.to_owned(), e),
+    })?;
+    let mut cfg = rustls::ServerConfig::builder_with_provider(ring_provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| invalid(cert, e))?
+        .with_no_client_auth()
+        .with_single_cert(chain, key_der)
+        .map_err(|e| {
+            TlsError::Invalid(
+                cert.to_owned(),
+                format!("{e} (is {} the key of this certificate?)", key.display()),
+            )
+        })?;
+    cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(cfg)
 }
 
 /// Certificate parameters with the given SANs and CN, valid from an hour ago
@@ -324,6 +398,20 @@ fn valid_agent_name(name: &str) -> bool {
                     .bytes()
                     .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         })
+}
+
+fn valid_api_host(host: &str) -> bool {
+    host.parse::<IpAddr>().is_ok()
+        || (host.len() <= 253
+            && host.split('.').all(|label| {
+                !label.is_empty()
+                    && label.len() <= 63
+                    && !label.starts_with('-')
+                    && !label.ends_with('-')
+                    && label
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            }))
 }
 
 fn dns_san(cert: &CertificateDer<'_>) -> Option<String> {
@@ -522,6 +610,50 @@ mod tests {
         assert!(explain_handshake_error(&closed(45)).contains("expired"));
         assert!(explain_handshake_error(&closed(51)).contains("not signed by the peer's CA"));
         assert!(explain_handshake_error(&ConnectionError::TimedOut).contains("timed out"));
+    }
+
+    #[test]
+    fn api_certificates_name_the_hosts_and_serve_https_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let hosts = ["localhost".to_string(), "127.0.0.1".to_string()];
+        let written = init_dev_pki_with_api(dir.path(), &["train-a-1".into()], &hosts, 30).unwrap();
+        let api_pem = dir.path().join("train-a-1-api.pem");
+        let api_key = dir.path().join("train-a-1-api.key");
+        assert!(written.contains(&api_pem) && written.contains(&api_key));
+        let mode = fs::metadata(&api_key).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        let der = read_certs(&api_pem).unwrap().swap_remove(0);
+        let (_, x509) = x509_parser::parse_x509_certificate(&der).unwrap();
+        let san = x509.subject_alternative_name().unwrap().unwrap();
+        let names: Vec<String> = san
+            .value
+            .general_names
+            .iter()
+            .map(|n| match n {
+                GeneralName::DNSName(d) => d.to_string(),
+                GeneralName::IPAddress(ip) => format!("ip:{ip:?}"),
+                o => format!("{o:?}"),
+            })
+            .collect();
+        assert_eq!(names, ["train-a-1", "localhost", "ip:[127, 0, 0, 1]"]);
+        let eku = x509.extended_key_usage().unwrap().unwrap().value;
+        assert!(eku.server_auth && !eku.client_auth, "server use only");
+        // The agent's own certificate keeps its one SAN.
+        let agent = read_certs(&dir.path().join("train-a-1.pem")).unwrap();
+        assert_eq!(dns_san(&agent[0]).as_deref(), Some("train-a-1"));
+
+        let cfg = api_server_config(&api_pem, &api_key).unwrap();
+        assert_eq!(cfg.alpn_protocols, [b"h2".to_vec(), b"http/1.1".to_vec()]);
+        // The agent's key does not match the API certificate.
+        let e = api_server_config(&api_pem, &dir.path().join("train-a-1.key")).unwrap_err();
+        assert!(e.to_string().contains("train-a-1-api.pem"), "{e}");
+        let e = api_server_config(&dir.path().join("nope.pem"), &api_key).unwrap_err();
+        assert!(matches!(e, TlsError::Missing(_)), "{e}");
+        for bad in ["", "a b", "-x", "a..b", "x_y"] {
+            let e =
+                init_dev_pki_with_api(dir.path(), &["b".into()], &[bad.into()], 30).unwrap_err();
+            assert!(matches!(e, TlsError::InvalidApiHost(_)), "{bad:?}: {e}");
+        }
     }
 
     #[test]

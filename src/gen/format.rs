@@ -29,9 +29,9 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Sender};
-use std::sync::{Condvar, Mutex, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::SystemTime;
 
 use rand::rngs::SmallRng;
@@ -226,6 +226,31 @@ impl FromStr for Fault {
     }
 }
 
+/// Stops a running [`save`] from another thread: once [`StopFlag::stop`]
+/// is called, every rank's next write fails and `save` returns the error
+/// "save stopped" (what was written so far stays on disk, no marker).
+#[derive(Debug, Clone, Default)]
+pub struct StopFlag(Arc<AtomicBool>);
+
+impl StopFlag {
+    /// Asks the save to stop.
+    pub fn stop(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether [`StopFlag::stop`] was called.
+    pub fn is_stopped(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+impl PartialEq for StopFlag {
+    /// The same flag (clones of one another).
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
 /// Options of [`save`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct SaveOptions {
@@ -271,6 +296,8 @@ pub struct SaveOptions {
     /// [`super::GenOptions::shards`]); only for [`GenFormat::Generic`], the
     /// per-tensor layout. `None` by default.
     pub shards: Option<u64>,
+    /// Stops the save early when set (see [`StopFlag`]); never by default.
+    pub stop: StopFlag,
 }
 
 impl SaveOptions {
@@ -292,6 +319,7 @@ impl SaveOptions {
             model: Preset::Multimodal,
             scale: None,
             shards: None,
+            stop: StopFlag::default(),
         }
     }
 
@@ -461,7 +489,7 @@ fn save_once(
     let shared = Shared {
         root: opts.root.clone(),
         seed,
-        throttle: Throttle::new(opts.write_rate_bps, kill_at),
+        throttle: Throttle::new(opts.write_rate_bps, kill_at, opts.stop.clone()),
         board: Board::default(),
         tensors: AtomicU64::new(0),
         small_tensors: AtomicU64::new(0),

@@ -1066,3 +1066,114 @@ pub fn ctime_ns(path: &Path) -> i128 {
 pub fn s<'a>(v: &'a Value, key: &str) -> &'a str {
     v[key].as_str().unwrap_or("")
 }
+
+// ------------------------------------------------ API tokens and HTTPS --
+// (used by tests/cli.rs)
+
+/// `cfg.to_toml()` with tokens required (`allow_unauthenticated = false`)
+/// and `extra` TOML lines appended to its `[api]` section: keys first
+/// (e.g. `tls_cert = ...`), then `[[api.tokens]]` entries.
+#[allow(dead_code)]
+pub fn toml_with_api(cfg: &AgentConfig, extra: &str) -> String {
+    let mut cfg = cfg.clone();
+    cfg.api = format!("allow_unauthenticated = false\n{extra}\n");
+    cfg.to_toml()
+}
+
+/// A token and its `[[api.tokens]]` entry, made by `ferry token new`.
+#[allow(dead_code)]
+#[derive(Debug, Clone)]
+pub struct Token {
+    /// The secret (the first line `ferry token new` prints).
+    pub token: String,
+    /// The rest of what it printed: TOML comments and the entry.
+    pub entry: String,
+}
+
+#[allow(dead_code)]
+impl World {
+    /// `ferry token new --role ROLE --name NAME`.
+    pub async fn token_new(&self, role: &str, name: &str) -> Token {
+        let out = self
+            .ferry(
+                &["token", "new", "--role", role, "--name", name],
+                &[],
+                Duration::from_secs(30),
+            )
+            .await;
+        self.ensure(out.success(), || format!("ferry token new failed: {out}"));
+        let (token, entry) = out
+            .stdout
+            .split_once('\n')
+            .unwrap_or_else(|| self.fail(format!("ferry token new printed one line: {out}")));
+        Token {
+            token: token.to_string(),
+            entry: entry.to_string(),
+        }
+    }
+
+    /// Like [`World::start_agent`] but the config file holds `toml` (e.g.
+    /// from [`toml_with_api`]) and readiness is `health_url` answering
+    /// through `client` (e.g. an `https://` URL and a client trusting the
+    /// API's CA).
+    pub async fn start_agent_toml(
+        &self,
+        label: &str,
+        cfg: AgentConfig,
+        toml: &str,
+        health_url: &str,
+        client: &reqwest::Client,
+    ) -> Agent {
+        let dir = self.root.join(label);
+        fs::create_dir_all(&dir).unwrap();
+        let config_path = dir.join("ferry.toml");
+        fs::write(&config_path, toml).unwrap();
+        let stderr_path = dir.join("stderr.log");
+        self.logs
+            .lock()
+            .unwrap()
+            .push((format!("{label} stderr"), stderr_path.clone()));
+        let mut cmd = Command::new(FERRY);
+        cmd.args(["serve", "--config", config_path.to_str().unwrap()])
+            .current_dir(&dir)
+            .env_remove("FERRY_CONFIG")
+            .env_remove("FERRY_LOG")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(File::create(dir.join("stdout.log")).unwrap())
+            .stderr(File::create(&stderr_path).unwrap());
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| self.fail(format!("cannot start {label}: {e}")));
+        let mut proc = Proc { child };
+        self.wait_until(
+            &format!("{label} to answer {health_url}"),
+            STARTUP,
+            async || {
+                if let Some(status) = proc.exited() {
+                    self.fail(format!("{label} exited during startup: {status}"));
+                }
+                match client.get(health_url).send().await {
+                    Ok(r) if r.status().is_success() => Ok(()),
+                    Ok(r) => Err(format!("HTTP {}", r.status())),
+                    Err(e) => Err(e.to_string()),
+                }
+            },
+        )
+        .await;
+        Agent {
+            label: label.into(),
+            cfg,
+            config_path,
+            stderr_path,
+            env: Vec::new(),
+            dir,
+            proc: Some(proc),
+        }
+    }
+
+    /// A plain HTTP client (15 s timeout), as the harness uses.
+    pub fn http(&self) -> &reqwest::Client {
+        &self.http
+    }
+}

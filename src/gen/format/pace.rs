@@ -65,16 +65,19 @@ pub(super) struct Throttle {
     start: Instant,
     /// Total bytes after which writes fail with [`Killed`].
     kill_at: Option<u64>,
+    /// Once stopped, every write fails ("save stopped").
+    stop: super::StopFlag,
 }
 
 impl Throttle {
     /// A throttle starting now.
-    pub(super) fn new(rate_bps: Option<u64>, kill_at: Option<u64>) -> Self {
+    pub(super) fn new(rate_bps: Option<u64>, kill_at: Option<u64>, stop: super::StopFlag) -> Self {
         Self {
             rate_bps,
             admitted: AtomicU64::new(0),
             start: Instant::now(),
             kill_at,
+            stop,
         }
     }
 
@@ -83,8 +86,12 @@ impl Throttle {
     /// ahead of the rate.
     ///
     /// # Errors
-    /// An error wrapping [`Killed`] once `kill_at` bytes were admitted.
+    /// An error wrapping [`Killed`] once `kill_at` bytes were admitted;
+    /// "save stopped" once the save's [`super::StopFlag`] is set.
     pub(super) fn admit(&self, want: u64) -> io::Result<u64> {
+        if self.stop.is_stopped() {
+            return Err(io::Error::other("save stopped"));
+        }
         let slice = want.min(slice_bytes(self.rate_bps));
         let before = self.admitted.fetch_add(slice, Ordering::Relaxed);
         let mut granted = slice;
@@ -158,7 +165,7 @@ mod tests {
 
     #[test]
     fn kill_point_stops_admission() {
-        let t = Throttle::new(None, Some(10_000));
+        let t = Throttle::new(None, Some(10_000), Default::default());
         assert_eq!(t.admit(6_000).unwrap(), 6_000);
         assert!(!t.killed());
         assert_eq!(
@@ -168,7 +175,20 @@ mod tests {
         );
         assert!(t.killed());
         assert!(is_killed(&t.admit(1).unwrap_err()));
-        let free = Throttle::new(None, None);
+        let free = Throttle::new(None, None, Default::default());
         assert_eq!(free.admit(5 << 20).unwrap(), MAX_SLICE);
+    }
+
+    #[test]
+    fn stop_flag_fails_the_next_write() {
+        let stop = super::super::StopFlag::default();
+        let t = Throttle::new(Some(8_000_000), None, stop.clone());
+        assert!(t.admit(1000).is_ok());
+        stop.stop();
+        let e = t.admit(1000).unwrap_err();
+        assert!(
+            e.to_string().contains("save stopped") && !is_killed(&e),
+            "{e}"
+        );
     }
 }

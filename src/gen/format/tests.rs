@@ -1174,3 +1174,32 @@ fn gen_framework_saves_refuse_faults_they_cannot_show() {
         assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{format} {fault}");
     }
 }
+
+#[test]
+fn gen_stop_flag_ends_a_paced_save_early_without_a_commit() {
+    let tmp = tempfile::tempdir().unwrap();
+    // 3 MB at 8 Mbit/s would take 3 s.
+    let opts = SaveOptions {
+        write_rate_bps: Some(8_000_000),
+        ..options(tmp.path(), GenFormat::Dcp, Fault::None, 4)
+    };
+    let stop = opts.stop.clone();
+    let stopper = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        stop.stop();
+    });
+    let t0 = std::time::Instant::now();
+    let e = save(&opts, &|_| {}).unwrap_err();
+    stopper.join().unwrap();
+    assert!(e.to_string().contains("save stopped"), "{e}");
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(2),
+        "{:?}",
+        t0.elapsed()
+    );
+    let dir = opts.checkpoint_dir();
+    assert!(
+        !dir.join(".metadata").exists(),
+        "no commit marker after a stop"
+    );
+}

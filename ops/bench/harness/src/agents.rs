@@ -75,9 +75,11 @@ impl Agents {
             ),
         };
         let max_rate = rate.max(1_000_000_000);
+        // Placement::Wan puts the API on the namespaces' management veth
+        // (not loopback): plain HTTP there is allowed explicitly.
         let common = |name: &str, role: &str, api: &str, quic: &str, data: &Path| {
             format!(
-                "[agent]\nname = {}\nsite = {}\nrole = {}\ndata_dir = {}\n\n[api]\nlisten = {}\nallow_unauthenticated = true\n\n\
+                "[agent]\nname = {}\nsite = {}\nrole = {}\ndata_dir = {}\n\n[api]\nlisten = {}\nallow_unauthenticated = true\nallow_plaintext = true\n\n\
                  [quic]\nlisten = {}\nmax_link_rate = {}\nmax_rtt = {}\n\n\
                  [tls]\nca = {}\ncert = {}\nkey = {}\n",
                 toml_str(name),

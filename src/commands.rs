@@ -1,0 +1,656 @@
+//! Client commands of the agent API: `ferry status`, `ferry resolve`,
+//! `ferry signal`, and `ferry token new` (which needs no agent). Each
+//! renders the API's JSON for a person, or prints it raw with `--json`.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context, Result};
+use indicatif::HumanBytes;
+use serde_json::{json, Value};
+
+use crate::client::{Client, Exit, ServerArgs, REQUEST_TIMEOUT};
+
+/// Exit code of `ferry resolve` when the path is not local (yet).
+pub const NOT_LOCAL_EXIT: i32 = 3;
+
+/// Items fetched per page of a list.
+const PAGE: usize = 1000;
+
+/// Most transfers or replicas `ferry status` reads (the newest).
+const MAX_ITEMS: usize = 10_000;
+
+// ----------------------------------------------------------- token new --
+
+/// What `ferry token new` prints: the token alone on the first line, then
+/// TOML (comments and the `[[api.tokens]]` entry) to paste into the
+/// agent's config. Returns the token and the whole text.
+///
+/// # Errors
+/// An empty name.
+pub fn token_new(role: api::Role, name: Option<&str>) -> Result<(String, String)> {
+    let token = api::auth::new_token();
+    let hash = api::auth::hash_token(&token);
+    let name = match name {
+        Some(n) if n.trim().is_empty() => bail!("--name must not be empty"),
+        Some(n) => n.trim().to_string(),
+        // Unique enough to tell entries apart, and says nothing about the
+        // token (it is part of its hash).
+        None => format!("{role}-{}", &hash[api::auth::HASH_PREFIX.len()..][..8]),
+    };
+    let q = |s: &str| toml::Value::String(s.to_string()).to_string();
+    let text = format!(
+        "{token}\n\
+         # The token above is shown only now: the agent's config holds only its hash.\n\
+         # Give it to its user (FERRY_TOKEN or --token); add these lines to the agent's\n\
+         # config file (after the [api] keys) and restart the agent:\n\
+         [[api.tokens]]\n\
+         name = {}\n\
+         role = {}\n\
+         hash = {}\n",
+        q(&name),
+        q(role.as_str()),
+        q(&hash)
+    );
+    Ok((token, text))
+}
+
+// -------------------------------------------------------------- status --
+
+/// Every item of a paginated list (`{"items", "limit", "offset"}`), newest
+/// first, at most [`MAX_ITEMS`].
+async fn all_items(c: &Client, path: &str) -> Result<Vec<Value>> {
+    let mut items = Vec::new();
+    loop {
+        let (limit, offset) = (PAGE.to_string(), items.len().to_string());
+        let page = c
+            .get(path, &[("limit", &limit), ("offset", &offset)])
+            .await?;
+        let got = page["items"]
+            .as_array()
+            .with_context(|| format!("GET {path}: the answer has no items"))?;
+        items.extend(got.iter().cloned());
+        if got.len() < PAGE || items.len() >= MAX_ITEMS {
+            return Ok(items);
+        }
+    }
+}
+
+/// `ferry status`: what the agent at `args.server` holds and moves.
+///
+/// # Errors
+/// The agent cannot be reached or refuses (the message says why).
+pub async fn status(args: &ServerArgs, raw: bool) -> Result<()> {
+    let c = Client::new(args, REQUEST_TIMEOUT)?;
+    let health = c.get("/healthz", &[]).await?;
+    let roles: Vec<&str> = health["roles"]
+        .as_array()
+        .map(|r| r.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    let mut out = json!({ "healthz": health });
+    if roles.contains(&"source") {
+        out["links"] = Value::Array(all_items(&c, "/v1/links").await?);
+        out["transfers"] = Value::Array(all_items(&c, "/v1/transfers").await?);
+    }
+    if roles.contains(&"sink") {
+        out["replicas"] = Value::Array(all_items(&c, "/v1/replicas").await?);
+    }
+    if raw {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        print!("{}", render_status(c.base(), &out, now_ms()));
+    }
+    Ok(())
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// A Unix-ms time as RFC 3339 UTC, to the second.
+fn at(ms: i64) -> String {
+    let t = UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64);
+    humantime::format_rfc3339_seconds(t).to_string()
+}
+
+fn int(v: &Value, key: &str) -> i64 {
+    v[key].as_i64().unwrap_or(0)
+}
+
+fn text<'a>(v: &'a Value, key: &str) -> &'a str {
+    v[key].as_str().unwrap_or("?")
+}
+
+/// Bytes done of a transfer: the live count while it moves, else the
+/// catalog's, never above the total.
+fn transfer_done(t: &Value) -> u64 {
+    let total = int(t, "bytes_total").max(0) as u64;
+    let live = t["progress"]["bytes_sent"].as_u64().unwrap_or(0)
+        + t["progress"]["bytes_skipped"].as_u64().unwrap_or(0);
+    let done = if t["state"] == "published" {
+        total
+    } else {
+        live.max(int(t, "bytes_done").max(0) as u64)
+    };
+    done.min(total)
+}
+
+fn percent(done: u64, total: u64) -> String {
+    if total == 0 {
+        "-".into()
+    } else {
+        format!("{:.1}", 100.0 * done as f64 / total as f64)
+    }
+}
+
+/// Counts per state, in `order` first, then any other, as `2 active, 1
+/// queued`.
+fn count_states(items: &[Value], order: &[&str]) -> String {
+    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    for i in items {
+        *counts
+            .entry(i["state"].as_str().unwrap_or("?"))
+            .or_default() += 1;
+    }
+    let mut parts = Vec::new();
+    for s in order {
+        if let Some(n) = counts.remove(s) {
+            parts.push(format!("{n} {s}"));
+        }
+    }
+    parts.extend(counts.into_iter().map(|(s, n)| format!("{n} {s}")));
+    if parts.is_empty() {
+        "none".into()
+    } else {
+        parts.join(", ")
+    }
+}
+
+/// Left-aligned columns separated by two spaces; the last is not padded.
+fn table(rows: &[Vec<String>]) -> String {
+    let cols = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let mut width = vec![0; cols];
+    for r in rows {
+        for (i, c) in r.iter().enumerate() {
+            width[i] = width[i].max(c.chars().count());
+        }
+    }
+    let mut out = String::new();
+    for r in rows {
+        let mut line = String::from(" ");
+        for (i, c) in r.iter().enumerate() {
+            line.push(' ');
+            if i + 1 == r.len() {
+                line += c;
+            } else {
+                line += &format!("{c:<w$} ", w = width[i]);
+            }
+        }
+        out += line.trim_end();
+        out.push('\n');
+    }
+    out
+}
+
+/// The human form of `ferry status` (see [`status`] for `out`'s keys).
+pub fn render_status(base: &str, out: &Value, now_ms: i64) -> String {
+    let h = &out["healthz"];
+    let roles: Vec<&str> = h["roles"]
+        .as_array()
+        .map(|r| r.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    let mut s = format!(
+        "agent {} ({}) at {base}\n",
+        text(h, "agent"),
+        if roles.is_empty() {
+            "no role".into()
+        } else {
+            roles.join(" and ")
+        }
+    );
+    if let Some(links) = out["links"].as_array() {
+        if links.is_empty() {
+            s += "links: none\n";
+        }
+        for l in links {
+            let cap = l["rate_bps"]
+                .as_u64()
+                .map_or("none".into(), crate::config::format_rate);
+            s += &format!("link {}: rate cap {cap}\n", text(l, "name"));
+        }
+    }
+    if let Some(ts) = out["transfers"].as_array() {
+        s += &format!(
+            "transfers: {}\n",
+            count_states(
+                ts,
+                &[
+                    "active",
+                    "verifying",
+                    "paused",
+                    "queued",
+                    "published",
+                    "failed",
+                    "cancelled"
+                ]
+            )
+        );
+        let rank = |st: &str| match st {
+            "active" => 0,
+            "verifying" => 1,
+            "paused" => 2,
+            _ => 3,
+        };
+        let mut open: Vec<&Value> = ts
+            .iter()
+            .filter(|t| {
+                matches!(
+                    t["state"].as_str(),
+                    Some("queued" | "active" | "paused" | "verifying")
+                )
+            })
+            .collect();
+        open.sort_by_key(|t| (rank(text(t, "state")), int(t, "id")));
+        let mut promoted = Vec::new();
+        if !open.is_empty() {
+            let mut rows = vec![vec![
+                "ID".into(),
+                "STATE".into(),
+                "CLASS".into(),
+                "JOB".into(),
+                "DONE / TOTAL".into(),
+                "%".into(),
+                "PATH".into(),
+            ]];
+            for t in &open {
+                let (done, total) = (transfer_done(t), int(t, "bytes_total").max(0) as u64);
+                let urgent_until = t["urgent_until"].as_i64().filter(|u| *u > now_ms);
+                let class = match urgent_until {
+                    Some(u) => {
+                        promoted.push((int(t, "id"), u));
+                        "urgent*".to_string()
+                    }
+                    None => text(t, "class").to_string(),
+                };
+                rows.push(vec![
+                    int(t, "id").to_string(),
+                    text(t, "state").into(),
+                    class,
+                    text(t, "job").into(),
+                    format!("{} / {}", HumanBytes(done), HumanBytes(total)),
+                    percent(done, total),
+                    text(t, "source_path").into(),
+                ]);
+            }
+            s += &table(&rows);
+        }
+        for (id, until) in promoted {
+            s += &format!(
+                "  * transfer {id}: urgent because of a signal until {}\n",
+                at(until)
+            );
+        }
+        for t in &open {
+            if let Some(e) = t["error"].as_str() {
+                s += &format!("  transfer {}: {e}\n", int(t, "id"));
+            }
+        }
+        if let Some(p) = ts.iter().find(|t| t["state"] == "published") {
+            s += &format!(
+                "latest published: transfer {} {} -> {} at {}\n",
+                int(p, "id"),
+                text(p, "source_path"),
+                text(p, "local_path"),
+                p["finished_at"].as_i64().map_or("?".into(), at)
+            );
+        }
+        if let Some(f) = ts.iter().take(20).find(|t| t["state"] == "failed") {
+            s += &format!(
+                "latest failure: transfer {} {}: {}\n",
+                int(f, "id"),
+                text(f, "source_path"),
+                f["error"].as_str().unwrap_or("no reason given")
+            );
+        }
+    }
+    if let Some(rs) = out["replicas"].as_array() {
+        s += &format!(
+            "replicas: {}\n",
+            count_states(rs, &["receiving", "published", "failed", "cancelled"])
+        );
+        let incoming: Vec<&Value> = rs.iter().filter(|r| r["state"] == "receiving").collect();
+        if !incoming.is_empty() {
+            let mut rows = vec![vec![
+                "ID".into(),
+                "STATE".into(),
+                "JOB".into(),
+                "DONE / TOTAL".into(),
+                "%".into(),
+                "SOURCE PATH".into(),
+            ]];
+            for r in incoming {
+                let total = int(r, "bytes_total").max(0) as u64;
+                let done = (int(r, "bytes_done").max(0) as u64).min(total);
+                rows.push(vec![
+                    int(r, "id").to_string(),
+                    text(r, "state").into(),
+                    text(r, "job").into(),
+                    format!("{} / {}", HumanBytes(done), HumanBytes(total)),
+                    percent(done, total),
+                    text(r, "source_path").into(),
+                ]);
+            }
+            s += &table(&rows);
+        }
+        if let Some(p) = rs.iter().find(|r| r["state"] == "published") {
+            let lag = p["commit_to_replica_s"]
+                .as_f64()
+                .map_or(String::new(), |l| format!(", {l:.2} s after its commit"));
+            s += &format!(
+                "latest replica: {} -> {} at {}{lag}\n",
+                text(p, "source_path"),
+                text(p, "local_path"),
+                p["published_at"].as_i64().map_or("?".into(), at)
+            );
+        }
+    }
+    s
+}
+
+// ------------------------------------------------------------- resolve --
+
+/// `ferry resolve PATH`: asks the sink where the checkpoint `path` (its
+/// absolute path at the source) is. Prints the local path (exit 0), or
+/// the state and progress on stderr and exits with [`NOT_LOCAL_EXIT`].
+///
+/// # Errors
+/// A relative path, an unreachable or refusing agent; [`Exit`] when the
+/// path is not local.
+pub async fn resolve(args: &ServerArgs, path: &str, wait: Duration, raw: bool) -> Result<()> {
+    if !path.starts_with('/') {
+        bail!("PATH must be the checkpoint's absolute path at the source, got {path:?}");
+    }
+    if wait > api::MAX_WAIT {
+        bail!(
+            "--wait must be at most {}",
+            humantime::format_duration(api::MAX_WAIT)
+        );
+    }
+    let c = Client::new(args, REQUEST_TIMEOUT + wait)?;
+    let wait_s = format!("{}ms", wait.as_millis());
+    let mut query = vec![("path", path)];
+    if !wait.is_zero() {
+        query.push(("wait", wait_s.as_str()));
+    }
+    let r = c.get("/v1/resolve", &query).await?;
+    let local = r["state"] == "local";
+    if raw {
+        println!("{r}");
+    } else if local {
+        println!("{}", text(&r, "local_path"));
+        if let Some(p) = r["profile"].as_str() {
+            eprintln!("note: a {p} replica (some files of the checkpoint are not here)");
+        }
+    } else {
+        eprintln!("{}", describe_resolution(path, &r));
+    }
+    if local {
+        Ok(())
+    } else {
+        Err(Exit(NOT_LOCAL_EXIT).into())
+    }
+}
+
+/// One line saying where a path that is not local is.
+pub fn describe_resolution(path: &str, r: &Value) -> String {
+    match r["state"].as_str() {
+        Some("replicating") => {
+            let total = r["bytes_total"].as_u64().unwrap_or(0);
+            let done = r["bytes_done"].as_u64().unwrap_or(0).min(total);
+            let eta = r["eta_s"]
+                .as_f64()
+                .map_or(String::new(), |e| format!(", about {e:.0} s to go"));
+            format!(
+                "replicating: {} of {} ({} %){eta}; not local yet",
+                HumanBytes(done),
+                HumanBytes(total),
+                percent(done, total)
+            )
+        }
+        Some("remote") => format!(
+            "remote: {path} has no replica at this sink ({})",
+            r["reason"].as_str().unwrap_or("no reason known")
+        ),
+        Some("unknown") => {
+            format!("unknown: this sink has not heard of {path} (not pushed or announced yet?)")
+        }
+        _ => format!("unexpected answer: {r}"),
+    }
+}
+
+// -------------------------------------------------------------- signal --
+
+/// Fields of `ferry signal`.
+#[derive(Debug, Clone)]
+pub struct SignalArgs {
+    /// Job name.
+    pub job: String,
+    /// Signal kind (`loss_spike`, ...).
+    pub kind: String,
+    /// Severity, 0..1.
+    pub severity: f64,
+    /// Training step, if known.
+    pub step: Option<i64>,
+    /// Retry key.
+    pub idempotency_key: Option<String>,
+}
+
+/// `ferry signal`: `POST /v1/signals` on the source.
+///
+/// # Errors
+/// The agent cannot be reached or refuses (401, 403, 404 unknown job,
+/// 422 naming the field).
+pub async fn signal(args: &ServerArgs, s: &SignalArgs, raw: bool) -> Result<()> {
+    let c = Client::new(args, REQUEST_TIMEOUT)?;
+    let body = json!({
+        "job": s.job,
+        "kind": s.kind,
+        "severity": s.severity,
+        "step": s.step,
+        "idempotency_key": s.idempotency_key,
+    });
+    let (_, out) = c.post("/v1/signals", &body).await?;
+    if raw {
+        println!("{out}");
+    } else {
+        print!("{}", render_signal(&out));
+    }
+    Ok(())
+}
+
+/// The human form of a signal's outcome.
+pub fn render_signal(out: &Value) -> String {
+    let sig = &out["signal"];
+    let step = sig["step"]
+        .as_i64()
+        .map_or(String::new(), |s| format!(" at step {s}"));
+    let mut s = if out["new"] == false {
+        format!(
+            "idempotency key seen before: signal {} was stored earlier and nothing changed now; it had done this:\n",
+            int(sig, "id")
+        )
+    } else {
+        String::new()
+    };
+    s += &format!(
+        "signal {} stored: {} for job {}, severity {}{step}\n",
+        int(sig, "id"),
+        text(sig, "kind"),
+        text(sig, "job"),
+        sig["severity"].as_f64().unwrap_or(f64::NAN)
+    );
+    match out["promoted"].as_i64() {
+        Some(id) => {
+            let until = out["urgent_until"].as_i64().map_or("?".into(), at);
+            let state = out["promoted_state"].as_str().unwrap_or("?");
+            s += &format!("transfer {id} ({state}) is urgent until {until}\n");
+            if state == "paused" {
+                s += "it is paused: it moves as urgent once resumed\n";
+            }
+        }
+        None => {
+            s += "no unpublished checkpoint of this job to promote; the job's score rises (the severity halves every half-life)\n";
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_new_prints_the_token_once_and_an_entry_that_parses_back() {
+        let (token, out) = token_new(api::Role::Signaler, Some("trainer \"7\"")).unwrap();
+        let mut lines = out.lines();
+        assert_eq!(lines.next(), Some(token.as_str()), "the token comes first");
+        assert_eq!(out.matches(&token).count(), 1, "the token is shown once");
+        assert!(out.contains("shown only now") && out.contains("only its hash"));
+        // The rest is TOML to paste: parsed as the agent's config does.
+        let rest: String = lines.map(|l| format!("{l}\n")).collect();
+        #[derive(serde::Deserialize)]
+        struct Doc {
+            api: crate::config::ApiSection,
+        }
+        let doc: Doc = toml::from_str(&format!("[api]\n{rest}")).unwrap();
+        let entry = &doc.api.tokens[0];
+        assert_eq!(
+            (entry.name.as_str(), entry.role.as_str()),
+            ("trainer \"7\"", "signaler")
+        );
+        assert_eq!(entry.hash, api::auth::hash_token(&token));
+        let auth = doc.api.auth().unwrap();
+        let hv = format!("Bearer {token}").parse().unwrap();
+        let caller = auth.authenticate(Some(&hv)).unwrap();
+        assert_eq!(caller.role, api::Role::Signaler);
+        // Without --name: the role and a piece of the hash, never of the token.
+        let (token, out) = token_new(api::Role::Reader, None).unwrap();
+        let name = out.lines().find(|l| l.starts_with("name = ")).unwrap();
+        assert!(name.starts_with("name = \"reader-"), "{name}");
+        assert!(!name.contains(&token[6..14]), "{name}");
+        assert!(token_new(api::Role::Reader, Some(" ")).is_err());
+    }
+
+    #[test]
+    fn status_shows_queue_links_and_replicas() {
+        let now = 1_700_000_000_000;
+        let out = json!({
+            "healthz": {"status": "ok", "agent": "train-a-1", "roles": ["source"]},
+            "links": [{"name": "to-eval", "rate_bps": 1_000_000_000u64}],
+            "transfers": [
+                {"id": 9, "state": "queued", "class": "background", "job": "data",
+                 "source_path": "/d/x", "bytes_total": 1000, "bytes_done": 0, "progress": null},
+                {"id": 8, "state": "active", "class": "scheduled", "job": "mm",
+                 "source_path": "/c/step_2", "bytes_total": 4 << 20, "bytes_done": 0,
+                 "urgent_until": now + 60_000,
+                 "progress": {"bytes_total": 4 << 20, "bytes_sent": 1 << 20, "bytes_skipped": 0}},
+                {"id": 7, "state": "published", "class": "scheduled", "job": "mm",
+                 "source_path": "/c/step_1", "local_path": "/e/step_1", "bytes_total": 10,
+                 "bytes_done": 10, "finished_at": now},
+                {"id": 6, "state": "failed", "class": "scheduled", "job": "mm",
+                 "source_path": "/c/step_0", "bytes_total": 10, "error": "sink full"},
+            ],
+        });
+        let s = render_status("http://127.0.0.1:7070", &out, now);
+        assert!(
+            s.starts_with("agent train-a-1 (source) at http://127.0.0.1:7070\n"),
+            "{s}"
+        );
+        assert!(s.contains("link to-eval: rate cap 1Gbit/s"), "{s}");
+        assert!(
+            s.contains("transfers: 1 active, 1 queued, 1 published, 1 failed"),
+            "{s}"
+        );
+        let active = s.lines().find(|l| l.contains("/c/step_2")).unwrap();
+        for w in [
+            "8",
+            "active",
+            "urgent*",
+            "mm",
+            "1.00 MiB / 4.00 MiB",
+            "25.0",
+        ] {
+            assert!(active.contains(w), "{active:?} lacks {w:?}");
+        }
+        // Active rows come before queued ones.
+        assert!(
+            s.find("/c/step_2").unwrap() < s.find("/d/x").unwrap(),
+            "{s}"
+        );
+        assert!(
+            s.contains("transfer 8: urgent because of a signal until 2023-11-14T22:14:20Z"),
+            "{s}"
+        );
+        assert!(
+            s.contains("latest published: transfer 7 /c/step_1 -> /e/step_1"),
+            "{s}"
+        );
+        assert!(
+            s.contains("latest failure: transfer 6 /c/step_0: sink full"),
+            "{s}"
+        );
+
+        let sink = json!({
+            "healthz": {"agent": "eval-b-1", "roles": ["sink"]},
+            "replicas": [
+                {"id": 2, "state": "receiving", "job": "mm", "source_path": "/c/step_2",
+                 "bytes_total": 200, "bytes_done": 50},
+                {"id": 1, "state": "published", "job": "mm", "source_path": "/c/step_1",
+                 "local_path": "/e/step_1", "published_at": now, "commit_to_replica_s": 1.5},
+            ],
+        });
+        let s = render_status("https://e:7071", &sink, now);
+        assert!(s.contains("replicas: 1 receiving, 1 published"), "{s}");
+        assert!(s.contains("25.0") && s.contains("/c/step_2"), "{s}");
+        assert!(
+            s.contains("/c/step_1 -> /e/step_1") && s.contains("1.50 s after its commit"),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn resolution_and_signal_outcomes_read_well() {
+        let r =
+            json!({"state": "replicating", "bytes_done": 512, "bytes_total": 1024, "eta_s": 3.2});
+        let s = describe_resolution("/c/x", &r);
+        assert!(
+            s.contains("replicating") && s.contains("50.0 %") && s.contains("3 s"),
+            "{s}"
+        );
+        let s = describe_resolution("/c/x", &json!({"state": "unknown"}));
+        assert!(s.contains("not heard of /c/x"), "{s}");
+        let out = json!({
+            "signal": {"id": 4, "job": "mm", "kind": "loss_spike", "severity": 0.8, "step": 1000},
+            "new": true, "promoted": 12, "urgent_until": 1_700_000_000_000i64,
+            "promoted_state": "active",
+        });
+        let s = render_signal(&out);
+        assert!(
+            s.contains("signal 4 stored: loss_spike for job mm, severity 0.8 at step 1000"),
+            "{s}"
+        );
+        assert!(
+            s.contains("transfer 12 (active) is urgent until 2023-11-14T22:13:20Z"),
+            "{s}"
+        );
+        let again = json!({"signal": {"id": 4}, "new": false, "promoted": null});
+        let s = render_signal(&again);
+        assert!(
+            s.contains("seen before") && s.contains("no unpublished checkpoint"),
+            "{s}"
+        );
+    }
+}
