@@ -1112,3 +1112,37 @@ async fn tokens_never_reach_the_log() {
         assert!(!log.contains(secret), "a token is in the log:\n{log}");
     }
 }
+
+#[tokio::test]
+async fn every_body_is_limited_and_validated_naming_the_field() {
+    let w = with_source().await;
+    let id = w.push("step-1", None).await;
+    let doc = openapi(&w.r()).await;
+    let mut with_body = 0;
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            if op.get("requestBody").is_none() {
+                continue;
+            }
+            with_body += 1;
+            let uri = path
+                .replace("{id}", &id.to_string())
+                .replace("{job}", "job")
+                .replace("{link}", "l");
+            let m = method.to_uppercase();
+            // Over the limit: 413 with a JSON error, before any parsing.
+            let big = format!(r#"{{"pad": "{}"}}"#, "x".repeat(MAX_BODY));
+            let (s, v) = call(w.r(), send(&m, &uri, &big)).await;
+            assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE, "{m} {path}: {v}");
+            assert!(v["error"].is_string(), "{m} {path}: {v}");
+            // An unknown field: 422 naming it.
+            let (s, v) = call(w.r(), send(&m, &uri, r#"{"bogus_field": 1}"#)).await;
+            refused((s, v), StatusCode::UNPROCESSABLE_ENTITY, &["bogus_field"]);
+            // Not JSON at all: 4xx naming the problem, never a 500.
+            let (s, v) = call(w.r(), send(&m, &uri, "{not json")).await;
+            assert!(s.is_client_error(), "{m} {path}: {s} {v}");
+            assert!(v["error"].is_string(), "{m} {path}: {v}");
+        }
+    }
+    assert_eq!(with_body, 6, "operations with a body");
+}
