@@ -204,34 +204,14 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
     ));
     let stop_api = CancellationToken::new();
     let stop = stop_api.clone();
-    let api_task = match api_tls {
-        None => tokio::spawn(async move {
-            let r = axum::serve(listener, router)
-                .with_graceful_shutdown(async move { stop.cancelled().await })
-                .await;
-            if let Err(e) = r {
-                tracing::error!(error = %e, "API server failed");
-            }
-        }),
-        Some(tls) => {
-            let handle = axum_server::Handle::new();
-            let server = axum_server::from_tcp_rustls(
-                listener.into_std()?,
-                axum_server::tls_rustls::RustlsConfig::from_config(tls),
-            )
-            .context("[api] listen")?
-            .handle(handle.clone());
-            tokio::spawn(async move {
-                stop.cancelled().await;
-                handle.graceful_shutdown(Some(Duration::from_millis(500)));
-            });
-            tokio::spawn(async move {
-                if let Err(e) = server.serve(router.into_make_service()).await {
-                    tracing::error!(error = %e, "API server failed");
-                }
-            })
-        }
-    };
+    let api_task = crate::apiserve::spawn(
+        listener.into_std()?,
+        api_tls,
+        cfg.api.max_connections,
+        router,
+        stop,
+    )
+    .context("[api] listen")?;
     for j in &cfg.jobs {
         tracing::info!(
             job = j.name,

@@ -100,6 +100,14 @@ pub struct ApiSection {
     /// `[[api.tokens]]`: accepted bearer tokens, by hash.
     #[serde(default)]
     pub tokens: Vec<TokenSection>,
+    /// Most API connections open at once (more are closed at once);
+    /// default 256.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+}
+
+fn default_max_connections() -> usize {
+    crate::apiserve::DEFAULT_MAX_CONNECTIONS
 }
 
 impl Default for ApiSection {
@@ -111,6 +119,7 @@ impl Default for ApiSection {
             allow_plaintext: false,
             allow_unauthenticated: false,
             tokens: Vec::new(),
+            max_connections: default_max_connections(),
         }
     }
 }
@@ -163,6 +172,17 @@ impl ApiSection {
                  trusted management network",
                 self.listen
             );
+        }
+        if self.allow_unauthenticated && !self.listen.ip().is_loopback() {
+            bail!(
+                "api.allow_unauthenticated = true needs a loopback api.listen (it is \"{}\"): \
+                 anyone reaching the port could act as an operator. Make tokens with \
+                 `ferry token new --role R` instead",
+                self.listen
+            );
+        }
+        if self.max_connections == 0 {
+            bail!("api.max_connections must be at least 1");
         }
         Ok(())
     }
@@ -977,6 +997,26 @@ link = "to-eval"
         // ... unless plain HTTP is allowed explicitly.
         let c = load(&api("listen = \"10.48.0.1:7070\"\nallow_plaintext = true")).unwrap();
         assert!(c.api.allow_plaintext && c.api.tls().unwrap().is_none());
+        // No token needed only on loopback, whatever the transport.
+        let e = err(&api(
+            "listen = \"0.0.0.0:7070\"\ntls_cert = \"a.pem\"\ntls_key = \"a.key\"\nallow_unauthenticated = true",
+        ));
+        assert!(
+            e.contains("allow_unauthenticated")
+                && e.contains("loopback")
+                && e.contains("0.0.0.0:7070"),
+            "{e}"
+        );
+        load(&api("allow_unauthenticated = true")).unwrap();
+        let e = err(&api("max_connections = 0"));
+        assert!(e.contains("api.max_connections"), "{e}");
+        assert_eq!(
+            load(&api("max_connections = 9"))
+                .unwrap()
+                .api
+                .max_connections,
+            9
+        );
         // The default is loopback, plain HTTP, not allowed elsewhere.
         let d = ApiSection::default();
         assert!(d.listen.ip().is_loopback() && !d.allow_plaintext && d.tls_cert.is_none());

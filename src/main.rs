@@ -3,6 +3,7 @@
 //! `link-emu`) and the self-contained `demo`.
 
 mod agent;
+mod apiserve;
 mod client;
 mod commands;
 mod config;

@@ -71,7 +71,15 @@ impl From<PathRejection> for ApiError {
 impl From<JsonRejection> for ApiError {
     fn from(r: JsonRejection) -> Self {
         let status = match r.status() {
-            StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
+            StatusCode::PAYLOAD_TOO_LARGE => {
+                return ApiError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    format!(
+                        "request body larger than {} bytes (64 KiB)",
+                        crate::MAX_BODY
+                    ),
+                )
+            }
             StatusCode::UNSUPPORTED_MEDIA_TYPE => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             _ => StatusCode::UNPROCESSABLE_ENTITY,
         };
@@ -99,9 +107,10 @@ pub(crate) async fn json_errors(req: Request<Body>, next: Next) -> Response {
     let message = match status {
         StatusCode::METHOD_NOT_ALLOWED => format!("{what}: method not allowed on this route"),
         StatusCode::REQUEST_TIMEOUT => format!("{what}: the request timed out"),
-        StatusCode::PAYLOAD_TOO_LARGE => {
-            format!("{what}: request body larger than {} bytes", crate::MAX_BODY)
-        }
+        StatusCode::PAYLOAD_TOO_LARGE => format!(
+            "{what}: request body larger than {} bytes (64 KiB)",
+            crate::MAX_BODY
+        ),
         s => format!(
             "{what}: {}",
             s.canonical_reason().unwrap_or("request failed")
@@ -115,4 +124,38 @@ pub(crate) async fn json_errors(req: Request<Body>, next: Next) -> Response {
     );
     let body = serde_json::to_vec(&json!({ "error": message })).unwrap_or_default();
     Response::from_parts(parts, Body::from(body))
+}
+
+/// Middleware: a request that changes something (not GET or HEAD) and
+/// comes from a web page of another origin is refused with 403. Browsers
+/// send `Origin` with such requests; without this an agent with
+/// `allow_unauthenticated` could be steered by any page its operator
+/// visits. Clients that send no `Origin` (the CLI, curl) are unaffected.
+pub(crate) async fn same_origin(req: Request<Body>, next: Next) -> Response {
+    use axum::http::Method;
+    if req.method() == Method::GET || req.method() == Method::HEAD {
+        return next.run(req).await;
+    }
+    let origin = req.headers().get(header::ORIGIN).map(|o| o.as_bytes());
+    let host = req.headers().get(header::HOST).map(|h| h.as_bytes());
+    if let Some(origin) = origin {
+        // `scheme://host[:port]` must name this agent's `Host`.
+        let origin_host = origin
+            .iter()
+            .position(|&b| b == b':')
+            .and_then(|i| origin.get(i + 3..));
+        if origin_host.is_none() || origin_host != host {
+            return ApiError::new(
+                StatusCode::FORBIDDEN,
+                format!(
+                    "{} {}: refused a cross-origin request (Origin {:?} is not this agent)",
+                    req.method(),
+                    req.uri().path(),
+                    String::from_utf8_lossy(origin)
+                ),
+            )
+            .into_response();
+        }
+    }
+    next.run(req).await
 }

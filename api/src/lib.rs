@@ -63,6 +63,8 @@ pub struct AppState {
     pub auth: Auth,
     /// The OpenAPI document, serialised once the router is built.
     openapi: Arc<OnceLock<String>>,
+    /// What the live views share.
+    live: Arc<ui::Live>,
 }
 
 impl AppState {
@@ -75,6 +77,7 @@ impl AppState {
             sink,
             auth,
             openapi: Arc::new(OnceLock::new()),
+            live: Arc::default(),
         }
     }
 
@@ -255,6 +258,7 @@ pub fn build(state: AppState) -> (Router, utoipa::openapi::OpenApi) {
     let router = router
         .fallback(no_route)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        .layer(middleware::from_fn(error::same_origin))
         .layer(middleware::from_fn(error::json_errors))
         .with_state(state);
     (router, doc)

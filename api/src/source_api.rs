@@ -12,8 +12,16 @@ use replicator::catalog::{Job, Signal, Transfer};
 use replicator::source::{OpsError, Progress, Ranking, SignalOutcome, Source, SubmitError};
 use serde::{Deserialize, Serialize};
 
+use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::{AppState, Page};
+
+/// Who acted, for the log: the token's configured name.
+type By = Option<axum::Extension<Caller>>;
+
+fn by(c: &By) -> &str {
+    c.as_ref().map_or("unknown", |c| c.0.name.as_str())
+}
 
 pub(crate) fn source(s: &AppState) -> Result<&Source, ApiError> {
     s.source
@@ -319,12 +327,13 @@ macro_rules! action {
         )]
         pub(crate) async fn $name(
             State(s): State<AppState>,
+            caller: By,
             id: Result<Path<String>, PathRejection>,
         ) -> Result<Json<TransferView>, ApiError> {
             let id = transfer_id(id)?;
             let src = source(&s)?;
             let t = src.$name(id).await.map_err(ops_error)?;
-            tracing::info!(transfer = id, action = $verb, "operator action");
+            tracing::info!(transfer = id, action = $verb, by = by(&caller), "operator action");
             Ok(Json(view(src, t)))
         }
     };
@@ -381,6 +390,7 @@ fn some_or_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<
 )]
 pub(crate) async fn patch_transfer(
     State(s): State<AppState>,
+    caller: By,
     id: Result<Path<String>, PathRejection>,
     body: Result<Json<PatchTransfer>, JsonRejection>,
 ) -> Result<Json<TransferView>, ApiError> {
@@ -396,7 +406,7 @@ pub(crate) async fn patch_transfer(
         .reprioritise(id, req.class.as_deref(), req.importance)
         .await
         .map_err(ops_error)?;
-    tracing::info!(transfer = id, class = req.class, importance = ?req.importance, "operator changed a transfer");
+    tracing::info!(transfer = id, class = req.class, importance = ?req.importance, by = by(&caller), "operator changed a transfer");
     Ok(Json(view(src, t)))
 }
 
@@ -468,6 +478,7 @@ pub(crate) struct PutJob {
 )]
 pub(crate) async fn put_job(
     State(s): State<AppState>,
+    caller: By,
     job: Result<Path<String>, PathRejection>,
     body: Result<Json<PutJob>, JsonRejection>,
 ) -> Result<Json<Job>, ApiError> {
@@ -478,7 +489,12 @@ pub(crate) async fn put_job(
         .put_job(&job, req.model_params, req.importance)
         .await
         .map_err(ops_error)?;
-    tracing::info!(job, importance = req.importance, "operator set a job");
+    tracing::info!(
+        job,
+        importance = req.importance,
+        by = by(&caller),
+        "operator set a job"
+    );
     Ok(Json(j))
 }
 
@@ -568,6 +584,7 @@ pub(crate) struct PutLink {
 )]
 pub(crate) async fn put_link(
     State(s): State<AppState>,
+    caller: By,
     link: Result<Path<String>, PathRejection>,
     body: Result<Json<PutLink>, JsonRejection>,
 ) -> Result<Json<LinkView>, ApiError> {
@@ -583,7 +600,12 @@ pub(crate) async fn put_link(
     if !src.set_link_rate(&link, req.rate_bps) {
         return Err(ApiError::not_found(format!("unknown link {link:?}")));
     }
-    tracing::info!(link, rate_bps = req.rate_bps, "link rate cap changed");
+    tracing::info!(
+        link,
+        rate_bps = req.rate_bps,
+        by = by(&caller),
+        "link rate cap changed"
+    );
     Ok(Json(link_view(src, &link)))
 }
 

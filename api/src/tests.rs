@@ -1068,6 +1068,7 @@ async fn tokens_never_reach_the_log() {
     let buf = LogBuf::default();
     let sub = tracing_subscriber::fmt()
         .with_max_level(tracing::Level::TRACE)
+        .with_ansi(false)
         .with_writer({
             let b = buf.clone();
             move || b.clone()
@@ -1107,6 +1108,10 @@ async fn tokens_never_reach_the_log() {
     }
     let log = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
     assert!(log.contains("operator action"), "nothing was logged: {log}");
+    assert!(
+        log.contains("by=\"operator-token\""),
+        "the actor is not named: {log}"
+    );
     for (_, t) in &toks {
         let secret = &t[auth::TOKEN_PREFIX.len()..];
         assert!(!log.contains(secret), "a token is in the log:\n{log}");
@@ -1145,4 +1150,77 @@ async fn every_body_is_limited_and_validated_naming_the_field() {
         }
     }
     assert_eq!(with_body, 6, "operations with a body");
+}
+
+#[tokio::test]
+async fn cross_origin_changes_are_refused_and_same_origin_ones_pass() {
+    let w = with_source().await;
+    let id = w.push("step-1", None).await;
+    let pause = |origin: Option<&str>| {
+        let mut r = send("POST", &format!("/v1/transfers/{id}/pause"), "");
+        r.headers_mut()
+            .insert("host", "127.0.0.1:7070".parse().unwrap());
+        if let Some(o) = origin {
+            r.headers_mut().insert("origin", o.parse().unwrap());
+        }
+        r
+    };
+    let (s, v) = call(w.r(), pause(Some("https://evil.example"))).await;
+    refused(
+        (s, v),
+        StatusCode::FORBIDDEN,
+        &["cross-origin", "evil.example"],
+    );
+    let (s, v) = call(w.r(), pause(Some("null"))).await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "{v}");
+    assert_eq!(
+        w.transfer(id).await["state"],
+        "queued",
+        "a refused pause paused"
+    );
+    let (s, v) = call(w.r(), pause(Some("http://127.0.0.1:7070"))).await;
+    assert_eq!(s, StatusCode::OK, "the UI's own origin: {v}");
+    let (s, v) = call(
+        w.r(),
+        send("POST", &format!("/v1/transfers/{id}/resume"), ""),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "no Origin (CLI, curl): {v}");
+    // Reading is never refused for its origin.
+    let mut r = get("/v1/transfers");
+    r.headers_mut()
+        .insert("origin", "https://evil.example".parse().unwrap());
+    let (s, _) = call(w.r(), r).await;
+    assert_eq!(s, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn live_views_are_capped_and_the_long_queue_shows_its_best_rows() {
+    let w = with_source().await;
+    // More unfinished transfers than the view shows; the urgent one is
+    // the oldest and must stay in view.
+    let urgent = w.push("step-0", Some("urgent")).await;
+    for i in 1..=ui::MAX_QUEUE_ROWS {
+        w.push(&format!("step-{i}"), None).await;
+    }
+    let (s, st) = call(w.r(), get("/v1/status")).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(st["unfinished"], ui::MAX_QUEUE_ROWS + 1);
+    assert_eq!(st["counts"]["queued"], ui::MAX_QUEUE_ROWS + 1);
+    let rows = st["transfers"].as_array().unwrap();
+    assert_eq!(rows.len(), ui::MAX_QUEUE_ROWS);
+    assert_eq!(rows[0]["id"], urgent, "the best-ranked row comes first");
+
+    // Streams hold their slot until dropped; one too many is a JSON 503.
+    let mut open = Vec::new();
+    for _ in 0..ui::MAX_EVENT_STREAMS {
+        let resp = w.r().oneshot(get("/v1/events")).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        open.push(resp);
+    }
+    let (s, v) = call(w.r(), get("/v1/events")).await;
+    refused((s, v), StatusCode::SERVICE_UNAVAILABLE, &["live views"]);
+    open.pop();
+    let (s, _) = call(w.r(), get("/v1/events")).await;
+    assert_eq!(s, StatusCode::OK, "a closed stream frees its slot");
 }

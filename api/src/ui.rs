@@ -5,17 +5,20 @@
 //! needs `reader` to watch and `operator` to act.
 
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
-use axum::http::header;
+
+use axum::http::{header, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use replicator::catalog::{state, Replica, Signal, Transfer};
 use replicator::source::Ranking;
 use serde::{Deserialize, Serialize};
+use tokio::sync::Semaphore;
 
 use crate::error::{ApiError, ErrorBody};
 use crate::source_api::{view, TransferView};
@@ -40,7 +43,7 @@ pub const EVENT_INTERVAL: Duration = Duration::from_secs(1);
 const RECENT_MS: i64 = 10 * 60 * 1000;
 
 /// Most unfinished transfers in one status.
-const MAX_QUEUE_ROWS: usize = 200;
+pub(crate) const MAX_QUEUE_ROWS: usize = 200;
 
 /// The ops web UI (HTML). No token needed to load the page; its data
 /// needs `reader`, its actions `operator`.
@@ -104,8 +107,14 @@ pub(crate) struct Status {
     /// `history` is filled only when asked for.
     #[schema(value_type = Vec<Object>)]
     links: Vec<replicator::metrics::LinkStats>,
-    /// Unfinished transfers in rank order (class, then score), then those
-    /// finished in the last 10 minutes, newest first (source).
+    /// Transfers per state, all of them (source).
+    counts: std::collections::BTreeMap<String, i64>,
+    /// Unfinished transfers (all of them, source); `transfers` shows the
+    /// first 200 in rank order.
+    unfinished: usize,
+    /// Unfinished transfers in rank order (class, then score; at most
+    /// 200), then those finished in the last 10 minutes, newest first
+    /// (source).
     transfers: Vec<QueueRow>,
     /// The last 20 published checkpoints with commit-to-replica lag
     /// (source).
@@ -114,14 +123,6 @@ pub(crate) struct Status {
     signals: Vec<Signal>,
     /// The last 30 replicas, incoming and published, with lag (sink).
     replicas: Vec<Replica>,
-}
-
-fn class_rank(c: scheduler::Class) -> u8 {
-    match c {
-        scheduler::Class::Urgent => 0,
-        scheduler::Class::Scheduled => 1,
-        scheduler::Class::Background => 2,
-    }
 }
 
 /// The status of `s` now.
@@ -133,6 +134,8 @@ pub(crate) async fn snapshot(s: &AppState, with_history: bool) -> Result<Status,
         now_ms: now,
         open: s.auth.is_open(),
         links: Vec::new(),
+        counts: Default::default(),
+        unfinished: 0,
         transfers: Vec::new(),
         published: Vec::new(),
         signals: Vec::new(),
@@ -141,30 +144,28 @@ pub(crate) async fn snapshot(s: &AppState, with_history: bool) -> Result<Status,
     if let Some(src) = &s.source {
         let cat = src.catalog();
         st.links = src.link_stats(with_history);
-        let mut live = cat
+        st.counts = cat
+            .transfer_state_counts()
+            .await
+            .map_err(ApiError::internal)?
+            .into_iter()
+            .collect();
+        let live = cat
             .unfinished_transfers()
             .await
             .map_err(ApiError::internal)?;
-        // If there are very many: every one that is moving or paused,
-        // then the newest queued ones.
-        if live.len() > MAX_QUEUE_ROWS {
-            let (mut keep, queued): (Vec<_>, Vec<_>) =
-                live.into_iter().partition(|t| t.state != state::QUEUED);
-            let room = MAX_QUEUE_ROWS.saturating_sub(keep.len());
-            keep.extend(queued.into_iter().rev().take(room));
-            live = keep;
-        }
-        let mut rows = Vec::with_capacity(live.len());
-        for t in live {
-            let r = src.ranking(&t).await.map_err(ApiError::internal)?;
-            rows.push((t, r));
-        }
+        st.unfinished = live.len();
+        // One catalog read ranks them all; the best MAX_QUEUE_ROWS are shown.
+        let ranks = src.rankings(&live).await.map_err(ApiError::internal)?;
+        let mut rows: Vec<_> = live.into_iter().zip(ranks).collect();
         rows.sort_by(|(a, ra), (b, rb)| {
-            class_rank(ra.class)
-                .cmp(&class_rank(rb.class))
+            // Class order is urgent, scheduled, background.
+            ra.class
+                .cmp(&rb.class)
                 .then(rb.score.value.total_cmp(&ra.score.value))
                 .then(a.id.cmp(&b.id))
         });
+        rows.truncate(MAX_QUEUE_ROWS);
         st.transfers = rows
             .into_iter()
             .map(|(t, r)| QueueRow {
@@ -245,32 +246,75 @@ pub(crate) async fn status(
     Ok(Json(snapshot(&s, q.history.unwrap_or(false)).await?))
 }
 
+/// Most `/v1/events` streams open at once; more get 503.
+pub const MAX_EVENT_STREAMS: usize = 32;
+
+/// State shared by every live view of one agent: the newest status as
+/// sent (computed at most once per [`EVENT_INTERVAL`] whatever the number
+/// of viewers) and the stream slots.
+#[derive(Debug)]
+pub(crate) struct Live {
+    newest: tokio::sync::Mutex<Option<(tokio::time::Instant, Event)>>,
+    slots: Arc<Semaphore>,
+}
+
+impl Default for Live {
+    fn default() -> Self {
+        Live {
+            newest: tokio::sync::Mutex::new(None),
+            slots: Arc::new(Semaphore::new(MAX_EVENT_STREAMS)),
+        }
+    }
+}
+
+/// The newest `status` event, computed again if older than most of an
+/// interval; one viewer computes while the others wait for its result.
+async fn newest_event(s: &AppState) -> Event {
+    let mut newest = s.live.newest.lock().await;
+    let fresh = EVENT_INTERVAL.mul_f64(0.9);
+    if let Some((at, ev)) = newest.as_ref() {
+        if at.elapsed() < fresh {
+            return ev.clone();
+        }
+    }
+    let ev = match snapshot(s, false).await {
+        Ok(st) => Event::default().event("status").json_data(st),
+        Err(e) => Event::default().event("error").json_data(ErrorBody {
+            error: e.message.clone(),
+        }),
+    }
+    .unwrap_or_else(|_| Event::default().event("error").data("encoding"));
+    *newest = Some((tokio::time::Instant::now(), ev.clone()));
+    ev
+}
+
 /// Server-sent events: a `status` event (the body of `GET /v1/status`
 /// without history) at once and then every second, until the client
-/// goes away.
+/// goes away. At most 32 streams at once (503 beyond).
 #[utoipa::path(
     get, path = "/v1/events", tag = "agent",
     security(("bearer" = ["reader"])),
     responses(
         (status = 200, description = "text/event-stream of `status` events", content_type = "text/event-stream"),
         (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 503, description = "32 live views are open already", body = ErrorBody),
     )
 )]
 pub(crate) async fn events(State(s): State<AppState>) -> Response {
-    let stream = futures::stream::unfold(
-        (s, tokio::time::interval(EVENT_INTERVAL)),
-        |(s, mut tick)| async move {
-            tick.tick().await;
-            let ev = match snapshot(&s, false).await {
-                Ok(st) => Event::default().event("status").json_data(st),
-                Err(e) => Event::default().event("error").json_data(ErrorBody {
-                    error: e.message.clone(),
-                }),
-            };
-            let ev = ev.unwrap_or_else(|_| Event::default().event("error").data("encoding"));
-            Some((Ok::<_, Infallible>(ev), (s, tick)))
-        },
-    );
+    let Ok(slot) = s.live.slots.clone().try_acquire_owned() else {
+        return ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("{MAX_EVENT_STREAMS} live views (GET /v1/events) are open already; close one or poll GET /v1/status"),
+        )
+        .into_response();
+    };
+    let mut tick = tokio::time::interval(EVENT_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let stream = futures::stream::unfold((s, tick, slot), |(s, mut tick, slot)| async move {
+        tick.tick().await;
+        let ev = newest_event(&s).await;
+        Some((Ok::<_, Infallible>(ev), (s, tick, slot)))
+    });
     Sse::new(stream)
         .keep_alive(KeepAlive::default())
         .into_response()

@@ -288,9 +288,10 @@ function liveDone(t) {
 
 function renderQueue(st) {
   const body = $('#queue tbody');
-  const counts = {};
-  for (const r of st.transfers) counts[r.state] = (counts[r.state] || 0) + 1;
-  setCell($('#counts'), Object.entries(counts).map(([k, v]) => v + ' ' + k).join(' · '));
+  const parts = Object.entries(st.counts).map(([k, v]) => v + ' ' + k);
+  const shownLive = st.transfers.filter((r) => r.ranking).length;
+  if (st.unfinished > shownLive) parts.push(`showing the first ${shownLive} of ${st.unfinished} unfinished`);
+  setCell($('#counts'), parts.join(' · '));
   $('#queue-empty').hidden = st.transfers.length > 0;
   const rows = new Map([...body.querySelectorAll('tr.row')].map((r) => [r.dataset.id, r]));
   let prev = null;

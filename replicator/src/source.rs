@@ -751,11 +751,41 @@ impl Source {
     /// # Errors
     /// Catalog errors.
     pub async fn ranking(&self, t: &Transfer) -> Result<Ranking, CatalogError> {
-        let now = crate::catalog::now_ms();
         let job = self.inner.catalog.job(&t.job).await?;
         let jobs: HashMap<String, crate::catalog::Job> =
             job.iter().map(|j| (j.name.clone(), j.clone())).collect();
-        let st = sched_transfer(t, &jobs, now);
+        Ok(self.ranking_with(t, &jobs, crate::catalog::now_ms()))
+    }
+
+    /// [`Source::ranking`] of each of `ts`, with one catalog read for all
+    /// (for views of the whole queue).
+    ///
+    /// # Errors
+    /// Catalog errors.
+    pub async fn rankings(&self, ts: &[Transfer]) -> Result<Vec<Ranking>, CatalogError> {
+        let jobs: HashMap<String, crate::catalog::Job> = self
+            .inner
+            .catalog
+            .jobs()
+            .await?
+            .into_iter()
+            .map(|j| (j.name.clone(), j))
+            .collect();
+        let now = crate::catalog::now_ms();
+        Ok(ts
+            .iter()
+            .map(|t| self.ranking_with(t, &jobs, now))
+            .collect())
+    }
+
+    fn ranking_with(
+        &self,
+        t: &Transfer,
+        jobs: &HashMap<String, crate::catalog::Job>,
+        now: i64,
+    ) -> Ranking {
+        let job = jobs.get(&t.job);
+        let st = sched_transfer(t, jobs, now);
         let link = self.inner.links.get(&t.link);
         let (explained, severity) = match link {
             Some(l) => {
@@ -773,7 +803,7 @@ impl Source {
                 waiting_ms: (now - t.created_at).max(0) as u64,
             },
         );
-        Ok(Ranking {
+        Ranking {
             policy: self.inner.cfg.policy.kind.as_str(),
             class: st.class,
             promoted_until: t.urgent_until.filter(|u| *u > now),
@@ -793,7 +823,7 @@ impl Source {
             class_weight: explained.map(|e| e.class_weight),
             share: explained.map(|e| e.share),
             eta_s: explained.and_then(|e| e.eta_s),
-        })
+        }
     }
 
     /// Queues a replication of the directory `path`, which must lie under

@@ -223,7 +223,8 @@ pub fn api_server_config(cert: &Path, key: &Path) -> Result<rustls::ServerConfig
                 format!("{e} (is {} the key of this certificate?)", key.display()),
             )
         })?;
-    cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    // HTTP/1.1 only: see the API server in src/apiserve.rs.
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(cfg)
 }
 
@@ -643,7 +644,7 @@ mod tests {
         assert_eq!(dns_san(&agent[0]).as_deref(), Some("train-a-1"));
 
         let cfg = api_server_config(&api_pem, &api_key).unwrap();
-        assert_eq!(cfg.alpn_protocols, [b"h2".to_vec(), b"http/1.1".to_vec()]);
+        assert_eq!(cfg.alpn_protocols, [b"http/1.1".to_vec()]);
         // The agent's key does not match the API certificate.
         let e = api_server_config(&api_pem, &dir.path().join("train-a-1.key")).unwrap_err();
         assert!(e.to_string().contains("train-a-1-api.pem"), "{e}");

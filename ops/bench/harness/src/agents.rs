@@ -76,10 +76,14 @@ impl Agents {
         };
         let max_rate = rate.max(1_000_000_000);
         // Placement::Wan puts the API on the namespaces' management veth
-        // (not loopback): plain HTTP there is allowed explicitly.
+        // (not loopback): plain HTTP there is allowed explicitly, and the
+        // harness uses an operator token of its own.
+        let token = api::auth::new_token();
+        let hash = api::auth::hash_token(&token);
         let common = |name: &str, role: &str, api: &str, quic: &str, data: &Path| {
             format!(
-                "[agent]\nname = {}\nsite = {}\nrole = {}\ndata_dir = {}\n\n[api]\nlisten = {}\nallow_unauthenticated = true\nallow_plaintext = true\n\n\
+                "[agent]\nname = {}\nsite = {}\nrole = {}\ndata_dir = {}\n\n[api]\nlisten = {}\nallow_plaintext = true\n\
+                 [[api.tokens]]\nname = \"ferry-bench\"\nrole = \"operator\"\nhash = \"{hash}\"\n\n\
                  [quic]\nlisten = {}\nmax_link_rate = {}\nmax_rtt = {}\n\n\
                  [tls]\nca = {}\ncert = {}\nkey = {}\n",
                 toml_str(name),
@@ -154,6 +158,14 @@ impl Agents {
             sink_root,
             http: reqwest::blocking::Client::builder()
                 .timeout(Duration::from_secs(30))
+                .default_headers(
+                    [(
+                        reqwest::header::AUTHORIZATION,
+                        format!("Bearer {token}").parse()?,
+                    )]
+                    .into_iter()
+                    .collect(),
+                )
                 .build()?,
         };
         for (api, log) in [
