@@ -51,17 +51,13 @@ pub(crate) struct TransferDetail {
     ranking: Ranking,
 }
 
-/// A transfer with live progress; while it runs, `bytes_sent` is the
-/// live count (the catalog's is updated at the end of each send round).
-pub(crate) fn view(src: &Source, mut t: Transfer) -> TransferView {
-    let progress = src.progress(t.id);
-    if let Some(p) = &progress {
-        t.bytes_sent = t.bytes_sent.max(p.bytes_sent as i64);
-    }
-    TransferView {
-        transfer: t,
-        progress,
-    }
+/// A transfer with live progress; while it runs, `bytes_total`,
+/// `bytes_done` and `bytes_sent` are the larger of the catalog's and the
+/// live counts (see [`Source::with_progress`]), so they never move
+/// backwards across pause, resume or reconnect.
+pub(crate) fn view(src: &Source, t: Transfer) -> TransferView {
+    let (transfer, progress) = src.with_progress(t);
+    TransferView { transfer, progress }
 }
 
 /// Queue a transfer of a directory under a source root (any directory:
