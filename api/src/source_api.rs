@@ -439,7 +439,8 @@ pub(crate) async fn list_jobs(
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct PutJob {
-    /// Model size in parameters. Absent: unchanged; `null` or 0: unknown.
+    /// Model size in parameters, at most 1e15. Absent: unchanged; `null`
+    /// or 0: unknown.
     #[serde(default, deserialize_with = "some_or_null")]
     #[schema(value_type = Option<f64>)]
     model_params: Option<Option<f64>>,
@@ -594,7 +595,7 @@ pub(crate) struct PostSignal {
     kind: String,
     /// 0..1.
     severity: f64,
-    /// Training step, if known.
+    /// Training step, if known (0 or more).
     step: Option<i64>,
     /// A retry with the same key (1 to 200 bytes) answers the first
     /// signal's outcome and changes nothing.

@@ -412,12 +412,18 @@ fn check_params(field: &str, v: Option<f64>) -> Result<Option<f64>, CatalogError
     match v {
         None => Ok(None),
         Some(0.0) => Ok(None),
-        Some(p) if p.is_finite() && p > 0.0 => Ok(Some(p)),
+        Some(p) if p.is_finite() && p > 0.0 && p <= MAX_MODEL_PARAMS => Ok(Some(p)),
         Some(p) => Err(CatalogError::Invalid(format!(
-            "{field} must be a finite number of parameters, 0 or more, got {p}"
+            "{field} must be a number of parameters from 0 to {MAX_MODEL_PARAMS:e} (0 = unknown), got {p}"
         ))),
     }
 }
+
+/// Largest model size a job may declare, in parameters (1e15, a thousand
+/// times today's largest models): the score's size term stays at most
+/// `1 + a x 6` (4 with the default `a`), so no job can take the link by
+/// declaring an absurd size.
+pub const MAX_MODEL_PARAMS: f64 = 1e15;
 
 /// A job name usable in paths, else an error naming `field`.
 fn check_job_name(field: &str, name: &str) -> Result<(), CatalogError> {
@@ -2151,6 +2157,13 @@ mod tests {
         assert!(e.to_string().contains("\"e\" model_params"), "{e}");
         let e = c.put_job("a", Some(f64::INFINITY), 0.5).await.unwrap_err();
         assert!(e.to_string().contains("model_params"), "{e}");
+        // Regression: 1e308 parameters was accepted (size term 150).
+        let e = c.put_job("a", Some(1e308), 0.5).await.unwrap_err();
+        assert!(
+            e.to_string().contains("model_params") && e.to_string().contains("1e15"),
+            "{e}"
+        );
+        assert!(c.put_job("z", Some(MAX_MODEL_PARAMS), 0.5).await.is_ok());
         let e = c.put_job("a", None, f64::NAN).await.unwrap_err();
         assert!(e.to_string().contains("importance"), "{e}");
         let e = c.put_job("../x", None, 0.5).await.unwrap_err();

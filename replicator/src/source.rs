@@ -578,7 +578,8 @@ impl Source {
     ///
     /// # Errors
     /// [`OpsError::UnknownJob`]; [`OpsError::Invalid`] naming the field
-    /// (`kind` not one of [`SIGNAL_KINDS`], `severity` outside 0..1);
+    /// (`kind` not one of [`SIGNAL_KINDS`], `severity` outside 0..1, a
+    /// negative `step`);
     /// catalog errors.
     pub async fn signal(
         &self,
@@ -598,6 +599,11 @@ impl Source {
         if !severity.is_finite() || !(0.0..=1.0).contains(&severity) {
             return Err(OpsError::Invalid(format!(
                 "severity: must be a number from 0 to 1, got {severity}"
+            )));
+        }
+        if let Some(s) = step.filter(|s| *s < 0) {
+            return Err(OpsError::Invalid(format!(
+                "step: must be a training step, 0 or more, got {s}"
             )));
         }
         if !self.known_job(job).await? {
@@ -669,7 +675,9 @@ impl Source {
     /// follow within a second.
     ///
     /// # Errors
-    /// [`OpsError::Invalid`] naming the field; catalog errors.
+    /// [`OpsError::Invalid`] naming the field (`model_params` above
+    /// [`crate::catalog::MAX_MODEL_PARAMS`], `importance` outside 0..1);
+    /// catalog errors.
     pub async fn put_job(
         &self,
         name: &str,
@@ -2371,5 +2379,41 @@ mod tests {
             value("ferry_sent_bytes_total{link=\"m\",class=\"urgent\"}"),
             0.0
         );
+    }
+
+    /// Regression: a signal with a negative step was stored, and a job
+    /// could declare 1e308 parameters (a size term of 150).
+    #[tokio::test]
+    async fn negative_step_and_absurd_model_size_are_refused_naming_the_field() {
+        let (source, _root, _hole, _d) = quiet_source().await;
+        let e = source
+            .signal("job", "loss_spike", 0.5, Some(-1), None)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, OpsError::Invalid(m) if m.starts_with("step:")),
+            "{e}"
+        );
+        assert!(source
+            .catalog()
+            .recent_signals(10)
+            .await
+            .unwrap()
+            .is_empty());
+        let s = source
+            .signal("job", "loss_spike", 0.5, Some(0), None)
+            .await
+            .unwrap();
+        assert_eq!(s.signal.step, Some(0));
+        for p in [1e308, 2e15, f64::INFINITY] {
+            let e = source.put_job("job", Some(Some(p)), 0.5).await.unwrap_err();
+            assert!(
+                matches!(&e, OpsError::Invalid(m) if m.contains("model_params") && m.contains("1e15")),
+                "{p}: {e}"
+            );
+        }
+        let j = source.put_job("job", Some(Some(7e10)), 0.5).await.unwrap();
+        assert_eq!(j.model_params, Some(7e10));
+        source.shutdown(Duration::from_secs(1)).await;
     }
 }
