@@ -113,7 +113,7 @@ enum Command {
         #[arg(long)]
         kind: String,
         /// How bad, 0..1.
-        #[arg(long)]
+        #[arg(long, value_parser = parse_severity)]
         severity: f64,
         /// Training step at which it was seen.
         #[arg(long)]
@@ -623,6 +623,19 @@ async fn gen_format(opts: gen::format::SaveOptions) -> Result<()> {
     Ok(())
 }
 
+/// `--severity`: a finite number from 0 to 1 (JSON has no NaN or
+/// infinity: they would reach the agent as `null`).
+fn parse_severity(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number; give one from 0 to 1"))?;
+    if !v.is_finite() || !(0.0..=1.0).contains(&v) {
+        return Err(format!("must be a number from 0 to 1, got {s:?}"));
+    }
+    Ok(v)
+}
+
 async fn serve(path: &Path) -> Result<()> {
     let cfg = config::Config::load(path)?;
     let agent = agent::start(&cfg, agent::Overrides::default()).await?;
@@ -906,6 +919,38 @@ mod tests {
         assert_eq!(step, Some(7));
         let e = Cli::try_parse_from(["ferry", "token", "new", "--role", "admin"]).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidValue, "{e}");
+    }
+
+    /// Regression: `--severity NaN` (or inf) went out as JSON `null` and
+    /// the agent answered with a confusing type error.
+    #[test]
+    fn signal_severity_must_be_a_finite_number_from_0_to_1() {
+        let parse = |v: &str| {
+            Cli::try_parse_from([
+                "ferry",
+                "signal",
+                "--job",
+                "j",
+                "--kind",
+                "nan",
+                &format!("--severity={v}"),
+            ])
+        };
+        for bad in ["NaN", "nan", "inf", "-inf", "infinity", "-0.1", "1.5", "x"] {
+            let e = parse(bad).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::ValueValidation, "{bad}: {e}");
+            let text = e.to_string();
+            assert!(
+                text.contains("--severity") && text.contains("from 0 to 1"),
+                "{bad}: {text}"
+            );
+        }
+        for (good, v) in [("0", 0.0), ("1", 1.0), ("0.25", 0.25)] {
+            let Command::Signal { severity, .. } = parse(good).unwrap().command else {
+                panic!("not signal");
+            };
+            assert_eq!(severity, v);
+        }
     }
 
     #[test]
