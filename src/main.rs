@@ -636,12 +636,24 @@ fn parse_severity(s: &str) -> Result<f64, String> {
     Ok(v)
 }
 
+/// The role as the config file spells it, for the banner.
+fn role_name(role: config::Role) -> &'static str {
+    match role {
+        config::Role::Source => "source",
+        config::Role::Sink => "sink",
+        config::Role::Both => "source and sink",
+    }
+}
+
 async fn serve(path: &Path) -> Result<()> {
     let cfg = config::Config::load(path)?;
     let agent = agent::start(&cfg, agent::Overrides::default()).await?;
     println!(
-        "ferry agent {} ({:?}) serving: API {}/ QUIC {}",
-        agent.name, cfg.agent.role, agent.api_url, agent.quic_addr
+        "ferry agent {} ({}) serving: API {}/ QUIC {}",
+        agent.name,
+        role_name(cfg.agent.role),
+        agent.api_url,
+        agent.quic_addr
     );
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
@@ -951,6 +963,14 @@ mod tests {
             };
             assert_eq!(severity, v);
         }
+    }
+
+    /// Regression: the banner showed the role as `(Source)` (Debug).
+    #[test]
+    fn serve_banner_names_the_role_as_configured() {
+        assert_eq!(role_name(config::Role::Source), "source");
+        assert_eq!(role_name(config::Role::Sink), "sink");
+        assert_eq!(role_name(config::Role::Both), "source and sink");
     }
 
     #[test]
