@@ -709,11 +709,9 @@ async fn push(
             bar.suspend(|| eprintln!("transfer {id}: {line}"));
             last_line = line;
         }
-        let total = t["bytes_total"].as_u64().unwrap_or(0);
-        let sent = t["progress"]["bytes_sent"].as_u64().unwrap_or(0)
-            + t["progress"]["bytes_skipped"].as_u64().unwrap_or(0);
+        let total = commands::transfer_total(&t);
         bar.set_length(total.max(1));
-        bar.set_position(sent.min(total));
+        bar.set_position(commands::transfer_done(&t).min(total));
         let state = t["state"].as_str().unwrap_or("?").to_string();
         bar.set_message(state.clone());
         match state.as_str() {
