@@ -10,6 +10,7 @@ use indicatif::HumanBytes;
 use serde_json::{json, Value};
 
 use crate::client::{Client, Exit, ServerArgs, REQUEST_TIMEOUT};
+use crate::out::outln;
 
 /// Exit code of `ferry resolve` when the path is not local (yet).
 pub const NOT_LOCAL_EXIT: i32 = 3;
@@ -96,11 +97,10 @@ pub async fn status(args: &ServerArgs, raw: bool) -> Result<()> {
         out["replicas"] = Value::Array(all_items(&c, "/v1/replicas").await?);
     }
     if raw {
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        outln!("{}", serde_json::to_string_pretty(&out)?)
     } else {
-        print!("{}", render_status(c.base(), &out, now_ms()));
+        crate::out::print(format_args!("{}", render_status(c.base(), &out, now_ms())))
     }
-    Ok(())
 }
 
 fn now_ms() -> i64 {
@@ -441,9 +441,9 @@ pub async fn resolve(args: &ServerArgs, path: &str, wait: Duration, raw: bool) -
     let r = c.get("/v1/resolve", &query).await?;
     let local = r["state"] == "local";
     if raw {
-        println!("{r}");
+        outln!("{r}")?;
     } else if local {
-        println!("{}", text(&r, "local_path"));
+        outln!("{}", text(&r, "local_path"))?;
         if let Some(p) = r["profile"].as_str() {
             eprintln!("note: a {p} replica (some files of the checkpoint are not here)");
         }
@@ -517,11 +517,10 @@ pub async fn signal(args: &ServerArgs, s: &SignalArgs, raw: bool) -> Result<()> 
     });
     let (_, out) = c.post("/v1/signals", &body).await?;
     if raw {
-        println!("{out}");
+        outln!("{out}")
     } else {
-        print!("{}", render_signal(&out));
+        crate::out::print(format_args!("{}", render_signal(&out)))
     }
-    Ok(())
 }
 
 /// The human form of a signal's outcome.

@@ -8,6 +8,7 @@ mod commands;
 mod config;
 mod demo;
 mod gen;
+mod out;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -17,6 +18,8 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use replicator::linkemu::{spawn_relay, LinkParams};
 use tracing_subscriber::EnvFilter;
+
+use crate::out::{noteln, outln};
 
 /// Ferry replicates LLM training checkpoints from a training datacenter to
 /// an evaluation datacenter over QUIC, verified with BLAKE3 and published
@@ -379,6 +382,10 @@ fn main() {
             if let Some(client::Exit(code)) = e.downcast_ref::<client::Exit>() {
                 std::process::exit(*code);
             }
+            if out::is_closed(&e) {
+                // The reader of stdout went away (`| head`): nothing to say.
+                std::process::exit(out::CLOSED_EXIT);
+            }
             eprintln!("error: {e:#}");
             std::process::exit(1);
         }
@@ -431,8 +438,7 @@ async fn run(cli: Cli) -> Result<()> {
         } => {
             let role: api::Role = role.parse().map_err(|e: String| anyhow::anyhow!(e))?;
             let (_, text) = commands::token_new(role, name.as_deref())?;
-            print!("{text}");
-            Ok(())
+            out::print(format_args!("{text}"))
         }
         Command::Verify { path, config } => verify(&path, &config).await,
         Command::Certs {
@@ -446,7 +452,7 @@ async fn run(cli: Cli) -> Result<()> {
         } => {
             let written = replicator::tls::init_dev_pki_with_api(&out, &agents, &api_hosts, days)?;
             for p in written {
-                println!("wrote {}", p.display());
+                outln!("wrote {}", p.display())?;
             }
             Ok(())
         }
@@ -510,14 +516,14 @@ async fn gen_per_tensor(opts: gen::GenOptions) -> Result<()> {
     let preview = gen::preview(&opts).context("planning the checkpoint")?;
     let size = preview.summary.bytes;
     if let Some(scale) = preview.scale {
-        println!(
+        outln!(
             "model {} ({} parameters at full scale) at scale {scale:.6}: {} tensor files, \
              {size} bytes, {} under 16 KiB",
             opts.model,
             opts.model.params(),
             preview.summary.shards,
             preview.summary.small_shards
-        );
+        )?;
     }
     if std::fs::read_dir(&out).is_ok_and(|mut d| d.next().is_some()) {
         bail!(
@@ -538,7 +544,7 @@ async fn gen_per_tensor(opts: gen::GenOptions) -> Result<()> {
         .await?
         .with_context(|| format!("generating into {}", out.display()))?;
     bar.finish_and_clear();
-    println!(
+    outln!(
         "{}: {} shards + commit marker, {} bytes, {} under 16 KiB ({:.1} %), largest {} bytes",
         out.display(),
         s.shards,
@@ -546,8 +552,7 @@ async fn gen_per_tensor(opts: gen::GenOptions) -> Result<()> {
         s.small_shards,
         100.0 * s.small_shards as f64 / s.shards.max(1) as f64,
         s.largest
-    );
-    Ok(())
+    )
 }
 
 /// `ferry gen --format F`: one checkpoint written the framework's way.
@@ -572,7 +577,7 @@ async fn gen_format(opts: gen::format::SaveOptions) -> Result<()> {
     };
     let preview = gen::format::preview(&opts).context("planning the checkpoint")?;
     if let Some(scale) = preview.scale {
-        println!(
+        outln!(
             "model {} ({} parameters at full scale) at scale {scale:.6}: {} tensors, {} bytes \
              as {}",
             opts.model,
@@ -580,7 +585,7 @@ async fn gen_format(opts: gen::format::SaveOptions) -> Result<()> {
             preview.tensors,
             preview.bytes,
             opts.format
-        );
+        )?;
     }
     gen::ensure_space(&opts.root, preview.bytes)
         .with_context(|| format!("--out {}", opts.root.display()))?;
@@ -603,7 +608,7 @@ async fn gen_format(opts: gen::format::SaveOptions) -> Result<()> {
         ),
         None => format!("NOT committed ({} was not written)", s.marker.display()),
     };
-    println!(
+    outln!(
         "{}: {format} checkpoint, {} files, {} bytes, {} tensors ({} under 16 KiB, {:.1} %); \
          opened at {opened}, {commit}",
         s.dir.display(),
@@ -612,13 +617,13 @@ async fn gen_format(opts: gen::format::SaveOptions) -> Result<()> {
         s.tensors,
         s.small_tensors,
         100.0 * s.small_tensors as f64 / s.tensors.max(1) as f64,
-    );
+    )?;
     if fault != gen::format::Fault::None {
         let damaged = s
             .damaged
             .map(|p| format!(" ({} damaged)", p.display()))
             .unwrap_or_default();
-        println!("simulated fault: {fault}{damaged}");
+        outln!("simulated fault: {fault}{damaged}")?;
     }
     Ok(())
 }
@@ -648,7 +653,8 @@ fn role_name(role: config::Role) -> &'static str {
 async fn serve(path: &Path) -> Result<()> {
     let cfg = config::Config::load(path)?;
     let agent = agent::start(&cfg, agent::Overrides::default()).await?;
-    println!(
+    // A closed stdout must not stop the agent.
+    noteln!(
         "ferry agent {} ({}) serving: API {}/ QUIC {}",
         agent.name,
         role_name(cfg.agent.role),
@@ -681,7 +687,7 @@ async fn push(
         )
         .await?;
     let id = body["id"].as_i64().context("answer has no transfer id")?;
-    println!("transfer {id} queued: {}", abs.display());
+    outln!("transfer {id} queued: {}", abs.display())?;
     if no_wait {
         return Ok(());
     }
@@ -717,12 +723,11 @@ async fn push(
         match state.as_str() {
             "published" => {
                 bar.finish_and_clear();
-                println!(
+                return outln!(
                     "published at the sink: {} (manifest root {})",
                     t["local_path"].as_str().unwrap_or("?"),
                     t["manifest_root"].as_str().unwrap_or("?")
                 );
-                return Ok(());
             }
             "failed" | "cancelled" => {
                 bar.finish_and_clear();
@@ -742,19 +747,18 @@ async fn verify(path: &Path, cfg_path: &Path) -> Result<()> {
     // Read-only use of the catalog: open the SQLite file directly so a
     // running agent keeps its lock.
     let report = replicator::verify::verify_replica(&cfg.agent.data_dir, &abs).await?;
-    println!(
+    outln!(
         "{}: {} files, {} bytes checked against manifest root {}",
         abs.display(),
         report.files,
         report.bytes,
         report.root
-    );
+    )?;
     if report.problems.is_empty() {
-        println!("OK: every chunk matches");
-        Ok(())
+        outln!("OK: every chunk matches")
     } else {
         for p in &report.problems {
-            println!("MISMATCH {p}");
+            outln!("MISMATCH {p}")?;
         }
         bail!("{} problem(s) found", report.problems.len())
     }
@@ -782,7 +786,7 @@ async fn link_emu(
     let mut down = p.clone();
     down.seed = p.seed.wrapping_add(1);
     let relay = spawn_relay(listen, forward, p, down).await?;
-    println!(
+    noteln!(
         "link-emu: {} -> {forward}, {} bit/s, RTT {rtt:?}, loss {loss}, corrupt {corrupt}; Ctrl-C to stop",
         relay.local_addr(),
         rate
@@ -793,9 +797,12 @@ async fn link_emu(
         _ = term.recv() => {}
     }
     let s = relay.stats();
-    println!(
+    noteln!(
         "up: {} packets, {} dropped by queue, {} by loss; down: {} packets",
-        s.up.delivered_packets, s.up.dropped_queue, s.up.dropped_loss, s.down.delivered_packets
+        s.up.delivered_packets,
+        s.up.dropped_queue,
+        s.up.dropped_loss,
+        s.down.delivered_packets
     );
     relay.shutdown().await;
     Ok(())
