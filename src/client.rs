@@ -34,6 +34,25 @@ impl Secret {
     }
 }
 
+impl Secret {
+    /// Checks the token can be sent as `Authorization: Bearer TOKEN`,
+    /// saying what is wrong without showing it (clap's own value errors
+    /// would print it, hence not in [`Secret::parse`]).
+    ///
+    /// # Errors
+    /// A token with a control character (a pasted line break, say).
+    fn check_header(&self) -> Result<()> {
+        if reqwest::header::HeaderValue::from_str(&format!("Bearer {}", self.0)).is_err() {
+            bail!(
+                "the token (--token or FERRY_TOKEN) is not a valid HTTP header value: it holds \
+                 a control character such as a line break; `ferry token new` prints one line \
+                 of letters, digits and `_`"
+            );
+        }
+        Ok(())
+    }
+}
+
 impl std::fmt::Debug for Secret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Secret(***)")
@@ -81,9 +100,12 @@ impl Client {
     /// A client of `args.server` whose requests time out after `timeout`.
     ///
     /// # Errors
-    /// A server that is not an http:// or https:// URL, an unreadable or
-    /// empty `--ca-cert`.
+    /// A server that is not an http:// or https:// URL, a token that cannot
+    /// go in an HTTP header, an unreadable or empty `--ca-cert`.
     pub fn new(args: &ServerArgs, timeout: Duration) -> Result<Client> {
+        if let Some(t) = &args.token {
+            t.check_header()?;
+        }
         let base = args.server.trim().trim_end_matches('/').to_string();
         let url = reqwest::Url::parse(&base).map_err(|e| {
             anyhow::anyhow!(
@@ -236,5 +258,41 @@ fn excerpt(text: &str) -> String {
         "(empty answer)".into()
     } else {
         t
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn args(token: &str) -> ServerArgs {
+        ServerArgs {
+            server: "http://127.0.0.1:7070".into(),
+            token: Some(Secret::parse(token).unwrap()),
+            ca_cert: None,
+        }
+    }
+
+    /// Regression: a token with a control character gave "cannot reach
+    /// the agent ... hint: check --server".
+    #[test]
+    fn a_token_with_a_control_character_is_named_not_shown() {
+        for bad in [
+            "ferry_ab\ncd",
+            "ferry_ab\rcd",
+            "ferry_a\u{1}b",
+            "ferry_a\u{7f}b",
+        ] {
+            let e = Client::new(&args(bad), REQUEST_TIMEOUT).unwrap_err();
+            let text = format!("{e:#}");
+            assert!(
+                text.contains("token") && text.contains("not a valid HTTP header value"),
+                "{text}"
+            );
+            assert!(!text.contains("ferry_a"), "the token was shown: {text}");
+            assert!(!text.contains("--server"), "{text}");
+        }
+        assert!(Client::new(&args("ferry_abc-123_XYZ"), REQUEST_TIMEOUT).is_ok());
     }
 }

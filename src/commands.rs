@@ -10,6 +10,7 @@ use indicatif::HumanBytes;
 use serde_json::{json, Value};
 
 use crate::client::{Client, Exit, ServerArgs, REQUEST_TIMEOUT};
+use crate::out::outln;
 
 /// Exit code of `ferry resolve` when the path is not local (yet).
 pub const NOT_LOCAL_EXIT: i32 = 3;
@@ -96,11 +97,10 @@ pub async fn status(args: &ServerArgs, raw: bool) -> Result<()> {
         out["replicas"] = Value::Array(all_items(&c, "/v1/replicas").await?);
     }
     if raw {
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        outln!("{}", serde_json::to_string_pretty(&out)?)
     } else {
-        print!("{}", render_status(c.base(), &out, now_ms()));
+        crate::out::print(format_args!("{}", render_status(c.base(), &out, now_ms())))
     }
-    Ok(())
 }
 
 fn now_ms() -> i64 {
@@ -123,18 +123,73 @@ fn text<'a>(v: &'a Value, key: &str) -> &'a str {
     v[key].as_str().unwrap_or("?")
 }
 
-/// Bytes done of a transfer: the live count while it moves, else the
-/// catalog's, never above the total.
-fn transfer_done(t: &Value) -> u64 {
-    let total = int(t, "bytes_total").max(0) as u64;
+/// Size of a transfer's checkpoint as far as known: the catalog's, or the
+/// live count of a checkpoint still being written (the catalog's is 0
+/// until its commit, or the announced size).
+pub fn transfer_total(t: &Value) -> u64 {
+    let catalog = int(t, "bytes_total").max(0) as u64;
+    catalog.max(t["progress"]["bytes_total"].as_u64().unwrap_or(0))
+}
+
+/// True while a transfer's checkpoint is being written (`announced` or
+/// `open`): its size is not final.
+pub fn transfer_writing(t: &Value) -> bool {
+    matches!(t["checkpoint"].as_str(), Some("open" | "announced"))
+}
+
+/// Bytes done of a transfer: the live count while it moves (what the sink
+/// had at the start plus what was sent since), never less than the
+/// catalog's, never above the total (resends count once).
+pub fn transfer_done(t: &Value) -> u64 {
+    let total = transfer_total(t);
+    if t["state"] == "published" {
+        return total;
+    }
     let live = t["progress"]["bytes_sent"].as_u64().unwrap_or(0)
         + t["progress"]["bytes_skipped"].as_u64().unwrap_or(0);
-    let done = if t["state"] == "published" {
+    live.min(total).max(int(t, "bytes_done").max(0) as u64)
+}
+
+/// `DONE / TOTAL` and the percentage of a transfer; while its checkpoint
+/// is written, `DONE / ≥ KNOWN` and no percentage.
+fn transfer_amount(t: &Value) -> (String, String) {
+    let (done, total) = (transfer_done(t), transfer_total(t));
+    if transfer_writing(t) {
+        (
+            format!("{} / ≥ {}", HumanBytes(done), HumanBytes(total.max(done))),
+            "-".into(),
+        )
+    } else {
+        let done = done.min(total);
+        (
+            format!("{} / {}", HumanBytes(done), HumanBytes(total)),
+            percent(done, total),
+        )
+    }
+}
+
+/// `DONE / TOTAL` and the percentage of a replica at the sink. The sink
+/// learns a checkpoint's final size only with its commit: while a
+/// receiving replica has every byte it knows of, more may come (a
+/// checkpoint still being written), so it shows `≥` and no percentage.
+fn replica_amount(r: &Value) -> (String, String) {
+    let total = int(r, "bytes_total").max(0) as u64;
+    let done = if r["state"] == "published" {
         total
     } else {
-        live.max(int(t, "bytes_done").max(0) as u64)
+        (int(r, "bytes_done").max(0) as u64).min(total)
     };
-    done.min(total)
+    if r["state"] == "receiving" && done >= total {
+        (
+            format!("{} / ≥ {}", HumanBytes(done), HumanBytes(total)),
+            "-".into(),
+        )
+    } else {
+        (
+            format!("{} / {}", HumanBytes(done), HumanBytes(total)),
+            percent(done, total),
+        )
+    }
 }
 
 fn percent(done: u64, total: u64) -> String {
@@ -265,7 +320,7 @@ pub fn render_status(base: &str, out: &Value, now_ms: i64) -> String {
                 "PATH".into(),
             ]];
             for t in &open {
-                let (done, total) = (transfer_done(t), int(t, "bytes_total").max(0) as u64);
+                let (amount, pct) = transfer_amount(t);
                 let urgent_until = t["urgent_until"].as_i64().filter(|u| *u > now_ms);
                 let class = match urgent_until {
                     Some(u) => {
@@ -279,8 +334,8 @@ pub fn render_status(base: &str, out: &Value, now_ms: i64) -> String {
                     text(t, "state").into(),
                     class,
                     text(t, "job").into(),
-                    format!("{} / {}", HumanBytes(done), HumanBytes(total)),
-                    percent(done, total),
+                    amount,
+                    pct,
                     text(t, "source_path").into(),
                 ]);
             }
@@ -331,14 +386,13 @@ pub fn render_status(base: &str, out: &Value, now_ms: i64) -> String {
                 "SOURCE PATH".into(),
             ]];
             for r in incoming {
-                let total = int(r, "bytes_total").max(0) as u64;
-                let done = (int(r, "bytes_done").max(0) as u64).min(total);
+                let (amount, pct) = replica_amount(r);
                 rows.push(vec![
                     int(r, "id").to_string(),
                     text(r, "state").into(),
                     text(r, "job").into(),
-                    format!("{} / {}", HumanBytes(done), HumanBytes(total)),
-                    percent(done, total),
+                    amount,
+                    pct,
                     text(r, "source_path").into(),
                 ]);
             }
@@ -387,9 +441,9 @@ pub async fn resolve(args: &ServerArgs, path: &str, wait: Duration, raw: bool) -
     let r = c.get("/v1/resolve", &query).await?;
     let local = r["state"] == "local";
     if raw {
-        println!("{r}");
+        outln!("{r}")?;
     } else if local {
-        println!("{}", text(&r, "local_path"));
+        outln!("{}", text(&r, "local_path"))?;
         if let Some(p) = r["profile"].as_str() {
             eprintln!("note: a {p} replica (some files of the checkpoint are not here)");
         }
@@ -463,11 +517,10 @@ pub async fn signal(args: &ServerArgs, s: &SignalArgs, raw: bool) -> Result<()> 
     });
     let (_, out) = c.post("/v1/signals", &body).await?;
     if raw {
-        println!("{out}");
+        outln!("{out}")
     } else {
-        print!("{}", render_signal(&out));
+        crate::out::print(format_args!("{}", render_signal(&out)))
     }
-    Ok(())
 }
 
 /// The human form of a signal's outcome.
@@ -619,6 +672,69 @@ mod tests {
             s.contains("/c/step_1 -> /e/step_1") && s.contains("1.50 s after its commit"),
             "{s}"
         );
+    }
+
+    /// Regression: a checkpoint streamed while it is written showed "0 B /
+    /// 0 B -" (the catalog's size is 0 until the commit), and a receiving
+    /// replica that had every byte known so far showed 100 %.
+    #[test]
+    fn status_shows_sizes_known_so_far_while_a_checkpoint_is_written() {
+        let now = 1_700_000_000_000;
+        let row = |id: i64, checkpoint: &str, state: &str, total: u64, done: u64, p: Value| {
+            json!({"id": id, "state": state, "class": "scheduled", "job": "mm",
+                   "source_path": format!("/c/step_{id}"), "checkpoint": checkpoint,
+                   "bytes_total": total, "bytes_done": done, "progress": p})
+        };
+        let out = json!({
+            "healthz": {"agent": "a", "roles": ["source"]},
+            "links": [],
+            "transfers": [
+                row(1, "open", "active", 0, 0,
+                    json!({"bytes_total": 5 << 20, "bytes_sent": 2 << 20, "bytes_skipped": 0})),
+                // Paused: no live progress, the catalog holds what it did.
+                row(2, "open", "paused", 5 << 20, 3 << 20, Value::Null),
+                row(3, "announced", "queued", 8 << 20, 0, Value::Null),
+                // A committed checkpoint's size is final: a percentage.
+                row(4, "committed", "active", 4 << 20, 1 << 20,
+                    json!({"bytes_total": 4 << 20, "bytes_sent": 0, "bytes_skipped": 0})),
+                // Resent bytes never count past the total.
+                row(5, "committed", "active", 4 << 20, 0,
+                    json!({"bytes_total": 4 << 20, "bytes_sent": 3 << 20, "bytes_skipped": 2 << 20})),
+            ],
+        });
+        let s = render_status("http://x", &out, now);
+        let line = |path: &str| s.lines().find(|l| l.ends_with(path)).unwrap().to_string();
+        for (path, amount) in [
+            ("/c/step_1", "2.00 MiB / ≥ 5.00 MiB"),
+            ("/c/step_2", "3.00 MiB / ≥ 5.00 MiB"),
+            ("/c/step_3", "0 B / ≥ 8.00 MiB"),
+            ("/c/step_4", "1.00 MiB / 4.00 MiB"),
+            ("/c/step_5", "4.00 MiB / 4.00 MiB"),
+        ] {
+            let l = line(path);
+            assert!(l.contains(amount), "{l:?} lacks {amount:?}\n{s}");
+        }
+        for path in ["/c/step_1", "/c/step_2", "/c/step_3"] {
+            let l = line(path);
+            assert!(!l.contains('%') && l.contains(" - "), "{l:?}");
+        }
+        assert!(line("/c/step_4").contains("25.0"), "{s}");
+        assert!(line("/c/step_5").contains("100.0"), "{s}");
+
+        let sink = json!({
+            "healthz": {"agent": "e", "roles": ["sink"]},
+            "replicas": [
+                {"id": 2, "state": "receiving", "job": "mm", "source_path": "/c/open",
+                 "bytes_total": 300, "bytes_done": 300},
+                {"id": 1, "state": "receiving", "job": "mm", "source_path": "/c/half",
+                 "bytes_total": 200, "bytes_done": 50},
+            ],
+        });
+        let s = render_status("http://e", &sink, now);
+        let l = s.lines().find(|l| l.ends_with("/c/open")).unwrap();
+        assert!(l.contains("300 B / ≥ 300 B") && !l.contains("100.0"), "{s}");
+        let l = s.lines().find(|l| l.ends_with("/c/half")).unwrap();
+        assert!(l.contains("50 B / 200 B") && l.contains("25.0"), "{s}");
     }
 
     #[test]

@@ -17,6 +17,7 @@ use crate::config::{
     SinkSection, SourceSection, TlsSection,
 };
 use crate::gen;
+use crate::out::noteln;
 
 mod keep;
 mod priority;
@@ -240,7 +241,7 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         if a.json {
             eprintln!("{s}");
         } else {
-            println!("{s}");
+            noteln!("{s}");
         }
     };
     if a.priority {
@@ -270,7 +271,7 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         ));
         let out = priority::run(&a, &dir, &say).await?;
         if a.json {
-            println!("{}", serde_json::json!({ "priority": out }));
+            noteln!("{}", serde_json::json!({ "priority": out }));
         }
         if a.keep {
             if let Some(t) = tmp {
@@ -580,7 +581,7 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         say("the work directory is removed now; --keep keeps it".to_string());
     }
     if a.json {
-        println!("{out}");
+        noteln!("{out}");
     }
     if a.keep {
         if let Some(t) = tmp {

@@ -9,6 +9,7 @@ mod commands;
 mod config;
 mod demo;
 mod gen;
+mod out;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -18,6 +19,8 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use replicator::linkemu::{spawn_relay, LinkParams};
 use tracing_subscriber::EnvFilter;
+
+use crate::out::{noteln, outln};
 
 /// Ferry replicates LLM training checkpoints from a training datacenter to
 /// an evaluation datacenter over QUIC, verified with BLAKE3 and published
@@ -114,7 +117,7 @@ enum Command {
         #[arg(long)]
         kind: String,
         /// How bad, 0..1.
-        #[arg(long)]
+        #[arg(long, value_parser = parse_severity)]
         severity: f64,
         /// Training step at which it was seen.
         #[arg(long)]
@@ -380,6 +383,10 @@ fn main() {
             if let Some(client::Exit(code)) = e.downcast_ref::<client::Exit>() {
                 std::process::exit(*code);
             }
+            if out::is_closed(&e) {
+                // The reader of stdout went away (`| head`): nothing to say.
+                std::process::exit(out::CLOSED_EXIT);
+            }
             eprintln!("error: {e:#}");
             std::process::exit(1);
         }
@@ -432,8 +439,7 @@ async fn run(cli: Cli) -> Result<()> {
         } => {
             let role: api::Role = role.parse().map_err(|e: String| anyhow::anyhow!(e))?;
             let (_, text) = commands::token_new(role, name.as_deref())?;
-            print!("{text}");
-            Ok(())
+            out::print(format_args!("{text}"))
         }
         Command::Verify { path, config } => verify(&path, &config).await,
         Command::Certs {
@@ -447,7 +453,7 @@ async fn run(cli: Cli) -> Result<()> {
         } => {
             let written = replicator::tls::init_dev_pki_with_api(&out, &agents, &api_hosts, days)?;
             for p in written {
-                println!("wrote {}", p.display());
+                outln!("wrote {}", p.display())?;
             }
             Ok(())
         }
@@ -511,14 +517,14 @@ async fn gen_per_tensor(opts: gen::GenOptions) -> Result<()> {
     let preview = gen::preview(&opts).context("planning the checkpoint")?;
     let size = preview.summary.bytes;
     if let Some(scale) = preview.scale {
-        println!(
+        outln!(
             "model {} ({} parameters at full scale) at scale {scale:.6}: {} tensor files, \
              {size} bytes, {} under 16 KiB",
             opts.model,
             opts.model.params(),
             preview.summary.shards,
             preview.summary.small_shards
-        );
+        )?;
     }
     if std::fs::read_dir(&out).is_ok_and(|mut d| d.next().is_some()) {
         bail!(
@@ -539,7 +545,7 @@ async fn gen_per_tensor(opts: gen::GenOptions) -> Result<()> {
         .await?
         .with_context(|| format!("generating into {}", out.display()))?;
     bar.finish_and_clear();
-    println!(
+    outln!(
         "{}: {} shards + commit marker, {} bytes, {} under 16 KiB ({:.1} %), largest {} bytes",
         out.display(),
         s.shards,
@@ -547,8 +553,7 @@ async fn gen_per_tensor(opts: gen::GenOptions) -> Result<()> {
         s.small_shards,
         100.0 * s.small_shards as f64 / s.shards.max(1) as f64,
         s.largest
-    );
-    Ok(())
+    )
 }
 
 /// `ferry gen --format F`: one checkpoint written the framework's way.
@@ -573,7 +578,7 @@ async fn gen_format(opts: gen::format::SaveOptions) -> Result<()> {
     };
     let preview = gen::format::preview(&opts).context("planning the checkpoint")?;
     if let Some(scale) = preview.scale {
-        println!(
+        outln!(
             "model {} ({} parameters at full scale) at scale {scale:.6}: {} tensors, {} bytes \
              as {}",
             opts.model,
@@ -581,7 +586,7 @@ async fn gen_format(opts: gen::format::SaveOptions) -> Result<()> {
             preview.tensors,
             preview.bytes,
             opts.format
-        );
+        )?;
     }
     gen::ensure_space(&opts.root, preview.bytes)
         .with_context(|| format!("--out {}", opts.root.display()))?;
@@ -604,7 +609,7 @@ async fn gen_format(opts: gen::format::SaveOptions) -> Result<()> {
         ),
         None => format!("NOT committed ({} was not written)", s.marker.display()),
     };
-    println!(
+    outln!(
         "{}: {format} checkpoint, {} files, {} bytes, {} tensors ({} under 16 KiB, {:.1} %); \
          opened at {opened}, {commit}",
         s.dir.display(),
@@ -613,23 +618,49 @@ async fn gen_format(opts: gen::format::SaveOptions) -> Result<()> {
         s.tensors,
         s.small_tensors,
         100.0 * s.small_tensors as f64 / s.tensors.max(1) as f64,
-    );
+    )?;
     if fault != gen::format::Fault::None {
         let damaged = s
             .damaged
             .map(|p| format!(" ({} damaged)", p.display()))
             .unwrap_or_default();
-        println!("simulated fault: {fault}{damaged}");
+        outln!("simulated fault: {fault}{damaged}")?;
     }
     Ok(())
+}
+
+/// `--severity`: a finite number from 0 to 1 (JSON has no NaN or
+/// infinity: they would reach the agent as `null`).
+fn parse_severity(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number; give one from 0 to 1"))?;
+    if !v.is_finite() || !(0.0..=1.0).contains(&v) {
+        return Err(format!("must be a number from 0 to 1, got {s:?}"));
+    }
+    Ok(v)
+}
+
+/// The role as the config file spells it, for the banner.
+fn role_name(role: config::Role) -> &'static str {
+    match role {
+        config::Role::Source => "source",
+        config::Role::Sink => "sink",
+        config::Role::Both => "source and sink",
+    }
 }
 
 async fn serve(path: &Path) -> Result<()> {
     let cfg = config::Config::load(path)?;
     let agent = agent::start(&cfg, agent::Overrides::default()).await?;
-    println!(
-        "ferry agent {} ({:?}) serving: API {}/ QUIC {}",
-        agent.name, cfg.agent.role, agent.api_url, agent.quic_addr
+    // A closed stdout must not stop the agent.
+    noteln!(
+        "ferry agent {} ({}) serving: API {}/ QUIC {}",
+        agent.name,
+        role_name(cfg.agent.role),
+        agent.api_url,
+        agent.quic_addr
     );
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
@@ -657,7 +688,7 @@ async fn push(
         )
         .await?;
     let id = body["id"].as_i64().context("answer has no transfer id")?;
-    println!("transfer {id} queued: {}", abs.display());
+    outln!("transfer {id} queued: {}", abs.display())?;
     if no_wait {
         return Ok(());
     }
@@ -685,22 +716,19 @@ async fn push(
             bar.suspend(|| eprintln!("transfer {id}: {line}"));
             last_line = line;
         }
-        let total = t["bytes_total"].as_u64().unwrap_or(0);
-        let sent = t["progress"]["bytes_sent"].as_u64().unwrap_or(0)
-            + t["progress"]["bytes_skipped"].as_u64().unwrap_or(0);
+        let total = commands::transfer_total(&t);
         bar.set_length(total.max(1));
-        bar.set_position(sent.min(total));
+        bar.set_position(commands::transfer_done(&t).min(total));
         let state = t["state"].as_str().unwrap_or("?").to_string();
         bar.set_message(state.clone());
         match state.as_str() {
             "published" => {
                 bar.finish_and_clear();
-                println!(
+                return outln!(
                     "published at the sink: {} (manifest root {})",
                     t["local_path"].as_str().unwrap_or("?"),
                     t["manifest_root"].as_str().unwrap_or("?")
                 );
-                return Ok(());
             }
             "failed" | "cancelled" => {
                 bar.finish_and_clear();
@@ -720,19 +748,18 @@ async fn verify(path: &Path, cfg_path: &Path) -> Result<()> {
     // Read-only use of the catalog: open the SQLite file directly so a
     // running agent keeps its lock.
     let report = replicator::verify::verify_replica(&cfg.agent.data_dir, &abs).await?;
-    println!(
+    outln!(
         "{}: {} files, {} bytes checked against manifest root {}",
         abs.display(),
         report.files,
         report.bytes,
         report.root
-    );
+    )?;
     if report.problems.is_empty() {
-        println!("OK: every chunk matches");
-        Ok(())
+        outln!("OK: every chunk matches")
     } else {
         for p in &report.problems {
-            println!("MISMATCH {p}");
+            outln!("MISMATCH {p}")?;
         }
         bail!("{} problem(s) found", report.problems.len())
     }
@@ -760,7 +787,7 @@ async fn link_emu(
     let mut down = p.clone();
     down.seed = p.seed.wrapping_add(1);
     let relay = spawn_relay(listen, forward, p, down).await?;
-    println!(
+    noteln!(
         "link-emu: {} -> {forward}, {} bit/s, RTT {rtt:?}, loss {loss}, corrupt {corrupt}; Ctrl-C to stop",
         relay.local_addr(),
         rate
@@ -771,9 +798,12 @@ async fn link_emu(
         _ = term.recv() => {}
     }
     let s = relay.stats();
-    println!(
+    noteln!(
         "up: {} packets, {} dropped by queue, {} by loss; down: {} packets",
-        s.up.delivered_packets, s.up.dropped_queue, s.up.dropped_loss, s.down.delivered_packets
+        s.up.delivered_packets,
+        s.up.dropped_queue,
+        s.up.dropped_loss,
+        s.down.delivered_packets
     );
     relay.shutdown().await;
     Ok(())
@@ -907,6 +937,46 @@ mod tests {
         assert_eq!(step, Some(7));
         let e = Cli::try_parse_from(["ferry", "token", "new", "--role", "admin"]).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidValue, "{e}");
+    }
+
+    /// Regression: `--severity NaN` (or inf) went out as JSON `null` and
+    /// the agent answered with a confusing type error.
+    #[test]
+    fn signal_severity_must_be_a_finite_number_from_0_to_1() {
+        let parse = |v: &str| {
+            Cli::try_parse_from([
+                "ferry",
+                "signal",
+                "--job",
+                "j",
+                "--kind",
+                "nan",
+                &format!("--severity={v}"),
+            ])
+        };
+        for bad in ["NaN", "nan", "inf", "-inf", "infinity", "-0.1", "1.5", "x"] {
+            let e = parse(bad).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::ValueValidation, "{bad}: {e}");
+            let text = e.to_string();
+            assert!(
+                text.contains("--severity") && text.contains("from 0 to 1"),
+                "{bad}: {text}"
+            );
+        }
+        for (good, v) in [("0", 0.0), ("1", 1.0), ("0.25", 0.25)] {
+            let Command::Signal { severity, .. } = parse(good).unwrap().command else {
+                panic!("not signal");
+            };
+            assert_eq!(severity, v);
+        }
+    }
+
+    /// Regression: the banner showed the role as `(Source)` (Debug).
+    #[test]
+    fn serve_banner_names_the_role_as_configured() {
+        assert_eq!(role_name(config::Role::Source), "source");
+        assert_eq!(role_name(config::Role::Sink), "sink");
+        assert_eq!(role_name(config::Role::Both), "source and sink");
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! The API's CLI clients against real agents: `ferry status`, `ferry
 //! resolve`, `ferry signal` and `ferry push` with role tokens (success,
 //! 401 without a token, 403 with a token whose role is too low), and
-//! `ferry status` against an agent serving HTTPS (`[api] tls_cert`).
+//! `ferry status` against an agent serving HTTPS (`[api] tls_cert`); a
+//! closed stdout ends a command quietly.
 
 #![allow(clippy::unwrap_used)]
 
@@ -355,6 +356,60 @@ async fn https_api_needs_its_ca_and_refuses_plain_http() {
             && out.stderr.contains("allow_plaintext"),
         || format!("serve with a plain non-loopback API must be refused: {out}"),
     );
+}
+
+/// Runs `ferry ARGS` with a stdout whose reader is already gone (as after
+/// `| head -1` read its line): the exit status and stderr.
+fn ferry_into_closed_pipe(args: &[&str]) -> (std::process::ExitStatus, String) {
+    let (read, write) = nix::unistd::pipe().unwrap();
+    drop(read);
+    let out = std::process::Command::new(FERRY)
+        .args(args)
+        .env_remove("FERRY_CONFIG")
+        .env_remove("FERRY_SERVER")
+        .env_remove("FERRY_TOKEN")
+        .env_remove("FERRY_LOG")
+        .env("NO_COLOR", "1")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::from(write))
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    (
+        out.status,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Regression: `ferry status --json | head -1` panicked ("failed printing
+/// to stdout: Broken pipe"); and `ferry serve` named its role `(Sink)`.
+#[tokio::test]
+async fn closed_stdout_ends_commands_quietly() {
+    let w = World::new("cli-pipe").await;
+    let sink = w.start_agent("sink", w.sink_config(), &[]).await;
+    let url = sink.url();
+    for args in [
+        vec!["status", "--json", "--server", &url],
+        vec!["status", "--server", &url],
+        vec!["resolve", "/ckpt/step_1", "--json", "--server", &url],
+        vec!["token", "new", "--role", "reader"],
+    ] {
+        let (status, stderr) = ferry_into_closed_pipe(&args);
+        w.ensure(
+            status.code() == Some(141) && stderr.trim().is_empty(),
+            || {
+                format!(
+                    "`ferry {}` into a closed pipe: {status}, stderr: {stderr}",
+                    args.join(" ")
+                )
+            },
+        );
+    }
+    let banner =
+        std::fs::read_to_string(sink.config_path.parent().unwrap().join("stdout.log")).unwrap();
+    w.ensure(banner.contains("(sink) serving"), || {
+        format!("serve's banner: {banner}")
+    });
 }
 
 /// Makes `link` a symbolic link to `target`.

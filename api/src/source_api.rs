@@ -59,17 +59,13 @@ pub(crate) struct TransferDetail {
     ranking: Ranking,
 }
 
-/// A transfer with live progress; while it runs, `bytes_sent` is the
-/// live count (the catalog's is updated at the end of each send round).
-pub(crate) fn view(src: &Source, mut t: Transfer) -> TransferView {
-    let progress = src.progress(t.id);
-    if let Some(p) = &progress {
-        t.bytes_sent = t.bytes_sent.max(p.bytes_sent as i64);
-    }
-    TransferView {
-        transfer: t,
-        progress,
-    }
+/// A transfer with live progress; while it runs, `bytes_total`,
+/// `bytes_done` and `bytes_sent` are the larger of the catalog's and the
+/// live counts (see [`Source::with_progress`]), so they never move
+/// backwards across pause, resume or reconnect.
+pub(crate) fn view(src: &Source, t: Transfer) -> TransferView {
+    let (transfer, progress) = src.with_progress(t);
+    TransferView { transfer, progress }
 }
 
 /// Queue a transfer of a directory under a source root (any directory:
@@ -453,7 +449,8 @@ pub(crate) async fn list_jobs(
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct PutJob {
-    /// Model size in parameters. Absent: unchanged; `null` or 0: unknown.
+    /// Model size in parameters, at most 1e15. Absent: unchanged; `null`
+    /// or 0: unknown.
     #[serde(default, deserialize_with = "some_or_null")]
     #[schema(value_type = Option<f64>)]
     model_params: Option<Option<f64>>,
@@ -620,7 +617,7 @@ pub(crate) struct PostSignal {
     kind: String,
     /// 0..1.
     severity: f64,
-    /// Training step, if known.
+    /// Training step, if known (0 or more).
     step: Option<i64>,
     /// A retry with the same key (1 to 200 bytes) answers the first
     /// signal's outcome and changes nothing.

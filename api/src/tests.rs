@@ -351,6 +351,12 @@ async fn signals_are_checked_promote_the_newest_checkpoint_and_are_idempotent() 
         StatusCode::UNPROCESSABLE_ENTITY,
         &["idempotency_key"],
     );
+    let r = post(r#"{"job": "job", "kind": "nan", "severity": 0.5, "step": -3}"#);
+    refused(
+        call(w.r(), r).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &["step", "-3"],
+    );
     // None of these was stored or promoted anything.
     let (s, v) = call(w.r(), get("/v1/signals")).await;
     assert_eq!(s, StatusCode::OK);
@@ -424,6 +430,11 @@ async fn a_job_set_through_the_api_is_listed_and_scores_its_transfers() {
         call(w.r(), put(r#"{"importance": 0.5, "model_params": -1}"#)).await,
         StatusCode::UNPROCESSABLE_ENTITY,
         &["model_params"],
+    );
+    refused(
+        call(w.r(), put(r#"{"importance": 0.5, "model_params": 1e308}"#)).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &["model_params", "1e15"],
     );
     refused(
         call(w.r(), put(r#"{"model_params": 7e9}"#)).await,

@@ -95,11 +95,15 @@ pub struct Transfer {
     pub class: String,
     /// State, see [`state`].
     pub state: String,
-    /// Bytes in the checkpoint.
+    /// Bytes in the checkpoint; while it is written (checkpoint `announced`
+    /// or `open`), the announced size or the bytes known so far.
     pub bytes_total: i64,
-    /// Bytes verified at the sink (as far as the source knows).
+    /// Bytes at the sink as far as the source knows: what the sink had
+    /// when the latest run began plus what that run sent (an estimate
+    /// until published, when it is `bytes_total`). It never decreases,
+    /// also across pause, resume, reconnect and restart.
     pub bytes_done: i64,
-    /// Payload bytes put on the wire (resends included).
+    /// Payload bytes put on the wire over all runs (resends included).
     pub bytes_sent: i64,
     /// Number of shards.
     pub shards: i64,
@@ -137,6 +141,17 @@ pub struct Transfer {
     pub urgent_until: Option<i64>,
     /// Id of the signal that promoted it ([`Signal::id`]), if any.
     pub signal: Option<i64>,
+}
+
+/// How far a transfer got, for [`Catalog::note_transfer_progress`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ProgressNote {
+    /// Bytes in the checkpoint, or known so far while it is written.
+    pub bytes_total: u64,
+    /// Bytes at the sink as far as the source knows.
+    pub bytes_done: u64,
+    /// Payload bytes put on the wire over all runs (resends included).
+    pub bytes_sent: u64,
 }
 
 /// Checkpoint states at the source (ARCHITECTURE.md, "Vocabulary").
@@ -397,12 +412,18 @@ fn check_params(field: &str, v: Option<f64>) -> Result<Option<f64>, CatalogError
     match v {
         None => Ok(None),
         Some(0.0) => Ok(None),
-        Some(p) if p.is_finite() && p > 0.0 => Ok(Some(p)),
+        Some(p) if p.is_finite() && p > 0.0 && p <= MAX_MODEL_PARAMS => Ok(Some(p)),
         Some(p) => Err(CatalogError::Invalid(format!(
-            "{field} must be a finite number of parameters, 0 or more, got {p}"
+            "{field} must be a number of parameters from 0 to {MAX_MODEL_PARAMS:e} (0 = unknown), got {p}"
         ))),
     }
 }
+
+/// Largest model size a job may declare, in parameters (1e15, a thousand
+/// times today's largest models): the score's size term stays at most
+/// `1 + a x 6` (4 with the default `a`), so no job can take the link by
+/// declaring an absurd size.
+pub const MAX_MODEL_PARAMS: f64 = 1e15;
 
 /// A job name usable in paths, else an error naming `field`.
 fn check_job_name(field: &str, name: &str) -> Result<(), CatalogError> {
@@ -798,25 +819,56 @@ impl Catalog {
         Ok(())
     }
 
-    /// Records size, shard count and progress of a transfer.
+    /// Records the size and shard count of a transfer's checkpoint: the
+    /// announced size, the listing of a pushed directory, or the sealed
+    /// manifest of a watched one. `bytes_done` stays at most `bytes_total`.
     ///
     /// # Errors
     /// SQL errors.
-    pub async fn set_transfer_progress(
+    pub async fn set_transfer_size(
         &self,
         id: i64,
         bytes_total: u64,
         shards: u64,
-        bytes_done: u64,
-        bytes_sent: u64,
     ) -> Result<(), CatalogError> {
+        let total = bytes_total as i64;
         sqlx::query(
-            "UPDATE transfers SET bytes_total = ?, shards = ?, bytes_done = ?, bytes_sent = ? WHERE id = ?",
+            "UPDATE transfers SET bytes_total = ?, shards = ?, bytes_done = MIN(bytes_done, ?) \
+             WHERE id = ?",
         )
-        .bind(bytes_total as i64)
+        .bind(total)
         .bind(shards as i64)
-        .bind(bytes_done as i64)
-        .bind(bytes_sent as i64)
+        .bind(total)
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Records how far a transfer got, never moving backwards: each of
+    /// `bytes_total` (bytes known so far, for a checkpoint still being
+    /// written), `bytes_done` and `bytes_sent` only grows, and `bytes_done`
+    /// stays at most `bytes_total`. A transfer's run writes this whenever
+    /// it stops (pause, reconnect, shutdown, failure) and while it runs, so
+    /// what a run achieved stays visible when the next one starts.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn note_transfer_progress(
+        &self,
+        id: i64,
+        p: ProgressNote,
+    ) -> Result<(), CatalogError> {
+        let total = p.bytes_total as i64;
+        sqlx::query(
+            "UPDATE transfers SET bytes_total = MAX(bytes_total, ?), \
+             bytes_done = MIN(MAX(bytes_done, ?), MAX(bytes_total, ?)), \
+             bytes_sent = MAX(bytes_sent, ?) WHERE id = ?",
+        )
+        .bind(total)
+        .bind(p.bytes_done as i64)
+        .bind(total)
+        .bind(p.bytes_sent as i64)
         .bind(id)
         .execute(&self.pool)
         .await?;
@@ -1762,6 +1814,44 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn transfer_progress_never_moves_backwards() {
+        let d = tempfile::tempdir().unwrap();
+        let c = Catalog::open(d.path()).await.unwrap();
+        let id = c
+            .insert_transfer("l", "j", "/ck/s1", "s1", "scheduled")
+            .await
+            .unwrap();
+        let row = |c: Catalog| async move {
+            let t = c.transfer(id).await.unwrap().unwrap();
+            (t.bytes_total, t.bytes_done, t.bytes_sent, t.shards)
+        };
+        let note = |total, done, sent| ProgressNote {
+            bytes_total: total,
+            bytes_done: done,
+            bytes_sent: sent,
+        };
+        // A checkpoint being written: the size known so far grows.
+        c.note_transfer_progress(id, note(100, 40, 50))
+            .await
+            .unwrap();
+        assert_eq!(row(c.clone()).await, (100, 40, 50, 0));
+        // A later run that knows less (it just started) changes nothing.
+        c.note_transfer_progress(id, note(60, 10, 20))
+            .await
+            .unwrap();
+        assert_eq!(row(c.clone()).await, (100, 40, 50, 0));
+        c.note_transfer_progress(id, note(150, 400, 160))
+            .await
+            .unwrap();
+        assert_eq!(row(c.clone()).await, (150, 150, 160, 0), "done <= total");
+        // The sealed size is exact; what is done stays within it.
+        c.set_transfer_size(id, 120, 3).await.unwrap();
+        assert_eq!(row(c.clone()).await, (120, 120, 160, 3));
+        c.set_transfer_size(id, 200, 3).await.unwrap();
+        assert_eq!(row(c.clone()).await, (200, 120, 160, 3));
+    }
+
+    #[tokio::test]
     async fn transfer_and_replica_rows_roundtrip() {
         let d = tempfile::tempdir().unwrap();
         let c = Catalog::open(d.path()).await.unwrap();
@@ -2067,6 +2157,13 @@ mod tests {
         assert!(e.to_string().contains("\"e\" model_params"), "{e}");
         let e = c.put_job("a", Some(f64::INFINITY), 0.5).await.unwrap_err();
         assert!(e.to_string().contains("model_params"), "{e}");
+        // Regression: 1e308 parameters was accepted (size term 150).
+        let e = c.put_job("a", Some(1e308), 0.5).await.unwrap_err();
+        assert!(
+            e.to_string().contains("model_params") && e.to_string().contains("1e15"),
+            "{e}"
+        );
+        assert!(c.put_job("z", Some(MAX_MODEL_PARAMS), 0.5).await.is_ok());
         let e = c.put_job("a", None, f64::NAN).await.unwrap_err();
         assert!(e.to_string().contains("importance"), "{e}");
         let e = c.put_job("../x", None, 0.5).await.unwrap_err();

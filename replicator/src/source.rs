@@ -21,7 +21,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use crate::catalog::{checkpoint, state, Catalog, CatalogError, SourceTimes, Transfer};
+use crate::catalog::{
+    checkpoint, state, Catalog, CatalogError, ProgressNote, SourceTimes, Transfer,
+};
 use crate::cc::Share;
 use crate::conn::{code, read_frame, ConnError, ControlSender};
 use crate::manifest::{self, hex, ChunkMap, FileEntry, Hash, Manifest, ScanOptions};
@@ -103,14 +105,17 @@ pub struct SourceConfig {
     pub policy: scheduler::Policy,
 }
 
-/// Live progress of one transfer.
+/// Live progress of one run of a transfer (from its start or resume to
+/// its pause, reconnect or end); what earlier runs did is in the catalog.
 #[derive(Debug, Default, Serialize, Clone, Copy, utoipa::ToSchema)]
 pub struct Progress {
-    /// Bytes in the checkpoint.
+    /// Bytes in the checkpoint (while it is written, known so far).
     pub bytes_total: u64,
-    /// Payload bytes written to QUIC streams (resends included).
+    /// Payload bytes written to QUIC streams in this run (resends
+    /// included).
     pub bytes_sent: u64,
-    /// Bytes the sink already had when the transfer (re)started.
+    /// Bytes the sink already had when this run started (0 until it
+    /// says, right after the start).
     pub bytes_skipped: u64,
     /// Payload bit/s written for this transfer over the last ~5 s
     /// ([`crate::metrics::RATE_WINDOW_MS`]; resends included), updated
@@ -118,13 +123,49 @@ pub struct Progress {
     pub rate_bps: f64,
 }
 
+/// Counters of one run of a transfer, and the catalog's figures from
+/// before it (so what is reported never moves backwards).
 #[derive(Default)]
 struct LiveProgress {
     total: AtomicU64,
+    /// Payload bytes sent in this run.
     sent: AtomicU64,
     skipped: AtomicU64,
     /// [`Progress::rate_bps`] as `f64` bits, set by the sampler.
     rate_bits: AtomicU64,
+    /// The catalog's `bytes_done` when this run started.
+    done_before: u64,
+    /// The catalog's `bytes_sent` when this run started (earlier runs).
+    sent_before: u64,
+}
+
+impl LiveProgress {
+    /// Bytes at the sink as far as the source knows: those it had when
+    /// this run started and those sent since (resends can count twice,
+    /// hence the cap at the total), never less than before the run.
+    fn done(&self) -> u64 {
+        let total = self.total.load(Ordering::Relaxed);
+        let run = self.skipped.load(Ordering::Relaxed) + self.sent.load(Ordering::Relaxed);
+        self.done_before.max(run.min(total))
+    }
+
+    fn snapshot(&self) -> Progress {
+        Progress {
+            bytes_total: self.total.load(Ordering::Relaxed),
+            bytes_sent: self.sent.load(Ordering::Relaxed),
+            bytes_skipped: self.skipped.load(Ordering::Relaxed),
+            rate_bps: f64::from_bits(self.rate_bits.load(Ordering::Relaxed)),
+        }
+    }
+
+    /// What to keep in the catalog from this run.
+    fn note(&self) -> ProgressNote {
+        ProgressNote {
+            bytes_total: self.total.load(Ordering::Relaxed),
+            bytes_done: self.done(),
+            bytes_sent: self.sent_before + self.sent.load(Ordering::Relaxed),
+        }
+    }
 }
 
 /// Why a transfer could not be submitted.
@@ -401,16 +442,36 @@ impl Source {
         &self.inner.catalog
     }
 
-    /// Live progress of a transfer that is running now.
+    /// Transfer `t` (a catalog row) as it stands now, and its live
+    /// progress if it is running: `bytes_total`, `bytes_done` and
+    /// `bytes_sent` are the larger of the catalog's (what earlier runs
+    /// achieved) and the running one's, so they never move backwards,
+    /// also across pause, resume and reconnect.
+    pub fn with_progress(&self, mut t: Transfer) -> (Transfer, Option<Progress>) {
+        let live = self
+            .inner
+            .progress
+            .lock()
+            .ok()
+            .and_then(|m| m.get(&t.id).cloned());
+        let Some(p) = live else {
+            return (t, None);
+        };
+        if t.state != state::PUBLISHED {
+            let n = p.note();
+            let total = t.bytes_total.max(n.bytes_total as i64);
+            t.bytes_done = t.bytes_done.max(n.bytes_done as i64).min(total);
+            t.bytes_total = total;
+            t.bytes_sent = t.bytes_sent.max(n.bytes_sent as i64);
+        }
+        (t, Some(p.snapshot()))
+    }
+
+    /// Live progress of a transfer that is running now (this run's
+    /// counters; see [`Source::with_progress`] for the whole transfer).
     pub fn progress(&self, id: i64) -> Option<Progress> {
         let m = self.inner.progress.lock().ok()?;
-        let p = m.get(&id)?;
-        Some(Progress {
-            bytes_total: p.total.load(Ordering::Relaxed),
-            bytes_sent: p.sent.load(Ordering::Relaxed),
-            bytes_skipped: p.skipped.load(Ordering::Relaxed),
-            rate_bps: f64::from_bits(p.rate_bits.load(Ordering::Relaxed)),
-        })
+        Some(m.get(&id)?.snapshot())
     }
 
     /// Live rates of every link, sorted by name: rate cap, payload bit/s
@@ -517,7 +578,8 @@ impl Source {
     ///
     /// # Errors
     /// [`OpsError::UnknownJob`]; [`OpsError::Invalid`] naming the field
-    /// (`kind` not one of [`SIGNAL_KINDS`], `severity` outside 0..1);
+    /// (`kind` not one of [`SIGNAL_KINDS`], `severity` outside 0..1, a
+    /// negative `step`);
     /// catalog errors.
     pub async fn signal(
         &self,
@@ -537,6 +599,11 @@ impl Source {
         if !severity.is_finite() || !(0.0..=1.0).contains(&severity) {
             return Err(OpsError::Invalid(format!(
                 "severity: must be a number from 0 to 1, got {severity}"
+            )));
+        }
+        if let Some(s) = step.filter(|s| *s < 0) {
+            return Err(OpsError::Invalid(format!(
+                "step: must be a training step, 0 or more, got {s}"
             )));
         }
         if !self.known_job(job).await? {
@@ -608,7 +675,9 @@ impl Source {
     /// follow within a second.
     ///
     /// # Errors
-    /// [`OpsError::Invalid`] naming the field; catalog errors.
+    /// [`OpsError::Invalid`] naming the field (`model_params` above
+    /// [`crate::catalog::MAX_MODEL_PARAMS`], `importance` outside 0..1);
+    /// catalog errors.
     pub async fn put_job(
         &self,
         name: &str,
@@ -949,7 +1018,7 @@ impl Source {
             .await?;
         inner
             .catalog
-            .set_transfer_progress(id, expected_bytes, 0, 0, 0)
+            .set_transfer_size(id, expected_bytes, 0)
             .await?;
         info!(
             transfer = id,
@@ -1179,6 +1248,10 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
 /// (promotions expire, scores age, watched checkpoints get their view).
 const RECONCILE_EVERY: Duration = Duration::from_secs(1);
 
+/// How often the link worker writes the progress of running transfers to
+/// the catalog (they also write it whenever they stop).
+const SAVE_PROGRESS_EVERY: Duration = Duration::from_secs(5);
+
 /// The scheduler's view of a catalog row at `now_ms`: effective class,
 /// the job's size and importance (the transfer's override first).
 fn sched_transfer(
@@ -1200,13 +1273,29 @@ fn sched_transfer(
 }
 
 /// Bytes a running transfer has still to send, from its live progress
-/// (the catalog's `bytes_done` moves only at publish).
+/// (the catalog's `bytes_done` is only written now and then).
 fn live_bytes_left(inner: &Inner, id: i64) -> Option<u64> {
     let m = inner.progress.lock().ok()?;
     let p = m.get(&id)?;
-    let total = p.total.load(Ordering::Relaxed);
-    let done = p.sent.load(Ordering::Relaxed) + p.skipped.load(Ordering::Relaxed);
-    Some(total.saturating_sub(done))
+    Some(p.total.load(Ordering::Relaxed).saturating_sub(p.done()))
+}
+
+/// Keeps what the run of transfer `id` achieved so far in the catalog
+/// (see [`Catalog::note_transfer_progress`]); with `end`, the run is over
+/// and its live progress goes.
+async fn save_progress(inner: &Inner, id: i64, end: bool) {
+    let live = inner.progress.lock().ok().and_then(|mut m| {
+        if end {
+            m.remove(&id)
+        } else {
+            m.get(&id).cloned()
+        }
+    });
+    if let Some(p) = live {
+        if let Err(e) = inner.catalog.note_transfer_progress(id, p.note()).await {
+            warn!(transfer = id, error = %e, "catalog: recording progress");
+        }
+    }
 }
 
 /// A link's [`LinkStats`] from its sampler.
@@ -1292,6 +1381,7 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
     let mut dial_after = tokio::time::Instant::now();
     let mut running: tokio::task::JoinSet<Ended> = tokio::task::JoinSet::new();
     let mut stops: HashMap<i64, CancellationToken> = HashMap::new();
+    let mut saved_at = tokio::time::Instant::now();
     // Signals still live after a restart raise their jobs' scores again.
     let horizon = 20 * inner.cfg.policy.severity_half_life_ms as i64;
     match inner
@@ -1331,6 +1421,13 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
             }
         };
         let mine: Vec<&Transfer> = ts.iter().filter(|t| t.link == link.cfg.name).collect();
+        // What running transfers achieved so far survives a crash too.
+        if saved_at.elapsed() >= SAVE_PROGRESS_EVERY {
+            saved_at = tokio::time::Instant::now();
+            for id in stops.keys() {
+                save_progress(&inner, *id, false).await;
+            }
+        }
         // Running transfers: follow class and importance changes; stop the
         // ones an operator paused or cancelled (the catalog says so first).
         for t in &mine {
@@ -1431,8 +1528,13 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
         }
     }
     // Stopping: transfers end at their next await; batches at a chunk
-    // boundary (the writers see the same token).
-    while running.join_next().await.is_some() {}
+    // boundary (the writers see the same token). What they achieved stays
+    // in the catalog for the restart.
+    while let Some(r) = running.join_next().await {
+        if let Ok((id, _)) = r {
+            save_progress(&inner, id, true).await;
+        }
+    }
 }
 
 /// Runs transfer `t` to its end on `c`.
@@ -1454,9 +1556,7 @@ async fn end_transfer(
     result: Result<(), RunError>,
     backoff: Duration,
 ) -> bool {
-    if let Ok(mut m) = inner.progress.lock() {
-        m.remove(&id);
-    }
+    save_progress(inner, id, true).await;
     let tell_sink = |why: String| async move {
         // Tell the sink, so it drops its staging data and stops reporting
         // the transfer as replicating.
@@ -1540,10 +1640,28 @@ async fn begin(inner: &Inner, t: &Transfer) -> Result<bool, RunError> {
     Ok(fresh)
 }
 
-/// Registers the live progress of a transfer of `total` bytes.
-fn track_progress(inner: &Inner, id: i64, total: u64) -> Arc<LiveProgress> {
-    let progress = Arc::new(LiveProgress::default());
-    progress.total.store(total, Ordering::Relaxed);
+/// Registers the live progress of a run of transfer `t` (the catalog row
+/// it started from: what earlier runs did) of `total` bytes.
+fn track_run(inner: &Inner, t: &Transfer, total: u64) -> Arc<LiveProgress> {
+    let done = (t.bytes_done.max(0) as u64).min(total);
+    track_progress(inner, t.id, total, done, t.bytes_sent.max(0) as u64)
+}
+
+/// Registers the live progress of transfer `id` of `total` bytes, of
+/// which `done_before` were at the sink and `sent_before` sent before.
+fn track_progress(
+    inner: &Inner,
+    id: i64,
+    total: u64,
+    done_before: u64,
+    sent_before: u64,
+) -> Arc<LiveProgress> {
+    let progress = Arc::new(LiveProgress {
+        total: AtomicU64::new(total),
+        done_before,
+        sent_before,
+        ..LiveProgress::default()
+    });
     if let Ok(mut m) = inner.progress.lock() {
         m.insert(id, progress.clone());
     }
@@ -1609,17 +1727,11 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
         .map_err(|e| RunError::Fatal(format!("listing the checkpoint: {e}")))?;
     let t_scanned = t_start.elapsed();
     let bytes_total: u64 = scan.files.iter().map(|f| f.size).sum();
-    let progress = track_progress(inner, t.id, bytes_total);
     inner
         .catalog
-        .set_transfer_progress(
-            t.id,
-            bytes_total,
-            scan.files.len() as u64,
-            0,
-            t.bytes_sent as u64,
-        )
+        .set_transfer_size(t.id, bytes_total, scan.files.len() as u64)
         .await?;
+    let progress = track_run(inner, &t, bytes_total);
 
     let chunk_size = inner.cfg.chunk_size;
     let t_recorded = t_start.elapsed();
@@ -1667,13 +1779,7 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
     };
     inner
         .catalog
-        .set_transfer_progress(
-            t.id,
-            bytes_total,
-            files.len() as u64,
-            0,
-            progress.sent.load(Ordering::Relaxed),
-        )
+        .note_transfer_progress(t.id, progress.note())
         .await?;
 
     let slots: Vec<Option<usize>> = (0..files.len()).map(Some).collect();
@@ -2172,7 +2278,7 @@ mod tests {
         let (source, _root, _hole, _d) = quiet_source().await;
         source.shutdown(Duration::from_secs(5)).await;
         let inner = &source.inner;
-        let progress = track_progress(inner, 7, 100 * MB);
+        let progress = track_progress(inner, 7, 100 * MB, 0, 0);
         let l = inner.links["l"].sched.counters.clone();
         let (urgent, scheduled) = (
             class_index(scheduler::Class::Urgent),
@@ -2247,7 +2353,7 @@ mod tests {
         }
         assert_eq!(source.progress(7).unwrap().rate_bps, 0.0);
         assert_eq!(source.link_stats(false)[0].goodput_bps, 0.0);
-        let again = track_progress(inner, 7, 100 * MB);
+        let again = track_progress(inner, 7, 100 * MB, 0, 0);
         again.sent.store(MB, Ordering::Relaxed);
         take_sample(inner, t0 + 13_000, &mut windows);
         again.sent.store(2 * MB, Ordering::Relaxed);
@@ -2303,5 +2409,41 @@ mod tests {
             value("ferry_sent_bytes_total{link=\"m\",class=\"urgent\"}"),
             0.0
         );
+    }
+
+    /// Regression: a signal with a negative step was stored, and a job
+    /// could declare 1e308 parameters (a size term of 150).
+    #[tokio::test]
+    async fn negative_step_and_absurd_model_size_are_refused_naming_the_field() {
+        let (source, _root, _hole, _d) = quiet_source().await;
+        let e = source
+            .signal("job", "loss_spike", 0.5, Some(-1), None)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, OpsError::Invalid(m) if m.starts_with("step:")),
+            "{e}"
+        );
+        assert!(source
+            .catalog()
+            .recent_signals(10)
+            .await
+            .unwrap()
+            .is_empty());
+        let s = source
+            .signal("job", "loss_spike", 0.5, Some(0), None)
+            .await
+            .unwrap();
+        assert_eq!(s.signal.step, Some(0));
+        for p in [1e308, 2e15, f64::INFINITY] {
+            let e = source.put_job("job", Some(Some(p)), 0.5).await.unwrap_err();
+            assert!(
+                matches!(&e, OpsError::Invalid(m) if m.contains("model_params") && m.contains("1e15")),
+                "{p}: {e}"
+            );
+        }
+        let j = source.put_job("job", Some(Some(7e10)), 0.5).await.unwrap();
+        assert_eq!(j.model_params, Some(7e10));
+        source.shutdown(Duration::from_secs(1)).await;
     }
 }

@@ -1,14 +1,17 @@
 //! Operator pause and cancel hold, also when they land while the link
 //! worker is starting the transfer: the transfer task's own state writes
-//! (active, verifying) must not undo them.
+//! (active, verifying) must not undo them. What a paused transfer achieved
+//! stays reported, and its resume counts on from there.
 #![allow(clippy::unwrap_used, missing_docs)]
 
 mod common;
 
+use std::path::Path;
 use std::time::Duration;
 
-use common::pair_with;
+use common::{pair_with, wait_published, write_dir, Pair};
 use replicator::sink::Resolution;
+use replicator::source::watcher::RootWatch;
 
 /// Link rate cap, bit/s (2 MB/s): a 1 MB checkpoint takes about half a
 /// second, so the sink cannot publish one right after it is stopped.
@@ -54,4 +57,159 @@ async fn pause_and_cancel_right_after_submit_hold() {
         }
     }
     assert!(undone.is_empty(), "{undone:#?}");
+}
+
+/// A transfer's progress as `GET /v1/transfers/{id}` reports it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Reported {
+    done: i64,
+    sent: i64,
+    total: i64,
+}
+
+async fn reported(p: &Pair, id: i64) -> (Reported, replicator::catalog::Transfer) {
+    let row = p.source.catalog().transfer(id).await.unwrap().unwrap();
+    let (t, _) = p.source.with_progress(row);
+    let r = Reported {
+        done: t.bytes_done,
+        sent: t.bytes_sent,
+        total: t.bytes_total,
+    };
+    (r, t)
+}
+
+/// Fails unless every measure of `now` is at least that of `before`.
+fn not_backwards(before: Reported, now: Reported, when: &str) {
+    assert!(
+        now.done >= before.done && now.sent >= before.sent && now.total >= before.total,
+        "progress moved backwards {when}: {before:?} -> {now:?}"
+    );
+}
+
+/// Waits (at most 20 s) until the transfer's run has stopped: no live
+/// progress any more.
+async fn run_stopped(p: &Pair, id: i64) {
+    for _ in 0..400 {
+        if p.source.progress(id).is_none() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("transfer {id} still running 20 s after its pause");
+}
+
+/// Pauses transfer `id` once it reported `at_least` bytes done and checks
+/// the report after the pause and through the resume up to the publish;
+/// returns the report just before the pause.
+async fn pause_and_resume(p: &Pair, id: i64, at_least: i64, before_resume: impl AsyncFnOnce()) {
+    let mut last = Reported::default();
+    for _ in 0..400 {
+        let (now, _) = reported(p, id).await;
+        not_backwards(last, now, "while sending");
+        last = now;
+        if now.done >= at_least {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(last.done >= at_least, "never got to {at_least}: {last:?}");
+    let (before, _) = reported(p, id).await;
+    let paused = p.source.pause(id).await.unwrap();
+    assert_eq!(paused.state, "paused");
+    run_stopped(p, id).await;
+    let (after, t) = reported(p, id).await;
+    not_backwards(before, after, "at the pause");
+    assert!(after.done > 0 && after.total > 0, "{t:?}");
+    let catalog = p.source.catalog().transfer(id).await.unwrap().unwrap();
+    assert!(
+        catalog.bytes_done >= before.done && catalog.bytes_sent >= before.sent,
+        "the catalog lost what the run did: {before:?} -> {catalog:?}"
+    );
+    before_resume().await;
+    let (still, _) = reported(p, id).await;
+    not_backwards(after, still, "while paused");
+
+    p.source.resume(id).await.unwrap();
+    let mut last = still;
+    let mut skipped = 0;
+    for _ in 0..1500 {
+        let (now, t) = reported(p, id).await;
+        not_backwards(last, now, "after the resume");
+        last = now;
+        if let Some(g) = p.source.progress(id) {
+            skipped = skipped.max(g.bytes_skipped);
+        }
+        if t.state == "published" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let done = wait_published(p, id).await;
+    assert_eq!(done.bytes_done, done.bytes_total, "{done:?}");
+    assert!(
+        done.bytes_sent >= done.bytes_total,
+        "bytes_sent counts every run: {done:?}"
+    );
+    assert!(
+        skipped > 0,
+        "the resume found nothing at the sink: {done:?}"
+    );
+}
+
+/// Regression: pausing a transfer dropped its reported progress to 0 (the
+/// live counters went with the run, the catalog held none of it), and the
+/// resumed run counted from 0 again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_and_resumed_push_never_reports_less_progress() {
+    let p = pair_with(0, |cfg| cfg.links[0].rate_bps = SLOW).await;
+    let dir = p.root.join("step-big");
+    write_dir(&dir, 3, 2 << 20);
+    let t = p.source.submit(&dir, None).await.unwrap();
+    pause_and_resume(&p, t.id, 2 << 20, async || {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    })
+    .await;
+}
+
+/// The same for a checkpoint streamed while it is written: after the pause
+/// it showed "0 B / ≥ 0 B".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_and_resumed_open_checkpoint_never_reports_less_progress() {
+    let p = pair_with(0, |cfg| {
+        cfg.links[0].rate_bps = SLOW;
+        cfg.scan_interval = Some(Duration::from_millis(200));
+        cfg.markers = vec!["COMMITTED".into()];
+        cfg.roots[0].watch = RootWatch::default();
+    })
+    .await;
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/dcp/step_00000002");
+    let ckpt = p.root.join("step_00000002");
+    std::fs::create_dir_all(&ckpt).unwrap();
+    // Both ranks' shards, written and closed; no `.metadata` yet.
+    for f in ["__0_0.distcp", "__1_0.distcp"] {
+        std::fs::copy(fixture.join(f), ckpt.join(f)).unwrap();
+    }
+    let path = ckpt.to_string_lossy().into_owned();
+    let mut t = None;
+    for _ in 0..400 {
+        t = p.source.catalog().transfer_by_path(&path).await.unwrap();
+        if t.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let t = t.expect("the watcher queued the checkpoint");
+    let (fixture2, ckpt2) = (fixture.clone(), ckpt.clone());
+    let id = t.id;
+    let pp = &p;
+    pause_and_resume(&p, t.id, 1 << 20, async move || {
+        let (r, t) = reported(pp, id).await;
+        assert_eq!(t.checkpoint, "open", "{t:?}");
+        // The size known so far (the catalog's is 0 until the commit).
+        assert!(r.total > 0 && r.total >= r.done, "{r:?}");
+        // The commit lands while it is paused.
+        std::fs::copy(fixture2.join(".metadata"), ckpt2.join(".metadata.tmp")).unwrap();
+        std::fs::rename(ckpt2.join(".metadata.tmp"), ckpt2.join(".metadata")).unwrap();
+    })
+    .await;
 }

@@ -28,6 +28,7 @@ use tokio_util::sync::CancellationToken;
 use super::DemoArgs;
 use crate::config::format_rate;
 use crate::gen;
+use crate::out::noteln;
 
 /// Checkpoints (and replicas) kept at each end; older ones are deleted
 /// once their replica is published.
@@ -96,18 +97,18 @@ pub(super) struct Running<'a> {
 pub(super) async fn run(r: Running<'_>) -> Result<()> {
     let a = r.args;
     OWNS_INTERRUPTS.store(true, Ordering::Relaxed);
-    println!(
+    noteln!(
         "\nkeep-running: both agents stay up until Ctrl-C\n  source  demo-source  {}/   (web UI and API)\n  sink    demo-sink    {}/\n  \
          no token needed (the demo's agents allow unauthenticated requests): ferry status --server {}",
         r.source_url, r.sink_url, r.source_url
     );
     if a.load_size > 0 {
-        println!(
+        noteln!(
             "  load: background pushes of {} generated datasets, one after another",
             DecimalBytes(a.load_size)
         );
     }
-    println!(
+    noteln!(
         "  a new DCP checkpoint of {} every {} (written at {}), replicated by the watcher while it is written; the newest {KEEP_CHECKPOINTS} checkpoints and replicas are kept\n\
          Ctrl-C stops the agents and removes the work directory{}.",
         DecimalBytes(a.size),
@@ -145,7 +146,7 @@ pub(super) async fn run(r: Running<'_>) -> Result<()> {
         save_stop.clone(),
     ));
     interrupted().notified().await;
-    println!(
+    noteln!(
         "\nstopping: the load and the training job, then both agents (Ctrl-C again to stop at once)"
     );
     stop.cancel();
@@ -288,14 +289,14 @@ async fn checkpoint_loop(
         let name = dir
             .file_name()
             .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
-        println!(
+        noteln!(
             "checkpoint {name}: the training job starts writing it ({})",
             DecimalBytes(size)
         );
         let t0 = Instant::now();
         let saved = tokio::task::spawn_blocking(move || gen::format::save(&opts, &|_| {})).await;
         match saved {
-            Ok(Ok(s)) => println!(
+            Ok(Ok(s)) => noteln!(
                 "checkpoint {name}: committed after {:.1} s ({} files)",
                 t0.elapsed().as_secs_f64(),
                 s.files
@@ -325,7 +326,7 @@ async fn checkpoint_loop(
                                 .and_then(|r| r.commit_to_replica_s)
                         })
                         .map_or(String::new(), |l| format!(" {l:.2} s after its commit"));
-                    println!("checkpoint {name}: replica published{lag}: {local_path}");
+                    noteln!("checkpoint {name}: replica published{lag}: {local_path}");
                     return;
                 }
                 if !pause(&stop2, Duration::from_millis(200)).await {

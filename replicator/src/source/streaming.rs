@@ -228,8 +228,16 @@ pub(super) async fn run_watched(
         .collect();
     let mut tracks: Vec<Track> = vec![Track::default(); table.len()];
     let total = |table: &[FileInfo]| table.iter().map(|f| f.size).sum::<u64>();
-    let progress = track_progress(inner, t.id, total(&table));
+    let progress = track_run(inner, &t, total(&table));
     let (mut rx, have) = open_on_sink(inner, c, &t, fresh, table.clone()).await?;
+    // What the sink holds already (a resume) counts as done.
+    let map = ChunkMap::new(&table, chunk_size);
+    let skipped: u64 = have
+        .iter()
+        .filter_map(|k| map.locate(*k))
+        .map(|(f, c)| map.span(f, c).1)
+        .sum();
+    progress.skipped.store(skipped, Ordering::Relaxed);
     let mut have = Arc::new(have);
     info!(
         transfer = id,
@@ -463,13 +471,11 @@ pub(super) async fn run_watched(
     progress.total.store(bytes_total, Ordering::Relaxed);
     inner
         .catalog
-        .set_transfer_progress(
-            t.id,
-            bytes_total,
-            manifest.files.len() as u64,
-            0,
-            progress.sent.load(Ordering::Relaxed),
-        )
+        .set_transfer_size(t.id, bytes_total, manifest.files.len() as u64)
+        .await?;
+    inner
+        .catalog
+        .note_transfer_progress(t.id, progress.note())
         .await?;
     info!(
         transfer = id,
