@@ -99,8 +99,10 @@ impl AppState {
 #[into_params(parameter_in = Query)]
 pub(crate) struct Page {
     /// Items per page, 1..1000 (default 100).
+    #[param(minimum = 1, maximum = 1000)]
     limit: Option<i64>,
     /// Items to skip (default 0).
+    #[param(minimum = 0, maximum = 4294967295_i64)]
     offset: Option<i64>,
 }
 

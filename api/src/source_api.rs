@@ -34,10 +34,12 @@ pub(crate) fn source(s: &AppState) -> Result<&Source, ApiError> {
 #[serde(deny_unknown_fields)]
 pub(crate) struct CreateTransfer {
     /// Absolute path of a directory under a source root.
+    #[schema(pattern = "^/")]
     path: String,
     /// Link to use instead of the source root's.
     link: Option<String>,
     /// `scheduled` (default), `background` or `urgent`.
+    #[schema(value_type = Option<scheduler::Class>)]
     class: Option<String>,
 }
 
@@ -131,11 +133,13 @@ fn submit_error(e: SubmitError) -> ApiError {
 #[serde(deny_unknown_fields)]
 pub(crate) struct Announce {
     /// Job name.
+    #[schema(min_length = 1)]
     job: String,
     /// Training step of the checkpoint.
     step: u64,
     /// Absolute path the checkpoint will be written to, under a source
     /// root.
+    #[schema(pattern = "^/")]
     path: String,
     /// Expected size, bytes (0 = unknown).
     #[serde(default)]
@@ -356,10 +360,11 @@ action!(
 #[serde(deny_unknown_fields)]
 pub(crate) struct PatchTransfer {
     /// `urgent`, `scheduled` or `background`.
+    #[schema(value_type = Option<scheduler::Class>)]
     class: Option<String>,
     /// A number 0..1, or `null` to return to the job's importance.
     #[serde(default, deserialize_with = "some_or_null")]
-    #[schema(value_type = Option<f64>)]
+    #[schema(value_type = Option<f64>, minimum = 0.0, maximum = 1.0)]
     importance: Option<Option<f64>>,
 }
 
@@ -560,6 +565,7 @@ pub const RATE_BOUNDS: (u64, u64) = (1_000, 1_000_000_000_000);
 #[serde(deny_unknown_fields)]
 pub(crate) struct PutLink {
     /// New rate cap, bit/s (1,000 to 10^12).
+    #[schema(minimum = 1000, maximum = 1_000_000_000_000_u64)]
     rate_bps: u64,
 }
 
