@@ -189,7 +189,9 @@ pub fn validate_files(files: &[FileInfo], chunk_size: u32) -> Result<(), WireErr
         if !seen.insert(f.path.as_str()) {
             return Err(invalid("file path", format!("{:?} listed twice", f.path)));
         }
-        total_chunks += chunk_count(f.size, chunk_size);
+        // Sizes come from the peer: saturate rather than overflow (65,536
+        // files of 2^64 - 1 bytes would wrap the total to 0).
+        total_chunks = total_chunks.saturating_add(chunk_count(f.size, chunk_size));
     }
     // A file may not also be a parent directory of another file.
     for f in files {

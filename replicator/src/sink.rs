@@ -1511,9 +1511,45 @@ async fn wait_for_table(live: &Live, h: &RecordHeader) -> bool {
 }
 
 /// Opens (creating) a staging file without following a symlink at its
-/// name; parents are created as plain directories.
+/// name or at any of its parent directories below `staging`; missing
+/// parents are created as plain directories. A symlink planted in staging
+/// (pointing outside the sink root) is refused, never written through.
 fn open_staging(staging: &Path, rel: &str) -> io::Result<std::fs::File> {
     let p = staging.join(rel);
+    if !staging.exists() {
+        std::fs::create_dir_all(staging)?;
+    }
+    if let Some(parent) = Path::new(rel).parent() {
+        let mut dir = staging.to_path_buf();
+        for c in parent.components() {
+            dir.push(c);
+            match std::fs::symlink_metadata(&dir) {
+                Ok(m) if m.is_dir() => {}
+                Ok(_) => {
+                    return Err(io::Error::other(format!(
+                        "{} is a symlink or not a directory; refusing to write through it",
+                        dir.display()
+                    )))
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    match std::fs::create_dir(&dir) {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                            // Created concurrently: check it again.
+                            if !std::fs::symlink_metadata(&dir)?.is_dir() {
+                                return Err(io::Error::other(format!(
+                                    "{} is a symlink or not a directory; refusing to write through it",
+                                    dir.display()
+                                )));
+                            }
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
     let open = || {
         OpenOptions::new()
             .write(true)
@@ -1523,15 +1559,7 @@ fn open_staging(staging: &Path, rel: &str) -> io::Result<std::fs::File> {
             .custom_flags(nix::libc::O_NOFOLLOW)
             .open(&p)
     };
-    let file = match open() {
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            if let Some(parent) = p.parent() {
-                std::fs::create_dir_all(parent)?;
-            }
-            open()?
-        }
-        r => r?,
-    };
+    let file = open()?;
     // A file hard-linked from a published replica (see `reuse_published`)
     // must never be written in place: that would change the published
     // copy. Give staging its own copy first.
@@ -2022,5 +2050,18 @@ mod tests {
         std::os::unix::fs::symlink("/etc/passwd", d.path().join("evil")).expect("symlink");
         assert!(open_staging(d.path(), "evil").is_err());
         assert!(open_staging(d.path(), "a/b/c").is_ok());
+        // A symlinked parent directory is refused too, not written through.
+        let outside = tempfile::tempdir().expect("tempdir");
+        std::os::unix::fs::symlink(outside.path(), d.path().join("dir")).expect("symlink");
+        assert!(open_staging(d.path(), "dir/x").is_err());
+        assert!(open_staging(d.path(), "a/dir/x").is_ok());
+        std::os::unix::fs::symlink(outside.path(), d.path().join("a/b/link")).expect("symlink");
+        assert!(open_staging(d.path(), "a/b/link/deeper/x").is_err());
+        assert_eq!(
+            std::fs::read_dir(outside.path()).expect("read_dir").count(),
+            0
+        );
+        // A missing staging directory is created.
+        assert!(open_staging(&d.path().join("new"), "p/q").is_ok());
     }
 }

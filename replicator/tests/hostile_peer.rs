@@ -108,7 +108,7 @@ async fn connect(
 }
 
 fn open(id: u64, rel: &str, files: Vec<FileInfo>) -> Control {
-    let bytes_total = files.iter().map(|f| f.size).sum();
+    let bytes_total = files.iter().fold(0u64, |a, f| a.saturating_add(f.size));
     Control::Open {
         key: TransferKey {
             id,
@@ -293,4 +293,324 @@ async fn a_batch_after_its_cancel_is_dropped_and_the_connection_lives() {
         .filter(|f| f.contains("1-"))
         .collect();
     assert!(staged.is_empty(), "{staged:?}");
+}
+
+/// Waits for the sink to close `conn` and returns the close reason.
+async fn closed_reason(conn: &Connection) -> String {
+    tokio::time::timeout(Duration::from_secs(20), conn.closed())
+        .await
+        .expect("the sink did not close the connection within 20 s")
+        .to_string()
+}
+
+/// Every regular file or symlink under `base` that is outside the sink
+/// root and the test's own certificate and catalog directories.
+fn outside_root(s: &Setup) -> Vec<String> {
+    files_under(&s.base)
+        .into_iter()
+        .filter(|p| {
+            !p.starts_with("eval/") && !p.starts_with("certs/") && !p.starts_with("sink-data/")
+        })
+        .collect()
+}
+
+/// The one staging directory of the sink (after one open).
+fn staging_dir(s: &Setup) -> std::path::PathBuf {
+    let dirs: Vec<_> = std::fs::read_dir(s.sink_root.join(".ferry/staging"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_dir())
+        .collect();
+    assert_eq!(dirs.len(), 1, "{dirs:?}");
+    dirs.into_iter().next().unwrap()
+}
+
+async fn send_record(conn: &Connection, transfer: u64, file: u32, chunk: u32, payload: &[u8]) {
+    let mut data = conn.open_uni().await.unwrap();
+    data.write_all(&BatchHeader { transfer }.encode())
+        .await
+        .unwrap();
+    let h = RecordHeader {
+        file,
+        chunk,
+        len: payload.len() as u32,
+        hash: *blake3::hash(payload).as_bytes(),
+    };
+    data.write_all(&h.encode()).await.unwrap();
+    data.write_all(payload).await.unwrap();
+    let _ = data.finish();
+    // Wait until the sink has consumed the stream (or closed it).
+    let _ = tokio::time::timeout(Duration::from_secs(20), data.stopped()).await;
+}
+
+/// Out-of-order and unexpected control messages after the handshake: each
+/// closes the connection with a reason naming the problem.
+#[tokio::test]
+async fn out_of_order_control_messages_close_the_connection() {
+    let s = setup().await;
+    let manifest = replicator::manifest::Manifest {
+        chunk_size: 4 << 20,
+        files: vec![],
+        markers: vec![],
+    };
+    let cases: Vec<(Control, &str)> = vec![
+        (
+            Control::Hello(Hello {
+                version: PROTOCOL_VERSION,
+                agent: "evil-src".into(),
+                site: "train-a".into(),
+            }),
+            "unexpected hello",
+        ),
+        (
+            Control::Commit {
+                id: 77,
+                committed_ms: 0,
+                opened_ms: 0,
+                batches: 0,
+                manifest,
+                siblings: vec![],
+            },
+            "commit for unknown transfer 77",
+        ),
+        // Messages only a sink sends.
+        (
+            Control::Have {
+                id: 1,
+                chunks: vec![0],
+            },
+            "unexpected have",
+        ),
+        (
+            Control::Published {
+                id: 1,
+                local_path: "/etc".into(),
+                root: [0; 32],
+            },
+            "unexpected published",
+        ),
+    ];
+    for (msg, want) in cases {
+        let (conn, mut send, _recv, answer) = connect(&s, PROTOCOL_VERSION).await;
+        assert!(matches!(answer, Some(Control::Hello(_))), "{answer:?}");
+        send.write_all(&msg.encode()).await.unwrap();
+        let reason = closed_reason(&conn).await;
+        assert!(reason.contains(want), "{}: {reason}", msg.name());
+    }
+    // A first message that is not a hello.
+    let conn = s
+        .client
+        .connect(s.sink_addr, "sink-1")
+        .unwrap()
+        .await
+        .unwrap();
+    let (mut send, _recv) = conn.open_bi().await.unwrap();
+    send.write_all(&open(1, "step", vec![file("a", 10)]).encode())
+        .await
+        .unwrap();
+    let reason = closed_reason(&conn).await;
+    assert!(reason.contains("expected hello, got open"), "{reason}");
+    assert!(outside_root(&s).is_empty(), "{:?}", outside_root(&s));
+    assert!(files_under(&s.sink_root).is_empty());
+}
+
+/// Bytes that are no message at all: an unknown control message type, and
+/// a data stream without the magic bytes.
+#[tokio::test]
+async fn unknown_message_types_close_the_connection() {
+    let s = setup().await;
+    for ty in [0u8, 11, 200, 255] {
+        let (conn, mut send, _recv, _) = connect(&s, PROTOCOL_VERSION).await;
+        let mut frame = 9u32.to_be_bytes().to_vec();
+        frame.push(ty);
+        frame.extend_from_slice(&1u64.to_be_bytes());
+        send.write_all(&frame).await.unwrap();
+        let reason = closed_reason(&conn).await;
+        assert!(
+            reason.contains(&format!("unknown control message type {ty}")),
+            "{reason}"
+        );
+    }
+    let (conn, _send, _recv, _) = connect(&s, PROTOCOL_VERSION).await;
+    let mut data = conn.open_uni().await.unwrap();
+    data.write_all(b"GET / HTTP/1.1\r\n").await.unwrap();
+    let _ = data.finish();
+    let reason = closed_reason(&conn).await;
+    assert!(reason.contains("magic bytes"), "{reason}");
+    assert!(files_under(&s.sink_root).is_empty());
+}
+
+/// Data for a transfer that was never opened is refused and closes the
+/// connection once the sink stops waiting for the open (10 s).
+#[tokio::test]
+async fn data_for_a_transfer_never_opened_closes_the_connection() {
+    let s = setup().await;
+    let (conn, _send, _recv, _) = connect(&s, PROTOCOL_VERSION).await;
+    let c2 = conn.clone();
+    tokio::spawn(async move { send_record(&c2, 42, 0, 0, b"hello").await });
+    let reason = closed_reason(&conn).await;
+    assert!(
+        reason.contains("transfer 42 which was never opened"),
+        "{reason}"
+    );
+    assert!(files_under(&s.sink_root).is_empty());
+    assert!(outside_root(&s).is_empty());
+}
+
+/// Records outside the declared file table (a chunk past the end of a
+/// file, a chunk longer than the file, a file index never announced) are
+/// dropped unwritten; the transfer is not harmed and still completes with
+/// the right bytes.
+#[tokio::test]
+async fn records_past_the_declared_file_size_are_dropped() {
+    let s = setup().await;
+    let (conn, mut send, mut recv, _) = connect(&s, PROTOCOL_VERSION).await;
+    send.write_all(&open(1, "step", vec![file("a", 10)]).encode())
+        .await
+        .unwrap();
+    assert!(matches!(
+        read_frame(&mut recv).await.unwrap(),
+        Some(Control::Have { .. })
+    ));
+    // In parallel: each waits up to 10 s for a file-table update.
+    tokio::join!(
+        send_record(&conn, 1, 0, 1, &[7u8; 10]),
+        send_record(&conn, 1, 0, 0, &[7u8; 100]),
+        send_record(&conn, 1, 5, 0, &[7u8; 10]),
+    );
+    assert!(conn.close_reason().is_none(), "{:?}", conn.close_reason());
+    let staged = staging_dir(&s).join("a");
+    assert!(
+        !staged.exists() || std::fs::metadata(&staged).unwrap().len() <= 10,
+        "bytes past the declared size were written"
+    );
+    // The honest record completes the transfer.
+    let payload = b"0123456789";
+    send_record(&conn, 1, 0, 0, payload).await;
+    let m = replicator::manifest::Manifest {
+        chunk_size: 4 << 20,
+        files: vec![replicator::manifest::FileEntry {
+            path: "a".into(),
+            size: 10,
+            mode: 0o644,
+            mtime_ns: 0,
+            chunks: vec![*blake3::hash(payload).as_bytes()],
+        }],
+        markers: vec![],
+    };
+    m.validate().unwrap();
+    send.write_all(
+        &Control::Commit {
+            id: 1,
+            committed_ms: 0,
+            opened_ms: 0,
+            batches: 4,
+            manifest: m,
+            siblings: vec![],
+        }
+        .encode(),
+    )
+    .await
+    .unwrap();
+    let reply = tokio::time::timeout(Duration::from_secs(20), read_frame(&mut recv))
+        .await
+        .unwrap()
+        .unwrap();
+    let Some(Control::Published { local_path, .. }) = reply else {
+        panic!("expected published, got {reply:?}");
+    };
+    let published = std::fs::read(Path::new(&local_path).join("a")).unwrap();
+    assert_eq!(published, payload);
+    assert!(Path::new(&local_path).starts_with(&s.sink_root));
+    assert!(outside_root(&s).is_empty(), "{:?}", outside_root(&s));
+}
+
+/// A symlink planted in a transfer's staging directory, at a file's name or
+/// at one of its parent directories, pointing outside the sink root: the
+/// sink never writes through it.
+#[tokio::test]
+async fn symlinks_planted_in_staging_are_never_followed() {
+    for (n, (planted, path)) in [("evil", "evil"), ("dir", "dir/inner")]
+        .into_iter()
+        .enumerate()
+    {
+        let s = setup().await;
+        let outside = s.base.join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        let (conn, mut send, mut recv, _) = connect(&s, PROTOCOL_VERSION).await;
+        send.write_all(&open(1, "step", vec![file(path, 10)]).encode())
+            .await
+            .unwrap();
+        assert!(matches!(
+            read_frame(&mut recv).await.unwrap(),
+            Some(Control::Have { .. })
+        ));
+        let target = if n == 0 {
+            outside.join("evil")
+        } else {
+            outside.clone()
+        };
+        std::os::unix::fs::symlink(&target, staging_dir(&s).join(planted)).unwrap();
+        send_record(&conn, 1, 0, 0, b"0123456789").await;
+        // The sink cancels the transfer (or closes the connection).
+        let reply = tokio::time::timeout(Duration::from_secs(20), read_frame(&mut recv)).await;
+        match reply {
+            Ok(Ok(Some(Control::Cancel { id: 1, reason }))) => {
+                assert!(reason.contains("staging"), "{reason}")
+            }
+            Ok(Err(_)) | Ok(Ok(None)) => {}
+            other => panic!("{path}: expected a cancel, got {other:?}"),
+        }
+        let written: Vec<_> = std::fs::read_dir(&outside).unwrap().flatten().collect();
+        assert!(
+            written.is_empty(),
+            "{path}: written outside the sink root: {written:?}"
+        );
+        assert!(!target.join("inner").exists() && !outside.join("evil").exists());
+    }
+}
+
+/// A file table whose chunk total overflows a `u64` (65,536 files of
+/// 2^64 - 1 bytes in 64 KiB chunks) is refused like any other too-large
+/// table, and the connection keeps working.
+#[tokio::test]
+async fn a_file_table_overflowing_the_chunk_total_is_refused() {
+    let s = setup().await;
+    let (conn, mut send, mut recv, _) = connect(&s, PROTOCOL_VERSION).await;
+    let files: Vec<FileInfo> = (0..65_536)
+        .map(|i| file(&format!("f{i}"), u64::MAX))
+        .collect();
+    let mut msg = open(1, "step", files);
+    if let Control::Open {
+        chunk_size,
+        bytes_total,
+        ..
+    } = &mut msg
+    {
+        *chunk_size = 64 << 10;
+        *bytes_total = u64::MAX;
+    }
+    send.write_all(&msg.encode()).await.unwrap();
+    let reply = tokio::time::timeout(Duration::from_secs(20), read_frame(&mut recv))
+        .await
+        .unwrap();
+    match reply {
+        Ok(Some(Control::Refuse { id: 1, reason })) => {
+            assert!(reason.contains("chunk count"), "{reason}")
+        }
+        other => panic!(
+            "expected a refusal, got {other:?} ({:?})",
+            conn.close_reason()
+        ),
+    }
+    // Still serving: a plain open is answered.
+    send.write_all(&open(2, "step2", vec![file("a", 10)]).encode())
+        .await
+        .unwrap();
+    assert!(matches!(
+        read_frame(&mut recv).await.unwrap(),
+        Some(Control::Have { id: 2, .. })
+    ));
+    assert!(files_under(&s.sink_root).is_empty());
 }
