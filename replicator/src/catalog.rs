@@ -29,6 +29,15 @@ pub enum CatalogError {
         /// What went wrong.
         why: String,
     },
+    /// The catalog file cannot be opened, is damaged or cannot be
+    /// migrated; the message names the file. It is left as it is.
+    #[error("catalog {path}: {why}")]
+    File {
+        /// The catalog file (`data_dir/ferry.db`).
+        path: PathBuf,
+        /// What went wrong and what to do.
+        why: String,
+    },
     /// An SQL error.
     #[error("catalog: {0}")]
     Sql(#[from] sqlx::Error),
@@ -476,8 +485,9 @@ impl Catalog {
     ///
     /// # Errors
     /// [`CatalogError::DataDir`] if the directory cannot be created or is
-    /// locked by another agent; SQL or migration errors otherwise (a
-    /// damaged catalog is reported, never deleted).
+    /// locked by another agent; [`CatalogError::File`], naming the file,
+    /// if the catalog cannot be opened, fails SQLite's `quick_check` or
+    /// cannot be migrated (a damaged catalog is reported, never deleted).
     pub async fn open(data_dir: &Path) -> Result<Catalog, CatalogError> {
         let dd = |why: String| CatalogError::DataDir {
             path: data_dir.to_path_buf(),
@@ -490,7 +500,16 @@ impl Catalog {
                 "already in use by another ferry agent (agent.lock is held: {e})"
             ))
         })?;
-        let url = format!("sqlite://{}", data_dir.join("ferry.db").display());
+        let db = data_dir.join("ferry.db");
+        let file = |why: String| CatalogError::File {
+            path: db.clone(),
+            why: format!(
+                "{why}; the file is left as it is (nothing was deleted): restore it from a \
+                 backup, or move it and its -wal and -shm files aside to start with an empty \
+                 catalog"
+            ),
+        };
+        let url = format!("sqlite://{}", db.display());
         let opts = SqliteConnectOptions::from_str(&url)?
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
@@ -500,8 +519,25 @@ impl Catalog {
         let pool = SqlitePoolOptions::new()
             .max_connections(4)
             .connect_with(opts)
-            .await?;
-        sqlx::migrate!("../migrations").run(&pool).await?;
+            .await
+            .map_err(|e| file(format!("cannot open it: {e}")))?;
+        // A damaged page would otherwise surface later, in the middle of
+        // a transfer or a resolve; refuse at start instead.
+        let check: Vec<String> = sqlx::query_scalar("PRAGMA quick_check")
+            .fetch_all(&pool)
+            .await
+            .map_err(|e| file(format!("damaged (SQLite quick_check failed: {e})")))?;
+        if check.first().map(String::as_str) != Some("ok") {
+            let shown: Vec<&str> = check.iter().take(3).map(String::as_str).collect();
+            return Err(file(format!(
+                "damaged (SQLite quick_check: {})",
+                shown.join("; ")
+            )));
+        }
+        sqlx::migrate!("../migrations")
+            .run(&pool)
+            .await
+            .map_err(|e| file(format!("cannot migrate it: {e}")))?;
         Ok(Catalog {
             pool,
             _lock: Some(std::sync::Arc::new(lock)),

@@ -1177,3 +1177,15 @@ impl World {
         &self.http
     }
 }
+
+// ------------------------------------------------------- fault tests --
+// (used by tests/faults.rs)
+
+/// `Ok` if `replica` holds exactly the files and directories of
+/// `original` with the same bytes, modes and modification times; what
+/// differs otherwise. The non-failing form of
+/// [`World::assert_same_tree`], for oracles that count.
+#[allow(dead_code)]
+pub fn tree_diff(original: &Path, replica: &Path) -> Result<(), String> {
+    compare_trees(original, replica, true)
+}
