@@ -129,6 +129,19 @@ async fn pause_and_resume(p: &Pair, id: i64, at_least: i64, before_resume: impl 
     let (still, _) = reported(p, id).await;
     not_backwards(after, still, "while paused");
 
+    // What the sink holds verified now (chunks in flight at the pause may
+    // have been dropped, so it can be nothing on a loaded machine).
+    let t = p.source.catalog().transfer(id).await.unwrap().unwrap();
+    let held = p
+        .sink
+        .catalog()
+        .replicas_for_source(&t.source_path)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.bytes_done)
+        .max()
+        .unwrap_or(0);
     p.source.resume(id).await.unwrap();
     let mut last = still;
     let mut skipped = 0;
@@ -150,10 +163,12 @@ async fn pause_and_resume(p: &Pair, id: i64, at_least: i64, before_resume: impl 
         done.bytes_sent >= done.bytes_total,
         "bytes_sent counts every run: {done:?}"
     );
-    assert!(
-        skipped > 0,
-        "the resume found nothing at the sink: {done:?}"
-    );
+    if held > 0 {
+        assert!(
+            skipped > 0,
+            "the sink held {held} bytes but the resume skipped none: {done:?}"
+        );
+    }
 }
 
 /// Regression: pausing a transfer dropped its reported progress to 0 (the
