@@ -390,29 +390,26 @@ fn valid_agent_name(name: &str) -> bool {
         && name.len() <= 253
         && name != "ca"
         && name.parse::<IpAddr>().is_err()
-        && name.split('.').all(|label| {
-            !label.is_empty()
-                && label.len() <= 63
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-                && label
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && dns_labels(name, |b| {
+            b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'
         })
+}
+
+/// True if every dot-separated label of `name` is 1 to 63 bytes of
+/// `allowed` that neither starts nor ends with `-` (RFC 1123 host names).
+fn dns_labels(name: &str, allowed: impl Fn(u8) -> bool) -> bool {
+    name.split('.').all(|label| {
+        !label.is_empty()
+            && label.len() <= 63
+            && !label.starts_with('-')
+            && !label.ends_with('-')
+            && label.bytes().all(&allowed)
+    })
 }
 
 fn valid_api_host(host: &str) -> bool {
     host.parse::<IpAddr>().is_ok()
-        || (host.len() <= 253
-            && host.split('.').all(|label| {
-                !label.is_empty()
-                    && label.len() <= 63
-                    && !label.starts_with('-')
-                    && !label.ends_with('-')
-                    && label
-                        .bytes()
-                        .all(|b| b.is_ascii_alphanumeric() || b == b'-')
-            }))
+        || (host.len() <= 253 && dns_labels(host, |b| b.is_ascii_alphanumeric() || b == b'-'))
 }
 
 fn dns_san(cert: &CertificateDer<'_>) -> Option<String> {
