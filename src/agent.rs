@@ -86,7 +86,8 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
             }))
         }
     };
-    let endpoint = transport::endpoint(socket, server).context("[quic] listen")?;
+    let endpoint = transport::endpoint_with_reset_key(socket, server, Some(id.reset_key()))
+        .context("[quic] listen")?;
     let quic_addr = endpoint.local_addr()?;
 
     let sink = match (&cfg.sink, is_sink) {

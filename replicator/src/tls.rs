@@ -277,6 +277,16 @@ impl AgentIdentity {
         })
     }
 
+    /// A 32-byte secret derived from the agent's private key (BLAKE3
+    /// `derive_key`), stable across restarts: the QUIC stateless-reset key
+    /// (see [`crate::transport::endpoint_with_reset_key`]).
+    pub fn reset_key(&self) -> [u8; 32] {
+        blake3::derive_key(
+            "ferry 2026-11 QUIC stateless reset key",
+            self.key.secret_der(),
+        )
+    }
+
     /// This agent's name (the DNS SAN of its own certificate).
     pub fn name(&self) -> &str {
         &self.name

@@ -119,51 +119,99 @@ pub enum SocketKind {
 }
 
 /// Creates a QUIC endpoint on `socket`, accepting connections when
-/// `server` is given.
+/// `server` is given, with a random stateless-reset key.
 ///
 /// # Errors
 /// Bind errors.
 pub fn endpoint(socket: SocketKind, server: Option<quinn::ServerConfig>) -> io::Result<Endpoint> {
+    endpoint_with_reset_key(socket, server, None)
+}
+
+/// As [`endpoint`], with the stateless-reset key `reset_key` (32 secret
+/// bytes) when given; the connection-ID generator's key is derived from it
+/// too. An agent that restarts on the same address with the
+/// same key answers packets of its peers' old connections with a
+/// stateless reset (RFC 9000, section 10.3) that they accept, so they
+/// reconnect within a round trip instead of waiting [`IDLE_TIMEOUT`].
+///
+/// # Errors
+/// Bind errors.
+pub fn endpoint_with_reset_key(
+    socket: SocketKind,
+    server: Option<quinn::ServerConfig>,
+    reset_key: Option<[u8; 32]>,
+) -> io::Result<Endpoint> {
     let runtime = Arc::new(quinn::TokioRuntime);
+    let mut config = EndpointConfig::default();
+    if let Some(key) = reset_key {
+        // Connection IDs must also validate after the restart, or packets
+        // of the old connections are dropped unanswered: the ID generator's
+        // key comes from the same secret.
+        let tag = blake3::keyed_hash(&key, b"connection id generator key");
+        let mut cid_key = [0u8; 8];
+        cid_key.copy_from_slice(&tag.as_bytes()[..8]);
+        let cid_key = u64::from_le_bytes(cid_key);
+        config
+            .reset_key(Arc::new(ResetKey(key)))
+            .cid_generator(move || {
+                Box::new(quinn_proto::HashedConnectionIdGenerator::from_key(cid_key))
+            });
+    }
     match socket {
-        SocketKind::Udp(addr) => Endpoint::new(
-            EndpointConfig::default(),
-            server,
-            udp_socket(addr)?,
-            runtime,
-        ),
-        SocketKind::Memory(s) => {
-            Endpoint::new_with_abstract_socket(EndpointConfig::default(), server, s, runtime)
+        SocketKind::Udp(addr) => Endpoint::new(config, server, udp_socket(addr)?, runtime),
+        SocketKind::Memory(s) => Endpoint::new_with_abstract_socket(config, server, s, runtime),
+    }
+}
+
+/// Stateless-reset tokens as a BLAKE3 keyed hash of the connection ID
+/// (32-byte output; QUIC uses the first 16 bytes).
+struct ResetKey([u8; 32]);
+
+impl quinn::crypto::HmacKey for ResetKey {
+    fn sign(&self, data: &[u8], signature_out: &mut [u8]) {
+        let tag = blake3::keyed_hash(&self.0, data);
+        let n = signature_out.len().min(32);
+        signature_out[..n].copy_from_slice(&tag.as_bytes()[..n]);
+    }
+
+    fn signature_len(&self) -> usize {
+        32
+    }
+
+    fn verify(&self, data: &[u8], signature: &[u8]) -> Result<(), quinn::crypto::CryptoError> {
+        let tag = <[u8; 32]>::try_from(signature).map_err(|_| quinn::crypto::CryptoError)?;
+        // `blake3::Hash` compares in constant time.
+        if blake3::keyed_hash(&self.0, data) == blake3::Hash::from_bytes(tag) {
+            Ok(())
+        } else {
+            Err(quinn::crypto::CryptoError)
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
+    use quinn::crypto::HmacKey;
+
     use super::*;
 
     #[test]
-    fn windows_follow_the_bdp() {
-        let t = Tuning {
-            rate_bps: 1_000_000_000,
-            rtt: Duration::from_millis(100),
-        };
-        assert_eq!(t.bdp(), 12_500_000);
-        let t = Tuning {
-            rate_bps: 10_000_000_000,
-            rtt: Duration::from_millis(200),
-        };
-        assert_eq!(t.bdp(), 250_000_000);
-    }
-
-    #[test]
-    fn udp_socket_binds_with_large_buffers() {
-        let s = udp_socket("127.0.0.1:0".parse().expect("addr")).expect("bind");
-        let s2 = Socket::from(s);
-        // The kernel doubles the value; anything above the 208 KiB default
-        // shows the request was applied (root may exceed rmem_max).
-        if nix::unistd::geteuid().is_root() {
-            assert!(s2.recv_buffer_size().expect("size") > 1 << 20);
-        }
+    fn reset_tokens_verify_only_under_the_same_key() {
+        let (a, b) = (ResetKey([7; 32]), ResetKey([8; 32]));
+        let mut tag = vec![0u8; a.signature_len()];
+        a.sign(b"connection id", &mut tag);
+        assert!(a.verify(b"connection id", &tag).is_ok());
+        // The same key after a restart gives the same token.
+        let mut again = vec![0u8; 32];
+        ResetKey([7; 32]).sign(b"connection id", &mut again);
+        assert_eq!(tag, again);
+        assert!(b.verify(b"connection id", &tag).is_err());
+        assert!(a.verify(b"another id", &tag).is_err());
+        assert!(a.verify(b"connection id", &tag[..16]).is_err());
+        // A short output buffer gets a prefix (QUIC takes 16 bytes).
+        let mut short = [0u8; 16];
+        a.sign(b"connection id", &mut short);
+        assert_eq!(&short[..], &tag[..16]);
     }
 }
