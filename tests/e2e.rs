@@ -725,35 +725,6 @@ async fn metrics_move_when_a_watched_checkpoint_replicates() {
     });
 }
 
-/// `GET /metrics` of `agent`, parsed as Prometheus text.
-async fn scrape(w: &World, agent: &Agent) -> prometheus_parse::Scrape {
-    let text = w.metrics_text(agent).await;
-    prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string()))).unwrap_or_else(|e| {
-        w.fail(format!(
-            "{} /metrics does not parse: {e}\n{text}",
-            agent.label
-        ))
-    })
-}
-
-/// The value of the one sample of `name` with `labels` (among others),
-/// if there is one; a histogram's `_sum` and `_count` are samples of
-/// their own.
-fn metric(s: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-    let mut found = s
-        .samples
-        .iter()
-        .filter(|x| x.metric == name && labels.iter().all(|(k, v)| x.labels.get(k) == Some(*v)));
-    let one = found.next()?;
-    assert!(found.next().is_none(), "more than one {name}{labels:?}");
-    match one.value {
-        prometheus_parse::Value::Counter(v)
-        | prometheus_parse::Value::Gauge(v)
-        | prometheus_parse::Value::Untyped(v) => Some(v),
-        _ => None,
-    }
-}
-
 /// The step in a generated checkpoint directory's name.
 fn formats_step(dir: &str) -> String {
     let dir = dir.split("-consumed").next().unwrap_or(dir);

@@ -643,3 +643,184 @@ async fn sink_disk_full_fails_cleanly_and_releases_space() {
          0 published partially, staging released, next transfer published"
     );
 }
+
+/// Bytes of the sink's staging area changed on disk after they were
+/// verified (here while the sink is stopped) are found when the replica is
+/// about to be published: read back, counted as verification failures,
+/// fetched again, and the replica published byte-identical.
+#[tokio::test]
+async fn bytes_changed_in_staging_are_found_before_publish_and_fetched_again() {
+    let w = World::new("staging-corrupt").await;
+    let ckpt = w.source_root().join("step_000300");
+    w.gen(&ckpt, "12MB").await;
+    let mut c = w.start_cluster("24Mbit/s", &[], |_, _| {}).await;
+    let id = w.push_no_wait(&c.source, &ckpt).await;
+    let sink = &c.sink;
+    let done = w
+        .wait_until("4 MB verified at the sink", TRANSFER, async || {
+            let r = w.try_resolve(sink, &ckpt).await?;
+            let done = r["bytes_done"].as_u64().unwrap_or(0);
+            if s(&r, "state") == "replicating" && done >= 4_000_000 {
+                Ok(done)
+            } else {
+                Err(format!("{r}"))
+            }
+        })
+        .await;
+    // A clean stop records every verified chunk in the catalog.
+    let stopped = c.sink.terminate(Duration::from_secs(20));
+    w.ensure(stopped.is_some_and(|(st, _)| st.success()), || {
+        format!("the sink did not stop cleanly: {stopped:?}")
+    });
+    // Flip a byte every 64 KiB of every staged file where the data has
+    // arrived (it equals the source), so every staged chunk changes.
+    let staging = w.sink_root().join(".ferry/staging");
+    let (mut flipped, mut files) = (0u64, 0u64);
+    for (rel, staged) in walk(&staging) {
+        if !staged.is_file() {
+            continue;
+        }
+        // <staging>/<transfer dir>/<path in the checkpoint>
+        let Some((_, inner)) = rel.split_once('/') else {
+            continue;
+        };
+        let original = fs::read(ckpt.join(inner)).unwrap();
+        let bytes = fs::read(&staged).unwrap();
+        let mut any = false;
+        for off in (0..bytes.len().min(original.len())).step_by(64 * 1024) {
+            if bytes[off] == original[off] && original[off..].iter().take(64).any(|&b| b != 0) {
+                flip_byte(&staged, off as u64);
+                flipped += 1;
+                any = true;
+            }
+        }
+        files += u64::from(any);
+    }
+    w.ensure(flipped > 0, || {
+        format!(
+            "no staged data to damage under {} ({done} bytes verified)",
+            staging.display()
+        )
+    });
+    w.restart(&mut c.sink).await;
+    let source = &c.source;
+    w.wait_until("the transfer to be published", TRANSFER, async || {
+        let t = w.transfer(source, id).await;
+        match s(&t, "state") {
+            "published" => Ok(()),
+            "failed" | "cancelled" => w.fail(format!("the transfer ended: {t}")),
+            _ => Err(format!("{t}")),
+        }
+    })
+    .await;
+    w.assert_same_tree(&ckpt, &w.replica_path("step_000300"));
+    let m = scrape(&w, &c.sink).await;
+    let failures = metric(&m, "ferry_verification_failures_total", &[]).unwrap_or(0.0);
+    w.ensure(failures >= 1.0, || {
+        format!("the restarted sink counted {failures} verification failures")
+    });
+    w.ensure(
+        c.sink
+            .stderr()
+            .contains("staged chunks no longer match the manifest"),
+        || "the sink did not log the changed staged chunks".to_string(),
+    );
+    println!(
+        "staging corruption: {flipped} bytes flipped in {files} staged files after {done} bytes \
+         were verified; {failures} chunks failed the check before publish and were fetched \
+         again; replica byte-identical"
+    );
+}
+
+/// The sink SIGKILLs itself at each point of a publish where a crash
+/// leaves work on disk (markers set aside, directory renamed into place,
+/// markers moved in, all done but the catalog not told). While it is dead
+/// a directory at the published path never has its commit marker unless it
+/// is complete; after a restart the publish is finished, the replica is
+/// byte-identical, `local` for resolve, and nothing is left in staging.
+#[tokio::test]
+async fn a_publish_cut_short_by_a_kill_is_finished_after_restart() {
+    let w = World::new("publish-kill").await;
+    let mut c = w.start_cluster("200Mbit/s", &[], |_, _| {}).await;
+    let points = ["markers-held", "placed", "markers-in", "on-disk"];
+    let mut finished = 0;
+    for (i, point) in points.iter().enumerate() {
+        let rel = format!("step_{:06}", (i + 1) * 100);
+        let ckpt = w.source_root().join(&rel);
+        w.gen(&ckpt, "3MB").await;
+        c.sink.set_env(FAULT_ENV, Some(point));
+        w.restart(&mut c.sink).await;
+        let id = w.push_no_wait(&c.source, &ckpt).await;
+        let sink = &mut c.sink;
+        let status = w
+            .wait_until(
+                &format!("the sink to kill itself at {point}"),
+                TRANSFER,
+                async || sink.exited().ok_or_else(|| "still running".to_string()),
+            )
+            .await;
+        w.ensure(
+            std::os::unix::process::ExitStatusExt::signal(&status) == Some(9),
+            || format!("{point}: the sink exited with {status}, not SIGKILL"),
+        );
+        // While it is dead: complete, or every data file complete and no
+        // commit marker.
+        let replica = w.replica_path(&rel);
+        if replica.join("COMMITTED").exists() {
+            tree_diff(&ckpt, &replica)
+                .unwrap_or_else(|e| w.fail(format!("{point}: a committed partial replica: {e}")));
+        } else if replica.exists() {
+            for (f, orig) in walk(&ckpt) {
+                if f != "COMMITTED" && orig.is_file() {
+                    let got = fs::read(replica.join(&f)).unwrap_or_default();
+                    w.ensure(got == fs::read(&orig).unwrap(), || {
+                        format!("{point}: {f} in place before it is complete")
+                    });
+                }
+            }
+        }
+        c.sink.set_env(FAULT_ENV, None);
+        w.restart(&mut c.sink).await;
+        let source = &c.source;
+        w.wait_until(
+            &format!("{point}: the transfer to be published"),
+            TRANSFER,
+            async || {
+                let t = w.transfer(source, id).await;
+                match s(&t, "state") {
+                    "published" => Ok(()),
+                    "failed" | "cancelled" => w.fail(format!("{point}: the transfer ended: {t}")),
+                    _ => Err(format!("{t}")),
+                }
+            },
+        )
+        .await;
+        w.assert_same_tree(&ckpt, &replica);
+        let r = w.resolve(&c.sink, &ckpt).await;
+        w.ensure(s(&r, "state") == "local", || {
+            format!("{point}: resolve {r}")
+        });
+        let left = files_under(&w.sink_root().join(".ferry/staging"));
+        w.ensure(left.is_empty(), || {
+            format!("{point}: left in staging: {left:?}")
+        });
+        w.ensure(
+            c.sink
+                .stderr()
+                .matches("finished a publish that a crash had interrupted")
+                .count()
+                == i + 1,
+            || format!("{point}: the sink did not say it finished the interrupted publish"),
+        );
+        finished += 1;
+    }
+    // The restarted sink keeps its stateless-reset and connection-ID keys,
+    // so the source learns at once that its old connection is gone.
+    w.ensure(c.source.stderr().contains("reset by peer"), || {
+        "the source never saw a stateless reset from the restarted sink".to_string()
+    });
+    println!("publish window: {finished} kills inside a publish, {finished} replicas finished after restart");
+}
+
+/// [`replicator::sink::FAULT_KILL_ENV`].
+const FAULT_ENV: &str = "FERRY_FAULT_KILL_IN_PUBLISH";

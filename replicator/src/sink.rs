@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::fs::OpenOptions;
 use std::io;
-use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, UNIX_EPOCH};
@@ -35,6 +35,10 @@ use crate::wire::{
     BatchHeader, Control, FileInfo, Hello, RecordHeader, TransferKey, WireError, BATCH_HEADER_LEN,
     PROTOCOL_VERSION, RECORD_HEADER_LEN,
 };
+
+mod publish;
+
+pub use publish::FAULT_KILL_ENV;
 
 /// Sink settings.
 #[derive(Debug, Clone)]
@@ -288,6 +292,8 @@ struct LiveState {
     batches_done: u64,
     publishing: bool,
     failed: bool,
+    /// Publish attempts that found staged chunks changed on disk.
+    changed_on_disk: u32,
 }
 
 enum CatalogOp {
@@ -1615,7 +1621,7 @@ async fn maybe_finish(
     enum Next {
         Need(Vec<u64>, u64),
         Mismatch(String),
-        Publish(Manifest, SourceTimes),
+        Publish(Manifest, SourceTimes, Vec<(u64, Hash)>),
     }
     let next = {
         let Ok(mut st) = live.st.lock() else {
@@ -1648,7 +1654,7 @@ async fn maybe_finish(
                 inner.metrics.verification_failures.inc_by(wrong);
                 if need.is_empty() {
                     st.publishing = true;
-                    Next::Publish(manifest, st.times)
+                    Next::Publish(manifest, st.times, keys)
                 } else {
                     // Drop wrong hashes so that the re-sent chunk is counted.
                     let mut dropped = 0;
@@ -1683,7 +1689,7 @@ async fn maybe_finish(
             );
             ctl.send(&Control::Need { id, chunks: need }).await
         }
-        Next::Publish(manifest, _) if live.published_root == Some(manifest.root()) => {
+        Next::Publish(manifest, _, _) if live.published_root == Some(manifest.root()) => {
             ctl.send(&Control::Published {
                 id,
                 local_path: live.local_path.to_string_lossy().into_owned(),
@@ -1691,20 +1697,44 @@ async fn maybe_finish(
             })
             .await
         }
-        Next::Publish(manifest, times) => {
+        Next::Publish(manifest, times, keys) => {
             let t_publish = Instant::now();
             // Wait for chunk writes in flight; later ones see `publishing`.
-            let _exclusive = live.writes.clone().write_owned().await;
+            let exclusive = live.writes.clone().write_owned().await;
             flush(inner).await;
             let root_hex = hex(&manifest.root());
             let (l2, m2) = (live.clone(), manifest.clone());
-            let res = blocking(move || publish(&l2, &m2)).await;
-            if let Err(e) = res {
-                let reason = format!("publishing {}: {e}", live.local_path.display());
-                warn!(transfer = id, "{reason}");
-                cancel_live(inner, live, state::FAILED, &reason).await;
-                return ctl.send(&Control::Cancel { id, reason }).await;
+            let res =
+                blocking(move || publish::publish(&l2.staging, &l2.local_path, &m2, &keys)).await;
+            let bad = match res {
+                Ok(publish::Outcome::Published) => None,
+                Ok(publish::Outcome::Recovered) => {
+                    warn!(
+                        transfer = id,
+                        path = %live.local_path.display(),
+                        "finished a publish that a crash had interrupted"
+                    );
+                    None
+                }
+                Ok(publish::Outcome::Refetch(bad)) => Some(bad),
+                Err(e) => {
+                    let reason = format!("publishing {}: {e}", live.local_path.display());
+                    warn!(transfer = id, "{reason}");
+                    drop(exclusive);
+                    // Not published: let the cancel below record the failure
+                    // (it leaves a transfer that is publishing alone).
+                    if let Ok(mut st) = live.st.lock() {
+                        st.publishing = false;
+                    }
+                    cancel_live(inner, live, state::FAILED, &reason).await;
+                    return ctl.send(&Control::Cancel { id, reason }).await;
+                }
+            };
+            if let Some(bad) = bad {
+                drop(exclusive);
+                return refetch_changed(inner, live, ctl, id, bad).await;
             }
+            publish::fault_point("on-disk");
             let siblings = live
                 .st
                 .lock()
@@ -1749,6 +1779,63 @@ async fn maybe_finish(
             .await
         }
     }
+}
+
+/// Publish attempts that may find staged chunks changed on disk before
+/// the transfer fails: bytes that keep changing after they were verified
+/// point at a failing disk or another writer in the sink root.
+const MAX_CHANGED_ON_DISK: u32 = 3;
+
+/// The publish step found chunks in staging that no longer match the
+/// manifest: counts them as verification failures, forgets them (in memory
+/// and in the catalog) and asks the source for them again, or fails the
+/// transfer after [`MAX_CHANGED_ON_DISK`] such attempts.
+async fn refetch_changed(
+    inner: &Arc<Inner>,
+    live: &Arc<Live>,
+    ctl: &ControlSender,
+    id: u64,
+    bad: Vec<u64>,
+) -> Result<(), ConnError> {
+    inner.metrics.verification_failures.inc_by(bad.len() as u64);
+    let (attempts, done) = {
+        let Ok(mut st) = live.st.lock() else {
+            return Ok(());
+        };
+        st.publishing = false;
+        st.changed_on_disk += 1;
+        let mut dropped = 0;
+        if let Ok(t) = live.table.read() {
+            for k in &bad {
+                if st.verified.remove(k).is_some() {
+                    if let Some((f, c)) = t.map.locate(*k) {
+                        dropped += t.map.span(f, c).1;
+                    }
+                }
+            }
+        }
+        st.bytes_done -= dropped.min(st.bytes_done);
+        (st.changed_on_disk, st.bytes_done)
+    };
+    if attempts > MAX_CHANGED_ON_DISK {
+        let reason = format!(
+            "staged chunks of {} changed on disk after they were verified, {attempts} times; \
+             is the sink's disk failing, or does something else write under {}?",
+            live.local_path.display(),
+            inner.cfg.root.display()
+        );
+        warn!(transfer = id, "{reason}");
+        cancel_live(inner, live, state::FAILED, &reason).await;
+        return ctl.send(&Control::Cancel { id, reason }).await;
+    }
+    let _ = inner.catalog.drop_chunks(live.id, &bad, done).await;
+    warn!(
+        transfer = id,
+        chunks = bad.len(),
+        "staged chunks no longer match the manifest (changed on disk since they were verified); asking for them again"
+    );
+    inner.changed.send_modify(|v| *v += 1);
+    ctl.send(&Control::Need { id, chunks: bad }).await
 }
 
 /// Matches a sealed manifest to the transfer's file table by path, sets
@@ -1838,118 +1925,6 @@ fn write_siblings(replica: &Path, siblings: &[(String, Vec<u8>)]) -> io::Result<
         std::fs::rename(&tmp, &dst)?;
     }
     std::fs::File::open(parent)?.sync_all()
-}
-
-/// Removes files in staging that the sealed manifest does not list, so a
-/// replica holds exactly the frozen file set.
-fn remove_unlisted(staging: &Path, m: &Manifest) -> io::Result<()> {
-    let listed: std::collections::HashSet<&str> = m.files.iter().map(|f| f.path.as_str()).collect();
-    let scan = crate::manifest::scan(staging, &Default::default())
-        .map_err(|e| io::Error::other(e.to_string()))?;
-    for f in scan.files {
-        if !listed.contains(f.path.as_str()) {
-            warn!(path = %staging.join(&f.path).display(), "removing a staging file the manifest does not list");
-            std::fs::remove_file(staging.join(&f.path))?;
-        }
-    }
-    Ok(())
-}
-
-/// Moves a verified staging directory into place: modes and mtimes set,
-/// data synced, the directory renamed (or atomically exchanged with an
-/// older version, which is then removed), and the commit markers moved in
-/// last, in the manifest's order.
-fn publish(live: &Live, m: &Manifest) -> io::Result<()> {
-    let staging = &live.staging;
-    let held = staging.with_extension("markers");
-    if held.exists() || !staging.exists() {
-        // A publish of this transfer was interrupted (the agent died
-        // between moving the replica and recording it). Which directory
-        // holds which version is not known here; refuse rather than risk
-        // publishing the wrong one. A new push publishes afresh.
-        return Err(io::Error::other(
-            "an earlier publish of this transfer was interrupted; push the checkpoint again",
-        ));
-    }
-    remove_unlisted(staging, m)?;
-    if live.local_path.exists() && !live.local_path.is_dir() {
-        return Err(io::Error::other(format!(
-            "{} exists and is not a directory",
-            live.local_path.display()
-        )));
-    }
-    for f in &m.files {
-        let p = staging.join(&f.path);
-        // Read-only: files hard-linked from the previous version stay
-        // shared (modes and times are set to the same values).
-        let mut file = match OpenOptions::new()
-            .read(true)
-            .custom_flags(nix::libc::O_NOFOLLOW)
-            .open(&p)
-        {
-            Ok(file) => file,
-            Err(e) if e.kind() == io::ErrorKind::NotFound && f.size == 0 => {
-                open_staging(staging, &f.path)?
-            }
-            Err(e) => return Err(io::Error::new(e.kind(), format!("{}: {e}", p.display()))),
-        };
-        let mut len = file.metadata()?.len();
-        if len > f.size {
-            // The file was rewritten shorter at the source while it was
-            // being copied: every chunk of the final content is verified,
-            // the bytes past its end are stale.
-            drop(file);
-            file = open_staging(staging, &f.path)?;
-            file.set_len(f.size)?;
-            len = f.size;
-        }
-        if len != f.size {
-            return Err(io::Error::other(format!(
-                "{} has {len} bytes, expected {}",
-                p.display(),
-                f.size
-            )));
-        }
-        file.set_permissions(std::fs::Permissions::from_mode(f.mode & 0o7777))?;
-        let mtime = if f.mtime_ns >= 0 {
-            UNIX_EPOCH + Duration::from_nanos(f.mtime_ns as u64)
-        } else {
-            UNIX_EPOCH
-        };
-        file.set_modified(mtime)?;
-    }
-    sync_dir_fs(staging)?;
-    std::fs::create_dir_all(&held)?;
-    for (i, mi) in m.markers.iter().enumerate() {
-        let f = &m.files[*mi as usize];
-        std::fs::rename(staging.join(&f.path), held.join(i.to_string()))?;
-    }
-    if let Some(parent) = live.local_path.parent() {
-        std::fs::create_dir_all(parent)?;
-    }
-    if live.local_path.exists() {
-        nix::fcntl::renameat2(
-            None,
-            staging.as_path(),
-            None,
-            live.local_path.as_path(),
-            nix::fcntl::RenameFlags::RENAME_EXCHANGE,
-        )
-        .map_err(io::Error::from)?;
-    } else {
-        std::fs::rename(staging, &live.local_path)?;
-    }
-    for (i, mi) in m.markers.iter().enumerate() {
-        let f = &m.files[*mi as usize];
-        std::fs::rename(held.join(i.to_string()), live.local_path.join(&f.path))?;
-    }
-    std::fs::File::open(&live.local_path)?.sync_all()?;
-    let _ = std::fs::remove_dir(&held);
-    // After an exchange the previous version sits at the staging path.
-    if staging.exists() {
-        std::fs::remove_dir_all(staging)?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

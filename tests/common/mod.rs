@@ -324,6 +324,22 @@ impl Agent {
         format!("http://127.0.0.1:{}", self.cfg.api_port)
     }
 
+    /// Sets (or with `None` removes) an environment variable of the
+    /// agent's next (re)start.
+    #[allow(dead_code)]
+    pub fn set_env(&mut self, key: &str, value: Option<&str>) {
+        self.env.retain(|(k, _)| k != key);
+        if let Some(v) = value {
+            self.env.push((key.to_string(), v.to_string()));
+        }
+    }
+
+    /// `Some(status)` once the agent's process has exited by itself.
+    #[allow(dead_code)]
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.proc.as_mut()?.exited()
+    }
+
     /// SIGKILLs the agent (no draining) and reaps it.
     pub fn kill(&mut self) {
         if let Some(mut p) = self.proc.take() {
@@ -1188,4 +1204,33 @@ impl World {
 #[allow(dead_code)]
 pub fn tree_diff(original: &Path, replica: &Path) -> Result<(), String> {
     compare_trees(original, replica, true)
+}
+
+/// `GET /metrics` of `agent`, parsed as Prometheus text.
+pub async fn scrape(w: &World, agent: &Agent) -> prometheus_parse::Scrape {
+    let text = w.metrics_text(agent).await;
+    prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string()))).unwrap_or_else(|e| {
+        w.fail(format!(
+            "{} /metrics does not parse: {e}\n{text}",
+            agent.label
+        ))
+    })
+}
+
+/// The value of the one sample of `name` with `labels` (among others),
+/// if there is one; a histogram's `_sum` and `_count` are samples of
+/// their own.
+pub fn metric(s: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let mut found = s
+        .samples
+        .iter()
+        .filter(|x| x.metric == name && labels.iter().all(|(k, v)| x.labels.get(k) == Some(*v)));
+    let one = found.next()?;
+    assert!(found.next().is_none(), "more than one {name}{labels:?}");
+    match one.value {
+        prometheus_parse::Value::Counter(v)
+        | prometheus_parse::Value::Gauge(v)
+        | prometheus_parse::Value::Untyped(v) => Some(v),
+        _ => None,
+    }
 }

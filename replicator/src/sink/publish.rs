@@ -1,0 +1,625 @@
+//! Publishing a replica (DESIGN.md, data path step 6): the staging
+//! directory is read back and checked against the sealed manifest, moved
+//! into place with one `rename`, and its commit markers are moved in last.
+//! A publish that a crash interrupted is finished from what is on disk.
+//!
+//! On disk, a publish of staging directory `S` to local path `L` goes:
+//!
+//! 1. every staged chunk is read back and hashed; chunks that no longer
+//!    match the manifest (changed on disk since they were verified on
+//!    arrival) are returned to be fetched again, and nothing moves;
+//! 2. files the manifest does not list are removed, sizes, modes and
+//!    mtimes set, the file system synced;
+//! 3. the commit markers are moved aside into `S.markers/<i>` (the i-th
+//!    marker of the manifest): from here until step 6, `S.markers`
+//!    existing means a publish is under way;
+//! 4. `S` is renamed to `L` (or atomically exchanged with an older version
+//!    at `L`, which then sits at `S`);
+//! 5. the markers are moved into `L`, in the manifest's order, and `L` is
+//!    synced;
+//! 6. the older version, if any, is removed, then `S.markers`.
+//!
+//! A reader therefore never sees a commit marker beside a file that is not
+//! the verified one. After a crash, [`publish`] finds `S.markers` and
+//! finishes the move: it checks which of `S` and `L` holds the verified
+//! checkpoint (sizes, modes, mtimes and every chunk hash) before moving
+//! anything. A crash after step 6 but before the catalog recorded the
+//! replica leaves `L` complete and `S` empty; that is recognised the same
+//! way.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, UNIX_EPOCH};
+
+use tracing::warn;
+
+use crate::manifest::{chunk_count, chunk_len, Hash, Manifest};
+
+/// What [`publish`] did.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Outcome {
+    /// The replica is in place.
+    Published,
+    /// The replica was already in place, from a publish a crash
+    /// interrupted; it has been finished.
+    Recovered,
+    /// These chunk keys no longer match the manifest in staging; nothing
+    /// moved. Fetch them again.
+    Refetch(Vec<u64>),
+}
+
+/// Environment variable of the reliability suite: when it names one of the
+/// points `markers-held`, `placed` or `markers-in` (after steps 3, 4 and 5
+/// of a fresh publish) or `on-disk` (after the publish, before the catalog
+/// records it), the sink SIGKILLs itself there.
+pub const FAULT_KILL_ENV: &str = "FERRY_FAULT_KILL_IN_PUBLISH";
+
+/// SIGKILLs this process if [`FAULT_KILL_ENV`] names `point`.
+pub(super) fn fault_point(point: &str) {
+    static AT: OnceLock<Option<String>> = OnceLock::new();
+    if AT
+        .get_or_init(|| std::env::var(FAULT_KILL_ENV).ok())
+        .as_deref()
+        == Some(point)
+    {
+        warn!(
+            point,
+            "fault injection: killing this agent ({FAULT_KILL_ENV})"
+        );
+        let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+    }
+}
+
+fn held_dir(staging: &Path) -> PathBuf {
+    staging.with_extension("markers")
+}
+
+/// Publishes staging directory `staging` at `local_path` as the checkpoint
+/// `m`, whose chunk keys (as the sink's file table numbers them) are
+/// `keys`, one per chunk in manifest order (files in order, chunks in
+/// order). Finishes an interrupted publish of the same transfer first if
+/// there is one (see the module docs).
+///
+/// # Errors
+/// I/O errors naming the path, and a refusal when an interrupted publish
+/// left no directory holding the verified checkpoint.
+pub(super) fn publish(
+    staging: &Path,
+    local_path: &Path,
+    m: &Manifest,
+    keys: &[(u64, Hash)],
+) -> io::Result<Outcome> {
+    let held = held_dir(staging);
+    if held.exists() {
+        resume(staging, local_path, m, &held)?;
+        return Ok(Outcome::Recovered);
+    }
+    if !has_files(staging)? && local_path.is_dir() && matches(local_path, m, &|_| None)? {
+        // Published before a crash that came before the catalog heard of it.
+        if staging.exists() {
+            std::fs::remove_dir_all(staging)?;
+        }
+        return Ok(Outcome::Recovered);
+    }
+    let bad = changed_chunks(staging, m, keys);
+    if !bad.is_empty() {
+        return Ok(Outcome::Refetch(bad));
+    }
+    remove_unlisted(staging, m)?;
+    if local_path.exists() && !local_path.is_dir() {
+        return Err(io::Error::other(format!(
+            "{} exists and is not a directory",
+            local_path.display()
+        )));
+    }
+    for f in &m.files {
+        let p = staging.join(&f.path);
+        // Read-only: files hard-linked from the previous version stay
+        // shared (modes and times are set to the same values).
+        let mut file = match OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(&p)
+        {
+            Ok(file) => file,
+            Err(e) if e.kind() == io::ErrorKind::NotFound && f.size == 0 => {
+                super::open_staging(staging, &f.path)?
+            }
+            Err(e) => return Err(io::Error::new(e.kind(), format!("{}: {e}", p.display()))),
+        };
+        let mut len = file.metadata()?.len();
+        if len > f.size {
+            // The file was rewritten shorter at the source while it was
+            // being copied: every chunk of the final content is verified,
+            // the bytes past its end are stale.
+            drop(file);
+            file = super::open_staging(staging, &f.path)?;
+            file.set_len(f.size)?;
+            len = f.size;
+        }
+        if len != f.size {
+            return Err(io::Error::other(format!(
+                "{} has {len} bytes, expected {}",
+                p.display(),
+                f.size
+            )));
+        }
+        file.set_permissions(std::fs::Permissions::from_mode(f.mode & 0o7777))?;
+        file.set_modified(mtime(f.mtime_ns))?;
+    }
+    super::sync_dir_fs(staging)?;
+    std::fs::create_dir_all(&held)?;
+    for (i, mi) in m.markers.iter().enumerate() {
+        let f = &m.files[*mi as usize];
+        std::fs::rename(staging.join(&f.path), held.join(i.to_string()))?;
+    }
+    fault_point("markers-held");
+    place(staging, local_path)?;
+    fault_point("placed");
+    markers_in(local_path, m, &held)?;
+    fault_point("markers-in");
+    clean_up(staging, &held)?;
+    Ok(Outcome::Published)
+}
+
+/// Finishes a publish interrupted after its markers were moved aside.
+fn resume(staging: &Path, local_path: &Path, m: &Manifest, held: &Path) -> io::Result<()> {
+    let aside: HashMap<usize, PathBuf> = m
+        .markers
+        .iter()
+        .enumerate()
+        .map(|(i, mi)| (*mi as usize, held.join(i.to_string())))
+        .collect();
+    let overlay = |fi: usize| aside.get(&fi).filter(|p| p.exists()).cloned();
+    let placed = local_path.is_dir() && matches(local_path, m, &overlay)?;
+    if !placed {
+        if !(staging.is_dir() && matches(staging, m, &overlay)?) {
+            return Err(io::Error::other(format!(
+                "an earlier publish of this transfer was interrupted, and neither {} nor {} \
+                 holds the verified checkpoint; push the checkpoint again",
+                staging.display(),
+                local_path.display()
+            )));
+        }
+        place(staging, local_path)?;
+    }
+    markers_in(local_path, m, held)?;
+    clean_up(staging, held)
+}
+
+/// Step 4: `staging` becomes `local_path`, exchanged with an older version
+/// if there is one.
+fn place(staging: &Path, local_path: &Path) -> io::Result<()> {
+    if let Some(parent) = local_path.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    if local_path.exists() {
+        nix::fcntl::renameat2(
+            None,
+            staging,
+            None,
+            local_path,
+            nix::fcntl::RenameFlags::RENAME_EXCHANGE,
+        )
+        .map_err(io::Error::from)
+    } else {
+        std::fs::rename(staging, local_path)
+    }
+}
+
+/// Step 5: every marker still set aside moves into `local_path`, in the
+/// manifest's order; then `local_path` is synced.
+fn markers_in(local_path: &Path, m: &Manifest, held: &Path) -> io::Result<()> {
+    for (i, mi) in m.markers.iter().enumerate() {
+        let from = held.join(i.to_string());
+        if from.exists() {
+            let f = &m.files[*mi as usize];
+            std::fs::rename(from, local_path.join(&f.path))?;
+        }
+    }
+    File::open(local_path)?.sync_all()
+}
+
+/// Step 6: the older version (now at `staging`, after an exchange) goes,
+/// then the held-markers directory that marks a publish under way.
+fn clean_up(staging: &Path, held: &Path) -> io::Result<()> {
+    if staging.exists() {
+        std::fs::remove_dir_all(staging)?;
+    }
+    if held.exists() {
+        std::fs::remove_dir_all(held)?;
+    }
+    if let Some(parent) = held.parent() {
+        File::open(parent)?.sync_all()?;
+    }
+    Ok(())
+}
+
+fn mtime(ns: i64) -> std::time::SystemTime {
+    if ns >= 0 {
+        UNIX_EPOCH + Duration::from_nanos(ns as u64)
+    } else {
+        UNIX_EPOCH
+    }
+}
+
+/// Whether `dir` holds at least one entry other than directories.
+fn has_files(dir: &Path) -> io::Result<bool> {
+    let rd = match std::fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(e),
+    };
+    for e in rd {
+        let e = e?;
+        if !e.file_type()?.is_dir() || has_files(&e.path())? {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// Whether `dir` holds exactly the published form of `m`: every file a
+/// regular file with the manifest's size, mode and mtime and every chunk
+/// hashing to the manifest's. `overlay(i)` names another place to read
+/// file `i` from (a marker set aside).
+fn matches(
+    dir: &Path,
+    m: &Manifest,
+    overlay: &(dyn Fn(usize) -> Option<PathBuf> + Sync),
+) -> io::Result<bool> {
+    for (i, f) in m.files.iter().enumerate() {
+        let p = overlay(i).unwrap_or_else(|| dir.join(&f.path));
+        let md = match std::fs::symlink_metadata(&p) {
+            Ok(md) => md,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+            Err(e) => return Err(e),
+        };
+        let ns = md.mtime() * 1_000_000_000 + md.mtime_nsec();
+        if !md.is_file()
+            || md.len() != f.size
+            || md.mode() & 0o7777 != f.mode & 0o7777
+            || ns != f.mtime_ns.max(0)
+        {
+            return Ok(false);
+        }
+    }
+    let chunks: Vec<(usize, u64)> = m
+        .files
+        .iter()
+        .enumerate()
+        .flat_map(|(i, f)| (0..chunk_count(f.size, m.chunk_size)).map(move |c| (i, c)))
+        .collect();
+    Ok(hash_mismatches(dir, m, overlay, &chunks, true).is_empty())
+}
+
+/// Keys of the staged chunks whose bytes no longer hash to the manifest
+/// (including chunks that cannot be read). `keys` as for [`publish`].
+fn changed_chunks(staging: &Path, m: &Manifest, keys: &[(u64, Hash)]) -> Vec<u64> {
+    let chunks: Vec<(usize, u64)> = m
+        .files
+        .iter()
+        .enumerate()
+        .flat_map(|(i, f)| (0..chunk_count(f.size, m.chunk_size)).map(move |c| (i, c)))
+        .collect();
+    let bad = hash_mismatches(staging, m, &|_| None, &chunks, false);
+    bad.into_iter()
+        .filter_map(|n| keys.get(n).map(|(k, _)| *k))
+        .collect()
+}
+
+/// Reads and hashes `chunks` (file index, chunk index) of `m` under `dir`
+/// on up to 4 threads; returns the positions in `chunks` that cannot be
+/// read or do not hash to the manifest, in order. With `first_only` it
+/// stops at the first one found.
+fn hash_mismatches(
+    dir: &Path,
+    m: &Manifest,
+    overlay: &(dyn Fn(usize) -> Option<PathBuf> + Sync),
+    chunks: &[(usize, u64)],
+    first_only: bool,
+) -> Vec<usize> {
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, 4)
+        .min(chunks.len().max(1));
+    let next = AtomicUsize::new(0);
+    let stop = AtomicBool::new(false);
+    let bad = Mutex::new(Vec::new());
+    let cs = u64::from(m.chunk_size);
+    std::thread::scope(|s| {
+        for _ in 0..workers {
+            s.spawn(|| {
+                let mut open: Option<(usize, File)> = None;
+                let mut buf = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let n = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&(fi, ci)) = chunks.get(n) else {
+                        break;
+                    };
+                    let f = &m.files[fi];
+                    let ok = (|| -> io::Result<bool> {
+                        if open.as_ref().is_none_or(|(i, _)| *i != fi) {
+                            let p = overlay(fi).unwrap_or_else(|| dir.join(&f.path));
+                            let file = OpenOptions::new()
+                                .read(true)
+                                .custom_flags(nix::libc::O_NOFOLLOW)
+                                .open(p)?;
+                            open = Some((fi, file));
+                        }
+                        let Some((_, file)) = &open else {
+                            return Ok(false);
+                        };
+                        let len = chunk_len(f.size, m.chunk_size, ci) as usize;
+                        buf.resize(len, 0);
+                        file.read_exact_at(&mut buf, ci * cs)?;
+                        let want = f.chunks.get(ci as usize);
+                        Ok(want == Some(blake3::hash(&buf).as_bytes()))
+                    })()
+                    .unwrap_or(false);
+                    if !ok {
+                        if let Ok(mut b) = bad.lock() {
+                            b.push(n);
+                        }
+                        if first_only {
+                            stop.store(true, Ordering::Relaxed);
+                        }
+                    }
+                }
+            });
+        }
+    });
+    let mut bad = bad.into_inner().unwrap_or_default();
+    bad.sort_unstable();
+    bad
+}
+
+/// Removes files in staging that the sealed manifest does not list, so a
+/// replica holds exactly the frozen file set.
+fn remove_unlisted(staging: &Path, m: &Manifest) -> io::Result<()> {
+    let listed: std::collections::HashSet<&str> = m.files.iter().map(|f| f.path.as_str()).collect();
+    let scan = crate::manifest::scan(staging, &Default::default())
+        .map_err(|e| io::Error::other(e.to_string()))?;
+    for f in scan.files {
+        if !listed.contains(f.path.as_str()) {
+            warn!(path = %staging.join(&f.path).display(), "removing a staging file the manifest does not list");
+            std::fs::remove_file(staging.join(&f.path))?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::manifest::{build, ScanOptions};
+
+    const CHUNK: u32 = 64 * 1024;
+
+    /// A source checkpoint: three data files (one of several chunks) and a
+    /// `COMMITTED` marker, with its manifest.
+    fn source(dir: &Path) -> Manifest {
+        std::fs::create_dir_all(dir.join("sub")).unwrap();
+        std::fs::write(dir.join("a.bin"), vec![1u8; 200_000]).unwrap();
+        std::fs::write(dir.join("sub/b.bin"), b"bee").unwrap();
+        std::fs::write(dir.join("c.json"), b"{}").unwrap();
+        std::fs::write(dir.join("COMMITTED"), b"").unwrap();
+        let opts = ScanOptions {
+            markers: vec!["COMMITTED".into()],
+        };
+        build(dir, &opts, CHUNK).unwrap()
+    }
+
+    /// Chunk keys numbered as a sink table would: file index << 32 | chunk.
+    fn keys(m: &Manifest) -> Vec<(u64, Hash)> {
+        let mut k = Vec::new();
+        for (i, f) in m.files.iter().enumerate() {
+            for (c, h) in f.chunks.iter().enumerate() {
+                k.push(((i as u64) << 32 | c as u64, *h));
+            }
+        }
+        k
+    }
+
+    /// Copies the bytes (not modes or times) of `from` into a staging
+    /// directory, as chunks arriving would.
+    fn stage(from: &Path, staging: &Path, m: &Manifest) {
+        for f in &m.files {
+            let to = staging.join(&f.path);
+            std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+            std::fs::copy(from.join(&f.path), &to).unwrap();
+            std::fs::set_permissions(&to, std::fs::Permissions::from_mode(0o600)).unwrap();
+        }
+    }
+
+    struct Case {
+        _tmp: tempfile::TempDir,
+        src: PathBuf,
+        staging: PathBuf,
+        local: PathBuf,
+        m: Manifest,
+    }
+
+    fn case() -> Case {
+        let tmp = tempfile::tempdir().unwrap();
+        let src = tmp.path().join("src");
+        let m = source(&src);
+        let staging = tmp.path().join(".ferry/staging/peer-1-abc");
+        let local = tmp.path().join("site/job/step_100");
+        stage(&src, &staging, &m);
+        Case {
+            _tmp: tmp,
+            src,
+            staging,
+            local,
+            m,
+        }
+    }
+
+    /// Every file of `m` at `dir` is byte-identical to the source, with
+    /// its mode and mtime.
+    fn assert_published(c: &Case) {
+        assert!(matches(&c.local, &c.m, &|_| None).unwrap());
+        for f in &c.m.files {
+            assert_eq!(
+                std::fs::read(c.local.join(&f.path)).unwrap(),
+                std::fs::read(c.src.join(&f.path)).unwrap(),
+                "{}",
+                f.path
+            );
+        }
+        assert!(!c.staging.exists(), "staging left behind");
+        assert!(!held_dir(&c.staging).exists(), "held markers left behind");
+    }
+
+    #[test]
+    fn publishes_with_modes_times_and_markers() {
+        let c = case();
+        let out = publish(&c.staging, &c.local, &c.m, &keys(&c.m)).unwrap();
+        assert_eq!(out, Outcome::Published);
+        assert_published(&c);
+        let src_md = std::fs::metadata(c.src.join("a.bin")).unwrap();
+        let md = std::fs::metadata(c.local.join("a.bin")).unwrap();
+        assert_eq!(md.mode() & 0o7777, src_md.mode() & 0o7777);
+        assert_eq!(md.mtime_nsec(), src_md.mtime_nsec());
+    }
+
+    #[test]
+    fn chunks_changed_in_staging_are_refetched_and_nothing_moves() {
+        let c = case();
+        // Second chunk of a.bin (file 0) and the only chunk of sub/b.bin.
+        let a = OpenOptions::new()
+            .write(true)
+            .open(c.staging.join("a.bin"))
+            .unwrap();
+        a.write_all_at(&[9], u64::from(CHUNK) + 5).unwrap();
+        std::fs::write(c.staging.join("sub/b.bin"), b"bea").unwrap();
+        let ks = keys(&c.m);
+        let b_index =
+            c.m.files
+                .iter()
+                .position(|f| f.path == "sub/b.bin")
+                .unwrap() as u64;
+        let out = publish(&c.staging, &c.local, &c.m, &ks).unwrap();
+        assert_eq!(out, Outcome::Refetch(vec![1, b_index << 32]));
+        assert!(!c.local.exists());
+        assert!(!held_dir(&c.staging).exists());
+        // A missing file is refetched too.
+        std::fs::remove_file(c.staging.join("c.json")).unwrap();
+        let c_index = c.m.files.iter().position(|f| f.path == "c.json").unwrap() as u64;
+        let out = publish(&c.staging, &c.local, &c.m, &ks).unwrap();
+        let mut want = vec![1, b_index << 32, c_index << 32];
+        want.sort_unstable();
+        assert_eq!(out, Outcome::Refetch(want));
+    }
+
+    /// Runs steps 2 and 3 of a publish (modes, times, markers aside).
+    fn up_to_markers_held(c: &Case) -> PathBuf {
+        for f in &c.m.files {
+            let p = c.staging.join(&f.path);
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(f.mode & 0o7777)).unwrap();
+            File::options()
+                .write(true)
+                .open(&p)
+                .unwrap()
+                .set_modified(mtime(f.mtime_ns))
+                .unwrap();
+        }
+        let held = held_dir(&c.staging);
+        std::fs::create_dir_all(&held).unwrap();
+        for (i, mi) in c.m.markers.iter().enumerate() {
+            let f = &c.m.files[*mi as usize];
+            std::fs::rename(c.staging.join(&f.path), held.join(i.to_string())).unwrap();
+        }
+        held
+    }
+
+    #[test]
+    fn a_crash_after_the_markers_were_set_aside_is_finished() {
+        let c = case();
+        up_to_markers_held(&c);
+        let out = publish(&c.staging, &c.local, &c.m, &keys(&c.m)).unwrap();
+        assert_eq!(out, Outcome::Recovered);
+        assert_published(&c);
+    }
+
+    #[test]
+    fn a_crash_after_the_rename_is_finished() {
+        let c = case();
+        let held = up_to_markers_held(&c);
+        place(&c.staging, &c.local).unwrap();
+        // The sink re-creates an empty staging directory when the
+        // transfer is opened again.
+        std::fs::create_dir_all(&c.staging).unwrap();
+        assert!(!c.local.join("COMMITTED").exists());
+        let out = publish(&c.staging, &c.local, &c.m, &keys(&c.m)).unwrap();
+        assert_eq!(out, Outcome::Recovered);
+        assert_published(&c);
+        assert!(!held.exists());
+    }
+
+    #[test]
+    fn a_crash_after_exchanging_with_an_older_version_is_finished() {
+        let c = case();
+        // An older version published at the same path.
+        std::fs::create_dir_all(&c.local).unwrap();
+        std::fs::write(c.local.join("a.bin"), b"old").unwrap();
+        std::fs::write(c.local.join("COMMITTED"), b"").unwrap();
+        up_to_markers_held(&c);
+        place(&c.staging, &c.local).unwrap();
+        assert_eq!(std::fs::read(c.staging.join("a.bin")).unwrap(), b"old");
+        let out = publish(&c.staging, &c.local, &c.m, &keys(&c.m)).unwrap();
+        assert_eq!(out, Outcome::Recovered);
+        assert_published(&c);
+    }
+
+    #[test]
+    fn a_crash_before_the_catalog_heard_of_it_is_recognised() {
+        let c = case();
+        assert_eq!(
+            publish(&c.staging, &c.local, &c.m, &keys(&c.m)).unwrap(),
+            Outcome::Published
+        );
+        std::fs::create_dir_all(&c.staging).unwrap();
+        let out = publish(&c.staging, &c.local, &c.m, &keys(&c.m)).unwrap();
+        assert_eq!(out, Outcome::Recovered);
+        assert_published(&c);
+    }
+
+    #[test]
+    fn an_interrupted_publish_with_no_verified_copy_is_refused_and_nothing_deleted() {
+        let c = case();
+        let held = up_to_markers_held(&c);
+        // Damage the only copy.
+        let a = OpenOptions::new()
+            .write(true)
+            .open(c.staging.join("a.bin"))
+            .unwrap();
+        a.write_all_at(&[9], 7).unwrap();
+        let m = c.m.clone();
+        let err = publish(&c.staging, &c.local, &m, &keys(&m)).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("interrupted"), "{text}");
+        assert!(text.contains("push the checkpoint again"), "{text}");
+        assert!(c.staging.join("a.bin").exists());
+        assert!(held.join("0").exists());
+        assert!(!c.local.exists());
+    }
+
+    #[test]
+    fn an_older_version_in_place_is_not_taken_for_the_new_one() {
+        let c = case();
+        std::fs::create_dir_all(&c.local).unwrap();
+        std::fs::write(c.local.join("a.bin"), b"old").unwrap();
+        // Staging holds the new version: a normal publish, by exchange.
+        let out = publish(&c.staging, &c.local, &c.m, &keys(&c.m)).unwrap();
+        assert_eq!(out, Outcome::Published);
+        assert_published(&c);
+    }
+}
