@@ -236,35 +236,78 @@ enum Command {
         #[arg(long, default_value = "none", requires = "format")]
         fault: gen::format::Fault,
     },
-    /// User-space WAN emulator: a UDP relay adding one-way delay, a rate
-    /// cap with a bounded drop-tail queue, loss and corruption.
-    LinkEmu {
-        /// Address agents send to.
-        #[arg(long)]
-        listen: SocketAddr,
-        /// Address the relay forwards to (the sink's QUIC address).
-        #[arg(long)]
-        forward: SocketAddr,
-        /// Rate cap per direction, e.g. 1Gbit/s.
-        #[arg(long, default_value = "1Gbit/s", value_parser = config::parse_rate)]
-        rate: u64,
-        /// Round-trip time added (half per direction).
-        #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
-        rtt: Duration,
-        /// Random loss probability per datagram, 0..1.
-        #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-        loss: f64,
-        /// Probability a datagram gets one byte flipped, 0..1.
-        #[arg(long, default_value_t = 0.0)]
-        corrupt: f64,
-        /// Queue limit in bytes (default one bandwidth-delay product).
-        #[arg(long, value_parser = gen::parse_size)]
-        queue: Option<u64>,
-    },
+    /// User-space WAN emulator: a UDP relay adding one-way delay and
+    /// jitter, a rate cap with a bounded drop-tail queue, loss, corruption,
+    /// duplication and reordering, and a link cut on demand.
+    ///
+    /// Send SIGUSR1 to cut the link: every datagram in both directions is
+    /// dropped, also those in flight when they fall due, until SIGUSR2
+    /// restores it; each prints one line ("link-emu: link cut ...",
+    /// "link-emu: link restored ..."). Ctrl-C or SIGTERM stops the relay
+    /// and prints its counters per direction: datagrams delivered (copies
+    /// included), dropped by queue, by loss and by cut, duplicated,
+    /// reordered and corrupted.
+    #[command(
+        after_help = "Example, a 20 s cut after 30 s: ferry link-emu --listen 127.0.0.1:7444 \
+                      --forward 127.0.0.1:7443 --rate 100Mbit/s --rtt 40ms --loss 0.01 \
+                      --jitter 5ms --reorder --duplicate 0.02 --seed 7 & sleep 30; \
+                      kill -USR1 $!; sleep 20; kill -USR2 $!"
+    )]
+    LinkEmu(LinkEmuArgs),
     /// One command, no config, no root: generate a checkpoint, start a
     /// source and a sink agent behind an emulated WAN link, replicate, and
     /// print what happened.
     Demo(demo::DemoArgs),
+}
+
+/// `ferry link-emu` flags.
+#[derive(Debug, clap::Args)]
+struct LinkEmuArgs {
+    /// Address agents send to.
+    #[arg(long)]
+    listen: SocketAddr,
+    /// Address the relay forwards to (the sink's QUIC address).
+    #[arg(long)]
+    forward: SocketAddr,
+    /// Rate cap per direction, e.g. 1Gbit/s.
+    #[arg(long, default_value = "1Gbit/s", value_parser = config::parse_rate)]
+    rate: u64,
+    /// Round-trip time added (half per direction), at most 1 day.
+    #[arg(long, default_value = "100ms", value_parser = parse_emulated_delay)]
+    rtt: Duration,
+    /// Random loss probability per datagram, 0..1.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true, value_parser = parse_probability)]
+    loss: f64,
+    /// Probability a datagram gets one byte flipped, 0..1.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true, value_parser = parse_probability)]
+    corrupt: f64,
+    /// Probability a delivered datagram is delivered twice, 0..1 (as
+    /// netem's duplicate): the byte-identical copy is sent right after the
+    /// original and takes link capacity and queue room like it.
+    #[arg(long, value_name = "P", default_value_t = 0.0, allow_negative_numbers = true, value_parser = parse_probability)]
+    duplicate: f64,
+    /// Jitter, e.g. 5ms (at most 1 day): each datagram's one-way delay is
+    /// RTT/2 plus a uniform offset within +-this, never below zero. Without
+    /// --reorder datagrams keep their order (jitter only bunches them up).
+    #[arg(long, value_name = "DURATION", default_value = "0s", value_parser = parse_emulated_delay)]
+    jitter: Duration,
+    /// Let jitter reorder datagrams: each arrives at its own instant,
+    /// overtaking earlier ones delayed more. No effect without --jitter.
+    #[arg(long)]
+    reorder: bool,
+    /// Seed of the random decisions (loss, corruption, duplication,
+    /// jitter): the direction towards --forward uses N, the way back
+    /// N + 1. The same seed and the same traffic give the same decisions.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 0,
+        allow_negative_numbers = true
+    )]
+    seed: u64,
+    /// Queue limit in bytes (default one bandwidth-delay product).
+    #[arg(long, value_parser = gen::parse_size)]
+    queue: Option<u64>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -498,15 +541,7 @@ async fn run(cli: Cli) -> Result<()> {
                 gen_format(opts).await
             }
         },
-        Command::LinkEmu {
-            listen,
-            forward,
-            rate,
-            rtt,
-            loss,
-            corrupt,
-            queue,
-        } => link_emu(listen, forward, rate, rtt, loss, corrupt, queue).await,
+        Command::LinkEmu(args) => link_emu(args).await,
         Command::Demo(args) => demo::run(args).await,
     }
 }
@@ -642,6 +677,33 @@ fn parse_severity(s: &str) -> Result<f64, String> {
     Ok(v)
 }
 
+/// `--loss`, `--corrupt`, `--duplicate`: a probability, a finite number
+/// from 0 to 1 (clap names the flag in the error).
+fn parse_probability(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number; give a probability from 0 to 1"))?;
+    if !v.is_finite() || !(0.0..=1.0).contains(&v) {
+        return Err(format!("must be a probability from 0 to 1, got {s:?}"));
+    }
+    Ok(v)
+}
+
+/// Longest `--rtt` or `--jitter` `ferry link-emu` accepts (1 day): a
+/// longer one is a typo, and instants that far ahead overflow.
+const MAX_EMULATED_DELAY: Duration = Duration::from_secs(24 * 3600);
+
+/// `--rtt`, `--jitter`: a duration such as 100ms or 2s, at most
+/// [`MAX_EMULATED_DELAY`].
+fn parse_emulated_delay(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| format!("{s:?}: {e} (e.g. 40ms, 2s)"))?;
+    if d > MAX_EMULATED_DELAY {
+        return Err(format!("{s:?} is longer than the 1 day allowed"));
+    }
+    Ok(d)
+}
+
 /// The role as the config file spells it, for the banner.
 fn role_name(role: config::Role) -> &'static str {
     match role {
@@ -765,46 +827,95 @@ async fn verify(path: &Path, cfg_path: &Path) -> Result<()> {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn link_emu(
-    listen: SocketAddr,
-    forward: SocketAddr,
-    rate: u64,
-    rtt: Duration,
-    loss: f64,
-    corrupt: f64,
-    queue: Option<u64>,
-) -> Result<()> {
-    if !(0.0..=1.0).contains(&loss) || !(0.0..=1.0).contains(&corrupt) {
-        bail!("--loss and --corrupt must be within 0..1");
-    }
-    let mut p = LinkParams::new(rate, rtt);
-    p.loss = loss;
-    p.corrupt = corrupt;
-    if let Some(q) = queue {
+/// One direction's counters as `ferry link-emu` prints them at the end.
+fn link_counts(s: &replicator::linkemu::LinkStats) -> String {
+    format!(
+        "{} packets, {} dropped by queue, {} by loss, {} by cut, {} duplicated, {} reordered, \
+         {} corrupted",
+        s.delivered_packets,
+        s.dropped_queue,
+        s.dropped_loss,
+        s.dropped_cut,
+        s.duplicated,
+        s.reordered,
+        s.corrupted
+    )
+}
+
+async fn link_emu(a: LinkEmuArgs) -> Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut p = LinkParams::new(a.rate, a.rtt);
+    p.loss = a.loss;
+    p.corrupt = a.corrupt;
+    p.duplicate = a.duplicate;
+    p.jitter = a.jitter;
+    p.reorder = a.reorder;
+    p.seed = a.seed;
+    if let Some(q) = a.queue {
         p.queue_bytes = q;
     }
     let mut down = p.clone();
     down.seed = p.seed.wrapping_add(1);
-    let relay = spawn_relay(listen, forward, p, down).await?;
+    // Handlers first: a signal must not kill the relay once it says it runs.
+    let mut term = signal(SignalKind::terminate())?;
+    let mut cut_signal = signal(SignalKind::user_defined1())?;
+    let mut restore_signal = signal(SignalKind::user_defined2())?;
+    let relay = spawn_relay(a.listen, a.forward, p, down)
+        .await
+        .with_context(|| format!("relay on --listen {}", a.listen))?;
     noteln!(
-        "link-emu: {} -> {forward}, {} bit/s, RTT {rtt:?}, loss {loss}, corrupt {corrupt}; Ctrl-C to stop",
+        "link-emu: {} -> {}, {} bit/s, RTT {:?}, loss {}, corrupt {}, duplicate {}, jitter {:?}{}, \
+         seed {}; SIGUSR1 cuts the link, SIGUSR2 restores it, Ctrl-C stops",
         relay.local_addr(),
-        rate
+        a.forward,
+        a.rate,
+        a.rtt,
+        a.loss,
+        a.corrupt,
+        a.duplicate,
+        a.jitter,
+        if a.reorder { " (reordering)" } else { "" },
+        a.seed
     );
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
+    let mut cut_since: Option<std::time::Instant> = None;
+    loop {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => break,
+            _ = term.recv() => break,
+            _ = cut_signal.recv() => match cut_since {
+                Some(t) => noteln!(
+                    "link-emu: link cut (every datagram dropped) already, for {:.1} s; SIGUSR2 \
+                     restores it",
+                    t.elapsed().as_secs_f64()
+                ),
+                None => {
+                    relay.set_cut(true);
+                    cut_since = Some(std::time::Instant::now());
+                    noteln!(
+                        "link-emu: link cut (every datagram dropped) at {}; SIGUSR2 restores it",
+                        humantime::format_rfc3339_millis(std::time::SystemTime::now())
+                    );
+                }
+            },
+            _ = restore_signal.recv() => match cut_since.take() {
+                Some(t) => {
+                    relay.set_cut(false);
+                    let s = relay.stats();
+                    noteln!(
+                        "link-emu: link restored at {} after {:.1} s cut; dropped by cut so far: \
+                         {} up, {} down",
+                        humantime::format_rfc3339_millis(std::time::SystemTime::now()),
+                        t.elapsed().as_secs_f64(),
+                        s.up.dropped_cut,
+                        s.down.dropped_cut
+                    );
+                }
+                None => noteln!("link-emu: link restored (it was not cut)"),
+            },
+        }
     }
     let s = relay.stats();
-    noteln!(
-        "up: {} packets, {} dropped by queue, {} by loss; down: {} packets",
-        s.up.delivered_packets,
-        s.up.dropped_queue,
-        s.up.dropped_loss,
-        s.down.delivered_packets
-    );
+    noteln!("up: {}; down: {}", link_counts(&s.up), link_counts(&s.down));
     relay.shutdown().await;
     Ok(())
 }
@@ -977,6 +1088,76 @@ mod tests {
         assert_eq!(role_name(config::Role::Source), "source");
         assert_eq!(role_name(config::Role::Sink), "sink");
         assert_eq!(role_name(config::Role::Both), "source and sink");
+    }
+
+    fn parse_link_emu(args: &[&str]) -> Result<LinkEmuArgs, clap::Error> {
+        let argv = [
+            "ferry",
+            "link-emu",
+            "--listen",
+            "127.0.0.1:7444",
+            "--forward",
+            "127.0.0.1:7443",
+        ]
+        .into_iter()
+        .chain(args.iter().copied());
+        match Cli::try_parse_from(argv)?.command {
+            Command::LinkEmu(a) => Ok(a),
+            other => panic!("not link-emu: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn link_emu_flags_and_defaults() {
+        let a = parse_link_emu(&[]).unwrap();
+        assert_eq!((a.loss, a.corrupt, a.duplicate), (0.0, 0.0, 0.0));
+        assert_eq!((a.jitter, a.reorder, a.seed), (Duration::ZERO, false, 0));
+        assert_eq!(
+            (a.rate, a.rtt, a.queue),
+            (1_000_000_000, Duration::from_millis(100), None)
+        );
+        let a = parse_link_emu(&[
+            "--duplicate",
+            "0.05",
+            "--jitter",
+            "5ms",
+            "--reorder",
+            "--seed",
+            "42",
+            "--loss",
+            "1",
+        ])
+        .unwrap();
+        assert_eq!((a.duplicate, a.loss), (0.05, 1.0));
+        assert_eq!(
+            (a.jitter, a.reorder, a.seed),
+            (Duration::from_millis(5), true, 42)
+        );
+    }
+
+    #[test]
+    fn link_emu_bad_values_name_their_flag() {
+        for (flag, bad, words) in [
+            ("--duplicate", "1.5", "from 0 to 1"),
+            ("--duplicate", "-0.1", "from 0 to 1"),
+            ("--duplicate", "NaN", "from 0 to 1"),
+            ("--loss", "-0.1", "from 0 to 1"),
+            ("--loss", "inf", "from 0 to 1"),
+            ("--corrupt", "2", "from 0 to 1"),
+            ("--corrupt", "x", "not a number"),
+            ("--jitter", "5", "40ms"),
+            ("--jitter", "2days", "1 day"),
+            ("--rtt", "1000000years", "1 day"),
+            ("--seed", "-1", "--seed"),
+        ] {
+            let e = parse_link_emu(&[flag, bad]).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::ValueValidation, "{flag} {bad}: {e}");
+            let text = e.to_string();
+            assert!(
+                text.contains(flag) && text.contains(words),
+                "{flag} {bad}: {text}"
+            );
+        }
     }
 
     #[test]

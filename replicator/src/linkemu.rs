@@ -1,17 +1,24 @@
 //! Link emulation without root privileges.
 //!
 //! One sans-IO model of a bottleneck link ([`LinkModel`]: rate cap, bounded
-//! FIFO queue, propagation delay, random loss and corruption) drives two
-//! transports:
+//! FIFO queue, propagation delay with jitter, random loss, corruption and
+//! duplication, and a cut) drives two transports:
 //!
-//! * [`spawn_relay`]: a UDP relay between real sockets, for separate processes;
+//! * [`spawn_relay`]: a UDP relay between real sockets, for separate
+//!   processes; it can also cut the link ([`Relay::set_cut`]);
 //! * [`memory_pair`]: two in-process [`quinn::AsyncUdpSocket`]s joined by an
 //!   emulated link, for agents inside one process.
+//!
+//! Both deliver datagrams in the order of the instants the model hands out
+//! (offer order among equal instants), so jitter with
+//! [`LinkParams::reorder`] really reorders them, and without it nothing is
+//! reordered.
 //!
 //! Sizes are counted in *wire bytes*: UDP payload length plus
 //! [`WIRE_OVERHEAD_BYTES`] (20 bytes IPv4 header + 8 bytes UDP header).
 
-use std::collections::VecDeque;
+use std::cmp::{Ordering, Reverse};
+use std::collections::{BinaryHeap, VecDeque};
 use std::io::{self, IoSliceMut};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::pin::Pin;
@@ -54,8 +61,8 @@ pub struct LinkParams {
     pub loss: f64,
     /// Probability (0..=1) that a delivered datagram gets one byte flipped.
     pub corrupt: f64,
-    /// Seed of the random number generator used for loss, corruption and
-    /// jitter.
+    /// Seed of the random number generator used for loss, corruption,
+    /// jitter and duplication (same seed and same offers, same decisions).
     pub seed: u64,
     /// Jitter: each datagram's propagation delay is `one_way_delay` plus a
     /// uniform offset in `[-jitter, +jitter]` (never below zero), as netem's
@@ -64,7 +71,19 @@ pub struct LinkParams {
     /// Whether jitter may reorder datagrams. When `false` (the default) a
     /// datagram is never delivered before the one offered before it, so
     /// jitter only bunches datagrams up (and TCP sees no false reordering).
+    /// When `true`, each datagram arrives at its own instant, earlier ones
+    /// overtaken by later ones whose jitter is smaller.
     pub reorder: bool,
+    /// Probability (0..=1) that a delivered datagram is delivered twice, as
+    /// netem's `duplicate`. The copy is byte-identical to the original as
+    /// delivered (corrupted too if the original is). It takes link capacity
+    /// like any datagram: it is serialised right after the original (and
+    /// tail-dropped, counted in [`LinkStats::dropped_queue`], if the queue
+    /// has no room left for it) and has the original's propagation delay,
+    /// so it arrives one serialisation time (its wire bytes x 8 / rate)
+    /// after the original; on an unlimited link, at the same instant, just
+    /// after it. Zero by default.
+    pub duplicate: f64,
 }
 
 impl LinkParams {
@@ -82,6 +101,7 @@ impl LinkParams {
             seed: 0,
             jitter: Duration::ZERO,
             reorder: false,
+            duplicate: 0.0,
         }
     }
 }
@@ -90,12 +110,17 @@ impl LinkParams {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
     /// Deliver the datagram at `at`; if `corrupt`, flip one byte first
-    /// (see [`LinkModel::corrupt_in_place`]).
+    /// (see [`LinkModel::corrupt_in_place`]); if `duplicate_at` is set,
+    /// deliver the same bytes a second time then (see
+    /// [`LinkParams::duplicate`]).
     Deliver {
         /// Instant the last bit arrives at the far end.
         at: Instant,
         /// Whether the datagram is to be corrupted.
         corrupt: bool,
+        /// Instant the copy arrives, if the datagram is duplicated (never
+        /// before `at`).
+        duplicate_at: Option<Instant>,
     },
     /// The datagram is lost.
     Drop(DropReason),
@@ -108,35 +133,54 @@ pub enum DropReason {
     Loss,
     /// Tail drop: the queue would exceed [`LinkParams::queue_bytes`].
     QueueFull,
+    /// The link is cut ([`LinkModel::set_cut`]).
+    Cut,
 }
 
-/// Counters of one link direction.
+/// Counters of one link direction, in datagrams (or IP packets, for
+/// [`LinkModel::offer_packet`]) unless stated otherwise.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LinkStats {
-    /// Datagrams accepted for delivery.
+    /// Datagrams accepted for delivery, copies made by duplication
+    /// included, minus those a cut discarded in flight.
     pub delivered_packets: u64,
-    /// UDP payload bytes accepted for delivery.
+    /// UDP payload bytes (IP bytes for [`LinkModel::offer_packet`]) of the
+    /// delivered datagrams.
     pub delivered_bytes: u64,
     /// Datagrams dropped at random.
     pub dropped_loss: u64,
-    /// Datagrams tail-dropped because the queue was full.
+    /// Datagrams tail-dropped because the queue was full (copies made by
+    /// duplication included).
     pub dropped_queue: u64,
     /// Delivered datagrams marked for corruption.
     pub corrupted: u64,
+    /// Datagrams dropped because the link was cut: offered while it was
+    /// cut, or (in the relay) falling due while it was cut.
+    pub dropped_cut: u64,
+    /// Copies delivered by duplication (each also counted in
+    /// `delivered_packets`).
+    pub duplicated: u64,
+    /// Deliveries scheduled before that of a datagram offered earlier
+    /// (only with [`LinkParams::reorder`]; a datagram that arrives at the
+    /// same instant as an earlier one still arrives after it).
+    pub reordered: u64,
 }
 
 /// Sans-IO model of one direction of a bottleneck link.
 ///
-/// Random loss is applied first (a lost datagram uses no capacity, like
-/// netem). Then the router queue: the backlog is the number of wire bytes not
-/// yet serialised at `now`; if backlog + wire bytes exceeds the queue size the
+/// A cut link ([`LinkModel::set_cut`]) drops every datagram first. Random
+/// loss is applied next (a lost datagram uses no capacity, like netem).
+/// Then the router queue: the backlog is the number of wire bytes not yet
+/// serialised at `now`; if backlog + wire bytes exceeds the queue size the
 /// datagram is tail-dropped (an idle link always accepts). Otherwise it is
-/// delivered at `max(now, busy_until) + wire_bytes * 8 / rate + one_way_delay`.
-/// Time is kept as exact integer nanoseconds from the start of the current
-/// busy period, so long runs do not drift. Deliveries are in FIFO order
-/// unless [`LinkParams::reorder`] lets jitter reorder them (the relay and the
-/// in-memory pair deliver in offer order whatever the instants; the TUN
-/// emulator in `ops/wanem` honours reordering).
+/// delivered at `max(now, busy_until) + wire_bytes * 8 / rate +
+/// propagation delay` (`one_way_delay` plus jitter), and possibly once more
+/// right after ([`LinkParams::duplicate`]). Time is kept as exact integer
+/// nanoseconds from the start of the current busy period, so long runs do
+/// not drift. Delivery instants never decrease unless
+/// [`LinkParams::reorder`] lets jitter reorder them; the relay, the
+/// in-memory pair and the TUN emulator in `ops/wanem` deliver in the order
+/// of these instants.
 #[derive(Debug)]
 pub struct LinkModel {
     params: LinkParams,
@@ -149,6 +193,8 @@ pub struct LinkModel {
     last_now: Option<Instant>,
     /// Latest delivery instant handed out (keeps order under jitter).
     last_at: Option<Instant>,
+    /// Whether the link is cut.
+    cut: bool,
     stats: LinkStats,
 }
 
@@ -162,8 +208,24 @@ impl LinkModel {
             period_bits: 0,
             last_now: None,
             last_at: None,
+            cut: false,
             stats: LinkStats::default(),
         }
+    }
+
+    /// Cuts the link (`true`) or restores it (`false`). While it is cut,
+    /// every datagram offered is dropped ([`DropReason::Cut`]) without
+    /// using capacity or drawing from the random generator. Datagrams
+    /// already accepted keep their delivery instants here; the relay
+    /// discards those that fall due while the link is cut (see
+    /// [`Relay::set_cut`]).
+    pub fn set_cut(&mut self, cut: bool) {
+        self.cut = cut;
+    }
+
+    /// Whether the link is cut.
+    pub fn is_cut(&self) -> bool {
+        self.cut
     }
 
     /// The parameters this model was built with.
@@ -211,16 +273,57 @@ impl LinkModel {
     fn offer_sized(&mut self, now: Instant, wire: u64, counted: u64) -> Verdict {
         let now = self.last_now.map_or(now, |last| last.max(now));
         self.last_now = Some(now);
+        if self.cut {
+            self.stats.dropped_cut += 1;
+            return Verdict::Drop(DropReason::Cut);
+        }
         if self.chance(self.params.loss) {
             self.stats.dropped_loss += 1;
             return Verdict::Drop(DropReason::Loss);
         }
+        let Some(serialised) = self.enqueue(now, wire) else {
+            self.stats.dropped_queue += 1;
+            return Verdict::Drop(DropReason::QueueFull);
+        };
+        let corrupt = self.chance(self.params.corrupt);
+        self.stats.delivered_packets += 1;
+        self.stats.delivered_bytes += counted;
+        self.stats.corrupted += u64::from(corrupt);
+        let delay = self.propagation_delay();
+        let at = self.schedule(serialised + delay);
+        let duplicate_at = if self.chance(self.params.duplicate) {
+            // The copy queues behind the original and shares its delay.
+            match self.enqueue(now, wire) {
+                Some(serialised) => {
+                    self.stats.delivered_packets += 1;
+                    self.stats.delivered_bytes += counted;
+                    self.stats.duplicated += 1;
+                    Some(self.schedule(serialised + delay))
+                }
+                None => {
+                    self.stats.dropped_queue += 1;
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        Verdict::Deliver {
+            at,
+            corrupt,
+            duplicate_at,
+        }
+    }
+
+    /// Puts `wire` bytes into the router queue at `now`: the instant their
+    /// last bit is serialised, or `None` if the queue has no room (tail
+    /// drop).
+    fn enqueue(&mut self, now: Instant, wire: u64) -> Option<Instant> {
         let backlog = self.backlog_bytes(now);
         let start = match self.period_start {
             Some(start) if backlog > 0 => {
                 if backlog.saturating_add(wire) > self.params.queue_bytes {
-                    self.stats.dropped_queue += 1;
-                    return Verdict::Drop(DropReason::QueueFull);
+                    return None;
                 }
                 start
             }
@@ -239,16 +342,39 @@ impl LinkModel {
                 (self.period_bits * NANOS_PER_SEC).div_ceil(u128::from(self.params.rate_bps));
             Duration::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX))
         };
-        let corrupt = self.chance(self.params.corrupt);
-        self.stats.delivered_packets += 1;
-        self.stats.delivered_bytes += counted;
-        self.stats.corrupted += u64::from(corrupt);
-        let mut at = start + serialised + self.propagation_delay();
-        if !self.params.reorder {
-            at = self.last_at.map_or(at, |last| last.max(at));
-        }
+        Some(start + serialised)
+    }
+
+    /// The delivery instant of a datagram due at `at`: not before the
+    /// latest one handed out unless reordering is allowed.
+    fn schedule(&mut self, at: Instant) -> Instant {
+        let at = match self.last_at {
+            Some(last) if at < last => {
+                if !self.params.reorder {
+                    last
+                } else {
+                    self.stats.reordered += 1;
+                    at
+                }
+            }
+            _ => at,
+        };
         self.last_at = Some(self.last_at.map_or(at, |last| last.max(at)));
-        Verdict::Deliver { at, corrupt }
+        at
+    }
+
+    /// Records that a datagram this model delivered (`counted` bytes, a
+    /// copy made by duplication if `copy`) was discarded in flight because
+    /// the link is cut: it moves from the delivered counters to
+    /// [`LinkStats::dropped_cut`].
+    fn discarded_in_flight(&mut self, counted: u64, copy: bool) {
+        let s = &mut self.stats;
+        s.delivered_packets = s.delivered_packets.saturating_sub(1);
+        s.delivered_bytes = s.delivered_bytes.saturating_sub(counted);
+        if copy {
+            s.duplicated = s.duplicated.saturating_sub(1);
+        }
+        s.dropped_cut += 1;
     }
 
     /// `one_way_delay` plus this datagram's jitter offset.
@@ -279,17 +405,122 @@ impl LinkModel {
     }
 
     /// Offer `data` and, if delivered, return it (corrupted if so decided)
-    /// with its delivery instant.
-    fn pass(&mut self, now: Instant, data: &[u8]) -> Option<(Instant, Vec<u8>)> {
+    /// with its delivery instants.
+    fn pass(&mut self, now: Instant, data: &[u8]) -> Option<Passed> {
         match self.offer(now, data.len()) {
-            Verdict::Deliver { at, corrupt } => {
+            Verdict::Deliver {
+                at,
+                corrupt,
+                duplicate_at,
+            } => {
                 let mut data = data.to_vec();
                 if corrupt {
                     self.corrupt_in_place(&mut data);
                 }
-                Some((at, data))
+                Some(Passed {
+                    at,
+                    duplicate_at,
+                    data,
+                })
             }
             Verdict::Drop(_) => None,
+        }
+    }
+}
+
+/// A datagram a [`LinkModel`] delivers: its bytes as they arrive, when,
+/// and when its copy arrives if it is duplicated.
+#[derive(Debug)]
+struct Passed {
+    at: Instant,
+    duplicate_at: Option<Instant>,
+    data: Vec<u8>,
+}
+
+/// One datagram in flight: due at `at`, `seq` in the order it was
+/// scheduled; `copy` if duplication made it.
+#[derive(Debug)]
+struct Scheduled<T> {
+    at: Instant,
+    seq: u64,
+    copy: bool,
+    item: T,
+}
+
+impl<T> PartialEq for Scheduled<T> {
+    fn eq(&self, other: &Self) -> bool {
+        (self.at, self.seq) == (other.at, other.seq)
+    }
+}
+
+impl<T> Eq for Scheduled<T> {}
+
+impl<T> PartialOrd for Scheduled<T> {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl<T> Ord for Scheduled<T> {
+    fn cmp(&self, other: &Self) -> Ordering {
+        (self.at, self.seq).cmp(&(other.at, other.seq))
+    }
+}
+
+/// Datagrams in flight, leaving in the order of their delivery instants
+/// and, at equal instants, in the order they were scheduled (a min-heap
+/// keyed by both). Instants from a model without reordering never
+/// decrease, so its datagrams leave in offer order.
+#[derive(Debug)]
+struct InFlight<T> {
+    heap: BinaryHeap<Reverse<Scheduled<T>>>,
+    next_seq: u64,
+}
+
+impl<T> Default for InFlight<T> {
+    fn default() -> Self {
+        Self {
+            heap: BinaryHeap::new(),
+            next_seq: 0,
+        }
+    }
+}
+
+impl<T> InFlight<T> {
+    fn push(&mut self, at: Instant, copy: bool, item: T) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.heap.push(Reverse(Scheduled {
+            at,
+            seq,
+            copy,
+            item,
+        }));
+    }
+
+    /// Schedules what `passed` says: the datagram, then its copy if any,
+    /// each wrapped by `item`.
+    fn schedule(&mut self, passed: Passed, item: impl Fn(Vec<u8>) -> T) {
+        match passed.duplicate_at {
+            Some(copy_at) => {
+                self.push(passed.at, false, item(passed.data.clone()));
+                self.push(copy_at, true, item(passed.data));
+            }
+            None => self.push(passed.at, false, item(passed.data)),
+        }
+    }
+
+    /// The instant the next datagram is due.
+    fn next_due(&self) -> Option<Instant> {
+        self.heap.peek().map(|Reverse(d)| d.at)
+    }
+
+    /// The next datagram if it is due at `now`.
+    fn pop_due(&mut self, now: Instant) -> Option<Scheduled<T>> {
+        if self.next_due().is_some_and(|at| at <= now) {
+            self.heap.pop().map(|Reverse(d)| d)
+        } else {
+            None
         }
     }
 }
@@ -337,6 +568,23 @@ impl Relay {
         }
     }
 
+    /// Cuts the link in both directions (`true`) or restores it (`false`).
+    /// From the moment it is cut until it is restored nothing reaches
+    /// either side: every datagram received is dropped, and so is every
+    /// datagram already in flight that falls due meanwhile (all counted in
+    /// [`LinkStats::dropped_cut`]). In-flight datagrams due after the
+    /// restore are delivered. Cutting a cut link (or restoring a working
+    /// one) changes nothing.
+    pub fn set_cut(&self, cut: bool) {
+        lock(&self.up).set_cut(cut);
+        lock(&self.down).set_cut(cut);
+    }
+
+    /// Whether the link is cut ([`Relay::set_cut`]).
+    pub fn is_cut(&self) -> bool {
+        lock(&self.up).is_cut()
+    }
+
     /// Stop relaying and wait until both sockets are closed. Datagrams still
     /// in flight are discarded.
     pub async fn shutdown(mut self) {
@@ -359,8 +607,14 @@ impl Drop for Relay {
 /// Start a UDP relay listening on `listen`. Datagrams from a client pass the
 /// `up` link and are sent to `forward` from a second socket; datagrams from
 /// `forward` pass the `down` link and go back to the last client address
-/// seen. Socket buffers are raised to 64 MiB (forced past the sysctl limit
-/// when the process has `CAP_NET_ADMIN`). Must be called inside a Tokio runtime.
+/// seen. Each direction sends its datagrams at the instants its model
+/// hands out, in that order (so [`LinkParams::reorder`] with jitter
+/// reorders them), copies made by [`LinkParams::duplicate`] included.
+/// Socket buffers are raised to 64 MiB (forced past the sysctl limit when
+/// the process has `CAP_NET_ADMIN`). Must be called inside a Tokio runtime.
+///
+/// # Errors
+/// Creating or binding either UDP socket (e.g. `listen` in use).
 pub async fn spawn_relay(
     listen: SocketAddr,
     forward: SocketAddr,
@@ -426,29 +680,39 @@ fn force_buffers(_socket: &Socket) -> bool {
     false
 }
 
-/// One relay direction: receive on `rx`, run `model`, send on `tx` when due.
-/// `route` maps a sender address to the destination (`None` discards).
+/// One relay direction: receive on `rx`, run `model`, send on `tx` when due,
+/// in the order of the delivery instants; datagrams due while the link is
+/// cut are discarded. `route` maps a sender address to the destination
+/// (`None` discards).
 async fn pump<F>(rx: Arc<UdpSocket>, tx: Arc<UdpSocket>, model: Arc<Mutex<LinkModel>>, mut route: F)
 where
     F: FnMut(SocketAddr) -> Option<SocketAddr>,
 {
     let mut buf = vec![0u8; MAX_DATAGRAM_BYTES];
-    let mut pending: VecDeque<(Instant, SocketAddr, Vec<u8>)> = VecDeque::new();
+    let mut in_flight: InFlight<(SocketAddr, Vec<u8>)> = InFlight::default();
     loop {
-        let head = pending.front().map(|(at, _, _)| *at);
+        let head = in_flight.next_due();
         tokio::select! {
             received = rx.recv_from(&mut buf) => match received {
                 Ok((len, from)) => {
                     let Some(dest) = route(from) else { continue };
-                    if let Some((at, data)) = lock(&model).pass(Instant::now(), &buf[..len]) {
-                        pending.push_back((at, dest, data));
+                    if let Some(passed) = lock(&model).pass(Instant::now(), &buf[..len]) {
+                        in_flight.schedule(passed, |data| (dest, data));
                     }
                 }
                 Err(err) => tracing::debug!(%err, "link-emu relay: receive failed"),
             },
             () = sleep_until_opt(head) => {
                 let now = Instant::now();
-                while let Some((_, dest, data)) = pop_due(&mut pending, now, |item| item.0) {
+                while let Some(d) = in_flight.pop_due(now) {
+                    let (dest, data) = d.item;
+                    {
+                        let mut model = lock(&model);
+                        if model.is_cut() {
+                            model.discarded_in_flight(data.len() as u64, d.copy);
+                            continue;
+                        }
+                    }
                     if let Err(err) = tx.send_to(&data, dest).await {
                         tracing::debug!(%err, %dest, "link-emu relay: send failed");
                     }
@@ -458,19 +722,9 @@ where
     }
 }
 
-/// Pop the head of a FIFO delivery queue if it is due at `now`.
-fn pop_due<T>(queue: &mut VecDeque<T>, now: Instant, due: impl Fn(&T) -> Instant) -> Option<T> {
-    if queue.front().is_some_and(|item| due(item) <= now) {
-        queue.pop_front()
-    } else {
-        None
-    }
-}
-
 /// A datagram inside the in-memory path.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Datagram {
-    at: Instant,
     from: SocketAddr,
     ecn: Option<EcnCodepoint>,
     data: Vec<u8>,
@@ -479,8 +733,9 @@ struct Datagram {
 /// One direction of the in-memory path: the model and datagrams in flight.
 #[derive(Debug)]
 struct Pipe {
-    state: Mutex<(LinkModel, VecDeque<Datagram>)>,
-    /// Signalled when the in-flight queue goes from empty to non-empty.
+    state: Mutex<(LinkModel, InFlight<Datagram>)>,
+    /// Signalled when the next datagram due changes to an earlier one (the
+    /// queue was empty, or a datagram overtook the head).
     wake_delivery: Notify,
 }
 
@@ -493,6 +748,8 @@ struct Inbox {
 /// One end of an in-memory emulated link; implements
 /// [`quinn::AsyncUdpSocket`]. Datagrams addressed to anything but the peer's
 /// address are discarded. No GSO/GRO: one datagram per transmit and receive.
+/// Datagrams reach the peer in the order of their delivery instants,
+/// duplicates included; this path has no cut (see [`Relay::set_cut`]).
 #[derive(Debug)]
 pub struct MemorySocket {
     addr: SocketAddr,
@@ -530,7 +787,7 @@ pub fn memory_pair(
     let inbox_b = Arc::new(Mutex::new(Inbox::default()));
     let end = |addr, peer, params, inbox, peer_inbox: &Arc<Mutex<Inbox>>| {
         let out = Arc::new(Pipe {
-            state: Mutex::new((LinkModel::new(params), VecDeque::new())),
+            state: Mutex::new((LinkModel::new(params), InFlight::default())),
             wake_delivery: Notify::new(),
         });
         let delivery =
@@ -557,19 +814,22 @@ async fn deliver(pipe: Arc<Pipe>, inbox: Weak<Mutex<Inbox>>) {
             let mut state = lock(&pipe.state);
             let mut inbox = lock(&inbox);
             let mut moved = false;
-            while let Some(datagram) = pop_due(&mut state.1, now, |d| d.at) {
-                inbox.queue.push_back(datagram);
+            while let Some(d) = state.1.pop_due(now) {
+                inbox.queue.push_back(d.item);
                 moved = true;
             }
             let waker = if moved { inbox.waker.take() } else { None };
-            (waker, state.1.front().map(|d| d.at))
+            (waker, state.1.next_due())
         };
         drop(inbox);
         if let Some(waker) = waker {
             waker.wake();
         }
         match next {
-            Some(at) => tokio::time::sleep_until(at.into()).await,
+            Some(at) => tokio::select! {
+                () = tokio::time::sleep_until(at.into()) => {}
+                () = pipe.wake_delivery.notified() => {}
+            },
             None => pipe.wake_delivery.notified().await,
         }
     }
@@ -601,18 +861,21 @@ impl AsyncUdpSocket for MemorySocket {
         let now = Instant::now();
         let mut state = lock(&self.out.state);
         let (model, in_flight) = &mut *state;
-        let was_empty = in_flight.is_empty();
+        let head = in_flight.next_due();
         for chunk in transmit.contents.chunks(segment) {
-            if let Some((at, data)) = model.pass(now, chunk) {
-                in_flight.push_back(Datagram {
-                    at,
+            if let Some(passed) = model.pass(now, chunk) {
+                in_flight.schedule(passed, |data| Datagram {
                     from: self.addr,
                     ecn: transmit.ecn,
                     data,
                 });
             }
         }
-        let notify = was_empty && !in_flight.is_empty();
+        let notify = match (head, in_flight.next_due()) {
+            (_, None) => false,
+            (None, Some(_)) => true,
+            (Some(before), Some(now)) => now < before,
+        };
         drop(state);
         if notify {
             self.out.wake_delivery.notify_one();
@@ -852,7 +1115,9 @@ mod tests {
             now += Duration::from_micros(rng.gen_range(0..2_000));
             // An occasional stale timestamp must not reorder deliveries.
             let offered_at = now - Duration::from_micros(rng.gen_range(0..100));
-            if let Verdict::Deliver { at, corrupt } = m.offer(offered_at, rng.gen_range(0..1400)) {
+            if let Verdict::Deliver { at, corrupt, .. } =
+                m.offer(offered_at, rng.gen_range(0..1400))
+            {
                 assert!(at >= prev);
                 prev = at;
                 corrupted += u64::from(corrupt);
@@ -912,6 +1177,343 @@ mod tests {
             (3, 3)
         );
         assert_eq!(stats.up.delivered_bytes, 3 * 1200);
+        relay.shutdown().await;
+    }
+
+    #[test]
+    fn duplicates_follow_the_probability_and_arrive_right_after() {
+        // 972-byte payloads are 1 ms on the wire, offered every 3 ms: the
+        // link idles between offers, so only duplication adds to it.
+        let ms = Duration::from_millis(1);
+        let p = LinkParams {
+            duplicate: 0.03,
+            seed: 13,
+            ..params(1 << 20)
+        };
+        let run = |p: LinkParams| {
+            let mut m = LinkModel::new(p);
+            let t0 = Instant::now();
+            let mut copied = Vec::new();
+            for i in 0..20_000u32 {
+                let now = t0 + 3 * ms * i;
+                let Verdict::Deliver {
+                    at, duplicate_at, ..
+                } = m.offer(now, 972)
+                else {
+                    panic!("datagram {i} dropped");
+                };
+                assert_eq!(at, now + 11 * ms);
+                if let Some(copy) = duplicate_at {
+                    // Serialised right after the original, same delay.
+                    assert_eq!(copy, at + ms);
+                }
+                copied.push(duplicate_at.is_some());
+            }
+            (copied, m.stats())
+        };
+        let (copied, stats) = run(p.clone());
+        let copies = copied.iter().filter(|c| **c).count() as u64;
+        assert_eq!(stats.duplicated, copies);
+        assert_eq!(stats.delivered_packets, 20_000 + copies);
+        assert_eq!(stats.delivered_bytes, (20_000 + copies) * 972);
+        assert_eq!((stats.dropped_queue, stats.dropped_loss), (0, 0));
+        let fraction = copies as f64 / 20_000.0;
+        assert!((0.025..0.035).contains(&fraction), "duplicated {fraction}");
+        // Same seed, same decisions.
+        assert_eq!(run(p).0, copied);
+    }
+
+    #[test]
+    fn a_copy_takes_capacity_and_queue_room() {
+        // Every datagram duplicated; the queue holds three 1000-byte
+        // datagrams (1 ms each on the wire).
+        let ms = Duration::from_millis(1);
+        let mut m = LinkModel::new(LinkParams {
+            duplicate: 1.0,
+            ..params(3_000)
+        });
+        let t0 = Instant::now();
+        let deliver = |v: Verdict| match v {
+            Verdict::Deliver {
+                at, duplicate_at, ..
+            } => (at, duplicate_at),
+            Verdict::Drop(reason) => panic!("unexpected drop: {reason:?}"),
+        };
+        assert_eq!(
+            deliver(m.offer(t0, 972)),
+            (t0 + 11 * ms, Some(t0 + 12 * ms))
+        );
+        // The next one waits behind the copy; its own copy finds the
+        // queue full and is tail-dropped.
+        assert_eq!(deliver(m.offer(t0, 972)), (t0 + 13 * ms, None));
+        assert_eq!(m.offer(t0, 972), Verdict::Drop(DropReason::QueueFull));
+        let s = m.stats();
+        assert_eq!(
+            (s.delivered_packets, s.duplicated, s.dropped_queue),
+            (3, 1, 2)
+        );
+        assert_eq!(s.delivered_bytes, 3 * 972);
+    }
+
+    #[test]
+    fn without_reorder_nothing_is_reordered_duplicates_included() {
+        let ms = Duration::from_millis(1);
+        let base = LinkParams {
+            jitter: 5 * ms,
+            duplicate: 0.2,
+            seed: 21,
+            ..LinkParams::new(100 * MBIT, Duration::from_millis(40))
+        };
+        let run = |p: LinkParams| {
+            let mut m = LinkModel::new(p);
+            let t0 = Instant::now();
+            let mut instants = Vec::new();
+            for i in 0..5_000u32 {
+                let now = t0 + Duration::from_micros(200) * i;
+                if let Verdict::Deliver {
+                    at, duplicate_at, ..
+                } = m.offer(now, 1200)
+                {
+                    instants.push(at);
+                    instants.extend(duplicate_at);
+                }
+            }
+            (instants, m.stats())
+        };
+        let inversions = |d: &[Instant]| d.windows(2).filter(|w| w[1] < w[0]).count();
+        let (ordered, stats) = run(base.clone());
+        assert_eq!(inversions(&ordered), 0);
+        assert_eq!(stats.reordered, 0);
+        assert!(stats.duplicated > 800, "{stats:?}");
+        let (shuffled, stats) = run(LinkParams {
+            reorder: true,
+            ..base
+        });
+        let inverted = inversions(&shuffled);
+        assert!(inverted > 100, "{inverted} inversions");
+        // Each datagram arriving before its predecessor overtook it.
+        assert!(stats.reordered >= inverted as u64, "{stats:?}");
+    }
+
+    #[test]
+    fn a_cut_link_drops_everything_until_restored() {
+        let ms = Duration::from_millis(1);
+        let p = LinkParams {
+            loss: 0.2,
+            duplicate: 0.2,
+            seed: 17,
+            ..params(1 << 20)
+        };
+        let mut m = LinkModel::new(p.clone());
+        let mut twin = LinkModel::new(p);
+        let t0 = Instant::now();
+        let outcome = |v: Verdict| match v {
+            Verdict::Deliver { duplicate_at, .. } => Some(duplicate_at.is_some()),
+            Verdict::Drop(DropReason::Loss) => None,
+            Verdict::Drop(reason) => panic!("unexpected drop: {reason:?}"),
+        };
+        let mut expected = Vec::new();
+        let mut seen = Vec::new();
+        for i in 0..100u32 {
+            let now = t0 + 10 * ms * i;
+            expected.push(outcome(twin.offer(now, 972)));
+            seen.push(outcome(m.offer(now, 972)));
+        }
+        let before = m.stats();
+        let backlog = m.backlog_bytes(t0 + 990 * ms);
+        m.set_cut(true);
+        assert!(m.is_cut());
+        for i in 0..500u32 {
+            let now = t0 + 990 * ms + Duration::from_micros(10) * i;
+            assert_eq!(m.offer(now, 972), Verdict::Drop(DropReason::Cut));
+        }
+        let during = m.stats();
+        assert_eq!(during.dropped_cut, 500);
+        assert_eq!(
+            LinkStats {
+                dropped_cut: 0,
+                ..during
+            },
+            before,
+            "a cut link delivers, loses and duplicates nothing"
+        );
+        // Dropped at the cut: no capacity used.
+        assert_eq!(m.backlog_bytes(t0 + 990 * ms), backlog);
+        m.set_cut(false);
+        assert!(!m.is_cut());
+        // Restored: delivering again, with the decisions a link that was
+        // never cut makes (a cut draws no random numbers).
+        for i in 100..200u32 {
+            let now = t0 + 10 * ms * i;
+            expected.push(outcome(twin.offer(now, 972)));
+            seen.push(outcome(m.offer(now, 972)));
+        }
+        assert_eq!(seen, expected);
+        assert!(m.stats().delivered_packets > during.delivered_packets);
+        assert_eq!(m.stats().dropped_cut, 500);
+    }
+
+    /// Sends `n` numbered datagrams through a relay whose up link is
+    /// `link`, ten at a time, and returns the numbers in the order they
+    /// arrived (waiting at most 10 s for each) and the relay's counters.
+    async fn relay_order(link: LinkParams, n: u32) -> (Vec<u32>, RelayStats) {
+        let server = udp_socket("127.0.0.1:0".parse().unwrap()).unwrap();
+        let relay = spawn_relay(
+            "127.0.0.1:0".parse().unwrap(),
+            server.local_addr().unwrap(),
+            link,
+            LinkParams::new(0, Duration::ZERO),
+        )
+        .await
+        .unwrap();
+        let receiver = tokio::spawn(async move {
+            let mut got = Vec::new();
+            let mut buf = [0u8; 64];
+            while got.len() < n as usize {
+                let wait = Duration::from_secs(10);
+                match tokio::time::timeout(wait, server.recv_from(&mut buf)).await {
+                    Ok(Ok((4, _))) => {
+                        got.push(u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]))
+                    }
+                    Ok(other) => panic!("unexpected receive: {other:?}"),
+                    Err(_) => break,
+                }
+            }
+            got
+        });
+        let client = udp_socket("127.0.0.1:0".parse().unwrap()).unwrap();
+        for i in 0..n {
+            client
+                .send_to(&i.to_be_bytes(), relay.local_addr())
+                .await
+                .unwrap();
+            if i % 10 == 9 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        let got = receiver.await.unwrap();
+        let stats = relay.stats();
+        relay.shutdown().await;
+        (got, stats)
+    }
+
+    #[tokio::test]
+    async fn relay_reorders_with_jitter_only_when_asked() {
+        // Unlimited rate, 10 ms +- 8 ms one way.
+        let link = LinkParams {
+            jitter: Duration::from_millis(8),
+            seed: 3,
+            ..LinkParams::new(0, Duration::from_millis(20))
+        };
+        let all: Vec<u32> = (0..300).collect();
+        let (got, stats) = relay_order(link.clone(), 300).await;
+        assert_eq!(got, all, "reorder = false: offer order, nothing lost");
+        assert_eq!(stats.up.reordered, 0);
+        let (got, stats) = relay_order(
+            LinkParams {
+                reorder: true,
+                ..link
+            },
+            300,
+        )
+        .await;
+        let mut sorted = got.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, all, "reorder = true: every datagram once");
+        let late = got.windows(2).filter(|w| w[1] < w[0]).count();
+        assert!(late >= 10, "only {late} arrived after a later one: {got:?}");
+        assert!(stats.up.reordered > 0, "{stats:?}");
+    }
+
+    #[tokio::test]
+    async fn relay_delivers_duplicates() {
+        let link = LinkParams {
+            duplicate: 1.0,
+            ..LinkParams::new(0, Duration::from_millis(2))
+        };
+        let (got, stats) = relay_order(link, 40).await;
+        // The receiver stops after 40 datagrams: the first 20, each twice.
+        let twice: Vec<u32> = (0..20).flat_map(|i| [i, i]).collect();
+        assert_eq!(got, twice);
+        assert!(stats.up.duplicated >= 20, "{stats:?}");
+    }
+
+    #[tokio::test]
+    async fn relay_cut_drops_both_directions_and_what_is_in_flight() {
+        async fn recv(sock: &UdpSocket) -> (Vec<u8>, SocketAddr) {
+            let mut buf = [0u8; 64];
+            let (n, from) = tokio::time::timeout(Duration::from_secs(10), sock.recv_from(&mut buf))
+                .await
+                .expect("nothing received within 10 s")
+                .unwrap();
+            (buf[..n].to_vec(), from)
+        }
+        async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !cond() {
+                assert!(Instant::now() < deadline, "timed out waiting for {what}");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        let server = udp_socket("127.0.0.1:0".parse().unwrap()).unwrap();
+        // Up: 1 s one way, so a datagram is still in flight when the cut
+        // comes; down: 5 ms.
+        let relay = spawn_relay(
+            "127.0.0.1:0".parse().unwrap(),
+            server.local_addr().unwrap(),
+            LinkParams::new(0, Duration::from_secs(2)),
+            LinkParams::new(0, Duration::from_millis(10)),
+        )
+        .await
+        .unwrap();
+        let client = udp_socket("127.0.0.1:0".parse().unwrap()).unwrap();
+        let to_relay = relay.local_addr();
+        client.send_to(b"hello", to_relay).await.unwrap();
+        let (got, relay_out) = recv(&server).await;
+        assert_eq!(got, b"hello");
+        server.send_to(b"hi", relay_out).await.unwrap();
+        assert_eq!(recv(&client).await, (b"hi".to_vec(), to_relay));
+
+        client.send_to(b"in flight", to_relay).await.unwrap();
+        wait_for("the relay to accept it", || {
+            relay.stats().up.delivered_packets == 2
+        })
+        .await;
+        relay.set_cut(true);
+        assert!(relay.is_cut());
+        wait_for("the datagram in flight to fall due", || {
+            relay.stats().up.dropped_cut == 1
+        })
+        .await;
+        for _ in 0..5 {
+            client.send_to(b"lost up", to_relay).await.unwrap();
+            server.send_to(b"lost down", relay_out).await.unwrap();
+        }
+        wait_for("the relay to drop 5 datagrams each way", || {
+            let s = relay.stats();
+            (s.up.dropped_cut, s.down.dropped_cut) == (6, 5)
+        })
+        .await;
+        // Dropped on arrival: nothing is in flight, nothing arrived.
+        let mut buf = [0u8; 64];
+        for sock in [&client, &server] {
+            let e = sock.try_recv_from(&mut buf).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
+        }
+
+        relay.set_cut(false);
+        assert!(!relay.is_cut());
+        client.send_to(b"back", to_relay).await.unwrap();
+        assert_eq!(recv(&server).await, (b"back".to_vec(), relay_out));
+        server.send_to(b"welcome back", relay_out).await.unwrap();
+        assert_eq!(recv(&client).await, (b"welcome back".to_vec(), to_relay));
+        let s = relay.stats();
+        assert_eq!((s.up.delivered_packets, s.up.dropped_cut), (2, 6), "{s:?}");
+        assert_eq!(
+            (s.down.delivered_packets, s.down.dropped_cut),
+            (2, 5),
+            "{s:?}"
+        );
         relay.shutdown().await;
     }
 
@@ -993,5 +1595,22 @@ mod tests {
             .unwrap();
         assert!(received == sent, "payload mismatch");
         assert!(stats.dropped_loss > 0 && stats.corrupted > 0, "{stats:?}");
+    }
+
+    #[tokio::test]
+    async fn quinn_over_reordering_duplicating_link_transfers_intact() {
+        let link = LinkParams {
+            jitter: Duration::from_millis(3),
+            reorder: true,
+            duplicate: 0.03,
+            seed: 8,
+            ..LinkParams::new(100 * MBIT, Duration::from_millis(20))
+        };
+        let run = quic_transfer(link, 1 << 20);
+        let (sent, received, stats) = tokio::time::timeout(Duration::from_secs(120), run)
+            .await
+            .unwrap();
+        assert!(received == sent, "payload mismatch");
+        assert!(stats.duplicated > 0 && stats.reordered > 0, "{stats:?}");
     }
 }

@@ -87,6 +87,12 @@ impl Proc {
         Proc { child }
     }
 
+    /// Its process id.
+    #[allow(dead_code)]
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// SIGKILLs the process and reaps it.
     pub fn kill(&mut self) {
         let _ = self.child.kill();
@@ -367,7 +373,39 @@ impl Agent {
 pub struct Relay {
     /// The UDP port sources send to.
     pub port: u16,
-    _proc: Proc,
+    /// Its standard output: the banner, one line per cut and restore, the
+    /// counters when it stops.
+    pub stdout_path: PathBuf,
+    proc: Proc,
+}
+
+#[allow(dead_code)]
+impl Relay {
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.proc.pid()
+    }
+
+    /// Sends `sig` to the relay (SIGUSR1 cuts the link, SIGUSR2 restores
+    /// it).
+    pub fn signal(&self, sig: nix::sys::signal::Signal) {
+        let pid = nix::unistd::Pid::from_raw(self.pid() as i32);
+        nix::sys::signal::kill(pid, sig)
+            .unwrap_or_else(|e| panic!("cannot send {sig} to the relay: {e}"));
+    }
+
+    /// Everything it printed on stdout so far.
+    pub fn stdout(&self) -> String {
+        fs::read_to_string(&self.stdout_path).unwrap_or_default()
+    }
+
+    /// SIGTERMs the relay and waits up to `within` for it to print its
+    /// counters and exit; returns its whole stdout, or `None` if it is
+    /// still running (it is then killed when dropped).
+    pub fn stop(&mut self, within: Duration) -> Option<String> {
+        self.proc.terminate(within)?;
+        Some(self.stdout())
+    }
 }
 
 /// A sink, a relay in front of it and a source dialing the relay.
@@ -378,6 +416,19 @@ pub struct Cluster {
     pub _relay: Relay,
     /// The sink agent.
     pub sink: Agent,
+}
+
+#[allow(dead_code)]
+impl Cluster {
+    /// The relay between the source and the sink.
+    pub fn relay(&self) -> &Relay {
+        &self._relay
+    }
+
+    /// The relay, to stop it.
+    pub fn relay_mut(&mut self) -> &mut Relay {
+        &mut self._relay
+    }
 }
 
 impl World {
@@ -707,7 +758,14 @@ impl World {
 
     /// `ferry link-emu --listen 127.0.0.1:<new port> --forward
     /// 127.0.0.1:<forward_port> --rate RATE --rtt 20ms`, once it listens.
+    #[allow(dead_code)]
     pub async fn start_relay(&self, forward: &str, rate: &str) -> Relay {
+        self.start_relay_with(forward, rate, &[]).await
+    }
+
+    /// [`World::start_relay`] with `extra` link-emu flags (e.g. `--loss
+    /// 0.01 --seed 3`; a later `--rtt` overrides the 20 ms).
+    pub async fn start_relay_with(&self, forward: &str, rate: &str, extra: &[&str]) -> Relay {
         let dir = self.root.join("relay");
         fs::create_dir_all(&dir).unwrap();
         let port = free_udp_port();
@@ -716,10 +774,15 @@ impl World {
             .lock()
             .unwrap()
             .push(("relay stderr".into(), err_path.clone()));
+        self.logs
+            .lock()
+            .unwrap()
+            .push(("relay stdout".into(), out_path.clone()));
         let listen = format!("127.0.0.1:{port}");
         let child = Command::new(FERRY)
             .args(["link-emu", "--listen", &listen, "--forward", forward])
             .args(["--rate", rate, "--rtt", "20ms"])
+            .args(extra)
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(File::create(&out_path).unwrap())
@@ -739,7 +802,11 @@ impl World {
             }
         })
         .await;
-        Relay { port, _proc: proc }
+        Relay {
+            port,
+            stdout_path: out_path,
+            proc,
+        }
     }
 
     /// Starts a sink, a relay (RATE, 20 ms RTT) in front of its QUIC port
@@ -752,12 +819,26 @@ impl World {
         source_env: &[(&str, &str)],
         tweak: impl FnOnce(&mut AgentConfig, &mut AgentConfig),
     ) -> Cluster {
+        self.start_cluster_with(rate, &[], source_env, tweak).await
+    }
+
+    /// [`World::start_cluster`] with `relay_args` added to the relay's
+    /// `ferry link-emu` flags (see [`World::start_relay_with`]).
+    pub async fn start_cluster_with(
+        &self,
+        rate: &str,
+        relay_args: &[&str],
+        source_env: &[(&str, &str)],
+        tweak: impl FnOnce(&mut AgentConfig, &mut AgentConfig),
+    ) -> Cluster {
         let mut sink_cfg = self.sink_config();
         // An empty peer is filled in below with the relay's address.
         let mut source_cfg = self.source_config("", rate);
         tweak(&mut sink_cfg, &mut source_cfg);
         let sink = self.start_agent("sink", sink_cfg, &[]).await;
-        let relay = self.start_relay(&sink.cfg.quic_listen, rate).await;
+        let relay = self
+            .start_relay_with(&sink.cfg.quic_listen, rate, relay_args)
+            .await;
         for l in &mut source_cfg.links {
             if l.peer.is_empty() {
                 l.peer = format!("127.0.0.1:{}", relay.port);

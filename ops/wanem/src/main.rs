@@ -317,6 +317,7 @@ fn reader(mut dev: impl Read, d: &Direction) {
         let mut stats = lock(&d.stats);
         stats.offered_packets += 1;
         match verdict {
+            // No copies: wanem leaves `duplicate` at 0.
             Verdict::Deliver { at, .. } => {
                 drop(stats);
                 let mut line = lock(&d.line);
@@ -333,6 +334,8 @@ fn reader(mut dev: impl Read, d: &Direction) {
             }
             Verdict::Drop(replicator::linkemu::DropReason::Loss) => stats.dropped_loss += 1,
             Verdict::Drop(replicator::linkemu::DropReason::QueueFull) => stats.dropped_queue += 1,
+            // wanem never cuts its link.
+            Verdict::Drop(replicator::linkemu::DropReason::Cut) => stats.dropped_loss += 1,
         }
     }
 }
