@@ -99,6 +99,7 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
                     root: s.root.clone(),
                     accept_peers: s.accept_peers.clone(),
                     reserve_bytes: s.reserve,
+                    reread_before_publish: s.reread_before_publish,
                 },
                 catalog.clone(),
                 endpoint.clone(),

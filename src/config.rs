@@ -650,6 +650,15 @@ pub struct SinkSection {
     /// Free space to keep in the sink's file system; default `"1GiB"`.
     #[serde(default = "default_reserve", deserialize_with = "de_size")]
     pub reserve: u64,
+    /// Read every staged chunk back and check its BLAKE3 hash before
+    /// publishing (bytes changed on disk since they arrived are fetched
+    /// again); default `true`.
+    #[serde(default = "default_true")]
+    pub reread_before_publish: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 fn default_reserve() -> u64 {
@@ -1034,7 +1043,14 @@ link = "to-eval"
             .replace("# [sink]", "[sink]")
             .replace("# root = ", "root = ");
         let c = load(&sink).unwrap();
-        assert_eq!(c.sink.unwrap().reserve, 1 << 30);
+        let s = c.sink.unwrap();
+        assert_eq!(s.reserve, 1 << 30);
+        assert!(s.reread_before_publish);
+        let off = sink.replace(
+            "# reread_before_publish = true",
+            "reread_before_publish = false",
+        );
+        assert!(!load(&off).unwrap().sink.unwrap().reread_before_publish);
         // So are the commented HTTPS and token lines.
         let tok = api::auth::new_token();
         let api = include_str!("../ops/ferry.example.toml")

@@ -635,6 +635,7 @@ pub(crate) async fn start_pair(
         root: data.join("eval"),
         accept_peers: vec!["demo-source".into()],
         reserve: 0,
+        reread_before_publish: true,
     });
     let mut src_cfg = agent_config(dir, "demo-source", Role::Source, loopback);
     src_cfg.agent.data_dir = data.join("demo-source-data");

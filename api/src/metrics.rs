@@ -72,6 +72,7 @@ mod tests {
                 root: d.path().join("root"),
                 accept_peers: vec![],
                 reserve_bytes: 0,
+                reread_before_publish: true,
             },
             catalog,
             ep,

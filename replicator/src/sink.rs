@@ -55,6 +55,11 @@ pub struct SinkConfig {
     /// Bytes of free space to keep in the sink root's file system; a
     /// transfer that would cut into it is refused.
     pub reserve_bytes: u64,
+    /// Read every staged chunk back and hash it before publishing, so
+    /// bytes changed on disk after they were verified on arrival are
+    /// fetched again (see `publish`). Costs one read of the checkpoint
+    /// at publish time (from the page cache when it still holds it).
+    pub reread_before_publish: bool,
 }
 
 /// What resolve answers for a source path.
@@ -1704,10 +1709,22 @@ async fn maybe_finish(
             flush(inner).await;
             let root_hex = hex(&manifest.root());
             let (l2, m2) = (live.clone(), manifest.clone());
-            let res =
-                blocking(move || publish::publish(&l2.staging, &l2.local_path, &m2, &keys)).await;
+            let reread = inner.cfg.reread_before_publish;
+            let res = blocking(move || {
+                publish::publish(
+                    &l2.staging,
+                    &l2.local_path,
+                    &m2,
+                    reread.then_some(&keys[..]),
+                )
+            })
+            .await;
+            let mut reread_ms = None;
             let bad = match res {
-                Ok(publish::Outcome::Published) => None,
+                Ok(publish::Outcome::Published { reread }) => {
+                    reread_ms = reread.map(|d| d.as_millis() as u64);
+                    None
+                }
                 Ok(publish::Outcome::Recovered) => {
                     warn!(
                         transfer = id,
@@ -1770,7 +1787,7 @@ async fn maybe_finish(
                 m.remove(&live.id);
             }
             inner.changed.send_modify(|v| *v += 1);
-            info!(transfer = id, path = %local, root = %root_hex, publish_ms = t_publish.elapsed().as_millis() as u64, "replica published");
+            info!(transfer = id, path = %local, root = %root_hex, publish_ms = t_publish.elapsed().as_millis() as u64, reread_ms, "replica published");
             ctl.send(&Control::Published {
                 id,
                 local_path: local,

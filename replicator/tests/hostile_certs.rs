@@ -167,6 +167,7 @@ async fn a_source_outside_accept_peers_is_refused() {
             root: sink_root.clone(),
             accept_peers: vec!["train-a-1".into()],
             reserve_bytes: 0,
+            reread_before_publish: true,
         },
         catalog,
         ep,

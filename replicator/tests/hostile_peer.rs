@@ -57,6 +57,7 @@ async fn setup() -> Setup {
             root: sink_root.clone(),
             accept_peers: vec![],
             reserve_bytes: 0,
+            reread_before_publish: true,
         },
         catalog,
         ep,

@@ -43,8 +43,12 @@ use crate::manifest::{chunk_count, chunk_len, Hash, Manifest};
 /// What [`publish`] did.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Outcome {
-    /// The replica is in place.
-    Published,
+    /// The replica is in place; `reread` is how long reading staging
+    /// back took, if it was read back.
+    Published {
+        /// Time spent reading and hashing staging before the move.
+        reread: Option<Duration>,
+    },
     /// The replica was already in place, from a publish a crash
     /// interrupted; it has been finished.
     Recovered,
@@ -80,9 +84,10 @@ fn held_dir(staging: &Path) -> PathBuf {
 }
 
 /// Publishes staging directory `staging` at `local_path` as the checkpoint
-/// `m`, whose chunk keys (as the sink's file table numbers them) are
-/// `keys`, one per chunk in manifest order (files in order, chunks in
-/// order). Finishes an interrupted publish of the same transfer first if
+/// `m`. With `reread`, the chunk keys of `m` as the sink's file table
+/// numbers them, one per chunk in manifest order (files in order, chunks
+/// in order), staging is read back first (step 1); without, step 1 is
+/// skipped. Finishes an interrupted publish of the same transfer first if
 /// there is one (see the module docs).
 ///
 /// # Errors
@@ -92,7 +97,7 @@ pub(super) fn publish(
     staging: &Path,
     local_path: &Path,
     m: &Manifest,
-    keys: &[(u64, Hash)],
+    reread: Option<&[(u64, Hash)]>,
 ) -> io::Result<Outcome> {
     let held = held_dir(staging);
     if held.exists() {
@@ -106,9 +111,14 @@ pub(super) fn publish(
         }
         return Ok(Outcome::Recovered);
     }
-    let bad = changed_chunks(staging, m, keys);
-    if !bad.is_empty() {
-        return Ok(Outcome::Refetch(bad));
+    let mut reread_took = None;
+    if let Some(keys) = reread {
+        let t = std::time::Instant::now();
+        let bad = changed_chunks(staging, m, keys);
+        if !bad.is_empty() {
+            return Ok(Outcome::Refetch(bad));
+        }
+        reread_took = Some(t.elapsed());
     }
     remove_unlisted(staging, m)?;
     if local_path.exists() && !local_path.is_dir() {
@@ -164,7 +174,9 @@ pub(super) fn publish(
     markers_in(local_path, m, &held)?;
     fault_point("markers-in");
     clean_up(staging, &held)?;
-    Ok(Outcome::Published)
+    Ok(Outcome::Published {
+        reread: reread_took,
+    })
 }
 
 /// Finishes a publish interrupted after its markers were moved aside.
@@ -481,8 +493,11 @@ mod tests {
     #[test]
     fn publishes_with_modes_times_and_markers() {
         let c = case();
-        let out = publish(&c.staging, &c.local, &c.m, &keys(&c.m)).unwrap();
-        assert_eq!(out, Outcome::Published);
+        let out = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
+        assert!(
+            matches!(out, Outcome::Published { reread: Some(_) }),
+            "{out:?}"
+        );
         assert_published(&c);
         let src_md = std::fs::metadata(c.src.join("a.bin")).unwrap();
         let md = std::fs::metadata(c.local.join("a.bin")).unwrap();
@@ -506,17 +521,26 @@ mod tests {
                 .iter()
                 .position(|f| f.path == "sub/b.bin")
                 .unwrap() as u64;
-        let out = publish(&c.staging, &c.local, &c.m, &ks).unwrap();
+        let out = publish(&c.staging, &c.local, &c.m, Some(&ks)).unwrap();
         assert_eq!(out, Outcome::Refetch(vec![1, b_index << 32]));
         assert!(!c.local.exists());
         assert!(!held_dir(&c.staging).exists());
         // A missing file is refetched too.
         std::fs::remove_file(c.staging.join("c.json")).unwrap();
         let c_index = c.m.files.iter().position(|f| f.path == "c.json").unwrap() as u64;
-        let out = publish(&c.staging, &c.local, &c.m, &ks).unwrap();
+        let out = publish(&c.staging, &c.local, &c.m, Some(&ks)).unwrap();
         let mut want = vec![1, b_index << 32, c_index << 32];
         want.sort_unstable();
         assert_eq!(out, Outcome::Refetch(want));
+    }
+
+    #[test]
+    fn without_the_read_back_staging_is_published_as_it_is() {
+        let c = case();
+        std::fs::write(c.staging.join("sub/b.bin"), b"bea").unwrap();
+        let out = publish(&c.staging, &c.local, &c.m, None).unwrap();
+        assert_eq!(out, Outcome::Published { reread: None });
+        assert_eq!(std::fs::read(c.local.join("sub/b.bin")).unwrap(), b"bea");
     }
 
     /// Runs steps 2 and 3 of a publish (modes, times, markers aside).
@@ -544,7 +568,7 @@ mod tests {
     fn a_crash_after_the_markers_were_set_aside_is_finished() {
         let c = case();
         up_to_markers_held(&c);
-        let out = publish(&c.staging, &c.local, &c.m, &keys(&c.m)).unwrap();
+        let out = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
         assert_eq!(out, Outcome::Recovered);
         assert_published(&c);
     }
@@ -558,7 +582,7 @@ mod tests {
         // transfer is opened again.
         std::fs::create_dir_all(&c.staging).unwrap();
         assert!(!c.local.join("COMMITTED").exists());
-        let out = publish(&c.staging, &c.local, &c.m, &keys(&c.m)).unwrap();
+        let out = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
         assert_eq!(out, Outcome::Recovered);
         assert_published(&c);
         assert!(!held.exists());
@@ -574,7 +598,7 @@ mod tests {
         up_to_markers_held(&c);
         place(&c.staging, &c.local).unwrap();
         assert_eq!(std::fs::read(c.staging.join("a.bin")).unwrap(), b"old");
-        let out = publish(&c.staging, &c.local, &c.m, &keys(&c.m)).unwrap();
+        let out = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
         assert_eq!(out, Outcome::Recovered);
         assert_published(&c);
     }
@@ -582,12 +606,10 @@ mod tests {
     #[test]
     fn a_crash_before_the_catalog_heard_of_it_is_recognised() {
         let c = case();
-        assert_eq!(
-            publish(&c.staging, &c.local, &c.m, &keys(&c.m)).unwrap(),
-            Outcome::Published
-        );
+        let first = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
+        assert!(matches!(first, Outcome::Published { .. }), "{first:?}");
         std::fs::create_dir_all(&c.staging).unwrap();
-        let out = publish(&c.staging, &c.local, &c.m, &keys(&c.m)).unwrap();
+        let out = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
         assert_eq!(out, Outcome::Recovered);
         assert_published(&c);
     }
@@ -603,7 +625,7 @@ mod tests {
             .unwrap();
         a.write_all_at(&[9], 7).unwrap();
         let m = c.m.clone();
-        let err = publish(&c.staging, &c.local, &m, &keys(&m)).unwrap_err();
+        let err = publish(&c.staging, &c.local, &m, Some(&keys(&m))).unwrap_err();
         let text = err.to_string();
         assert!(text.contains("interrupted"), "{text}");
         assert!(text.contains("push the checkpoint again"), "{text}");
@@ -618,8 +640,11 @@ mod tests {
         std::fs::create_dir_all(&c.local).unwrap();
         std::fs::write(c.local.join("a.bin"), b"old").unwrap();
         // Staging holds the new version: a normal publish, by exchange.
-        let out = publish(&c.staging, &c.local, &c.m, &keys(&c.m)).unwrap();
-        assert_eq!(out, Outcome::Published);
+        let out = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
+        assert!(
+            matches!(out, Outcome::Published { reread: Some(_) }),
+            "{out:?}"
+        );
         assert_published(&c);
     }
 }

@@ -84,6 +84,7 @@ async fn start_sink(base: &Path, reserve_bytes: u64, ep: quinn::Endpoint) -> Sin
             root: base.join("eval"),
             accept_peers: vec!["src".into()],
             reserve_bytes,
+            reread_before_publish: true,
         },
         Catalog::open(&base.join("dst-data")).await.unwrap(),
         ep,
