@@ -5,6 +5,11 @@
 //! ends with a byte-identical replica, and checks from the relay's own
 //! counters that the faults were really injected. They assert behaviour,
 //! never speed; the bounds are generous for a loaded 2-core machine.
+//!
+//! `FERRY_LINK_ROUNDS` repeats each loss, reordering and duplication case
+//! with new seeds, and `FERRY_LINK_SEED` moves every seed (a soak:
+//! `FERRY_LINK_ROUNDS=10 FERRY_LINK_SEED=$RANDOM cargo test -p ferry --test
+//! link_faults -- --nocapture`).
 
 #![allow(clippy::unwrap_used)]
 
@@ -105,14 +110,35 @@ fn int(v: &Value, key: &str) -> u64 {
 
 /// The sink's `ferry_verification_failures_total`, 0 if absent.
 async fn verification_failures(w: &World, sink: &Agent) -> f64 {
-    let text = w.metrics_text(sink).await;
-    text.lines()
-        .filter(|l| {
-            l.strip_prefix("ferry_verification_failures_total")
-                .is_some_and(|rest| rest.starts_with([' ', '{']))
-        })
-        .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
-        .sum()
+    metric(
+        &scrape(w, sink).await,
+        "ferry_verification_failures_total",
+        &[],
+    )
+    .unwrap_or(0.0)
+}
+
+/// Rounds of each loss, reordering and duplication case: 1 unless
+/// `FERRY_LINK_ROUNDS` says otherwise (a soak).
+fn rounds() -> u64 {
+    env_number("FERRY_LINK_ROUNDS").unwrap_or(1).max(1)
+}
+
+/// The relay seed of `round` of a case whose fixed seed is `fixed`:
+/// `fixed` in the first round unless `FERRY_LINK_SEED` is set, which then
+/// replaces the fixed seeds (each case adds its own fixed seed to it).
+fn seed(fixed: u64, round: u64) -> u64 {
+    let base = env_number("FERRY_LINK_SEED").map_or(fixed, |s| s.wrapping_add(fixed));
+    base.wrapping_add(round * 1000)
+}
+
+fn env_number(name: &str) -> Option<u64> {
+    let v = std::env::var(name).ok()?;
+    Some(
+        v.trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("{name}={v:?} is not a number: {e}")),
+    )
 }
 
 /// Sends `sig` to the relay and waits until it printed its `n`-th line
@@ -130,14 +156,30 @@ async fn signal_relay(w: &World, relay: &Relay, sig: Signal, says: &str, n: usiz
     .await;
 }
 
+/// [`replicate_once`] for each of [`rounds`], the relay seeded from
+/// `fixed_seed` (see [`seed`]).
+async fn replicate_through(
+    name: &str,
+    relay_args: &[&str],
+    fixed_seed: u64,
+    check: impl Fn(&Counts, &Counts) -> Result<(), String>,
+) {
+    for round in 0..rounds() {
+        let seed = seed(fixed_seed, round).to_string();
+        let mut args = relay_args.to_vec();
+        args.extend(["--seed", seed.as_str()]);
+        replicate_once(name, &args, &check).await;
+    }
+}
+
 /// Replicates a generated checkpoint through a relay with `relay_args`
 /// and checks the replica is byte-identical, `ferry verify` passes and no
 /// chunk failed verification at the sink; then stops the relay and hands
 /// its counters (up: source to sink, down: back) to `check`.
-async fn replicate_through(
+async fn replicate_once(
     name: &str,
     relay_args: &[&str],
-    check: impl FnOnce(&Counts, &Counts) -> Result<(), String>,
+    check: &impl Fn(&Counts, &Counts) -> Result<(), String>,
 ) {
     let w = World::new(name).await;
     let rel = "step_000100";
@@ -192,21 +234,19 @@ fn within(what: &str, share: f64, range: std::ops::Range<f64>) -> Result<(), Str
 
 #[tokio::test]
 async fn one_percent_loss() {
-    replicate_through("loss1", &["--loss", "0.01", "--seed", "101"], |up, down| {
-        within("up loss", up.share(up.loss), 0.004..0.02)?;
-        if down.loss == 0 {
-            return Err("no datagram lost towards the source".into());
-        }
-        Ok(())
+    replicate_through("loss1", &["--loss", "0.01"], 101, |up, _| {
+        // About 450 datagrams go back: too few to bound their loss share.
+        within("up loss", up.share(up.loss), 0.004..0.02)
     })
     .await;
 }
 
 #[tokio::test]
 async fn five_percent_loss() {
-    replicate_through("loss5", &["--loss", "0.05", "--seed", "105"], |up, down| {
+    replicate_through("loss5", &["--loss", "0.05"], 105, |up, down| {
         within("up loss", up.share(up.loss), 0.035..0.065)?;
-        within("down loss", down.share(down.loss), 0.02..0.08)
+        // About 500 datagrams go back: a wide bound.
+        within("down loss", down.share(down.loss), 0.01..0.1)
     })
     .await;
 }
@@ -215,8 +255,8 @@ async fn five_percent_loss() {
 async fn jitter_reorders_datagrams() {
     // 10 ms +- 5 ms one way: datagrams a few hundred microseconds apart
     // overtake each other.
-    let args = ["--jitter", "5ms", "--reorder", "--seed", "107"];
-    replicate_through("reorder", &args, |up, _| {
+    let args = ["--jitter", "5ms", "--reorder"];
+    replicate_through("reorder", &args, 107, |up, _| {
         within("up reordered", up.share(up.reordered), 0.05..1.0)?;
         if up.loss + up.duplicated != 0 {
             return Err("loss or duplication without asking for it".into());
@@ -228,16 +268,8 @@ async fn jitter_reorders_datagrams() {
 
 #[tokio::test]
 async fn duplicated_and_reordered_datagrams() {
-    let args = [
-        "--duplicate",
-        "0.03",
-        "--jitter",
-        "3ms",
-        "--reorder",
-        "--seed",
-        "109",
-    ];
-    replicate_through("duplicate", &args, |up, down| {
+    let args = ["--duplicate", "0.03", "--jitter", "3ms", "--reorder"];
+    replicate_through("duplicate", &args, 109, |up, down| {
         within("up duplicated", up.share(up.duplicated), 0.015..0.045)?;
         if down.duplicated == 0 {
             return Err("no datagram duplicated towards the source".into());
