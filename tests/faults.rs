@@ -27,8 +27,11 @@ const TRANSFER: Duration = Duration::from_secs(120);
 const DEFAULT_SEED: u64 = 7_2025;
 /// Kills per run unless `FERRY_FAULT_KILLS` says otherwise.
 const DEFAULT_KILLS: u64 = 20;
-/// Checkpoints the kill loop may push.
-const POOL: usize = 8;
+/// Checkpoints the kill loop may push: 8, or 2 for every 5 kills when more
+/// (so that a long soak keeps killing agents with transfers in flight).
+fn pool(kills: u64) -> usize {
+    (kills as usize * 2).div_ceil(5).max(8)
+}
 
 fn env_u64(name: &str) -> Option<u64> {
     let v = std::env::var(name).ok()?;
@@ -160,20 +163,9 @@ async fn sigkill_loop_never_publishes_a_partial_replica() {
     let mut rng = StdRng::seed_from_u64(seed);
     let w = World::new("sigkill").await;
 
-    let mut ckpts = Vec::new();
-    for i in 0..POOL {
-        let rel = format!("step_{:06}", (i + 1) * 100);
-        let path = w.source_root().join(&rel);
-        let mb: u32 = rng.gen_range(2..=12);
-        w.gen(&path, &format!("{mb}MB")).await;
-        let bytes = tree_bytes(&path);
-        ckpts.push(Ckpt {
-            rel,
-            path,
-            bytes,
-            id: None,
-        });
-    }
+    // Generated when first pushed, sizes from the seeded generator.
+    let pool = pool(kills);
+    let mut ckpts: Vec<Ckpt> = Vec::new();
     // 24 Mbit/s: about 3 MB/s, so each checkpoint takes seconds.
     let mut c = w.start_cluster("24Mbit/s", &[], |_, _| {}).await;
 
@@ -184,8 +176,19 @@ async fn sigkill_loop_never_publishes_a_partial_replica() {
     for k in 0..kills {
         let ctx = format!("seed {seed}, kill {}", k + 1);
         // Keep two transfers in flight while checkpoints are left.
-        while next < POOL && unpublished(&w, &c.source, &ctx).await < 2 {
-            ckpts[next].id = Some(w.push_no_wait(&c.source, &ckpts[next].path).await);
+        while next < pool && unpublished(&w, &c.source, &ctx).await < 2 {
+            let rel = format!("step_{:06}", (next + 1) * 100);
+            let path = w.source_root().join(&rel);
+            let mb: u32 = rng.gen_range(2..=12);
+            w.gen(&path, &format!("{mb}MB")).await;
+            let bytes = tree_bytes(&path);
+            let id = Some(w.push_no_wait(&c.source, &path).await);
+            ckpts.push(Ckpt {
+                rel,
+                path,
+                bytes,
+                id,
+            });
             next += 1;
         }
         let sink_turn = k % 2 == 0;
