@@ -95,9 +95,12 @@ async fn every_operation_survives_schema_driven_fuzzing() {
         let out = tokio::task::spawn_blocking({
             let (bin, url) = (bin.clone(), format!("{}/openapi.json", agent.url()));
             let (token, examples, seed) = (token.clone(), examples.clone(), seed.clone());
-            let budget = budget.clone();
+            let (budget, dir) = (budget.clone(), w.root.clone());
             move || {
                 Command::new(bin)
+                    // Its `.schemathesis/` cache goes to the test's directory,
+                    // not the working tree.
+                    .current_dir(&dir)
                     .args(["run", &url, "--checks", "not_a_server_error"])
                     .args(["--max-examples", &examples, "--seed", &seed])
                     .args(["--max-time", &budget, "--no-color"])
