@@ -651,8 +651,9 @@ pub struct SinkSection {
     #[serde(default = "default_reserve", deserialize_with = "de_size")]
     pub reserve: u64,
     /// Read every staged chunk back and check its BLAKE3 hash before
-    /// publishing (bytes changed on disk since they arrived are fetched
-    /// again); default `true`.
+    /// publishing (bytes changed on disk since they arrived, and files a
+    /// re-save shares with the previous replica, are checked; a mismatch
+    /// is fetched again); default `true`.
     #[serde(default = "default_true")]
     pub reread_before_publish: bool,
 }

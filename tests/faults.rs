@@ -827,3 +827,83 @@ async fn a_publish_cut_short_by_a_kill_is_finished_after_restart() {
 
 /// [`replicator::sink::FAULT_KILL_ENV`].
 const FAULT_ENV: &str = "FERRY_FAULT_KILL_IN_PUBLISH";
+
+/// A checkpoint saved again at the same path replaces its replica by an
+/// exchange. A sink killed inside that publish, restarted while the source
+/// cannot reach it, must not resolve the path to the old version (its
+/// directory may already hold the new one, without its marker); once the
+/// link is back the publish is finished and resolve names the new root.
+#[tokio::test]
+async fn a_resave_cut_short_in_its_publish_never_resolves_to_the_old_version() {
+    let w = World::new("resave-kill").await;
+    let mut c = w.start_cluster("200Mbit/s", &[], |_, _| {}).await;
+    let rel = "step_000100";
+    let ckpt = w.source_root().join(rel);
+    w.gen(&ckpt, "3MB").await;
+    let out = w.push(&c.source, &ckpt, &[]).await;
+    w.ensure(out.success(), || format!("ferry push: {out}"));
+    let replica = w.replica_path(rel);
+    let first = w.resolve(&c.sink, &ckpt).await;
+    let mut roots = vec![s(&first, "manifest_root").to_string()];
+    let victim = files_under(&ckpt)
+        .into_iter()
+        .find(|f| f != "COMMITTED")
+        .unwrap();
+    for (round, point) in ["placed", "markers-in", "on-disk"].iter().enumerate() {
+        // The job saves the step again: other bytes, a newer mtime.
+        flip_byte(&ckpt.join(&victim), round as u64);
+        c.sink.set_env(FAULT_ENV, Some(point));
+        w.restart(&mut c.sink).await;
+        let id = w.push_no_wait(&c.source, &ckpt).await;
+        let sink = &mut c.sink;
+        w.wait_until(
+            &format!("the sink to kill itself at {point}"),
+            TRANSFER,
+            async || sink.exited().ok_or_else(|| "still running".to_string()),
+        )
+        .await;
+        // The source cannot reach the sink when it comes back.
+        c.relay().signal(nix::sys::signal::Signal::SIGUSR1);
+        let relay = c.relay();
+        w.wait_until("the relay to cut the link", TRANSFER, async || {
+            if relay.stdout().contains("link cut") {
+                Ok(())
+            } else {
+                Err(relay.stdout())
+            }
+        })
+        .await;
+        c.sink.set_env(FAULT_ENV, None);
+        w.restart(&mut c.sink).await;
+        let r = w.resolve(&c.sink, &ckpt).await;
+        w.ensure(s(&r, "state") == "replicating", || {
+            format!("{point}: resolve while the publish is unfinished: {r}")
+        });
+        c.relay().signal(nix::sys::signal::Signal::SIGUSR2);
+        let source = &c.source;
+        w.wait_until(
+            &format!("{point}: the re-save to be published"),
+            TRANSFER,
+            async || {
+                let t = w.transfer(source, id).await;
+                match s(&t, "state") {
+                    "published" => Ok(()),
+                    "failed" | "cancelled" => w.fail(format!("{point}: the transfer ended: {t}")),
+                    _ => Err(format!("{t}")),
+                }
+            },
+        )
+        .await;
+        w.assert_same_tree(&ckpt, &replica);
+        let r = w.resolve(&c.sink, &ckpt).await;
+        let root = s(&r, "manifest_root").to_string();
+        w.ensure(s(&r, "state") == "local" && !roots.contains(&root), || {
+            format!("{point}: resolve after the publish: {r}, earlier roots {roots:?}")
+        });
+        roots.push(root);
+    }
+    println!(
+        "re-save publish window: {} kills, never resolved to an old version",
+        roots.len() - 1
+    );
+}

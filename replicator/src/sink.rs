@@ -430,7 +430,22 @@ impl Sink {
             let rows = self.inner.catalog.replicas_for_source(&a_str).await?;
             if let Some(first) = rows.first() {
                 let suffix = Path::new(path).strip_prefix(a).unwrap_or(Path::new(""));
-                if let Some(p) = rows.iter().find(|r| r.state == state::PUBLISHED) {
+                // A newer version being moved into the same place (or whose
+                // move a crash interrupted) makes the published row's
+                // directory hold neither version for certain: not local
+                // until that publish is finished.
+                let settling = |p: &crate::catalog::Replica| {
+                    rows.iter().any(|r| {
+                        r.state == state::RECEIVING
+                            && r.local_path == p.local_path
+                            && publish::under_way(Path::new(&r.staging_path))
+                    })
+                };
+                if let Some(p) = rows
+                    .iter()
+                    .find(|r| r.state == state::PUBLISHED)
+                    .filter(|p| !settling(p))
+                {
                     let local = if suffix.as_os_str().is_empty() {
                         PathBuf::from(&p.local_path)
                     } else {
@@ -1567,8 +1582,27 @@ fn open_staging(staging: &Path, rel: &str) -> io::Result<std::fs::File> {
             .create(true)
             .truncate(false)
             .mode(0o600)
-            .custom_flags(nix::libc::O_NOFOLLOW)
+            // No write through a symlink, no wait for a FIFO's reader.
+            .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
             .open(&p)
+            .map_err(|e| {
+                let what = if e.raw_os_error() == Some(nix::libc::ELOOP) {
+                    "is a symlink; refusing to write through it".to_string()
+                } else {
+                    e.to_string()
+                };
+                io::Error::new(e.kind(), format!("staging file {}: {what}", p.display()))
+            })
+            .and_then(|f| {
+                if f.metadata()?.is_file() {
+                    Ok(f)
+                } else {
+                    Err(io::Error::other(format!(
+                        "staging file {} is not a regular file",
+                        p.display()
+                    )))
+                }
+            })
     };
     let file = open()?;
     // A file hard-linked from a published replica (see `reuse_published`)
@@ -1585,6 +1619,7 @@ fn open_staging(staging: &Path, rel: &str) -> io::Result<std::fs::File> {
 }
 
 async fn cancel_live(inner: &Arc<Inner>, live: &Arc<Live>, new_state: &str, reason: &str) {
+    let keep_staging = publish::under_way(&live.staging);
     if let Ok(mut st) = live.st.lock() {
         if st.publishing {
             // Too late: every chunk matched and the replica is being
@@ -1611,7 +1646,17 @@ async fn cancel_live(inner: &Arc<Inner>, live: &Arc<Live>, new_state: &str, reas
     // writer recreates the directory (they see `failed` and write nothing).
     let _writes = live.writes.clone().write_owned().await;
     let staging = live.staging.clone();
-    let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(staging)).await;
+    if keep_staging {
+        // After an exchange, staging may hold the previous published
+        // version: never delete what cannot be told apart.
+        warn!(
+            transfer = live.id,
+            staging = %staging.display(),
+            "a publish of this transfer was under way; keeping its staging directory and held markers for inspection"
+        );
+    } else {
+        let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(staging)).await;
+    }
     inner.changed.send_modify(|v| *v += 1);
 }
 

@@ -83,6 +83,31 @@ fn held_dir(staging: &Path) -> PathBuf {
     staging.with_extension("markers")
 }
 
+/// Whether a publish from `staging` has begun moving things (step 3 on:
+/// its held-markers directory exists) or has moved staging away (steps 4
+/// to 6 done, the catalog not yet told): the published path may then hold
+/// the new version, the old one, or neither completely.
+pub(super) fn under_way(staging: &Path) -> bool {
+    held_dir(staging).exists() || !staging.exists()
+}
+
+/// Opens `path` for reading without following a symlink at its name and
+/// without blocking on a FIFO; refuses anything but a regular file.
+fn open_regular(path: &Path) -> io::Result<File> {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+    if !file.metadata()?.is_file() {
+        return Err(io::Error::other(format!(
+            "{} is not a regular file",
+            path.display()
+        )));
+    }
+    Ok(file)
+}
+
 /// Publishes staging directory `staging` at `local_path` as the checkpoint
 /// `m`. With `reread`, the chunk keys of `m` as the sink's file table
 /// numbers them, one per chunk in manifest order (files in order, chunks
@@ -131,16 +156,12 @@ pub(super) fn publish(
         let p = staging.join(&f.path);
         // Read-only: files hard-linked from the previous version stay
         // shared (modes and times are set to the same values).
-        let mut file = match OpenOptions::new()
-            .read(true)
-            .custom_flags(nix::libc::O_NOFOLLOW)
-            .open(&p)
-        {
+        let mut file = match open_regular(&p) {
             Ok(file) => file,
             Err(e) if e.kind() == io::ErrorKind::NotFound && f.size == 0 => {
                 super::open_staging(staging, &f.path)?
             }
-            Err(e) => return Err(io::Error::new(e.kind(), format!("{}: {e}", p.display()))),
+            Err(e) => return Err(e),
         };
         let mut len = file.metadata()?.len();
         if len > f.size {
@@ -358,11 +379,7 @@ fn hash_mismatches(
                     let ok = (|| -> io::Result<bool> {
                         if open.as_ref().is_none_or(|(i, _)| *i != fi) {
                             let p = overlay(fi).unwrap_or_else(|| dir.join(&f.path));
-                            let file = OpenOptions::new()
-                                .read(true)
-                                .custom_flags(nix::libc::O_NOFOLLOW)
-                                .open(p)?;
-                            open = Some((fi, file));
+                            open = Some((fi, open_regular(&p)?));
                         }
                         let Some((_, file)) = &open else {
                             return Ok(false);
@@ -395,8 +412,11 @@ fn hash_mismatches(
 /// replica holds exactly the frozen file set.
 fn remove_unlisted(staging: &Path, m: &Manifest) -> io::Result<()> {
     let listed: std::collections::HashSet<&str> = m.files.iter().map(|f| f.path.as_str()).collect();
-    let scan = crate::manifest::scan(staging, &Default::default())
-        .map_err(|e| io::Error::other(e.to_string()))?;
+    let scan = crate::manifest::scan(staging, &Default::default()).map_err(|e| {
+        io::Error::other(format!(
+            "staging holds something the sink never wrote (another process in the sink root?): {e}"
+        ))
+    })?;
     for f in scan.files {
         if !listed.contains(f.path.as_str()) {
             warn!(path = %staging.join(&f.path).display(), "removing a staging file the manifest does not list");
@@ -532,6 +552,42 @@ mod tests {
         let mut want = vec![1, b_index << 32, c_index << 32];
         want.sort_unstable();
         assert_eq!(out, Outcome::Refetch(want));
+    }
+
+    #[test]
+    fn special_files_in_staging_are_refetched_without_blocking() {
+        let c = case();
+        // A FIFO in place of a staged file: opening it for reading would
+        // wait for a writer forever.
+        std::fs::remove_file(c.staging.join("sub/b.bin")).unwrap();
+        nix::unistd::mkfifo(
+            &c.staging.join("sub/b.bin"),
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
+        let b_index =
+            c.m.files
+                .iter()
+                .position(|f| f.path == "sub/b.bin")
+                .unwrap() as u64;
+        let out = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
+        assert_eq!(out, Outcome::Refetch(vec![b_index << 32]));
+        // Without the read-back the move refuses it, naming the file.
+        let err = publish(&c.staging, &c.local, &c.m, None).unwrap_err();
+        assert!(err.to_string().contains("sub/b.bin"), "{err}");
+        assert!(!c.local.exists());
+    }
+
+    #[test]
+    fn a_publish_is_under_way_from_the_held_markers_until_the_catalog_is_told() {
+        let c = case();
+        assert!(!under_way(&c.staging));
+        let held = up_to_markers_held(&c);
+        assert!(under_way(&c.staging));
+        place(&c.staging, &c.local).unwrap();
+        std::fs::remove_dir_all(&held).unwrap();
+        // Staging moved away, the catalog not yet told.
+        assert!(under_way(&c.staging));
     }
 
     #[test]
