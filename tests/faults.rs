@@ -656,7 +656,9 @@ async fn bytes_changed_in_staging_are_found_before_publish_and_fetched_again() {
     let w = World::new("staging-corrupt").await;
     let ckpt = w.source_root().join("step_000300");
     w.gen(&ckpt, "12MB").await;
-    let mut c = w.start_cluster("24Mbit/s", &[], |_, _| {}).await;
+    // 8 Mbit/s: the 8 MB after the first 4 take about 8 s, so a poll on a
+    // loaded machine does not miss the transfer in flight.
+    let mut c = w.start_cluster("8Mbit/s", &[], |_, _| {}).await;
     let id = w.push_no_wait(&c.source, &ckpt).await;
     let sink = &c.sink;
     let done = w
