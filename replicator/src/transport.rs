@@ -147,19 +147,68 @@ pub fn endpoint_with_reset_key(
         // Connection IDs must also validate after the restart, or packets
         // of the old connections are dropped unanswered: the ID generator's
         // key comes from the same secret.
-        let tag = blake3::keyed_hash(&key, b"connection id generator key");
-        let mut cid_key = [0u8; 8];
-        cid_key.copy_from_slice(&tag.as_bytes()[..8]);
-        let cid_key = u64::from_le_bytes(cid_key);
+        let cid_key = *blake3::keyed_hash(&key, b"connection id generator key").as_bytes();
         config
             .reset_key(Arc::new(ResetKey(key)))
-            .cid_generator(move || {
-                Box::new(quinn_proto::HashedConnectionIdGenerator::from_key(cid_key))
-            });
+            .cid_generator(move || Box::new(KeyedCidGenerator { key: cid_key }));
     }
     match socket {
         SocketKind::Udp(addr) => Endpoint::new(config, server, udp_socket(addr)?, runtime),
         SocketKind::Memory(s) => Endpoint::new_with_abstract_socket(config, server, s, runtime),
+    }
+}
+
+/// Connection IDs of [`CID_NONCE_BYTES`] random bytes followed by
+/// [`CID_TAG_BYTES`] of their BLAKE3 keyed hash: 64 random bits make a
+/// repeated ID (and so a repeated stateless-reset token under a key that
+/// lasts across restarts, which RFC 9000 section 10.3.2 rules out) as
+/// unlikely as a random 64-bit collision, and the keyed tag lets a
+/// restarted endpoint recognise its own IDs without letting an observer
+/// forge them. (quinn's default generator has a 3-byte nonce and a
+/// non-cryptographic tag, fine with a per-start random key but not with a
+/// lasting one.)
+struct KeyedCidGenerator {
+    key: [u8; 32],
+}
+
+/// Random bytes at the start of a [`KeyedCidGenerator`] connection ID.
+const CID_NONCE_BYTES: usize = 8;
+/// Tag bytes at the end of a [`KeyedCidGenerator`] connection ID.
+const CID_TAG_BYTES: usize = 8;
+
+impl KeyedCidGenerator {
+    fn tag(&self, nonce: &[u8]) -> [u8; CID_TAG_BYTES] {
+        let mut tag = [0u8; CID_TAG_BYTES];
+        tag.copy_from_slice(&blake3::keyed_hash(&self.key, nonce).as_bytes()[..CID_TAG_BYTES]);
+        tag
+    }
+}
+
+impl quinn_proto::ConnectionIdGenerator for KeyedCidGenerator {
+    fn generate_cid(&mut self) -> quinn_proto::ConnectionId {
+        let nonce: [u8; CID_NONCE_BYTES] = rand::random();
+        let mut id = [0u8; CID_NONCE_BYTES + CID_TAG_BYTES];
+        id[..CID_NONCE_BYTES].copy_from_slice(&nonce);
+        id[CID_NONCE_BYTES..].copy_from_slice(&self.tag(&nonce));
+        quinn_proto::ConnectionId::new(&id)
+    }
+
+    fn validate(&self, cid: &quinn_proto::ConnectionId) -> Result<(), quinn_proto::InvalidCid> {
+        if cid.len() == CID_NONCE_BYTES + CID_TAG_BYTES
+            && cid[CID_NONCE_BYTES..] == self.tag(&cid[..CID_NONCE_BYTES])
+        {
+            Ok(())
+        } else {
+            Err(quinn_proto::InvalidCid)
+        }
+    }
+
+    fn cid_len(&self) -> usize {
+        CID_NONCE_BYTES + CID_TAG_BYTES
+    }
+
+    fn cid_lifetime(&self) -> Option<Duration> {
+        None
     }
 }
 
@@ -193,8 +242,59 @@ impl quinn::crypto::HmacKey for ResetKey {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use quinn::crypto::HmacKey;
+    use quinn_proto::ConnectionIdGenerator;
 
     use super::*;
+
+    #[test]
+    fn windows_follow_the_bdp() {
+        let t = Tuning {
+            rate_bps: 1_000_000_000,
+            rtt: Duration::from_millis(100),
+        };
+        assert_eq!(t.bdp(), 12_500_000);
+        let t = Tuning {
+            rate_bps: 10_000_000_000,
+            rtt: Duration::from_millis(200),
+        };
+        assert_eq!(t.bdp(), 250_000_000);
+    }
+
+    #[test]
+    fn udp_socket_binds_with_large_buffers() {
+        let s = udp_socket("127.0.0.1:0".parse().expect("addr")).expect("bind");
+        let s2 = Socket::from(s);
+        // The kernel doubles the value; anything above the 208 KiB default
+        // shows the request was applied (root may exceed rmem_max).
+        if nix::unistd::geteuid().is_root() {
+            assert!(s2.recv_buffer_size().expect("size") > 1 << 20);
+        }
+    }
+
+    #[test]
+    fn connection_ids_validate_only_under_their_key_and_do_not_repeat() {
+        let mut a = KeyedCidGenerator { key: [1; 32] };
+        let b = KeyedCidGenerator { key: [2; 32] };
+        let ids: Vec<_> = (0..1000).map(|_| a.generate_cid()).collect();
+        for id in &ids {
+            assert_eq!(id.len(), 16);
+            assert!(a.validate(id).is_ok());
+            // The same key after a restart recognises it; another does not.
+            assert!(KeyedCidGenerator { key: [1; 32] }.validate(id).is_ok());
+            assert!(b.validate(id).is_err());
+        }
+        let distinct: std::collections::HashSet<_> = ids.iter().map(|i| i.to_vec()).collect();
+        assert_eq!(distinct.len(), ids.len());
+        // A forged or short ID is refused.
+        let mut forged = ids[0].to_vec();
+        forged[15] ^= 1;
+        assert!(a
+            .validate(&quinn_proto::ConnectionId::new(&forged))
+            .is_err());
+        assert!(a
+            .validate(&quinn_proto::ConnectionId::new(&[0; 8]))
+            .is_err());
+    }
 
     #[test]
     fn reset_tokens_verify_only_under_the_same_key() {
