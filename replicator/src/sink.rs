@@ -316,6 +316,20 @@ struct Inner {
     tasks: TaskTracker,
     /// This sink's Prometheus registry.
     metrics: SinkMetrics,
+    /// One lock per local path a publish is moving a replica into.
+    publish_locks: Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl Inner {
+    /// The lock serialising publishes into `local_path`. Locks nobody
+    /// holds or waits for are dropped from the map on the way.
+    fn publish_lock(&self, local_path: &Path) -> Arc<tokio::sync::Mutex<()>> {
+        let Ok(mut m) = self.publish_locks.lock() else {
+            return Arc::default();
+        };
+        m.retain(|_, l| Arc::strong_count(l) > 1);
+        m.entry(local_path.to_path_buf()).or_default().clone()
+    }
 }
 
 /// A running sink; cheap to clone.
@@ -363,6 +377,7 @@ impl Sink {
             shutdown: CancellationToken::new(),
             tasks: TaskTracker::new(),
             metrics: SinkMetrics::new(),
+            publish_locks: Mutex::default(),
         });
         tokio::spawn(catalog_writer(catalog, rx));
         let i = inner.clone();
@@ -436,7 +451,8 @@ impl Sink {
                 // until that publish is finished.
                 let settling = |p: &crate::catalog::Replica| {
                     rows.iter().any(|r| {
-                        r.state == state::RECEIVING
+                        r.id > p.id
+                            && r.state != state::PUBLISHED
                             && r.local_path == p.local_path
                             && publish::under_way(Path::new(&r.staging_path))
                     })
@@ -928,7 +944,11 @@ async fn open_transfer(
             ));
             // Left by a row this catalog no longer has: not ours to reuse.
             let leftover = staging.clone();
-            let _ = blocking(move || std::fs::remove_dir_all(leftover)).await;
+            let _ = blocking(move || {
+                let _ = std::fs::remove_dir_all(leftover.with_extension("markers"));
+                std::fs::remove_dir_all(leftover)
+            })
+            .await;
             let id = inner
                 .catalog
                 .insert_replica(&NewReplica {
@@ -1749,6 +1769,10 @@ async fn maybe_finish(
         }
         Next::Publish(manifest, times, keys) => {
             let t_publish = Instant::now();
+            // One publish at a time per local path: two transfers moving
+            // versions into the same place must not interleave their steps.
+            let path_lock = inner.publish_lock(&live.local_path);
+            let path_lock = path_lock.lock_owned().await;
             // Wait for chunk writes in flight; later ones see `publishing`.
             let exclusive = live.writes.clone().write_owned().await;
             flush(inner).await;
@@ -1822,12 +1846,22 @@ async fn maybe_finish(
                 )
                 .await
             {
-                Ok(Some(lag_s)) => inner.metrics.observe_lag(lag_s),
-                Ok(None) => {}
+                Ok(recorded) => {
+                    if let Some(lag_s) = recorded {
+                        inner.metrics.observe_lag(lag_s);
+                    }
+                    let staging = live.staging.clone();
+                    if let Err(e) = blocking(move || publish::finish(&staging)).await {
+                        warn!(transfer = id, error = %e, "could not remove the held-markers directory of a finished publish");
+                    }
+                }
                 Err(e) => {
+                    // The held markers stay: the publish counts as under
+                    // way, and is finished again when the source retries.
                     warn!(error = %e, "replica published on disk but the catalog could not record it")
                 }
             }
+            drop(path_lock);
             if let Ok(mut m) = inner.live.lock() {
                 m.remove(&live.id);
             }

@@ -17,15 +17,17 @@
 //!    at `L`, which then sits at `S`);
 //! 5. the markers are moved into `L`, in the manifest's order, and `L` is
 //!    synced;
-//! 6. the older version, if any, is removed, then `S.markers`.
+//! 6. the older version, if any, is removed;
+//! 7. once the catalog has recorded the replica, [`finish`] removes
+//!    `S.markers`.
 //!
 //! A reader therefore never sees a commit marker beside a file that is not
-//! the verified one. After a crash, [`publish`] finds `S.markers` and
-//! finishes the move: it checks which of `S` and `L` holds the verified
-//! checkpoint (sizes, modes, mtimes and every chunk hash) before moving
-//! anything. A crash after step 6 but before the catalog recorded the
-//! replica leaves `L` complete and `S` empty; that is recognised the same
-//! way.
+//! the verified one, and from step 3 until the catalog knows, `S.markers`
+//! says a publish to `L` is under way ([`under_way`]; resolve does not
+//! answer with an older version of `L` meanwhile). After a crash,
+//! [`publish`] finds `S.markers` and finishes the move: it checks which of
+//! `S` and `L` holds the verified checkpoint (sizes, modes, mtimes and
+//! every chunk hash) before moving anything.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -83,12 +85,35 @@ fn held_dir(staging: &Path) -> PathBuf {
     staging.with_extension("markers")
 }
 
-/// Whether a publish from `staging` has begun moving things (step 3 on:
-/// its held-markers directory exists) or has moved staging away (steps 4
-/// to 6 done, the catalog not yet told): the published path may then hold
-/// the new version, the old one, or neither completely.
+/// Whether a publish from `staging` has begun moving things and the
+/// catalog has not yet recorded it (steps 3 to 6; its held-markers
+/// directory exists): the published path may then hold the new version,
+/// the old one, or the new one without its markers.
 pub(super) fn under_way(staging: &Path) -> bool {
-    held_dir(staging).exists() || !staging.exists()
+    held_dir(staging).exists()
+}
+
+/// Step 7, once the catalog has recorded the replica published from
+/// `staging`: the publish is no longer under way.
+///
+/// # Errors
+/// I/O errors naming the directory.
+pub(super) fn finish(staging: &Path) -> io::Result<()> {
+    let held = held_dir(staging);
+    if held.exists() {
+        std::fs::remove_dir_all(&held).map_err(at(&held))?;
+    }
+    if let Some(parent) = held.parent() {
+        File::open(parent)
+            .and_then(|d| d.sync_all())
+            .map_err(at(parent))?;
+    }
+    Ok(())
+}
+
+/// Adds `path` to an I/O error's message.
+fn at(path: &Path) -> impl FnOnce(io::Error) -> io::Error + '_ {
+    move |e| io::Error::new(e.kind(), format!("{}: {e}", path.display()))
 }
 
 /// Opens `path` for reading without following a symlink at its name and
@@ -132,7 +157,7 @@ pub(super) fn publish(
     if !has_files(staging)? && local_path.is_dir() && matches(local_path, m, &|_| None)? {
         // Published before a crash that came before the catalog heard of it.
         if staging.exists() {
-            std::fs::remove_dir_all(staging)?;
+            std::fs::remove_dir_all(staging).map_err(at(staging))?;
         }
         return Ok(Outcome::Recovered);
     }
@@ -163,7 +188,17 @@ pub(super) fn publish(
             }
             Err(e) => return Err(e),
         };
-        let mut len = file.metadata()?.len();
+        let md = file.metadata()?;
+        if md.nlink() > 1
+            && (md.mode() & 0o7777 != f.mode & 0o7777
+                || md.mtime() * 1_000_000_000 + md.mtime_nsec() != f.mtime_ns.max(0))
+        {
+            // Shared with the published version, whose mode or mtime must
+            // not change: staging gets its own copy first.
+            drop(file);
+            file = super::open_staging(staging, &f.path)?;
+        }
+        let mut len = md.len();
         if len > f.size {
             // The file was rewritten shorter at the source while it was
             // being copied: every chunk of the final content is verified,
@@ -183,18 +218,19 @@ pub(super) fn publish(
         file.set_permissions(std::fs::Permissions::from_mode(f.mode & 0o7777))?;
         file.set_modified(mtime(f.mtime_ns))?;
     }
-    super::sync_dir_fs(staging)?;
-    std::fs::create_dir_all(&held)?;
+    super::sync_dir_fs(staging).map_err(at(staging))?;
+    std::fs::create_dir_all(&held).map_err(at(&held))?;
     for (i, mi) in m.markers.iter().enumerate() {
         let f = &m.files[*mi as usize];
-        std::fs::rename(staging.join(&f.path), held.join(i.to_string()))?;
+        let from = staging.join(&f.path);
+        std::fs::rename(&from, held.join(i.to_string())).map_err(at(&from))?;
     }
     fault_point("markers-held");
     place(staging, local_path)?;
     fault_point("placed");
     markers_in(local_path, m, &held)?;
     fault_point("markers-in");
-    clean_up(staging, &held)?;
+    clean_up(staging)?;
     Ok(Outcome::Published {
         reread: reread_took,
     })
@@ -222,14 +258,14 @@ fn resume(staging: &Path, local_path: &Path, m: &Manifest, held: &Path) -> io::R
         place(staging, local_path)?;
     }
     markers_in(local_path, m, held)?;
-    clean_up(staging, held)
+    clean_up(staging)
 }
 
 /// Step 4: `staging` becomes `local_path`, exchanged with an older version
 /// if there is one.
 fn place(staging: &Path, local_path: &Path) -> io::Result<()> {
     if let Some(parent) = local_path.parent() {
-        std::fs::create_dir_all(parent)?;
+        std::fs::create_dir_all(parent).map_err(at(parent))?;
     }
     if local_path.exists() {
         nix::fcntl::renameat2(
@@ -240,8 +276,9 @@ fn place(staging: &Path, local_path: &Path) -> io::Result<()> {
             nix::fcntl::RenameFlags::RENAME_EXCHANGE,
         )
         .map_err(io::Error::from)
+        .map_err(at(local_path))
     } else {
-        std::fs::rename(staging, local_path)
+        std::fs::rename(staging, local_path).map_err(at(local_path))
     }
 }
 
@@ -252,23 +289,20 @@ fn markers_in(local_path: &Path, m: &Manifest, held: &Path) -> io::Result<()> {
         let from = held.join(i.to_string());
         if from.exists() {
             let f = &m.files[*mi as usize];
-            std::fs::rename(from, local_path.join(&f.path))?;
+            let to = local_path.join(&f.path);
+            std::fs::rename(&from, &to).map_err(at(&to))?;
         }
     }
-    File::open(local_path)?.sync_all()
+    File::open(local_path)
+        .and_then(|d| d.sync_all())
+        .map_err(at(local_path))
 }
 
-/// Step 6: the older version (now at `staging`, after an exchange) goes,
-/// then the held-markers directory that marks a publish under way.
-fn clean_up(staging: &Path, held: &Path) -> io::Result<()> {
+/// Step 6: the older version (now at `staging`, after an exchange) goes;
+/// the held-markers directory stays until [`finish`].
+fn clean_up(staging: &Path) -> io::Result<()> {
     if staging.exists() {
-        std::fs::remove_dir_all(staging)?;
-    }
-    if held.exists() {
-        std::fs::remove_dir_all(held)?;
-    }
-    if let Some(parent) = held.parent() {
-        File::open(parent)?.sync_all()?;
+        std::fs::remove_dir_all(staging).map_err(at(staging))?;
     }
     Ok(())
 }
@@ -507,6 +541,9 @@ mod tests {
             );
         }
         assert!(!c.staging.exists(), "staging left behind");
+        // Under way until the catalog is told (step 7).
+        assert!(under_way(&c.staging), "held markers gone before step 7");
+        finish(&c.staging).unwrap();
         assert!(!held_dir(&c.staging).exists(), "held markers left behind");
     }
 
@@ -555,6 +592,25 @@ mod tests {
     }
 
     #[test]
+    fn a_file_shared_with_the_published_version_keeps_its_mode_and_time() {
+        let c = case();
+        // As a re-save reuses a file: staging's a.bin is a hard link of the
+        // published version's, whose mode and mtime differ from the new
+        // manifest's.
+        let published = c.src.parent().unwrap().join("published-a.bin");
+        std::fs::hard_link(c.staging.join("a.bin"), &published).unwrap();
+        let before = std::fs::metadata(&published).unwrap();
+        publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
+        let after = std::fs::metadata(&published).unwrap();
+        assert_eq!(after.mode(), before.mode());
+        assert_eq!(
+            (after.mtime(), after.mtime_nsec()),
+            (before.mtime(), before.mtime_nsec())
+        );
+        assert_published(&c);
+    }
+
+    #[test]
     fn special_files_in_staging_are_refetched_without_blocking() {
         let c = case();
         // A FIFO in place of a staged file: opening it for reading would
@@ -582,12 +638,16 @@ mod tests {
     fn a_publish_is_under_way_from_the_held_markers_until_the_catalog_is_told() {
         let c = case();
         assert!(!under_way(&c.staging));
-        let held = up_to_markers_held(&c);
+        up_to_markers_held(&c);
         assert!(under_way(&c.staging));
         place(&c.staging, &c.local).unwrap();
-        std::fs::remove_dir_all(&held).unwrap();
         // Staging moved away, the catalog not yet told.
         assert!(under_way(&c.staging));
+        // Opening the transfer again re-creates staging: still under way.
+        std::fs::create_dir_all(&c.staging).unwrap();
+        assert!(under_way(&c.staging));
+        finish(&c.staging).unwrap();
+        assert!(!under_way(&c.staging));
     }
 
     #[test]
