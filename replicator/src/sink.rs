@@ -1727,17 +1727,7 @@ async fn maybe_finish(
                     Next::Publish(manifest, st.times, keys)
                 } else {
                     // Drop wrong hashes so that the re-sent chunk is counted.
-                    let mut dropped = 0;
-                    if let Ok(t) = live.table.read() {
-                        for n in &need {
-                            if st.verified.remove(n).is_some() {
-                                if let Some((f, c)) = t.map.locate(*n) {
-                                    dropped += t.map.span(f, c).1;
-                                }
-                            }
-                        }
-                    }
-                    st.bytes_done -= dropped.min(st.bytes_done);
+                    forget_verified(live, &mut st, &need);
                     Next::Need(need, st.bytes_done)
                 }
             }
@@ -1877,6 +1867,22 @@ async fn maybe_finish(
     }
 }
 
+/// Forgets that the chunks `keys` were verified, taking their bytes off
+/// the transfer's verified total, so that their next arrival counts.
+fn forget_verified(live: &Live, st: &mut LiveState, keys: &[u64]) {
+    let mut dropped = 0;
+    if let Ok(t) = live.table.read() {
+        for k in keys {
+            if st.verified.remove(k).is_some() {
+                if let Some((f, c)) = t.map.locate(*k) {
+                    dropped += t.map.span(f, c).1;
+                }
+            }
+        }
+    }
+    st.bytes_done -= dropped.min(st.bytes_done);
+}
+
 /// Publish attempts that may find staged chunks changed on disk before
 /// the transfer fails: bytes that keep changing after they were verified
 /// point at a failing disk or another writer in the sink root.
@@ -1900,17 +1906,7 @@ async fn refetch_changed(
         };
         st.publishing = false;
         st.changed_on_disk += 1;
-        let mut dropped = 0;
-        if let Ok(t) = live.table.read() {
-            for k in &bad {
-                if st.verified.remove(k).is_some() {
-                    if let Some((f, c)) = t.map.locate(*k) {
-                        dropped += t.map.span(f, c).1;
-                    }
-                }
-            }
-        }
-        st.bytes_done -= dropped.min(st.bytes_done);
+        forget_verified(live, &mut st, &bad);
         (st.changed_on_disk, st.bytes_done)
     };
     if attempts > MAX_CHANGED_ON_DISK {
