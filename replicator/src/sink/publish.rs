@@ -356,41 +356,34 @@ fn matches(
             return Ok(false);
         }
     }
-    let chunks: Vec<(usize, u64)> = m
-        .files
-        .iter()
-        .enumerate()
-        .flat_map(|(i, f)| (0..chunk_count(f.size, m.chunk_size)).map(move |c| (i, c)))
-        .collect();
-    Ok(hash_mismatches(dir, m, overlay, &chunks, true).is_empty())
+    Ok(hash_mismatches(dir, m, overlay, true).is_empty())
 }
 
 /// Keys of the staged chunks whose bytes no longer hash to the manifest
 /// (including chunks that cannot be read). `keys` as for [`publish`].
 fn changed_chunks(staging: &Path, m: &Manifest, keys: &[(u64, Hash)]) -> Vec<u64> {
+    let bad = hash_mismatches(staging, m, &|_| None, false);
+    bad.into_iter()
+        .filter_map(|n| keys.get(n).map(|(k, _)| *k))
+        .collect()
+}
+
+/// Reads and hashes every chunk of `m` under `dir` on up to 4 threads;
+/// returns the positions, in manifest order (files in order, chunks in
+/// order), of the chunks that cannot be read or do not hash to the
+/// manifest. With `first_only` it stops at the first one found.
+fn hash_mismatches(
+    dir: &Path,
+    m: &Manifest,
+    overlay: &(dyn Fn(usize) -> Option<PathBuf> + Sync),
+    first_only: bool,
+) -> Vec<usize> {
     let chunks: Vec<(usize, u64)> = m
         .files
         .iter()
         .enumerate()
         .flat_map(|(i, f)| (0..chunk_count(f.size, m.chunk_size)).map(move |c| (i, c)))
         .collect();
-    let bad = hash_mismatches(staging, m, &|_| None, &chunks, false);
-    bad.into_iter()
-        .filter_map(|n| keys.get(n).map(|(k, _)| *k))
-        .collect()
-}
-
-/// Reads and hashes `chunks` (file index, chunk index) of `m` under `dir`
-/// on up to 4 threads; returns the positions in `chunks` that cannot be
-/// read or do not hash to the manifest, in order. With `first_only` it
-/// stops at the first one found.
-fn hash_mismatches(
-    dir: &Path,
-    m: &Manifest,
-    overlay: &(dyn Fn(usize) -> Option<PathBuf> + Sync),
-    chunks: &[(usize, u64)],
-    first_only: bool,
-) -> Vec<usize> {
     let workers = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .clamp(1, 4)
