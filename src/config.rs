@@ -676,7 +676,7 @@ fn de_size<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
     parse_size(&s).map_err(serde::de::Error::custom)
 }
 
-pub use replicator::units::{format_rate, parse_rate};
+pub use ferry_proto::units::{format_rate, parse_rate};
 
 impl Config {
     /// Reads, parses and checks a config file; relative TLS paths (`[tls]`,
@@ -714,7 +714,7 @@ impl Config {
         if a.name.is_empty() {
             bail!("agent.name must not be empty");
         }
-        replicator::paths::check_name(&a.site).map_err(|e| anyhow::anyhow!("agent.site: {e}"))?;
+        ferry_proto::paths::check_name(&a.site).map_err(|e| anyhow::anyhow!("agent.site: {e}"))?;
         let is_source = matches!(a.role, Role::Source | Role::Both);
         let is_sink = matches!(a.role, Role::Sink | Role::Both);
         if is_source && self.source.is_none() {
@@ -742,7 +742,7 @@ impl Config {
             }
         }
         for (i, j) in self.jobs.iter().enumerate() {
-            replicator::paths::check_name(&j.name)
+            ferry_proto::paths::check_name(&j.name)
                 .map_err(|e| anyhow::anyhow!("jobs[{i}].name: {e}"))?;
             if let Some(k) = self.jobs[..i].iter().position(|o| o.name == j.name) {
                 bail!(
@@ -766,8 +766,8 @@ impl Config {
         self.scheduler.policy()?;
         if let Some(s) = &self.source {
             let cs = s.chunk_size;
-            if !(u64::from(replicator::manifest::MIN_CHUNK_SIZE)
-                ..=u64::from(replicator::wire::MAX_CHUNK))
+            if !(u64::from(ferry_proto::manifest::MIN_CHUNK_SIZE)
+                ..=u64::from(ferry_proto::limits::MAX_CHUNK))
                 .contains(&cs)
             {
                 bail!("source.chunk_size must be within 64KiB..64MiB, got {cs} bytes");
@@ -782,7 +782,7 @@ impl Config {
                 );
             }
             for (i, m) in s.markers.iter().enumerate() {
-                replicator::paths::check_relative(m)
+                ferry_proto::paths::check_relative(m)
                     .ok()
                     .filter(|()| !m.contains('/'))
                     .ok_or_else(|| {
@@ -832,7 +832,7 @@ impl Config {
                         r.path.display()
                     );
                 }
-                replicator::paths::check_name(&r.job)
+                ferry_proto::paths::check_name(&r.job)
                     .map_err(|e| anyhow::anyhow!("source.roots[{i}].job: {e}"))?;
                 r.watch(i)?;
                 if !self.links.iter().any(|l| l.name == r.link) {

@@ -88,13 +88,14 @@
 //! [`SmallRng`] seeded per file from [`GenOptions::seed`], so a seed always
 //! yields the same bytes.
 
-pub use replicator::units::parse_size;
 use std::fs::{self, File};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
 use rand::rngs::SmallRng;
 use rand::{RngCore, SeedableRng};
+
+pub use ferry_proto::units::parse_size;
 
 pub mod format;
 pub mod preset;

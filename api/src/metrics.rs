@@ -21,7 +21,7 @@ use crate::{ApiError, AppState};
     )
 )]
 pub(crate) async fn handler(State(s): State<AppState>) -> Response {
-    match replicator::metrics::render(s.source.as_ref(), s.sink.as_ref()).await {
+    match render(&s).await {
         Ok(text) => (
             [(header::CONTENT_TYPE, replicator::metrics::CONTENT_TYPE)],
             text,
@@ -29,6 +29,20 @@ pub(crate) async fn handler(State(s): State<AppState>) -> Response {
             .into_response(),
         Err(e) => ApiError::internal(e).into_response(),
     }
+}
+
+/// The source's metrics first, then the sink's, for whichever roles the
+/// agent has. Gauges computed at scrape time are updated first (this reads
+/// the catalog).
+async fn render(s: &AppState) -> Result<String, replicator::metrics::MetricsError> {
+    let mut out = String::new();
+    if let Some(source) = &s.source {
+        out += &source.render_metrics().await?;
+    }
+    if let Some(sink) = &s.sink {
+        out += &sink.render_metrics().await?;
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -1,5 +1,7 @@
 //! Router tests with `oneshot`.
 #![allow(clippy::unwrap_used)]
+use std::path::PathBuf;
+
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use replicator::catalog::Catalog;
@@ -8,7 +10,6 @@ use replicator::source::{LinkConfig, RootConfig, SourceConfig};
 use replicator::tls::{self, AgentIdentity};
 use replicator::transport::{self, SocketKind};
 use serde_json::{json, Value};
-use std::path::PathBuf;
 use tower::ServiceExt;
 
 use super::*;
@@ -262,7 +263,7 @@ async fn with_source() -> WithSource {
     let cfg = SourceConfig {
         agent: "src".into(),
         site: "train-a".into(),
-        chunk_size: replicator::manifest::MIN_CHUNK_SIZE,
+        chunk_size: ferry_proto::manifest::MIN_CHUNK_SIZE,
         markers: vec![],
         roots: vec![RootConfig {
             path: root.clone(),

@@ -10,13 +10,12 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use ferry_proto::manifest::FileInfo;
+use ferry_proto::manifest::Hash;
 use nix::fcntl::{Flock, FlockArg};
 use serde::Serialize;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{Row, SqlitePool};
-
-use crate::manifest::Hash;
-use crate::wire::FileInfo;
 
 /// Catalog failures.
 #[derive(Debug, thiserror::Error)]
@@ -436,7 +435,7 @@ pub const MAX_MODEL_PARAMS: f64 = 1e15;
 
 /// A job name usable in paths, else an error naming `field`.
 fn check_job_name(field: &str, name: &str) -> Result<(), CatalogError> {
-    crate::paths::check_name(name).map_err(|e| CatalogError::Invalid(format!("{field}: {e}")))
+    ferry_proto::paths::check_name(name).map_err(|e| CatalogError::Invalid(format!("{field}: {e}")))
 }
 
 /// Rows of `table` (`transfers` or `replicas`) per state.

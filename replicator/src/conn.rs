@@ -1,10 +1,9 @@
 //! Framing of [`Control`] messages on a QUIC control stream, shared by the
 //! sender and the receiver.
 
+use ferry_proto::wire::{frame_len, Control, WireError};
 use quinn::{ReadExactError, RecvStream, SendStream};
 use tokio::sync::Mutex;
-
-use crate::wire::{frame_len, Control, WireError};
 
 /// QUIC application error codes Ferry closes connections and streams with.
 pub mod code {

@@ -16,9 +16,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::str::FromStr;
 
+use ferry_proto::paths::is_temporary;
 use serde::{Deserialize, Serialize};
-
-use crate::paths::is_temporary;
 
 /// Largest file, in bytes, whose content the watcher reads for
 /// [`verdict`] (1 MiB). Markers and trackers are far smaller; a JSON
@@ -222,7 +221,7 @@ fn file_name(path: &str) -> &str {
 }
 
 /// True if any component of `path` is a temporary name
-/// ([`crate::paths::is_temporary`], CHECKPOINT_FORMATS.md "Publish rule"
+/// ([`ferry_proto::paths::is_temporary`], CHECKPOINT_FORMATS.md "Publish rule"
 /// item 2): such files are never part of a checkpoint's file set.
 fn is_temp_path(path: &str) -> bool {
     path.split('/').any(is_temporary)
@@ -573,7 +572,7 @@ fn is_iter_dir(name: &str) -> bool {
 /// verdict also needs every file in the directory complete (data files
 /// and any temporary still being written), because a marker may land
 /// before other ranks finish (DeepSpeed `latest`, HF `trainer_state.json`;
-/// "Three facts" item 3). Temporaries ([`crate::paths::is_temporary`] on
+/// "Three facts" item 3). Temporaries ([`ferry_proto::paths::is_temporary`] on
 /// any path component) are not part of the file set.
 ///
 /// - `Dcp`: `.metadata` complete, no `.metadata.tmp`. Markers

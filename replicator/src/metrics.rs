@@ -1,10 +1,10 @@
 //! Prometheus metrics and live rates.
 //!
-//! Each [`Source`] and [`Sink`] owns its own registry (no global
-//! recorder: `ferry demo` runs two agents in one process); [`render`]
-//! writes the Prometheus text exposition format (version 0.0.4) of an
-//! agent with either role or both, after updating the gauges computed at
-//! scrape time (queue depth and states from the catalog, rate caps and
+//! Each source and sink owns its own registry (no global recorder:
+//! `ferry demo` runs two agents in one process) and renders it in the
+//! Prometheus text exposition format (version 0.0.4); the API's
+//! `/metrics` concatenates the two for an agent with both roles, after
+//! each has updated the gauges computed at scrape time (queue depth and states from the catalog, rate caps and
 //! utilisation from the source's sampler).
 //!
 //! Names follow `ferry_<name>_<unit>`; counters end in `_total`.
@@ -59,8 +59,6 @@ use scheduler::Class;
 use serde::Serialize;
 
 use crate::catalog::{state, CatalogError};
-use crate::sink::Sink;
-use crate::source::Source;
 
 /// The `Content-Type` of [`render`]'s output: the Prometheus text
 /// exposition format, version 0.0.4.
@@ -123,24 +121,6 @@ pub enum MetricsError {
     /// Encoding the text failed.
     #[error("encoding metrics: {0}")]
     Encode(#[from] std::fmt::Error),
-}
-
-/// The Prometheus text exposition (version 0.0.4, [`CONTENT_TYPE`]) of an
-/// agent with the source role, the sink role or both: the source's
-/// metrics first, then the sink's. Gauges computed at scrape time are
-/// updated first (this reads the catalog).
-///
-/// # Errors
-/// [`MetricsError`].
-pub async fn render(source: Option<&Source>, sink: Option<&Sink>) -> Result<String, MetricsError> {
-    let mut out = String::new();
-    if let Some(s) = source {
-        out += &s.render_metrics().await?;
-    }
-    if let Some(s) = sink {
-        out += &s.render_metrics().await?;
-    }
-    Ok(out)
 }
 
 // ------------------------------------------------------------- rates --

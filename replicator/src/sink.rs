@@ -16,6 +16,12 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
+use ferry_proto::manifest::{hex, validate_files, ChunkMap, FileInfo, Hash, Manifest};
+use ferry_proto::paths::check_name;
+use ferry_proto::wire::{
+    BatchHeader, Control, Hello, RecordHeader, TransferKey, WireError, BATCH_HEADER_LEN,
+    PROTOCOL_VERSION, RECORD_HEADER_LEN,
+};
 use quinn::{Connection, Endpoint, RecvStream, VarInt};
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -27,14 +33,8 @@ use crate::catalog::{
     now_ms, state, Catalog, CatalogError, NewReplica, SourceTimes, VerifiedChunk,
 };
 use crate::conn::{code, read_frame, ConnError, ControlSender};
-use crate::manifest::{hex, validate_files, ChunkMap, Hash, Manifest};
 use crate::metrics::{MetricsError, SinkMetrics};
-use crate::paths::check_name;
 use crate::tls;
-use crate::wire::{
-    BatchHeader, Control, FileInfo, Hello, RecordHeader, TransferKey, WireError, BATCH_HEADER_LEN,
-    PROTOCOL_VERSION, RECORD_HEADER_LEN,
-};
 
 mod publish;
 
@@ -150,7 +150,7 @@ impl Table {
         let bytes_total = files.iter().map(|f| f.size).sum();
         let chunks_total = files
             .iter()
-            .map(|f| crate::manifest::chunk_count(f.size, chunk_size))
+            .map(|f| ferry_proto::manifest::chunk_count(f.size, chunk_size))
             .sum();
         let dirs = files.iter().flat_map(|f| parents(&f.path)).collect();
         Table {
@@ -174,9 +174,9 @@ impl Table {
         let mut new_dirs = std::collections::HashSet::new();
         let mut files = self.files.len();
         let (mut bytes, mut chunks) = (self.bytes_total, self.chunks_total);
-        let count = |size| crate::manifest::chunk_count(size, chunk_size);
+        let count = |size| ferry_proto::manifest::chunk_count(size, chunk_size);
         for f in upd {
-            crate::paths::check_relative(&f.path)
+            ferry_proto::paths::check_relative(&f.path)
                 .map_err(|e| invalid("file path", e.to_string()))?;
             if let Some(&i) = self.by_path.get(&f.path) {
                 let old = &self.files[i as usize];
@@ -208,10 +208,10 @@ impl Table {
                 ));
             }
         }
-        if files > crate::wire::MAX_FILES as usize {
+        if files > ferry_proto::limits::MAX_FILES as usize {
             return Err(invalid("file count", format!("{files} files")));
         }
-        if chunks > u64::from(crate::wire::MAX_CHUNKS) {
+        if chunks > u64::from(ferry_proto::limits::MAX_CHUNKS) {
             return Err(invalid("chunk count", format!("{chunks} chunks")));
         }
         for f in upd {
@@ -835,7 +835,8 @@ async fn open_transfer(
             key.profile
         )));
     }
-    crate::paths::check_relative(&key.rel).map_err(|e| refuse(format!("relative path: {e}")))?;
+    ferry_proto::paths::check_relative(&key.rel)
+        .map_err(|e| refuse(format!("relative path: {e}")))?;
     let sum: u64 = files.iter().map(|f| f.size).sum();
     if sum != bytes_total {
         return Err(refuse(format!(
@@ -1063,7 +1064,7 @@ async fn open_transfer(
 /// Keys of a published manifest's chunks under the file table `files`
 /// (matched by path and size), with their hashes.
 fn published_keys(m: &Manifest, files: &[FileInfo]) -> Vec<(u64, Hash)> {
-    let by_path: HashMap<&str, &crate::manifest::FileEntry> =
+    let by_path: HashMap<&str, &ferry_proto::manifest::FileEntry> =
         m.files.iter().map(|f| (f.path.as_str(), f)).collect();
     let map = ChunkMap::new(files, m.chunk_size);
     let mut out = Vec::new();
@@ -1243,7 +1244,7 @@ async fn reuse_published(
     );
     tokio::task::spawn_blocking(move || {
         let map = ChunkMap::new(&files, chunk_size);
-        let by_path: HashMap<&str, &crate::manifest::FileEntry> =
+        let by_path: HashMap<&str, &ferry_proto::manifest::FileEntry> =
             old.files.iter().map(|f| (f.path.as_str(), f)).collect();
         let mut out = Vec::new();
         for (fi, f) in files.iter().enumerate() {
@@ -1983,7 +1984,9 @@ fn write_siblings(replica: &Path, siblings: &[(String, Vec<u8>)]) -> io::Result<
         digits.parse::<u64>().ok()
     };
     for (name, bytes) in siblings {
-        if check_name(name).is_err() || bytes.len() > crate::wire::MAX_SIBLING_BYTES as usize {
+        if check_name(name).is_err()
+            || bytes.len() > ferry_proto::limits::MAX_SIBLING_BYTES as usize
+        {
             warn!(name, "ignoring a sibling marker with a bad name or size");
             continue;
         }
@@ -2052,7 +2055,7 @@ mod tests {
             mode: 0o644,
             mtime_ns: 0,
         };
-        let cs = crate::manifest::MIN_CHUNK_SIZE;
+        let cs = ferry_proto::manifest::MIN_CHUNK_SIZE;
         let mut t = Table::new(vec![fi("a/x", 10), fi("b", 0)], cs);
         let key = t.map.index(0, 0).unwrap();
         t.update(&[fi("a/x", 3 * u64::from(cs)), fi("c/d/e", 5)], cs)

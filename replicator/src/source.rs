@@ -14,7 +14,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use ferry_proto::manifest::{hex, ChunkMap, FileEntry, FileInfo, Hash, Manifest};
+use ferry_proto::wire::{Control, Hello, RecordHeader, TransferKey, PROTOCOL_VERSION};
 use quinn::{Connection, Endpoint, VarInt};
+use scan::ScanOptions;
 use serde::Serialize;
 use tokio::sync::{mpsc, watch, Notify};
 use tokio_util::sync::CancellationToken;
@@ -26,13 +29,12 @@ use crate::catalog::{
 };
 use crate::cc::Share;
 use crate::conn::{code, read_frame, ConnError, ControlSender};
-use crate::manifest::{self, hex, ChunkMap, FileEntry, Hash, Manifest, ScanOptions};
 use crate::metrics::{LinkSampler, LinkStats, MetricsError, RateWindow, SourceMetrics};
 use crate::tls;
 use crate::transport::{transport_config, Tuning};
-use crate::wire::{Control, FileInfo, Hello, RecordHeader, TransferKey, PROTOCOL_VERSION};
 
 mod dispatch;
+pub mod scan;
 mod streaming;
 pub mod watcher;
 
@@ -976,7 +978,7 @@ impl Source {
                 root.job
             )));
         }
-        if name.starts_with('.') || crate::paths::is_temporary(name) {
+        if name.starts_with('.') || ferry_proto::paths::is_temporary(name) {
             return Err(bad(format!(
                 "{name:?} is a hidden or temporary name, not a checkpoint directory"
             )));
@@ -1721,7 +1723,7 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
         markers: inner.cfg.markers.clone(),
     };
     let d2 = dir.clone();
-    let scan = tokio::task::spawn_blocking(move || manifest::scan(&d2, &opts))
+    let scan = tokio::task::spawn_blocking(move || scan::scan(&d2, &opts))
         .await
         .map_err(|e| RunError::Fatal(e.to_string()))?
         .map_err(|e| RunError::Fatal(format!("listing the checkpoint: {e}")))?;
@@ -2109,7 +2111,7 @@ fn read_all(
     let mut entries = Vec::with_capacity(files.len());
     for (fi, info) in files.iter().enumerate() {
         let path = dir.join(&info.path);
-        let chunks = manifest::read_chunks(&path, info, chunk_size, |ci, bytes, hash| {
+        let chunks = scan::read_chunks(&path, info, chunk_size, |ci, bytes, hash| {
             let g = map.index(fi as u32, ci).unwrap_or(u64::MAX);
             if have.contains(&g) {
                 return Ok(());
@@ -2126,7 +2128,7 @@ fn read_all(
                 data,
             };
             out.blocking_send(rec)
-                .map_err(|_| manifest::ScanError::Unsupported {
+                .map_err(|_| scan::ScanError::Unsupported {
                     path: path.clone(),
                     why: "sending stopped".into(),
                 })
@@ -2246,7 +2248,7 @@ mod tests {
         let cfg = SourceConfig {
             agent: "src".into(),
             site: "train-a".into(),
-            chunk_size: manifest::MIN_CHUNK_SIZE,
+            chunk_size: ferry_proto::manifest::MIN_CHUNK_SIZE,
             markers: vec![],
             roots: vec![RootConfig {
                 path: root.clone(),

@@ -3,9 +3,11 @@
 
 use std::path::Path;
 
+use ferry_proto::manifest::FileInfo;
+use ferry_proto::manifest::{hex, Manifest};
+
 use crate::catalog::{Catalog, CatalogError};
-use crate::manifest::{self, hex, Manifest};
-use crate::wire::FileInfo;
+use crate::source::scan;
 
 /// Outcome of a verification.
 #[derive(Debug, Clone)]
@@ -90,7 +92,7 @@ pub fn check(dir: &Path, m: &Manifest) -> Report {
             ));
             continue;
         }
-        match manifest::read_chunks(&p, &info, m.chunk_size, |_, _, _| Ok(())) {
+        match scan::read_chunks(&p, &info, m.chunk_size, |_, _, _| Ok(())) {
             Ok(hashes) => {
                 bytes += f.size;
                 for (i, (a, b)) in hashes.iter().zip(&f.chunks).enumerate() {
@@ -107,7 +109,7 @@ pub fn check(dir: &Path, m: &Manifest) -> Report {
             Err(e) => problems.push(format!("{}: {e}", f.path)),
         }
     }
-    if let Ok(scan) = manifest::scan(dir, &manifest::ScanOptions::default()) {
+    if let Ok(scan) = scan::scan(dir, &scan::ScanOptions::default()) {
         for f in scan.files {
             if !m.files.iter().any(|e| e.path == f.path) {
                 problems.push(format!("{}: not in the manifest", f.path));

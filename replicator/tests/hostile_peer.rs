@@ -8,15 +8,15 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
+use ferry_proto::limits::MAX_CHUNK;
+use ferry_proto::manifest::FileInfo;
+use ferry_proto::wire::{BatchHeader, Control, Hello, RecordHeader, TransferKey, PROTOCOL_VERSION};
 use quinn::{Connection, Endpoint};
 use replicator::catalog::Catalog;
 use replicator::conn::read_frame;
 use replicator::sink::{Sink, SinkConfig};
 use replicator::tls::{self, AgentIdentity};
 use replicator::transport::{self, SocketKind};
-use replicator::wire::{
-    BatchHeader, Control, FileInfo, Hello, RecordHeader, TransferKey, MAX_CHUNK, PROTOCOL_VERSION,
-};
 
 struct Setup {
     _dir: tempfile::TempDir,
@@ -350,7 +350,7 @@ async fn send_record(conn: &Connection, transfer: u64, file: u32, chunk: u32, pa
 #[tokio::test]
 async fn out_of_order_control_messages_close_the_connection() {
     let s = setup().await;
-    let manifest = replicator::manifest::Manifest {
+    let manifest = ferry_proto::manifest::Manifest {
         chunk_size: 4 << 20,
         files: vec![],
         markers: vec![],
@@ -489,9 +489,9 @@ async fn records_past_the_declared_file_size_are_dropped() {
     // The honest record completes the transfer.
     let payload = b"0123456789";
     send_record(&conn, 1, 0, 0, payload).await;
-    let m = replicator::manifest::Manifest {
+    let m = ferry_proto::manifest::Manifest {
         chunk_size: 4 << 20,
-        files: vec![replicator::manifest::FileEntry {
+        files: vec![ferry_proto::manifest::FileEntry {
             path: "a".into(),
             size: 10,
             mode: 0o644,

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::{pair, same_tree, wait_final, wait_published};
-use replicator::manifest::MIN_CHUNK_SIZE;
+use ferry_proto::manifest::MIN_CHUNK_SIZE;
 use replicator::sink::Resolution;
 
 fn write_checkpoint(dir: &Path, seed: u8) {
@@ -77,7 +77,7 @@ async fn checkpoint_replicates_resolves_and_is_replaced_on_resave() {
 
     let report = replicator::verify::check(
         &replica,
-        &replicator::manifest::build(&ckpt, &Default::default(), MIN_CHUNK_SIZE).unwrap(),
+        &replicator::source::scan::build(&ckpt, &Default::default(), MIN_CHUNK_SIZE).unwrap(),
     );
     assert!(report.problems.is_empty(), "{:?}", report.problems);
 

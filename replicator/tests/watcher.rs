@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use common::replay::Replay;
 use common::{pair_with, same_tree, wait_final, wait_published, Pair};
+use ferry_proto::manifest::MIN_CHUNK_SIZE;
 use replicator::catalog::Transfer;
-use replicator::manifest::MIN_CHUNK_SIZE;
 use replicator::sink::Resolution;
 use replicator::source::watcher::{Mode, RootWatch, Start};
 use replicator::source::SourceConfig;

@@ -9,15 +9,15 @@
 
 use std::path::{Component, Path};
 
+use ferry_proto::limits::{MAX_CHUNK, MAX_FRAME, MAX_SIBLINGS, MAX_SIBLING_BYTES};
+use ferry_proto::manifest::{chunk_count, FileEntry, FileInfo, Manifest, MIN_CHUNK_SIZE};
+use ferry_proto::paths::{check_name, check_relative};
+use ferry_proto::wire::{
+    frame_len, BatchHeader, Control, Hello, RecordHeader, TransferKey, WireError, BATCH_HEADER_LEN,
+    DATA_MAGIC, RECORD_HEADER_LEN,
+};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed};
-use replicator::manifest::{chunk_count, FileEntry, Manifest, MIN_CHUNK_SIZE};
-use replicator::paths::{check_name, check_relative};
-use replicator::wire::{
-    frame_len, BatchHeader, Control, FileInfo, Hello, RecordHeader, TransferKey, WireError,
-    BATCH_HEADER_LEN, DATA_MAGIC, MAX_CHUNK, MAX_FRAME, MAX_SIBLINGS, MAX_SIBLING_BYTES,
-    RECORD_HEADER_LEN,
-};
 
 /// Cases per property in one run.
 fn cases() -> u32 {
@@ -498,7 +498,7 @@ fn chunk_totals_that_overflow_a_u64_are_refused() {
             mtime_ns: 0,
         })
         .collect();
-    let r = replicator::manifest::validate_files(&files, MIN_CHUNK_SIZE);
+    let r = ferry_proto::manifest::validate_files(&files, MIN_CHUNK_SIZE);
     assert!(
         matches!(
             r,

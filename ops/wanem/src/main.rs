@@ -72,11 +72,11 @@ struct Args {
     #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
     rtt: Duration,
     /// Rate cap of each direction on IP bytes, e.g. 1Gbit/s, 300Mbit/s.
-    #[arg(long, default_value = "1Gbit/s", value_parser = replicator::units::parse_rate)]
+    #[arg(long, default_value = "1Gbit/s", value_parser = ferry_proto::units::parse_rate)]
     rate: u64,
     /// Queue in front of the rate cap, bytes (tail drop). Default: one
     /// bandwidth-delay product (rate x RTT / 8), at least 96,000 bytes.
-    #[arg(long, value_parser = replicator::units::parse_size)]
+    #[arg(long, value_parser = ferry_proto::units::parse_size)]
     queue: Option<u64>,
     /// Random loss probability per packet and direction, 0..1 (e.g. 0.01).
     #[arg(long, default_value_t = 0.0)]

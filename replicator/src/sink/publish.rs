@@ -38,9 +38,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, UNIX_EPOCH};
 
+use ferry_proto::manifest::{chunk_count, chunk_len, Hash, Manifest};
 use tracing::warn;
-
-use crate::manifest::{chunk_count, chunk_len, Hash, Manifest};
 
 /// What [`publish`] did.
 #[derive(Debug, PartialEq, Eq)]
@@ -439,7 +438,7 @@ fn hash_mismatches(
 /// replica holds exactly the frozen file set.
 fn remove_unlisted(staging: &Path, m: &Manifest) -> io::Result<()> {
     let listed: std::collections::HashSet<&str> = m.files.iter().map(|f| f.path.as_str()).collect();
-    let scan = crate::manifest::scan(staging, &Default::default()).map_err(|e| {
+    let scan = crate::source::scan::scan(staging, &Default::default()).map_err(|e| {
         io::Error::other(format!(
             "staging holds something the sink never wrote (another process in the sink root?): {e}"
         ))
@@ -457,7 +456,7 @@ fn remove_unlisted(staging: &Path, m: &Manifest) -> io::Result<()> {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::manifest::{build, ScanOptions};
+    use crate::source::scan::{build, ScanOptions};
 
     const CHUNK: u32 = 64 * 1024;
 

@@ -25,8 +25,9 @@
 //! A checkpoint the watcher declares abandoned or deleted cancels the
 //! transfer; the sink then removes its staging data.
 
+use ferry_proto::manifest::{chunk_count, chunk_len};
+
 use super::*;
-use crate::manifest::{chunk_count, chunk_len};
 
 /// One file of a checkpoint as the watcher last saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]

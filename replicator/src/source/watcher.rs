@@ -30,6 +30,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
+use ferry_proto::manifest::FileInfo;
+use ferry_proto::paths::is_temporary;
 use globset::{Glob, GlobSet, GlobSetBuilder};
 use notify::Watcher as _;
 use tokio::sync::{mpsc, watch};
@@ -38,8 +40,6 @@ use tracing::{debug, info, warn};
 use super::{CheckpointView, Inner, RootConfig, ViewFile, ViewState};
 use crate::catalog::{checkpoint, now_ms, state, Transfer};
 use crate::formats::{self, FileState, Format, Snapshot, Verdict};
-use crate::paths::is_temporary;
-use crate::wire::FileInfo;
 
 /// When a watched checkpoint's transfer starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -906,7 +906,7 @@ fn sibling_markers(format: Format, dir: &str, siblings: &[FileState]) -> Vec<(St
         .iter()
         .find(|f| f.path == name)
         .and_then(|f| f.content.clone())
-        .filter(|c| c.len() <= crate::wire::MAX_SIBLING_BYTES as usize)
+        .filter(|c| c.len() <= ferry_proto::limits::MAX_SIBLING_BYTES as usize)
     else {
         return Vec::new();
     };

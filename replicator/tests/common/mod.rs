@@ -8,9 +8,9 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use ferry_proto::manifest::MIN_CHUNK_SIZE;
 use replicator::catalog::Catalog;
 use replicator::linkemu::{memory_pair, LinkParams};
-use replicator::manifest::MIN_CHUNK_SIZE;
 use replicator::sink::{Sink, SinkConfig};
 use replicator::source::{LinkConfig, RootConfig, Source, SourceConfig};
 use replicator::tls::{self, AgentIdentity};
@@ -211,9 +211,9 @@ pub async fn wait_final(p: &Pair, id: i64) -> replicator::catalog::Transfer {
 }
 
 pub fn same_tree(a: &Path, b: &Path) {
-    let opts = replicator::manifest::ScanOptions::default();
-    let sa = replicator::manifest::scan(a, &opts).unwrap();
-    let sb = replicator::manifest::scan(b, &opts).unwrap();
+    let opts = replicator::source::scan::ScanOptions::default();
+    let sa = replicator::source::scan::scan(a, &opts).unwrap();
+    let sb = replicator::source::scan::scan(b, &opts).unwrap();
     assert_eq!(
         sa.files, sb.files,
         "file lists (paths, sizes, modes, mtimes) differ"

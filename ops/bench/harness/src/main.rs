@@ -60,13 +60,13 @@ struct Args {
     #[arg(long, value_delimiter = ',')]
     tools: Vec<String>,
     /// Link rate cap (each direction).
-    #[arg(long, default_value = "1Gbit/s", value_parser = replicator::units::parse_rate)]
+    #[arg(long, default_value = "1Gbit/s", value_parser = ferry_proto::units::parse_rate)]
     rate: u64,
     /// Round-trip time of the throughput scenario.
     #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
     rtt: Duration,
     /// Checkpoint size of the throughput scenario (default 1.4GB, 300MB with --quick).
-    #[arg(long, value_parser = replicator::units::parse_size)]
+    #[arg(long, value_parser = ferry_proto::units::parse_size)]
     size: Option<u64>,
     /// Shards of the scale scenario's checkpoint (its size is 4 KiB each).
     #[arg(long, default_value_t = 100_000)]

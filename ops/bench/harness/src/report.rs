@@ -148,7 +148,7 @@ fn markdown(b: &Bench, machine: &Value, date: &str, mode: &str) -> String {
         machine["rsync"].as_str().unwrap_or("?"),
         machine["rclone"].as_str().unwrap_or("?"),
         machine["iperf3"].as_str().unwrap_or("?"),
-        replicator::units::format_rate(b.args.rate),
+        ferry_proto::units::format_rate(b.args.rate),
         b.started.elapsed().as_secs_f64(),
         if b.args.quick { " --quick" } else { "" },
     );
@@ -399,7 +399,7 @@ fn chart(b: &Bench, path: &Path) -> Result<()> {
         .caption(
             format!(
                 "Goodput vs RTT, {} link",
-                replicator::units::format_rate(b.args.rate)
+                ferry_proto::units::format_rate(b.args.rate)
             ),
             ("sans-serif", 20),
         )

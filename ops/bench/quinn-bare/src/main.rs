@@ -101,10 +101,10 @@ struct Args {
     streams: u32,
 }
 
-/// Parses a byte count with [`replicator::units::parse_size`] (e.g.
+/// Parses a byte count with [`ferry_proto::units::parse_size`] (e.g.
 /// `1400000000`, `1.4GB`, `512MiB`); zero is refused.
 fn parse_bytes(s: &str) -> Result<u64, String> {
-    match replicator::units::parse_size(s)? {
+    match ferry_proto::units::parse_size(s)? {
         0 => Err("the byte count must be at least 1".into()),
         n => Ok(n),
     }

@@ -22,33 +22,15 @@
 
 use std::fmt;
 
-use crate::manifest::{FileEntry, Hash, Manifest};
+use crate::codec::{Reader, Writer};
+use crate::limits::{MAX_CHUNK, MAX_FILES, MAX_FRAME, MAX_SIBLINGS, MAX_SIBLING_BYTES};
+use crate::manifest::{FileInfo, Hash, Manifest};
+
+pub use crate::codec::WireError;
 
 /// Protocol version carried in [`Hello`]. Peers with a different version
 /// refuse the connection with [`Control::Error`] naming both versions.
 pub const PROTOCOL_VERSION: u16 = 2;
-
-/// Largest control frame body accepted, in bytes (64 MiB: a manifest of
-/// 100,000 shards with 4 MiB chunks is about 10 MiB).
-pub const MAX_FRAME: usize = 64 << 20;
-
-/// Largest chunk payload accepted in a data record, in bytes (64 MiB).
-pub const MAX_CHUNK: u32 = 64 << 20;
-
-/// Largest number of files in one manifest.
-pub const MAX_FILES: u32 = 4_000_000;
-
-/// Largest number of chunks in one list (have, need, manifest total).
-pub const MAX_CHUNKS: u32 = 64_000_000;
-
-/// Largest number of sibling markers in one commit.
-pub const MAX_SIBLINGS: u32 = 8;
-
-/// Largest sibling marker accepted, in bytes.
-pub const MAX_SIBLING_BYTES: u32 = 4096;
-
-/// Largest relative path accepted, in bytes (Linux `PATH_MAX`).
-pub const MAX_PATH: usize = 4096;
 
 /// Magic bytes at the start of every data stream.
 pub const DATA_MAGIC: [u8; 4] = *b"FRY1";
@@ -58,49 +40,6 @@ pub const BATCH_HEADER_LEN: usize = 4 + 8;
 
 /// Size of a [`RecordHeader`] on the wire, in bytes.
 pub const RECORD_HEADER_LEN: usize = 4 + 4 + 4 + 32;
-
-/// A malformed or out-of-bounds message from a peer.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum WireError {
-    /// The buffer ended before the message did.
-    #[error("message truncated: needed {needed} more bytes for {what}")]
-    Truncated {
-        /// What was being decoded.
-        what: &'static str,
-        /// How many more bytes were needed.
-        needed: usize,
-    },
-    /// A length field exceeds its bound.
-    #[error("{what} of {got} exceeds the limit of {limit}")]
-    TooLarge {
-        /// Which length.
-        what: &'static str,
-        /// The value sent.
-        got: u64,
-        /// The bound.
-        limit: u64,
-    },
-    /// Unknown message type byte.
-    #[error("unknown control message type {0}")]
-    UnknownType(u8),
-    /// A string was not UTF-8.
-    #[error("{0} is not valid UTF-8")]
-    Utf8(&'static str),
-    /// Bytes left over after a complete message.
-    #[error("{0} trailing bytes after message")]
-    Trailing(usize),
-    /// Data stream does not start with [`DATA_MAGIC`].
-    #[error("data stream does not start with the Ferry magic bytes")]
-    BadMagic,
-    /// A field holds a value that cannot be right.
-    #[error("invalid {what}: {why}")]
-    Invalid {
-        /// Which field.
-        what: &'static str,
-        /// Why it is invalid.
-        why: String,
-    },
-}
 
 /// First message in each direction on the control stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -128,20 +67,6 @@ pub struct TransferKey {
     /// Replication profile: empty for every file, `weights-only` for a
     /// replica without optimizer state.
     pub profile: String,
-}
-
-/// A file of a transfer as announced in [`Control::Open`], before its
-/// chunks are hashed.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct FileInfo {
-    /// Path relative to the checkpoint directory, `/`-separated.
-    pub path: String,
-    /// Size in bytes.
-    pub size: u64,
-    /// Unix mode bits (permissions only).
-    pub mode: u32,
-    /// Modification time, nanoseconds since the Unix epoch.
-    pub mtime_ns: i64,
 }
 
 /// Messages on the control stream.
@@ -295,7 +220,7 @@ impl Control {
                 w.u64(*bytes_total);
                 w.u32(files.len() as u32);
                 for f in files {
-                    w.file_info(f);
+                    f.encode(&mut w);
                 }
             }
             Control::Have { id, chunks } => {
@@ -318,7 +243,7 @@ impl Control {
                 w.u64(*id);
                 w.u32(files.len() as u32);
                 for f in files {
-                    w.file_info(f);
+                    f.encode(&mut w);
                 }
             }
             Control::Commit {
@@ -390,10 +315,10 @@ impl Control {
                 };
                 let chunk_size = r.u32("chunk size")?;
                 let bytes_total = r.u64("bytes total")?;
-                let n = r.count("file count", MAX_FILES, 4 + 8 + 4 + 8)?;
+                let n = r.count("file count", MAX_FILES, FileInfo::MIN_ENCODED)?;
                 let mut files = Vec::with_capacity(n);
                 for _ in 0..n {
-                    files.push(r.file_info()?);
+                    files.push(FileInfo::decode(&mut r)?);
                 }
                 Control::Open {
                     key,
@@ -416,10 +341,10 @@ impl Control {
             },
             T_FILES => {
                 let id = r.u64("transfer id")?;
-                let n = r.count("file count", MAX_FILES, 4 + 8 + 4 + 8)?;
+                let n = r.count("file count", MAX_FILES, FileInfo::MIN_ENCODED)?;
                 let mut files = Vec::with_capacity(n);
                 for _ in 0..n {
-                    files.push(r.file_info()?);
+                    files.push(FileInfo::decode(&mut r)?);
                 }
                 Control::Files { id, files }
             }
@@ -580,206 +505,11 @@ impl RecordHeader {
     }
 }
 
-/// Big-endian byte writer used by the encoders.
-pub(crate) struct Writer(pub(crate) Vec<u8>);
-
-impl Writer {
-    pub(crate) fn u8(&mut self, v: u8) {
-        self.0.push(v);
-    }
-    pub(crate) fn u16(&mut self, v: u16) {
-        self.0.extend_from_slice(&v.to_be_bytes());
-    }
-    pub(crate) fn u32(&mut self, v: u32) {
-        self.0.extend_from_slice(&v.to_be_bytes());
-    }
-    pub(crate) fn u64(&mut self, v: u64) {
-        self.0.extend_from_slice(&v.to_be_bytes());
-    }
-    pub(crate) fn i64(&mut self, v: i64) {
-        self.0.extend_from_slice(&v.to_be_bytes());
-    }
-    /// A short string (`u16` length); longer input is cut at a char boundary.
-    pub(crate) fn str(&mut self, s: &str) {
-        let s = truncate(s, u16::MAX as usize);
-        self.u16(s.len() as u16);
-        self.0.extend_from_slice(s.as_bytes());
-    }
-    /// A long string (`u32` length).
-    pub(crate) fn long_str(&mut self, s: &str) {
-        let s = truncate(s, MAX_FRAME / 2);
-        self.u32(s.len() as u32);
-        self.0.extend_from_slice(s.as_bytes());
-    }
-    fn indices(&mut self, v: &[u64]) {
-        self.u32(v.len() as u32);
-        for i in v {
-            self.u64(*i);
-        }
-    }
-    fn file_info(&mut self, f: &FileInfo) {
-        self.long_str(&f.path);
-        self.u64(f.size);
-        self.u32(f.mode);
-        self.i64(f.mtime_ns);
-    }
-    pub(crate) fn file_entry(&mut self, f: &FileEntry) {
-        self.long_str(&f.path);
-        self.u64(f.size);
-        self.u32(f.mode);
-        self.i64(f.mtime_ns);
-        self.u32(f.chunks.len() as u32);
-        for h in &f.chunks {
-            self.0.extend_from_slice(h);
-        }
-    }
-}
-
-fn truncate(s: &str, max: usize) -> &str {
-    if s.len() <= max {
-        return s;
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
-}
-
-/// Bounds-checked big-endian reader used by the decoders.
-pub(crate) struct Reader<'a> {
-    buf: &'a [u8],
-    pos: usize,
-}
-
-impl<'a> Reader<'a> {
-    pub(crate) fn new(buf: &'a [u8]) -> Self {
-        Reader { buf, pos: 0 }
-    }
-    fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], WireError> {
-        let left = self.buf.len() - self.pos;
-        if n > left {
-            return Err(WireError::Truncated {
-                what,
-                needed: n - left,
-            });
-        }
-        let s = &self.buf[self.pos..self.pos + n];
-        self.pos += n;
-        Ok(s)
-    }
-    fn remaining(&self) -> usize {
-        self.buf.len() - self.pos
-    }
-    pub(crate) fn u8(&mut self, what: &'static str) -> Result<u8, WireError> {
-        Ok(self.take(1, what)?[0])
-    }
-    pub(crate) fn u16(&mut self, what: &'static str) -> Result<u16, WireError> {
-        let b = self.take(2, what)?;
-        Ok(u16::from_be_bytes([b[0], b[1]]))
-    }
-    pub(crate) fn u32(&mut self, what: &'static str) -> Result<u32, WireError> {
-        let b = self.take(4, what)?;
-        Ok(u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
-    }
-    pub(crate) fn u64(&mut self, what: &'static str) -> Result<u64, WireError> {
-        let mut a = [0u8; 8];
-        a.copy_from_slice(self.take(8, what)?);
-        Ok(u64::from_be_bytes(a))
-    }
-    pub(crate) fn i64(&mut self, what: &'static str) -> Result<i64, WireError> {
-        Ok(self.u64(what)? as i64)
-    }
-    pub(crate) fn hash(&mut self, what: &'static str) -> Result<Hash, WireError> {
-        let mut h = [0u8; 32];
-        h.copy_from_slice(self.take(32, what)?);
-        Ok(h)
-    }
-    pub(crate) fn str(&mut self, what: &'static str) -> Result<String, WireError> {
-        let n = self.u16(what)? as usize;
-        let b = self.take(n, what)?;
-        String::from_utf8(b.to_vec()).map_err(|_| WireError::Utf8(what))
-    }
-    pub(crate) fn long_str(&mut self, what: &'static str) -> Result<String, WireError> {
-        let n = self.u32(what)? as usize;
-        if n > MAX_FRAME {
-            return Err(WireError::TooLarge {
-                what,
-                got: n as u64,
-                limit: MAX_FRAME as u64,
-            });
-        }
-        let b = self.take(n, what)?;
-        String::from_utf8(b.to_vec()).map_err(|_| WireError::Utf8(what))
-    }
-    /// Reads a `u32` element count, bounded by `limit` and by what the rest
-    /// of the buffer can hold at `min_elem` bytes per element, so a hostile
-    /// count cannot make the decoder allocate more than the frame size.
-    pub(crate) fn count(
-        &mut self,
-        what: &'static str,
-        limit: u32,
-        min_elem: usize,
-    ) -> Result<usize, WireError> {
-        let n = self.u32(what)?;
-        if n > limit {
-            return Err(WireError::TooLarge {
-                what,
-                got: n.into(),
-                limit: limit.into(),
-            });
-        }
-        let n = n as usize;
-        if n.saturating_mul(min_elem) > self.remaining() {
-            return Err(WireError::Truncated {
-                what,
-                needed: n * min_elem - self.remaining(),
-            });
-        }
-        Ok(n)
-    }
-    fn indices(&mut self) -> Result<Vec<u64>, WireError> {
-        let n = self.count("chunk index count", MAX_CHUNKS, 8)?;
-        (0..n).map(|_| self.u64("chunk index")).collect()
-    }
-    fn file_info(&mut self) -> Result<FileInfo, WireError> {
-        Ok(FileInfo {
-            path: self.long_str("file path")?,
-            size: self.u64("file size")?,
-            mode: self.u32("file mode")?,
-            mtime_ns: self.i64("file mtime")?,
-        })
-    }
-    pub(crate) fn file_entry(&mut self) -> Result<FileEntry, WireError> {
-        let path = self.long_str("file path")?;
-        let size = self.u64("file size")?;
-        let mode = self.u32("file mode")?;
-        let mtime_ns = self.i64("file mtime")?;
-        let n = self.count("chunk count", MAX_CHUNKS, 32)?;
-        let mut chunks = Vec::with_capacity(n);
-        for _ in 0..n {
-            chunks.push(self.hash("chunk hash")?);
-        }
-        Ok(FileEntry {
-            path,
-            size,
-            mode,
-            mtime_ns,
-            chunks,
-        })
-    }
-    pub(crate) fn finish(&self) -> Result<(), WireError> {
-        match self.remaining() {
-            0 => Ok(()),
-            n => Err(WireError::Trailing(n)),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use crate::manifest::FileEntry;
 
     fn roundtrip(m: Control) {
         let frame = m.encode();

@@ -15,7 +15,7 @@ pub struct PathError {
 
 /// Checks that `path` is a non-empty relative path of plain `/`-separated
 /// names: no `..`, no `.`, no empty component, no absolute path, no NUL
-/// byte, no backslash, at most [`crate::wire::MAX_PATH`] bytes and 255
+/// byte, no backslash, at most [`crate::limits::MAX_PATH`] bytes and 255
 /// bytes per component.
 ///
 /// # Errors
@@ -30,7 +30,7 @@ pub fn check_relative(path: &str) -> Result<(), PathError> {
     if path.is_empty() {
         return err("empty path");
     }
-    if path.len() > crate::wire::MAX_PATH {
+    if path.len() > crate::limits::MAX_PATH {
         return err("longer than 4096 bytes");
     }
     if path.contains('\0') {
