@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
+use ferry_proto::state::{CheckpointState, TransferState};
 use indicatif::HumanBytes;
 use serde_json::{json, Value};
 
@@ -134,7 +135,16 @@ pub fn transfer_total(t: &Value) -> u64 {
 /// True while a transfer's checkpoint is being written (`announced` or
 /// `open`): its size is not final.
 pub fn transfer_writing(t: &Value) -> bool {
-    matches!(t["checkpoint"].as_str(), Some("open" | "announced"))
+    matches!(
+        t["checkpoint"].as_str().and_then(|c| c.parse().ok()),
+        Some(CheckpointState::Open | CheckpointState::Announced)
+    )
+}
+
+/// The `state` of a transfer or replica in an API answer; `None` when it
+/// is missing or a state this client does not know (a newer server).
+fn state_of(v: &Value) -> Option<TransferState> {
+    v["state"].as_str()?.parse().ok()
 }
 
 /// Bytes done of a transfer: the live count while it moves (what the sink
@@ -142,7 +152,7 @@ pub fn transfer_writing(t: &Value) -> bool {
 /// catalog's, never above the total (resends count once).
 pub fn transfer_done(t: &Value) -> u64 {
     let total = transfer_total(t);
-    if t["state"] == "published" {
+    if state_of(t) == Some(TransferState::Published) {
         return total;
     }
     let live = t["progress"]["bytes_sent"].as_u64().unwrap_or(0)
@@ -174,12 +184,12 @@ fn transfer_amount(t: &Value) -> (String, String) {
 /// checkpoint still being written), so it shows `≥` and no percentage.
 fn replica_amount(r: &Value) -> (String, String) {
     let total = int(r, "bytes_total").max(0) as u64;
-    let done = if r["state"] == "published" {
+    let done = if state_of(r) == Some(TransferState::Published) {
         total
     } else {
         (int(r, "bytes_done").max(0) as u64).min(total)
     };
-    if r["state"] == "receiving" && done >= total {
+    if state_of(r) == Some(TransferState::Receiving) && done >= total {
         (
             format!("{} / ≥ {}", HumanBytes(done), HumanBytes(total)),
             "-".into(),
@@ -202,7 +212,7 @@ fn percent(done: u64, total: u64) -> String {
 
 /// Counts per state, in `order` first, then any other, as `2 active, 1
 /// queued`.
-fn count_states(items: &[Value], order: &[&str]) -> String {
+fn count_states(items: &[Value], order: &[TransferState]) -> String {
     let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
     for i in items {
         *counts
@@ -210,7 +220,7 @@ fn count_states(items: &[Value], order: &[&str]) -> String {
             .or_default() += 1;
     }
     let mut parts = Vec::new();
-    for s in order {
+    for s in order.iter().map(|s| s.as_str()) {
         if let Some(n) = counts.remove(s) {
             parts.push(format!("{n} {s}"));
         }
@@ -282,32 +292,27 @@ pub fn render_status(base: &str, out: &Value, now_ms: i64) -> String {
             count_states(
                 ts,
                 &[
-                    "active",
-                    "verifying",
-                    "paused",
-                    "queued",
-                    "published",
-                    "failed",
-                    "cancelled"
+                    TransferState::Active,
+                    TransferState::Verifying,
+                    TransferState::Paused,
+                    TransferState::Queued,
+                    TransferState::Published,
+                    TransferState::Failed,
+                    TransferState::Cancelled,
                 ]
             )
         );
-        let rank = |st: &str| match st {
-            "active" => 0,
-            "verifying" => 1,
-            "paused" => 2,
+        let rank = |t: &Value| match state_of(t) {
+            Some(TransferState::Active) => 0,
+            Some(TransferState::Verifying) => 1,
+            Some(TransferState::Paused) => 2,
             _ => 3,
         };
         let mut open: Vec<&Value> = ts
             .iter()
-            .filter(|t| {
-                matches!(
-                    t["state"].as_str(),
-                    Some("queued" | "active" | "paused" | "verifying")
-                )
-            })
+            .filter(|t| state_of(t).is_some_and(|s| !s.is_final()))
             .collect();
-        open.sort_by_key(|t| (rank(text(t, "state")), int(t, "id")));
+        open.sort_by_key(|t| (rank(t), int(t, "id")));
         let mut promoted = Vec::new();
         if !open.is_empty() {
             let mut rows = vec![vec![
@@ -352,7 +357,10 @@ pub fn render_status(base: &str, out: &Value, now_ms: i64) -> String {
                 s += &format!("  transfer {}: {e}\n", int(t, "id"));
             }
         }
-        if let Some(p) = ts.iter().find(|t| t["state"] == "published") {
+        if let Some(p) = ts
+            .iter()
+            .find(|t| state_of(t) == Some(TransferState::Published))
+        {
             s += &format!(
                 "latest published: transfer {} {} -> {} at {}\n",
                 int(p, "id"),
@@ -361,7 +369,11 @@ pub fn render_status(base: &str, out: &Value, now_ms: i64) -> String {
                 p["finished_at"].as_i64().map_or("?".into(), at)
             );
         }
-        if let Some(f) = ts.iter().take(20).find(|t| t["state"] == "failed") {
+        if let Some(f) = ts
+            .iter()
+            .take(20)
+            .find(|t| state_of(t) == Some(TransferState::Failed))
+        {
             s += &format!(
                 "latest failure: transfer {} {}: {}\n",
                 int(f, "id"),
@@ -373,9 +385,20 @@ pub fn render_status(base: &str, out: &Value, now_ms: i64) -> String {
     if let Some(rs) = out["replicas"].as_array() {
         s += &format!(
             "replicas: {}\n",
-            count_states(rs, &["receiving", "published", "failed", "cancelled"])
+            count_states(
+                rs,
+                &[
+                    TransferState::Receiving,
+                    TransferState::Published,
+                    TransferState::Failed,
+                    TransferState::Cancelled,
+                ],
+            )
         );
-        let incoming: Vec<&Value> = rs.iter().filter(|r| r["state"] == "receiving").collect();
+        let incoming: Vec<&Value> = rs
+            .iter()
+            .filter(|r| state_of(r) == Some(TransferState::Receiving))
+            .collect();
         if !incoming.is_empty() {
             let mut rows = vec![vec![
                 "ID".into(),
@@ -398,7 +421,10 @@ pub fn render_status(base: &str, out: &Value, now_ms: i64) -> String {
             }
             s += &table(&rows);
         }
-        if let Some(p) = rs.iter().find(|r| r["state"] == "published") {
+        if let Some(p) = rs
+            .iter()
+            .find(|r| state_of(r) == Some(TransferState::Published))
+        {
             let lag = p["commit_to_replica_s"]
                 .as_f64()
                 .map_or(String::new(), |l| format!(", {l:.2} s after its commit"));
@@ -549,7 +575,7 @@ pub fn render_signal(out: &Value) -> String {
             let until = out["urgent_until"].as_i64().map_or("?".into(), at);
             let state = out["promoted_state"].as_str().unwrap_or("?");
             s += &format!("transfer {id} ({state}) is urgent until {until}\n");
-            if state == "paused" {
+            if state.parse() == Ok(TransferState::Paused) {
                 s += "it is paused: it moves as urgent once resumed\n";
             }
         }

@@ -578,7 +578,8 @@ impl RootSection {
     /// A message naming the key (`source.roots[i].format` ...) and the
     /// values it accepts.
     pub fn watch(&self, i: usize) -> Result<replicator::source::watcher::RootWatch> {
-        use replicator::source::watcher::{Mode, Profile, RootWatch, Selection, Start};
+        use ferry_proto::state::Profile;
+        use replicator::source::watcher::{Mode, RootWatch, Selection, Start};
         let format = match self.format.as_str() {
             "auto" => None,
             f => Some(

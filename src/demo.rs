@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use ferry_proto::state::TransferState;
 use replicator::linkemu::{memory_pair, LinkParams};
 use replicator::sink::Resolution;
 
@@ -402,7 +403,7 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         }
         if let Some(t) = src_agent.source.as_ref() {
             if let Ok(Some(tr)) = t.catalog().transfer_by_path(&source_path).await {
-                if tr.state == "failed" {
+                if tr.state == TransferState::Failed {
                     bail!("transfer failed: {}", tr.error.unwrap_or_default());
                 }
             }
@@ -504,7 +505,7 @@ pub async fn run(a: DemoArgs) -> Result<()> {
             .replicas_for_source(&path)
             .await?
             .into_iter()
-            .find(|r| r.state == "published")
+            .find(|r| r.state == TransferState::Published)
             .context("phase 2: the published replica has no catalog row")?;
         let (c1, c2) = (saved.dir.clone(), local.clone());
         let same = tokio::task::spawn_blocking(move || compare_trees(&c1, &c2)).await??;

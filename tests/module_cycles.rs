@@ -75,7 +75,14 @@ fn strip_comments_and_strings(src: &str) -> String {
                 if j >= b.len() {
                     break;
                 }
-                if b[j] == b'"' && b[j + 1..].iter().take(hashes).filter(|&&h| h == b'#').count() == hashes {
+                if b[j] == b'"'
+                    && b[j + 1..]
+                        .iter()
+                        .take(hashes)
+                        .filter(|&&h| h == b'#')
+                        .count()
+                        == hashes
+                {
                     j += 1 + hashes;
                     break;
                 }
@@ -103,7 +110,10 @@ fn strip_comments_and_strings(src: &str) -> String {
         } else if c == b'\'' {
             // A char literal ('x', '\n', '\u{..}') or a lifetime ('a).
             let end = if b.get(i + 1) == Some(&b'\\') {
-                b[i + 2..].iter().position(|&x| x == b'\'').map(|p| i + 2 + p)
+                b[i + 2..]
+                    .iter()
+                    .position(|&x| x == b'\'')
+                    .map(|p| i + 2 + p)
             } else if b.get(i + 2) == Some(&b'\'') {
                 Some(i + 2)
             } else {
@@ -241,8 +251,7 @@ fn references(src: &str, depth: usize) -> Vec<(String, usize)> {
             continue;
         };
         let after_kw = i + prefix_len;
-        if b
-            .get(after_kw)
+        if b.get(after_kw)
             .is_some_and(|c| c.is_ascii_alphanumeric() || *c == b'_')
         {
             i += 1;
@@ -477,7 +486,11 @@ fn no_crate_has_an_import_cycle_among_its_modules() {
         let src = root.join(m).join("src");
         let mut files = Vec::new();
         rust_files(&src, Path::new(""), &mut files);
-        assert!(!files.is_empty(), "{m}: no Rust files under {}", src.display());
+        assert!(
+            !files.is_empty(),
+            "{m}: no Rust files under {}",
+            src.display()
+        );
         let g = graph(&files);
         modules_seen += g.len();
         for c in cycles(&g) {
@@ -485,7 +498,10 @@ fn no_crate_has_an_import_cycle_among_its_modules() {
         }
     }
     // The walk found modules that import each other at all.
-    assert!(modules_seen > 10, "only {modules_seen} modules with imports found");
+    assert!(
+        modules_seen > 10,
+        "only {modules_seen} modules with imports found"
+    );
     assert!(
         failures.is_empty(),
         "import cycles among modules (a module and its submodules count as one):\n  {}",
@@ -506,7 +522,10 @@ fn a_cycle_through_a_submodule_and_a_group_import_is_named() {
         ("wire.rs", "use crate::{manifest::Manifest, paths};\n"),
         ("manifest.rs", "fn f() {}\n"),
         ("manifest/scan.rs", "\n\nuse super::super::wire::Reader;\n"),
-        ("paths.rs", "// crate::wire in a comment\nconst S: &str = \"crate::wire\";\n"),
+        (
+            "paths.rs",
+            "// crate::wire in a comment\nconst S: &str = \"crate::wire\";\n",
+        ),
     ]);
     let g = graph(&f);
     let c = cycles(&g);

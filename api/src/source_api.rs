@@ -8,6 +8,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use ferry_proto::state::TransferId;
 use replicator::catalog::{Job, Signal, Transfer};
 use replicator::source::{OpsError, Progress, Ranking, SignalOutcome, Source, SubmitError};
 use serde::{Deserialize, Serialize};
@@ -258,10 +259,13 @@ pub(crate) async fn list_transfers(
     }))
 }
 
-fn transfer_id(id: Result<Path<String>, PathRejection>) -> Result<i64, ApiError> {
+fn transfer_id(id: Result<Path<String>, PathRejection>) -> Result<TransferId, ApiError> {
     let Path(id) = id?;
-    id.parse()
-        .map_err(|_| ApiError::unprocessable(format!("transfer id {id:?} is not a number")))
+    let n: i64 = id
+        .parse()
+        .map_err(|_| ApiError::unprocessable(format!("transfer id {id:?} is not a number")))?;
+    // Ids are positive: a negative number names no transfer.
+    TransferId::from_i64(n).ok_or_else(|| ApiError::not_found(format!("no transfer {n}")))
 }
 
 /// One transfer with its ranking: effective class, score term by term and
@@ -333,7 +337,7 @@ macro_rules! action {
             let id = transfer_id(id)?;
             let src = source(&s)?;
             let t = src.$name(id).await.map_err(ops_error)?;
-            tracing::info!(transfer = id, action = $verb, by = by(&caller), "operator action");
+            tracing::info!(transfer = %id, action = $verb, by = by(&caller), "operator action");
             Ok(Json(view(src, t)))
         }
     };
@@ -402,12 +406,18 @@ pub(crate) async fn patch_transfer(
             "nothing to change: give `class` and/or `importance`",
         ));
     }
+    let class = req
+        .class
+        .as_deref()
+        .map(str::parse::<scheduler::Class>)
+        .transpose()
+        .map_err(|e| ApiError::unprocessable(format!("class: {e}")))?;
     let src = source(&s)?;
     let t = src
-        .reprioritise(id, req.class.as_deref(), req.importance)
+        .reprioritise(id, class, req.importance)
         .await
         .map_err(ops_error)?;
-    tracing::info!(transfer = id, class = req.class, importance = ?req.importance, by = by(&caller), "operator changed a transfer");
+    tracing::info!(transfer = %id, class = req.class, importance = ?req.importance, by = by(&caller), "operator changed a transfer");
     Ok(Json(view(src, t)))
 }
 

@@ -10,12 +10,12 @@ use std::time::Duration;
 
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
-
 use axum::http::{header, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use replicator::catalog::{state, Replica, Signal, Transfer};
+use ferry_proto::state::{TransferId, TransferState};
+use replicator::catalog::{Replica, Signal, Transfer};
 use replicator::source::Ranking;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
@@ -76,7 +76,8 @@ pub(crate) struct QueueRow {
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 pub(crate) struct PublishedRow {
     /// Transfer id.
-    id: i64,
+    #[schema(value_type = i64)]
+    id: TransferId,
     /// Job name.
     job: String,
     /// Checkpoint path relative to its source root.
@@ -149,6 +150,7 @@ pub(crate) async fn snapshot(s: &AppState, with_history: bool) -> Result<Status,
             .await
             .map_err(ApiError::internal)?
             .into_iter()
+            .map(|(state, n)| (state.as_str().to_string(), n))
             .collect();
         let live = cat
             .unfinished_transfers()
@@ -178,10 +180,10 @@ pub(crate) async fn snapshot(s: &AppState, with_history: bool) -> Result<Status,
             .await
             .map_err(ApiError::internal)?
             .into_iter()
-            .filter(|t| state::is_final(&t.state))
+            .filter(|t| t.state.is_final())
             .collect();
         for t in &recent {
-            if t.state == state::PUBLISHED && st.published.len() < 20 {
+            if t.state == TransferState::Published && st.published.len() < 20 {
                 st.published.push(PublishedRow {
                     id: t.id,
                     job: t.job.clone(),

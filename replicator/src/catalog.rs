@@ -12,7 +12,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use ferry_proto::manifest::FileInfo;
 use ferry_proto::manifest::Hash;
+use ferry_proto::state::{CheckpointState, Profile, TransferId, TransferState};
 use nix::fcntl::{Flock, FlockArg};
+use scheduler::Class;
 use serde::Serialize;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{Row, SqlitePool};
@@ -59,38 +61,12 @@ pub fn now_ms() -> i64 {
         .as_millis() as i64
 }
 
-/// Source-side transfer states (ARCHITECTURE.md, "Vocabulary").
-pub mod state {
-    /// Waiting for its link.
-    pub const QUEUED: &str = "queued";
-    /// Chunks are moving.
-    pub const ACTIVE: &str = "active";
-    /// Stopped on request (or by the scheduler) until resumed; not final:
-    /// it alternates with `active` and is resumed after a restart like
-    /// any unfinished transfer.
-    pub const PAUSED: &str = "paused";
-    /// All chunks sent; the sink is checking the manifest.
-    pub const VERIFYING: &str = "verifying";
-    /// The replica is published at the sink.
-    pub const PUBLISHED: &str = "published";
-    /// Stopped by an error.
-    pub const FAILED: &str = "failed";
-    /// Stopped on request.
-    pub const CANCELLED: &str = "cancelled";
-    /// Sink side: chunks are arriving.
-    pub const RECEIVING: &str = "receiving";
-
-    /// True for states a transfer never leaves.
-    pub fn is_final(s: &str) -> bool {
-        matches!(s, PUBLISHED | FAILED | CANCELLED)
-    }
-}
-
 /// A source-side transfer row.
 #[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
 pub struct Transfer {
     /// Transfer id (also sent to the sink).
-    pub id: i64,
+    #[schema(value_type = i64)]
+    pub id: TransferId,
     /// Link name.
     pub link: String,
     /// Job name.
@@ -99,10 +75,11 @@ pub struct Transfer {
     pub source_path: String,
     /// Path relative to the source root.
     pub rel: String,
-    /// Scheduler class.
-    pub class: String,
-    /// State, see [`state`].
-    pub state: String,
+    /// Scheduler class: the class set by hand or by the config, which a
+    /// promoted transfer returns to (see [`Transfer::urgent_until`]).
+    pub class: Class,
+    /// Transfer state.
+    pub state: TransferState,
     /// Bytes in the checkpoint; while it is written (checkpoint `announced`
     /// or `open`), the announced size or the bytes known so far.
     pub bytes_total: i64,
@@ -127,8 +104,8 @@ pub struct Transfer {
     pub started_at: Option<i64>,
     /// When it reached a final state (Unix ms).
     pub finished_at: Option<i64>,
-    /// The checkpoint's state at the source (see [`checkpoint`]).
-    pub checkpoint: String,
+    /// The checkpoint's state at the source.
+    pub checkpoint: CheckpointState,
     /// Format that recognised the checkpoint, if the watcher found it.
     pub format: Option<String>,
     /// When the checkpoint opened (Unix ms), if known.
@@ -138,8 +115,8 @@ pub struct Transfer {
     /// Commit identity the watcher saw (marker size and mtime or the
     /// like); a new one in the same directory is a re-save.
     pub commit_identity: Option<String>,
-    /// Replication profile (`weights-only`), if not every file.
-    pub profile: Option<String>,
+    /// Replication profile.
+    pub profile: Profile,
     /// Importance override for this transfer, 0..1; `None` = the job's
     /// importance.
     pub importance: Option<f64>,
@@ -162,21 +139,6 @@ pub struct ProgressNote {
     pub bytes_sent: u64,
 }
 
-/// Checkpoint states at the source (ARCHITECTURE.md, "Vocabulary").
-pub mod checkpoint {
-    /// A training controller said it is coming (`POST
-    /// /v1/checkpoints/announce`); no byte has landed yet.
-    pub const ANNOUNCED: &str = "announced";
-    /// Being written; the transfer streams what is complete so far.
-    pub const OPEN: &str = "open";
-    /// The format's commit predicate holds; the manifest can be sealed.
-    pub const COMMITTED: &str = "committed";
-    /// The writer gave up (idle timeout, or the format says so).
-    pub const ABANDONED: &str = "abandoned";
-    /// The directory disappeared before it was committed.
-    pub const DELETED: &str = "deleted";
-}
-
 /// A sink-side row: an incoming transfer, or a replica once published.
 #[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
 pub struct Replica {
@@ -187,7 +149,8 @@ pub struct Replica {
     /// Source site.
     pub source_site: String,
     /// Transfer id at the source.
-    pub source_transfer: i64,
+    #[schema(value_type = i64)]
+    pub source_transfer: TransferId,
     /// Job name.
     pub job: String,
     /// Absolute checkpoint path at the source.
@@ -196,8 +159,8 @@ pub struct Replica {
     pub rel: String,
     /// Chunk size in bytes.
     pub chunk_size: i64,
-    /// State: `receiving`, `published`, `failed`, `cancelled`.
-    pub state: String,
+    /// State: `receiving`, `published`, `failed` or `cancelled`.
+    pub state: TransferState,
     /// Bytes in the checkpoint.
     pub bytes_total: i64,
     /// Bytes verified in staging.
@@ -222,8 +185,8 @@ pub struct Replica {
     /// Publish time minus the time the checkpoint opened at the source,
     /// seconds.
     pub open_to_replica_s: Option<f64>,
-    /// Replication profile (`weights-only`), if not every file.
-    pub profile: Option<String>,
+    /// Replication profile.
+    pub profile: Profile,
 }
 
 /// New sink-side row.
@@ -234,7 +197,7 @@ pub struct NewReplica<'a> {
     /// Source site.
     pub source_site: &'a str,
     /// Transfer id at the source.
-    pub source_transfer: i64,
+    pub source_transfer: TransferId,
     /// Job.
     pub job: &'a str,
     /// Source path.
@@ -251,8 +214,8 @@ pub struct NewReplica<'a> {
     pub staging_path: &'a str,
     /// Publish path.
     pub local_path: &'a str,
-    /// Replication profile (`weights-only`), if not every file.
-    pub profile: Option<&'a str>,
+    /// Replication profile.
+    pub profile: Profile,
 }
 
 /// When a checkpoint opened and was committed at the source (Unix ms,
@@ -306,7 +269,8 @@ pub struct Signal {
     /// The client's retry key, if it sent one.
     pub idempotency_key: Option<String>,
     /// The transfer it promoted to `urgent` ([`Transfer::id`]), if any.
-    pub transfer: Option<i64>,
+    #[schema(value_type = Option<i64>)]
+    pub transfer: Option<TransferId>,
     /// When it was received (Unix ms).
     pub received_at: i64,
 }
@@ -345,15 +309,55 @@ const REPLICA_COLS: &str = "id, peer, source_site, source_transfer, job, source_
     chunk_size, state, bytes_total, bytes_done, staging_path, local_path, manifest_root, error, \
     created_at, published_at, committed_at, commit_to_replica_s, open_to_replica_s, profile";
 
+/// A column holding one of a typed enum's names (`as_str`), parsed back.
+fn parsed<T>(r: &sqlx::sqlite::SqliteRow, col: &'static str) -> Result<T, sqlx::Error>
+where
+    T: FromStr,
+    T::Err: std::error::Error + Send + Sync + 'static,
+{
+    let text: String = r.try_get(col)?;
+    text.parse().map_err(|e| sqlx::Error::ColumnDecode {
+        index: col.into(),
+        source: Box::new(e),
+    })
+}
+
+/// A transfer id column (`BIGINT`, never negative).
+fn transfer_id(r: &sqlx::sqlite::SqliteRow, col: &'static str) -> Result<TransferId, sqlx::Error> {
+    let v: i64 = r.try_get(col)?;
+    TransferId::from_i64(v).ok_or_else(|| sqlx::Error::ColumnDecode {
+        index: col.into(),
+        source: format!("negative transfer id {v}").into(),
+    })
+}
+
+/// A nullable transfer id column.
+fn transfer_id_opt(
+    r: &sqlx::sqlite::SqliteRow,
+    col: &'static str,
+) -> Result<Option<TransferId>, sqlx::Error> {
+    let v: Option<i64> = r.try_get(col)?;
+    v.map(|_| transfer_id(r, col)).transpose()
+}
+
+/// The `profile` column: `NULL` for every file, else the profile's name.
+fn profile(r: &sqlx::sqlite::SqliteRow) -> Result<Profile, sqlx::Error> {
+    let name: Option<String> = r.try_get("profile")?;
+    Profile::from_stored(name.as_deref()).map_err(|e| sqlx::Error::ColumnDecode {
+        index: "profile".into(),
+        source: Box::new(e),
+    })
+}
+
 fn transfer_row(r: &sqlx::sqlite::SqliteRow) -> Result<Transfer, sqlx::Error> {
     Ok(Transfer {
-        id: r.try_get("id")?,
+        id: transfer_id(r, "id")?,
         link: r.try_get("link")?,
         job: r.try_get("job")?,
         source_path: r.try_get("source_path")?,
         rel: r.try_get("rel")?,
-        class: r.try_get("class")?,
-        state: r.try_get("state")?,
+        class: parsed(r, "class")?,
+        state: parsed(r, "state")?,
         bytes_total: r.try_get("bytes_total")?,
         bytes_done: r.try_get("bytes_done")?,
         bytes_sent: r.try_get("bytes_sent")?,
@@ -364,12 +368,12 @@ fn transfer_row(r: &sqlx::sqlite::SqliteRow) -> Result<Transfer, sqlx::Error> {
         created_at: r.try_get("created_at")?,
         started_at: r.try_get("started_at")?,
         finished_at: r.try_get("finished_at")?,
-        checkpoint: r.try_get("checkpoint")?,
+        checkpoint: parsed(r, "checkpoint")?,
         format: r.try_get("format")?,
         opened_at: r.try_get("opened_at")?,
         committed_at: r.try_get("committed_at")?,
         commit_identity: r.try_get("commit_identity")?,
-        profile: r.try_get("profile")?,
+        profile: profile(r)?,
         importance: r.try_get("importance")?,
         urgent_until: r.try_get("urgent_until")?,
         signal: r.try_get("signal")?,
@@ -398,7 +402,7 @@ fn signal_row(r: &sqlx::sqlite::SqliteRow) -> Result<Signal, sqlx::Error> {
         severity: r.try_get("severity")?,
         step: r.try_get("step")?,
         idempotency_key: r.try_get("idempotency_key")?,
-        transfer: r.try_get("transfer")?,
+        transfer: transfer_id_opt(r, "transfer")?,
         received_at: r.try_get("received_at")?,
     })
 }
@@ -442,12 +446,12 @@ fn check_job_name(field: &str, name: &str) -> Result<(), CatalogError> {
 async fn state_counts(
     pool: &SqlitePool,
     table: &'static str,
-) -> Result<Vec<(String, i64)>, CatalogError> {
+) -> Result<Vec<(TransferState, i64)>, CatalogError> {
     let q = format!("SELECT state, COUNT(*) AS n FROM {table} GROUP BY state ORDER BY state");
     let rows = sqlx::query(&q).fetch_all(pool).await?;
     Ok(rows
         .iter()
-        .map(|r| Ok((r.try_get("state")?, r.try_get("n")?)))
+        .map(|r| Ok((parsed(r, "state")?, r.try_get("n")?)))
         .collect::<Result<_, sqlx::Error>>()?)
 }
 
@@ -456,12 +460,12 @@ fn replica_row(r: &sqlx::sqlite::SqliteRow) -> Result<Replica, sqlx::Error> {
         id: r.try_get("id")?,
         peer: r.try_get("peer")?,
         source_site: r.try_get("source_site")?,
-        source_transfer: r.try_get("source_transfer")?,
+        source_transfer: transfer_id(r, "source_transfer")?,
         job: r.try_get("job")?,
         source_path: r.try_get("source_path")?,
         rel: r.try_get("rel")?,
         chunk_size: r.try_get("chunk_size")?,
-        state: r.try_get("state")?,
+        state: parsed(r, "state")?,
         bytes_total: r.try_get("bytes_total")?,
         bytes_done: r.try_get("bytes_done")?,
         staging_path: r.try_get("staging_path")?,
@@ -473,7 +477,7 @@ fn replica_row(r: &sqlx::sqlite::SqliteRow) -> Result<Replica, sqlx::Error> {
         committed_at: r.try_get("committed_at")?,
         commit_to_replica_s: r.try_get("commit_to_replica_s")?,
         open_to_replica_s: r.try_get("open_to_replica_s")?,
-        profile: r.try_get("profile")?,
+        profile: profile(r)?,
     })
 }
 
@@ -583,8 +587,8 @@ impl Catalog {
         job: &str,
         source_path: &str,
         rel: &str,
-        class: &str,
-    ) -> Result<i64, CatalogError> {
+        class: Class,
+    ) -> Result<TransferId, CatalogError> {
         let r = sqlx::query(
             "INSERT INTO transfers (link, job, source_path, rel, class, state, created_at) \
              VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING id",
@@ -593,12 +597,12 @@ impl Catalog {
         .bind(job)
         .bind(source_path)
         .bind(rel)
-        .bind(class)
-        .bind(state::QUEUED)
+        .bind(class.as_str())
+        .bind(TransferState::Queued.as_str())
         .bind(now_ms())
         .fetch_one(&self.pool)
         .await?;
-        Ok(r.try_get("id")?)
+        Ok(transfer_id(&r, "id")?)
     }
 
     /// Inserts a transfer of a checkpoint found by the watcher, in
@@ -613,13 +617,13 @@ impl Catalog {
         job: &str,
         source_path: &str,
         rel: &str,
-        class: &str,
-        ckpt: &str,
+        class: Class,
+        ckpt: CheckpointState,
         format: &str,
         opened_at: Option<i64>,
         committed_at: Option<i64>,
-        profile: Option<&str>,
-    ) -> Result<i64, CatalogError> {
+        profile: Profile,
+    ) -> Result<TransferId, CatalogError> {
         let r = sqlx::query(
             "INSERT INTO transfers (link, job, source_path, rel, class, state, created_at, \
              checkpoint, format, opened_at, committed_at, profile) \
@@ -629,17 +633,17 @@ impl Catalog {
         .bind(job)
         .bind(source_path)
         .bind(rel)
-        .bind(class)
-        .bind(state::QUEUED)
+        .bind(class.as_str())
+        .bind(TransferState::Queued.as_str())
         .bind(now_ms())
-        .bind(ckpt)
+        .bind(ckpt.as_str())
         .bind(format)
         .bind(opened_at)
         .bind(committed_at)
-        .bind(profile)
+        .bind(profile.stored_name())
         .fetch_one(&self.pool)
         .await?;
-        Ok(r.try_get("id")?)
+        Ok(transfer_id(&r, "id")?)
     }
 
     /// Records the checkpoint state of a transfer ([`checkpoint`]) and,
@@ -649,8 +653,8 @@ impl Catalog {
     /// SQL errors.
     pub async fn set_checkpoint_state(
         &self,
-        id: i64,
-        ckpt: &str,
+        id: TransferId,
+        ckpt: CheckpointState,
         committed_at: Option<i64>,
         identity: Option<&str>,
     ) -> Result<(), CatalogError> {
@@ -658,10 +662,10 @@ impl Catalog {
             "UPDATE transfers SET checkpoint = ?, committed_at = COALESCE(?, committed_at), \
              commit_identity = COALESCE(?, commit_identity) WHERE id = ?",
         )
-        .bind(ckpt)
+        .bind(ckpt.as_str())
         .bind(committed_at)
         .bind(identity)
-        .bind(id)
+        .bind(id.as_i64())
         .execute(&self.pool)
         .await?;
         Ok(())
@@ -672,10 +676,14 @@ impl Catalog {
     ///
     /// # Errors
     /// SQL errors.
-    pub async fn set_transfer_format(&self, id: i64, format: &str) -> Result<(), CatalogError> {
+    pub async fn set_transfer_format(
+        &self,
+        id: TransferId,
+        format: &str,
+    ) -> Result<(), CatalogError> {
         sqlx::query("UPDATE transfers SET format = ? WHERE id = ?")
             .bind(format)
-            .bind(id)
+            .bind(id.as_i64())
             .execute(&self.pool)
             .await?;
         Ok(())
@@ -685,10 +693,10 @@ impl Catalog {
     ///
     /// # Errors
     /// SQL errors.
-    pub async fn set_opened_at(&self, id: i64, opened_at: i64) -> Result<(), CatalogError> {
+    pub async fn set_opened_at(&self, id: TransferId, opened_at: i64) -> Result<(), CatalogError> {
         sqlx::query("UPDATE transfers SET opened_at = ? WHERE id = ?")
             .bind(opened_at)
-            .bind(id)
+            .bind(id.as_i64())
             .execute(&self.pool)
             .await?;
         Ok(())
@@ -698,9 +706,12 @@ impl Catalog {
     ///
     /// # Errors
     /// SQL errors.
-    pub async fn transfer(&self, id: i64) -> Result<Option<Transfer>, CatalogError> {
+    pub async fn transfer(&self, id: TransferId) -> Result<Option<Transfer>, CatalogError> {
         let q = format!("SELECT {TRANSFER_COLS} FROM transfers WHERE id = ?");
-        let r = sqlx::query(&q).bind(id).fetch_optional(&self.pool).await?;
+        let r = sqlx::query(&q)
+            .bind(id.as_i64())
+            .fetch_optional(&self.pool)
+            .await?;
         Ok(r.as_ref().map(transfer_row).transpose()?)
     }
 
@@ -722,7 +733,7 @@ impl Catalog {
     ///
     /// # Errors
     /// SQL errors.
-    pub async fn transfer_state_counts(&self) -> Result<Vec<(String, i64)>, CatalogError> {
+    pub async fn transfer_state_counts(&self) -> Result<Vec<(TransferState, i64)>, CatalogError> {
         state_counts(&self.pool, "transfers").await
     }
 
@@ -731,7 +742,7 @@ impl Catalog {
     ///
     /// # Errors
     /// SQL errors.
-    pub async fn replica_state_counts(&self) -> Result<Vec<(String, i64)>, CatalogError> {
+    pub async fn replica_state_counts(&self) -> Result<Vec<(TransferState, i64)>, CatalogError> {
         state_counts(&self.pool, "replicas").await
     }
 
@@ -745,9 +756,9 @@ impl Catalog {
             "SELECT {TRANSFER_COLS} FROM transfers WHERE state NOT IN (?, ?, ?) ORDER BY id"
         );
         let rows = sqlx::query(&q)
-            .bind(state::PUBLISHED)
-            .bind(state::FAILED)
-            .bind(state::CANCELLED)
+            .bind(TransferState::Published.as_str())
+            .bind(TransferState::Failed.as_str())
+            .bind(TransferState::Cancelled.as_str())
             .fetch_all(&self.pool)
             .await?;
         Ok(rows.iter().map(transfer_row).collect::<Result<_, _>>()?)
@@ -792,12 +803,16 @@ impl Catalog {
     ///
     /// # Errors
     /// SQL errors.
-    pub async fn published_before(&self, source_path: &str, id: i64) -> Result<bool, CatalogError> {
+    pub async fn published_before(
+        &self,
+        source_path: &str,
+        id: TransferId,
+    ) -> Result<bool, CatalogError> {
         let r = sqlx::query(
             "SELECT id FROM transfers WHERE source_path = ? AND id < ? AND state = 'published' LIMIT 1",
         )
         .bind(source_path)
-        .bind(id)
+        .bind(id.as_i64())
         .fetch_optional(&self.pool)
         .await?;
         Ok(r.is_some())
@@ -815,11 +830,12 @@ impl Catalog {
     /// SQL errors.
     pub async fn set_transfer_state(
         &self,
-        id: i64,
-        new_state: &str,
+        id: TransferId,
+        new_state: TransferState,
         error: Option<&str>,
     ) -> Result<(), CatalogError> {
         let now = now_ms();
+        let new_state = new_state.as_str();
         sqlx::query(
             "UPDATE transfers SET state = ?, error = COALESCE(?, error), \
              started_at = CASE WHEN ? = 'active' AND started_at IS NULL THEN ? ELSE started_at END, \
@@ -833,7 +849,7 @@ impl Catalog {
         .bind(now)
         .bind(new_state)
         .bind(now)
-        .bind(id)
+        .bind(id.as_i64())
         .bind(new_state)
         .execute(&self.pool)
         .await?;
@@ -845,10 +861,14 @@ impl Catalog {
     ///
     /// # Errors
     /// SQL errors.
-    pub async fn set_transfer_note(&self, id: i64, note: Option<&str>) -> Result<(), CatalogError> {
+    pub async fn set_transfer_note(
+        &self,
+        id: TransferId,
+        note: Option<&str>,
+    ) -> Result<(), CatalogError> {
         sqlx::query("UPDATE transfers SET error = ? WHERE id = ?")
             .bind(note)
-            .bind(id)
+            .bind(id.as_i64())
             .execute(&self.pool)
             .await?;
         Ok(())
@@ -862,7 +882,7 @@ impl Catalog {
     /// SQL errors.
     pub async fn set_transfer_size(
         &self,
-        id: i64,
+        id: TransferId,
         bytes_total: u64,
         shards: u64,
     ) -> Result<(), CatalogError> {
@@ -874,7 +894,7 @@ impl Catalog {
         .bind(total)
         .bind(shards as i64)
         .bind(total)
-        .bind(id)
+        .bind(id.as_i64())
         .execute(&self.pool)
         .await?;
         Ok(())
@@ -891,7 +911,7 @@ impl Catalog {
     /// SQL errors.
     pub async fn note_transfer_progress(
         &self,
-        id: i64,
+        id: TransferId,
         p: ProgressNote,
     ) -> Result<(), CatalogError> {
         let total = p.bytes_total as i64;
@@ -904,7 +924,7 @@ impl Catalog {
         .bind(p.bytes_done as i64)
         .bind(total)
         .bind(p.bytes_sent as i64)
-        .bind(id)
+        .bind(id.as_i64())
         .execute(&self.pool)
         .await?;
         Ok(())
@@ -916,7 +936,7 @@ impl Catalog {
     /// SQL errors.
     pub async fn set_transfer_published(
         &self,
-        id: i64,
+        id: TransferId,
         root_hex: &str,
         local_path: &str,
     ) -> Result<(), CatalogError> {
@@ -927,7 +947,7 @@ impl Catalog {
         .bind(root_hex)
         .bind(local_path)
         .bind(now_ms())
-        .bind(id)
+        .bind(id.as_i64())
         .execute(&self.pool)
         .await?;
         Ok(())
@@ -941,15 +961,16 @@ impl Catalog {
     /// # Errors
     /// [`CatalogError::Invalid`] naming `class` for an unknown class; SQL
     /// errors.
-    pub async fn set_transfer_class(&self, id: i64, class: &str) -> Result<(), CatalogError> {
-        let class: scheduler::Class = class
-            .parse()
-            .map_err(|e| CatalogError::Invalid(format!("class: {e}")))?;
+    pub async fn set_transfer_class(
+        &self,
+        id: TransferId,
+        class: Class,
+    ) -> Result<(), CatalogError> {
         sqlx::query(
             "UPDATE transfers SET class = ?, urgent_until = NULL, signal = NULL WHERE id = ?",
         )
         .bind(class.as_str())
-        .bind(id)
+        .bind(id.as_i64())
         .execute(&self.pool)
         .await?;
         Ok(())
@@ -963,7 +984,7 @@ impl Catalog {
     /// errors.
     pub async fn set_transfer_importance(
         &self,
-        id: i64,
+        id: TransferId,
         importance: Option<f64>,
     ) -> Result<(), CatalogError> {
         let importance = importance
@@ -971,7 +992,7 @@ impl Catalog {
             .transpose()?;
         sqlx::query("UPDATE transfers SET importance = ? WHERE id = ?")
             .bind(importance)
-            .bind(id)
+            .bind(id.as_i64())
             .execute(&self.pool)
             .await?;
         Ok(())
@@ -985,14 +1006,14 @@ impl Catalog {
     /// SQL errors.
     pub async fn promote_urgent(
         &self,
-        id: i64,
+        id: TransferId,
         until_ms: i64,
         signal_id: i64,
     ) -> Result<(), CatalogError> {
         sqlx::query("UPDATE transfers SET urgent_until = ?, signal = ? WHERE id = ?")
             .bind(until_ms)
             .bind(signal_id)
-            .bind(id)
+            .bind(id.as_i64())
             .execute(&self.pool)
             .await?;
         Ok(())
@@ -1016,9 +1037,9 @@ impl Catalog {
         );
         let r = sqlx::query(&q)
             .bind(job)
-            .bind(state::PUBLISHED)
-            .bind(state::FAILED)
-            .bind(state::CANCELLED)
+            .bind(TransferState::Published.as_str())
+            .bind(TransferState::Failed.as_str())
+            .bind(TransferState::Cancelled.as_str())
             .fetch_optional(&self.pool)
             .await?;
         Ok(r.as_ref().map(transfer_row).transpose()?)
@@ -1187,10 +1208,10 @@ impl Catalog {
     pub async fn set_signal_transfer(
         &self,
         signal_id: i64,
-        transfer_id: i64,
+        transfer_id: TransferId,
     ) -> Result<(), CatalogError> {
         sqlx::query("UPDATE signals SET transfer = ? WHERE id = ?")
-            .bind(transfer_id)
+            .bind(transfer_id.as_i64())
             .bind(signal_id)
             .execute(&self.pool)
             .await?;
@@ -1239,7 +1260,7 @@ impl Catalog {
     pub async fn find_replica(
         &self,
         peer: &str,
-        source_transfer: i64,
+        source_transfer: TransferId,
         source_path: &str,
     ) -> Result<Option<Replica>, CatalogError> {
         let q = format!(
@@ -1247,7 +1268,7 @@ impl Catalog {
         );
         let r = sqlx::query(&q)
             .bind(peer)
-            .bind(source_transfer)
+            .bind(source_transfer.as_i64())
             .bind(source_path)
             .fetch_optional(&self.pool)
             .await?;
@@ -1269,18 +1290,18 @@ impl Catalog {
         )
         .bind(n.peer)
         .bind(n.source_site)
-        .bind(n.source_transfer)
+        .bind(n.source_transfer.as_i64())
         .bind(n.job)
         .bind(n.source_path)
         .bind(n.rel)
         .bind(i64::from(n.chunk_size))
         .bind("")
-        .bind(state::RECEIVING)
+        .bind(TransferState::Receiving.as_str())
         .bind(n.bytes_total as i64)
         .bind(n.staging_path)
         .bind(n.local_path)
         .bind(now_ms())
-        .bind(n.profile)
+        .bind(n.profile.stored_name())
         .fetch_one(&mut *tx)
         .await?;
         let id: i64 = r.try_get("id")?;
@@ -1554,11 +1575,11 @@ impl Catalog {
     pub async fn set_replica_state(
         &self,
         id: i64,
-        new_state: &str,
+        new_state: TransferState,
         error: Option<&str>,
     ) -> Result<(), CatalogError> {
         sqlx::query("UPDATE replicas SET state = ?, error = COALESCE(?, error) WHERE id = ?")
-            .bind(new_state)
+            .bind(new_state.as_str())
             .bind(error)
             .bind(id)
             .execute(&self.pool)
@@ -1802,35 +1823,47 @@ mod tests {
             async move { c.transfer(id).await.unwrap().unwrap().state }
         };
         let id = c
-            .insert_transfer("l", "j", "/ck/s1", "s1", "scheduled")
+            .insert_transfer("l", "j", "/ck/s1", "s1", Class::Scheduled)
             .await
             .unwrap();
-        c.set_transfer_state(id, state::PAUSED, None).await.unwrap();
-        for s in [state::ACTIVE, state::VERIFYING] {
+        c.set_transfer_state(id, TransferState::Paused, None)
+            .await
+            .unwrap();
+        for s in [TransferState::Active, TransferState::Verifying] {
             c.set_transfer_state(id, s, None).await.unwrap();
-            assert_eq!(state_of(id).await, "paused", "after {s}");
+            assert_eq!(state_of(id).await, TransferState::Paused, "after {s}");
         }
-        c.set_transfer_state(id, state::QUEUED, None).await.unwrap();
-        assert_eq!(state_of(id).await, "queued", "resumed");
-        c.set_transfer_state(id, state::ACTIVE, None).await.unwrap();
-        assert_eq!(state_of(id).await, "active");
-        c.set_transfer_state(id, state::PAUSED, None).await.unwrap();
-        c.set_transfer_state(id, state::CANCELLED, Some("by hand"))
+        c.set_transfer_state(id, TransferState::Queued, None)
+            .await
+            .unwrap();
+        assert_eq!(state_of(id).await, TransferState::Queued, "resumed");
+        c.set_transfer_state(id, TransferState::Active, None)
+            .await
+            .unwrap();
+        assert_eq!(state_of(id).await, TransferState::Active);
+        c.set_transfer_state(id, TransferState::Paused, None)
+            .await
+            .unwrap();
+        c.set_transfer_state(id, TransferState::Cancelled, Some("by hand"))
             .await
             .unwrap();
         let t = c.transfer(id).await.unwrap().unwrap();
-        assert_eq!(t.state, "cancelled", "a paused transfer can be cancelled");
+        assert_eq!(
+            t.state,
+            TransferState::Cancelled,
+            "a paused transfer can be cancelled"
+        );
         let finished = t.finished_at;
         assert!(finished.is_some());
         for s in [
-            state::ACTIVE,
-            state::VERIFYING,
-            state::QUEUED,
-            state::FAILED,
+            TransferState::Active,
+            TransferState::Verifying,
+            TransferState::Queued,
+            TransferState::Failed,
         ] {
             c.set_transfer_state(id, s, Some("late")).await.unwrap();
             let t = c.transfer(id).await.unwrap().unwrap();
-            assert_eq!(t.state, "cancelled", "after {s}");
+            assert_eq!(t.state, TransferState::Cancelled, "after {s}");
             assert_eq!(
                 (t.error.as_deref(), t.finished_at),
                 (Some("by hand"), finished)
@@ -1838,14 +1871,16 @@ mod tests {
         }
         // A paused transfer may still fail.
         let id = c
-            .insert_transfer("l", "j", "/ck/s2", "s2", "scheduled")
+            .insert_transfer("l", "j", "/ck/s2", "s2", Class::Scheduled)
             .await
             .unwrap();
-        c.set_transfer_state(id, state::PAUSED, None).await.unwrap();
-        c.set_transfer_state(id, state::FAILED, Some("gone"))
+        c.set_transfer_state(id, TransferState::Paused, None)
             .await
             .unwrap();
-        assert_eq!(state_of(id).await, "failed");
+        c.set_transfer_state(id, TransferState::Failed, Some("gone"))
+            .await
+            .unwrap();
+        assert_eq!(state_of(id).await, TransferState::Failed);
     }
 
     #[tokio::test]
@@ -1853,7 +1888,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let c = Catalog::open(d.path()).await.unwrap();
         let id = c
-            .insert_transfer("l", "j", "/ck/s1", "s1", "scheduled")
+            .insert_transfer("l", "j", "/ck/s1", "s1", Class::Scheduled)
             .await
             .unwrap();
         let row = |c: Catalog| async move {
@@ -1891,22 +1926,24 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let c = Catalog::open(d.path()).await.unwrap();
         let id = c
-            .insert_transfer("l", "j", "/ck/s1", "s1", "scheduled")
+            .insert_transfer("l", "j", "/ck/s1", "s1", Class::Scheduled)
             .await
             .unwrap();
-        c.set_transfer_state(id, state::ACTIVE, None).await.unwrap();
+        c.set_transfer_state(id, TransferState::Active, None)
+            .await
+            .unwrap();
         assert_eq!(c.unfinished_transfers().await.unwrap().len(), 1);
         assert_eq!(
             c.transfer_state_counts().await.unwrap(),
-            vec![("active".to_string(), 1)]
+            vec![(TransferState::Active, 1)]
         );
         c.set_transfer_published(id, "ab", "/eval/x").await.unwrap();
         assert_eq!(
             c.transfer_state_counts().await.unwrap(),
-            vec![("published".to_string(), 1)]
+            vec![(TransferState::Published, 1)]
         );
         let t = c.transfer(id).await.unwrap().unwrap();
-        assert_eq!(t.state, "published");
+        assert_eq!(t.state, TransferState::Published);
         assert!(t.started_at.is_some() && t.finished_at.is_some());
         assert!(c.unfinished_transfers().await.unwrap().is_empty());
 
@@ -1929,7 +1966,7 @@ mod tests {
                 bytes_total: 5,
                 staging_path: "/st",
                 local_path: "/eval/x",
-                profile: Some("weights-only"),
+                profile: Profile::WeightsOnly,
             })
             .await
             .unwrap();
@@ -1939,7 +1976,7 @@ mod tests {
         assert_eq!(c.chunks(r).await.unwrap(), vec![(0, [7; 32])]);
         assert_eq!(
             c.replica_state_counts().await.unwrap(),
-            vec![("receiving".to_string(), 1)]
+            vec![(TransferState::Receiving, 1)]
         );
         let times = SourceTimes {
             committed_ms: now_ms() - 2_000,
@@ -1951,12 +1988,12 @@ mod tests {
             .unwrap();
         assert_eq!(
             c.replica_state_counts().await.unwrap(),
-            vec![("published".to_string(), 1)]
+            vec![(TransferState::Published, 1)]
         );
         assert!(c.chunks(r).await.unwrap().is_empty());
         let rep = c.replica_by_local_path("/eval/x").await.unwrap().unwrap();
         assert_eq!(rep.bytes_done, 5);
-        assert_eq!(rep.profile.as_deref(), Some("weights-only"));
+        assert_eq!(rep.profile, Profile::WeightsOnly);
         assert_eq!(rep.committed_at, Some(times.committed_ms));
         let lag = rep.commit_to_replica_s.unwrap();
         assert_eq!(stored_lag, Some(lag), "the lag returned is the one stored");
@@ -1968,7 +2005,7 @@ mod tests {
         assert_eq!(c.replica_manifest(r).await.unwrap().unwrap(), b"m");
     }
 
-    async fn replica_for(c: &Catalog, id: i64) -> i64 {
+    async fn replica_for(c: &Catalog, id: TransferId) -> i64 {
         c.insert_replica(&NewReplica {
             peer: "p",
             source_site: "s",
@@ -1981,7 +2018,7 @@ mod tests {
             bytes_total: 10,
             staging_path: "/st",
             local_path: "/eval/x",
-            profile: None,
+            profile: Profile::Full,
         })
         .await
         .unwrap()
@@ -2019,7 +2056,7 @@ mod tests {
     async fn add_chunks_records_arrival_time_and_length() {
         let d = tempfile::tempdir().unwrap();
         let c = Catalog::open(d.path()).await.unwrap();
-        let r = replica_for(&c, 1).await;
+        let r = replica_for(&c, TransferId(1)).await;
         let before = now_ms();
         c.add_chunks(&[vc(r, 0, [1; 32], 7), vc(r, 1, [2; 32], 3)])
             .await
@@ -2103,9 +2140,9 @@ mod tests {
         );
         assert!(c.signals_since(now_ms() + 60_000).await.unwrap().is_empty());
 
-        c.set_signal_transfer(s2.id, 42).await.unwrap();
+        c.set_signal_transfer(s2.id, TransferId(42)).await.unwrap();
         let got = c.recent_signals(3).await.unwrap();
-        assert_eq!(got[1].transfer, Some(42));
+        assert_eq!(got[1].transfer, Some(TransferId(42)));
         assert_eq!(got[0].transfer, None);
 
         for (sev, what) in [
@@ -2211,7 +2248,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let c = Catalog::open(d.path()).await.unwrap();
         let id = c
-            .insert_transfer("l", "j", "/ck/s1", "s1", "scheduled")
+            .insert_transfer("l", "j", "/ck/s1", "s1", Class::Scheduled)
             .await
             .unwrap();
         let t = c.transfer(id).await.unwrap().unwrap();
@@ -2219,20 +2256,28 @@ mod tests {
 
         c.promote_urgent(id, 1_000_000, 7).await.unwrap();
         let t = c.transfer(id).await.unwrap().unwrap();
-        assert_eq!(t.class, "scheduled");
+        assert_eq!(t.class, Class::Scheduled);
         assert_eq!((t.urgent_until, t.signal), (Some(1_000_000), Some(7)));
 
-        c.set_transfer_class(id, "background").await.unwrap();
+        c.set_transfer_class(id, Class::Background).await.unwrap();
         let t = c.transfer(id).await.unwrap().unwrap();
-        assert_eq!(t.class, "background");
+        assert_eq!(t.class, Class::Background);
         assert_eq!((t.urgent_until, t.signal), (None, None));
 
-        let e = c.set_transfer_class(id, "soon").await.unwrap_err();
-        assert!(
-            matches!(e, CatalogError::Invalid(_)) && e.to_string().contains("class"),
-            "{e}"
+        assert_eq!(
+            c.transfer(id).await.unwrap().unwrap().class,
+            Class::Background
         );
-        assert_eq!(c.transfer(id).await.unwrap().unwrap().class, "background");
+        // A class the types cannot hold (written by another version, or by
+        // hand) is an error naming the column, not a silent default.
+        sqlx::query("UPDATE transfers SET class = 'soon' WHERE id = ?")
+            .bind(id.as_i64())
+            .execute(&c.pool)
+            .await
+            .unwrap();
+        let e = c.transfer(id).await.unwrap_err().to_string();
+        assert!(e.contains("class") && e.contains("soon"), "{e}");
+        c.set_transfer_class(id, Class::Background).await.unwrap();
 
         c.set_transfer_importance(id, Some(0.7)).await.unwrap();
         assert_eq!(c.transfer(id).await.unwrap().unwrap().importance, Some(0.7));
@@ -2252,23 +2297,23 @@ mod tests {
         // (created_at, state): the newest is published, the one with the
         // largest id was created earlier.
         for (n, (created, st)) in [
-            (3_000, state::PAUSED),
-            (2_000, state::QUEUED),
-            (4_000, state::PUBLISHED),
-            (5_000, state::CANCELLED),
-            (6_000, state::FAILED),
+            (3_000, TransferState::Paused),
+            (2_000, TransferState::Queued),
+            (4_000, TransferState::Published),
+            (5_000, TransferState::Cancelled),
+            (6_000, TransferState::Failed),
         ]
         .into_iter()
         .enumerate()
         {
             let id = c
-                .insert_transfer("l", "j", &format!("/ck/s{n}"), "s", "scheduled")
+                .insert_transfer("l", "j", &format!("/ck/s{n}"), "s", Class::Scheduled)
                 .await
                 .unwrap();
             sqlx::query("UPDATE transfers SET created_at = ?, state = ? WHERE id = ?")
                 .bind(created)
-                .bind(st)
-                .bind(id)
+                .bind(st.as_str())
+                .bind(id.as_i64())
                 .execute(&c.pool)
                 .await
                 .unwrap();
@@ -2276,11 +2321,11 @@ mod tests {
         }
         // Another job's newer transfer does not count.
         let other = c
-            .insert_transfer("l", "k", "/ck/o", "o", "scheduled")
+            .insert_transfer("l", "k", "/ck/o", "o", Class::Scheduled)
             .await
             .unwrap();
         let t = c.newest_unpublished_transfer("j").await.unwrap().unwrap();
-        assert_eq!((t.id, t.state.as_str()), (ids[0], state::PAUSED));
+        assert_eq!((t.id, t.state), (ids[0], TransferState::Paused));
         assert_eq!(
             c.newest_unpublished_transfer("k")
                 .await
@@ -2290,8 +2335,8 @@ mod tests {
             other
         );
         // Paused is not final: it is resumed after a restart.
-        assert!(!state::is_final(state::PAUSED));
-        let unfinished: Vec<i64> = c
+        assert!(!TransferState::Paused.is_final());
+        let unfinished: Vec<TransferId> = c
             .unfinished_transfers()
             .await
             .unwrap()
@@ -2301,7 +2346,7 @@ mod tests {
         assert_eq!(unfinished, [ids[0], ids[1], other]);
         // Equal creation times: the larger id is the newer.
         sqlx::query("UPDATE transfers SET created_at = 3000 WHERE id = ?")
-            .bind(ids[1])
+            .bind(ids[1].as_i64())
             .execute(&c.pool)
             .await
             .unwrap();
@@ -2316,7 +2361,7 @@ mod tests {
         // A newer background copy (logs under the job's root) is not a
         // checkpoint: the signal still promotes the checkpoint.
         let logs = c
-            .insert_transfer("l", "j", "/ck/logs", "logs", "background")
+            .insert_transfer("l", "j", "/ck/logs", "logs", Class::Background)
             .await
             .unwrap();
         let t = c.newest_unpublished_transfer("j").await.unwrap().unwrap();
@@ -2387,8 +2432,8 @@ mod tests {
         let c = Catalog::open(&data).await.unwrap();
         // 0004 moved the file table out of the row.
         assert_eq!(c.replica_files(9).await.unwrap(), old_files);
-        let t = c.transfer(5).await.unwrap().unwrap();
-        assert_eq!((t.class.as_str(), t.created_at), ("scheduled", 1000));
+        let t = c.transfer(TransferId(5)).await.unwrap().unwrap();
+        assert_eq!((t.class, t.created_at), (Class::Scheduled, 1000));
         assert_eq!((t.importance, t.urgent_until, t.signal), (None, None, None));
         assert_eq!(c.chunks(9).await.unwrap(), vec![(0, [3; 32])]);
         let old: (Option<i64>, Option<i64>) =
@@ -2400,7 +2445,7 @@ mod tests {
         assert!(c.jobs().await.unwrap().is_empty());
         c.put_job("j", Some(7e9), 0.5).await.unwrap();
         let (s, _) = c.insert_signal("j", "nan", 1.0, None, None).await.unwrap();
-        c.promote_urgent(5, 2_000, s.id).await.unwrap();
+        c.promote_urgent(TransferId(5), 2_000, s.id).await.unwrap();
         assert_eq!(
             c.newest_unpublished_transfer("j")
                 .await

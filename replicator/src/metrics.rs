@@ -49,6 +49,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::AtomicU64;
 use std::sync::Mutex;
 
+use ferry_proto::state::TransferState;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -58,7 +59,7 @@ use prometheus_client::registry::Registry;
 use scheduler::Class;
 use serde::Serialize;
 
-use crate::catalog::{state, CatalogError};
+use crate::catalog::CatalogError;
 
 /// The `Content-Type` of [`render`]'s output: the Prometheus text
 /// exposition format, version 0.0.4.
@@ -85,22 +86,22 @@ pub const LAG_BUCKETS_S: [f64; 15] = [
 pub(crate) const CLASSES: [Class; 3] = [Class::Urgent, Class::Scheduled, Class::Background];
 
 /// Source-side transfer states, always reported (0 when none).
-const TRANSFER_STATES: [&str; 7] = [
-    state::QUEUED,
-    state::ACTIVE,
-    state::PAUSED,
-    state::VERIFYING,
-    state::PUBLISHED,
-    state::FAILED,
-    state::CANCELLED,
+const TRANSFER_STATES: [TransferState; 7] = [
+    TransferState::Queued,
+    TransferState::Active,
+    TransferState::Paused,
+    TransferState::Verifying,
+    TransferState::Published,
+    TransferState::Failed,
+    TransferState::Cancelled,
 ];
 
 /// Sink-side row states, always reported (0 when none).
-const REPLICA_STATES: [&str; 4] = [
-    state::RECEIVING,
-    state::PUBLISHED,
-    state::FAILED,
-    state::CANCELLED,
+const REPLICA_STATES: [TransferState; 4] = [
+    TransferState::Receiving,
+    TransferState::Published,
+    TransferState::Failed,
+    TransferState::Cancelled,
 ];
 
 /// Position of `c` in [`CLASSES`].
@@ -328,19 +329,20 @@ fn encode(registry: &Registry) -> Result<String, std::fmt::Error> {
 }
 
 /// Sets `family` to `counts` by state, every state of `always` included.
-fn set_states(family: &Family<StateLabel, Gauge>, always: &[&str], counts: &[(String, i64)]) {
+fn set_states(
+    family: &Family<StateLabel, Gauge>,
+    always: &[TransferState],
+    counts: &[(TransferState, i64)],
+) {
     family.clear();
+    let label = |s: &TransferState| StateLabel {
+        state: s.as_str().to_string(),
+    };
     for s in always {
-        family
-            .get_or_create(&StateLabel {
-                state: (*s).to_string(),
-            })
-            .set(0);
+        family.get_or_create(&label(s)).set(0);
     }
     for (s, n) in counts {
-        family
-            .get_or_create(&StateLabel { state: s.clone() })
-            .set(*n);
+        family.get_or_create(&label(s)).set(*n);
     }
 }
 
@@ -371,7 +373,7 @@ pub(crate) struct SourceScrape {
     /// Transfers not in a final state by link and effective class.
     pub(crate) queued: HashMap<(String, Class), i64>,
     /// Transfers per state.
-    pub(crate) states: Vec<(String, i64)>,
+    pub(crate) states: Vec<(TransferState, i64)>,
 }
 
 /// The source's registry.
@@ -583,7 +585,10 @@ impl SinkMetrics {
 
     /// Sets the replica-state gauges from `states` and encodes the
     /// registry.
-    pub(crate) fn render(&self, states: &[(String, i64)]) -> Result<String, std::fmt::Error> {
+    pub(crate) fn render(
+        &self,
+        states: &[(TransferState, i64)],
+    ) -> Result<String, std::fmt::Error> {
         let _one = self.scrape.lock().unwrap_or_else(|p| p.into_inner());
         set_states(&self.replica_states, &REPLICA_STATES, states);
         encode(&self.registry)
@@ -771,7 +776,7 @@ mod tests {
                 (("to-eval".into(), Class::Scheduled), 2),
                 (("gone".into(), Class::Background), 1),
             ]),
-            states: vec![("queued".into(), 2), ("published".into(), 4)],
+            states: vec![(TransferState::Queued, 2), (TransferState::Published, 4)],
         };
         let text = m.render(&scrape).unwrap();
         let fam = strict_families(&text);
@@ -866,7 +871,7 @@ mod tests {
         m.observe_lag(-1.0);
         m.observe_lag(4000.0);
         let text = m
-            .render(&[("published".into(), 1), ("receiving".into(), 2)])
+            .render(&[(TransferState::Published, 1), (TransferState::Receiving, 2)])
             .unwrap();
         let fam = strict_families(&text);
         let expect = [

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use ferry_proto::manifest::{hex, validate_files, ChunkMap, FileInfo, Hash, Manifest};
 use ferry_proto::paths::check_name;
+use ferry_proto::state::{Profile, TransferId, TransferState};
 use ferry_proto::wire::{
     BatchHeader, Control, Hello, RecordHeader, TransferKey, WireError, BATCH_HEADER_LEN,
     PROTOCOL_VERSION, RECORD_HEADER_LEN,
@@ -29,9 +30,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use crate::catalog::{
-    now_ms, state, Catalog, CatalogError, NewReplica, SourceTimes, VerifiedChunk,
-};
+use crate::catalog::{now_ms, Catalog, CatalogError, NewReplica, SourceTimes, VerifiedChunk};
 use crate::conn::{code, read_frame, ConnError, ControlSender};
 use crate::metrics::{MetricsError, SinkMetrics};
 use crate::tls;
@@ -78,7 +77,7 @@ pub enum Resolution {
         /// of the checkpoint may then have no local twin); absent for a
         /// full replica.
         #[serde(skip_serializing_if = "Option::is_none")]
-        profile: Option<String>,
+        profile: Option<Profile>,
     },
     /// Chunks are arriving.
     Replicating {
@@ -452,14 +451,14 @@ impl Sink {
                 let settling = |p: &crate::catalog::Replica| {
                     rows.iter().any(|r| {
                         r.id > p.id
-                            && r.state != state::PUBLISHED
+                            && r.state != TransferState::Published
                             && r.local_path == p.local_path
                             && publish::under_way(Path::new(&r.staging_path))
                     })
                 };
                 if let Some(p) = rows
                     .iter()
-                    .find(|r| r.state == state::PUBLISHED)
+                    .find(|r| r.state == TransferState::Published)
                     .filter(|p| !settling(p))
                 {
                     let local = if suffix.as_os_str().is_empty() {
@@ -475,10 +474,10 @@ impl Sink {
                         local_path: local.to_string_lossy().into_owned(),
                         manifest_root: p.manifest_root.clone().unwrap_or_default(),
                         published_at: rfc3339(p.published_at.unwrap_or(0)),
-                        profile: p.profile.clone(),
+                        profile: (p.profile != Profile::Full).then_some(p.profile),
                     });
                 }
-                if let Some(r) = rows.iter().find(|r| r.state == state::RECEIVING) {
+                if let Some(r) = rows.iter().find(|r| r.state == TransferState::Receiving) {
                     let live = self
                         .inner
                         .live
@@ -496,7 +495,10 @@ impl Sink {
                     });
                 }
                 return Ok(Resolution::Remote {
-                    reason: first.error.clone().or_else(|| Some(first.state.clone())),
+                    reason: first
+                        .error
+                        .clone()
+                        .or_else(|| Some(first.state.to_string())),
                 });
             }
             ancestor = a.parent();
@@ -738,7 +740,7 @@ async fn serve_connection(
                         }
                         Err(e) => {
                             open.refuse(id);
-                            warn!(transfer = id, peer, "refused transfer: {e}");
+                            warn!(transfer = %id, peer, "refused transfer: {e}");
                             ctl.send(&Control::Refuse {
                                 id,
                                 reason: e.to_string(),
@@ -754,9 +756,9 @@ async fn serve_connection(
                     };
                     if let Err(e) = grow_table(inner, &live, &files).await {
                         let reason = e.to_string();
-                        warn!(transfer = id, peer, "{reason}");
+                        warn!(transfer = %id, peer, "{reason}");
                         open.remove(id);
-                        cancel_live(inner, &live, state::FAILED, &reason).await;
+                        cancel_live(inner, &live, TransferState::Failed, &reason).await;
                         ctl.send(&Control::Cancel { id, reason }).await?;
                     }
                 }
@@ -776,7 +778,7 @@ async fn serve_connection(
                     };
                     if let Ok(mut st) = live.st.lock() {
                         debug!(
-                            transfer = id,
+                            transfer = %id,
                             batches,
                             batches_done = st.batches_done,
                             bytes_done = st.bytes_done,
@@ -797,8 +799,8 @@ async fn serve_connection(
                     // for (they would hold the connection up).
                     open.refuse(id);
                     if let Some(live) = live {
-                        info!(transfer = id, reason, "transfer cancelled by source");
-                        cancel_live(inner, &live, state::CANCELLED, &reason).await;
+                        info!(transfer = %id, reason, "transfer cancelled by source");
+                        cancel_live(inner, &live, TransferState::Cancelled, &reason).await;
                     }
                 }
                 Control::Error { message } => return Err(ConnError::Peer(message)),
@@ -829,12 +831,6 @@ async fn open_transfer(
     let refuse = |s: String| TransferError::Refused(s);
     validate_files(&files, chunk_size).map_err(|e| refuse(e.to_string()))?;
     check_name(&key.job).map_err(|e| refuse(format!("job name: {e}")))?;
-    if !matches!(key.profile.as_str(), "" | "weights-only") {
-        return Err(refuse(format!(
-            "unknown replication profile {:?} (this sink knows \"weights-only\")",
-            key.profile
-        )));
-    }
     ferry_proto::paths::check_relative(&key.rel)
         .map_err(|e| refuse(format!("relative path: {e}")))?;
     let sum: u64 = files.iter().map(|f| f.size).sum();
@@ -855,16 +851,15 @@ async fn open_transfer(
             local_path.display()
         )));
     }
-    let id_i64 = key.id as i64;
     let existing = inner
         .catalog
-        .find_replica(peer, id_i64, &key.source_path)
+        .find_replica(peer, key.id, &key.source_path)
         .await?;
     let mut published_root = None;
     let (row, mut have) = match existing {
-        Some(r) if r.state == state::RECEIVING || r.state == state::PUBLISHED => {
+        Some(r) if r.state == TransferState::Receiving || r.state == TransferState::Published => {
             let old_files = inner.catalog.replica_files(r.id).await?;
-            let chunks = if r.state == state::PUBLISHED {
+            let chunks = if r.state == TransferState::Published {
                 // Already published (the source missed our answer): every
                 // chunk is here; the commit is answered from the catalog.
                 let bytes = inner
@@ -955,7 +950,7 @@ async fn open_transfer(
                 .insert_replica(&NewReplica {
                     peer,
                     source_site: site,
-                    source_transfer: id_i64,
+                    source_transfer: key.id,
                     job: &key.job,
                     source_path: &key.source_path,
                     rel: &key.rel,
@@ -964,7 +959,7 @@ async fn open_transfer(
                     bytes_total,
                     staging_path: &staging.to_string_lossy(),
                     local_path: &local_path.to_string_lossy(),
-                    profile: (!key.profile.is_empty()).then_some(key.profile.as_str()),
+                    profile: key.profile,
                 })
                 .await?;
             let row = inner
@@ -1005,7 +1000,7 @@ async fn open_transfer(
         }
     }
     let needed = bytes_total.saturating_sub(done);
-    if row.state != state::PUBLISHED {
+    if row.state != TransferState::Published {
         let r = root.clone();
         let avail = blocking(move || free_bytes(&r)).await?;
         if avail < needed.saturating_add(inner.cfg.reserve_bytes) {
@@ -1018,7 +1013,7 @@ async fn open_transfer(
             );
             inner
                 .catalog
-                .set_replica_state(row.id, state::FAILED, Some(&msg))
+                .set_replica_state(row.id, TransferState::Failed, Some(&msg))
                 .await?;
             return Err(refuse(msg));
         }
@@ -1057,7 +1052,7 @@ async fn open_transfer(
     if let Ok(mut m) = inner.live.lock() {
         m.insert(row.id, live.clone());
     }
-    info!(transfer = key.id, peer, path = %key.source_path, bytes_total, resumed_bytes = done, "transfer opened");
+    info!(transfer = %key.id, peer, path = %key.source_path, bytes_total, resumed_bytes = done, "transfer opened");
     Ok((live, have_list))
 }
 
@@ -1224,7 +1219,7 @@ async fn reuse_published(
     };
     let Some(prev) = rows
         .iter()
-        .find(|r| r.state == state::PUBLISHED && r.local_path == lp)
+        .find(|r| r.state == TransferState::Published && r.local_path == lp)
     else {
         return Vec::new();
     };
@@ -1306,24 +1301,24 @@ const OPEN_WAIT: Duration = Duration::from_secs(10);
 /// Transfers opened (or refused) on one connection, by source transfer id.
 #[derive(Default)]
 struct Opened {
-    live: Mutex<HashMap<u64, Arc<Live>>>,
-    refused: Mutex<std::collections::HashSet<u64>>,
+    live: Mutex<HashMap<TransferId, Arc<Live>>>,
+    refused: Mutex<std::collections::HashSet<TransferId>>,
     changes: watch::Sender<u64>,
     /// Verified payload bytes from this connection's peer (metrics).
     received: prometheus_client::metrics::counter::Counter,
 }
 
 impl Opened {
-    fn get(&self, id: u64) -> Option<Arc<Live>> {
+    fn get(&self, id: TransferId) -> Option<Arc<Live>> {
         self.live.lock().ok().and_then(|m| m.get(&id).cloned())
     }
-    fn is_refused(&self, id: u64) -> bool {
+    fn is_refused(&self, id: TransferId) -> bool {
         self.refused
             .lock()
             .map(|r| r.contains(&id))
             .unwrap_or(false)
     }
-    fn insert(&self, id: u64, live: Arc<Live>) {
+    fn insert(&self, id: TransferId, live: Arc<Live>) {
         if let Ok(mut m) = self.live.lock() {
             m.insert(id, live);
         }
@@ -1332,13 +1327,13 @@ impl Opened {
         }
         self.changes.send_modify(|v| *v += 1);
     }
-    fn refuse(&self, id: u64) {
+    fn refuse(&self, id: TransferId) {
         if let Ok(mut r) = self.refused.lock() {
             r.insert(id);
         }
         self.changes.send_modify(|v| *v += 1);
     }
-    fn remove(&self, id: u64) -> Option<Arc<Live>> {
+    fn remove(&self, id: TransferId) -> Option<Arc<Live>> {
         self.live.lock().ok().and_then(|mut m| m.remove(&id))
     }
 }
@@ -1404,7 +1399,7 @@ async fn receive_batch(
                 // dropped unwritten; the commit asks for whatever is
                 // missing.
                 warn!(
-                    transfer = header.transfer,
+                    transfer = %header.transfer,
                     "{h:?} lies outside the transfer's file table; dropped"
                 );
                 continue;
@@ -1445,8 +1440,8 @@ async fn receive_batch(
             Ok(r) => r,
             Err(e) => {
                 let reason = format!("writing staging data under {}: {e}", live.staging.display());
-                warn!(transfer = header.transfer, "{reason}");
-                cancel_live(inner, &live, state::FAILED, &reason).await;
+                warn!(transfer = %header.transfer, "{reason}");
+                cancel_live(inner, &live, TransferState::Failed, &reason).await;
                 ctl.send(&Control::Cancel {
                     id: header.transfer,
                     reason,
@@ -1482,7 +1477,7 @@ async fn receive_batch(
         if !bad.is_empty() {
             inner.metrics.verification_failures.inc_by(bad.len() as u64);
             warn!(
-                transfer = header.transfer,
+                transfer = %header.transfer,
                 chunks = bad.len(),
                 "chunks failed BLAKE3 verification; asking again"
             );
@@ -1639,7 +1634,7 @@ fn open_staging(staging: &Path, rel: &str) -> io::Result<std::fs::File> {
     Ok(file)
 }
 
-async fn cancel_live(inner: &Arc<Inner>, live: &Arc<Live>, new_state: &str, reason: &str) {
+async fn cancel_live(inner: &Arc<Inner>, live: &Arc<Live>, new_state: TransferState, reason: &str) {
     let keep_staging = publish::under_way(&live.staging);
     if let Ok(mut st) = live.st.lock() {
         if st.publishing {
@@ -1687,7 +1682,7 @@ async fn maybe_finish(
     inner: &Arc<Inner>,
     live: &Arc<Live>,
     ctl: &ControlSender,
-    id: u64,
+    id: TransferId,
 ) -> Result<(), ConnError> {
     enum Next {
         Need(Vec<u64>, u64),
@@ -1737,14 +1732,14 @@ async fn maybe_finish(
     match next {
         Next::Mismatch(reason) => {
             inner.metrics.verification_failures.inc();
-            cancel_live(inner, live, state::FAILED, &reason).await;
+            cancel_live(inner, live, TransferState::Failed, &reason).await;
             ctl.send(&Control::Cancel { id, reason }).await
         }
         Next::Need(need, done) => {
             flush(inner).await;
             let _ = inner.catalog.drop_chunks(live.id, &need, done).await;
             info!(
-                transfer = id,
+                transfer = %id,
                 chunks = need.len(),
                 "chunks missing or wrong at commit; asking again"
             );
@@ -1787,7 +1782,7 @@ async fn maybe_finish(
                 }
                 Ok(publish::Outcome::Recovered) => {
                     warn!(
-                        transfer = id,
+                        transfer = %id,
                         path = %live.local_path.display(),
                         "finished a publish that a crash had interrupted"
                     );
@@ -1796,14 +1791,14 @@ async fn maybe_finish(
                 Ok(publish::Outcome::Refetch(bad)) => Some(bad),
                 Err(e) => {
                     let reason = format!("publishing {}: {e}", live.local_path.display());
-                    warn!(transfer = id, "{reason}");
+                    warn!(transfer = %id, "{reason}");
                     drop(exclusive);
                     // Not published: let the cancel below record the failure
                     // (it leaves a transfer that is publishing alone).
                     if let Ok(mut st) = live.st.lock() {
                         st.publishing = false;
                     }
-                    cancel_live(inner, live, state::FAILED, &reason).await;
+                    cancel_live(inner, live, TransferState::Failed, &reason).await;
                     return ctl.send(&Control::Cancel { id, reason }).await;
                 }
             };
@@ -1820,7 +1815,7 @@ async fn maybe_finish(
             if !siblings.is_empty() {
                 let l2 = live.clone();
                 if let Err(e) = blocking(move || write_siblings(&l2.local_path, &siblings)).await {
-                    warn!(transfer = id, error = %e, "could not write the markers beside the replica");
+                    warn!(transfer = %id, error = %e, "could not write the markers beside the replica");
                 }
             }
             let local = live.local_path.to_string_lossy().into_owned();
@@ -1843,7 +1838,7 @@ async fn maybe_finish(
                     }
                     let staging = live.staging.clone();
                     if let Err(e) = blocking(move || publish::finish(&staging)).await {
-                        warn!(transfer = id, error = %e, "could not remove the held-markers directory of a finished publish");
+                        warn!(transfer = %id, error = %e, "could not remove the held-markers directory of a finished publish");
                     }
                 }
                 Err(e) => {
@@ -1857,7 +1852,7 @@ async fn maybe_finish(
                 m.remove(&live.id);
             }
             inner.changed.send_modify(|v| *v += 1);
-            info!(transfer = id, path = %local, root = %root_hex, publish_ms = t_publish.elapsed().as_millis() as u64, reread_ms, "replica published");
+            info!(transfer = %id, path = %local, root = %root_hex, publish_ms = t_publish.elapsed().as_millis() as u64, reread_ms, "replica published");
             ctl.send(&Control::Published {
                 id,
                 local_path: local,
@@ -1897,7 +1892,7 @@ async fn refetch_changed(
     inner: &Arc<Inner>,
     live: &Arc<Live>,
     ctl: &ControlSender,
-    id: u64,
+    id: TransferId,
     bad: Vec<u64>,
 ) -> Result<(), ConnError> {
     inner.metrics.verification_failures.inc_by(bad.len() as u64);
@@ -1917,13 +1912,13 @@ async fn refetch_changed(
             live.local_path.display(),
             inner.cfg.root.display()
         );
-        warn!(transfer = id, "{reason}");
-        cancel_live(inner, live, state::FAILED, &reason).await;
+        warn!(transfer = %id, "{reason}");
+        cancel_live(inner, live, TransferState::Failed, &reason).await;
         return ctl.send(&Control::Cancel { id, reason }).await;
     }
     let _ = inner.catalog.drop_chunks(live.id, &bad, done).await;
     warn!(
-        transfer = id,
+        transfer = %id,
         chunks = bad.len(),
         "staged chunks no longer match the manifest (changed on disk since they were verified); asking for them again"
     );

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferry_proto::manifest::{hex, ChunkMap, FileEntry, FileInfo, Hash, Manifest};
+use ferry_proto::state::{CheckpointState, TransferId, TransferState};
 use ferry_proto::wire::{Control, Hello, RecordHeader, TransferKey, PROTOCOL_VERSION};
 use quinn::{Connection, Endpoint, VarInt};
 use scan::ScanOptions;
@@ -24,9 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use crate::catalog::{
-    checkpoint, state, Catalog, CatalogError, ProgressNote, SourceTimes, Transfer,
-};
+use crate::catalog::{Catalog, CatalogError, ProgressNote, SourceTimes, Transfer};
 use crate::cc::Share;
 use crate::conn::{code, read_frame, ConnError, ControlSender};
 use crate::metrics::{LinkSampler, LinkStats, MetricsError, RateWindow, SourceMetrics};
@@ -205,12 +204,13 @@ pub struct SignalOutcome {
     pub new: bool,
     /// The transfer promoted to `urgent`, if the job had an unpublished
     /// checkpoint.
-    pub promoted: Option<i64>,
+    #[schema(value_type = Option<i64>)]
+    pub promoted: Option<TransferId>,
     /// Until when it stays `urgent`, Unix ms.
     pub urgent_until: Option<i64>,
     /// The promoted transfer's state (a `paused` one stays paused, urgent
     /// once resumed).
-    pub promoted_state: Option<String>,
+    pub promoted_state: Option<TransferState>,
 }
 
 /// Why an operator or controller request was refused.
@@ -221,7 +221,7 @@ pub enum OpsError {
     UnknownJob(String),
     /// No such transfer.
     #[error("no transfer {0}")]
-    UnknownTransfer(i64),
+    UnknownTransfer(TransferId),
     /// A field is out of range; the message names it.
     #[error("{0}")]
     Invalid(String),
@@ -246,7 +246,7 @@ impl From<CatalogError> for OpsError {
 
 /// Refuses an operator action on a transfer that has finished.
 fn not_final(t: &Transfer) -> Result<(), OpsError> {
-    if state::is_final(&t.state) {
+    if t.state.is_final() {
         return Err(OpsError::Conflict(format!(
             "transfer {} is already {}",
             t.id, t.state
@@ -306,9 +306,9 @@ struct Inner {
     catalog: Catalog,
     endpoint: Endpoint,
     links: HashMap<String, Arc<LinkState>>,
-    progress: Mutex<HashMap<i64, Arc<LiveProgress>>>,
+    progress: Mutex<HashMap<TransferId, Arc<LiveProgress>>>,
     /// Views of watched checkpoints, by transfer id (see [`watcher`]).
-    views: Mutex<HashMap<i64, watch::Receiver<CheckpointView>>>,
+    views: Mutex<HashMap<TransferId, watch::Receiver<CheckpointView>>>,
     shutdown: CancellationToken,
     tasks: TaskTracker,
     /// Test hook: flip one byte in this many chunks after hashing them
@@ -459,7 +459,7 @@ impl Source {
         let Some(p) = live else {
             return (t, None);
         };
-        if t.state != state::PUBLISHED {
+        if t.state != TransferState::Published {
             let n = p.note();
             let total = t.bytes_total.max(n.bytes_total as i64);
             t.bytes_done = t.bytes_done.max(n.bytes_done as i64).min(total);
@@ -471,7 +471,7 @@ impl Source {
 
     /// Live progress of a transfer that is running now (this run's
     /// counters; see [`Source::with_progress`] for the whole transfer).
-    pub fn progress(&self, id: i64) -> Option<Progress> {
+    pub fn progress(&self, id: TransferId) -> Option<Progress> {
         let m = self.inner.progress.lock().ok()?;
         Some(m.get(&id)?.snapshot())
     }
@@ -503,8 +503,7 @@ impl Source {
         let now = crate::catalog::now_ms();
         let mut queued: HashMap<(String, scheduler::Class), i64> = HashMap::new();
         for t in &unfinished {
-            let class = t.class.parse().unwrap_or(scheduler::Class::Scheduled);
-            let class = scheduler::effective_class(class, t.urgent_until, now);
+            let class = scheduler::effective_class(t.class, t.urgent_until, now);
             *queued.entry((t.link.clone(), class)).or_default() += 1;
         }
         let links = self
@@ -622,7 +621,7 @@ impl Source {
             };
             return Ok(SignalOutcome {
                 urgent_until: t.as_ref().and_then(|t| t.urgent_until),
-                promoted_state: t.as_ref().map(|t| t.state.clone()),
+                promoted_state: t.as_ref().map(|t| t.state),
                 promoted: sig.transfer,
                 signal: sig,
                 new: false,
@@ -647,14 +646,14 @@ impl Source {
                 job,
                 kind,
                 severity,
-                transfer = t.id,
+                transfer = %t.id,
                 path = t.source_path,
                 "signal: transfer promoted to urgent"
             );
             outcome = SignalOutcome {
                 promoted: Some(t.id),
                 urgent_until: Some(until),
-                promoted_state: Some(t.state.clone()),
+                promoted_state: Some(t.state),
                 signal: sig,
                 new: true,
             };
@@ -708,7 +707,7 @@ impl Source {
         }
     }
 
-    async fn existing(&self, id: i64) -> Result<Transfer, OpsError> {
+    async fn existing(&self, id: TransferId) -> Result<Transfer, OpsError> {
         self.inner
             .catalog
             .transfer(id)
@@ -722,17 +721,17 @@ impl Source {
     /// # Errors
     /// [`OpsError::UnknownTransfer`]; [`OpsError::Conflict`] if it is
     /// finished or already paused; catalog errors.
-    pub async fn pause(&self, id: i64) -> Result<Transfer, OpsError> {
+    pub async fn pause(&self, id: TransferId) -> Result<Transfer, OpsError> {
         let t = self.existing(id).await?;
         not_final(&t)?;
-        if t.state == state::PAUSED {
+        if t.state == TransferState::Paused {
             return Err(OpsError::Conflict(format!(
                 "transfer {id} is already paused"
             )));
         }
         self.inner
             .catalog
-            .set_transfer_state(id, state::PAUSED, None)
+            .set_transfer_state(id, TransferState::Paused, None)
             .await?;
         wake(&self.inner, &t);
         self.existing(id).await
@@ -743,9 +742,9 @@ impl Source {
     /// # Errors
     /// [`OpsError::UnknownTransfer`]; [`OpsError::Conflict`] if it is not
     /// paused; catalog errors.
-    pub async fn resume(&self, id: i64) -> Result<Transfer, OpsError> {
+    pub async fn resume(&self, id: TransferId) -> Result<Transfer, OpsError> {
         let t = self.existing(id).await?;
-        if t.state != state::PAUSED {
+        if t.state != TransferState::Paused {
             return Err(OpsError::Conflict(format!(
                 "transfer {id} is {}, not paused",
                 t.state
@@ -753,7 +752,7 @@ impl Source {
         }
         self.inner
             .catalog
-            .set_transfer_state(id, state::QUEUED, None)
+            .set_transfer_state(id, TransferState::Queued, None)
             .await?;
         wake(&self.inner, &t);
         self.existing(id).await
@@ -766,12 +765,16 @@ impl Source {
     /// # Errors
     /// [`OpsError::UnknownTransfer`]; [`OpsError::Conflict`] if it is
     /// finished; catalog errors.
-    pub async fn cancel(&self, id: i64) -> Result<Transfer, OpsError> {
+    pub async fn cancel(&self, id: TransferId) -> Result<Transfer, OpsError> {
         let t = self.existing(id).await?;
         not_final(&t)?;
         self.inner
             .catalog
-            .set_transfer_state(id, state::CANCELLED, Some("cancelled by an operator"))
+            .set_transfer_state(
+                id,
+                TransferState::Cancelled,
+                Some("cancelled by an operator"),
+            )
             .await?;
         wake(&self.inner, &t);
         self.existing(id).await
@@ -786,16 +789,12 @@ impl Source {
     /// field; [`OpsError::Conflict`] if it is finished; catalog errors.
     pub async fn reprioritise(
         &self,
-        id: i64,
-        class: Option<&str>,
+        id: TransferId,
+        class: Option<scheduler::Class>,
         importance: Option<Option<f64>>,
     ) -> Result<Transfer, OpsError> {
         let t = self.existing(id).await?;
         not_final(&t)?;
-        if let Some(c) = class {
-            c.parse::<scheduler::Class>()
-                .map_err(|e| OpsError::Invalid(format!("class: {e}")))?;
-        }
         if let Some(Some(i)) = importance {
             if !i.is_finite() || !(0.0..=1.0).contains(&i) {
                 return Err(OpsError::Invalid(format!(
@@ -995,7 +994,7 @@ impl Source {
         let abs = parent.join(name);
         let abs_s = abs.to_string_lossy().into_owned();
         if let Some(t) = inner.catalog.transfer_by_path(&abs_s).await? {
-            if !state::is_final(&t.state) {
+            if !t.state.is_final() {
                 return Ok(Some(t));
             }
         }
@@ -1010,12 +1009,12 @@ impl Source {
                 &root.job,
                 &abs_s,
                 name,
-                "scheduled",
-                checkpoint::ANNOUNCED,
+                scheduler::Class::Scheduled,
+                CheckpointState::Announced,
                 &format,
                 None,
                 None,
-                root.watch.profile.name(),
+                root.watch.profile,
             )
             .await?;
         inner
@@ -1023,7 +1022,7 @@ impl Source {
             .set_transfer_size(id, expected_bytes, 0)
             .await?;
         info!(
-            transfer = id,
+            transfer = %id,
             path = abs_s,
             job,
             step,
@@ -1090,21 +1089,15 @@ async fn submit(
         .transfer_by_path(&abs.to_string_lossy())
         .await?
     {
-        if !state::is_final(&t.state) && t.link == link {
+        if !t.state.is_final() && t.link == link {
             return Ok(t);
         }
     }
     let id = inner
         .catalog
-        .insert_transfer(
-            link,
-            &root.job,
-            &abs.to_string_lossy(),
-            &rel,
-            class.as_str(),
-        )
+        .insert_transfer(link, &root.job, &abs.to_string_lossy(), &rel, class)
         .await?;
-    info!(transfer = id, path = %abs.display(), link, %class, "transfer queued");
+    info!(transfer = %id, path = %abs.display(), link, %class, "transfer queued");
     state.wake.notify_one();
     inner
         .catalog
@@ -1118,7 +1111,7 @@ async fn submit(
 struct LinkConn {
     conn: Connection,
     ctl: Arc<ControlSender>,
-    inbox: Arc<Mutex<HashMap<u64, mpsc::UnboundedSender<Control>>>>,
+    inbox: Arc<Mutex<HashMap<TransferId, mpsc::UnboundedSender<Control>>>>,
     /// The link's dispatcher (its writers run on this connection).
     sched: Arc<LinkSched>,
 }
@@ -1158,7 +1151,7 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
     .await
     .map_err(|e| format!("hello to {}: {e}", l.peer_name))?;
     let (link_name, peer_name) = (l.name.clone(), l.peer_name.clone());
-    let inbox: Arc<Mutex<HashMap<u64, mpsc::UnboundedSender<Control>>>> = Arc::default();
+    let inbox: Arc<Mutex<HashMap<TransferId, mpsc::UnboundedSender<Control>>>> = Arc::default();
     let ib = inbox.clone();
     let c2 = conn.clone();
     tokio::spawn(async move {
@@ -1262,7 +1255,7 @@ fn sched_transfer(
     now_ms: i64,
 ) -> scheduler::Transfer {
     let job = jobs.get(&t.job);
-    let class = t.class.parse().unwrap_or(scheduler::Class::Scheduled);
+    let class = t.class;
     scheduler::Transfer {
         id: t.id,
         class: scheduler::effective_class(class, t.urgent_until, now_ms),
@@ -1276,7 +1269,7 @@ fn sched_transfer(
 
 /// Bytes a running transfer has still to send, from its live progress
 /// (the catalog's `bytes_done` is only written now and then).
-fn live_bytes_left(inner: &Inner, id: i64) -> Option<u64> {
+fn live_bytes_left(inner: &Inner, id: TransferId) -> Option<u64> {
     let m = inner.progress.lock().ok()?;
     let p = m.get(&id)?;
     Some(p.total.load(Ordering::Relaxed).saturating_sub(p.done()))
@@ -1285,7 +1278,7 @@ fn live_bytes_left(inner: &Inner, id: i64) -> Option<u64> {
 /// Keeps what the run of transfer `id` achieved so far in the catalog
 /// (see [`Catalog::note_transfer_progress`]); with `end`, the run is over
 /// and its live progress goes.
-async fn save_progress(inner: &Inner, id: i64, end: bool) {
+async fn save_progress(inner: &Inner, id: TransferId, end: bool) {
     let live = inner.progress.lock().ok().and_then(|mut m| {
         if end {
             m.remove(&id)
@@ -1295,7 +1288,7 @@ async fn save_progress(inner: &Inner, id: i64, end: bool) {
     });
     if let Some(p) = live {
         if let Err(e) = inner.catalog.note_transfer_progress(id, p.note()).await {
-            warn!(transfer = id, error = %e, "catalog: recording progress");
+            warn!(transfer = %id, error = %e, "catalog: recording progress");
         }
     }
 }
@@ -1330,7 +1323,7 @@ type TransferWindow = (Arc<LiveProgress>, RateWindow<1>);
 
 /// Takes one sample at `at_ms`: each link's payload bytes by class, each
 /// running transfer's bytes sent; stores the rates they give.
-fn take_sample(inner: &Inner, at_ms: i64, windows: &mut HashMap<i64, TransferWindow>) {
+fn take_sample(inner: &Inner, at_ms: i64, windows: &mut HashMap<TransferId, TransferWindow>) {
     for l in inner.links.values() {
         let totals = l.sched.counters.sent_totals();
         l.sampler
@@ -1338,7 +1331,7 @@ fn take_sample(inner: &Inner, at_ms: i64, windows: &mut HashMap<i64, TransferWin
             .unwrap_or_else(|p| p.into_inner())
             .sample(at_ms, totals);
     }
-    let live: Vec<(i64, Arc<LiveProgress>)> = match inner.progress.lock() {
+    let live: Vec<(TransferId, Arc<LiveProgress>)> = match inner.progress.lock() {
         Ok(m) => m.iter().map(|(id, p)| (*id, p.clone())).collect(),
         Err(_) => return,
     };
@@ -1371,7 +1364,7 @@ async fn sampler(inner: Arc<Inner>) {
 }
 
 /// A transfer task's end: its id and result.
-type Ended = (i64, Result<(), RunError>);
+type Ended = (TransferId, Result<(), RunError>);
 
 /// Runs one link: keeps a connection to its sink while there is work,
 /// admits queued transfers in the scheduler's order (up to `max_active`
@@ -1382,7 +1375,7 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
     let mut backoff = Duration::from_millis(250);
     let mut dial_after = tokio::time::Instant::now();
     let mut running: tokio::task::JoinSet<Ended> = tokio::task::JoinSet::new();
-    let mut stops: HashMap<i64, CancellationToken> = HashMap::new();
+    let mut stops: HashMap<TransferId, CancellationToken> = HashMap::new();
     let mut saved_at = tokio::time::Instant::now();
     // Signals still live after a restart raise their jobs' scores again.
     let horizon = 20 * inner.cfg.policy.severity_half_life_ms as i64;
@@ -1434,7 +1427,7 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
         // ones an operator paused or cancelled (the catalog says so first).
         for t in &mine {
             if let Some(stop) = stops.get(&t.id) {
-                if t.state == state::PAUSED {
+                if t.state == TransferState::Paused {
                     stop.cancel();
                 } else {
                     let mut st = sched_transfer(t, &jobs, now);
@@ -1453,7 +1446,9 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
         let waiting: Vec<scheduler::Transfer> = mine
             .iter()
             .filter(|t| {
-                t.state != state::PAUSED && !stops.contains_key(&t.id) && runnable(&inner, t)
+                t.state != TransferState::Paused
+                    && !stops.contains_key(&t.id)
+                    && runnable(&inner, t)
             })
             .map(|t| sched_transfer(t, &jobs, now))
             .collect();
@@ -1512,7 +1507,7 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                 link.sched.deactivate(id);
                 if let Some(c) = conn.as_ref() {
                     if let Ok(mut m) = c.inbox.lock() {
-                        m.remove(&(id as u64));
+                        m.remove(&id);
                     }
                 }
                 let lost = end_transfer(&inner, conn.as_ref(), id, result, backoff).await;
@@ -1554,7 +1549,7 @@ async fn run_one(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(), Ru
 async fn end_transfer(
     inner: &Inner,
     c: Option<&LinkConn>,
-    id: i64,
+    id: TransferId,
     result: Result<(), RunError>,
     backoff: Duration,
 ) -> bool {
@@ -1563,13 +1558,7 @@ async fn end_transfer(
         // Tell the sink, so it drops its staging data and stops reporting
         // the transfer as replicating.
         if let Some(c) = c {
-            let _ = c
-                .ctl
-                .send(&Control::Cancel {
-                    id: id as u64,
-                    reason: why,
-                })
-                .await;
+            let _ = c.ctl.send(&Control::Cancel { id, reason: why }).await;
         }
     };
     match result {
@@ -1577,35 +1566,35 @@ async fn end_transfer(
         Err(RunError::Stopped) => {
             // An operator paused or cancelled it; the catalog says which.
             if let Ok(Some(t)) = inner.catalog.transfer(id).await {
-                if t.state == state::CANCELLED {
-                    info!(transfer = id, "transfer cancelled by an operator");
+                if t.state == TransferState::Cancelled {
+                    info!(transfer = %id, "transfer cancelled by an operator");
                     tell_sink("cancelled by an operator".into()).await;
                 } else {
-                    info!(transfer = id, state = t.state, "transfer stopped");
+                    info!(transfer = %id, state = %t.state, "transfer stopped");
                 }
             }
             false
         }
         Err(RunError::Cancelled(why)) => {
-            info!(transfer = id, "transfer cancelled: {why}");
+            info!(transfer = %id, "transfer cancelled: {why}");
             tell_sink(why.clone()).await;
             let _ = inner
                 .catalog
-                .set_transfer_state(id, state::CANCELLED, Some(&why))
+                .set_transfer_state(id, TransferState::Cancelled, Some(&why))
                 .await;
             false
         }
         Err(RunError::Fatal(why)) => {
-            warn!(transfer = id, "transfer failed: {why}");
+            warn!(transfer = %id, "transfer failed: {why}");
             tell_sink(why.clone()).await;
             let _ = inner
                 .catalog
-                .set_transfer_state(id, state::FAILED, Some(&why))
+                .set_transfer_state(id, TransferState::Failed, Some(&why))
                 .await;
             false
         }
         Err(RunError::Retry(why)) => {
-            warn!(transfer = id, retry_in = ?backoff, "transfer interrupted, will resume: {why}");
+            warn!(transfer = %id, retry_in = ?backoff, "transfer interrupted, will resume: {why}");
             true
         }
     }
@@ -1615,8 +1604,8 @@ async fn end_transfer(
 /// (an announced checkpoint waits for its first bytes); others always.
 fn runnable(inner: &Inner, t: &Transfer) -> bool {
     t.format.is_none()
-        || t.checkpoint == checkpoint::ABANDONED
-        || t.checkpoint == checkpoint::DELETED
+        || t.checkpoint == CheckpointState::Abandoned
+        || t.checkpoint == CheckpointState::Deleted
         || inner.views.lock().is_ok_and(|v| v.contains_key(&t.id))
 }
 
@@ -1637,7 +1626,7 @@ async fn begin(inner: &Inner, t: &Transfer) -> Result<bool, RunError> {
     inner.catalog.set_transfer_note(t.id, None).await?;
     inner
         .catalog
-        .set_transfer_state(t.id, state::ACTIVE, None)
+        .set_transfer_state(t.id, TransferState::Active, None)
         .await?;
     Ok(fresh)
 }
@@ -1653,7 +1642,7 @@ fn track_run(inner: &Inner, t: &Transfer, total: u64) -> Arc<LiveProgress> {
 /// which `done_before` were at the sink and `sent_before` sent before.
 fn track_progress(
     inner: &Inner,
-    id: i64,
+    id: TransferId,
     total: u64,
     done_before: u64,
     sent_before: u64,
@@ -1680,7 +1669,7 @@ async fn open_on_sink(
     fresh: bool,
     files: Vec<FileInfo>,
 ) -> Result<(mpsc::UnboundedReceiver<Control>, HashSet<u64>), RunError> {
-    let id = t.id as u64;
+    let id = t.id;
     let (tx, mut rx) = mpsc::unbounded_channel();
     if let Ok(mut m) = c.inbox.lock() {
         m.insert(id, tx);
@@ -1692,7 +1681,7 @@ async fn open_on_sink(
                 job: t.job.clone(),
                 source_path: t.source_path.clone(),
                 rel: t.rel.clone(),
-                profile: t.profile.clone().unwrap_or_default(),
+                profile: t.profile,
             },
             chunk_size: inner.cfg.chunk_size,
             bytes_total: files.iter().map(|f| f.size).sum(),
@@ -1714,7 +1703,7 @@ async fn open_on_sink(
 }
 
 async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(), RunError> {
-    let id = t.id as u64;
+    let id = t.id;
     let t_start = std::time::Instant::now();
     let fresh = begin(inner, &t).await?;
     let t_begun = t_start.elapsed();
@@ -1739,7 +1728,7 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
     let t_recorded = t_start.elapsed();
     let (mut rx, have) = open_on_sink(inner, c, &t, fresh, scan.files.clone()).await?;
     debug!(
-        transfer = id,
+        transfer = %id,
         begin_ms = t_begun.as_millis() as u64,
         scan_ms = (t_scanned - t_begun).as_millis() as u64,
         record_ms = (t_recorded - t_scanned).as_millis() as u64,
@@ -1754,7 +1743,7 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
         .sum();
     progress.skipped.store(skipped, Ordering::Relaxed);
     info!(
-        transfer = id,
+        transfer = %id,
         files = scan.files.len(),
         bytes_total,
         already_at_sink = skipped,
@@ -1827,7 +1816,7 @@ async fn commit_loop(
     mut batches: u64,
     sealed: Sealed,
 ) -> Result<(), RunError> {
-    let id = t.id as u64;
+    let id = t.id;
     let root = sealed.manifest.root();
     loop {
         while let Ok(m) = rx.try_recv() {
@@ -1843,7 +1832,7 @@ async fn commit_loop(
             list.dedup();
             c.sched.counters.retries.inc_by(list.len() as u64);
             info!(
-                transfer = id,
+                transfer = %id,
                 chunks = list.len(),
                 "re-sending chunks the sink asked for"
             );
@@ -1858,7 +1847,7 @@ async fn commit_loop(
         }
         inner
             .catalog
-            .set_transfer_state(t.id, state::VERIFYING, None)
+            .set_transfer_state(t.id, TransferState::Verifying, None)
             .await?;
         c.ctl
             .send(&Control::Commit {
@@ -1877,7 +1866,7 @@ async fn commit_loop(
                     need.extend(chunks);
                     inner
                         .catalog
-                        .set_transfer_state(t.id, state::ACTIVE, None)
+                        .set_transfer_state(t.id, TransferState::Active, None)
                         .await?;
                     break;
                 }
@@ -1910,7 +1899,7 @@ async fn handle_end(
                 .catalog
                 .set_transfer_published(t.id, &hex(root), &local_path)
                 .await?;
-            info!(transfer = t.id, local_path, root = %hex(root), "replica published at the sink");
+            info!(transfer = %t.id, local_path, root = %hex(root), "replica published at the sink");
             Ok(())
         }
         Control::Cancel { reason, .. } => Err(RunError::Fatal(format!("sink cancelled: {reason}"))),
@@ -1946,13 +1935,13 @@ async fn recv(
 async fn send_round<T: Send + 'static>(
     inner: &Arc<Inner>,
     c: &LinkConn,
-    id: u64,
+    id: TransferId,
     progress: &Arc<LiveProgress>,
     rx_ctl: &mut mpsc::UnboundedReceiver<Control>,
     need: &mut Vec<u64>,
     produce: impl FnOnce(&mpsc::Sender<Record>) -> Result<T, String> + Send + 'static,
 ) -> Result<(T, u64), RunError> {
-    let tid = id as i64;
+    let tid = id;
     let sched = c.sched.clone();
     sched.set_progress(tid, progress.clone());
     let before = sched.batches(tid);
@@ -2280,7 +2269,7 @@ mod tests {
         let (source, _root, _hole, _d) = quiet_source().await;
         source.shutdown(Duration::from_secs(5)).await;
         let inner = &source.inner;
-        let progress = track_progress(inner, 7, 100 * MB, 0, 0);
+        let progress = track_progress(inner, TransferId(7), 100 * MB, 0, 0);
         let l = inner.links["l"].sched.counters.clone();
         let (urgent, scheduled) = (
             class_index(scheduler::Class::Urgent),
@@ -2290,7 +2279,7 @@ mod tests {
         // Later than any sample the stopped sampler may have taken.
         let t0 = crate::catalog::now_ms() + 60_000;
         take_sample(inner, t0, &mut windows);
-        assert_eq!(source.progress(7).unwrap().rate_bps, 0.0);
+        assert_eq!(source.progress(TransferId(7)).unwrap().rate_bps, 0.0);
         // 1 MB/s of the transfer (scheduled) for 7 s; urgent 2 MB/s from
         // the third second on.
         for k in 1..=7i64 {
@@ -2302,7 +2291,7 @@ mod tests {
             take_sample(inner, t0 + k * 1000, &mut windows);
         }
         // Over the last 5 s.
-        assert_eq!(source.progress(7).unwrap().rate_bps, 8e6);
+        assert_eq!(source.progress(TransferId(7)).unwrap().rate_bps, 8e6);
         let stats = source.link_stats(true);
         let names: Vec<&str> = stats.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(names, ["l", "m"]);
@@ -2353,14 +2342,14 @@ mod tests {
         for k in 8..=12i64 {
             take_sample(inner, t0 + k * 1000, &mut windows);
         }
-        assert_eq!(source.progress(7).unwrap().rate_bps, 0.0);
+        assert_eq!(source.progress(TransferId(7)).unwrap().rate_bps, 0.0);
         assert_eq!(source.link_stats(false)[0].goodput_bps, 0.0);
-        let again = track_progress(inner, 7, 100 * MB, 0, 0);
+        let again = track_progress(inner, TransferId(7), 100 * MB, 0, 0);
         again.sent.store(MB, Ordering::Relaxed);
         take_sample(inner, t0 + 13_000, &mut windows);
         again.sent.store(2 * MB, Ordering::Relaxed);
         take_sample(inner, t0 + 14_000, &mut windows);
-        assert_eq!(source.progress(7).unwrap().rate_bps, 8e6);
+        assert_eq!(source.progress(TransferId(7)).unwrap().rate_bps, 8e6);
     }
 
     /// Queue depth counts unfinished transfers by link and effective

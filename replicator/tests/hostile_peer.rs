@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use ferry_proto::limits::MAX_CHUNK;
 use ferry_proto::manifest::FileInfo;
+use ferry_proto::state::TransferId;
 use ferry_proto::wire::{BatchHeader, Control, Hello, RecordHeader, TransferKey, PROTOCOL_VERSION};
 use quinn::{Connection, Endpoint};
 use replicator::catalog::Catalog;
@@ -112,11 +113,11 @@ fn open(id: u64, rel: &str, files: Vec<FileInfo>) -> Control {
     let bytes_total = files.iter().fold(0u64, |a, f| a.saturating_add(f.size));
     Control::Open {
         key: TransferKey {
-            id,
+            id: TransferId(id),
             job: "job".into(),
             source_path: format!("/ckpt/job/{rel}"),
             rel: rel.into(),
-            profile: String::new(),
+            profile: ferry_proto::state::Profile::Full,
         },
         chunk_size: 4 << 20,
         bytes_total,
@@ -168,7 +169,7 @@ async fn escaping_paths_are_refused_and_nothing_lands_outside_the_root() {
         let reply = read_frame(&mut recv).await.unwrap().unwrap();
         match reply {
             Control::Refuse { id, reason } => {
-                assert_eq!(id, i as u64 + 1);
+                assert_eq!(id, TransferId(i as u64 + 1));
                 assert!(!reason.is_empty());
             }
             other => panic!("case {i}: expected refuse, got {other:?}"),
@@ -209,9 +210,14 @@ async fn oversized_record_closes_the_connection() {
         Some(Control::Have { .. })
     ));
     let mut data = conn.open_uni().await.unwrap();
-    data.write_all(&BatchHeader { transfer: 1 }.encode())
-        .await
-        .unwrap();
+    data.write_all(
+        &BatchHeader {
+            transfer: TransferId(1),
+        }
+        .encode(),
+    )
+    .await
+    .unwrap();
     let h = RecordHeader {
         file: 0,
         chunk: 0,
@@ -269,7 +275,7 @@ async fn a_batch_after_its_cancel_is_dropped_and_the_connection_lives() {
     ));
     send.write_all(
         &Control::Cancel {
-            id: 1,
+            id: TransferId(1),
             reason: "cancelled by an operator".into(),
         }
         .encode(),
@@ -280,9 +286,14 @@ async fn a_batch_after_its_cancel_is_dropped_and_the_connection_lives() {
     // data.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let mut data = conn.open_uni().await.unwrap();
-    data.write_all(&BatchHeader { transfer: 1 }.encode())
-        .await
-        .unwrap();
+    data.write_all(
+        &BatchHeader {
+            transfer: TransferId(1),
+        }
+        .encode(),
+    )
+    .await
+    .unwrap();
     let stopped = tokio::time::timeout(Duration::from_secs(3), data.stopped())
         .await
         .expect("the sink neither stopped the batch nor closed within 3 s");
@@ -329,9 +340,14 @@ fn staging_dir(s: &Setup) -> std::path::PathBuf {
 
 async fn send_record(conn: &Connection, transfer: u64, file: u32, chunk: u32, payload: &[u8]) {
     let mut data = conn.open_uni().await.unwrap();
-    data.write_all(&BatchHeader { transfer }.encode())
-        .await
-        .unwrap();
+    data.write_all(
+        &BatchHeader {
+            transfer: TransferId(transfer),
+        }
+        .encode(),
+    )
+    .await
+    .unwrap();
     let h = RecordHeader {
         file,
         chunk,
@@ -366,7 +382,7 @@ async fn out_of_order_control_messages_close_the_connection() {
         ),
         (
             Control::Commit {
-                id: 77,
+                id: TransferId(77),
                 committed_ms: 0,
                 opened_ms: 0,
                 batches: 0,
@@ -378,14 +394,14 @@ async fn out_of_order_control_messages_close_the_connection() {
         // Messages only a sink sends.
         (
             Control::Have {
-                id: 1,
+                id: TransferId(1),
                 chunks: vec![0],
             },
             "unexpected have",
         ),
         (
             Control::Published {
-                id: 1,
+                id: TransferId(1),
                 local_path: "/etc".into(),
                 root: [0; 32],
             },
@@ -503,7 +519,7 @@ async fn records_past_the_declared_file_size_are_dropped() {
     m.validate().unwrap();
     send.write_all(
         &Control::Commit {
-            id: 1,
+            id: TransferId(1),
             committed_ms: 0,
             opened_ms: 0,
             batches: 4,
@@ -557,7 +573,10 @@ async fn symlinks_planted_in_staging_are_never_followed() {
         // The sink cancels the transfer (or closes the connection).
         let reply = tokio::time::timeout(Duration::from_secs(20), read_frame(&mut recv)).await;
         match reply {
-            Ok(Ok(Some(Control::Cancel { id: 1, reason }))) => {
+            Ok(Ok(Some(Control::Cancel {
+                id: TransferId(1),
+                reason,
+            }))) => {
                 assert!(reason.contains("staging"), "{reason}")
             }
             Ok(Err(_)) | Ok(Ok(None)) => {}
@@ -597,7 +616,10 @@ async fn a_file_table_overflowing_the_chunk_total_is_refused() {
         .await
         .unwrap();
     match reply {
-        Ok(Some(Control::Refuse { id: 1, reason })) => {
+        Ok(Some(Control::Refuse {
+            id: TransferId(1),
+            reason,
+        })) => {
             assert!(reason.contains("chunk count"), "{reason}")
         }
         other => panic!(
@@ -611,7 +633,10 @@ async fn a_file_table_overflowing_the_chunk_total_is_refused() {
         .unwrap();
     assert!(matches!(
         read_frame(&mut recv).await.unwrap(),
-        Some(Control::Have { id: 2, .. })
+        Some(Control::Have {
+            id: TransferId(2),
+            ..
+        })
     ));
     assert!(files_under(&s.sink_root).is_empty());
 }

@@ -6,6 +6,7 @@
 
 mod common;
 
+use ferry_proto::state::{CheckpointState, TransferId, TransferState};
 use std::path::Path;
 use std::time::Duration;
 
@@ -29,7 +30,11 @@ async fn pause_and_cancel_right_after_submit_hold() {
         // From before the link worker admits it to after it started.
         tokio::time::sleep(Duration::from_micros(i * 250)).await;
         let cancel = i % 2 == 1;
-        let asked = if cancel { "cancelled" } else { "paused" };
+        let asked = if cancel {
+            TransferState::Cancelled
+        } else {
+            TransferState::Paused
+        };
         let got = if cancel {
             p.source.cancel(t.id).await.unwrap()
         } else {
@@ -67,7 +72,7 @@ struct Reported {
     total: i64,
 }
 
-async fn reported(p: &Pair, id: i64) -> (Reported, replicator::catalog::Transfer) {
+async fn reported(p: &Pair, id: TransferId) -> (Reported, replicator::catalog::Transfer) {
     let row = p.source.catalog().transfer(id).await.unwrap().unwrap();
     let (t, _) = p.source.with_progress(row);
     let r = Reported {
@@ -88,7 +93,7 @@ fn not_backwards(before: Reported, now: Reported, when: &str) {
 
 /// Waits (at most 20 s) until the transfer's run has stopped: no live
 /// progress any more.
-async fn run_stopped(p: &Pair, id: i64) {
+async fn run_stopped(p: &Pair, id: TransferId) {
     for _ in 0..400 {
         if p.source.progress(id).is_none() {
             return;
@@ -101,7 +106,12 @@ async fn run_stopped(p: &Pair, id: i64) {
 /// Pauses transfer `id` once it reported `at_least` bytes done and checks
 /// the report after the pause and through the resume up to the publish;
 /// returns the report just before the pause.
-async fn pause_and_resume(p: &Pair, id: i64, at_least: i64, before_resume: impl AsyncFnOnce()) {
+async fn pause_and_resume(
+    p: &Pair,
+    id: TransferId,
+    at_least: i64,
+    before_resume: impl AsyncFnOnce(),
+) {
     let mut last = Reported::default();
     for _ in 0..400 {
         let (now, _) = reported(p, id).await;
@@ -115,7 +125,7 @@ async fn pause_and_resume(p: &Pair, id: i64, at_least: i64, before_resume: impl 
     assert!(last.done >= at_least, "never got to {at_least}: {last:?}");
     let (before, _) = reported(p, id).await;
     let paused = p.source.pause(id).await.unwrap();
-    assert_eq!(paused.state, "paused");
+    assert_eq!(paused.state, TransferState::Paused);
     run_stopped(p, id).await;
     let (after, t) = reported(p, id).await;
     not_backwards(before, after, "at the pause");
@@ -152,7 +162,7 @@ async fn pause_and_resume(p: &Pair, id: i64, at_least: i64, before_resume: impl 
         if let Some(g) = p.source.progress(id) {
             skipped = skipped.max(g.bytes_skipped);
         }
-        if t.state == "published" {
+        if t.state == TransferState::Published {
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -219,7 +229,7 @@ async fn paused_and_resumed_open_checkpoint_never_reports_less_progress() {
     let pp = &p;
     pause_and_resume(&p, t.id, 1 << 20, async move || {
         let (r, t) = reported(pp, id).await;
-        assert_eq!(t.checkpoint, "open", "{t:?}");
+        assert_eq!(t.checkpoint, CheckpointState::Open, "{t:?}");
         // The size known so far (the catalog's is 0 until the commit).
         assert!(r.total > 0 && r.total >= r.done, "{r:?}");
         // The commit lands while it is paused.

@@ -7,6 +7,7 @@
 
 mod common;
 
+use ferry_proto::state::{TransferId, TransferState};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -68,7 +69,7 @@ async fn pair_for(kind: PolicyKind) -> (Pair, PathBuf, PathBuf) {
 
 /// Queues the load: three background copies and two checkpoints of
 /// another job, 4 MB each; returns their ids once bytes are moving.
-async fn start_load(p: &Pair, other: &Path, data: &Path) -> Vec<i64> {
+async fn start_load(p: &Pair, other: &Path, data: &Path) -> Vec<TransferId> {
     // Everything is written first, so the load starts together.
     let sets: Vec<PathBuf> = (0..3).map(|i| data.join(format!("set-{i}"))).collect();
     let steps: Vec<PathBuf> = (0..2).map(|i| other.join(format!("step-{i}"))).collect();
@@ -111,7 +112,7 @@ async fn start_load(p: &Pair, other: &Path, data: &Path) -> Vec<i64> {
 }
 
 /// Sink-side arrivals of the replica of source transfer `id`.
-async fn arrivals(p: &Pair, id: i64) -> Arrivals {
+async fn arrivals(p: &Pair, id: TransferId) -> Arrivals {
     let reps = p.sink.catalog().replicas(false, 100, 0).await.unwrap();
     let r = reps
         .iter()
@@ -189,7 +190,7 @@ async fn a_loss_spike_makes_a_checkpoint_urgent_and_its_bytes_go_first() {
     let mut still_moving = 0;
     for id in &load {
         let l = p.source.catalog().transfer(*id).await.unwrap().unwrap();
-        if l.state != "published" || l.finished_at.unwrap() > until {
+        if l.state != TransferState::Published || l.finished_at.unwrap() > until {
             still_moving += 1;
         }
     }
@@ -234,7 +235,7 @@ async fn under_fifo_the_signal_changes_nothing_and_the_checkpoint_waits_its_turn
 
 /// Bytes the sink has verified for source transfer `id` (0 before its
 /// row exists).
-async fn sink_bytes(p: &Pair, id: i64) -> i64 {
+async fn sink_bytes(p: &Pair, id: TransferId) -> i64 {
     let reps = p.sink.catalog().replicas(false, 100, 0).await.unwrap();
     reps.iter()
         .find(|r| r.source_transfer == id)
@@ -259,7 +260,7 @@ async fn a_moving_transfer_pauses_resumes_and_cancels() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let paused = p.source.pause(ta.id).await.unwrap();
-    assert_eq!(paused.state, "paused");
+    assert_eq!(paused.state, TransferState::Paused);
     assert!(
         p.source.pause(ta.id).await.is_err(),
         "pausing twice is refused"
@@ -278,7 +279,10 @@ async fn a_moving_transfer_pauses_resumes_and_cancels() {
         "paused after it finished; the test proves nothing"
     );
     // Resume: it completes from where it was, byte for byte.
-    assert_eq!(p.source.resume(ta.id).await.unwrap().state, "queued");
+    assert_eq!(
+        p.source.resume(ta.id).await.unwrap().state,
+        TransferState::Queued
+    );
     wait_published(&p, ta.id).await;
     let rep = p.sink.catalog().replicas(true, 100, 0).await.unwrap();
     let local = rep
@@ -301,12 +305,12 @@ async fn a_moving_transfer_pauses_resumes_and_cancels() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let cancelled = p.source.cancel(tc.id).await.unwrap();
-    assert_eq!(cancelled.state, "cancelled");
+    assert_eq!(cancelled.state, TransferState::Cancelled);
     let mut gone = false;
     for _ in 0..200 {
         let reps = p.sink.catalog().replicas(false, 100, 0).await.unwrap();
         let r = reps.iter().find(|r| r.source_transfer == tc.id).unwrap();
-        if r.state == "cancelled" && !Path::new(&r.staging_path).exists() {
+        if r.state == TransferState::Cancelled && !Path::new(&r.staging_path).exists() {
             gone = true;
             break;
         }

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::{published_by, same_tree, write_dir, Restartable};
+use ferry_proto::state::{TransferId, TransferState};
 use replicator::catalog::Transfer;
 use replicator::sink::Resolution;
 use replicator::source::{RootConfig, Source};
@@ -21,12 +22,12 @@ const SLOW: u64 = 16_000_000;
 /// Chunk size: progress at the sink comes in chunks of this size.
 const CHUNK: u32 = 256 << 10;
 
-async fn row(s: &Source, id: i64) -> Transfer {
+async fn row(s: &Source, id: TransferId) -> Transfer {
     s.catalog().transfer(id).await.unwrap().unwrap()
 }
 
 /// Waits (at most 10 s) until `ok` holds for transfer `id`'s row.
-async fn until(s: &Source, id: i64, what: &str, ok: impl Fn(&Transfer) -> bool) -> Transfer {
+async fn until(s: &Source, id: TransferId, what: &str, ok: impl Fn(&Transfer) -> bool) -> Transfer {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let t = row(s, id).await;
@@ -51,7 +52,7 @@ async fn verified_at_sink(r: &Restartable, path: &Path) -> Option<u64> {
 fn kept(t: &Transfer) -> impl PartialEq + std::fmt::Debug {
     (
         t.id,
-        t.class.clone(),
+        t.class,
         t.importance,
         t.urgent_until,
         t.signal,
@@ -119,9 +120,12 @@ async fn restart_the_source_agent_with_a_full_queue_classes_scores_progress_come
     assert_eq!(out.promoted, Some(urgent), "the job's newest checkpoint");
     let until_ms = out.urgent_until.unwrap();
     // Paused once it moves (a pause as the transfer starts: operator.rs).
-    until(&src, paused, "becomes active", |t| t.state == "active").await;
+    until(&src, paused, "becomes active", |t| {
+        t.state == TransferState::Active
+    })
+    .await;
     let t = src.pause(paused).await.unwrap();
-    assert_eq!(t.state, "paused");
+    assert_eq!(t.state, TransferState::Paused);
 
     // Progress: the sink has verified part of the urgent checkpoint.
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -143,7 +147,7 @@ async fn restart_the_source_agent_with_a_full_queue_classes_scores_progress_come
     }
     for t in &before {
         assert!(
-            !replicator::catalog::state::is_final(&t.state),
+            !t.state.is_final(),
             "transfer {} finished before the restart: {t:?}",
             t.id
         );
@@ -170,17 +174,17 @@ async fn restart_the_source_agent_with_a_full_queue_classes_scores_progress_come
         let a = row(&src, b.id).await;
         assert_eq!(kept(&a), kept(b), "transfer {} after the restart", b.id);
     }
-    assert_eq!(row(&src, logs).await.class, "background");
-    assert_eq!(row(&src, paused).await.class, "background");
-    assert_eq!(row(&src, plain).await.class, "scheduled");
+    assert_eq!(row(&src, logs).await.class, Class::Background);
+    assert_eq!(row(&src, paused).await.class, Class::Background);
+    assert_eq!(row(&src, plain).await.class, Class::Scheduled);
     assert_eq!(row(&src, important).await.importance, Some(0.9));
     let u = row(&src, urgent).await;
     assert_eq!(
-        (u.class.as_str(), u.urgent_until),
-        ("scheduled", Some(until_ms))
+        (u.class, u.urgent_until),
+        (Class::Scheduled, Some(until_ms))
     );
     assert_eq!(u.signal, Some(out.signal.id));
-    assert_eq!(row(&src, paused).await.state, "paused");
+    assert_eq!(row(&src, paused).await.state, TransferState::Paused);
 
     // Scores: the promotion and the job's live severity are back in the
     // link's scheduler (loaded when its worker starts), the override in
@@ -237,7 +241,11 @@ async fn restart_the_source_agent_with_a_full_queue_classes_scores_progress_come
         m.bytes_total
     );
     let p = row(&src, paused).await;
-    assert_eq!(p.state, "paused", "a paused transfer stays paused: {p:?}");
+    assert_eq!(
+        p.state,
+        TransferState::Paused,
+        "a paused transfer stays paused: {p:?}"
+    );
     assert!(
         !matches!(
             r.sink.resolve(paused_dir.to_str().unwrap()).await.unwrap(),
@@ -246,7 +254,7 @@ async fn restart_the_source_agent_with_a_full_queue_classes_scores_progress_come
         "the paused checkpoint was published"
     );
     let t = src.resume(paused).await.unwrap();
-    assert_eq!(t.state, "queued");
+    assert_eq!(t.state, TransferState::Queued);
     published_by(&src, paused).await;
     for (id, dir) in [
         (urgent, &urgent_dir),

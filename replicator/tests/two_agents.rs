@@ -5,6 +5,7 @@
 
 mod common;
 
+use ferry_proto::state::TransferState;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -72,7 +73,7 @@ async fn checkpoint_replicates_resolves_and_is_replaced_on_resave() {
     // A directory inside a replicated checkpoint would overlap it at the sink.
     let nested = p.source.submit(&ckpt.join("sub"), None).await.unwrap();
     let failed = wait_final(&p, nested.id).await;
-    assert_eq!(failed.state, "failed");
+    assert_eq!(failed.state, TransferState::Failed);
     assert!(failed.error.unwrap().contains("overlap"));
 
     let report = replicator::verify::check(
@@ -142,7 +143,7 @@ async fn sink_without_room_refuses_and_publishes_nothing() {
     let mut last = None;
     for _ in 0..400 {
         let t = p.source.catalog().transfer(t.id).await.unwrap().unwrap();
-        if t.state == "failed" {
+        if t.state == TransferState::Failed {
             last = Some(t);
             break;
         }

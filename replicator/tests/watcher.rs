@@ -6,6 +6,7 @@
 
 mod common;
 
+use ferry_proto::state::{CheckpointState, TransferId, TransferState};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -54,7 +55,7 @@ async fn transfer_of(p: &Pair, dir: &Path) -> Transfer {
 }
 
 /// Waits until the source has put at least `bytes` on the wire for `id`.
-async fn wait_sent(p: &Pair, id: i64, bytes: u64) {
+async fn wait_sent(p: &Pair, id: TransferId, bytes: u64) {
     for _ in 0..400 {
         if p.source.progress(id).is_some_and(|g| g.bytes_sent >= bytes) {
             return;
@@ -106,7 +107,7 @@ async fn dcp_save_streams_while_written_and_publishes_at_commit() {
     same_tree(&ckpt, &replica);
     assert!(!replica.join(".metadata.tmp").exists());
     let t = p.source.catalog().transfer(t.id).await.unwrap().unwrap();
-    assert_eq!(t.checkpoint, "committed");
+    assert_eq!(t.checkpoint, CheckpointState::Committed);
     assert!(t.committed_at.is_some() && t.opened_at.is_some());
     let rows = p
         .sink
@@ -114,7 +115,10 @@ async fn dcp_save_streams_while_written_and_publishes_at_commit() {
         .replicas_for_source(&ckpt.to_string_lossy())
         .await
         .unwrap();
-    let row = rows.iter().find(|r| r.state == "published").unwrap();
+    let row = rows
+        .iter()
+        .find(|r| r.state == TransferState::Published)
+        .unwrap();
     assert_eq!(
         row.bytes_total as u64,
         shards + size(&ckpt.join(".metadata")),
@@ -184,10 +188,7 @@ async fn safetensors_save_waits_for_a_whole_index() {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_not_published(&p, &ckpt).await;
     let t_now = p.source.catalog().transfer(t.id).await.unwrap().unwrap();
-    assert!(
-        !replicator::catalog::state::is_final(&t_now.state),
-        "{t_now:?}"
-    );
+    assert!(!t_now.state.is_final(), "{t_now:?}");
 
     save.finish().await;
     let done = wait_published(&p, t.id).await;
@@ -206,7 +207,7 @@ async fn checkpoint_deleted_mid_write_is_cancelled_and_staging_removed() {
     wait_sent(&p, t.id, size(&ckpt.join("__1_0.distcp"))).await;
     std::fs::remove_dir_all(&ckpt).unwrap();
     let t = wait_final(&p, t.id).await;
-    assert_eq!(t.state, "cancelled", "{t:?}");
+    assert_eq!(t.state, TransferState::Cancelled, "{t:?}");
     assert!(t.error.unwrap().contains("deleted"));
     let staging = p.dir.path().join("eval/.ferry/staging");
     for _ in 0..100 {
@@ -341,11 +342,15 @@ async fn announced_checkpoint_waits_for_its_first_bytes() {
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(t.checkpoint, "announced");
+    assert_eq!(t.checkpoint, CheckpointState::Announced);
     assert_eq!(t.bytes_total, 6_331_267);
     tokio::time::sleep(Duration::from_millis(600)).await;
     let still = p.source.catalog().transfer(t.id).await.unwrap().unwrap();
-    assert_eq!(still.state, "queued", "it waits for data: {still:?}");
+    assert_eq!(
+        still.state,
+        TransferState::Queued,
+        "it waits for data: {still:?}"
+    );
     let again = p
         .source
         .announce("job", 2, &ckpt, 0)
@@ -380,7 +385,7 @@ async fn announced_checkpoint_waits_for_its_first_bytes() {
 
 #[tokio::test]
 async fn weights_only_profile_leaves_optimizer_state_behind() {
-    use replicator::source::watcher::Profile;
+    use ferry_proto::state::Profile;
     let watch = RootWatch {
         profile: Profile::WeightsOnly,
         ..Default::default()
@@ -411,7 +416,7 @@ async fn weights_only_profile_leaves_optimizer_state_behind() {
     }
 
     let t = transfer_of(&p, &ckpt).await;
-    assert_eq!(t.profile.as_deref(), Some("weights-only"));
+    assert_eq!(t.profile, Profile::WeightsOnly);
     let done = wait_published(&p, t.id).await;
     let replica = PathBuf::from(done.local_path.unwrap());
     for gone in ["optimizer.pt", "scheduler.pt", "rng_state_0.pth"] {
@@ -420,7 +425,7 @@ async fn weights_only_profile_leaves_optimizer_state_behind() {
     }
     same_tree(&ckpt, &replica);
     match p.sink.resolve(&ckpt.to_string_lossy()).await.unwrap() {
-        Resolution::Local { profile, .. } => assert_eq!(profile.as_deref(), Some("weights-only")),
+        Resolution::Local { profile, .. } => assert_eq!(profile, Some(Profile::WeightsOnly)),
         other => panic!("expected local, got {other:?}"),
     }
     assert!(
@@ -489,7 +494,7 @@ async fn latest_only_cancels_an_older_checkpoint_still_moving() {
     std::fs::create_dir_all(&new).unwrap();
     std::fs::copy(old.join("__0_0.distcp"), new.join("__0_0.distcp")).unwrap();
     let t_old = wait_final(&p, t_old.id).await;
-    assert_eq!(t_old.state, "cancelled", "{t_old:?}");
+    assert_eq!(t_old.state, TransferState::Cancelled, "{t_old:?}");
     assert!(t_old.error.unwrap().contains("latest_only"));
     std::fs::write(new.join(".metadata"), b"m").unwrap();
     let t_new = transfer_of(&p, &new).await;
@@ -513,12 +518,12 @@ async fn idle_checkpoint_is_abandoned_and_its_staging_removed() {
     // Rank 1 never finishes; no .metadata ever comes.
     let t = transfer_of(&p, &ckpt).await;
     let t = wait_final(&p, t.id).await;
-    assert_eq!(t.state, "cancelled", "{t:?}");
+    assert_eq!(t.state, TransferState::Cancelled, "{t:?}");
     assert!(
         t.error.as_deref().unwrap_or("").contains("abandoned"),
         "{t:?}"
     );
-    assert_eq!(t.checkpoint, "abandoned");
+    assert_eq!(t.checkpoint, CheckpointState::Abandoned);
     let staging = p.dir.path().join("eval/.ferry/staging");
     for _ in 0..100 {
         if std::fs::read_dir(&staging).unwrap().count() == 0 {
@@ -579,8 +584,8 @@ async fn truncated_shard_is_never_published_even_with_its_marker() {
     let t = transfer_of(&p, &ckpt).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let t = p.source.catalog().transfer(t.id).await.unwrap().unwrap();
-    assert_eq!(t.checkpoint, "open", "{t:?}");
-    assert!(!replicator::catalog::state::is_final(&t.state), "{t:?}");
+    assert_eq!(t.checkpoint, CheckpointState::Open, "{t:?}");
+    assert!(!t.state.is_final(), "{t:?}");
     assert!(
         t.error.as_deref().unwrap_or("").contains("__1_0.distcp"),
         "the transfer says which file it waits for: {t:?}"
@@ -612,7 +617,7 @@ async fn a_newer_commit_abandons_a_killed_save_that_held_the_link() {
         std::fs::copy(e.path(), next.join(e.file_name())).unwrap();
     }
     let t_killed = wait_final(&p, t_killed.id).await;
-    assert_eq!(t_killed.state, "cancelled", "{t_killed:?}");
+    assert_eq!(t_killed.state, TransferState::Cancelled, "{t_killed:?}");
     assert!(
         t_killed.error.as_deref().unwrap_or("").contains("step 4"),
         "{t_killed:?}"

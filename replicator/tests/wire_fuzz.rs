@@ -12,6 +12,7 @@ use std::path::{Component, Path};
 use ferry_proto::limits::{MAX_CHUNK, MAX_FRAME, MAX_SIBLINGS, MAX_SIBLING_BYTES};
 use ferry_proto::manifest::{chunk_count, FileEntry, FileInfo, Manifest, MIN_CHUNK_SIZE};
 use ferry_proto::paths::{check_name, check_relative};
+use ferry_proto::state::{Profile, TransferId};
 use ferry_proto::wire::{
     frame_len, BatchHeader, Control, Hello, RecordHeader, TransferKey, WireError, BATCH_HEADER_LEN,
     DATA_MAGIC, RECORD_HEADER_LEN,
@@ -51,7 +52,7 @@ fn payload_bytes(m: &Control) -> usize {
     match m {
         Control::Hello(h) => h.agent.len() + h.site.len(),
         Control::Open { key, files, .. } => {
-            key.job.len() + key.source_path.len() + key.rel.len() + key.profile.len() + infos(files)
+            key.job.len() + key.source_path.len() + key.rel.len() + infos(files)
         }
         Control::Have { chunks, .. } | Control::Need { chunks, .. } => chunks.len() * 8,
         Control::Refuse { reason, .. } | Control::Cancel { reason, .. } => reason.len(),
@@ -217,7 +218,7 @@ fn control() -> impl Strategy<Value = Control> {
                 short_str(),
                 short_str(),
                 rel_path(),
-                short_str()
+                prop::sample::select(Profile::ALL)
             ),
             any::<u32>(),
             any::<u64>(),
@@ -227,7 +228,7 @@ fn control() -> impl Strategy<Value = Control> {
                 |((id, job, source_path, rel, profile), chunk_size, bytes_total, files)| {
                     Control::Open {
                         key: TransferKey {
-                            id,
+                            id: TransferId(id),
                             job,
                             source_path,
                             rel,
@@ -239,11 +240,24 @@ fn control() -> impl Strategy<Value = Control> {
                     }
                 }
             ),
-        (any::<u64>(), ids.clone()).prop_map(|(id, chunks)| Control::Have { id, chunks }),
-        (any::<u64>(), ids).prop_map(|(id, chunks)| Control::Need { id, chunks }),
-        (any::<u64>(), short_str()).prop_map(|(id, reason)| Control::Refuse { id, reason }),
-        (any::<u64>(), prop::collection::vec(file_info(), 0..6))
-            .prop_map(|(id, files)| Control::Files { id, files }),
+        (any::<u64>(), ids.clone()).prop_map(|(id, chunks)| Control::Have {
+            id: TransferId(id),
+            chunks
+        }),
+        (any::<u64>(), ids).prop_map(|(id, chunks)| Control::Need {
+            id: TransferId(id),
+            chunks
+        }),
+        (any::<u64>(), short_str()).prop_map(|(id, reason)| Control::Refuse {
+            id: TransferId(id),
+            reason
+        }),
+        (any::<u64>(), prop::collection::vec(file_info(), 0..6)).prop_map(|(id, files)| {
+            Control::Files {
+                id: TransferId(id),
+                files,
+            }
+        }),
         (
             (any::<u64>(), any::<i64>(), any::<i64>(), any::<u64>()),
             manifest(),
@@ -254,7 +268,7 @@ fn control() -> impl Strategy<Value = Control> {
         )
             .prop_map(
                 |((id, committed_ms, opened_ms, batches), manifest, siblings)| Control::Commit {
-                    id,
+                    id: TransferId(id),
                     committed_ms,
                     opened_ms,
                     batches,
@@ -264,12 +278,15 @@ fn control() -> impl Strategy<Value = Control> {
             ),
         (any::<u64>(), short_str(), any::<[u8; 32]>()).prop_map(|(id, local_path, root)| {
             Control::Published {
-                id,
+                id: TransferId(id),
                 local_path,
                 root,
             }
         }),
-        (any::<u64>(), short_str()).prop_map(|(id, reason)| Control::Cancel { id, reason }),
+        (any::<u64>(), short_str()).prop_map(|(id, reason)| Control::Cancel {
+            id: TransferId(id),
+            reason
+        }),
         short_str().prop_map(|message| Control::Error { message }),
     ]
 }
@@ -398,7 +415,7 @@ proptest! {
         len in 0..=MAX_CHUNK,
         hash in any::<[u8; 32]>(),
     ) {
-        let b = BatchHeader { transfer };
+        let b = BatchHeader { transfer: TransferId(transfer) };
         prop_assert_eq!(BatchHeader::decode(&b.encode()).unwrap(), b);
         let r = RecordHeader { file, chunk, len, hash };
         prop_assert!(RecordHeader::decode(&r.encode()).unwrap() == r);
@@ -513,11 +530,11 @@ fn chunk_totals_that_overflow_a_u64_are_refused() {
     // peer can send it.
     let open = Control::Open {
         key: TransferKey {
-            id: 1,
+            id: TransferId(1),
             job: "j".into(),
             source_path: "/s".into(),
             rel: "r".into(),
-            profile: String::new(),
+            profile: Profile::Full,
         },
         chunk_size: MIN_CHUNK_SIZE,
         bytes_total: u64::MAX,

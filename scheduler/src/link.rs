@@ -25,6 +25,7 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
+use ferry_proto::state::TransferId;
 use serde::Serialize;
 
 use crate::score::{score, severity, Score, ScoreInputs};
@@ -41,7 +42,7 @@ const SEVERITY_FLOOR: f64 = 1e-3;
 #[derive(Debug, Clone, PartialEq)]
 pub struct Transfer {
     /// Transfer id.
-    pub id: i64,
+    pub id: TransferId,
     /// Effective class (see [`crate::effective_class`]).
     pub class: Class,
     /// Job name (its signals raise the score).
@@ -63,7 +64,7 @@ pub enum Decision {
     /// stream of that transfer with QUIC stream `priority` (higher first).
     Send {
         /// Transfer id.
-        id: i64,
+        id: TransferId,
         /// Length of the chunk, bytes.
         bytes: u64,
         /// QUIC stream priority: 2 urgent, 1 scheduled, 0 background
@@ -163,7 +164,7 @@ pub struct LinkScheduler {
     bucket: Bucket,
     /// Largest chunk seen, bytes (the bucket holds at least one).
     max_chunk: u64,
-    entries: BTreeMap<i64, Entry>,
+    entries: BTreeMap<TransferId, Entry>,
     signals: HashMap<String, Vec<(f64, i64)>>,
     class_tag: [f64; 3],
     class_was_ready: [bool; 3],
@@ -258,36 +259,36 @@ impl LinkScheduler {
 
     /// Removes a transfer (done, paused, cancelled); its ready chunks are
     /// forgotten.
-    pub fn remove(&mut self, id: i64) {
+    pub fn remove(&mut self, id: TransferId) {
         self.entries.remove(&id);
     }
 
     /// Forgets the ready chunks of `id` (its sender restarted).
-    pub fn clear_ready(&mut self, id: i64) {
+    pub fn clear_ready(&mut self, id: TransferId) {
         if let Some(e) = self.entries.get_mut(&id) {
             e.ready.clear();
         }
     }
 
     /// True if `id` is active on this link.
-    pub fn contains(&self, id: i64) -> bool {
+    pub fn contains(&self, id: TransferId) -> bool {
         self.entries.contains_key(&id)
     }
 
     /// The class active transfer `id` is served in now (as last given to
     /// [`LinkScheduler::upsert`]); `None` if it is not active.
-    pub fn class_of(&self, id: i64) -> Option<Class> {
+    pub fn class_of(&self, id: TransferId) -> Option<Class> {
         self.entries.get(&id).map(|e| e.t.class)
     }
 
     /// Ids of the active transfers.
-    pub fn active(&self) -> Vec<i64> {
+    pub fn active(&self) -> Vec<TransferId> {
         self.entries.keys().copied().collect()
     }
 
     /// A chunk of `bytes` of transfer `id` is ready to send (after the
     /// chunks already ready). Unknown ids are ignored.
-    pub fn chunk_ready(&mut self, id: i64, bytes: u64) {
+    pub fn chunk_ready(&mut self, id: TransferId, bytes: u64) {
         self.max_chunk = self.max_chunk.max(bytes);
         if let Some(e) = self.entries.get_mut(&id) {
             e.ready.push_back(bytes);
@@ -329,7 +330,7 @@ impl LinkScheduler {
     }
 
     fn refresh_scores(&mut self, now_ms: i64) {
-        let stale: Vec<i64> = self
+        let stale: Vec<TransferId> = self
             .entries
             .values()
             .filter(|e| {
@@ -381,7 +382,7 @@ impl LinkScheduler {
     /// (class weight x score / sum of scores in its class, with every
     /// class that has an active transfer counted as busy), 0..1. Under
     /// `fifo` the oldest transfer has 1.
-    pub fn shares(&self) -> Vec<(i64, f64)> {
+    pub fn shares(&self) -> Vec<(TransferId, f64)> {
         if self.policy.kind == PolicyKind::Fifo {
             let oldest = self
                 .entries
@@ -414,7 +415,7 @@ impl LinkScheduler {
     }
 
     /// Explains the rank of active transfer `id` (`None` if not active).
-    pub fn explain(&self, id: i64, now_ms: i64) -> Option<Explanation> {
+    pub fn explain(&self, id: TransferId, now_ms: i64) -> Option<Explanation> {
         let e = self.entries.get(&id)?;
         let share = self
             .shares()
@@ -492,7 +493,7 @@ impl LinkScheduler {
         }
     }
 
-    fn pick_fifo(&self) -> Option<(i64, f64)> {
+    fn pick_fifo(&self) -> Option<(TransferId, f64)> {
         self.entries
             .values()
             .filter(|e| !e.ready.is_empty())
@@ -500,7 +501,7 @@ impl LinkScheduler {
             .map(|e| (e.t.id, 0.0))
     }
 
-    fn pick_priority(&mut self) -> Option<(i64, f64)> {
+    fn pick_priority(&mut self) -> Option<(TransferId, f64)> {
         let mut busy = [false; 3];
         for e in self.entries.values() {
             if !e.ready.is_empty() {
@@ -561,7 +562,7 @@ impl LinkScheduler {
     /// its cap) go first, oldest first, then the highest score, then the
     /// oldest (with `aging_cap` 1 there is no overdue rule). Under `fifo`:
     /// the oldest, up to `max_active` active in all.
-    pub fn admit(&self, waiting: &[Transfer], now_ms: i64) -> Vec<i64> {
+    pub fn admit(&self, waiting: &[Transfer], now_ms: i64) -> Vec<TransferId> {
         let max = self.policy.max_active.max(1);
         if self.policy.kind == PolicyKind::Fifo {
             let free = max.saturating_sub(self.entries.len());

@@ -2,6 +2,7 @@
 #![allow(clippy::unwrap_used)]
 //! the next decision, class floors, bounded waits and the rate cap.
 
+use ferry_proto::state::TransferId;
 use proptest::prelude::*;
 use scheduler::{Class, Decision, Floors, LinkScheduler, Policy, PolicyKind, Transfer};
 
@@ -9,9 +10,9 @@ const MIB: u64 = 1 << 20;
 /// A rate no test reaches (bit/s), for properties that are not about it.
 const FAST: u64 = 1 << 50;
 
-fn transfer(id: i64, class: Class, importance: f64, params: Option<f64>) -> Transfer {
+fn transfer(id: u64, class: Class, importance: f64, params: Option<f64>) -> Transfer {
     Transfer {
-        id,
+        id: TransferId(id),
         class,
         job: format!("job-{id}"),
         model_params: params,
@@ -26,25 +27,26 @@ fn transfer(id: i64, class: Class, importance: f64, params: Option<f64>) -> Tran
 /// the order of sends.
 fn run(
     s: &mut LinkScheduler,
-    ids: &[i64],
+    ids: &[u64],
     sizes: &[u64],
     decisions: usize,
     now: &mut i64,
-) -> (std::collections::HashMap<i64, u64>, Vec<i64>) {
+) -> (std::collections::HashMap<u64, u64>, Vec<u64>) {
     let mut got = std::collections::HashMap::new();
     let mut order = Vec::new();
     let mut k = 0usize;
     for &id in ids {
-        s.chunk_ready(id, sizes[k % sizes.len()]);
+        s.chunk_ready(TransferId(id), sizes[k % sizes.len()]);
         k += 1;
     }
     for _ in 0..decisions {
         *now += 1;
         match s.next(*now) {
             Decision::Send { id, bytes, .. } => {
+                let id = id.0;
                 *got.entry(id).or_insert(0) += bytes;
                 order.push(id);
-                s.chunk_ready(id, sizes[k % sizes.len()]);
+                s.chunk_ready(TransferId(id), sizes[k % sizes.len()]);
                 k += 1;
             }
             Decision::Wait { until_ms } => *now = until_ms - 1,
@@ -68,7 +70,7 @@ proptest! {
         sizes in chunk_sizes(),
     ) {
         let mut s = LinkScheduler::new(Policy::default(), FAST, 100, 0);
-        let ids: Vec<i64> = (1..=jobs.len() as i64).collect();
+        let ids: Vec<u64> = (1..=jobs.len() as u64).collect();
         for (&id, &(imp, p)) in ids.iter().zip(&jobs) {
             s.upsert(transfer(id, Class::Scheduled, imp, p), 0);
         }
@@ -77,7 +79,7 @@ proptest! {
         let shares = s.shares();
         let total: u64 = got.values().sum();
         for (id, want) in shares {
-            let have = *got.get(&id).unwrap_or(&0) as f64 / total as f64;
+            let have = *got.get(&id.0).unwrap_or(&0) as f64 / total as f64;
             prop_assert!((have - want).abs() < 0.01, "transfer {id}: share {have:.4}, score says {want:.4}");
         }
     }
@@ -91,7 +93,7 @@ proptest! {
         sizes in chunk_sizes(),
     ) {
         let mut s = LinkScheduler::new(Policy::default(), FAST, 100, 0);
-        let ids: Vec<i64> = (1..=lower.len() as i64).collect();
+        let ids: Vec<u64> = (1..=lower.len() as u64).collect();
         for (&id, &(bg, imp)) in ids.iter().zip(&lower) {
             let class = if bg { Class::Background } else { Class::Scheduled };
             s.upsert(transfer(id, class, imp, None), 0);
@@ -100,10 +102,10 @@ proptest! {
         let (_, _) = run(&mut s, &ids, &sizes, before, &mut now);
         let urgent = 100;
         s.upsert(transfer(urgent, Class::Urgent, 0.0, None), now);
-        s.chunk_ready(urgent, sizes[0]);
+        s.chunk_ready(TransferId(urgent), sizes[0]);
         now += 1;
         let d = s.next(now);
-        prop_assert!(matches!(d, Decision::Send { id, priority: 2, .. } if id == urgent), "{d:?}");
+        prop_assert!(matches!(d, Decision::Send { id, priority: 2, .. } if id == TransferId(urgent)), "{d:?}");
         // Keep it ready: over many decisions it gets 1 - floors of the
         // busy lower classes.
         let (got, _) = run(&mut s, &[urgent], &sizes, 4000, &mut now);
@@ -132,7 +134,7 @@ proptest! {
         let mut class_of = std::collections::HashMap::new();
         for (c, &n) in classes.iter().zip(&per_class) {
             for _ in 0..n {
-                let id = ids.len() as i64 + 1;
+                let id = ids.len() as u64 + 1;
                 s.upsert(transfer(id, *c, 0.5, None), 0);
                 class_of.insert(id, *c);
                 ids.push(id);
@@ -154,7 +156,7 @@ proptest! {
         // K + 1 class-level intervals holds at most M chunks of other
         // classes.
         let (min, max) = (*sizes.iter().min().unwrap() as f64, *sizes.iter().max().unwrap() as f64);
-        let class_ix = |id: i64| classes.iter().position(|c| *c == class_of[&id]).unwrap();
+        let class_ix = |id: u64| classes.iter().position(|c| *c == class_of[&id]).unwrap();
         let turns = |wj: f64, wi: f64| (max * wj / (min * wi)).ceil() + 1.0;
         for &i in &ids {
             let c = class_ix(i);
@@ -186,14 +188,14 @@ proptest! {
         transfers in 1usize..4,
     ) {
         let mut s = LinkScheduler::new(Policy::default(), rate, rtt, 0);
-        let ids: Vec<i64> = (1..=transfers as i64).collect();
+        let ids: Vec<u64> = (1..=transfers as u64).collect();
         for &id in &ids {
             s.upsert(transfer(id, Class::Scheduled, 0.0, None), 0);
         }
         let mut sent: Vec<(i64, u64)> = Vec::new();
         let mut now = 0i64;
         let mut k = 0usize;
-        for &id in &ids { s.chunk_ready(id, sizes[0]); }
+        for &id in &ids { s.chunk_ready(TransferId(id), sizes[0]); }
         for step in 0..3000 {
             match s.next(now) {
                 Decision::Send { id, bytes, .. } => {
@@ -232,11 +234,11 @@ proptest! {
         let s = LinkScheduler::new(policy, FAST, 100, 0);
         let now = 2_000_000;
         let ts: Vec<Transfer> = waiting.iter().enumerate().map(|(i, &(created, imp, p))| Transfer {
-            created_ms: created, ..transfer(i as i64 + 1, Class::Scheduled, imp, p)
+            created_ms: created, ..transfer(i as u64 + 1, Class::Scheduled, imp, p)
         }).collect();
         let admitted = s.admit(&ts, now);
         prop_assert_eq!(admitted.len(), ts.len().min(max_active));
-        let overdue = |id: i64| now - ts[id as usize - 1].created_ms >= overdue_ms;
+        let overdue = |id: TransferId| now - ts[id.0 as usize - 1].created_ms >= overdue_ms;
         let n_overdue = ts.iter().filter(|t| overdue(t.id)).count();
         for (k, id) in admitted.iter().enumerate() {
             prop_assert_eq!(overdue(*id), k < n_overdue, "admission order {:?}", admitted);
@@ -278,7 +280,7 @@ fn no_transfer_waits_beyond_the_aging_bound() {
         let t = waiting.iter().find(|t| t.id == pick[0]).unwrap().clone();
         waiting.retain(|w| w.id != t.id);
         s.upsert(t, now);
-        if pick[0] == 1 {
+        if pick[0] == TransferId(1) {
             admitted_at = Some(now);
             break;
         }
@@ -314,16 +316,16 @@ fn fifo_serves_the_oldest_ready_transfer_whatever_its_class() {
         20,
     );
     for _ in 0..3 {
-        s.chunk_ready(1, MIB);
-        s.chunk_ready(2, MIB);
+        s.chunk_ready(TransferId(1), MIB);
+        s.chunk_ready(TransferId(2), MIB);
     }
     let order: Vec<Decision> = (0..6).map(|k| s.next(21 + k)).collect();
-    let ids: Vec<i64> = order
+    let ids: Vec<u64> = order
         .iter()
         .map(|d| match d {
             Decision::Send { id, priority, .. } => {
                 assert_eq!(*priority, 0);
-                *id
+                id.0
             }
             other => panic!("{other:?}"),
         })
@@ -338,24 +340,24 @@ fn promotion_of_an_active_transfer_preempts_and_a_rate_change_applies_at_once() 
     s.upsert(transfer(1, Class::Background, 0.0, None), 0);
     s.upsert(transfer(2, Class::Scheduled, 0.0, None), 0);
     for _ in 0..50 {
-        s.chunk_ready(1, 100_000);
-        s.chunk_ready(2, 100_000);
+        s.chunk_ready(TransferId(1), 100_000);
+        s.chunk_ready(TransferId(2), 100_000);
     }
     let mut now = 0;
     for _ in 0..20 {
         now += 10;
         let _ = s.next(now);
     }
-    assert_eq!(s.class_of(1), Some(Class::Background));
+    assert_eq!(s.class_of(TransferId(1)), Some(Class::Background));
     s.upsert(transfer(1, Class::Urgent, 0.0, None), now);
     // The class a sent chunk is counted in follows the promotion.
-    assert_eq!(s.class_of(1), Some(Class::Urgent));
-    assert_eq!(s.class_of(3), None);
+    assert_eq!(s.class_of(TransferId(1)), Some(Class::Urgent));
+    assert_eq!(s.class_of(TransferId(3)), None);
     now += 10;
     assert!(matches!(
         s.next(now),
         Decision::Send {
-            id: 1,
+            id: TransferId(1),
             priority: 2,
             ..
         }
@@ -403,5 +405,5 @@ fn with_aging_off_admission_follows_the_score() {
         created_ms: 10_000_000,
         ..transfer(2, Class::Scheduled, 1.0, None)
     };
-    assert_eq!(s.admit(&[old, new], 10_000_001), vec![2]);
+    assert_eq!(s.admit(&[old, new], 10_000_001), vec![TransferId(2)]);
 }

@@ -19,6 +19,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
+use ferry_proto::state::{TransferId, TransferState};
 use indicatif::DecimalBytes;
 use replicator::sink::{Resolution, Sink};
 use replicator::source::Source;
@@ -183,7 +184,7 @@ async fn load_loop(
 ) {
     let slots = [root.join("set-0"), root.join("set-1")];
     // The transfer of each slot's last push.
-    let mut pushed: [Option<i64>; 2] = [None, None];
+    let mut pushed: [Option<TransferId>; 2] = [None, None];
     for round in 0u64.. {
         let i = (round % 2) as usize;
         // A slot is rewritten only once its last push is finished.
@@ -234,7 +235,7 @@ async fn load_loop(
                 return;
             }
         };
-        pushed[i] = answer["id"].as_i64();
+        pushed[i] = answer["id"].as_i64().and_then(TransferId::from_i64);
         // The other slot is rewritten once its push is done: at most one
         // background push waits in the queue.
     }
@@ -242,13 +243,13 @@ async fn load_loop(
 
 /// Waits until transfer `id` (if any) is published, failed or cancelled;
 /// false if `stop` fired first.
-async fn wait_final(source: &Source, id: Option<i64>, stop: &CancellationToken) -> bool {
+async fn wait_final(source: &Source, id: Option<TransferId>, stop: &CancellationToken) -> bool {
     let Some(id) = id else {
         return !stop.is_cancelled();
     };
     loop {
         match source.catalog().transfer(id).await {
-            Ok(Some(t)) if !replicator::catalog::state::is_final(&t.state) => {}
+            Ok(Some(t)) if !t.state.is_final() => {}
             _ => return !stop.is_cancelled(),
         }
         if !pause(stop, Duration::from_millis(250)).await {
@@ -322,7 +323,7 @@ async fn checkpoint_loop(
                         .ok()
                         .and_then(|rows| {
                             rows.into_iter()
-                                .find(|r| r.state == "published")
+                                .find(|r| r.state == TransferState::Published)
                                 .and_then(|r| r.commit_to_replica_s)
                         })
                         .map_or(String::new(), |l| format!(" {l:.2} s after its commit"));

@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use ferry_proto::state::TransferState;
 use replicator::catalog::Arrivals;
 use replicator::sink::{Resolution, Sink};
 use serde_json::{json, Value};
@@ -158,7 +159,7 @@ pub(super) async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Resul
             .await?;
         let row = rows
             .iter()
-            .find(|r| r.state == "published")
+            .find(|r| r.state == TransferState::Published)
             .context("the urgent replica has no catalog row")?;
         let arrivals = sink.catalog().chunk_arrivals(row.id).await?;
         let latency = preemption_latency_s(&arrivals, signal_ms, a.rate);

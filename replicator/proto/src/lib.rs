@@ -11,5 +11,6 @@ mod codec;
 pub mod limits;
 pub mod manifest;
 pub mod paths;
+pub mod state;
 pub mod units;
 pub mod wire;

@@ -25,6 +25,7 @@ use std::fmt;
 use crate::codec::{Reader, Writer};
 use crate::limits::{MAX_CHUNK, MAX_FILES, MAX_FRAME, MAX_SIBLINGS, MAX_SIBLING_BYTES};
 use crate::manifest::{FileInfo, Hash, Manifest};
+use crate::state::{Profile, TransferId};
 
 pub use crate::codec::WireError;
 
@@ -57,16 +58,16 @@ pub struct Hello {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TransferKey {
     /// Transfer id assigned by the source (its catalog row id).
-    pub id: u64,
+    pub id: TransferId,
     /// The job that wrote the checkpoint.
     pub job: String,
     /// Absolute path of the checkpoint directory at the source.
     pub source_path: String,
     /// Path of the checkpoint relative to its source root.
     pub rel: String,
-    /// Replication profile: empty for every file, `weights-only` for a
-    /// replica without optimizer state.
-    pub profile: String,
+    /// Replication profile; on the wire an empty string for
+    /// [`Profile::Full`] (which predates profiles), else its name.
+    pub profile: Profile,
 }
 
 /// Messages on the control stream.
@@ -89,14 +90,14 @@ pub enum Control {
     /// Sink to source: chunk keys already verified at the sink.
     Have {
         /// Source transfer id.
-        id: u64,
+        id: TransferId,
         /// Chunk keys (see [`crate::manifest::ChunkMap`]).
         chunks: Vec<u64>,
     },
     /// Sink to source: the transfer cannot be accepted.
     Refuse {
         /// Source transfer id.
-        id: u64,
+        id: TransferId,
         /// Human-readable reason naming the problem.
         reason: String,
     },
@@ -104,7 +105,7 @@ pub enum Control {
     /// missing at commit).
     Need {
         /// Source transfer id.
-        id: u64,
+        id: TransferId,
         /// Chunk keys.
         chunks: Vec<u64>,
     },
@@ -115,7 +116,7 @@ pub enum Control {
     /// before any chunk that needs the new entries.
     Files {
         /// Source transfer id.
-        id: u64,
+        id: TransferId,
         /// New or changed files.
         files: Vec<FileInfo>,
     },
@@ -124,7 +125,7 @@ pub enum Control {
     /// table that the manifest does not list are not part of the replica.
     Commit {
         /// Source transfer id.
-        id: u64,
+        id: TransferId,
         /// When the checkpoint was committed at the source (its marker
         /// appeared), Unix milliseconds; 0 if unknown.
         committed_ms: i64,
@@ -145,7 +146,7 @@ pub enum Control {
     /// Sink to source: the replica is published.
     Published {
         /// Source transfer id.
-        id: u64,
+        id: TransferId,
         /// Path of the replica at the sink.
         local_path: String,
         /// BLAKE3 root of the published manifest.
@@ -154,7 +155,7 @@ pub enum Control {
     /// Either direction: stop this transfer and discard its staging data.
     Cancel {
         /// Source transfer id.
-        id: u64,
+        id: TransferId,
         /// Why.
         reason: String,
     },
@@ -211,11 +212,11 @@ impl Control {
                 files,
             } => {
                 w.u8(T_OPEN);
-                w.u64(key.id);
+                w.u64(key.id.0);
                 w.str(&key.job);
                 w.long_str(&key.source_path);
                 w.long_str(&key.rel);
-                w.str(&key.profile);
+                w.str(key.profile.stored_name().unwrap_or(""));
                 w.u32(*chunk_size);
                 w.u64(*bytes_total);
                 w.u32(files.len() as u32);
@@ -225,22 +226,22 @@ impl Control {
             }
             Control::Have { id, chunks } => {
                 w.u8(T_HAVE);
-                w.u64(*id);
+                w.u64(id.0);
                 w.indices(chunks);
             }
             Control::Refuse { id, reason } => {
                 w.u8(T_REFUSE);
-                w.u64(*id);
+                w.u64(id.0);
                 w.long_str(reason);
             }
             Control::Need { id, chunks } => {
                 w.u8(T_NEED);
-                w.u64(*id);
+                w.u64(id.0);
                 w.indices(chunks);
             }
             Control::Files { id, files } => {
                 w.u8(T_FILES);
-                w.u64(*id);
+                w.u64(id.0);
                 w.u32(files.len() as u32);
                 for f in files {
                     f.encode(&mut w);
@@ -255,7 +256,7 @@ impl Control {
                 siblings,
             } => {
                 w.u8(T_COMMIT);
-                w.u64(*id);
+                w.u64(id.0);
                 w.u64(*committed_ms as u64);
                 w.u64(*opened_ms as u64);
                 w.u64(*batches);
@@ -273,13 +274,13 @@ impl Control {
                 root,
             } => {
                 w.u8(T_PUBLISHED);
-                w.u64(*id);
+                w.u64(id.0);
                 w.long_str(local_path);
                 w.0.extend_from_slice(root);
             }
             Control::Cancel { id, reason } => {
                 w.u8(T_CANCEL);
-                w.u64(*id);
+                w.u64(id.0);
                 w.long_str(reason);
             }
             Control::Error { message } => {
@@ -307,11 +308,17 @@ impl Control {
             }),
             T_OPEN => {
                 let key = TransferKey {
-                    id: r.u64("transfer id")?,
+                    id: TransferId(r.u64("transfer id")?),
                     job: r.str("job")?,
                     source_path: r.long_str("source path")?,
                     rel: r.long_str("relative path")?,
-                    profile: r.str("profile")?,
+                    profile: {
+                        let name = r.str("profile")?;
+                        Profile::from_stored(Some(&name)).map_err(|e| WireError::Invalid {
+                            what: "profile",
+                            why: e.to_string(),
+                        })?
+                    },
                 };
                 let chunk_size = r.u32("chunk size")?;
                 let bytes_total = r.u64("bytes total")?;
@@ -328,19 +335,19 @@ impl Control {
                 }
             }
             T_HAVE => Control::Have {
-                id: r.u64("transfer id")?,
+                id: TransferId(r.u64("transfer id")?),
                 chunks: r.indices()?,
             },
             T_REFUSE => Control::Refuse {
-                id: r.u64("transfer id")?,
+                id: TransferId(r.u64("transfer id")?),
                 reason: r.long_str("reason")?,
             },
             T_NEED => Control::Need {
-                id: r.u64("transfer id")?,
+                id: TransferId(r.u64("transfer id")?),
                 chunks: r.indices()?,
             },
             T_FILES => {
-                let id = r.u64("transfer id")?;
+                let id = TransferId(r.u64("transfer id")?);
                 let n = r.count("file count", MAX_FILES, FileInfo::MIN_ENCODED)?;
                 let mut files = Vec::with_capacity(n);
                 for _ in 0..n {
@@ -349,7 +356,7 @@ impl Control {
                 Control::Files { id, files }
             }
             T_COMMIT => {
-                let id = r.u64("transfer id")?;
+                let id = TransferId(r.u64("transfer id")?);
                 let committed_ms = r.u64("commit time")? as i64;
                 let opened_ms = r.u64("open time")? as i64;
                 let batches = r.u64("batch count")?;
@@ -371,12 +378,12 @@ impl Control {
                 }
             }
             T_PUBLISHED => Control::Published {
-                id: r.u64("transfer id")?,
+                id: TransferId(r.u64("transfer id")?),
                 local_path: r.long_str("local path")?,
                 root: r.hash("manifest root")?,
             },
             T_CANCEL => Control::Cancel {
-                id: r.u64("transfer id")?,
+                id: TransferId(r.u64("transfer id")?),
                 reason: r.long_str("reason")?,
             },
             T_ERROR => Control::Error {
@@ -417,7 +424,7 @@ pub fn frame_len(prefix: [u8; 4]) -> Result<usize, WireError> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BatchHeader {
     /// Source transfer id the records belong to.
-    pub transfer: u64,
+    pub transfer: TransferId,
 }
 
 impl BatchHeader {
@@ -425,7 +432,7 @@ impl BatchHeader {
     pub fn encode(&self) -> [u8; BATCH_HEADER_LEN] {
         let mut b = [0u8; BATCH_HEADER_LEN];
         b[..4].copy_from_slice(&DATA_MAGIC);
-        b[4..].copy_from_slice(&self.transfer.to_be_bytes());
+        b[4..].copy_from_slice(&self.transfer.0.to_be_bytes());
         b
     }
 
@@ -440,7 +447,7 @@ impl BatchHeader {
         let mut id = [0u8; 8];
         id.copy_from_slice(&b[4..]);
         Ok(BatchHeader {
-            transfer: u64::from_be_bytes(id),
+            transfer: TransferId(u64::from_be_bytes(id)),
         })
     }
 }
@@ -510,6 +517,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::manifest::FileEntry;
+    use crate::state::TransferId;
 
     fn roundtrip(m: Control) {
         let frame = m.encode();
@@ -541,11 +549,11 @@ mod tests {
         }));
         roundtrip(Control::Open {
             key: TransferKey {
-                id: 7,
+                id: TransferId(7),
                 job: "mm".into(),
                 source_path: "/ckpt/mm/step_1".into(),
                 rel: "step_1".into(),
-                profile: "weights-only".into(),
+                profile: Profile::WeightsOnly,
             },
             chunk_size: 4 << 20,
             bytes_total: 10,
@@ -557,19 +565,19 @@ mod tests {
             }],
         });
         roundtrip(Control::Have {
-            id: 1,
+            id: TransferId(1),
             chunks: vec![0, 5, 9],
         });
         roundtrip(Control::Need {
-            id: 1,
+            id: TransferId(1),
             chunks: vec![3],
         });
         roundtrip(Control::Refuse {
-            id: 2,
+            id: TransferId(2),
             reason: "no space".into(),
         });
         roundtrip(Control::Files {
-            id: 3,
+            id: TransferId(3),
             files: vec![FileInfo {
                 path: "__0_0.distcp".into(),
                 size: 1 << 33,
@@ -578,7 +586,7 @@ mod tests {
             }],
         });
         roundtrip(Control::Commit {
-            id: 3,
+            id: TransferId(3),
             committed_ms: 1_700_000_000_000,
             opened_ms: 1_699_999_990_000,
             batches: 12,
@@ -586,12 +594,12 @@ mod tests {
             siblings: vec![("latest".into(), b"global_step12".to_vec())],
         });
         roundtrip(Control::Published {
-            id: 3,
+            id: TransferId(3),
             local_path: "/eval/x".into(),
             root: [9; 32],
         });
         roundtrip(Control::Cancel {
-            id: 3,
+            id: TransferId(3),
             reason: "deleted".into(),
         });
         roundtrip(Control::Error {
@@ -638,7 +646,7 @@ mod tests {
     #[test]
     fn truncated_unknown_and_trailing_are_errors() {
         let frame = Control::Cancel {
-            id: 1,
+            id: TransferId(1),
             reason: "x".into(),
         }
         .encode();
@@ -650,7 +658,10 @@ mod tests {
         long.push(0);
         assert_eq!(Control::decode(&long), Err(WireError::Trailing(1)));
         assert_eq!(Control::decode(&[200]), Err(WireError::UnknownType(200)));
-        let mut bad = BatchHeader { transfer: 1 }.encode();
+        let mut bad = BatchHeader {
+            transfer: TransferId(1),
+        }
+        .encode();
         bad[0] = b'X';
         assert_eq!(BatchHeader::decode(&bad), Err(WireError::BadMagic));
     }

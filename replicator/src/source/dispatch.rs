@@ -21,6 +21,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use ferry_proto::state::TransferId;
 use ferry_proto::wire::BatchHeader;
 use quinn::{Connection, SendStream};
 use scheduler::{Decision, LinkScheduler};
@@ -70,7 +71,7 @@ impl Queue {
 pub(crate) struct SchedState {
     /// The link's scheduler.
     pub(crate) ls: LinkScheduler,
-    queues: HashMap<i64, Queue>,
+    queues: HashMap<TransferId, Queue>,
 }
 
 /// One link's scheduling state, shared by its transfers and writers.
@@ -131,14 +132,14 @@ impl LinkSched {
     }
 
     /// Sets the live-progress counters of active transfer `id`.
-    pub(crate) fn set_progress(&self, id: i64, progress: Arc<LiveProgress>) {
+    pub(crate) fn set_progress(&self, id: TransferId, progress: Arc<LiveProgress>) {
         if let Some(q) = self.lock().queues.get_mut(&id) {
             q.progress = progress;
         }
     }
 
     /// Ends `id`'s activity: its queue and scheduler entry are dropped.
-    pub(crate) fn deactivate(&self, id: i64) {
+    pub(crate) fn deactivate(&self, id: TransferId) {
         let mut s = self.lock();
         s.ls.remove(id);
         s.queues.remove(&id);
@@ -147,7 +148,7 @@ impl LinkSched {
     }
 
     /// Batches opened for `id` since it became active.
-    pub(crate) fn batches(&self, id: i64) -> u64 {
+    pub(crate) fn batches(&self, id: TransferId) -> u64 {
         self.lock().queues.get(&id).map_or(0, |q| q.batches)
     }
 
@@ -155,7 +156,12 @@ impl LinkSched {
     ///
     /// # Errors
     /// [`Lost`] if `conn` closes meanwhile or `id` is not active.
-    pub(crate) async fn push(&self, conn: &Connection, id: i64, rec: Record) -> Result<(), Lost> {
+    pub(crate) async fn push(
+        &self,
+        conn: &Connection,
+        id: TransferId,
+        rec: Record,
+    ) -> Result<(), Lost> {
         let len = rec.data.len() as u64;
         let mut rec = Some(rec);
         loop {
@@ -192,7 +198,7 @@ impl LinkSched {
     ///
     /// # Errors
     /// [`Lost`] if `conn` closes first.
-    pub(crate) async fn flush(&self, conn: &Connection, id: i64) -> Result<(), Lost> {
+    pub(crate) async fn flush(&self, conn: &Connection, id: TransferId) -> Result<(), Lost> {
         loop {
             let moved = self.moved.notified();
             tokio::pin!(moved);
@@ -210,7 +216,7 @@ impl LinkSched {
 
 enum Step {
     /// Transfer, stream priority, index of its effective class, chunk.
-    Send(i64, i32, usize, Record),
+    Send(TransferId, i32, usize, Record),
     Wait(i64),
     Idle,
 }
@@ -223,8 +229,8 @@ pub(crate) async fn writer(
     target: u64,
     stop: tokio_util::sync::CancellationToken,
 ) {
-    let mut cur: Option<(i64, SendStream, u64)> = None;
-    let finish = |cur: &mut Option<(i64, SendStream, u64)>| {
+    let mut cur: Option<(TransferId, SendStream, u64)> = None;
+    let finish = |cur: &mut Option<(TransferId, SendStream, u64)>| {
         if let Some((id, mut s, _)) = cur.take() {
             let _ = s.finish();
             if let Some(q) = sched.lock().queues.get_mut(&id) {
@@ -291,7 +297,7 @@ pub(crate) async fn writer(
                         // The sink stopped this batch (a refused or
                         // cancelled transfer): drop it; the transfer learns
                         // why on the control stream.
-                        tracing::debug!(transfer = id, "{e}");
+                        tracing::debug!(transfer = %id, "{e}");
                         if let Some((sid, _, _)) = cur.take() {
                             if let Some(q) = sched.lock().queues.get_mut(&sid) {
                                 q.open = q.open.saturating_sub(1);
@@ -303,7 +309,7 @@ pub(crate) async fn writer(
                     Err(WriteFail::Connection(e)) => {
                         // Every transfer on it stops (their flushes and
                         // pushes see the close).
-                        tracing::debug!(transfer = id, "{e}");
+                        tracing::debug!(transfer = %id, "{e}");
                         finish(&mut cur);
                         conn.close(0u32.into(), b"stream write failed");
                         return;
@@ -374,8 +380,8 @@ fn classify(e: quinn::WriteError) -> WriteFail {
 async fn write(
     sched: &LinkSched,
     conn: &Connection,
-    cur: &mut Option<(i64, SendStream, u64)>,
-    id: i64,
+    cur: &mut Option<(TransferId, SendStream, u64)>,
+    id: TransferId,
     priority: i32,
     rec: Record,
 ) -> Result<(), WriteFail> {
@@ -393,14 +399,9 @@ async fn write(
             }
         }
         let s = cur.insert((id, s, 0));
-        s.1.write_all(
-            &BatchHeader {
-                transfer: id as u64,
-            }
-            .encode(),
-        )
-        .await
-        .map_err(classify)?;
+        s.1.write_all(&BatchHeader { transfer: id }.encode())
+            .await
+            .map_err(classify)?;
     }
     if let Some((_, s, n)) = cur.as_mut() {
         let t0 = std::time::Instant::now();
@@ -412,7 +413,7 @@ async fn write(
             // The connection's send window or the stream's flow control
             // is full: the link (or the sink) is slower than the rate cap.
             tracing::debug!(
-                transfer = id,
+                transfer = %id,
                 priority,
                 bytes = rec.data.len(),
                 ms = took.as_millis() as u64,

@@ -213,7 +213,7 @@ pub(super) async fn run_watched(
     t: Transfer,
     mut view: watch::Receiver<CheckpointView>,
 ) -> Result<(), RunError> {
-    let id = t.id as u64;
+    let id = t.id;
     let fresh = begin(inner, &t).await?;
     let dir = PathBuf::from(&t.source_path);
     let chunk_size = inner.cfg.chunk_size;
@@ -241,7 +241,7 @@ pub(super) async fn run_watched(
     progress.skipped.store(skipped, Ordering::Relaxed);
     let mut have = Arc::new(have);
     info!(
-        transfer = id,
+        transfer = %id,
         files = table.len(),
         path = %dir.display(),
         "streaming a checkpoint as it is written"
@@ -367,7 +367,7 @@ pub(super) async fn run_watched(
                 .await?;
             batches += n;
             debug!(
-                transfer = id,
+                transfer = %id,
                 files = n_full,
                 chunks = n_chunks,
                 committed,
@@ -479,7 +479,7 @@ pub(super) async fn run_watched(
         .note_transfer_progress(t.id, progress.note())
         .await?;
     info!(
-        transfer = id,
+        transfer = %id,
         files = manifest.files.len(),
         bytes_total,
         "checkpoint committed; manifest sealed"

@@ -32,13 +32,15 @@ use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use ferry_proto::manifest::FileInfo;
 use ferry_proto::paths::is_temporary;
+use ferry_proto::state::{CheckpointState, Profile, TransferId, TransferState};
 use globset::{Glob, GlobSet, GlobSetBuilder};
 use notify::Watcher as _;
+use scheduler::Class;
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, warn};
 
 use super::{CheckpointView, Inner, RootConfig, ViewFile, ViewState};
-use crate::catalog::{checkpoint, now_ms, state, Transfer};
+use crate::catalog::{now_ms, Transfer};
 use crate::formats::{self, FileState, Format, Snapshot, Verdict};
 
 /// When a watched checkpoint's transfer starts.
@@ -93,29 +95,6 @@ pub struct RootWatch {
     pub select: Selection,
     /// Which files of each checkpoint.
     pub profile: Profile,
-}
-
-/// Which files of a checkpoint are replicated.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Profile {
-    /// Every file.
-    #[default]
-    Full,
-    /// Weights only: files that hold optimizer state are left out
-    /// ([`formats::is_optimizer_state`]); refused for formats that keep
-    /// both in one file (DCP, torch_dist).
-    WeightsOnly,
-}
-
-impl Profile {
-    /// The name carried in the catalog and on the wire, `None` for
-    /// [`Profile::Full`].
-    pub fn name(self) -> Option<&'static str> {
-        match self {
-            Profile::Full => None,
-            Profile::WeightsOnly => Some("weights-only"),
-        }
-    }
 }
 
 /// Compiled include/exclude globs.
@@ -197,7 +176,7 @@ struct Ckpt {
     signature: (usize, u64, i64),
     last_change: Instant,
     /// The transfer following this checkpoint now, with its view.
-    transfer: Option<(i64, watch::Sender<CheckpointView>)>,
+    transfer: Option<(TransferId, watch::Sender<CheckpointView>)>,
     /// Do not start a transfer when it opens (it was replicated,
     /// abandoned, superseded or failed before); a commit with a new
     /// identity still does.
@@ -594,7 +573,7 @@ async fn process(
                     inner,
                     id,
                     &tx,
-                    checkpoint::DELETED,
+                    CheckpointState::Deleted,
                     "checkpoint directory deleted",
                 )
                 .await;
@@ -606,7 +585,7 @@ async fn process(
         let limit = timing.idle_timeout.as_millis() as i64;
         for t in ts {
             let dir = Path::new(&t.source_path);
-            if t.checkpoint == checkpoint::ANNOUNCED
+            if t.checkpoint == CheckpointState::Announced
                 && dir.parent() == Some(root.path.as_path())
                 && !present.contains(t.rel.as_str())
                 && now_ms() - t.created_at > limit
@@ -615,14 +594,14 @@ async fn process(
                     "announced checkpoint never appeared within {}",
                     humantime::format_duration(timing.idle_timeout)
                 );
-                info!(transfer = t.id, "{why}");
+                info!(transfer = %t.id, "{why}");
                 let _ = inner
                     .catalog
-                    .set_checkpoint_state(t.id, checkpoint::ABANDONED, None, None)
+                    .set_checkpoint_state(t.id, CheckpointState::Abandoned, None, None)
                     .await;
                 let _ = inner
                     .catalog
-                    .set_transfer_state(t.id, state::CANCELLED, Some(&why))
+                    .set_transfer_state(t.id, TransferState::Cancelled, Some(&why))
                     .await;
             }
         }
@@ -763,7 +742,7 @@ async fn process(
                         } else {
                             "superseded by a newer checkpoint (select = \"latest_only\")".into()
                         };
-                        end_transfer(inner, *id, tx, checkpoint::ABANDONED, &why).await;
+                        end_transfer(inner, *id, tx, CheckpointState::Abandoned, &why).await;
                         c.transfer = None;
                         c.settled = true;
                     } else {
@@ -808,12 +787,12 @@ async fn process(
                 if let Some((id, tx)) = &c.transfer {
                     let first = !matches!(tx.borrow().state, ViewState::Committed { .. });
                     if first {
-                        info!(transfer = id, dir = abs_s, %format, "checkpoint committed");
+                        info!(transfer = %id, dir = abs_s, %format, "checkpoint committed");
                         if let Err(e) = inner
                             .catalog
                             .set_checkpoint_state(
                                 *id,
-                                checkpoint::COMMITTED,
+                                CheckpointState::Committed,
                                 Some(committed_ms),
                                 Some(&identity),
                             )
@@ -848,7 +827,7 @@ async fn process(
                         inner,
                         id,
                         &tx,
-                        checkpoint::ABANDONED,
+                        CheckpointState::Abandoned,
                         &format!("checkpoint abandoned: {why}"),
                     )
                     .await;
@@ -868,7 +847,7 @@ async fn process(
             });
             if note != c.note {
                 if let Some(n) = &note {
-                    warn!(transfer = id, dir = abs_s, "{n}");
+                    warn!(transfer = %id, dir = abs_s, "{n}");
                 }
                 let _ = inner.catalog.set_transfer_note(*id, note.as_deref()).await;
                 c.note = note;
@@ -877,7 +856,7 @@ async fn process(
         // A finished transfer no longer needs its view.
         if let Some((id, _)) = &c.transfer {
             if let Ok(Some(t)) = inner.catalog.transfer(*id).await {
-                if state::is_final(&t.state) {
+                if t.state.is_final() {
                     if let Ok(mut v) = inner.views.lock() {
                         v.remove(id);
                     }
@@ -952,16 +931,16 @@ async fn adopt(inner: &Arc<Inner>, abs: &str, scan: &DirScan) -> Ckpt {
     if let Some(o) = t.opened_at {
         c.opened_ms = o;
     }
-    if t.checkpoint == checkpoint::ANNOUNCED && !state::is_final(&t.state) {
+    if t.checkpoint == CheckpointState::Announced && !t.state.is_final() {
         // Announced by a training controller; its first bytes are here.
-        info!(transfer = t.id, path = abs, "announced checkpoint opened");
+        info!(transfer = %t.id, path = abs, "announced checkpoint opened");
         let _ = inner
             .catalog
-            .set_checkpoint_state(t.id, checkpoint::OPEN, None, None)
+            .set_checkpoint_state(t.id, CheckpointState::Open, None, None)
             .await;
         let _ = inner.catalog.set_opened_at(t.id, c.opened_ms).await;
     }
-    if !state::is_final(&t.state) && t.format.is_some() {
+    if !t.state.is_final() && t.format.is_some() {
         let (tx, rx) = watch::channel(CheckpointView {
             files: Vec::new(),
             state: ViewState::Open,
@@ -993,9 +972,9 @@ pub(super) fn wake(inner: &Inner, t: &Transfer) {
 async fn needs_copy(inner: &Inner, abs: &str, identity: &str, committed_ms: i64) -> bool {
     match inner.catalog.transfers_for_path(abs).await {
         Ok(ts) => !ts.iter().any(|t| {
-            !state::is_final(&t.state)
+            !t.state.is_final()
                 || t.commit_identity.as_deref() == Some(identity)
-                || (t.state == state::PUBLISHED && t.created_at >= committed_ms)
+                || (t.state == TransferState::Published && t.created_at >= committed_ms)
         }),
         Err(e) => {
             warn!(error = %e, "catalog");
@@ -1038,9 +1017,9 @@ async fn start_transfer(
     commit: Option<(i64, String)>,
 ) {
     let ckpt = if commit.is_some() {
-        checkpoint::COMMITTED
+        CheckpointState::Committed
     } else {
-        checkpoint::OPEN
+        CheckpointState::Open
     };
     let id = match inner
         .catalog
@@ -1049,12 +1028,12 @@ async fn start_transfer(
             &root.job,
             abs,
             rel,
-            "scheduled",
+            Class::Scheduled,
             ckpt,
             &format.to_string(),
             Some(c.opened_ms),
             commit.as_ref().map(|c| c.0),
-            root.watch.profile.name(),
+            root.watch.profile,
         )
         .await
     {
@@ -1067,10 +1046,10 @@ async fn start_transfer(
     if let Some((_, identity)) = &commit {
         let _ = inner
             .catalog
-            .set_checkpoint_state(id, checkpoint::COMMITTED, None, Some(identity))
+            .set_checkpoint_state(id, CheckpointState::Committed, None, Some(identity))
             .await;
     }
-    info!(transfer = id, path = abs, %format, checkpoint = ckpt, "checkpoint queued for replication");
+    info!(transfer = %id, path = abs, %format, checkpoint = %ckpt, "checkpoint queued for replication");
     let (tx, rx) = watch::channel(CheckpointView {
         files,
         state: view_state,
@@ -1090,12 +1069,12 @@ async fn start_transfer(
 /// that never started is cancelled here.
 async fn end_transfer(
     inner: &Arc<Inner>,
-    id: i64,
+    id: TransferId,
     tx: &watch::Sender<CheckpointView>,
-    ckpt: &str,
+    ckpt: CheckpointState,
     why: &str,
 ) {
-    info!(transfer = id, "{why}");
+    info!(transfer = %id, "{why}");
     if let Err(e) = inner
         .catalog
         .set_checkpoint_state(id, ckpt, None, None)
@@ -1105,10 +1084,10 @@ async fn end_transfer(
     }
     tx.send_modify(|v| v.state = ViewState::Gone(why.to_string()));
     if let Ok(Some(t)) = inner.catalog.transfer(id).await {
-        if t.state == state::QUEUED {
+        if t.state == TransferState::Queued {
             let _ = inner
                 .catalog
-                .set_transfer_state(id, state::CANCELLED, Some(why))
+                .set_transfer_state(id, TransferState::Cancelled, Some(why))
                 .await;
         }
     }

@@ -4,6 +4,7 @@
 
 pub mod replay;
 
+use ferry_proto::state::TransferId;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -183,7 +184,7 @@ impl Restartable {
 }
 
 /// Waits (at most 30 s) for `source` to publish transfer `id`.
-pub async fn published_by(source: &Source, id: i64) -> replicator::catalog::Transfer {
+pub async fn published_by(source: &Source, id: TransferId) -> replicator::catalog::Transfer {
     for _ in 0..600 {
         let t = source.catalog().transfer(id).await.unwrap().unwrap();
         match t.state.as_str() {
@@ -195,14 +196,14 @@ pub async fn published_by(source: &Source, id: i64) -> replicator::catalog::Tran
     panic!("transfer {id} not published within 30 s");
 }
 
-pub async fn wait_published(p: &Pair, id: i64) -> replicator::catalog::Transfer {
+pub async fn wait_published(p: &Pair, id: TransferId) -> replicator::catalog::Transfer {
     published_by(&p.source, id).await
 }
 
-pub async fn wait_final(p: &Pair, id: i64) -> replicator::catalog::Transfer {
+pub async fn wait_final(p: &Pair, id: TransferId) -> replicator::catalog::Transfer {
     for _ in 0..600 {
         let t = p.source.catalog().transfer(id).await.unwrap().unwrap();
-        if replicator::catalog::state::is_final(&t.state) {
+        if t.state.is_final() {
             return t;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;

@@ -1,6 +1,8 @@
 //! Two Ferry agents (`ferry serve`) for a measurement: configs, start,
 //! push, wait for the publish, resource use.
 
+use ferry_proto::state::TransferState;
+
 use super::*;
 
 /// Where the agents run: both in the namespaces across the emulated link,
@@ -27,7 +29,9 @@ pub struct Agents {
 pub struct Pushed {
     pub id: i64,
     pub wall_s: f64,
-    pub state: String,
+    /// The final state, or where it was when the cap ran out (`None` if
+    /// the API answered a state this harness does not know).
+    pub state: Option<TransferState>,
     pub view: Value,
 }
 
@@ -239,9 +243,8 @@ impl Agents {
         let id = self.push(path, "scheduled")?;
         loop {
             let v = self.transfer(id)?;
-            let state = v["state"].as_str().unwrap_or("?").to_string();
-            if matches!(state.as_str(), "published" | "failed" | "cancelled") || t0.elapsed() > cap
-            {
+            let state: Option<TransferState> = v["state"].as_str().and_then(|s| s.parse().ok());
+            if state.is_some_and(TransferState::is_final) || t0.elapsed() > cap {
                 return Ok(Pushed {
                     id,
                     wall_s: t0.elapsed().as_secs_f64(),

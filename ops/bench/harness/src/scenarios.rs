@@ -1,6 +1,8 @@
 //! The scenarios of ops/bench/run (issue text and ARCHITECTURE.md
 //! "Measures" define each number).
 
+use ferry_proto::state::TransferState;
+
 use super::agents::{wait_port, Agents, Placement};
 use super::*;
 
@@ -130,7 +132,7 @@ fn copy_with(
                 "cpu_sink_s": cpu1.1 - cpu0.1,
                 "cpu_emulator_s": emu1 - emu0,
             });
-            if pushed.state == "published" {
+            if pushed.state == Some(TransferState::Published) {
                 let local = PathBuf::from(
                     pushed.view["local_path"]
                         .as_str()
@@ -610,9 +612,9 @@ pub fn scenario_scale(b: &mut Bench) -> Result<()> {
     ));
     let before = link.snap()?;
     let pushed = agents.push_and_wait(&ck.dir, Duration::from_secs(600))?;
-    if pushed.state != "published" {
+    if pushed.state != Some(TransferState::Published) {
         bail!(
-            "scale: the {shards}-shard transfer ended {}: {}",
+            "scale: the {shards}-shard transfer ended {:?}: {}",
             pushed.state,
             pushed.view["error"]
         );
@@ -792,9 +794,9 @@ pub fn scenario_cpu(b: &mut Bench, ck: &Ckpt) -> Result<()> {
     let (s0, d0) = agents.cpu_s();
     let pushed = agents.push_and_wait(&ck.dir, COPY_CAP)?;
     let (s1, d1) = agents.cpu_s();
-    if pushed.state != "published" {
+    if pushed.state != Some(TransferState::Published) {
         bail!(
-            "cpu: the transfer ended {}: {}",
+            "cpu: the transfer ended {:?}: {}",
             pushed.state,
             pushed.view["error"]
         );
