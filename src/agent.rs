@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use replicator::catalog::Catalog;
+use ferry_catalog::Catalog;
 use replicator::sink::{Sink, SinkConfig};
 use replicator::source::{LinkConfig, RootConfig, Source, SourceConfig};
 use replicator::tls::{self, AgentIdentity};

@@ -16,6 +16,7 @@
 pub mod auth;
 pub mod error;
 mod metrics;
+pub mod model;
 mod sink_api;
 mod source_api;
 mod ui;

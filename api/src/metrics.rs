@@ -51,7 +51,7 @@ mod tests {
 
     use axum::body::Body;
     use axum::http::{Request, StatusCode};
-    use replicator::catalog::Catalog;
+    use ferry_catalog::Catalog;
     use replicator::sink::{Sink, SinkConfig};
     use replicator::transport::{self, SocketKind};
     use tower::ServiceExt;

@@ -5,11 +5,11 @@ use std::time::{Duration, Instant};
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
 use axum::Json;
-use replicator::catalog::Replica;
 use replicator::sink::{Resolution, Sink};
 use serde::Deserialize;
 
 use crate::error::{ApiError, ErrorBody};
+use crate::model::Replica;
 use crate::{AppState, Page, MAX_WAIT};
 
 pub(crate) fn sink(s: &AppState) -> Result<&Sink, ApiError> {
@@ -107,7 +107,7 @@ pub(crate) async fn replicas(
         .await
         .map_err(ApiError::internal)?;
     Ok(Json(ReplicaPage {
-        items,
+        items: items.into_iter().map(Replica::from).collect(),
         limit,
         offset,
     }))

@@ -9,12 +9,12 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use ferry_proto::state::TransferId;
-use replicator::catalog::{Job, Signal, Transfer};
-use replicator::source::{OpsError, Progress, Ranking, SignalOutcome, Source, SubmitError};
+use replicator::source::{OpsError, Progress, Ranking, Source, SubmitError};
 use serde::{Deserialize, Serialize};
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
+use crate::model::{Job, Signal, SignalOutcome, Transfer};
 use crate::{AppState, Page};
 
 /// Who acted, for the log: the token's configured name.
@@ -66,9 +66,12 @@ pub(crate) struct TransferDetail {
 /// `bytes_done` and `bytes_sent` are the larger of the catalog's and the
 /// live counts (see [`Source::with_progress`]), so they never move
 /// backwards across pause, resume or reconnect.
-pub(crate) fn view(src: &Source, t: Transfer) -> TransferView {
+pub(crate) fn view(src: &Source, t: ferry_catalog::Transfer) -> TransferView {
     let (transfer, progress) = src.with_progress(t);
-    TransferView { transfer, progress }
+    TransferView {
+        transfer: transfer.into(),
+        progress,
+    }
 }
 
 /// Queue a transfer of a directory under a source root (any directory:
@@ -109,7 +112,7 @@ pub(crate) async fn create_transfer(
     Ok((
         StatusCode::CREATED,
         Json(TransferView {
-            transfer: t,
+            transfer: t.into(),
             progress: None,
         }),
     )
@@ -452,6 +455,7 @@ pub(crate) async fn list_jobs(
         .into_iter()
         .skip(offset as usize)
         .take(limit as usize)
+        .map(Job::from)
         .collect();
     Ok(Json(JobPage {
         items,
@@ -507,7 +511,7 @@ pub(crate) async fn put_job(
         by = by(&caller),
         "operator set a job"
     );
-    Ok(Json(j))
+    Ok(Json(j.into()))
 }
 
 /// A link and its rate cap.
@@ -678,7 +682,8 @@ pub(crate) async fn post_signal(
             req.idempotency_key.as_deref(),
         )
         .await
-        .map_err(ops_error)?;
+        .map_err(ops_error)?
+        .into();
     let status = if out.new {
         StatusCode::CREATED
     } else {
@@ -719,7 +724,7 @@ pub(crate) async fn list_signals(
         .await
         .map_err(ApiError::internal)?;
     Ok(Json(SignalPage {
-        items,
+        items: items.into_iter().map(Signal::from).collect(),
         limit,
         offset,
     }))

@@ -14,13 +14,14 @@ use axum::http::{header, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use ferry_catalog::Transfer;
 use ferry_proto::state::{TransferId, TransferState};
-use replicator::catalog::{Replica, Signal, Transfer};
 use replicator::source::Ranking;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 
 use crate::error::{ApiError, ErrorBody};
+use crate::model::{Replica, Signal};
 use crate::source_api::{view, TransferView};
 use crate::AppState;
 
@@ -128,7 +129,7 @@ pub(crate) struct Status {
 
 /// The status of `s` now.
 pub(crate) async fn snapshot(s: &AppState, with_history: bool) -> Result<Status, ApiError> {
-    let now = replicator::catalog::now_ms();
+    let now = ferry_catalog::now_ms();
     let mut st = Status {
         agent: s.agent.clone(),
         roles: s.roles(),
@@ -207,14 +208,23 @@ pub(crate) async fn snapshot(s: &AppState, with_history: bool) -> Result<Status,
                     ranking: None,
                 }),
         );
-        st.signals = cat.recent_signals(10).await.map_err(ApiError::internal)?;
+        st.signals = cat
+            .recent_signals(10)
+            .await
+            .map_err(ApiError::internal)?
+            .into_iter()
+            .map(Signal::from)
+            .collect();
     }
     if let Some(sink) = &s.sink {
         st.replicas = sink
             .catalog()
             .replicas(false, 30, 0)
             .await
-            .map_err(ApiError::internal)?;
+            .map_err(ApiError::internal)?
+            .into_iter()
+            .map(Replica::from)
+            .collect();
     }
     Ok(st)
 }

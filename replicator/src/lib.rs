@@ -3,7 +3,6 @@
 //!
 //! See ARCHITECTURE.md at the repository root for the map.
 
-pub mod catalog;
 pub mod cc;
 pub mod conn;
 pub mod formats;

@@ -49,6 +49,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::AtomicU64;
 use std::sync::Mutex;
 
+use ferry_catalog::CatalogError;
 use ferry_proto::state::TransferState;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -58,8 +59,6 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use scheduler::Class;
 use serde::Serialize;
-
-use crate::catalog::CatalogError;
 
 /// The `Content-Type` of [`render`]'s output: the Prometheus text
 /// exposition format, version 0.0.4.

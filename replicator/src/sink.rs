@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
+use ferry_catalog::{now_ms, Catalog, CatalogError, NewReplica, SourceTimes, VerifiedChunk};
 use ferry_proto::manifest::{hex, validate_files, ChunkMap, FileInfo, Hash, Manifest};
 use ferry_proto::paths::check_name;
 use ferry_proto::state::{Profile, TransferId, TransferState};
@@ -30,7 +31,6 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use crate::catalog::{now_ms, Catalog, CatalogError, NewReplica, SourceTimes, VerifiedChunk};
 use crate::conn::{code, read_frame, ConnError, ControlSender};
 use crate::metrics::{MetricsError, SinkMetrics};
 use crate::tls;
@@ -448,7 +448,7 @@ impl Sink {
                 // move a crash interrupted) makes the published row's
                 // directory hold neither version for certain: not local
                 // until that publish is finished.
-                let settling = |p: &crate::catalog::Replica| {
+                let settling = |p: &ferry_catalog::Replica| {
                     rows.iter().any(|r| {
                         r.id > p.id
                             && r.state != TransferState::Published

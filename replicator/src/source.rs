@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use ferry_catalog::{Catalog, CatalogError, ProgressNote, SourceTimes, Transfer};
 use ferry_proto::manifest::{hex, ChunkMap, FileEntry, FileInfo, Hash, Manifest};
 use ferry_proto::state::{CheckpointState, TransferId, TransferState};
 use ferry_proto::wire::{Control, Hello, RecordHeader, TransferKey, PROTOCOL_VERSION};
@@ -25,7 +26,6 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use crate::catalog::{Catalog, CatalogError, ProgressNote, SourceTimes, Transfer};
 use crate::cc::Share;
 use crate::conn::{code, read_frame, ConnError, ControlSender};
 use crate::metrics::{LinkSampler, LinkStats, MetricsError, RateWindow, SourceMetrics};
@@ -196,15 +196,14 @@ pub const SIGNAL_KINDS: [&str; 5] = [
 ];
 
 /// What a signal did.
-#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone)]
 pub struct SignalOutcome {
     /// The stored signal.
-    pub signal: crate::catalog::Signal,
+    pub signal: ferry_catalog::Signal,
     /// False if its idempotency key was seen before (nothing changed).
     pub new: bool,
     /// The transfer promoted to `urgent`, if the job had an unpublished
     /// checkpoint.
-    #[schema(value_type = Option<i64>)]
     pub promoted: Option<TransferId>,
     /// Until when it stays `urgent`, Unix ms.
     pub urgent_until: Option<i64>,
@@ -379,7 +378,7 @@ impl Source {
                     cfg.policy.clone(),
                     dispatch::payload_rate(l.rate_bps),
                     l.rtt.as_millis() as u64,
-                    crate::catalog::now_ms(),
+                    ferry_catalog::now_ms(),
                 ),
                 metrics.link(&l.name),
             ));
@@ -500,7 +499,7 @@ impl Source {
         let inner = &self.inner;
         let states = inner.catalog.transfer_state_counts().await?;
         let unfinished = inner.catalog.unfinished_transfers().await?;
-        let now = crate::catalog::now_ms();
+        let now = ferry_catalog::now_ms();
         let mut queued: HashMap<(String, scheduler::Class), i64> = HashMap::new();
         for t in &unfinished {
             let class = scheduler::effective_class(t.class, t.urgent_until, now);
@@ -528,7 +527,7 @@ impl Source {
                 l.sched
                     .lock()
                     .ls
-                    .set_rate(dispatch::payload_rate(rate_bps), crate::catalog::now_ms());
+                    .set_rate(dispatch::payload_rate(rate_bps), ferry_catalog::now_ms());
                 l.sched.poke();
                 true
             }
@@ -677,14 +676,14 @@ impl Source {
     ///
     /// # Errors
     /// [`OpsError::Invalid`] naming the field (`model_params` above
-    /// [`crate::catalog::MAX_MODEL_PARAMS`], `importance` outside 0..1);
+    /// [`ferry_catalog::MAX_MODEL_PARAMS`], `importance` outside 0..1);
     /// catalog errors.
     pub async fn put_job(
         &self,
         name: &str,
         model_params: Option<Option<f64>>,
         importance: f64,
-    ) -> Result<crate::catalog::Job, OpsError> {
+    ) -> Result<ferry_catalog::Job, OpsError> {
         // The catalog checks name, size and importance (errors name them).
         let params = match model_params {
             Some(p) => p,
@@ -822,9 +821,9 @@ impl Source {
     /// Catalog errors.
     pub async fn ranking(&self, t: &Transfer) -> Result<Ranking, CatalogError> {
         let job = self.inner.catalog.job(&t.job).await?;
-        let jobs: HashMap<String, crate::catalog::Job> =
+        let jobs: HashMap<String, ferry_catalog::Job> =
             job.iter().map(|j| (j.name.clone(), j.clone())).collect();
-        Ok(self.ranking_with(t, &jobs, crate::catalog::now_ms()))
+        Ok(self.ranking_with(t, &jobs, ferry_catalog::now_ms()))
     }
 
     /// [`Source::ranking`] of each of `ts`, with one catalog read for all
@@ -833,7 +832,7 @@ impl Source {
     /// # Errors
     /// Catalog errors.
     pub async fn rankings(&self, ts: &[Transfer]) -> Result<Vec<Ranking>, CatalogError> {
-        let jobs: HashMap<String, crate::catalog::Job> = self
+        let jobs: HashMap<String, ferry_catalog::Job> = self
             .inner
             .catalog
             .jobs()
@@ -841,7 +840,7 @@ impl Source {
             .into_iter()
             .map(|j| (j.name.clone(), j))
             .collect();
-        let now = crate::catalog::now_ms();
+        let now = ferry_catalog::now_ms();
         Ok(ts
             .iter()
             .map(|t| self.ranking_with(t, &jobs, now))
@@ -851,7 +850,7 @@ impl Source {
     fn ranking_with(
         &self,
         t: &Transfer,
-        jobs: &HashMap<String, crate::catalog::Job>,
+        jobs: &HashMap<String, ferry_catalog::Job>,
         now: i64,
     ) -> Ranking {
         let job = jobs.get(&t.job);
@@ -1251,7 +1250,7 @@ const SAVE_PROGRESS_EVERY: Duration = Duration::from_secs(5);
 /// the job's size and importance (the transfer's override first).
 fn sched_transfer(
     t: &Transfer,
-    jobs: &HashMap<String, crate::catalog::Job>,
+    jobs: &HashMap<String, ferry_catalog::Job>,
     now_ms: i64,
 ) -> scheduler::Transfer {
     let job = jobs.get(&t.job);
@@ -1357,7 +1356,7 @@ async fn sampler(inner: Arc<Inner>) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            _ = tick.tick() => take_sample(&inner, crate::catalog::now_ms(), &mut windows),
+            _ = tick.tick() => take_sample(&inner, ferry_catalog::now_ms(), &mut windows),
             _ = inner.shutdown.cancelled() => return,
         }
     }
@@ -1381,7 +1380,7 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
     let horizon = 20 * inner.cfg.policy.severity_half_life_ms as i64;
     match inner
         .catalog
-        .signals_since(crate::catalog::now_ms() - horizon)
+        .signals_since(ferry_catalog::now_ms() - horizon)
         .await
     {
         Ok(sigs) => {
@@ -1396,7 +1395,7 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
         if inner.shutdown.is_cancelled() {
             break;
         }
-        let now = crate::catalog::now_ms();
+        let now = ferry_catalog::now_ms();
         let (ts, jobs) = match (
             inner.catalog.unfinished_transfers().await,
             inner.catalog.jobs().await,
@@ -2277,7 +2276,7 @@ mod tests {
         );
         let mut windows = HashMap::new();
         // Later than any sample the stopped sampler may have taken.
-        let t0 = crate::catalog::now_ms() + 60_000;
+        let t0 = ferry_catalog::now_ms() + 60_000;
         take_sample(inner, t0, &mut windows);
         assert_eq!(source.progress(TransferId(7)).unwrap().rate_bps, 0.0);
         // 1 MB/s of the transfer (scheduled) for 7 s; urgent 2 MB/s from

@@ -3,10 +3,10 @@
 
 use std::path::Path;
 
+use ferry_catalog::{Catalog, CatalogError};
 use ferry_proto::manifest::FileInfo;
 use ferry_proto::manifest::{hex, Manifest};
 
-use crate::catalog::{Catalog, CatalogError};
 use crate::source::scan;
 
 /// Outcome of a verification.

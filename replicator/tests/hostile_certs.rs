@@ -7,9 +7,9 @@
 use std::path::Path;
 use std::time::Duration;
 
+use ferry_catalog::Catalog;
 use quinn::{ClientConfig, ConnectionError, Endpoint, ServerConfig};
 use rcgen::{CertificateParams, DistinguishedName, DnType, KeyPair};
-use replicator::catalog::Catalog;
 use replicator::sink::{Sink, SinkConfig};
 use replicator::tls::{self, explain_handshake_error, AgentIdentity};
 use replicator::transport::{self, SocketKind};

@@ -8,12 +8,12 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
+use ferry_catalog::Catalog;
 use ferry_proto::limits::MAX_CHUNK;
 use ferry_proto::manifest::FileInfo;
 use ferry_proto::state::TransferId;
 use ferry_proto::wire::{BatchHeader, Control, Hello, RecordHeader, TransferKey, PROTOCOL_VERSION};
 use quinn::{Connection, Endpoint};
-use replicator::catalog::Catalog;
 use replicator::conn::read_frame;
 use replicator::sink::{Sink, SinkConfig};
 use replicator::tls::{self, AgentIdentity};

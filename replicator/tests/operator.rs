@@ -72,7 +72,7 @@ struct Reported {
     total: i64,
 }
 
-async fn reported(p: &Pair, id: TransferId) -> (Reported, replicator::catalog::Transfer) {
+async fn reported(p: &Pair, id: TransferId) -> (Reported, ferry_catalog::Transfer) {
     let row = p.source.catalog().transfer(id).await.unwrap().unwrap();
     let (t, _) = p.source.with_progress(row);
     let r = Reported {

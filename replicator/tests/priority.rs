@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::{pair_with, wait_published, write_dir, Pair};
-use replicator::catalog::Arrivals;
+use ferry_catalog::Arrivals;
 use replicator::source::RootConfig;
 use scheduler::{Class, Policy, PolicyKind};
 

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::{published_by, same_tree, write_dir, Restartable};
+use ferry_catalog::Transfer;
 use ferry_proto::state::{TransferId, TransferState};
-use replicator::catalog::Transfer;
 use replicator::sink::Resolution;
 use replicator::source::{RootConfig, Source};
 use scheduler::Class;

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use common::replay::Replay;
 use common::{pair_with, same_tree, wait_final, wait_published, Pair};
+use ferry_catalog::Transfer;
 use ferry_proto::manifest::MIN_CHUNK_SIZE;
-use replicator::catalog::Transfer;
 use replicator::sink::Resolution;
 use replicator::source::watcher::{Mode, RootWatch, Start};
 use replicator::source::SourceConfig;

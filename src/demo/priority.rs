@@ -16,8 +16,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use ferry_catalog::Arrivals;
 use ferry_proto::state::TransferState;
-use replicator::catalog::Arrivals;
 use replicator::sink::{Resolution, Sink};
 use serde_json::{json, Value};
 

@@ -21,6 +21,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use ferry_catalog::now_ms;
 use ferry_proto::state::TransferId;
 use ferry_proto::wire::BatchHeader;
 use quinn::{Connection, SendStream};
@@ -28,7 +29,6 @@ use scheduler::{Decision, LinkScheduler};
 use tokio::sync::Notify;
 
 use super::{LiveProgress, Record};
-use crate::catalog::now_ms;
 use crate::metrics::{class_index, LinkCounters};
 
 /// Records a transfer may have queued before its reader waits.

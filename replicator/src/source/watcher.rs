@@ -30,6 +30,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
+use ferry_catalog::{now_ms, Transfer};
 use ferry_proto::manifest::FileInfo;
 use ferry_proto::paths::is_temporary;
 use ferry_proto::state::{CheckpointState, Profile, TransferId, TransferState};
@@ -40,7 +41,6 @@ use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, warn};
 
 use super::{CheckpointView, Inner, RootConfig, ViewFile, ViewState};
-use crate::catalog::{now_ms, Transfer};
 use crate::formats::{self, FileState, Format, Snapshot, Verdict};
 
 /// When a watched checkpoint's transfer starts.

@@ -9,8 +9,8 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use ferry_catalog::Catalog;
 use ferry_proto::manifest::MIN_CHUNK_SIZE;
-use replicator::catalog::Catalog;
 use replicator::linkemu::{memory_pair, LinkParams};
 use replicator::sink::{Sink, SinkConfig};
 use replicator::source::{LinkConfig, RootConfig, Source, SourceConfig};
@@ -184,7 +184,7 @@ impl Restartable {
 }
 
 /// Waits (at most 30 s) for `source` to publish transfer `id`.
-pub async fn published_by(source: &Source, id: TransferId) -> replicator::catalog::Transfer {
+pub async fn published_by(source: &Source, id: TransferId) -> ferry_catalog::Transfer {
     for _ in 0..600 {
         let t = source.catalog().transfer(id).await.unwrap().unwrap();
         match t.state.as_str() {
@@ -196,11 +196,11 @@ pub async fn published_by(source: &Source, id: TransferId) -> replicator::catalo
     panic!("transfer {id} not published within 30 s");
 }
 
-pub async fn wait_published(p: &Pair, id: TransferId) -> replicator::catalog::Transfer {
+pub async fn wait_published(p: &Pair, id: TransferId) -> ferry_catalog::Transfer {
     published_by(&p.source, id).await
 }
 
-pub async fn wait_final(p: &Pair, id: TransferId) -> replicator::catalog::Transfer {
+pub async fn wait_final(p: &Pair, id: TransferId) -> ferry_catalog::Transfer {
     for _ in 0..600 {
         let t = p.source.catalog().transfer(id).await.unwrap().unwrap();
         if t.state.is_final() {

@@ -1,11 +1,11 @@
 //! Rebuilds the crate when a migration is added or changed.
 //!
-//! `sqlx::migrate!("../migrations")` in `src/catalog.rs` embeds the
+//! `sqlx::migrate!("../../migrations/sqlite")` in `src/lib.rs` embeds the
 //! migrations at compile time, and on stable Rust a proc macro cannot ask
 //! Cargo to watch a directory: a new migration file alone would not
 //! rebuild the crate, and the agent and tests would keep migrating to the
 //! previous schema. This is the build script sqlx recommends
 //! (`sqlx migrate build-script`).
 fn main() {
-    println!("cargo:rerun-if-changed=../migrations");
+    println!("cargo:rerun-if-changed=../../migrations/sqlite");
 }

@@ -1,0 +1,282 @@
+//! The API's JSON types for catalog rows and signal outcomes: converted
+//! from the catalog's and the source's types, so the REST schema (this
+//! file, served as OpenAPI) and the catalog's tables change apart.
+
+use ferry_proto::state::{CheckpointState, Profile, TransferId, TransferState};
+use scheduler::Class;
+use serde::Serialize;
+
+/// A transfer at the source, as the API shows it.
+#[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
+pub struct Transfer {
+    /// Transfer id (also sent to the sink).
+    #[schema(value_type = i64)]
+    pub id: TransferId,
+    /// Link name.
+    pub link: String,
+    /// Job name.
+    pub job: String,
+    /// Absolute checkpoint path at the source.
+    pub source_path: String,
+    /// Path relative to the source root.
+    pub rel: String,
+    /// Scheduler class: the class set by hand or by the config, which a
+    /// promoted transfer returns to (see [`Transfer::urgent_until`]).
+    pub class: Class,
+    /// Transfer state.
+    pub state: TransferState,
+    /// Bytes in the checkpoint; while it is written (checkpoint `announced`
+    /// or `open`), the announced size or the bytes known so far.
+    pub bytes_total: i64,
+    /// Bytes at the sink as far as the source knows: what the sink had
+    /// when the latest run began plus what that run sent (an estimate
+    /// until published, when it is `bytes_total`). It never decreases,
+    /// also across pause, resume, reconnect and restart.
+    pub bytes_done: i64,
+    /// Payload bytes put on the wire over all runs (resends included).
+    pub bytes_sent: i64,
+    /// Number of shards.
+    pub shards: i64,
+    /// Hex BLAKE3 manifest root once sealed.
+    pub manifest_root: Option<String>,
+    /// Path of the replica at the sink once published.
+    pub local_path: Option<String>,
+    /// Last error, if failed.
+    pub error: Option<String>,
+    /// Creation time (Unix ms).
+    pub created_at: i64,
+    /// When the transfer first became active (Unix ms).
+    pub started_at: Option<i64>,
+    /// When it reached a final state (Unix ms).
+    pub finished_at: Option<i64>,
+    /// The checkpoint's state at the source.
+    pub checkpoint: CheckpointState,
+    /// Format that recognised the checkpoint, if the watcher found it.
+    pub format: Option<String>,
+    /// When the checkpoint opened (Unix ms), if known.
+    pub opened_at: Option<i64>,
+    /// When the checkpoint was committed (Unix ms), if it is.
+    pub committed_at: Option<i64>,
+    /// Commit identity the watcher saw (marker size and mtime or the
+    /// like); a new one in the same directory is a re-save.
+    pub commit_identity: Option<String>,
+    /// Replication profile: `weights-only`, or absent (`null`) for every
+    /// file.
+    pub profile: Option<Profile>,
+    /// Importance override for this transfer, 0..1; `None` = the job's
+    /// importance.
+    pub importance: Option<f64>,
+    /// While now (Unix ms) is before this, the transfer is `urgent`
+    /// because a signal promoted it; [`Transfer::class`] is the class it
+    /// returns to. `None` = not promoted.
+    pub urgent_until: Option<i64>,
+    /// Id of the signal that promoted it ([`Signal::id`]), if any.
+    pub signal: Option<i64>,
+}
+
+impl From<ferry_catalog::Transfer> for Transfer {
+    fn from(r: ferry_catalog::Transfer) -> Self {
+        Transfer {
+            id: r.id,
+            link: r.link,
+            job: r.job,
+            source_path: r.source_path,
+            rel: r.rel,
+            class: r.class,
+            state: r.state,
+            bytes_total: r.bytes_total,
+            bytes_done: r.bytes_done,
+            bytes_sent: r.bytes_sent,
+            shards: r.shards,
+            manifest_root: r.manifest_root,
+            local_path: r.local_path,
+            error: r.error,
+            created_at: r.created_at,
+            started_at: r.started_at,
+            finished_at: r.finished_at,
+            checkpoint: r.checkpoint,
+            format: r.format,
+            opened_at: r.opened_at,
+            committed_at: r.committed_at,
+            commit_identity: r.commit_identity,
+            profile: (r.profile != Profile::Full).then_some(r.profile),
+            importance: r.importance,
+            urgent_until: r.urgent_until,
+            signal: r.signal,
+        }
+    }
+}
+
+/// An incoming transfer at the sink, or a replica once published, as the API shows it.
+#[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
+pub struct Replica {
+    /// Row id.
+    pub id: i64,
+    /// Source agent name (certificate SAN).
+    pub peer: String,
+    /// Source site.
+    pub source_site: String,
+    /// Transfer id at the source.
+    #[schema(value_type = i64)]
+    pub source_transfer: TransferId,
+    /// Job name.
+    pub job: String,
+    /// Absolute checkpoint path at the source.
+    pub source_path: String,
+    /// Path relative to the source root.
+    pub rel: String,
+    /// Chunk size in bytes.
+    pub chunk_size: i64,
+    /// State: `receiving`, `published`, `failed` or `cancelled`.
+    pub state: TransferState,
+    /// Bytes in the checkpoint.
+    pub bytes_total: i64,
+    /// Bytes verified in staging.
+    pub bytes_done: i64,
+    /// Staging directory.
+    pub staging_path: String,
+    /// Where the replica is (or will be) published.
+    pub local_path: String,
+    /// Hex BLAKE3 manifest root once published.
+    pub manifest_root: Option<String>,
+    /// Last error.
+    pub error: Option<String>,
+    /// Creation time (Unix ms).
+    pub created_at: i64,
+    /// Publish time (Unix ms).
+    pub published_at: Option<i64>,
+    /// When the source committed the checkpoint (Unix ms, source clock).
+    pub committed_at: Option<i64>,
+    /// Publish time minus the source's commit time, seconds (can be
+    /// negative only if the two agents' clocks disagree).
+    pub commit_to_replica_s: Option<f64>,
+    /// Publish time minus the time the checkpoint opened at the source,
+    /// seconds.
+    pub open_to_replica_s: Option<f64>,
+    /// Replication profile: `weights-only`, or absent (`null`) for every
+    /// file.
+    pub profile: Option<Profile>,
+}
+
+impl From<ferry_catalog::Replica> for Replica {
+    fn from(r: ferry_catalog::Replica) -> Self {
+        Replica {
+            id: r.id,
+            peer: r.peer,
+            source_site: r.source_site,
+            source_transfer: r.source_transfer,
+            job: r.job,
+            source_path: r.source_path,
+            rel: r.rel,
+            chunk_size: r.chunk_size,
+            state: r.state,
+            bytes_total: r.bytes_total,
+            bytes_done: r.bytes_done,
+            staging_path: r.staging_path,
+            local_path: r.local_path,
+            manifest_root: r.manifest_root,
+            error: r.error,
+            created_at: r.created_at,
+            published_at: r.published_at,
+            committed_at: r.committed_at,
+            commit_to_replica_s: r.commit_to_replica_s,
+            open_to_replica_s: r.open_to_replica_s,
+            profile: (r.profile != Profile::Full).then_some(r.profile),
+        }
+    }
+}
+
+/// A job (training run) as the scheduler ranks it.
+#[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
+pub struct Job {
+    /// Job name.
+    pub name: String,
+    /// Model size in parameters; `None` = unknown (the size term is 1).
+    pub model_params: Option<f64>,
+    /// Importance, 0..1.
+    pub importance: f64,
+    /// Where the values came from: `config` or `api`.
+    pub origin: String,
+    /// When the row was last written (Unix ms).
+    pub updated_at: i64,
+}
+
+impl From<ferry_catalog::Job> for Job {
+    fn from(r: ferry_catalog::Job) -> Self {
+        Job {
+            name: r.name,
+            model_params: r.model_params,
+            importance: r.importance,
+            origin: r.origin,
+            updated_at: r.updated_at,
+        }
+    }
+}
+
+/// An anomaly report from a training controller.
+#[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
+pub struct Signal {
+    /// Signal id.
+    pub id: i64,
+    /// Job it is about.
+    pub job: String,
+    /// What was seen (loss spike, NaN, ...; the API defines the names).
+    pub kind: String,
+    /// Severity when received, 0..1 (it decays with the configured
+    /// half-life).
+    pub severity: f64,
+    /// Training step the controller reported, if any.
+    pub step: Option<i64>,
+    /// The client's retry key, if it sent one.
+    pub idempotency_key: Option<String>,
+    /// The transfer it promoted to `urgent` ([`Transfer::id`]), if any.
+    #[schema(value_type = Option<i64>)]
+    pub transfer: Option<TransferId>,
+    /// When it was received (Unix ms).
+    pub received_at: i64,
+}
+
+impl From<ferry_catalog::Signal> for Signal {
+    fn from(r: ferry_catalog::Signal) -> Self {
+        Signal {
+            id: r.id,
+            job: r.job,
+            kind: r.kind,
+            severity: r.severity,
+            step: r.step,
+            idempotency_key: r.idempotency_key,
+            transfer: r.transfer,
+            received_at: r.received_at,
+        }
+    }
+}
+
+/// What a signal did.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct SignalOutcome {
+    /// The stored signal.
+    pub signal: Signal,
+    /// False if its idempotency key was seen before (nothing changed).
+    pub new: bool,
+    /// The transfer promoted to `urgent`, if the job had an unpublished
+    /// checkpoint.
+    #[schema(value_type = Option<i64>)]
+    pub promoted: Option<TransferId>,
+    /// Until when it stays `urgent`, Unix ms.
+    pub urgent_until: Option<i64>,
+    /// The promoted transfer's state (a `paused` one stays paused, urgent
+    /// once resumed).
+    pub promoted_state: Option<TransferState>,
+}
+
+impl From<replicator::source::SignalOutcome> for SignalOutcome {
+    fn from(o: replicator::source::SignalOutcome) -> Self {
+        SignalOutcome {
+            signal: o.signal.into(),
+            new: o.new,
+            promoted: o.promoted,
+            urgent_until: o.urgent_until,
+            promoted_state: o.promoted_state,
+        }
+    }
+}

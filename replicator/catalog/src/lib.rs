@@ -1,0 +1,186 @@
+//! The catalog: Ferry's durable state in SQL, one module per table.
+//!
+//! Source side: [`transfers`], [`jobs`] and [`signals`]. Sink side:
+//! [`replicas`] (one row per incoming transfer; published rows are
+//! replicas) and [`chunks`] (verified chunks in staging, the resume point
+//! after a crash). Each module owns its row types; the API converts them
+//! to its own types, so the schema of the REST API and of the catalog can
+//! change apart.
+//!
+//! Values are typed at this boundary ([`convert`]): states, classes and
+//! profiles are enums everywhere else, stored as their names; a stored
+//! name this version does not know is a decode error naming the column.
+//!
+//! # Dialects
+//!
+//! Queries run through sqlx's `Any` driver, so one implementation serves
+//! every database; SQLite in the data directory (WAL mode) is the
+//! embedded default and the only dialect of this build. Everything that
+//! differs between dialects lives in [`dialect`]: how a database is opened
+//! (for SQLite: the file, its pragmas, the agent lock), and
+//! [`dialect::Dialect::sql`], which every statement passes through and
+//! which will rewrite the `?` placeholders for PostgreSQL (`$1`, `$2`,
+//! ...). Statements use only SQL that both dialects accept
+//! (`RETURNING`, `ON CONFLICT ... DO UPDATE`, `COALESCE`). Migrations are
+//! embedded, one folder per dialect: `migrations/sqlite/` today,
+//! `migrations/postgres/` with the PostgreSQL catalog.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use nix::fcntl::{Flock, FlockArg};
+use sqlx::AnyPool;
+
+pub mod chunks;
+mod convert;
+pub mod dialect;
+pub mod jobs;
+pub mod replicas;
+pub mod signals;
+#[cfg(test)]
+mod tests;
+pub mod transfers;
+
+use dialect::Dialect;
+
+pub use chunks::{Arrivals, VerifiedChunk, ARRIVAL_BIN_MS, MAX_ARRIVAL_BINS};
+pub use jobs::{origin, Job, MAX_MODEL_PARAMS};
+pub use replicas::{NewReplica, Replica, SourceTimes};
+pub use signals::Signal;
+pub use transfers::{ProgressNote, Transfer};
+
+/// Catalog failures.
+#[derive(Debug, thiserror::Error)]
+pub enum CatalogError {
+    /// The data directory could not be created or locked.
+    #[error("data directory {path}: {why}")]
+    DataDir {
+        /// The directory.
+        path: PathBuf,
+        /// What went wrong.
+        why: String,
+    },
+    /// The catalog file cannot be opened, is damaged or cannot be
+    /// migrated; the message names the file. It is left as it is.
+    #[error("catalog {path}: {why}")]
+    File {
+        /// The catalog file (`data_dir/ferry.db`).
+        path: PathBuf,
+        /// What went wrong and what to do.
+        why: String,
+    },
+    /// An SQL error.
+    #[error("catalog: {0}")]
+    Sql(#[from] sqlx::Error),
+    /// Migrations failed (a newer or damaged catalog).
+    #[error("catalog migration: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    /// Stored data could not be decoded.
+    #[error("catalog holds bad data: {0}")]
+    Corrupt(String),
+    /// A value to store is out of range; the message names the field.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Milliseconds since the Unix epoch, the catalog's time unit.
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO)
+        .as_millis() as i64
+}
+
+/// Handle to the catalog; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Catalog {
+    pool: AnyPool,
+    db: Dialect,
+    _lock: Option<std::sync::Arc<Flock<File>>>,
+}
+
+impl Catalog {
+    /// Opens (creating if needed) `data_dir/ferry.db`, takes an exclusive
+    /// lock on `data_dir/agent.lock` so two agents never share one data
+    /// directory, and applies the embedded migrations.
+    ///
+    /// # Errors
+    /// [`CatalogError::DataDir`] if the directory cannot be created or is
+    /// locked by another agent; [`CatalogError::File`], naming the file,
+    /// if the catalog cannot be opened, fails SQLite's `quick_check` or
+    /// cannot be migrated (a damaged catalog is reported, never deleted).
+    pub async fn open(data_dir: &Path) -> Result<Catalog, CatalogError> {
+        let dd = |why: String| CatalogError::DataDir {
+            path: data_dir.to_path_buf(),
+            why,
+        };
+        std::fs::create_dir_all(data_dir).map_err(|e| dd(e.to_string()))?;
+        let lock_file = File::create(data_dir.join("agent.lock")).map_err(|e| dd(e.to_string()))?;
+        let lock = Flock::lock(lock_file, FlockArg::LockExclusiveNonblock).map_err(|(_, e)| {
+            dd(format!(
+                "already in use by another ferry agent (agent.lock is held: {e})"
+            ))
+        })?;
+        let db = data_dir.join("ferry.db");
+        let file = |why: String| CatalogError::File {
+            path: db.clone(),
+            why: format!(
+                "{why}; the file is left as it is (nothing was deleted): restore it from a \
+                 backup, or move it and its -wal and -shm files aside to start with an empty \
+                 catalog"
+            ),
+        };
+        let pool = dialect::open_sqlite(&db, false)
+            .await
+            .map_err(|e| file(format!("cannot open it: {e}")))?;
+        // A damaged page would otherwise surface later, in the middle of
+        // a transfer or a resolve; refuse at start instead.
+        let check: Vec<String> = sqlx::query_scalar("PRAGMA quick_check")
+            .fetch_all(&pool)
+            .await
+            .map_err(|e| file(format!("damaged (SQLite quick_check failed: {e})")))?;
+        if check.first().map(String::as_str) != Some("ok") {
+            let shown: Vec<&str> = check.iter().take(3).map(String::as_str).collect();
+            return Err(file(format!(
+                "damaged (SQLite quick_check: {})",
+                shown.join("; ")
+            )));
+        }
+        sqlx::migrate!("../../migrations/sqlite")
+            .run(&pool)
+            .await
+            .map_err(|e| file(format!("cannot migrate it: {e}")))?;
+        Ok(Catalog {
+            pool,
+            db: Dialect::Sqlite,
+            _lock: Some(std::sync::Arc::new(lock)),
+        })
+    }
+
+    /// Opens an existing catalog read-only, without the agent lock, so
+    /// tools like `ferry verify` can read it while the agent runs.
+    ///
+    /// # Errors
+    /// [`CatalogError::DataDir`] if there is no catalog; SQL errors.
+    pub async fn open_read_only(data_dir: &Path) -> Result<Catalog, CatalogError> {
+        let db = data_dir.join("ferry.db");
+        if !db.is_file() {
+            return Err(CatalogError::DataDir {
+                path: data_dir.to_path_buf(),
+                why: "no catalog (ferry.db) here; is this the agent's data_dir?".into(),
+            });
+        }
+        let pool = dialect::open_sqlite(&db, true).await?;
+        Ok(Catalog {
+            pool,
+            db: Dialect::Sqlite,
+            _lock: None,
+        })
+    }
+
+    /// Closes the pool, waiting for queries in flight.
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+}

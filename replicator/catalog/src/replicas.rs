@@ -1,0 +1,469 @@
+//! Sink side: the `replicas` table, one row per incoming transfer (a
+//! published row is a replica), with its file table.
+
+use ferry_proto::manifest::FileInfo;
+use ferry_proto::state::{Profile, TransferId, TransferState};
+use std::path::Path;
+
+use sqlx::any::AnyRow;
+use sqlx::Row;
+
+use crate::convert::{parsed, profile, transfer_id};
+use crate::{now_ms, Catalog, CatalogError};
+
+/// A sink-side row: an incoming transfer, or a replica once published.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Replica {
+    /// Row id.
+    pub id: i64,
+    /// Source agent name (certificate SAN).
+    pub peer: String,
+    /// Source site.
+    pub source_site: String,
+    /// Transfer id at the source.
+    pub source_transfer: TransferId,
+    /// Job name.
+    pub job: String,
+    /// Absolute checkpoint path at the source.
+    pub source_path: String,
+    /// Path relative to the source root.
+    pub rel: String,
+    /// Chunk size in bytes.
+    pub chunk_size: i64,
+    /// State: `receiving`, `published`, `failed` or `cancelled`.
+    pub state: TransferState,
+    /// Bytes in the checkpoint.
+    pub bytes_total: i64,
+    /// Bytes verified in staging.
+    pub bytes_done: i64,
+    /// Staging directory.
+    pub staging_path: String,
+    /// Where the replica is (or will be) published.
+    pub local_path: String,
+    /// Hex BLAKE3 manifest root once published.
+    pub manifest_root: Option<String>,
+    /// Last error.
+    pub error: Option<String>,
+    /// Creation time (Unix ms).
+    pub created_at: i64,
+    /// Publish time (Unix ms).
+    pub published_at: Option<i64>,
+    /// When the source committed the checkpoint (Unix ms, source clock).
+    pub committed_at: Option<i64>,
+    /// Publish time minus the source's commit time, seconds (can be
+    /// negative only if the two agents' clocks disagree).
+    pub commit_to_replica_s: Option<f64>,
+    /// Publish time minus the time the checkpoint opened at the source,
+    /// seconds.
+    pub open_to_replica_s: Option<f64>,
+    /// Replication profile.
+    pub profile: Profile,
+}
+
+/// New sink-side row.
+#[derive(Debug, Clone)]
+pub struct NewReplica<'a> {
+    /// Source agent name.
+    pub peer: &'a str,
+    /// Source site.
+    pub source_site: &'a str,
+    /// Transfer id at the source.
+    pub source_transfer: TransferId,
+    /// Job.
+    pub job: &'a str,
+    /// Source path.
+    pub source_path: &'a str,
+    /// Relative path.
+    pub rel: &'a str,
+    /// Chunk size in bytes.
+    pub chunk_size: u32,
+    /// File list.
+    pub files: &'a [FileInfo],
+    /// Total bytes.
+    pub bytes_total: u64,
+    /// Staging directory.
+    pub staging_path: &'a str,
+    /// Publish path.
+    pub local_path: &'a str,
+    /// Replication profile.
+    pub profile: Profile,
+}
+
+/// When a checkpoint opened and was committed at the source (Unix ms,
+/// the source's clock; 0 = unknown), as carried by the commit message.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SourceTimes {
+    /// Commit time.
+    pub committed_ms: i64,
+    /// Open time.
+    pub opened_ms: i64,
+}
+
+const REPLICA_COLS: &str = "id, peer, source_site, source_transfer, job, source_path, rel, \
+    chunk_size, state, bytes_total, bytes_done, staging_path, local_path, manifest_root, error, \
+    created_at, published_at, committed_at, commit_to_replica_s, open_to_replica_s, profile";
+
+fn replica_row(r: &AnyRow) -> Result<Replica, sqlx::Error> {
+    Ok(Replica {
+        id: r.try_get("id")?,
+        peer: r.try_get("peer")?,
+        source_site: r.try_get("source_site")?,
+        source_transfer: transfer_id(r, "source_transfer")?,
+        job: r.try_get("job")?,
+        source_path: r.try_get("source_path")?,
+        rel: r.try_get("rel")?,
+        chunk_size: r.try_get("chunk_size")?,
+        state: parsed(r, "state")?,
+        bytes_total: r.try_get("bytes_total")?,
+        bytes_done: r.try_get("bytes_done")?,
+        staging_path: r.try_get("staging_path")?,
+        local_path: r.try_get("local_path")?,
+        manifest_root: r.try_get("manifest_root")?,
+        error: r.try_get("error")?,
+        created_at: r.try_get("created_at")?,
+        published_at: r.try_get("published_at")?,
+        committed_at: r.try_get("committed_at")?,
+        commit_to_replica_s: r.try_get("commit_to_replica_s")?,
+        open_to_replica_s: r.try_get("open_to_replica_s")?,
+        profile: profile(r)?,
+    })
+}
+
+impl Catalog {
+    /// Sink-side rows (incoming transfers and replicas) per state (states
+    /// with none are left out).
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn replica_state_counts(&self) -> Result<Vec<(TransferState, i64)>, CatalogError> {
+        crate::transfers::state_counts(self, "replicas").await
+    }
+
+    /// The row of an incoming transfer, if known.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn find_replica(
+        &self,
+        peer: &str,
+        source_transfer: TransferId,
+        source_path: &str,
+    ) -> Result<Option<Replica>, CatalogError> {
+        let q = format!(
+            "SELECT {REPLICA_COLS} FROM replicas WHERE peer = ? AND source_transfer = ? AND source_path = ?"
+        );
+        let r = sqlx::query(&self.db.sql(&q))
+            .bind(peer)
+            .bind(source_transfer.as_i64())
+            .bind(source_path)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.as_ref().map(replica_row).transpose()?)
+    }
+
+    /// Inserts an incoming transfer in state `receiving`; returns its id.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn insert_replica(&self, n: &NewReplica<'_>) -> Result<i64, CatalogError> {
+        let files =
+            serde_json::to_string(n.files).map_err(|e| CatalogError::Corrupt(e.to_string()))?;
+        let mut tx = self.pool.begin().await?;
+        let r = sqlx::query(&self.db.sql(
+            "INSERT INTO replicas (peer, source_site, source_transfer, job, source_path, rel, \
+             chunk_size, files, state, bytes_total, staging_path, local_path, created_at, profile) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+        ))
+        .bind(n.peer)
+        .bind(n.source_site)
+        .bind(n.source_transfer.as_i64())
+        .bind(n.job)
+        .bind(n.source_path)
+        .bind(n.rel)
+        .bind(i64::from(n.chunk_size))
+        .bind("")
+        .bind(TransferState::Receiving.as_str())
+        .bind(n.bytes_total as i64)
+        .bind(n.staging_path)
+        .bind(n.local_path)
+        .bind(now_ms())
+        .bind(n.profile.stored_name())
+        .fetch_one(&mut *tx)
+        .await?;
+        let id: i64 = r.try_get("id")?;
+        sqlx::query(
+            &self
+                .db
+                .sql("INSERT INTO replica_files (replica, files) VALUES (?, ?)"),
+        )
+        .bind(id)
+        .bind(files)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(id)
+    }
+
+    /// The file list stored for a sink-side row.
+    ///
+    /// # Errors
+    /// SQL errors, or [`CatalogError::Corrupt`] if it cannot be decoded.
+    pub async fn replica_files(&self, id: i64) -> Result<Vec<FileInfo>, CatalogError> {
+        let r = sqlx::query(
+            &self
+                .db
+                .sql("SELECT files FROM replica_files WHERE replica = ?"),
+        )
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?
+        .ok_or_else(|| CatalogError::Corrupt(format!("replica {id} has no file list")))?;
+        let s: String = r.try_get("files")?;
+        serde_json::from_str(&s)
+            .map_err(|e| CatalogError::Corrupt(format!("file list of replica {id}: {e}")))
+    }
+
+    /// Replaces the file list of a row (a resumed transfer whose files
+    /// changed at the source) and its total.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_replica_files(
+        &self,
+        id: i64,
+        files: &[FileInfo],
+        bytes_total: u64,
+    ) -> Result<(), CatalogError> {
+        let s = serde_json::to_string(files).map_err(|e| CatalogError::Corrupt(e.to_string()))?;
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(
+            &self
+                .db
+                .sql("UPDATE replica_files SET files = ? WHERE replica = ?"),
+        )
+        .bind(s)
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            &self
+                .db
+                .sql("UPDATE replicas SET bytes_total = ? WHERE id = ?"),
+        )
+        .bind(bytes_total as i64)
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Marks a row published: stores the sealed manifest and its root and
+    /// deletes the per-chunk rows (no longer needed). Returns the
+    /// commit-to-replica lag it stored, seconds (`None`: commit time
+    /// unknown).
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_replica_published(
+        &self,
+        id: i64,
+        manifest: &[u8],
+        root_hex: &str,
+        local_path: &str,
+        bytes: u64,
+        times: SourceTimes,
+    ) -> Result<Option<f64>, CatalogError> {
+        let now = now_ms();
+        let lag = |t: i64| (t > 0).then(|| (now - t) as f64 / 1000.0);
+        let known = |t: i64| (t > 0).then_some(t);
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(&self.db.sql(
+            "UPDATE replicas SET state = 'published', manifest = ?, manifest_root = ?, \
+             local_path = ?, bytes_total = ?, bytes_done = ?, published_at = ?, opened_at = ?, \
+             committed_at = ?, commit_to_replica_s = ?, open_to_replica_s = ? WHERE id = ?",
+        ))
+        .bind(manifest)
+        .bind(root_hex)
+        .bind(local_path)
+        .bind(bytes as i64)
+        .bind(bytes as i64)
+        .bind(now)
+        .bind(known(times.opened_ms))
+        .bind(known(times.committed_ms))
+        .bind(lag(times.committed_ms))
+        .bind(lag(times.opened_ms))
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+        // Keep when the bytes arrived (in bins) before the chunk rows go.
+        let windows = crate::chunks::arrival_bins(self.db, &mut tx, id).await?;
+        let json = serde_json::to_string(&windows)
+            .map_err(|e| CatalogError::Corrupt(format!("arrival windows: {e}")))?;
+        sqlx::query(&self.db.sql("UPDATE replicas SET arrivals = ? WHERE id = ?"))
+            .bind(json)
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(&self.db.sql("DELETE FROM chunks WHERE replica = ?"))
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(lag(times.committed_ms))
+    }
+
+    /// Sets a sink-side row's state and error.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_replica_state(
+        &self,
+        id: i64,
+        new_state: TransferState,
+        error: Option<&str>,
+    ) -> Result<(), CatalogError> {
+        sqlx::query(
+            &self
+                .db
+                .sql("UPDATE replicas SET state = ?, error = COALESCE(?, error) WHERE id = ?"),
+        )
+        .bind(new_state.as_str())
+        .bind(error)
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// One sink-side row by id.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn replica(&self, id: i64) -> Result<Option<Replica>, CatalogError> {
+        let q = format!("SELECT {REPLICA_COLS} FROM replicas WHERE id = ?");
+        let r = sqlx::query(&self.db.sql(&q))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.as_ref().map(replica_row).transpose()?)
+    }
+
+    /// The sealed manifest of a published row.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn replica_manifest(&self, id: i64) -> Result<Option<Vec<u8>>, CatalogError> {
+        let r = sqlx::query(&self.db.sql("SELECT manifest FROM replicas WHERE id = ?"))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(match r {
+            Some(r) => r.try_get("manifest")?,
+            None => None,
+        })
+    }
+
+    /// Sink-side rows, newest first; only published ones if `published`.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn replicas(
+        &self,
+        published: bool,
+        limit: i64,
+        offset: i64,
+    ) -> Result<Vec<Replica>, CatalogError> {
+        let q = if published {
+            format!("SELECT {REPLICA_COLS} FROM replicas WHERE state = 'published' ORDER BY id DESC LIMIT ? OFFSET ?")
+        } else {
+            format!("SELECT {REPLICA_COLS} FROM replicas ORDER BY id DESC LIMIT ? OFFSET ?")
+        };
+        let rows = sqlx::query(&self.db.sql(&q))
+            .bind(limit)
+            .bind(offset)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(replica_row).collect::<Result<_, _>>()?)
+    }
+
+    /// The sink-side rows for a checkpoint at `source_path`, newest first:
+    /// the newest published one and the newest one overall tell resolve
+    /// what to answer.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn replicas_for_source(
+        &self,
+        source_path: &str,
+    ) -> Result<Vec<Replica>, CatalogError> {
+        let q = format!(
+            "SELECT {REPLICA_COLS} FROM replicas WHERE source_path = ? ORDER BY id DESC LIMIT 16"
+        );
+        let rows = sqlx::query(&self.db.sql(&q))
+            .bind(source_path)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(replica_row).collect::<Result<_, _>>()?)
+    }
+
+    /// A live or published row (not failed or cancelled) whose
+    /// `local_path` lies strictly inside `local_path` or strictly contains
+    /// it, if any: two such replicas would overlap on disk.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn overlapping_replica(
+        &self,
+        local_path: &str,
+    ) -> Result<Option<String>, CatalogError> {
+        let base = local_path.trim_end_matches('/');
+        // Descendants: paths in [base + "/", base + "0"), "0" being the
+        // byte after "/".
+        let r = sqlx::query(&self.db.sql(
+            "SELECT local_path FROM replicas WHERE state IN ('receiving', 'published') \
+             AND local_path >= ? AND local_path < ? LIMIT 1",
+        ))
+        .bind(format!("{base}/"))
+        .bind(format!("{base}0"))
+        .fetch_optional(&self.pool)
+        .await?;
+        if let Some(r) = r {
+            return Ok(Some(r.try_get("local_path")?));
+        }
+        let mut p = Path::new(base).parent();
+        while let Some(a) = p {
+            let r = sqlx::query(&self.db.sql(
+                "SELECT local_path FROM replicas WHERE state IN ('receiving', 'published') \
+                 AND local_path = ? LIMIT 1",
+            ))
+            .bind(a.to_string_lossy().as_ref())
+            .fetch_optional(&self.pool)
+            .await?;
+            if let Some(r) = r {
+                return Ok(Some(r.try_get("local_path")?));
+            }
+            p = a.parent();
+        }
+        Ok(None)
+    }
+
+    /// The newest published row whose `local_path` is `local_path`.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn replica_by_local_path(
+        &self,
+        local_path: &str,
+    ) -> Result<Option<Replica>, CatalogError> {
+        let q = format!(
+            "SELECT {REPLICA_COLS} FROM replicas WHERE local_path = ? AND state = 'published' \
+             ORDER BY id DESC LIMIT 1"
+        );
+        let r = sqlx::query(&self.db.sql(&q))
+            .bind(local_path)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.as_ref().map(replica_row).transpose()?)
+    }
+}

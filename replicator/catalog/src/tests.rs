@@ -1,0 +1,698 @@
+//! The catalog's behaviour on a real SQLite file, table by table.
+#![allow(clippy::unwrap_used)]
+
+use std::str::FromStr;
+
+use ferry_proto::manifest::{FileInfo, Hash};
+use ferry_proto::state::{Profile, TransferId, TransferState};
+use scheduler::Class;
+use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+
+use crate::chunks::spread_arrivals;
+use crate::*;
+
+#[tokio::test]
+async fn second_agent_on_one_data_dir_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let _c = Catalog::open(d.path()).await.unwrap();
+    let e = Catalog::open(d.path()).await.unwrap_err();
+    assert!(e.to_string().contains("already in use"), "{e}");
+}
+
+#[tokio::test]
+async fn pause_and_final_states_are_not_undone_by_the_transfer_task() {
+    let d = tempfile::tempdir().unwrap();
+    let c = Catalog::open(d.path()).await.unwrap();
+    let state_of = |id| {
+        let c = c.clone();
+        async move { c.transfer(id).await.unwrap().unwrap().state }
+    };
+    let id = c
+        .insert_transfer("l", "j", "/ck/s1", "s1", Class::Scheduled)
+        .await
+        .unwrap();
+    c.set_transfer_state(id, TransferState::Paused, None)
+        .await
+        .unwrap();
+    for s in [TransferState::Active, TransferState::Verifying] {
+        c.set_transfer_state(id, s, None).await.unwrap();
+        assert_eq!(state_of(id).await, TransferState::Paused, "after {s}");
+    }
+    c.set_transfer_state(id, TransferState::Queued, None)
+        .await
+        .unwrap();
+    assert_eq!(state_of(id).await, TransferState::Queued, "resumed");
+    c.set_transfer_state(id, TransferState::Active, None)
+        .await
+        .unwrap();
+    assert_eq!(state_of(id).await, TransferState::Active);
+    c.set_transfer_state(id, TransferState::Paused, None)
+        .await
+        .unwrap();
+    c.set_transfer_state(id, TransferState::Cancelled, Some("by hand"))
+        .await
+        .unwrap();
+    let t = c.transfer(id).await.unwrap().unwrap();
+    assert_eq!(
+        t.state,
+        TransferState::Cancelled,
+        "a paused transfer can be cancelled"
+    );
+    let finished = t.finished_at;
+    assert!(finished.is_some());
+    for s in [
+        TransferState::Active,
+        TransferState::Verifying,
+        TransferState::Queued,
+        TransferState::Failed,
+    ] {
+        c.set_transfer_state(id, s, Some("late")).await.unwrap();
+        let t = c.transfer(id).await.unwrap().unwrap();
+        assert_eq!(t.state, TransferState::Cancelled, "after {s}");
+        assert_eq!(
+            (t.error.as_deref(), t.finished_at),
+            (Some("by hand"), finished)
+        );
+    }
+    // A paused transfer may still fail.
+    let id = c
+        .insert_transfer("l", "j", "/ck/s2", "s2", Class::Scheduled)
+        .await
+        .unwrap();
+    c.set_transfer_state(id, TransferState::Paused, None)
+        .await
+        .unwrap();
+    c.set_transfer_state(id, TransferState::Failed, Some("gone"))
+        .await
+        .unwrap();
+    assert_eq!(state_of(id).await, TransferState::Failed);
+}
+
+#[tokio::test]
+async fn transfer_progress_never_moves_backwards() {
+    let d = tempfile::tempdir().unwrap();
+    let c = Catalog::open(d.path()).await.unwrap();
+    let id = c
+        .insert_transfer("l", "j", "/ck/s1", "s1", Class::Scheduled)
+        .await
+        .unwrap();
+    let row = |c: Catalog| async move {
+        let t = c.transfer(id).await.unwrap().unwrap();
+        (t.bytes_total, t.bytes_done, t.bytes_sent, t.shards)
+    };
+    let note = |total, done, sent| ProgressNote {
+        bytes_total: total,
+        bytes_done: done,
+        bytes_sent: sent,
+    };
+    // A checkpoint being written: the size known so far grows.
+    c.note_transfer_progress(id, note(100, 40, 50))
+        .await
+        .unwrap();
+    assert_eq!(row(c.clone()).await, (100, 40, 50, 0));
+    // A later run that knows less (it just started) changes nothing.
+    c.note_transfer_progress(id, note(60, 10, 20))
+        .await
+        .unwrap();
+    assert_eq!(row(c.clone()).await, (100, 40, 50, 0));
+    c.note_transfer_progress(id, note(150, 400, 160))
+        .await
+        .unwrap();
+    assert_eq!(row(c.clone()).await, (150, 150, 160, 0), "done <= total");
+    // The sealed size is exact; what is done stays within it.
+    c.set_transfer_size(id, 120, 3).await.unwrap();
+    assert_eq!(row(c.clone()).await, (120, 120, 160, 3));
+    c.set_transfer_size(id, 200, 3).await.unwrap();
+    assert_eq!(row(c.clone()).await, (200, 120, 160, 3));
+}
+
+#[tokio::test]
+async fn transfer_and_replica_rows_roundtrip() {
+    let d = tempfile::tempdir().unwrap();
+    let c = Catalog::open(d.path()).await.unwrap();
+    let id = c
+        .insert_transfer("l", "j", "/ck/s1", "s1", Class::Scheduled)
+        .await
+        .unwrap();
+    c.set_transfer_state(id, TransferState::Active, None)
+        .await
+        .unwrap();
+    assert_eq!(c.unfinished_transfers().await.unwrap().len(), 1);
+    assert_eq!(
+        c.transfer_state_counts().await.unwrap(),
+        vec![(TransferState::Active, 1)]
+    );
+    c.set_transfer_published(id, "ab", "/eval/x").await.unwrap();
+    assert_eq!(
+        c.transfer_state_counts().await.unwrap(),
+        vec![(TransferState::Published, 1)]
+    );
+    let t = c.transfer(id).await.unwrap().unwrap();
+    assert_eq!(t.state, TransferState::Published);
+    assert!(t.started_at.is_some() && t.finished_at.is_some());
+    assert!(c.unfinished_transfers().await.unwrap().is_empty());
+
+    let files = vec![FileInfo {
+        path: "a".into(),
+        size: 5,
+        mode: 0o644,
+        mtime_ns: 1,
+    }];
+    let r = c
+        .insert_replica(&NewReplica {
+            peer: "p",
+            source_site: "s",
+            source_transfer: id,
+            job: "j",
+            source_path: "/ck/s1",
+            rel: "s1",
+            chunk_size: 1 << 20,
+            files: &files,
+            bytes_total: 5,
+            staging_path: "/st",
+            local_path: "/eval/x",
+            profile: Profile::WeightsOnly,
+        })
+        .await
+        .unwrap();
+    assert_eq!(c.replica_files(r).await.unwrap(), files);
+    c.add_chunks(&[vc(r, 0, [7; 32], 5)]).await.unwrap();
+    c.add_chunks(&[vc(r, 0, [7; 32], 5)]).await.unwrap();
+    assert_eq!(c.chunks(r).await.unwrap(), vec![(0, [7; 32])]);
+    assert_eq!(
+        c.replica_state_counts().await.unwrap(),
+        vec![(TransferState::Receiving, 1)]
+    );
+    let times = SourceTimes {
+        committed_ms: now_ms() - 2_000,
+        opened_ms: now_ms() - 5_000,
+    };
+    let stored_lag = c
+        .set_replica_published(r, b"m", "ab", "/eval/x", 5, times)
+        .await
+        .unwrap();
+    assert_eq!(
+        c.replica_state_counts().await.unwrap(),
+        vec![(TransferState::Published, 1)]
+    );
+    assert!(c.chunks(r).await.unwrap().is_empty());
+    let rep = c.replica_by_local_path("/eval/x").await.unwrap().unwrap();
+    assert_eq!(rep.bytes_done, 5);
+    assert_eq!(rep.profile, Profile::WeightsOnly);
+    assert_eq!(rep.committed_at, Some(times.committed_ms));
+    let lag = rep.commit_to_replica_s.unwrap();
+    assert_eq!(stored_lag, Some(lag), "the lag returned is the one stored");
+    let open = rep.open_to_replica_s.unwrap();
+    assert!(
+        (2.0..60.0).contains(&lag) && (5.0..60.0).contains(&open),
+        "{lag} {open}"
+    );
+    assert_eq!(c.replica_manifest(r).await.unwrap().unwrap(), b"m");
+}
+
+async fn replica_for(c: &Catalog, id: TransferId) -> i64 {
+    c.insert_replica(&NewReplica {
+        peer: "p",
+        source_site: "s",
+        source_transfer: id,
+        job: "j",
+        source_path: "/ck/s1",
+        rel: "s1",
+        chunk_size: 1 << 20,
+        files: &[],
+        bytes_total: 10,
+        staging_path: "/st",
+        local_path: "/eval/x",
+        profile: Profile::Full,
+    })
+    .await
+    .unwrap()
+}
+
+fn vc(replica: i64, key: u64, hash: Hash, bytes: u64) -> VerifiedChunk {
+    VerifiedChunk {
+        replica,
+        key,
+        hash,
+        bytes,
+        arrived_ms: None,
+        arrival_started_ms: None,
+    }
+}
+
+#[test]
+fn a_chunk_s_bytes_are_spread_over_its_arrival() {
+    // 300 bytes from 1005 to 1035: 5/30, 10/30, 10/30, 5/30 of them in
+    // the bins at 1000, 1010, 1020, 1030; a chunk with no start time
+    // lands in its last byte's bin.
+    let a = spread_arrivals(&[(Some(1005), 1035, 300), (None, 1021, 7)]);
+    assert_eq!(a.bin_ms, 10);
+    assert_eq!(
+        a.bins,
+        vec![(1000, 50), (1010, 100), (1020, 107), (1030, 50)]
+    );
+    assert_eq!(a.bytes_between(1000, 1040), 307);
+    // A long transfer gets wider bins.
+    let long = spread_arrivals(&[(Some(0), 1, 1), (None, 500_000, 1)]);
+    assert_eq!(long.bin_ms, 100);
+}
+
+#[tokio::test]
+async fn add_chunks_records_arrival_time_and_length() {
+    let d = tempfile::tempdir().unwrap();
+    let c = Catalog::open(d.path()).await.unwrap();
+    let r = replica_for(&c, TransferId(1)).await;
+    let before = now_ms();
+    c.add_chunks(&[vc(r, 0, [1; 32], 7), vc(r, 1, [2; 32], 3)])
+        .await
+        .unwrap();
+    let after = now_ms();
+    // A repeat keeps the first arrival and does not count twice.
+    c.add_chunks(&[vc(r, 0, [1; 32], 99)]).await.unwrap();
+    // An arrival time given is kept as given.
+    c.add_chunks(&[VerifiedChunk {
+        arrived_ms: Some(before - 5_003),
+        ..vc(r, 2, [3; 32], 4)
+    }])
+    .await
+    .unwrap();
+    assert_eq!(
+        c.chunk_arrivals(r).await.unwrap().bins.first(),
+        Some(&((before - 5_003) / 10 * 10, 4))
+    );
+    let rows: Vec<(i64, Option<i64>, Option<i64>)> = sqlx::query_as(
+        "SELECT idx, verified_at, bytes FROM chunks WHERE replica = ? AND idx < 2 ORDER BY idx",
+    )
+    .bind(r)
+    .fetch_all(&c.pool)
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!((rows[0].0, rows[0].2), (0, Some(7)));
+    assert_eq!((rows[1].0, rows[1].2), (1, Some(3)));
+    for (_, at, _) in &rows {
+        let at = at.unwrap();
+        assert!((before..=after).contains(&at), "{before} {at} {after}");
+    }
+    assert_eq!(c.replica(r).await.unwrap().unwrap().bytes_done, 14);
+}
+
+#[tokio::test]
+async fn signals_are_idempotent_by_key() {
+    let d = tempfile::tempdir().unwrap();
+    let c = Catalog::open(d.path()).await.unwrap();
+    let (s1, new) = c
+        .insert_signal("j", "loss_spike", 0.8, Some(1200), Some("k1"))
+        .await
+        .unwrap();
+    assert!(new);
+    assert_eq!(
+        (s1.job.as_str(), s1.kind.as_str(), s1.severity, s1.step),
+        ("j", "loss_spike", 0.8, Some(1200))
+    );
+    assert_eq!(s1.idempotency_key.as_deref(), Some("k1"));
+    assert_eq!(s1.transfer, None);
+    // The retry returns the first signal and inserts nothing.
+    let (again, new) = c
+        .insert_signal("j", "nan", 0.1, None, Some("k1"))
+        .await
+        .unwrap();
+    assert!(!new);
+    assert_eq!(again, s1);
+    // Without a key every signal is new.
+    let (s2, new2) = c
+        .insert_signal("j", "manual", 1.0, None, None)
+        .await
+        .unwrap();
+    let (s3, new3) = c
+        .insert_signal("k", "manual", 0.0, None, None)
+        .await
+        .unwrap();
+    assert!(new2 && new3);
+    assert!(s1.id < s2.id && s2.id < s3.id);
+
+    let ids = |v: Vec<Signal>| v.into_iter().map(|s| s.id).collect::<Vec<_>>();
+    assert_eq!(
+        ids(c.recent_signals(10).await.unwrap()),
+        [s3.id, s2.id, s1.id]
+    );
+    assert_eq!(ids(c.recent_signals(2).await.unwrap()), [s3.id, s2.id]);
+    assert!(c.recent_signals(-1).await.unwrap().is_empty());
+    assert_eq!(ids(c.signals_page(2, 1).await.unwrap()), [s2.id, s1.id]);
+    assert_eq!(
+        ids(c.signals_since(s1.received_at).await.unwrap()),
+        [s1.id, s2.id, s3.id]
+    );
+    assert!(c.signals_since(now_ms() + 60_000).await.unwrap().is_empty());
+
+    c.set_signal_transfer(s2.id, TransferId(42)).await.unwrap();
+    let got = c.recent_signals(3).await.unwrap();
+    assert_eq!(got[1].transfer, Some(TransferId(42)));
+    assert_eq!(got[0].transfer, None);
+
+    for (sev, what) in [
+        (1.5, "severity"),
+        (f64::NAN, "severity"),
+        (-0.1, "severity"),
+    ] {
+        let e = c
+            .insert_signal("j", "x", sev, None, None)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, CatalogError::Invalid(_)) && e.to_string().contains(what),
+            "{e}"
+        );
+    }
+    let e = c.insert_signal("", "x", 0.5, None, None).await.unwrap_err();
+    assert!(e.to_string().contains("job"), "{e}");
+    let e = c.insert_signal("j", "", 0.5, None, None).await.unwrap_err();
+    assert!(e.to_string().contains("kind"), "{e}");
+    assert_eq!(c.recent_signals(100).await.unwrap().len(), 3);
+}
+
+#[tokio::test]
+async fn api_jobs_survive_config_sync() {
+    let d = tempfile::tempdir().unwrap();
+    let c = Catalog::open(d.path()).await.unwrap();
+    c.sync_config_jobs(&[("a".into(), Some(7e10), 0.8), ("b".into(), Some(0.0), 0.2)])
+        .await
+        .unwrap();
+    let a = c.job("a").await.unwrap().unwrap();
+    assert_eq!(
+        (a.model_params, a.importance, a.origin.as_str()),
+        (Some(7e10), 0.8, origin::CONFIG)
+    );
+    // 0 parameters is an unknown size.
+    assert_eq!(c.job("b").await.unwrap().unwrap().model_params, None);
+    assert_eq!(c.job("zzz").await.unwrap(), None);
+
+    let put = c.put_job("a", None, 1.0).await.unwrap();
+    assert_eq!(
+        (put.model_params, put.importance, put.origin.as_str()),
+        (None, 1.0, origin::API)
+    );
+    assert_eq!(c.job("a").await.unwrap().unwrap(), put);
+
+    // A restart with changed config: the API row keeps its values, the
+    // config row follows the file, a new config job is added.
+    c.sync_config_jobs(&[
+        ("a".into(), Some(1e9), 0.1),
+        ("b".into(), Some(1e9), 0.3),
+        ("c".into(), None, 0.0),
+    ])
+    .await
+    .unwrap();
+    assert_eq!(c.job("a").await.unwrap().unwrap(), put);
+    let b = c.job("b").await.unwrap().unwrap();
+    assert_eq!((b.model_params, b.importance), (Some(1e9), 0.3));
+    let names: Vec<String> = c
+        .jobs()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|j| j.name)
+        .collect();
+    assert_eq!(names, ["a", "b", "c"]);
+
+    // Setting it again through the API replaces the API values.
+    let put2 = c.put_job("a", Some(3e9), 0.5).await.unwrap();
+    assert_eq!((put2.model_params, put2.importance), (Some(3e9), 0.5));
+
+    // Bad values name the job and field; nothing of the batch is written.
+    let e = c
+        .sync_config_jobs(&[("b".into(), None, 0.9), ("d".into(), None, 1.5)])
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("\"d\" importance"), "{e}");
+    assert_eq!(c.job("b").await.unwrap().unwrap().importance, 0.3);
+    assert_eq!(c.job("d").await.unwrap(), None);
+    let e = c
+        .sync_config_jobs(&[("e".into(), Some(-1.0), 0.5)])
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("\"e\" model_params"), "{e}");
+    let e = c.put_job("a", Some(f64::INFINITY), 0.5).await.unwrap_err();
+    assert!(e.to_string().contains("model_params"), "{e}");
+    // Regression: 1e308 parameters was accepted (size term 150).
+    let e = c.put_job("a", Some(1e308), 0.5).await.unwrap_err();
+    assert!(
+        e.to_string().contains("model_params") && e.to_string().contains("1e15"),
+        "{e}"
+    );
+    assert!(c.put_job("z", Some(MAX_MODEL_PARAMS), 0.5).await.is_ok());
+    let e = c.put_job("a", None, f64::NAN).await.unwrap_err();
+    assert!(e.to_string().contains("importance"), "{e}");
+    let e = c.put_job("../x", None, 0.5).await.unwrap_err();
+    assert!(e.to_string().contains("job name"), "{e}");
+    assert_eq!(c.job("a").await.unwrap().unwrap(), put2);
+}
+
+#[tokio::test]
+async fn class_importance_and_urgent_promotion() {
+    let d = tempfile::tempdir().unwrap();
+    let c = Catalog::open(d.path()).await.unwrap();
+    let id = c
+        .insert_transfer("l", "j", "/ck/s1", "s1", Class::Scheduled)
+        .await
+        .unwrap();
+    let t = c.transfer(id).await.unwrap().unwrap();
+    assert_eq!((t.importance, t.urgent_until, t.signal), (None, None, None));
+
+    c.promote_urgent(id, 1_000_000, 7).await.unwrap();
+    let t = c.transfer(id).await.unwrap().unwrap();
+    assert_eq!(t.class, Class::Scheduled);
+    assert_eq!((t.urgent_until, t.signal), (Some(1_000_000), Some(7)));
+
+    c.set_transfer_class(id, Class::Background).await.unwrap();
+    let t = c.transfer(id).await.unwrap().unwrap();
+    assert_eq!(t.class, Class::Background);
+    assert_eq!((t.urgent_until, t.signal), (None, None));
+
+    assert_eq!(
+        c.transfer(id).await.unwrap().unwrap().class,
+        Class::Background
+    );
+    // A class the types cannot hold (written by another version, or by
+    // hand) is an error naming the column, not a silent default.
+    sqlx::query("UPDATE transfers SET class = 'soon' WHERE id = ?")
+        .bind(id.as_i64())
+        .execute(&c.pool)
+        .await
+        .unwrap();
+    let e = c.transfer(id).await.unwrap_err().to_string();
+    assert!(e.contains("class") && e.contains("soon"), "{e}");
+    c.set_transfer_class(id, Class::Background).await.unwrap();
+
+    c.set_transfer_importance(id, Some(0.7)).await.unwrap();
+    assert_eq!(c.transfer(id).await.unwrap().unwrap().importance, Some(0.7));
+    let e = c.set_transfer_importance(id, Some(2.0)).await.unwrap_err();
+    assert!(e.to_string().contains("importance"), "{e}");
+    assert_eq!(c.transfer(id).await.unwrap().unwrap().importance, Some(0.7));
+    c.set_transfer_importance(id, None).await.unwrap();
+    assert_eq!(c.transfer(id).await.unwrap().unwrap().importance, None);
+}
+
+#[tokio::test]
+async fn newest_unpublished_skips_final_transfers_and_keeps_paused() {
+    let d = tempfile::tempdir().unwrap();
+    let c = Catalog::open(d.path()).await.unwrap();
+    assert_eq!(c.newest_unpublished_transfer("j").await.unwrap(), None);
+    let mut ids = Vec::new();
+    // (created_at, state): the newest is published, the one with the
+    // largest id was created earlier.
+    for (n, (created, st)) in [
+        (3_000, TransferState::Paused),
+        (2_000, TransferState::Queued),
+        (4_000, TransferState::Published),
+        (5_000, TransferState::Cancelled),
+        (6_000, TransferState::Failed),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let id = c
+            .insert_transfer("l", "j", &format!("/ck/s{n}"), "s", Class::Scheduled)
+            .await
+            .unwrap();
+        sqlx::query("UPDATE transfers SET created_at = ?, state = ? WHERE id = ?")
+            .bind(created)
+            .bind(st.as_str())
+            .bind(id.as_i64())
+            .execute(&c.pool)
+            .await
+            .unwrap();
+        ids.push(id);
+    }
+    // Another job's newer transfer does not count.
+    let other = c
+        .insert_transfer("l", "k", "/ck/o", "o", Class::Scheduled)
+        .await
+        .unwrap();
+    let t = c.newest_unpublished_transfer("j").await.unwrap().unwrap();
+    assert_eq!((t.id, t.state), (ids[0], TransferState::Paused));
+    assert_eq!(
+        c.newest_unpublished_transfer("k")
+            .await
+            .unwrap()
+            .unwrap()
+            .id,
+        other
+    );
+    // Paused is not final: it is resumed after a restart.
+    assert!(!TransferState::Paused.is_final());
+    let unfinished: Vec<TransferId> = c
+        .unfinished_transfers()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|t| t.id)
+        .collect();
+    assert_eq!(unfinished, [ids[0], ids[1], other]);
+    // Equal creation times: the larger id is the newer.
+    sqlx::query("UPDATE transfers SET created_at = 3000 WHERE id = ?")
+        .bind(ids[1].as_i64())
+        .execute(&c.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        c.newest_unpublished_transfer("j")
+            .await
+            .unwrap()
+            .unwrap()
+            .id,
+        ids[1]
+    );
+    // A newer background copy (logs under the job's root) is not a
+    // checkpoint: the signal still promotes the checkpoint.
+    let logs = c
+        .insert_transfer("l", "j", "/ck/logs", "logs", Class::Background)
+        .await
+        .unwrap();
+    let t = c.newest_unpublished_transfer("j").await.unwrap().unwrap();
+    assert_ne!(t.id, logs);
+    assert_eq!(t.id, ids[1]);
+}
+
+#[tokio::test]
+async fn version_2_catalog_migrates_and_keeps_its_rows() {
+    let old_files = vec![FileInfo {
+        path: "model/a.bin".into(),
+        size: 10,
+        mode: 0o644,
+        mtime_ns: 7,
+    }];
+    let d = tempfile::tempdir().unwrap();
+    let mdir = d.path().join("migrations-v2");
+    std::fs::create_dir(&mdir).unwrap();
+    std::fs::write(
+        mdir.join("0001_catalog.sql"),
+        include_str!("../../../migrations/sqlite/0001_catalog.sql"),
+    )
+    .unwrap();
+    std::fs::write(
+        mdir.join("0002_checkpoints.sql"),
+        include_str!("../../../migrations/sqlite/0002_checkpoints.sql"),
+    )
+    .unwrap();
+    let data = d.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let opts =
+        SqliteConnectOptions::from_str(&format!("sqlite://{}", data.join("ferry.db").display()))
+            .unwrap()
+            .create_if_missing(true);
+    let pool = SqlitePoolOptions::new().connect_with(opts).await.unwrap();
+    sqlx::migrate::Migrator::new(mdir.as_path())
+        .await
+        .unwrap()
+        .run(&pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO transfers (id, link, job, source_path, rel, class, state, created_at) \
+         VALUES (5, 'l', 'j', '/ck/s1', 's1', 'scheduled', 'queued', 1000)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO replicas (id, peer, source_site, source_transfer, job, source_path, rel, \
+         chunk_size, files, state, bytes_total, staging_path, local_path, created_at) \
+         VALUES (9, 'p', 's', 5, 'j', '/ck/s1', 's1', 1048576, ?, 'receiving', 10, '/st', \
+         '/eval/x', 1000)",
+    )
+    .bind(serde_json::to_string(&old_files).unwrap())
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("INSERT INTO chunks (replica, idx, hash) VALUES (9, 0, ?)")
+        .bind(&[3u8; 32][..])
+        .execute(&pool)
+        .await
+        .unwrap();
+    pool.close().await;
+
+    let c = Catalog::open(&data).await.unwrap();
+    // 0004 moved the file table out of the row.
+    assert_eq!(c.replica_files(9).await.unwrap(), old_files);
+    let t = c.transfer(TransferId(5)).await.unwrap().unwrap();
+    assert_eq!((t.class, t.created_at), (Class::Scheduled, 1000));
+    assert_eq!((t.importance, t.urgent_until, t.signal), (None, None, None));
+    assert_eq!(c.chunks(9).await.unwrap(), vec![(0, [3; 32])]);
+    let old: (Option<i64>, Option<i64>) =
+        sqlx::query_as("SELECT verified_at, bytes FROM chunks WHERE replica = 9")
+            .fetch_one(&c.pool)
+            .await
+            .unwrap();
+    assert_eq!(old, (None, None));
+    assert!(c.jobs().await.unwrap().is_empty());
+    c.put_job("j", Some(7e9), 0.5).await.unwrap();
+    let (s, _) = c.insert_signal("j", "nan", 1.0, None, None).await.unwrap();
+    c.promote_urgent(TransferId(5), 2_000, s.id).await.unwrap();
+    assert_eq!(
+        c.newest_unpublished_transfer("j")
+            .await
+            .unwrap()
+            .unwrap()
+            .signal,
+        Some(s.id)
+    );
+    let v: i64 = sqlx::query_scalar("SELECT MAX(version) FROM _sqlx_migrations")
+        .fetch_one(&c.pool)
+        .await
+        .unwrap();
+    assert_eq!(v, 4);
+    c.close().await;
+    drop(c);
+    // Opening again applies nothing new and keeps the rows.
+    let c = Catalog::open(&data).await.unwrap();
+    assert_eq!(c.job("j").await.unwrap().unwrap().importance, 0.5);
+}
+
+#[tokio::test]
+async fn sqlite_catalog_runs_in_wal_mode_with_foreign_keys() {
+    let d = tempfile::tempdir().unwrap();
+    let c = Catalog::open(d.path()).await.unwrap();
+    // Every pooled connection gets the pragmas, not just the first.
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(c.pool.acquire().await.unwrap());
+    }
+    for conn in &mut held {
+        let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
+            .fetch_one(&mut **conn)
+            .await
+            .unwrap();
+        assert_eq!(mode, "wal");
+        let fk: i64 = sqlx::query_scalar("PRAGMA foreign_keys")
+            .fetch_one(&mut **conn)
+            .await
+            .unwrap();
+        assert_eq!(fk, 1);
+        let sync: i64 = sqlx::query_scalar("PRAGMA synchronous")
+            .fetch_one(&mut **conn)
+            .await
+            .unwrap();
+        assert_eq!(sync, 1, "NORMAL");
+    }
+}

@@ -1,0 +1,610 @@
+//! Source side: the `transfers` table, one row per replication of a
+//! checkpoint over a link.
+
+use ferry_proto::state::{CheckpointState, Profile, TransferId, TransferState};
+use scheduler::Class;
+use sqlx::any::AnyRow;
+use sqlx::Row;
+
+use crate::convert::{parsed, profile, transfer_id};
+use crate::jobs::check_unit;
+use crate::{now_ms, Catalog, CatalogError};
+
+/// A source-side transfer row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Transfer {
+    /// Transfer id (also sent to the sink).
+    pub id: TransferId,
+    /// Link name.
+    pub link: String,
+    /// Job name.
+    pub job: String,
+    /// Absolute checkpoint path at the source.
+    pub source_path: String,
+    /// Path relative to the source root.
+    pub rel: String,
+    /// Scheduler class: the class set by hand or by the config, which a
+    /// promoted transfer returns to (see [`Transfer::urgent_until`]).
+    pub class: Class,
+    /// Transfer state.
+    pub state: TransferState,
+    /// Bytes in the checkpoint; while it is written (checkpoint `announced`
+    /// or `open`), the announced size or the bytes known so far.
+    pub bytes_total: i64,
+    /// Bytes at the sink as far as the source knows: what the sink had
+    /// when the latest run began plus what that run sent (an estimate
+    /// until published, when it is `bytes_total`). It never decreases,
+    /// also across pause, resume, reconnect and restart.
+    pub bytes_done: i64,
+    /// Payload bytes put on the wire over all runs (resends included).
+    pub bytes_sent: i64,
+    /// Number of shards.
+    pub shards: i64,
+    /// Hex BLAKE3 manifest root once sealed.
+    pub manifest_root: Option<String>,
+    /// Path of the replica at the sink once published.
+    pub local_path: Option<String>,
+    /// Last error, if failed.
+    pub error: Option<String>,
+    /// Creation time (Unix ms).
+    pub created_at: i64,
+    /// When the transfer first became active (Unix ms).
+    pub started_at: Option<i64>,
+    /// When it reached a final state (Unix ms).
+    pub finished_at: Option<i64>,
+    /// The checkpoint's state at the source.
+    pub checkpoint: CheckpointState,
+    /// Format that recognised the checkpoint, if the watcher found it.
+    pub format: Option<String>,
+    /// When the checkpoint opened (Unix ms), if known.
+    pub opened_at: Option<i64>,
+    /// When the checkpoint was committed (Unix ms), if it is.
+    pub committed_at: Option<i64>,
+    /// Commit identity the watcher saw (marker size and mtime or the
+    /// like); a new one in the same directory is a re-save.
+    pub commit_identity: Option<String>,
+    /// Replication profile.
+    pub profile: Profile,
+    /// Importance override for this transfer, 0..1; `None` = the job's
+    /// importance.
+    pub importance: Option<f64>,
+    /// While now (Unix ms) is before this, the transfer is `urgent`
+    /// because a signal promoted it; [`Transfer::class`] is the class it
+    /// returns to. `None` = not promoted.
+    pub urgent_until: Option<i64>,
+    /// Id of the signal that promoted it ([`Signal::id`]), if any.
+    pub signal: Option<i64>,
+}
+
+/// How far a transfer got, for [`Catalog::note_transfer_progress`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ProgressNote {
+    /// Bytes in the checkpoint, or known so far while it is written.
+    pub bytes_total: u64,
+    /// Bytes at the sink as far as the source knows.
+    pub bytes_done: u64,
+    /// Payload bytes put on the wire over all runs (resends included).
+    pub bytes_sent: u64,
+}
+
+const TRANSFER_COLS: &str = "id, link, job, source_path, rel, class, state, bytes_total, \
+    bytes_done, bytes_sent, shards, manifest_root, local_path, error, created_at, started_at, finished_at, \
+    checkpoint, format, opened_at, committed_at, commit_identity, profile, importance, \
+    urgent_until, signal";
+
+fn transfer_row(r: &AnyRow) -> Result<Transfer, sqlx::Error> {
+    Ok(Transfer {
+        id: transfer_id(r, "id")?,
+        link: r.try_get("link")?,
+        job: r.try_get("job")?,
+        source_path: r.try_get("source_path")?,
+        rel: r.try_get("rel")?,
+        class: parsed(r, "class")?,
+        state: parsed(r, "state")?,
+        bytes_total: r.try_get("bytes_total")?,
+        bytes_done: r.try_get("bytes_done")?,
+        bytes_sent: r.try_get("bytes_sent")?,
+        shards: r.try_get("shards")?,
+        manifest_root: r.try_get("manifest_root")?,
+        local_path: r.try_get("local_path")?,
+        error: r.try_get("error")?,
+        created_at: r.try_get("created_at")?,
+        started_at: r.try_get("started_at")?,
+        finished_at: r.try_get("finished_at")?,
+        checkpoint: parsed(r, "checkpoint")?,
+        format: r.try_get("format")?,
+        opened_at: r.try_get("opened_at")?,
+        committed_at: r.try_get("committed_at")?,
+        commit_identity: r.try_get("commit_identity")?,
+        profile: profile(r)?,
+        importance: r.try_get("importance")?,
+        urgent_until: r.try_get("urgent_until")?,
+        signal: r.try_get("signal")?,
+    })
+}
+
+/// Rows of `table` (`transfers` or `replicas`) per state.
+pub(crate) async fn state_counts(
+    c: &Catalog,
+    table: &'static str,
+) -> Result<Vec<(TransferState, i64)>, CatalogError> {
+    let q = format!("SELECT state, COUNT(*) AS n FROM {table} GROUP BY state ORDER BY state");
+    let rows = sqlx::query(&c.db.sql(&q)).fetch_all(&c.pool).await?;
+    Ok(rows
+        .iter()
+        .map(|r| Ok((parsed(r, "state")?, r.try_get("n")?)))
+        .collect::<Result<_, sqlx::Error>>()?)
+}
+
+impl Catalog {
+    /// Inserts a queued transfer; returns its id.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn insert_transfer(
+        &self,
+        link: &str,
+        job: &str,
+        source_path: &str,
+        rel: &str,
+        class: Class,
+    ) -> Result<TransferId, CatalogError> {
+        let r = sqlx::query(&self.db.sql(
+            "INSERT INTO transfers (link, job, source_path, rel, class, state, created_at) \
+             VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING id",
+        ))
+        .bind(link)
+        .bind(job)
+        .bind(source_path)
+        .bind(rel)
+        .bind(class.as_str())
+        .bind(TransferState::Queued.as_str())
+        .bind(now_ms())
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(transfer_id(&r, "id")?)
+    }
+
+    /// Inserts a transfer of a checkpoint found by the watcher, in
+    /// checkpoint state `ckpt` ([`checkpoint`]); returns its id.
+    ///
+    /// # Errors
+    /// SQL errors.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn insert_watched_transfer(
+        &self,
+        link: &str,
+        job: &str,
+        source_path: &str,
+        rel: &str,
+        class: Class,
+        ckpt: CheckpointState,
+        format: &str,
+        opened_at: Option<i64>,
+        committed_at: Option<i64>,
+        profile: Profile,
+    ) -> Result<TransferId, CatalogError> {
+        let r = sqlx::query(&self.db.sql(
+            "INSERT INTO transfers (link, job, source_path, rel, class, state, created_at, \
+             checkpoint, format, opened_at, committed_at, profile) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+        ))
+        .bind(link)
+        .bind(job)
+        .bind(source_path)
+        .bind(rel)
+        .bind(class.as_str())
+        .bind(TransferState::Queued.as_str())
+        .bind(now_ms())
+        .bind(ckpt.as_str())
+        .bind(format)
+        .bind(opened_at)
+        .bind(committed_at)
+        .bind(profile.stored_name())
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(transfer_id(&r, "id")?)
+    }
+
+    /// Records the checkpoint state of a transfer ([`checkpoint`]) and,
+    /// when committed, the commit time (Unix ms) and commit identity.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_checkpoint_state(
+        &self,
+        id: TransferId,
+        ckpt: CheckpointState,
+        committed_at: Option<i64>,
+        identity: Option<&str>,
+    ) -> Result<(), CatalogError> {
+        sqlx::query(&self.db.sql(
+            "UPDATE transfers SET checkpoint = ?, committed_at = COALESCE(?, committed_at), \
+             commit_identity = COALESCE(?, commit_identity) WHERE id = ?",
+        ))
+        .bind(ckpt.as_str())
+        .bind(committed_at)
+        .bind(identity)
+        .bind(id.as_i64())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Sets the format that recognised a transfer's checkpoint (an
+    /// announced one is queued before its format is known).
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_transfer_format(
+        &self,
+        id: TransferId,
+        format: &str,
+    ) -> Result<(), CatalogError> {
+        sqlx::query(&self.db.sql("UPDATE transfers SET format = ? WHERE id = ?"))
+            .bind(format)
+            .bind(id.as_i64())
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Sets when a transfer's checkpoint opened (Unix ms).
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_opened_at(&self, id: TransferId, opened_at: i64) -> Result<(), CatalogError> {
+        sqlx::query(
+            &self
+                .db
+                .sql("UPDATE transfers SET opened_at = ? WHERE id = ?"),
+        )
+        .bind(opened_at)
+        .bind(id.as_i64())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// One transfer by id.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn transfer(&self, id: TransferId) -> Result<Option<Transfer>, CatalogError> {
+        let q = format!("SELECT {TRANSFER_COLS} FROM transfers WHERE id = ?");
+        let r = sqlx::query(&self.db.sql(&q))
+            .bind(id.as_i64())
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.as_ref().map(transfer_row).transpose()?)
+    }
+
+    /// Transfers, newest first, at most `limit`, starting after `offset`.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn transfers(&self, limit: i64, offset: i64) -> Result<Vec<Transfer>, CatalogError> {
+        let q = format!("SELECT {TRANSFER_COLS} FROM transfers ORDER BY id DESC LIMIT ? OFFSET ?");
+        let rows = sqlx::query(&self.db.sql(&q))
+            .bind(limit)
+            .bind(offset)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(transfer_row).collect::<Result<_, _>>()?)
+    }
+
+    /// Source-side transfers per state (states with none are left out).
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn transfer_state_counts(&self) -> Result<Vec<(TransferState, i64)>, CatalogError> {
+        state_counts(self, "transfers").await
+    }
+
+    /// Transfers not in a final state, oldest first (the work to resume
+    /// after a restart).
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn unfinished_transfers(&self) -> Result<Vec<Transfer>, CatalogError> {
+        let q = format!(
+            "SELECT {TRANSFER_COLS} FROM transfers WHERE state NOT IN (?, ?, ?) ORDER BY id"
+        );
+        let rows = sqlx::query(&self.db.sql(&q))
+            .bind(TransferState::Published.as_str())
+            .bind(TransferState::Failed.as_str())
+            .bind(TransferState::Cancelled.as_str())
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(transfer_row).collect::<Result<_, _>>()?)
+    }
+
+    /// The newest transfer of `source_path` (exact match), if any.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn transfer_by_path(
+        &self,
+        source_path: &str,
+    ) -> Result<Option<Transfer>, CatalogError> {
+        let q = format!(
+            "SELECT {TRANSFER_COLS} FROM transfers WHERE source_path = ? ORDER BY id DESC LIMIT 1"
+        );
+        let r = sqlx::query(&self.db.sql(&q))
+            .bind(source_path)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.as_ref().map(transfer_row).transpose()?)
+    }
+
+    /// Every transfer of `source_path`, oldest first.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn transfers_for_path(
+        &self,
+        source_path: &str,
+    ) -> Result<Vec<Transfer>, CatalogError> {
+        let q = format!("SELECT {TRANSFER_COLS} FROM transfers WHERE source_path = ? ORDER BY id");
+        let rows = sqlx::query(&self.db.sql(&q))
+            .bind(source_path)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(transfer_row).collect::<Result<_, _>>()?)
+    }
+
+    /// True if an earlier transfer than `id` of `source_path` was
+    /// published (the sink may then hold most of its bytes already).
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn published_before(
+        &self,
+        source_path: &str,
+        id: TransferId,
+    ) -> Result<bool, CatalogError> {
+        let r = sqlx::query(
+            &self.db.sql("SELECT id FROM transfers WHERE source_path = ? AND id < ? AND state = 'published' LIMIT 1"),
+        )
+        .bind(source_path)
+        .bind(id.as_i64())
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(r.is_some())
+    }
+
+    /// Sets a transfer's state (and error text for `failed`), stamping
+    /// `started_at` on the first `active` and `finished_at` on final states.
+    /// A final state is never left, and a `paused` transfer does not become
+    /// `active` or `verifying` (only resume, cancel or a failure move it):
+    /// the transfer task's own writes must not undo an operator's pause or
+    /// cancel that landed while it was starting or sending; such a write
+    /// changes nothing.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_transfer_state(
+        &self,
+        id: TransferId,
+        new_state: TransferState,
+        error: Option<&str>,
+    ) -> Result<(), CatalogError> {
+        let now = now_ms();
+        let new_state = new_state.as_str();
+        sqlx::query(
+            &self.db.sql("UPDATE transfers SET state = ?, error = COALESCE(?, error), \
+             started_at = CASE WHEN ? = 'active' AND started_at IS NULL THEN ? ELSE started_at END, \
+             finished_at = CASE WHEN ? IN ('published', 'failed', 'cancelled') THEN ? ELSE finished_at END \
+             WHERE id = ? AND state NOT IN ('published', 'failed', 'cancelled') \
+             AND NOT (state = 'paused' AND ? IN ('active', 'verifying'))"),
+        )
+        .bind(new_state)
+        .bind(error)
+        .bind(new_state)
+        .bind(now)
+        .bind(new_state)
+        .bind(now)
+        .bind(id.as_i64())
+        .bind(new_state)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Sets (or with `None` clears) a transfer's last-problem text without
+    /// changing its state, e.g. why its link cannot connect.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_transfer_note(
+        &self,
+        id: TransferId,
+        note: Option<&str>,
+    ) -> Result<(), CatalogError> {
+        sqlx::query(&self.db.sql("UPDATE transfers SET error = ? WHERE id = ?"))
+            .bind(note)
+            .bind(id.as_i64())
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Records the size and shard count of a transfer's checkpoint: the
+    /// announced size, the listing of a pushed directory, or the sealed
+    /// manifest of a watched one. `bytes_done` stays at most `bytes_total`.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_transfer_size(
+        &self,
+        id: TransferId,
+        bytes_total: u64,
+        shards: u64,
+    ) -> Result<(), CatalogError> {
+        let total = bytes_total as i64;
+        sqlx::query(&self.db.sql(
+            "UPDATE transfers SET bytes_total = ?, shards = ?, bytes_done = MIN(bytes_done, ?) \
+             WHERE id = ?",
+        ))
+        .bind(total)
+        .bind(shards as i64)
+        .bind(total)
+        .bind(id.as_i64())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Records how far a transfer got, never moving backwards: each of
+    /// `bytes_total` (bytes known so far, for a checkpoint still being
+    /// written), `bytes_done` and `bytes_sent` only grows, and `bytes_done`
+    /// stays at most `bytes_total`. A transfer's run writes this whenever
+    /// it stops (pause, reconnect, shutdown, failure) and while it runs, so
+    /// what a run achieved stays visible when the next one starts.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn note_transfer_progress(
+        &self,
+        id: TransferId,
+        p: ProgressNote,
+    ) -> Result<(), CatalogError> {
+        let total = p.bytes_total as i64;
+        sqlx::query(&self.db.sql(
+            "UPDATE transfers SET bytes_total = MAX(bytes_total, ?), \
+             bytes_done = MIN(MAX(bytes_done, ?), MAX(bytes_total, ?)), \
+             bytes_sent = MAX(bytes_sent, ?) WHERE id = ?",
+        ))
+        .bind(total)
+        .bind(p.bytes_done as i64)
+        .bind(total)
+        .bind(p.bytes_sent as i64)
+        .bind(id.as_i64())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Marks a transfer published at `local_path` with manifest `root`.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_transfer_published(
+        &self,
+        id: TransferId,
+        root_hex: &str,
+        local_path: &str,
+    ) -> Result<(), CatalogError> {
+        sqlx::query(&self.db.sql(
+            "UPDATE transfers SET state = 'published', manifest_root = ?, local_path = ?, \
+             bytes_done = bytes_total, finished_at = ? WHERE id = ?",
+        ))
+        .bind(root_hex)
+        .bind(local_path)
+        .bind(now_ms())
+        .bind(id.as_i64())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Sets a transfer's class (`urgent`, `scheduled` or `background`),
+    /// e.g. an operator re-prioritising it. Also ends any promotion by a
+    /// signal (clears `urgent_until` and `signal`): the class set by hand
+    /// is the one that holds.
+    ///
+    /// # Errors
+    /// [`CatalogError::Invalid`] naming `class` for an unknown class; SQL
+    /// errors.
+    pub async fn set_transfer_class(
+        &self,
+        id: TransferId,
+        class: Class,
+    ) -> Result<(), CatalogError> {
+        sqlx::query(&self.db.sql(
+            "UPDATE transfers SET class = ?, urgent_until = NULL, signal = NULL WHERE id = ?",
+        ))
+        .bind(class.as_str())
+        .bind(id.as_i64())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Sets (`Some`, 0..1) or clears (`None`: the job's importance holds
+    /// again) a transfer's importance override.
+    ///
+    /// # Errors
+    /// [`CatalogError::Invalid`] naming `importance` outside 0..1; SQL
+    /// errors.
+    pub async fn set_transfer_importance(
+        &self,
+        id: TransferId,
+        importance: Option<f64>,
+    ) -> Result<(), CatalogError> {
+        let importance = importance
+            .map(|v| check_unit("importance", v))
+            .transpose()?;
+        sqlx::query(
+            &self
+                .db
+                .sql("UPDATE transfers SET importance = ? WHERE id = ?"),
+        )
+        .bind(importance)
+        .bind(id.as_i64())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Promotes a transfer to `urgent` until `until_ms` (Unix ms) because
+    /// of signal `signal_id`; its `class` stays the class it returns to.
+    /// A later promotion replaces an earlier one.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn promote_urgent(
+        &self,
+        id: TransferId,
+        until_ms: i64,
+        signal_id: i64,
+    ) -> Result<(), CatalogError> {
+        sqlx::query(
+            &self
+                .db
+                .sql("UPDATE transfers SET urgent_until = ?, signal = ? WHERE id = ?"),
+        )
+        .bind(until_ms)
+        .bind(signal_id)
+        .bind(id.as_i64())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// The transfer of `job` that a signal promotes: the one created last
+    /// (largest `created_at`, then largest id) that is not published,
+    /// failed or cancelled, and not in class `background` (datasets and
+    /// logs are not checkpoints; a checkpoint an operator put there stays
+    /// there). Queued, active, paused and verifying transfers all count.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn newest_unpublished_transfer(
+        &self,
+        job: &str,
+    ) -> Result<Option<Transfer>, CatalogError> {
+        let q = format!(
+            "SELECT {TRANSFER_COLS} FROM transfers WHERE job = ? AND state NOT IN (?, ?, ?) \
+             AND class <> 'background' ORDER BY created_at DESC, id DESC LIMIT 1"
+        );
+        let r = sqlx::query(&self.db.sql(&q))
+            .bind(job)
+            .bind(TransferState::Published.as_str())
+            .bind(TransferState::Failed.as_str())
+            .bind(TransferState::Cancelled.as_str())
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.as_ref().map(transfer_row).transpose()?)
+    }
+}
