@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use replicator::linkemu::{memory_pair, LinkParams};
+use ferry_linkemu::{memory_pair, LinkParams};
 use replicator::sink::Resolution;
 
 use crate::agent::{self, Overrides};
@@ -601,7 +601,7 @@ pub(crate) struct DemoPair {
     /// The sink agent.
     pub sink: agent::Agent,
     /// The source's end of the link (its statistics).
-    pub link: std::sync::Arc<replicator::linkemu::MemorySocket>,
+    pub link: std::sync::Arc<ferry_linkemu::MemorySocket>,
 }
 
 /// Starts a sink and a source (certificates from `dir/certs`, data dirs

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use replicator::linkemu::{spawn_relay, LinkParams};
+use ferry_linkemu::{spawn_relay, LinkParams};
 use tracing_subscriber::EnvFilter;
 
 use crate::out::{noteln, outln};
@@ -828,7 +828,7 @@ async fn verify(path: &Path, cfg_path: &Path) -> Result<()> {
 }
 
 /// One direction's counters as `ferry link-emu` prints them at the end.
-fn link_counts(s: &replicator::linkemu::LinkStats) -> String {
+fn link_counts(s: &ferry_linkemu::LinkStats) -> String {
     format!(
         "{} packets, {} dropped by queue, {} by loss, {} by cut, {} duplicated, {} reordered, \
          {} corrupted",

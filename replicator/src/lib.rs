@@ -7,7 +7,6 @@ pub mod catalog;
 pub mod cc;
 pub mod conn;
 pub mod formats;
-pub mod linkemu;
 pub mod manifest;
 pub mod metrics;
 pub mod paths;

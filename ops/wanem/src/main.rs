@@ -25,10 +25,18 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use ferry_linkemu::{DropReason, LinkModel, LinkParams, Verdict};
 use nix::sched::CloneFlags;
 use nix::sys::signal::{SigSet, Signal};
-use replicator::linkemu::{LinkModel, LinkParams, Verdict};
 use wanem::{DelayLine, DirectionStats};
+
+// The rate and size parsers of `replicator::units`, compiled from the same
+// file rather than through the `replicator` crate, whose sqlx, rustls and
+// notify an emulator has no use for. When the units move into a crate of
+// their own without those, depend on it instead.
+#[expect(dead_code, reason = "wanem parses rates and sizes, it formats none")]
+#[path = "../../../replicator/src/units.rs"]
+mod units;
 
 /// Smallest default queue (bytes): 64 packets of 1500 bytes, for RTTs so
 /// short that one bandwidth-delay product holds almost nothing.
@@ -72,11 +80,11 @@ struct Args {
     #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
     rtt: Duration,
     /// Rate cap of each direction on IP bytes, e.g. 1Gbit/s, 300Mbit/s.
-    #[arg(long, default_value = "1Gbit/s", value_parser = replicator::units::parse_rate)]
+    #[arg(long, default_value = "1Gbit/s", value_parser = units::parse_rate)]
     rate: u64,
     /// Queue in front of the rate cap, bytes (tail drop). Default: one
     /// bandwidth-delay product (rate x RTT / 8), at least 96,000 bytes.
-    #[arg(long, value_parser = replicator::units::parse_size)]
+    #[arg(long, value_parser = units::parse_size)]
     queue: Option<u64>,
     /// Random loss probability per packet and direction, 0..1 (e.g. 0.01).
     #[arg(long, default_value_t = 0.0)]
@@ -332,10 +340,10 @@ fn reader(mut dev: impl Read, d: &Direction) {
                 let mut stats = lock(&d.stats);
                 stats.max_held_bytes = stats.max_held_bytes.max(held);
             }
-            Verdict::Drop(replicator::linkemu::DropReason::Loss) => stats.dropped_loss += 1,
-            Verdict::Drop(replicator::linkemu::DropReason::QueueFull) => stats.dropped_queue += 1,
+            Verdict::Drop(DropReason::Loss) => stats.dropped_loss += 1,
+            Verdict::Drop(DropReason::QueueFull) => stats.dropped_queue += 1,
             // wanem never cuts its link.
-            Verdict::Drop(replicator::linkemu::DropReason::Cut) => stats.dropped_loss += 1,
+            Verdict::Drop(DropReason::Cut) => stats.dropped_loss += 1,
         }
     }
 }

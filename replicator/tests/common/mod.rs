@@ -8,8 +8,8 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use ferry_linkemu::{memory_pair, LinkParams};
 use replicator::catalog::Catalog;
-use replicator::linkemu::{memory_pair, LinkParams};
 use replicator::manifest::MIN_CHUNK_SIZE;
 use replicator::sink::{Sink, SinkConfig};
 use replicator::source::{LinkConfig, RootConfig, Source, SourceConfig};
