@@ -2,24 +2,16 @@
 //! `resolve`, `signal`, `push`), `verify`, tools (`certs`, `token`, `gen`,
 //! `link-emu`) and the self-contained `demo`.
 
-mod agent;
-mod apiserve;
-mod client;
-mod commands;
-mod config;
-mod demo;
-mod out;
-
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
+use ferry::out::{noteln, outln};
+use ferry::{agent, client, commands, config, demo, out};
 use ferry_linkemu::{spawn_relay, LinkParams};
 use tracing_subscriber::EnvFilter;
-
-use crate::out::{noteln, outln};
 
 /// Ferry replicates LLM training checkpoints from a training datacenter to
 /// an evaluation datacenter over QUIC, verified with BLAKE3 and published
