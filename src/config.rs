@@ -7,9 +7,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use ferry_proto::units::parse_size;
 use serde::{Deserialize, Deserializer};
-
-use crate::gen::parse_size;
 
 /// The whole file.
 #[derive(Debug, Clone, Deserialize)]

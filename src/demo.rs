@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use ferry_linkemu::{memory_pair, LinkParams};
 use ferry_proto::state::TransferState;
-use replicator::linkemu::{memory_pair, LinkParams};
 use replicator::sink::Resolution;
 
 use crate::agent::{self, Overrides};
@@ -17,7 +17,6 @@ use crate::config::{
     format_rate, AgentSection, ApiSection, Config, LinkSection, QuicSection, Role, RootSection,
     SinkSection, SourceSection, TlsSection,
 };
-use crate::gen;
 use crate::out::noteln;
 
 mod keep;
@@ -29,7 +28,7 @@ pub use keep::{handles_interrupts, interrupt};
 #[derive(Debug, clap::Args)]
 pub struct DemoArgs {
     /// Checkpoint size, e.g. 1.4GB, 200MB.
-    #[arg(long, default_value = "1.4GB", value_parser = gen::parse_size)]
+    #[arg(long, default_value = "1.4GB", value_parser = ferry_proto::units::parse_size)]
     pub size: u64,
     /// Link rate cap, e.g. 1Gbit/s.
     #[arg(long, default_value = "1Gbit/s", value_parser = crate::config::parse_rate)]
@@ -82,13 +81,13 @@ pub struct DemoArgs {
     /// --keep-running: size of each background push (a generated dataset
     /// in class background; one moves while the next is generated); 0
     /// turns the load off.
-    #[arg(long, default_value = "200MB", value_parser = gen::parse_size, requires = "keep_running")]
+    #[arg(long, default_value = "200MB", value_parser = ferry_proto::units::parse_size, requires = "keep_running")]
     pub load_size: u64,
     /// --priority: size of the checkpoint that becomes urgent.
-    #[arg(long, default_value = "300MB", value_parser = gen::parse_size, requires = "priority")]
+    #[arg(long, default_value = "300MB", value_parser = ferry_proto::units::parse_size, requires = "priority")]
     pub urgent_size: u64,
     /// --priority: total size of the background copies (4 of them).
-    #[arg(long, default_value = "1.6GB", value_parser = gen::parse_size, requires = "priority")]
+    #[arg(long, default_value = "1.6GB", value_parser = ferry_proto::units::parse_size, requires = "priority")]
     pub background_size: u64,
 }
 
@@ -257,7 +256,7 @@ pub async fn run(a: DemoArgs) -> Result<()> {
                 format_rate(a.rate)
             );
         }
-        crate::gen::ensure_space(&dir, total.saturating_mul(2))
+        ferry_gen::ensure_space(&dir, total.saturating_mul(2))
             .context("the demo needs room for its checkpoints and their replicas")?;
         replicator::tls::init_dev_pki(
             &dir.join("certs"),
@@ -293,7 +292,7 @@ pub async fn run(a: DemoArgs) -> Result<()> {
     } else {
         (copies, 0)
     };
-    crate::gen::ensure_space(&dir, a.size.saturating_mul(copies).saturating_add(load))
+    ferry_gen::ensure_space(&dir, a.size.saturating_mul(copies).saturating_add(load))
         .context("the demo needs room for its checkpoints and their replicas")?;
     let write_rate = a.write_rate.unwrap_or(a.rate / 2).max(1);
     say(format!(
@@ -324,10 +323,10 @@ pub async fn run(a: DemoArgs) -> Result<()> {
     }
     // No commit marker: the watcher leaves it alone and the push below is
     // the only transfer of it.
-    let opts = gen::GenOptions::new(ckpt.clone(), a.size);
+    let opts = ferry_gen::GenOptions::new(ckpt.clone(), a.size);
     let b2 = bar.clone();
     let summary =
-        tokio::task::spawn_blocking(move || gen::generate(&opts, &|n| b2.set_position(n)))
+        tokio::task::spawn_blocking(move || ferry_gen::generate(&opts, &|n| b2.set_position(n)))
             .await??;
     bar.finish_and_clear();
     say(format!(
@@ -452,11 +451,15 @@ pub async fn run(a: DemoArgs) -> Result<()> {
     let watch = if a.no_watch {
         None
     } else {
-        let opts = gen::format::SaveOptions {
+        let opts = ferry_gen::format::SaveOptions {
             step: 2000,
             seed: 2,
             write_rate_bps: Some(write_rate),
-            ..gen::format::SaveOptions::new(&src_root, gen::format::GenFormat::Dcp, a.size)
+            ..ferry_gen::format::SaveOptions::new(
+                &src_root,
+                ferry_gen::format::GenFormat::Dcp,
+                a.size,
+            )
         };
         say(format!(
             "\nphase 2: a training job writes a DCP checkpoint ({} bytes, 4 ranks) at {}; the watcher replicates it ({})",
@@ -472,9 +475,10 @@ pub async fn run(a: DemoArgs) -> Result<()> {
             bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
         }
         let b2 = bar.clone();
-        let saved =
-            tokio::task::spawn_blocking(move || gen::format::save(&opts, &|n| b2.set_position(n)))
-                .await??;
+        let saved = tokio::task::spawn_blocking(move || {
+            ferry_gen::format::save(&opts, &|n| b2.set_position(n))
+        })
+        .await??;
         bar.finish_and_clear();
         let path = saved.dir.to_string_lossy().into_owned();
         let deadline = Instant::now() + Duration::from_secs_f64(MAX_DEMO_S + 60.0);
@@ -602,7 +606,7 @@ pub(crate) struct DemoPair {
     /// The sink agent.
     pub sink: agent::Agent,
     /// The source's end of the link (its statistics).
-    pub link: std::sync::Arc<replicator::linkemu::MemorySocket>,
+    pub link: std::sync::Arc<ferry_linkemu::MemorySocket>,
 }
 
 /// Starts a sink and a source (certificates from `dir/certs`, data dirs

@@ -2,25 +2,16 @@
 //! `resolve`, `signal`, `push`), `verify`, tools (`certs`, `token`, `gen`,
 //! `link-emu`) and the self-contained `demo`.
 
-mod agent;
-mod apiserve;
-mod client;
-mod commands;
-mod config;
-mod demo;
-mod gen;
-mod out;
-
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use replicator::linkemu::{spawn_relay, LinkParams};
+use ferry::out::{noteln, outln};
+use ferry::{agent, client, commands, config, demo, out};
+use ferry_linkemu::{spawn_relay, LinkParams};
 use tracing_subscriber::EnvFilter;
-
-use crate::out::{noteln, outln};
 
 /// Ferry replicates LLM training checkpoints from a training datacenter to
 /// an evaluation datacenter over QUIC, verified with BLAKE3 and published
@@ -176,7 +167,7 @@ enum Command {
         /// all files of the checkpoint, framing included (within about 1 %).
         /// With a 7b or 70b --model, the preset is scaled to it (never
         /// above its full size).
-        #[arg(long, visible_alias = "target-bytes", default_value = "1.4GB", value_parser = gen::parse_size)]
+        #[arg(long, visible_alias = "target-bytes", default_value = "1.4GB", value_parser = ferry_proto::units::parse_size)]
         size: u64,
         /// Model preset: 7b (Llama-2-7B, 6.74e9 parameters, 291 tensors),
         /// 70b (Llama-2-70B, 6.90e10, 723 tensors), mm (decoder with vision
@@ -184,16 +175,16 @@ enum Command {
         /// by --size it grows with the size, at --scale 1 it has 1.28e10
         /// parameters in 2,201 tensors).
         #[arg(long, default_value = "mm")]
-        model: gen::Preset,
+        model: ferry_gen::Preset,
         /// Multiply every tensor's full-scale element count by S
         /// (0 < S <= 1, at least one element each), keeping counts and
         /// ratios; the resulting size is printed. Instead of --size.
-        #[arg(long, value_parser = gen::parse_scale, conflicts_with_all = ["size", "shards"])]
+        #[arg(long, value_parser = ferry_gen::parse_scale, conflicts_with_all = ["size", "shards"])]
         scale: Option<f64>,
         /// Exactly N tensor files (1-100000, plus the marker) adding up to
         /// --size: the model's layer pattern repeated or cut to N. Only for
         /// the per-tensor layout (no --format, or --format generic).
-        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=gen::MAX_SHARDS))]
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=ferry_gen::MAX_SHARDS))]
         shards: Option<u64>,
         /// Seed for the content (same seed, same bytes).
         #[arg(long, default_value_t = 0)]
@@ -213,7 +204,7 @@ enum Command {
         /// (global_step_N/{model,optimizer,extra_state}). Without it: per-tensor files directly in --out,
         /// the marker last.
         #[arg(long)]
-        format: Option<gen::format::GenFormat>,
+        format: Option<ferry_gen::format::GenFormat>,
         /// Training step of the checkpoint (names the directory; written
         /// into trackers and trainer_state.json).
         #[arg(long, default_value_t = 1000, requires = "format")]
@@ -234,7 +225,7 @@ enum Command {
         /// reused-dir (two complete saves into the same directory, the
         /// second with seed + 1).
         #[arg(long, default_value = "none", requires = "format")]
-        fault: gen::format::Fault,
+        fault: ferry_gen::format::Fault,
     },
     /// User-space WAN emulator: a UDP relay adding one-way delay and
     /// jitter, a rate cap with a bounded drop-tail queue, loss, corruption,
@@ -306,7 +297,7 @@ struct LinkEmuArgs {
     )]
     seed: u64,
     /// Queue limit in bytes (default one bandwidth-delay product).
-    #[arg(long, value_parser = gen::parse_size)]
+    #[arg(long, value_parser = ferry_proto::units::parse_size)]
     queue: Option<u64>,
 }
 
@@ -515,18 +506,18 @@ async fn run(cli: Cli) -> Result<()> {
             fault,
         } => match format {
             None => {
-                let opts = gen::GenOptions {
+                let opts = ferry_gen::GenOptions {
                     model,
                     scale,
                     shards,
                     marker: Some(marker),
                     seed,
-                    ..gen::GenOptions::new(out, size)
+                    ..ferry_gen::GenOptions::new(out, size)
                 };
                 gen_per_tensor(opts).await
             }
             Some(format) => {
-                let opts = gen::format::SaveOptions {
+                let opts = ferry_gen::format::SaveOptions {
                     step,
                     ranks,
                     write_rate_bps: write_rate,
@@ -536,7 +527,7 @@ async fn run(cli: Cli) -> Result<()> {
                     model,
                     scale,
                     shards,
-                    ..gen::format::SaveOptions::new(out, format, size)
+                    ..ferry_gen::format::SaveOptions::new(out, format, size)
                 };
                 gen_format(opts).await
             }
@@ -546,10 +537,10 @@ async fn run(cli: Cli) -> Result<()> {
     }
 }
 
-/// `ferry gen` without --format: the per-tensor layout of [`gen::generate`].
-async fn gen_per_tensor(opts: gen::GenOptions) -> Result<()> {
+/// `ferry gen` without --format: the per-tensor layout of [`ferry_gen::generate`].
+async fn gen_per_tensor(opts: ferry_gen::GenOptions) -> Result<()> {
     let out = opts.out.clone();
-    let preview = gen::preview(&opts).context("planning the checkpoint")?;
+    let preview = ferry_gen::preview(&opts).context("planning the checkpoint")?;
     let size = preview.summary.bytes;
     if let Some(scale) = preview.scale {
         outln!(
@@ -570,15 +561,16 @@ async fn gen_per_tensor(opts: gen::GenOptions) -> Result<()> {
     if out.exists() && !out.is_dir() {
         bail!("--out {} exists and is not a directory", out.display());
     }
-    gen::ensure_space(&out, size).with_context(|| format!("--out {}", out.display()))?;
+    ferry_gen::ensure_space(&out, size).with_context(|| format!("--out {}", out.display()))?;
     let bar = indicatif::ProgressBar::new(size);
     bar.set_style(indicatif::ProgressStyle::with_template(
         "generating {bar:40} {bytes}/{total_bytes} {bytes_per_sec}",
     )?);
     let b2 = bar.clone();
-    let s = tokio::task::spawn_blocking(move || gen::generate(&opts, &|n| b2.set_position(n)))
-        .await?
-        .with_context(|| format!("generating into {}", out.display()))?;
+    let s =
+        tokio::task::spawn_blocking(move || ferry_gen::generate(&opts, &|n| b2.set_position(n)))
+            .await?
+            .with_context(|| format!("generating into {}", out.display()))?;
     bar.finish_and_clear();
     outln!(
         "{}: {} shards + commit marker, {} bytes, {} under 16 KiB ({:.1} %), largest {} bytes",
@@ -592,7 +584,7 @@ async fn gen_per_tensor(opts: gen::GenOptions) -> Result<()> {
 }
 
 /// `ferry gen --format F`: one checkpoint written the framework's way.
-async fn gen_format(opts: gen::format::SaveOptions) -> Result<()> {
+async fn gen_format(opts: ferry_gen::format::SaveOptions) -> Result<()> {
     let dir = opts.checkpoint_dir();
     if std::fs::read_dir(&dir).is_ok_and(|mut d| d.next().is_some()) {
         bail!(
@@ -606,12 +598,12 @@ async fn gen_format(opts: gen::format::SaveOptions) -> Result<()> {
             opts.root.display()
         );
     }
-    let passes = if opts.fault == gen::format::Fault::ReusedDir {
+    let passes = if opts.fault == ferry_gen::format::Fault::ReusedDir {
         2
     } else {
         1
     };
-    let preview = gen::format::preview(&opts).context("planning the checkpoint")?;
+    let preview = ferry_gen::format::preview(&opts).context("planning the checkpoint")?;
     if let Some(scale) = preview.scale {
         outln!(
             "model {} ({} parameters at full scale) at scale {scale:.6}: {} tensors, {} bytes \
@@ -623,7 +615,7 @@ async fn gen_format(opts: gen::format::SaveOptions) -> Result<()> {
             opts.format
         )?;
     }
-    gen::ensure_space(&opts.root, preview.bytes)
+    ferry_gen::ensure_space(&opts.root, preview.bytes)
         .with_context(|| format!("--out {}", opts.root.display()))?;
     let bar = indicatif::ProgressBar::new(preview.bytes.saturating_mul(passes));
     bar.set_style(indicatif::ProgressStyle::with_template(
@@ -631,9 +623,11 @@ async fn gen_format(opts: gen::format::SaveOptions) -> Result<()> {
     )?);
     let b2 = bar.clone();
     let (format, fault) = (opts.format, opts.fault);
-    let s = tokio::task::spawn_blocking(move || gen::format::save(&opts, &|n| b2.set_position(n)))
-        .await?
-        .with_context(|| format!("writing a {format} checkpoint into {}", dir.display()))?;
+    let s = tokio::task::spawn_blocking(move || {
+        ferry_gen::format::save(&opts, &|n| b2.set_position(n))
+    })
+    .await?
+    .with_context(|| format!("writing a {format} checkpoint into {}", dir.display()))?;
     bar.finish_and_clear();
     let opened = humantime::format_rfc3339_millis(s.opened_at);
     let commit = match s.committed_at {
@@ -654,7 +648,7 @@ async fn gen_format(opts: gen::format::SaveOptions) -> Result<()> {
         s.small_tensors,
         100.0 * s.small_tensors as f64 / s.tensors.max(1) as f64,
     )?;
-    if fault != gen::format::Fault::None {
+    if fault != ferry_gen::format::Fault::None {
         let damaged = s
             .damaged
             .map(|p| format!(" ({} damaged)", p.display()))
@@ -828,7 +822,7 @@ async fn verify(path: &Path, cfg_path: &Path) -> Result<()> {
 }
 
 /// One direction's counters as `ferry link-emu` prints them at the end.
-fn link_counts(s: &replicator::linkemu::LinkStats) -> String {
+fn link_counts(s: &ferry_linkemu::LinkStats) -> String {
     format!(
         "{} packets, {} dropped by queue, {} by loss, {} by cut, {} duplicated, {} reordered, \
          {} corrupted",
@@ -958,11 +952,11 @@ mod tests {
         };
         assert_eq!(
             (model, scale, shards),
-            (gen::Preset::Llama70b, Some(0.01), None)
+            (ferry_gen::Preset::Llama70b, Some(0.01), None)
         );
         assert_eq!(
             size,
-            gen::DEFAULT_TOTAL_BYTES,
+            ferry_gen::DEFAULT_TOTAL_BYTES,
             "the default --size is no conflict"
         );
         let Command::Gen {
@@ -983,10 +977,12 @@ mod tests {
         else {
             panic!("not gen");
         };
-        assert_eq!((model, scale), (gen::Preset::Multimodal, None));
+        assert_eq!((model, scale), (ferry_gen::Preset::Multimodal, None));
         assert_eq!((shards, size), (Some(100_000), 100_000_000));
     }
 
+    // The size parser behind every size flag (`--size`, `--load-size`, ...)
+    // and the config's sizes; it has no tests of its own in the replicator.
     #[test]
     fn demo_keep_running_flags() {
         let demo = |args: &[&str]| {

@@ -61,6 +61,7 @@ pub fn is_closed(e: &anyhow::Error) -> bool {
 
 /// `println!` for a command's result: evaluates to `anyhow::Result<()>`,
 /// an error when stdout is closed ([`print`]).
+#[macro_export]
 macro_rules! outln {
     () => {
         $crate::out::print(format_args!("\n"))
@@ -72,13 +73,14 @@ macro_rules! outln {
 
 /// `println!` for lines along the way of a long-running command: a closed
 /// stdout is ignored ([`note`]).
+#[macro_export]
 macro_rules! noteln {
     ($($arg:tt)*) => {
         $crate::out::note(format_args!("{}\n", format_args!($($arg)*)))
     };
 }
 
-pub(crate) use {noteln, outln};
+pub use crate::{noteln, outln};
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]

@@ -6,7 +6,6 @@
 pub mod cc;
 pub mod conn;
 pub mod formats;
-pub mod linkemu;
 pub mod metrics;
 pub mod sink;
 pub mod source;

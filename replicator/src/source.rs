@@ -311,7 +311,9 @@ struct Inner {
     shutdown: CancellationToken,
     tasks: TaskTracker,
     /// Test hook: flip one byte in this many chunks after hashing them
-    /// (`FERRY_FAULT_CORRUPT_CHUNKS`), to prove the sink catches it.
+    /// (`FERRY_FAULT_CORRUPT_CHUNKS`), to prove the sink catches it. Only
+    /// with the `fault-injection` feature.
+    #[cfg(feature = "fault-injection")]
     corrupt: AtomicU64,
     /// This source's Prometheus registry.
     metrics: SourceMetrics,
@@ -401,6 +403,7 @@ impl Source {
                 }),
             );
         }
+        #[cfg(feature = "fault-injection")]
         let corrupt = std::env::var("FERRY_FAULT_CORRUPT_CHUNKS")
             .ok()
             .and_then(|v| v.parse().ok())
@@ -414,6 +417,7 @@ impl Source {
             views: Mutex::new(HashMap::new()),
             shutdown: CancellationToken::new(),
             tasks: TaskTracker::new(),
+            #[cfg(feature = "fault-injection")]
             corrupt: AtomicU64::new(corrupt),
             metrics,
         });
@@ -2069,6 +2073,9 @@ async fn send_round<T: Send + 'static>(
     Ok((t, sched.batches(tid) - before))
 }
 
+/// Flips the first byte of `data` while [`Inner::corrupt`] counts chunks
+/// left to corrupt.
+#[cfg(feature = "fault-injection")]
 fn maybe_corrupt(inner: &Inner, data: &mut [u8]) {
     if data.is_empty() {
         return;
@@ -2084,6 +2091,11 @@ fn maybe_corrupt(inner: &Inner, data: &mut [u8]) {
         data[0] ^= 0xff;
     }
 }
+
+/// Without the `fault-injection` feature there is no hook: this build
+/// never reads `FERRY_FAULT_CORRUPT_CHUNKS`.
+#[cfg(not(feature = "fault-injection"))]
+fn maybe_corrupt(_inner: &Inner, _data: &mut [u8]) {}
 
 /// First pass over a checkpoint: each file read once, sequentially, one
 /// chunk per read; chunks the sink lacks are queued for sending.

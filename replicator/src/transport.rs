@@ -114,7 +114,8 @@ pub fn udp_socket(addr: SocketAddr) -> io::Result<std::net::UdpSocket> {
 pub enum SocketKind {
     /// A real UDP socket bound to this address.
     Udp(SocketAddr),
-    /// An in-memory emulated link ([`crate::linkemu`]).
+    /// Any other datagram socket, e.g. one end of the in-memory emulated
+    /// link of the `ferry-linkemu` crate (`memory_pair`).
     Memory(Arc<dyn quinn::AsyncUdpSocket>),
 }
 

@@ -28,7 +28,6 @@ use tokio_util::sync::CancellationToken;
 
 use super::DemoArgs;
 use crate::config::format_rate;
-use crate::gen;
 use crate::out::noteln;
 
 /// Checkpoints (and replicas) kept at each end; older ones are deleted
@@ -122,7 +121,7 @@ pub(super) async fn run(r: Running<'_>) -> Result<()> {
         }
     );
     let stop = CancellationToken::new();
-    let save_stop = gen::format::StopFlag::default();
+    let save_stop = ferry_gen::format::StopFlag::default();
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(30))
         .build()?;
@@ -196,12 +195,12 @@ async fn load_loop(
             if out.exists() {
                 std::fs::remove_dir_all(&out)?;
             }
-            let opts = gen::GenOptions {
+            let opts = ferry_gen::GenOptions {
                 seed,
                 shards: Some(LOAD_FILES),
-                ..gen::GenOptions::new(out, size)
+                ..ferry_gen::GenOptions::new(out, size)
             };
-            gen::generate(&opts, &|_| {}).map(|_| ())
+            ferry_gen::generate(&opts, &|_| {}).map(|_| ())
         })
         .await;
         match made {
@@ -270,7 +269,7 @@ async fn checkpoint_loop(
     every: Duration,
     mut step: u64,
     stop: CancellationToken,
-    save_stop: gen::format::StopFlag,
+    save_stop: ferry_gen::format::StopFlag,
 ) {
     let mut next = Instant::now() + every;
     loop {
@@ -279,12 +278,12 @@ async fn checkpoint_loop(
         }
         next = Instant::now() + every;
         step += 1000;
-        let opts = gen::format::SaveOptions {
+        let opts = ferry_gen::format::SaveOptions {
             step,
             seed: step,
             write_rate_bps: Some(write_rate),
             stop: save_stop.clone(),
-            ..gen::format::SaveOptions::new(&root, gen::format::GenFormat::Dcp, size)
+            ..ferry_gen::format::SaveOptions::new(&root, ferry_gen::format::GenFormat::Dcp, size)
         };
         let dir = opts.checkpoint_dir();
         let name = dir
@@ -295,7 +294,8 @@ async fn checkpoint_loop(
             DecimalBytes(size)
         );
         let t0 = Instant::now();
-        let saved = tokio::task::spawn_blocking(move || gen::format::save(&opts, &|_| {})).await;
+        let saved =
+            tokio::task::spawn_blocking(move || ferry_gen::format::save(&opts, &|_| {})).await;
         match saved {
             Ok(Ok(s)) => noteln!(
                 "checkpoint {name}: committed after {:.1} s ({} files)",

@@ -23,7 +23,6 @@ use serde_json::{json, Value};
 
 use super::{round3, start_pair, DemoArgs};
 use crate::config::{RootSection, SchedulerSection};
-use crate::gen;
 
 /// Background copies that fill the link.
 const BACKGROUND_COPIES: usize = 4;
@@ -67,7 +66,7 @@ pub(super) async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Resul
         let d = dir.to_path_buf();
         tokio::task::spawn_blocking(move || -> Result<()> {
             for (out, size) in jobs {
-                gen::generate(&gen::GenOptions::new(out, size), &|_| {})?;
+                ferry_gen::generate(&ferry_gen::GenOptions::new(out, size), &|_| {})?;
             }
             // The sink makes each replica durable with a syncfs at publish:
             // flush the generated data now, or the first publish pays for it.

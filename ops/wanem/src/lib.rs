@@ -3,7 +3,7 @@
 //! instant, and the per-direction counters.
 //!
 //! The link model itself (rate cap, bounded FIFO with tail drop, delay,
-//! jitter, loss) is [`replicator::linkemu::LinkModel`], shared with the
+//! jitter, loss) is [`ferry_linkemu::LinkModel`], shared with the
 //! in-process emulator the tests and `ferry demo` use.
 
 use std::cmp::Reverse;
@@ -155,7 +155,7 @@ impl DirectionStats {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use replicator::linkemu::{LinkModel, LinkParams, Verdict};
+    use ferry_linkemu::{LinkModel, LinkParams, Verdict};
 
     fn packet(proto: u8, len: usize) -> Vec<u8> {
         let mut p = vec![0u8; len];

@@ -25,9 +25,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use ferry_linkemu::{DropReason, LinkModel, LinkParams, Verdict};
 use nix::sched::CloneFlags;
 use nix::sys::signal::{SigSet, Signal};
-use replicator::linkemu::{LinkModel, LinkParams, Verdict};
 use wanem::{DelayLine, DirectionStats};
 
 /// Smallest default queue (bytes): 64 packets of 1500 bytes, for RTTs so
@@ -332,10 +332,10 @@ fn reader(mut dev: impl Read, d: &Direction) {
                 let mut stats = lock(&d.stats);
                 stats.max_held_bytes = stats.max_held_bytes.max(held);
             }
-            Verdict::Drop(replicator::linkemu::DropReason::Loss) => stats.dropped_loss += 1,
-            Verdict::Drop(replicator::linkemu::DropReason::QueueFull) => stats.dropped_queue += 1,
+            Verdict::Drop(DropReason::Loss) => stats.dropped_loss += 1,
+            Verdict::Drop(DropReason::QueueFull) => stats.dropped_queue += 1,
             // wanem never cuts its link.
-            Verdict::Drop(replicator::linkemu::DropReason::Cut) => stats.dropped_loss += 1,
+            Verdict::Drop(DropReason::Cut) => stats.dropped_loss += 1,
         }
     }
 }

@@ -119,3 +119,57 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     }
     u64::try_from(scaled / scale).map_err(|_| too_large())
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn parse_size_accepts_si_and_iec_units() {
+        let ok = [
+            ("1000", 1000),
+            ("0", 0),
+            ("1.4GB", 1_400_000_000),
+            ("20MB", 20_000_000),
+            ("512KiB", 512 * 1024),
+            ("2 GiB", 2 << 30),
+            (" 1.5KiB ", 1536),
+            ("7B", 7),
+            ("3kB", 3000),
+            ("1tb", 1_000_000_000_000),
+            ("1TiB", 1 << 40),
+            ("1PB", 1_000_000_000_000_000),
+            ("1.25MiB", 1_310_720),
+            (".5kB", 500),
+            ("10.MB", 10_000_000),
+            ("18446744073709551615", u64::MAX),
+        ];
+        for (s, want) in ok {
+            assert_eq!(parse_size(s), Ok(want), "{s:?}");
+        }
+    }
+
+    #[test]
+    fn parse_size_errors_name_the_value() {
+        for bad in [
+            "",
+            "GB",
+            "abc",
+            "-5",
+            "+5",
+            "1.2.3MB",
+            "5XB",
+            "20M",
+            "1e9",
+            "1.5",
+            "0.1B",
+            "18446744073709551616",
+            "99999999999999999999999PB",
+            ".",
+        ] {
+            let err = parse_size(bad).unwrap_err();
+            assert!(err.contains(&format!("{bad:?}")), "{bad:?}: {err}");
+        }
+    }
+}

@@ -35,7 +35,7 @@ use std::io;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 use std::time::{Duration, UNIX_EPOCH};
 
 use ferry_proto::manifest::{chunk_count, chunk_len, Hash, Manifest};
@@ -61,12 +61,14 @@ pub(super) enum Outcome {
 /// Environment variable of the reliability suite: when it names one of the
 /// points `markers-held`, `placed` or `markers-in` (after steps 3, 4 and 5
 /// of a fresh publish) or `on-disk` (after the publish, before the catalog
-/// records it), the sink SIGKILLs itself there.
+/// records it), the sink SIGKILLs itself there. Read only in builds with
+/// the `fault-injection` feature.
 pub const FAULT_KILL_ENV: &str = "FERRY_FAULT_KILL_IN_PUBLISH";
 
 /// SIGKILLs this process if [`FAULT_KILL_ENV`] names `point`.
+#[cfg(feature = "fault-injection")]
 pub(super) fn fault_point(point: &str) {
-    static AT: OnceLock<Option<String>> = OnceLock::new();
+    static AT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     if AT
         .get_or_init(|| std::env::var(FAULT_KILL_ENV).ok())
         .as_deref()
@@ -79,6 +81,10 @@ pub(super) fn fault_point(point: &str) {
         let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
     }
 }
+
+/// Without the `fault-injection` feature there is no kill point.
+#[cfg(not(feature = "fault-injection"))]
+pub(super) fn fault_point(_point: &str) {}
 
 fn held_dir(staging: &Path) -> PathBuf {
     staging.with_extension("markers")

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use ferry_catalog::Catalog;
+use ferry_linkemu::{memory_pair, LinkParams};
 use ferry_proto::manifest::MIN_CHUNK_SIZE;
-use replicator::linkemu::{memory_pair, LinkParams};
 use replicator::sink::{Sink, SinkConfig};
 use replicator::source::{LinkConfig, RootConfig, Source, SourceConfig};
 use replicator::tls::{self, AgentIdentity};

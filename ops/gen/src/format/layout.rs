@@ -17,7 +17,7 @@ use super::framing::{
     Entry, Item, Py, Sink, StTensor,
 };
 use super::{Fault, GenFormat, SaveOptions};
-use crate::gen::{file_seed, invalid, validate_marker, Plan, Sizing};
+use crate::{file_seed, invalid, validate_marker, Plan, Sizing};
 
 /// One action of a rank.
 #[derive(Debug)]
@@ -1343,7 +1343,7 @@ impl<'a> Builder<'a> {
         layout
     }
 
-    /// The per-tensor layout of [`crate::gen::generate`] (same file names
+    /// The per-tensor layout of [`crate::generate`] (same file names
     /// and sizes), written by `ranks` threads (tensor `i` by rank
     /// `i % ranks`), then the marker last by rank 0 once every rank is done.
     fn generic(&self) -> Layout {

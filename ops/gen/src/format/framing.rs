@@ -28,7 +28,7 @@ pub(super) trait Sink {
     /// A tensor of `bytes` bytes is now written in full.
     fn tensor_done(&mut self, _bytes: u64) {}
     /// Called once before the tail of a file whose close must wait (the
-    /// ZIP central directory of a [`crate::gen::format`] "late" file);
+    /// ZIP central directory of a [`crate::format`] "late" file);
     /// returns when the file may be finished.
     fn hold(&mut self) -> io::Result<()> {
         Ok(())

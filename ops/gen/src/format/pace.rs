@@ -41,7 +41,7 @@ pub(super) fn pace_delay(bytes: u64, rate_bps: u64, elapsed: Duration) -> Durati
 }
 
 /// Marks the error a write gets once the save is killed
-/// ([`crate::gen::format::Fault::KillMidSave`]).
+/// ([`crate::format::Fault::KillMidSave`]).
 #[derive(Debug)]
 pub(super) struct Killed;
 

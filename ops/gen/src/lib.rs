@@ -95,16 +95,14 @@ use std::path::{Path, PathBuf};
 use rand::rngs::SmallRng;
 use rand::{RngCore, SeedableRng};
 
-pub use ferry_proto::units::parse_size;
-
 pub mod format;
 pub mod preset;
 
 use self::preset::RefModel;
 pub use self::preset::{Preset, MAX_SHARDS};
 
-/// Default target size of a generated checkpoint, in bytes (1.4 GB).
-#[cfg_attr(not(test), allow(dead_code))] // the CLI spells it "1.4GB"; a test checks they agree
+/// Default target size of a generated checkpoint, in bytes (1.4 GB, the
+/// `--size` default of `ferry gen`).
 pub const DEFAULT_TOTAL_BYTES: u64 = 1_400_000_000;
 
 /// Default minimum fraction (0.0-1.0, by file count) of shards under
@@ -731,7 +729,7 @@ mod tests {
 
     #[test]
     fn mix_and_total_at_20_mb() {
-        let total = parse_size("20MB").unwrap();
+        let total = 20_000_000;
         let (_dir, s) = generate_checked(total, 1);
         let fraction = s.small_shards as f64 / s.shards as f64;
         assert!(fraction > 0.6, "{s:?}");
@@ -742,7 +740,7 @@ mod tests {
 
     #[test]
     fn mix_and_total_at_200_mb() {
-        let total = parse_size("200MB").unwrap();
+        let total = 200_000_000;
         let (_dir, s) = generate_checked(total, 2);
         let fraction = s.small_shards as f64 / s.shards as f64;
         assert!(fraction > 0.6, "{s:?}");
@@ -752,7 +750,6 @@ mod tests {
 
     #[test]
     fn default_size_plan() {
-        assert_eq!(parse_size("1.4GB"), Ok(DEFAULT_TOTAL_BYTES));
         let plan = Plan::new(DEFAULT_TOTAL_BYTES, DEFAULT_SMALL_FRACTION_TARGET).unwrap();
         let s = plan.summary();
         assert_eq!(s.bytes, DEFAULT_TOTAL_BYTES);
@@ -894,54 +891,6 @@ mod tests {
         }
         check(&GenOptions::new(&out, 100));
         assert!(!out.exists(), "nothing is created for invalid options");
-    }
-
-    #[test]
-    fn parse_size_accepts_si_and_iec_units() {
-        let ok = [
-            ("1000", 1000),
-            ("0", 0),
-            ("1.4GB", 1_400_000_000),
-            ("20MB", 20_000_000),
-            ("512KiB", 512 * 1024),
-            ("2 GiB", 2 << 30),
-            (" 1.5KiB ", 1536),
-            ("7B", 7),
-            ("3kB", 3000),
-            ("1tb", 1_000_000_000_000),
-            ("1TiB", 1 << 40),
-            ("1PB", 1_000_000_000_000_000),
-            ("1.25MiB", 1_310_720),
-            (".5kB", 500),
-            ("10.MB", 10_000_000),
-            ("18446744073709551615", u64::MAX),
-        ];
-        for (s, want) in ok {
-            assert_eq!(parse_size(s), Ok(want), "{s:?}");
-        }
-    }
-
-    #[test]
-    fn parse_size_errors_name_the_value() {
-        for bad in [
-            "",
-            "GB",
-            "abc",
-            "-5",
-            "+5",
-            "1.2.3MB",
-            "5XB",
-            "20M",
-            "1e9",
-            "1.5",
-            "0.1B",
-            "18446744073709551616",
-            "99999999999999999999999PB",
-            ".",
-        ] {
-            let err = parse_size(bad).unwrap_err();
-            assert!(err.contains(&format!("{bad:?}")), "{bad:?}: {err}");
-        }
     }
 
     /// A preset plan for `opts` (no I/O).
