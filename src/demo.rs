@@ -687,9 +687,9 @@ fn round3(v: f64) -> f64 {
 
 /// True if both trees hold the same regular files with the same bytes.
 fn compare_trees(a: &Path, b: &Path) -> Result<bool> {
-    let opts = replicator::source::scan::ScanOptions::default();
-    let sa = replicator::source::scan::scan(a, &opts)?;
-    let sb = replicator::source::scan::scan(b, &opts)?;
+    let opts = replicator::storage::posix::scan::ScanOptions::default();
+    let sa = replicator::storage::posix::scan::scan(a, &opts)?;
+    let sb = replicator::storage::posix::scan::scan(b, &opts)?;
     let mut pa: Vec<_> = sa.files.iter().map(|f| (&f.path, f.size)).collect();
     let mut pb: Vec<_> = sb.files.iter().map(|f| (&f.path, f.size)).collect();
     pa.sort();

@@ -9,6 +9,7 @@ pub mod formats;
 pub mod metrics;
 pub mod sink;
 pub mod source;
+pub mod storage;
 pub mod tls;
 pub mod transport;
 pub mod verify;

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::fs::OpenOptions;
 use std::io;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, UNIX_EPOCH};
@@ -33,11 +33,11 @@ use tracing::{debug, info, warn};
 
 use crate::conn::{code, read_frame, ConnError, ControlSender};
 use crate::metrics::{MetricsError, SinkMetrics};
+use crate::storage::posix::Posix;
+use crate::storage::{PublishOutcome, SinkStore};
 use crate::tls;
 
-mod publish;
-
-pub use publish::FAULT_KILL_ENV;
+pub use crate::storage::posix::publish::FAULT_KILL_ENV;
 
 /// Sink settings.
 #[derive(Debug, Clone)]
@@ -115,6 +115,8 @@ struct Live {
     published_root: Option<Hash>,
     staging: PathBuf,
     local_path: PathBuf,
+    /// Where the staging area and the replica live.
+    store: Arc<dyn SinkStore>,
     started: Instant,
     st: Mutex<LiveState>,
     /// Bytes written to staging since the last background `syncfs`.
@@ -270,19 +272,12 @@ impl Live {
         self.unsynced.store(0, Relaxed);
         let live = self.clone();
         tokio::task::spawn_blocking(move || {
-            if let Err(e) = sync_dir_fs(&live.staging) {
+            if let Err(e) = live.store.flush(&live.staging) {
                 debug!(error = %e, "background syncfs");
             }
             live.syncing.store(false, Relaxed);
         });
     }
-}
-
-/// `syncfs` of the file system holding `dir`.
-fn sync_dir_fs(dir: &Path) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let d = std::fs::File::open(dir)?;
-    nix::unistd::syncfs(d.as_raw_fd()).map_err(io::Error::from)
 }
 
 #[derive(Default)]
@@ -317,6 +312,8 @@ struct Inner {
     metrics: SinkMetrics,
     /// One lock per local path a publish is moving a replica into.
     publish_locks: Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>,
+    /// Where replicas are staged and published.
+    store: Arc<dyn SinkStore>,
 }
 
 impl Inner {
@@ -377,6 +374,7 @@ impl Sink {
             tasks: TaskTracker::new(),
             metrics: SinkMetrics::new(),
             publish_locks: Mutex::default(),
+            store: Arc::new(Posix),
         });
         tokio::spawn(catalog_writer(catalog, rx));
         let i = inner.clone();
@@ -453,7 +451,10 @@ impl Sink {
                         r.id > p.id
                             && r.state != TransferState::Published
                             && r.local_path == p.local_path
-                            && publish::under_way(Path::new(&r.staging_path))
+                            && self
+                                .inner
+                                .store
+                                .publish_under_way(Path::new(&r.staging_path))
                     })
                 };
                 if let Some(p) = rows
@@ -939,12 +940,10 @@ async fn open_transfer(
                 &path_tag[..16]
             ));
             // Left by a row this catalog no longer has: not ours to reuse.
-            let leftover = staging.clone();
-            let _ = blocking(move || {
-                let _ = std::fs::remove_dir_all(leftover.with_extension("markers"));
-                std::fs::remove_dir_all(leftover)
-            })
-            .await;
+            let (leftover, store) = (staging.clone(), inner.store.clone());
+            if let Err(e) = blocking(move || store.discard(&leftover)).await {
+                warn!(error = %e, "removing a leftover staging area");
+            }
             let id = inner
                 .catalog
                 .insert_replica(&NewReplica {
@@ -1001,8 +1000,11 @@ async fn open_transfer(
     }
     let needed = bytes_total.saturating_sub(done);
     if row.state != TransferState::Published {
-        let r = root.clone();
-        let avail = blocking(move || free_bytes(&r)).await?;
+        let (r, store) = (root.clone(), inner.store.clone());
+        // A store that cannot tell (an object store) is not refused here.
+        let avail = blocking(move || store.free_space(&r))
+            .await?
+            .unwrap_or(u64::MAX);
         if avail < needed.saturating_add(inner.cfg.reserve_bytes) {
             let msg = format!(
                 "not enough space at the sink: {} has {} bytes free (keeping {} in reserve), the checkpoint needs {} more bytes",
@@ -1033,6 +1035,7 @@ async fn open_transfer(
         chunk_size,
         published_root,
         staging,
+        store: inner.store.clone(),
         local_path: if published_root.is_some() {
             PathBuf::from(&row.local_path)
         } else {
@@ -1145,8 +1148,10 @@ async fn grow_table(
         )
     };
     if grown > 0 {
-        let r = inner.cfg.root.clone();
-        let avail = blocking(move || free_bytes(&r)).await?;
+        let (r, store) = (inner.cfg.root.clone(), inner.store.clone());
+        let avail = blocking(move || store.free_space(&r))
+            .await?
+            .unwrap_or(u64::MAX);
         let done = live.st.lock().map(|s| s.bytes_done).unwrap_or(0);
         let needed = total.saturating_sub(done);
         if avail < needed.saturating_add(inner.cfg.reserve_bytes) {
@@ -1232,10 +1237,11 @@ async fn reuse_published(
     if old.chunk_size != chunk_size {
         return Vec::new();
     }
-    let (files, staging, old_dir) = (
+    let (files, staging, old_dir, store) = (
         files.to_vec(),
         staging.to_path_buf(),
         local_path.to_path_buf(),
+        inner.store.clone(),
     );
     tokio::task::spawn_blocking(move || {
         let map = ChunkMap::new(&files, chunk_size);
@@ -1249,12 +1255,7 @@ async fn reuse_published(
             if (e.size, e.mode, e.mtime_ns) != (f.size, f.mode, f.mtime_ns) {
                 continue;
             }
-            let dst = staging.join(&f.path);
-            let linked = dst
-                .parent()
-                .map_or(Ok(()), std::fs::create_dir_all)
-                .and_then(|()| std::fs::hard_link(old_dir.join(&f.path), &dst));
-            if linked.is_err() {
+            if store.share_unchanged(&old_dir, &staging, &f.path).is_err() {
                 continue;
             }
             for (ci, h) in e.chunks.iter().enumerate() {
@@ -1288,11 +1289,6 @@ fn sanitize(s: &str) -> String {
             }
         })
         .collect()
-}
-
-fn free_bytes(path: &Path) -> io::Result<u64> {
-    let s = nix::sys::statvfs::statvfs(path).map_err(io::Error::from)?;
-    Ok(s.blocks_available() as u64 * s.fragment_size() as u64)
 }
 
 /// How long a data stream waits for its transfer's open.
@@ -1501,7 +1497,7 @@ type GroupResult = (Vec<(u64, Hash, u64)>, Vec<u64>);
 fn write_group(live: &Live, group: Vec<(RecordHeader, Vec<u8>)>) -> io::Result<GroupResult> {
     let mut good = Vec::with_capacity(group.len());
     let mut bad = Vec::new();
-    let mut current: Option<(u32, std::fs::File)> = None;
+    let mut staging = live.store.staging(&live.staging);
     for (h, buf) in group {
         let (g, rel) = {
             let t = live
@@ -1518,12 +1514,7 @@ fn write_group(live: &Live, group: Vec<(RecordHeader, Vec<u8>)>) -> io::Result<G
             bad.push(g);
             continue;
         }
-        if current.as_ref().map(|c| c.0) != Some(h.file) {
-            current = Some((h.file, open_staging(&live.staging, &rel)?));
-        }
-        if let Some((_, f)) = &current {
-            f.write_all_at(&buf, u64::from(h.chunk) * u64::from(live.chunk_size))?;
-        }
+        staging.stage_chunk(&rel, u64::from(h.chunk) * u64::from(live.chunk_size), &buf)?;
         good.push((g, hash, buf.len() as u64));
     }
     Ok((good, bad))
@@ -1552,90 +1543,8 @@ async fn wait_for_table(live: &Live, h: &RecordHeader) -> bool {
     }
 }
 
-/// Opens (creating) a staging file without following a symlink at its
-/// name or at any of its parent directories below `staging`; missing
-/// parents are created as plain directories. A symlink planted in staging
-/// (pointing outside the sink root) is refused, never written through.
-fn open_staging(staging: &Path, rel: &str) -> io::Result<std::fs::File> {
-    let p = staging.join(rel);
-    if !staging.exists() {
-        std::fs::create_dir_all(staging)?;
-    }
-    if let Some(parent) = Path::new(rel).parent() {
-        let mut dir = staging.to_path_buf();
-        for c in parent.components() {
-            dir.push(c);
-            match std::fs::symlink_metadata(&dir) {
-                Ok(m) if m.is_dir() => {}
-                Ok(_) => {
-                    return Err(io::Error::other(format!(
-                        "{} is a symlink or not a directory; refusing to write through it",
-                        dir.display()
-                    )))
-                }
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                    match std::fs::create_dir(&dir) {
-                        Ok(()) => {}
-                        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-                            // Created concurrently: check it again.
-                            if !std::fs::symlink_metadata(&dir)?.is_dir() {
-                                return Err(io::Error::other(format!(
-                                    "{} is a symlink or not a directory; refusing to write through it",
-                                    dir.display()
-                                )));
-                            }
-                        }
-                        Err(e) => return Err(e),
-                    }
-                }
-                Err(e) => return Err(e),
-            }
-        }
-    }
-    let open = || {
-        OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            // No write through a symlink, no wait for a FIFO's reader.
-            .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
-            .open(&p)
-            .map_err(|e| {
-                let what = if e.raw_os_error() == Some(nix::libc::ELOOP) {
-                    "is a symlink; refusing to write through it".to_string()
-                } else {
-                    e.to_string()
-                };
-                io::Error::new(e.kind(), format!("staging file {}: {what}", p.display()))
-            })
-            .and_then(|f| {
-                if f.metadata()?.is_file() {
-                    Ok(f)
-                } else {
-                    Err(io::Error::other(format!(
-                        "staging file {} is not a regular file",
-                        p.display()
-                    )))
-                }
-            })
-    };
-    let file = open()?;
-    // A file hard-linked from a published replica (see `reuse_published`)
-    // must never be written in place: that would change the published
-    // copy. Give staging its own copy first.
-    if std::os::unix::fs::MetadataExt::nlink(&file.metadata()?) > 1 {
-        drop(file);
-        let private = p.with_extension("ferry-cow");
-        std::fs::copy(&p, &private)?;
-        std::fs::rename(&private, &p)?;
-        return open();
-    }
-    Ok(file)
-}
-
 async fn cancel_live(inner: &Arc<Inner>, live: &Arc<Live>, new_state: TransferState, reason: &str) {
-    let keep_staging = publish::under_way(&live.staging);
+    let keep_staging = live.store.publish_under_way(&live.staging);
     if let Ok(mut st) = live.st.lock() {
         if st.publishing {
             // Too late: every chunk matched and the replica is being
@@ -1671,7 +1580,10 @@ async fn cancel_live(inner: &Arc<Inner>, live: &Arc<Live>, new_state: TransferSt
             "a publish of this transfer was under way; keeping its staging directory and held markers for inspection"
         );
     } else {
-        let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(staging)).await;
+        let store = live.store.clone();
+        if let Err(e) = blocking(move || store.discard(&staging)).await {
+            warn!(transfer = live.id, error = %e, "removing the staging area");
+        }
     }
     inner.changed.send_modify(|v| *v += 1);
 }
@@ -1766,7 +1678,7 @@ async fn maybe_finish(
             let (l2, m2) = (live.clone(), manifest.clone());
             let reread = inner.cfg.reread_before_publish;
             let res = blocking(move || {
-                publish::publish(
+                l2.store.publish(
                     &l2.staging,
                     &l2.local_path,
                     &m2,
@@ -1776,11 +1688,11 @@ async fn maybe_finish(
             .await;
             let mut reread_ms = None;
             let bad = match res {
-                Ok(publish::Outcome::Published { reread }) => {
+                Ok(PublishOutcome::Published { reread }) => {
                     reread_ms = reread.map(|d| d.as_millis() as u64);
                     None
                 }
-                Ok(publish::Outcome::Recovered) => {
+                Ok(PublishOutcome::Recovered) => {
                     warn!(
                         transfer = %id,
                         path = %live.local_path.display(),
@@ -1788,7 +1700,7 @@ async fn maybe_finish(
                     );
                     None
                 }
-                Ok(publish::Outcome::Refetch(bad)) => Some(bad),
+                Ok(PublishOutcome::Refetch(bad)) => Some(bad),
                 Err(e) => {
                     let reason = format!("publishing {}: {e}", live.local_path.display());
                     warn!(transfer = %id, "{reason}");
@@ -1806,7 +1718,7 @@ async fn maybe_finish(
                 drop(exclusive);
                 return refetch_changed(inner, live, ctl, id, bad).await;
             }
-            publish::fault_point("on-disk");
+            crate::storage::posix::publish::fault_point("on-disk");
             let siblings = live
                 .st
                 .lock()
@@ -1836,8 +1748,8 @@ async fn maybe_finish(
                     if let Some(lag_s) = recorded {
                         inner.metrics.observe_lag(lag_s);
                     }
-                    let staging = live.staging.clone();
-                    if let Err(e) = blocking(move || publish::finish(&staging)).await {
+                    let (staging, store) = (live.staging.clone(), live.store.clone());
+                    if let Err(e) = blocking(move || store.publish_recorded(&staging)).await {
                         warn!(transfer = %id, error = %e, "could not remove the held-markers directory of a finished publish");
                     }
                 }
@@ -2107,26 +2019,5 @@ mod tests {
         write_siblings(&job.join("global_step20"), &bad).unwrap();
         assert!(!d.path().join("site/escape").exists());
         assert!(!job.join("a").exists() && !job.join("big").exists());
-    }
-
-    #[test]
-    fn staging_files_refuse_symlinks() {
-        let d = tempfile::tempdir().expect("tempdir");
-        std::os::unix::fs::symlink("/etc/passwd", d.path().join("evil")).expect("symlink");
-        assert!(open_staging(d.path(), "evil").is_err());
-        assert!(open_staging(d.path(), "a/b/c").is_ok());
-        // A symlinked parent directory is refused too, not written through.
-        let outside = tempfile::tempdir().expect("tempdir");
-        std::os::unix::fs::symlink(outside.path(), d.path().join("dir")).expect("symlink");
-        assert!(open_staging(d.path(), "dir/x").is_err());
-        assert!(open_staging(d.path(), "a/dir/x").is_ok());
-        std::os::unix::fs::symlink(outside.path(), d.path().join("a/b/link")).expect("symlink");
-        assert!(open_staging(d.path(), "a/b/link/deeper/x").is_err());
-        assert_eq!(
-            std::fs::read_dir(outside.path()).expect("read_dir").count(),
-            0
-        );
-        // A missing staging directory is created.
-        assert!(open_staging(&d.path().join("new"), "p/q").is_ok());
     }
 }

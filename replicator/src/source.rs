@@ -6,20 +6,18 @@
 //! again are re-read and re-sent.
 
 use std::collections::{HashMap, HashSet};
-use std::fs::File;
-use std::io::{Read, Seek};
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::storage::posix::Posix;
+use crate::storage::{read_chunks, RangeRead, ScanError, SourceStore};
 use ferry_catalog::{Catalog, CatalogError, ProgressNote, SourceTimes, Transfer};
 use ferry_proto::manifest::{hex, ChunkMap, FileEntry, FileInfo, Hash, Manifest};
 use ferry_proto::state::{CheckpointState, TransferId, TransferState};
 use ferry_proto::wire::{Control, Hello, RecordHeader, TransferKey, PROTOCOL_VERSION};
 use quinn::{Connection, Endpoint, VarInt};
-use scan::ScanOptions;
 use serde::Serialize;
 use tokio::sync::{mpsc, watch, Notify};
 use tokio_util::sync::CancellationToken;
@@ -33,7 +31,6 @@ use crate::tls;
 use crate::transport::{transport_config, Tuning};
 
 mod dispatch;
-pub mod scan;
 mod streaming;
 pub mod watcher;
 
@@ -303,6 +300,8 @@ struct LinkState {
 struct Inner {
     cfg: SourceConfig,
     catalog: Catalog,
+    /// Where checkpoints are read.
+    store: Arc<dyn SourceStore>,
     endpoint: Endpoint,
     links: HashMap<String, Arc<LinkState>>,
     progress: Mutex<HashMap<TransferId, Arc<LiveProgress>>>,
@@ -411,6 +410,7 @@ impl Source {
         let inner = Arc::new(Inner {
             cfg,
             catalog,
+            store: Arc::new(Posix),
             endpoint,
             links,
             progress: Mutex::new(HashMap::new()),
@@ -1705,20 +1705,27 @@ async fn open_on_sink(
     Ok((rx, have))
 }
 
+/// A pushed checkpoint's files in transfer order and its markers.
+struct ScanResult {
+    files: Vec<FileInfo>,
+    markers: Vec<u32>,
+}
+
 async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(), RunError> {
     let id = t.id;
     let t_start = std::time::Instant::now();
     let fresh = begin(inner, &t).await?;
     let t_begun = t_start.elapsed();
     let dir = PathBuf::from(&t.source_path);
-    let opts = ScanOptions {
-        markers: inner.cfg.markers.clone(),
-    };
-    let d2 = dir.clone();
-    let scan = tokio::task::spawn_blocking(move || scan::scan(&d2, &opts))
+    let (d2, store, markers) = (dir.clone(), inner.store.clone(), inner.cfg.markers.clone());
+    let listing = tokio::task::spawn_blocking(move || store.list(&d2, &markers))
         .await
         .map_err(|e| RunError::Fatal(e.to_string()))?
         .map_err(|e| RunError::Fatal(format!("listing the checkpoint: {e}")))?;
+    let scan = ScanResult {
+        files: listing.infos(),
+        markers: listing.markers,
+    };
     let t_scanned = t_start.elapsed();
     let bytes_total: u64 = scan.files.iter().map(|f| f.size).sum();
     inner
@@ -2111,7 +2118,7 @@ fn read_all(
     let mut entries = Vec::with_capacity(files.len());
     for (fi, info) in files.iter().enumerate() {
         let path = dir.join(&info.path);
-        let chunks = scan::read_chunks(&path, info, chunk_size, |ci, bytes, hash| {
+        let chunks = read_chunks(&*inner.store, &path, info, chunk_size, |ci, bytes, hash| {
             let g = map.index(fi as u32, ci).unwrap_or(u64::MAX);
             if have.contains(&g) {
                 return Ok(());
@@ -2127,11 +2134,10 @@ fn read_all(
                 },
                 data,
             };
-            out.blocking_send(rec)
-                .map_err(|_| scan::ScanError::Unsupported {
-                    path: path.clone(),
-                    why: "sending stopped".into(),
-                })
+            out.blocking_send(rec).map_err(|_| ScanError::Unsupported {
+                path: path.clone(),
+                why: "sending stopped".into(),
+            })
         })
         .map_err(|e| e.to_string())?;
         entries.push(FileEntry {
@@ -2158,7 +2164,7 @@ fn read_some(
     list: &[u64],
     out: &mpsc::Sender<Record>,
 ) -> Result<(), String> {
-    let mut open: Option<(u32, File)> = None;
+    let mut open: Option<(u32, Box<dyn RangeRead>)> = None;
     for g in list {
         let Some((fi, ci, entry)) = map.locate(*g).and_then(|(fi, ci)| {
             let e = m.files.get((*slots.get(fi as usize)?)?)?;
@@ -2170,25 +2176,26 @@ fn read_some(
             let p = dir.join(&entry.path);
             open = Some((
                 fi,
-                File::open(&p).map_err(|e| format!("{}: {e}", p.display()))?,
+                inner
+                    .store
+                    .open(&p)
+                    .map_err(|e| format!("{}: {e}", p.display()))?,
             ));
         }
         let (off, len) = map.span(fi, ci);
-        // Read into uninitialised capacity (no zero fill): seek, then
-        // read_to_end on at most `len` bytes.
-        let mut data = Vec::with_capacity(len as usize);
-        if let Some((_, f)) = &open {
-            let io = |e: std::io::Error| format!("{}: {e}", dir.join(&entry.path).display());
-            let mut r: &File = f;
-            r.seek(std::io::SeekFrom::Start(off)).map_err(io)?;
-            r.take(len).read_to_end(&mut data).map_err(io)?;
-            if data.len() as u64 != len {
-                return Err(format!(
-                    "{} changed while it was being copied (shorter than its manifest)",
-                    dir.join(&entry.path).display()
-                ));
-            }
-        }
+        let mut data = match &open {
+            Some((_, f)) => f.read_range(off, len).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                    format!(
+                        "{} changed while it was being copied (shorter than its manifest)",
+                        dir.join(&entry.path).display()
+                    )
+                } else {
+                    format!("{}: {e}", dir.join(&entry.path).display())
+                }
+            })?,
+            None => Vec::new(),
+        };
         let hash = *blake3::hash(&data).as_bytes();
         if hash != entry.chunks[ci as usize] {
             return Err(format!(

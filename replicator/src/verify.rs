@@ -7,7 +7,7 @@ use ferry_catalog::{Catalog, CatalogError};
 use ferry_proto::manifest::FileInfo;
 use ferry_proto::manifest::{hex, Manifest};
 
-use crate::source::scan;
+use crate::storage::posix::{scan, Posix};
 
 /// Outcome of a verification.
 #[derive(Debug, Clone)]
@@ -92,7 +92,7 @@ pub fn check(dir: &Path, m: &Manifest) -> Report {
             ));
             continue;
         }
-        match scan::read_chunks(&p, &info, m.chunk_size, |_, _, _| Ok(())) {
+        match crate::storage::read_chunks(&Posix, &p, &info, m.chunk_size, |_, _, _| Ok(())) {
             Ok(hashes) => {
                 bytes += f.size;
                 for (i, (a, b)) in hashes.iter().zip(&f.chunks).enumerate() {

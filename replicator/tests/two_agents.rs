@@ -78,7 +78,13 @@ async fn checkpoint_replicates_resolves_and_is_replaced_on_resave() {
 
     let report = replicator::verify::check(
         &replica,
-        &replicator::source::scan::build(&ckpt, &Default::default(), MIN_CHUNK_SIZE).unwrap(),
+        &replicator::storage::build(
+            &replicator::storage::posix::Posix,
+            &ckpt,
+            &[],
+            MIN_CHUNK_SIZE,
+        )
+        .unwrap(),
     );
     assert!(report.problems.is_empty(), "{:?}", report.problems);
 

@@ -117,11 +117,6 @@ struct JobResult {
     stable: Option<(u64, i64)>,
 }
 
-fn mtime_ns(md: &std::fs::Metadata) -> i64 {
-    use std::os::unix::fs::MetadataExt;
-    md.mtime() * 1_000_000_000 + md.mtime_nsec()
-}
-
 /// Reads the jobs' chunks in order, hashes them and queues those the sink
 /// does not have with the same hash. A file that vanished or shrank while
 /// read ends its job early and is reported as not stable.
@@ -141,7 +136,7 @@ fn run_jobs(
             sent: false,
             stable: None,
         };
-        let file = match File::open(&job.path) {
+        let file = match inner.store.open(&job.path) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 results.push(r);
@@ -150,7 +145,7 @@ fn run_jobs(
             Err(e) => return Err(format!("{}: {e}", job.path.display())),
         };
         let before = file
-            .metadata()
+            .current()
             .map_err(|e| format!("{}: {e}", job.path.display()))?;
         let mut complete_read = true;
         for c in job.from..job.to {
@@ -191,13 +186,12 @@ fn run_jobs(
             })
             .map_err(|_| "sending stopped".to_string())?;
         }
-        if let Ok(after) = std::fs::metadata(&job.path) {
-            let (a, b) = (
-                (before.len(), mtime_ns(&before)),
-                (after.len(), mtime_ns(&after)),
-            );
-            if complete_read && a == b && a.0 == job.size {
-                r.stable = Some(a);
+        // Stable when nothing changed while it was read: the same version
+        // token (size, mtime, and on POSIX the inode and ctime too) before
+        // and after.
+        if let Ok(after) = inner.store.stat(&job.path) {
+            if complete_read && before.2 == after.2 && before.0 == job.size {
+                r.stable = Some((before.0, before.1));
             }
         }
         results.push(r);

@@ -212,9 +212,9 @@ pub async fn wait_final(p: &Pair, id: TransferId) -> ferry_catalog::Transfer {
 }
 
 pub fn same_tree(a: &Path, b: &Path) {
-    let opts = replicator::source::scan::ScanOptions::default();
-    let sa = replicator::source::scan::scan(a, &opts).unwrap();
-    let sb = replicator::source::scan::scan(b, &opts).unwrap();
+    let opts = replicator::storage::posix::scan::ScanOptions::default();
+    let sa = replicator::storage::posix::scan::scan(a, &opts).unwrap();
+    let sb = replicator::storage::posix::scan::scan(b, &opts).unwrap();
     assert_eq!(
         sa.files, sb.files,
         "file lists (paths, sizes, modes, mtimes) differ"

@@ -41,22 +41,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use ferry_proto::manifest::{chunk_count, chunk_len, Hash, Manifest};
 use tracing::warn;
 
-/// What [`publish`] did.
-#[derive(Debug, PartialEq, Eq)]
-pub(super) enum Outcome {
-    /// The replica is in place; `reread` is how long reading staging
-    /// back took, if it was read back.
-    Published {
-        /// Time spent reading and hashing staging before the move.
-        reread: Option<Duration>,
-    },
-    /// The replica was already in place, from a publish a crash
-    /// interrupted; it has been finished.
-    Recovered,
-    /// These chunk keys no longer match the manifest in staging; nothing
-    /// moved. Fetch them again.
-    Refetch(Vec<u64>),
-}
+use crate::storage::PublishOutcome;
 
 /// Environment variable of the reliability suite: when it names one of the
 /// points `markers-held`, `placed` or `markers-in` (after steps 3, 4 and 5
@@ -67,7 +52,7 @@ pub const FAULT_KILL_ENV: &str = "FERRY_FAULT_KILL_IN_PUBLISH";
 
 /// SIGKILLs this process if [`FAULT_KILL_ENV`] names `point`.
 #[cfg(feature = "fault-injection")]
-pub(super) fn fault_point(point: &str) {
+pub(crate) fn fault_point(point: &str) {
     static AT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     if AT
         .get_or_init(|| std::env::var(FAULT_KILL_ENV).ok())
@@ -84,7 +69,7 @@ pub(super) fn fault_point(point: &str) {
 
 /// Without the `fault-injection` feature there is no kill point.
 #[cfg(not(feature = "fault-injection"))]
-pub(super) fn fault_point(_point: &str) {}
+pub(crate) fn fault_point(_point: &str) {}
 
 fn held_dir(staging: &Path) -> PathBuf {
     staging.with_extension("markers")
@@ -153,25 +138,25 @@ pub(super) fn publish(
     local_path: &Path,
     m: &Manifest,
     reread: Option<&[(u64, Hash)]>,
-) -> io::Result<Outcome> {
+) -> io::Result<PublishOutcome> {
     let held = held_dir(staging);
     if held.exists() {
         resume(staging, local_path, m, &held)?;
-        return Ok(Outcome::Recovered);
+        return Ok(PublishOutcome::Recovered);
     }
     if !has_files(staging)? && local_path.is_dir() && matches(local_path, m, &|_| None)? {
         // Published before a crash that came before the catalog heard of it.
         if staging.exists() {
             std::fs::remove_dir_all(staging).map_err(at(staging))?;
         }
-        return Ok(Outcome::Recovered);
+        return Ok(PublishOutcome::Recovered);
     }
     let mut reread_took = None;
     if let Some(keys) = reread {
         let t = std::time::Instant::now();
         let bad = changed_chunks(staging, m, keys);
         if !bad.is_empty() {
-            return Ok(Outcome::Refetch(bad));
+            return Ok(PublishOutcome::Refetch(bad));
         }
         reread_took = Some(t.elapsed());
     }
@@ -236,7 +221,7 @@ pub(super) fn publish(
     markers_in(local_path, m, &held)?;
     fault_point("markers-in");
     clean_up(staging)?;
-    Ok(Outcome::Published {
+    Ok(PublishOutcome::Published {
         reread: reread_took,
     })
 }
@@ -444,7 +429,7 @@ fn hash_mismatches(
 /// replica holds exactly the frozen file set.
 fn remove_unlisted(staging: &Path, m: &Manifest) -> io::Result<()> {
     let listed: std::collections::HashSet<&str> = m.files.iter().map(|f| f.path.as_str()).collect();
-    let scan = crate::source::scan::scan(staging, &Default::default()).map_err(|e| {
+    let scan = crate::storage::posix::scan::scan(staging, &Default::default()).map_err(|e| {
         io::Error::other(format!(
             "staging holds something the sink never wrote (another process in the sink root?): {e}"
         ))
@@ -462,7 +447,8 @@ fn remove_unlisted(staging: &Path, m: &Manifest) -> io::Result<()> {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::source::scan::{build, ScanOptions};
+    use crate::storage::build;
+    use crate::storage::posix::Posix;
 
     const CHUNK: u32 = 64 * 1024;
 
@@ -474,10 +460,7 @@ mod tests {
         std::fs::write(dir.join("sub/b.bin"), b"bee").unwrap();
         std::fs::write(dir.join("c.json"), b"{}").unwrap();
         std::fs::write(dir.join("COMMITTED"), b"").unwrap();
-        let opts = ScanOptions {
-            markers: vec!["COMMITTED".into()],
-        };
-        build(dir, &opts, CHUNK).unwrap()
+        build(&Posix, dir, &["COMMITTED".into()], CHUNK).unwrap()
     }
 
     /// Chunk keys numbered as a sink table would: file index << 32 | chunk.
@@ -550,7 +533,7 @@ mod tests {
         let c = case();
         let out = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
         assert!(
-            matches!(out, Outcome::Published { reread: Some(_) }),
+            matches!(out, PublishOutcome::Published { reread: Some(_) }),
             "{out:?}"
         );
         assert_published(&c);
@@ -577,7 +560,7 @@ mod tests {
                 .position(|f| f.path == "sub/b.bin")
                 .unwrap() as u64;
         let out = publish(&c.staging, &c.local, &c.m, Some(&ks)).unwrap();
-        assert_eq!(out, Outcome::Refetch(vec![1, b_index << 32]));
+        assert_eq!(out, PublishOutcome::Refetch(vec![1, b_index << 32]));
         assert!(!c.local.exists());
         assert!(!held_dir(&c.staging).exists());
         // A missing file is refetched too.
@@ -586,7 +569,7 @@ mod tests {
         let out = publish(&c.staging, &c.local, &c.m, Some(&ks)).unwrap();
         let mut want = vec![1, b_index << 32, c_index << 32];
         want.sort_unstable();
-        assert_eq!(out, Outcome::Refetch(want));
+        assert_eq!(out, PublishOutcome::Refetch(want));
     }
 
     #[test]
@@ -625,7 +608,7 @@ mod tests {
                 .position(|f| f.path == "sub/b.bin")
                 .unwrap() as u64;
         let out = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
-        assert_eq!(out, Outcome::Refetch(vec![b_index << 32]));
+        assert_eq!(out, PublishOutcome::Refetch(vec![b_index << 32]));
         // Without the read-back the move refuses it, naming the file.
         let err = publish(&c.staging, &c.local, &c.m, None).unwrap_err();
         assert!(err.to_string().contains("sub/b.bin"), "{err}");
@@ -653,7 +636,7 @@ mod tests {
         let c = case();
         std::fs::write(c.staging.join("sub/b.bin"), b"bea").unwrap();
         let out = publish(&c.staging, &c.local, &c.m, None).unwrap();
-        assert_eq!(out, Outcome::Published { reread: None });
+        assert_eq!(out, PublishOutcome::Published { reread: None });
         assert_eq!(std::fs::read(c.local.join("sub/b.bin")).unwrap(), b"bea");
     }
 
@@ -683,7 +666,7 @@ mod tests {
         let c = case();
         up_to_markers_held(&c);
         let out = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
-        assert_eq!(out, Outcome::Recovered);
+        assert_eq!(out, PublishOutcome::Recovered);
         assert_published(&c);
     }
 
@@ -697,7 +680,7 @@ mod tests {
         std::fs::create_dir_all(&c.staging).unwrap();
         assert!(!c.local.join("COMMITTED").exists());
         let out = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
-        assert_eq!(out, Outcome::Recovered);
+        assert_eq!(out, PublishOutcome::Recovered);
         assert_published(&c);
         assert!(!held.exists());
     }
@@ -713,7 +696,7 @@ mod tests {
         place(&c.staging, &c.local).unwrap();
         assert_eq!(std::fs::read(c.staging.join("a.bin")).unwrap(), b"old");
         let out = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
-        assert_eq!(out, Outcome::Recovered);
+        assert_eq!(out, PublishOutcome::Recovered);
         assert_published(&c);
     }
 
@@ -721,10 +704,13 @@ mod tests {
     fn a_crash_before_the_catalog_heard_of_it_is_recognised() {
         let c = case();
         let first = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
-        assert!(matches!(first, Outcome::Published { .. }), "{first:?}");
+        assert!(
+            matches!(first, PublishOutcome::Published { .. }),
+            "{first:?}"
+        );
         std::fs::create_dir_all(&c.staging).unwrap();
         let out = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
-        assert_eq!(out, Outcome::Recovered);
+        assert_eq!(out, PublishOutcome::Recovered);
         assert_published(&c);
     }
 
@@ -756,7 +742,7 @@ mod tests {
         // Staging holds the new version: a normal publish, by exchange.
         let out = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
         assert!(
-            matches!(out, Outcome::Published { reread: Some(_) }),
+            matches!(out, PublishOutcome::Published { reread: Some(_) }),
             "{out:?}"
         );
         assert_published(&c);

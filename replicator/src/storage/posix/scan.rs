@@ -2,13 +2,15 @@
 //! file list with sizes, modes and mtimes, and every chunk read once and
 //! hashed with BLAKE3.
 
-use std::fs::File;
-use std::io::{self, Read};
+use std::io;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use ferry_proto::manifest::{chunk_count, chunk_len, FileEntry, FileInfo, Hash, Manifest};
+use ferry_proto::manifest::FileInfo;
 use ferry_proto::paths::is_temporary;
+
+use super::version_of;
+use crate::storage::{FileVersion, ScanError};
 
 /// How to list a checkpoint directory.
 #[derive(Debug, Clone, Default)]
@@ -23,35 +25,10 @@ pub struct ScanOptions {
 pub struct Scan {
     /// Files in transfer order: non-markers sorted by path, then markers.
     pub files: Vec<FileInfo>,
+    /// The version token of each of `files`, in the same order.
+    pub versions: Vec<FileVersion>,
     /// Indices of markers in `files`, in publish order.
     pub markers: Vec<u32>,
-}
-
-/// Errors while listing or reading a checkpoint at the source.
-#[derive(Debug, thiserror::Error)]
-pub enum ScanError {
-    /// An I/O error on a named path.
-    #[error("{path}: {source}")]
-    Io {
-        /// The path.
-        path: PathBuf,
-        /// The error.
-        source: io::Error,
-    },
-    /// A file changed while it was read (size or mtime differ).
-    #[error("{path} changed while it was being read")]
-    Changed {
-        /// The path.
-        path: PathBuf,
-    },
-    /// Something in the directory cannot be replicated.
-    #[error("{path}: {why}")]
-    Unsupported {
-        /// The path.
-        path: PathBuf,
-        /// Why.
-        why: String,
-    },
 }
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> ScanError + '_ {
@@ -92,12 +69,15 @@ pub fn scan(dir: &Path, opts: &ScanOptions) -> Result<Scan, ScanError> {
             } else if ft.is_file() {
                 let md = entry.metadata().map_err(io_err(&entry.path()))?;
                 let path = rel_child.to_string_lossy().into_owned();
-                files.push(FileInfo {
-                    path,
-                    size: md.len(),
-                    mode: md.permissions().mode() & 0o7777,
-                    mtime_ns: md.mtime() * 1_000_000_000 + md.mtime_nsec(),
-                });
+                files.push((
+                    FileInfo {
+                        path,
+                        size: md.len(),
+                        mode: md.permissions().mode() & 0o7777,
+                        mtime_ns: md.mtime() * 1_000_000_000 + md.mtime_nsec(),
+                    },
+                    version_of(&md),
+                ));
             } else {
                 return Err(ScanError::Unsupported {
                     path: entry.path(),
@@ -110,7 +90,7 @@ pub fn scan(dir: &Path, opts: &ScanOptions) -> Result<Scan, ScanError> {
         let name = p.rsplit('/').next().unwrap_or(p);
         opts.markers.iter().position(|m| m == name)
     };
-    files.sort_by(|a, b| {
+    files.sort_by(|(a, _), (b, _)| {
         let ka = (marker_rank(&a.path).map_or(0, |r| r + 1), &a.path);
         let kb = (marker_rank(&b.path).map_or(0, |r| r + 1), &b.path);
         ka.cmp(&kb)
@@ -118,89 +98,24 @@ pub fn scan(dir: &Path, opts: &ScanOptions) -> Result<Scan, ScanError> {
     let markers = files
         .iter()
         .enumerate()
-        .filter(|(_, f)| marker_rank(&f.path).is_some())
+        .filter(|(_, (f, _))| marker_rank(&f.path).is_some())
         .map(|(i, _)| i as u32)
         .collect();
-    Ok(Scan { files, markers })
-}
-
-/// Reads `path` once, sequentially, in `chunk_size` reads, calling
-/// `on_chunk(index, bytes, hash)` for each chunk; returns the chunk hashes.
-/// Checks afterwards that size and mtime still match `info`.
-///
-/// # Errors
-/// [`ScanError::Io`] on a read error, [`ScanError::Changed`] if the file
-/// is shorter than announced or its size or mtime changed, and whatever
-/// `on_chunk` returns.
-pub fn read_chunks(
-    path: &Path,
-    info: &FileInfo,
-    chunk_size: u32,
-    mut on_chunk: impl FnMut(u32, &[u8], &Hash) -> Result<(), ScanError>,
-) -> Result<Vec<Hash>, ScanError> {
-    let mut f = File::open(path).map_err(io_err(path))?;
-    let n = chunk_count(info.size, chunk_size);
-    let mut hashes = Vec::with_capacity(n as usize);
-    // Sized to the file, not the chunk: most shards are far smaller than a
-    // chunk, and zeroing a 4 MiB buffer per 4 KiB file dominated the
-    // source's CPU time.
-    let mut buf = vec![0u8; u64::from(chunk_size).min(info.size) as usize];
-    for i in 0..n {
-        let len = chunk_len(info.size, chunk_size, i) as usize;
-        let b = &mut buf[..len];
-        f.read_exact(b).map_err(|e| {
-            if e.kind() == io::ErrorKind::UnexpectedEof {
-                ScanError::Changed {
-                    path: path.to_path_buf(),
-                }
-            } else {
-                ScanError::Io {
-                    path: path.to_path_buf(),
-                    source: e,
-                }
-            }
-        })?;
-        let h = *blake3::hash(b).as_bytes();
-        on_chunk(i as u32, b, &h)?;
-        hashes.push(h);
-    }
-    let md = f.metadata().map_err(io_err(path))?;
-    if md.len() != info.size || md.mtime() * 1_000_000_000 + md.mtime_nsec() != info.mtime_ns {
-        return Err(ScanError::Changed {
-            path: path.to_path_buf(),
-        });
-    }
-    Ok(hashes)
-}
-
-/// Builds the manifest of `dir` by reading every file once.
-///
-/// # Errors
-/// As [`scan`] and [`read_chunks`].
-pub fn build(dir: &Path, opts: &ScanOptions, chunk_size: u32) -> Result<Manifest, ScanError> {
-    let s = scan(dir, opts)?;
-    let mut files = Vec::with_capacity(s.files.len());
-    for info in s.files {
-        let chunks = read_chunks(&dir.join(&info.path), &info, chunk_size, |_, _, _| Ok(()))?;
-        files.push(FileEntry {
-            path: info.path,
-            size: info.size,
-            mode: info.mode,
-            mtime_ns: info.mtime_ns,
-            chunks,
-        });
-    }
-    Ok(Manifest {
-        chunk_size,
+    let (files, versions) = files.into_iter().unzip();
+    Ok(Scan {
         files,
-        markers: s.markers,
+        versions,
+        markers,
     })
 }
 
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
-    use ferry_proto::manifest::MIN_CHUNK_SIZE;
+    use ferry_proto::manifest::{Manifest, MIN_CHUNK_SIZE};
+
+    use crate::storage::build;
+    use crate::storage::posix::Posix;
 
     use super::*;
 
@@ -236,7 +151,7 @@ mod tests {
         let cs = MIN_CHUNK_SIZE;
         write(d.path(), "big", cs as usize * 2 + 17);
         write(d.path(), "empty", 0);
-        let m = build(d.path(), &ScanOptions::default(), cs).unwrap();
+        let m = build(&Posix, d.path(), &[], cs).unwrap();
         let data = std::fs::read(d.path().join("big")).unwrap();
         let big = &m.files[0];
         assert_eq!(big.chunks.len(), 3);
@@ -249,9 +164,6 @@ mod tests {
         assert_eq!(again.root(), m.root());
         // Any change to the content changes the root.
         write(d.path(), "empty", 1);
-        assert_ne!(
-            build(d.path(), &ScanOptions::default(), cs).unwrap().root(),
-            m.root()
-        );
+        assert_ne!(build(&Posix, d.path(), &[], cs).unwrap().root(), m.root());
     }
 }

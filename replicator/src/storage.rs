@@ -1,0 +1,331 @@
+//! Storage seams: what the source and the sink ask of the storage that
+//! holds checkpoints, at the level they think in (a tree of files to
+//! list and read; chunks to stage, a staging area to publish, versions to
+//! retire), not POSIX calls. A backend implements [`SourceStore`] and
+//! [`SinkStore`]; [`posix`] is the one of this build: today's local file
+//! systems (pwrite, hard links, rename and `RENAME_EXCHANGE`, syncfs).
+//!
+//! The seams leave room for stores that cannot do what POSIX does:
+//! HDFS files are written once, by one writer, appending only, and S3
+//! objects are immutable with no rename. So the sink never asks for a
+//! rename or an in-place write: it stages chunks at offsets (a backend
+//! without random writes buffers or assembles them), shares a file with
+//! the previous version when it can ([`SinkStore::share_unchanged`] may
+//! decline), and publishes a staging area as a whole
+//! ([`SinkStore::publish`] answers where the replica is). Change detection
+//! at the source uses an opaque [`FileVersion`] per file, not the mtime
+//! alone.
+//!
+//! Calls block; async callers run them on the blocking pool.
+
+use std::fmt;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ferry_proto::manifest::{chunk_count, chunk_len, FileEntry, FileInfo, Hash, Manifest};
+
+pub mod posix;
+
+/// An opaque per-file version token: two listings of a file with equal
+/// tokens saw the same content. On POSIX it covers the inode, size, mtime
+/// and ctime (a rewrite in place changes the ctime even when it restores
+/// the size and mtime); other backends use what they have (an HDFS file
+/// id and length, an S3 ETag).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct FileVersion(pub [u64; 4]);
+
+/// One file of a listing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listed {
+    /// Path relative to the listed directory, size (bytes), mode, mtime.
+    pub info: FileInfo,
+    /// Its version token.
+    pub version: FileVersion,
+}
+
+/// What a checkpoint's transfer should contain, as [`SourceStore::list`]
+/// finds it.
+#[derive(Debug, Clone)]
+pub struct Listing {
+    /// Files in transfer order: non-markers sorted by path, then markers.
+    pub files: Vec<Listed>,
+    /// Indices of markers in `files`, in publish order.
+    pub markers: Vec<u32>,
+}
+
+impl Listing {
+    /// The files without their version tokens.
+    pub fn infos(&self) -> Vec<FileInfo> {
+        self.files.iter().map(|f| f.info.clone()).collect()
+    }
+}
+
+/// Reads byte ranges of one file.
+pub trait RangeRead: Send {
+    /// Fills `buf` from byte `offset`.
+    ///
+    /// # Errors
+    /// I/O errors; `UnexpectedEof` when the file ends first.
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+
+    /// Reads `len` bytes from `offset` into a new buffer (no zero fill of
+    /// a buffer that is about to be overwritten).
+    ///
+    /// # Errors
+    /// As [`RangeRead::read_exact_at`].
+    fn read_range(&self, offset: u64, len: u64) -> io::Result<Vec<u8>>;
+
+    /// The file's size (bytes), mtime (ns since the Unix epoch) and version
+    /// now, to tell whether it changed while it was read.
+    ///
+    /// # Errors
+    /// I/O errors.
+    fn current(&self) -> io::Result<(u64, i64, FileVersion)>;
+}
+
+/// Where a source reads checkpoints.
+pub trait SourceStore: Send + Sync + fmt::Debug {
+    /// Lists the regular files under `dir` (recursively, temporaries
+    /// skipped) with sizes, modes, mtimes and version tokens; files whose
+    /// names are in `markers` go last, in that order.
+    ///
+    /// # Errors
+    /// [`ScanError`] naming the path that could not
+    /// be read, or something in the tree that cannot be replicated.
+    fn list(&self, dir: &Path, markers: &[String]) -> Result<Listing, ScanError>;
+
+    /// Opens `path` for ranged reads.
+    ///
+    /// # Errors
+    /// I/O errors (`NotFound` when it is gone).
+    fn open(&self, path: &Path) -> io::Result<Box<dyn RangeRead>>;
+
+    /// The size (bytes), mtime (ns since the Unix epoch) and version of
+    /// the file at `path` now.
+    ///
+    /// # Errors
+    /// I/O errors (`NotFound` when it is gone).
+    fn stat(&self, path: &Path) -> io::Result<(u64, i64, FileVersion)>;
+}
+
+/// Stages the chunks of one transfer.
+pub trait Staging: Send {
+    /// Writes `bytes` at byte `offset` of file `rel` (a relative path
+    /// already checked by [`ferry_proto::paths::check_relative`]) of the
+    /// staging area.
+    ///
+    /// # Errors
+    /// I/O errors naming the file; a symlink or special file in the
+    /// staging area is refused, never written through.
+    fn stage_chunk(&mut self, rel: &str, offset: u64, bytes: &[u8]) -> io::Result<()>;
+}
+
+/// What [`SinkStore::publish`] did.
+#[derive(Debug, PartialEq, Eq)]
+pub enum PublishOutcome {
+    /// The replica is in place; `reread` is how long reading staging
+    /// back took, if it was read back.
+    Published {
+        /// Time spent reading and hashing staging before the move.
+        reread: Option<Duration>,
+    },
+    /// The replica was already in place, from a publish a crash
+    /// interrupted; it has been finished.
+    Recovered,
+    /// These chunk keys no longer match the manifest in staging; nothing
+    /// moved. Fetch them again.
+    Refetch(Vec<u64>),
+}
+
+/// Where a sink stages and publishes replicas.
+pub trait SinkStore: Send + Sync + fmt::Debug {
+    /// The staging area at `dir`, created on the first chunk.
+    fn staging(&self, dir: &Path) -> Box<dyn Staging>;
+
+    /// Makes file `rel` of the staging area `staging` the same file as
+    /// `rel` of the published version at `previous` (unchanged between
+    /// the versions), without copying where the backend can. Declining
+    /// (an error) only means the file is transferred again.
+    ///
+    /// # Errors
+    /// I/O errors, or that the backend cannot share files.
+    fn share_unchanged(&self, previous: &Path, staging: &Path, rel: &str) -> io::Result<()>;
+
+    /// Publishes staging area `staging` at `local_path` as checkpoint `m`,
+    /// atomically: a reader sees the previous version or the whole new
+    /// one, commit markers last. With `reread` (the chunk keys of `m`,
+    /// one per chunk in manifest order), staging is read back and checked
+    /// first. Finishes a publish that a crash interrupted.
+    ///
+    /// # Errors
+    /// I/O errors naming the path.
+    fn publish(
+        &self,
+        staging: &Path,
+        local_path: &Path,
+        m: &Manifest,
+        reread: Option<&[(u64, Hash)]>,
+    ) -> io::Result<PublishOutcome>;
+
+    /// Whether a publish from `staging` has begun and the catalog has not
+    /// yet recorded it ([`SinkStore::publish_recorded`]).
+    fn publish_under_way(&self, staging: &Path) -> bool;
+
+    /// The catalog has recorded the replica published from `staging`.
+    ///
+    /// # Errors
+    /// I/O errors naming the path.
+    fn publish_recorded(&self, staging: &Path) -> io::Result<()>;
+
+    /// Removes a staging area and anything a publish from it left.
+    ///
+    /// # Errors
+    /// I/O errors naming the path (`NotFound` is not an error).
+    fn discard(&self, staging: &Path) -> io::Result<()>;
+
+    /// Removes the published version at `local_path` (a replica that is
+    /// no longer kept).
+    ///
+    /// # Errors
+    /// I/O errors naming the path (`NotFound` is not an error).
+    fn retire(&self, local_path: &Path) -> io::Result<()>;
+
+    /// Bytes free for new replicas under `path`; `None` when the backend
+    /// cannot tell (an object store).
+    ///
+    /// # Errors
+    /// I/O errors naming the path.
+    fn free_space(&self, path: &Path) -> io::Result<Option<u64>>;
+
+    /// Makes what was staged under `dir` durable (a background flush as
+    /// the data arrives, so little is left for the publish).
+    ///
+    /// # Errors
+    /// I/O errors naming the path.
+    fn flush(&self, dir: &Path) -> io::Result<()>;
+}
+
+/// Errors while listing or reading a checkpoint at the source.
+#[derive(Debug, thiserror::Error)]
+pub enum ScanError {
+    /// An I/O error on a named path.
+    #[error("{path}: {source}")]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// The error.
+        source: io::Error,
+    },
+    /// A file changed while it was read (size or mtime differ).
+    #[error("{path} changed while it was being read")]
+    Changed {
+        /// The path.
+        path: PathBuf,
+    },
+    /// Something in the directory cannot be replicated.
+    #[error("{path}: {why}")]
+    Unsupported {
+        /// The path.
+        path: PathBuf,
+        /// Why.
+        why: String,
+    },
+}
+
+/// Reads `path` once, sequentially, in `chunk_size` reads from `store`,
+/// calling `on_chunk(index, bytes, hash)` for each chunk; returns the chunk
+/// hashes. Checks afterwards that size and mtime still match `info`.
+///
+/// # Errors
+/// [`ScanError::Io`] on a read error, [`ScanError::Changed`] if the file
+/// is shorter than announced or its size or mtime changed, and whatever
+/// `on_chunk` returns.
+pub fn read_chunks(
+    store: &dyn SourceStore,
+    path: &Path,
+    info: &FileInfo,
+    chunk_size: u32,
+    mut on_chunk: impl FnMut(u32, &[u8], &Hash) -> Result<(), ScanError>,
+) -> Result<Vec<Hash>, ScanError> {
+    let io_err = |source| ScanError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let f = store.open(path).map_err(io_err)?;
+    let n = chunk_count(info.size, chunk_size);
+    let mut hashes = Vec::with_capacity(n as usize);
+    // Sized to the file, not the chunk: most shards are far smaller than a
+    // chunk, and zeroing a 4 MiB buffer per 4 KiB file dominated the
+    // source's CPU time.
+    let mut buf = vec![0u8; u64::from(chunk_size).min(info.size) as usize];
+    for i in 0..n {
+        let len = chunk_len(info.size, chunk_size, i) as usize;
+        let b = &mut buf[..len];
+        f.read_exact_at(b, i * u64::from(chunk_size)).map_err(|e| {
+            if e.kind() == io::ErrorKind::UnexpectedEof {
+                ScanError::Changed {
+                    path: path.to_path_buf(),
+                }
+            } else {
+                ScanError::Io {
+                    path: path.to_path_buf(),
+                    source: e,
+                }
+            }
+        })?;
+        let h = *blake3::hash(b).as_bytes();
+        on_chunk(i as u32, b, &h)?;
+        hashes.push(h);
+    }
+    let (size, mtime_ns, _) = f.current().map_err(|e| ScanError::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })?;
+    if size != info.size || mtime_ns != info.mtime_ns {
+        return Err(ScanError::Changed {
+            path: path.to_path_buf(),
+        });
+    }
+    Ok(hashes)
+}
+
+/// Builds the manifest of `dir` by listing it and reading every file once.
+///
+/// # Errors
+/// As [`SourceStore::list`] and [`read_chunks`].
+pub fn build(
+    store: &dyn SourceStore,
+    dir: &Path,
+    markers: &[String],
+    chunk_size: u32,
+) -> Result<Manifest, ScanError> {
+    let s = store.list(dir, markers)?;
+    let mut files = Vec::with_capacity(s.files.len());
+    for Listed { info, .. } in s.files {
+        let chunks = read_chunks(
+            store,
+            &dir.join(&info.path),
+            &info,
+            chunk_size,
+            |_, _, _| Ok(()),
+        )?;
+        files.push(FileEntry {
+            path: info.path,
+            size: info.size,
+            mode: info.mode,
+            mtime_ns: info.mtime_ns,
+            chunks,
+        });
+    }
+    Ok(Manifest {
+        chunk_size,
+        files,
+        markers: s.markers,
+    })
+}
+
+/// Adds `path` to an I/O error's message.
+pub(crate) fn at(path: &Path) -> impl FnOnce(io::Error) -> io::Error + '_ {
+    move |e| io::Error::new(e.kind(), format!("{}: {e}", path.display()))
+}

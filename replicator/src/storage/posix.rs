@@ -1,0 +1,304 @@
+//! The POSIX backend of the storage seams: local (or mounted) file
+//! systems. Staging writes with `pwrite`, shares unchanged files with hard
+//! links, publishes with `rename` (or `RENAME_EXCHANGE` over an older
+//! version, [`publish`]), flushes with `syncfs`, reports free space with
+//! `statvfs`.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Read, Seek};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use ferry_proto::manifest::{Hash, Manifest};
+
+use super::{
+    at, FileVersion, Listed, Listing, PublishOutcome, RangeRead, ScanError, SinkStore, SourceStore,
+    Staging,
+};
+
+pub mod publish;
+pub mod scan;
+
+/// Local file systems.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Posix;
+
+/// The version token of a file from its metadata: inode, size, mtime and
+/// ctime (both in ns).
+pub(crate) fn version_of(md: &std::fs::Metadata) -> FileVersion {
+    FileVersion([
+        md.ino(),
+        md.len(),
+        (md.mtime() * 1_000_000_000 + md.mtime_nsec()) as u64,
+        (md.ctime() * 1_000_000_000 + md.ctime_nsec()) as u64,
+    ])
+}
+
+/// An open local file.
+struct PosixFile {
+    file: File,
+}
+
+impl RangeRead for PosixFile {
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.file.read_exact_at(buf, offset)
+    }
+
+    fn read_range(&self, offset: u64, len: u64) -> io::Result<Vec<u8>> {
+        // Read into uninitialised capacity (no zero fill): seek, then
+        // read_to_end on at most `len` bytes.
+        let mut data = Vec::with_capacity(len as usize);
+        let mut r: &File = &self.file;
+        r.seek(io::SeekFrom::Start(offset))?;
+        r.take(len).read_to_end(&mut data)?;
+        if data.len() as u64 != len {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("{} bytes at {offset}, expected {len}", data.len()),
+            ));
+        }
+        Ok(data)
+    }
+
+    fn current(&self) -> io::Result<(u64, i64, FileVersion)> {
+        let md = self.file.metadata()?;
+        Ok((
+            md.len(),
+            md.mtime() * 1_000_000_000 + md.mtime_nsec(),
+            version_of(&md),
+        ))
+    }
+}
+
+impl SourceStore for Posix {
+    fn list(&self, dir: &Path, markers: &[String]) -> Result<Listing, ScanError> {
+        let s = scan::scan(
+            dir,
+            &scan::ScanOptions {
+                markers: markers.to_vec(),
+            },
+        )?;
+        Ok(Listing {
+            files: s
+                .files
+                .into_iter()
+                .zip(s.versions)
+                .map(|(info, version)| Listed { info, version })
+                .collect(),
+            markers: s.markers,
+        })
+    }
+
+    fn open(&self, path: &Path) -> io::Result<Box<dyn RangeRead>> {
+        Ok(Box::new(PosixFile {
+            file: File::open(path)?,
+        }))
+    }
+
+    fn stat(&self, path: &Path) -> io::Result<(u64, i64, FileVersion)> {
+        let md = std::fs::metadata(path)?;
+        Ok((
+            md.len(),
+            md.mtime() * 1_000_000_000 + md.mtime_nsec(),
+            version_of(&md),
+        ))
+    }
+}
+
+/// A staging directory; keeps the file it last wrote open, since chunks
+/// of one file mostly arrive together.
+struct PosixStaging {
+    dir: PathBuf,
+    current: Option<(String, File)>,
+}
+
+impl Staging for PosixStaging {
+    fn stage_chunk(&mut self, rel: &str, offset: u64, bytes: &[u8]) -> io::Result<()> {
+        if self.current.as_ref().map(|c| c.0.as_str()) != Some(rel) {
+            self.current = Some((rel.to_string(), open_staging(&self.dir, rel)?));
+        }
+        match &self.current {
+            Some((_, f)) => f.write_all_at(bytes, offset),
+            None => Err(io::Error::other("no staging file open")),
+        }
+    }
+}
+
+impl SinkStore for Posix {
+    fn staging(&self, dir: &Path) -> Box<dyn Staging> {
+        Box::new(PosixStaging {
+            dir: dir.to_path_buf(),
+            current: None,
+        })
+    }
+
+    fn share_unchanged(&self, previous: &Path, staging: &Path, rel: &str) -> io::Result<()> {
+        let dst = staging.join(rel);
+        if let Some(parent) = dst.parent() {
+            std::fs::create_dir_all(parent).map_err(at(parent))?;
+        }
+        let src = previous.join(rel);
+        std::fs::hard_link(&src, &dst).map_err(at(&src))
+    }
+
+    fn publish(
+        &self,
+        staging: &Path,
+        local_path: &Path,
+        m: &Manifest,
+        reread: Option<&[(u64, Hash)]>,
+    ) -> io::Result<PublishOutcome> {
+        publish::publish(staging, local_path, m, reread)
+    }
+
+    fn publish_under_way(&self, staging: &Path) -> bool {
+        publish::under_way(staging)
+    }
+
+    fn publish_recorded(&self, staging: &Path) -> io::Result<()> {
+        publish::finish(staging)
+    }
+
+    fn discard(&self, staging: &Path) -> io::Result<()> {
+        for dir in [staging.with_extension("markers"), staging.to_path_buf()] {
+            match std::fs::remove_dir_all(&dir) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(at(&dir)(e)),
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn retire(&self, local_path: &Path) -> io::Result<()> {
+        match std::fs::remove_dir_all(local_path) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(at(local_path)(e)),
+            _ => Ok(()),
+        }
+    }
+
+    fn free_space(&self, path: &Path) -> io::Result<Option<u64>> {
+        let s = nix::sys::statvfs::statvfs(path)
+            .map_err(io::Error::from)
+            .map_err(at(path))?;
+        Ok(Some(s.blocks_available() as u64 * s.fragment_size() as u64))
+    }
+
+    fn flush(&self, dir: &Path) -> io::Result<()> {
+        sync_dir_fs(dir).map_err(at(dir))
+    }
+}
+
+/// Opens (creating) a staging file without following a symlink at its
+/// name or at any of its parent directories below `staging`; missing
+/// parents are created as plain directories. A symlink planted in staging
+/// (pointing outside the sink root) is refused, never written through.
+pub(crate) fn open_staging(staging: &Path, rel: &str) -> io::Result<std::fs::File> {
+    let p = staging.join(rel);
+    if !staging.exists() {
+        std::fs::create_dir_all(staging)?;
+    }
+    if let Some(parent) = Path::new(rel).parent() {
+        let mut dir = staging.to_path_buf();
+        for c in parent.components() {
+            dir.push(c);
+            match std::fs::symlink_metadata(&dir) {
+                Ok(m) if m.is_dir() => {}
+                Ok(_) => {
+                    return Err(io::Error::other(format!(
+                        "{} is a symlink or not a directory; refusing to write through it",
+                        dir.display()
+                    )))
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    match std::fs::create_dir(&dir) {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                            // Created concurrently: check it again.
+                            if !std::fs::symlink_metadata(&dir)?.is_dir() {
+                                return Err(io::Error::other(format!(
+                                    "{} is a symlink or not a directory; refusing to write through it",
+                                    dir.display()
+                                )));
+                            }
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    let open = || {
+        OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            // No write through a symlink, no wait for a FIFO's reader.
+            .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+            .open(&p)
+            .map_err(|e| {
+                let what = if e.raw_os_error() == Some(nix::libc::ELOOP) {
+                    "is a symlink; refusing to write through it".to_string()
+                } else {
+                    e.to_string()
+                };
+                io::Error::new(e.kind(), format!("staging file {}: {what}", p.display()))
+            })
+            .and_then(|f| {
+                if f.metadata()?.is_file() {
+                    Ok(f)
+                } else {
+                    Err(io::Error::other(format!(
+                        "staging file {} is not a regular file",
+                        p.display()
+                    )))
+                }
+            })
+    };
+    let file = open()?;
+    // A file hard-linked from a published replica (see `reuse_published`)
+    // must never be written in place: that would change the published
+    // copy. Give staging its own copy first.
+    if std::os::unix::fs::MetadataExt::nlink(&file.metadata()?) > 1 {
+        drop(file);
+        let private = p.with_extension("ferry-cow");
+        std::fs::copy(&p, &private)?;
+        std::fs::rename(&private, &p)?;
+        return open();
+    }
+    Ok(file)
+}
+
+/// `syncfs` of the file system holding `dir`.
+pub(crate) fn sync_dir_fs(dir: &Path) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let d = std::fs::File::open(dir)?;
+    nix::unistd::syncfs(d.as_raw_fd()).map_err(io::Error::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn staging_files_refuse_symlinks() {
+        let d = tempfile::tempdir().expect("tempdir");
+        std::os::unix::fs::symlink("/etc/passwd", d.path().join("evil")).expect("symlink");
+        assert!(open_staging(d.path(), "evil").is_err());
+        assert!(open_staging(d.path(), "a/b/c").is_ok());
+        // A symlinked parent directory is refused too, not written through.
+        let outside = tempfile::tempdir().expect("tempdir");
+        std::os::unix::fs::symlink(outside.path(), d.path().join("dir")).expect("symlink");
+        assert!(open_staging(d.path(), "dir/x").is_err());
+        assert!(open_staging(d.path(), "a/dir/x").is_ok());
+        std::os::unix::fs::symlink(outside.path(), d.path().join("a/b/link")).expect("symlink");
+        assert!(open_staging(d.path(), "a/b/link/deeper/x").is_err());
+        assert_eq!(
+            std::fs::read_dir(outside.path()).expect("read_dir").count(),
+            0
+        );
+        // A missing staging directory is created.
+        assert!(open_staging(&d.path().join("new"), "p/q").is_ok());
+    }
+}
