@@ -466,7 +466,7 @@ impl SourceMetrics {
 
     /// Sets the scrape-time gauges from `s` and encodes the registry.
     pub(crate) fn render(&self, s: &SourceScrape) -> Result<String, std::fmt::Error> {
-        let _one = self.scrape.lock().unwrap_or_else(|p| p.into_inner());
+        let _one = crate::lock::lock(&self.scrape);
         self.capacity.clear();
         self.utilisation.clear();
         self.queue_depth.clear();
@@ -588,7 +588,7 @@ impl SinkMetrics {
         &self,
         states: &[(TransferState, i64)],
     ) -> Result<String, std::fmt::Error> {
-        let _one = self.scrape.lock().unwrap_or_else(|p| p.into_inner());
+        let _one = crate::lock::lock(&self.scrape);
         set_states(&self.replica_states, &REPLICA_STATES, states);
         encode(&self.registry)
     }

@@ -320,9 +320,7 @@ impl Inner {
     /// The lock serialising publishes into `local_path`. Locks nobody
     /// holds or waits for are dropped from the map on the way.
     fn publish_lock(&self, local_path: &Path) -> Arc<tokio::sync::Mutex<()>> {
-        let Ok(mut m) = self.publish_locks.lock() else {
-            return Arc::default();
-        };
+        let mut m = crate::lock::lock(&self.publish_locks);
         m.retain(|_, l| Arc::strong_count(l) > 1);
         m.entry(local_path.to_path_buf()).or_default().clone()
     }
@@ -520,9 +518,7 @@ impl Sink {
 impl Live {
     /// Verified bytes and an ETA in seconds from the rate since open.
     fn progress(&self) -> (u64, Option<f64>) {
-        let Ok(st) = self.st.lock() else {
-            return (0, None);
-        };
+        let st = crate::lock::lock(&self.st);
         let secs = self.started.elapsed().as_secs_f64();
         let gained = st.bytes_done.saturating_sub(st.bytes_at_open) as f64;
         let total = self.table.read().map(|t| t.bytes_total).unwrap_or(0);
@@ -777,7 +773,8 @@ async fn serve_connection(
                             "commit for unknown transfer {id}"
                         )));
                     };
-                    if let Ok(mut st) = live.st.lock() {
+                    {
+                        let mut st = crate::lock::lock(&live.st);
                         debug!(
                             transfer = %id,
                             batches,
@@ -984,7 +981,11 @@ async fn open_transfer(
                     arrived_ms: None,
                     arrival_started_ms: None,
                 };
-                let _ = inner.chunks.send(CatalogOp::Chunk(c)).await;
+                if inner.chunks.send(CatalogOp::Chunk(c)).await.is_err() {
+                    // Only after shutdown: the chunk is verified again at
+                    // the next open.
+                    debug!("catalog writer stopped; a verified chunk goes unrecorded");
+                }
             }
             (row, reused.into_iter().map(|(g, h, _)| (g, h)).collect())
         }
@@ -1052,7 +1053,8 @@ async fn open_transfer(
         syncing: Default::default(),
         writes: Default::default(),
     });
-    if let Ok(mut m) = inner.live.lock() {
+    {
+        let mut m = crate::lock::lock(&inner.live);
         m.insert(row.id, live.clone());
     }
     info!(transfer = %key.id, peer, path = %key.source_path, bytes_total, resumed_bytes = done, "transfer opened");
@@ -1152,7 +1154,7 @@ async fn grow_table(
         let avail = blocking(move || store.free_space(&r))
             .await?
             .unwrap_or(u64::MAX);
-        let done = live.st.lock().map(|s| s.bytes_done).unwrap_or(0);
+        let done = crate::lock::lock(&live.st).bytes_done;
         let needed = total.saturating_sub(done);
         if avail < needed.saturating_add(inner.cfg.reserve_bytes) {
             return Err(TransferError::Refused(format!(
@@ -1179,7 +1181,8 @@ async fn grow_table(
             tokio::time::sleep(TABLE_SAVE_EVERY).await;
             live.table_pending
                 .store(false, std::sync::atomic::Ordering::Relaxed);
-            if let Ok(mut t) = live.table_saved.lock() {
+            {
+                let mut t = crate::lock::lock(&live.table_saved);
                 *t = Instant::now();
             }
             let snap = live
@@ -1306,7 +1309,7 @@ struct Opened {
 
 impl Opened {
     fn get(&self, id: TransferId) -> Option<Arc<Live>> {
-        self.live.lock().ok().and_then(|m| m.get(&id).cloned())
+        crate::lock::lock(&self.live).get(&id).cloned()
     }
     fn is_refused(&self, id: TransferId) -> bool {
         self.refused
@@ -1315,22 +1318,25 @@ impl Opened {
             .unwrap_or(false)
     }
     fn insert(&self, id: TransferId, live: Arc<Live>) {
-        if let Ok(mut m) = self.live.lock() {
+        {
+            let mut m = crate::lock::lock(&self.live);
             m.insert(id, live);
         }
-        if let Ok(mut r) = self.refused.lock() {
+        {
+            let mut r = crate::lock::lock(&self.refused);
             r.remove(&id);
         }
         self.changes.send_modify(|v| *v += 1);
     }
     fn refuse(&self, id: TransferId) {
-        if let Ok(mut r) = self.refused.lock() {
+        {
+            let mut r = crate::lock::lock(&self.refused);
             r.insert(id);
         }
         self.changes.send_modify(|v| *v += 1);
     }
     fn remove(&self, id: TransferId) -> Option<Arc<Live>> {
-        self.live.lock().ok().and_then(|mut m| m.remove(&id))
+        crate::lock::lock(&self.live).remove(&id)
     }
 }
 
@@ -1408,7 +1414,8 @@ async fn receive_batch(
         // moved into place. Duplicates (a chunk asked for twice) and
         // anything arriving after the publish began are dropped unwritten.
         let guard = live.writes.clone().read_owned().await;
-        if let Ok(st) = live.st.lock() {
+        {
+            let st = crate::lock::lock(&live.st);
             if st.publishing || st.failed {
                 group.clear();
             } else {
@@ -1446,7 +1453,8 @@ async fn receive_batch(
                 return Ok(());
             }
         };
-        if let Ok(mut st) = live.st.lock() {
+        {
+            let mut st = crate::lock::lock(&live.st);
             for (g, h, len) in &good {
                 // A chunk re-sent with new content (its file changed while
                 // it was written) replaces the old hash; bytes count once.
@@ -1467,7 +1475,11 @@ async fn receive_batch(
                 arrived_ms: arrived.get(&g).map(|a| a.1),
                 arrival_started_ms: arrived.get(&g).map(|a| a.0),
             };
-            let _ = inner.chunks.send(CatalogOp::Chunk(c)).await;
+            if inner.chunks.send(CatalogOp::Chunk(c)).await.is_err() {
+                // Only after shutdown: the chunk is verified again at
+                // the next open.
+                debug!("catalog writer stopped; a verified chunk goes unrecorded");
+            }
         }
         inner.changed.send_modify(|v| *v += 1);
         if !bad.is_empty() {
@@ -1484,7 +1496,8 @@ async fn receive_batch(
             .await?;
         }
     }
-    if let Ok(mut st) = live.st.lock() {
+    {
+        let mut st = crate::lock::lock(&live.st);
         st.batches_done += 1;
     }
     maybe_finish(inner, &live, ctl, header.transfer).await
@@ -1545,7 +1558,8 @@ async fn wait_for_table(live: &Live, h: &RecordHeader) -> bool {
 
 async fn cancel_live(inner: &Arc<Inner>, live: &Arc<Live>, new_state: TransferState, reason: &str) {
     let keep_staging = live.store.publish_under_way(&live.staging);
-    if let Ok(mut st) = live.st.lock() {
+    {
+        let mut st = crate::lock::lock(&live.st);
         if st.publishing {
             // Too late: every chunk matched and the replica is being
             // moved into place; the source hears it was published.
@@ -1557,7 +1571,8 @@ async fn cancel_live(inner: &Arc<Inner>, live: &Arc<Live>, new_state: TransferSt
         }
         st.failed = true;
     }
-    if let Ok(mut m) = inner.live.lock() {
+    {
+        let mut m = crate::lock::lock(&inner.live);
         m.remove(&live.id);
     }
     if let Err(e) = inner
@@ -1602,9 +1617,7 @@ async fn maybe_finish(
         Publish(Manifest, SourceTimes, Vec<(u64, Hash)>),
     }
     let next = {
-        let Ok(mut st) = live.st.lock() else {
-            return Ok(());
-        };
+        let mut st = crate::lock::lock(&live.st);
         match &st.commit {
             Some((_, batches)) if st.batches_done >= *batches && !st.publishing && !st.failed => {}
             _ => return Ok(()),
@@ -1649,7 +1662,12 @@ async fn maybe_finish(
         }
         Next::Need(need, done) => {
             flush(inner).await;
-            let _ = inner.catalog.drop_chunks(live.id, &need, done).await;
+            if let Err(e) = inner.catalog.drop_chunks(live.id, &need, done).await {
+                // The chunks stay recorded as verified; the commit's comparison
+                // with the manifest and the read-back before publish still catch
+                // them, so the transfer goes on.
+                warn!(transfer = %id, error = %e, "forgetting chunks to fetch again");
+            }
             info!(
                 transfer = %id,
                 chunks = need.len(),
@@ -1707,7 +1725,8 @@ async fn maybe_finish(
                     drop(exclusive);
                     // Not published: let the cancel below record the failure
                     // (it leaves a transfer that is publishing alone).
-                    if let Ok(mut st) = live.st.lock() {
+                    {
+                        let mut st = crate::lock::lock(&live.st);
                         st.publishing = false;
                     }
                     cancel_live(inner, live, TransferState::Failed, &reason).await;
@@ -1760,7 +1779,8 @@ async fn maybe_finish(
                 }
             }
             drop(path_lock);
-            if let Ok(mut m) = inner.live.lock() {
+            {
+                let mut m = crate::lock::lock(&inner.live);
                 m.remove(&live.id);
             }
             inner.changed.send_modify(|v| *v += 1);
@@ -1809,9 +1829,7 @@ async fn refetch_changed(
 ) -> Result<(), ConnError> {
     inner.metrics.verification_failures.inc_by(bad.len() as u64);
     let (attempts, done) = {
-        let Ok(mut st) = live.st.lock() else {
-            return Ok(());
-        };
+        let mut st = crate::lock::lock(&live.st);
         st.publishing = false;
         st.changed_on_disk += 1;
         forget_verified(live, &mut st, &bad);
@@ -1828,7 +1846,12 @@ async fn refetch_changed(
         cancel_live(inner, live, TransferState::Failed, &reason).await;
         return ctl.send(&Control::Cancel { id, reason }).await;
     }
-    let _ = inner.catalog.drop_chunks(live.id, &bad, done).await;
+    if let Err(e) = inner.catalog.drop_chunks(live.id, &bad, done).await {
+        // The chunks stay recorded as verified; the commit's comparison
+        // with the manifest and the read-back before publish still catch
+        // them, so the transfer goes on.
+        warn!(transfer = %id, error = %e, "forgetting chunks to fetch again");
+    }
     warn!(
         transfer = %id,
         chunks = bad.len(),

@@ -475,7 +475,7 @@ impl Source {
     /// Live progress of a transfer that is running now (this run's
     /// counters; see [`Source::with_progress`] for the whole transfer).
     pub fn progress(&self, id: TransferId) -> Option<Progress> {
-        let m = self.inner.progress.lock().ok()?;
+        let m = crate::lock::lock(&self.inner.progress);
         Some(m.get(&id)?.snapshot())
     }
 
@@ -1185,7 +1185,8 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
                 "sink refused the connection: {why}"
             );
             c2.close(VarInt::from_u32(code::PROTOCOL), b"hello failed");
-            if let Ok(mut m) = ib.lock() {
+            {
+                let mut m = crate::lock::lock(&ib);
                 m.clear();
             }
             return;
@@ -1209,7 +1210,7 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
                             break;
                         }
                     };
-                    let tx = ib.lock().ok().and_then(|m| m.get(&id).cloned());
+                    let tx = crate::lock::lock(&ib).get(&id).cloned();
                     if let Some(tx) = tx {
                         let _ = tx.send(msg);
                     }
@@ -1222,7 +1223,8 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
             }
         }
         // Dropping the senders tells every transfer the connection is gone.
-        if let Ok(mut m) = ib.lock() {
+        {
+            let mut m = crate::lock::lock(&ib);
             m.clear();
         }
     });
@@ -1273,7 +1275,7 @@ fn sched_transfer(
 /// Bytes a running transfer has still to send, from its live progress
 /// (the catalog's `bytes_done` is only written now and then).
 fn live_bytes_left(inner: &Inner, id: TransferId) -> Option<u64> {
-    let m = inner.progress.lock().ok()?;
+    let m = crate::lock::lock(&inner.progress);
     let p = m.get(&id)?;
     Some(p.total.load(Ordering::Relaxed).saturating_sub(p.done()))
 }
@@ -1282,13 +1284,14 @@ fn live_bytes_left(inner: &Inner, id: TransferId) -> Option<u64> {
 /// (see [`Catalog::note_transfer_progress`]); with `end`, the run is over
 /// and its live progress goes.
 async fn save_progress(inner: &Inner, id: TransferId, end: bool) {
-    let live = inner.progress.lock().ok().and_then(|mut m| {
+    let live = {
+        let mut m = crate::lock::lock(&inner.progress);
         if end {
             m.remove(&id)
         } else {
             m.get(&id).cloned()
         }
-    });
+    };
     if let Some(p) = live {
         if let Err(e) = inner.catalog.note_transfer_progress(id, p.note()).await {
             warn!(transfer = %id, error = %e, "catalog: recording progress");
@@ -1299,7 +1302,7 @@ async fn save_progress(inner: &Inner, id: TransferId, end: bool) {
 /// A link's [`LinkStats`] from its sampler.
 fn link_stats(l: &LinkState, with_history: bool) -> LinkStats {
     let rate_bps = l.share.rate_bps();
-    let s = l.sampler.lock().unwrap_or_else(|p| p.into_inner());
+    let s = crate::lock::lock(&l.sampler);
     let class_bps = s.class_rates();
     let goodput_bps = class_bps.total();
     LinkStats {
@@ -1329,10 +1332,7 @@ type TransferWindow = (Arc<LiveProgress>, RateWindow<1>);
 fn take_sample(inner: &Inner, at_ms: i64, windows: &mut HashMap<TransferId, TransferWindow>) {
     for l in inner.links.values() {
         let totals = l.sched.counters.sent_totals();
-        l.sampler
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .sample(at_ms, totals);
+        crate::lock::lock(&l.sampler).sample(at_ms, totals);
     }
     let live: Vec<(TransferId, Arc<LiveProgress>)> = match inner.progress.lock() {
         Ok(m) => m.iter().map(|(id, p)| (*id, p.clone())).collect(),
@@ -1471,7 +1471,9 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                 Err(e) => {
                     warn!(link = link.cfg.name, retry_in = ?backoff, "{e}");
                     for t in waiting.iter().take(16) {
-                        let _ = inner.catalog.set_transfer_note(t.id, Some(&e)).await;
+                        if let Err(ce) = inner.catalog.set_transfer_note(t.id, Some(&e)).await {
+                            warn!(transfer = %t.id, error = %ce, "recording why the link cannot connect");
+                        }
                     }
                     dial_after = tokio::time::Instant::now() + backoff;
                     backoff = (backoff * 2).min(Duration::from_secs(10));
@@ -1504,28 +1506,29 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
             tokio::time::sleep(RECONCILE_EVERY)
         };
         tokio::select! {
-            Some(r) = running.join_next(), if !running.is_empty() => {
-                let Ok((id, result)) = r else { continue };
-                stops.remove(&id);
-                link.sched.deactivate(id);
-                if let Some(c) = conn.as_ref() {
-                    if let Ok(mut m) = c.inbox.lock() {
-                        m.remove(&id);
-                    }
-                }
-                let lost = end_transfer(&inner, conn.as_ref(), id, result, backoff).await;
-                if let Some(c) = conn.as_ref().filter(|_| lost) {
-                    // Every transfer on this connection resumes on a new one.
-                    c.conn.close(VarInt::from_u32(code::PROTOCOL), b"resuming on a new connection");
-                    conn = None;
-                    dial_after = tokio::time::Instant::now() + backoff;
-                    backoff = (backoff * 2).min(Duration::from_secs(10));
-                }
-            }
-            _ = link.wake.notified() => {}
-            _ = sleep => {}
-            _ = inner.shutdown.cancelled() => {}
-        }
+                   Some(r) = running.join_next(), if !running.is_empty() => {
+                       let Ok((id, result)) = r else { continue };
+                       stops.remove(&id);
+                       link.sched.deactivate(id);
+                       if let Some(c) = conn.as_ref() {
+                           {
+        let mut m = crate::lock::lock(&c.inbox);
+                               m.remove(&id);
+                           }
+                       }
+                       let lost = end_transfer(&inner, conn.as_ref(), id, result, backoff).await;
+                       if let Some(c) = conn.as_ref().filter(|_| lost) {
+                           // Every transfer on this connection resumes on a new one.
+                           c.conn.close(VarInt::from_u32(code::PROTOCOL), b"resuming on a new connection");
+                           conn = None;
+                           dial_after = tokio::time::Instant::now() + backoff;
+                           backoff = (backoff * 2).min(Duration::from_secs(10));
+                       }
+                   }
+                   _ = link.wake.notified() => {}
+                   _ = sleep => {}
+                   _ = inner.shutdown.cancelled() => {}
+               }
     }
     // Stopping: transfers end at their next await; batches at a chunk
     // boundary (the writers see the same token). What they achieved stays
@@ -1539,7 +1542,7 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
 
 /// Runs transfer `t` to its end on `c`.
 async fn run_one(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(), RunError> {
-    let view = inner.views.lock().ok().and_then(|m| m.get(&t.id).cloned());
+    let view = crate::lock::lock(&inner.views).get(&t.id).cloned();
     match (t.format.is_some(), view) {
         (false, _) => run_transfer(inner, c, t).await,
         (true, Some(view)) => streaming::run_watched(inner, c, t, view).await,
@@ -1581,19 +1584,25 @@ async fn end_transfer(
         Err(RunError::Cancelled(why)) => {
             info!(transfer = %id, "transfer cancelled: {why}");
             tell_sink(why.clone()).await;
-            let _ = inner
+            if let Err(e) = inner
                 .catalog
                 .set_transfer_state(id, TransferState::Cancelled, Some(&why))
-                .await;
+                .await
+            {
+                warn!(transfer = %id, error = %e, "recording the transfer cancelled");
+            }
             false
         }
         Err(RunError::Fatal(why)) => {
             warn!(transfer = %id, "transfer failed: {why}");
             tell_sink(why.clone()).await;
-            let _ = inner
+            if let Err(e) = inner
                 .catalog
                 .set_transfer_state(id, TransferState::Failed, Some(&why))
-                .await;
+                .await
+            {
+                warn!(transfer = %id, error = %e, "recording the transfer failed");
+            }
             false
         }
         Err(RunError::Retry(why)) => {
@@ -1609,7 +1618,7 @@ fn runnable(inner: &Inner, t: &Transfer) -> bool {
     t.format.is_none()
         || t.checkpoint == CheckpointState::Abandoned
         || t.checkpoint == CheckpointState::Deleted
-        || inner.views.lock().is_ok_and(|v| v.contains_key(&t.id))
+        || crate::lock::lock(&inner.views).contains_key(&t.id)
 }
 
 /// A chunk ready to go: where it belongs and its bytes.
@@ -1656,7 +1665,8 @@ fn track_progress(
         sent_before,
         ..LiveProgress::default()
     });
-    if let Ok(mut m) = inner.progress.lock() {
+    {
+        let mut m = crate::lock::lock(&inner.progress);
         m.insert(id, progress.clone());
     }
     progress
@@ -1674,7 +1684,8 @@ async fn open_on_sink(
 ) -> Result<(mpsc::UnboundedReceiver<Control>, HashSet<u64>), RunError> {
     let id = t.id;
     let (tx, mut rx) = mpsc::unbounded_channel();
-    if let Ok(mut m) = c.inbox.lock() {
+    {
+        let mut m = crate::lock::lock(&c.inbox);
         m.insert(id, tx);
     }
     c.ctl

@@ -166,7 +166,7 @@ impl Catalog {
     }
 
     /// Inserts a transfer of a checkpoint found by the watcher, in
-    /// checkpoint state `ckpt` ([`checkpoint`]); returns its id.
+    /// checkpoint state `ckpt`; returns its id.
     ///
     /// # Errors
     /// SQL errors.
@@ -206,7 +206,7 @@ impl Catalog {
         Ok(transfer_id(&r, "id")?)
     }
 
-    /// Records the checkpoint state of a transfer ([`checkpoint`]) and,
+    /// Records the checkpoint state of a transfer and,
     /// when committed, the commit time (Unix ms) and commit identity.
     ///
     /// # Errors

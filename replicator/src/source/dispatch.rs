@@ -105,7 +105,7 @@ impl LinkSched {
     /// The locked state (a poisoned lock is taken over: the state is
     /// plain data and stays consistent between statements).
     pub(crate) fn lock(&self) -> MutexGuard<'_, SchedState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        crate::lock::lock(&self.state)
     }
 
     /// Wakes the writers (a class, rate or signal changed).

@@ -409,7 +409,8 @@ fn hash_mismatches(
                     })()
                     .unwrap_or(false);
                     if !ok {
-                        if let Ok(mut b) = bad.lock() {
+                        {
+                            let mut b = crate::lock::lock(&bad);
                             b.push(n);
                         }
                         if first_only {
