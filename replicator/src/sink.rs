@@ -17,12 +17,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use ferry_catalog::{now_ms, Catalog, CatalogError, NewReplica, SourceTimes, VerifiedChunk};
-use ferry_proto::manifest::{hex, validate_files, ChunkMap, FileInfo, Hash, Manifest};
+use ferry_proto::manifest::{hex, ChunkMap, FileInfo, Hash, Manifest};
 use ferry_proto::paths::check_name;
 use ferry_proto::state::{Profile, TransferId, TransferState};
 use ferry_proto::wire::{
-    BatchHeader, Control, Hello, RecordHeader, TransferKey, WireError, BATCH_HEADER_LEN,
-    PROTOCOL_VERSION, RECORD_HEADER_LEN,
+    BatchHeader, Control, Hello, RecordHeader, TransferKey, BATCH_HEADER_LEN, PROTOCOL_VERSION,
+    RECORD_HEADER_LEN,
 };
 use quinn::{Connection, Endpoint, RecvStream, VarInt};
 use serde::Serialize;
@@ -36,6 +36,9 @@ use crate::metrics::{MetricsError, SinkMetrics};
 use crate::storage::posix::Posix;
 use crate::storage::{PublishOutcome, SinkStore};
 use crate::tls;
+use decide::Table;
+
+mod decide;
 
 pub use crate::storage::posix::publish::FAULT_KILL_ENV;
 
@@ -125,134 +128,6 @@ struct Live {
     syncing: std::sync::atomic::AtomicBool,
     /// Chunk writes hold it shared, publishing holds it exclusively.
     writes: Arc<tokio::sync::RwLock<()>>,
-}
-
-/// A transfer's file table: files by position (chunk keys name positions,
-/// see [`ChunkMap`]) and by path.
-struct Table {
-    files: Vec<FileInfo>,
-    map: ChunkMap,
-    by_path: HashMap<String, u32>,
-    /// Every directory that holds a file of the table (`a`, `a/b` for
-    /// `a/b/c`), so a new file cannot also be a directory.
-    dirs: std::collections::HashSet<String>,
-    bytes_total: u64,
-    chunks_total: u64,
-}
-
-impl Table {
-    fn new(files: Vec<FileInfo>, chunk_size: u32) -> Table {
-        let map = ChunkMap::new(&files, chunk_size);
-        let by_path = files
-            .iter()
-            .enumerate()
-            .map(|(i, f)| (f.path.clone(), i as u32))
-            .collect();
-        let bytes_total = files.iter().map(|f| f.size).sum();
-        let chunks_total = files
-            .iter()
-            .map(|f| ferry_proto::manifest::chunk_count(f.size, chunk_size))
-            .sum();
-        let dirs = files.iter().flat_map(|f| parents(&f.path)).collect();
-        Table {
-            files,
-            map,
-            by_path,
-            dirs,
-            bytes_total,
-            chunks_total,
-        }
-    }
-
-    /// Applies a [`Control::Files`] update: entries with a known path
-    /// replace that file's size, mode and mtime; others are appended.
-    /// Each entry is checked as [`validate_files`] checks a whole table
-    /// (plain relative path, not also a directory, bounded counts), at a
-    /// cost proportional to the update; on error nothing changes.
-    fn update(&mut self, upd: &[FileInfo], chunk_size: u32) -> Result<(), WireError> {
-        let invalid = |what, why: String| WireError::Invalid { what, why };
-        let mut new_paths = std::collections::HashSet::new();
-        let mut new_dirs = std::collections::HashSet::new();
-        let mut files = self.files.len();
-        let (mut bytes, mut chunks) = (self.bytes_total, self.chunks_total);
-        let count = |size| ferry_proto::manifest::chunk_count(size, chunk_size);
-        for f in upd {
-            ferry_proto::paths::check_relative(&f.path)
-                .map_err(|e| invalid("file path", e.to_string()))?;
-            if let Some(&i) = self.by_path.get(&f.path) {
-                let old = &self.files[i as usize];
-                bytes = bytes - old.size + f.size;
-                chunks = chunks - count(old.size) + count(f.size);
-                continue;
-            }
-            if !new_paths.insert(f.path.as_str()) {
-                return Err(invalid("file path", format!("{:?} listed twice", f.path)));
-            }
-            new_dirs.extend(parents(&f.path));
-            files += 1;
-            bytes += f.size;
-            chunks += count(f.size);
-        }
-        for p in &new_paths {
-            if self.dirs.contains(*p) || new_dirs.contains(*p) {
-                return Err(invalid(
-                    "file path",
-                    format!("{p:?} is both a file and a directory"),
-                ));
-            }
-        }
-        for d in &new_dirs {
-            if self.by_path.contains_key(d) {
-                return Err(invalid(
-                    "file path",
-                    format!("{d:?} is both a file and a directory"),
-                ));
-            }
-        }
-        if files > ferry_proto::limits::MAX_FILES as usize {
-            return Err(invalid("file count", format!("{files} files")));
-        }
-        if chunks > u64::from(ferry_proto::limits::MAX_CHUNKS) {
-            return Err(invalid("chunk count", format!("{chunks} chunks")));
-        }
-        for f in upd {
-            let i = match self.by_path.get(&f.path) {
-                Some(&i) => {
-                    self.files[i as usize] = f.clone();
-                    i
-                }
-                None => {
-                    let i = self.files.len() as u32;
-                    self.by_path.insert(f.path.clone(), i);
-                    self.files.push(f.clone());
-                    i
-                }
-            };
-            self.map.set_size(i, f.size);
-        }
-        self.dirs.extend(new_dirs);
-        self.bytes_total = bytes;
-        self.chunks_total = chunks;
-        Ok(())
-    }
-
-    /// True if a record of `len` bytes for (file, chunk) lies inside the
-    /// file as the table knows it.
-    fn fits(&self, h: &RecordHeader) -> bool {
-        self.map.index(h.file, h.chunk).is_some()
-            && u64::from(h.len) <= self.map.span(h.file, h.chunk).1
-            && h.len > 0
-    }
-}
-
-/// The parent directories of a relative path: `a/b/c` gives `a/b`, `a`.
-fn parents(path: &str) -> impl Iterator<Item = String> + '_ {
-    let mut p = path;
-    std::iter::from_fn(move || {
-        let i = p.rfind('/')?;
-        p = &p[..i];
-        Some(p.to_string())
-    })
 }
 
 /// Staging bytes written before a background `syncfs` starts. Flushing as
@@ -827,16 +702,7 @@ async fn open_transfer(
     files: Vec<FileInfo>,
 ) -> Result<(Arc<Live>, Vec<u64>), TransferError> {
     let refuse = |s: String| TransferError::Refused(s);
-    validate_files(&files, chunk_size).map_err(|e| refuse(e.to_string()))?;
-    check_name(&key.job).map_err(|e| refuse(format!("job name: {e}")))?;
-    ferry_proto::paths::check_relative(&key.rel)
-        .map_err(|e| refuse(format!("relative path: {e}")))?;
-    let sum: u64 = files.iter().map(|f| f.size).sum();
-    if sum != bytes_total {
-        return Err(refuse(format!(
-            "bytes_total {bytes_total} != sum of file sizes {sum}"
-        )));
-    }
+    decide::check_open(&key, chunk_size, bytes_total, &files).map_err(refuse)?;
     let root = &inner.cfg.root;
     let local_path = root.join(site).join(&key.job).join(&key.rel);
     if let Some(other) = inner
@@ -854,10 +720,25 @@ async fn open_transfer(
         .find_replica(peer, key.id, &key.source_path)
         .await?;
     let mut published_root = None;
-    let (row, mut have) = match existing {
-        Some(r) if r.state == TransferState::Receiving || r.state == TransferState::Published => {
+    let plan = decide::plan_open(
+        key.id,
+        existing.as_ref().map(|r| decide::Existing {
+            state: r.state,
+            chunk_size: u32::try_from(r.chunk_size).unwrap_or(0),
+        }),
+        existing.as_ref().and_then(|r| r.error.as_deref()),
+        chunk_size,
+    );
+    let (row, have) = match (plan, existing) {
+        (decide::OpenPlan::Refuse(why), _) => return Err(refuse(why)),
+        (
+            plan @ (decide::OpenPlan::AnswerFromReplica
+            | decide::OpenPlan::Resume
+            | decide::OpenPlan::StartOver),
+            Some(r),
+        ) => {
             let old_files = inner.catalog.replica_files(r.id).await?;
-            let chunks = if r.state == TransferState::Published {
+            let chunks = if plan == decide::OpenPlan::AnswerFromReplica {
                 // Already published (the source missed our answer): every
                 // chunk is here; the commit is answered from the catalog.
                 let bytes = inner
@@ -868,14 +749,14 @@ async fn open_transfer(
                 let m =
                     Manifest::decode(&bytes).map_err(|e| CatalogError::Corrupt(e.to_string()))?;
                 published_root = Some(m.root());
-                published_keys(&m, &files)
-            } else if r.chunk_size == i64::from(chunk_size) {
+                decide::published_keys(&m, &files)
+            } else if plan == decide::OpenPlan::Resume {
                 // A resume: keep what is verified, re-keyed to the file
                 // table the source sends now (matched by path). Chunks of
                 // files that changed since are caught at commit, where
                 // every hash is compared with the sealed manifest.
                 let old = inner.catalog.chunks(r.id).await?;
-                let kept = rekey_chunks(&old_files, &files, chunk_size, &old);
+                let kept = decide::rekey_chunks(&old_files, &files, chunk_size, &old);
                 if kept != old {
                     let new_map = ChunkMap::new(&files, chunk_size);
                     let done = kept
@@ -917,15 +798,7 @@ async fn open_transfer(
             };
             (r, chunks)
         }
-        Some(r) => {
-            return Err(refuse(format!(
-                "transfer {} already {} at this sink: {}",
-                key.id,
-                r.state,
-                r.error.as_deref().unwrap_or("no reason recorded")
-            )))
-        }
-        None => {
+        (_, _) => {
             // One staging directory per (peer, transfer, source path), the
             // catalog row's key: a source that lost its catalog reuses
             // transfer ids, and two agents may share a name by mistake.
@@ -991,26 +864,17 @@ async fn open_transfer(
         }
     };
     let map = ChunkMap::new(&files, chunk_size);
-    let mut verified = HashMap::with_capacity(have.len());
-    let mut done = 0u64;
-    for (g, h) in have.drain(..) {
-        if let Some((f, c)) = map.locate(g) {
-            done += map.span(f, c).1;
-            verified.insert(g, h);
-        }
-    }
-    let needed = bytes_total.saturating_sub(done);
+    let (verified, done) = decide::verified_at_open(&map, have);
     if row.state != TransferState::Published {
         let (r, store) = (root.clone(), inner.store.clone());
-        // A store that cannot tell (an object store) is not refused here.
-        let avail = blocking(move || store.free_space(&r))
-            .await?
-            .unwrap_or(u64::MAX);
-        if avail < needed.saturating_add(inner.cfg.reserve_bytes) {
+        let avail = blocking(move || store.free_space(&r)).await?;
+        if let Some(needed) =
+            decide::space_shortfall(bytes_total, done, avail, inner.cfg.reserve_bytes)
+        {
             let msg = format!(
                 "not enough space at the sink: {} has {} bytes free (keeping {} in reserve), the checkpoint needs {} more bytes",
                 root.display(),
-                avail,
+                avail.unwrap_or(0),
                 inner.cfg.reserve_bytes,
                 needed
             );
@@ -1061,52 +925,6 @@ async fn open_transfer(
     Ok((live, have_list))
 }
 
-/// Keys of a published manifest's chunks under the file table `files`
-/// (matched by path and size), with their hashes.
-fn published_keys(m: &Manifest, files: &[FileInfo]) -> Vec<(u64, Hash)> {
-    let by_path: HashMap<&str, &ferry_proto::manifest::FileEntry> =
-        m.files.iter().map(|f| (f.path.as_str(), f)).collect();
-    let map = ChunkMap::new(files, m.chunk_size);
-    let mut out = Vec::new();
-    for (fi, f) in files.iter().enumerate() {
-        let Some(e) = by_path.get(f.path.as_str()).filter(|e| e.size == f.size) else {
-            continue;
-        };
-        for (ci, h) in e.chunks.iter().enumerate() {
-            if let Some(k) = map.index(fi as u32, ci as u32) {
-                out.push((k, *h));
-            }
-        }
-    }
-    out
-}
-
-/// Re-keys verified chunks from the file table `old` to the table `new`
-/// (files matched by path); chunks whose file is gone or now shorter are
-/// dropped. Keys and order are unchanged when the tables agree.
-fn rekey_chunks(
-    old: &[FileInfo],
-    new: &[FileInfo],
-    chunk_size: u32,
-    chunks: &[(u64, Hash)],
-) -> Vec<(u64, Hash)> {
-    let old_map = ChunkMap::new(old, chunk_size);
-    let new_map = ChunkMap::new(new, chunk_size);
-    let new_pos: HashMap<&str, u32> = new
-        .iter()
-        .enumerate()
-        .map(|(i, f)| (f.path.as_str(), i as u32))
-        .collect();
-    chunks
-        .iter()
-        .filter_map(|(k, h)| {
-            let (f, c) = old_map.locate(*k)?;
-            let nf = *new_pos.get(old.get(f as usize)?.path.as_str())?;
-            Some((new_map.index(nf, c)?, *h))
-        })
-        .collect()
-}
-
 /// Longest time between two catalog copies of a growing file table.
 const TABLE_SAVE_EVERY: Duration = Duration::from_secs(2);
 
@@ -1151,15 +969,13 @@ async fn grow_table(
     };
     if grown > 0 {
         let (r, store) = (inner.cfg.root.clone(), inner.store.clone());
-        let avail = blocking(move || store.free_space(&r))
-            .await?
-            .unwrap_or(u64::MAX);
+        let avail = blocking(move || store.free_space(&r)).await?;
         let done = crate::lock::lock(&live.st).bytes_done;
-        let needed = total.saturating_sub(done);
-        if avail < needed.saturating_add(inner.cfg.reserve_bytes) {
+        if let Some(needed) = decide::space_shortfall(total, done, avail, inner.cfg.reserve_bytes) {
             return Err(TransferError::Refused(format!(
-                "not enough space at the sink: {} has {avail} bytes free (keeping {} in reserve), the checkpoint, now {total} bytes, needs {needed} more",
+                "not enough space at the sink: {} has {} bytes free (keeping {} in reserve), the checkpoint, now {total} bytes, needs {needed} more",
                 inner.cfg.root.display(),
+                avail.unwrap_or(0),
                 inner.cfg.reserve_bytes,
             )));
         }
@@ -1618,40 +1434,29 @@ async fn maybe_finish(
     }
     let next = {
         let mut st = crate::lock::lock(&live.st);
-        match &st.commit {
-            Some((_, batches)) if st.batches_done >= *batches && !st.publishing && !st.failed => {}
-            _ => return Ok(()),
+        let announced = st.commit.as_ref().map(|(_, batches)| *batches);
+        if !decide::commit_ready(announced, st.batches_done, st.publishing, st.failed) {
+            return Ok(());
         }
         let Some((manifest, _)) = st.commit.take() else {
             return Ok(());
         };
         match seal_table(live, &manifest) {
             Err(why) => Next::Mismatch(why),
-            Ok(keys) => {
-                let mut need = Vec::new();
-                let mut wrong = 0u64;
-                for (k, h) in &keys {
-                    match st.verified.get(k) {
-                        Some(v) if v == h => {}
-                        Some(_) => {
-                            wrong += 1;
-                            need.push(*k);
-                        }
-                        None => need.push(*k),
-                    }
-                }
-                // Verified against the hash sent with it, but not the
-                // sealed manifest's.
-                inner.metrics.verification_failures.inc_by(wrong);
-                if need.is_empty() {
+            Ok(keys) => match decide::commit_verdict(&keys, &st.verified) {
+                decide::CommitVerdict::Publish => {
                     st.publishing = true;
                     Next::Publish(manifest, st.times, keys)
-                } else {
+                }
+                decide::CommitVerdict::Need { keys: need, wrong } => {
+                    // Verified against the hash sent with it, but not the
+                    // sealed manifest's.
+                    inner.metrics.verification_failures.inc_by(wrong);
                     // Drop wrong hashes so that the re-sent chunk is counted.
                     forget_verified(live, &mut st, &need);
                     Next::Need(need, st.bytes_done)
                 }
-            }
+            },
         }
     };
     match next {
@@ -1866,30 +1671,11 @@ async fn refetch_changed(
 /// manifest with its expected hash. Errors name a file the source never
 /// announced or a chunk size that differs.
 fn seal_table(live: &Live, m: &Manifest) -> Result<Vec<(u64, Hash)>, String> {
-    if m.chunk_size != live.chunk_size {
-        return Err(format!(
-            "sealed manifest uses {}-byte chunks, the transfer {}",
-            m.chunk_size, live.chunk_size
-        ));
-    }
     let mut t = live
         .table
         .write()
         .map_err(|_| "file table lock poisoned".to_string())?;
-    let mut keys = Vec::new();
-    for f in &m.files {
-        let Some(&fi) = t.by_path.get(&f.path) else {
-            return Err(format!(
-                "sealed manifest lists {:?}, which the source never announced",
-                f.path
-            ));
-        };
-        t.map.set_size(fi, f.size);
-        for (ci, h) in f.chunks.iter().enumerate() {
-            keys.push((u64::from(fi) << 32 | ci as u64, *h));
-        }
-    }
-    Ok(keys)
+    decide::seal(&mut t, live.chunk_size, m)
 }
 
 /// Writes the markers that live beside a checkpoint directory (DeepSpeed
@@ -1975,51 +1761,6 @@ mod tests {
             rfc3339(951_782_400_000 + 86_399_000),
             "2000-02-29T23:59:59Z"
         );
-    }
-
-    #[test]
-    fn file_table_grows_by_path_and_refuses_conflicts() {
-        let fi = |p: &str, size| FileInfo {
-            path: p.into(),
-            size,
-            mode: 0o644,
-            mtime_ns: 0,
-        };
-        let cs = ferry_proto::manifest::MIN_CHUNK_SIZE;
-        let mut t = Table::new(vec![fi("a/x", 10), fi("b", 0)], cs);
-        let key = t.map.index(0, 0).unwrap();
-        t.update(&[fi("a/x", 3 * u64::from(cs)), fi("c/d/e", 5)], cs)
-            .unwrap();
-        assert_eq!(t.files.len(), 3);
-        assert_eq!(t.map.index(0, 0), Some(key), "keys survive growth");
-        assert_eq!(t.map.file_size(0), 3 * u64::from(cs));
-        assert_eq!(t.bytes_total, 3 * u64::from(cs) + 5);
-        assert_eq!(t.chunks_total, 4);
-        let before = (t.files.clone(), t.bytes_total);
-        for bad in [
-            vec![fi("a", 1)],                 // an existing directory
-            vec![fi("b/y", 1)],               // under an existing file
-            vec![fi("n", 1), fi("n/m", 1)],   // both in one update
-            vec![fi("p", 1), fi("p", 2)],     // listed twice
-            vec![fi("../escape", 1)],         // not a plain relative path
-            vec![fi("ok", 1), fi("/abs", 1)], // one bad entry spoils all
-        ] {
-            assert!(t.update(&bad, cs).is_err(), "{bad:?} accepted");
-            assert_eq!(
-                (t.files.clone(), t.bytes_total),
-                before,
-                "{bad:?} changed the table"
-            );
-        }
-        let h = RecordHeader {
-            file: 2,
-            chunk: 0,
-            len: 5,
-            hash: [0; 32],
-        };
-        assert!(t.fits(&h));
-        assert!(!t.fits(&RecordHeader { len: 6, ..h }));
-        assert!(!t.fits(&RecordHeader { file: 3, ..h }));
     }
 
     #[test]
