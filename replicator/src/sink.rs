@@ -21,7 +21,7 @@ use ferry_proto::manifest::{hex, ChunkMap, FileInfo, Hash, Manifest};
 use ferry_proto::paths::check_name;
 use ferry_proto::state::{Profile, TransferId, TransferState};
 use ferry_proto::wire::{
-    BatchHeader, Control, Hello, RecordHeader, TransferKey, BATCH_HEADER_LEN, PROTOCOL_VERSION,
+    BatchHeader, Commit, Control, Hello, Open, RecordHeader, BATCH_HEADER_LEN, PROTOCOL_VERSION,
     RECORD_HEADER_LEN,
 };
 use quinn::{Connection, Endpoint, RecvStream, VarInt};
@@ -588,24 +588,9 @@ async fn serve_connection(
             let Some(msg) = msg else { return Ok(()) };
             debug!(msg = msg.name(), "control");
             match msg {
-                Control::Open {
-                    key,
-                    chunk_size,
-                    bytes_total,
-                    files,
-                } => {
-                    let id = key.id;
-                    match open_transfer(
-                        inner,
-                        peer,
-                        &hello.site,
-                        key,
-                        chunk_size,
-                        bytes_total,
-                        files,
-                    )
-                    .await
-                    {
+                Control::Open(request) => {
+                    let id = request.key.id;
+                    match open_transfer(inner, peer, &hello.site, request).await {
                         Ok((live, have)) => {
                             open.insert(id, live);
                             ctl.send(&Control::Have { id, chunks: have }).await?;
@@ -634,14 +619,14 @@ async fn serve_connection(
                         ctl.send(&Control::Cancel { id, reason }).await?;
                     }
                 }
-                Control::Commit {
+                Control::Commit(Commit {
                     id,
                     committed_ms,
                     opened_ms,
                     batches,
                     manifest,
                     siblings,
-                } => {
+                }) => {
                     let live = open.get(id);
                     let Some(live) = live else {
                         return Err(ConnError::Unexpected(format!(
@@ -691,16 +676,19 @@ async fn serve_connection(
     result
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Opens (or resumes) a transfer the source announced with `open`.
 async fn open_transfer(
     inner: &Arc<Inner>,
     peer: &str,
     site: &str,
-    key: TransferKey,
-    chunk_size: u32,
-    bytes_total: u64,
-    files: Vec<FileInfo>,
+    open: Open,
 ) -> Result<(Arc<Live>, Vec<u64>), TransferError> {
+    let Open {
+        key,
+        chunk_size,
+        bytes_total,
+        files,
+    } = open;
     let refuse = |s: String| TransferError::Refused(s);
     decide::check_open(&key, chunk_size, bytes_total, &files).map_err(refuse)?;
     let root = &inner.cfg.root;

@@ -13,10 +13,14 @@ use std::time::Duration;
 
 use crate::storage::posix::Posix;
 use crate::storage::{read_chunks, RangeRead, ScanError, SourceStore};
-use ferry_catalog::{Catalog, CatalogError, ProgressNote, SourceTimes, Transfer};
+use ferry_catalog::{
+    Catalog, CatalogError, NewWatchedTransfer, ProgressNote, SourceTimes, Transfer,
+};
 use ferry_proto::manifest::{hex, ChunkMap, FileEntry, FileInfo, Hash, Manifest};
 use ferry_proto::state::{CheckpointState, TransferId, TransferState};
-use ferry_proto::wire::{Control, Hello, RecordHeader, TransferKey, PROTOCOL_VERSION};
+use ferry_proto::wire::{
+    Commit, Control, Hello, Open, RecordHeader, TransferKey, PROTOCOL_VERSION,
+};
 use quinn::{Connection, Endpoint, VarInt};
 use serde::Serialize;
 use tokio::sync::{mpsc, watch, Notify};
@@ -1007,18 +1011,18 @@ impl Source {
             .map_or_else(|| "auto".to_string(), |f| f.to_string());
         let id = inner
             .catalog
-            .insert_watched_transfer(
-                &root.link,
-                &root.job,
-                &abs_s,
-                name,
-                scheduler::Class::Scheduled,
-                CheckpointState::Announced,
-                &format,
-                None,
-                None,
-                root.watch.profile,
-            )
+            .insert_watched_transfer(&NewWatchedTransfer {
+                link: &root.link,
+                job: &root.job,
+                source_path: &abs_s,
+                rel: name,
+                class: scheduler::Class::Scheduled,
+                checkpoint: CheckpointState::Announced,
+                format: &format,
+                opened_at: None,
+                committed_at: None,
+                profile: root.watch.profile,
+            })
             .await?;
         inner
             .catalog
@@ -1689,7 +1693,7 @@ async fn open_on_sink(
         m.insert(id, tx);
     }
     c.ctl
-        .send(&Control::Open {
+        .send(&Control::Open(Open {
             key: TransferKey {
                 id,
                 job: t.job.clone(),
@@ -1700,7 +1704,7 @@ async fn open_on_sink(
             chunk_size: inner.cfg.chunk_size,
             bytes_total: files.iter().map(|f| f.size).sum(),
             files,
-        })
+        }))
         .await?;
     let have = if fresh {
         HashSet::new()
@@ -1871,14 +1875,14 @@ async fn commit_loop(
             .set_transfer_state(t.id, TransferState::Verifying, None)
             .await?;
         c.ctl
-            .send(&Control::Commit {
+            .send(&Control::Commit(Commit {
                 id,
                 committed_ms: sealed.times.committed_ms,
                 opened_ms: sealed.times.opened_ms,
                 batches,
                 manifest: (*sealed.manifest).clone(),
                 siblings: sealed.siblings.clone(),
-            })
+            }))
             .await?;
         loop {
             match recv(inner, c, rx).await? {

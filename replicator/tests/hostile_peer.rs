@@ -12,7 +12,9 @@ use ferry_catalog::Catalog;
 use ferry_proto::limits::MAX_CHUNK;
 use ferry_proto::manifest::FileInfo;
 use ferry_proto::state::TransferId;
-use ferry_proto::wire::{BatchHeader, Control, Hello, RecordHeader, TransferKey, PROTOCOL_VERSION};
+use ferry_proto::wire::{
+    BatchHeader, Commit, Control, Hello, Open, RecordHeader, TransferKey, PROTOCOL_VERSION,
+};
 use quinn::{Connection, Endpoint};
 use replicator::conn::read_frame;
 use replicator::sink::{Sink, SinkConfig};
@@ -111,7 +113,7 @@ async fn connect(
 
 fn open(id: u64, rel: &str, files: Vec<FileInfo>) -> Control {
     let bytes_total = files.iter().fold(0u64, |a, f| a.saturating_add(f.size));
-    Control::Open {
+    Control::Open(Open {
         key: TransferKey {
             id: TransferId(id),
             job: "job".into(),
@@ -122,7 +124,7 @@ fn open(id: u64, rel: &str, files: Vec<FileInfo>) -> Control {
         chunk_size: 4 << 20,
         bytes_total,
         files,
-    }
+    })
 }
 
 fn file(path: &str, size: u64) -> FileInfo {
@@ -177,7 +179,7 @@ async fn escaping_paths_are_refused_and_nothing_lands_outside_the_root() {
     }
     // The job name is also a path component.
     let mut bad_job = open(7, "ok", vec![file("x", 5)]);
-    if let Control::Open { key, .. } = &mut bad_job {
+    if let Control::Open(Open { key, .. }) = &mut bad_job {
         key.job = "..".into();
     }
     send.write_all(&bad_job.encode()).await.unwrap();
@@ -381,14 +383,14 @@ async fn out_of_order_control_messages_close_the_connection() {
             "unexpected hello",
         ),
         (
-            Control::Commit {
+            Control::Commit(Commit {
                 id: TransferId(77),
                 committed_ms: 0,
                 opened_ms: 0,
                 batches: 0,
                 manifest,
                 siblings: vec![],
-            },
+            }),
             "commit for unknown transfer 77",
         ),
         // Messages only a sink sends.
@@ -518,14 +520,14 @@ async fn records_past_the_declared_file_size_are_dropped() {
     };
     m.validate().unwrap();
     send.write_all(
-        &Control::Commit {
+        &Control::Commit(Commit {
             id: TransferId(1),
             committed_ms: 0,
             opened_ms: 0,
             batches: 4,
             manifest: m,
             siblings: vec![],
-        }
+        })
         .encode(),
     )
     .await
@@ -602,11 +604,11 @@ async fn a_file_table_overflowing_the_chunk_total_is_refused() {
         .map(|i| file(&format!("f{i}"), u64::MAX))
         .collect();
     let mut msg = open(1, "step", files);
-    if let Control::Open {
+    if let Control::Open(Open {
         chunk_size,
         bytes_total,
         ..
-    } = &mut msg
+    }) = &mut msg
     {
         *chunk_size = 64 << 10;
         *bytes_total = u64::MAX;

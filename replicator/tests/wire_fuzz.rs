@@ -14,8 +14,8 @@ use ferry_proto::manifest::{chunk_count, FileEntry, FileInfo, Manifest, MIN_CHUN
 use ferry_proto::paths::{check_name, check_relative};
 use ferry_proto::state::{Profile, TransferId};
 use ferry_proto::wire::{
-    frame_len, BatchHeader, Control, Hello, RecordHeader, TransferKey, WireError, BATCH_HEADER_LEN,
-    DATA_MAGIC, RECORD_HEADER_LEN,
+    frame_len, BatchHeader, Commit, Control, Hello, Open, RecordHeader, TransferKey, WireError,
+    BATCH_HEADER_LEN, DATA_MAGIC, RECORD_HEADER_LEN,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed};
@@ -51,15 +51,15 @@ fn payload_bytes(m: &Control) -> usize {
     let infos = |fs: &[FileInfo]| fs.iter().map(|f| f.path.len() + 24).sum::<usize>();
     match m {
         Control::Hello(h) => h.agent.len() + h.site.len(),
-        Control::Open { key, files, .. } => {
+        Control::Open(Open { key, files, .. }) => {
             key.job.len() + key.source_path.len() + key.rel.len() + infos(files)
         }
         Control::Have { chunks, .. } | Control::Need { chunks, .. } => chunks.len() * 8,
         Control::Refuse { reason, .. } | Control::Cancel { reason, .. } => reason.len(),
         Control::Files { files, .. } => infos(files),
-        Control::Commit {
+        Control::Commit(Commit {
             manifest, siblings, ..
-        } => {
+        }) => {
             manifest
                 .files
                 .iter()
@@ -87,9 +87,9 @@ fn check_decoded(body: &[u8], m: &Control) {
         payload_bytes(m),
         body.len()
     );
-    if let Control::Commit {
+    if let Control::Commit(Commit {
         manifest, siblings, ..
-    } = m
+    }) = m
     {
         assert!(siblings.len() <= MAX_SIBLINGS as usize);
         assert!(siblings
@@ -226,7 +226,7 @@ fn control() -> impl Strategy<Value = Control> {
         )
             .prop_map(
                 |((id, job, source_path, rel, profile), chunk_size, bytes_total, files)| {
-                    Control::Open {
+                    Control::Open(Open {
                         key: TransferKey {
                             id: TransferId(id),
                             job,
@@ -237,7 +237,7 @@ fn control() -> impl Strategy<Value = Control> {
                         chunk_size,
                         bytes_total,
                         files,
-                    }
+                    })
                 }
             ),
         (any::<u64>(), ids.clone()).prop_map(|(id, chunks)| Control::Have {
@@ -267,14 +267,16 @@ fn control() -> impl Strategy<Value = Control> {
             )
         )
             .prop_map(
-                |((id, committed_ms, opened_ms, batches), manifest, siblings)| Control::Commit {
-                    id: TransferId(id),
-                    committed_ms,
-                    opened_ms,
-                    batches,
-                    manifest,
-                    siblings,
-                }
+                |((id, committed_ms, opened_ms, batches), manifest, siblings)| Control::Commit(
+                    Commit {
+                        id: TransferId(id),
+                        committed_ms,
+                        opened_ms,
+                        batches,
+                        manifest,
+                        siblings,
+                    }
+                )
             ),
         (any::<u64>(), short_str(), any::<[u8; 32]>()).prop_map(|(id, local_path, root)| {
             Control::Published {
@@ -433,7 +435,7 @@ proptest! {
             apply(&mut body, mu);
         }
         decode_all(&body);
-        if let Control::Commit { manifest, .. } = &m {
+        if let Control::Commit(Commit { manifest, .. }) = &m {
             let mut mb = manifest.encode();
             for mu in &muts {
                 apply(&mut mb, mu);
@@ -528,7 +530,7 @@ fn chunk_totals_that_overflow_a_u64_are_refused() {
     );
     // The same table inside an open frame fits well under MAX_FRAME, so a
     // peer can send it.
-    let open = Control::Open {
+    let open = Control::Open(Open {
         key: TransferKey {
             id: TransferId(1),
             job: "j".into(),
@@ -539,6 +541,6 @@ fn chunk_totals_that_overflow_a_u64_are_refused() {
         chunk_size: MIN_CHUNK_SIZE,
         bytes_total: u64::MAX,
         files,
-    };
+    });
     assert!(open.encode().len() < MAX_FRAME);
 }

@@ -48,7 +48,7 @@ pub use chunks::{Arrivals, VerifiedChunk, ARRIVAL_BIN_MS, MAX_ARRIVAL_BINS};
 pub use jobs::{origin, Job, MAX_MODEL_PARAMS};
 pub use replicas::{NewReplica, Replica, SourceTimes};
 pub use signals::Signal;
-pub use transfers::{ProgressNote, Transfer};
+pub use transfers::{NewWatchedTransfer, ProgressNote, Transfer};
 
 /// Catalog failures.
 #[derive(Debug, thiserror::Error)]

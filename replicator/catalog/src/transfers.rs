@@ -76,6 +76,32 @@ pub struct Transfer {
     pub signal: Option<i64>,
 }
 
+/// A transfer of a checkpoint the watcher follows, for
+/// [`Catalog::insert_watched_transfer`].
+#[derive(Debug, Clone, Copy)]
+pub struct NewWatchedTransfer<'a> {
+    /// Link name.
+    pub link: &'a str,
+    /// Job name.
+    pub job: &'a str,
+    /// Absolute checkpoint path at the source.
+    pub source_path: &'a str,
+    /// Path relative to the source root.
+    pub rel: &'a str,
+    /// Scheduler class.
+    pub class: Class,
+    /// The checkpoint's state now.
+    pub checkpoint: CheckpointState,
+    /// The format that recognised it (`auto` until known).
+    pub format: &'a str,
+    /// When it opened (Unix ms), if known.
+    pub opened_at: Option<i64>,
+    /// When it was committed (Unix ms), if it is.
+    pub committed_at: Option<i64>,
+    /// Replication profile.
+    pub profile: Profile,
+}
+
 /// How far a transfer got, for [`Catalog::note_transfer_progress`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ProgressNote {
@@ -165,25 +191,27 @@ impl Catalog {
         Ok(transfer_id(&r, "id")?)
     }
 
-    /// Inserts a transfer of a checkpoint found by the watcher, in
-    /// checkpoint state `ckpt`; returns its id.
+    /// Inserts a queued transfer of a checkpoint the watcher found (or a
+    /// controller announced); returns its id.
     ///
     /// # Errors
     /// SQL errors.
-    #[allow(clippy::too_many_arguments)]
     pub async fn insert_watched_transfer(
         &self,
-        link: &str,
-        job: &str,
-        source_path: &str,
-        rel: &str,
-        class: Class,
-        ckpt: CheckpointState,
-        format: &str,
-        opened_at: Option<i64>,
-        committed_at: Option<i64>,
-        profile: Profile,
+        t: &NewWatchedTransfer<'_>,
     ) -> Result<TransferId, CatalogError> {
+        let NewWatchedTransfer {
+            link,
+            job,
+            source_path,
+            rel,
+            class,
+            checkpoint: ckpt,
+            format,
+            opened_at,
+            committed_at,
+            profile,
+        } = *t;
         let r = sqlx::query(&self.db.sql(
             "INSERT INTO transfers (link, job, source_path, rel, class, state, created_at, \
              checkpoint, format, opened_at, committed_at, profile) \

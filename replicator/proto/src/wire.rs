@@ -70,6 +70,43 @@ pub struct TransferKey {
     pub profile: Profile,
 }
 
+/// [`Control::Open`]: source to sink, a transfer starts (or resumes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Open {
+    /// Which transfer.
+    pub key: TransferKey,
+    /// Chunk size in bytes used for every file of this transfer.
+    pub chunk_size: u32,
+    /// Total bytes of all files.
+    pub bytes_total: u64,
+    /// Files in manifest order.
+    pub files: Vec<FileInfo>,
+}
+
+/// [`Control::Commit`]: source to sink, every chunk was sent; the sealed
+/// manifest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Commit {
+    /// Source transfer id.
+    pub id: TransferId,
+    /// When the checkpoint was committed at the source (its marker
+    /// appeared), Unix milliseconds; 0 if unknown.
+    pub committed_ms: i64,
+    /// When the checkpoint opened at the source (its first file or
+    /// directory), Unix milliseconds; 0 if unknown.
+    pub opened_ms: i64,
+    /// Number of data streams the source sent for this transfer on this
+    /// connection, so the sink knows when all of them have arrived.
+    pub batches: u64,
+    /// The sealed manifest.
+    pub manifest: Manifest,
+    /// Markers that live beside the checkpoint directory (DeepSpeed
+    /// `latest`, Megatron's `latest_checkpointed_iteration.txt`):
+    /// `(file name, content)`, written next to the replica after it is
+    /// in place. At most [`MAX_SIBLINGS`] of [`MAX_SIBLING_BYTES`].
+    pub siblings: Vec<(String, Vec<u8>)>,
+}
+
 /// Messages on the control stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Control {
@@ -77,16 +114,7 @@ pub enum Control {
     Hello(Hello),
     /// Source to sink: a transfer starts (or resumes). The sink answers
     /// [`Control::Have`] or [`Control::Refuse`].
-    Open {
-        /// Which transfer.
-        key: TransferKey,
-        /// Chunk size in bytes used for every file of this transfer.
-        chunk_size: u32,
-        /// Total bytes of all files.
-        bytes_total: u64,
-        /// Files in manifest order.
-        files: Vec<FileInfo>,
-    },
+    Open(Open),
     /// Sink to source: chunk keys already verified at the sink.
     Have {
         /// Source transfer id.
@@ -123,26 +151,7 @@ pub enum Control {
     /// Source to sink: every chunk was sent; here is the sealed manifest.
     /// Files are matched to the transfer's file table by path; files of the
     /// table that the manifest does not list are not part of the replica.
-    Commit {
-        /// Source transfer id.
-        id: TransferId,
-        /// When the checkpoint was committed at the source (its marker
-        /// appeared), Unix milliseconds; 0 if unknown.
-        committed_ms: i64,
-        /// When the checkpoint opened at the source (its first file or
-        /// directory), Unix milliseconds; 0 if unknown.
-        opened_ms: i64,
-        /// Number of data streams the source sent for this transfer on this
-        /// connection, so the sink knows when all of them have arrived.
-        batches: u64,
-        /// The sealed manifest.
-        manifest: Manifest,
-        /// Markers that live beside the checkpoint directory (DeepSpeed
-        /// `latest`, Megatron's `latest_checkpointed_iteration.txt`):
-        /// `(file name, content)`, written next to the replica after it is
-        /// in place. At most [`MAX_SIBLINGS`] of [`MAX_SIBLING_BYTES`].
-        siblings: Vec<(String, Vec<u8>)>,
-    },
+    Commit(Commit),
     /// Sink to source: the replica is published.
     Published {
         /// Source transfer id.
@@ -182,12 +191,12 @@ impl Control {
     pub fn name(&self) -> &'static str {
         match self {
             Control::Hello(_) => "hello",
-            Control::Open { .. } => "open",
+            Control::Open(Open { .. }) => "open",
             Control::Have { .. } => "have",
             Control::Refuse { .. } => "refuse",
             Control::Need { .. } => "need",
             Control::Files { .. } => "files",
-            Control::Commit { .. } => "commit",
+            Control::Commit(Commit { .. }) => "commit",
             Control::Published { .. } => "published",
             Control::Cancel { .. } => "cancel",
             Control::Error { .. } => "error",
@@ -205,12 +214,12 @@ impl Control {
                 w.str(&h.agent);
                 w.str(&h.site);
             }
-            Control::Open {
+            Control::Open(Open {
                 key,
                 chunk_size,
                 bytes_total,
                 files,
-            } => {
+            }) => {
                 w.u8(T_OPEN);
                 w.u64(key.id.0);
                 w.str(&key.job);
@@ -247,14 +256,14 @@ impl Control {
                     f.encode(&mut w);
                 }
             }
-            Control::Commit {
+            Control::Commit(Commit {
                 id,
                 committed_ms,
                 opened_ms,
                 batches,
                 manifest,
                 siblings,
-            } => {
+            }) => {
                 w.u8(T_COMMIT);
                 w.u64(id.0);
                 w.u64(*committed_ms as u64);
@@ -327,12 +336,12 @@ impl Control {
                 for _ in 0..n {
                     files.push(FileInfo::decode(&mut r)?);
                 }
-                Control::Open {
+                Control::Open(Open {
                     key,
                     chunk_size,
                     bytes_total,
                     files,
-                }
+                })
             }
             T_HAVE => Control::Have {
                 id: TransferId(r.u64("transfer id")?),
@@ -368,14 +377,14 @@ impl Control {
                     let len = r.count("sibling marker length", MAX_SIBLING_BYTES, 1)?;
                     siblings.push((name, r.take(len, "sibling marker")?.to_vec()));
                 }
-                Control::Commit {
+                Control::Commit(Commit {
                     id,
                     committed_ms,
                     opened_ms,
                     batches,
                     manifest,
                     siblings,
-                }
+                })
             }
             T_PUBLISHED => Control::Published {
                 id: TransferId(r.u64("transfer id")?),
@@ -547,7 +556,7 @@ mod tests {
             agent: "train-a-1".into(),
             site: "train-a".into(),
         }));
-        roundtrip(Control::Open {
+        roundtrip(Control::Open(Open {
             key: TransferKey {
                 id: TransferId(7),
                 job: "mm".into(),
@@ -563,7 +572,7 @@ mod tests {
                 mode: 0o600,
                 mtime_ns: -5,
             }],
-        });
+        }));
         roundtrip(Control::Have {
             id: TransferId(1),
             chunks: vec![0, 5, 9],
@@ -585,14 +594,14 @@ mod tests {
                 mtime_ns: 17,
             }],
         });
-        roundtrip(Control::Commit {
+        roundtrip(Control::Commit(Commit {
             id: TransferId(3),
             committed_ms: 1_700_000_000_000,
             opened_ms: 1_699_999_990_000,
             batches: 12,
             manifest: manifest(),
             siblings: vec![("latest".into(), b"global_step12".to_vec())],
-        });
+        }));
         roundtrip(Control::Published {
             id: TransferId(3),
             local_path: "/eval/x".into(),

@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
-use ferry_catalog::{now_ms, Transfer};
+use ferry_catalog::{now_ms, NewWatchedTransfer, Transfer};
 use ferry_proto::manifest::FileInfo;
 use ferry_proto::paths::is_temporary;
 use ferry_proto::state::{CheckpointState, Profile, TransferId, TransferState};
@@ -1023,18 +1023,18 @@ async fn start_transfer(
     };
     let id = match inner
         .catalog
-        .insert_watched_transfer(
-            &root.link,
-            &root.job,
-            abs,
+        .insert_watched_transfer(&NewWatchedTransfer {
+            link: &root.link,
+            job: &root.job,
+            source_path: abs,
             rel,
-            Class::Scheduled,
-            ckpt,
-            &format.to_string(),
-            Some(c.opened_ms),
-            commit.as_ref().map(|c| c.0),
-            root.watch.profile,
-        )
+            class: Class::Scheduled,
+            checkpoint: ckpt,
+            format: &format.to_string(),
+            opened_at: Some(c.opened_ms),
+            committed_at: commit.as_ref().map(|c| c.0),
+            profile: root.watch.profile,
+        })
         .await
     {
         Ok(id) => id,
