@@ -6,10 +6,11 @@
 use std::borrow::Cow;
 use std::path::Path;
 use std::str::FromStr;
+use std::time::Duration;
 
 use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
 use sqlx::sqlite::SqliteConnectOptions;
-use sqlx::{AnyPool, ConnectOptions, Executor};
+use sqlx::{AnyConnection, AnyPool, ConnectOptions, Connection, Executor};
 
 /// A database the catalog can live in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,15 +50,22 @@ pub(crate) async fn open_sqlite(db: &Path, read_only: bool) -> Result<AnyPool, s
         .read_only(read_only)
         .to_url_lossy();
     let opts = AnyConnectOptions::from_str(url.as_str())?;
+    let pragmas = if read_only {
+        "PRAGMA busy_timeout = 5000;"
+    } else {
+        SQLITE_PRAGMAS
+    };
+    // One connection first, so that a file that is not a database (or a
+    // damaged one) fails here at once: the pool retries a connection whose
+    // `after_connect` fails until its acquire timeout (30 s).
+    let mut first = AnyConnection::connect_with(&opts).await?;
+    first.execute(pragmas).await?;
+    first.close().await?;
     AnyPoolOptions::new()
         .max_connections(if read_only { 1 } else { 4 })
+        .acquire_timeout(Duration::from_secs(10))
         .after_connect(move |conn, _| {
             Box::pin(async move {
-                let pragmas = if read_only {
-                    "PRAGMA busy_timeout = 5000;"
-                } else {
-                    SQLITE_PRAGMAS
-                };
                 conn.execute(pragmas).await?;
                 Ok(())
             })

@@ -696,3 +696,29 @@ async fn sqlite_catalog_runs_in_wal_mode_with_foreign_keys() {
         assert_eq!(sync, 1, "NORMAL");
     }
 }
+
+#[tokio::test]
+async fn a_file_that_is_not_a_catalog_is_refused_naming_it() {
+    let d = tempfile::tempdir().unwrap();
+    let c = Catalog::open(d.path()).await.unwrap();
+    // Everything in the main file, as after an agent's clean stop.
+    sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)")
+        .execute(&c.pool)
+        .await
+        .unwrap();
+    c.close().await;
+    drop(c);
+    let db = d.path().join("ferry.db");
+    let mut bytes = std::fs::read(&db).unwrap();
+    bytes[..100].fill(0xa5);
+    std::fs::write(&db, &bytes).unwrap();
+    // Refused at once (the pool alone would retry the connection until its
+    // acquire timeout), naming the file, which stays as it was.
+    let e = tokio::time::timeout(std::time::Duration::from_secs(20), Catalog::open(d.path()))
+        .await
+        .expect("refused without retrying")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(&db.display().to_string()), "{e}");
+    assert_eq!(std::fs::read(&db).unwrap(), bytes);
+}
