@@ -35,6 +35,7 @@ use crate::transport::{transport_config, Tuning};
 mod dispatch;
 pub mod scan;
 mod streaming;
+pub mod watch_core;
 pub mod watcher;
 
 use dispatch::{LinkSched, Lost};
