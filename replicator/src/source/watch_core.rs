@@ -1620,11 +1620,19 @@ mod tests {
             .unwrap();
         f.version = h.versions;
         f.closed = false;
+        // This time the writer leaves it without its end record.
+        f.intact = false;
         h.pass();
         assert_eq!(h.sampled.len(), 1, "not settled: no close, not quiet");
         h.close(STEP, "__0_0.distcp");
-        h.pass();
+        let a = h.pass();
         assert_eq!(h.sampled.len(), 2, "{:?}", h.sampled);
+        let id = h.core.transfer(STEP).unwrap();
+        assert!(
+            !view_of(&a, id).unwrap().1[0].complete,
+            "the new check counts"
+        );
+        assert!(h.row(id).note.as_deref().unwrap().contains("__0_0.distcp"));
     }
 
     #[test]
