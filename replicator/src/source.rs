@@ -36,6 +36,7 @@ use crate::transport::{transport_config, Tuning};
 
 mod dispatch;
 mod streaming;
+pub mod watch_core;
 pub mod watcher;
 
 use dispatch::{LinkSched, Lost};

@@ -35,6 +35,13 @@ pub mod posix;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct FileVersion(pub [u64; 4]);
 
+impl FileVersion {
+    /// A version from one raw value (a backend's own change counter, say).
+    pub const fn from_raw(raw: u64) -> FileVersion {
+        FileVersion([raw, 0, 0, 0])
+    }
+}
+
 /// One file of a listing.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Listed {

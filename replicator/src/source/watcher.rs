@@ -9,19 +9,18 @@
 //! is what makes a file complete. A periodic rescan is the safety net (an
 //! inotify queue overflow, a watcher started after the writes) and the only
 //! path on network file systems (`mode = "poll"`), where a file counts as
-//! complete once its size and mtime stay unchanged for the quiet period
-//! and its format check passes ([`formats::content_check`]).
+//! complete once its version stays unchanged for the quiet period and its
+//! format check passes ([`formats::content_check`]).
 //!
-//! Per checkpoint the format's detector ([`formats::verdict`]) decides
-//! open / committed / abandoned; the watcher adds the idle timeout
-//! (abandoned when nothing changes for `checkpoint_idle_timeout`), a newer
-//! checkpoint of the same root committing while this one is open
-//! (abandoned), and deletion. A transfer is created when a checkpoint opens (`start =
-//! "on_open"`, the default) or when it commits (`"on_commit"`); its view
-//! ([`CheckpointView`]) is updated on every change and read by the
-//! streaming sender. A commit with a new identity in a directory that was
-//! already replicated (a re-save) becomes a new transfer, hence a new
-//! replica version at the sink.
+//! This module is the driver, and does the I/O: inotify and the rescans
+//! (each file's [`FileVersion`] from its metadata: device, inode, size,
+//! mtime, ctime), reading what the core asks for, catalog lookups and
+//! writes, and the views' channels. Every decision (completeness, the
+//! format's verdict, selection, the checkpoint's life, the idle timeout,
+//! re-saves, when a transfer starts) is taken by the pure
+//! [`WatchCore`](super::watch_core::WatchCore), fed each scan and the
+//! current time; this module carries out the actions it returns. A
+//! transfer's view ([`CheckpointView`]) is read by the streaming sender.
 
 use std::collections::{HashMap, HashSet};
 use std::io::Read;
@@ -31,17 +30,18 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use ferry_catalog::{now_ms, NewWatchedTransfer, Transfer};
-use ferry_proto::manifest::FileInfo;
-use ferry_proto::paths::is_temporary;
 use ferry_proto::state::{CheckpointState, Profile, TransferId, TransferState};
-use globset::{Glob, GlobSet, GlobSetBuilder};
 use notify::Watcher as _;
 use scheduler::Class;
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, warn};
 
+use super::watch_core::{
+    Action, Announced, Answers, Commit, DirScan, FileVersion, Filter, Now, PastTransfer, Questions,
+    RootScan, Sample, ScannedFile, WatchCore,
+};
 use super::{CheckpointView, Inner, RootConfig, ViewFile, ViewState};
-use crate::formats::{self, FileState, Format, Snapshot, Verdict};
+use crate::formats::{self, FileState, Format};
 
 /// When a watched checkpoint's transfer starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -97,39 +97,6 @@ pub struct RootWatch {
     pub profile: Profile,
 }
 
-/// Compiled include/exclude globs.
-#[derive(Debug, Clone)]
-struct Filter {
-    include: Option<GlobSet>,
-    exclude: GlobSet,
-}
-
-impl Filter {
-    fn new(w: &RootWatch) -> Result<Filter, String> {
-        let build = |globs: &[String]| -> Result<GlobSet, String> {
-            let mut b = GlobSetBuilder::new();
-            for g in globs {
-                b.add(Glob::new(g).map_err(|e| format!("glob {g:?}: {e}"))?);
-            }
-            b.build().map_err(|e| e.to_string())
-        };
-        Ok(Filter {
-            include: (!w.include.is_empty())
-                .then(|| build(&w.include))
-                .transpose()?,
-            exclude: build(&w.exclude)?,
-        })
-    }
-
-    fn keeps(&self, path: &str) -> bool {
-        let name = path.rsplit('/').next().unwrap_or(path);
-        !is_temporary(name)
-            && !path.split('/').any(is_temporary)
-            && self.include.as_ref().is_none_or(|i| i.is_match(path))
-            && !self.exclude.is_match(path)
-    }
-}
-
 /// Checks a root's globs.
 ///
 /// # Errors
@@ -150,51 +117,43 @@ pub struct WatchTiming {
     pub idle_timeout: Duration,
 }
 
-/// What the watcher keeps per file between scans.
-#[derive(Debug, Clone, Copy)]
-struct Seen {
+/// A close after writing, as reported by inotify: the file's version,
+/// size and mtime right after the close.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ClosedAt {
+    version: FileVersion,
     size: u64,
     mtime_ns: i64,
-    since: Instant,
-    /// The format check passed for this size and mtime.
-    checked: Option<bool>,
 }
 
-/// Files closed after writing, as reported by inotify: path -> (size,
-/// mtime) right after the close, or [`GONE`].
-type Closed = Arc<Mutex<HashMap<PathBuf, (u64, i64)>>>;
-
-/// A close whose file was already renamed or removed when the event was
-/// handled (events are handled on the notify thread, after the fact); a
-/// rename of that path then completes its new name. Matches no real file.
-const GONE: (u64, i64) = (u64::MAX, i64::MIN);
-
-/// One checkpoint directory as the watcher follows it.
-struct Ckpt {
-    format: Option<Format>,
-    opened_ms: i64,
-    signature: (usize, u64, i64),
-    last_change: Instant,
-    /// The transfer following this checkpoint now, with its view.
-    transfer: Option<(TransferId, watch::Sender<CheckpointView>)>,
-    /// Do not start a transfer when it opens (it was replicated,
-    /// abandoned, superseded or failed before); a commit with a new
-    /// identity still does.
-    settled: bool,
-    /// The format's commit predicate held at the last look.
-    committed: bool,
-    /// The note last written on its transfer (why it waits).
-    note: Option<String>,
+impl ClosedAt {
+    fn of(md: &std::fs::Metadata) -> ClosedAt {
+        ClosedAt {
+            version: file_version(md),
+            size: md.len(),
+            mtime_ns: mtime_ns(md),
+        }
+    }
 }
 
-/// A scan of one checkpoint directory.
-struct DirScan {
-    files: Vec<FileState>,
-    infos: HashMap<String, FileInfo>,
-    created_ms: Option<i64>,
-    /// Files closed (or quiet) that fail their format's check: truncated,
-    /// empty, or being rewritten.
-    suspect: Vec<String>,
+/// Files closed after writing, by path; `None` for a close whose file was
+/// already renamed or removed when the event was handled (events are
+/// handled on the notify thread, after the fact): a rename of that path
+/// then completes its new name.
+type Closed = Arc<Mutex<HashMap<PathBuf, Option<ClosedAt>>>>;
+
+/// Logs a catalog write of the watcher that failed; the watcher carries on
+/// (its next scan repeats what is still needed).
+fn logged<T>(what: &str, r: Result<T, ferry_catalog::CatalogError>) {
+    if let Err(e) = r {
+        warn!(error = %e, "catalog: {what}");
+    }
+}
+
+/// The version token of a file on a POSIX file system (the storage
+/// backend's: inode, size, mtime and ctime).
+fn file_version(md: &std::fs::Metadata) -> FileVersion {
+    crate::storage::posix::version_of(md)
 }
 
 fn mtime_ns(md: &std::fs::Metadata) -> i64 {
@@ -224,43 +183,44 @@ fn read_small(path: &Path) -> Option<Vec<u8>> {
     Some(buf)
 }
 
-/// Lists the regular files under `dir` with their completeness.
+/// Lists the regular files under checkpoint directory `name` of `root`
+/// with their versions, whether a close was seen for that version, the
+/// content the format wants, and the head and tail of the files the core
+/// wants to check.
 fn scan_dir(
-    dir: &Path,
-    format: Option<Format>,
-    closed: &Closed,
-    seen: &mut HashMap<PathBuf, Seen>,
-    quiet: Duration,
+    root: &Path,
+    name: &str,
+    core: &WatchCore,
+    closed: &HashMap<PathBuf, Option<ClosedAt>>,
+    now: Instant,
 ) -> Option<DirScan> {
-    let md = std::fs::symlink_metadata(dir).ok()?;
+    let dir = root.join(name);
+    let md = std::fs::symlink_metadata(&dir).ok()?;
     if !md.is_dir() {
         return None;
     }
-    let created_ms = md
-        .created()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map(|d| d.as_millis() as i64);
+    let format = core.scan_format(name);
     let mut out = DirScan {
+        created_ms: md
+            .created()
+            .ok()
+            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+            .map(|d| d.as_millis() as i64),
         files: Vec::new(),
-        infos: HashMap::new(),
-        created_ms,
-        suspect: Vec::new(),
     };
-    let closed = closed.lock().map(|c| c.clone()).unwrap_or_default();
     let mut stack = vec![String::new()];
     while let Some(rel) = stack.pop() {
         let Ok(rd) = std::fs::read_dir(dir.join(&rel)) else {
             continue;
         };
         for e in rd.flatten() {
-            let Some(name) = e.file_name().to_str().map(str::to_owned) else {
+            let Some(file_name) = e.file_name().to_str().map(str::to_owned) else {
                 continue;
             };
             let rel_child = if rel.is_empty() {
-                name
+                file_name
             } else {
-                format!("{rel}/{name}")
+                format!("{rel}/{file_name}")
             };
             let Ok(ft) = e.file_type() else { continue };
             if ft.is_dir() {
@@ -272,67 +232,30 @@ fn scan_dir(
             }
             let Ok(md) = e.metadata() else { continue };
             let abs = e.path();
-            let (size, mt) = (md.len(), mtime_ns(&md));
-            let now = Instant::now();
-            let s = seen.entry(abs.clone()).or_insert(Seen {
-                size,
-                mtime_ns: mt,
-                since: now,
-                checked: None,
-            });
-            if (s.size, s.mtime_ns) != (size, mt) {
-                *s = Seen {
-                    size,
-                    mtime_ns: mt,
-                    since: now,
-                    checked: None,
-                };
-            }
-            let closed_ok = closed.get(&abs) == Some(&(size, mt));
-            // Closed after its last write (or, without a close event,
-            // unchanged for the quiet period), and passing its format's
-            // check: a shard the writer left truncated or empty (a safetensors
-            // header promising more bytes, a torch.save archive without its
-            // end record) is never complete, so its checkpoint is never
-            // committed and is abandoned after the idle timeout. The generic
-            // rule knows nothing of its files' formats (a `.bin` there is raw
-            // bytes): closed or quiet is enough. Checked once per size and
-            // mtime.
-            let settled = closed_ok || now.duration_since(s.since) >= quiet;
-            let check = !matches!(format, None | Some(Format::Generic));
-            let complete = settled
-                && (!check || {
-                    if s.checked.is_none() {
-                        s.checked = Some(
-                            head_tail(&abs, size)
-                                .map(|(h, t)| formats::content_check(&rel_child, &h, &t, size))
-                                .unwrap_or(false),
-                        );
-                    }
-                    s.checked == Some(true)
+            let size = md.len();
+            let version = file_version(&md);
+            let was_closed = closed
+                .get(&abs)
+                .is_some_and(|c| c.is_some_and(|c| c.version == version));
+            let sample = core
+                .wants_sample(name, &rel_child, version, was_closed, now)
+                .then(|| match head_tail(&abs, size) {
+                    Ok((head, tail)) => Sample::Read { head, tail },
+                    Err(_) => Sample::Unreadable,
                 });
-            if settled && check && s.checked == Some(false) {
-                out.suspect.push(rel_child.clone());
-            }
             let content = (formats::wants_content(format, &rel_child)
                 && size <= formats::MAX_CONTENT)
                 .then(|| read_small(&abs))
                 .flatten();
-            out.infos.insert(
-                rel_child.clone(),
-                FileInfo {
-                    path: rel_child.clone(),
-                    size,
-                    mode: md.permissions().mode() & 0o7777,
-                    mtime_ns: mt,
-                },
-            );
-            out.files.push(FileState {
+            out.files.push(ScannedFile {
                 path: rel_child,
                 size,
-                mtime_ns: mt,
-                complete,
+                mtime_ns: mtime_ns(&md),
+                mode: md.permissions().mode() & 0o7777,
+                version,
+                closed: was_closed,
                 content,
+                sample,
             });
         }
     }
@@ -378,8 +301,8 @@ fn scan_root(root: &Path, format: Option<Format>) -> (Vec<FileState>, Vec<String
 
 /// Starts watching `root`; runs until the agent stops.
 pub(super) async fn watch_root(inner: Arc<Inner>, root: RootConfig, timing: WatchTiming) {
-    let filter = match Filter::new(&root.watch) {
-        Ok(f) => f,
+    let mut core = match WatchCore::new(&root.watch, inner.cfg.markers.clone(), &timing) {
+        Ok(c) => c,
         Err(e) => {
             warn!(root = %root.path.display(), "not watching: {e}");
             return;
@@ -403,7 +326,8 @@ pub(super) async fn watch_root(inner: Arc<Inner>, root: RootConfig, timing: Watc
                     if ev.need_rescan() {
                         overflow.store(true, std::sync::atomic::Ordering::Relaxed);
                     }
-                    if let Ok(mut d) = dirty.lock() {
+                    {
+                        let mut d = crate::lock::lock(&dirty);
                         for p in &ev.paths {
                             let first = p
                                 .strip_prefix(&base)
@@ -420,17 +344,28 @@ pub(super) async fn watch_root(inner: Arc<Inner>, root: RootConfig, timing: Watc
                     if let (EventKind::Modify(ModifyKind::Name(RenameMode::Both)), [from, to]) =
                         (&ev.kind, ev.paths.as_slice())
                     {
-                        if let Ok(mut c) = closed.lock() {
+                        {
+                            let mut c = crate::lock::lock(&closed);
+                            // A rename changes the file's ctime, hence its
+                            // version: the new name takes the version it
+                            // has now if its size and mtime are those of
+                            // the close.
+                            let now = std::fs::symlink_metadata(to)
+                                .ok()
+                                .map(|md| ClosedAt::of(&md));
                             match c.remove(from) {
                                 // Closed, then renamed before this thread
-                                // could stat it: stat the new name.
-                                Some(GONE) => {
-                                    if let Ok(md) = std::fs::symlink_metadata(to) {
-                                        c.insert(to.clone(), (md.len(), mtime_ns(&md)));
+                                // could stat it: take the new name as is.
+                                Some(None) => {
+                                    if let Some(n) = now {
+                                        c.insert(to.clone(), Some(n));
                                     }
                                 }
-                                Some(v) => {
-                                    c.insert(to.clone(), v);
+                                Some(Some(v)) => {
+                                    let n = now
+                                        .filter(|n| (n.size, n.mtime_ns) == (v.size, v.mtime_ns))
+                                        .unwrap_or(v);
+                                    c.insert(to.clone(), Some(n));
                                 }
                                 None => {}
                             }
@@ -442,8 +377,10 @@ pub(super) async fn watch_root(inner: Arc<Inner>, root: RootConfig, timing: Watc
                     ) {
                         for p in &ev.paths {
                             let v = std::fs::symlink_metadata(p)
-                                .map_or(GONE, |md| (md.len(), mtime_ns(&md)));
-                            if let Ok(mut c) = closed.lock() {
+                                .ok()
+                                .map(|md| ClosedAt::of(&md));
+                            {
+                                let mut c = crate::lock::lock(&closed);
                                 c.insert(p.clone(), v);
                             }
                         }
@@ -468,8 +405,8 @@ pub(super) async fn watch_root(inner: Arc<Inner>, root: RootConfig, timing: Watc
     };
     drop(tx);
     info!(root = %root.path.display(), job = root.job, mode = ?root.watch.mode, start = ?root.watch.start, "watching for checkpoints");
-    let mut ckpts: HashMap<String, Ckpt> = HashMap::new();
-    let mut seen: Arc<Mutex<HashMap<PathBuf, Seen>>> = Arc::default();
+    // The senders of the views of the transfers the core follows.
+    let mut views: HashMap<TransferId, watch::Sender<CheckpointView>> = HashMap::new();
     let mut next_full = tokio::time::Instant::now();
     loop {
         // A full pass scans every checkpoint directory (the safety net:
@@ -479,51 +416,43 @@ pub(super) async fn watch_root(inner: Arc<Inner>, root: RootConfig, timing: Watc
         if full {
             next_full = tokio::time::Instant::now() + timing.rescan;
         }
-        let touched: HashSet<String> = dirty
-            .lock()
-            .map(|mut d| std::mem::take(&mut *d))
-            .unwrap_or_default();
+        let touched: HashSet<String> = std::mem::take(&mut *crate::lock::lock(&dirty));
+        // One instant for the scan and the core, so the files the core
+        // wants sampled are those it then judges.
+        let at = Instant::now();
+        // The core goes to the scanning thread (it says which files to
+        // sample) and comes back with the scan.
         let pass = tokio::task::spawn_blocking({
-            let (path, fmt, closed, seen) = (
-                root.path.clone(),
-                root.watch.format,
-                closed.clone(),
-                seen.clone(),
-            );
-            let formats_now: HashMap<String, Option<Format>> = ckpts
-                .iter()
-                .map(|(k, c)| (k.clone(), c.format.or(fmt)))
-                .collect();
-            let quiet = timing.quiet;
+            let (path, fmt, closed) = (root.path.clone(), root.watch.format, closed.clone());
             move || {
                 let (siblings, dirs) = scan_root(&path, fmt);
-                let mut seen = seen.lock().unwrap_or_else(|e| e.into_inner());
-                let scans: Vec<(String, Option<DirScan>)> = dirs
+                let closed = crate::lock::lock(&closed).clone();
+                let scanned = dirs
                     .iter()
                     .filter(|d| full || touched.contains(*d))
-                    .map(|d| {
-                        let f = formats_now.get(d).copied().flatten().or(fmt);
-                        (
-                            d.clone(),
-                            scan_dir(&path.join(d), f, &closed, &mut seen, quiet),
-                        )
-                    })
+                    .map(|d| (d.clone(), scan_dir(&path, d, &core, &closed, at)))
                     .collect();
-                // Forget files that are gone.
-                if full {
-                    seen.retain(|p, _| p.exists());
-                }
-                (siblings, dirs, scans)
+                let scan = RootScan {
+                    siblings,
+                    dirs,
+                    scanned,
+                };
+                (core, scan)
             }
         })
         .await;
-        let Ok((siblings, dirs, scans)) = pass else {
+        let Ok((back, scan)) = pass else {
             return;
         };
-        process(
-            &inner, &root, &filter, &timing, &mut ckpts, &siblings, &dirs, scans,
-        )
-        .await;
+        core = back;
+        let answers = answers(&inner, &root, &core.questions(&scan)).await;
+        let now = Now {
+            at,
+            unix_ms: now_ms(),
+        };
+        for action in core.handle_scan(scan, &answers, now) {
+            act(&inner, &root, &mut core, &mut views, action).await;
+        }
         if overflow.swap(false, std::sync::atomic::Ordering::Relaxed) {
             debug!(root = %root.path.display(), "inotify overflow or error: rescanning");
             next_full = tokio::time::Instant::now();
@@ -538,448 +467,240 @@ pub(super) async fn watch_root(inner: Arc<Inner>, root: RootConfig, timing: Watc
             _ = tokio::time::sleep_until(next_full) => {}
             _ = inner.shutdown.cancelled() => return,
         }
-        if seen.lock().map(|s| s.len()).unwrap_or(0) > 1_000_000 {
-            seen = Arc::default();
-        }
     }
 }
 
-/// Applies one scan: detectors, selection, transfers and views.
-#[allow(clippy::too_many_arguments)]
-async fn process(
-    inner: &Arc<Inner>,
-    root: &RootConfig,
-    filter: &Filter,
-    timing: &WatchTiming,
-    ckpts: &mut HashMap<String, Ckpt>,
-    siblings: &[FileState],
-    dirs: &[String],
-    scans: Vec<(String, Option<DirScan>)>,
-) {
-    let markers = &inner.cfg.markers;
-    // Presence comes from the root's listing; a directory listed but gone
-    // by the time it was scanned is caught by the next pass.
-    let present: HashSet<&str> = dirs.iter().map(String::as_str).collect();
-    // Deleted directories.
-    let gone: Vec<String> = ckpts
-        .keys()
-        .filter(|d| !present.contains(d.as_str()))
-        .cloned()
-        .collect();
-    for d in gone {
-        if let Some(c) = ckpts.remove(&d) {
-            if let Some((id, tx)) = c.transfer {
-                end_transfer(
-                    inner,
-                    id,
-                    &tx,
-                    CheckpointState::Deleted,
-                    "checkpoint directory deleted",
-                )
-                .await;
-            }
-        }
-    }
-    // Announced checkpoints whose directory never appeared.
-    if let Ok(ts) = inner.catalog.unfinished_transfers().await {
-        let limit = timing.idle_timeout.as_millis() as i64;
-        for t in ts {
-            let dir = Path::new(&t.source_path);
-            if t.checkpoint == CheckpointState::Announced
-                && dir.parent() == Some(root.path.as_path())
-                && !present.contains(t.rel.as_str())
-                && now_ms() - t.created_at > limit
-            {
-                let why = format!(
-                    "announced checkpoint never appeared within {}",
-                    humantime::format_duration(timing.idle_timeout)
-                );
-                info!(transfer = %t.id, "{why}");
-                let _ = inner
-                    .catalog
-                    .set_checkpoint_state(t.id, CheckpointState::Abandoned, None, None)
-                    .await;
-                let _ = inner
-                    .catalog
-                    .set_transfer_state(t.id, TransferState::Cancelled, Some(&why))
-                    .await;
-            }
-        }
-    }
-    let newest_step = scans
-        .iter()
-        .filter(|(_, s)| s.as_ref().is_some_and(|s| !s.files.is_empty()))
-        .map(|(d, _)| d.as_str())
-        .chain(
-            ckpts
-                .iter()
-                .filter(|(_, c)| c.signature.0 > 0)
-                .map(|(d, _)| d.as_str()),
-        )
-        .filter_map(formats::step_of)
-        .max();
-    // A checkpoint still open when a newer one of the same root has
-    // committed was given up by its writer (CHECKPOINT_FORMATS.md: DCP and
-    // torch_dist "a newer sibling committed"; a killed save would
-    // otherwise hold its link until the idle timeout).
-    let newest_committed = ckpts
-        .iter()
-        .filter(|(_, c)| c.committed)
-        .filter_map(|(d, _)| formats::step_of(d))
-        .max();
-    for (dir, scan) in scans {
-        let Some(scan) = scan else { continue };
-        let step = formats::step_of(&dir);
-        if let Selection::EveryNSteps(n) = root.watch.select {
-            if n > 0 && step.is_none_or(|s| s % n != 0) {
-                continue;
-            }
-        }
-        let abs = root.path.join(&dir);
-        let abs_s = abs.to_string_lossy().into_owned();
-        let signature = (
-            scan.files.len(),
-            scan.files.iter().map(|f| f.size).sum::<u64>(),
-            scan.files.iter().map(|f| f.mtime_ns).max().unwrap_or(0),
-        );
-        let c = match ckpts.get_mut(&dir) {
-            Some(c) => c,
-            None => {
-                let c = adopt(inner, &abs_s, &scan).await;
-                ckpts.entry(dir.clone()).or_insert(c)
-            }
-        };
-        if c.signature != signature {
-            c.signature = signature;
-            c.last_change = Instant::now();
-        }
-        let snap = Snapshot {
-            dir: &dir,
-            files: &scan.files,
-            siblings,
-            sibling_dirs: dirs,
-        };
-        if c.format.is_none() {
-            c.format = root
-                .watch
-                .format
-                .or_else(|| formats::recognise(&snap))
-                .or_else(|| {
-                    scan.files
-                        .iter()
-                        .any(|f| markers.iter().any(|m| m == &f.path))
-                        .then_some(Format::Generic)
-                });
-            if let Some(f) = c.format {
-                debug!(dir = abs_s, format = %f, "checkpoint format recognised");
-                if let Some((id, _)) = &c.transfer {
-                    if let Err(e) = inner.catalog.set_transfer_format(*id, &f.to_string()).await {
-                        warn!(error = %e, "catalog");
-                    }
-                }
-            }
-        }
-        let Some(format) = c.format else { continue };
-        let weights_only = root.watch.profile == Profile::WeightsOnly;
-        // torchtitan saves either DCP (weights and optimizer state mixed)
-        // or HF safetensors (weights only): the files decide.
-        let profile_format = if format == Format::Torchtitan
-            && !scan.files.iter().any(|f| f.path.ends_with(".distcp"))
+/// The catalog lookups the core asked for, and the announced checkpoints
+/// of this root.
+async fn answers(inner: &Inner, root: &RootConfig, q: &Questions) -> Answers {
+    let mut a = Answers::default();
+    for dir in &q.history {
+        let abs = root.path.join(dir);
+        match inner
+            .catalog
+            .transfers_for_path(&abs.to_string_lossy())
+            .await
         {
-            Format::HfPretrained
-        } else {
-            format
-        };
-        if weights_only {
-            if let Err(why) = formats::is_optimizer_state(profile_format, "") {
-                if !c.settled {
-                    warn!(dir = abs_s, %format, "not replicated: profile = \"weights-only\" is not possible here: {why}");
-                    c.settled = true;
-                }
-                continue;
+            Ok(ts) => {
+                a.history
+                    .insert(dir.clone(), ts.iter().map(past_transfer).collect());
+            }
+            Err(e) => warn!(error = %e, "catalog"),
+        }
+    }
+    for id in &q.finished {
+        if let Ok(Some(t)) = inner.catalog.transfer(*id).await {
+            if t.state.is_final() {
+                a.finished.insert(*id);
             }
         }
-        let verdict = formats::verdict(format, &snap, markers);
-        let files: Vec<ViewFile> = scan
-            .files
-            .iter()
-            .filter(|f| filter.keeps(&f.path))
-            .filter(|f| {
-                !weights_only || formats::is_optimizer_state(profile_format, &f.path) == Ok(false)
+    }
+    if let Ok(ts) = inner.catalog.unfinished_transfers().await {
+        a.announced = ts
+            .into_iter()
+            .filter(|t| {
+                t.checkpoint == CheckpointState::Announced
+                    && Path::new(&t.source_path).parent() == Some(root.path.as_path())
             })
-            .filter_map(|f| {
-                Some(ViewFile {
-                    info: scan.infos.get(&f.path)?.clone(),
-                    complete: f.complete,
-                    appendable: formats::appendable(&f.path),
-                })
+            .map(|t| Announced {
+                id: t.id,
+                dir: t.rel,
+                created_ms: t.created_at,
             })
             .collect();
-        let superseded = root.watch.select == Selection::LatestOnly
-            && step.is_some()
-            && newest_step.is_some_and(|n| Some(n) > step);
-        c.committed = matches!(verdict, Verdict::Committed { .. });
-        let overtaken = step
-            .zip(newest_committed)
-            .and_then(|(s, n)| (n > s).then_some(n));
-        match verdict {
-            Verdict::Open => {
-                let idle = c.last_change.elapsed() >= timing.idle_timeout;
-                if overtaken.is_some() && c.transfer.is_none() {
-                    c.settled = true;
-                }
-                if let Some((id, tx)) = &c.transfer {
-                    if idle || superseded || overtaken.is_some() {
-                        let why = if let Some(n) = overtaken {
-                            format!(
-                                "checkpoint abandoned: the newer checkpoint of step {n} committed while this one was still open"
-                            )
-                        } else if idle {
-                            format!(
-                                "checkpoint abandoned: nothing written for {}",
-                                humantime::format_duration(timing.idle_timeout)
-                            )
-                        } else {
-                            "superseded by a newer checkpoint (select = \"latest_only\")".into()
-                        };
-                        end_transfer(inner, *id, tx, CheckpointState::Abandoned, &why).await;
-                        c.transfer = None;
-                        c.settled = true;
-                    } else {
-                        update_view(tx, files, ViewState::Open, c.opened_ms);
-                    }
-                } else if !c.settled
-                    && !idle
-                    && !superseded
-                    && root.watch.start == Start::OnOpen
-                    && !files.is_empty()
-                    // Orbax writes under a temporary directory name and
-                    // commits by renaming it: its replica can only be
-                    // named after the rename, so it is copied then.
-                    && (format != Format::Orbax || !dir.contains(".orbax-checkpoint-tmp"))
-                {
-                    start_transfer(
-                        inner,
-                        root,
-                        c,
-                        &abs_s,
-                        &dir,
-                        format,
-                        files,
-                        ViewState::Open,
-                        None,
-                    )
-                    .await;
-                }
-            }
-            Verdict::Committed { markers, identity } => {
-                let committed_ms = markers
-                    .iter()
-                    .filter_map(|m| scan.infos.get(m))
-                    .map(|f| f.mtime_ns / 1_000_000)
-                    .max()
-                    .unwrap_or_else(now_ms);
-                let state = ViewState::Committed {
-                    markers,
-                    committed_ms,
-                    siblings: sibling_markers(format, &dir, siblings),
-                };
-                if let Some((id, tx)) = &c.transfer {
-                    let first = !matches!(tx.borrow().state, ViewState::Committed { .. });
-                    if first {
-                        info!(transfer = %id, dir = abs_s, %format, "checkpoint committed");
-                        if let Err(e) = inner
-                            .catalog
-                            .set_checkpoint_state(
-                                *id,
-                                CheckpointState::Committed,
-                                Some(committed_ms),
-                                Some(&identity),
-                            )
-                            .await
-                        {
-                            warn!(error = %e, "catalog");
-                        }
-                    }
-                    update_view(tx, files, state, c.opened_ms);
-                } else if !superseded
-                    && !files.is_empty()
-                    && needs_copy(inner, &abs_s, &identity, committed_ms).await
-                {
-                    c.settled = false;
-                    start_transfer(
-                        inner,
-                        root,
-                        c,
-                        &abs_s,
-                        &dir,
-                        format,
-                        files,
-                        state,
-                        Some((committed_ms, identity)),
-                    )
-                    .await;
-                }
-            }
-            Verdict::Abandoned(why) => {
-                if let Some((id, tx)) = c.transfer.take() {
-                    end_transfer(
-                        inner,
-                        id,
-                        &tx,
-                        CheckpointState::Abandoned,
-                        &format!("checkpoint abandoned: {why}"),
-                    )
-                    .await;
-                }
-                c.settled = true;
-            }
-        }
-        // Say why a transfer waits when files look damaged: the checkpoint
-        // cannot commit while they fail their format's check.
-        if let Some((id, _)) = &c.transfer {
-            let note = (!scan.suspect.is_empty()).then(|| {
-                format!(
-                    "waiting: {} file(s) closed but failing their format check (truncated, empty or rewritten?), e.g. {}",
-                    scan.suspect.len(),
-                    scan.suspect[0]
-                )
+    }
+    a
+}
+
+fn past_transfer(t: &Transfer) -> PastTransfer {
+    PastTransfer {
+        id: t.id,
+        link: t.link.clone(),
+        state: t.state,
+        checkpoint: t.checkpoint,
+        format: t.format.clone(),
+        opened_ms: t.opened_at,
+        commit_identity: t.commit_identity.clone(),
+        created_ms: t.created_at,
+    }
+}
+
+/// Carries out one action of the core.
+async fn act(
+    inner: &Arc<Inner>,
+    root: &RootConfig,
+    core: &mut WatchCore,
+    views: &mut HashMap<TransferId, watch::Sender<CheckpointView>>,
+    action: Action,
+) {
+    let abs = |dir: &str| root.path.join(dir).to_string_lossy().into_owned();
+    match action {
+        Action::Adopt {
+            transfer,
+            link,
+            opened_ms,
+            ..
+        } => {
+            let (tx, rx) = watch::channel(CheckpointView {
+                files: Vec::new(),
+                state: ViewState::Open,
+                opened_ms,
             });
-            if note != c.note {
-                if let Some(n) = &note {
-                    warn!(transfer = %id, dir = abs_s, "{n}");
-                }
-                let _ = inner.catalog.set_transfer_note(*id, note.as_deref()).await;
-                c.note = note;
+            {
+                let mut v = crate::lock::lock(&inner.views);
+                v.insert(transfer, rx);
+            }
+            views.insert(transfer, tx);
+            // The view is filled by this pass before the sender reads it.
+            if let Some(l) = inner.links.get(&link) {
+                l.wake.notify_one();
             }
         }
-        // A finished transfer no longer needs its view.
-        if let Some((id, _)) = &c.transfer {
-            if let Ok(Some(t)) = inner.catalog.transfer(*id).await {
-                if t.state.is_final() {
-                    if let Ok(mut v) = inner.views.lock() {
-                        v.remove(id);
-                    }
-                    // Only a commit with a new identity (a re-save) starts
-                    // another transfer of this directory.
-                    c.settled = true;
-                    c.transfer = None;
+        Action::AnnouncedOpened {
+            dir,
+            transfer,
+            opened_ms,
+        } => {
+            // Announced by a training controller; its first bytes are here.
+            info!(transfer = %transfer, path = abs(&dir), "announced checkpoint opened");
+            logged(
+                "set checkpoint state",
+                inner
+                    .catalog
+                    .set_checkpoint_state(transfer, CheckpointState::Open, None, None)
+                    .await,
+            );
+            logged(
+                "set opened at",
+                inner.catalog.set_opened_at(transfer, opened_ms).await,
+            );
+        }
+        Action::EndTransfer {
+            transfer,
+            checkpoint_state,
+            why,
+        } => {
+            let tx = views.remove(&transfer);
+            end_transfer(inner, transfer, tx.as_ref(), checkpoint_state, &why).await;
+        }
+        Action::ExpireAnnouncement { transfer, why } => {
+            info!(transfer = %transfer, "{why}");
+            logged(
+                "set checkpoint state",
+                inner
+                    .catalog
+                    .set_checkpoint_state(transfer, CheckpointState::Abandoned, None, None)
+                    .await,
+            );
+            logged(
+                "set transfer state",
+                inner
+                    .catalog
+                    .set_transfer_state(transfer, TransferState::Cancelled, Some(&why))
+                    .await,
+            );
+        }
+        Action::MarkCommitted {
+            dir,
+            transfer,
+            format,
+            commit,
+        } => {
+            info!(transfer = %transfer, dir = abs(&dir), %format, "checkpoint committed");
+            if let Err(e) = inner
+                .catalog
+                .set_checkpoint_state(
+                    transfer,
+                    CheckpointState::Committed,
+                    Some(commit.committed_ms),
+                    Some(&commit.identity),
+                )
+                .await
+            {
+                warn!(error = %e, "catalog");
+            }
+        }
+        Action::Recognised {
+            dir,
+            format,
+            transfer,
+        } => {
+            debug!(dir = abs(&dir), format = %format, "checkpoint format recognised");
+            if let Some(id) = transfer {
+                if let Err(e) = inner
+                    .catalog
+                    .set_transfer_format(id, &format.to_string())
+                    .await
+                {
+                    warn!(error = %e, "catalog");
                 }
+            }
+        }
+        Action::ReleaseView { transfer } => {
+            {
+                let mut v = crate::lock::lock(&inner.views);
+                v.remove(&transfer);
+            }
+            views.remove(&transfer);
+        }
+        Action::SetNote {
+            dir,
+            transfer,
+            note,
+        } => set_note(inner, transfer, &abs(&dir), note.as_deref()).await,
+        Action::Skip { dir, format, why } => {
+            warn!(dir = abs(&dir), %format, "not replicated: {why}");
+        }
+        Action::StartTransfer {
+            dir,
+            format,
+            files,
+            state,
+            opened_ms,
+            commit,
+            note,
+        } => {
+            let path = abs(&dir);
+            let Some((id, tx)) = start_transfer(
+                inner, root, &path, &dir, format, files, state, opened_ms, commit,
+            )
+            .await
+            else {
+                return;
+            };
+            core.started(&dir, id);
+            views.insert(id, tx);
+            if note.is_some() {
+                set_note(inner, id, &path, note.as_deref()).await;
+            }
+        }
+        Action::UpdateView {
+            transfer,
+            files,
+            state,
+            opened_ms,
+        } => {
+            if let Some(tx) = views.get(&transfer) {
+                update_view(tx, files, state, opened_ms);
             }
         }
     }
 }
 
-/// Markers beside the checkpoint directory that name this checkpoint, with
-/// their content: DeepSpeed's `latest` (the tag, i.e. the directory name)
-/// and Megatron's `latest_checkpointed_iteration.txt` (the iteration).
-/// CHECKPOINT_FORMATS.md, "Publish rule" item 4: the sink writes them
-/// after the directory is in place.
-fn sibling_markers(format: Format, dir: &str, siblings: &[FileState]) -> Vec<(String, Vec<u8>)> {
-    let name = match format {
-        Format::DeepSpeed => "latest",
-        Format::MegatronLegacy | Format::MegatronDist => "latest_checkpointed_iteration.txt",
-        _ => return Vec::new(),
-    };
-    let Some(content) = siblings
-        .iter()
-        .find(|f| f.path == name)
-        .and_then(|f| f.content.clone())
-        .filter(|c| c.len() <= ferry_proto::limits::MAX_SIBLING_BYTES as usize)
-    else {
-        return Vec::new();
-    };
-    let text = String::from_utf8_lossy(&content).trim().to_string();
-    let names_this = match format {
-        Format::DeepSpeed => text == dir,
-        _ => text
-            .parse::<u64>()
-            .ok()
-            .is_some_and(|n| Some(n) == formats::step_of(dir)),
-    };
-    if names_this {
-        vec![(name.to_string(), content)]
-    } else {
-        Vec::new()
+/// Says on the transfer why it waits (`None` clears it).
+async fn set_note(inner: &Inner, id: TransferId, path: &str, note: Option<&str>) {
+    if let Some(n) = note {
+        warn!(transfer = %id, dir = path, "{n}");
     }
-}
-
-/// First sight of a checkpoint directory: picks up a transfer the catalog
-/// already has for it (the agent restarted).
-async fn adopt(inner: &Arc<Inner>, abs: &str, scan: &DirScan) -> Ckpt {
-    let opened_ms = scan
-        .created_ms
-        .or_else(|| scan.files.iter().map(|f| f.mtime_ns / 1_000_000).min())
-        .unwrap_or_else(now_ms)
-        .min(now_ms());
-    let mut c = Ckpt {
-        format: None,
-        opened_ms,
-        signature: (0, 0, 0),
-        last_change: Instant::now(),
-        transfer: None,
-        settled: false,
-        committed: false,
-        note: None,
-    };
-    let Ok(Some(t)) = inner.catalog.transfer_by_path(abs).await else {
-        return c;
-    };
-    if let Some(f) = t.format.as_deref().and_then(|f| f.parse().ok()) {
-        c.format = Some(f);
-    }
-    if let Some(o) = t.opened_at {
-        c.opened_ms = o;
-    }
-    if t.checkpoint == CheckpointState::Announced && !t.state.is_final() {
-        // Announced by a training controller; its first bytes are here.
-        info!(transfer = %t.id, path = abs, "announced checkpoint opened");
-        let _ = inner
-            .catalog
-            .set_checkpoint_state(t.id, CheckpointState::Open, None, None)
-            .await;
-        let _ = inner.catalog.set_opened_at(t.id, c.opened_ms).await;
-    }
-    if !t.state.is_final() && t.format.is_some() {
-        let (tx, rx) = watch::channel(CheckpointView {
-            files: Vec::new(),
-            state: ViewState::Open,
-            opened_ms: c.opened_ms,
-        });
-        if let Ok(mut v) = inner.views.lock() {
-            v.insert(t.id, rx);
-        }
-        c.transfer = Some((t.id, tx));
-        // The view is filled by this pass before the sender reads it.
-        wake(inner, &t);
-    } else {
-        // Replicated, failed or cancelled before: only a commit with a new
-        // identity (a re-save) copies it again.
-        c.settled = true;
-    }
-    c
+    logged(
+        "set transfer note",
+        inner.catalog.set_transfer_note(id, note).await,
+    );
 }
 
 pub(super) fn wake(inner: &Inner, t: &Transfer) {
     if let Some(l) = inner.links.get(&t.link) {
         l.wake.notify_one();
-    }
-}
-
-/// True unless a transfer of this path is moving, or one already covers
-/// this commit: same commit identity (a failed one is not retried by
-/// itself), or queued after the commit (e.g. by `ferry push`).
-async fn needs_copy(inner: &Inner, abs: &str, identity: &str, committed_ms: i64) -> bool {
-    match inner.catalog.transfers_for_path(abs).await {
-        Ok(ts) => !ts.iter().any(|t| {
-            !t.state.is_final()
-                || t.commit_identity.as_deref() == Some(identity)
-                || (t.state == TransferState::Published && t.created_at >= committed_ms)
-        }),
-        Err(e) => {
-            warn!(error = %e, "catalog");
-            false
-        }
     }
 }
 
@@ -1004,18 +725,20 @@ fn update_view(
     });
 }
 
+/// Queues a transfer of a watched checkpoint and makes its view; `None`
+/// when the catalog refused it (the next scan tries again).
 #[allow(clippy::too_many_arguments)]
 async fn start_transfer(
     inner: &Arc<Inner>,
     root: &RootConfig,
-    c: &mut Ckpt,
     abs: &str,
     rel: &str,
     format: Format,
     files: Vec<ViewFile>,
     view_state: ViewState,
-    commit: Option<(i64, String)>,
-) {
+    opened_ms: i64,
+    commit: Option<Commit>,
+) -> Option<(TransferId, watch::Sender<CheckpointView>)> {
     let ckpt = if commit.is_some() {
         CheckpointState::Committed
     } else {
@@ -1031,8 +754,8 @@ async fn start_transfer(
             class: Class::Scheduled,
             checkpoint: ckpt,
             format: &format.to_string(),
-            opened_at: Some(c.opened_ms),
-            committed_at: commit.as_ref().map(|c| c.0),
+            opened_at: Some(opened_ms),
+            committed_at: commit.as_ref().map(|c| c.committed_ms),
             profile: root.watch.profile,
         })
         .await
@@ -1040,28 +763,32 @@ async fn start_transfer(
         Ok(id) => id,
         Err(e) => {
             warn!(error = %e, path = abs, "could not queue the checkpoint");
-            return;
+            return None;
         }
     };
-    if let Some((_, identity)) = &commit {
-        let _ = inner
-            .catalog
-            .set_checkpoint_state(id, CheckpointState::Committed, None, Some(identity))
-            .await;
+    if let Some(c) = &commit {
+        logged(
+            "set checkpoint state",
+            inner
+                .catalog
+                .set_checkpoint_state(id, CheckpointState::Committed, None, Some(&c.identity))
+                .await,
+        );
     }
     info!(transfer = %id, path = abs, %format, checkpoint = %ckpt, "checkpoint queued for replication");
     let (tx, rx) = watch::channel(CheckpointView {
         files,
         state: view_state,
-        opened_ms: c.opened_ms,
+        opened_ms,
     });
-    if let Ok(mut v) = inner.views.lock() {
+    {
+        let mut v = crate::lock::lock(&inner.views);
         v.insert(id, rx);
     }
-    c.transfer = Some((id, tx));
     if let Some(l) = inner.links.get(&root.link) {
         l.wake.notify_one();
     }
+    Some((id, tx))
 }
 
 /// Marks the checkpoint abandoned or deleted and tells its sender, which
@@ -1070,7 +797,7 @@ async fn start_transfer(
 async fn end_transfer(
     inner: &Arc<Inner>,
     id: TransferId,
-    tx: &watch::Sender<CheckpointView>,
+    tx: Option<&watch::Sender<CheckpointView>>,
     ckpt: CheckpointState,
     why: &str,
 ) {
@@ -1082,13 +809,18 @@ async fn end_transfer(
     {
         warn!(error = %e, "catalog");
     }
-    tx.send_modify(|v| v.state = ViewState::Gone(why.to_string()));
+    if let Some(tx) = tx {
+        tx.send_modify(|v| v.state = ViewState::Gone(why.to_string()));
+    }
     if let Ok(Some(t)) = inner.catalog.transfer(id).await {
         if t.state == TransferState::Queued {
-            let _ = inner
-                .catalog
-                .set_transfer_state(id, TransferState::Cancelled, Some(why))
-                .await;
+            logged(
+                "set transfer state",
+                inner
+                    .catalog
+                    .set_transfer_state(id, TransferState::Cancelled, Some(why))
+                    .await,
+            );
         }
     }
 }
