@@ -610,18 +610,17 @@ impl RootSection {
                 "source.roots[{i}].select must be \"all\", \"latest_only\" or \"every_n_steps\", got {o:?}"
             ),
         };
-        let profile = match self.profile.as_str() {
-            "full" => Profile::Full,
-            "weights-only" => {
-                if let Some(f) = format {
-                    replicator::formats::is_optimizer_state(f, "").map_err(|why| {
-                        anyhow::anyhow!("source.roots[{i}].profile = \"weights-only\" is not possible with format = \"{f}\": {why}")
-                    })?;
-                }
-                Profile::WeightsOnly
-            }
-            o => bail!("source.roots[{i}].profile must be \"full\" or \"weights-only\", got {o:?}"),
-        };
+        let profile: Profile = self.profile.parse().map_err(|_| {
+            anyhow::anyhow!(
+                "source.roots[{i}].profile must be \"full\" or \"weights-only\", got {:?}",
+                self.profile
+            )
+        })?;
+        if let (Profile::WeightsOnly, Some(f)) = (profile, format) {
+            replicator::formats::is_optimizer_state(f, "").map_err(|why| {
+                anyhow::anyhow!("source.roots[{i}].profile = \"weights-only\" is not possible with format = \"{f}\": {why}")
+            })?;
+        }
         let w = RootWatch {
             format,
             start,
