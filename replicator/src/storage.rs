@@ -91,8 +91,42 @@ pub trait RangeRead: Send {
     fn current(&self) -> io::Result<(u64, i64, FileVersion)>;
 }
 
+/// A change a store saw under a watched root ([`SourceStore::watch`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WatchEvent {
+    /// Something happened to these paths (created, written, removed,
+    /// renamed): worth a look at the next scan.
+    Touched(Vec<PathBuf>),
+    /// The file at this path was closed after being written.
+    ClosedAfterWrite(PathBuf),
+    /// A file was renamed from `from` to `to`.
+    Renamed {
+        /// Its old path.
+        from: PathBuf,
+        /// Its new path.
+        to: PathBuf,
+    },
+    /// Events were lost (a queue overflowed): scan everything.
+    Overflow,
+}
+
+/// A watch in progress; dropping it stops the watch.
+pub trait Watch: Send {}
+
+/// Receives the events of a watch, on a thread of the store's.
+pub type WatchHandler = Box<dyn Fn(WatchEvent) + Send + Sync>;
+
 /// Where a source reads checkpoints.
 pub trait SourceStore: Send + Sync + fmt::Debug {
+    /// Watches the tree under `root` where the backend can (inotify on
+    /// POSIX), calling `on_event` for each change until the returned watch
+    /// is dropped; `Ok(None)` when the backend has no way to watch (the
+    /// caller rescans on a timer).
+    ///
+    /// # Errors
+    /// Why the watch could not start (the caller falls back to rescans).
+    fn watch(&self, root: &Path, on_event: WatchHandler) -> io::Result<Option<Box<dyn Watch>>>;
+
     /// Lists the regular files under `dir` (recursively, temporaries
     /// skipped) with sizes, modes, mtimes and version tokens; files whose
     /// names are in `markers` go last, in that order.

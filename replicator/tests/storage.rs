@@ -7,7 +7,7 @@ use std::path::Path;
 
 use ferry_proto::manifest::MIN_CHUNK_SIZE;
 use replicator::storage::posix::Posix;
-use replicator::storage::{build, PublishOutcome, SinkStore, SourceStore};
+use replicator::storage::{build, PublishOutcome, SinkStore, SourceStore, WatchEvent};
 
 /// Writes `len` patterned bytes at `rel` under `dir`.
 fn write(dir: &Path, rel: &str, len: usize, seed: u8) {
@@ -157,6 +157,37 @@ fn staging_refuses_symlinks(sink: &dyn SinkStore, dir: &Path) {
     assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 0);
 }
 
+/// Watching, where the backend can: a close after writing and a rename
+/// are reported with their paths.
+fn watches_where_it_can(src: &dyn SourceStore, dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let s2 = seen.clone();
+    let Some(watch) = src
+        .watch(dir, Box::new(move |ev| s2.lock().unwrap().push(ev)))
+        .unwrap()
+    else {
+        return; // this backend rescans instead
+    };
+    let (tmp, fin) = (dir.join("sub.tmp"), dir.join("sub"));
+    std::fs::write(&tmp, b"written").unwrap();
+    std::fs::rename(&tmp, &fin).unwrap();
+    let want = |evs: &[WatchEvent]| {
+        evs.contains(&WatchEvent::ClosedAfterWrite(tmp.clone()))
+            && evs.contains(&WatchEvent::Renamed {
+                from: tmp.clone(),
+                to: fin.clone(),
+            })
+    };
+    // Events arrive on the store's thread: wait for them, at most 10 s.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !want(&seen.lock().unwrap()) && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(want(&seen.lock().unwrap()), "{:?}", seen.lock().unwrap());
+    drop(watch);
+}
+
 #[test]
 fn posix_backend_conforms() {
     let d = tempfile::tempdir().unwrap();
@@ -165,4 +196,5 @@ fn posix_backend_conforms() {
     reads_ranges(src, &d.path().join("read"));
     stages_publishes_and_retires(src, sink, &d.path().join("publish"));
     staging_refuses_symlinks(sink, d.path());
+    watches_where_it_can(src, &d.path().join("watch"));
 }

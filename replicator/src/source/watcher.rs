@@ -31,7 +31,6 @@ use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use ferry_catalog::{now_ms, NewWatchedTransfer, Transfer};
 use ferry_proto::state::{CheckpointState, Profile, TransferId, TransferState};
-use notify::Watcher as _;
 use scheduler::Class;
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, warn};
@@ -42,6 +41,7 @@ use super::watch_core::{
 };
 use super::{CheckpointView, Inner, RootConfig, ViewFile, ViewState};
 use crate::formats::{self, FileState, Format};
+use crate::storage::WatchEvent;
 
 /// When a watched checkpoint's transfer starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -124,16 +124,6 @@ struct ClosedAt {
     version: FileVersion,
     size: u64,
     mtime_ns: i64,
-}
-
-impl ClosedAt {
-    fn of(md: &std::fs::Metadata) -> ClosedAt {
-        ClosedAt {
-            version: file_version(md),
-            size: md.len(),
-            mtime_ns: mtime_ns(md),
-        }
-    }
 }
 
 /// Files closed after writing, by path; `None` for a close whose file was
@@ -316,85 +306,78 @@ pub(super) async fn watch_root(inner: Arc<Inner>, root: RootConfig, timing: Watc
     // Checkpoint directories touched by events since the last pass; only
     // those are scanned again until the next full rescan.
     let dirty: Arc<Mutex<HashSet<String>>> = Arc::default();
-    let _inotify = if root.watch.mode == Mode::Inotify {
+    let _watch = if root.watch.mode == Mode::Inotify {
         let (closed, tx, overflow) = (closed.clone(), tx.clone(), overflow.clone());
-        let (dirty, base) = (dirty.clone(), root.path.clone());
-        let handler = move |res: notify::Result<notify::Event>| {
-            use notify::event::{AccessKind, AccessMode, EventKind, ModifyKind, RenameMode};
-            match res {
-                Ok(ev) => {
-                    if ev.need_rescan() {
-                        overflow.store(true, std::sync::atomic::Ordering::Relaxed);
-                    }
-                    {
-                        let mut d = crate::lock::lock(&dirty);
-                        for p in &ev.paths {
-                            let first = p
-                                .strip_prefix(&base)
-                                .ok()
-                                .and_then(|r| r.components().next())
-                                .and_then(|c| c.as_os_str().to_str());
-                            if let Some(first) = first {
-                                d.insert(first.to_string());
-                            }
-                        }
-                    }
-                    // A file closed and then renamed into place (DCP
-                    // `.metadata.tmp` -> `.metadata`) stays complete.
-                    if let (EventKind::Modify(ModifyKind::Name(RenameMode::Both)), [from, to]) =
-                        (&ev.kind, ev.paths.as_slice())
-                    {
-                        {
-                            let mut c = crate::lock::lock(&closed);
-                            // A rename changes the file's ctime, hence its
-                            // version: the new name takes the version it
-                            // has now if its size and mtime are those of
-                            // the close.
-                            let now = std::fs::symlink_metadata(to)
-                                .ok()
-                                .map(|md| ClosedAt::of(&md));
-                            match c.remove(from) {
-                                // Closed, then renamed before this thread
-                                // could stat it: take the new name as is.
-                                Some(None) => {
-                                    if let Some(n) = now {
-                                        c.insert(to.clone(), Some(n));
-                                    }
-                                }
-                                Some(Some(v)) => {
-                                    let n = now
-                                        .filter(|n| (n.size, n.mtime_ns) == (v.size, v.mtime_ns))
-                                        .unwrap_or(v);
-                                    c.insert(to.clone(), Some(n));
-                                }
-                                None => {}
-                            }
-                        }
-                    }
-                    if matches!(
-                        ev.kind,
-                        EventKind::Access(AccessKind::Close(AccessMode::Write))
-                    ) {
-                        for p in &ev.paths {
-                            let v = std::fs::symlink_metadata(p)
-                                .ok()
-                                .map(|md| ClosedAt::of(&md));
-                            {
-                                let mut c = crate::lock::lock(&closed);
-                                c.insert(p.clone(), v);
-                            }
+        let (dirty, base, store) = (dirty.clone(), root.path.clone(), inner.store.clone());
+        let stat = {
+            let store = store.clone();
+            move |p: &Path| {
+                store
+                    .stat(p)
+                    .ok()
+                    .map(|(size, mtime_ns, version)| ClosedAt {
+                        version,
+                        size,
+                        mtime_ns,
+                    })
+            }
+        };
+        let handler = move |ev: WatchEvent| {
+            match ev {
+                WatchEvent::Overflow => {
+                    overflow.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+                WatchEvent::Touched(paths) => {
+                    let mut d = crate::lock::lock(&dirty);
+                    for p in &paths {
+                        let first = p
+                            .strip_prefix(&base)
+                            .ok()
+                            .and_then(|r| r.components().next())
+                            .and_then(|c| c.as_os_str().to_str());
+                        if let Some(first) = first {
+                            d.insert(first.to_string());
                         }
                     }
                 }
-                Err(_) => overflow.store(true, std::sync::atomic::Ordering::Relaxed),
+                // A file closed and then renamed into place (DCP
+                // `.metadata.tmp` -> `.metadata`) stays complete.
+                WatchEvent::Renamed { from, to } => {
+                    // A rename changes the file's ctime, hence its
+                    // version: the new name takes the version it has now
+                    // if its size and mtime are those of the close.
+                    let now = stat(&to);
+                    let mut c = crate::lock::lock(&closed);
+                    match c.remove(&from) {
+                        // Closed, then renamed before this thread could
+                        // stat it: take the new name as is.
+                        Some(None) => {
+                            if let Some(n) = now {
+                                c.insert(to, Some(n));
+                            }
+                        }
+                        Some(Some(v)) => {
+                            let n = now
+                                .filter(|n| (n.size, n.mtime_ns) == (v.size, v.mtime_ns))
+                                .unwrap_or(v);
+                            c.insert(to, Some(n));
+                        }
+                        None => {}
+                    }
+                }
+                WatchEvent::ClosedAfterWrite(p) => {
+                    let v = stat(&p);
+                    crate::lock::lock(&closed).insert(p, v);
+                }
             }
             let _ = tx.try_send(());
         };
-        match notify::recommended_watcher(handler).and_then(|mut w| {
-            w.watch(&root.path, notify::RecursiveMode::Recursive)?;
-            Ok(w)
-        }) {
-            Ok(w) => Some(w),
+        match store.watch(&root.path, Box::new(handler)) {
+            Ok(Some(w)) => Some(w),
+            Ok(None) => {
+                warn!(root = %root.path.display(), "this store cannot watch; polling every {:?}", timing.rescan);
+                None
+            }
             Err(e) => {
                 warn!(root = %root.path.display(), "inotify unavailable, polling every {:?}: {e}", timing.rescan);
                 None

@@ -13,7 +13,7 @@ use ferry_proto::manifest::{Hash, Manifest};
 
 use super::{
     at, FileVersion, Listed, Listing, PublishOutcome, RangeRead, ScanError, SinkStore, SourceStore,
-    Staging,
+    Staging, Watch, WatchEvent, WatchHandler,
 };
 
 pub mod publish;
@@ -70,7 +70,48 @@ impl RangeRead for PosixFile {
     }
 }
 
+/// An inotify watch (the `notify` crate); dropping it stops the watch.
+struct PosixWatch {
+    _watcher: notify::RecommendedWatcher,
+}
+
+impl Watch for PosixWatch {}
+
 impl SourceStore for Posix {
+    fn watch(&self, root: &Path, on_event: WatchHandler) -> io::Result<Option<Box<dyn Watch>>> {
+        use notify::event::{AccessKind, AccessMode, EventKind, ModifyKind, RenameMode};
+        use notify::Watcher as _;
+        let handler = move |res: notify::Result<notify::Event>| match res {
+            Ok(ev) => {
+                if ev.need_rescan() {
+                    on_event(WatchEvent::Overflow);
+                }
+                on_event(WatchEvent::Touched(ev.paths.clone()));
+                match (&ev.kind, ev.paths.as_slice()) {
+                    (EventKind::Modify(ModifyKind::Name(RenameMode::Both)), [from, to]) => {
+                        on_event(WatchEvent::Renamed {
+                            from: from.clone(),
+                            to: to.clone(),
+                        });
+                    }
+                    (EventKind::Access(AccessKind::Close(AccessMode::Write)), paths) => {
+                        for p in paths {
+                            on_event(WatchEvent::ClosedAfterWrite(p.clone()));
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            Err(_) => on_event(WatchEvent::Overflow),
+        };
+        let mut watcher = notify::recommended_watcher(handler).map_err(io::Error::other)?;
+        watcher
+            .watch(root, notify::RecursiveMode::Recursive)
+            .map_err(io::Error::other)
+            .map_err(at(root))?;
+        Ok(Some(Box::new(PosixWatch { _watcher: watcher })))
+    }
+
     fn list(&self, dir: &Path, markers: &[String]) -> Result<Listing, ScanError> {
         let s = scan::scan(
             dir,
