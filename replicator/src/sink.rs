@@ -743,6 +743,20 @@ async fn open_transfer(
                 // table the source sends now (matched by path). Chunks of
                 // files that changed since are caught at commit, where
                 // every hash is compared with the sealed manifest.
+                //
+                // Regression: the catalog's copy of a growing file table is
+                // rewritten at most every TABLE_SAVE_EVERY, so a transfer
+                // resumed sooner (a pause, then a resume) found a table
+                // without the newest files; their verified chunks could
+                // not be re-keyed and were all sent again. The previous
+                // run's live table, while it is still here, is newer; and
+                // chunk records still on their way to the catalog are
+                // waited for.
+                flush(inner).await;
+                let live_files = crate::lock::lock(&inner.live)
+                    .get(&r.id)
+                    .and_then(|l| l.table.read().ok().map(|t| t.files.clone()));
+                let old_files = live_files.unwrap_or(old_files);
                 let old = inner.catalog.chunks(r.id).await?;
                 let kept = decide::rekey_chunks(&old_files, &files, chunk_size, &old);
                 if kept != old {
