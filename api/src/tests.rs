@@ -1281,3 +1281,33 @@ async fn live_views_are_capped_and_the_long_queue_shows_its_best_rows() {
     let (s, _) = call(w.r(), get("/v1/events")).await;
     assert_eq!(s, StatusCode::OK, "a closed stream frees its slot");
 }
+
+#[tokio::test]
+async fn transfer_ids_and_classes_from_a_client_are_checked() {
+    let w = with_source().await;
+    let (s, v) = call(w.r(), get("/v1/transfers/abc")).await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY, "{v}");
+    assert!(v["error"].as_str().unwrap().contains("not a number"), "{v}");
+    // Ids are positive: a negative one names no transfer.
+    let (s, v) = call(w.r(), get("/v1/transfers/-3")).await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    assert!(
+        v["error"].as_str().unwrap().contains("no transfer -3"),
+        "{v}"
+    );
+    let id = w.push("step-9", None).await;
+    let (s, v) = call(
+        w.r(),
+        send(
+            "PATCH",
+            &format!("/v1/transfers/{id}"),
+            r#"{"class": "soon"}"#,
+        ),
+    )
+    .await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY, "{v}");
+    let e = v["error"].as_str().unwrap();
+    assert!(e.contains("class") && e.contains("soon"), "{e}");
+    // Nothing changed.
+    assert_eq!(w.transfer(id).await["class"], "scheduled");
+}

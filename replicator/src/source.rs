@@ -1721,12 +1721,6 @@ async fn open_on_sink(
     Ok((rx, have))
 }
 
-/// A pushed checkpoint's files in transfer order and its markers.
-struct ScanResult {
-    files: Vec<FileInfo>,
-    markers: Vec<u32>,
-}
-
 async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(), RunError> {
     let id = t.id;
     let t_start = std::time::Instant::now();
@@ -1738,10 +1732,7 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
         .await
         .map_err(|e| RunError::Fatal(e.to_string()))?
         .map_err(|e| RunError::Fatal(format!("listing the checkpoint: {e}")))?;
-    let scan = ScanResult {
-        files: listing.infos(),
-        markers: listing.markers,
-    };
+    let scan = listing.into_infos();
     let t_scanned = t_start.elapsed();
     let bytes_total: u64 = scan.files.iter().map(|f| f.size).sum();
     inner

@@ -61,10 +61,22 @@ pub struct Listing {
     pub markers: Vec<u32>,
 }
 
+/// A [`Listing`] without version tokens: what a transfer sends.
+#[derive(Debug, Clone)]
+pub struct Infos {
+    /// Files in transfer order: non-markers sorted by path, then markers.
+    pub files: Vec<FileInfo>,
+    /// Indices of markers in `files`, in publish order.
+    pub markers: Vec<u32>,
+}
+
 impl Listing {
-    /// The files without their version tokens.
-    pub fn infos(&self) -> Vec<FileInfo> {
-        self.files.iter().map(|f| f.info.clone()).collect()
+    /// The files without their version tokens (no copy of the entries).
+    pub fn into_infos(self) -> Infos {
+        Infos {
+            files: self.files.into_iter().map(|f| f.info).collect(),
+            markers: self.markers,
+        }
     }
 }
 

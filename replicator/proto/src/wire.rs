@@ -653,6 +653,36 @@ mod tests {
     }
 
     #[test]
+    fn an_unknown_profile_is_a_decode_error_naming_it() {
+        let frame = Control::Open(Open {
+            key: TransferKey {
+                id: TransferId(1),
+                job: "j".into(),
+                source_path: "/s".into(),
+                rel: "r".into(),
+                profile: Profile::WeightsOnly,
+            },
+            chunk_size: 1 << 20,
+            bytes_total: 0,
+            files: vec![],
+        })
+        .encode();
+        let body = &frame[4..];
+        // Rewrite the profile's name in place, same length: "weights-only"
+        // becomes "weights-ohno".
+        let at = body.windows(12).position(|w| w == b"weights-only").unwrap();
+        let mut bad = body.to_vec();
+        bad[at..at + 12].copy_from_slice(b"weights-ohno");
+        match Control::decode(&bad) {
+            Err(WireError::Invalid { what, why }) => {
+                assert_eq!(what, "profile");
+                assert!(why.contains("weights-ohno"), "{why}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
     fn truncated_unknown_and_trailing_are_errors() {
         let frame = Control::Cancel {
             id: TransferId(1),
