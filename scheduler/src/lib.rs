@@ -11,6 +11,8 @@
 //!   floors, the shares by score and the link's rate cap; it also ranks
 //!   queued transfers for admission.
 //! - [`Policy`]: the settings, `priority` or `fifo`.
+//! - [`trace`]: the trace format (JSON lines) of a recorded or generated
+//!   workload, for `ferry replay`.
 
 use std::fmt;
 use std::str::FromStr;
@@ -18,6 +20,7 @@ use std::str::FromStr;
 mod link;
 mod policy;
 mod score;
+pub mod trace;
 
 pub use link::{priority, Decision, Explanation, LinkScheduler, Transfer, SCORE_REFRESH_MS};
 pub use policy::{Floors, Policy, PolicyKind, Weights};
@@ -28,7 +31,17 @@ pub use score::{
 /// The scheduler's coarse tiers, strictly ordered: `Urgent` before
 /// `Scheduled` before `Background` (ARCHITECTURE.md, "Vocabulary").
 #[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, utoipa::ToSchema,
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    serde::Serialize,
+    serde::Deserialize,
+    utoipa::ToSchema,
 )]
 #[serde(rename_all = "lowercase")]
 pub enum Class {
