@@ -157,6 +157,18 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
                 .sync_config_jobs(&jobs)
                 .await
                 .context("storing [[jobs]] in the catalog")?;
+            // A rate cap set through the API lasts until a restart: the
+            // configured one holds again, and the recorded history (`GET
+            // /v1/trace`) says so.
+            let rates: Vec<(String, u64)> = sc
+                .links
+                .iter()
+                .map(|l| (l.name.clone(), l.rate_bps))
+                .collect();
+            catalog
+                .sync_config_link_rates(&rates)
+                .await
+                .context("recording the [[links]] rate caps in the catalog")?;
             tracing::info!(
                 policy = sc.policy.kind.as_str(),
                 max_active = sc.policy.max_active,

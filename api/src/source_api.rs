@@ -614,7 +614,11 @@ pub(crate) async fn put_link(
             RATE_BOUNDS.0, RATE_BOUNDS.1, req.rate_bps
         )));
     }
-    if !src.set_link_rate(&link, req.rate_bps) {
+    if !src
+        .set_link_rate(&link, req.rate_bps)
+        .await
+        .map_err(ApiError::internal)?
+    {
         return Err(ApiError::not_found(format!("unknown link {link:?}")));
     }
     tracing::info!(

@@ -321,6 +321,9 @@ struct Inner {
     corrupt: AtomicU64,
     /// This source's Prometheus registry.
     metrics: SourceMetrics,
+    /// Taken by [`Source::set_link_rate`] from recording a rate to
+    /// applying it.
+    rate_changes: tokio::sync::Mutex<()>,
 }
 
 /// A running source; cheap to clone.
@@ -425,6 +428,7 @@ impl Source {
             #[cfg(feature = "fault-injection")]
             corrupt: AtomicU64::new(corrupt),
             metrics,
+            rate_changes: tokio::sync::Mutex::new(()),
         });
         inner.tasks.spawn(sampler(inner.clone()));
         for link in inner.links.values() {
@@ -528,20 +532,29 @@ impl Source {
 
     /// Changes a link's rate cap (bit/s) at run time: the scheduler's
     /// token bucket at once, the congestion controller of its connection on
-    /// the next ack. Returns false for an unknown link.
-    pub fn set_link_rate(&self, link: &str, rate_bps: u64) -> bool {
-        match self.inner.links.get(link) {
-            Some(l) => {
-                l.share.set_rate_bps(rate_bps);
-                l.sched
-                    .lock()
-                    .ls
-                    .set_rate(dispatch::payload_rate(rate_bps), ferry_catalog::now_ms());
-                l.sched.poke();
-                true
-            }
-            None => false,
-        }
+    /// the next ack. The change is recorded in the catalog first (a `rate`
+    /// event, the cap's only durable record), then applied; it lasts until
+    /// the agent restarts. Returns false, recording nothing, for an unknown
+    /// link.
+    ///
+    /// # Errors
+    /// Catalog errors (the rate is left as it was), a rate of 0 among them
+    /// ([`CatalogError::Invalid`]).
+    pub async fn set_link_rate(&self, link: &str, rate_bps: u64) -> Result<bool, CatalogError> {
+        let Some(l) = self.inner.links.get(link) else {
+            return Ok(false);
+        };
+        // Held from the record to the change, so concurrent changes reach
+        // the link in the order they were recorded.
+        let _order = self.inner.rate_changes.lock().await;
+        self.inner.catalog.record_link_rate(link, rate_bps).await?;
+        l.share.set_rate_bps(rate_bps);
+        l.sched
+            .lock()
+            .ls
+            .set_rate(dispatch::payload_rate(rate_bps), ferry_catalog::now_ms());
+        l.sched.poke();
+        Ok(true)
     }
 
     /// Names of the configured links.
@@ -681,7 +694,8 @@ impl Source {
     /// Sets a job's importance (0..1) and model size through the API:
     /// `model_params` `None` keeps the size it has, `Some(None)` (or 0)
     /// makes it unknown, `Some(Some(p))` sets it (parameters). Scores
-    /// follow within a second.
+    /// follow within a second. A new size or importance is recorded as a
+    /// `job` event with the change.
     ///
     /// # Errors
     /// [`OpsError::Invalid`] naming the field (`model_params` above
@@ -724,7 +738,8 @@ impl Source {
     }
 
     /// Pauses transfer `id`: its chunks stop at the next chunk boundary;
-    /// what the sink verified stays (resume continues from there).
+    /// what the sink verified stays (resume continues from there). The
+    /// pause is recorded as a `pause` event with the state change.
     ///
     /// # Errors
     /// [`OpsError::UnknownTransfer`]; [`OpsError::Conflict`] if it is
@@ -737,15 +752,15 @@ impl Source {
                 "transfer {id} is already paused"
             )));
         }
-        self.inner
-            .catalog
-            .set_transfer_state(id, TransferState::Paused, None)
-            .await?;
+        if !self.inner.catalog.pause_transfer(id).await? {
+            return Err(self.changed_meanwhile(id, "paused").await);
+        }
         wake(&self.inner, &t);
         self.existing(id).await
     }
 
-    /// Resumes paused transfer `id` (it is queued again, in its class).
+    /// Resumes paused transfer `id` (it is queued again, in its class),
+    /// recorded as a `resume` event with the state change.
     ///
     /// # Errors
     /// [`OpsError::UnknownTransfer`]; [`OpsError::Conflict`] if it is not
@@ -758,17 +773,17 @@ impl Source {
                 t.state
             )));
         }
-        self.inner
-            .catalog
-            .set_transfer_state(id, TransferState::Queued, None)
-            .await?;
+        if !self.inner.catalog.resume_transfer(id).await? {
+            return Err(self.changed_meanwhile(id, "resumed").await);
+        }
         wake(&self.inner, &t);
         self.existing(id).await
     }
 
     /// Cancels transfer `id`: it stops, and the sink drops its staging
     /// data. A checkpoint the watcher still follows is not copied again
-    /// unless it is re-saved.
+    /// unless it is re-saved. Recorded as a `cancel` event with the state
+    /// change.
     ///
     /// # Errors
     /// [`OpsError::UnknownTransfer`]; [`OpsError::Conflict`] if it is
@@ -776,25 +791,41 @@ impl Source {
     pub async fn cancel(&self, id: TransferId) -> Result<Transfer, OpsError> {
         let t = self.existing(id).await?;
         not_final(&t)?;
-        self.inner
+        if !self
+            .inner
             .catalog
-            .set_transfer_state(
-                id,
-                TransferState::Cancelled,
-                Some("cancelled by an operator"),
-            )
-            .await?;
+            .cancel_transfer(id, "cancelled by an operator")
+            .await?
+        {
+            return Err(self.changed_meanwhile(id, "cancelled").await);
+        }
         wake(&self.inner, &t);
         self.existing(id).await
     }
 
+    /// The refusal of an operator action the catalog did not make because
+    /// the transfer's state changed after it was checked (it finished, or
+    /// another operator got there first).
+    async fn changed_meanwhile(&self, id: TransferId, action: &str) -> OpsError {
+        match self.existing(id).await {
+            Ok(t) => OpsError::Conflict(format!(
+                "transfer {id} was not {action}: it is {} now",
+                t.state
+            )),
+            Err(e) => e,
+        }
+    }
+
     /// Sets the class of transfer `id` (`urgent`, `scheduled`,
     /// `background`), ending any promotion by a signal; and/or its
-    /// importance override (0..1; `Some(None)` returns to the job's).
+    /// importance override (0..1; `Some(None)` returns to the job's). Both
+    /// change in one catalog transaction with their `class` and
+    /// `importance` events.
     ///
     /// # Errors
     /// [`OpsError::UnknownTransfer`]; [`OpsError::Invalid`] naming the
-    /// field; [`OpsError::Conflict`] if it is finished; catalog errors.
+    /// field, or when there is nothing to change; [`OpsError::Conflict`]
+    /// if it is finished; catalog errors.
     pub async fn reprioritise(
         &self,
         id: TransferId,
@@ -810,11 +841,13 @@ impl Source {
                 )));
             }
         }
-        if let Some(c) = class {
-            self.inner.catalog.set_transfer_class(id, c).await?;
-        }
-        if let Some(i) = importance {
-            self.inner.catalog.set_transfer_importance(id, i).await?;
+        if !self
+            .inner
+            .catalog
+            .reprioritise_transfer(id, class, importance)
+            .await?
+        {
+            return Err(self.changed_meanwhile(id, "changed").await);
         }
         wake(&self.inner, &t);
         for l in self.inner.links.values() {
@@ -2350,7 +2383,8 @@ mod tests {
         assert_eq!(stats[1].goodput_bps, 0.0);
 
         // A rate change shows in the cap and the utilisation at once.
-        assert!(source.set_link_rate("l", 100_000_000));
+        assert!(source.set_link_rate("l", 100_000_000).await.unwrap());
+        assert!(!source.set_link_rate("nowhere", 100_000_000).await.unwrap());
         let text = source.render_metrics().await.unwrap();
         let gauge = |name: &str| {
             text.lines()

@@ -2,7 +2,7 @@
 //! importance as the scheduler ranks it.
 
 use sqlx::any::AnyRow;
-use sqlx::Row;
+use sqlx::{AnyConnection, Row};
 
 use crate::{now_ms, Catalog, CatalogError};
 
@@ -30,9 +30,9 @@ pub struct Job {
     pub updated_at: i64,
 }
 
-const JOB_COLS: &str = "name, model_params, importance, origin, updated_at";
+pub(crate) const JOB_COLS: &str = "name, model_params, importance, origin, updated_at";
 
-fn job_row(r: &AnyRow) -> Result<Job, sqlx::Error> {
+pub(crate) fn job_row(r: &AnyRow) -> Result<Job, sqlx::Error> {
     Ok(Job {
         name: r.try_get("name")?,
         model_params: r.try_get("model_params")?,
@@ -77,6 +77,55 @@ pub(crate) fn check_job_name(field: &str, name: &str) -> Result<(), CatalogError
     ferry_proto::paths::check_name(name).map_err(|e| CatalogError::Invalid(format!("{field}: {e}")))
 }
 
+/// Records a `job` event for `name` with the size and importance about to
+/// be written on `tx`, unless the stored row has them already or, with
+/// `from_config`, is a row set through the API, which the config does not
+/// overwrite. True if an event was recorded.
+///
+/// One statement that writes (an `INSERT ... SELECT ... WHERE NOT
+/// EXISTS`), run before the job's own write: a transaction that read the
+/// row first and wrote after could be refused by SQLite when another
+/// connection wrote in between (a busy snapshot is not retried).
+async fn record_job_if_changed(
+    c: &Catalog,
+    tx: &mut AnyConnection,
+    at_ms: i64,
+    name: &str,
+    params: Option<f64>,
+    importance: f64,
+    from_config: bool,
+) -> Result<bool, sqlx::Error> {
+    // NULL never equals NULL in SQL, so an unknown size is its own test.
+    let same_params = if params.is_some() {
+        "model_params = ?"
+    } else {
+        "model_params IS NULL"
+    };
+    let same = format!("importance = ? AND {same_params}");
+    let kept = if from_config {
+        format!("(origin <> '{}' OR ({same}))", origin::CONFIG)
+    } else {
+        same
+    };
+    let q = format!(
+        "INSERT INTO events (at_ms, kind, job, model_params, importance) \
+         SELECT ?, 'job', ?, ?, ? WHERE NOT EXISTS (SELECT 1 FROM jobs WHERE name = ? AND {kept})"
+    );
+    let sql = c.db.sql(&q);
+    let mut q = sqlx::query(&sql)
+        .bind(at_ms)
+        .bind(name)
+        .bind(params)
+        .bind(importance)
+        .bind(name)
+        .bind(importance);
+    if let Some(p) = params {
+        q = q.bind(p);
+    }
+    let r = q.execute(&mut *tx).await?;
+    Ok(r.rows_affected() > 0)
+}
+
 impl Catalog {
     /// Writes the config file's `[[jobs]]` `(name, model_params,
     /// importance)` in one transaction: new jobs are added and config jobs
@@ -84,7 +133,9 @@ impl Catalog {
     /// (origin `api`) keeps its API values across restarts until it is set
     /// again; the config file does not overwrite it. Jobs no longer in the
     /// config file are left as they are. `model_params` of `None` or 0 is
-    /// an unknown size; importance is 0..1.
+    /// an unknown size; importance is 0..1. A job added, or whose size or
+    /// importance changes, is recorded as a `job` event in the same
+    /// transaction; one written again with the values it has is not.
     ///
     /// # Errors
     /// [`CatalogError::Invalid`] naming the job and field (nothing is
@@ -103,6 +154,7 @@ impl Catalog {
         let now = now_ms();
         let mut tx = self.pool.begin().await?;
         for (name, params, importance) in rows {
+            record_job_if_changed(self, &mut tx, now, name, params, importance, true).await?;
             sqlx::query(&self.db.sql(
                 "INSERT INTO jobs (name, model_params, importance, origin, updated_at) \
                  VALUES (?, ?, ?, ?, ?) \
@@ -126,10 +178,13 @@ impl Catalog {
     /// Sets a job's model size (parameters; `None` or 0 = unknown) and
     /// importance (0..1) through the API, adding the job if it is new.
     /// The row's origin becomes `api`: config file values no longer
-    /// overwrite it, also after a restart. Returns the row as stored.
+    /// overwrite it, also after a restart. A new job, or a new size or
+    /// importance, is recorded as a `job` event in the same transaction
+    /// (the same values again are not). Returns the row as stored.
     ///
     /// # Errors
-    /// [`CatalogError::Invalid`] naming the field; SQL errors.
+    /// [`CatalogError::Invalid`] naming the field; SQL errors (nothing is
+    /// written then).
     pub async fn put_job(
         &self,
         name: &str,
@@ -146,15 +201,20 @@ impl Catalog {
              importance = excluded.importance, origin = excluded.origin, \
              updated_at = excluded.updated_at RETURNING {JOB_COLS}"
         );
+        let now = now_ms();
+        let mut tx = self.pool.begin().await?;
+        record_job_if_changed(self, &mut tx, now, name, params, importance, false).await?;
         let r = sqlx::query(&self.db.sql(&q))
             .bind(name)
             .bind(params)
             .bind(importance)
             .bind(origin::API)
-            .bind(now_ms())
-            .fetch_one(&self.pool)
+            .bind(now)
+            .fetch_one(&mut *tx)
             .await?;
-        Ok(job_row(&r)?)
+        let job = job_row(&r)?;
+        tx.commit().await?;
+        Ok(job)
     }
 
     /// One job by name.

@@ -1,6 +1,8 @@
 //! The catalog: Ferry's durable state in SQL, one module per table.
 //!
-//! Source side: [`transfers`], [`jobs`] and [`signals`]. Sink side:
+//! Source side: [`transfers`], [`jobs`], [`signals`] and [`events`] (the
+//! append-only history of the changes the scheduler acts on, exported as a
+//! trace by [`Catalog::export_trace`]). Sink side:
 //! [`replicas`] (one row per incoming transfer; published rows are
 //! replicas) and [`chunks`] (verified chunks in staging, the resume point
 //! after a crash). Each module owns its row types; the API converts them
@@ -35,6 +37,8 @@ use sqlx::AnyPool;
 pub mod chunks;
 mod convert;
 pub mod dialect;
+pub mod events;
+mod export;
 pub mod jobs;
 pub mod replicas;
 pub mod signals;
@@ -45,6 +49,8 @@ pub mod transfers;
 use dialect::Dialect;
 
 pub use chunks::{Arrivals, VerifiedChunk, ARRIVAL_BIN_MS, MAX_ARRIVAL_BINS};
+pub use events::{Change, Event, EventKind};
+pub use export::TraceExport;
 pub use jobs::{origin, Job, MAX_MODEL_PARAMS};
 pub use replicas::{NewReplica, Replica, SourceTimes};
 pub use signals::Signal;

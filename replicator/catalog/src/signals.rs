@@ -6,6 +6,7 @@ use sqlx::any::AnyRow;
 use sqlx::Row;
 
 use crate::convert::transfer_id_opt;
+use crate::events::{self, Change};
 use crate::jobs::{check_job_name, check_unit};
 use crate::{now_ms, Catalog, CatalogError};
 
@@ -50,11 +51,13 @@ impl Catalog {
     /// Records a signal about `job` (severity 0..1, received now). With an
     /// idempotency `key` already used, nothing is inserted and the signal
     /// first stored under that key is returned, whatever its job, kind or
-    /// severity. The flag is true if the signal is new.
+    /// severity. The flag is true if the signal is new; a new signal is
+    /// recorded as a `signal` event (job, kind, severity) in the same
+    /// transaction, a repeated one is not.
     ///
     /// # Errors
     /// [`CatalogError::Invalid`] naming the field (job name, severity);
-    /// SQL errors.
+    /// SQL errors (nothing is written then).
     pub async fn insert_signal(
         &self,
         job: &str,
@@ -73,18 +76,29 @@ impl Catalog {
              VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (idempotency_key) DO NOTHING \
              RETURNING {SIGNAL_COLS}"
         );
+        let now = now_ms();
+        let mut tx = self.pool.begin().await?;
         let r = sqlx::query(&self.db.sql(&q))
             .bind(job)
             .bind(kind)
             .bind(severity)
             .bind(step)
             .bind(key)
-            .bind(now_ms())
-            .fetch_optional(&self.pool)
+            .bind(now)
+            .fetch_optional(&mut *tx)
             .await?;
         if let Some(r) = r {
-            return Ok((signal_row(&r)?, true));
+            let sig = signal_row(&r)?;
+            let change = Change::Signal {
+                job: sig.job.clone(),
+                kind: sig.kind.clone(),
+                severity: sig.severity,
+            };
+            events::record(self.db, &mut tx, now, &change).await?;
+            tx.commit().await?;
+            return Ok((sig, true));
         }
+        tx.commit().await?;
         // Only a used key makes the insert do nothing.
         let q = format!("SELECT {SIGNAL_COLS} FROM signals WHERE idempotency_key = ?");
         let r = sqlx::query(&self.db.sql(&q))

@@ -11,6 +11,8 @@ use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
 use crate::chunks::spread_arrivals;
 use crate::*;
 
+mod events;
+
 #[tokio::test]
 async fn second_agent_on_one_data_dir_is_refused() {
     let d = tempfile::tempdir().unwrap();
@@ -464,7 +466,10 @@ async fn class_importance_and_urgent_promotion() {
     assert_eq!(t.class, Class::Scheduled);
     assert_eq!((t.urgent_until, t.signal), (Some(1_000_000), Some(7)));
 
-    c.set_transfer_class(id, Class::Background).await.unwrap();
+    assert!(c
+        .reprioritise_transfer(id, Some(Class::Background), None)
+        .await
+        .unwrap());
     let t = c.transfer(id).await.unwrap().unwrap();
     assert_eq!(t.class, Class::Background);
     assert_eq!((t.urgent_until, t.signal), (None, None));
@@ -482,15 +487,32 @@ async fn class_importance_and_urgent_promotion() {
         .unwrap();
     let e = c.transfer(id).await.unwrap_err().to_string();
     assert!(e.contains("class") && e.contains("soon"), "{e}");
-    c.set_transfer_class(id, Class::Background).await.unwrap();
+    let set = |class, importance| c.reprioritise_transfer(id, class, importance);
+    assert!(set(Some(Class::Background), None).await.unwrap());
 
-    c.set_transfer_importance(id, Some(0.7)).await.unwrap();
+    assert!(set(None, Some(Some(0.7))).await.unwrap());
     assert_eq!(c.transfer(id).await.unwrap().unwrap().importance, Some(0.7));
-    let e = c.set_transfer_importance(id, Some(2.0)).await.unwrap_err();
+    let e = set(None, Some(Some(2.0))).await.unwrap_err();
     assert!(e.to_string().contains("importance"), "{e}");
     assert_eq!(c.transfer(id).await.unwrap().unwrap().importance, Some(0.7));
-    c.set_transfer_importance(id, None).await.unwrap();
+    // A bad importance changes nothing, not even the class given with it.
+    let e = set(Some(Class::Urgent), Some(Some(f64::NAN)))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("importance"), "{e}");
+    assert_eq!(
+        c.transfer(id).await.unwrap().unwrap().class,
+        Class::Background
+    );
+    let e = set(None, None).await.unwrap_err();
+    assert!(e.to_string().contains("nothing to change"), "{e}");
+    assert!(set(None, Some(None)).await.unwrap());
     assert_eq!(c.transfer(id).await.unwrap().unwrap().importance, None);
+    // A finished transfer is not changed.
+    assert!(c.cancel_transfer(id, "test").await.unwrap());
+    assert!(!set(Some(Class::Urgent), Some(Some(0.1))).await.unwrap());
+    let t = c.transfer(id).await.unwrap().unwrap();
+    assert_eq!((t.class, t.importance), (Class::Background, None));
 }
 
 #[tokio::test]
@@ -661,7 +683,16 @@ async fn version_2_catalog_migrates_and_keeps_its_rows() {
         .fetch_one(&c.pool)
         .await
         .unwrap();
-    assert_eq!(v, 4);
+    assert_eq!(v, 5);
+    // 0005 gave the older transfer, job and signal their events.
+    let kinds: Vec<(i64, EventKind)> = c
+        .events_since(0)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| (e.at_ms, e.change.kind()))
+        .collect();
+    assert_eq!(kinds[0], (1000, EventKind::Arrival));
     c.close().await;
     drop(c);
     // Opening again applies nothing new and keeps the rows.

@@ -7,8 +7,33 @@ use sqlx::any::AnyRow;
 use sqlx::Row;
 
 use crate::convert::{parsed, profile, transfer_id};
+use crate::events::{self, Change};
 use crate::jobs::check_unit;
 use crate::{now_ms, Catalog, CatalogError};
+
+/// Records the arrival of transfer `id`, just inserted on `tx` at `at_ms`
+/// in `class`, without an importance override and with its size not yet
+/// known (a pushed directory is listed when its run starts; a watched
+/// checkpoint is still being written).
+async fn record_arrival(
+    c: &Catalog,
+    tx: &mut sqlx::AnyConnection,
+    at_ms: i64,
+    id: TransferId,
+    link: &str,
+    job: &str,
+    class: Class,
+) -> Result<(), sqlx::Error> {
+    let change = Change::Arrival {
+        transfer: id,
+        link: link.to_string(),
+        job: job.to_string(),
+        class,
+        importance: None,
+        bytes: None,
+    };
+    events::record(c.db, tx, at_ms, &change).await
+}
 
 /// A source-side transfer row.
 #[derive(Debug, Clone, PartialEq)]
@@ -163,10 +188,11 @@ pub(crate) async fn state_counts(
 }
 
 impl Catalog {
-    /// Inserts a queued transfer; returns its id.
+    /// Inserts a queued transfer and records its arrival (an `arrival`
+    /// event, same transaction, at its `created_at`); returns its id.
     ///
     /// # Errors
-    /// SQL errors.
+    /// SQL errors (nothing is written then).
     pub async fn insert_transfer(
         &self,
         link: &str,
@@ -175,6 +201,8 @@ impl Catalog {
         rel: &str,
         class: Class,
     ) -> Result<TransferId, CatalogError> {
+        let now = now_ms();
+        let mut tx = self.pool.begin().await?;
         let r = sqlx::query(&self.db.sql(
             "INSERT INTO transfers (link, job, source_path, rel, class, state, created_at) \
              VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING id",
@@ -185,17 +213,21 @@ impl Catalog {
         .bind(rel)
         .bind(class.as_str())
         .bind(TransferState::Queued.as_str())
-        .bind(now_ms())
-        .fetch_one(&self.pool)
+        .bind(now)
+        .fetch_one(&mut *tx)
         .await?;
-        Ok(transfer_id(&r, "id")?)
+        let id = transfer_id(&r, "id")?;
+        record_arrival(self, &mut tx, now, id, link, job, class).await?;
+        tx.commit().await?;
+        Ok(id)
     }
 
     /// Inserts a queued transfer of a checkpoint the watcher found (or a
-    /// controller announced); returns its id.
+    /// controller announced) and records its arrival (an `arrival` event,
+    /// same transaction, at its `created_at`); returns its id.
     ///
     /// # Errors
-    /// SQL errors.
+    /// SQL errors (nothing is written then).
     pub async fn insert_watched_transfer(
         &self,
         t: &NewWatchedTransfer<'_>,
@@ -212,6 +244,8 @@ impl Catalog {
             committed_at,
             profile,
         } = *t;
+        let now = now_ms();
+        let mut tx = self.pool.begin().await?;
         let r = sqlx::query(&self.db.sql(
             "INSERT INTO transfers (link, job, source_path, rel, class, state, created_at, \
              checkpoint, format, opened_at, committed_at, profile) \
@@ -223,15 +257,18 @@ impl Catalog {
         .bind(rel)
         .bind(class.as_str())
         .bind(TransferState::Queued.as_str())
-        .bind(now_ms())
+        .bind(now)
         .bind(ckpt.as_str())
         .bind(format)
         .bind(opened_at)
         .bind(committed_at)
         .bind(profile.stored_name())
-        .fetch_one(&self.pool)
+        .fetch_one(&mut *tx)
         .await?;
-        Ok(transfer_id(&r, "id")?)
+        let id = transfer_id(&r, "id")?;
+        record_arrival(self, &mut tx, now, id, link, job, class).await?;
+        tx.commit().await?;
+        Ok(id)
     }
 
     /// Records the checkpoint state of a transfer and,
@@ -536,53 +573,152 @@ impl Catalog {
         Ok(())
     }
 
-    /// Sets a transfer's class (`urgent`, `scheduled` or `background`),
-    /// e.g. an operator re-prioritising it. Also ends any promotion by a
-    /// signal (clears `urgent_until` and `signal`): the class set by hand
-    /// is the one that holds.
+    /// An operator's change of a transfer's class and/or importance
+    /// override, each recorded as its event (`class`, `importance`) in one
+    /// transaction with the change. `class` (`urgent`, `scheduled` or
+    /// `background`) also ends any promotion by a signal (clears
+    /// `urgent_until` and `signal`): the class set by hand is the one that
+    /// holds. `importance` `Some(Some(v))` sets the override (0..1),
+    /// `Some(None)` clears it (the job's importance holds again). Returns
+    /// false, changing and recording nothing, if the transfer does not
+    /// exist or has finished (published, failed or cancelled).
     ///
     /// # Errors
-    /// [`CatalogError::Invalid`] naming `class` for an unknown class; SQL
-    /// errors.
-    pub async fn set_transfer_class(
+    /// [`CatalogError::Invalid`] naming `importance` outside 0..1, or when
+    /// there is nothing to change; SQL errors (nothing is written then).
+    pub async fn reprioritise_transfer(
         &self,
         id: TransferId,
-        class: Class,
-    ) -> Result<(), CatalogError> {
-        sqlx::query(&self.db.sql(
-            "UPDATE transfers SET class = ?, urgent_until = NULL, signal = NULL WHERE id = ?",
-        ))
-        .bind(class.as_str())
-        .bind(id.as_i64())
-        .execute(&self.pool)
-        .await?;
-        Ok(())
+        class: Option<Class>,
+        importance: Option<Option<f64>>,
+    ) -> Result<bool, CatalogError> {
+        if class.is_none() && importance.is_none() {
+            return Err(CatalogError::Invalid(
+                "nothing to change: give a class and/or an importance".into(),
+            ));
+        }
+        if let Some(Some(v)) = importance {
+            check_unit("importance", v)?;
+        }
+        let now = now_ms();
+        let mut tx = self.pool.begin().await?;
+        if let Some(class) = class {
+            let r = sqlx::query(&self.db.sql(
+                "UPDATE transfers SET class = ?, urgent_until = NULL, signal = NULL \
+                 WHERE id = ? AND state NOT IN ('published', 'failed', 'cancelled')",
+            ))
+            .bind(class.as_str())
+            .bind(id.as_i64())
+            .execute(&mut *tx)
+            .await?;
+            if r.rows_affected() == 0 {
+                return Ok(false);
+            }
+            let change = Change::Class {
+                transfer: id,
+                class,
+            };
+            events::record(self.db, &mut tx, now, &change).await?;
+        }
+        if let Some(importance) = importance {
+            let r = sqlx::query(&self.db.sql(
+                "UPDATE transfers SET importance = ? \
+                 WHERE id = ? AND state NOT IN ('published', 'failed', 'cancelled')",
+            ))
+            .bind(importance)
+            .bind(id.as_i64())
+            .execute(&mut *tx)
+            .await?;
+            if r.rows_affected() == 0 {
+                return Ok(false);
+            }
+            let change = Change::Importance {
+                transfer: id,
+                importance,
+            };
+            events::record(self.db, &mut tx, now, &change).await?;
+        }
+        tx.commit().await?;
+        Ok(true)
     }
 
-    /// Sets (`Some`, 0..1) or clears (`None`: the job's importance holds
-    /// again) a transfer's importance override.
+    /// An operator pauses a transfer: `paused`, recorded as a `pause`
+    /// event in the same transaction. Returns false, changing and
+    /// recording nothing, if the transfer does not exist, has finished or
+    /// is paused already.
     ///
     /// # Errors
-    /// [`CatalogError::Invalid`] naming `importance` outside 0..1; SQL
-    /// errors.
-    pub async fn set_transfer_importance(
+    /// SQL errors (nothing is written then).
+    pub async fn pause_transfer(&self, id: TransferId) -> Result<bool, CatalogError> {
+        self.operator_state(
+            id,
+            "UPDATE transfers SET state = 'paused' WHERE id = ? \
+             AND state NOT IN ('published', 'failed', 'cancelled', 'paused')",
+            None,
+            Change::Pause { transfer: id },
+        )
+        .await
+    }
+
+    /// An operator resumes a paused transfer: `queued` again, recorded as
+    /// a `resume` event in the same transaction. Returns false, changing
+    /// and recording nothing, if the transfer does not exist or is not
+    /// paused.
+    ///
+    /// # Errors
+    /// SQL errors (nothing is written then).
+    pub async fn resume_transfer(&self, id: TransferId) -> Result<bool, CatalogError> {
+        self.operator_state(
+            id,
+            "UPDATE transfers SET state = 'queued' WHERE id = ? AND state = 'paused'",
+            None,
+            Change::Resume { transfer: id },
+        )
+        .await
+    }
+
+    /// An operator cancels a transfer: `cancelled` with `why` as its error
+    /// text and `finished_at` now, recorded as a `cancel` event in the same
+    /// transaction. Returns false, changing and recording nothing, if the
+    /// transfer does not exist or has finished.
+    ///
+    /// # Errors
+    /// SQL errors (nothing is written then).
+    pub async fn cancel_transfer(&self, id: TransferId, why: &str) -> Result<bool, CatalogError> {
+        self.operator_state(
+            id,
+            "UPDATE transfers SET state = 'cancelled', error = ?, finished_at = ? WHERE id = ? \
+             AND state NOT IN ('published', 'failed', 'cancelled')",
+            Some(why),
+            Change::Cancel { transfer: id },
+        )
+        .await
+    }
+
+    /// Runs `update` (binding `why` and the time first when `why` is
+    /// given, then `id`) and, if it changed the row, records `change`, in
+    /// one transaction; true if it changed the row.
+    async fn operator_state(
         &self,
         id: TransferId,
-        importance: Option<f64>,
-    ) -> Result<(), CatalogError> {
-        let importance = importance
-            .map(|v| check_unit("importance", v))
-            .transpose()?;
-        sqlx::query(
-            &self
-                .db
-                .sql("UPDATE transfers SET importance = ? WHERE id = ?"),
-        )
-        .bind(importance)
-        .bind(id.as_i64())
-        .execute(&self.pool)
-        .await?;
-        Ok(())
+        update: &str,
+        why: Option<&str>,
+        change: Change,
+    ) -> Result<bool, CatalogError> {
+        let now = now_ms();
+        let mut tx = self.pool.begin().await?;
+        let sql = self.db.sql(update);
+        let mut q = sqlx::query(&sql);
+        if let Some(why) = why {
+            q = q.bind(why).bind(now);
+        }
+        let r = q.bind(id.as_i64()).execute(&mut *tx).await?;
+        if r.rows_affected() == 0 {
+            return Ok(false);
+        }
+        events::record(self.db, &mut tx, now, &change).await?;
+        tx.commit().await?;
+        Ok(true)
     }
 
     /// Promotes a transfer to `urgent` until `until_ms` (Unix ms) because
