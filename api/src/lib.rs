@@ -1,6 +1,7 @@
 //! Ferry's REST API (axum): resolve and replicas on sinks; transfers,
-//! jobs, links, signals and announcements on sources; health, metrics, the
-//! OpenAPI document and the ops web UI everywhere.
+//! jobs, links, signals, announcements and the recorded scheduling history
+//! (`GET /v1/trace`, JSON lines for `ferry replay`) on sources; health,
+//! metrics, the OpenAPI document and the ops web UI everywhere.
 //!
 //! Each agent serves the routes of the roles it has; `GET /openapi.json`
 //! (OpenAPI 3.1, generated from the handlers' annotations) lists exactly
@@ -39,7 +40,7 @@ use utoipa_axum::routes;
 
 pub use auth::{Auth, Role, TokenEntry};
 pub use error::{ApiError, ErrorBody};
-pub use source_api::RATE_BOUNDS;
+pub use source_api::{RATE_BOUNDS, TRACE_CONTENT_TYPE};
 
 /// Largest request body accepted, in bytes (64 KiB).
 pub const MAX_BODY: usize = 64 << 10;
@@ -129,7 +130,8 @@ impl Page {
 #[openapi(
     info(
         title = "Ferry agent API",
-        description = "Replicas and checkpoint paths (sink), transfers, jobs, links and signals (source). \
+        description = "Replicas and checkpoint paths (sink), transfers, jobs, links, signals and the \
+                       recorded scheduling history as a trace for `ferry replay` (source). \
                        Send `Authorization: Bearer <token>`; each operation's security requirement names \
                        the lowest role that may call it (reader < signaler < operator).",
         license(name = "Apache-2.0", identifier = "Apache-2.0")
@@ -238,7 +240,8 @@ pub fn build(state: AppState) -> (Router, utoipa::openapi::OpenApi) {
             .routes(routes!(source_api::resume))
             .routes(routes!(source_api::cancel))
             .routes(routes!(source_api::put_job))
-            .routes(routes!(source_api::put_link));
+            .routes(routes!(source_api::put_link))
+            .routes(routes!(source_api::trace));
         groups.push((reader, Role::Reader, Some(REQUEST_TIMEOUT)));
         groups.push((signaler, Role::Signaler, Some(REQUEST_TIMEOUT)));
         groups.push((operator, Role::Operator, Some(REQUEST_TIMEOUT)));

@@ -1,11 +1,11 @@
-//! Source routes: transfers and their control, jobs, links, signals and
-//! announcements.
+//! Source routes: transfers and their control, jobs, links, signals,
+//! announcements and the recorded scheduling history as a trace.
 
 use std::path::PathBuf;
 
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{Path, Query, State};
-use axum::http::StatusCode;
+use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use ferry_proto::state::TransferId;
@@ -732,4 +732,85 @@ pub(crate) async fn list_signals(
         limit,
         offset,
     }))
+}
+
+/// Media type of `GET /v1/trace`: JSON lines.
+pub const TRACE_CONTENT_TYPE: &str = "application/x-ndjson";
+
+/// Query of `GET /v1/trace`.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub(crate) struct TraceQuery {
+    /// Start of the trace, Unix milliseconds (default 0: all that was
+    /// recorded). Events made at or after it are lines; the header holds
+    /// the rate caps and jobs in force then, and transfers queued then
+    /// arrive again at it.
+    #[param(value_type = Option<i64>, minimum = 0)]
+    since: Option<String>,
+}
+
+/// `since` as Unix ms: an integer, 0 or more.
+fn since_ms(since: Option<&str>) -> Result<i64, ApiError> {
+    let Some(v) = since else {
+        return Ok(0);
+    };
+    match v.trim().parse::<i64>() {
+        Ok(ms) if ms >= 0 => Ok(ms),
+        _ => Err(ApiError::unprocessable(format!(
+            "`since` must be a time in Unix milliseconds (an integer, 0 or more), got {v:?}"
+        ))),
+    }
+}
+
+/// The source's recorded scheduling history as a trace for `ferry replay
+/// FILE`: JSON lines in the trace format, version 1 (a header with the
+/// links' rate caps and RTTs and the jobs' sizes and importances at
+/// `since`, then one event per line in time order: arrivals, class and
+/// importance changes, job changes, pauses, resumes, cancels, rate changes
+/// and signals; times in Unix ms, rates in bit/s). Transfers queued at
+/// `since` arrive again at `since` as they were then; an arrival whose size
+/// was unknown when it was recorded carries the transfer's size now.
+#[utoipa::path(
+    get, path = "/v1/trace", tag = "source",
+    params(TraceQuery),
+    security(("bearer" = ["operator"])),
+    responses(
+        (status = 200, description = "The trace, one JSON object per line: the header \
+            (`{\"ferry_trace\": 1, \"links\": [...], \"jobs\": [...]}`), then the events \
+            (`{\"at_ms\": ..., \"event\": \"arrival\", ...}`)",
+            content_type = "application/x-ndjson", body = String),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 403, description = "The token's role is below operator", body = ErrorBody),
+        (status = 422, description = "`since` is not a time in Unix milliseconds", body = ErrorBody),
+    )
+)]
+pub(crate) async fn trace(
+    State(s): State<AppState>,
+    caller: By,
+    q: Result<Query<TraceQuery>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(q) = q?;
+    let since = since_ms(q.since.as_deref())?;
+    let src = source(&s)?;
+    let x = src.trace(since).await.map_err(ApiError::internal)?;
+    if x.left_out > 0 {
+        tracing::warn!(
+            since,
+            left_out = x.left_out,
+            "trace: recorded events left out (on links no longer configured, or about a \
+             transfer that has not arrived in the trace)"
+        );
+    }
+    tracing::info!(
+        since,
+        events = x.trace.events.len(),
+        arrivals = x.trace.arrivals(),
+        by = by(&caller),
+        "trace exported"
+    );
+    Ok((
+        [(header::CONTENT_TYPE, TRACE_CONTENT_TYPE)],
+        x.trace.to_json_lines(),
+    )
+        .into_response())
 }

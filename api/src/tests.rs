@@ -1311,3 +1311,119 @@ async fn transfer_ids_and_classes_from_a_client_are_checked() {
     // Nothing changed.
     assert_eq!(w.transfer(id).await["class"], "scheduled");
 }
+
+/// Status, content type and body text of `req`.
+async fn call_text(r: Router, req: Request<Body>) -> (StatusCode, String, String) {
+    let resp = r.oneshot(req).await.unwrap();
+    let status = resp.status();
+    let ct = resp
+        .headers()
+        .get("content-type")
+        .map(|c| c.to_str().unwrap().to_string())
+        .unwrap_or_default();
+    let body = axum::body::to_bytes(resp.into_body(), 16 << 20)
+        .await
+        .unwrap();
+    (status, ct, String::from_utf8(body.to_vec()).unwrap())
+}
+
+#[tokio::test]
+async fn the_trace_is_json_lines_for_operators_and_since_is_checked() {
+    use scheduler::trace::{Trace, What};
+
+    let w = with_source().await;
+    let (auth, toks) = tokens();
+    let r = router(AppState::new(
+        "src".into(),
+        Some(w.source.clone()),
+        None,
+        auth,
+    ));
+    let trace_as = |uri: &str, role: Option<Role>| {
+        let tok = role.map(|role| toks.iter().find(|(r, _)| *r == role).unwrap().1.as_str());
+        with_token(get(uri), tok)
+    };
+    let (s, _, body) = call_text(r.clone(), trace_as("/v1/trace", None)).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED, "{body}");
+    for role in [Role::Reader, Role::Signaler] {
+        let (s, _, body) = call_text(r.clone(), trace_as("/v1/trace", Some(role))).await;
+        assert_eq!(s, StatusCode::FORBIDDEN, "{role}: {body}");
+        assert!(
+            body.contains(role.as_str()) && body.contains("operator"),
+            "{body}"
+        );
+    }
+    for bad in ["abc", "-5", "1.5", "", "99999999999999999999"] {
+        let (s, _, body) = call_text(
+            r.clone(),
+            trace_as(&format!("/v1/trace?since={bad}"), Some(Role::Operator)),
+        )
+        .await;
+        assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY, "since={bad}: {body}");
+        assert!(body.contains("`since`"), "{body}");
+    }
+
+    // Two transfers, a pause and a rate change, then the trace.
+    let a = w.push("step-1", Some("background")).await;
+    let b = w.push("step-2", None).await;
+    let (s, v) = call(w.r(), send("POST", &format!("/v1/transfers/{a}/pause"), "")).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let (s, v) = call(
+        w.r(),
+        send("PUT", "/v1/links/m", r#"{"rate_bps": 5000000}"#),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let (s, ct, body) = call_text(r.clone(), trace_as("/v1/trace", Some(Role::Operator))).await;
+    assert_eq!(s, StatusCode::OK, "{body}");
+    assert_eq!(ct, TRACE_CONTENT_TYPE);
+    let t = Trace::parse(&body).unwrap_or_else(|e| panic!("{e}\n{body}"));
+    let links: Vec<(&str, u64, u64)> = t
+        .header
+        .links
+        .iter()
+        .map(|l| (l.link.as_str(), l.rate_bps, l.rtt_ms))
+        .collect();
+    assert_eq!(
+        links,
+        [("l", 10_000_000_000, 10), ("m", 1_000_000_000, 10)],
+        "the configured rates hold at 0"
+    );
+    let ids = |id: i64| ferry_proto::state::TransferId::from_i64(id).unwrap();
+    let what: Vec<&What> = t.events.iter().map(|e| &e.what).collect();
+    assert!(
+        matches!(
+            what.as_slice(),
+            [
+                What::Arrival { id: i1, class: scheduler::Class::Background, link: l1, .. },
+                What::Arrival { id: i2, class: scheduler::Class::Scheduled, .. },
+                What::Pause { id: i3 },
+                What::Rate { link: l2, rate_bps: 5_000_000 },
+            ] if *i1 == ids(a) && *i2 == ids(b) && *i3 == ids(a) && l1 == "l" && l2 == "m"
+        ),
+        "{what:?}"
+    );
+    // From after the last event: the rates in force then, the queue then.
+    let last = t.events.last().unwrap().at_ms;
+    let (s, _, body) = call_text(
+        r.clone(),
+        trace_as(
+            &format!("/v1/trace?since={}", last + 1),
+            Some(Role::Operator),
+        ),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{body}");
+    let t = Trace::parse(&body).unwrap();
+    assert_eq!(t.header.links[1].rate_bps, 5_000_000);
+    let what: Vec<&What> = t.events.iter().map(|e| &e.what).collect();
+    assert!(
+        matches!(
+            what.as_slice(),
+            [What::Arrival { id: i1, .. }, What::Pause { id: i2 }, What::Arrival { id: i3, .. }]
+                if *i1 == ids(a) && *i2 == ids(a) && *i3 == ids(b)
+        ),
+        "{what:?}"
+    );
+    assert!(t.events.iter().all(|e| e.at_ms == last + 1));
+}

@@ -557,6 +557,31 @@ impl Source {
         Ok(true)
     }
 
+    /// The recorded history from `since_ms` (Unix ms) as a trace for
+    /// `ferry replay`, over this agent's configured links (their
+    /// configured rate caps and RTT hints); see
+    /// [`ferry_catalog::Catalog::export_trace`] for the rules.
+    ///
+    /// # Errors
+    /// Catalog errors.
+    pub async fn trace(&self, since_ms: i64) -> Result<ferry_catalog::TraceExport, CatalogError> {
+        let mut links: Vec<scheduler::trace::LinkSpec> = self
+            .inner
+            .cfg
+            .links
+            .iter()
+            .map(|l| scheduler::trace::LinkSpec {
+                link: l.name.clone(),
+                // The config refuses a rate below 1 kbit/s; a 0 here would
+                // make the header one `Trace::parse` refuses.
+                rate_bps: l.rate_bps.max(1),
+                rtt_ms: l.rtt.as_millis() as u64,
+            })
+            .collect();
+        links.sort_by(|a, b| a.link.cmp(&b.link));
+        self.inner.catalog.export_trace(since_ms, &links).await
+    }
+
     /// Names of the configured links.
     pub fn links(&self) -> Vec<String> {
         self.inner.links.keys().cloned().collect()
