@@ -1,5 +1,5 @@
 //! The HTTP client the CLI's client commands (`status`, `resolve`,
-//! `signal`, `push`) share: which agent to ask (`--server`), the bearer
+//! `signal`, `push`, `trace`) share: which agent to ask (`--server`), the bearer
 //! token (`--token`, never printed or logged) and the CA to trust for an
 //! `https://` agent (`--ca-cert`); error answers become one-line messages
 //! with a hint.
@@ -151,6 +151,16 @@ impl Client {
         Ok(self.send(rb, "GET", path).await?.1)
     }
 
+    /// `GET path?query` as text (for answers that are not one JSON
+    /// document, such as the JSON lines of `/v1/trace`).
+    ///
+    /// # Errors
+    /// See [`Client::send`].
+    pub async fn get_text(&self, path: &str, query: &[(&str, &str)]) -> Result<String> {
+        let rb = self.http.get(format!("{}{path}", self.base)).query(query);
+        Ok(self.send_text(rb, "GET", path).await?.1)
+    }
+
     /// `POST path` with a JSON body; the status and the JSON answer.
     ///
     /// # Errors
@@ -165,13 +175,37 @@ impl Client {
     /// # Errors
     /// The agent cannot be reached (with a hint about the scheme or the
     /// CA), or answers an error: its status and `{"error"}` message, with
-    /// a hint for 401 and 403.
+    /// a hint for 401 and 403; a success that is not JSON.
     async fn send(
+        &self,
+        rb: reqwest::RequestBuilder,
+        method: &str,
+        path: &str,
+    ) -> Result<(StatusCode, Value)> {
+        let (status, text) = self.send_text(rb, method, path).await?;
+        let v = serde_json::from_str(&text).with_context(|| {
+            format!(
+                "{method} {path}: the answer of {} is not JSON: {}",
+                self.base,
+                excerpt(&text)
+            )
+        })?;
+        Ok((status, v))
+    }
+
+    /// Sends a request with the token and reads a successful answer as
+    /// text.
+    ///
+    /// # Errors
+    /// The agent cannot be reached (with a hint about the scheme or the
+    /// CA), or answers an error: its status and `{"error"}` message, with
+    /// a hint for 401 and 403.
+    async fn send_text(
         &self,
         mut rb: reqwest::RequestBuilder,
         method: &str,
         path: &str,
-    ) -> Result<(StatusCode, Value)> {
+    ) -> Result<(StatusCode, String)> {
         if let Some(t) = &self.token {
             rb = rb.bearer_auth(&t.0);
         }
@@ -184,17 +218,10 @@ impl Client {
             .text()
             .await
             .with_context(|| format!("{method} {path}: reading the answer of {}", self.base))?;
-        let json: Option<Value> = serde_json::from_str(&text).ok();
         if status.is_success() {
-            let v = json.with_context(|| {
-                format!(
-                    "{method} {path}: the answer of {} is not JSON: {}",
-                    self.base,
-                    excerpt(&text)
-                )
-            })?;
-            return Ok((status, v));
+            return Ok((status, text));
         }
+        let json: Option<Value> = serde_json::from_str(&text).ok();
         let message = json
             .as_ref()
             .and_then(|v| v["error"].as_str())

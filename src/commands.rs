@@ -1,8 +1,10 @@
 //! Client commands of the agent API: `ferry status`, `ferry resolve`,
-//! `ferry signal`, and `ferry token new` (which needs no agent). Each
-//! renders the API's JSON for a person, or prints it raw with `--json`.
+//! `ferry signal`, `ferry trace`, and `ferry token new` (which needs no
+//! agent). Each renders the API's JSON for a person, or prints it raw with
+//! `--json`; `ferry trace` writes the trace as the agent sends it.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
@@ -586,10 +588,118 @@ pub fn render_signal(out: &Value) -> String {
     s
 }
 
+// --------------------------------------------------------------- trace --
+
+/// Where `ferry trace --since` starts the trace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Since {
+    /// This long before now (`--since 24h`).
+    Ago(Duration),
+    /// At this time (`--since 2025-06-01T00:00:00Z`).
+    At(SystemTime),
+}
+
+/// Parses `--since`: a duration before now (`24h`, `90m`, `7days`, as
+/// humantime reads them) or an RFC 3339 time in UTC (`2025-06-01T00:00:00Z`,
+/// also without the `Z` or with a space for the `T`).
+///
+/// # Errors
+/// Neither, with examples of both.
+pub fn parse_since(s: &str) -> Result<Since, String> {
+    let t = s.trim();
+    if let Ok(d) = humantime::parse_duration(t) {
+        return Ok(Since::Ago(d));
+    }
+    if let Ok(at) = humantime::parse_rfc3339_weak(t) {
+        return Ok(Since::At(at));
+    }
+    Err(format!(
+        "{s:?} is neither a duration before now (24h, 90m, 7days) nor an RFC 3339 time in UTC \
+         (2025-06-01T00:00:00Z)"
+    ))
+}
+
+impl Since {
+    /// The start as Unix ms, given the time now (Unix ms); a duration
+    /// reaching before 1970 starts at 0 (everything recorded).
+    pub fn unix_ms(self, now_ms: i64) -> i64 {
+        match self {
+            Since::Ago(d) => now_ms
+                .saturating_sub(i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+                .max(0),
+            Since::At(t) => t
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX)),
+        }
+    }
+}
+
+/// `ferry trace`: `GET /v1/trace?since=` on the source, checked to be a
+/// trace this version reads, written to `out` (or stdout). Says on stderr
+/// what was written when it goes to a file.
+///
+/// # Errors
+/// The agent cannot be reached or refuses (401, 403: it needs an operator
+/// token); the answer is not a trace; `out` cannot be written.
+pub async fn trace(args: &ServerArgs, since: Option<Since>, out: Option<&Path>) -> Result<()> {
+    let c = Client::new(args, REQUEST_TIMEOUT)?;
+    let since_ms = since.map_or(0, |s| s.unix_ms(now_ms()));
+    let text = c
+        .get_text("/v1/trace", &[("since", &since_ms.to_string())])
+        .await?;
+    let t = scheduler::trace::Trace::parse(&text).with_context(|| {
+        format!(
+            "GET /v1/trace: the answer of {} is not a trace this ferry reads",
+            c.base()
+        )
+    })?;
+    let Some(path) = out else {
+        return crate::out::print(format_args!("{text}"));
+    };
+    std::fs::write(path, &text).with_context(|| format!("-o {}", path.display()))?;
+    let from = if since_ms == 0 {
+        "the start of the recorded history".to_string()
+    } else {
+        at(since_ms)
+    };
+    eprintln!(
+        "wrote {}: {} events ({} transfers) from {from}, {} links, {} jobs; replay it with: ferry replay {}",
+        path.display(),
+        t.events.len(),
+        t.arrivals(),
+        t.header.links.len(),
+        t.header.jobs.len(),
+        path.display()
+    );
+    Ok(())
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn since_is_a_duration_before_now_or_a_utc_time() {
+        let now = 1_750_000_000_000;
+        let ms = |s: &str| parse_since(s).unwrap().unix_ms(now);
+        assert_eq!(ms("24h"), now - 24 * 3_600_000);
+        assert_eq!(ms(" 90m "), now - 90 * 60_000);
+        assert_eq!(ms("0s"), now);
+        assert_eq!(ms("2025-06-01T00:00:00Z"), 1_748_736_000_000);
+        assert_eq!(ms("2025-06-01 00:00:00"), 1_748_736_000_000);
+        assert_eq!(ms("100years"), 0, "before 1970: everything recorded");
+        for bad in [
+            "yesterday",
+            "-1h",
+            "",
+            "2025-13-01T00:00:00Z",
+            "1750000000000",
+        ] {
+            let e = parse_since(bad).unwrap_err();
+            assert!(e.contains("24h") && e.contains("RFC 3339"), "{bad}: {e}");
+        }
+    }
 
     #[test]
     fn token_new_prints_the_token_once_and_an_entry_that_parses_back() {

@@ -1,5 +1,5 @@
 //! The `ferry` command: agents (`serve`), API clients (`status`,
-//! `resolve`, `signal`, `push`), `verify`, tools (`certs`, `token`, `gen`,
+//! `resolve`, `signal`, `push`, `trace`), `verify`, tools (`certs`, `token`, `gen`,
 //! `link-emu`) and the self-contained `demo`.
 
 use std::net::SocketAddr;
@@ -122,6 +122,35 @@ enum Command {
         /// Print the API's JSON answer instead.
         #[arg(long)]
         json: bool,
+    },
+    /// Export the source agent's recorded scheduling history as a trace
+    /// for `ferry replay FILE`: try a scheduler change (weights, floors,
+    /// half-lives, admission limits) on yesterday's traffic before rolling
+    /// it out. Needs an operator token.
+    ///
+    /// The trace is JSON lines (format version 1): a header with the
+    /// links' rate caps and RTTs and the jobs' sizes and importances at the
+    /// start, then one event per line in time order: transfers queued
+    /// (class, job, bytes), class and importance changes, job changes,
+    /// pauses, resumes, cancels, rate changes and signals. Transfers still
+    /// queued or moving at the start arrive again at the start, as they
+    /// were then.
+    #[command(
+        after_help = "Examples: ferry trace --since 24h -o yesterday.trace, then ferry replay \
+                      yesterday.trace\n\
+                      ferry trace --since 2025-06-01T00:00:00Z > june.trace"
+    )]
+    Trace {
+        /// Start of the trace: a duration before now (24h, 90m, 7days) or
+        /// an RFC 3339 time in UTC (2025-06-01T00:00:00Z). Default: all
+        /// that was recorded.
+        #[arg(long, value_name = "DURATION|RFC3339", value_parser = commands::parse_since)]
+        since: Option<commands::Since>,
+        /// Write the trace to FILE instead of stdout.
+        #[arg(long, short = 'o', value_name = "FILE")]
+        output: Option<PathBuf>,
+        #[command(flatten)]
+        server: client::ServerArgs,
     },
     /// API bearer tokens.
     Token {
@@ -468,6 +497,11 @@ async fn run(cli: Cli) -> Result<()> {
             };
             commands::signal(&server, &s, json).await
         }
+        Command::Trace {
+            since,
+            output,
+            server,
+        } => commands::trace(&server, since, output.as_deref()).await,
         Command::Token {
             command: TokenCommand::New { role, name },
         } => {
