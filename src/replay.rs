@@ -337,7 +337,14 @@ fn table(what: &str, trace: &Trace, chunk: u64, runs: &[Run]) -> String {
         &mut s,
         "simulated",
         runs.iter()
-            .map(|r| format!("{:.2} h", r.report.simulated_s() / 3600.0))
+            .map(|r| {
+                let s = r.report.simulated_s();
+                if s >= 3600.0 {
+                    format!("{:.2} h", s / 3600.0)
+                } else {
+                    format!("{} s", secs(s))
+                }
+            })
             .collect(),
     );
     row(
