@@ -1,8 +1,9 @@
 //! The library behind the `ferry` command: the agent's configuration
 //! ([`config`]) and start-up ([`agent`]), serving its API ([`apiserve`]),
 //! the API client and the client commands ([`client`], [`commands`]),
-//! printing that survives a closed stdout ([`out`]) and the self-contained
-//! demo ([`demo`]). `src/main.rs` is the command line (clap) and dispatch.
+//! printing that survives a closed stdout ([`out`]), the self-contained
+//! demo ([`demo`]) and policy replay ([`replay`]). `src/main.rs` is the
+//! command line (clap) and dispatch.
 //!
 //! See ARCHITECTURE.md at the repository root for the map.
 
@@ -13,3 +14,4 @@ pub mod commands;
 pub mod config;
 pub mod demo;
 pub mod out;
+pub mod replay;

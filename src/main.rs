@@ -278,6 +278,12 @@ enum Command {
     /// source and a sink agent behind an emulated WAN link, replicate, and
     /// print what happened.
     Demo(demo::DemoArgs),
+    /// Try scheduler policies on recorded or generated traffic: replays a
+    /// trace (or --preset) through the agents' own scheduler on a
+    /// simulated link, in simulated time, and prints per class the time to
+    /// ready (p50, p90, p99, max) for each --policy side by side. No
+    /// network, no files moved, no agent needed.
+    Replay(ferry::replay::ReplayArgs),
 }
 
 /// `ferry link-emu` flags.
@@ -568,6 +574,7 @@ async fn run(cli: Cli) -> Result<()> {
         },
         Command::LinkEmu(args) => link_emu(args).await,
         Command::Demo(args) => demo::run(args).await,
+        Command::Replay(args) => ferry::replay::run(&args),
     }
 }
 

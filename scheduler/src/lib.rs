@@ -12,13 +12,15 @@
 //!   queued transfers for admission.
 //! - [`Policy`]: the settings, `priority` or `fifo`.
 //! - [`trace`]: the trace format (JSON lines) of a recorded or generated
-//!   workload, for `ferry replay`.
+//!   workload; [`replay`] runs one through the real [`LinkScheduler`] on
+//!   a simulated link (`ferry replay`), with generated [`replay::preset`]s.
 
 use std::fmt;
 use std::str::FromStr;
 
 mod link;
 mod policy;
+pub mod replay;
 mod score;
 pub mod trace;
 
