@@ -1,7 +1,8 @@
 //! The recorded scheduling history of a real source agent (`ferry
 //! serve`): operator and controller actions through the API and the CLI,
 //! then `GET /v1/trace` and `ferry trace` must hold each of them as it
-//! happened, in the trace format `ferry replay` reads.
+//! happened, in the trace format `ferry replay` reads, and the trace
+//! replays with the same transfers.
 
 #![allow(clippy::unwrap_used)]
 
@@ -371,6 +372,44 @@ async fn a_real_agent_s_trace_holds_each_change_as_it_happened() {
     );
     let from_file = Trace::parse(&std::fs::read_to_string(&file).unwrap()).unwrap();
     assert_eq!(from_file, t);
+
+    // The recorded trace replays: every transfer is published in the
+    // simulation too, the push counted as urgent (the replay promotes it
+    // from the signal, as the agent did), the first copy in the class the
+    // operator gave it.
+    let policy = scheduler::Policy::default();
+    let report = scheduler::replay::run(&t, &policy, &scheduler::replay::Options::default());
+    let fates: Vec<(TransferId, Class, scheduler::replay::End, u64)> = report
+        .outcomes
+        .iter()
+        .map(|o| (o.id, o.group, o.end, o.bytes))
+        .collect();
+    let ready = scheduler::replay::End::Ready;
+    assert_eq!(
+        fates,
+        [
+            (bg[0], Class::Scheduled, ready, tree_bytes(&bg1)),
+            (bg[1], Class::Background, ready, tree_bytes(&bg2)),
+            (pushed, Class::Urgent, ready, tree_bytes(&ckpt)),
+        ]
+    );
+    assert_eq!(report.outcomes.len(), transfers.len());
+    let mid_report =
+        scheduler::replay::run(&t_mid, &policy, &scheduler::replay::Options::default());
+    assert_eq!(mid_report.outcomes.len(), 3);
+    // And so does the file, through `ferry replay` as an operator runs it.
+    let out = w
+        .ferry(
+            &["replay", file.to_str().unwrap(), "--json"],
+            &[],
+            Duration::from_secs(60),
+        )
+        .await;
+    w.ensure(out.success(), || format!("ferry replay failed: {out}"));
+    let v: Value = serde_json::from_str(&out.stdout)
+        .unwrap_or_else(|e| w.fail(format!("ferry replay --json: {e}: {out}")));
+    assert_eq!(v["transfers"], 3, "{v}");
+    assert_eq!(v["signals"], 1, "{v}");
     let out = w
         .ferry(
             &["trace", "--since", "last tuesday", "--server", &url],
