@@ -137,7 +137,7 @@ enum Command {
     /// were then.
     #[command(
         after_help = "Examples: ferry trace --since 24h -o yesterday.trace, then ferry replay \
-                      yesterday.trace\n\
+                      yesterday.trace --policy priority --policy new-weights.toml\n\
                       ferry trace --since 2025-06-01T00:00:00Z > june.trace"
     )]
     Trace {
