@@ -1687,7 +1687,9 @@ fn runnable(inner: &Inner, t: &Transfer) -> bool {
 /// A chunk ready to go: where it belongs and its bytes.
 struct Record {
     header: RecordHeader,
-    data: Vec<u8>,
+    /// The chunk's bytes, handed to quinn without a copy
+    /// (`SendStream::write_all_chunks`).
+    data: bytes::Bytes,
 }
 
 /// Marks a transfer active and says whether it is fresh: one that never
@@ -2197,7 +2199,7 @@ fn read_all(
                     len: data.len() as u32,
                     hash: *hash,
                 },
-                data,
+                data: data.into(),
             };
             out.blocking_send(rec).map_err(|_| ScanError::Unsupported {
                 path: path.clone(),
@@ -2276,7 +2278,7 @@ fn read_some(
                 len: len as u32,
                 hash,
             },
-            data,
+            data: data.into(),
         })
         .map_err(|_| "sending stopped".to_string())?;
     }

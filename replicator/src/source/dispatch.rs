@@ -405,9 +405,15 @@ async fn write(
     }
     if let Some((_, s, n)) = cur.as_mut() {
         let t0 = std::time::Instant::now();
-        s.write_all(&rec.header.encode()).await.map_err(classify)?;
-        s.write_all(&rec.data).await.map_err(classify)?;
-        *n += rec.data.len() as u64;
+        let len = rec.data.len();
+        // The record's bytes go to quinn as they are; only the header is
+        // copied.
+        let mut parts = [
+            bytes::Bytes::copy_from_slice(&rec.header.encode()),
+            rec.data,
+        ];
+        s.write_all_chunks(&mut parts).await.map_err(classify)?;
+        *n += len as u64;
         let took = t0.elapsed();
         if took > std::time::Duration::from_millis(20) {
             // The connection's send window or the stream's flow control
@@ -415,7 +421,7 @@ async fn write(
             tracing::debug!(
                 transfer = %id,
                 priority,
-                bytes = rec.data.len(),
+                bytes = len,
                 ms = took.as_millis() as u64,
                 "slow chunk write"
             );

@@ -182,7 +182,7 @@ fn run_jobs(
                     len: len as u32,
                     hash,
                 },
-                data,
+                data: data.into(),
             })
             .map_err(|_| "sending stopped".to_string())?;
         }

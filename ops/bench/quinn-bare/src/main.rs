@@ -15,8 +15,11 @@
 //! server's concurrent unidirectional stream limit raised to `--streams` if
 //! that exceeds quinn's default of 100.
 //!
-//! The client opens `--streams` unidirectional streams concurrently and
-//! writes `--bytes` in total, split evenly, as `Bytes` slices of one
+//! With `--connections N` the client has N endpoints (each its own UDP
+//! socket, as a Ferry link's connections are) and opens one connection
+//! from each to the one server endpoint; `--bytes` is split evenly across
+//! the connections. On each connection the client opens `--streams`
+//! unidirectional streams concurrently and writes its part, split evenly, as `Bytes` slices of one
 //! preallocated 1 MiB buffer of pseudo-random bytes (handed to quinn without
 //! copying), then finishes the streams. The server reads every stream to its end
 //! with `read_chunk`, discarding the data and counting bytes. The measured
@@ -68,6 +71,8 @@ struct Report {
     cpu_sys_s: f64,
     /// `cpu_user_s + cpu_sys_s`.
     cpu_s: f64,
+    /// QUIC connections the payload was split across.
+    connections: u32,
     /// `cpu_s` per 10^9 payload bytes.
     cpu_s_per_gb: f64,
     /// Payload bits per wall second.
@@ -95,10 +100,15 @@ struct Args {
     #[arg(long, default_value = "1400000000", value_parser = parse_bytes)]
     bytes: u64,
 
-    /// Number of unidirectional streams the payload is split across, opened
-    /// concurrently (1 to 10000).
+    /// Number of unidirectional streams each connection's part is split
+    /// across, opened concurrently (1 to 10000).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     streams: u32,
+
+    /// Number of QUIC connections (1 to 64), each from its own client
+    /// endpoint and UDP socket; the payload is split evenly across them.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    connections: u32,
 }
 
 /// Parses a byte count with [`ferry_proto::units::parse_size`] (e.g.
@@ -130,9 +140,10 @@ fn transport(streams: u32) -> Arc<TransportConfig> {
     Arc::new(t)
 }
 
-/// Server and client endpoints on loopback, the client trusting exactly the
-/// server's self-signed `localhost` certificate.
-fn endpoints(streams: u32) -> Result<(Endpoint, Endpoint)> {
+/// A server endpoint and `clients` client endpoints on loopback (each its
+/// own UDP socket), the clients trusting exactly the server's self-signed
+/// `localhost` certificate.
+fn endpoints(streams: u32, clients: u32) -> Result<(Endpoint, Vec<Endpoint>)> {
     let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()])
         .context("generating the self-signed certificate")?;
     let cert_der = cert.cert.der().clone();
@@ -154,42 +165,58 @@ fn endpoints(streams: u32) -> Result<(Endpoint, Endpoint)> {
     let loopback = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
     let server =
         Endpoint::server(server_config, loopback).context("binding the server endpoint")?;
-    let mut client = Endpoint::client(loopback).context("binding the client endpoint")?;
-    client.set_default_client_config(client_config);
-    Ok((server, client))
+    let mut out = Vec::new();
+    for _ in 0..clients {
+        let mut client = Endpoint::client(loopback).context("binding a client endpoint")?;
+        client.set_default_client_config(client_config.clone());
+        out.push(client);
+    }
+    Ok((server, out))
 }
 
-/// Accepts uni streams and reads each to its end, discarding the data, until
-/// `total` bytes have been counted. Returns the count.
-async fn receive(conn: Connection, total: u64) -> Result<u64> {
+/// Accepts uni streams on `conn` and reads each to its end, discarding the
+/// data and adding what it read to `counted`, until `counted` (all
+/// connections together) reaches `total`. Every receiver is woken through
+/// `done` when any stream ends, so one whose connection has no more streams
+/// notices when another connection brings the total in.
+async fn receive(
+    conn: Connection,
+    total: u64,
+    counted: Arc<std::sync::atomic::AtomicU64>,
+    done: Arc<tokio::sync::Notify>,
+) -> Result<()> {
+    use std::sync::atomic::Ordering;
     let mut readers = JoinSet::new();
-    let mut counted = 0u64;
-    while counted < total {
+    loop {
+        let notified = done.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let reached = counted.load(Ordering::Relaxed) >= total;
+        if reached && readers.is_empty() {
+            return Ok(());
+        }
         tokio::select! {
-            stream = conn.accept_uni() => {
+            stream = conn.accept_uni(), if !reached => {
                 let mut recv = stream.context("accepting a stream")?;
+                let (counted, done) = (counted.clone(), done.clone());
                 readers.spawn(async move {
-                    let mut n = 0u64;
                     while let Some(chunk) = recv
                         .read_chunk(usize::MAX, true)
                         .await
                         .context("reading a stream")?
                     {
-                        n += chunk.bytes.len() as u64;
+                        counted.fetch_add(chunk.bytes.len() as u64, Ordering::Relaxed);
                     }
-                    anyhow::Ok(n)
+                    done.notify_waiters();
+                    anyhow::Ok(())
                 });
             }
-            Some(done) = readers.join_next() => {
-                counted += done.context("stream reader task")??;
+            Some(r) = readers.join_next() => {
+                r.context("stream reader task")??;
             }
+            _ = notified => {}
         }
     }
-    ensure!(
-        counted == total,
-        "server counted {counted} bytes, expected {total}"
-    );
-    Ok(counted)
 }
 
 /// Opens `streams` uni streams concurrently and writes `total` bytes across
@@ -228,44 +255,87 @@ async fn main() -> Result<()> {
     rand::thread_rng().fill_bytes(&mut buf);
     let buf = Bytes::from(buf);
 
-    let (server, client) = endpoints(args.streams)?;
+    let (server, clients) = endpoints(args.streams, args.connections)?;
     let server_addr = server.local_addr().context("reading the server address")?;
 
+    let n = args.connections;
     let accept = tokio::spawn({
         let server = server.clone();
         async move {
-            let incoming = server
-                .accept()
-                .await
-                .context("server endpoint closed before a connection arrived")?;
-            incoming.await.context("server side of the handshake")
+            let mut conns = Vec::new();
+            for _ in 0..n {
+                let incoming = server
+                    .accept()
+                    .await
+                    .context("server endpoint closed before every connection arrived")?;
+                conns.push(incoming.await.context("server side of the handshake")?);
+            }
+            anyhow::Ok(conns)
         }
     });
-    let client_conn = client
-        .connect(server_addr, "localhost")
-        .context("starting the connection")?
-        .await
-        .context("client side of the handshake")?;
-    let server_conn = accept.await.context("accept task")??;
+    let mut client_conns = Vec::new();
+    for client in &clients {
+        client_conns.push(
+            client
+                .connect(server_addr, "localhost")
+                .context("starting a connection")?
+                .await
+                .context("client side of the handshake")?,
+        );
+    }
+    let server_conns = accept.await.context("accept task")??;
 
     let (user0, sys0) = cpu_times()?;
     let start = Instant::now();
 
-    let receiver = tokio::spawn(receive(server_conn.clone(), args.bytes));
-    let sender = tokio::spawn(send(client_conn.clone(), args.bytes, args.streams, buf));
-    let counted = receiver.await.context("receiver task")??;
+    let (each, rest) = (args.bytes / u64::from(n), args.bytes % u64::from(n));
+    let part = |i: usize| each + u64::from((i as u64) < rest);
+    // Connections are accepted in any order: each receiver counts until
+    // the total is reached across all of them.
+    let counted_all = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let stream_done = Arc::new(tokio::sync::Notify::new());
+    let mut receivers = JoinSet::new();
+    for c in &server_conns {
+        receivers.spawn(receive(
+            c.clone(),
+            args.bytes,
+            counted_all.clone(),
+            stream_done.clone(),
+        ));
+    }
+    let mut senders = JoinSet::new();
+    for (i, c) in client_conns.iter().enumerate() {
+        senders.spawn(send(c.clone(), part(i), args.streams, buf.clone()));
+    }
+    while let Some(r) = receivers.join_next().await {
+        r.context("receiver task")??;
+    }
+    let counted = counted_all.load(std::sync::atomic::Ordering::Relaxed);
+    ensure!(
+        counted == args.bytes,
+        "server counted {counted} bytes, expected {}",
+        args.bytes
+    );
 
     let wall = start.elapsed().as_secs_f64();
     let (user1, sys1) = cpu_times()?;
 
-    sender.await.context("sender task")??;
-    client_conn.close(VarInt::from_u32(0), b"done");
-    match tokio::time::timeout(Duration::from_secs(10), server_conn.closed()).await {
-        Ok(quinn::ConnectionError::ApplicationClosed(_)) => {}
-        Ok(other) => bail!("connection ended unexpectedly: {other}"),
-        Err(_) => bail!("the server did not see the close within 10 s"),
+    while let Some(r) = senders.join_next().await {
+        r.context("sender task")??;
     }
-    client.wait_idle().await;
+    for client_conn in &client_conns {
+        client_conn.close(VarInt::from_u32(0), b"done");
+    }
+    for server_conn in &server_conns {
+        match tokio::time::timeout(Duration::from_secs(10), server_conn.closed()).await {
+            Ok(quinn::ConnectionError::ApplicationClosed(_)) => {}
+            Ok(other) => bail!("connection ended unexpectedly: {other}"),
+            Err(_) => bail!("the server did not see the close within 10 s"),
+        }
+    }
+    for client in &clients {
+        client.wait_idle().await;
+    }
     server.wait_idle().await;
 
     let (cpu_user, cpu_sys) = (user1 - user0, sys1 - sys0);
@@ -274,8 +344,9 @@ async fn main() -> Result<()> {
     let goodput_bps = counted as f64 * 8.0 / wall;
 
     eprintln!(
-        "quinn-bare: {counted} bytes over {} streams in {wall:.3} s ({:.3} Gbit/s); CPU {cpu:.3} s \
+        "quinn-bare: {counted} bytes over {} connections x {} streams in {wall:.3} s ({:.3} Gbit/s); CPU {cpu:.3} s \
          (user {cpu_user:.3} s, sys {cpu_sys:.3} s) = {cpu_per_gb:.3} CPU-s per GB",
+        args.connections,
         args.streams,
         goodput_bps / 1e9,
     );
@@ -286,6 +357,7 @@ async fn main() -> Result<()> {
         cpu_user_s: cpu_user,
         cpu_sys_s: cpu_sys,
         cpu_s: cpu,
+        connections: args.connections,
         cpu_s_per_gb: cpu_per_gb,
         goodput_bps,
     };
