@@ -81,6 +81,10 @@ struct Args {
     /// Directory holding the release binaries (ferry, wanem, quinn-bare).
     #[arg(long, default_value = "target/release")]
     bin: PathBuf,
+    /// cpu scenario: runs of each tool (quinn-bare and Ferry alternating);
+    /// medians and ranges are reported.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=50))]
+    cpu_runs: u32,
 }
 
 const ALL: [&str; 8] = [

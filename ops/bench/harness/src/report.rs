@@ -308,15 +308,44 @@ fn markdown(b: &Bench, machine: &Value, date: &str, mode: &str) -> String {
     }
     let cpu: Vec<&Record> = rs.iter().filter(|r| r.scenario == "cpu").collect();
     if !cpu.is_empty() {
-        let _ = writeln!(s, "### CPU on loopback (target: Ferry within 1.5 x bare quinn)\n\n| tool | bytes | CPU s | CPU s per GB | x quinn |\n| --- | ---: | ---: | ---: | ---: |");
+        let _ = writeln!(s, "### CPU on loopback (target: Ferry within 1.5 x bare quinn)\n\nMedians of the runs (range in brackets), Ferry and bare quinn alternating; Ferry's CPU is both agents, the sink's read-back included.\n\n| tool | bytes | runs | CPU s per GB | source CPU s | sink CPU s | goodput Gbit/s | x quinn |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+        let gb = |r: &Record| r.bytes as f64 / 1e9;
+        let range =
+            |r: &Record, k: &str, div: f64| match r.extra[k].as_array().map(|a| a.as_slice()) {
+                Some([lo, hi]) => format!(
+                    " ({:.2}-{:.2})",
+                    lo.as_f64().unwrap_or(f64::NAN) / div,
+                    hi.as_f64().unwrap_or(f64::NAN) / div
+                ),
+                _ => String::new(),
+            };
         for r in cpu {
+            let g = gb(r);
+            let per_gb = format!(
+                "{:.2}{}",
+                r.extra["cpu_s_per_gb"].as_f64().unwrap_or(f64::NAN),
+                range(r, "cpu_s_range", g)
+            );
+            let part = |k: &str| match r.extra[k].as_f64() {
+                Some(v) => format!("{v:.2}{}", range(r, &format!("{k}_range"), 1.0)),
+                None => "-".into(),
+            };
+            let goodput = match r.extra["goodput_bps_median"].as_f64() {
+                Some(v) => format!("{:.2}{}", v / 1e9, range(r, "goodput_bps_range", 1e9)),
+                None => format!("{:.2}", r.goodput_bps / 1e9),
+            };
             let _ = writeln!(
                 s,
-                "| {} | {} | {:.2} | {:.2} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} |",
                 r.tool,
                 r.bytes,
-                r.extra["cpu_s"].as_f64().unwrap_or(f64::NAN),
-                r.extra["cpu_s_per_gb"].as_f64().unwrap_or(f64::NAN),
+                r.extra["runs"]
+                    .as_u64()
+                    .map_or("1".into(), |n| n.to_string()),
+                per_gb,
+                part("cpu_source_s"),
+                part("cpu_sink_s"),
+                goodput,
                 opt(r.extra["over_quinn"].as_f64(), 2),
             );
         }

@@ -735,31 +735,26 @@ pub fn scenario_scale(b: &mut Bench) -> Result<()> {
     Ok(())
 }
 
-/// cpu: CPU seconds per GB of Ferry (source + sink) against a bare quinn
-/// transfer of the same bytes, both on loopback.
-pub fn scenario_cpu(b: &mut Bench, ck: &Ckpt) -> Result<()> {
-    say(format!(
-        "cpu: bare quinn, 3 runs of {:.0} MB on loopback",
-        ck.bytes as f64 / 1e6
-    ));
-    let mut quinn = Vec::new();
-    for _ in 0..3 {
-        let out = cmd_ok(
-            Command::new(b.repo.join(&b.args.bin).join("quinn-bare"))
-                .args(["--bytes", &ck.bytes.to_string()]),
-            "quinn-bare",
-        )?;
-        let v: Value =
-            serde_json::from_str(out.lines().last().unwrap_or("")).context("quinn-bare JSON")?;
-        quinn.push(v);
+/// The median and range of `v` (sorted in place); NaN for none.
+fn spread(v: &mut [f64]) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    match (v.first(), v.last()) {
+        (Some(lo), Some(hi)) => (v[v.len() / 2], *lo, *hi),
+        _ => (f64::NAN, f64::NAN, f64::NAN),
     }
-    quinn.sort_by(|x, y| {
-        x["cpu_s"]
-            .as_f64()
-            .unwrap_or(0.0)
-            .total_cmp(&y["cpu_s"].as_f64().unwrap_or(0.0))
-    });
-    let q = quinn[1].clone();
+}
+
+/// cpu: CPU seconds per GB and goodput of Ferry (source + sink) against a
+/// bare quinn transfer of the same bytes, both on loopback:
+/// `--cpu-runs` runs of each, alternating, medians and ranges. `cp -a`
+/// of the checkpoint first gives the cost of the file I/O alone. Nothing
+/// is deleted between the runs (each replica is moved aside and all are
+/// removed at the end): on a VM, writing into freshly freed memory and
+/// creating inodes right after deletions cost the next writer very
+/// differently (RESULTS.md, "CPU profile of one agent pair").
+pub fn scenario_cpu(b: &mut Bench, ck: &Ckpt) -> Result<()> {
+    let runs = b.args.cpu_runs.max(1) as usize;
+    let gb = ck.bytes as f64 / 1e9;
     // File I/O alone: `cp -a` of the same checkpoint (reads and writes the
     // same bytes through the page cache, as Ferry's two ends do).
     let dest = b.dest("cp")?;
@@ -777,65 +772,110 @@ pub fn scenario_cpu(b: &mut Bench, ck: &Ckpt) -> Result<()> {
     let secs = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 + t.tv_usec() as f64 / 1e6;
     let cp_cpu = secs(after.user_time()) - secs(before.user_time()) + secs(after.system_time())
         - secs(before.system_time());
-    b.discard(&dest);
-    let q_cpu = q["cpu_s"].as_f64().unwrap_or(f64::NAN);
+    let kept = b.work.join("cpu-kept");
+    let _ = std::fs::remove_dir_all(&kept);
+    std::fs::create_dir_all(&kept)?;
+    std::fs::rename(dest.join("copy"), kept.join("cp"))?;
     say(format!(
-        "cpu: ferry, {:.0} MB on loopback",
+        "cpu: {runs} runs each of bare quinn and ferry, alternating, {:.0} MB on loopback",
         ck.bytes as f64 / 1e6
     ));
-    let agents = Agents::start(
-        b,
-        Placement::Loopback,
-        10_000_000_000,
-        Duration::from_millis(1),
-        &[b.src_root()],
-        "cpu",
-    )?;
-    let (s0, d0) = agents.cpu_s();
-    let pushed = agents.push_and_wait(&ck.dir, COPY_CAP)?;
-    let (s1, d1) = agents.cpu_s();
-    if pushed.state != Some(TransferState::Published) {
-        bail!(
-            "cpu: the transfer ended {:?}: {}",
-            pushed.state,
-            pushed.view["error"]
-        );
+    let mut quinn: Vec<Value> = Vec::new();
+    // (source CPU s, sink CPU s, wall s) per Ferry run.
+    let mut ferry: Vec<(f64, f64, f64)> = Vec::new();
+    for i in 0..runs {
+        let out = cmd_ok(
+            Command::new(b.repo.join(&b.args.bin).join("quinn-bare"))
+                .args(["--bytes", &ck.bytes.to_string()]),
+            "quinn-bare",
+        )?;
+        let v: Value =
+            serde_json::from_str(out.lines().last().unwrap_or("")).context("quinn-bare JSON")?;
+        quinn.push(v);
+        let agents = Agents::start(
+            b,
+            Placement::Loopback,
+            10_000_000_000,
+            Duration::from_millis(1),
+            &[b.src_root()],
+            "cpu",
+        )?;
+        let (s0, d0) = agents.cpu_s();
+        let pushed = agents.push_and_wait(&ck.dir, COPY_CAP)?;
+        let (s1, d1) = agents.cpu_s();
+        if pushed.state != Some(TransferState::Published) {
+            bail!(
+                "cpu: the transfer ended {:?}: {}",
+                pushed.state,
+                pushed.view["error"]
+            );
+        }
+        let local = PathBuf::from(pushed.view["local_path"].as_str().context("local_path")?);
+        compare_trees(&ck.dir, &local, None).context("cpu: replica differs")?;
+        let sink_root = agents.sink_root.clone();
+        agents.stop();
+        std::fs::rename(&sink_root, kept.join(format!("ferry-{i}")))?;
+        let run = (s1 - s0, d1 - d0, pushed.wall_s);
+        say(format!(
+            "  run {}: quinn {:.2} CPU s/GB; ferry {:.2} CPU s/GB (source {:.2} s, sink {:.2} s), {:.2} Gbit/s",
+            i + 1,
+            quinn[i]["cpu_s"].as_f64().unwrap_or(f64::NAN) / gb,
+            (run.0 + run.1) / gb,
+            run.0,
+            run.1,
+            ck.bytes as f64 * 8.0 / run.2 / 1e9
+        ));
+        ferry.push(run);
     }
-    let local = PathBuf::from(pushed.view["local_path"].as_str().context("local_path")?);
-    compare_trees(&ck.dir, &local, None).context("cpu: replica differs")?;
-    let sink_root = agents.sink_root.clone();
-    agents.stop();
-    b.discard(&sink_root);
-    let gb = ck.bytes as f64 / 1e9;
-    let ferry_cpu = (s1 - s0) + (d1 - d0);
-    let mut r = Record::copy(
-        "cpu",
-        "ferry",
-        ck.bytes,
-        ck.files,
-        pushed.wall_s,
-        0,
-        0.0,
-        0.0,
+    b.discard(&kept);
+    b.discard(&dest);
+    let num = |v: &Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
+    let (q_cpu, q_lo, q_hi) =
+        spread(&mut quinn.iter().map(|v| num(v, "cpu_s")).collect::<Vec<_>>());
+    let (q_gput, q_glo, q_ghi) = spread(
+        &mut quinn
+            .iter()
+            .map(|v| num(v, "goodput_bps"))
+            .collect::<Vec<_>>(),
     );
-    r.verified = true;
-    r.extra = json!({
-        "cpu_s": ferry_cpu,
-        "cpu_source_s": s1 - s0,
-        "cpu_sink_s": d1 - d0,
-        "cpu_s_per_gb": ferry_cpu / gb,
-        "over_quinn": ferry_cpu / q_cpu,
-        "target_over_quinn": 1.5,
-    });
+    let (q_wall, _, _) = spread(&mut quinn.iter().map(|v| num(v, "wall_s")).collect::<Vec<_>>());
+    let (f_cpu, f_lo, f_hi) = spread(&mut ferry.iter().map(|r| r.0 + r.1).collect::<Vec<_>>());
+    let (f_src, f_src_lo, f_src_hi) = spread(&mut ferry.iter().map(|r| r.0).collect::<Vec<_>>());
+    let (f_sink, f_sink_lo, f_sink_hi) = spread(&mut ferry.iter().map(|r| r.1).collect::<Vec<_>>());
+    let (f_wall, _, _) = spread(&mut ferry.iter().map(|r| r.2).collect::<Vec<_>>());
+    let gput = |wall: f64| ck.bytes as f64 * 8.0 / wall;
+    let (f_gput, f_glo, f_ghi) = spread(&mut ferry.iter().map(|r| gput(r.2)).collect::<Vec<_>>());
     say(format!(
-        "  ferry {:.2} CPU s/GB (source {:.2} s, sink {:.2} s) vs bare quinn {:.2} CPU s/GB: {:.2} x; cp -a {:.2} CPU s/GB",
-        ferry_cpu / gb,
-        s1 - s0,
-        d1 - d0,
+        "  medians: ferry {:.2} CPU s/GB ({:.2}-{:.2}), {:.2} Gbit/s; bare quinn {:.2} CPU s/GB ({:.2}-{:.2}), {:.2} Gbit/s: {:.2} x; cp -a {:.2} CPU s/GB",
+        f_cpu / gb,
+        f_lo / gb,
+        f_hi / gb,
+        f_gput / 1e9,
         q_cpu / gb,
-        ferry_cpu / q_cpu,
+        q_lo / gb,
+        q_hi / gb,
+        q_gput / 1e9,
+        f_cpu / q_cpu,
         cp_cpu / gb
     ));
+    let mut r = Record::copy("cpu", "ferry", ck.bytes, ck.files, f_wall, 0, 0.0, 0.0);
+    r.verified = true;
+    r.extra = json!({
+        "runs": runs,
+        "cpu_s": f_cpu,
+        "cpu_s_range": [f_lo, f_hi],
+        "cpu_source_s": f_src,
+        "cpu_source_s_range": [f_src_lo, f_src_hi],
+        "cpu_sink_s": f_sink,
+        "cpu_sink_s_range": [f_sink_lo, f_sink_hi],
+        "cpu_s_per_gb": f_cpu / gb,
+        "goodput_bps_median": f_gput,
+        "goodput_bps_range": [f_glo, f_ghi],
+        "over_quinn": f_cpu / q_cpu,
+        "target_over_quinn": 1.5,
+        "runs_source_sink_wall_s": ferry.iter().map(|r| json!([r.0, r.1, r.2])).collect::<Vec<_>>(),
+        "note": "medians of the runs, alternating with quinn-bare; the sink's read-back before publish is included",
+    });
     b.records.push(r);
     let mut r = Record::copy("cpu", "cp", ck.bytes, ck.files, cp_wall, 0, 0.0, 0.0);
     r.extra = json!({
@@ -844,22 +884,17 @@ pub fn scenario_cpu(b: &mut Bench, ck: &Ckpt) -> Result<()> {
         "note": "cp -a of the checkpoint on the same disk: what reading and writing the files costs without any network",
     });
     b.records.push(r);
-    let mut r = Record::copy(
-        "cpu",
-        "quinn",
-        ck.bytes,
-        0,
-        q["wall_s"].as_f64().unwrap_or(0.0),
-        0,
-        0.0,
-        0.0,
-    );
+    let mut r = Record::copy("cpu", "quinn", ck.bytes, 0, q_wall, 0, 0.0, 0.0);
     r.verified = false;
     r.extra = json!({
+        "runs": runs,
         "cpu_s": q_cpu,
+        "cpu_s_range": [q_lo, q_hi],
         "cpu_s_per_gb": q_cpu / gb,
+        "goodput_bps_median": q_gput,
+        "goodput_bps_range": [q_glo, q_ghi],
         "runs_cpu_s": quinn.iter().map(|v| v["cpu_s"].clone()).collect::<Vec<_>>(),
-        "note": "median of 3 runs; the bytes are not files and are not compared",
+        "note": "medians of the runs, alternating with Ferry; the bytes are not files and are not compared",
     });
     b.records.push(r);
     Ok(())
