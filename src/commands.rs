@@ -643,7 +643,11 @@ impl Since {
 /// token); the answer is not a trace; `out` cannot be written.
 pub async fn trace(args: &ServerArgs, since: Option<Since>, out: Option<&Path>) -> Result<()> {
     let c = Client::new(args, REQUEST_TIMEOUT)?;
-    let since_ms = since.map_or(0, |s| s.unix_ms(now_ms()));
+    let now = now_ms();
+    let since_ms = since.map_or(0, |s| s.unix_ms(now));
+    if since_ms > now {
+        anyhow::bail!("--since is in the future: nothing has been recorded after it yet");
+    }
     let text = c
         .get_text("/v1/trace", &[("since", &since_ms.to_string())])
         .await?;

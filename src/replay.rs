@@ -15,7 +15,7 @@ use scheduler::trace::{Trace, What};
 use scheduler::{Class, Policy, PolicyKind};
 use serde_json::{json, Value};
 
-use crate::config::{Config, SchedulerSection};
+use crate::config::SchedulerSection;
 use crate::outln;
 
 /// Arguments of `ferry replay`.
@@ -52,15 +52,18 @@ What the replay models: each link's admission (max_active per class, or in all u
 fifo), class floors, shares by score, aging, signal severity and promotion to urgent
 (urgent_for), the rate cap (token bucket), operators' class and importance changes,
 pauses, resumes, cancels and rate changes, and half an RTT from the last chunk to the
-publish. It uses the agents' own scheduler code (LinkScheduler, Policy, score).
+publish; the link is a wire of the rate cap (alone, a transfer is ready bytes x 8 / rate
++ RTT / 2 after it starts). It uses the agents' own scheduler code (LinkScheduler, Policy,
+score).
 What it does not model: CPU, disk and storage limits; packet loss and congestion
 control (the link always delivers its rate cap); the extra round trips of a resumed or
 re-saved transfer; checkpoints still being written (all bytes are there at arrival);
 the sink's verification and publish time; a pool of agents.
 
 A transfer counts as urgent if it was urgent at any time (its class, an operator, or a
-signal's promotion under that policy); 'over alone' is its time to ready over its
-time alone on the link under the same policy.
+signal's promotion under that policy), so a class can hold different transfers under
+different policies: the 'transfers' row shows each count. 'over alone' is its time to
+ready over its time alone on the link under the same policy.
 
 Examples:
   ferry replay --preset seed-208
@@ -68,7 +71,7 @@ Examples:
   ferry replay day.jsonl --policy priority --policy tuned.toml --svg day.svg")]
 pub struct ReplayArgs {
     /// Trace file (JSON lines; `-` reads stdin). Instead of --preset.
-    #[arg(required_unless_present = "preset", conflicts_with = "preset")]
+    #[arg(conflicts_with = "preset")]
     pub trace: Option<PathBuf>,
     /// A generated workload instead of a trace: seed-208 or demo-priority
     /// (see below).
@@ -80,16 +83,17 @@ pub struct ReplayArgs {
     /// config). Default: fifo and priority.
     #[arg(long = "policy", value_name = "fifo|priority|FILE.toml")]
     pub policies: Vec<String>,
-    /// Seed of --preset seed-208.
-    #[arg(long, default_value_t = 1, requires = "preset")]
-    pub seed: u64,
-    /// Hours of arrivals of --preset seed-208 (the replay runs on until
-    /// the last transfer is ready).
-    #[arg(long, default_value_t = 24.0, requires = "preset")]
-    pub hours: f64,
-    /// Simulated chunk length (the scheduling quantum), e.g. 4MiB;
-    /// default 4 MiB (the agents' chunk_size), 64 MiB for seed-208.
-    #[arg(long, value_parser = ferry_proto::units::parse_size)]
+    /// Seed of --preset seed-208 (default 1).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Hours of arrivals of --preset seed-208, more than 0 and at most 744
+    /// (default 24; the replay runs on until the last transfer is ready).
+    #[arg(long)]
+    pub hours: Option<f64>,
+    /// Simulated chunk length (the scheduling quantum), 64KiB to 1GiB;
+    /// default the trace's own (`chunk_bytes` in its header: 64 MiB for
+    /// seed-208), else 4 MiB (the agents' chunk_size).
+    #[arg(long, value_parser = parse_chunk)]
     pub chunk: Option<u64>,
     /// Also write a chart (time-to-ready distribution per class, one line
     /// per policy) to this SVG file.
@@ -101,6 +105,22 @@ pub struct ReplayArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
+}
+
+/// Smallest and largest `--chunk`, bytes.
+const CHUNK_RANGE: std::ops::RangeInclusive<u64> = (64 << 10)..=(1 << 30);
+
+/// At most this many scheduler decisions per policy (bytes / chunk); a
+/// larger replay asks for a larger `--chunk`.
+const MAX_DECISIONS: u64 = 200_000_000;
+
+fn parse_chunk(s: &str) -> Result<u64, String> {
+    let v = ferry_proto::units::parse_size(s)?;
+    if CHUNK_RANGE.contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!("must be from 64KiB to 1GiB, got {v} bytes"))
+    }
 }
 
 /// A policy to replay under and the name it is shown with.
@@ -135,21 +155,27 @@ pub fn parse_policy(arg: &str) -> Result<NamedPolicy> {
         format!("policy {arg:?}: not fifo or priority, and not a readable file")
     })?;
     let table: toml::Table = toml::from_str(&text).with_context(|| format!("policy file {arg}"))?;
-    let section = if table.keys().all(|k| k == "scheduler") {
-        #[derive(serde::Deserialize)]
-        #[serde(deny_unknown_fields)]
-        struct PolicyFile {
-            #[serde(default)]
-            scheduler: SchedulerSection,
-        }
-        toml::from_str::<PolicyFile>(&text)
-            .with_context(|| format!("policy file {arg}"))?
-            .scheduler
-    } else {
-        toml::from_str::<Config>(&text)
-            .with_context(|| format!("policy file {arg} (read as an agent config)"))?
-            .scheduler
+    let Some(section) = table.get("scheduler") else {
+        bail!(
+            "policy file {arg}: it has no [scheduler] section (keys found: {})",
+            table.keys().cloned().collect::<Vec<_>>().join(", ")
+        );
     };
+    let others: Vec<&String> = table.keys().filter(|k| *k != "scheduler").collect();
+    if !others.is_empty() {
+        eprintln!(
+            "note: policy file {arg}: only its [scheduler] section is used ({} ignored)",
+            others
+                .iter()
+                .map(|k| k.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    let section: SchedulerSection = section
+        .clone()
+        .try_into()
+        .with_context(|| format!("policy file {arg}, [scheduler]"))?;
     let policy = section
         .policy()
         .with_context(|| format!("policy file {arg}"))?;
@@ -171,11 +197,7 @@ struct Run {
 /// # Errors
 /// A bad trace (the line named), policy or output file.
 pub fn run(a: &ReplayArgs) -> Result<()> {
-    let (trace, what) = load(a)?;
-    if let Some(p) = &a.write_trace {
-        std::fs::write(p, trace.to_json_lines())
-            .with_context(|| format!("writing the trace to {}", p.display()))?;
-    }
+    // Everything given is checked before anything is written or run.
     let mut policies = Vec::new();
     for p in &a.policies {
         policies.push(parse_policy(p)?);
@@ -183,15 +205,48 @@ pub fn run(a: &ReplayArgs) -> Result<()> {
     if policies.is_empty() {
         policies = vec![parse_policy("fifo")?, parse_policy("priority")?];
     }
+    // Two files of one name are shown by their paths.
+    let names: Vec<String> = policies.iter().map(|p| p.name.clone()).collect();
+    for (i, p) in policies.iter_mut().enumerate() {
+        if names.iter().filter(|n| **n == p.name).count() > 1 {
+            if let Some(arg) = a.policies.get(i) {
+                p.name = arg.clone();
+            }
+        }
+    }
+    if let Some(parent) = a.svg.as_ref().and_then(|p| p.parent()) {
+        if !parent.as_os_str().is_empty() && !parent.is_dir() {
+            bail!("--svg: directory {} does not exist", parent.display());
+        }
+    }
+    let (trace, what) = load(a)?;
+    if trace.arrivals() == 0 {
+        bail!("{what}: no transfer arrives in it, nothing to replay");
+    }
     let chunk = a
         .chunk
-        .unwrap_or(if a.preset.as_deref() == Some("seed-208") {
-            64 << 20
-        } else {
-            4 << 20
-        });
-    if chunk == 0 {
-        bail!("--chunk must be at least 1 byte");
+        .or(trace.header.chunk_bytes)
+        .unwrap_or(4 << 20)
+        .max(1);
+    let total: u64 = trace
+        .events
+        .iter()
+        .filter_map(|e| match e.what {
+            What::Arrival { bytes, .. } => Some(bytes),
+            _ => None,
+        })
+        .sum();
+    if total / chunk > MAX_DECISIONS {
+        bail!(
+            "{what}: {total} bytes in {} chunks would take {} scheduler decisions per policy (at most {MAX_DECISIONS}); give a larger --chunk, e.g. --chunk {}MiB",
+            size(chunk),
+            total / chunk,
+            ((total / MAX_DECISIONS) >> 20) + 1
+        );
+    }
+    if let Some(p) = &a.write_trace {
+        std::fs::write(p, trace.to_json_lines())
+            .with_context(|| format!("writing the trace to {}", p.display()))?;
     }
     let opts = Options { chunk_bytes: chunk };
     let t0 = Instant::now();
@@ -217,8 +272,8 @@ pub fn run(a: &ReplayArgs) -> Result<()> {
         chart(&runs, p, &what).with_context(|| format!("writing the chart {}", p.display()))?;
     }
     eprintln!(
-        "replayed {} policies in {wall:.2} s: {:.1} simulated hours per wall second",
-        runs.len(),
+        "replayed {} in {wall:.2} s: {:.1} simulated hours per wall second",
+        plural(runs.len(), "policy", "policies"),
         simulated_h / wall.max(1e-6)
     );
     Ok(())
@@ -227,36 +282,55 @@ pub fn run(a: &ReplayArgs) -> Result<()> {
 /// The trace and a one-line description of where it came from.
 fn load(a: &ReplayArgs) -> Result<(Trace, String)> {
     if let Some(name) = &a.preset {
-        if !(a.hours.is_finite() && a.hours > 0.0 && a.hours <= 24.0 * 31.0) {
-            bail!(
-                "--hours must be more than 0 and at most 744 (31 days), got {}",
-                a.hours
-            );
+        let seed_208 = name == "seed-208";
+        if !seed_208 && (a.seed.is_some() || a.hours.is_some()) {
+            bail!("--seed and --hours are for --preset seed-208 only");
         }
-        let t = preset::by_name(name, a.seed, a.hours).ok_or_else(|| {
+        let (seed, hours) = (a.seed.unwrap_or(1), a.hours.unwrap_or(24.0));
+        if !(hours.is_finite() && hours > 0.0 && hours <= 24.0 * 31.0) {
+            bail!("--hours must be more than 0 and at most 744 (31 days), got {hours}");
+        }
+        let t = preset::by_name(name, seed, hours).ok_or_else(|| {
             anyhow!(
                 "unknown preset {name:?} (expected {})",
                 preset::NAMES.join(", ")
             )
         })?;
-        let what = match name.as_str() {
-            "seed-208" => format!(
-                "preset seed-208 (seed {}, {} h of arrivals)",
-                a.seed, a.hours
-            ),
-            _ => format!("preset {name}"),
+        let what = if seed_208 {
+            format!("preset seed-208 (seed {seed}, {hours} h of arrivals)")
+        } else {
+            format!("preset {name}")
         };
         return Ok((t, what));
     }
-    let path = a.trace.as_ref().context("give a trace file or --preset")?;
-    let text = if path.as_os_str() == "-" {
-        std::io::read_to_string(std::io::stdin()).context("reading the trace from stdin")?
-    } else {
-        std::fs::read_to_string(path)
-            .with_context(|| format!("reading the trace {}", path.display()))?
+    if a.seed.is_some() || a.hours.is_some() {
+        bail!("--seed and --hours are for --preset seed-208 only");
+    }
+    let Some(path) = a.trace.as_ref() else {
+        bail!(
+            "give a trace file (JSON lines, `-` for stdin; `ferry trace` exports one) or --preset {}",
+            preset::NAMES.join("|")
+        );
     };
-    let t = Trace::parse(&text).with_context(|| format!("trace {}", path.display()))?;
-    Ok((t, format!("trace {}", path.display())))
+    let (text, what) = if path.as_os_str() == "-" {
+        (
+            std::io::read_to_string(std::io::stdin()).context("reading the trace from stdin")?,
+            "the trace on stdin".to_string(),
+        )
+    } else {
+        (
+            std::fs::read_to_string(path)
+                .with_context(|| format!("reading the trace {}", path.display()))?,
+            format!("trace {}", path.display()),
+        )
+    };
+    let t = Trace::parse(&text).with_context(|| what.clone())?;
+    Ok((t, what))
+}
+
+/// "1 transfer", "2 transfers".
+fn plural(n: usize, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
 }
 
 fn counts(trace: &Trace) -> (usize, usize) {
@@ -285,10 +359,14 @@ fn links(trace: &Trace) -> String {
         .join(", ")
 }
 
-/// 4194304 -> "4 MiB".
+/// 4194304 -> "4 MiB", 1073741824 -> "1 GiB".
 fn size(b: u64) -> String {
-    if b >= 1 << 20 && b % (1 << 20) == 0 {
+    if b >= 1 << 30 && b % (1 << 30) == 0 {
+        format!("{} GiB", b >> 30)
+    } else if b >= 1 << 20 && b % (1 << 20) == 0 {
         format!("{} MiB", b >> 20)
+    } else if b >= 1 << 10 && b % (1 << 10) == 0 {
+        format!("{} KiB", b >> 10)
     } else {
         format!("{b} B")
     }
@@ -316,13 +394,20 @@ fn table(what: &str, trace: &Trace, chunk: u64, runs: &[Run]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "replay of {what}: {arrivals} transfers, {signals} signals; link {}; {} chunks",
+        "replay of {what}: {}, {}; {} {}; {} chunks",
+        plural(arrivals, "transfer", "transfers"),
+        plural(signals, "signal", "signals"),
+        if trace.header.links.len() == 1 {
+            "link"
+        } else {
+            "links"
+        },
         links(trace),
         size(chunk)
     );
     let w = runs.iter().map(|r| r.name.len()).max().unwrap_or(0).max(10);
     let row = |s: &mut String, label: &str, cells: Vec<String>| {
-        let _ = write!(s, "{label:<28}");
+        let _ = write!(s, "{label:<34}");
         for c in cells {
             let _ = write!(s, " {c:>w$}");
         }
@@ -355,10 +440,17 @@ fn table(what: &str, trace: &Trace, chunk: u64, runs: &[Run]) -> String {
             .collect(),
     );
     for c in CLASSES {
-        let Some(n) = runs.iter().find_map(|r| of(r, c)).map(|x| x.arrived) else {
+        if !runs.iter().any(|r| of(r, c).is_some()) {
             continue;
-        };
-        let _ = writeln!(s, "{c} ({n} transfers), time to ready in s");
+        }
+        let _ = writeln!(s, "{c}, time to ready in s");
+        row(
+            &mut s,
+            "  transfers",
+            runs.iter()
+                .map(|r| of(r, c).map_or(0, |x| x.arrived).to_string())
+                .collect(),
+        );
         for (i, p) in ["p50", "p90", "p99", "max"].iter().enumerate() {
             row(
                 &mut s,
@@ -418,7 +510,7 @@ fn table(what: &str, trace: &Trace, chunk: u64, runs: &[Run]) -> String {
             if let Some(b) = p50(base, c) {
                 row(
                     &mut s,
-                    &format!("{c} p50: {} over this", base.name),
+                    &format!("{c} p50, {} over this", base.name),
                     runs.iter()
                         .map(|r| {
                             p50(r, c).map_or("-".into(), |v| format!("{:.2} x", b / v.max(1e-3)))
@@ -506,12 +598,13 @@ fn chart(runs: &[Run], path: &Path, what: &str) -> Result<()> {
                 lo = lo.min(*a);
                 hi = hi.max(*b);
             }
+            // The empirical distribution as a step function from 0.
             let n = t.len() as f64;
-            let pts: Vec<(f64, f64)> = t
-                .iter()
-                .enumerate()
-                .map(|(i, v)| (*v, (i + 1) as f64 / n))
-                .collect();
+            let mut pts = Vec::with_capacity(2 * t.len());
+            for (i, v) in t.iter().enumerate() {
+                pts.push((*v, i as f64 / n));
+                pts.push((*v, (i + 1) as f64 / n));
+            }
             lines.push((r.name.clone(), pts));
         }
         if hi <= 0.0 {
@@ -526,12 +619,23 @@ fn chart(runs: &[Run], path: &Path, what: &str) -> Result<()> {
             .build_cartesian_2d((lo..hi).log_scale(), 0.0..1.0)
             .map_err(e)?;
         ch.configure_mesh()
+            .x_label_formatter(&|v| secs(*v))
             .x_desc("time to ready (s, log scale)")
             .y_desc("fraction ready")
             .draw()
             .map_err(e)?;
         for (i, (name, pts)) in lines.into_iter().enumerate() {
             let color = palette[i % palette.len()];
+            // A few transfers: a dot at each, so one alone still shows.
+            if pts.len() <= 40 {
+                ch.draw_series(
+                    pts.iter()
+                        .skip(1)
+                        .step_by(2)
+                        .map(|p| Circle::new(*p, 3, color.filled())),
+                )
+                .map_err(e)?;
+            }
             ch.draw_series(LineSeries::new(pts, color.stroke_width(2)))
                 .map_err(e)?
                 .label(name)

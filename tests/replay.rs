@@ -64,9 +64,9 @@ fn the_same_trace_gives_the_same_output_byte_for_byte() {
     for want in [
         "fifo",
         "priority",
-        "urgent (",
-        "scheduled (",
-        "background (",
+        "urgent, time to ready",
+        "scheduled, time to ready",
+        "background, time to ready",
         "p99",
         "over alone",
     ] {
@@ -178,4 +178,38 @@ fn bad_input_is_named() {
     let o = ferry(&["replay", "--preset", "demo-priority", "--policy", "fastest"]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("\"fastest\""), "{err}");
+
+    // Checked before anything is written.
+    let written = dir.path().join("w.jsonl");
+    let o = ferry(&[
+        "replay",
+        "--preset",
+        "demo-priority",
+        "--policy",
+        "fastest",
+        "--write-trace",
+        written.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(!written.exists());
+    // Options that do not apply are refused, not ignored.
+    let o = ferry(&["replay", trace.to_str().unwrap(), "--seed", "5"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--preset seed-208 only"));
+    let o = ferry(&["replay"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--preset"));
+    // A trace of no transfers has nothing to replay.
+    std::fs::write(&trace, "{\"ferry_trace\":1}\n").unwrap();
+    let o = ferry(&["replay", trace.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("nothing to replay"));
+    // A replay too fine to finish soon asks for a larger chunk.
+    std::fs::write(
+        &trace,
+        "{\"ferry_trace\":1,\"links\":[{\"link\":\"l\",\"rate_bps\":1000,\"rtt_ms\":10}]}\n\
+         {\"at_ms\":0,\"event\":\"arrival\",\"id\":1,\"link\":\"l\",\"bytes\":10000000000000000,\"class\":\"urgent\",\"job\":\"j\"}\n",
+    )
+    .unwrap();
+    let o = ferry(&["replay", trace.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("give a larger --chunk"));
 }

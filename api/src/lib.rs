@@ -278,7 +278,7 @@ async fn no_route(method: axum::http::Method, uri: Uri, State(s): State<AppState
         roles.join(" and ")
     };
     ApiError::not_found(format!(
-        "no such route: {method} {} (this agent has {roles}; GET /openapi.json lists its routes)",
+        "no such route: {method} {} (this agent's roles: {roles}; GET /openapi.json lists its routes)",
         uri.path()
     ))
 }

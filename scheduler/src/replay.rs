@@ -9,10 +9,14 @@
 //!   [`Options::chunk_bytes`] at a time, the last one shorter), and
 //!   [`LinkScheduler::next`] decides which chunk goes next under the rate
 //!   cap;
-//! - a chunk sent at `t` is at the sink at `t + bytes / rate + RTT / 2`;
-//!   the transfer is *ready* (published at the sink) when its last chunk
-//!   arrives, and frees its admission slot half an RTT later, when the
-//!   source hears the commit acknowledged;
+//! - the link is a wire of the rate cap: a chunk the scheduler sends at
+//!   `t` goes on it when the chunks before it are through (at `max(t,
+//!   wire free)`), takes `bytes / rate`, and is at the sink half an RTT
+//!   later; the transfer is *ready* (published at the sink) when its last
+//!   chunk arrives, and frees its admission slot half an RTT later, when
+//!   the source hears the commit acknowledged. Alone on the link, a
+//!   transfer of `B` bytes is ready `B x 8 / rate + RTT / 2` after it
+//!   starts (packet headers are not counted);
 //! - a signal raises its job's severity on every link and promotes the
 //!   job's newest unfinished transfer not in class `background` to
 //!   `urgent` for `urgent_for`, as the agent does; an operator's class
@@ -112,8 +116,8 @@ pub struct Report {
     pub chunks: u64,
     /// Payload bytes sent.
     pub bytes_sent: u64,
-    /// Time-averaged number of transfers arrived and not yet ended
-    /// (queued, moving or paused).
+    /// Time-averaged number of transfers arrived and not yet ready or
+    /// cancelled (queued, moving or paused), over `start_ms..end_ms`.
     pub mean_in_system: f64,
 }
 
@@ -151,6 +155,8 @@ struct Sim {
     free_ms: i64,
     deadline_ms: Option<i64>,
     index: usize,
+    /// When it was cancelled, Unix ms.
+    cancelled_ms: Option<i64>,
 }
 
 struct LinkSim {
@@ -161,6 +167,10 @@ struct LinkSim {
     dirty: bool,
     /// The rate cap says wait until then.
     wake_ms: Option<i64>,
+    /// When the wire is free of the chunks already sent, Unix ms.
+    wire_free: f64,
+    /// Queued transfers of this link (waiting for admission).
+    queued: BTreeSet<TransferId>,
 }
 
 struct World<'a> {
@@ -176,6 +186,8 @@ struct World<'a> {
     chunks: u64,
     bytes_sent: u64,
     in_system: usize,
+    /// Per job, its transfers not yet done or cancelled, by (arrival, id).
+    by_job: HashMap<String, BTreeSet<(i64, TransferId)>>,
 }
 
 impl World<'_> {
@@ -243,10 +255,16 @@ impl World<'_> {
                         free_ms: 0,
                         deadline_ms: *deadline_ms,
                         index,
+                        cancelled_ms: None,
                     },
                 );
                 self.in_system += 1;
+                self.by_job
+                    .entry(job.clone())
+                    .or_default()
+                    .insert((now, *id));
                 if let Some(l) = self.links.get_mut(link) {
+                    l.queued.insert(*id);
                     l.dirty = true;
                 }
             }
@@ -270,11 +288,10 @@ impl World<'_> {
             What::Job(j) => {
                 self.jobs.insert(j.job.clone(), j.clone());
                 let ids: Vec<TransferId> = self
-                    .transfers
-                    .iter()
-                    .filter(|(_, t)| t.job == j.job)
-                    .map(|(id, _)| *id)
-                    .collect();
+                    .by_job
+                    .get(&j.job)
+                    .map(|s| s.iter().map(|(_, id)| *id).collect())
+                    .unwrap_or_default();
                 for id in ids {
                     self.refresh(id, now);
                 }
@@ -285,6 +302,7 @@ impl World<'_> {
                         t.state = State::Paused;
                         if let Some(l) = self.links.get_mut(&t.link) {
                             l.sched.remove(*id);
+                            l.queued.remove(id);
                             l.dirty = true;
                         }
                     }
@@ -295,6 +313,7 @@ impl World<'_> {
                     if t.state == State::Paused {
                         t.state = State::Queued;
                         if let Some(l) = self.links.get_mut(&t.link) {
+                            l.queued.insert(*id);
                             l.dirty = true;
                         }
                     }
@@ -304,9 +323,14 @@ impl World<'_> {
                 if let Some(t) = self.transfers.get_mut(id) {
                     if matches!(t.state, State::Queued | State::Active | State::Paused) {
                         t.state = State::Cancelled;
+                        t.cancelled_ms = Some(now);
                         self.in_system -= 1;
+                        if let Some(s) = self.by_job.get_mut(&t.job) {
+                            s.remove(&(t.created_ms, *id));
+                        }
                         if let Some(l) = self.links.get_mut(&t.link) {
                             l.sched.remove(*id);
+                            l.queued.remove(id);
                             l.dirty = true;
                         }
                     }
@@ -325,16 +349,14 @@ impl World<'_> {
                     l.dirty = true;
                 }
                 // The job's newest unfinished transfer outside background.
-                let newest = self
-                    .transfers
-                    .iter()
-                    .filter(|(_, t)| {
-                        t.job == *job
-                            && t.class != Class::Background
-                            && !matches!(t.state, State::Done | State::Cancelled)
+                let transfers = &self.transfers;
+                let newest = self.by_job.get(job).and_then(|s| {
+                    s.iter().rev().map(|(_, id)| *id).find(|id| {
+                        transfers
+                            .get(id)
+                            .is_some_and(|t| t.class != Class::Background)
                     })
-                    .max_by_key(|(id, t)| (t.created_ms, **id))
-                    .map(|(id, _)| *id);
+                });
                 if let Some(id) = newest {
                     let until = now.saturating_add(self.policy.urgent_for_ms as i64);
                     if let Some(t) = self.transfers.get_mut(&id) {
@@ -354,11 +376,15 @@ impl World<'_> {
     /// Starts what the scheduler admits on `name`.
     fn admit(&mut self, name: &str, now: i64) {
         let waiting: Vec<Transfer> = self
-            .transfers
-            .iter()
-            .filter(|(_, t)| t.link == name && t.state == State::Queued)
-            .map(|(id, t)| self.view(*id, t, now))
-            .collect();
+            .links
+            .get(name)
+            .map(|l| {
+                l.queued
+                    .iter()
+                    .filter_map(|id| self.transfers.get(id).map(|t| self.view(*id, t, now)))
+                    .collect()
+            })
+            .unwrap_or_default();
         let Some(l) = self.links.get_mut(name) else {
             return;
         };
@@ -372,6 +398,7 @@ impl World<'_> {
                 continue;
             };
             l.sched.upsert(v, now);
+            l.queued.remove(&id);
             let Some(t) = self.transfers.get_mut(&id) else {
                 continue;
             };
@@ -405,14 +432,14 @@ impl World<'_> {
                         continue;
                     };
                     t.sent = (t.sent + bytes).min(t.bytes);
+                    let on_wire = l.wire_free.max(now as f64);
+                    l.wire_free = on_wire + bytes as f64 * 8000.0 / l.rate_bps.max(1) as f64;
                     if t.sent < t.bytes {
                         l.sched.chunk_ready(id, (t.bytes - t.sent).min(self.chunk));
                     } else {
-                        // On the wire for bytes / rate, then half an RTT.
-                        let wire_ms =
-                            (bytes as f64 * 8000.0 / l.rate_bps.max(1) as f64).ceil() as i64;
+                        // Through the wire, then half an RTT.
                         let half = (l.rtt_ms / 2) as i64;
-                        let ready = now + wire_ms + half;
+                        let ready = (l.wire_free.ceil() as i64).max(now) + half;
                         t.state = State::Sent;
                         t.ready_ms = Some(ready);
                         t.free_ms = ready + half;
@@ -460,6 +487,8 @@ pub fn run(trace: &Trace, policy: &Policy, opts: &Options) -> Report {
                         rtt_ms: l.rtt_ms,
                         dirty: false,
                         wake_ms: None,
+                        wire_free: start as f64,
+                        queued: BTreeSet::new(),
                     },
                 )
             })
@@ -470,12 +499,12 @@ pub fn run(trace: &Trace, policy: &Policy, opts: &Options) -> Report {
         chunks: 0,
         bytes_sent: 0,
         in_system: 0,
+        by_job: HashMap::new(),
     };
     let names: Vec<String> = w.links.keys().cloned().collect();
     let mut next_event = 0usize;
     let mut arrivals = 0usize;
     let mut now = start;
-    let mut area = 0.0f64;
     let mut end = start;
     loop {
         // Trace events due now.
@@ -498,6 +527,9 @@ pub fn run(trace: &Trace, policy: &Policy, opts: &Options) -> Report {
                 if t.state == State::Sent {
                     t.state = State::Done;
                     w.in_system -= 1;
+                    if let Some(s) = w.by_job.get_mut(&t.job) {
+                        s.remove(&(t.created_ms, id));
+                    }
                     end = end.max(t.ready_ms.unwrap_or(at));
                     if let Some(l) = w.links.get_mut(&t.link) {
                         l.sched.remove(id);
@@ -540,7 +572,6 @@ pub fn run(trace: &Trace, policy: &Policy, opts: &Options) -> Report {
             break;
         }
         let next = next.max(now + 1);
-        area += w.in_system as f64 * (next - now) as f64;
         now = next;
     }
     if let Some(last) = trace.events.last() {
@@ -577,6 +608,19 @@ pub fn run(trace: &Trace, policy: &Policy, opts: &Options) -> Report {
         })
         .collect();
     outcomes.sort_by_key(|(i, _)| *i);
+    // Time in the system: arrival to ready, to cancel, or to the end.
+    let area: f64 = w
+        .transfers
+        .values()
+        .map(|t| {
+            let until = match t.state {
+                State::Done | State::Sent => t.ready_ms.unwrap_or(end),
+                State::Cancelled => t.cancelled_ms.unwrap_or(end),
+                _ => end,
+            };
+            (until.min(end) - t.created_ms).max(0) as f64
+        })
+        .sum();
     let span = (end - start).max(1) as f64;
     Report {
         outcomes: outcomes.into_iter().map(|(_, o)| o).collect(),
@@ -735,6 +779,7 @@ mod tests {
         Trace {
             header: Header {
                 ferry_trace: crate::trace::TRACE_VERSION,
+                chunk_bytes: None,
                 links: vec![LinkSpec {
                     link: "l".into(),
                     rate_bps: 8_000_000,
@@ -790,6 +835,35 @@ mod tests {
             alone_ms(&t, &Policy::default(), &opts, TransferId(1)),
             Some((s * 1000.0) as i64)
         );
+    }
+
+    #[test]
+    fn alone_the_time_is_bytes_over_the_rate_plus_half_an_rtt() {
+        // 20 MB at 100 Mbit/s with 100 ms: 1.6 s + 50 ms; 1 GB at 60 Gbit/s
+        // and 100 ms: 133 ms + 50 ms; 1 MB at 1 kbit/s: 8000 s + 5 ms. A
+        // chunk longer than the bucket (one BDP) waits for a full bucket
+        // first, as in the agents' LinkScheduler: at most one chunk's time
+        // more.
+        for (bytes, rate, rtt, want_ms) in [
+            (20_000_000u64, 100_000_000u64, 100u64, 1_650i64),
+            (1_000_000_000, 60_000_000_000, 100, 184),
+            (1_000_000, 1_000, 10, 8_000_005),
+        ] {
+            for chunk in [64u64 << 10, 4 << 20, 64 << 20] {
+                let mut t = one_link(vec![arrive(0, 1, bytes, Class::Scheduled)]);
+                t.header.links[0].rate_bps = rate;
+                t.header.links[0].rtt_ms = rtt;
+                let opts = Options { chunk_bytes: chunk };
+                let got = alone_ms(&t, &Policy::default(), &opts, TransferId(1)).unwrap();
+                let bdp = rate as f64 / 8000.0 * rtt as f64;
+                let chunk = chunk.min(bytes) as f64;
+                let slack = ((chunk - bdp).max(0.0) * 8000.0 / rate as f64).ceil() as i64 + 2;
+                assert!(
+                    got >= want_ms - 1 && got <= want_ms + slack,
+                    "{bytes} B at {rate} bit/s, chunk {chunk}: {got} ms, want {want_ms} (+{slack})"
+                );
+            }
+        }
     }
 
     #[test]

@@ -2,8 +2,9 @@
 //! as JSON lines, for `ferry replay` (ARCHITECTURE.md "Policy replay").
 //!
 //! Version 1. The first line is a [`Header`]: `{"ferry_trace": 1,
-//! "links": [...], "jobs": [...]}` (the links' rate caps and the jobs'
-//! sizes and importances when the trace starts). Every other line is one
+//! "links": [...], "jobs": [...], "chunk_bytes"?}` (the links' rate caps
+//! and RTTs and the jobs' sizes and importances when the trace starts;
+//! the chunk a generated trace should be replayed with). Every other line is one
 //! [`Event`]: `{"at_ms": <Unix ms>, "event": "<kind>", ...}`, in time
 //! order. Kinds and their fields:
 //!
@@ -31,11 +32,25 @@ use crate::Class;
 /// The trace format version this code writes and reads.
 pub const TRACE_VERSION: u32 = 1;
 
+/// Latest time a trace may hold, Unix ms (2100-01-01T00:00:00Z); times
+/// start at 0.
+pub const MAX_AT_MS: i64 = 4_102_444_800_000;
+/// Largest transfer, bytes (10 PB).
+pub const MAX_BYTES: u64 = 10_000_000_000_000_000;
+/// Largest rate cap, bit/s (10 Tbit/s).
+pub const MAX_RATE_BPS: u64 = 10_000_000_000_000;
+/// Longest RTT, ms (10 minutes).
+pub const MAX_RTT_MS: u64 = 600_000;
+
 /// The first line of a trace.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Header {
     /// Format version, [`TRACE_VERSION`].
     pub ferry_trace: u32,
+    /// The simulated chunk the replay should use, bytes, when the trace
+    /// was made for one (a preset); `ferry replay --chunk` overrides it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunk_bytes: Option<u64>,
     /// The links and their rate caps when the trace starts.
     #[serde(default)]
     pub links: Vec<LinkSpec>,
@@ -190,11 +205,15 @@ impl Trace {
     /// # Errors
     /// [`TraceError`] naming the first bad line: not JSON, a missing or
     /// mistyped field, an unknown `event`, a header of another version,
-    /// an event earlier than the one before it, a transfer id that
-    /// arrives twice or is changed before it arrives, a rate of 0, a
-    /// severity or importance outside 0..1, an arrival on a link the
-    /// header does not list.
+    /// a link or job listed twice, an event earlier than the one before
+    /// it, a transfer id that arrives twice or is changed before it
+    /// arrives, a severity or importance outside 0..1, an arrival on a
+    /// link the header does not list, and numbers out of range: times
+    /// outside 0..[`MAX_AT_MS`], bytes above [`MAX_BYTES`], a rate outside
+    /// 1..[`MAX_RATE_BPS`], an RTT above [`MAX_RTT_MS`], a negative or
+    /// non-finite model size.
     pub fn parse(text: &str) -> Result<Trace, TraceError> {
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         let mut lines = text
             .lines()
             .enumerate()
@@ -210,7 +229,10 @@ impl Trace {
         let header: Header = serde_json::from_str(first).map_err(|e| {
             bad(
                 hl,
-                format!("not a trace header ({{\"ferry_trace\": 1, \"links\": [...]}}): {e}"),
+                format!(
+                    "not a trace header ({{\"ferry_trace\": 1, \"links\": [...]}}): {}",
+                    json_error(&e)
+                ),
             )
         })?;
         if header.ferry_trace != TRACE_VERSION {
@@ -222,22 +244,46 @@ impl Trace {
                 ),
             ));
         }
+        let mut seen = std::collections::HashSet::new();
         for l in &header.links {
-            if l.rate_bps == 0 {
+            if !seen.insert(&l.link) {
+                return Err(bad(hl, format!("link {:?} is listed twice", l.link)));
+            }
+            check_rate(l.rate_bps).map_err(|m| bad(hl, format!("link {:?}: {m}", l.link)))?;
+            if l.rtt_ms > MAX_RTT_MS {
                 return Err(bad(
                     hl,
-                    format!("link {:?}: rate_bps must be at least 1", l.link),
+                    format!(
+                        "link {:?}: rtt_ms must be at most {MAX_RTT_MS}, got {}",
+                        l.link, l.rtt_ms
+                    ),
                 ));
             }
         }
+        let mut seen = std::collections::HashSet::new();
         for j in &header.jobs {
-            check_unit(j.importance, "importance").map_err(|m| bad(hl, m))?;
+            if !seen.insert(&j.job) {
+                return Err(bad(hl, format!("job {:?} is listed twice", j.job)));
+            }
+            check_job(j).map_err(|m| bad(hl, format!("job {:?}: {m}", j.job)))?;
+        }
+        if header.chunk_bytes == Some(0) {
+            return Err(bad(hl, "chunk_bytes must be at least 1".into()));
         }
         let mut events = Vec::new();
         let mut known = std::collections::HashSet::new();
         let mut last = i64::MIN;
         for (n, l) in lines {
-            let e: Event = serde_json::from_str(l).map_err(|e| bad(n, e.to_string()))?;
+            let e: Event = serde_json::from_str(l).map_err(|e| bad(n, json_error(&e)))?;
+            if !(0..=MAX_AT_MS).contains(&e.at_ms) {
+                return Err(bad(
+                    n,
+                    format!(
+                        "at_ms must be from 0 to {MAX_AT_MS} (Unix ms, before 2100), got {}",
+                        e.at_ms
+                    ),
+                ));
+            }
             if e.at_ms < last {
                 return Err(bad(
                     n,
@@ -263,9 +309,23 @@ impl Trace {
                     id,
                     link,
                     importance,
+                    bytes,
+                    deadline_ms,
                     ..
                 } => {
                     on_link(link)?;
+                    if *bytes > MAX_BYTES {
+                        return Err(bad(
+                            n,
+                            format!("bytes must be at most {MAX_BYTES} (10 PB), got {bytes}"),
+                        ));
+                    }
+                    if let Some(d) = deadline_ms.filter(|d| !(0..=MAX_AT_MS).contains(d)) {
+                        return Err(bad(
+                            n,
+                            format!("deadline_ms must be from 0 to {MAX_AT_MS}, got {d}"),
+                        ));
+                    }
                     if !known.insert(*id) {
                         return Err(bad(n, format!("transfer {id} arrives twice")));
                     }
@@ -289,12 +349,10 @@ impl Trace {
                         check_unit(*i, "importance").map_err(|m| bad(n, m))?;
                     }
                 }
-                What::Job(j) => check_unit(j.importance, "importance").map_err(|m| bad(n, m))?,
+                What::Job(j) => check_job(j).map_err(|m| bad(n, m))?,
                 What::Rate { link, rate_bps } => {
                     on_link(link)?;
-                    if *rate_bps == 0 {
-                        return Err(bad(n, "rate_bps must be at least 1".into()));
-                    }
+                    check_rate(*rate_bps).map_err(|m| bad(n, m))?;
                 }
                 What::Signal { severity, .. } => {
                     check_unit(*severity, "severity").map_err(|m| bad(n, m))?
@@ -325,6 +383,36 @@ impl Trace {
             .iter()
             .filter(|e| matches!(e.what, What::Arrival { .. }))
             .count()
+    }
+}
+
+/// serde_json's message without its own "at line 1 column N" (each trace
+/// line is parsed alone; the caller adds the trace's line number).
+fn json_error(e: &serde_json::Error) -> String {
+    let text = e.to_string();
+    match text.rfind(" at line ") {
+        Some(i) => format!("{} (column {})", &text[..i], e.column()),
+        None => text,
+    }
+}
+
+fn check_rate(rate: u64) -> Result<(), String> {
+    if (1..=MAX_RATE_BPS).contains(&rate) {
+        Ok(())
+    } else {
+        Err(format!(
+            "rate_bps must be from 1 to {MAX_RATE_BPS} (10 Tbit/s), got {rate}"
+        ))
+    }
+}
+
+fn check_job(j: &JobSpec) -> Result<(), String> {
+    check_unit(j.importance, "importance")?;
+    match j.model_params {
+        Some(p) if !p.is_finite() || p < 0.0 => Err(format!(
+            "model_params must be a number of parameters, 0 or more, got {p}"
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -410,5 +498,56 @@ mod tests {
             "{e}"
         );
         assert_eq!(err("\n\n").line, 0);
+        for (line, want) in [
+            (
+                r#"{"at_ms":-1,"event":"signal","job":"a","severity":0.5}"#,
+                "at_ms must be from 0",
+            ),
+            (
+                r#"{"at_ms":9223372036854775807,"event":"signal","job":"a","severity":0.5}"#,
+                "at_ms must be from 0",
+            ),
+            (
+                r#"{"at_ms":1,"event":"arrival","id":1,"link":"to-eval","bytes":18446744073709551615,"class":"urgent","job":"a"}"#,
+                "bytes must be at most",
+            ),
+            (
+                r#"{"at_ms":1,"event":"rate","link":"to-eval","rate_bps":0}"#,
+                "rate_bps must be from 1",
+            ),
+            (
+                r#"{"at_ms":1,"event":"job","job":"a","model_params":-1,"importance":0}"#,
+                "model_params",
+            ),
+            (
+                r#"{"at_ms":"0","event":"signal","job":"a","severity":0.5}"#,
+                "expected i64 (column 12)",
+            ),
+        ] {
+            let e = err(&format!("{head}\n{line}\n"));
+            assert_eq!(e.line, 2, "{e}");
+            assert!(e.to_string().contains(want), "{e}");
+            assert!(!e.to_string().contains("at line 1"), "{e}");
+        }
+        for (h, want) in [
+            (
+                r#"{"ferry_trace":1,"links":[{"link":"l","rate_bps":1,"rtt_ms":1},{"link":"l","rate_bps":2,"rtt_ms":1}]}"#,
+                "link \"l\" is listed twice",
+            ),
+            (
+                r#"{"ferry_trace":1,"links":[{"link":"l","rate_bps":1,"rtt_ms":18446744073709551615}]}"#,
+                "rtt_ms must be at most",
+            ),
+            (
+                r#"{"ferry_trace":1,"jobs":[{"job":"j"},{"job":"j"}]}"#,
+                "job \"j\" is listed twice",
+            ),
+        ] {
+            let e = err(&format!("{h}\n"));
+            assert_eq!(e.line, 1, "{e}");
+            assert!(e.to_string().contains(want), "{e}");
+        }
+        // A byte-order mark is not an error.
+        assert!(Trace::parse(&format!("\u{feff}{GOOD}")).is_ok());
     }
 }

@@ -293,6 +293,7 @@ pub(crate) fn assemble(since: i64, links: &[LinkSpec], h: History) -> TraceExpor
         trace: Trace {
             header: Header {
                 ferry_trace: TRACE_VERSION,
+                chunk_bytes: None,
                 links: header_links,
                 jobs: jobs.into_values().collect(),
             },
