@@ -30,6 +30,7 @@ use tracing::{debug, info, warn};
 
 use crate::cc::Share;
 use crate::conn::{code, read_frame, ConnError, ControlSender};
+use crate::hold::{HoldPoint, Holds};
 use crate::metrics::{LinkSampler, LinkStats, MetricsError, RateWindow, SourceMetrics};
 use crate::tls;
 use crate::transport::{transport_config, Tuning};
@@ -319,6 +320,9 @@ struct Inner {
     /// with the `fault-injection` feature.
     #[cfg(feature = "fault-injection")]
     corrupt: AtomicU64,
+    /// Test hook: points where runs are held (see [`Source::hold_at`];
+    /// empty without the `fault-injection` feature).
+    holds: Arc<Holds>,
     /// This source's Prometheus registry.
     metrics: SourceMetrics,
     /// Taken by [`Source::set_link_rate`] from recording a rate to
@@ -427,6 +431,7 @@ impl Source {
             tasks: TaskTracker::new(),
             #[cfg(feature = "fault-injection")]
             corrupt: AtomicU64::new(corrupt),
+            holds: Arc::default(),
             metrics,
             rate_changes: tokio::sync::Mutex::new(()),
         });
@@ -449,6 +454,15 @@ impl Source {
             }
         }
         Ok(Source { inner })
+    }
+
+    /// Test hook: the next run of any transfer to reach `point` is held
+    /// there until the returned [`crate::hold::Hold`] is released or
+    /// dropped. Only with
+    /// the `fault-injection` feature.
+    #[cfg(feature = "fault-injection")]
+    pub fn hold_at(&self, point: HoldPoint) -> crate::hold::Hold {
+        self.inner.holds.arm(point)
     }
 
     /// The catalog.
@@ -1696,6 +1710,7 @@ struct Record {
 /// Otherwise the sink may hold chunks already (a resume, or unchanged
 /// files of a re-save).
 async fn begin(inner: &Inner, t: &Transfer) -> Result<bool, RunError> {
+    inner.holds.hold(t.id, HoldPoint::Begin).await;
     let fresh =
         t.started_at.is_none() && !inner.catalog.published_before(&t.source_path, t.id).await?;
     inner.catalog.set_transfer_note(t.id, None).await?;
@@ -1920,6 +1935,7 @@ async fn commit_loop(
             batches += n;
             continue;
         }
+        inner.holds.hold(id, HoldPoint::Commit).await;
         inner
             .catalog
             .set_transfer_state(t.id, TransferState::Verifying, None)
