@@ -6,6 +6,7 @@
 pub mod cc;
 pub mod conn;
 pub mod formats;
+pub mod hold;
 mod lock;
 pub mod metrics;
 pub mod sink;

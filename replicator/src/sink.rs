@@ -32,6 +32,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
 use crate::conn::{code, read_frame, ConnError, ControlSender};
+use crate::hold::{HoldPoint, Holds};
 use crate::metrics::{MetricsError, SinkMetrics};
 use crate::storage::posix::Posix;
 use crate::storage::{PublishOutcome, SinkStore};
@@ -189,6 +190,9 @@ struct Inner {
     publish_locks: Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>,
     /// Where replicas are staged and published.
     store: Arc<dyn SinkStore>,
+    /// Test hook: points where transfers are held (see [`Sink::hold_at`];
+    /// empty without the `fault-injection` feature).
+    holds: Arc<Holds>,
 }
 
 impl Inner {
@@ -248,6 +252,7 @@ impl Sink {
             metrics: SinkMetrics::new(),
             publish_locks: Mutex::default(),
             store: Arc::new(Posix),
+            holds: Arc::default(),
         });
         tokio::spawn(catalog_writer(catalog, rx));
         let i = inner.clone();
@@ -272,6 +277,14 @@ impl Sink {
     /// The catalog.
     pub fn catalog(&self) -> &Catalog {
         &self.inner.catalog
+    }
+
+    /// Test hook: the next open of any transfer to reach `point` is held
+    /// there until the returned [`crate::hold::Hold`] is released or
+    /// dropped. Only with the `fault-injection` feature.
+    #[cfg(feature = "fault-injection")]
+    pub fn hold_at(&self, point: HoldPoint) -> crate::hold::Hold {
+        self.inner.holds.arm(point)
     }
 
     /// The sink root.
@@ -590,6 +603,7 @@ async fn serve_connection(
             match msg {
                 Control::Open(request) => {
                     let id = request.key.id;
+                    inner.holds.hold(id, HoldPoint::Open).await;
                     match open_transfer(inner, peer, &hello.site, request).await {
                         Ok((live, have)) => {
                             open.insert(id, live);

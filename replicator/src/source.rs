@@ -30,6 +30,7 @@ use tracing::{debug, info, warn};
 
 use crate::cc::Share;
 use crate::conn::{code, read_frame, ConnError, ControlSender};
+use crate::hold::{HoldPoint, Holds};
 use crate::metrics::{LinkSampler, LinkStats, MetricsError, RateWindow, SourceMetrics};
 use crate::tls;
 use crate::transport::{transport_config, Tuning};
@@ -319,6 +320,9 @@ struct Inner {
     /// with the `fault-injection` feature.
     #[cfg(feature = "fault-injection")]
     corrupt: AtomicU64,
+    /// Test hook: points where runs are held (see [`Source::hold_at`];
+    /// empty without the `fault-injection` feature).
+    holds: Arc<Holds>,
     /// This source's Prometheus registry.
     metrics: SourceMetrics,
     /// Taken by [`Source::set_link_rate`] from recording a rate to
@@ -427,6 +431,7 @@ impl Source {
             tasks: TaskTracker::new(),
             #[cfg(feature = "fault-injection")]
             corrupt: AtomicU64::new(corrupt),
+            holds: Arc::default(),
             metrics,
             rate_changes: tokio::sync::Mutex::new(()),
         });
@@ -449,6 +454,15 @@ impl Source {
             }
         }
         Ok(Source { inner })
+    }
+
+    /// Test hook: the next run of any transfer to reach `point` is held
+    /// there until the returned [`crate::hold::Hold`] is released or
+    /// dropped. Only with
+    /// the `fault-injection` feature.
+    #[cfg(feature = "fault-injection")]
+    pub fn hold_at(&self, point: HoldPoint) -> crate::hold::Hold {
+        self.inner.holds.arm(point)
     }
 
     /// The catalog.
@@ -1692,20 +1706,70 @@ struct Record {
     data: bytes::Bytes,
 }
 
-/// Marks a transfer active and says whether it is fresh: one that never
-/// reached a sink, of a checkpoint never replicated before, needs no
-/// "have" list, so its data follows the open at once, saving a round trip.
-/// Otherwise the sink may hold chunks already (a resume, or unchanged
-/// files of a re-save).
+/// How a run of a transfer starts, from what the catalog says (see
+/// [`begin`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Start {
+    /// No run of it ever reached a sink and no replica of its checkpoint
+    /// was published before: the sink has nothing, so its data follows
+    /// the open at once, saving a round trip.
+    Fresh,
+    /// The sink may hold the transfer or chunks of it already (an earlier
+    /// run opened it, or unchanged files of a re-save): wait for the
+    /// sink's have list before sending data.
+    Resume,
+    /// The transfer was paused or cancelled after the link worker admitted
+    /// it: the run stops before telling the sink anything.
+    Stopped,
+}
+
+/// Decides how a run starts. `started_before`: the transfer's row had
+/// `started_at` when the run was admitted; `published_before`: a replica
+/// of the same checkpoint was published before; `took_active`: the
+/// catalog accepted the run's `active` write (it refuses one over a pause
+/// or a final state).
+///
+/// A fresh run sends data right behind its open, and the sink files a
+/// batch under whichever open of that transfer it has handled when the
+/// batch arrives: a second open of a transfer on the same connection must
+/// therefore never be fresh, or its data lands in the first open's state
+/// and its commit waits for a batch the sink never counts for it. That
+/// holds because `started_at` is stamped by the very `active` write that
+/// every run needs accepted before it contacts the sink.
+fn start_of(started_before: bool, published_before: bool, took_active: bool) -> Start {
+    if !took_active {
+        Start::Stopped
+    } else if started_before || published_before {
+        Start::Resume
+    } else {
+        Start::Fresh
+    }
+}
+
+/// Marks transfer `t` (its row as the link worker admitted it) active and
+/// says whether the run is fresh ([`Start::Fresh`]); a transfer paused or
+/// cancelled since it was admitted is not started
+/// ([`RunError::Stopped`]).
 async fn begin(inner: &Inner, t: &Transfer) -> Result<bool, RunError> {
-    let fresh =
-        t.started_at.is_none() && !inner.catalog.published_before(&t.source_path, t.id).await?;
-    inner.catalog.set_transfer_note(t.id, None).await?;
-    inner
+    inner.holds.hold(t.id, HoldPoint::Begin).await;
+    let started_before = t.started_at.is_some();
+    // Only asked when it can make a difference.
+    let published_before =
+        !started_before && inner.catalog.published_before(&t.source_path, t.id).await?;
+    let took_active = inner
         .catalog
         .set_transfer_state(t.id, TransferState::Active, None)
         .await?;
-    Ok(fresh)
+    match start_of(started_before, published_before, took_active) {
+        Start::Stopped => {
+            debug!(transfer = %t.id, "paused or cancelled before its run started");
+            Err(RunError::Stopped)
+        }
+        start => {
+            inner.catalog.set_transfer_note(t.id, None).await?;
+            Ok(start == Start::Fresh)
+        }
+    }
 }
 
 /// Registers the live progress of a run of transfer `t` (the catalog row
@@ -1922,6 +1986,7 @@ async fn commit_loop(
             batches += n;
             continue;
         }
+        inner.holds.hold(id, HoldPoint::Commit).await;
         inner
             .catalog
             .set_transfer_state(t.id, TransferState::Verifying, None)
@@ -2294,6 +2359,26 @@ mod tests {
     use crate::transport::{endpoint, SocketKind};
 
     const MB: u64 = 1_000_000;
+
+    #[test]
+    fn a_run_is_fresh_only_if_no_run_ever_started_and_stops_if_not_started() {
+        // The first run of a never-published checkpoint.
+        assert_eq!(start_of(false, false, true), Start::Fresh);
+        // An earlier run was started (it may have opened the transfer at
+        // the sink), or the checkpoint was published before.
+        assert_eq!(start_of(true, false, true), Start::Resume);
+        assert_eq!(start_of(false, true, true), Start::Resume);
+        assert_eq!(start_of(true, true, true), Start::Resume);
+        // Paused or cancelled after admission: whatever else holds, the
+        // run never reaches the sink. Regression: such a run went on, so
+        // a transfer opened at the sink still had no `started_at`, and
+        // its resumed run counted as fresh.
+        for started in [false, true] {
+            for published in [false, true] {
+                assert_eq!(start_of(started, published, false), Start::Stopped);
+            }
+        }
+    }
 
     /// A source with job `job` (its root `ckpt/job` on link `l`) and links
     /// `l` (1 Gbit/s) and `m` (10 Gbit/s) whose peer is a UDP socket

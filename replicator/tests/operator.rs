@@ -238,3 +238,103 @@ async fn paused_and_resumed_open_checkpoint_never_reports_less_progress() {
     })
     .await;
 }
+
+/// Waits (at most 20 s) until transfer `id` no longer runs on its link:
+/// the link worker saw its pause and its run ended.
+#[cfg(feature = "fault-injection")]
+async fn off_the_link(p: &Pair, id: TransferId) {
+    for _ in 0..400 {
+        let t = p.source.catalog().transfer(id).await.unwrap().unwrap();
+        if !p.source.ranking(&t).await.unwrap().active {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("transfer {id} still on its link 20 s after its pause");
+}
+
+/// Regression: a pause that landed after the link worker admitted a
+/// transfer but before its run marked it active left the run going (its
+/// `active` write was refused, so `started_at` stayed empty): it opened
+/// the transfer at the sink and sent its chunk before the link worker
+/// stopped it. The resumed run then counted as fresh (never reached a
+/// sink) and sent its data right behind its second open; that data
+/// overtook the open and went to the first open's state at the sink, so
+/// the second run's commit waited for a batch the sink never counted for
+/// it: `verifying` for ever. Hold points put the pause, and the sink's
+/// handling of the second open, exactly where that happened. Needs the
+/// `fault-injection` feature (`cargo test --workspace` turns it on; alone,
+/// `cargo test -p replicator --features fault-injection`).
+#[cfg(feature = "fault-injection")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_landing_as_the_run_starts_then_resume_publishes() {
+    use replicator::hold::HoldPoint;
+
+    let p = pair_with(0, |_| {}).await;
+    // A first copy connects the link, so that its worker is idle (woken
+    // only by its once-a-second look at the queue) when the pause lands.
+    let first = p.root.join("step-first");
+    write_dir(&first, 1, 100);
+    let t = p.source.submit(&first, None).await.unwrap();
+    wait_published(&p, t.id).await;
+
+    let dir = p.root.join("step-small");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("shard.bin"), [7u8; 100]).unwrap();
+    let mut begin = p.source.hold_at(HoldPoint::Begin);
+    let commit = p.source.hold_at(HoldPoint::Commit);
+    let t = p.source.submit(&dir, None).await.unwrap();
+    let held = tokio::time::timeout(Duration::from_secs(10), begin.reached())
+        .await
+        .expect("the run reached its start");
+    assert_eq!(held, Some(t.id));
+    // The pause lands now, before the link worker looks again (the
+    // operator's pause also wakes it; here it notices within a second).
+    assert!(p.source.catalog().pause_transfer(t.id).await.unwrap());
+    begin.release();
+    // Whatever the run does now, the link worker stops it; a run that gets
+    // as far as its commit waits there (so nothing is published while
+    // paused) until it is stopped.
+    off_the_link(&p, t.id).await;
+    drop(commit);
+    let paused = p.source.catalog().transfer(t.id).await.unwrap().unwrap();
+    assert_eq!(paused.state, TransferState::Paused, "{paused:?}");
+
+    // The sink handles the resumed run's open only once whatever that run
+    // sends without waiting for an answer is on its way.
+    let mut open = p.sink.hold_at(HoldPoint::Open);
+    p.source.resume(t.id).await.unwrap();
+    let held = tokio::time::timeout(Duration::from_secs(10), open.reached())
+        .await
+        .expect("the resumed run opened the transfer at the sink");
+    assert_eq!(held, Some(t.id));
+    for _ in 0..100 {
+        if p.source.progress(t.id).is_some_and(|g| g.bytes_sent > 0) {
+            // Written to its stream: let it cross the 10 ms link.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    open.release();
+
+    let mut last = None;
+    for _ in 0..200 {
+        let now = p.source.catalog().transfer(t.id).await.unwrap().unwrap();
+        let done = now.state.is_final();
+        last = Some(now);
+        if done {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let last = last.unwrap();
+    assert_eq!(
+        last.state,
+        TransferState::Published,
+        "not published 10 s after the resume: {last:?}"
+    );
+    let r = p.sink.resolve(dir.to_str().unwrap()).await.unwrap();
+    assert!(matches!(r, Resolution::Local { .. }), "{r:?}");
+    common::same_tree(&dir, Path::new(&last.local_path.unwrap()));
+}

@@ -37,17 +37,30 @@ async fn pause_and_final_states_are_not_undone_by_the_transfer_task() {
         .await
         .unwrap();
     for s in [TransferState::Active, TransferState::Verifying] {
-        c.set_transfer_state(id, s, None).await.unwrap();
+        let took = c.set_transfer_state(id, s, None).await.unwrap();
+        assert!(!took, "a refused {s} says so");
         assert_eq!(state_of(id).await, TransferState::Paused, "after {s}");
     }
+    assert!(
+        c.transfer(id).await.unwrap().unwrap().started_at.is_none(),
+        "a refused active does not count as a start"
+    );
     c.set_transfer_state(id, TransferState::Queued, None)
         .await
         .unwrap();
     assert_eq!(state_of(id).await, TransferState::Queued, "resumed");
-    c.set_transfer_state(id, TransferState::Active, None)
+    assert!(c
+        .set_transfer_state(id, TransferState::Active, None)
         .await
-        .unwrap();
+        .unwrap());
     assert_eq!(state_of(id).await, TransferState::Active);
+    assert!(c.transfer(id).await.unwrap().unwrap().started_at.is_some());
+    assert!(
+        c.set_transfer_state(id, TransferState::Active, None)
+            .await
+            .unwrap(),
+        "active again (a resumed run) is taken"
+    );
     c.set_transfer_state(id, TransferState::Paused, None)
         .await
         .unwrap();
@@ -68,7 +81,7 @@ async fn pause_and_final_states_are_not_undone_by_the_transfer_task() {
         TransferState::Queued,
         TransferState::Failed,
     ] {
-        c.set_transfer_state(id, s, Some("late")).await.unwrap();
+        assert!(!c.set_transfer_state(id, s, Some("late")).await.unwrap());
         let t = c.transfer(id).await.unwrap().unwrap();
         assert_eq!(t.state, TransferState::Cancelled, "after {s}");
         assert_eq!(

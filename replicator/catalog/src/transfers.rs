@@ -444,7 +444,9 @@ impl Catalog {
     /// `active` or `verifying` (only resume, cancel or a failure move it):
     /// the transfer task's own writes must not undo an operator's pause or
     /// cancel that landed while it was starting or sending; such a write
-    /// changes nothing.
+    /// changes nothing. Returns whether the transfer took the state (false:
+    /// no such transfer, or the write was refused as above), so a run that
+    /// finds its transfer paused or cancelled before it started can stop.
     ///
     /// # Errors
     /// SQL errors.
@@ -453,10 +455,10 @@ impl Catalog {
         id: TransferId,
         new_state: TransferState,
         error: Option<&str>,
-    ) -> Result<(), CatalogError> {
+    ) -> Result<bool, CatalogError> {
         let now = now_ms();
         let new_state = new_state.as_str();
-        sqlx::query(
+        let r = sqlx::query(
             &self.db.sql("UPDATE transfers SET state = ?, error = COALESCE(?, error), \
              started_at = CASE WHEN ? = 'active' AND started_at IS NULL THEN ? ELSE started_at END, \
              finished_at = CASE WHEN ? IN ('published', 'failed', 'cancelled') THEN ? ELSE finished_at END \
@@ -473,7 +475,7 @@ impl Catalog {
         .bind(new_state)
         .execute(&self.pool)
         .await?;
-        Ok(())
+        Ok(r.rows_affected() > 0)
     }
 
     /// Sets (or with `None` clears) a transfer's last-problem text without
