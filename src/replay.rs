@@ -214,9 +214,18 @@ pub fn run(a: &ReplayArgs) -> Result<()> {
             }
         }
     }
-    if let Some(parent) = a.svg.as_ref().and_then(|p| p.parent()) {
-        if !parent.as_os_str().is_empty() && !parent.is_dir() {
-            bail!("--svg: directory {} does not exist", parent.display());
+    for (flag, path) in [("--svg", &a.svg), ("--write-trace", &a.write_trace)] {
+        let Some(path) = path else { continue };
+        if path.is_dir() {
+            bail!(
+                "{flag}: {} is a directory; give a file name",
+                path.display()
+            );
+        }
+        if let Some(parent) = path.parent() {
+            if !parent.as_os_str().is_empty() && !parent.is_dir() {
+                bail!("{flag}: directory {} does not exist", parent.display());
+            }
         }
     }
     let (trace, what) = load(a)?;

@@ -192,6 +192,14 @@ fn bad_input_is_named() {
     ]);
     assert_eq!(o.status.code(), Some(1));
     assert!(!written.exists());
+    let o = ferry(&[
+        "replay",
+        "--preset",
+        "demo-priority",
+        "--svg",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("is a directory"));
     // Options that do not apply are refused, not ignored.
     let o = ferry(&["replay", trace.to_str().unwrap(), "--seed", "5"]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("--preset seed-208 only"));
