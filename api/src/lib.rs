@@ -272,13 +272,13 @@ pub fn build(state: AppState) -> (Router, utoipa::openapi::OpenApi) {
 
 async fn no_route(method: axum::http::Method, uri: Uri, State(s): State<AppState>) -> ApiError {
     let roles = s.roles();
-    let roles = if roles.is_empty() {
-        "no role".to_string()
-    } else {
-        roles.join(" and ")
+    let roles = match roles.as_slice() {
+        [] => "this agent has no role".to_string(),
+        [one] => format!("this agent's role is {one}"),
+        many => format!("this agent's roles are {}", many.join(" and ")),
     };
     ApiError::not_found(format!(
-        "no such route: {method} {} (this agent's roles: {roles}; GET /openapi.json lists its routes)",
+        "no such route: {method} {} ({roles}; GET /openapi.json lists its routes)",
         uri.path()
     ))
 }

@@ -99,7 +99,7 @@ async fn unknown_route_and_missing_role_are_json_404() {
     assert_eq!(s, StatusCode::NOT_FOUND);
     let e = v["error"].as_str().unwrap();
     assert!(
-        e.contains("has source") && e.contains("/openapi.json"),
+        e.contains("role is source") && e.contains("/openapi.json"),
         "{e}"
     );
 }
