@@ -1192,6 +1192,13 @@ struct LinkConn {
     conn: Connection,
     ctl: Arc<ControlSender>,
     inbox: Arc<Mutex<HashMap<TransferId, mpsc::UnboundedSender<Control>>>>,
+    /// Opens sent on this connection whose answer (have or refuse) has not
+    /// come yet, per transfer. The sink answers opens in order, so while
+    /// more than one is out, an answer is for an earlier run of the
+    /// transfer (stopped by a pause before its answer came) and must not
+    /// reach the current run: it would start sending before the sink has
+    /// handled its own open.
+    unanswered: Arc<Mutex<HashMap<TransferId, u32>>>,
     /// The link's dispatcher (its writers run on this connection).
     sched: Arc<LinkSched>,
 }
@@ -1233,6 +1240,8 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
     let (link_name, peer_name) = (l.name.clone(), l.peer_name.clone());
     let inbox: Arc<Mutex<HashMap<TransferId, mpsc::UnboundedSender<Control>>>> = Arc::default();
     let ib = inbox.clone();
+    let unanswered: Arc<Mutex<HashMap<TransferId, u32>>> = Arc::default();
+    let un = unanswered.clone();
     let c2 = conn.clone();
     tokio::spawn(async move {
         let hello = tokio::time::timeout(Duration::from_secs(15), read_frame(&mut recv)).await;
@@ -1287,6 +1296,12 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
                             break;
                         }
                     };
+                    if matches!(msg, Control::Have { .. } | Control::Refuse { .. })
+                        && !answers_latest_open(&mut crate::lock::lock(&un), id)
+                    {
+                        debug!(transfer = %id, msg = msg.name(), "answer to an earlier run's open dropped");
+                        continue;
+                    }
                     let tx = crate::lock::lock(&ib).get(&id).cloned();
                     if let Some(tx) = tx {
                         let _ = tx.send(msg);
@@ -1317,8 +1332,27 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
         conn,
         ctl,
         inbox,
+        unanswered,
         sched: link.sched.clone(),
     })
+}
+
+/// Counts an answer (have or refuse) to one of `id`'s opens on a
+/// connection; true if it answers the latest one, false if a later open of
+/// the transfer is still out (the answer belongs to an earlier run). An
+/// answer with no open out is passed on.
+fn answers_latest_open(unanswered: &mut HashMap<TransferId, u32>, id: TransferId) -> bool {
+    match unanswered.get_mut(&id) {
+        Some(n) if *n > 1 => {
+            *n -= 1;
+            false
+        }
+        Some(_) => {
+            unanswered.remove(&id);
+            true
+        }
+        None => true,
+    }
 }
 
 /// How often the link worker looks at the queue without being woken
@@ -1817,6 +1851,7 @@ async fn open_on_sink(
         let mut m = crate::lock::lock(&c.inbox);
         m.insert(id, tx);
     }
+    *crate::lock::lock(&c.unanswered).entry(id).or_insert(0) += 1;
     c.ctl
         .send(&Control::Open(Open {
             key: TransferKey {
@@ -2355,6 +2390,21 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    #[test]
+    fn only_the_answer_to_the_latest_open_reaches_the_run() {
+        let mut un = HashMap::new();
+        let (a, b) = (TransferId(1), TransferId(2));
+        // Run 1 of `a` opens, is paused before its answer; run 2 opens.
+        un.insert(a, 2);
+        un.insert(b, 1);
+        assert!(!answers_latest_open(&mut un, a), "run 1's answer");
+        assert!(answers_latest_open(&mut un, b));
+        assert!(answers_latest_open(&mut un, a), "run 2's answer");
+        assert!(un.is_empty());
+        // An answer with no open out (a fresh run does not wait) passes.
+        assert!(answers_latest_open(&mut un, a));
+    }
     use crate::metrics::{class_index, HistoryPoint};
     use crate::transport::{endpoint, SocketKind};
 

@@ -338,3 +338,68 @@ async fn pause_landing_as_the_run_starts_then_resume_publishes() {
     assert!(matches!(r, Resolution::Local { .. }), "{r:?}");
     common::same_tree(&dir, Path::new(&last.local_path.unwrap()));
 }
+
+/// A run paused while the sink holds its open (no answer yet), then
+/// resumed while the sink holds the second open too: the transfer
+/// publishes, byte-identical. (The late answer to the first open that
+/// stalled a resumed run in CI could not be forced here; the rule that
+/// drops it is unit-tested in `source.rs`,
+/// `only_the_answer_to_the_latest_open_reaches_the_run`.)
+#[tokio::test]
+async fn a_run_paused_while_its_open_waits_then_resumed_publishes() {
+    use replicator::hold::HoldPoint;
+
+    let p = pair_with(0, |_| {}).await;
+    let first = p.root.join("step-first");
+    write_dir(&first, 1, 100);
+    let t = p.source.submit(&first, None).await.unwrap();
+    wait_published(&p, t.id).await;
+
+    let dir = p.root.join("step-late");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("shard.bin"), [9u8; 100]).unwrap();
+    // The sink holds the first run's open: no answer yet.
+    let mut open1 = p.sink.hold_at(HoldPoint::Open);
+    let t = p.source.submit(&dir, None).await.unwrap();
+    let held = tokio::time::timeout(Duration::from_secs(10), open1.reached())
+        .await
+        .expect("the first run opened the transfer at the sink");
+    assert_eq!(held, Some(t.id));
+    // Paused and stopped while its open waits.
+    p.source.pause(t.id).await.unwrap();
+    off_the_link(&p, t.id).await;
+    // The resumed run opens again (it is not fresh: it waits for the
+    // answer); the sink will hold that second open too.
+    let mut open2 = p.sink.hold_at(HoldPoint::Open);
+    p.source.resume(t.id).await.unwrap();
+    // Released once the resumed run has (within half a second: the resume
+    // wakes the link worker) sent its open and waits for the answer.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    open1.release();
+    let held = tokio::time::timeout(Duration::from_secs(10), open2.reached())
+        .await
+        .expect("the resumed run opened the transfer again");
+    assert_eq!(held, Some(t.id));
+    // The first open's answer is out now; give a wrongly started run time
+    // to send its data across the 10 ms link.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    open2.release();
+
+    let mut last = None;
+    for _ in 0..200 {
+        let now = p.source.catalog().transfer(t.id).await.unwrap().unwrap();
+        let done = now.state.is_final();
+        last = Some(now);
+        if done {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let last = last.unwrap();
+    assert_eq!(
+        last.state,
+        TransferState::Published,
+        "not published 10 s after the resume: {last:?}"
+    );
+    common::same_tree(&dir, Path::new(&last.local_path.unwrap()));
+}
