@@ -135,6 +135,17 @@ fn a_policy_file_changes_the_outcome() {
     assert!(bg_p50(1) < bg_p50(0), "{out}");
 }
 
+/// `ferry replay --preset demo-priority --policy FILE`.
+fn with_policy(file: &std::path::Path) -> Output {
+    ferry(&[
+        "replay",
+        "--preset",
+        "demo-priority",
+        "--policy",
+        file.to_str().unwrap(),
+    ])
+}
+
 #[test]
 fn bad_input_is_named() {
     let dir = tempfile::tempdir().unwrap();
@@ -153,25 +164,13 @@ fn bad_input_is_named() {
 
     let policy = dir.path().join("p.toml");
     std::fs::write(&policy, "[scheduler]\nmax_actve = 3\n").unwrap();
-    let o = ferry(&[
-        "replay",
-        "--preset",
-        "demo-priority",
-        "--policy",
-        policy.to_str().unwrap(),
-    ]);
+    let o = with_policy(&policy);
     assert_eq!(o.status.code(), Some(1));
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("max_actve"), "{err}");
 
     std::fs::write(&policy, "[scheduler]\nmax_active = 0\n").unwrap();
-    let o = ferry(&[
-        "replay",
-        "--preset",
-        "demo-priority",
-        "--policy",
-        policy.to_str().unwrap(),
-    ]);
+    let o = with_policy(&policy);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("max_active must be from 1 to 64"), "{err}");
 

@@ -318,17 +318,7 @@ async fn pause_landing_as_the_run_starts_then_resume_publishes() {
     }
     open.release();
 
-    let mut last = None;
-    for _ in 0..200 {
-        let now = p.source.catalog().transfer(t.id).await.unwrap().unwrap();
-        let done = now.state.is_final();
-        last = Some(now);
-        if done {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let last = last.unwrap();
+    let last = final_within_10s(&p, t.id).await;
     assert_eq!(
         last.state,
         TransferState::Published,
@@ -385,21 +375,24 @@ async fn a_run_paused_while_its_open_waits_then_resumed_publishes() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     open2.release();
 
-    let mut last = None;
-    for _ in 0..200 {
-        let now = p.source.catalog().transfer(t.id).await.unwrap().unwrap();
-        let done = now.state.is_final();
-        last = Some(now);
-        if done {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let last = last.unwrap();
+    let last = final_within_10s(&p, t.id).await;
     assert_eq!(
         last.state,
         TransferState::Published,
         "not published 10 s after the resume: {last:?}"
     );
     common::same_tree(&dir, Path::new(&last.local_path.unwrap()));
+}
+
+/// The transfer once it reaches a final state, or as it is after 10 s.
+async fn final_within_10s(p: &Pair, id: TransferId) -> ferry_catalog::Transfer {
+    let mut last = p.source.catalog().transfer(id).await.unwrap().unwrap();
+    for _ in 0..200 {
+        if last.state.is_final() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        last = p.source.catalog().transfer(id).await.unwrap().unwrap();
+    }
+    last
 }

@@ -609,28 +609,19 @@ async fn newest_unpublished_skips_final_transfers_and_keeps_paused() {
     assert_eq!(t.id, ids[1]);
 }
 
-#[tokio::test]
-async fn version_2_catalog_migrates_and_keeps_its_rows() {
-    let old_files = vec![FileInfo {
-        path: "model/a.bin".into(),
-        size: 10,
-        mode: 0o644,
-        mtime_ns: 7,
-    }];
-    let d = tempfile::tempdir().unwrap();
-    let mdir = d.path().join("migrations-v2");
+/// A catalog in `dir/data` made by only the migrations given (name, SQL):
+/// what an older version of Ferry left. Returns the data directory and a
+/// pool on it for inserting that version's rows.
+async fn catalog_at_version(
+    dir: &std::path::Path,
+    migrations: &[(&str, &str)],
+) -> (std::path::PathBuf, sqlx::SqlitePool) {
+    let mdir = dir.join("old-migrations");
     std::fs::create_dir(&mdir).unwrap();
-    std::fs::write(
-        mdir.join("0001_catalog.sql"),
-        include_str!("../../../migrations/sqlite/0001_catalog.sql"),
-    )
-    .unwrap();
-    std::fs::write(
-        mdir.join("0002_checkpoints.sql"),
-        include_str!("../../../migrations/sqlite/0002_checkpoints.sql"),
-    )
-    .unwrap();
-    let data = d.path().join("data");
+    for (name, sql) in migrations {
+        std::fs::write(mdir.join(name), sql).unwrap();
+    }
+    let data = dir.join("data");
     std::fs::create_dir(&data).unwrap();
     let opts =
         SqliteConnectOptions::from_str(&format!("sqlite://{}", data.join("ferry.db").display()))
@@ -643,6 +634,32 @@ async fn version_2_catalog_migrates_and_keeps_its_rows() {
         .run(&pool)
         .await
         .unwrap();
+    (data, pool)
+}
+
+#[tokio::test]
+async fn version_2_catalog_migrates_and_keeps_its_rows() {
+    let old_files = vec![FileInfo {
+        path: "model/a.bin".into(),
+        size: 10,
+        mode: 0o644,
+        mtime_ns: 7,
+    }];
+    let d = tempfile::tempdir().unwrap();
+    let (data, pool) = catalog_at_version(
+        d.path(),
+        &[
+            (
+                "0001_catalog.sql",
+                include_str!("../../../migrations/sqlite/0001_catalog.sql"),
+            ),
+            (
+                "0002_checkpoints.sql",
+                include_str!("../../../migrations/sqlite/0002_checkpoints.sql"),
+            ),
+        ],
+    )
+    .await;
     sqlx::query(
         "INSERT INTO transfers (id, link, job, source_path, rel, class, state, created_at) \
          VALUES (5, 'l', 'j', '/ck/s1', 's1', 'scheduled', 'queued', 1000)",

@@ -765,41 +765,28 @@ async fn export_fills_unknown_sizes_and_leaves_out_what_a_trace_cannot_hold() {
 #[tokio::test]
 async fn version_4_catalog_gets_the_history_it_kept() {
     let d = tempfile::tempdir().unwrap();
-    let mdir = d.path().join("migrations-v4");
-    std::fs::create_dir(&mdir).unwrap();
-    for (name, sql) in [
-        (
-            "0001_catalog.sql",
-            include_str!("../../../../migrations/sqlite/0001_catalog.sql"),
-        ),
-        (
-            "0002_checkpoints.sql",
-            include_str!("../../../../migrations/sqlite/0002_checkpoints.sql"),
-        ),
-        (
-            "0003_scheduler.sql",
-            include_str!("../../../../migrations/sqlite/0003_scheduler.sql"),
-        ),
-        (
-            "0004_replica_files.sql",
-            include_str!("../../../../migrations/sqlite/0004_replica_files.sql"),
-        ),
-    ] {
-        std::fs::write(mdir.join(name), sql).unwrap();
-    }
-    let data = d.path().join("data");
-    std::fs::create_dir(&data).unwrap();
-    let opts =
-        SqliteConnectOptions::from_str(&format!("sqlite://{}", data.join("ferry.db").display()))
-            .unwrap()
-            .create_if_missing(true);
-    let pool = SqlitePoolOptions::new().connect_with(opts).await.unwrap();
-    sqlx::migrate::Migrator::new(mdir.as_path())
-        .await
-        .unwrap()
-        .run(&pool)
-        .await
-        .unwrap();
+    let (data, pool) = catalog_at_version(
+        d.path(),
+        &[
+            (
+                "0001_catalog.sql",
+                include_str!("../../../../migrations/sqlite/0001_catalog.sql"),
+            ),
+            (
+                "0002_checkpoints.sql",
+                include_str!("../../../../migrations/sqlite/0002_checkpoints.sql"),
+            ),
+            (
+                "0003_scheduler.sql",
+                include_str!("../../../../migrations/sqlite/0003_scheduler.sql"),
+            ),
+            (
+                "0004_replica_files.sql",
+                include_str!("../../../../migrations/sqlite/0004_replica_files.sql"),
+            ),
+        ],
+    )
+    .await;
     for q in [
         "INSERT INTO transfers (id, link, job, source_path, rel, class, state, created_at, \
          bytes_total, importance) VALUES (5, 'l', 'j', '/ck/s1', 's1', 'background', 'paused', \
