@@ -1394,18 +1394,20 @@ fn live_bytes_left(inner: &Inner, id: TransferId) -> Option<u64> {
 /// Keeps what the run of transfer `id` achieved so far in the catalog
 /// (see [`Catalog::note_transfer_progress`]); with `end`, the run is over
 /// and its live progress goes.
+///
+/// The live entry goes only after the catalog has the numbers: a reader
+/// that finds no live progress then reads them from the catalog, never
+/// an older value.
 async fn save_progress(inner: &Inner, id: TransferId, end: bool) {
-    let live = {
+    let live = crate::lock::lock(&inner.progress).get(&id).cloned();
+    let Some(p) = live else { return };
+    if let Err(e) = inner.catalog.note_transfer_progress(id, p.note()).await {
+        warn!(transfer = %id, error = %e, "catalog: recording progress");
+    }
+    if end {
         let mut m = crate::lock::lock(&inner.progress);
-        if end {
-            m.remove(&id)
-        } else {
-            m.get(&id).cloned()
-        }
-    };
-    if let Some(p) = live {
-        if let Err(e) = inner.catalog.note_transfer_progress(id, p.note()).await {
-            warn!(transfer = %id, error = %e, "catalog: recording progress");
+        if m.get(&id).is_some_and(|q| Arc::ptr_eq(q, &p)) {
+            m.remove(&id);
         }
     }
 }
