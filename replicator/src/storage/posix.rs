@@ -1,7 +1,8 @@
 //! The POSIX backend of the storage seams: local (or mounted) file
 //! systems. Staging writes with `pwrite`, shares unchanged files with hard
 //! links, publishes with `rename` (or `RENAME_EXCHANGE` over an older
-//! version, [`publish`]), flushes with `syncfs`, reports free space with
+//! version, [`publish`]), flushes with `syncfs` (one run shared by
+//! callers close together, [`SyncGroup`]), reports free space with
 //! `statvfs`.
 
 use std::fs::{File, OpenOptions};
@@ -311,16 +312,189 @@ pub(crate) fn open_staging(staging: &Path, rel: &str) -> io::Result<std::fs::Fil
     Ok(file)
 }
 
-/// `syncfs` of the file system holding `dir`.
+/// `syncfs` of the file system holding `dir`, shared with callers that ask
+/// at the same time (group commit): a `syncfs` that starts after this call
+/// began covers everything written before it, so callers that arrive
+/// while one runs wait for the next one, and all of them share it. Many
+/// publishes close together then cost one or two `syncfs` calls, not one
+/// each.
+///
+/// # Errors
+/// I/O errors of opening `dir` or of the `syncfs` that covered this call.
 pub(crate) fn sync_dir_fs(dir: &Path) -> io::Result<()> {
     use std::os::fd::AsRawFd;
     let d = std::fs::File::open(dir)?;
-    nix::unistd::syncfs(d.as_raw_fd()).map_err(io::Error::from)
+    let dev = d.metadata()?.dev();
+    group_of(dev).sync(|| nix::unistd::syncfs(d.as_raw_fd()).map_err(io::Error::from))
+}
+
+/// The [`SyncGroup`] of file system `dev` (one per device for the life of
+/// the process; a host has few).
+fn group_of(dev: u64) -> std::sync::Arc<SyncGroup> {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex, OnceLock};
+    static GROUPS: OnceLock<Mutex<HashMap<u64, Arc<SyncGroup>>>> = OnceLock::new();
+    let mut m = crate::lock::lock(GROUPS.get_or_init(Default::default));
+    m.entry(dev).or_default().clone()
+}
+
+/// Callers of one flush operation (a `syncfs` of one file system) that
+/// share runs: at most one runs at a time, and a caller returns the result
+/// of the first run that started after it called.
+#[derive(Debug, Default)]
+pub(crate) struct SyncGroup {
+    state: std::sync::Mutex<SyncState>,
+    done_cv: std::sync::Condvar,
+}
+
+#[derive(Debug, Default)]
+struct SyncState {
+    /// Runs started so far.
+    started: u64,
+    /// The last run that finished (runs finish in order: one at a time).
+    finished: u64,
+    /// A run is going on now.
+    running: bool,
+    /// Callers waiting for a run.
+    waiting: usize,
+    /// The error of run `finished`, if it failed (kind and message).
+    failed: Option<(io::ErrorKind, String)>,
+}
+
+impl SyncGroup {
+    /// Runs `op`, or waits for a run of it that started after this call
+    /// and shares its result.
+    ///
+    /// # Errors
+    /// The error of the run that covered this call.
+    pub(crate) fn sync(&self, op: impl FnOnce() -> io::Result<()>) -> io::Result<()> {
+        let mut s = crate::lock::lock(&self.state);
+        // A run that started before now may have missed this caller's
+        // writes; the next one to start will not.
+        let need = s.started + 1;
+        loop {
+            if s.finished >= need {
+                return match &s.failed {
+                    None => Ok(()),
+                    Some((kind, msg)) => Err(io::Error::new(*kind, msg.clone())),
+                };
+            }
+            if !s.running {
+                s.running = true;
+                s.started += 1;
+                let mine = s.started;
+                drop(s);
+                // Marks the run finished even if `op` panics, so waiters
+                // are never left behind a run that will not end.
+                let mut finish = Finish {
+                    group: self,
+                    run: mine,
+                    failed: Some((io::ErrorKind::Other, "the flush panicked".into())),
+                };
+                let r = op();
+                finish.failed = r.as_ref().err().map(|e| (e.kind(), e.to_string()));
+                return r;
+            }
+            s.waiting += 1;
+            s = self
+                .done_cv
+                .wait(s)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            s.waiting -= 1;
+        }
+    }
+}
+
+/// Ends run `run` of `group` when dropped, with `failed` as its result.
+struct Finish<'a> {
+    group: &'a SyncGroup,
+    run: u64,
+    failed: Option<(io::ErrorKind, String)>,
+}
+
+impl Drop for Finish<'_> {
+    fn drop(&mut self) {
+        let mut s = crate::lock::lock(&self.group.state);
+        s.running = false;
+        s.finished = self.run;
+        s.failed = self.failed.take();
+        self.group.done_cv.notify_all();
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Callers that arrive while a run is going wait for the next run and
+    /// share it: eight callers behind one run cost one more run, not eight.
+    #[test]
+    fn flushes_close_together_share_a_run() {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        use std::sync::{mpsc, Arc};
+        let g = Arc::new(SyncGroup::default());
+        let runs = Arc::new(AtomicU64::new(0));
+        let (release, held) = mpsc::channel::<()>();
+        let first = {
+            let (g, runs) = (g.clone(), runs.clone());
+            std::thread::spawn(move || {
+                g.sync(|| {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    held.recv().map_err(io::Error::other)
+                })
+            })
+        };
+        let waiting = |n: usize| {
+            for _ in 0..2000 {
+                let s = crate::lock::lock(&g.state);
+                if s.running && s.waiting == n {
+                    return;
+                }
+                drop(s);
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            panic!("{n} callers never waited");
+        };
+        waiting(0);
+        let later: Vec<_> = (0..8)
+            .map(|_| {
+                let (g, runs) = (g.clone(), runs.clone());
+                std::thread::spawn(move || {
+                    g.sync(|| {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        Ok(())
+                    })
+                })
+            })
+            .collect();
+        // All eight called while the first run was going: none of them
+        // may be answered by it (it may have missed their writes).
+        waiting(8);
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        release.send(()).expect("release");
+        first.join().expect("thread").expect("first run");
+        for t in later {
+            t.join().expect("thread").expect("shared run");
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 2);
+    }
+
+    /// A failed run's error reaches every caller it covered; the next run
+    /// starts afresh.
+    #[test]
+    fn a_failed_flush_fails_its_callers_then_recovers() {
+        let g = SyncGroup::default();
+        let e = g
+            .sync(|| Err(io::Error::other("disk gone")))
+            .expect_err("the run failed");
+        assert!(e.to_string().contains("disk gone"), "{e}");
+        assert!(g.sync(|| Ok(())).is_ok());
+        // A panicking run leaves no waiter stuck.
+        let r =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| g.sync(|| panic!("boom"))));
+        assert!(r.is_err());
+        assert!(g.sync(|| Ok(())).is_ok());
+    }
 
     #[test]
     fn staging_files_refuse_symlinks() {
