@@ -718,6 +718,14 @@ async fn metrics_move_when_a_watched_checkpoint_replicates() {
         let d = grew(&sink0, &sink1, name, &[]);
         w.ensure(d == by, || format!("{name} grew by {d}, not {by}"));
     }
+    // The publish read staging back (the default), and that is counted.
+    for name in [
+        "ferry_read_back_seconds_total",
+        "ferry_read_back_cpu_seconds_total",
+    ] {
+        let d = grew(&sink0, &sink1, name, &[]);
+        w.ensure(d > 0.0, || format!("{name} grew by {d}, not more than 0"));
+    }
     let published = [("state", "published")];
     let d = grew(&src0, &src1, "ferry_state_transfers", &published);
     w.ensure(d == 1.0, || {

@@ -512,6 +512,8 @@ pub(crate) struct SinkMetrics {
     /// Replicas published.
     pub(crate) published: Counter,
     replica_states: Family<StateLabel, Gauge>,
+    read_back_wall: Counter<f64, AtomicU64>,
+    read_back_cpu: Counter<f64, AtomicU64>,
 }
 
 impl std::fmt::Debug for SinkMetrics {
@@ -532,6 +534,8 @@ impl SinkMetrics {
             lag: Histogram::new(LAG_BUCKETS_S),
             published: Counter::default(),
             replica_states: Family::default(),
+            read_back_wall: Counter::default(),
+            read_back_cpu: Counter::default(),
         };
         registry.register(
             "ferry_received_bytes",
@@ -562,7 +566,25 @@ impl SinkMetrics {
             "Sink-side transfers and replicas per state, in replicas",
             m.replica_states.clone(),
         );
+        registry.register(
+            "ferry_read_back_seconds",
+            "Wall time spent reading staging back and checking every chunk's BLAKE3 hash before \
+             publishing ([sink] reread_before_publish), in seconds",
+            m.read_back_wall.clone(),
+        );
+        registry.register(
+            "ferry_read_back_cpu_seconds",
+            "CPU time (user and system, summed over the reading threads) spent reading staging \
+             back before publishing, in seconds",
+            m.read_back_cpu.clone(),
+        );
         SinkMetrics { registry, ..m }
+    }
+
+    /// Counts one read-back before a publish.
+    pub(crate) fn note_read_back(&self, r: crate::storage::ReadBack) {
+        self.read_back_wall.inc_by(r.wall.as_secs_f64());
+        self.read_back_cpu.inc_by(r.cpu.as_secs_f64());
     }
 
     /// The received-bytes counter of `peer` (a handle: keep it per

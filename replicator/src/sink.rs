@@ -1526,9 +1526,14 @@ async fn maybe_finish(
             })
             .await;
             let mut reread_ms = None;
+            let mut reread_cpu_ms = None;
             let bad = match res {
                 Ok(PublishOutcome::Published { reread }) => {
-                    reread_ms = reread.map(|d| d.as_millis() as u64);
+                    if let Some(r) = reread {
+                        reread_ms = Some(r.wall.as_millis() as u64);
+                        reread_cpu_ms = Some(r.cpu.as_millis() as u64);
+                        inner.metrics.note_read_back(r);
+                    }
                     None
                 }
                 Ok(PublishOutcome::Recovered) => {
@@ -1605,7 +1610,7 @@ async fn maybe_finish(
                 m.remove(&live.id);
             }
             inner.changed.send_modify(|v| *v += 1);
-            info!(transfer = %id, path = %local, root = %root_hex, publish_ms = t_publish.elapsed().as_millis() as u64, reread_ms, "replica published");
+            info!(transfer = %id, path = %local, root = %root_hex, publish_ms = t_publish.elapsed().as_millis() as u64, reread_ms, reread_cpu_ms, "replica published");
             ctl.send(&Control::Published {
                 id,
                 local_path: local,

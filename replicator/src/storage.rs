@@ -174,14 +174,24 @@ pub trait Staging: Send {
     fn stage_chunk(&mut self, rel: &str, offset: u64, bytes: &[u8]) -> io::Result<()>;
 }
 
+/// What reading staging back before a publish cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ReadBack {
+    /// Wall time of the read-back.
+    pub wall: Duration,
+    /// CPU time of the read-back, summed over the threads that read and
+    /// hashed (user and system time; it can exceed `wall`).
+    pub cpu: Duration,
+}
+
 /// What [`SinkStore::publish`] did.
 #[derive(Debug, PartialEq, Eq)]
 pub enum PublishOutcome {
-    /// The replica is in place; `reread` is how long reading staging
-    /// back took, if it was read back.
+    /// The replica is in place; `reread` is what reading staging back
+    /// cost, if it was read back.
     Published {
-        /// Time spent reading and hashing staging before the move.
-        reread: Option<Duration>,
+        /// The read-back before the move, if there was one.
+        reread: Option<ReadBack>,
     },
     /// The replica was already in place, from a publish a crash
     /// interrupted; it has been finished.

@@ -227,6 +227,22 @@ impl Agents {
         Ok(v["items"].as_array().cloned().unwrap_or_default())
     }
 
+    /// The sink's metric `name` (a sample without labels) from its
+    /// `GET /metrics`; 0 when it is absent.
+    pub fn sink_metric(&self, name: &str) -> Result<f64> {
+        let text = self
+            .http
+            .get(format!("{}/metrics", self.dst_api))
+            .send()?
+            .error_for_status()?
+            .text()?;
+        Ok(text
+            .lines()
+            .filter_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+            .find_map(|v| v.trim().parse().ok())
+            .unwrap_or(0.0))
+    }
+
     /// `POST /v1/transfers/{id}/cancel`.
     pub fn cancel(&self, id: i64) -> Result<()> {
         self.http

@@ -783,6 +783,9 @@ pub fn scenario_cpu(b: &mut Bench, ck: &Ckpt) -> Result<()> {
     let mut quinn: Vec<Value> = Vec::new();
     // (source CPU s, sink CPU s, wall s) per Ferry run.
     let mut ferry: Vec<(f64, f64, f64)> = Vec::new();
+    // The sink's read-back CPU s per Ferry run (part of its CPU above).
+    let mut read_back: Vec<f64> = Vec::new();
+    const READ_BACK: &str = "ferry_read_back_cpu_seconds_total";
     for i in 0..runs {
         let out = cmd_ok(
             Command::new(b.repo.join(&b.args.bin).join("quinn-bare"))
@@ -800,6 +803,7 @@ pub fn scenario_cpu(b: &mut Bench, ck: &Ckpt) -> Result<()> {
             &[b.src_root()],
             "cpu",
         )?;
+        let rb0 = agents.sink_metric(READ_BACK)?;
         let (s0, d0) = agents.cpu_s();
         let pushed = agents.push_and_wait(&ck.dir, COPY_CAP)?;
         let (s1, d1) = agents.cpu_s();
@@ -810,6 +814,7 @@ pub fn scenario_cpu(b: &mut Bench, ck: &Ckpt) -> Result<()> {
                 pushed.view["error"]
             );
         }
+        read_back.push(agents.sink_metric(READ_BACK)? - rb0);
         let local = PathBuf::from(pushed.view["local_path"].as_str().context("local_path")?);
         compare_trees(&ck.dir, &local, None).context("cpu: replica differs")?;
         let sink_root = agents.sink_root.clone();
@@ -817,12 +822,13 @@ pub fn scenario_cpu(b: &mut Bench, ck: &Ckpt) -> Result<()> {
         std::fs::rename(&sink_root, kept.join(format!("ferry-{i}")))?;
         let run = (s1 - s0, d1 - d0, pushed.wall_s);
         say(format!(
-            "  run {}: quinn {:.2} CPU s/GB; ferry {:.2} CPU s/GB (source {:.2} s, sink {:.2} s), {:.2} Gbit/s",
+            "  run {}: quinn {:.2} CPU s/GB; ferry {:.2} CPU s/GB (source {:.2} s, sink {:.2} s of which read-back {:.2} s), {:.2} Gbit/s",
             i + 1,
             quinn[i]["cpu_s"].as_f64().unwrap_or(f64::NAN) / gb,
             (run.0 + run.1) / gb,
             run.0,
             run.1,
+            read_back[i],
             ck.bytes as f64 * 8.0 / run.2 / 1e9
         ));
         ferry.push(run);
@@ -842,6 +848,7 @@ pub fn scenario_cpu(b: &mut Bench, ck: &Ckpt) -> Result<()> {
     let (f_cpu, f_lo, f_hi) = spread(&mut ferry.iter().map(|r| r.0 + r.1).collect::<Vec<_>>());
     let (f_src, f_src_lo, f_src_hi) = spread(&mut ferry.iter().map(|r| r.0).collect::<Vec<_>>());
     let (f_sink, f_sink_lo, f_sink_hi) = spread(&mut ferry.iter().map(|r| r.1).collect::<Vec<_>>());
+    let (f_rb, f_rb_lo, f_rb_hi) = spread(&mut read_back.clone());
     let (f_wall, _, _) = spread(&mut ferry.iter().map(|r| r.2).collect::<Vec<_>>());
     let gput = |wall: f64| ck.bytes as f64 * 8.0 / wall;
     let (f_gput, f_glo, f_ghi) = spread(&mut ferry.iter().map(|r| gput(r.2)).collect::<Vec<_>>());
@@ -868,6 +875,9 @@ pub fn scenario_cpu(b: &mut Bench, ck: &Ckpt) -> Result<()> {
         "cpu_source_s_range": [f_src_lo, f_src_hi],
         "cpu_sink_s": f_sink,
         "cpu_sink_s_range": [f_sink_lo, f_sink_hi],
+        "cpu_read_back_s": f_rb,
+        "cpu_read_back_s_range": [f_rb_lo, f_rb_hi],
+        "cpu_s_per_gb_without_read_back": (f_cpu - f_rb) / gb,
         "cpu_s_per_gb": f_cpu / gb,
         "goodput_bps_median": f_gput,
         "goodput_bps_range": [f_glo, f_ghi],

@@ -34,14 +34,14 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, UNIX_EPOCH};
 
 use ferry_proto::manifest::{chunk_count, chunk_len, Hash, Manifest};
 use tracing::warn;
 
-use crate::storage::PublishOutcome;
+use crate::storage::{PublishOutcome, ReadBack};
 
 /// Environment variable of the reliability suite: when it names one of the
 /// points `markers-held`, `placed` or `markers-in` (after steps 3, 4 and 5
@@ -154,11 +154,14 @@ pub(super) fn publish(
     let mut reread_took = None;
     if let Some(keys) = reread {
         let t = std::time::Instant::now();
-        let bad = changed_chunks(staging, m, keys);
+        let (bad, cpu) = changed_chunks(staging, m, keys);
         if !bad.is_empty() {
             return Ok(PublishOutcome::Refetch(bad));
         }
-        reread_took = Some(t.elapsed());
+        reread_took = Some(ReadBack {
+            wall: t.elapsed(),
+            cpu,
+        });
     }
     remove_unlisted(staging, m)?;
     if local_path.exists() && !local_path.is_dir() {
@@ -346,28 +349,31 @@ fn matches(
             return Ok(false);
         }
     }
-    Ok(hash_mismatches(dir, m, overlay, true).is_empty())
+    Ok(hash_mismatches(dir, m, overlay, true).0.is_empty())
 }
 
 /// Keys of the staged chunks whose bytes no longer hash to the manifest
 /// (including chunks that cannot be read). `keys` as for [`publish`].
-fn changed_chunks(staging: &Path, m: &Manifest, keys: &[(u64, Hash)]) -> Vec<u64> {
-    let bad = hash_mismatches(staging, m, &|_| None, false);
-    bad.into_iter()
+fn changed_chunks(staging: &Path, m: &Manifest, keys: &[(u64, Hash)]) -> (Vec<u64>, Duration) {
+    let (bad, cpu) = hash_mismatches(staging, m, &|_| None, false);
+    let keys = bad
+        .into_iter()
         .filter_map(|n| keys.get(n).map(|(k, _)| *k))
-        .collect()
+        .collect();
+    (keys, cpu)
 }
 
 /// Reads and hashes every chunk of `m` under `dir` on up to 4 threads;
 /// returns the positions, in manifest order (files in order, chunks in
 /// order), of the chunks that cannot be read or do not hash to the
-/// manifest. With `first_only` it stops at the first one found.
+/// manifest, and the CPU time the reading threads spent. With
+/// `first_only` it stops at the first one found.
 fn hash_mismatches(
     dir: &Path,
     m: &Manifest,
     overlay: &(dyn Fn(usize) -> Option<PathBuf> + Sync),
     first_only: bool,
-) -> Vec<usize> {
+) -> (Vec<usize>, Duration) {
     let chunks: Vec<(usize, u64)> = m
         .files
         .iter()
@@ -381,10 +387,13 @@ fn hash_mismatches(
     let next = AtomicUsize::new(0);
     let stop = AtomicBool::new(false);
     let bad = Mutex::new(Vec::new());
+    let cpu_ns = AtomicU64::new(0);
     let cs = u64::from(m.chunk_size);
     std::thread::scope(|s| {
         for _ in 0..workers {
             s.spawn(|| {
+                // Each worker is a new thread: its CPU clock is its work.
+                let _cpu = ThreadCpu(&cpu_ns);
                 let mut open: Option<(usize, File)> = None;
                 let mut buf = Vec::new();
                 while !stop.load(Ordering::Relaxed) {
@@ -423,7 +432,21 @@ fn hash_mismatches(
     });
     let mut bad = bad.into_inner().unwrap_or_default();
     bad.sort_unstable();
-    bad
+    (bad, Duration::from_nanos(cpu_ns.into_inner()))
+}
+
+/// Adds the CPU time of the thread it was made on to its counter (ns)
+/// when dropped, at the thread's end.
+struct ThreadCpu<'a>(&'a AtomicU64);
+
+impl Drop for ThreadCpu<'_> {
+    fn drop(&mut self) {
+        use nix::time::{clock_gettime, ClockId};
+        if let Ok(t) = clock_gettime(ClockId::CLOCK_THREAD_CPUTIME_ID) {
+            let ns = t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64;
+            self.0.fetch_add(ns, Ordering::Relaxed);
+        }
+    }
 }
 
 /// Removes files in staging that the sealed manifest does not list, so a
@@ -533,8 +556,9 @@ mod tests {
     fn publishes_with_modes_times_and_markers() {
         let c = case();
         let out = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
+        // The read-back ran, on threads whose CPU time it counted.
         assert!(
-            matches!(out, PublishOutcome::Published { reread: Some(_) }),
+            matches!(out, PublishOutcome::Published { reread: Some(r) } if r.cpu > Duration::ZERO),
             "{out:?}"
         );
         assert_published(&c);
