@@ -891,6 +891,10 @@ mod tests {
         m.observe_lag(0.3);
         m.observe_lag(-1.0);
         m.observe_lag(4000.0);
+        m.note_read_back(crate::storage::ReadBack {
+            wall: std::time::Duration::from_millis(1500),
+            cpu: std::time::Duration::from_millis(2250),
+        });
         let text = m
             .render(&[(TransferState::Published, 1), (TransferState::Receiving, 2)])
             .unwrap();
@@ -901,6 +905,8 @@ mod tests {
             ("ferry_published_replicas_total", "counter"),
             ("ferry_commit_to_replica_lag_seconds", "histogram"),
             ("ferry_replica_state_replicas", "gauge"),
+            ("ferry_read_back_seconds_total", "counter"),
+            ("ferry_read_back_cpu_seconds_total", "counter"),
         ];
         for (n, ty) in expect {
             assert_eq!(fam.get(n).map(String::as_str), Some(ty), "{n} in:\n{text}");
@@ -913,6 +919,8 @@ mod tests {
         );
         assert_eq!(value(&s, "ferry_verification_failures_total", &[]), 2.0);
         assert_eq!(value(&s, "ferry_published_replicas_total", &[]), 1.0);
+        close(value(&s, "ferry_read_back_seconds_total", &[]), 1.5);
+        close(value(&s, "ferry_read_back_cpu_seconds_total", &[]), 2.25);
         assert_eq!(
             value(&s, "ferry_commit_to_replica_lag_seconds_count", &[]),
             3.0
