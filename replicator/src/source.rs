@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::storage::posix::Posix;
-use crate::storage::{read_chunks, RangeRead, ScanError, SourceStore};
+use crate::storage::{read_chunks_owned, RangeRead, ScanError, SourceStore};
 use ferry_catalog::{
     Catalog, CatalogError, NewWatchedTransfer, ProgressNote, SourceTimes, Transfer,
 };
@@ -2287,12 +2287,13 @@ fn read_all(
     let mut entries = Vec::with_capacity(files.len());
     for (fi, info) in files.iter().enumerate() {
         let path = dir.join(&info.path);
-        let chunks = read_chunks(&*inner.store, &path, info, chunk_size, |ci, bytes, hash| {
+        let chunks = read_chunks_owned(&*inner.store, &path, info, chunk_size, |ci, buf, hash| {
             let g = map.index(fi as u32, ci).unwrap_or(u64::MAX);
             if have.contains(&g) {
                 return Ok(());
             }
-            let mut data = bytes.to_vec();
+            // The record keeps the buffer the chunk was read into.
+            let mut data = std::mem::take(buf);
             maybe_corrupt(inner, &mut data);
             let rec = Record {
                 header: RecordHeader {

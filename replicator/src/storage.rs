@@ -311,6 +311,25 @@ pub fn read_chunks(
     chunk_size: u32,
     mut on_chunk: impl FnMut(u32, &[u8], &Hash) -> Result<(), ScanError>,
 ) -> Result<Vec<Hash>, ScanError> {
+    read_chunks_owned(store, path, info, chunk_size, |i, buf, h| {
+        on_chunk(i, buf, h)
+    })
+}
+
+/// [`read_chunks`] for a caller that keeps some chunks' bytes: `on_chunk`
+/// gets the buffer the chunk was read into and may take it
+/// (`std::mem::take`), with no copy; the next chunk is then read into a
+/// new buffer (not zero-filled first). A buffer left in place is reused.
+///
+/// # Errors
+/// As [`read_chunks`].
+pub fn read_chunks_owned(
+    store: &dyn SourceStore,
+    path: &Path,
+    info: &FileInfo,
+    chunk_size: u32,
+    mut on_chunk: impl FnMut(u32, &mut Vec<u8>, &Hash) -> Result<(), ScanError>,
+) -> Result<Vec<Hash>, ScanError> {
     let io_err = |source| ScanError::Io {
         path: path.to_path_buf(),
         source,
@@ -318,14 +337,20 @@ pub fn read_chunks(
     let f = store.open(path).map_err(io_err)?;
     let n = chunk_count(info.size, chunk_size);
     let mut hashes = Vec::with_capacity(n as usize);
-    // Sized to the file, not the chunk: most shards are far smaller than a
-    // chunk, and zeroing a 4 MiB buffer per 4 KiB file dominated the
-    // source's CPU time.
-    let mut buf = vec![0u8; u64::from(chunk_size).min(info.size) as usize];
+    // Sized to the chunk read, not to `chunk_size`: most shards are far
+    // smaller than a chunk, and zeroing a 4 MiB buffer per 4 KiB file
+    // dominated the source's CPU time.
+    let mut buf: Vec<u8> = Vec::new();
     for i in 0..n {
         let len = chunk_len(info.size, chunk_size, i) as usize;
-        let b = &mut buf[..len];
-        f.read_exact_at(b, i * u64::from(chunk_size)).map_err(|e| {
+        let offset = i * u64::from(chunk_size);
+        let read = if buf.is_empty() {
+            f.read_range(offset, len as u64).map(|b| buf = b)
+        } else {
+            buf.resize(len, 0);
+            f.read_exact_at(&mut buf, offset)
+        };
+        read.map_err(|e| {
             if e.kind() == io::ErrorKind::UnexpectedEof {
                 ScanError::Changed {
                     path: path.to_path_buf(),
@@ -337,8 +362,8 @@ pub fn read_chunks(
                 }
             }
         })?;
-        let h = *blake3::hash(b).as_bytes();
-        on_chunk(i as u32, b, &h)?;
+        let h = *blake3::hash(&buf).as_bytes();
+        on_chunk(i as u32, &mut buf, &h)?;
         hashes.push(h);
     }
     let (size, mtime_ns, _) = f.current().map_err(|e| ScanError::Io {

@@ -150,15 +150,14 @@ fn run_jobs(
         let mut complete_read = true;
         for c in job.from..job.to {
             let len = chunk_len(job.size, chunk_size, u64::from(c)) as usize;
-            let mut data = vec![0u8; len];
-            if file
-                .read_exact_at(&mut data, u64::from(c) * u64::from(chunk_size))
-                .is_err()
-            {
+            // A new buffer per chunk, not zero-filled: a sent chunk's
+            // record keeps it.
+            let Ok(mut data) = file.read_range(u64::from(c) * u64::from(chunk_size), len as u64)
+            else {
                 // Shorter than it was: the next view shows the new size.
                 complete_read = false;
                 break;
-            }
+            };
             let i = (c - job.from) as usize;
             let quick = xxhash_rust::xxh3::xxh3_64(&data);
             let known = job.known.get(i).copied().flatten();
