@@ -332,6 +332,13 @@ pub struct SchedulerSection {
     pub urgent_for: Duration,
     /// Transfers of one class moving at once on one link, 1..64; default 4.
     pub max_active: usize,
+    /// A transfer whose size is known and at most this is small: it does
+    /// not count against `max_active`; default `"16MiB"`, at most 1GiB.
+    #[serde(deserialize_with = "de_size")]
+    pub small_transfer: u64,
+    /// Small transfers moving at once on one link (all classes together),
+    /// 0..4096; 0 turns the rule off; default 256.
+    pub max_small_active: usize,
     /// `[scheduler.weights]`
     pub weights: WeightsSection,
     /// `[scheduler.floors]`
@@ -392,6 +399,8 @@ impl Default for SchedulerSection {
             severity_half_life: Duration::from_millis(p.severity_half_life_ms),
             urgent_for: Duration::from_millis(p.urgent_for_ms),
             max_active: p.max_active,
+            small_transfer: p.small_bytes,
+            max_small_active: p.max_small_active,
             weights: WeightsSection::default(),
             floors: FloorsSection::default(),
         }
@@ -436,6 +445,8 @@ impl SchedulerSection {
                 background: self.floors.background,
             },
             max_active: self.max_active,
+            small_bytes: self.small_transfer,
+            max_small_active: self.max_small_active,
         };
         p.check().map_err(|e| anyhow::anyhow!("scheduler.{e}"))?;
         Ok(p)
@@ -1170,6 +1181,7 @@ link = "to-eval"
         let c = load(&format!(
             "{GOOD}[scheduler]\npolicy = \"fifo\"\naging = \"90s\"\naging_cap = 3.5\n\
              severity_half_life = \"1h\"\nurgent_for = \"5m\"\nmax_active = 8\n\
+             small_transfer = \"1MiB\"\nmax_small_active = 0\n\
              [scheduler.weights]\nmodel_size = 0.25\nimportance = 3\nseverity = 0\n\
              [scheduler.floors]\nscheduled = 0.2\nbackground = 0\n"
         ))
@@ -1181,6 +1193,7 @@ link = "to-eval"
             (90_000, 3_600_000, 300_000)
         );
         assert_eq!((p.aging_cap, p.max_active), (3.5, 8));
+        assert_eq!((p.small_bytes, p.max_small_active), (1 << 20, 0));
         assert_eq!(
             (p.weights.size, p.weights.importance, p.weights.severity),
             (0.25, 3.0, 0.0)
@@ -1207,6 +1220,12 @@ link = "to-eval"
         assert!(e.contains("scheduler.weights.importance"), "{e}");
         let e = sched("aging_cap = 0.5");
         assert!(e.contains("scheduler.aging_cap"), "{e}");
+        let e = sched("max_small_active = 5000");
+        assert!(e.contains("scheduler.max_small_active"), "{e}");
+        let e = sched("small_transfer = \"2GiB\"");
+        assert!(e.contains("scheduler.small_transfer"), "{e}");
+        let e = sched("small_transfer = \"lots\"");
+        assert!(e.contains("small_transfer"), "{e}");
         let e = sched("aging = \"0s\"");
         assert!(e.contains("scheduler.aging"), "{e}");
         let e = sched("severity_half_life = \"10 fortnights\"");

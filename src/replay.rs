@@ -48,8 +48,8 @@ Presets (--preset):
                  400 MB background copies, then at 3 s a 300 MB checkpoint and a
                  loss-spike signal for its job.
 
-What the replay models: each link's admission (max_active per class, or in all under
-fifo), class floors, shares by score, aging, signal severity and promotion to urgent
+What the replay models: each link's admission (max_active per class, small transfers
+up to max_small_active besides, or max_active in all under fifo), class floors, shares by score, aging, signal severity and promotion to urgent
 (urgent_for), the rate cap (token bucket), operators' class and importance changes,
 pauses, resumes, cancels and rate changes, and half an RTT from the last chunk to the
 publish; the link is a wire of the rate cap (alone, a transfer is ready bytes x 8 / rate

@@ -1173,10 +1173,26 @@ async fn submit(
             return Ok(t);
         }
     }
+    // A small directory's size is known at once, so the scheduler can
+    // start it beside the large ones (`[scheduler] small_transfer`); the
+    // run's own listing stays what is sent.
+    let policy = &inner.cfg.policy;
+    let small = if policy.max_small_active > 0 {
+        let (limit, dir) = (policy.small_bytes, abs.clone());
+        tokio::task::spawn_blocking(move || small_tree_size(&dir, limit))
+            .await
+            .ok()
+            .flatten()
+    } else {
+        None
+    };
     let id = inner
         .catalog
         .insert_transfer(link, &root.job, &abs.to_string_lossy(), &rel, class)
         .await?;
+    if let Some((bytes, files)) = small {
+        inner.catalog.set_transfer_size(id, bytes, files).await?;
+    }
     info!(transfer = %id, path = %abs.display(), link, %class, "transfer queued");
     state.wake.notify_one();
     inner
@@ -1185,6 +1201,34 @@ async fn submit(
         .await?
         .ok_or_else(|| SubmitError::Catalog(CatalogError::Corrupt("new transfer vanished".into())))
 }
+
+/// Size (bytes) and file count of the regular files under `dir` if they
+/// add up to more than 0 and at most `limit` bytes in at most
+/// [`SMALL_TREE_FILES`] files; `None` as soon as they do not, or on any
+/// error (the transfer is then not treated as small).
+fn small_tree_size(dir: &Path, limit: u64) -> Option<(u64, u64)> {
+    let (mut bytes, mut files) = (0u64, 0u64);
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).ok()? {
+            let e = e.ok()?;
+            let ty = e.file_type().ok()?;
+            if ty.is_dir() {
+                todo.push(e.path());
+            } else if ty.is_file() {
+                bytes += e.metadata().ok()?.len();
+                files += 1;
+                if bytes > limit || files > SMALL_TREE_FILES {
+                    return None;
+                }
+            }
+        }
+    }
+    (bytes > 0).then_some((bytes, files))
+}
+
+/// At most this many files for a tree to count as small.
+const SMALL_TREE_FILES: u64 = 4096;
 
 /// An established connection to a sink with its control stream.
 #[derive(Clone)]
@@ -1380,6 +1424,9 @@ fn sched_transfer(
         importance: t.importance.or(job.map(|j| j.importance)).unwrap_or(0.0),
         bytes_left: (t.bytes_total - t.bytes_done).max(0) as u64,
         created_ms: t.created_at,
+        // A pushed directory's size is set when it is queued (or listed);
+        // a checkpoint's once it is committed.
+        size_final: t.bytes_total > 0 && t.checkpoint == CheckpointState::Committed,
     }
 }
 

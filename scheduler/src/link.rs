@@ -55,6 +55,20 @@ pub struct Transfer {
     pub bytes_left: u64,
     /// When it was queued, Unix ms (aging; first come, first served).
     pub created_ms: i64,
+    /// Whether `bytes_left` is final: the transfer's size is known and
+    /// will not grow (a pushed directory once listed, a committed
+    /// checkpoint). Only such a transfer can be small
+    /// ([`crate::Policy::small_bytes`]).
+    pub size_final: bool,
+}
+
+impl Transfer {
+    /// Whether it is a small transfer under `policy`: its size is final and
+    /// at most [`crate::Policy::small_bytes`] are left to send. Small
+    /// transfers do not count against `max_active`.
+    pub fn is_small(&self, policy: &Policy) -> bool {
+        policy.max_small_active > 0 && self.size_final && self.bytes_left <= policy.small_bytes
+    }
 }
 
 /// What to do next on the link.
@@ -562,6 +576,13 @@ impl LinkScheduler {
     /// its cap) go first, oldest first, then the highest score, then the
     /// oldest (with `aging_cap` 1 there is no overdue rule). Under `fifo`:
     /// the oldest, up to `max_active` active in all.
+    ///
+    /// Under `priority`, small transfers ([`Transfer::is_small`]) do not
+    /// count against `max_active`: besides the per-class limit, up to
+    /// `max_small_active` of them move at once (all classes together),
+    /// admitted in the same order (class, then rank). A burst of tiny
+    /// transfers is then bounded by bytes and a few round trips, not one
+    /// round trip after another four at a time.
     pub fn admit(&self, waiting: &[Transfer], now_ms: i64) -> Vec<TransferId> {
         let max = self.policy.max_active.max(1);
         if self.policy.kind == PolicyKind::Fifo {
@@ -580,9 +601,18 @@ impl LinkScheduler {
             i64::MAX
         };
         let mut out = Vec::new();
+        let small = |t: &Transfer| t.is_small(&self.policy);
+        let mut small_free = self
+            .policy
+            .max_small_active
+            .saturating_sub(self.entries.values().filter(|e| small(&e.t)).count());
         for class in CLASSES {
-            let active = self.entries.values().filter(|e| e.t.class == class).count();
-            let free = max.saturating_sub(active);
+            let active = self
+                .entries
+                .values()
+                .filter(|e| e.t.class == class && !small(&e.t))
+                .count();
+            let mut free = max.saturating_sub(active);
             let mut w: Vec<(bool, f64, &Transfer)> = waiting
                 .iter()
                 .filter(|t| t.class == class && !self.entries.contains_key(&t.id))
@@ -602,7 +632,16 @@ impl LinkScheduler {
                     })
                     .then((a.2.created_ms, a.2.id).cmp(&(b.2.created_ms, b.2.id)))
             });
-            out.extend(w.into_iter().take(free).map(|x| x.2.id));
+            for (_, _, t) in w {
+                if small(t) && small_free > 0 {
+                    small_free -= 1;
+                } else if free > 0 {
+                    free -= 1;
+                } else {
+                    continue;
+                }
+                out.push(t.id);
+            }
         }
         out
     }

@@ -109,6 +109,14 @@ pub struct Policy {
     /// wait in the queue, ranked). Default 4. Under `Fifo`, the limit is
     /// for all classes together.
     pub max_active: usize,
+    /// A transfer whose size is known and at most this many bytes is
+    /// small: it does not count against `max_active`. Default 16 MiB
+    /// (16,777,216: one batch at the default `[source] batch_size`).
+    pub small_bytes: u64,
+    /// Small transfers that move at once on one link (all classes
+    /// together), besides the `max_active` per class; 0 turns the small
+    /// transfer rule off. Default 256. Only under `Priority`.
+    pub max_small_active: usize,
 }
 
 impl Default for Policy {
@@ -122,6 +130,8 @@ impl Default for Policy {
             urgent_for_ms: 1_800_000,
             floors: Floors::default(),
             max_active: 4,
+            small_bytes: 16 << 20,
+            max_small_active: 256,
         }
     }
 }
@@ -179,6 +189,18 @@ impl Policy {
             return Err(format!(
                 "max_active must be from 1 to 64, got {}",
                 self.max_active
+            ));
+        }
+        if self.max_small_active > 4096 {
+            return Err(format!(
+                "max_small_active must be from 0 to 4096, got {}",
+                self.max_small_active
+            ));
+        }
+        if self.small_bytes > 1 << 30 {
+            return Err(format!(
+                "small_transfer must be at most 1GiB, got {} bytes",
+                self.small_bytes
             ));
         }
         Ok(())
@@ -248,6 +270,20 @@ mod tests {
                 ..Policy::default()
             },
             "max_active",
+        );
+        bad(
+            Policy {
+                max_small_active: 5000,
+                ..Policy::default()
+            },
+            "max_small_active",
+        );
+        bad(
+            Policy {
+                small_bytes: 2 << 30,
+                ..Policy::default()
+            },
+            "small_transfer",
         );
     }
 }

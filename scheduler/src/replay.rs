@@ -4,7 +4,9 @@
 //!
 //! What happens to a transfer, as in a source agent:
 //! - it waits in its link's queue until [`LinkScheduler::admit`] starts
-//!   it (at most `max_active` per class, or in all under `fifo`);
+//!   it (at most `max_active` per class and, besides, up to
+//!   `max_small_active` small transfers, or `max_active` in all under
+//!   `fifo`); a trace gives every size at arrival, so sizes are final;
 //! - once started, its data is always ready (one chunk of
 //!   [`Options::chunk_bytes`] at a time, the last one shorter), and
 //!   [`LinkScheduler::next`] decides which chunk goes next under the rate
@@ -201,6 +203,8 @@ impl World<'_> {
             importance: t.importance.or(job.map(|j| j.importance)).unwrap_or(0.0),
             bytes_left: t.bytes - t.sent,
             created_ms: t.created_ms,
+            // A trace gives each transfer's size at its arrival.
+            size_final: true,
         }
     }
 

@@ -19,6 +19,7 @@ fn transfer(id: u64, class: Class, importance: f64, params: Option<f64>) -> Tran
         importance,
         bytes_left: u64::MAX / 4,
         created_ms: 0,
+        size_final: false,
     }
 }
 
@@ -406,4 +407,67 @@ fn with_aging_off_admission_follows_the_score() {
         ..transfer(2, Class::Scheduled, 1.0, None)
     };
     assert_eq!(s.admit(&[old, new], 10_000_001), vec![TransferId(2)]);
+}
+
+/// Small transfers (size known, at most `small_bytes` left) do not count
+/// against `max_active`: up to `max_small_active` of them start beside the
+/// per-class limit, in rank order; a transfer whose size may still grow
+/// is never small, however few bytes it has now; under `fifo` the rule is
+/// off.
+#[test]
+fn small_transfers_start_beside_max_active() {
+    let policy = Policy {
+        max_active: 1,
+        max_small_active: 3,
+        small_bytes: 4096,
+        ..Policy::default()
+    };
+    let mut s = LinkScheduler::new(policy.clone(), FAST, 100, 0);
+    let large = |id: u64| transfer(id, Class::Scheduled, 0.0, None);
+    let small = |id: u64, imp: f64| Transfer {
+        bytes_left: 4096,
+        size_final: true,
+        ..transfer(id, Class::Scheduled, imp, None)
+    };
+    let growing = Transfer {
+        bytes_left: 10,
+        size_final: false,
+        ..transfer(9, Class::Scheduled, 1.0, None)
+    };
+    let mut waiting = vec![large(1), large(2), growing.clone()];
+    // Ranked by importance: 7, 6, 5 start; 4 and 3 wait.
+    waiting.extend([
+        small(3, 0.1),
+        small(4, 0.2),
+        small(5, 0.5),
+        small(6, 0.6),
+        small(7, 0.7),
+    ]);
+    let got = s.admit(&waiting, 0);
+    let mut ids: Vec<u64> = got.iter().map(|t| t.0).collect();
+    ids.sort_unstable();
+    // One of the class's slot (the growing one ranks first: importance 1),
+    // three small ones.
+    assert_eq!(ids, vec![5, 6, 7, 9], "{got:?}");
+    for t in &waiting {
+        if got.contains(&t.id) {
+            s.upsert(t.clone(), 0);
+        }
+    }
+    // Nothing more until one finishes; a small one's end frees a small slot.
+    assert_eq!(s.admit(&waiting, 1), vec![]);
+    s.remove(TransferId(6));
+    waiting.retain(|t| t.id != TransferId(6) && !got.contains(&t.id));
+    assert_eq!(s.admit(&waiting, 2), vec![TransferId(4)]);
+
+    // Under fifo, small or not, max_active in all.
+    let fifo = Policy {
+        kind: PolicyKind::Fifo,
+        ..policy
+    };
+    let s = LinkScheduler::new(fifo, FAST, 100, 0);
+    assert_eq!(
+        s.admit(&[small(3, 0.0), small(4, 0.0)], 0),
+        vec![TransferId(3)]
+    );
 }
