@@ -25,7 +25,10 @@ use std::time::Duration;
 
 use ferry_proto::manifest::{chunk_count, chunk_len, FileEntry, FileInfo, Hash, Manifest};
 
+pub mod hdfs;
 pub mod posix;
+pub mod remote;
+pub mod s3;
 
 /// An opaque per-file version token: two listings of a file with equal
 /// tokens saw the same content. On POSIX it covers the inode, size, mtime
