@@ -7,10 +7,12 @@
 //!   (`hdfs-native` 0.14 does not expose the inode's file id, so a rewrite
 //!   that restores both length and mtime goes unseen).
 //! - **Staging**: HDFS files are append-only with one writer, and chunks
-//!   arrive out of order, so each chunk is its own file under
-//!   `<staging>/.ferry-chunks/`. A publish assembles each file by one
-//!   sequential rewrite (every staged byte is read once and written once
-//!   more).
+//!   may arrive out of order. A file is written in order, as one file
+//!   under `<staging>/.ferry-files/`, while its chunks arrive in order;
+//!   a chunk out of order is its own file under `<staging>/.ferry-chunks/`.
+//!   A publish moves a file staged whole in order with a rename, and
+//!   assembles any other by one sequential rewrite (its staged bytes read
+//!   once and written once more: [`Hdfs::rewritten_bytes`]).
 //! - **Publish**: the files are assembled in `<staging>/.ferry-out`, the
 //!   markers in `<staging>/.ferry-markers/<i>`; then
 //!   `<staging>/.ferry-placed` is created (a publish is under way), an
@@ -28,13 +30,16 @@
 //! (`HADOOP_CONF_DIR`'s core-site.xml and hdfs-site.xml, a ticket cache),
 //! not tested here.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::io;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
 use ferry_proto::manifest::{chunk_count, chunk_len, FileInfo, Hash, Manifest};
+use hdfs_native::file::FileWriter;
 use hdfs_native::{Client, HdfsError, WriteOptions};
 
 use super::remote::{self, block_on, chunk_key, RemoteRoot};
@@ -49,6 +54,7 @@ pub struct Hdfs {
     root: RemoteRoot,
     client: Arc<Client>,
     capacity: Option<u64>,
+    rewritten: Arc<AtomicU64>,
 }
 
 impl fmt::Debug for Hdfs {
@@ -137,6 +143,7 @@ impl Hdfs {
             root,
             client: Arc::new(client),
             capacity,
+            rewritten: Arc::default(),
         };
         let st = h.status(&h.root.path.clone())?;
         if !st.isdir {
@@ -263,9 +270,19 @@ impl Hdfs {
         })
     }
 
-    /// Assembles file `f` (manifest index `fi`) from its staged chunks into
-    /// `dst`, checking each chunk against `want` where given; chunk keys
-    /// that do not match go to `refetch` and nothing is written for them.
+    /// Bytes the publishes of this store have rewritten: staged data read
+    /// back and written once more because its chunks did not arrive in
+    /// order (a file staged in order is moved by a rename instead). The
+    /// extra I/O of HDFS staging is twice this.
+    pub fn rewritten_bytes(&self) -> u64 {
+        self.rewritten.load(Ordering::Relaxed)
+    }
+
+    /// Puts file `f` at `dst` from staging `staging`: the part written in
+    /// order, then the chunks staged on their own. Each chunk is checked
+    /// against `want` (from manifest chunk `first_chunk` on) where given;
+    /// keys that do not match go to `refetch` and nothing is written for
+    /// the file. A file staged whole in order is renamed, not rewritten.
     #[allow(clippy::too_many_arguments)]
     fn assemble(
         &self,
@@ -278,16 +295,55 @@ impl Hdfs {
         refetch: &mut Vec<u64>,
     ) -> io::Result<()> {
         let n = chunk_count(f.size, chunk_size);
-        let mut data = Vec::with_capacity(f.size as usize);
+        let whole = in_order_key(staging, &f.path);
+        let reader = match self.call("open", &whole, |c, p| async move { c.read(&p).await }) {
+            Ok(r) => Some(Arc::new(r)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+            Err(e) => return Err(e),
+        };
+        let in_order = reader.as_ref().map_or(0, |r| r.file_length() as u64);
+        // Chunks staged on their own take precedence over the in-order
+        // file: a chunk fetched again after a failed check lands there.
+        let own = format!("{staging}/{}/{}", remote::CHUNKS_DIR, f.path);
+        let own: std::collections::HashSet<u64> = match self.call("list", &own, |c, p| async move {
+            c.list_status(&p, false).await
+        }) {
+            Ok(l) => l
+                .iter()
+                .filter_map(|st| remote::chunk_offset(st.path.rsplit('/').next()?))
+                .collect(),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Default::default(),
+            Err(e) => return Err(e),
+        };
+        let whole_in_order = own.is_empty() && in_order == f.size && reader.is_some();
+        let mut data = Vec::new();
         let mut ok = true;
         for ci in 0..n {
             let off = ci * u64::from(chunk_size);
-            let key = chunk_key(staging, &f.path, off);
             let len = chunk_len(f.size, chunk_size, ci);
-            let bytes = match self.read_whole(&key) {
-                Ok(b) => b,
-                Err(e) if e.kind() == io::ErrorKind::NotFound && want.is_some() => Bytes::new(),
-                Err(e) => return Err(e),
+            let bytes = match &reader {
+                Some(r) if off + len <= in_order && !own.contains(&off) => {
+                    if want.is_none() && whole_in_order {
+                        // Staged whole, in order, nothing to check: no
+                        // need to read it here.
+                        Bytes::new()
+                    } else {
+                        let r = r.clone();
+                        self.call("read", &whole, move |_, _| async move {
+                            r.read_range(off as usize, len as usize).await
+                        })?
+                    }
+                }
+                _ => {
+                    let key = chunk_key(staging, &f.path, off);
+                    match self.read_whole(&key) {
+                        Ok(b) => b,
+                        Err(e) if e.kind() == io::ErrorKind::NotFound && want.is_some() => {
+                            Bytes::new()
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
             };
             if let Some(w) = want {
                 let (k, h) = w[first_chunk + ci as usize];
@@ -296,23 +352,35 @@ impl Hdfs {
                     ok = false;
                     continue;
                 }
-            } else if bytes.len() as u64 != len {
+            } else if bytes.len() as u64 != len && !whole_in_order {
                 return Err(io::Error::other(format!(
-                    "{} {key}: staged {} bytes, the manifest says {len}",
+                    "{} {}: chunk at {off}: staged {} bytes, the manifest says {len}",
                     self.root.url,
+                    f.path,
                     bytes.len()
                 )));
             }
-            data.extend_from_slice(&bytes);
+            if !whole_in_order {
+                data.extend_from_slice(&bytes);
+            }
         }
-        if ok {
-            self.write_whole(dst, Bytes::from(data), f.mode)?;
-            let ms = (f.mtime_ns.max(0) / 1_000_000) as u64;
-            self.call("set_times", dst, move |c, p| async move {
-                c.set_times(&p, ms, ms).await
+        if !ok {
+            return Ok(());
+        }
+        if whole_in_order {
+            self.rename(&whole, dst)?;
+            let mode = f.mode & 0o777;
+            self.call("set_permission", dst, move |c, p| async move {
+                c.set_permission(&p, mode).await
             })?;
+        } else {
+            self.rewritten.fetch_add(f.size, Ordering::Relaxed);
+            self.write_whole(dst, Bytes::from(data), f.mode)?;
         }
-        Ok(())
+        let ms = (f.mtime_ns.max(0) / 1_000_000) as u64;
+        self.call("set_times", dst, move |c, p| async move {
+            c.set_times(&p, ms, ms).await
+        })
     }
 
     /// The moves of a publish, from `.ferry-placed` on; safe to run again
@@ -451,10 +519,38 @@ impl SourceStore for Hdfs {
     }
 }
 
-/// A staging area on HDFS: one file per chunk.
+/// A staging area on HDFS. A file whose chunks arrive in order is written
+/// as one file, `<staging>/.ferry-files/<rel>`, appended to while they
+/// keep coming in order; any chunk out of order is staged as its own
+/// file under `.ferry-chunks/`. One writer is kept open (the file last
+/// written); switching files closes it, and a later in-order chunk of a
+/// closed file reopens it for append.
 struct HdfsStaging {
     store: Hdfs,
     dir: std::path::PathBuf,
+    /// Bytes written in order so far, per file.
+    in_order: HashMap<String, u64>,
+    /// The open writer and the file it writes.
+    current: Option<(String, FileWriter)>,
+}
+
+impl HdfsStaging {
+    fn close_current(&mut self) -> io::Result<()> {
+        if let Some((rel, mut w)) = self.current.take() {
+            self.store
+                .call("close", &rel, move |_, _| async move { w.close().await })?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for HdfsStaging {
+    fn drop(&mut self) {
+        // Callers of the seams run on threads that may block.
+        if let Err(e) = self.close_current() {
+            tracing::warn!(error = %e, "closing a staged HDFS file");
+        }
+    }
 }
 
 impl Staging for HdfsStaging {
@@ -462,12 +558,71 @@ impl Staging for HdfsStaging {
         ferry_proto::paths::check_relative(rel)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("{rel}: {e}")))?;
         let s = self.store.root.check(&self.dir)?;
-        self.store.write_whole(
-            &chunk_key(&s, rel, offset),
-            Bytes::copy_from_slice(bytes),
-            0o600,
-        )
+        let own_file = |store: &Hdfs| {
+            store.write_whole(
+                &chunk_key(&s, rel, offset),
+                Bytes::copy_from_slice(bytes),
+                0o600,
+            )
+        };
+        let done = self.in_order.get(rel).copied().unwrap_or(0);
+        if offset != done {
+            // Out of order: its own file, assembled at publish.
+            return own_file(&self.store);
+        }
+        let data = Bytes::copy_from_slice(bytes);
+        let path = in_order_key(&s, rel);
+        let w = match self.current.take() {
+            Some((r, w)) if r == rel => w,
+            other => {
+                self.current = other;
+                self.close_current()?;
+                let opened = self.store.call("open", &path, move |c, p| async move {
+                    if offset == 0 {
+                        // Never over another writer's file (a chunk sent
+                        // again, another stream's staging): created once.
+                        let opts = WriteOptions::default()
+                            .overwrite(false)
+                            .create_parent(true)
+                            .permission(0o600);
+                        c.create(&p, opts).await
+                    } else {
+                        c.append(&p).await
+                    }
+                });
+                match opened {
+                    Ok(w) => w,
+                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                        self.in_order.insert(rel.to_string(), u64::MAX);
+                        return own_file(&self.store);
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        };
+        let mut w = w;
+        match self.store.call("write", &path, move |_, _| async move {
+            w.write_bytes(data).await.map(|_| w)
+        }) {
+            Ok(w) => {
+                self.current = Some((rel.to_string(), w));
+                self.in_order
+                    .insert(rel.to_string(), offset + bytes.len() as u64);
+                Ok(())
+            }
+            Err(e) => {
+                // What was written in order stays, up to what HDFS kept;
+                // the publish reads back what is there.
+                self.in_order.remove(rel);
+                Err(e)
+            }
+        }
     }
+}
+
+/// The file of `rel` written in order in staging area `staging`.
+fn in_order_key(staging: &str, rel: &str) -> String {
+    format!("{staging}/.ferry-files/{rel}")
 }
 
 impl SinkStore for Hdfs {
@@ -475,6 +630,8 @@ impl SinkStore for Hdfs {
         Box::new(HdfsStaging {
             store: self.clone(),
             dir: dir.to_path_buf(),
+            in_order: HashMap::new(),
+            current: None,
         })
     }
 
