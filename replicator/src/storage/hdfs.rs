@@ -198,8 +198,8 @@ impl Hdfs {
                 .create_parent(true)
                 .permission(mode & 0o777);
             let mut w = c.create(&p, opts).await?;
-            w.write_bytes(data).await?;
-            w.close().await
+            Box::pin(w.write_bytes(data)).await?;
+            Box::pin(w.close()).await
         })
     }
 
@@ -248,8 +248,8 @@ impl Hdfs {
         match self.call("create", &p, move |c, p| async move {
             let opts = WriteOptions::default().overwrite(false).create_parent(true);
             let mut w = c.create(&p, opts).await?;
-            w.write_bytes(data).await?;
-            w.close().await
+            Box::pin(w.write_bytes(data)).await?;
+            Box::pin(w.close()).await
         }) {
             Ok(()) => Ok(true),
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),
@@ -537,8 +537,9 @@ struct HdfsStaging {
 impl HdfsStaging {
     fn close_current(&mut self) -> io::Result<()> {
         if let Some((rel, mut w)) = self.current.take() {
-            self.store
-                .call("close", &rel, move |_, _| async move { w.close().await })?;
+            self.store.call("close", &rel, move |_, _| async move {
+                Box::pin(w.close()).await
+            })?;
         }
         Ok(())
     }
@@ -602,7 +603,7 @@ impl Staging for HdfsStaging {
         };
         let mut w = w;
         match self.store.call("write", &path, move |_, _| async move {
-            w.write_bytes(data).await.map(|_| w)
+            Box::pin(w.write_bytes(data)).await.map(|_| w)
         }) {
             Ok(w) => {
                 self.current = Some((rel.to_string(), w));
