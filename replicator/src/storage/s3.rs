@@ -495,7 +495,11 @@ impl SourceStore for S3 {
         let d = self.root.check(dir).map_err(io_err)?;
         let prefix = self.key_of_str(&d);
         let all = self.list_keys(prefix.clone()).map_err(io_err)?;
-        let strip = format!("{}/", prefix.as_ref());
+        let strip = if prefix.as_ref().is_empty() {
+            String::new()
+        } else {
+            format!("{}/", prefix.as_ref())
+        };
         let mut files = Vec::new();
         for m in all {
             let Some(rel) = m.location.as_ref().strip_prefix(&strip) else {
