@@ -25,7 +25,10 @@ use std::time::Duration;
 
 use ferry_proto::manifest::{chunk_count, chunk_len, FileEntry, FileInfo, Hash, Manifest};
 
+pub mod hdfs;
 pub mod posix;
+pub mod remote;
+pub mod s3;
 
 /// An opaque per-file version token: two listings of a file with equal
 /// tokens saw the same content. On POSIX it covers the inode, size, mtime
@@ -180,7 +183,9 @@ pub struct ReadBack {
     /// Wall time of the read-back.
     pub wall: Duration,
     /// CPU time of the read-back, summed over the threads that read and
-    /// hashed (user and system time; it can exceed `wall`).
+    /// hashed (user and system time; it can exceed `wall`). Zero where
+    /// the backend cannot tell (HDFS and S3 read on a runtime shared with
+    /// other calls).
     pub cpu: Duration,
 }
 

@@ -1,13 +1,71 @@
 //! Conformance suite of the storage seams: what the source and the sink
-//! rely on, written once against the traits and run for every backend
-//! (POSIX here; the HDFS and S3 backends join with their servers).
+//! rely on, written once against the traits and run for every backend:
+//! POSIX, HDFS (a MiniDFSCluster) and S3 (SeaweedFS). The servers are
+//! started by `ops/test` (through `ops/with-test-servers`), which passes
+//! their addresses in FERRY_TEST_HDFS_URL, FERRY_TEST_S3_URL and the S3
+//! key pair in FERRY_TEST_S3_ACCESS_KEY_ID / FERRY_TEST_S3_SECRET_ACCESS_KEY.
+//! Each test works under a directory or key prefix of its own.
 #![allow(clippy::unwrap_used)]
 
-use std::path::Path;
+use std::io;
+use std::path::{Path, PathBuf};
 
-use ferry_proto::manifest::MIN_CHUNK_SIZE;
+use ferry_proto::manifest::{Manifest, MIN_CHUNK_SIZE};
+use replicator::storage::hdfs::Hdfs;
 use replicator::storage::posix::Posix;
+use replicator::storage::s3::{S3Config, MIN_PART, S3};
 use replicator::storage::{build, PublishOutcome, SinkStore, SourceStore, WatchEvent};
+
+/// Writes a whole file (or object) of a backend, as a checkpoint writer
+/// would.
+type Put<'a> = &'a (dyn Fn(&Path, &[u8]) -> io::Result<()> + Sync);
+/// Creates a file only if none is there: `Ok(true)` if this call did.
+type PutIfAbsent<'a> = &'a (dyn Fn(&Path, &[u8]) -> io::Result<bool> + Sync);
+
+/// One backend under test.
+struct Backend<'a> {
+    src: &'a dyn SourceStore,
+    sink: &'a dyn SinkStore,
+    put: Put<'a>,
+    put_if_absent: PutIfAbsent<'a>,
+    /// Whether a replica read back keeps the modes and mtimes of the
+    /// manifest (an object store keeps them in its commit object instead).
+    keeps_metadata: bool,
+}
+
+/// What must match between a checkpoint and its replica: the manifest
+/// root, or where the store keeps no modes and mtimes, every file's path,
+/// size and chunk hashes and the markers.
+fn same_replica(b: &Backend, replica: &Manifest, original: &Manifest) {
+    if b.keeps_metadata {
+        assert_eq!(
+            replica.root(),
+            original.root(),
+            "the replica is byte-identical"
+        );
+    } else {
+        let content = |m: &Manifest| {
+            let files: Vec<_> = m
+                .files
+                .iter()
+                .map(|f| (f.path.clone(), f.size, f.chunks.clone()))
+                .collect();
+            (files, m.markers.clone())
+        };
+        assert_eq!(
+            content(replica),
+            content(original),
+            "the replica is byte-identical"
+        );
+    }
+}
+
+/// `len` patterned bytes.
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(7).wrapping_add(seed))
+        .collect()
+}
 
 /// Writes `len` patterned bytes at `rel` under `dir`.
 fn write(dir: &Path, rel: &str, len: usize, seed: u8) {
@@ -54,10 +112,77 @@ fn lists_with_sizes_markers_and_versions(src: &dyn SourceStore, dir: &Path) {
     assert_eq!(src.stat(&p).unwrap().2, after.version);
 }
 
+/// Listing on any backend: sizes, mtimes, markers last, temporaries
+/// skipped, and a version token that changes when a file is rewritten.
+fn lists(b: &Backend, dir: &Path) {
+    (b.put)(&dir.join("b.bin"), &pattern(1000, 1)).unwrap();
+    (b.put)(&dir.join("sub/a.bin"), &pattern(10, 2)).unwrap();
+    (b.put)(&dir.join("x.tmp"), &pattern(5, 3)).unwrap();
+    (b.put)(&dir.join("COMMITTED"), &[]).unwrap();
+    let l = b.src.list(dir, &["COMMITTED".into()]).unwrap();
+    let names: Vec<_> = l.files.iter().map(|f| f.info.path.as_str()).collect();
+    assert_eq!(names, ["b.bin", "sub/a.bin", "COMMITTED"]);
+    assert_eq!(l.markers, [2]);
+    let sizes: Vec<_> = l.files.iter().map(|f| f.info.size).collect();
+    assert_eq!(sizes, [1000, 10, 0]);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as i64;
+    for f in &l.files {
+        // Written within the last ten minutes (clocks of one machine).
+        assert!(
+            (now - f.info.mtime_ns).abs() < 600_000_000_000,
+            "mtime of {}: {} (now {now})",
+            f.info.path,
+            f.info.mtime_ns
+        );
+    }
+    let before = l.files[0].clone();
+    assert_eq!(b.src.stat(&dir.join("b.bin")).unwrap().2, before.version);
+    // A rewrite with other content of the same size changes the version.
+    (b.put)(&dir.join("b.bin"), &pattern(1000, 9)).unwrap();
+    let after = b.src.list(dir, &["COMMITTED".into()]).unwrap().files[0].clone();
+    assert_eq!(after.info.size, 1000);
+    assert_ne!(
+        after.version, before.version,
+        "a rewrite must change the version"
+    );
+    assert!(b.src.list(&dir.join("missing"), &[]).is_err());
+}
+
+/// Two concurrent conditional creates of one name, 20 rounds: exactly one
+/// succeeds each time.
+fn conditional_create(b: &Backend, dir: &Path, server: &str) {
+    for round in 0..20 {
+        let p = dir.join(format!("commit-{round}"));
+        let barrier = std::sync::Barrier::new(2);
+        let won: Vec<bool> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2u8)
+                .map(|i| {
+                    let (p, barrier) = (&p, &barrier);
+                    s.spawn(move || {
+                        barrier.wait();
+                        (b.put_if_absent)(p, &[i]).unwrap()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(
+            won.iter().filter(|w| **w).count(),
+            1,
+            "{server}: round {round}: two concurrent conditional creates of one name, \
+             exactly one must succeed; got {won:?}"
+        );
+    }
+}
+
 /// Ranged reads: exact ranges, end of file named, current size.
-fn reads_ranges(src: &dyn SourceStore, dir: &Path) {
-    write(dir, "r.bin", 300, 5);
-    let data = std::fs::read(dir.join("r.bin")).unwrap();
+fn reads_ranges(b: &Backend, dir: &Path) {
+    let src = b.src;
+    let data = pattern(300, 5);
+    (b.put)(&dir.join("r.bin"), &data).unwrap();
     let f = src.open(&dir.join("r.bin")).unwrap();
     let mut buf = [0u8; 100];
     f.read_exact_at(&mut buf, 150).unwrap();
@@ -72,13 +197,20 @@ fn reads_ranges(src: &dyn SourceStore, dir: &Path) {
 
 /// Staging, sharing, publishing, retiring: a first version published from
 /// chunks staged out of order; a second sharing an unchanged file with it
-/// and replacing it at the same path; then retired.
-fn stages_publishes_and_retires(src: &dyn SourceStore, sink: &dyn SinkStore, dir: &Path) {
+/// (where the backend can; otherwise staged again) and replacing it at
+/// the same path; then retired.
+fn stages_publishes_and_retires(b: &Backend, dir: &Path) {
+    let (src, sink) = (b.src, b.sink);
     let cs = MIN_CHUNK_SIZE;
     let ckpt = dir.join("ckpt");
-    write(&ckpt, "w.bin", cs as usize * 2 + 5, 1);
-    write(&ckpt, "opt/o.bin", 7, 2);
-    write(&ckpt, "COMMITTED", 0, 0);
+    let content = |rel: &str| match rel {
+        "w.bin" => pattern(cs as usize * 2 + 5, 1),
+        "opt/o.bin" => pattern(7, 2),
+        _ => Vec::new(),
+    };
+    for rel in ["w.bin", "opt/o.bin", "COMMITTED"] {
+        (b.put)(&ckpt.join(rel), &content(rel)).unwrap();
+    }
     let markers = ["COMMITTED".to_string()];
     let m1 = build(src, &ckpt, &markers, cs).unwrap();
     let staging = dir.join("staging-1");
@@ -87,7 +219,7 @@ fn stages_publishes_and_retires(src: &dyn SourceStore, sink: &dyn SinkStore, dir
         let mut st = sink.staging(&staging);
         // Chunks in reverse order, as streams deliver them.
         for f in m1.files.iter().rev() {
-            let data = std::fs::read(ckpt.join(&f.path)).unwrap();
+            let data = content(&f.path);
             let mut off = data.len();
             while off > 0 {
                 let start = (off - 1) / cs as usize * cs as usize;
@@ -105,27 +237,30 @@ fn stages_publishes_and_retires(src: &dyn SourceStore, sink: &dyn SinkStore, dir
     sink.publish_recorded(&staging).unwrap();
     assert!(!sink.publish_under_way(&staging));
     let again = build(src, &local, &markers, cs).unwrap();
-    assert_eq!(again.root(), m1.root(), "the replica is byte-identical");
+    same_replica(b, &again, &m1);
 
     // Version 2: w.bin unchanged (shared), o.bin rewritten.
-    write(&ckpt, "opt/o.bin", 9, 3);
+    let o2 = pattern(9, 3);
+    (b.put)(&ckpt.join("opt/o.bin"), &o2).unwrap();
     let m2 = build(src, &ckpt, &markers, cs).unwrap();
     let staging2 = dir.join("staging-2");
-    sink.share_unchanged(&local, &staging2, "w.bin").unwrap();
     {
         let mut st = sink.staging(&staging2);
-        st.stage_chunk(
-            "opt/o.bin",
-            0,
-            &std::fs::read(ckpt.join("opt/o.bin")).unwrap(),
-        )
-        .unwrap();
+        if sink.share_unchanged(&local, &staging2, "w.bin").is_err() {
+            // Declined: the file is transferred again.
+            let w = content("w.bin");
+            for (i, c) in w.chunks(cs as usize).enumerate() {
+                st.stage_chunk("w.bin", (i * cs as usize) as u64, c)
+                    .unwrap();
+            }
+        }
+        st.stage_chunk("opt/o.bin", 0, &o2).unwrap();
         st.stage_chunk("COMMITTED", 0, &[]).unwrap();
     }
     let out = sink.publish(&staging2, &local, &m2, None).unwrap();
     assert!(matches!(out, PublishOutcome::Published { .. }), "{out:?}");
     sink.publish_recorded(&staging2).unwrap();
-    assert_eq!(build(src, &local, &markers, cs).unwrap().root(), m2.root());
+    same_replica(b, &build(src, &local, &markers, cs).unwrap(), &m2);
 
     // A staging area that never got published is discarded without a
     // trace; discarding twice is no error.
@@ -133,7 +268,7 @@ fn stages_publishes_and_retires(src: &dyn SourceStore, sink: &dyn SinkStore, dir
     sink.staging(&staging3).stage_chunk("x", 0, b"x").unwrap();
     sink.discard(&staging3).unwrap();
     sink.discard(&staging3).unwrap();
-    assert!(!staging3.exists());
+    assert!(src.list(&staging3, &[]).is_err(), "nothing left of staging");
 
     assert!(sink.free_space(dir).unwrap().is_none_or(|b| b > 0));
     sink.flush(dir).unwrap();
@@ -188,13 +323,310 @@ fn watches_where_it_can(src: &dyn SourceStore, dir: &Path) {
     drop(watch);
 }
 
+/// A publish with read-back finds a staged chunk that does not match the
+/// manifest, asks for it again and publishes nothing; once it is staged
+/// again the publish goes through.
+fn rereads_before_publishing(b: &Backend, dir: &Path) {
+    let cs = MIN_CHUNK_SIZE;
+    let data = pattern(cs as usize + 100, 6);
+    (b.put)(&dir.join("ckpt/f.bin"), &data).unwrap();
+    let m = build(b.src, &dir.join("ckpt"), &[], cs).unwrap();
+    let keys: Vec<_> = m.files[0]
+        .chunks
+        .iter()
+        .enumerate()
+        .map(|(i, h)| (100 + i as u64, *h))
+        .collect();
+    let (staging, local) = (dir.join("staging"), dir.join("replica"));
+    let mut bad = data[..cs as usize].to_vec();
+    bad[7] ^= 1;
+    {
+        let mut st = b.sink.staging(&staging);
+        st.stage_chunk("f.bin", 0, &bad).unwrap();
+        st.stage_chunk("f.bin", u64::from(cs), &data[cs as usize..])
+            .unwrap();
+    }
+    let out = b.sink.publish(&staging, &local, &m, Some(&keys)).unwrap();
+    assert_eq!(out, PublishOutcome::Refetch(vec![100]));
+    assert!(b.src.list(&local, &[]).is_err(), "nothing published");
+    b.sink
+        .staging(&staging)
+        .stage_chunk("f.bin", 0, &data[..cs as usize])
+        .unwrap();
+    let out = b.sink.publish(&staging, &local, &m, Some(&keys)).unwrap();
+    assert!(
+        matches!(out, PublishOutcome::Published { reread: Some(_) }),
+        "{out:?}"
+    );
+    let f = b.src.open(&local.join("f.bin")).unwrap();
+    assert_eq!(f.read_range(0, data.len() as u64).unwrap(), data);
+}
+
+/// The suite every backend passes.
+fn conforms(b: &Backend, dir: &Path, server: &str) {
+    lists(b, &dir.join("list"));
+    rereads_before_publishing(b, &dir.join("reread"));
+    reads_ranges(b, &dir.join("read"));
+    stages_publishes_and_retires(b, &dir.join("publish"));
+    conditional_create(b, &dir.join("create"), server);
+}
+
 #[test]
 fn posix_backend_conforms() {
     let d = tempfile::tempdir().unwrap();
     let (src, sink) = (&Posix as &dyn SourceStore, &Posix as &dyn SinkStore);
+    let put = |p: &Path, data: &[u8]| {
+        std::fs::create_dir_all(p.parent().unwrap())?;
+        std::fs::write(p, data)
+    };
+    let put_if_absent = |p: &Path, data: &[u8]| {
+        std::fs::create_dir_all(p.parent().unwrap())?;
+        match std::fs::File::options()
+            .write(true)
+            .create_new(true)
+            .open(p)
+        {
+            Ok(mut f) => io::Write::write_all(&mut f, data).map(|()| true),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),
+            Err(e) => Err(e),
+        }
+    };
+    let b = Backend {
+        src,
+        sink,
+        put: &put,
+        put_if_absent: &put_if_absent,
+        keeps_metadata: true,
+    };
+    conforms(&b, &d.path().join("suite"), "the local file system");
     lists_with_sizes_markers_and_versions(src, &d.path().join("list"));
-    reads_ranges(src, &d.path().join("read"));
-    stages_publishes_and_retires(src, sink, &d.path().join("publish"));
     staging_refuses_symlinks(sink, d.path());
     watches_where_it_can(src, &d.path().join("watch"));
+}
+
+/// A test server's address from the environment `ops/test` sets.
+fn server_env(var: &str) -> String {
+    std::env::var(var).unwrap_or_else(|_| {
+        panic!(
+            "{var} is not set: these tests need the storage servers that ops/test starts \
+             (run ops/test, or ops/with-test-servers cargo test -p replicator --test storage)"
+        )
+    })
+}
+
+/// A directory or key prefix of this test's own.
+fn unique(name: &str) -> PathBuf {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    PathBuf::from(format!("/ferry-test/{name}-{}-{t}", std::process::id()))
+}
+
+fn hdfs() -> (String, Hdfs) {
+    let url = server_env("FERRY_TEST_HDFS_URL");
+    let h = Hdfs::connect(&url, None).unwrap();
+    (url, h)
+}
+
+/// The S3 endpoint, bucket and key pair of the test server.
+fn s3_config() -> (String, String, S3Config) {
+    let url = server_env("FERRY_TEST_S3_URL");
+    let (endpoint, bucket) = url.rsplit_once('/').unwrap();
+    let cfg = S3Config {
+        endpoint: Some(endpoint.to_string()),
+        region: None,
+        access_key_id: Some(server_env("FERRY_TEST_S3_ACCESS_KEY_ID")),
+        secret_access_key: Some(server_env("FERRY_TEST_S3_SECRET_ACCESS_KEY")),
+        capacity: Some(1 << 40),
+    };
+    (url.clone(), bucket.to_string(), cfg)
+}
+
+/// Connects to the test bucket, waiting (at most 120 s) for the server to
+/// have created it.
+fn s3() -> (String, S3) {
+    let (url, bucket, cfg) = s3_config();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    loop {
+        match S3::connect(&format!("s3://{bucket}"), &cfg) {
+            Ok(s) => return (url, s),
+            Err(e) if std::time::Instant::now() < deadline => {
+                eprintln!("waiting for the bucket at {url}: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(500));
+            }
+            Err(e) => panic!("S3 test server at {url}: {e}"),
+        }
+    }
+}
+
+#[test]
+fn hdfs_backend_conforms() {
+    let (url, h) = hdfs();
+    let put = |p: &Path, data: &[u8]| h.put_file(p, data);
+    let put_if_absent = |p: &Path, data: &[u8]| h.put_if_absent(p, data);
+    let b = Backend {
+        src: &h,
+        sink: &h,
+        put: &put,
+        put_if_absent: &put_if_absent,
+        keeps_metadata: true,
+    };
+    let dir = unique("hdfs-suite");
+    conforms(&b, &dir, &format!("the MiniDFSCluster at {url}"));
+    // The extra I/O of HDFS staging: only w.bin of the first version,
+    // staged out of order, and f.bin of the read-back test, whose first
+    // chunk was staged again, were rewritten; files staged in order
+    // (every file of the second version) were moved by a rename.
+    assert_eq!(
+        h.rewritten_bytes(),
+        2 * u64::from(MIN_CHUNK_SIZE) + 5 + u64::from(MIN_CHUNK_SIZE) + 100
+    );
+    assert!(
+        h.free_space(&dir).unwrap().is_none(),
+        "no capacity, no quota"
+    );
+    let capped = Hdfs::connect(&url, Some(1 << 30)).unwrap();
+    let free = capped.free_space(&dir).unwrap().unwrap();
+    assert!(
+        free > 0 && free < 1 << 30,
+        "capacity less what is stored: {free}"
+    );
+}
+
+#[test]
+fn s3_backend_conforms() {
+    let (url, s) = s3();
+    let put = |p: &Path, data: &[u8]| s.put_file(p, data);
+    let put_if_absent = |p: &Path, data: &[u8]| s.put_if_absent(p, data);
+    let b = Backend {
+        src: &s,
+        sink: &s,
+        put: &put,
+        put_if_absent: &put_if_absent,
+        keeps_metadata: false,
+    };
+    let dir = unique("s3-suite");
+    // The server's conditional create first: the publish relies on it.
+    conditional_create(
+        &b,
+        &dir.join("server-check"),
+        &format!("SeaweedFS at {url}"),
+    );
+    conforms(&b, &dir, &format!("SeaweedFS at {url}"));
+    let free = s.free_space(&dir).unwrap().unwrap();
+    assert!(
+        free > 0 && free < 1 << 40,
+        "capacity less what is stored: {free}"
+    );
+    assert_parts_at_least_min(&s);
+}
+
+/// Every multipart part but the last is at least 5 MiB (S3 refuses
+/// smaller ones, even where a test server accepts them).
+fn assert_parts_at_least_min(s: &S3) {
+    for parts in s.multipart_parts() {
+        if let Some((_, head)) = parts.split_last() {
+            assert!(
+                head.iter().all(|&p| p >= MIN_PART),
+                "a multipart part but the last is under 5 MiB: {parts:?}"
+            );
+        }
+    }
+}
+
+/// A file larger than one PUT: staged as 1 MiB chunks in reverse order,
+/// published as a multipart upload of 8 MiB parts, read back whole.
+#[test]
+fn s3_publishes_large_files_in_parts() {
+    let (_, s) = s3();
+    let dir = unique("s3-parts");
+    let cs = 1u32 << 20;
+    let data = pattern((20 << 20) + 5, 4);
+    s.put_file(&dir.join("src/big.bin"), &data).unwrap();
+    let m = build(&s, &dir.join("src"), &[], cs).unwrap();
+    let staging = dir.join("staging");
+    let mut st = s.staging(&staging);
+    for (i, c) in data.chunks(cs as usize).enumerate().rev() {
+        st.stage_chunk("big.bin", (i * cs as usize) as u64, c)
+            .unwrap();
+    }
+    let out = s.publish(&staging, &dir.join("replica"), &m, None).unwrap();
+    assert!(matches!(out, PublishOutcome::Published { .. }), "{out:?}");
+    let parts = s.multipart_parts();
+    assert_eq!(parts, vec![vec![8 << 20, 8 << 20, (4 << 20) + 5]]);
+    assert_parts_at_least_min(&s);
+    let back = s.open(&dir.join("replica/big.bin")).unwrap();
+    assert_eq!(back.read_range(0, data.len() as u64).unwrap(), data);
+    let back = build(&s, &dir.join("replica"), &[], cs).unwrap();
+    assert_eq!(back.files[0].chunks, m.files[0].chunks);
+    // Mode and mtime travel in the commit object.
+    let c = s.committed(&dir.join("replica")).unwrap().unwrap();
+    assert_eq!(
+        c.iter()
+            .map(|f| (&f.path, f.size, f.mode, f.mtime_ns))
+            .collect::<Vec<_>>(),
+        [(
+            &m.files[0].path,
+            m.files[0].size,
+            m.files[0].mode,
+            m.files[0].mtime_ns
+        )]
+    );
+    s.retire(&dir.join("replica")).unwrap();
+    assert!(s.committed(&dir.join("replica")).unwrap().is_none());
+}
+
+/// Bad input: clear errors naming the root, no panic.
+#[test]
+fn bad_remote_roots_are_named() {
+    let (hdfs_url, _) = hdfs();
+    let (s3_url, bucket, cfg) = s3_config();
+    let named = |r: io::Result<()>, root: &str| {
+        let e = r.err().unwrap_or_else(|| panic!("{root}: connected"));
+        assert!(e.to_string().contains(root), "{root}: {e}");
+    };
+    // An unreachable NameNode (nothing listens on port 1).
+    named(
+        Hdfs::connect("hdfs://127.0.0.1:1/ckpt", None).map(drop),
+        "hdfs://127.0.0.1:1/ckpt",
+    );
+    // A root directory that does not exist.
+    let missing = format!("{hdfs_url}{}", unique("missing").display());
+    named(Hdfs::connect(&missing, None).map(drop), &missing);
+    // An unreachable endpoint.
+    let nowhere = S3Config {
+        endpoint: Some("http://127.0.0.1:1".into()),
+        ..cfg.clone()
+    };
+    named(
+        S3::connect("s3://ferry/x", &nowhere).map(drop),
+        "s3://ferry/x",
+    );
+    // Wrong credentials.
+    let wrong = S3Config {
+        secret_access_key: Some("not-the-secret".into()),
+        ..cfg.clone()
+    };
+    let root = format!("s3://{bucket}/x");
+    named(S3::connect(&root, &wrong).map(drop), &root);
+    // A bucket that does not exist.
+    named(
+        S3::connect("s3://no-such-bucket-ferry/x", &cfg).map(drop),
+        "s3://no-such-bucket-ferry/x",
+    );
+    // A path outside the root.
+    let dir = unique("outside");
+    let (_, h) = hdfs();
+    h.put_file(&dir.join("inside/f"), b"x").unwrap();
+    let inside = format!("{hdfs_url}{}", dir.join("inside").display());
+    let h = Hdfs::connect(&inside, None).unwrap();
+    let e = h.list(Path::new("/etc"), &[]).unwrap_err().to_string();
+    assert!(e.contains(&inside), "{e}");
+    let e = h
+        .staging(&dir.join("inside/st"))
+        .stage_chunk("../../x", 0, b"x")
+        .unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
+    let _ = s3_url;
 }

@@ -1,0 +1,744 @@
+//! The HDFS backend of the storage seams, with the pure-Rust `hdfs-native`
+//! client (no JVM, no libhdfs). Paths are HDFS paths under the root URL
+//! (see [`remote`](super::remote)).
+//!
+//! - **Listing**: a recursive `listStatus`; the version token is the
+//!   file's length, mtime (ms), permission and block size
+//!   (`hdfs-native` 0.14 does not expose the inode's file id, so a rewrite
+//!   that restores both length and mtime goes unseen).
+//! - **Staging**: HDFS files are append-only with one writer, and chunks
+//!   may arrive out of order. A file is written in order, as one file
+//!   under `<staging>/.ferry-files/`, while its chunks arrive in order;
+//!   a chunk out of order is its own file under `<staging>/.ferry-chunks/`.
+//!   A publish moves a file staged whole in order with a rename, and
+//!   assembles any other by one sequential rewrite (its staged bytes read
+//!   once and written once more: [`Hdfs::rewritten_bytes`]).
+//! - **Publish**: the files are assembled in `<staging>/.ferry-out`, the
+//!   markers in `<staging>/.ferry-markers/<i>`; then
+//!   `<staging>/.ferry-placed` is created (a publish is under way), an
+//!   older version at the published path is renamed aside, `.ferry-out`
+//!   is renamed to the published path (one directory rename), the markers
+//!   are renamed in one by one, last, and the older version is removed. A
+//!   publish that a crash interrupted is finished from `.ferry-placed` on.
+//! - **Sharing an unchanged file**: declined (HDFS has no hard links); the
+//!   file is transferred again.
+//! - **Free space**: a configured capacity less what the root holds, or
+//!   else the root's space quota less what it consumes; `None` without
+//!   either.
+//!
+//! Kerberos and HA name services are configuration of the client
+//! (`HADOOP_CONF_DIR`'s core-site.xml and hdfs-site.xml, a ticket cache),
+//! not tested here.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::io;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use ferry_proto::manifest::{chunk_count, chunk_len, FileInfo, Hash, Manifest};
+use hdfs_native::file::FileWriter;
+use hdfs_native::{Client, HdfsError, WriteOptions};
+
+use super::remote::{self, block_on, chunk_key, RemoteRoot};
+use super::{
+    FileVersion, Listed, Listing, PublishOutcome, RangeRead, ReadBack, ScanError, SinkStore,
+    SourceStore, Staging, Watch, WatchHandler,
+};
+
+/// An HDFS name space, opened at one root URL.
+#[derive(Clone)]
+pub struct Hdfs {
+    root: RemoteRoot,
+    client: Arc<Client>,
+    capacity: Option<u64>,
+    rewritten: Arc<AtomicU64>,
+}
+
+impl fmt::Debug for Hdfs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Hdfs({})", self.root.url)
+    }
+}
+
+/// An `hdfs-native` error as an I/O error of the same kind.
+fn io_of(e: HdfsError) -> io::Error {
+    match e {
+        HdfsError::FileNotFound(p) => {
+            io::Error::new(io::ErrorKind::NotFound, format!("not found: {p}"))
+        }
+        HdfsError::AlreadyExists(p) => {
+            io::Error::new(io::ErrorKind::AlreadyExists, format!("already exists: {p}"))
+        }
+        HdfsError::IOError(e) => e,
+        // The NameNode's Java exceptions, by class name.
+        HdfsError::RPCError(class, msg) | HdfsError::FatalRPCError(class, msg) => {
+            let kind = if class.ends_with("FileNotFoundException") {
+                io::ErrorKind::NotFound
+            } else if class.ends_with("FileAlreadyExistsException")
+                || class.ends_with("AlreadyBeingCreatedException")
+            {
+                io::ErrorKind::AlreadyExists
+            } else if class.ends_with("AccessControlException") {
+                io::ErrorKind::PermissionDenied
+            } else {
+                io::ErrorKind::Other
+            };
+            io::Error::new(kind, format!("{class}: {msg}"))
+        }
+        e => io::Error::other(e.to_string()),
+    }
+}
+
+/// ms since the epoch (HDFS) to ns.
+fn ns_of_ms(ms: u64) -> i64 {
+    (ms as i64).saturating_mul(1_000_000)
+}
+
+fn version_of(st: &hdfs_native::client::FileStatus) -> FileVersion {
+    FileVersion([
+        st.length as u64,
+        st.modification_time,
+        u64::from(st.permission),
+        st.blocksize.unwrap_or(0),
+    ])
+}
+
+impl Hdfs {
+    /// Opens `url` (`hdfs://namenode:port/dir`) and checks that the
+    /// NameNode answers and the root directory exists. `capacity` (bytes)
+    /// is what a sink may fill under the root; `None` uses the root's
+    /// space quota, if it has one.
+    ///
+    /// # Errors
+    /// `InvalidInput` for a URL that is not `hdfs://`; the NameNode's
+    /// error (unreachable, refused, `NotFound` for a missing root), each
+    /// naming the root URL.
+    pub fn connect(url: &str, capacity: Option<u64>) -> io::Result<Hdfs> {
+        let root = RemoteRoot::parse(url)?;
+        if root.scheme != "hdfs" {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("storage root {url}: not an hdfs:// URL"),
+            ));
+        }
+        let handle = remote::runtime_handle()?;
+        let nn = format!("hdfs://{}", root.authority);
+        // Hadoop's default of 15 fail-overs with sleeps up to 15 s keeps a
+        // call to an unreachable NameNode going for minutes; Ferry retries
+        // whole transfers itself, so a call gives up after about 8 s.
+        let client = hdfs_native::ClientBuilder::new()
+            .with_url(nn)
+            .with_config([
+                ("dfs.client.failover.max.attempts", "4"),
+                ("dfs.client.failover.sleep.base.millis", "500"),
+                ("dfs.client.failover.sleep.max.millis", "4000"),
+            ])
+            .with_io_runtime(handle)
+            .build()
+            .map_err(|e| io::Error::other(format!("storage root {url}: {e}")))?;
+        let h = Hdfs {
+            root,
+            client: Arc::new(client),
+            capacity,
+            rewritten: Arc::default(),
+        };
+        let st = h.status(&h.root.path.clone())?;
+        if !st.isdir {
+            return Err(io::Error::other(format!(
+                "storage root {url}: not a directory"
+            )));
+        }
+        Ok(h)
+    }
+
+    /// The root this store was opened at.
+    pub fn root(&self) -> &RemoteRoot {
+        &self.root
+    }
+
+    /// Runs one client call on the storage runtime; errors name `what`,
+    /// the path and the root URL.
+    fn call<T: Send + 'static, F>(
+        &self,
+        what: &str,
+        path: &str,
+        f: impl FnOnce(Arc<Client>, String) -> F,
+    ) -> io::Result<T>
+    where
+        F: std::future::Future<Output = Result<T, HdfsError>> + Send + 'static,
+    {
+        let fut = f(self.client.clone(), path.to_string());
+        block_on(&format!("{} {what} {path}", self.root.url), async move {
+            fut.await.map_err(io_of)
+        })
+    }
+
+    fn status(&self, p: &Path) -> io::Result<hdfs_native::client::FileStatus> {
+        let p = self.root.check(p)?;
+        self.call("stat", &p, |c, p| async move { c.get_file_info(&p).await })
+    }
+
+    fn exists(&self, p: &str) -> io::Result<bool> {
+        match self.call("stat", p, |c, p| async move { c.get_file_info(&p).await }) {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Writes `data` as the whole file at `p` (store path), replacing any
+    /// file there, creating parents, with permission `mode`.
+    fn write_whole(&self, p: &str, data: Bytes, mode: u32) -> io::Result<()> {
+        self.call("write", p, move |c, p| async move {
+            let opts = WriteOptions::default()
+                .overwrite(true)
+                .create_parent(true)
+                .permission(mode & 0o777);
+            let mut w = c.create(&p, opts).await?;
+            Box::pin(w.write_bytes(data)).await?;
+            Box::pin(w.close()).await
+        })
+    }
+
+    fn read_whole(&self, p: &str) -> io::Result<Bytes> {
+        self.call("read", p, |c, p| async move {
+            let r = c.read(&p).await?;
+            let len = r.file_length();
+            r.read_range(0, len).await
+        })
+    }
+
+    fn delete_tree(&self, p: &str) -> io::Result<()> {
+        self.call("delete", p, |c, p| async move { c.delete(&p, true).await })
+            .map(|_| ())
+    }
+
+    fn rename(&self, from: &str, to: &str) -> io::Result<()> {
+        let to = to.to_string();
+        self.call("rename", from, move |c, from| async move {
+            if let Some(parent) = Path::new(&to).parent().and_then(Path::to_str) {
+                c.mkdirs(parent, 0o755, true).await?;
+            }
+            c.rename(&from, &to, false).await
+        })
+    }
+
+    /// Writes `data` as the file at `path` (under the root), replacing any
+    /// file there: for tests and the generator.
+    ///
+    /// # Errors
+    /// The NameNode's or DataNode's error, naming the path and root.
+    pub fn put_file(&self, path: &Path, data: &[u8]) -> io::Result<()> {
+        let p = self.root.check(path)?;
+        self.write_whole(&p, Bytes::copy_from_slice(data), 0o644)
+    }
+
+    /// Creates the file at `path` with `data` only if no file is there:
+    /// `Ok(true)` when this call created it, `Ok(false)` when it existed
+    /// (HDFS's create without overwrite, decided by the NameNode).
+    ///
+    /// # Errors
+    /// Other errors of the NameNode, naming the path and root.
+    pub fn put_if_absent(&self, path: &Path, data: &[u8]) -> io::Result<bool> {
+        let p = self.root.check(path)?;
+        let data = Bytes::copy_from_slice(data);
+        match self.call("create", &p, move |c, p| async move {
+            let opts = WriteOptions::default().overwrite(false).create_parent(true);
+            let mut w = c.create(&p, opts).await?;
+            Box::pin(w.write_bytes(data)).await?;
+            Box::pin(w.close()).await
+        }) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Sets the mtime (ns since the epoch, kept to the ms) of the file at
+    /// `path`.
+    ///
+    /// # Errors
+    /// The NameNode's error, naming the path and root.
+    pub fn set_mtime(&self, path: &Path, mtime_ns: i64) -> io::Result<()> {
+        let p = self.root.check(path)?;
+        let ms = (mtime_ns.max(0) / 1_000_000) as u64;
+        self.call("set_times", &p, move |c, p| async move {
+            c.set_times(&p, ms, ms).await
+        })
+    }
+
+    /// Bytes the publishes of this store have rewritten: staged data read
+    /// back and written once more because its chunks did not arrive in
+    /// order (a file staged in order is moved by a rename instead). The
+    /// extra I/O of HDFS staging is twice this.
+    pub fn rewritten_bytes(&self) -> u64 {
+        self.rewritten.load(Ordering::Relaxed)
+    }
+
+    /// Puts file `f` at `dst` from staging `staging`: the part written in
+    /// order, then the chunks staged on their own. Each chunk is checked
+    /// against `want` (from manifest chunk `first_chunk` on) where given;
+    /// keys that do not match go to `refetch` and nothing is written for
+    /// the file. A file staged whole in order is renamed, not rewritten.
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        &self,
+        staging: &str,
+        f: &ferry_proto::manifest::FileEntry,
+        chunk_size: u32,
+        first_chunk: usize,
+        want: Option<&[(u64, Hash)]>,
+        dst: &str,
+        refetch: &mut Vec<u64>,
+    ) -> io::Result<()> {
+        let n = chunk_count(f.size, chunk_size);
+        let whole = in_order_key(staging, &f.path);
+        let reader = match self.call("open", &whole, |c, p| async move { c.read(&p).await }) {
+            Ok(r) => Some(Arc::new(r)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+            Err(e) => return Err(e),
+        };
+        let in_order = reader.as_ref().map_or(0, |r| r.file_length() as u64);
+        // Chunks staged on their own take precedence over the in-order
+        // file: a chunk fetched again after a failed check lands there.
+        let own = format!("{staging}/{}/{}", remote::CHUNKS_DIR, f.path);
+        let own: std::collections::HashSet<u64> = match self.call("list", &own, |c, p| async move {
+            c.list_status(&p, false).await
+        }) {
+            Ok(l) => l
+                .iter()
+                .filter_map(|st| remote::chunk_offset(st.path.rsplit('/').next()?))
+                .collect(),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Default::default(),
+            Err(e) => return Err(e),
+        };
+        let whole_in_order = own.is_empty() && in_order == f.size && reader.is_some();
+        let mut data = Vec::new();
+        let mut ok = true;
+        for ci in 0..n {
+            let off = ci * u64::from(chunk_size);
+            let len = chunk_len(f.size, chunk_size, ci);
+            let bytes = match &reader {
+                Some(r) if off + len <= in_order && !own.contains(&off) => {
+                    if want.is_none() && whole_in_order {
+                        // Staged whole, in order, nothing to check: no
+                        // need to read it here.
+                        Bytes::new()
+                    } else {
+                        let r = r.clone();
+                        self.call("read", &whole, move |_, _| async move {
+                            r.read_range(off as usize, len as usize).await
+                        })?
+                    }
+                }
+                _ => {
+                    let key = chunk_key(staging, &f.path, off);
+                    match self.read_whole(&key) {
+                        Ok(b) => b,
+                        Err(e) if e.kind() == io::ErrorKind::NotFound && want.is_some() => {
+                            Bytes::new()
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+            };
+            if let Some(w) = want {
+                let (k, h) = w[first_chunk + ci as usize];
+                if bytes.len() as u64 != len || *blake3::hash(&bytes).as_bytes() != h {
+                    refetch.push(k);
+                    ok = false;
+                    continue;
+                }
+            } else if bytes.len() as u64 != len && !whole_in_order {
+                return Err(io::Error::other(format!(
+                    "{} {}: chunk at {off}: staged {} bytes, the manifest says {len}",
+                    self.root.url,
+                    f.path,
+                    bytes.len()
+                )));
+            }
+            if !whole_in_order {
+                data.extend_from_slice(&bytes);
+            }
+        }
+        if !ok {
+            return Ok(());
+        }
+        if whole_in_order {
+            self.rename(&whole, dst)?;
+            let mode = f.mode & 0o777;
+            self.call("set_permission", dst, move |c, p| async move {
+                c.set_permission(&p, mode).await
+            })?;
+        } else {
+            self.rewritten.fetch_add(f.size, Ordering::Relaxed);
+            self.write_whole(dst, Bytes::from(data), f.mode)?;
+        }
+        let ms = (f.mtime_ns.max(0) / 1_000_000) as u64;
+        self.call("set_times", dst, move |c, p| async move {
+            c.set_times(&p, ms, ms).await
+        })
+    }
+
+    /// The moves of a publish, from `.ferry-placed` on; safe to run again
+    /// after a crash at any point.
+    fn place(&self, s: &str, l: &str, m: &Manifest) -> io::Result<()> {
+        let out = format!("{s}/.ferry-out");
+        let old = format!("{s}/.ferry-old");
+        if self.exists(&out)? {
+            if self.exists(l)? && !self.exists(&old)? {
+                self.rename(l, &old)?;
+            }
+            self.rename(&out, l)?;
+        }
+        for (i, &fi) in m.markers.iter().enumerate() {
+            let held = format!("{s}/.ferry-markers/{i}");
+            if self.exists(&held)? {
+                let dst = format!("{l}/{}", m.files[fi as usize].path);
+                if self.exists(&dst)? {
+                    self.delete_tree(&dst)?;
+                }
+                self.rename(&held, &dst)?;
+            }
+        }
+        if self.exists(&old)? {
+            self.delete_tree(&old)?;
+        }
+        Ok(())
+    }
+}
+
+/// An open HDFS file.
+struct HdfsFile {
+    store: Hdfs,
+    path: String,
+    reader: Arc<hdfs_native::file::FileReader>,
+}
+
+impl RangeRead for HdfsFile {
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let data = self.read_range(offset, buf.len() as u64)?;
+        buf.copy_from_slice(&data);
+        Ok(())
+    }
+
+    fn read_range(&self, offset: u64, len: u64) -> io::Result<Vec<u8>> {
+        let size = self.reader.file_length() as u64;
+        if offset.saturating_add(len) > size {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!(
+                    "{}{}: {len} bytes at {offset}, the file has {size}",
+                    self.store.root.url, self.path
+                ),
+            ));
+        }
+        let r = self.reader.clone();
+        let b = self
+            .store
+            .call("read", &self.path, move |_, _| async move {
+                r.read_range(offset as usize, len as usize).await
+            })?;
+        Ok(b.to_vec())
+    }
+
+    fn current(&self) -> io::Result<(u64, i64, FileVersion)> {
+        self.store.stat(Path::new(&self.path))
+    }
+}
+
+impl SourceStore for Hdfs {
+    fn watch(&self, _root: &Path, _on_event: WatchHandler) -> io::Result<Option<Box<dyn Watch>>> {
+        Ok(None)
+    }
+
+    fn list(&self, dir: &Path, markers: &[String]) -> Result<Listing, ScanError> {
+        let io_err = |source| ScanError::Io {
+            path: dir.to_path_buf(),
+            source,
+        };
+        let d = self.root.check(dir).map_err(io_err)?;
+        let all = self
+            .call(
+                "list",
+                &d,
+                |c, p| async move { c.list_status(&p, true).await },
+            )
+            .map_err(io_err)?;
+        let prefix = format!("{}/", d.trim_end_matches('/'));
+        let mut files = Vec::new();
+        for st in all {
+            if st.isdir {
+                continue;
+            }
+            let Some(rel) = st.path.strip_prefix(&prefix) else {
+                continue;
+            };
+            if remote::skipped(rel) {
+                continue;
+            }
+            files.push(Listed {
+                info: FileInfo {
+                    path: rel.to_string(),
+                    size: st.length as u64,
+                    mode: u32::from(st.permission) & 0o7777,
+                    mtime_ns: ns_of_ms(st.modification_time),
+                },
+                version: version_of(&st),
+            });
+        }
+        Ok(remote::order(files, markers))
+    }
+
+    fn open(&self, path: &Path) -> io::Result<Box<dyn RangeRead>> {
+        let p = self.root.check(path)?;
+        let reader = self.call("open", &p, |c, p| async move { c.read(&p).await })?;
+        Ok(Box::new(HdfsFile {
+            store: self.clone(),
+            path: p,
+            reader: Arc::new(reader),
+        }))
+    }
+
+    fn stat(&self, path: &Path) -> io::Result<(u64, i64, FileVersion)> {
+        let st = self.status(path)?;
+        if st.isdir {
+            return Err(io::Error::other(format!(
+                "{}: a directory",
+                self.root.url_of(path)
+            )));
+        }
+        Ok((
+            st.length as u64,
+            ns_of_ms(st.modification_time),
+            version_of(&st),
+        ))
+    }
+}
+
+/// A staging area on HDFS. A file whose chunks arrive in order is written
+/// as one file, `<staging>/.ferry-files/<rel>`, appended to while they
+/// keep coming in order; any chunk out of order is staged as its own
+/// file under `.ferry-chunks/`. One writer is kept open (the file last
+/// written); switching files closes it, and a later in-order chunk of a
+/// closed file reopens it for append.
+struct HdfsStaging {
+    store: Hdfs,
+    dir: std::path::PathBuf,
+    /// Bytes written in order so far, per file.
+    in_order: HashMap<String, u64>,
+    /// The open writer and the file it writes.
+    current: Option<(String, FileWriter)>,
+}
+
+impl HdfsStaging {
+    fn close_current(&mut self) -> io::Result<()> {
+        if let Some((rel, mut w)) = self.current.take() {
+            self.store.call("close", &rel, move |_, _| async move {
+                Box::pin(w.close()).await
+            })?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for HdfsStaging {
+    fn drop(&mut self) {
+        // Callers of the seams run on threads that may block.
+        if let Err(e) = self.close_current() {
+            tracing::warn!(error = %e, "closing a staged HDFS file");
+        }
+    }
+}
+
+impl Staging for HdfsStaging {
+    fn stage_chunk(&mut self, rel: &str, offset: u64, bytes: &[u8]) -> io::Result<()> {
+        ferry_proto::paths::check_relative(rel)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("{rel}: {e}")))?;
+        let s = self.store.root.check(&self.dir)?;
+        let own_file = |store: &Hdfs| {
+            store.write_whole(
+                &chunk_key(&s, rel, offset),
+                Bytes::copy_from_slice(bytes),
+                0o600,
+            )
+        };
+        let done = self.in_order.get(rel).copied().unwrap_or(0);
+        if offset != done {
+            // Out of order: its own file, assembled at publish.
+            return own_file(&self.store);
+        }
+        let data = Bytes::copy_from_slice(bytes);
+        let path = in_order_key(&s, rel);
+        let w = match self.current.take() {
+            Some((r, w)) if r == rel => w,
+            other => {
+                self.current = other;
+                self.close_current()?;
+                let opened = self.store.call("open", &path, move |c, p| async move {
+                    if offset == 0 {
+                        // Never over another writer's file (a chunk sent
+                        // again, another stream's staging): created once.
+                        let opts = WriteOptions::default()
+                            .overwrite(false)
+                            .create_parent(true)
+                            .permission(0o600);
+                        c.create(&p, opts).await
+                    } else {
+                        c.append(&p).await
+                    }
+                });
+                match opened {
+                    Ok(w) => w,
+                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                        self.in_order.insert(rel.to_string(), u64::MAX);
+                        return own_file(&self.store);
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        };
+        let mut w = w;
+        match self.store.call("write", &path, move |_, _| async move {
+            Box::pin(w.write_bytes(data)).await.map(|_| w)
+        }) {
+            Ok(w) => {
+                self.current = Some((rel.to_string(), w));
+                self.in_order
+                    .insert(rel.to_string(), offset + bytes.len() as u64);
+                Ok(())
+            }
+            Err(e) => {
+                // What was written in order stays, up to what HDFS kept;
+                // the publish reads back what is there.
+                self.in_order.remove(rel);
+                Err(e)
+            }
+        }
+    }
+}
+
+/// The file of `rel` written in order in staging area `staging`.
+fn in_order_key(staging: &str, rel: &str) -> String {
+    format!("{staging}/.ferry-files/{rel}")
+}
+
+impl SinkStore for Hdfs {
+    fn staging(&self, dir: &Path) -> Box<dyn Staging> {
+        Box::new(HdfsStaging {
+            store: self.clone(),
+            dir: dir.to_path_buf(),
+            in_order: HashMap::new(),
+            current: None,
+        })
+    }
+
+    fn share_unchanged(&self, _previous: &Path, _staging: &Path, rel: &str) -> io::Result<()> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!(
+                "{}: HDFS has no hard links; {rel} is transferred again",
+                self.root.url
+            ),
+        ))
+    }
+
+    fn publish(
+        &self,
+        staging: &Path,
+        local_path: &Path,
+        m: &Manifest,
+        reread: Option<&[(u64, Hash)]>,
+    ) -> io::Result<PublishOutcome> {
+        let s = self.root.check(staging)?;
+        let l = self.root.check(local_path)?;
+        let placed = format!("{s}/.ferry-placed");
+        if self.exists(&placed)? {
+            self.place(&s, &l, m)?;
+            return Ok(PublishOutcome::Recovered);
+        }
+        let out = format!("{s}/.ferry-out");
+        let held = format!("{s}/.ferry-markers");
+        for d in [&out, &held] {
+            if self.exists(d)? {
+                self.delete_tree(d)?;
+            }
+        }
+        let start = std::time::Instant::now();
+        let mut refetch = Vec::new();
+        let mut first_chunk = 0usize;
+        for (fi, f) in m.files.iter().enumerate() {
+            let dst = match m.markers.iter().position(|&x| x as usize == fi) {
+                Some(i) => format!("{held}/{i}"),
+                None => format!("{out}/{}", f.path),
+            };
+            self.assemble(&s, f, m.chunk_size, first_chunk, reread, &dst, &mut refetch)?;
+            first_chunk += f.chunks.len();
+        }
+        if !refetch.is_empty() {
+            self.delete_tree(&out)?;
+            self.delete_tree(&held)?;
+            return Ok(PublishOutcome::Refetch(refetch));
+        }
+        let reread_time = reread.map(|_| start.elapsed());
+        // A checkpoint of markers only still publishes a directory.
+        self.call("mkdirs", &out, |c, p| async move {
+            c.mkdirs(&p, 0o755, true).await
+        })?;
+        self.write_whole(&placed, Bytes::from(l.clone().into_bytes()), 0o600)?;
+        self.place(&s, &l, m)?;
+        Ok(PublishOutcome::Published {
+            // The reads ran on the storage runtime's threads, shared with
+            // other calls: their CPU time is not this publish's alone.
+            reread: reread_time.map(|wall| ReadBack {
+                wall,
+                cpu: std::time::Duration::ZERO,
+            }),
+        })
+    }
+
+    fn publish_under_way(&self, staging: &Path) -> bool {
+        self.root
+            .check(staging)
+            .and_then(|s| self.exists(&format!("{s}/.ferry-placed")))
+            .unwrap_or(false)
+    }
+
+    fn publish_recorded(&self, staging: &Path) -> io::Result<()> {
+        self.discard(staging)
+    }
+
+    fn discard(&self, staging: &Path) -> io::Result<()> {
+        let s = self.root.check(staging)?;
+        self.delete_tree(&s)
+    }
+
+    fn retire(&self, local_path: &Path) -> io::Result<()> {
+        let l = self.root.check(local_path)?;
+        self.delete_tree(&l)
+    }
+
+    fn free_space(&self, _path: &Path) -> io::Result<Option<u64>> {
+        let r = self.root.path.to_string_lossy().into_owned();
+        let sum = self.call("content summary", &r, |c, p| async move {
+            c.get_content_summary(&p).await
+        })?;
+        Ok(match self.capacity {
+            Some(cap) => Some(cap.saturating_sub(sum.length)),
+            // Hadoop reports -1 (as u64: all ones) or 0 for no quota.
+            None if sum.space_quota != 0 && sum.space_quota != u64::MAX => {
+                Some(sum.space_quota.saturating_sub(sum.space_consumed))
+            }
+            None => None,
+        })
+    }
+
+    fn flush(&self, _dir: &Path) -> io::Result<()> {
+        // Every staged chunk is closed (acknowledged by the DataNode
+        // pipeline) before stage_chunk returns.
+        Ok(())
+    }
+}

@@ -1,0 +1,753 @@
+//! The S3 backend of the storage seams (any S3-compatible object store),
+//! with the `object_store` client. Paths are key prefixes under the root
+//! URL (see [`remote`](super::remote)): `/prefix/step-100` is every key
+//! under `prefix/step-100/` of the bucket.
+//!
+//! - **Listing**: the keys under the prefix, with sizes and last-modified
+//!   times (mode 0644: objects have none); the version token is a hash of
+//!   the ETag and version id. The modes and mtimes of a replica published
+//!   here are in its commit object ([`S3::committed`]).
+//! - **Staging**: objects are immutable and every multipart part but the
+//!   last must be at least 5 MiB (10,000 parts at most), while chunks
+//!   arrive out of order; each chunk is staged as its own object under
+//!   `<staging>/.ferry-chunks/`. A publish writes each file once: files up
+//!   to [`PART_TARGET`] in one PUT, larger ones as a multipart upload whose
+//!   parts are k whole consecutive chunks, k = ceil(8 MiB / chunk size),
+//!   raised so that no file needs more than 10,000 parts.
+//! - **Publish**: the replica's files are written under the published
+//!   prefix, markers last, then the commit object `<path>.ferry-commit`
+//!   (JSON: the manifest root, every file's path, size, mode and mtime) is
+//!   created with a conditional create (`If-None-Match: *`), so that of
+//!   two publishers exactly one wins. A reader takes a replica to exist
+//!   only while its commit object does; replacing a version first deletes
+//!   the older commit object. `<staging>/.ferry-publishing` says a publish
+//!   is under way.
+//! - **Sharing an unchanged file**: a server-side copy of the previous
+//!   version's object into staging.
+//! - **Free space**: a configured capacity less what the root holds;
+//!   `None` without one.
+//!
+//! Credentials come from [`S3Config`] or the standard `AWS_*` environment
+//! variables; they never appear in `Debug` output or errors.
+
+use std::fmt;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use ferry_proto::manifest::{chunk_count, chunk_len, FileInfo, Hash, Manifest};
+use futures::TryStreamExt;
+use object_store::aws::{AmazonS3, AmazonS3Builder, S3ConditionalPut};
+use object_store::path::Path as Key;
+use object_store::{
+    BackoffConfig, ClientOptions, ObjectStore, PutMode, PutOptions, PutPayload, RetryConfig,
+};
+use serde::{Deserialize, Serialize};
+
+use super::remote::{self, block_on, chunk_key, RemoteRoot};
+use super::{
+    FileVersion, Listed, Listing, PublishOutcome, RangeRead, ReadBack, ScanError, SinkStore,
+    SourceStore, Staging, Watch, WatchHandler,
+};
+
+/// Size (bytes) a multipart part aims at, and the largest file sent in
+/// one PUT: 8 MiB.
+pub const PART_TARGET: u64 = 8 << 20;
+/// S3's smallest part but the last (bytes), AWS S3 documentation,
+/// "Amazon S3 multipart upload limits".
+pub const MIN_PART: u64 = 5 << 20;
+/// S3's most parts in one upload (same source).
+pub const MAX_PARTS: u64 = 10_000;
+
+/// How to reach an S3-compatible store; fields left `None` come from the
+/// `AWS_*` environment variables (`AWS_ENDPOINT`, `AWS_REGION`,
+/// `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`).
+#[derive(Clone, Default)]
+pub struct S3Config {
+    /// Endpoint URL (`http://127.0.0.1:8333`); `None` for AWS itself.
+    pub endpoint: Option<String>,
+    /// Region (`us-east-1` when neither this nor the environment says).
+    pub region: Option<String>,
+    /// Access key id.
+    pub access_key_id: Option<String>,
+    /// Secret access key.
+    pub secret_access_key: Option<String>,
+    /// Bytes a sink may fill under the root; `None`: unknown.
+    pub capacity: Option<u64>,
+}
+
+impl fmt::Debug for S3Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("S3Config")
+            .field("endpoint", &self.endpoint)
+            .field("region", &self.region)
+            .field("credentials", &"<redacted>")
+            .field("capacity", &self.capacity)
+            .finish()
+    }
+}
+
+/// A bucket of an S3-compatible store, opened at one root URL.
+#[derive(Clone)]
+pub struct S3 {
+    root: RemoteRoot,
+    store: Arc<AmazonS3>,
+    capacity: Option<u64>,
+    parts: Arc<Mutex<Vec<Vec<u64>>>>,
+}
+
+impl fmt::Debug for S3 {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "S3({})", self.root.url)
+    }
+}
+
+/// An `object_store` error as an I/O error of the same kind.
+fn io_of(e: object_store::Error) -> io::Error {
+    use object_store::Error as E;
+    let kind = match &e {
+        E::NotFound { .. } => io::ErrorKind::NotFound,
+        E::AlreadyExists { .. } | E::Precondition { .. } => io::ErrorKind::AlreadyExists,
+        E::PermissionDenied { .. } | E::Unauthenticated { .. } => io::ErrorKind::PermissionDenied,
+        _ => io::ErrorKind::Other,
+    };
+    io::Error::new(kind, e.to_string())
+}
+
+fn version_of(m: &object_store::ObjectMeta) -> FileVersion {
+    let h = |s: &Option<String>| {
+        s.as_deref()
+            .map_or(0, |s| xxhash_rust::xxh3::xxh3_64(s.as_bytes()))
+    };
+    FileVersion([h(&m.e_tag), h(&m.version), m.size, 0])
+}
+
+/// The commit object of a published replica.
+#[derive(Debug, Serialize, Deserialize)]
+struct Commit {
+    /// The manifest root, hex.
+    root: String,
+    /// Every file: path, size (bytes), mode, mtime (ns since the epoch).
+    files: Vec<(String, u64, u32, i64)>,
+}
+
+fn hex(h: &Hash) -> String {
+    h.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl S3 {
+    /// Opens `url` (`s3://bucket/prefix`) and checks that the endpoint
+    /// answers, the credentials are accepted and the bucket exists, with a
+    /// listing of the root.
+    ///
+    /// # Errors
+    /// `InvalidInput` for a URL that is not `s3://`; the server's error
+    /// (unreachable endpoint, refused credentials, missing bucket), each
+    /// naming the root URL.
+    pub fn connect(url: &str, cfg: &S3Config) -> io::Result<S3> {
+        let root = RemoteRoot::parse(url)?;
+        if root.scheme != "s3" {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("storage root {url}: not an s3:// URL"),
+            ));
+        }
+        let mut b = AmazonS3Builder::from_env()
+            .with_bucket_name(&root.authority)
+            .with_conditional_put(S3ConditionalPut::ETagMatch)
+            .with_retry(RetryConfig {
+                backoff: BackoffConfig::default(),
+                max_retries: 3,
+                retry_timeout: Duration::from_secs(20),
+            })
+            .with_client_options(
+                ClientOptions::new()
+                    .with_connect_timeout(Duration::from_secs(10))
+                    .with_timeout(Duration::from_secs(100))
+                    .with_allow_http(true),
+            );
+        if let Some(e) = &cfg.endpoint {
+            b = b
+                .with_endpoint(e)
+                .with_virtual_hosted_style_request(false)
+                .with_allow_http(e.starts_with("http://"));
+        }
+        let region = cfg
+            .region
+            .clone()
+            .or_else(|| std::env::var("AWS_REGION").ok())
+            .unwrap_or_else(|| "us-east-1".into());
+        b = b.with_region(region);
+        if let Some(k) = &cfg.access_key_id {
+            b = b.with_access_key_id(k);
+        }
+        if let Some(s) = &cfg.secret_access_key {
+            b = b.with_secret_access_key(s);
+        }
+        let store = b
+            .build()
+            .map_err(|e| io::Error::other(format!("storage root {url}: {e}")))?;
+        let s = S3 {
+            root,
+            store: Arc::new(store),
+            capacity: cfg.capacity,
+            parts: Arc::default(),
+        };
+        let prefix = s.key_of_str(&s.root.path.to_string_lossy());
+        s.call(
+            "list",
+            s.root.path.to_string_lossy().into_owned(),
+            move |st| async move { st.list_with_delimiter(Some(&prefix)).await.map(|_| ()) },
+        )?;
+        Ok(s)
+    }
+
+    /// The root this store was opened at.
+    pub fn root(&self) -> &RemoteRoot {
+        &self.root
+    }
+
+    /// The part sizes (bytes) of every multipart upload this store has
+    /// completed, in order: for the conformance suite, which refuses any
+    /// part but the last under [`MIN_PART`].
+    pub fn multipart_parts(&self) -> Vec<Vec<u64>> {
+        self.parts.lock().map(|p| p.clone()).unwrap_or_default()
+    }
+
+    /// The key of store path `p` (`/prefix/x` → `prefix/x`).
+    fn key_of_str(&self, p: &str) -> Key {
+        Key::from(p.trim_start_matches('/'))
+    }
+
+    fn key(&self, p: &Path) -> io::Result<Key> {
+        Ok(self.key_of_str(&self.root.check(p)?))
+    }
+
+    fn call<T: Send + 'static, F>(
+        &self,
+        what: &str,
+        path: String,
+        f: impl FnOnce(Arc<AmazonS3>) -> F,
+    ) -> io::Result<T>
+    where
+        F: std::future::Future<Output = object_store::Result<T>> + Send + 'static,
+    {
+        let fut = f(self.store.clone());
+        block_on(&format!("{} {what} {path}", self.root.url), async move {
+            fut.await.map_err(io_of)
+        })
+    }
+
+    fn put(&self, key: Key, data: Bytes) -> io::Result<()> {
+        self.call("put", key.to_string(), move |st| async move {
+            st.put(&key, PutPayload::from(data)).await.map(|_| ())
+        })
+    }
+
+    fn get(&self, key: Key) -> io::Result<Bytes> {
+        self.call("get", key.to_string(), move |st| async move {
+            st.get(&key).await?.bytes().await
+        })
+    }
+
+    fn head(&self, key: Key) -> io::Result<Option<object_store::ObjectMeta>> {
+        match self.call("head", key.to_string(), move |st| async move {
+            st.head(&key).await
+        }) {
+            Ok(m) => Ok(Some(m)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn list_keys(&self, prefix: Key) -> io::Result<Vec<object_store::ObjectMeta>> {
+        self.call("list", prefix.to_string(), move |st| async move {
+            st.list(Some(&prefix)).try_collect::<Vec<_>>().await
+        })
+    }
+
+    fn delete_prefix(&self, prefix: Key) -> io::Result<()> {
+        for m in self.list_keys(prefix)? {
+            let k = m.location;
+            match self.call("delete", k.to_string(), move |st| async move {
+                st.delete(&k).await
+            }) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn commit_key(&self, l: &str) -> Key {
+        self.key_of_str(&format!("{l}.ferry-commit"))
+    }
+
+    fn read_commit(&self, l: &str) -> io::Result<Option<Commit>> {
+        match self.get(self.commit_key(l)) {
+            Ok(b) => serde_json::from_slice(&b).map(Some).map_err(|e| {
+                io::Error::other(format!(
+                    "{}{l}.ferry-commit: not a commit object: {e}",
+                    self.root.url
+                ))
+            }),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The files of the replica published at `path` as its commit object
+    /// records them (path, size, mode, mtime), or `None` when no replica
+    /// is published there.
+    ///
+    /// # Errors
+    /// The server's error, or a commit object that does not parse.
+    pub fn committed(&self, path: &Path) -> io::Result<Option<Vec<FileInfo>>> {
+        let l = self.root.check(path)?;
+        Ok(self.read_commit(&l)?.map(|c| {
+            c.files
+                .into_iter()
+                .map(|(path, size, mode, mtime_ns)| FileInfo {
+                    path,
+                    size,
+                    mode,
+                    mtime_ns,
+                })
+                .collect()
+        }))
+    }
+
+    /// Writes `data` as the object at `path` (under the root), replacing
+    /// any object there: for tests and the generator.
+    ///
+    /// # Errors
+    /// The server's error, naming the key and root.
+    pub fn put_file(&self, path: &Path, data: &[u8]) -> io::Result<()> {
+        self.put(self.key(path)?, Bytes::copy_from_slice(data))
+    }
+
+    /// Creates the object at `path` with `data` only if none is there
+    /// (`If-None-Match: *`): `Ok(true)` when this call created it,
+    /// `Ok(false)` when it existed.
+    ///
+    /// # Errors
+    /// Other errors of the server, naming the key and root.
+    pub fn put_if_absent(&self, path: &Path, data: &[u8]) -> io::Result<bool> {
+        let key = self.key(path)?;
+        let data = Bytes::copy_from_slice(data);
+        match self.call("conditional put", key.to_string(), move |st| async move {
+            st.put_opts(
+                &key,
+                PutPayload::from(data),
+                PutOptions::from(PutMode::Create),
+            )
+            .await
+            .map(|_| ())
+        }) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Reads the staged chunks of file `f` (chunk indices `first..` of
+    /// the manifest), in order, calling `each` with every chunk's bytes.
+    fn chunks_of(
+        &self,
+        s: &str,
+        f: &ferry_proto::manifest::FileEntry,
+        cs: u32,
+        mut each: impl FnMut(u64, Bytes) -> io::Result<()>,
+    ) -> io::Result<()> {
+        for ci in 0..chunk_count(f.size, cs) {
+            let key = self.key_of_str(&chunk_key(s, &f.path, ci * u64::from(cs)));
+            each(ci, self.get(key)?)?;
+        }
+        Ok(())
+    }
+
+    /// Writes file `f` from staging `s` to key `dst`: a shared copy if
+    /// staging has one, else its chunks in one PUT or a multipart upload.
+    fn write_file(
+        &self,
+        s: &str,
+        f: &ferry_proto::manifest::FileEntry,
+        cs: u32,
+        dst: Key,
+    ) -> io::Result<()> {
+        let shared = self.key_of_str(&format!("{s}/.ferry-shared/{}", f.path));
+        if self.head(shared.clone())?.is_some() {
+            return self.call("copy", dst.to_string(), move |st| async move {
+                st.copy(&shared, &dst).await
+            });
+        }
+        let n = chunk_count(f.size, cs);
+        if f.size <= PART_TARGET {
+            let mut data = Vec::with_capacity(f.size as usize);
+            self.chunks_of(s, f, cs, |_, b| {
+                data.extend_from_slice(&b);
+                Ok(())
+            })?;
+            return self.put(dst, Bytes::from(data));
+        }
+        let mut k = PART_TARGET.div_ceil(u64::from(cs));
+        if n.div_ceil(k) > MAX_PARTS {
+            k = n.div_ceil(MAX_PARTS);
+        }
+        let d2 = dst.clone();
+        let mut up = self.call("start upload", dst.to_string(), move |st| async move {
+            st.put_multipart(&d2).await
+        })?;
+        let mut sizes = Vec::new();
+        let mut part: Vec<u8> = Vec::new();
+        let r = self.chunks_of(s, f, cs, |ci, b| {
+            part.extend_from_slice(&b);
+            if (ci + 1) % k == 0 || ci + 1 == n {
+                sizes.push(part.len() as u64);
+                let fut = up.put_part(PutPayload::from(std::mem::take(&mut part)));
+                self.call("upload part", dst.to_string(), move |_| fut)?;
+            }
+            Ok(())
+        });
+        match r {
+            Ok(()) => {
+                self.call("complete upload", dst.to_string(), move |_| async move {
+                    up.complete().await.map(|_| ())
+                })?;
+                if let Ok(mut p) = self.parts.lock() {
+                    p.push(sizes);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                let _ = self.call("abort upload", dst.to_string(), move |_| async move {
+                    up.abort().await
+                });
+                Err(e)
+            }
+        }
+    }
+}
+
+/// An object opened for ranged reads.
+struct S3File {
+    store: S3,
+    key: Key,
+    size: u64,
+}
+
+impl RangeRead for S3File {
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let data = self.read_range(offset, buf.len() as u64)?;
+        buf.copy_from_slice(&data);
+        Ok(())
+    }
+
+    fn read_range(&self, offset: u64, len: u64) -> io::Result<Vec<u8>> {
+        if offset.saturating_add(len) > self.size {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!(
+                    "{} {}: {len} bytes at {offset}, the object has {}",
+                    self.store.root.url, self.key, self.size
+                ),
+            ));
+        }
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let key = self.key.clone();
+        let b = self
+            .store
+            .call("get", self.key.to_string(), move |st| async move {
+                st.get_range(&key, offset..offset + len).await
+            })?;
+        Ok(b.to_vec())
+    }
+
+    fn current(&self) -> io::Result<(u64, i64, FileVersion)> {
+        let m = self.store.head(self.key.clone())?.ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("{} {}: gone", self.store.root.url, self.key),
+            )
+        })?;
+        Ok((
+            m.size,
+            m.last_modified.timestamp_nanos_opt().unwrap_or(0),
+            version_of(&m),
+        ))
+    }
+}
+
+impl SourceStore for S3 {
+    fn watch(&self, _root: &Path, _on_event: WatchHandler) -> io::Result<Option<Box<dyn Watch>>> {
+        Ok(None)
+    }
+
+    fn list(&self, dir: &Path, markers: &[String]) -> Result<Listing, ScanError> {
+        let io_err = |source| ScanError::Io {
+            path: dir.to_path_buf(),
+            source,
+        };
+        let d = self.root.check(dir).map_err(io_err)?;
+        let prefix = self.key_of_str(&d);
+        let all = self.list_keys(prefix.clone()).map_err(io_err)?;
+        let strip = if prefix.as_ref().is_empty() {
+            String::new()
+        } else {
+            format!("{}/", prefix.as_ref())
+        };
+        let mut files = Vec::new();
+        for m in all {
+            let Some(rel) = m.location.as_ref().strip_prefix(&strip) else {
+                continue;
+            };
+            if remote::skipped(rel) {
+                continue;
+            }
+            files.push(Listed {
+                info: FileInfo {
+                    path: rel.to_string(),
+                    size: m.size,
+                    mode: 0o644,
+                    mtime_ns: m.last_modified.timestamp_nanos_opt().unwrap_or(0),
+                },
+                version: version_of(&m),
+            });
+        }
+        if files.is_empty() {
+            return Err(io_err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("{}: no objects under this prefix", self.root.url_of(dir)),
+            )));
+        }
+        Ok(remote::order(files, markers))
+    }
+
+    fn open(&self, path: &Path) -> io::Result<Box<dyn RangeRead>> {
+        let key = self.key(path)?;
+        let m = self.head(key.clone())?.ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("{}: no such object", self.root.url_of(path)),
+            )
+        })?;
+        Ok(Box::new(S3File {
+            store: self.clone(),
+            key,
+            size: m.size,
+        }))
+    }
+
+    fn stat(&self, path: &Path) -> io::Result<(u64, i64, FileVersion)> {
+        let m = self.head(self.key(path)?)?.ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("{}: no such object", self.root.url_of(path)),
+            )
+        })?;
+        Ok((
+            m.size,
+            m.last_modified.timestamp_nanos_opt().unwrap_or(0),
+            version_of(&m),
+        ))
+    }
+}
+
+/// A staging area in a bucket: one object per chunk.
+struct S3Staging {
+    store: S3,
+    dir: PathBuf,
+}
+
+impl Staging for S3Staging {
+    fn stage_chunk(&mut self, rel: &str, offset: u64, bytes: &[u8]) -> io::Result<()> {
+        ferry_proto::paths::check_relative(rel)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("{rel}: {e}")))?;
+        let s = self.store.root.check(&self.dir)?;
+        self.store.put(
+            self.store.key_of_str(&chunk_key(&s, rel, offset)),
+            Bytes::copy_from_slice(bytes),
+        )
+    }
+}
+
+impl SinkStore for S3 {
+    fn staging(&self, dir: &Path) -> Box<dyn Staging> {
+        Box::new(S3Staging {
+            store: self.clone(),
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    fn share_unchanged(&self, previous: &Path, staging: &Path, rel: &str) -> io::Result<()> {
+        ferry_proto::paths::check_relative(rel)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("{rel}: {e}")))?;
+        let from = self.key_of_str(&format!("{}/{rel}", self.root.check(previous)?));
+        let to = self.key_of_str(&format!(
+            "{}/.ferry-shared/{rel}",
+            self.root.check(staging)?
+        ));
+        self.call("copy", from.to_string(), move |st| async move {
+            st.copy(&from, &to).await
+        })
+    }
+
+    fn publish(
+        &self,
+        staging: &Path,
+        local_path: &Path,
+        m: &Manifest,
+        reread: Option<&[(u64, Hash)]>,
+    ) -> io::Result<PublishOutcome> {
+        let s = self.root.check(staging)?;
+        let l = self.root.check(local_path)?;
+        let root = hex(&m.root());
+        let existing = self.read_commit(&l)?;
+        if existing.as_ref().is_some_and(|c| c.root == root) {
+            return Ok(PublishOutcome::Recovered);
+        }
+        let start = std::time::Instant::now();
+        if let Some(want) = reread {
+            // Check every staged chunk before anything moves.
+            let mut refetch = Vec::new();
+            let mut i = 0usize;
+            for f in &m.files {
+                let shared = self.key_of_str(&format!("{s}/.ferry-shared/{}", f.path));
+                if self.head(shared)?.is_some() {
+                    i += f.chunks.len();
+                    continue;
+                }
+                for ci in 0..chunk_count(f.size, m.chunk_size) {
+                    let (k, h) = want[i];
+                    i += 1;
+                    let key =
+                        self.key_of_str(&chunk_key(&s, &f.path, ci * u64::from(m.chunk_size)));
+                    let ok = match self.get(key) {
+                        Ok(b) => {
+                            b.len() as u64 == chunk_len(f.size, m.chunk_size, ci)
+                                && *blake3::hash(&b).as_bytes() == h
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::NotFound => false,
+                        Err(e) => return Err(e),
+                    };
+                    if !ok {
+                        refetch.push(k);
+                    }
+                }
+            }
+            if !refetch.is_empty() {
+                return Ok(PublishOutcome::Refetch(refetch));
+            }
+        }
+        let reread_time = reread.map(|_| start.elapsed());
+        self.put(
+            self.key_of_str(&format!("{s}/.ferry-publishing")),
+            Bytes::from(l.clone().into_bytes()),
+        )?;
+        if existing.is_some() {
+            // The older version stops being a replica before any of its
+            // objects is replaced.
+            let k = self.commit_key(&l);
+            self.call("delete", k.to_string(), move |st| async move {
+                st.delete(&k).await
+            })?;
+        }
+        // Files in manifest order: non-markers first, markers last.
+        for f in &m.files {
+            let dst = self.key_of_str(&format!("{l}/{}", f.path));
+            self.write_file(&s, f, m.chunk_size, dst)?;
+        }
+        // Objects of an older version that this one does not have.
+        let keep: std::collections::HashSet<&str> =
+            m.files.iter().map(|f| f.path.as_str()).collect();
+        let strip = format!("{}/", self.key_of_str(&l).as_ref());
+        for o in self.list_keys(self.key_of_str(&l))? {
+            let rel = o.location.as_ref().strip_prefix(&strip).unwrap_or("");
+            if !keep.contains(rel) {
+                let k = o.location;
+                self.call("delete", k.to_string(), move |st| async move {
+                    st.delete(&k).await
+                })?;
+            }
+        }
+        let commit = Commit {
+            root: root.clone(),
+            files: m
+                .files
+                .iter()
+                .map(|f| (f.path.clone(), f.size, f.mode, f.mtime_ns))
+                .collect(),
+        };
+        let body = serde_json::to_vec(&commit).map_err(io::Error::other)?;
+        let commit_path = PathBuf::from(format!("{l}.ferry-commit"));
+        if !self.put_if_absent(&commit_path, &body)? {
+            return match self.read_commit(&l)? {
+                Some(c) if c.root == root => Ok(PublishOutcome::Recovered),
+                _ => Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    format!(
+                        "{}: another publish created the commit object first",
+                        self.root.url_of(local_path)
+                    ),
+                )),
+            };
+        }
+        Ok(PublishOutcome::Published {
+            // The reads ran on the storage runtime's threads, shared with
+            // other calls: their CPU time is not this publish's alone.
+            reread: reread_time.map(|wall| ReadBack {
+                wall,
+                cpu: std::time::Duration::ZERO,
+            }),
+        })
+    }
+
+    fn publish_under_way(&self, staging: &Path) -> bool {
+        self.root
+            .check(staging)
+            .and_then(|s| self.head(self.key_of_str(&format!("{s}/.ferry-publishing"))))
+            .map(|m| m.is_some())
+            .unwrap_or(false)
+    }
+
+    fn publish_recorded(&self, staging: &Path) -> io::Result<()> {
+        self.discard(staging)
+    }
+
+    fn discard(&self, staging: &Path) -> io::Result<()> {
+        self.delete_prefix(self.key(staging)?)
+    }
+
+    fn retire(&self, local_path: &Path) -> io::Result<()> {
+        let l = self.root.check(local_path)?;
+        let k = self.commit_key(&l);
+        match self.call("delete", k.to_string(), move |st| async move {
+            st.delete(&k).await
+        }) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+        self.delete_prefix(self.key_of_str(&l))
+    }
+
+    fn free_space(&self, _path: &Path) -> io::Result<Option<u64>> {
+        let Some(cap) = self.capacity else {
+            return Ok(None);
+        };
+        let used: u64 = self
+            .list_keys(self.key_of_str(&self.root.path.to_string_lossy()))?
+            .iter()
+            .map(|m| m.size)
+            .sum();
+        Ok(Some(cap.saturating_sub(used)))
+    }
+
+    fn flush(&self, _dir: &Path) -> io::Result<()> {
+        // A PUT is durable when it returns.
+        Ok(())
+    }
+}
