@@ -287,6 +287,24 @@ pub struct LinkSection {
     /// Expected base RTT, e.g. `"100ms"`; default 100 ms.
     #[serde(default = "default_rtt", with = "humantime_serde")]
     pub rtt_hint: Duration,
+    /// QUIC connections serving the link, 1 to 64, each on its own UDP
+    /// socket, the link's rate split evenly across their congestion
+    /// controllers. Default: one per 2 Gbit/s of `rate` (rounded up), at
+    /// most one per core of the host and at most 16
+    /// (`replicator::source::default_connections`).
+    #[serde(default)]
+    pub connections: Option<usize>,
+}
+
+impl LinkSection {
+    /// The configured connection count, or the default for the link's
+    /// rate on this host's cores.
+    pub fn connections(&self) -> usize {
+        self.connections.unwrap_or_else(|| {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            replicator::source::default_connections(self.rate, cores)
+        })
+    }
 }
 
 fn default_rtt() -> Duration {
@@ -738,6 +756,12 @@ impl Config {
             }
             if l.rtt_hint.is_zero() {
                 bail!("links[{i}].rtt_hint must be more than 0");
+            }
+            if let Some(n) = l.connections {
+                let max = replicator::source::MAX_CONNECTIONS;
+                if !(1..=max).contains(&n) {
+                    bail!("links[{i}].connections must be 1 to {max}, got {n}");
+                }
             }
         }
         for (i, j) in self.jobs.iter().enumerate() {
