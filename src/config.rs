@@ -470,7 +470,8 @@ pub struct SourceSection {
     /// Commit marker file names (generic rule); default `["COMMITTED"]`.
     #[serde(default = "default_markers")]
     pub markers: Vec<String>,
-    /// Data streams in flight per transfer; default 4.
+    /// Stream writers per connection of a link (data streams in flight on
+    /// each connection, shared by the link's transfers); default 4.
     #[serde(default = "default_streams")]
     pub streams: usize,
     /// Payload bytes per batch (stream); default `"16MiB"`.
@@ -923,6 +924,28 @@ link = "to-eval"
         assert_eq!(c.api.listen.port(), 7070);
         assert_eq!(c.source.as_ref().unwrap().chunk_size, 4 << 20);
         assert!(c.tls.ca.is_absolute());
+    }
+
+    #[test]
+    fn link_connections_default_from_rate_and_cores_or_as_configured() {
+        let c = load(GOOD).unwrap();
+        assert_eq!(c.links[0].connections, None);
+        // 1 Gbit/s: one connection whatever the cores.
+        assert_eq!(c.links[0].connections(), 1);
+        let c = load(&GOOD.replace("rate = \"1Gbit/s\"", "rate = \"60Gbit/s\"")).unwrap();
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(c.links[0].connections(), cores.min(16));
+        let with = |n: &str| {
+            GOOD.replace(
+                "rtt_hint = \"100ms\"",
+                &format!("rtt_hint = \"100ms\"\nconnections = {n}"),
+            )
+        };
+        assert_eq!(load(&with("3")).unwrap().links[0].connections(), 3);
+        for bad in ["0", "65"] {
+            let e = err(&with(bad));
+            assert!(e.contains("links[0].connections must be 1 to 64"), "{e}");
+        }
     }
 
     #[test]

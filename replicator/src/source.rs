@@ -2619,6 +2619,21 @@ mod tests {
     use super::*;
 
     #[test]
+    fn default_connections_follow_the_rate_up_to_the_cores() {
+        assert_eq!(default_connections(1_000_000_000, 8), 1);
+        assert_eq!(default_connections(2_000_000_000, 8), 1);
+        assert_eq!(default_connections(2_000_000_001, 8), 2);
+        assert_eq!(default_connections(10_000_000_000, 8), 5);
+        assert_eq!(default_connections(10_000_000_000, 2), 2);
+        assert_eq!(
+            default_connections(60_000_000_000, 64),
+            MAX_DEFAULT_CONNECTIONS
+        );
+        assert_eq!(default_connections(0, 0), 1);
+        assert_eq!(default_connections(u64::MAX, 4), 4);
+    }
+
+    #[test]
     fn only_the_answer_to_the_latest_open_reaches_the_run() {
         let mut un = HashMap::new();
         let (a, b) = (TransferId(1), TransferId(2));

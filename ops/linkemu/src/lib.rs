@@ -605,16 +605,21 @@ impl Drop for Relay {
 }
 
 /// Start a UDP relay listening on `listen`. Datagrams from a client pass the
-/// `up` link and are sent to `forward` from a second socket; datagrams from
-/// `forward` pass the `down` link and go back to the last client address
-/// seen. Each direction sends its datagrams at the instants its model
-/// hands out, in that order (so [`LinkParams::reorder`] with jitter
-/// reorders them), copies made by [`LinkParams::duplicate`] included.
-/// Socket buffers are raised to 64 MiB (forced past the sysctl limit when
-/// the process has `CAP_NET_ADMIN`). Must be called inside a Tokio runtime.
+/// `up` link and are sent to `forward` from a socket of that client's own
+/// (bound to any port, made at its first datagram), so several clients (a
+/// source whose link has several connections, each on its own socket) can
+/// share the relay; datagrams from `forward` to that socket pass the `down`
+/// link and go back to that client. Both directions are one link each,
+/// shared by all clients. Each direction sends its datagrams at the
+/// instants its model hands out, in that order (so
+/// [`LinkParams::reorder`] with jitter reorders them), copies made by
+/// [`LinkParams::duplicate`] included. Socket buffers are raised to 64 MiB
+/// (forced past the sysctl limit when the process has `CAP_NET_ADMIN`).
+/// Must be called inside a Tokio runtime.
 ///
 /// # Errors
-/// Creating or binding either UDP socket (e.g. `listen` in use).
+/// Creating or binding the listening UDP socket (e.g. `listen` in use).
+/// A client whose forwarding socket cannot be made is logged and dropped.
 pub async fn spawn_relay(
     listen: SocketAddr,
     forward: SocketAddr,
@@ -626,32 +631,40 @@ pub async fn spawn_relay(
         SocketAddr::V4(_) => Ipv4Addr::UNSPECIFIED.into(),
         SocketAddr::V6(_) => Ipv6Addr::UNSPECIFIED.into(),
     };
-    let server_side = Arc::new(udp_socket(SocketAddr::new(any, 0))?);
     let local_addr = client_side.local_addr()?;
     let up = Arc::new(Mutex::new(LinkModel::new(up)));
     let down = Arc::new(Mutex::new(LinkModel::new(down)));
-    let client = Arc::new(Mutex::new(None::<SocketAddr>));
-    let seen = Arc::clone(&client);
+    // Per client: its socket towards `forward` and the task pumping the
+    // answers back (stopped with the relay, which drops this map).
+    let mut clients: HashMap<SocketAddr, (Arc<UdpSocket>, AbortOnDrop)> = HashMap::new();
+    let (cs, dn) = (Arc::clone(&client_side), Arc::clone(&down));
     let up_task = tokio::spawn(pump(
         Arc::clone(&client_side),
-        Arc::clone(&server_side),
         Arc::clone(&up),
         move |from| {
-            *lock(&seen) = Some(from);
-            Some(forward)
+            if let Some((sock, _)) = clients.get(&from) {
+                return Some((Arc::clone(sock), forward));
+            }
+            let sock = match udp_socket(SocketAddr::new(any, 0)) {
+                Ok(s) => Arc::new(s),
+                Err(err) => {
+                    tracing::warn!(%err, client = %from, "link-emu relay: no socket for a new client");
+                    return None;
+                }
+            };
+            let back = Arc::clone(&cs);
+            let task = tokio::spawn(pump(Arc::clone(&sock), Arc::clone(&dn), move |src| {
+                (src == forward).then(|| (Arc::clone(&back), from))
+            }));
+            clients.insert(from, (Arc::clone(&sock), AbortOnDrop(task.abort_handle())));
+            Some((sock, forward))
         },
-    ));
-    let down_task = tokio::spawn(pump(
-        server_side,
-        client_side,
-        Arc::clone(&down),
-        move |from| (from == forward).then(|| *lock(&client)).flatten(),
     ));
     Ok(Relay {
         local_addr,
         up,
         down,
-        tasks: vec![up_task, down_task],
+        tasks: vec![up_task],
     })
 }
 
@@ -683,21 +696,21 @@ fn force_buffers(_socket: &Socket) -> bool {
 /// One relay direction: receive on `rx`, run `model`, send on `tx` when due,
 /// in the order of the delivery instants; datagrams due while the link is
 /// cut are discarded. `route` maps a sender address to the destination
-/// (`None` discards).
-async fn pump<F>(rx: Arc<UdpSocket>, tx: Arc<UdpSocket>, model: Arc<Mutex<LinkModel>>, mut route: F)
+/// (`None` discards) and the socket to send from.
+async fn pump<F>(rx: Arc<UdpSocket>, model: Arc<Mutex<LinkModel>>, mut route: F)
 where
-    F: FnMut(SocketAddr) -> Option<SocketAddr>,
+    F: FnMut(SocketAddr) -> Option<(Arc<UdpSocket>, SocketAddr)>,
 {
     let mut buf = vec![0u8; MAX_DATAGRAM_BYTES];
-    let mut in_flight: InFlight<(SocketAddr, Vec<u8>)> = InFlight::default();
+    let mut in_flight: InFlight<(Arc<UdpSocket>, SocketAddr, Vec<u8>)> = InFlight::default();
     loop {
         let head = in_flight.next_due();
         tokio::select! {
             received = rx.recv_from(&mut buf) => match received {
                 Ok((len, from)) => {
-                    let Some(dest) = route(from) else { continue };
+                    let Some((tx, dest)) = route(from) else { continue };
                     if let Some(passed) = lock(&model).pass(Instant::now(), &buf[..len]) {
-                        in_flight.schedule(passed, |data| (dest, data));
+                        in_flight.schedule(passed, |data| (Arc::clone(&tx), dest, data));
                     }
                 }
                 Err(err) => tracing::debug!(%err, "link-emu relay: receive failed"),
@@ -705,7 +718,7 @@ where
             () = sleep_until_opt(head) => {
                 let now = Instant::now();
                 while let Some(d) = in_flight.pop_due(now) {
-                    let (dest, data) = d.item;
+                    let (tx, dest, data) = d.item;
                     {
                         let mut model = lock(&model);
                         if model.is_cut() {
@@ -752,11 +765,13 @@ struct Side {
     inboxes: Mutex<HashMap<SocketAddr, Weak<Mutex<Inbox>>>>,
 }
 
-/// Stops a delivery task when the last socket sending into its pipe goes.
+/// Stops a task when dropped (a delivery task when the last socket
+/// sending into its pipe goes; a relay client's answer pump with the
+/// relay).
 #[derive(Debug)]
-struct DeliveryTask(AbortHandle);
+struct AbortOnDrop(AbortHandle);
 
-impl Drop for DeliveryTask {
+impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
     }
@@ -779,7 +794,7 @@ pub struct MemorySocket {
     peers: Weak<Side>,
     out: Arc<Pipe>,
     inbox: Arc<Mutex<Inbox>>,
-    delivery: Arc<DeliveryTask>,
+    delivery: Arc<AbortOnDrop>,
 }
 
 impl MemorySocket {
@@ -846,7 +861,7 @@ pub fn memory_pair(
             peers: Arc::downgrade(peers),
             out,
             inbox,
-            delivery: Arc::new(DeliveryTask(delivery)),
+            delivery: Arc::new(AbortOnDrop(delivery)),
         })
     };
     let socket_a = end(a, a_to_b, &side_a, &side_b);
@@ -990,6 +1005,7 @@ impl AsyncUdpSocket for MemorySocket {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use std::collections::HashSet;
 
     const MBIT: u64 = 1_000_000;
 
@@ -1237,6 +1253,71 @@ mod tests {
             (3, 3)
         );
         assert_eq!(stats.up.delivered_bytes, 3 * 1200);
+        relay.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn relay_keeps_clients_apart() {
+        // An echo server that also says which address it saw.
+        let echo = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let echo_addr = echo.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 2048];
+            while let Ok((n, from)) = echo.recv_from(&mut buf).await {
+                let mut out = buf[..n].to_vec();
+                out.extend_from_slice(from.to_string().as_bytes());
+                let _ = echo.send_to(&out, from).await;
+            }
+        });
+        let link = LinkParams::new(100 * MBIT, Duration::from_millis(10));
+        let relay = spawn_relay(
+            "127.0.0.1:0".parse().unwrap(),
+            echo_addr,
+            link.clone(),
+            link,
+        )
+        .await
+        .unwrap();
+        let a = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let b = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let mut seen_by_server = Vec::new();
+        for round in 0..3u8 {
+            for (i, c) in [&a, &b].into_iter().enumerate() {
+                let tag = [b'a' + i as u8, round];
+                c.send_to(&tag, relay.local_addr()).await.unwrap();
+            }
+            for (i, c) in [&a, &b].into_iter().enumerate() {
+                let mut buf = vec![0u8; 2048];
+                let (n, from) =
+                    tokio::time::timeout(Duration::from_secs(10), c.recv_from(&mut buf))
+                        .await
+                        .unwrap()
+                        .unwrap();
+                assert_eq!(from, relay.local_addr());
+                // Each client gets its own answer, never the other's.
+                assert_eq!(&buf[..2], &[b'a' + i as u8, round]);
+                seen_by_server.push((i, String::from_utf8(buf[2..n].to_vec()).unwrap()));
+            }
+        }
+        // The server saw one address per client, a different one each.
+        let a_addrs: HashSet<_> = seen_by_server
+            .iter()
+            .filter(|s| s.0 == 0)
+            .map(|s| &s.1)
+            .collect();
+        let b_addrs: HashSet<_> = seen_by_server
+            .iter()
+            .filter(|s| s.0 == 1)
+            .map(|s| &s.1)
+            .collect();
+        assert_eq!((a_addrs.len(), b_addrs.len()), (1, 1));
+        assert!(a_addrs.is_disjoint(&b_addrs));
+        // One link per direction, shared.
+        let stats = relay.stats();
+        assert_eq!(
+            (stats.up.delivered_packets, stats.down.delivered_packets),
+            (6, 6)
+        );
         relay.shutdown().await;
     }
 
