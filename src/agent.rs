@@ -10,7 +10,7 @@ use ferry_catalog::Catalog;
 use replicator::sink::{Sink, SinkConfig};
 use replicator::source::{LinkConfig, RootConfig, Source, SourceConfig};
 use replicator::tls::{self, AgentIdentity};
-use replicator::transport::{self, SocketKind, Tuning};
+use replicator::transport::{self, SocketFactory, SocketKind, Tuning};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -43,6 +43,10 @@ pub struct Agent {
 pub struct Overrides {
     /// Socket for the QUIC endpoint.
     pub socket: Option<Arc<dyn quinn::AsyncUdpSocket>>,
+    /// Sockets of a link's further connections (with `socket`; without
+    /// it, each is a UDP socket on the address family of `quic.listen`,
+    /// any port). `None` with `socket`: every connection on `socket`.
+    pub sockets: Option<SocketFactory>,
 }
 
 /// Starts an agent from `cfg`.
@@ -70,20 +74,24 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
             rate_bps: cfg.quic.max_link_rate,
             rtt: cfg.quic.max_rtt,
         };
-        sc.transport_config(Arc::new(transport::transport_config(tuning, None)));
+        sc.transport_config(Arc::new(transport::transport_config(tuning, None, 1)));
         Some(sc)
     } else {
         None
     };
-    let socket = match ov.socket {
-        Some(s) => SocketKind::Memory(s),
+    let (socket, sockets) = match ov.socket {
+        Some(s) => (SocketKind::Memory(s), ov.sockets),
         None => {
             let default = if is_sink { "0.0.0.0:7443" } else { "0.0.0.0:0" };
-            SocketKind::Udp(cfg.quic.listen.unwrap_or_else(|| {
+            let listen = cfg.quic.listen.unwrap_or_else(|| {
                 default
                     .parse()
                     .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)))
-            }))
+            });
+            // Further connections of a link: the same address, any port.
+            let mut extra = listen;
+            extra.set_port(0);
+            (SocketKind::Udp(listen), Some(SocketFactory::Udp(extra)))
         }
     };
     let endpoint = transport::endpoint_with_reset_key(socket, server, Some(id.reset_key()))
@@ -118,6 +126,7 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
                     peer_name: l.peer_name.clone(),
                     rate_bps: l.rate,
                     rtt: l.rtt_hint,
+                    connections: l.connections(),
                 });
             }
             let mut roots = Vec::new();
@@ -174,7 +183,13 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
                 max_active = sc.policy.max_active,
                 "scheduler"
             );
-            Some(Source::start(sc, catalog.clone(), endpoint.clone(), &id)?)
+            Some(Source::start_with_sockets(
+                sc,
+                catalog.clone(),
+                endpoint.clone(),
+                sockets,
+                &id,
+            )?)
         }
         _ => None,
     };

@@ -287,6 +287,24 @@ pub struct LinkSection {
     /// Expected base RTT, e.g. `"100ms"`; default 100 ms.
     #[serde(default = "default_rtt", with = "humantime_serde")]
     pub rtt_hint: Duration,
+    /// QUIC connections serving the link, 1 to 64, each on its own UDP
+    /// socket, the link's rate split evenly across their congestion
+    /// controllers. Default: one per 2 Gbit/s of `rate` (rounded up), at
+    /// most one per core of the host and at most 16
+    /// (`replicator::source::default_connections`).
+    #[serde(default)]
+    pub connections: Option<usize>,
+}
+
+impl LinkSection {
+    /// The configured connection count, or the default for the link's
+    /// rate on this host's cores.
+    pub fn connections(&self) -> usize {
+        self.connections.unwrap_or_else(|| {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            replicator::source::default_connections(self.rate, cores)
+        })
+    }
 }
 
 fn default_rtt() -> Duration {
@@ -463,7 +481,8 @@ pub struct SourceSection {
     /// Commit marker file names (generic rule); default `["COMMITTED"]`.
     #[serde(default = "default_markers")]
     pub markers: Vec<String>,
-    /// Data streams in flight per transfer; default 4.
+    /// Stream writers per connection of a link (data streams in flight on
+    /// each connection, shared by the link's transfers); default 4.
     #[serde(default = "default_streams")]
     pub streams: usize,
     /// Payload bytes per batch (stream); default `"16MiB"`.
@@ -750,6 +769,12 @@ impl Config {
             if l.rtt_hint.is_zero() {
                 bail!("links[{i}].rtt_hint must be more than 0");
             }
+            if let Some(n) = l.connections {
+                let max = replicator::source::MAX_CONNECTIONS;
+                if !(1..=max).contains(&n) {
+                    bail!("links[{i}].connections must be 1 to {max}, got {n}");
+                }
+            }
         }
         for (i, j) in self.jobs.iter().enumerate() {
             ferry_proto::paths::check_name(&j.name)
@@ -910,6 +935,28 @@ link = "to-eval"
         assert_eq!(c.api.listen.port(), 7070);
         assert_eq!(c.source.as_ref().unwrap().chunk_size, 4 << 20);
         assert!(c.tls.ca.is_absolute());
+    }
+
+    #[test]
+    fn link_connections_default_from_rate_and_cores_or_as_configured() {
+        let c = load(GOOD).unwrap();
+        assert_eq!(c.links[0].connections, None);
+        // 1 Gbit/s: one connection whatever the cores.
+        assert_eq!(c.links[0].connections(), 1);
+        let c = load(&GOOD.replace("rate = \"1Gbit/s\"", "rate = \"60Gbit/s\"")).unwrap();
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(c.links[0].connections(), cores.min(16));
+        let with = |n: &str| {
+            GOOD.replace(
+                "rtt_hint = \"100ms\"",
+                &format!("rtt_hint = \"100ms\"\nconnections = {n}"),
+            )
+        };
+        assert_eq!(load(&with("3")).unwrap().links[0].connections(), 3);
+        for bad in ["0", "65"] {
+            let e = err(&with(bad));
+            assert!(e.contains("links[0].connections must be 1 to 64"), "{e}");
+        }
     }
 
     #[test]

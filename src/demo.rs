@@ -18,6 +18,7 @@ use crate::config::{
     SinkSection, SourceSection, TlsSection,
 };
 use crate::out::noteln;
+use replicator::transport::SocketFactory;
 
 mod keep;
 mod priority;
@@ -650,6 +651,7 @@ pub(crate) async fn start_pair(
         peer_name: "demo-sink".into(),
         rate: a.rate,
         rtt_hint: a.rtt,
+        connections: None,
     });
     src_cfg.scheduler = scheduler;
     src_cfg.source = Some(SourceSection {
@@ -668,13 +670,24 @@ pub(crate) async fn start_pair(
         &sink_cfg,
         Overrides {
             socket: Some(dst_sock),
+            sockets: None,
         },
     )
     .await?;
+    // Further connections of the link: more source-side ends of the same
+    // emulated link (one bottleneck), on 127.0.0.1:10, :11, ...
+    let (first, next) = (src_sock.clone(), std::sync::atomic::AtomicU16::new(10));
+    let sockets = SocketFactory::Custom(std::sync::Arc::new(move || {
+        let port = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let s: std::sync::Arc<dyn quinn::AsyncUdpSocket> =
+            first.sibling(SocketAddr::from(([127, 0, 0, 1], port)))?;
+        Ok(s)
+    }));
     let source = agent::start(
         &src_cfg,
         Overrides {
             socket: Some(src_sock),
+            sockets: Some(sockets),
         },
     )
     .await?;

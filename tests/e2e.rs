@@ -15,6 +15,30 @@ use common::*;
 /// Bound for a transfer that should simply complete.
 const TRANSFER: Duration = Duration::from_secs(120);
 
+/// A link of three connections between two processes, through the relay
+/// (`ferry link-emu`): each connection has its own UDP socket, the relay
+/// forwards each from a socket of its own, and the checkpoint arrives byte
+/// for byte.
+#[tokio::test]
+async fn a_link_over_three_connections_replicates_through_the_relay() {
+    let w = World::new("conns").await;
+    let ckpt = w.source_root().join("step_000300");
+    w.gen(&ckpt, "20MB").await;
+    let c = w
+        .start_cluster("200Mbit/s", &[], |_, src| {
+            src.links[0].connections = Some(3)
+        })
+        .await;
+    let out = w.push(&c.source, &ckpt, &[]).await;
+    w.ensure(out.success(), || format!("ferry push failed: {out}"));
+    w.assert_same_tree(&ckpt, &w.replica_path("step_000300"));
+    let log = c.sink.stderr();
+    let connected = log.matches("source connected").count();
+    w.ensure(connected == 3, || {
+        format!("the sink saw {connected} connections from the source, not 3:\n{log}")
+    });
+}
+
 #[tokio::test]
 async fn generated_checkpoint_replicates_and_resolves() {
     let w = World::new("gen").await;

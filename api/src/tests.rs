@@ -257,6 +257,7 @@ async fn with_source() -> WithSource {
         peer_name: "dst".into(),
         rate_bps,
         rtt: Duration::from_millis(10),
+        connections: 1,
     };
     let mut policy = scheduler::Policy::default();
     policy.weights.importance = IMPORTANCE_WEIGHT;

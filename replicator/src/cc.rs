@@ -88,12 +88,17 @@ pub struct ShareControllerFactory {
     pub share: Share,
     /// Expected base RTT before the first measurement.
     pub rtt_hint: Duration,
+    /// Connections the link's share is split across (at least 1): each
+    /// controller aims at `share / connections`, so the link's connections
+    /// together keep the share.
+    pub connections: u32,
 }
 
 impl ControllerFactory for ShareControllerFactory {
     fn build(self: Arc<Self>, now: Instant, current_mtu: u16) -> Box<dyn Controller> {
         Box::new(ShareController {
             share: self.share.clone(),
+            connections: self.connections.max(1),
             base_rtt: self.rtt_hint,
             mtu: current_mtu,
             factor: 1.0,
@@ -112,6 +117,8 @@ impl ControllerFactory for ShareControllerFactory {
 #[derive(Debug, Clone)]
 pub struct ShareController {
     share: Share,
+    /// The share is split across this many connections.
+    connections: u32,
     base_rtt: Duration,
     mtu: u16,
     /// Fraction of the share currently used, `MIN_FACTOR_LOSS..=1`.
@@ -128,9 +135,14 @@ pub struct ShareController {
 }
 
 impl ShareController {
+    /// This connection's part of the share, bit/s.
+    fn rate_bps(&self) -> f64 {
+        self.share.rate_bps() as f64 / f64::from(self.connections)
+    }
+
     fn full_window(&self) -> f64 {
         let rtt = self.base_rtt.as_secs_f64() * WINDOW_GAIN + PROCESSING_ALLOWANCE.as_secs_f64();
-        self.share.rate_bps() as f64 / 8.0 * rtt
+        self.rate_bps() / 8.0 * rtt
     }
 
     fn min_window(&self) -> u64 {
@@ -233,7 +245,7 @@ impl Controller for ShareController {
             // --priority` when this applied at every factor). At half the
             // share, a delay of its own would have to exceed the base RTT
             // to keep a queue standing.
-            w = w.max(self.share.rate_bps() as f64 / 8.0 * self.smoothed.as_secs_f64());
+            w = w.max(self.rate_bps() / 8.0 * self.smoothed.as_secs_f64());
         }
         ((w * self.factor) as u64).max(self.min_window())
     }
@@ -256,11 +268,20 @@ mod tests {
     use super::*;
 
     fn controller(rate: u64, rtt_ms: u64) -> (Share, ShareController, Instant) {
+        controller_of(rate, rtt_ms, 1)
+    }
+
+    fn controller_of(
+        rate: u64,
+        rtt_ms: u64,
+        connections: u32,
+    ) -> (Share, ShareController, Instant) {
         let share = Share::new(rate);
         let now = Instant::now();
         let f = ShareControllerFactory {
             share: share.clone(),
             rtt_hint: Duration::from_millis(rtt_ms),
+            connections,
         };
         let c = *Arc::new(f)
             .build(now, 1452)
@@ -293,6 +314,36 @@ mod tests {
         assert_eq!(c.initial_window(), expect(1e9));
         share.set_rate_bps(500_000_000);
         assert_eq!(c.window(), expect(5e8));
+    }
+
+    #[test]
+    fn connections_split_the_share() {
+        let (_, one, _) = controller_of(1_000_000_000, 100, 1);
+        let share = Share::new(1_000_000_000);
+        let f = Arc::new(ShareControllerFactory {
+            share: share.clone(),
+            rtt_hint: Duration::from_millis(100),
+            connections: 4,
+        });
+        let parts: Vec<_> = (0..4)
+            .map(|_| f.clone().build(Instant::now(), 1452))
+            .collect();
+        let sum = |ps: &[Box<dyn Controller>]| ps.iter().map(|c| c.window()).sum::<u64>();
+        // Four connections' windows add up to one connection's (rounding
+        // aside), at the start and after a rate change.
+        assert!(
+            sum(&parts).abs_diff(one.window()) <= 4,
+            "{} vs {}",
+            sum(&parts),
+            one.window()
+        );
+        let initial: u64 = parts.iter().map(|c| c.initial_window()).sum();
+        assert!(initial.abs_diff(one.initial_window()) <= 4);
+        share.set_rate_bps(500_000_000);
+        assert!(sum(&parts).abs_diff(one.window() / 2) <= 4);
+        // No connections counts as one.
+        let (_, zero, _) = controller_of(1_000_000_000, 100, 0);
+        assert_eq!(zero.window(), one.window());
     }
 
     #[test]

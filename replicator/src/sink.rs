@@ -13,7 +13,7 @@ use std::fs::OpenOptions;
 use std::io;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use ferry_catalog::{now_ms, Catalog, CatalogError, NewReplica, SourceTimes, VerifiedChunk};
@@ -193,9 +193,30 @@ struct Inner {
     /// Test hook: points where transfers are held (see [`Sink::hold_at`];
     /// empty without the `fault-injection` feature).
     holds: Arc<Holds>,
+    /// The transfers opened by each source, by (certificate name, site),
+    /// shared by all the connections of that source (a link's pool): data
+    /// of a transfer may arrive on any of them.
+    sources: Mutex<HashMap<(String, String), Weak<Opened>>>,
 }
 
 impl Inner {
+    /// The state of the source `peer` (certificate name) at `site`, shared
+    /// by its connections; made new when it has none open.
+    fn opened_for(&self, peer: &str, site: &str) -> Arc<Opened> {
+        let mut m = crate::lock::lock(&self.sources);
+        m.retain(|_, o| o.strong_count() > 0);
+        let key = (peer.to_string(), site.to_string());
+        if let Some(o) = m.get(&key).and_then(Weak::upgrade) {
+            return o;
+        }
+        let o = Arc::new(Opened {
+            received: self.metrics.received_for(peer),
+            ..Opened::default()
+        });
+        m.insert(key, Arc::downgrade(&o));
+        o
+    }
+
     /// The lock serialising publishes into `local_path`. Locks nobody
     /// holds or waits for are dropped from the map on the way.
     fn publish_lock(&self, local_path: &Path) -> Arc<tokio::sync::Mutex<()>> {
@@ -253,6 +274,7 @@ impl Sink {
             publish_locks: Mutex::default(),
             store: Arc::new(Posix),
             holds: Arc::default(),
+            sources: Mutex::new(HashMap::new()),
         });
         tokio::spawn(catalog_writer(catalog, rx));
         let i = inner.clone();
@@ -562,11 +584,9 @@ async fn serve_connection(
     }))
     .await?;
 
-    // Transfers opened on this connection, by source transfer id.
-    let open = Arc::new(Opened {
-        received: inner.metrics.received_for(peer),
-        ..Opened::default()
-    });
+    // Transfers opened by this source (on this connection or another of
+    // its link's pool), by source transfer id.
+    let open = inner.opened_for(peer, &hello.site);
     let streams = {
         let (inner, conn, open, ctl) = (inner.clone(), conn.clone(), open.clone(), ctl.clone());
         tokio::spawn(async move {
@@ -606,7 +626,7 @@ async fn serve_connection(
                     inner.holds.hold(id, HoldPoint::Open).await;
                     match open_transfer(inner, peer, &hello.site, request).await {
                         Ok((live, have)) => {
-                            open.insert(id, live);
+                            open.insert(id, live, ctl.clone());
                             ctl.send(&Control::Have { id, chunks: have }).await?;
                         }
                         Err(e) => {
@@ -1129,10 +1149,14 @@ fn sanitize(s: &str) -> String {
 /// How long a data stream waits for its transfer's open.
 const OPEN_WAIT: Duration = Duration::from_secs(10);
 
-/// Transfers opened (or refused) on one connection, by source transfer id.
+/// Transfers opened (or refused) by one source, by source transfer id;
+/// shared by the source's connections.
 #[derive(Default)]
 struct Opened {
     live: Mutex<HashMap<TransferId, Arc<Live>>>,
+    /// The control stream each transfer was opened on: its answers (need,
+    /// cancel, published) go there, whichever connection its data came on.
+    ctls: Mutex<HashMap<TransferId, Arc<ControlSender>>>,
     refused: Mutex<std::collections::HashSet<TransferId>>,
     changes: watch::Sender<u64>,
     /// Verified payload bytes from this connection's peer (metrics).
@@ -1149,10 +1173,17 @@ impl Opened {
             .map(|r| r.contains(&id))
             .unwrap_or(false)
     }
-    fn insert(&self, id: TransferId, live: Arc<Live>) {
+    fn ctl(&self, id: TransferId) -> Option<Arc<ControlSender>> {
+        crate::lock::lock(&self.ctls).get(&id).cloned()
+    }
+    fn insert(&self, id: TransferId, live: Arc<Live>, ctl: Arc<ControlSender>) {
         {
             let mut m = crate::lock::lock(&self.live);
             m.insert(id, live);
+        }
+        {
+            let mut m = crate::lock::lock(&self.ctls);
+            m.insert(id, ctl);
         }
         {
             let mut r = crate::lock::lock(&self.refused);
@@ -1168,6 +1199,7 @@ impl Opened {
         self.changes.send_modify(|v| *v += 1);
     }
     fn remove(&self, id: TransferId) -> Option<Arc<Live>> {
+        crate::lock::lock(&self.ctls).remove(&id);
         crate::lock::lock(&self.live).remove(&id)
     }
 }
@@ -1176,10 +1208,13 @@ impl Opened {
 /// bytes.
 const GROUP_BYTES: usize = 8 << 20;
 
+/// Receives one batch (a data stream) of a transfer opened by this
+/// connection's source; answers go to the control stream the transfer was
+/// opened on (`conn_ctl`, this connection's, if it is unknown).
 async fn receive_batch(
     inner: &Arc<Inner>,
     open: &Opened,
-    ctl: &ControlSender,
+    conn_ctl: &Arc<ControlSender>,
     mut s: RecvStream,
 ) -> Result<(), ConnError> {
     let mut hb = [0u8; BATCH_HEADER_LEN];
@@ -1208,6 +1243,10 @@ async fn receive_batch(
             )));
         }
     };
+    let ctl = open
+        .ctl(header.transfer)
+        .unwrap_or_else(|| conn_ctl.clone());
+    let ctl = &*ctl;
     let mut ended = false;
     while !ended {
         // Records with the arrival of their first and last byte (Unix ms).

@@ -1,4 +1,5 @@
-//! The sending side: one QUIC connection per link, transfers taken from the
+//! The sending side: a pool of QUIC connections per link (the first also
+//! carries the control stream), transfers taken from the
 //! catalog in the scheduler's order, each checkpoint read once (hashing
 //! and sending in one pass), chunks packed back to back into large batches
 //! on several unidirectional streams, then the sealed manifest sent as the
@@ -33,7 +34,7 @@ use crate::conn::{code, read_frame, ConnError, ControlSender};
 use crate::hold::{HoldPoint, Holds};
 use crate::metrics::{LinkSampler, LinkStats, MetricsError, RateWindow, SourceMetrics};
 use crate::tls;
-use crate::transport::{transport_config, Tuning};
+use crate::transport::{transport_config, SocketFactory, Tuning};
 
 mod dispatch;
 mod streaming;
@@ -44,6 +45,9 @@ use dispatch::{LinkSched, Lost};
 use watcher::wake;
 
 pub use streaming::{CheckpointView, ViewFile, ViewState};
+
+#[cfg(feature = "fault-injection")]
+pub use dispatch::SentChunk;
 
 /// A link as the source sees it.
 #[derive(Debug, Clone)]
@@ -60,6 +64,35 @@ pub struct LinkConfig {
     pub rate_bps: u64,
     /// Expected base RTT.
     pub rtt: Duration,
+    /// QUIC connections serving the link (at least 1; see
+    /// [`default_connections`]). Each has its own endpoint and UDP socket
+    /// when the source has a [`SocketFactory`], and a congestion
+    /// controller aiming at `rate_bps / connections`.
+    pub connections: usize,
+}
+
+/// Link rate served by one connection when the count is not configured,
+/// bit/s (2 Gbit/s): about what one core's packet processing and crypto
+/// keep up with in a release build (`ops/bench/RESULTS.md`, bare quinn on
+/// loopback, one connection: 2.3-3.4 Gbit/s on a loaded 2-core machine).
+pub const RATE_PER_CONNECTION: u64 = 2_000_000_000;
+
+/// Most connections a link gets by default (more can be configured, up to
+/// [`MAX_CONNECTIONS`]).
+pub const MAX_DEFAULT_CONNECTIONS: usize = 16;
+
+/// Most connections a link may be configured with.
+pub const MAX_CONNECTIONS: usize = 64;
+
+/// The default connection count of a link with rate cap `rate_bps` (bit/s)
+/// on a host with `cores` cores: one per [`RATE_PER_CONNECTION`] of the
+/// rate (rounded up), at most one per core and at most
+/// [`MAX_DEFAULT_CONNECTIONS`], at least 1. A 1 Gbit/s link gets 1; a
+/// 10 Gbit/s link 5 on a host with 8 cores, 2 on one with 2.
+pub fn default_connections(rate_bps: u64, cores: usize) -> usize {
+    let by_rate = rate_bps.div_ceil(RATE_PER_CONNECTION).max(1);
+    let by_rate = usize::try_from(by_rate).unwrap_or(usize::MAX);
+    by_rate.min(cores.max(1)).min(MAX_DEFAULT_CONNECTIONS)
 }
 
 /// A directory tree whose checkpoints belong to one job and go over one
@@ -91,7 +124,9 @@ pub struct SourceConfig {
     pub roots: Vec<RootConfig>,
     /// Links.
     pub links: Vec<LinkConfig>,
-    /// Data streams in flight per transfer.
+    /// Stream writers per connection of a link: each writes one batch (a
+    /// QUIC stream) at a time, so this many batches of the link's
+    /// transfers are in flight per connection.
     pub streams: usize,
     /// Target batch size in bytes (a stream is finished after this many
     /// payload bytes).
@@ -297,8 +332,13 @@ struct LinkState {
     share: Share,
     /// The link's scheduler and the queues of its active transfers.
     sched: Arc<LinkSched>,
-    /// Connections established since the agent started.
+    /// Connections established since the agent started (a pool of `n`
+    /// counts `n`).
     connections: AtomicU64,
+    /// Endpoints of the pool's connections after the first (which uses
+    /// the agent's endpoint), made once by the source's socket factory
+    /// and kept across reconnects.
+    endpoints: Mutex<Vec<Endpoint>>,
     /// Rates by class and their history, fed by the sampler.
     sampler: Mutex<LinkSampler>,
 }
@@ -309,6 +349,9 @@ struct Inner {
     /// Where checkpoints are read.
     store: Arc<dyn SourceStore>,
     endpoint: Endpoint,
+    /// Makes the sockets of a link's further connections; `None`: every
+    /// connection on `endpoint`.
+    sockets: Option<SocketFactory>,
     links: HashMap<String, Arc<LinkState>>,
     progress: Mutex<HashMap<TransferId, Arc<LiveProgress>>>,
     /// Views of watched checkpoints, by transfer id (see [`watcher`]).
@@ -371,7 +414,8 @@ impl From<CatalogError> for RunError {
 
 impl Source {
     /// Starts one worker per link on `endpoint` (a client endpoint); work
-    /// left unfinished in the catalog resumes.
+    /// left unfinished in the catalog resumes. Every connection of a link
+    /// uses `endpoint` (see [`Source::start_with_sockets`]).
     ///
     /// # Errors
     /// TLS configuration errors.
@@ -379,6 +423,22 @@ impl Source {
         cfg: SourceConfig,
         catalog: Catalog,
         endpoint: Endpoint,
+        identity: &tls::AgentIdentity,
+    ) -> Result<Source, tls::TlsError> {
+        Source::start_with_sockets(cfg, catalog, endpoint, None, identity)
+    }
+
+    /// As [`Source::start`]; a link's connections after the first each get
+    /// an endpoint on a socket of `sockets` (made at the first dial, kept
+    /// across reconnects).
+    ///
+    /// # Errors
+    /// TLS configuration errors.
+    pub fn start_with_sockets(
+        cfg: SourceConfig,
+        catalog: Catalog,
+        endpoint: Endpoint,
+        sockets: Option<SocketFactory>,
         identity: &tls::AgentIdentity,
     ) -> Result<Source, tls::TlsError> {
         let crypto = tls::client_crypto(identity)?;
@@ -400,7 +460,8 @@ impl Source {
                 rate_bps: l.rate_bps,
                 rtt: l.rtt,
             };
-            client.transport_config(Arc::new(transport_config(tuning, Some(share.clone()))));
+            let n = u32::try_from(l.connections.max(1)).unwrap_or(u32::MAX);
+            client.transport_config(Arc::new(transport_config(tuning, Some(share.clone()), n)));
             links.insert(
                 l.name.clone(),
                 Arc::new(LinkState {
@@ -410,6 +471,7 @@ impl Source {
                     share,
                     sched,
                     connections: AtomicU64::new(0),
+                    endpoints: Mutex::new(Vec::new()),
                     sampler: Mutex::new(LinkSampler::default()),
                 }),
             );
@@ -424,6 +486,7 @@ impl Source {
             catalog,
             store: Arc::new(Posix),
             endpoint,
+            sockets,
             links,
             progress: Mutex::new(HashMap::new()),
             views: Mutex::new(HashMap::new()),
@@ -463,6 +526,31 @@ impl Source {
     #[cfg(feature = "fault-injection")]
     pub fn hold_at(&self, point: HoldPoint) -> crate::hold::Hold {
         self.inner.holds.arm(point)
+    }
+
+    /// Test hook: connection `connection` (0: the control one) of `link`'s
+    /// pool is closed, as if its socket died, once it has taken `chunks`
+    /// more chunks (once). False for an unknown link. Only with the
+    /// `fault-injection` feature.
+    #[cfg(feature = "fault-injection")]
+    pub fn close_connection_after(&self, link: &str, connection: usize, chunks: u64) -> bool {
+        let Some(l) = self.inner.links.get(link) else {
+            return false;
+        };
+        crate::lock::lock(&l.sched.faults).close_after = Some((connection, chunks.max(1)));
+        true
+    }
+
+    /// Test hook: every chunk handed to quinn on `link` since the agent
+    /// started, in the order the writes completed (empty for an unknown
+    /// link). Only with the `fault-injection` feature.
+    #[cfg(feature = "fault-injection")]
+    pub fn sent_chunks(&self, link: &str) -> Vec<SentChunk> {
+        self.inner
+            .links
+            .get(link)
+            .map(|l| crate::lock::lock(&l.sched.faults).sent.clone())
+            .unwrap_or_default()
     }
 
     /// The catalog.
@@ -607,7 +695,8 @@ impl Source {
     }
 
     /// Connections to the sink established on `link` since the agent
-    /// started (`None`: unknown link); more than one means it reconnected.
+    /// started (`None`: unknown link); a pool of `connections` counts that
+    /// many, so more than the link's `connections` means it reconnected.
     pub fn link_connections(&self, link: &str) -> Option<u64> {
         self.inner
             .links
@@ -1118,10 +1207,15 @@ impl Source {
         self.inner.shutdown.cancel();
         self.inner.tasks.close();
         let _ = tokio::time::timeout(deadline, self.inner.tasks.wait()).await;
-        self.inner
-            .endpoint
-            .close(VarInt::from_u32(code::SHUTDOWN), b"source shutting down");
-        let _ = tokio::time::timeout(Duration::from_secs(1), self.inner.endpoint.wait_idle()).await;
+        let mut endpoints = vec![self.inner.endpoint.clone()];
+        for l in self.inner.links.values() {
+            endpoints.extend(crate::lock::lock(&l.endpoints).iter().cloned());
+        }
+        for e in &endpoints {
+            e.close(VarInt::from_u32(code::SHUTDOWN), b"source shutting down");
+        }
+        let idle = futures::future::join_all(endpoints.iter().map(|e| e.wait_idle()));
+        let _ = tokio::time::timeout(Duration::from_secs(1), idle).await;
     }
 }
 
@@ -1230,11 +1324,23 @@ fn small_tree_size(dir: &Path, limit: u64) -> Option<(u64, u64)> {
 /// At most this many files for a tree to count as small.
 const SMALL_TREE_FILES: u64 = 4096;
 
-/// An established connection to a sink with its control stream.
+/// An established pool of connections to a sink. The first carries the
+/// control stream the transfers use (opens, file tables, commits, cancels
+/// and the sink's answers); every connection carries data streams, written
+/// by the link's stream writers. The pool lives and dies as one: when any
+/// connection of it is lost, the others are closed and every transfer on
+/// it resumes on a new pool (the sink keeps what it verified).
 #[derive(Clone)]
 struct LinkConn {
+    /// The control connection (the pool's first).
     conn: Connection,
+    /// Every connection of the pool, the control one first.
+    pool: Arc<Vec<Connection>>,
     ctl: Arc<ControlSender>,
+    /// The control streams of the other connections, kept open (the sink
+    /// ends a connection whose control stream ends); nothing is sent on
+    /// them after the hello.
+    _idle_ctls: Arc<Vec<ControlSender>>,
     inbox: Arc<Mutex<HashMap<TransferId, mpsc::UnboundedSender<Control>>>>,
     /// Opens sent on this connection whose answer (have or refuse) has not
     /// come yet, per transfer. The sink answers opens in order, so while
@@ -1243,19 +1349,58 @@ struct LinkConn {
     /// reach the current run: it would start sending before the sink has
     /// handled its own open.
     unanswered: Arc<Mutex<HashMap<TransferId, u32>>>,
-    /// The link's dispatcher (its writers run on this connection).
+    /// The link's dispatcher (its writers run on this pool).
     sched: Arc<LinkSched>,
 }
 
-async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
+impl LinkConn {
+    /// Closes every connection of the pool.
+    fn close(&self, code: u32, reason: &[u8]) {
+        for c in self.pool.iter() {
+            c.close(VarInt::from_u32(code), reason);
+        }
+    }
+}
+
+/// The endpoints of `link`'s `connections` connections: the agent's for
+/// the first, then one per further connection from the source's socket
+/// factory (made once; the agent's endpoint again without a factory).
+fn link_endpoints(inner: &Inner, link: &LinkState) -> Result<Vec<Endpoint>, String> {
+    let n = link.cfg.connections.max(1);
+    let mut extra = crate::lock::lock(&link.endpoints);
+    if let Some(f) = &inner.sockets {
+        while extra.len() + 1 < n {
+            let ep = f.endpoint().map_err(|e| {
+                format!(
+                    "socket of connection {} of link {}: {e}",
+                    extra.len() + 2,
+                    link.cfg.name
+                )
+            })?;
+            extra.push(ep);
+        }
+    }
+    Ok((0..n)
+        .map(|i| match i {
+            0 => inner.endpoint.clone(),
+            i => extra
+                .get(i - 1)
+                .cloned()
+                .unwrap_or_else(|| inner.endpoint.clone()),
+        })
+        .collect())
+}
+
+/// Connects `endpoint` to the sink at `peer_addr` and sends the hello on
+/// a new control stream (pipelined: the sink's hello is read later).
+async fn handshake(
+    inner: &Inner,
+    link: &LinkState,
+    endpoint: &Endpoint,
+    peer_addr: std::net::SocketAddr,
+) -> Result<(Connection, ControlSender, quinn::RecvStream), String> {
     let l = &link.cfg;
-    let peer_addr = tokio::net::lookup_host(&l.peer)
-        .await
-        .map_err(|e| format!("looking up {}: {e}", l.peer))?
-        .next()
-        .ok_or_else(|| format!("{} resolves to no address", l.peer))?;
-    let connecting = inner
-        .endpoint
+    let connecting = endpoint
         .connect_with(link.client.clone(), peer_addr, &l.peer_name)
         .map_err(|e| format!("connect to {} ({peer_addr}): {e}", l.peer_name))?;
     let conn = connecting.await.map_err(|e| {
@@ -1265,15 +1410,11 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
             tls::explain_handshake_error(&e)
         )
     })?;
-    // The hello is pipelined: the source sends it and goes straight on
-    // to open transfers; the reader checks the sink's hello (version) when
-    // it arrives and closes the connection with a clear log line if the
-    // sink is incompatible or refuses.
-    let (send, mut recv) = conn
+    let (send, recv) = conn
         .open_bi()
         .await
         .map_err(|e| format!("control stream to {}: {e}", l.peer_name))?;
-    let ctl = Arc::new(ControlSender::new(send));
+    let ctl = ControlSender::new(send);
     ctl.send(&Control::Hello(Hello {
         version: PROTOCOL_VERSION,
         agent: inner.cfg.agent.clone(),
@@ -1281,104 +1422,187 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
     }))
     .await
     .map_err(|e| format!("hello to {}: {e}", l.peer_name))?;
-    let (link_name, peer_name) = (l.name.clone(), l.peer_name.clone());
+    Ok((conn, ctl, recv))
+}
+
+async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
+    let l = &link.cfg;
+    let peer_addr = tokio::net::lookup_host(&l.peer)
+        .await
+        .map_err(|e| format!("looking up {}: {e}", l.peer))?
+        .next()
+        .ok_or_else(|| format!("{} resolves to no address", l.peer))?;
+    let endpoints = link_endpoints(inner, link)?;
+    // All handshakes at once: a pool takes one round trip, not one each.
+    // If one fails, the ones that succeeded are dropped (and so closed).
+    let dialled = futures::future::try_join_all(
+        endpoints
+            .iter()
+            .map(|ep| handshake(inner, link, ep, peer_addr)),
+    )
+    .await?;
     let inbox: Arc<Mutex<HashMap<TransferId, mpsc::UnboundedSender<Control>>>> = Arc::default();
-    let ib = inbox.clone();
     let unanswered: Arc<Mutex<HashMap<TransferId, u32>>> = Arc::default();
-    let un = unanswered.clone();
-    let c2 = conn.clone();
+    let pool: Arc<Vec<Connection>> = Arc::new(dialled.iter().map(|d| d.0.clone()).collect());
+    let mut ctls = Vec::new();
+    for (index, (conn, ctl, recv)) in dialled.into_iter().enumerate() {
+        // Every connection's control stream is read: the control one's
+        // carries the sink's answers; the others' only the sink's hello
+        // (the sink answers a transfer on the connection that opened it).
+        tokio::spawn(read_control(
+            l.name.clone(),
+            l.peer_name.clone(),
+            index,
+            conn.clone(),
+            recv,
+            inbox.clone(),
+            unanswered.clone(),
+        ));
+        ctls.push(ctl);
+        for w in 0..inner.cfg.streams.max(1) {
+            tokio::spawn(dispatch::writer(
+                link.sched.clone(),
+                conn.clone(),
+                dispatch::WriterId {
+                    connection: index,
+                    writer: w,
+                },
+                inner.cfg.batch_bytes,
+                inner.shutdown.child_token(),
+            ));
+        }
+    }
+    // One connection lost loses the pool: its batches in flight never
+    // complete at the sink, so every transfer resumes on a new pool.
+    let (p2, link_name) = (pool.clone(), l.name.clone());
     tokio::spawn(async move {
-        let hello = tokio::time::timeout(Duration::from_secs(15), read_frame(&mut recv)).await;
-        let refusal = match hello {
-            Ok(Ok(Some(Control::Hello(h)))) if h.version == PROTOCOL_VERSION => {
-                info!(link = link_name, peer = h.agent, site = h.site, "connected to sink");
-                None
-            }
-            Ok(Ok(Some(Control::Hello(h)))) => Some(format!(
-                "incompatible protocol version: sink speaks {}, this source speaks {PROTOCOL_VERSION}",
-                h.version
-            )),
-            Ok(Ok(Some(Control::Error { message }))) => Some(message),
-            Ok(Ok(Some(m))) => Some(format!("expected hello, got {}", m.name())),
-            Ok(Ok(None)) => Some("sink closed the control stream".into()),
-            Ok(Err(e)) => Some(
-                c2.close_reason()
-                    .map(|r| r.to_string())
-                    .unwrap_or_else(|| e.to_string()),
-            ),
-            Err(_) => Some("no hello within 15 s".into()),
-        };
-        if let Some(why) = refusal {
-            warn!(
-                link = link_name,
-                peer = peer_name,
-                "sink refused the connection: {why}"
+        let closed = p2.iter().map(|c| Box::pin(c.closed()));
+        let (why, index, _) = futures::future::select_all(closed).await;
+        if p2.len() > 1 {
+            debug!(link = link_name, connection = index, reason = %why, "a connection of the link closed; closing the others");
+        }
+        for c in p2.iter() {
+            c.close(
+                VarInt::from_u32(code::PROTOCOL),
+                b"another connection of the link was lost",
             );
-            c2.close(VarInt::from_u32(code::PROTOCOL), b"hello failed");
-            {
-                let mut m = crate::lock::lock(&ib);
-                m.clear();
-            }
-            return;
-        }
-        loop {
-            match read_frame(&mut recv).await {
-                Ok(Some(msg)) => {
-                    let id = match &msg {
-                        Control::Have { id, .. }
-                        | Control::Need { id, .. }
-                        | Control::Refuse { id, .. }
-                        | Control::Published { id, .. }
-                        | Control::Cancel { id, .. } => *id,
-                        Control::Error { message } => {
-                            warn!(message, "sink reported an error");
-                            break;
-                        }
-                        other => {
-                            warn!(msg = other.name(), "unexpected message from sink");
-                            c2.close(VarInt::from_u32(code::PROTOCOL), b"unexpected message");
-                            break;
-                        }
-                    };
-                    if matches!(msg, Control::Have { .. } | Control::Refuse { .. })
-                        && !answers_latest_open(&mut crate::lock::lock(&un), id)
-                    {
-                        debug!(transfer = %id, msg = msg.name(), "answer to an earlier run's open dropped");
-                        continue;
-                    }
-                    let tx = crate::lock::lock(&ib).get(&id).cloned();
-                    if let Some(tx) = tx {
-                        let _ = tx.send(msg);
-                    }
-                }
-                Ok(None) => break,
-                Err(e) => {
-                    debug!(error = %e, "control stream ended");
-                    break;
-                }
-            }
-        }
-        // Dropping the senders tells every transfer the connection is gone.
-        {
-            let mut m = crate::lock::lock(&ib);
-            m.clear();
         }
     });
-    for _ in 0..inner.cfg.streams.max(1) {
-        tokio::spawn(dispatch::writer(
-            link.sched.clone(),
-            conn.clone(),
-            inner.cfg.batch_bytes,
-            inner.shutdown.child_token(),
-        ));
-    }
+    let ctl = Arc::new(ctls.remove(0));
     Ok(LinkConn {
-        conn,
+        conn: pool[0].clone(),
+        pool,
         ctl,
+        _idle_ctls: Arc::new(ctls),
         inbox,
         unanswered,
         sched: link.sched.clone(),
     })
+}
+
+/// Reads the sink's side of the control stream of connection `index` of a
+/// link's pool: first its hello (a refusal or another version closes the
+/// connection, and so the pool, with a log line), then answers, routed to
+/// the transfers' inboxes. When it ends, the inboxes are dropped: every
+/// transfer learns the pool is gone.
+async fn read_control(
+    link_name: String,
+    peer_name: String,
+    index: usize,
+    conn: Connection,
+    mut recv: quinn::RecvStream,
+    ib: Arc<Mutex<HashMap<TransferId, mpsc::UnboundedSender<Control>>>>,
+    un: Arc<Mutex<HashMap<TransferId, u32>>>,
+) {
+    let c2 = conn;
+    let hello = tokio::time::timeout(Duration::from_secs(15), read_frame(&mut recv)).await;
+    let refusal = match hello {
+        Ok(Ok(Some(Control::Hello(h)))) if h.version == PROTOCOL_VERSION => {
+            if index == 0 {
+                info!(
+                    link = link_name,
+                    peer = h.agent,
+                    site = h.site,
+                    "connected to sink"
+                );
+            } else {
+                debug!(
+                    link = link_name,
+                    connection = index,
+                    "data connection to sink"
+                );
+            }
+            None
+        }
+        Ok(Ok(Some(Control::Hello(h)))) => Some(format!(
+            "incompatible protocol version: sink speaks {}, this source speaks {PROTOCOL_VERSION}",
+            h.version
+        )),
+        Ok(Ok(Some(Control::Error { message }))) => Some(message),
+        Ok(Ok(Some(m))) => Some(format!("expected hello, got {}", m.name())),
+        Ok(Ok(None)) => Some("sink closed the control stream".into()),
+        Ok(Err(e)) => Some(
+            c2.close_reason()
+                .map(|r| r.to_string())
+                .unwrap_or_else(|| e.to_string()),
+        ),
+        Err(_) => Some("no hello within 15 s".into()),
+    };
+    if let Some(why) = refusal {
+        warn!(
+            link = link_name,
+            peer = peer_name,
+            "sink refused the connection: {why}"
+        );
+        c2.close(VarInt::from_u32(code::PROTOCOL), b"hello failed");
+        {
+            let mut m = crate::lock::lock(&ib);
+            m.clear();
+        }
+        return;
+    }
+    loop {
+        match read_frame(&mut recv).await {
+            Ok(Some(msg)) => {
+                let id = match &msg {
+                    Control::Have { id, .. }
+                    | Control::Need { id, .. }
+                    | Control::Refuse { id, .. }
+                    | Control::Published { id, .. }
+                    | Control::Cancel { id, .. } => *id,
+                    Control::Error { message } => {
+                        warn!(message, "sink reported an error");
+                        break;
+                    }
+                    other => {
+                        warn!(msg = other.name(), "unexpected message from sink");
+                        c2.close(VarInt::from_u32(code::PROTOCOL), b"unexpected message");
+                        break;
+                    }
+                };
+                if matches!(msg, Control::Have { .. } | Control::Refuse { .. })
+                    && !answers_latest_open(&mut crate::lock::lock(&un), id)
+                {
+                    debug!(transfer = %id, msg = msg.name(), "answer to an earlier run's open dropped");
+                    continue;
+                }
+                let tx = crate::lock::lock(&ib).get(&id).cloned();
+                if let Some(tx) = tx {
+                    let _ = tx.send(msg);
+                }
+            }
+            Ok(None) => break,
+            Err(e) => {
+                debug!(error = %e, "control stream ended");
+                break;
+            }
+        }
+    }
+    // Dropping the senders tells every transfer the connection is gone.
+    {
+        let mut m = crate::lock::lock(&ib);
+        m.clear();
+    }
 }
 
 /// Counts an answer (have or refuse) to one of `id`'s opens on a
@@ -1624,7 +1848,8 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
         {
             match dial(&inner, &link).await {
                 Ok(c) => {
-                    link.connections.fetch_add(1, Ordering::Relaxed);
+                    link.connections
+                        .fetch_add(c.pool.len() as u64, Ordering::Relaxed);
                     conn = Some(c);
                     backoff = Duration::from_millis(250);
                 }
@@ -1679,7 +1904,7 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                        let lost = end_transfer(&inner, conn.as_ref(), id, result, backoff).await;
                        if let Some(c) = conn.as_ref().filter(|_| lost) {
                            // Every transfer on this connection resumes on a new one.
-                           c.conn.close(VarInt::from_u32(code::PROTOCOL), b"resuming on a new connection");
+                           c.close(code::PROTOCOL, b"resuming on a new connection");
                            conn = None;
                            dial_after = tokio::time::Instant::now() + backoff;
                            backoff = (backoff * 2).min(Duration::from_secs(10));
@@ -2442,6 +2667,21 @@ mod tests {
     use super::*;
 
     #[test]
+    fn default_connections_follow_the_rate_up_to_the_cores() {
+        assert_eq!(default_connections(1_000_000_000, 8), 1);
+        assert_eq!(default_connections(2_000_000_000, 8), 1);
+        assert_eq!(default_connections(2_000_000_001, 8), 2);
+        assert_eq!(default_connections(10_000_000_000, 8), 5);
+        assert_eq!(default_connections(10_000_000_000, 2), 2);
+        assert_eq!(
+            default_connections(60_000_000_000, 64),
+            MAX_DEFAULT_CONNECTIONS
+        );
+        assert_eq!(default_connections(0, 0), 1);
+        assert_eq!(default_connections(u64::MAX, 4), 4);
+    }
+
+    #[test]
     fn only_the_answer_to_the_latest_open_reaches_the_run() {
         let mut un = HashMap::new();
         let (a, b) = (TransferId(1), TransferId(2));
@@ -2503,6 +2743,7 @@ mod tests {
             peer_name: "dst".into(),
             rate_bps,
             rtt: Duration::from_millis(10),
+            connections: 1,
         };
         let cfg = SourceConfig {
             agent: "src".into(),

@@ -46,13 +46,15 @@ fn varint(v: u64) -> VarInt {
 /// window two BDP (at least 8 MiB), connection receive and send windows
 /// four BDP (at least 16 MiB), up to 1024 concurrent data streams, initial
 /// RTT from the hint, 2 s keep-alive, [`IDLE_TIMEOUT`]. With `share`, the
-/// share-aware congestion controller replaces Cubic.
+/// share-aware congestion controller replaces Cubic, aiming at the share
+/// split over `connections` (the link's connections together keep the
+/// share; see [`crate::cc::ShareControllerFactory`]).
 ///
 /// Why more than one BDP: data behind a lost packet waits about 1.5 RTT
 /// for the retransmission and holds flow-control credit meanwhile. Measured
 /// with `ferry demo --loss 0.01` (1 Gbit/s, 100 ms): one BDP per stream and
 /// two per connection gave 0.72 of the link, two and four gave 0.89.
-pub fn transport_config(tuning: Tuning, share: Option<Share>) -> TransportConfig {
+pub fn transport_config(tuning: Tuning, share: Option<Share>, connections: u32) -> TransportConfig {
     let bdp = tuning.bdp();
     let mut t = TransportConfig::default();
     t.stream_receive_window(varint((2 * bdp).max(8 << 20)))
@@ -68,6 +70,7 @@ pub fn transport_config(tuning: Tuning, share: Option<Share>) -> TransportConfig
         t.congestion_controller_factory(Arc::new(ShareControllerFactory {
             share,
             rtt_hint: tuning.rtt,
+            connections: connections.max(1),
         }));
     }
     t
@@ -117,6 +120,42 @@ pub enum SocketKind {
     /// Any other datagram socket, e.g. one end of the in-memory emulated
     /// link of the `ferry-linkemu` crate (`memory_pair`).
     Memory(Arc<dyn quinn::AsyncUdpSocket>),
+}
+
+/// Makes the sockets of a link's further connections (the first uses the
+/// agent's endpoint): each connection of a link gets its own endpoint and
+/// socket, so the kernel and the runtime can spread their packets over
+/// cores.
+#[derive(Clone)]
+pub enum SocketFactory {
+    /// A new UDP socket bound to this address (port 0: any free port) per
+    /// connection, with [`SOCKET_BUFFER`]-byte buffers.
+    Udp(SocketAddr),
+    /// Sockets made by this function, e.g. more source-side ends of the
+    /// in-memory emulated link (`ferry_linkemu::MemorySocket::sibling`).
+    Custom(Arc<dyn Fn() -> io::Result<Arc<dyn quinn::AsyncUdpSocket>> + Send + Sync>),
+}
+
+impl std::fmt::Debug for SocketFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SocketFactory::Udp(a) => write!(f, "Udp({a})"),
+            SocketFactory::Custom(_) => f.write_str("Custom"),
+        }
+    }
+}
+
+impl SocketFactory {
+    /// A new client endpoint (no server role) on a new socket.
+    ///
+    /// # Errors
+    /// Bind errors, or the function's error.
+    pub fn endpoint(&self) -> io::Result<Endpoint> {
+        match self {
+            SocketFactory::Udp(addr) => endpoint(SocketKind::Udp(*addr), None),
+            SocketFactory::Custom(make) => endpoint(SocketKind::Memory(make()?), None),
+        }
+    }
 }
 
 /// Creates a QUIC endpoint on `socket`, accepting connections when

@@ -175,6 +175,8 @@ pub struct LinkSpec {
     pub rate: String,
     /// `rtt_hint`
     pub rtt_hint: String,
+    /// `connections` (`None`: the agent's default)
+    pub connections: Option<u32>,
 }
 
 /// `[source]` with one root.
@@ -271,6 +273,9 @@ impl AgentConfig {
                 toml_str(&l.rate),
                 toml_str(&l.rtt_hint),
             );
+            if let Some(n) = l.connections {
+                t += &format!("connections = {n}\n");
+            }
         }
         if let Some(s) = &self.source {
             let markers: Vec<String> = s.markers.iter().map(toml_str).collect();
@@ -669,6 +674,7 @@ impl World {
                 peer_name: SINK_NAME.into(),
                 rate: rate.into(),
                 rtt_hint: "20ms".into(),
+                connections: None,
             }],
             source: Some(SourceSpec {
                 root: self.source_root(),

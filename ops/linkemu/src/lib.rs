@@ -18,7 +18,7 @@
 //! [`WIRE_OVERHEAD_BYTES`] (20 bytes IPv4 header + 8 bytes UDP header).
 
 use std::cmp::{Ordering, Reverse};
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::io::{self, IoSliceMut};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::pin::Pin;
@@ -605,16 +605,21 @@ impl Drop for Relay {
 }
 
 /// Start a UDP relay listening on `listen`. Datagrams from a client pass the
-/// `up` link and are sent to `forward` from a second socket; datagrams from
-/// `forward` pass the `down` link and go back to the last client address
-/// seen. Each direction sends its datagrams at the instants its model
-/// hands out, in that order (so [`LinkParams::reorder`] with jitter
-/// reorders them), copies made by [`LinkParams::duplicate`] included.
-/// Socket buffers are raised to 64 MiB (forced past the sysctl limit when
-/// the process has `CAP_NET_ADMIN`). Must be called inside a Tokio runtime.
+/// `up` link and are sent to `forward` from a socket of that client's own
+/// (bound to any port, made at its first datagram), so several clients (a
+/// source whose link has several connections, each on its own socket) can
+/// share the relay; datagrams from `forward` to that socket pass the `down`
+/// link and go back to that client. Both directions are one link each,
+/// shared by all clients. Each direction sends its datagrams at the
+/// instants its model hands out, in that order (so
+/// [`LinkParams::reorder`] with jitter reorders them), copies made by
+/// [`LinkParams::duplicate`] included. Socket buffers are raised to 64 MiB
+/// (forced past the sysctl limit when the process has `CAP_NET_ADMIN`).
+/// Must be called inside a Tokio runtime.
 ///
 /// # Errors
-/// Creating or binding either UDP socket (e.g. `listen` in use).
+/// Creating or binding the listening UDP socket (e.g. `listen` in use).
+/// A client whose forwarding socket cannot be made is logged and dropped.
 pub async fn spawn_relay(
     listen: SocketAddr,
     forward: SocketAddr,
@@ -626,32 +631,40 @@ pub async fn spawn_relay(
         SocketAddr::V4(_) => Ipv4Addr::UNSPECIFIED.into(),
         SocketAddr::V6(_) => Ipv6Addr::UNSPECIFIED.into(),
     };
-    let server_side = Arc::new(udp_socket(SocketAddr::new(any, 0))?);
     let local_addr = client_side.local_addr()?;
     let up = Arc::new(Mutex::new(LinkModel::new(up)));
     let down = Arc::new(Mutex::new(LinkModel::new(down)));
-    let client = Arc::new(Mutex::new(None::<SocketAddr>));
-    let seen = Arc::clone(&client);
+    // Per client: its socket towards `forward` and the task pumping the
+    // answers back (stopped with the relay, which drops this map).
+    let mut clients: HashMap<SocketAddr, (Arc<UdpSocket>, AbortOnDrop)> = HashMap::new();
+    let (cs, dn) = (Arc::clone(&client_side), Arc::clone(&down));
     let up_task = tokio::spawn(pump(
         Arc::clone(&client_side),
-        Arc::clone(&server_side),
         Arc::clone(&up),
         move |from| {
-            *lock(&seen) = Some(from);
-            Some(forward)
+            if let Some((sock, _)) = clients.get(&from) {
+                return Some((Arc::clone(sock), forward));
+            }
+            let sock = match udp_socket(SocketAddr::new(any, 0)) {
+                Ok(s) => Arc::new(s),
+                Err(err) => {
+                    tracing::warn!(%err, client = %from, "link-emu relay: no socket for a new client");
+                    return None;
+                }
+            };
+            let back = Arc::clone(&cs);
+            let task = tokio::spawn(pump(Arc::clone(&sock), Arc::clone(&dn), move |src| {
+                (src == forward).then(|| (Arc::clone(&back), from))
+            }));
+            clients.insert(from, (Arc::clone(&sock), AbortOnDrop(task.abort_handle())));
+            Some((sock, forward))
         },
-    ));
-    let down_task = tokio::spawn(pump(
-        server_side,
-        client_side,
-        Arc::clone(&down),
-        move |from| (from == forward).then(|| *lock(&client)).flatten(),
     ));
     Ok(Relay {
         local_addr,
         up,
         down,
-        tasks: vec![up_task, down_task],
+        tasks: vec![up_task],
     })
 }
 
@@ -683,21 +696,21 @@ fn force_buffers(_socket: &Socket) -> bool {
 /// One relay direction: receive on `rx`, run `model`, send on `tx` when due,
 /// in the order of the delivery instants; datagrams due while the link is
 /// cut are discarded. `route` maps a sender address to the destination
-/// (`None` discards).
-async fn pump<F>(rx: Arc<UdpSocket>, tx: Arc<UdpSocket>, model: Arc<Mutex<LinkModel>>, mut route: F)
+/// (`None` discards) and the socket to send from.
+async fn pump<F>(rx: Arc<UdpSocket>, model: Arc<Mutex<LinkModel>>, mut route: F)
 where
-    F: FnMut(SocketAddr) -> Option<SocketAddr>,
+    F: FnMut(SocketAddr) -> Option<(Arc<UdpSocket>, SocketAddr)>,
 {
     let mut buf = vec![0u8; MAX_DATAGRAM_BYTES];
-    let mut in_flight: InFlight<(SocketAddr, Vec<u8>)> = InFlight::default();
+    let mut in_flight: InFlight<(Arc<UdpSocket>, SocketAddr, Vec<u8>)> = InFlight::default();
     loop {
         let head = in_flight.next_due();
         tokio::select! {
             received = rx.recv_from(&mut buf) => match received {
                 Ok((len, from)) => {
-                    let Some(dest) = route(from) else { continue };
+                    let Some((tx, dest)) = route(from) else { continue };
                     if let Some(passed) = lock(&model).pass(Instant::now(), &buf[..len]) {
-                        in_flight.schedule(passed, |data| (dest, data));
+                        in_flight.schedule(passed, |data| (Arc::clone(&tx), dest, data));
                     }
                 }
                 Err(err) => tracing::debug!(%err, "link-emu relay: receive failed"),
@@ -705,7 +718,7 @@ where
             () = sleep_until_opt(head) => {
                 let now = Instant::now();
                 while let Some(d) = in_flight.pop_due(now) {
-                    let (dest, data) = d.item;
+                    let (tx, dest, data) = d.item;
                     {
                         let mut model = lock(&model);
                         if model.is_cut() {
@@ -726,6 +739,7 @@ where
 #[derive(Debug, Clone)]
 struct Datagram {
     from: SocketAddr,
+    to: SocketAddr,
     ecn: Option<EcnCodepoint>,
     data: Vec<u8>,
 }
@@ -745,30 +759,77 @@ struct Inbox {
     waker: Option<Waker>,
 }
 
-/// One end of an in-memory emulated link; implements
-/// [`quinn::AsyncUdpSocket`]. Datagrams addressed to anything but the peer's
-/// address are discarded. No GSO/GRO: one datagram per transmit and receive.
-/// Datagrams reach the peer in the order of their delivery instants,
-/// duplicates included; this path has no cut (see [`Relay::set_cut`]).
-#[derive(Debug)]
-pub struct MemorySocket {
-    addr: SocketAddr,
-    peer: SocketAddr,
-    out: Arc<Pipe>,
-    inbox: Arc<Mutex<Inbox>>,
-    delivery: AbortHandle,
+/// The sockets of one side of an in-memory link, by address.
+#[derive(Debug, Default)]
+struct Side {
+    inboxes: Mutex<HashMap<SocketAddr, Weak<Mutex<Inbox>>>>,
 }
 
-impl MemorySocket {
-    /// Counters of the direction from this socket to its peer.
-    pub fn stats(&self) -> LinkStats {
-        lock(&self.out.state).0.stats()
+/// Stops a task when dropped (a delivery task when the last socket
+/// sending into its pipe goes; a relay client's answer pump with the
+/// relay).
+#[derive(Debug)]
+struct AbortOnDrop(AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
-impl Drop for MemorySocket {
-    fn drop(&mut self) {
-        self.delivery.abort();
+/// One end of an in-memory emulated link; implements
+/// [`quinn::AsyncUdpSocket`]. Datagrams addressed to anything but a socket
+/// of the other side are discarded. No GSO/GRO: one datagram per transmit
+/// and receive. Datagrams reach the peer in the order of their delivery
+/// instants, duplicates included; this path has no cut (see
+/// [`Relay::set_cut`]). More sockets on the same side
+/// ([`MemorySocket::sibling`]) share its direction of the link (one
+/// bottleneck), as several UDP sockets of one host share its uplink.
+#[derive(Debug)]
+pub struct MemorySocket {
+    addr: SocketAddr,
+    /// The sockets of this side (this one included).
+    side: Arc<Side>,
+    /// The sockets of the other side.
+    peers: Weak<Side>,
+    out: Arc<Pipe>,
+    inbox: Arc<Mutex<Inbox>>,
+    delivery: Arc<AbortOnDrop>,
+}
+
+impl MemorySocket {
+    /// Counters of the direction from this side to the other.
+    pub fn stats(&self) -> LinkStats {
+        lock(&self.out.state).0.stats()
+    }
+
+    /// Another socket on this side of the link, with address `addr`: its
+    /// datagrams share this side's direction of the link (rate, queue,
+    /// delay, loss) and the other side's sockets can answer it.
+    ///
+    /// # Errors
+    /// [`io::ErrorKind::AddrInUse`] if a socket of this side already has
+    /// `addr`.
+    pub fn sibling(&self, addr: SocketAddr) -> io::Result<Arc<MemorySocket>> {
+        let inbox = Arc::new(Mutex::new(Inbox::default()));
+        {
+            let mut m = lock(&self.side.inboxes);
+            if m.get(&addr).is_some_and(|w| w.strong_count() > 0) {
+                return Err(io::Error::new(
+                    io::ErrorKind::AddrInUse,
+                    format!("in-memory link: {addr} is taken"),
+                ));
+            }
+            m.insert(addr, Arc::downgrade(&inbox));
+        }
+        Ok(Arc::new(MemorySocket {
+            addr,
+            side: Arc::clone(&self.side),
+            peers: Weak::clone(&self.peers),
+            out: Arc::clone(&self.out),
+            inbox,
+            delivery: Arc::clone(&self.delivery),
+        }))
     }
 }
 
@@ -776,53 +837,62 @@ impl Drop for MemorySocket {
 /// link with parameters `a_to_b` and `b_to_a`. Use with
 /// `quinn::Endpoint::new_with_abstract_socket(.., socket, Arc::new(quinn::TokioRuntime))`.
 /// Must be called inside a Tokio runtime (it spawns one delivery task per
-/// direction, stopped when the sending socket is dropped).
+/// direction, stopped when every socket sending into it is dropped).
 pub fn memory_pair(
     a: SocketAddr,
     b: SocketAddr,
     a_to_b: LinkParams,
     b_to_a: LinkParams,
 ) -> (Arc<MemorySocket>, Arc<MemorySocket>) {
-    let inbox_a = Arc::new(Mutex::new(Inbox::default()));
-    let inbox_b = Arc::new(Mutex::new(Inbox::default()));
-    let end = |addr, peer, params, inbox, peer_inbox: &Arc<Mutex<Inbox>>| {
+    let side_a = Arc::new(Side::default());
+    let side_b = Arc::new(Side::default());
+    let end = |addr, params, side: &Arc<Side>, peers: &Arc<Side>| {
         let out = Arc::new(Pipe {
             state: Mutex::new((LinkModel::new(params), InFlight::default())),
             wake_delivery: Notify::new(),
         });
         let delivery =
-            tokio::spawn(deliver(Arc::clone(&out), Arc::downgrade(peer_inbox))).abort_handle();
+            tokio::spawn(deliver(Arc::clone(&out), Arc::downgrade(peers))).abort_handle();
+        let inbox = Arc::new(Mutex::new(Inbox::default()));
+        lock(&side.inboxes).insert(addr, Arc::downgrade(&inbox));
         Arc::new(MemorySocket {
             addr,
-            peer,
+            side: Arc::clone(side),
+            peers: Arc::downgrade(peers),
             out,
             inbox,
-            delivery,
+            delivery: Arc::new(AbortOnDrop(delivery)),
         })
     };
-    let socket_a = end(a, b, a_to_b, Arc::clone(&inbox_a), &inbox_b);
-    let socket_b = end(b, a, b_to_a, inbox_b, &inbox_a);
+    let socket_a = end(a, a_to_b, &side_a, &side_b);
+    let socket_b = end(b, b_to_a, &side_b, &side_a);
     (socket_a, socket_b)
 }
 
-/// Move due datagrams from `pipe` to `inbox`, sleeping until the next is due.
-/// Exits when the receiving socket (owner of `inbox`) is dropped.
-async fn deliver(pipe: Arc<Pipe>, inbox: Weak<Mutex<Inbox>>) {
-    while let Some(inbox) = inbox.upgrade() {
+/// Move due datagrams from `pipe` to the inboxes of `side` (by
+/// destination), sleeping until the next is due. Exits when every socket
+/// of the receiving side is dropped.
+async fn deliver(pipe: Arc<Pipe>, side: Weak<Side>) {
+    while let Some(side) = side.upgrade() {
         let now = Instant::now();
-        let (waker, next) = {
+        let (wakers, next) = {
             let mut state = lock(&pipe.state);
-            let mut inbox = lock(&inbox);
-            let mut moved = false;
+            let inboxes = lock(&side.inboxes);
+            let mut wakers = Vec::new();
             while let Some(d) = state.1.pop_due(now) {
+                let Some(inbox) = inboxes.get(&d.item.to).and_then(Weak::upgrade) else {
+                    continue;
+                };
+                let mut inbox = lock(&inbox);
                 inbox.queue.push_back(d.item);
-                moved = true;
+                if let Some(w) = inbox.waker.take() {
+                    wakers.push(w);
+                }
             }
-            let waker = if moved { inbox.waker.take() } else { None };
-            (waker, state.1.next_due())
+            (wakers, state.1.next_due())
         };
-        drop(inbox);
-        if let Some(waker) = waker {
+        drop(side);
+        for waker in wakers {
             waker.wake();
         }
         match next {
@@ -851,7 +921,11 @@ impl AsyncUdpSocket for MemorySocket {
     }
 
     fn try_send(&self, transmit: &Transmit) -> io::Result<()> {
-        if transmit.destination != self.peer {
+        let known = self
+            .peers
+            .upgrade()
+            .is_some_and(|p| lock(&p.inboxes).contains_key(&transmit.destination));
+        if !known {
             return Ok(());
         }
         let segment = transmit
@@ -866,6 +940,7 @@ impl AsyncUdpSocket for MemorySocket {
             if let Some(passed) = model.pass(now, chunk) {
                 in_flight.schedule(passed, |data| Datagram {
                     from: self.addr,
+                    to: transmit.destination,
                     ecn: transmit.ecn,
                     data,
                 });
@@ -930,6 +1005,7 @@ impl AsyncUdpSocket for MemorySocket {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use std::collections::HashSet;
 
     const MBIT: u64 = 1_000_000;
 
@@ -1177,6 +1253,71 @@ mod tests {
             (3, 3)
         );
         assert_eq!(stats.up.delivered_bytes, 3 * 1200);
+        relay.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn relay_keeps_clients_apart() {
+        // An echo server that also says which address it saw.
+        let echo = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let echo_addr = echo.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 2048];
+            while let Ok((n, from)) = echo.recv_from(&mut buf).await {
+                let mut out = buf[..n].to_vec();
+                out.extend_from_slice(from.to_string().as_bytes());
+                let _ = echo.send_to(&out, from).await;
+            }
+        });
+        let link = LinkParams::new(100 * MBIT, Duration::from_millis(10));
+        let relay = spawn_relay(
+            "127.0.0.1:0".parse().unwrap(),
+            echo_addr,
+            link.clone(),
+            link,
+        )
+        .await
+        .unwrap();
+        let a = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let b = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let mut seen_by_server = Vec::new();
+        for round in 0..3u8 {
+            for (i, c) in [&a, &b].into_iter().enumerate() {
+                let tag = [b'a' + i as u8, round];
+                c.send_to(&tag, relay.local_addr()).await.unwrap();
+            }
+            for (i, c) in [&a, &b].into_iter().enumerate() {
+                let mut buf = vec![0u8; 2048];
+                let (n, from) =
+                    tokio::time::timeout(Duration::from_secs(10), c.recv_from(&mut buf))
+                        .await
+                        .unwrap()
+                        .unwrap();
+                assert_eq!(from, relay.local_addr());
+                // Each client gets its own answer, never the other's.
+                assert_eq!(&buf[..2], &[b'a' + i as u8, round]);
+                seen_by_server.push((i, String::from_utf8(buf[2..n].to_vec()).unwrap()));
+            }
+        }
+        // The server saw one address per client, a different one each.
+        let a_addrs: HashSet<_> = seen_by_server
+            .iter()
+            .filter(|s| s.0 == 0)
+            .map(|s| &s.1)
+            .collect();
+        let b_addrs: HashSet<_> = seen_by_server
+            .iter()
+            .filter(|s| s.0 == 1)
+            .map(|s| &s.1)
+            .collect();
+        assert_eq!((a_addrs.len(), b_addrs.len()), (1, 1));
+        assert!(a_addrs.is_disjoint(&b_addrs));
+        // One link per direction, shared.
+        let stats = relay.stats();
+        assert_eq!(
+            (stats.up.delivered_packets, stats.down.delivered_packets),
+            (6, 6)
+        );
         relay.shutdown().await;
     }
 
@@ -1612,5 +1753,74 @@ mod tests {
             .unwrap();
         assert!(received == sent, "payload mismatch");
         assert!(stats.duplicated > 0 && stats.reordered > 0, "{stats:?}");
+    }
+
+    #[tokio::test]
+    async fn siblings_share_the_link_and_get_their_own_answers() {
+        let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+        let cert_der = cert.cert.der().clone();
+        let key = rustls::pki_types::PrivatePkcs8KeyDer::from(cert.key_pair.serialize_der());
+        let server_config =
+            quinn::ServerConfig::with_single_cert(vec![cert_der.clone()], key.into()).unwrap();
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(cert_der).unwrap();
+        let client_config = quinn::ClientConfig::with_root_certificates(Arc::new(roots)).unwrap();
+        let (a_addr, b_addr): (SocketAddr, SocketAddr) = (
+            "10.0.0.1:4000".parse().unwrap(),
+            "10.0.0.2:4433".parse().unwrap(),
+        );
+        let link = LinkParams::new(100 * MBIT, Duration::from_millis(10));
+        let (a, b) = memory_pair(a_addr, b_addr, link.clone(), link);
+        let a2 = a.sibling("10.0.0.1:4001".parse().unwrap()).unwrap();
+        assert!(a.sibling(a_addr).is_err(), "an address in use is refused");
+        let runtime = Arc::new(quinn::TokioRuntime);
+        let server = quinn::Endpoint::new_with_abstract_socket(
+            Default::default(),
+            Some(server_config),
+            b,
+            runtime.clone(),
+        )
+        .unwrap();
+        let mut clients = Vec::new();
+        for s in [a.clone(), a2] {
+            let s: Arc<dyn AsyncUdpSocket> = s;
+            let mut c = quinn::Endpoint::new_with_abstract_socket(
+                Default::default(),
+                None,
+                s,
+                runtime.clone(),
+            )
+            .unwrap();
+            c.set_default_client_config(client_config.clone());
+            clients.push(c);
+        }
+        let receiver = tokio::spawn(async move {
+            let mut got = Vec::new();
+            for _ in 0..2 {
+                let conn = server.accept().await.unwrap().await.unwrap();
+                let remote = conn.remote_address();
+                let mut stream = conn.accept_uni().await.unwrap();
+                got.push((remote, stream.read_to_end(1 << 20).await.unwrap()));
+            }
+            got.sort();
+            got
+        });
+        let run = async {
+            for (i, c) in clients.iter().enumerate() {
+                let conn = c.connect(b_addr, "localhost").unwrap().await.unwrap();
+                let mut stream = conn.open_uni().await.unwrap();
+                stream.write_all(&[i as u8; 1000]).await.unwrap();
+                stream.finish().unwrap();
+                stream.stopped().await.unwrap();
+            }
+            receiver.await.unwrap()
+        };
+        let got = tokio::time::timeout(Duration::from_secs(60), run)
+            .await
+            .unwrap();
+        assert_eq!(got[0], (a_addr, vec![0u8; 1000]));
+        assert_eq!(got[1], ("10.0.0.1:4001".parse().unwrap(), vec![1u8; 1000]));
+        // Both directions of both connections went through one model.
+        assert!(a.stats().delivered_bytes > 2000, "{:?}", a.stats());
     }
 }

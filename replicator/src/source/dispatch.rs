@@ -1,6 +1,9 @@
 //! The link's dispatcher: every transfer active on a link hands its ready
 //! chunks here, and a few stream writers per connection ask the link's
 //! [`LinkScheduler`] which one goes next (ARCHITECTURE.md "Bird's-eye view").
+//! A link served by several connections has writers on each, all asking
+//! the one scheduler: chunks are striped across the connections in the
+//! order the scheduler picks them, whichever writer is free first.
 //!
 //! - A transfer's ready chunks wait in its queue (at most
 //!   [`QUEUE_RECORDS`] records and [`QUEUE_BYTES`] bytes, so its reader
@@ -83,6 +86,45 @@ pub(crate) struct LinkSched {
     moved: Notify,
     /// The link's metrics (payload bytes by class, chunk retries).
     pub(crate) counters: LinkCounters,
+    /// Test hooks (`fault-injection`): a connection to close after its
+    /// Nth chunk, and the log of chunks handed to quinn.
+    #[cfg(feature = "fault-injection")]
+    pub(crate) faults: Mutex<Faults>,
+}
+
+/// Which stream writer of a link's pool: connection index (0 is the
+/// control connection) and writer index on that connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct WriterId {
+    pub(crate) connection: usize,
+    pub(crate) writer: usize,
+}
+
+/// One chunk handed to quinn (test hook, `fault-injection`).
+#[cfg(feature = "fault-injection")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SentChunk {
+    /// Index of the connection in the link's pool (0: the control one).
+    pub connection: usize,
+    /// Index of the stream writer on that connection.
+    pub writer: usize,
+    /// The chunk's transfer.
+    pub transfer: TransferId,
+    /// The class the scheduler served it in.
+    pub class: scheduler::Class,
+    /// Payload bytes.
+    pub bytes: u64,
+}
+
+/// Test hooks of a link (`fault-injection`).
+#[cfg(feature = "fault-injection")]
+#[derive(Debug, Default)]
+pub(crate) struct Faults {
+    /// Close the pool's connection of this index after it has taken this
+    /// many more chunks (once).
+    pub(crate) close_after: Option<(usize, u64)>,
+    /// Chunks handed to quinn, in the order their writes completed.
+    pub(crate) sent: Vec<SentChunk>,
 }
 
 /// A connection ended while a transfer was sending.
@@ -99,6 +141,8 @@ impl LinkSched {
             ready: Notify::new(),
             moved: Notify::new(),
             counters,
+            #[cfg(feature = "fault-injection")]
+            faults: Mutex::new(Faults::default()),
         }
     }
 
@@ -215,17 +259,19 @@ impl LinkSched {
 }
 
 enum Step {
-    /// Transfer, stream priority, index of its effective class, chunk.
-    Send(TransferId, i32, usize, Record),
+    /// Transfer, stream priority, its effective class, chunk.
+    Send(TransferId, i32, scheduler::Class, Record),
     Wait(i64),
     Idle,
 }
 
-/// Writes the chunks the scheduler picks onto `conn` until it closes;
-/// batches hold about `target` payload bytes.
+/// Writes the chunks the scheduler picks onto `conn` (writer `me` of the
+/// link's pool) until it closes; batches hold about `target` payload
+/// bytes.
 pub(crate) async fn writer(
     sched: Arc<LinkSched>,
     conn: Connection,
+    me: WriterId,
     target: u64,
     stop: tokio_util::sync::CancellationToken,
 ) {
@@ -254,9 +300,7 @@ pub(crate) async fn writer(
                 Decision::Send { id, priority, .. } => {
                     // The class the scheduler served it in (a promotion
                     // shows here, whatever the policy's priorities).
-                    let class =
-                        s.ls.class_of(id)
-                            .map_or(class_index(scheduler::Class::Scheduled), class_index);
+                    let class = s.ls.class_of(id).unwrap_or(scheduler::Class::Scheduled);
                     let rec = s.queues.get_mut(&id).and_then(|q| {
                         let r = q.recs.pop_front()?;
                         q.bytes = q.bytes.saturating_sub(r.data.len() as u64);
@@ -318,9 +362,45 @@ pub(crate) async fn writer(
                 if let Some(p) = progress {
                     p.sent.fetch_add(len, Ordering::Relaxed);
                 }
-                if let Some(c) = sched.counters.sent.get(class) {
+                if let Some(c) = sched.counters.sent.get(class_index(class)) {
                     c.inc_by(len);
                 }
+                #[cfg(feature = "fault-injection")]
+                {
+                    let close = {
+                        let mut f = crate::lock::lock(&sched.faults);
+                        f.sent.push(SentChunk {
+                            connection: me.connection,
+                            writer: me.writer,
+                            transfer: id,
+                            class,
+                            bytes: len,
+                        });
+                        match &mut f.close_after {
+                            Some((c, n)) if *c == me.connection => {
+                                *n = n.saturating_sub(1);
+                                let now = *n == 0;
+                                if now {
+                                    f.close_after = None;
+                                }
+                                now
+                            }
+                            _ => false,
+                        }
+                    };
+                    if close {
+                        tracing::info!(
+                            connection = me.connection,
+                            "fault injection: closing a connection of the link"
+                        );
+                        conn.close(
+                            crate::conn::code::PROTOCOL.into(),
+                            b"fault injection: connection dropped",
+                        );
+                    }
+                }
+                #[cfg(not(feature = "fault-injection"))]
+                let _ = me;
                 if empty || cur.as_ref().is_some_and(|c| c.2 >= target) {
                     finish(&mut cur);
                 }

@@ -15,7 +15,7 @@ use ferry_proto::manifest::MIN_CHUNK_SIZE;
 use replicator::sink::{Sink, SinkConfig};
 use replicator::source::{LinkConfig, RootConfig, Source, SourceConfig};
 use replicator::tls::{self, AgentIdentity};
-use replicator::transport::{self, SocketKind};
+use replicator::transport::{self, SocketFactory, SocketKind};
 
 pub struct Pair {
     pub dir: tempfile::TempDir,
@@ -43,13 +43,23 @@ pub async fn pair_with(reserve_bytes: u64, adjust: impl FnOnce(&mut SourceConfig
     let sink_ep = transport::endpoint(SocketKind::Memory(sb), Some(server)).unwrap();
     let sink = start_sink(base, reserve_bytes, sink_ep).await;
     let root = job_root(base);
+    // A link's further connections: more source-side ends of the same
+    // emulated link (one bottleneck), on 10.0.0.1:10, :11, ...
+    let (first, next) = (sa.clone(), std::sync::atomic::AtomicU16::new(10));
+    let sockets = SocketFactory::Custom(std::sync::Arc::new(move || {
+        let port = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let s: std::sync::Arc<dyn quinn::AsyncUdpSocket> =
+            first.sibling(SocketAddr::from(([10, 0, 0, 1], port)))?;
+        Ok(s)
+    }));
     let src_ep = transport::endpoint(SocketKind::Memory(sa), None).unwrap();
     let mut cfg = source_config(&root, b);
     adjust(&mut cfg);
-    let source = Source::start(
+    let source = Source::start_with_sockets(
         cfg,
         Catalog::open(&base.join("src-data")).await.unwrap(),
         src_ep,
+        Some(sockets),
         &identity(&certs, "src"),
     )
     .unwrap();
@@ -120,6 +130,7 @@ fn source_config(root: &Path, peer: SocketAddr) -> SourceConfig {
             peer_name: "dst".into(),
             rate_bps: 1_000_000_000,
             rtt: Duration::from_millis(10),
+            connections: 1,
         }],
         streams: 3,
         batch_bytes: 256 << 10,
@@ -179,7 +190,15 @@ impl Restartable {
             .unwrap();
         let ep =
             transport::endpoint(SocketKind::Udp("127.0.0.1:0".parse().unwrap()), None).unwrap();
-        Source::start(cfg, catalog, ep, &identity(&self.certs, "src")).unwrap()
+        let sockets = SocketFactory::Udp("127.0.0.1:0".parse().unwrap());
+        Source::start_with_sockets(
+            cfg,
+            catalog,
+            ep,
+            Some(sockets),
+            &identity(&self.certs, "src"),
+        )
+        .unwrap()
     }
 }
 

@@ -110,8 +110,13 @@ impl Agents {
             &src_quic,
             &base.join("src-data"),
         );
+        let connections = b
+            .args
+            .connections
+            .map(|n| format!("connections = {n}\n"))
+            .unwrap_or_default();
         src_cfg += &format!(
-            "\n[[links]]\nname = \"to-eval\"\npeer = {}\npeer_name = \"eval-b-1\"\nrate = {}\nrtt_hint = {}\n\
+            "\n[[links]]\nname = \"to-eval\"\npeer = {}\npeer_name = \"eval-b-1\"\nrate = {}\nrtt_hint = {}\n{connections}\
              \n[source]\nscan_interval = \"0s\"\n",
             toml_str(&sink_quic),
             toml_str(&format!("{rate}bit/s")),

@@ -85,6 +85,13 @@ struct Args {
     /// medians and ranges are reported.
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=50))]
     cpu_runs: u32,
+    /// QUIC connections per link, forced: `connections = N` in the
+    /// source's `[[links]]` of every scenario, and `quinn-bare
+    /// --connections N` in the cpu scenario. Default: Ferry's own default
+    /// for the link's rate on this host (one per 2 Gbit/s, at most one per
+    /// core), and the same count for quinn-bare.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
+    connections: Option<u32>,
 }
 
 const ALL: [&str; 8] = [

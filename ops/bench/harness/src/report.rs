@@ -308,7 +308,7 @@ fn markdown(b: &Bench, machine: &Value, date: &str, mode: &str) -> String {
     }
     let cpu: Vec<&Record> = rs.iter().filter(|r| r.scenario == "cpu").collect();
     if !cpu.is_empty() {
-        let _ = writeln!(s, "### CPU on loopback (target: Ferry within 1.5 x bare quinn)\n\nMedians of the runs (range in brackets), Ferry and bare quinn alternating; Ferry's CPU is both agents, the sink's read-back included and also shown on its own.\n\n| tool | bytes | runs | CPU s per GB | source CPU s | sink CPU s | sink read-back CPU s | goodput Gbit/s | x quinn |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+        let _ = writeln!(s, "### CPU on loopback (target: Ferry within 1.5 x bare quinn)\n\nMedians of the runs (range in brackets), Ferry and bare quinn alternating; Ferry's CPU is both agents, the sink's read-back included and also shown on its own.\n\n| tool | connections | bytes | runs | CPU s per GB | source CPU s | sink CPU s | sink read-back CPU s | goodput Gbit/s | x quinn |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
         let gb = |r: &Record| r.bytes as f64 / 1e9;
         let range =
             |r: &Record, k: &str, div: f64| match r.extra[k].as_array().map(|a| a.as_slice()) {
@@ -336,8 +336,11 @@ fn markdown(b: &Bench, machine: &Value, date: &str, mode: &str) -> String {
             };
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 r.tool,
+                r.extra["connections"]
+                    .as_u64()
+                    .map_or("-".into(), |n| n.to_string()),
                 r.bytes,
                 r.extra["runs"]
                     .as_u64()

@@ -744,6 +744,10 @@ fn spread(v: &mut [f64]) -> (f64, f64, f64) {
     }
 }
 
+/// Link rate of the cpu scenario, bit/s (10 Gbit/s: above what either
+/// agent reaches on loopback, so CPU is the limit).
+const CPU_RATE: u64 = 10_000_000_000;
+
 /// cpu: CPU seconds per GB and goodput of Ferry (source + sink) against a
 /// bare quinn transfer of the same bytes, both on loopback:
 /// `--cpu-runs` runs of each, alternating, medians and ranges. `cp -a`
@@ -776,8 +780,14 @@ pub fn scenario_cpu(b: &mut Bench, ck: &Ckpt) -> Result<()> {
     let _ = std::fs::remove_dir_all(&kept);
     std::fs::create_dir_all(&kept)?;
     std::fs::rename(dest.join("copy"), kept.join("cp"))?;
+    // The same connection count for both: forced, or Ferry's default for
+    // the scenario's rate on this host.
+    let connections = b.args.connections.unwrap_or_else(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        replicator::source::default_connections(CPU_RATE, cores) as u32
+    });
     say(format!(
-        "cpu: {runs} runs each of bare quinn and ferry, alternating, {:.0} MB on loopback",
+        "cpu: {runs} runs each of bare quinn and ferry, alternating, {:.0} MB on loopback, {connections} connection(s)",
         ck.bytes as f64 / 1e6
     ));
     let mut quinn: Vec<Value> = Vec::new();
@@ -789,7 +799,8 @@ pub fn scenario_cpu(b: &mut Bench, ck: &Ckpt) -> Result<()> {
     for i in 0..runs {
         let out = cmd_ok(
             Command::new(b.repo.join(&b.args.bin).join("quinn-bare"))
-                .args(["--bytes", &ck.bytes.to_string()]),
+                .args(["--bytes", &ck.bytes.to_string()])
+                .args(["--connections", &connections.to_string()]),
             "quinn-bare",
         )?;
         let v: Value =
@@ -798,7 +809,7 @@ pub fn scenario_cpu(b: &mut Bench, ck: &Ckpt) -> Result<()> {
         let agents = Agents::start(
             b,
             Placement::Loopback,
-            10_000_000_000,
+            CPU_RATE,
             Duration::from_millis(1),
             &[b.src_root()],
             "cpu",
@@ -883,6 +894,7 @@ pub fn scenario_cpu(b: &mut Bench, ck: &Ckpt) -> Result<()> {
         "goodput_bps_range": [f_glo, f_ghi],
         "over_quinn": f_cpu / q_cpu,
         "target_over_quinn": 1.5,
+        "connections": connections,
         "runs_source_sink_wall_s": ferry.iter().map(|r| json!([r.0, r.1, r.2])).collect::<Vec<_>>(),
         "note": "medians of the runs, alternating with quinn-bare; the sink's read-back before publish is included",
     });
@@ -903,6 +915,7 @@ pub fn scenario_cpu(b: &mut Bench, ck: &Ckpt) -> Result<()> {
         "cpu_s_per_gb": q_cpu / gb,
         "goodput_bps_median": q_gput,
         "goodput_bps_range": [q_glo, q_ghi],
+        "connections": connections,
         "runs_cpu_s": quinn.iter().map(|v| v["cpu_s"].clone()).collect::<Vec<_>>(),
         "note": "medians of the runs, alternating with Ferry; the bytes are not files and are not compared",
     });

@@ -1,0 +1,206 @@
+//! A link served by several QUIC connections: chunks striped across them
+//! arrive byte-identical, a connection lost mid-transfer loses nothing,
+//! and pre-emption holds on every connection. In-process agents on the
+//! in-memory emulated link (each connection on its own socket of it).
+#![allow(clippy::unwrap_used, missing_docs)]
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use common::{pair_with, wait_published, write_dir, Pair};
+use replicator::source::RootConfig;
+use scheduler::{Class, Floors, Policy};
+
+/// One test of this file at a time: each loads its own link, and they
+/// would compete for the CPU.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Where the sink published source transfer `id`.
+async fn replica_path(p: &Pair, id: ferry_proto::state::TransferId) -> PathBuf {
+    let reps = p.sink.catalog().replicas(true, 100, 0).await.unwrap();
+    let r = reps.iter().find(|r| r.source_transfer == id).unwrap();
+    PathBuf::from(&r.local_path)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_over_four_connections_is_byte_identical() {
+    let _serial = SERIAL.lock().await;
+    let p = pair_with(0, |cfg| {
+        cfg.links[0].connections = 4;
+        cfg.streams = 2;
+        cfg.batch_bytes = 256 << 10;
+    })
+    .await;
+    let ckpt = p.root.join("step-1");
+    write_dir(&ckpt, 6, 3 << 20);
+    std::fs::write(ckpt.join(".metadata"), b"done").unwrap();
+    let t = p.source.submit(&ckpt, None).await.unwrap();
+    wait_published(&p, t.id).await;
+    common::same_tree(&ckpt, &replica_path(&p, t.id).await);
+    assert_eq!(
+        p.source.link_connections("l"),
+        Some(4),
+        "one pool of four connections, never replaced"
+    );
+    #[cfg(feature = "fault-injection")]
+    {
+        // Striped: every connection carried some of the chunks.
+        let sent = p.source.sent_chunks("l");
+        let used: HashSet<usize> = sent.iter().map(|c| c.connection).collect();
+        assert_eq!(used, (0..4).collect(), "connections used: {used:?}");
+        let bytes: u64 = sent.iter().map(|c| c.bytes).sum();
+        // The shards and the 4-byte marker.
+        assert_eq!(bytes, (18 << 20) + 4, "each chunk sent once");
+    }
+}
+
+/// One connection of four closed after its 5th chunk: the pool is
+/// replaced, the transfer resumes on it and its replica is byte-identical
+/// (nothing lost, nothing published twice).
+#[cfg(feature = "fault-injection")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_lost_mid_transfer_loses_nothing() {
+    let _serial = SERIAL.lock().await;
+    let p = pair_with(0, |cfg| {
+        cfg.links[0].connections = 4;
+        cfg.links[0].rate_bps = 200_000_000;
+        cfg.streams = 2;
+        cfg.batch_bytes = 256 << 10;
+    })
+    .await;
+    assert!(p.source.close_connection_after("l", 2, 5));
+    let ckpt = p.root.join("step-2");
+    write_dir(&ckpt, 8, 2 << 20);
+    std::fs::write(ckpt.join(".metadata"), b"done").unwrap();
+    let t = p.source.submit(&ckpt, None).await.unwrap();
+    wait_published(&p, t.id).await;
+    common::same_tree(&ckpt, &replica_path(&p, t.id).await);
+    let n = p.source.link_connections("l").unwrap();
+    assert!(
+        n >= 8,
+        "the pool was not replaced after a connection was lost ({n} connections made)"
+    );
+    // The lost connection did carry chunks before it went.
+    let sent = p.source.sent_chunks("l");
+    assert!(sent.iter().filter(|c| c.connection == 2).count() >= 5);
+}
+
+/// Pre-emption on every connection (floors of 0, so background waits while
+/// urgent has data): after a connection's first urgent chunk is handed to
+/// quinn, at most one background chunk per stream writer of that
+/// connection follows on it (the one each writer had already taken) until
+/// the urgent transfer's last chunk is handed over. Counted at the sender.
+#[cfg(feature = "fault-injection")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn urgent_chunks_pre_empt_background_on_every_connection() {
+    let _serial = SERIAL.lock().await;
+    const STREAMS: usize = 2;
+    let mut data = PathBuf::new();
+    let p = pair_with(0, |cfg| {
+        let base = cfg.roots[0]
+            .path
+            .parent()
+            .unwrap()
+            .parent()
+            .unwrap()
+            .to_path_buf();
+        data = base.join("data");
+        std::fs::create_dir_all(&data).unwrap();
+        data = std::fs::canonicalize(&data).unwrap();
+        cfg.roots.push(RootConfig {
+            path: data.clone(),
+            job: "archive".into(),
+            link: "l".into(),
+            watch: Default::default(),
+        });
+        cfg.links[0].rate_bps = 50_000_000;
+        cfg.links[0].connections = 4;
+        cfg.streams = STREAMS;
+        cfg.chunk_size = 256 << 10;
+        cfg.policy = Policy {
+            floors: Floors {
+                scheduled: 0.0,
+                background: 0.0,
+            },
+            ..Policy::default()
+        };
+    })
+    .await;
+    // Background load, then an urgent checkpoint once it moves.
+    let sets: Vec<PathBuf> = (0..3).map(|i| data.join(format!("set-{i}"))).collect();
+    for d in &sets {
+        write_dir(d, 4, 1 << 20);
+    }
+    let ckpt = p.root.join("step-100");
+    write_dir(&ckpt, 4, 1 << 20);
+    let mut load = Vec::new();
+    for d in &sets {
+        load.push(
+            p.source
+                .submit_as(d, None, Class::Background)
+                .await
+                .unwrap()
+                .id,
+        );
+    }
+    wait_moving(&p, &load).await;
+    let t = p
+        .source
+        .submit_as(&ckpt, None, Class::Urgent)
+        .await
+        .unwrap();
+    wait_published(&p, t.id).await;
+    let sent = p.source.sent_chunks("l");
+    let last_urgent = sent
+        .iter()
+        .rposition(|c| c.transfer == t.id)
+        .expect("no urgent chunk was sent");
+    let mut checked = 0;
+    for conn in 0..4 {
+        let Some(first) = sent[..=last_urgent]
+            .iter()
+            .position(|c| c.connection == conn && c.class == Class::Urgent)
+        else {
+            continue;
+        };
+        checked += 1;
+        let mut after: HashMap<usize, usize> = HashMap::new();
+        for c in &sent[first + 1..last_urgent] {
+            if c.connection == conn && c.class == Class::Background {
+                *after.entry(c.writer).or_default() += 1;
+            }
+        }
+        for (writer, n) in after {
+            assert!(
+                n <= 1,
+                "connection {conn}, writer {writer}: {n} background chunks after its first urgent one"
+            );
+        }
+    }
+    assert!(
+        checked >= 2,
+        "urgent chunks went over {checked} connection(s) only"
+    );
+    for id in load {
+        wait_published(&p, id).await;
+    }
+}
+
+/// Waits (bounded) until the transfers `ids` have sent at least 2 MB.
+async fn wait_moving(p: &Pair, ids: &[ferry_proto::state::TransferId]) {
+    for _ in 0..800 {
+        let sent: u64 = ids
+            .iter()
+            .filter_map(|id| p.source.progress(*id))
+            .map(|g| g.bytes_sent)
+            .sum();
+        if sent >= 2 << 20 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("the load never started moving");
+}
