@@ -1764,6 +1764,7 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
     let mut running: tokio::task::JoinSet<Ended> = tokio::task::JoinSet::new();
     let mut stops: HashMap<TransferId, CancellationToken> = HashMap::new();
     let mut saved_at = tokio::time::Instant::now();
+    let mut reconciled_at;
     // Signals still live after a restart raise their jobs' scores again.
     let horizon = 20 * inner.cfg.policy.severity_half_life_ms as i64;
     match inner
@@ -1784,6 +1785,7 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
             break;
         }
         let now = ferry_catalog::now_ms();
+        reconciled_at = tokio::time::Instant::now();
         let (ts, jobs) = match (
             inner.catalog.unfinished_transfers().await,
             inner.catalog.jobs().await,
@@ -1823,8 +1825,9 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                 }
             }
         }
+        let mine_ids: HashSet<TransferId> = mine.iter().map(|t| t.id).collect();
         for (id, stop) in &stops {
-            if !mine.iter().any(|t| t.id == *id) {
+            if !mine_ids.contains(id) {
                 // Cancelled (final) by an operator.
                 stop.cancel();
             }
@@ -1891,29 +1894,36 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
             tokio::time::sleep(RECONCILE_EVERY)
         };
         tokio::select! {
-                   Some(r) = running.join_next(), if !running.is_empty() => {
-                       let Ok((id, result)) = r else { continue };
-                       stops.remove(&id);
-                       link.sched.deactivate(id);
-                       if let Some(c) = conn.as_ref() {
-                           {
-        let mut m = crate::lock::lock(&c.inbox);
-                               m.remove(&id);
-                           }
-                       }
-                       let lost = end_transfer(&inner, conn.as_ref(), id, result, backoff).await;
-                       if let Some(c) = conn.as_ref().filter(|_| lost) {
-                           // Every transfer on this connection resumes on a new one.
-                           c.close(code::PROTOCOL, b"resuming on a new connection");
-                           conn = None;
-                           dial_after = tokio::time::Instant::now() + backoff;
-                           backoff = (backoff * 2).min(Duration::from_secs(10));
-                       }
-                   }
-                   _ = link.wake.notified() => {}
-                   _ = sleep => {}
-                   _ = inner.shutdown.cancelled() => {}
-               }
+            Some(r) = running.join_next(), if !running.is_empty() => {
+                // Transfers that end close together are handled in
+                // one go, then reconciled once: a burst of small
+                // transfers would otherwise reload the whole queue
+                // from the catalog once per transfer.
+                tokio::time::sleep_until(reconciled_at + MIN_RECONCILE_GAP).await;
+                let mut next = Some(r);
+                while let Some(r) = next.take() {
+                    if let Ok((id, result)) = r {
+                        stops.remove(&id);
+                        link.sched.deactivate(id);
+                        if let Some(c) = conn.as_ref() {
+                            crate::lock::lock(&c.inbox).remove(&id);
+                        }
+                        let lost = end_transfer(&inner, conn.as_ref(), id, result, backoff).await;
+                        if let Some(c) = conn.as_ref().filter(|_| lost) {
+                            // Every transfer on this connection resumes on a new one.
+                            c.close(code::PROTOCOL, b"resuming on a new connection");
+                            conn = None;
+                            dial_after = tokio::time::Instant::now() + backoff;
+                            backoff = (backoff * 2).min(Duration::from_secs(10));
+                        }
+                    }
+                    next = running.try_join_next();
+                }
+            }
+            _ = link.wake.notified() => {}
+            _ = sleep => {}
+            _ = inner.shutdown.cancelled() => {}
+        }
     }
     // Stopping: transfers end at their next await; batches at a chunk
     // boundary (the writers see the same token). What they achieved stays
@@ -1924,6 +1934,10 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
         }
     }
 }
+
+/// Least time between two reloads of a link's queue from the catalog
+/// after transfers end (those ending meanwhile are handled together).
+const MIN_RECONCILE_GAP: Duration = Duration::from_millis(10);
 
 /// Runs transfer `t` to its end on `c`.
 async fn run_one(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(), RunError> {
