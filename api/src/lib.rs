@@ -222,6 +222,13 @@ pub fn build(state: AppState) -> (Router, utoipa::openapi::OpenApi) {
             Role::Reader,
             Some(long_timeout),
         ));
+        groups.push((
+            OpenApiRouter::new()
+                .routes(routes!(sink_api::remove_replica))
+                .routes(routes!(sink_api::pin_replica, sink_api::unpin_replica)),
+            Role::Operator,
+            Some(REQUEST_TIMEOUT),
+        ));
     }
     if state.source.is_some() {
         let reader = OpenApiRouter::new()

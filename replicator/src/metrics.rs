@@ -34,6 +34,11 @@
 //! Sink:
 //! - `ferry_received_bytes_total{peer}`: payload bytes that matched their
 //!   BLAKE3 hash and were written to staging, by source agent.
+//! - `ferry_replicas_removed_total{reason}` and
+//!   `ferry_replica_freed_bytes_total{reason}`: replicas removed since the
+//!   sink started and their manifests' bytes, by `rule` (a retention
+//!   policy), `pressure` or `operator`, counted when their files are gone.
+//! - `ferry_pinned_replicas`: published replicas with a live pin.
 //! - `ferry_verification_failures_total`: chunks whose bytes did not hash
 //!   to the BLAKE3 sent with them, chunks whose verified hash differed
 //!   from the sealed manifest's at commit, and sealed manifests that did
@@ -96,11 +101,13 @@ const TRANSFER_STATES: [TransferState; 7] = [
 ];
 
 /// Sink-side row states, always reported (0 when none).
-const REPLICA_STATES: [TransferState; 4] = [
+const REPLICA_STATES: [TransferState; 6] = [
     TransferState::Receiving,
     TransferState::Published,
     TransferState::Failed,
     TransferState::Cancelled,
+    TransferState::Removing,
+    TransferState::Removed,
 ];
 
 /// Position of `c` in [`CLASSES`].
@@ -317,6 +324,11 @@ struct StateLabel {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PeerLabel {
     peer: String,
 }
@@ -512,6 +524,9 @@ pub(crate) struct SinkMetrics {
     /// Replicas published.
     pub(crate) published: Counter,
     replica_states: Family<StateLabel, Gauge>,
+    removed: Family<ReasonLabel, Counter>,
+    freed: Family<ReasonLabel, Counter>,
+    pinned: Gauge,
 }
 
 impl std::fmt::Debug for SinkMetrics {
@@ -532,6 +547,9 @@ impl SinkMetrics {
             lag: Histogram::new(LAG_BUCKETS_S),
             published: Counter::default(),
             replica_states: Family::default(),
+            removed: Family::default(),
+            freed: Family::default(),
+            pinned: Gauge::default(),
         };
         registry.register(
             "ferry_received_bytes",
@@ -562,6 +580,26 @@ impl SinkMetrics {
             "Sink-side transfers and replicas per state, in replicas",
             m.replica_states.clone(),
         );
+        registry.register(
+            "ferry_replicas_removed",
+            "Replicas removed since this sink started (their files deleted), by reason: rule \
+             (a retention policy), pressure (space) or operator, in replicas",
+            m.removed.clone(),
+        );
+        registry.register(
+            "ferry_replica_freed_bytes",
+            "Bytes of the replicas removed since this sink started (their manifests' sizes; a \
+             file shared with another version by a hard link frees less), by reason, in bytes",
+            m.freed.clone(),
+        );
+        registry.register(
+            "ferry_pinned_replicas",
+            "Published replicas with a live pin, in replicas",
+            m.pinned.clone(),
+        );
+        for r in ferry_catalog::RemovalReason::ALL {
+            m.removed_by(r);
+        }
         SinkMetrics { registry, ..m }
     }
 
@@ -582,14 +620,34 @@ impl SinkMetrics {
         }
     }
 
-    /// Sets the replica-state gauges from `states` and encodes the
-    /// registry.
+    /// Counts a finished removal of `bytes` for `reason`.
+    pub(crate) fn removed(&self, reason: ferry_catalog::RemovalReason, bytes: u64) {
+        self.removed_by(reason).inc();
+        self.freed
+            .get_or_create(&ReasonLabel {
+                reason: reason.as_str().to_string(),
+            })
+            .inc_by(bytes);
+    }
+
+    fn removed_by(&self, reason: ferry_catalog::RemovalReason) -> Counter {
+        let label = ReasonLabel {
+            reason: reason.as_str().to_string(),
+        };
+        let _ = self.freed.get_or_create(&label);
+        self.removed.get_or_create(&label).clone()
+    }
+
+    /// Sets the replica-state gauges from `states` and the pinned count,
+    /// and encodes the registry.
     pub(crate) fn render(
         &self,
         states: &[(TransferState, i64)],
+        pinned: i64,
     ) -> Result<String, std::fmt::Error> {
         let _one = crate::lock::lock(&self.scrape);
         set_states(&self.replica_states, &REPLICA_STATES, states);
+        self.pinned.set(pinned);
         encode(&self.registry)
     }
 }
@@ -869,8 +927,13 @@ mod tests {
         m.observe_lag(0.3);
         m.observe_lag(-1.0);
         m.observe_lag(4000.0);
+        m.removed(ferry_catalog::RemovalReason::Operator, 300);
+        m.removed(ferry_catalog::RemovalReason::Operator, 20);
         let text = m
-            .render(&[(TransferState::Published, 1), (TransferState::Receiving, 2)])
+            .render(
+                &[(TransferState::Published, 1), (TransferState::Receiving, 2)],
+                4,
+            )
             .unwrap();
         let fam = strict_families(&text);
         let expect = [
@@ -879,6 +942,9 @@ mod tests {
             ("ferry_published_replicas_total", "counter"),
             ("ferry_commit_to_replica_lag_seconds", "histogram"),
             ("ferry_replica_state_replicas", "gauge"),
+            ("ferry_replicas_removed_total", "counter"),
+            ("ferry_replica_freed_bytes_total", "counter"),
+            ("ferry_pinned_replicas", "gauge"),
         ];
         for (n, ty) in expect {
             assert_eq!(fam.get(n).map(String::as_str), Some(ty), "{n} in:\n{text}");
@@ -917,5 +983,12 @@ mod tests {
             (st("receiving"), st("published"), st("failed")),
             (2.0, 1.0, 0.0)
         );
+        let rm = |r| value(&s, "ferry_replicas_removed_total", &[("reason", r)]);
+        assert_eq!((rm("operator"), rm("rule"), rm("pressure")), (2.0, 0.0, 0.0));
+        assert_eq!(
+            value(&s, "ferry_replica_freed_bytes_total", &[("reason", "operator")]),
+            320.0
+        );
+        assert_eq!(value(&s, "ferry_pinned_replicas", &[]), 4.0);
     }
 }

@@ -19,7 +19,7 @@ use ferry_catalog::{
 use ferry_proto::manifest::{hex, ChunkMap, FileEntry, FileInfo, Hash, Manifest};
 use ferry_proto::state::{CheckpointState, TransferId, TransferState};
 use ferry_proto::wire::{
-    Commit, Control, Hello, Open, RecordHeader, TransferKey, PROTOCOL_VERSION,
+    CheckpointInfo, Commit, Control, Hello, Open, RecordHeader, TransferKey, PROTOCOL_VERSION,
 };
 use quinn::{Connection, Endpoint, VarInt};
 use serde::Serialize;
@@ -2028,6 +2028,7 @@ async fn commit_loop(
             .catalog
             .set_transfer_state(t.id, TransferState::Verifying, None)
             .await?;
+        let checkpoint = checkpoint_info(inner, t, &sealed.manifest).await;
         c.ctl
             .send(&Control::Commit(Commit {
                 id,
@@ -2036,6 +2037,7 @@ async fn commit_loop(
                 batches,
                 manifest: (*sealed.manifest).clone(),
                 siblings: sealed.siblings.clone(),
+                checkpoint: Some(checkpoint),
             }))
             .await?;
         loop {
@@ -2052,6 +2054,44 @@ async fn commit_loop(
                 other => return handle_end(inner, t, other, &root).await,
             }
         }
+    }
+}
+
+/// What the commit tells the sink of the checkpoint (protocol version 3):
+/// its step, from the directory name when its format (the watcher's, or
+/// recognised from the sealed manifest's files for a push) names steps,
+/// and the transfer's class now (`urgent` while a signal promotes it).
+async fn checkpoint_info(inner: &Inner, t: &Transfer, m: &Manifest) -> CheckpointInfo {
+    // The class may have changed since the run began.
+    let now = inner.catalog.transfer(t.id).await.ok().flatten();
+    let (class, until) = now
+        .as_ref()
+        .map_or((t.class, t.urgent_until), |n| (n.class, n.urgent_until));
+    let recognised = t.format.is_some() || {
+        let files: Vec<crate::formats::FileState> = m
+            .files
+            .iter()
+            .map(|f| crate::formats::FileState {
+                path: f.path.clone(),
+                size: f.size,
+                mtime_ns: f.mtime_ns,
+                complete: true,
+                content: None,
+            })
+            .collect();
+        crate::formats::recognise(&crate::formats::Snapshot {
+            dir: &t.rel,
+            files: &files,
+            siblings: &[],
+            sibling_dirs: &[],
+        })
+        .is_some()
+    };
+    CheckpointInfo {
+        step: recognised.then(|| crate::formats::step_of(&t.rel)).flatten(),
+        class: scheduler::effective_class(class, until, ferry_catalog::now_ms())
+            .as_str()
+            .to_string(),
     }
 }
 

@@ -13,7 +13,8 @@ use ferry_proto::limits::MAX_CHUNK;
 use ferry_proto::manifest::FileInfo;
 use ferry_proto::state::TransferId;
 use ferry_proto::wire::{
-    BatchHeader, Commit, Control, Hello, Open, RecordHeader, TransferKey, PROTOCOL_VERSION,
+    BatchHeader, CheckpointInfo, Commit, Control, Hello, Open, RecordHeader, TransferKey,
+    MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 use quinn::{Connection, Endpoint};
 use replicator::conn::read_frame;
@@ -61,6 +62,8 @@ async fn setup() -> Setup {
             accept_peers: vec![],
             reserve_bytes: 0,
             reread_before_publish: true,
+            retention: Vec::new(),
+            retention_interval: std::time::Duration::from_secs(60),
         },
         catalog,
         ep,
@@ -390,6 +393,7 @@ async fn out_of_order_control_messages_close_the_connection() {
                 batches: 0,
                 manifest,
                 siblings: vec![],
+                checkpoint: None,
             }),
             "commit for unknown transfer 77",
         ),
@@ -527,6 +531,7 @@ async fn records_past_the_declared_file_size_are_dropped() {
             batches: 4,
             manifest: m,
             siblings: vec![],
+            checkpoint: None,
         })
         .encode(),
     )
@@ -543,6 +548,94 @@ async fn records_past_the_declared_file_size_are_dropped() {
     assert_eq!(published, payload);
     assert!(Path::new(&local_path).starts_with(&s.sink_root));
     assert!(outside_root(&s).is_empty(), "{:?}", outside_root(&s));
+}
+
+/// A source of the previous protocol version (no step or class at commit)
+/// still publishes; a current one's step and class are stored with the
+/// replica. The sink answers each hello in the source's own version.
+#[tokio::test]
+async fn an_old_version_source_still_publishes_and_a_new_one_sends_step_and_class() {
+    let s = setup().await;
+    let cases = [
+        (1u64, MIN_PROTOCOL_VERSION, None),
+        (
+            2,
+            PROTOCOL_VERSION,
+            Some(CheckpointInfo {
+                step: Some(1200),
+                class: "urgent".into(),
+            }),
+        ),
+    ];
+    for (n, version, checkpoint) in cases {
+        let (conn, mut send, mut recv, answer) = connect(&s, version).await;
+        match answer {
+            Some(Control::Hello(h)) => assert_eq!(h.version, version),
+            other => panic!("version {version}: expected a hello, got {other:?}"),
+        }
+        let rel = format!("step_{n}");
+        send.write_all(&open(n, &rel, vec![file("a", 10)]).encode())
+            .await
+            .unwrap();
+        assert!(matches!(
+            read_frame(&mut recv).await.unwrap(),
+            Some(Control::Have { .. })
+        ));
+        let payload = b"abcdefghij";
+        send_record(&conn, n, 0, 0, payload).await;
+        let m = ferry_proto::manifest::Manifest {
+            chunk_size: 4 << 20,
+            files: vec![ferry_proto::manifest::FileEntry {
+                path: "a".into(),
+                size: 10,
+                mode: 0o644,
+                mtime_ns: 0,
+                chunks: vec![*blake3::hash(payload).as_bytes()],
+            }],
+            markers: vec![],
+        };
+        let want = checkpoint.clone();
+        send.write_all(
+            &Control::Commit(Commit {
+                id: TransferId(n),
+                committed_ms: 0,
+                opened_ms: 0,
+                batches: 1,
+                manifest: m,
+                siblings: vec![],
+                checkpoint,
+            })
+            .encode(),
+        )
+        .await
+        .unwrap();
+        let reply = tokio::time::timeout(Duration::from_secs(20), read_frame(&mut recv))
+            .await
+            .unwrap()
+            .unwrap();
+        let Some(Control::Published { local_path, .. }) = reply else {
+            panic!("version {version}: expected published, got {reply:?}");
+        };
+        assert_eq!(
+            std::fs::read(Path::new(&local_path).join("a")).unwrap(),
+            payload
+        );
+        let row = s
+            ._sink
+            .catalog()
+            .replica_by_local_path(&local_path)
+            .await
+            .unwrap()
+            .unwrap();
+        match want {
+            None => assert_eq!((row.step, row.class), (None, None)),
+            Some(_) => assert_eq!(
+                (row.step, row.class),
+                (Some(1200), Some(scheduler::Class::Urgent))
+            ),
+        }
+        conn.close(0u32.into(), b"done");
+    }
 }
 
 /// A symlink planted in a transfer's staging directory, at a file's name or

@@ -137,12 +137,23 @@ fn stages_publishes_and_retires(src: &dyn SourceStore, sink: &dyn SinkStore, dir
 
     assert!(sink.free_space(dir).unwrap().is_none_or(|b| b > 0));
     sink.flush(dir).unwrap();
-    sink.retire(&local).unwrap();
-    sink.retire(&local).unwrap();
+    // Withdrawn in one step (nothing left at the published path), then
+    // deleted; both steps may be repeated (a restart finishing them).
+    let aside = dir.join("retired/1");
+    assert!(sink.withdraw(&local, &aside).unwrap());
     assert!(
         src.list(&local, &[]).is_err(),
-        "retired: nothing left to list"
+        "withdrawn: nothing left to list at the published path"
     );
+    assert_eq!(
+        build(src, &aside, &markers, cs).unwrap().root(),
+        m2.root(),
+        "the whole version moved aside"
+    );
+    assert!(!sink.withdraw(&local, &aside).unwrap(), "withdrawn already");
+    sink.retire(&aside).unwrap();
+    sink.retire(&aside).unwrap();
+    assert!(src.list(&aside, &[]).is_err(), "retired: nothing left");
 }
 
 /// Staging never writes through a symlink planted in the staging area.
