@@ -1122,7 +1122,10 @@ link = "to-eval"
         );
         assert!(!load(&off).unwrap().sink.unwrap().reread_before_publish);
         assert_eq!(s.retention_interval, Duration::from_secs(60));
-        assert!(s.retention.is_empty(), "without a policy every replica is kept");
+        assert!(
+            s.retention.is_empty(),
+            "without a policy every replica is kept"
+        );
         // The commented retention policy is valid.
         let mut ret = sink.clone();
         for key in [
@@ -1187,14 +1190,20 @@ link = "to-eval"
         let e = err("job = \"*\"\nmin_age = \"-5m\"");
         assert!(e.contains("min_age"), "{e}");
         let e = err("job = \"[\"\nkeep_last = 1");
-        assert!(e.contains("sink.retention[0]") && e.contains("job glob"), "{e}");
+        assert!(
+            e.contains("sink.retention[0]") && e.contains("job glob"),
+            "{e}"
+        );
         let e = err("job = \"*\"\nkeep_last = -1");
         assert!(e.contains("keep_last"), "{e}");
         let e = err("job = \"*\"\nkeep_every = 0");
         assert!(e.contains("keep_every"), "{e}");
         let e = err("job = \"*\"\nkeep_lats = 2");
         assert!(e.contains("keep_lats"), "{e}");
-        let zero = base.replace("# retention_interval = \"60s\"", "retention_interval = \"0s\"");
+        let zero = base.replace(
+            "# retention_interval = \"60s\"",
+            "retention_interval = \"0s\"",
+        );
         let e = format!("{:#}", load(&zero).unwrap_err());
         assert!(e.contains("retention_interval"), "{e}");
         let ok = load(&with("job = \"llama-*\"\nmax_bytes = \"1TB\"")).unwrap();

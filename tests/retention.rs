@@ -43,7 +43,10 @@ impl Api {
         let r = rb.send().await.unwrap();
         let status = r.status();
         let text = r.text().await.unwrap();
-        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
     }
 
     async fn replicas(&self, state: &str) -> Vec<Value> {
@@ -163,7 +166,12 @@ async fn a_policy_removes_what_it_no_longer_keeps_and_operators_pin_and_remove()
     // A reader may not pin; an operator may.
     let pin_path = format!("/v1/replicas/{first_id}/pin");
     let (st, body) = api
-        .call(&api.reader, reqwest::Method::POST, &pin_path, Some(json!({})))
+        .call(
+            &api.reader,
+            reqwest::Method::POST,
+            &pin_path,
+            Some(json!({})),
+        )
         .await;
     assert_eq!(st, StatusCode::FORBIDDEN, "{body}");
     let (st, body) = api
@@ -192,20 +200,26 @@ async fn a_policy_removes_what_it_no_longer_keeps_and_operators_pin_and_remove()
     // interval; 100 stays, pinned.
     push(300).await;
     push(400).await;
-    let second = wait_removed(&w, &api, {
-        let all = api.replicas("").await;
-        all.iter()
-            .find(|r| r["rel"] == "step_000200")
-            .unwrap()["id"]
-            .as_i64()
-            .unwrap()
-    }, "step 200")
+    let second = wait_removed(
+        &w,
+        &api,
+        {
+            let all = api.replicas("").await;
+            all.iter().find(|r| r["rel"] == "step_000200").unwrap()["id"]
+                .as_i64()
+                .unwrap()
+        },
+        "step 200",
+    )
     .await;
     assert_eq!(second["removal"]["reason"], "rule", "{second}");
     let detail = second["removal"]["detail"].as_str().unwrap();
     assert!(detail.contains("keep_last 2"), "{detail}");
     assert!(second["removal"]["bytes"].as_i64().unwrap() > 0, "{second}");
-    assert!(!w.replica_path("step_000200").exists(), "its files are gone");
+    assert!(
+        !w.replica_path("step_000200").exists(),
+        "its files are gone"
+    );
     let r = api.resolve(&ckpt(200)).await;
     assert_eq!(r["state"], "remote", "{r}");
     assert!(r["reason"].as_str().unwrap().contains("removed"), "{r}");
@@ -238,19 +252,32 @@ async fn a_policy_removes_what_it_no_longer_keeps_and_operators_pin_and_remove()
         .await;
     assert_eq!(st, StatusCode::CONFLICT, "{body}");
     let e = body["error"].as_str().unwrap();
-    assert!(e.contains("pinned") && e.contains("bisecting a loss spike"), "{e}");
+    assert!(
+        e.contains("pinned") && e.contains("bisecting a loss spike"),
+        "{e}"
+    );
     // The CLI says the same.
     let server = ["--server", &api.url, "--token", &operator];
     let mut args = vec!["replica", "rm", "999999"];
     args.extend(server);
     let out = w.ferry(&args, &[], Duration::from_secs(30)).await;
-    assert!(!out.success() && out.all().contains("no replica 999999"), "{out}");
+    assert!(
+        !out.success() && out.all().contains("no replica 999999"),
+        "{out}"
+    );
     assert_eq!(api.replicas("published").await.len(), published_before);
     assert_eq!(api.resolve(&ckpt(100)).await["state"], "local");
 
     // Forced, through the CLI: recorded as forced, by the operator.
     let id_s = first_id.to_string();
-    let mut args = vec!["replica", "rm", &id_s, "--force", "--reason", "done bisecting"];
+    let mut args = vec![
+        "replica",
+        "rm",
+        &id_s,
+        "--force",
+        "--reason",
+        "done bisecting",
+    ];
     args.extend(server);
     let out = w.ferry(&args, &[], Duration::from_secs(30)).await;
     assert!(out.success(), "{out}");
@@ -274,9 +301,20 @@ async fn a_policy_removes_what_it_no_longer_keeps_and_operators_pin_and_remove()
     );
 
     let m = api.metrics().await;
-    assert_eq!(sample(&m, "ferry_replicas_removed_total{reason=\"rule\"}"), 1.0, "{m}");
-    assert_eq!(sample(&m, "ferry_replicas_removed_total{reason=\"operator\"}"), 1.0, "{m}");
-    assert!(sample(&m, "ferry_replica_freed_bytes_total{reason=\"rule\"}") > 0.0, "{m}");
+    assert_eq!(
+        sample(&m, "ferry_replicas_removed_total{reason=\"rule\"}"),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(
+        sample(&m, "ferry_replicas_removed_total{reason=\"operator\"}"),
+        1.0,
+        "{m}"
+    );
+    assert!(
+        sample(&m, "ferry_replica_freed_bytes_total{reason=\"rule\"}") > 0.0,
+        "{m}"
+    );
     assert_eq!(sample(&m, "ferry_pinned_replicas"), 0.0, "{m}");
 
     // A sink killed inside a removal: no published path names a part of

@@ -234,12 +234,21 @@ pub(crate) async fn remove_replica(
         ));
     }
     let force = q.force.unwrap_or(false);
-    let note = format!("by {}{}{reason}", by(&caller), if reason.is_empty() { "" } else { ": " });
+    let note = format!(
+        "by {}{}{reason}",
+        by(&caller),
+        if reason.is_empty() { "" } else { ": " }
+    );
     let r = sink(&s)?
         .remove(id, force, &note)
         .await
         .map_err(lifecycle_error)?;
-    info!(replica = id, force, by = by(&caller), "replica removal requested");
+    info!(
+        replica = id,
+        force,
+        by = by(&caller),
+        "replica removal requested"
+    );
     Ok((StatusCode::ACCEPTED, Json(Replica::from(r))))
 }
 

@@ -984,9 +984,16 @@ mod tests {
             (2.0, 1.0, 0.0)
         );
         let rm = |r| value(&s, "ferry_replicas_removed_total", &[("reason", r)]);
-        assert_eq!((rm("operator"), rm("rule"), rm("pressure")), (2.0, 0.0, 0.0));
         assert_eq!(
-            value(&s, "ferry_replica_freed_bytes_total", &[("reason", "operator")]),
+            (rm("operator"), rm("rule"), rm("pressure")),
+            (2.0, 0.0, 0.0)
+        );
+        assert_eq!(
+            value(
+                &s,
+                "ferry_replica_freed_bytes_total",
+                &[("reason", "operator")]
+            ),
             320.0
         );
         assert_eq!(value(&s, "ferry_pinned_replicas", &[]), 4.0);

@@ -410,9 +410,10 @@ impl Sink {
                     });
                 }
                 if let Some(r) = newest.filter(|r| r.state != TransferState::Published) {
-                    let why = r.removal.as_ref().map_or(String::new(), |m| {
-                        format!(" ({}: {})", m.reason, m.detail)
-                    });
+                    let why = r
+                        .removal
+                        .as_ref()
+                        .map_or(String::new(), |m| format!(" ({}: {})", m.reason, m.detail));
                     return Ok(Resolution::Remote {
                         reason: Some(format!("replica {} was removed{why}", r.id)),
                     });

@@ -2088,7 +2088,9 @@ async fn checkpoint_info(inner: &Inner, t: &Transfer, m: &Manifest) -> Checkpoin
         .is_some()
     };
     CheckpointInfo {
-        step: recognised.then(|| crate::formats::step_of(&t.rel)).flatten(),
+        step: recognised
+            .then(|| crate::formats::step_of(&t.rel))
+            .flatten(),
         class: scheduler::effective_class(class, until, ferry_catalog::now_ms())
             .as_str()
             .to_string(),

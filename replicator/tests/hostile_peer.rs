@@ -18,6 +18,7 @@ use ferry_proto::wire::{
 };
 use quinn::{Connection, Endpoint};
 use replicator::conn::read_frame;
+use replicator::sink::retention::RetentionPolicy;
 use replicator::sink::{Sink, SinkConfig};
 use replicator::tls::{self, AgentIdentity};
 use replicator::transport::{self, SocketKind};
@@ -32,6 +33,11 @@ struct Setup {
 }
 
 async fn setup() -> Setup {
+    setup_with(Vec::new()).await
+}
+
+/// [`setup`] with the sink's retention policies.
+async fn setup_with(retention: Vec<RetentionPolicy>) -> Setup {
     let dir = tempfile::tempdir().unwrap();
     let base = dir.path().to_path_buf();
     let certs = base.join("certs");
@@ -62,8 +68,8 @@ async fn setup() -> Setup {
             accept_peers: vec![],
             reserve_bytes: 0,
             reread_before_publish: true,
-            retention: Vec::new(),
-            retention_interval: std::time::Duration::from_secs(60),
+            retention,
+            retention_interval: std::time::Duration::from_secs(3600),
         },
         catalog,
         ep,
@@ -550,91 +556,151 @@ async fn records_past_the_declared_file_size_are_dropped() {
     assert!(outside_root(&s).is_empty(), "{:?}", outside_root(&s));
 }
 
+/// Opens transfer `n` (checkpoint `step_<n>`, one 10-byte file) on a new
+/// connection speaking `version`, sends its chunk and commits with
+/// `checkpoint`; returns the published local path.
+async fn publish_raw(
+    s: &Setup,
+    n: u64,
+    version: u16,
+    checkpoint: Option<CheckpointInfo>,
+) -> String {
+    let (conn, mut send, mut recv, answer) = connect(s, version).await;
+    match answer {
+        Some(Control::Hello(h)) => assert_eq!(h.version, version),
+        other => panic!("version {version}: expected a hello, got {other:?}"),
+    }
+    let rel = format!("step_{n}");
+    send.write_all(&open(n, &rel, vec![file("a", 10)]).encode())
+        .await
+        .unwrap();
+    assert!(matches!(
+        read_frame(&mut recv).await.unwrap(),
+        Some(Control::Have { .. })
+    ));
+    let payload = b"abcdefghij";
+    send_record(&conn, n, 0, 0, payload).await;
+    let m = ferry_proto::manifest::Manifest {
+        chunk_size: 4 << 20,
+        files: vec![ferry_proto::manifest::FileEntry {
+            path: "a".into(),
+            size: 10,
+            mode: 0o644,
+            mtime_ns: 0,
+            chunks: vec![*blake3::hash(payload).as_bytes()],
+        }],
+        markers: vec![],
+    };
+    send.write_all(
+        &Control::Commit(Commit {
+            id: TransferId(n),
+            committed_ms: 0,
+            opened_ms: 0,
+            batches: 1,
+            manifest: m,
+            siblings: vec![],
+            checkpoint,
+        })
+        .encode(),
+    )
+    .await
+    .unwrap();
+    let reply = tokio::time::timeout(Duration::from_secs(20), read_frame(&mut recv))
+        .await
+        .unwrap()
+        .unwrap();
+    let Some(Control::Published { local_path, .. }) = reply else {
+        panic!("version {version}: expected published, got {reply:?}");
+    };
+    assert_eq!(
+        std::fs::read(Path::new(&local_path).join("a")).unwrap(),
+        payload
+    );
+    conn.close(0u32.into(), b"done");
+    local_path
+}
+
 /// A source of the previous protocol version (no step or class at commit)
 /// still publishes; a current one's step and class are stored with the
 /// replica. The sink answers each hello in the source's own version.
 #[tokio::test]
 async fn an_old_version_source_still_publishes_and_a_new_one_sends_step_and_class() {
     let s = setup().await;
-    let cases = [
-        (1u64, MIN_PROTOCOL_VERSION, None),
-        (
-            2,
-            PROTOCOL_VERSION,
-            Some(CheckpointInfo {
-                step: Some(1200),
-                class: "urgent".into(),
-            }),
-        ),
-    ];
-    for (n, version, checkpoint) in cases {
-        let (conn, mut send, mut recv, answer) = connect(&s, version).await;
-        match answer {
-            Some(Control::Hello(h)) => assert_eq!(h.version, version),
-            other => panic!("version {version}: expected a hello, got {other:?}"),
-        }
-        let rel = format!("step_{n}");
-        send.write_all(&open(n, &rel, vec![file("a", 10)]).encode())
-            .await
-            .unwrap();
-        assert!(matches!(
-            read_frame(&mut recv).await.unwrap(),
-            Some(Control::Have { .. })
-        ));
-        let payload = b"abcdefghij";
-        send_record(&conn, n, 0, 0, payload).await;
-        let m = ferry_proto::manifest::Manifest {
-            chunk_size: 4 << 20,
-            files: vec![ferry_proto::manifest::FileEntry {
-                path: "a".into(),
-                size: 10,
-                mode: 0o644,
-                mtime_ns: 0,
-                chunks: vec![*blake3::hash(payload).as_bytes()],
-            }],
-            markers: vec![],
+    let old = publish_raw(&s, 1, MIN_PROTOCOL_VERSION, None).await;
+    let info = CheckpointInfo {
+        step: Some(1200),
+        class: "urgent".into(),
+    };
+    let new = publish_raw(&s, 2, PROTOCOL_VERSION, Some(info)).await;
+    let cat = s._sink.catalog();
+    let row = async |p: String| cat.replica_by_local_path(&p).await.unwrap().unwrap();
+    let old = row(old).await;
+    assert_eq!((old.step, old.class), (None, None));
+    let new = row(new).await;
+    assert_eq!(
+        (new.step, new.class),
+        (Some(1200), Some(scheduler::Class::Urgent))
+    );
+}
+
+/// A `dry_run` policy names what it would remove and removes nothing; the
+/// same policy without `dry_run` removes it (out of the published
+/// namespace at once, its files deleted in the background).
+#[tokio::test]
+async fn a_dry_run_policy_removes_nothing() {
+    for dry_run in [true, false] {
+        let policy = RetentionPolicy::new("job", Some(1), None, None, None, dry_run).unwrap();
+        let s = setup_with(vec![policy]).await;
+        let info = |step| CheckpointInfo {
+            step: Some(step),
+            class: "scheduled".into(),
         };
-        let want = checkpoint.clone();
-        send.write_all(
-            &Control::Commit(Commit {
-                id: TransferId(n),
-                committed_ms: 0,
-                opened_ms: 0,
-                batches: 1,
-                manifest: m,
-                siblings: vec![],
-                checkpoint,
-            })
-            .encode(),
-        )
-        .await
-        .unwrap();
-        let reply = tokio::time::timeout(Duration::from_secs(20), read_frame(&mut recv))
+        let older = publish_raw(&s, 1, PROTOCOL_VERSION, Some(info(100))).await;
+        let newer = publish_raw(&s, 2, PROTOCOL_VERSION, Some(info(200))).await;
+        let cat = s._sink.catalog();
+        // By rel: the pass after the publish may have removed it already.
+        let older_id = cat
+            .replicas_in(None, 10, 0)
             .await
             .unwrap()
-            .unwrap();
-        let Some(Control::Published { local_path, .. }) = reply else {
-            panic!("version {version}: expected published, got {reply:?}");
-        };
-        assert_eq!(
-            std::fs::read(Path::new(&local_path).join("a")).unwrap(),
-            payload
-        );
-        let row = s
-            ._sink
-            .catalog()
-            .replica_by_local_path(&local_path)
-            .await
+            .into_iter()
+            .find(|r| r.rel == "step_1")
             .unwrap()
-            .unwrap();
-        match want {
-            None => assert_eq!((row.step, row.class), (None, None)),
-            Some(_) => assert_eq!(
-                (row.step, row.class),
-                (Some(1200), Some(scheduler::Class::Urgent))
-            ),
+            .id;
+        if dry_run {
+            assert_eq!(s._sink.apply_retention().await.unwrap(), vec![older_id]);
+            assert!(Path::new(&older).join("a").exists());
+            assert!(cat.replica_by_local_path(&older).await.unwrap().is_some());
+            let r = s._sink.resolve("/ckpt/job/step_1").await.unwrap();
+            assert!(
+                matches!(r, replicator::sink::Resolution::Local { .. }),
+                "{r:?}"
+            );
+        } else {
+            // The pass after the publish may have been first: either way
+            // the row ends `removed`.
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            loop {
+                s._sink.apply_retention().await.unwrap();
+                let r = cat.replica(older_id).await.unwrap().unwrap();
+                if r.state == ferry_proto::state::TransferState::Removed {
+                    assert_eq!(
+                        r.removal.unwrap().reason,
+                        ferry_catalog::RemovalReason::Rule
+                    );
+                    break;
+                }
+                assert!(std::time::Instant::now() < deadline, "{r:?}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            assert!(!Path::new(&older).exists(), "out of the published path");
+            let r = s._sink.resolve("/ckpt/job/step_1").await.unwrap();
+            assert!(
+                matches!(r, replicator::sink::Resolution::Remote { .. }),
+                "{r:?}"
+            );
         }
-        conn.close(0u32.into(), b"done");
+        assert!(Path::new(&newer).join("a").exists());
     }
 }
 

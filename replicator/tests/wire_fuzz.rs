@@ -14,8 +14,8 @@ use ferry_proto::manifest::{chunk_count, FileEntry, FileInfo, Manifest, MIN_CHUN
 use ferry_proto::paths::{check_name, check_relative};
 use ferry_proto::state::{Profile, TransferId};
 use ferry_proto::wire::{
-    frame_len, BatchHeader, CheckpointInfo, Commit, Control, Hello, Open, RecordHeader, TransferKey, WireError,
-    BATCH_HEADER_LEN, DATA_MAGIC, RECORD_HEADER_LEN,
+    frame_len, BatchHeader, CheckpointInfo, Commit, Control, Hello, Open, RecordHeader,
+    TransferKey, WireError, BATCH_HEADER_LEN, DATA_MAGIC, RECORD_HEADER_LEN,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed};

@@ -395,6 +395,7 @@ impl Catalog {
     ///
     /// # Errors
     /// SQL errors.
+    #[allow(clippy::too_many_arguments)]
     pub async fn set_replica_published(
         &self,
         id: i64,
@@ -508,12 +509,8 @@ impl Catalog {
         limit: i64,
         offset: i64,
     ) -> Result<Vec<Replica>, CatalogError> {
-        self.replicas_in(
-            published.then_some(TransferState::Published),
-            limit,
-            offset,
-        )
-        .await
+        self.replicas_in(published.then_some(TransferState::Published), limit, offset)
+            .await
     }
 
     /// Sink-side rows in `state` (any state if `None`), newest first.
@@ -536,11 +533,7 @@ impl Catalog {
         if let Some(s) = state {
             query = query.bind(s.as_str());
         }
-        let rows = query
-            .bind(limit)
-            .bind(offset)
-            .fetch_all(&self.pool)
-            .await?;
+        let rows = query.bind(limit).bind(offset).fetch_all(&self.pool).await?;
         Ok(rows.iter().map(replica_row).collect::<Result<_, _>>()?)
     }
 

@@ -275,9 +275,15 @@ async fn replica_pins_and_removals_are_recorded() {
     assert_eq!((pin.until, pin.reason.as_str()), (None, "bisecting"));
     assert!(c.unpin_replica(ids[2]).await.unwrap());
     assert!(!c.unpin_replica(ids[2]).await.unwrap(), "nothing to unpin");
-    assert!(!c.pin_replica(9999, None, "x").await.unwrap(), "no such replica");
+    assert!(
+        !c.pin_replica(9999, None, "x").await.unwrap(),
+        "no such replica"
+    );
     // An expired pin does not count.
-    assert!(c.pin_replica(ids[2], Some(now_ms() - 1), "old").await.unwrap());
+    assert!(c
+        .pin_replica(ids[2], Some(now_ms() - 1), "old")
+        .await
+        .unwrap());
     assert_eq!(c.pinned_replica_count(now_ms()).await.unwrap(), 0);
 
     assert!(c
@@ -296,7 +302,10 @@ async fn replica_pins_and_removals_are_recorded() {
     assert_eq!(r.state, TransferState::Removed);
     let rm = r.removal.unwrap();
     assert_eq!(rm.reason, RemovalReason::Operator);
-    assert_eq!((rm.detail.as_str(), rm.bytes, rm.forced), ("full disk", 20, true));
+    assert_eq!(
+        (rm.detail.as_str(), rm.bytes, rm.forced),
+        ("full disk", 20, true)
+    );
     assert!(rm.finished_at.unwrap() >= rm.started_at);
     assert!(c.replicas_removing().await.unwrap().is_empty());
     let removed = c
@@ -807,7 +816,10 @@ async fn version_2_catalog_migrates_and_keeps_its_rows() {
     assert_eq!(v, 6);
     // 0006: an older replica has no step, class, pin or removal.
     let r = c.replica(9).await.unwrap().unwrap();
-    assert_eq!((r.step, r.class, r.pin, r.removal), (None, None, None, None));
+    assert_eq!(
+        (r.step, r.class, r.pin, r.removal),
+        (None, None, None, None)
+    );
     // 0005 gave the older transfer, job and signal their events.
     let kinds: Vec<(i64, EventKind)> = c
         .events_since(0)

@@ -101,9 +101,7 @@ impl Sink {
             });
         }
         info!(replica = id, reason, until, "replica pinned");
-        cat.replica(id)
-            .await?
-            .ok_or(LifecycleError::NotFound(id))
+        cat.replica(id).await?.ok_or(LifecycleError::NotFound(id))
     }
 
     /// Removes the pin of replica `id` (no error if it had none), then runs
@@ -120,9 +118,7 @@ impl Sink {
             info!(replica = id, "replica unpinned");
             self.inner.retention_wake.notify_one();
         }
-        cat.replica(id)
-            .await?
-            .ok_or(LifecycleError::NotFound(id))
+        cat.replica(id).await?.ok_or(LifecycleError::NotFound(id))
     }
 
     /// An operator removes published replica `id`: refused if it is pinned
@@ -160,7 +156,10 @@ impl Sink {
                 });
             }
         }
-        let pin = r.pin.as_ref().filter(|p| p.until.is_none_or(|u| u > now_ms()));
+        let pin = r
+            .pin
+            .as_ref()
+            .filter(|p| p.until.is_none_or(|u| u > now_ms()));
         if let (Some(p), false) = (pin, force) {
             return Err(LifecycleError::Pinned {
                 id,
@@ -206,7 +205,10 @@ impl Sink {
 /// then runs the policies after each publish and every interval.
 pub(super) async fn run(inner: Arc<Inner>) {
     finish_removals(&inner).await;
-    let every = inner.cfg.retention_interval.max(std::time::Duration::from_millis(100));
+    let every = inner
+        .cfg
+        .retention_interval
+        .max(std::time::Duration::from_millis(100));
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -252,7 +254,10 @@ async fn retention_pass(inner: &Arc<Inner>) -> Result<Vec<i64>, CatalogError> {
             step: r.step.and_then(|s| u64::try_from(s).ok()),
             published_ms: r.published_at.unwrap_or(r.created_at),
             files,
-            pinned: r.pin.as_ref().is_some_and(|p| p.until.is_none_or(|u| u > now)),
+            pinned: r
+                .pin
+                .as_ref()
+                .is_some_and(|p| p.until.is_none_or(|u| u > now)),
         });
     }
     let mut expired = Vec::new();
@@ -396,7 +401,11 @@ async fn finish_removals(inner: &Arc<Inner>) {
             }
         }
         drop(guard);
-        info!(replica = r.id, path = r.local_path, "finishing an interrupted removal");
+        info!(
+            replica = r.id,
+            path = r.local_path,
+            "finishing an interrupted removal"
+        );
         spawn_retire(inner, r, aside);
     }
 }

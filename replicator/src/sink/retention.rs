@@ -65,8 +65,7 @@ impl RetentionPolicy {
         let matcher = Glob::new(job)
             .map_err(|e| format!("job glob {job:?}: {e}"))?
             .compile_matcher();
-        if keep_last.is_none() && keep_every.is_none() && min_age.is_none() && max_bytes.is_none()
-        {
+        if keep_last.is_none() && keep_every.is_none() && min_age.is_none() && max_bytes.is_none() {
             return Err(format!(
                 "the policy for job {job:?} sets none of keep_last, keep_every, min_age, \
                  max_bytes: it would keep everything; set at least one"
@@ -388,7 +387,12 @@ mod tests {
 
     #[test]
     fn keep_last_with_min_age() {
-        let p = [policy(Some(1), None, Some(Duration::from_secs(3 * 60 + 30)), None)];
+        let p = [policy(
+            Some(1),
+            None,
+            Some(Duration::from_secs(3 * 60 + 30)),
+            None,
+        )];
         // Published 1, 2 and 3 minutes ago are young; the newest also by
         // keep_last.
         assert_eq!(kept(&p, &ten()), vec![8, 9, 10]);
@@ -426,7 +430,12 @@ mod tests {
         for x in &mut vs {
             x.pinned = true;
         }
-        let p = [policy(Some(1), Some(7), Some(Duration::from_secs(1)), Some(1))];
+        let p = [policy(
+            Some(1),
+            Some(7),
+            Some(Duration::from_secs(1)),
+            Some(1),
+        )];
         assert_eq!(kept(&p, &vs).len(), 10);
     }
 
@@ -465,7 +474,10 @@ mod tests {
     #[test]
     fn a_policy_of_none_of_the_four_keys_or_a_bad_glob_is_refused_naming_it() {
         let e = RetentionPolicy::new("llama", None, None, None, None, true).unwrap_err();
-        assert!(e.contains("none of keep_last, keep_every, min_age, max_bytes"), "{e}");
+        assert!(
+            e.contains("none of keep_last, keep_every, min_age, max_bytes"),
+            "{e}"
+        );
         assert!(e.contains("llama"), "{e}");
         let e = RetentionPolicy::new("[", Some(1), None, None, None, false).unwrap_err();
         assert!(e.contains("job glob"), "{e}");
