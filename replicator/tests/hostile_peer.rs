@@ -565,13 +565,23 @@ async fn publish_raw(
     version: u16,
     checkpoint: Option<CheckpointInfo>,
 ) -> String {
+    publish_at(s, n, &format!("step_{n}"), version, checkpoint).await
+}
+
+/// [`publish_raw`] of checkpoint `rel`.
+async fn publish_at(
+    s: &Setup,
+    n: u64,
+    rel: &str,
+    version: u16,
+    checkpoint: Option<CheckpointInfo>,
+) -> String {
     let (conn, mut send, mut recv, answer) = connect(s, version).await;
     match answer {
         Some(Control::Hello(h)) => assert_eq!(h.version, version),
         other => panic!("version {version}: expected a hello, got {other:?}"),
     }
-    let rel = format!("step_{n}");
-    send.write_all(&open(n, &rel, vec![file("a", 10)]).encode())
+    send.write_all(&open(n, rel, vec![file("a", 10)]).encode())
         .await
         .unwrap();
     assert!(matches!(
@@ -641,6 +651,49 @@ async fn an_old_version_source_still_publishes_and_a_new_one_sends_step_and_clas
         (new.step, new.class),
         (Some(1200), Some(scheduler::Class::Urgent))
     );
+}
+
+/// Removal by hand refuses, naming why and removing nothing: an unknown
+/// id, a version a re-save replaced, a pinned one without force.
+#[tokio::test]
+async fn a_removal_by_hand_refuses_what_it_cannot_remove() {
+    use replicator::sink::lifecycle::LifecycleError;
+    let s = setup().await;
+    let path = publish_at(&s, 1, "step_7", PROTOCOL_VERSION, None).await;
+    // The job saves step 7 again: a new transfer, the same path.
+    let again = publish_at(&s, 2, "step_7", PROTOCOL_VERSION, None).await;
+    assert_eq!(path, again);
+    let rows = s._sink.catalog().replicas_in(None, 10, 0).await.unwrap();
+    let (new, old) = (rows[0].id, rows[1].id);
+    match s._sink.remove(999, false, "").await {
+        Err(e @ LifecycleError::NotFound(999)) => assert_eq!(e.to_string(), "no replica 999"),
+        other => panic!("{other:?}"),
+    }
+    match s._sink.remove(old, false, "").await {
+        Err(e @ LifecycleError::Replaced { .. }) => {
+            assert!(
+                e.to_string()
+                    .contains(&format!("replaced by replica {new}")),
+                "{e}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    s._sink.pin(new, None, "keep").await.unwrap();
+    match s._sink.remove(new, false, "").await {
+        Err(e @ LifecycleError::Pinned { .. }) => assert!(e.to_string().contains("keep"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(Path::new(&path).join("a").exists(), "nothing was removed");
+    let r = s._sink.remove(new, true, "").await.unwrap();
+    assert_eq!(r.state, ferry_proto::state::TransferState::Removing);
+    assert!(r.removal.unwrap().forced);
+    assert!(!Path::new(&path).exists());
+    // Removed now: a second removal is refused.
+    assert!(matches!(
+        s._sink.remove(new, true, "").await,
+        Err(LifecycleError::NotPublished { .. })
+    ));
 }
 
 /// A `dry_run` policy names what it would remove and removes nothing; the

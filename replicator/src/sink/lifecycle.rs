@@ -46,9 +46,7 @@ pub enum LifecycleError {
     },
     /// A newer version replaced this one at its path (its files went
     /// then).
-    #[error(
-        "replica {id} was replaced by replica {by} at {path}; remove replica {by} to free that path"
-    )]
+    #[error("replica {id} was replaced by replica {by} at {path}; its files went then")]
     Replaced {
         /// Row id.
         id: i64,
@@ -147,14 +145,27 @@ impl Sink {
                 action: "removed",
             });
         }
-        if let Some(newer) = inner.catalog.replica_by_local_path(&r.local_path).await? {
-            if newer.id != id {
-                return Err(LifecycleError::Replaced {
-                    id,
-                    by: newer.id,
-                    path: r.local_path,
-                });
-            }
+        // A newer version at the same path (published, or removed since)
+        // replaced this one on disk: nothing of it is left to remove.
+        let newer = inner
+            .catalog
+            .replicas_for_source(&r.source_path)
+            .await?
+            .into_iter()
+            .find(|n| {
+                n.id > id
+                    && n.local_path == r.local_path
+                    && matches!(
+                        n.state,
+                        TransferState::Published | TransferState::Removing | TransferState::Removed
+                    )
+            });
+        if let Some(newer) = newer {
+            return Err(LifecycleError::Replaced {
+                id,
+                by: newer.id,
+                path: r.local_path,
+            });
         }
         let pin = r
             .pin
