@@ -411,7 +411,8 @@ enum TokenCommand {
     /// the [[api.tokens]] entry to add to the agent's config, which holds
     /// only the token's hash. Roles: reader (resolve, list, status, UI),
     /// signaler (also signals and announcements), operator (also push,
-    /// pause, resume, cancel, class, importance, jobs, rate caps).
+    /// pause, resume, cancel, class, importance, jobs, rate caps, and at a
+    /// sink pin, unpin and remove replicas).
     #[command(
         after_help = "Example: ferry token new --role signaler --name trainer-mm-large \
                             >> token.txt; give the first line to the client (FERRY_TOKEN), \

@@ -1,4 +1,5 @@
-//! Ferry's REST API (axum): resolve and replicas on sinks; transfers,
+//! Ferry's REST API (axum): resolve and replicas (pin, unpin, remove) on
+//! sinks; transfers,
 //! jobs, links, signals, announcements and the recorded scheduling history
 //! (`GET /v1/trace`, JSON lines for `ferry replay`) on sources; health,
 //! metrics, the OpenAPI document and the ops web UI everywhere.
