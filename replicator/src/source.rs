@@ -2067,11 +2067,26 @@ async fn checkpoint_info(inner: &Inner, t: &Transfer, m: &Manifest) -> Checkpoin
     let (class, until) = now
         .as_ref()
         .map_or((t.class, t.urgent_until), |n| (n.class, n.urgent_until));
-    let recognised = t.format.is_some() || {
-        let files: Vec<crate::formats::FileState> = m
+    CheckpointInfo {
+        step: step_at_commit(t.format.is_some(), &t.rel, m),
+        class: scheduler::effective_class(class, until, ferry_catalog::now_ms())
+            .as_str()
+            .to_string(),
+    }
+}
+
+/// The step of checkpoint `rel` (its directory name, `formats::step_of`)
+/// when its format names steps: the watcher recognised it
+/// (`watched_format`), or `formats::recognise` does from the sealed
+/// manifest's files (a push). `None` for a directory of no known format
+/// (`dataset-2024` is not step 2024).
+fn step_at_commit(watched_format: bool, rel: &str, m: &Manifest) -> Option<u64> {
+    use crate::formats;
+    let recognised = watched_format || {
+        let files: Vec<formats::FileState> = m
             .files
             .iter()
-            .map(|f| crate::formats::FileState {
+            .map(|f| formats::FileState {
                 path: f.path.clone(),
                 size: f.size,
                 mtime_ns: f.mtime_ns,
@@ -2079,22 +2094,15 @@ async fn checkpoint_info(inner: &Inner, t: &Transfer, m: &Manifest) -> Checkpoin
                 content: None,
             })
             .collect();
-        crate::formats::recognise(&crate::formats::Snapshot {
-            dir: &t.rel,
+        formats::recognise(&formats::Snapshot {
+            dir: rel,
             files: &files,
             siblings: &[],
             sibling_dirs: &[],
         })
         .is_some()
     };
-    CheckpointInfo {
-        step: recognised
-            .then(|| crate::formats::step_of(&t.rel))
-            .flatten(),
-        class: scheduler::effective_class(class, until, ferry_catalog::now_ms())
-            .as_str()
-            .to_string(),
-    }
+    recognised.then(|| formats::step_of(rel)).flatten()
 }
 
 async fn handle_end(
@@ -2434,6 +2442,37 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    #[test]
+    fn a_commit_names_the_step_only_of_a_checkpoint_format() {
+        use ferry_proto::manifest::FileEntry;
+        let m = |paths: &[&str]| Manifest {
+            chunk_size: 1 << 20,
+            files: paths
+                .iter()
+                .map(|p| FileEntry {
+                    path: (*p).into(),
+                    size: 1,
+                    mode: 0o644,
+                    mtime_ns: 0,
+                    chunks: vec![[0; 32]],
+                })
+                .collect(),
+            markers: vec![],
+        };
+        // A pushed DeepSpeed save: recognised from its files.
+        let ds = m(&[
+            "mp_rank_00_model_states.pt",
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        ]);
+        assert_eq!(step_at_commit(false, "global_step1200", &ds), Some(1200));
+        // A pushed directory of no known format has no step, digits or not.
+        let data = m(&["shard-0.bin", "COMMITTED"]);
+        assert_eq!(step_at_commit(false, "dataset-2024", &data), None);
+        // The watcher's format counts (its files were checked then).
+        assert_eq!(step_at_commit(true, "step_00000300", &data), Some(300));
+        assert_eq!(step_at_commit(true, "release", &data), None);
+    }
 
     #[test]
     fn only_the_answer_to_the_latest_open_reaches_the_run() {
