@@ -147,23 +147,10 @@ impl Sink {
         }
         // A newer version at the same path (published, or removed since)
         // replaced this one on disk: nothing of it is left to remove.
-        let newer = inner
-            .catalog
-            .replicas_for_source(&r.source_path)
-            .await?
-            .into_iter()
-            .find(|n| {
-                n.id > id
-                    && n.local_path == r.local_path
-                    && matches!(
-                        n.state,
-                        TransferState::Published | TransferState::Removing | TransferState::Removed
-                    )
-            });
-        if let Some(newer) = newer {
+        if let Some(by) = newer_version(inner, &r).await? {
             return Err(LifecycleError::Replaced {
                 id,
-                by: newer.id,
+                by,
                 path: r.local_path,
             });
         }
@@ -186,7 +173,15 @@ impl Sink {
             detail = format!("forced past the pin ({}){sep}{note}", p.reason);
         }
         if !remove_version(inner, &r, RemovalReason::Operator, &detail, force).await? {
-            // Removed meanwhile (by a policy, say).
+            // Replaced by a re-save, or removed (by a policy, say),
+            // meanwhile.
+            if let Some(by) = newer_version(inner, &r).await? {
+                return Err(LifecycleError::Replaced {
+                    id,
+                    by,
+                    path: r.local_path,
+                });
+            }
             let now = inner.catalog.replica(id).await?;
             return Err(LifecycleError::NotPublished {
                 id,
@@ -302,8 +297,29 @@ async fn retention_pass(inner: &Arc<Inner>) -> Result<Vec<i64>, CatalogError> {
     Ok(expired)
 }
 
+/// The newest row that replaced `r` at its path: published, or removed
+/// since (its files went with the re-save).
+async fn newer_version(inner: &Inner, r: &Replica) -> Result<Option<i64>, CatalogError> {
+    Ok(inner
+        .catalog
+        .replicas_for_source(&r.source_path)
+        .await?
+        .into_iter()
+        .find(|n| {
+            n.id > r.id
+                && n.local_path == r.local_path
+                && matches!(
+                    n.state,
+                    TransferState::Published | TransferState::Removing | TransferState::Removed
+                )
+        })
+        .map(|n| n.id))
+}
+
 /// Steps 1 and 2 of a removal, then step 3 in the background. False when
-/// the row was no longer published.
+/// the row was no longer published, or a newer version replaced it at its
+/// path (a re-save published while the removal waited for the path's
+/// publish lock).
 async fn remove_version(
     inner: &Arc<Inner>,
     r: &Replica,
@@ -314,10 +330,14 @@ async fn remove_version(
     let local = PathBuf::from(&r.local_path);
     let lock = inner.publish_lock(&local);
     let guard = lock.lock_owned().await;
-    if !inner
-        .catalog
-        .begin_replica_removal(r.id, reason, detail, forced, r.bytes_total)
-        .await?
+    // Under the lock no publish moves into the path: what is there now is
+    // this version unless a newer one was published before we got it.
+    if newer_version(inner, r).await?.is_some()
+        || replaced(inner, r).await
+        || !inner
+            .catalog
+            .begin_replica_removal(r.id, reason, detail, forced, r.bytes_total)
+            .await?
     {
         return Ok(false);
     }
