@@ -1649,7 +1649,9 @@ async fn maybe_finish(
             }
             inner.changed.send_modify(|v| *v += 1);
             // The retention policies run at each publish.
-            inner.retention_wake.notify_one();
+            if !inner.cfg.retention.is_empty() {
+                inner.retention_wake.notify_one();
+            }
             info!(transfer = %id, path = %local, root = %root_hex, publish_ms = t_publish.elapsed().as_millis() as u64, reread_ms, "replica published");
             ctl.send(&Control::Published {
                 id,

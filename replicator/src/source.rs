@@ -2028,7 +2028,7 @@ async fn commit_loop(
             .catalog
             .set_transfer_state(t.id, TransferState::Verifying, None)
             .await?;
-        let checkpoint = checkpoint_info(inner, t, &sealed.manifest).await;
+        let checkpoint = checkpoint_info(c, t, &sealed.manifest);
         c.ctl
             .send(&Control::Commit(Commit {
                 id,
@@ -2058,20 +2058,17 @@ async fn commit_loop(
 }
 
 /// What the commit tells the sink of the checkpoint (protocol version 3):
-/// its step, from the directory name when its format (the watcher's, or
-/// recognised from the sealed manifest's files for a push) names steps,
-/// and the transfer's class now (`urgent` while a signal promotes it).
-async fn checkpoint_info(inner: &Inner, t: &Transfer, m: &Manifest) -> CheckpointInfo {
-    // The class may have changed since the run began.
-    let now = inner.catalog.transfer(t.id).await.ok().flatten();
-    let (class, until) = now
-        .as_ref()
-        .map_or((t.class, t.urgent_until), |n| (n.class, n.urgent_until));
+/// its step ([`step_at_commit`]) and the class the link's scheduler
+/// serves the transfer in now (`urgent` while a signal promotes it; the
+/// run's class if the scheduler no longer holds it). No catalog read: the
+/// commit waits for nothing.
+fn checkpoint_info(c: &LinkConn, t: &Transfer, m: &Manifest) -> CheckpointInfo {
+    let class = c.sched.lock().ls.class_of(t.id).unwrap_or_else(|| {
+        scheduler::effective_class(t.class, t.urgent_until, ferry_catalog::now_ms())
+    });
     CheckpointInfo {
         step: step_at_commit(t.format.is_some(), &t.rel, m),
-        class: scheduler::effective_class(class, until, ferry_catalog::now_ms())
-            .as_str()
-            .to_string(),
+        class: class.as_str().to_string(),
     }
 }
 
