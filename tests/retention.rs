@@ -317,6 +317,36 @@ async fn a_policy_removes_what_it_no_longer_keeps_and_operators_pin_and_remove()
     );
     assert_eq!(sample(&m, "ferry_pinned_replicas"), 0.0, "{m}");
 
+    // Pin and unpin through the CLI; the gauge follows.
+    let id300 = api.published("step_000300").await.unwrap()["id"]
+        .as_i64()
+        .unwrap()
+        .to_string();
+    let mut args = vec![
+        "replica",
+        "pin",
+        &id300,
+        "--reason",
+        "eval baseline",
+        "--for",
+        "1h",
+    ];
+    args.extend(server);
+    let out = w.ferry(&args, &[], Duration::from_secs(30)).await;
+    assert!(
+        out.success() && out.stdout.contains("pinned until"),
+        "{out}"
+    );
+    assert!(out.stdout.contains("eval baseline (by ops)"), "{out}");
+    assert_eq!(sample(&api.metrics().await, "ferry_pinned_replicas"), 1.0);
+    let mut args = vec!["replica", "unpin", &id300, "--json"];
+    args.extend(server);
+    let out = w.ferry(&args, &[], Duration::from_secs(30)).await;
+    assert!(out.success(), "{out}");
+    let row: Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert_eq!(row["pin"], Value::Null, "{row}");
+    assert_eq!(sample(&api.metrics().await, "ferry_pinned_replicas"), 0.0);
+
     // A sink killed inside a removal: no published path names a part of
     // the replica, and the removal finishes after the restart.
     for (step, point) in [(300, "withdrawn"), (400, "retire-partial")] {
