@@ -108,6 +108,16 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
                     accept_peers: s.accept_peers.clone(),
                     reserve_bytes: s.reserve,
                     reread_before_publish: s.reread_before_publish,
+                    retention: s
+                        .retention
+                        .iter()
+                        .enumerate()
+                        .map(|(i, r)| {
+                            r.policy()
+                                .map_err(|e| anyhow::anyhow!("sink.retention[{i}]: {e}"))
+                        })
+                        .collect::<anyhow::Result<_>>()?,
+                    retention_interval: s.retention_interval,
                 },
                 catalog.clone(),
                 endpoint.clone(),

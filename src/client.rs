@@ -170,6 +170,18 @@ impl Client {
         self.send(rb, "POST", path).await
     }
 
+    /// `DELETE path?query`; the status and the JSON answer.
+    ///
+    /// # Errors
+    /// See [`Client::send`].
+    pub async fn delete(&self, path: &str, query: &[(&str, &str)]) -> Result<(StatusCode, Value)> {
+        let rb = self
+            .http
+            .delete(format!("{}{path}", self.base))
+            .query(query);
+        self.send(rb, "DELETE", path).await
+    }
+
     /// Sends a request with the token and reads a JSON answer.
     ///
     /// # Errors

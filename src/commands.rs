@@ -529,6 +529,136 @@ pub struct SignalArgs {
     pub idempotency_key: Option<String>,
 }
 
+/// One line for a replica: id, state, job, step, bytes, pin or removal,
+/// local path.
+fn replica_line(r: &Value) -> String {
+    let step = r["step"]
+        .as_i64()
+        .map_or_else(|| "-".to_string(), |s| s.to_string());
+    let mut extra = String::new();
+    if let Some(p) = r["pin"].as_object() {
+        let until = p
+            .get("until")
+            .and_then(Value::as_i64)
+            .map_or_else(String::new, |u| format!(" until {}", at(u)));
+        extra = format!(
+            " pinned{until} ({})",
+            p.get("reason").and_then(Value::as_str).unwrap_or("")
+        );
+    }
+    if let Some(m) = r["removal"].as_object() {
+        let s = |k: &str| m.get(k).and_then(Value::as_str).unwrap_or("").to_string();
+        let when = m
+            .get("finished_at")
+            .or(m.get("started_at"))
+            .and_then(Value::as_i64)
+            .map_or_else(String::new, at);
+        let forced = if m.get("forced").and_then(Value::as_bool) == Some(true) {
+            ", forced"
+        } else {
+            ""
+        };
+        extra = format!(" {} {when}{forced}: {}", s("reason"), s("detail"));
+    }
+    format!(
+        "{:>6} {:<10} {} step {step} {} B{extra}  {}",
+        int(r, "id"),
+        text(r, "state"),
+        text(r, "job"),
+        int(r, "bytes_total"),
+        text(r, "local_path"),
+    )
+}
+
+/// `ferry replica ls`: a page of `GET /v1/replicas`, one line each.
+///
+/// # Errors
+/// As [`Client::get`].
+pub async fn replica_ls(args: &ServerArgs, state: Option<&str>, raw: bool) -> Result<()> {
+    let c = Client::new(args, REQUEST_TIMEOUT)?;
+    let mut q = vec![("limit", "1000")];
+    if let Some(s) = state {
+        q.push(("state", s));
+    }
+    let page = c.get("/v1/replicas", &q).await?;
+    if raw {
+        return outln!("{page}");
+    }
+    for r in page["items"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+        outln!("{}", replica_line(r))?;
+    }
+    Ok(())
+}
+
+/// `ferry replica rm`: `DELETE /v1/replicas/{id}`.
+///
+/// # Errors
+/// As [`Client::delete`]: the agent's refusal (unknown id, pinned without
+/// `--force`, not published) names why.
+pub async fn replica_rm(
+    args: &ServerArgs,
+    id: i64,
+    force: bool,
+    reason: Option<&str>,
+    raw: bool,
+) -> Result<()> {
+    let c = Client::new(args, REQUEST_TIMEOUT)?;
+    let mut q = Vec::new();
+    if force {
+        q.push(("force", "true"));
+    }
+    if let Some(r) = reason {
+        q.push(("reason", r));
+    }
+    let (_, r) = c.delete(&format!("/v1/replicas/{id}"), &q).await?;
+    if raw {
+        return outln!("{r}");
+    }
+    outln!(
+        "replica {id} removed from {} (its files are being deleted)",
+        text(&r, "local_path")
+    )
+}
+
+/// `ferry replica pin`: `POST /v1/replicas/{id}/pin`.
+///
+/// # Errors
+/// As [`Client::post`].
+pub async fn replica_pin(
+    args: &ServerArgs,
+    id: i64,
+    reason: Option<String>,
+    for_: Option<String>,
+    raw: bool,
+) -> Result<()> {
+    let c = Client::new(args, REQUEST_TIMEOUT)?;
+    let mut body = json!({});
+    if let Some(r) = reason {
+        body["reason"] = json!(r);
+    }
+    if let Some(f) = for_ {
+        body["for"] = json!(f);
+    }
+    let (_, r) = c.post(&format!("/v1/replicas/{id}/pin"), &body).await?;
+    if raw {
+        return outln!("{r}");
+    }
+    outln!("{}", replica_line(&r))
+}
+
+/// `ferry replica unpin`: `DELETE /v1/replicas/{id}/pin`.
+///
+/// # Errors
+/// As [`Client::delete`].
+pub async fn replica_unpin(args: &ServerArgs, id: i64, raw: bool) -> Result<()> {
+    let c = Client::new(args, REQUEST_TIMEOUT)?;
+    let (_, r) = c.delete(&format!("/v1/replicas/{id}/pin"), &[]).await?;
+    if raw {
+        return outln!("{r}");
+    }
+    outln!("{}", replica_line(&r))
+}
+
 /// `ferry signal`: `POST /v1/signals` on the source.
 ///
 /// # Errors

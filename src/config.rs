@@ -685,6 +685,67 @@ pub struct SinkSection {
     /// is fetched again); default `true`.
     #[serde(default = "default_true")]
     pub reread_before_publish: bool,
+    /// `[[sink.retention]]`: retention policies, the first whose `job`
+    /// glob matches a job applies to it; none keeps every replica.
+    #[serde(default)]
+    pub retention: Vec<RetentionSection>,
+    /// How often the retention policies run besides after each publish;
+    /// default `"60s"`.
+    #[serde(default = "default_retention_interval", with = "humantime_serde")]
+    pub retention_interval: Duration,
+}
+
+/// `[[sink.retention]]`: which replicas of matching jobs are kept
+/// (ARCHITECTURE.md, "Replica lifecycle"). At least one of `keep_last`,
+/// `keep_every`, `min_age`, `max_bytes` must be set.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetentionSection {
+    /// Glob over job names (`"*"`, `"llama-*"`).
+    pub job: String,
+    /// Keep the newest this many replicas per (job, source site), by step
+    /// (publish time when a replica has none); unset: unlimited.
+    pub keep_last: Option<u32>,
+    /// Keep replicas whose step is a multiple of this.
+    pub keep_every: Option<u64>,
+    /// Keep replicas published less than this long ago (`"1h"`).
+    #[serde(default, with = "humantime_serde")]
+    pub min_age: Option<Duration>,
+    /// Per (job, source site), expire the oldest replicas kept only by
+    /// `keep_last` or `keep_every` until the job holds at most this many
+    /// bytes (`"10TB"`; each file counted once, hard links included).
+    #[serde(default, deserialize_with = "de_size_opt")]
+    pub max_bytes: Option<u64>,
+    /// Log what the policy would remove and remove nothing; default
+    /// `false`.
+    #[serde(default)]
+    pub dry_run: bool,
+}
+
+impl RetentionSection {
+    /// The policy this section describes.
+    ///
+    /// # Errors
+    /// As [`replicator::sink::retention::RetentionPolicy::new`].
+    pub fn policy(&self) -> Result<replicator::sink::retention::RetentionPolicy, String> {
+        replicator::sink::retention::RetentionPolicy::new(
+            &self.job,
+            self.keep_last,
+            self.keep_every,
+            self.min_age,
+            self.max_bytes,
+            self.dry_run,
+        )
+    }
+}
+
+fn default_retention_interval() -> Duration {
+    Duration::from_secs(60)
+}
+
+fn de_size_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    let s = String::deserialize(d)?;
+    parse_size(&s).map(Some).map_err(serde::de::Error::custom)
 }
 
 fn default_true() -> bool {
@@ -754,6 +815,15 @@ impl Config {
         }
         self.api.auth()?;
         self.api.check_transport()?;
+        if let Some(sink) = &self.sink {
+            for (i, r) in sink.retention.iter().enumerate() {
+                r.policy()
+                    .map_err(|e| anyhow::anyhow!("sink.retention[{i}]: {e}"))?;
+            }
+            if sink.retention_interval.is_zero() {
+                bail!("sink.retention_interval must be more than 0");
+            }
+        }
         for (i, l) in self.links.iter().enumerate() {
             if l.name.is_empty() {
                 bail!("links[{i}].name must not be empty");
@@ -1109,6 +1179,37 @@ link = "to-eval"
             "reread_before_publish = false",
         );
         assert!(!load(&off).unwrap().sink.unwrap().reread_before_publish);
+        assert_eq!(s.retention_interval, Duration::from_secs(60));
+        assert!(
+            s.retention.is_empty(),
+            "without a policy every replica is kept"
+        );
+        // The commented retention policy is valid.
+        let mut ret = sink.clone();
+        for key in [
+            "[[sink.retention]]",
+            "job = ",
+            "keep_last = ",
+            "keep_every = ",
+            "min_age = ",
+            "max_bytes = ",
+            "dry_run = ",
+            "retention_interval = ",
+        ] {
+            ret = ret.replace(&format!("# {key}"), key);
+        }
+        let s = load(&ret).unwrap().sink.unwrap();
+        let p = s.retention[0].policy().unwrap();
+        assert_eq!(
+            (p.keep_last, p.keep_every, p.min_age, p.max_bytes),
+            (
+                Some(3),
+                Some(10_000),
+                Some(Duration::from_secs(7200)),
+                Some(20_000_000_000_000)
+            )
+        );
+        assert!(p.matches("llama-7b") && !p.matches("mm-large") && !p.dry_run);
         // So are the commented HTTPS and token lines.
         let tok = api::auth::new_token();
         let api = include_str!("../ops/ferry.example.toml")
@@ -1128,6 +1229,43 @@ link = "to-eval"
         let hv = format!("Bearer {tok}").parse().unwrap();
         let caller = c.api.auth().unwrap().authenticate(Some(&hv)).unwrap();
         assert_eq!(caller.role, api::Role::Operator);
+    }
+
+    #[test]
+    fn bad_retention_policies_are_refused_naming_the_key() {
+        let base = include_str!("../ops/ferry.example.toml")
+            .replace("role = \"source\"", "role = \"sink\"")
+            .replace("# [sink]", "[sink]")
+            .replace("# root = ", "root = ");
+        let with = |policy: &str| format!("{base}\n[[sink.retention]]\n{policy}\n");
+        let err = |policy: &str| format!("{:#}", load(&with(policy)).unwrap_err());
+        let e = err("job = \"llama-*\"\ndry_run = true");
+        assert!(
+            e.contains("sink.retention[0]")
+                && e.contains("none of keep_last, keep_every, min_age, max_bytes"),
+            "{e}"
+        );
+        let e = err("job = \"*\"\nmin_age = \"-5m\"");
+        assert!(e.contains("min_age"), "{e}");
+        let e = err("job = \"[\"\nkeep_last = 1");
+        assert!(
+            e.contains("sink.retention[0]") && e.contains("job glob"),
+            "{e}"
+        );
+        let e = err("job = \"*\"\nkeep_last = -1");
+        assert!(e.contains("keep_last"), "{e}");
+        let e = err("job = \"*\"\nkeep_every = 0");
+        assert!(e.contains("keep_every"), "{e}");
+        let e = err("job = \"*\"\nkeep_lats = 2");
+        assert!(e.contains("keep_lats"), "{e}");
+        let zero = base.replace(
+            "# retention_interval = \"60s\"",
+            "retention_interval = \"0s\"",
+        );
+        let e = format!("{:#}", load(&zero).unwrap_err());
+        assert!(e.contains("retention_interval"), "{e}");
+        let ok = load(&with("job = \"llama-*\"\nmax_bytes = \"1TB\"")).unwrap();
+        assert_eq!(ok.sink.unwrap().retention.len(), 1);
     }
 
     #[test]

@@ -642,6 +642,8 @@ pub(crate) async fn start_pair(
         accept_peers: vec!["demo-source".into()],
         reserve: 0,
         reread_before_publish: true,
+        retention: Vec::new(),
+        retention_interval: std::time::Duration::from_secs(60),
     });
     let mut src_cfg = agent_config(dir, "demo-source", Role::Source, loopback);
     src_cfg.agent.data_dir = data.join("demo-source-data");

@@ -152,6 +152,12 @@ enum Command {
         #[command(flatten)]
         server: client::ServerArgs,
     },
+    /// Replicas at a sink: list (with removal records), pin, unpin,
+    /// remove. Listing needs a reader token, the others an operator token.
+    Replica {
+        #[command(subcommand)]
+        command: ReplicaCommand,
+    },
     /// API bearer tokens.
     Token {
         #[command(subcommand)]
@@ -337,12 +343,76 @@ struct LinkEmuArgs {
 }
 
 #[derive(Debug, Subcommand)]
+enum ReplicaCommand {
+    /// List the sink's replicas, newest first: id, state, job, step,
+    /// bytes, pin or removal, local path.
+    #[command(after_help = "Example: ferry replica ls --state removed (the removal records)")]
+    Ls {
+        /// Only rows in this state: receiving, published, failed,
+        /// cancelled, removing or removed.
+        #[arg(long)]
+        state: Option<String>,
+        #[command(flatten)]
+        server: client::ServerArgs,
+        /// Print the API's JSON answer instead.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove a published replica: it leaves the published namespace at
+    /// once (resolve stops naming it) and its files are deleted in the
+    /// background. A pinned replica is refused unless --force.
+    Rm {
+        /// Replica id (`ferry replica ls`).
+        id: i64,
+        /// Remove it even if pinned (recorded with the removal).
+        #[arg(long)]
+        force: bool,
+        /// Why, kept with the removal record.
+        #[arg(long)]
+        reason: Option<String>,
+        #[command(flatten)]
+        server: client::ServerArgs,
+        /// Print the API's JSON answer instead.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Pin a published replica: no retention policy removes it, and
+    /// `ferry replica rm` needs --force.
+    Pin {
+        /// Replica id.
+        id: i64,
+        /// Why (shown with the pin).
+        #[arg(long)]
+        reason: Option<String>,
+        /// How long (7d, 12h); default: until unpinned.
+        #[arg(long = "for", value_name = "DURATION")]
+        for_: Option<String>,
+        #[command(flatten)]
+        server: client::ServerArgs,
+        /// Print the API's JSON answer instead.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove a replica's pin.
+    Unpin {
+        /// Replica id.
+        id: i64,
+        #[command(flatten)]
+        server: client::ServerArgs,
+        /// Print the API's JSON answer instead.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 enum TokenCommand {
     /// Make a new random token: prints it once (first line of stdout) and
     /// the [[api.tokens]] entry to add to the agent's config, which holds
     /// only the token's hash. Roles: reader (resolve, list, status, UI),
     /// signaler (also signals and announcements), operator (also push,
-    /// pause, resume, cancel, class, importance, jobs, rate caps).
+    /// pause, resume, cancel, class, importance, jobs, rate caps, and at a
+    /// sink pin, unpin and remove replicas).
     #[command(
         after_help = "Example: ferry token new --role signaler --name trainer-mm-large \
                             >> token.txt; give the first line to the client (FERRY_TOKEN), \
@@ -508,6 +578,30 @@ async fn run(cli: Cli) -> Result<()> {
             output,
             server,
         } => commands::trace(&server, since, output.as_deref()).await,
+        Command::Replica { command } => match command {
+            ReplicaCommand::Ls {
+                state,
+                server,
+                json,
+            } => commands::replica_ls(&server, state.as_deref(), json).await,
+            ReplicaCommand::Rm {
+                id,
+                force,
+                reason,
+                server,
+                json,
+            } => commands::replica_rm(&server, id, force, reason.as_deref(), json).await,
+            ReplicaCommand::Pin {
+                id,
+                reason,
+                for_,
+                server,
+                json,
+            } => commands::replica_pin(&server, id, reason, for_, json).await,
+            ReplicaCommand::Unpin { id, server, json } => {
+                commands::replica_unpin(&server, id, json).await
+            }
+        },
         Command::Token {
             command: TokenCommand::New { role, name },
         } => {

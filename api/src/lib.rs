@@ -1,4 +1,5 @@
-//! Ferry's REST API (axum): resolve and replicas on sinks; transfers,
+//! Ferry's REST API (axum): resolve and replicas (pin, unpin, remove) on
+//! sinks; transfers,
 //! jobs, links, signals, announcements and the recorded scheduling history
 //! (`GET /v1/trace`, JSON lines for `ferry replay`) on sources; health,
 //! metrics, the OpenAPI document and the ops web UI everywhere.
@@ -221,6 +222,13 @@ pub fn build(state: AppState) -> (Router, utoipa::openapi::OpenApi) {
             OpenApiRouter::new().routes(routes!(sink_api::resolve)),
             Role::Reader,
             Some(long_timeout),
+        ));
+        groups.push((
+            OpenApiRouter::new()
+                .routes(routes!(sink_api::remove_replica))
+                .routes(routes!(sink_api::pin_replica, sink_api::unpin_replica)),
+            Role::Operator,
+            Some(REQUEST_TIMEOUT),
         ));
     }
     if state.source.is_some() {

@@ -87,6 +87,8 @@ mod tests {
                 accept_peers: vec![],
                 reserve_bytes: 0,
                 reread_before_publish: true,
+                retention: Vec::new(),
+                retention_interval: std::time::Duration::from_secs(60),
             },
             catalog,
             ep,

@@ -127,7 +127,9 @@ pub struct Replica {
     pub rel: String,
     /// Chunk size in bytes.
     pub chunk_size: i64,
-    /// State: `receiving`, `published`, `failed` or `cancelled`.
+    /// State: `receiving`, `published`, `failed`, `cancelled`, or once
+    /// removed `removing` (out of the published namespace, its files
+    /// being deleted) and `removed`.
     pub state: TransferState,
     /// Bytes in the checkpoint.
     pub bytes_total: i64,
@@ -156,6 +158,57 @@ pub struct Replica {
     /// Replication profile: `weights-only`, or absent (`null`) for every
     /// file.
     pub profile: Option<Profile>,
+    /// Training step the source sent with the commit (its checkpoint
+    /// format names one); `null` when unknown.
+    pub step: Option<i64>,
+    /// The transfer's class at commit as the source sent it; `null` from
+    /// a source of protocol version 2.
+    pub class: Option<Class>,
+    /// The operator's pin, if any: the replica never expires, and removing
+    /// it needs `force=true`.
+    pub pin: Option<ReplicaPin>,
+    /// The removal, once `removing` or `removed`.
+    pub removal: Option<ReplicaRemoval>,
+}
+
+/// A pin on a replica.
+#[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
+pub struct ReplicaPin {
+    /// When it was pinned (Unix ms).
+    pub at: i64,
+    /// Until when (Unix ms); `null` until unpinned.
+    pub until: Option<i64>,
+    /// Why, as the operator gave it.
+    pub reason: String,
+}
+
+/// Why a replica was removed.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum RemovalReason {
+    /// Its retention policy expired it.
+    Rule,
+    /// Space pressure.
+    Pressure,
+    /// An operator removed it.
+    Operator,
+}
+
+/// The record of a replica's removal.
+#[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
+pub struct ReplicaRemoval {
+    /// `rule`, `pressure` or `operator`.
+    pub reason: RemovalReason,
+    /// The policy that expired it (and why), or the operator's note.
+    pub detail: String,
+    /// When it left the published namespace (Unix ms).
+    pub started_at: i64,
+    /// When its files were gone (Unix ms); `null` while `removing`.
+    pub finished_at: Option<i64>,
+    /// Bytes it held (its manifest's size), in bytes.
+    pub bytes: i64,
+    /// An operator removed it past its pin with `force=true`.
+    pub forced: bool,
 }
 
 impl From<ferry_catalog::Replica> for Replica {
@@ -182,6 +235,25 @@ impl From<ferry_catalog::Replica> for Replica {
             commit_to_replica_s: r.commit_to_replica_s,
             open_to_replica_s: r.open_to_replica_s,
             profile: (r.profile != Profile::Full).then_some(r.profile),
+            step: r.step,
+            class: r.class,
+            pin: r.pin.map(|p| ReplicaPin {
+                at: p.at,
+                until: p.until,
+                reason: p.reason,
+            }),
+            removal: r.removal.map(|m| ReplicaRemoval {
+                reason: match m.reason {
+                    ferry_catalog::RemovalReason::Rule => RemovalReason::Rule,
+                    ferry_catalog::RemovalReason::Pressure => RemovalReason::Pressure,
+                    ferry_catalog::RemovalReason::Operator => RemovalReason::Operator,
+                },
+                detail: m.detail,
+                started_at: m.started_at,
+                finished_at: m.finished_at,
+                bytes: m.bytes,
+                forced: m.forced,
+            }),
         }
     }
 }

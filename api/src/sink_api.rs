@@ -1,16 +1,30 @@
-//! Sink routes: where a checkpoint is local, and the replicas held here.
+//! Sink routes: where a checkpoint is local, the replicas held here, and
+//! their pins and removal.
 
 use std::time::{Duration, Instant};
 
-use axum::extract::rejection::QueryRejection;
-use axum::extract::{Query, State};
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
 use axum::Json;
+use ferry_proto::state::TransferState;
+use replicator::sink::lifecycle::LifecycleError;
 use replicator::sink::{Resolution, Sink};
 use serde::Deserialize;
+use tracing::info;
 
+use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::model::Replica;
 use crate::{AppState, Page, MAX_WAIT};
+
+/// Who acted, for the log and the removal record: the token's name.
+type By = Option<axum::Extension<Caller>>;
+
+fn by(c: &By) -> &str {
+    c.as_ref().map_or("unknown", |c| c.0.name.as_str())
+}
 
 pub(crate) fn sink(s: &AppState) -> Result<&Sink, ApiError> {
     s.sink
@@ -84,26 +98,67 @@ pub(crate) struct ReplicaPage {
     offset: i64,
 }
 
-/// Replicas at this sink (published and incoming), newest first.
+/// Query of `GET /v1/replicas`.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub(crate) struct ReplicasQuery {
+    /// Items per page, 1..1000 (default 100).
+    #[param(minimum = 1, maximum = 1000)]
+    limit: Option<i64>,
+    /// Items to skip (default 0).
+    #[param(minimum = 0, maximum = 4294967295_i64)]
+    offset: Option<i64>,
+    /// Only rows in this state: `receiving`, `published`, `failed`,
+    /// `cancelled`, `removing` or `removed` (the removal records).
+    state: Option<String>,
+}
+
+/// Replicas at this sink (published, incoming, and removed with their
+/// removal records), newest first; `state` filters.
 #[utoipa::path(
     get, path = "/v1/replicas", tag = "sink",
-    params(Page),
+    params(ReplicasQuery),
     security(("bearer" = ["reader"])),
     responses(
         (status = 200, description = "A page of replicas", body = ReplicaPage),
         (status = 401, description = "No or unknown token", body = ErrorBody),
-        (status = 422, description = "`limit` or `offset` out of range", body = ErrorBody),
+        (status = 422, description = "`limit`, `offset` or `state` invalid", body = ErrorBody),
     )
 )]
 pub(crate) async fn replicas(
     State(s): State<AppState>,
-    p: Result<Query<Page>, QueryRejection>,
+    q: Result<Query<ReplicasQuery>, QueryRejection>,
 ) -> Result<Json<ReplicaPage>, ApiError> {
-    let Query(p) = p?;
-    let (limit, offset) = p.get()?;
+    let Query(q) = q?;
+    let (limit, offset) = Page {
+        limit: q.limit,
+        offset: q.offset,
+    }
+    .get()?;
+    const SINK_STATES: [TransferState; 6] = [
+        TransferState::Receiving,
+        TransferState::Published,
+        TransferState::Failed,
+        TransferState::Cancelled,
+        TransferState::Removing,
+        TransferState::Removed,
+    ];
+    let state = match q.state.as_deref() {
+        None | Some("") => None,
+        Some(name) => Some(
+            SINK_STATES
+                .into_iter()
+                .find(|st| st.as_str() == name)
+                .ok_or_else(|| {
+                    ApiError::unprocessable(format!(
+                        "`state` {name:?} is not one of receiving, published, failed, cancelled, removing, removed"
+                    ))
+                })?,
+        ),
+    };
     let items = sink(&s)?
         .catalog()
-        .replicas(false, limit, offset)
+        .replicas_in(state, limit, offset)
         .await
         .map_err(ApiError::internal)?;
     Ok(Json(ReplicaPage {
@@ -111,4 +166,185 @@ pub(crate) async fn replicas(
         limit,
         offset,
     }))
+}
+
+/// A replica id from the path: 422 when not a number, 404 when negative.
+fn replica_id(id: Result<Path<String>, PathRejection>) -> Result<i64, ApiError> {
+    let Path(id) = id?;
+    let n: i64 = id
+        .parse()
+        .map_err(|_| ApiError::unprocessable(format!("replica id {id:?} is not a number")))?;
+    if n < 0 {
+        return Err(ApiError::not_found(format!("no replica {n}")));
+    }
+    Ok(n)
+}
+
+/// A refused pin or removal as 404 or 409 naming why (500 for the
+/// catalog).
+fn lifecycle_error(e: LifecycleError) -> ApiError {
+    match e {
+        LifecycleError::NotFound(_) => ApiError::not_found(e.to_string()),
+        LifecycleError::NotPublished { .. }
+        | LifecycleError::Replaced { .. }
+        | LifecycleError::Pinned { .. } => ApiError::new(StatusCode::CONFLICT, e.to_string()),
+        LifecycleError::Catalog(e) => ApiError::internal(e),
+    }
+}
+
+/// Query of `DELETE /v1/replicas/{id}`.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub(crate) struct RemoveQuery {
+    /// Remove a pinned replica anyway (recorded with the removal).
+    force: Option<bool>,
+    /// Why, kept with the removal record (at most 1000 characters).
+    reason: Option<String>,
+}
+
+/// Remove a published replica by hand: it leaves the published namespace
+/// at once (resolve stops naming it) and its files are deleted in the
+/// background; `GET /v1/replicas?state=removed` lists the record. A pinned
+/// replica is refused, naming the pin, unless `force=true`.
+#[utoipa::path(
+    delete, path = "/v1/replicas/{id}", tag = "sink",
+    params(("id" = i64, Path, description = "Replica id"), RemoveQuery),
+    security(("bearer" = ["operator"])),
+    responses(
+        (status = 202, description = "Out of the published namespace; its files are being deleted", body = Replica),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 403, description = "The token's role is below operator", body = ErrorBody),
+        (status = 404, description = "No such replica", body = ErrorBody),
+        (status = 409, description = "Not a published replica, replaced by a newer one, or pinned", body = ErrorBody),
+        (status = 422, description = "The id is not a number, or a parameter is invalid", body = ErrorBody),
+    )
+)]
+pub(crate) async fn remove_replica(
+    State(s): State<AppState>,
+    caller: By,
+    id: Result<Path<String>, PathRejection>,
+    q: Result<Query<RemoveQuery>, QueryRejection>,
+) -> Result<impl IntoResponse, ApiError> {
+    let id = replica_id(id)?;
+    let Query(q) = q?;
+    let reason = q.reason.unwrap_or_default();
+    if reason.chars().count() > 1000 {
+        return Err(ApiError::unprocessable(
+            "`reason` is longer than 1000 characters",
+        ));
+    }
+    let force = q.force.unwrap_or(false);
+    let note = format!(
+        "by {}{}{reason}",
+        by(&caller),
+        if reason.is_empty() { "" } else { ": " }
+    );
+    let r = sink(&s)?
+        .remove(id, force, &note)
+        .await
+        .map_err(lifecycle_error)?;
+    info!(
+        replica = id,
+        force,
+        by = by(&caller),
+        "replica removal requested"
+    );
+    Ok((StatusCode::ACCEPTED, Json(Replica::from(r))))
+}
+
+/// Body of `POST /v1/replicas/{id}/pin`.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PinBody {
+    /// Why (shown with the pin and in a refused removal), at most 1000
+    /// characters.
+    reason: Option<String>,
+    /// How long (`7d`, `12h`); absent: until unpinned.
+    #[serde(rename = "for")]
+    for_: Option<String>,
+}
+
+/// Pin a published replica: it never expires under a retention policy,
+/// and removing it by hand needs `force=true`. Pinning again replaces the
+/// pin.
+#[utoipa::path(
+    post, path = "/v1/replicas/{id}/pin", tag = "sink",
+    params(("id" = i64, Path, description = "Replica id")),
+    request_body = PinBody,
+    security(("bearer" = ["operator"])),
+    responses(
+        (status = 200, description = "Pinned; the replica as it is now", body = Replica),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 403, description = "The token's role is below operator", body = ErrorBody),
+        (status = 404, description = "No such replica", body = ErrorBody),
+        (status = 409, description = "Not a published replica", body = ErrorBody),
+        (status = 413, description = "Body over 64 KiB", body = ErrorBody),
+        (status = 422, description = "The id is not a number, or the body is invalid", body = ErrorBody),
+    )
+)]
+pub(crate) async fn pin_replica(
+    State(s): State<AppState>,
+    caller: By,
+    id: Result<Path<String>, PathRejection>,
+    body: Result<Json<PinBody>, JsonRejection>,
+) -> Result<Json<Replica>, ApiError> {
+    let id = replica_id(id)?;
+    let Json(b) = body?;
+    let reason = b.reason.unwrap_or_default();
+    if reason.chars().count() > 1000 {
+        return Err(ApiError::unprocessable(
+            "`reason` is longer than 1000 characters",
+        ));
+    }
+    let until = match b.for_.as_deref() {
+        None => None,
+        Some(d) => {
+            let d = humantime::parse_duration(d.trim()).map_err(|e| {
+                ApiError::unprocessable(format!(
+                    "`for` {d:?} is not a positive duration like 7d or 12h: {e}"
+                ))
+            })?;
+            if d.is_zero() || d > Duration::from_secs(100 * 365 * 86_400) {
+                return Err(ApiError::unprocessable(
+                    "`for` must be more than 0 and at most 100 years",
+                ));
+            }
+            Some(ferry_catalog::now_ms() + d.as_millis() as i64)
+        }
+    };
+    let reason = if reason.is_empty() {
+        format!("pinned by {}", by(&caller))
+    } else {
+        format!("{reason} (by {})", by(&caller))
+    };
+    let r = sink(&s)?
+        .pin(id, until, &reason)
+        .await
+        .map_err(lifecycle_error)?;
+    Ok(Json(Replica::from(r)))
+}
+
+/// Remove a replica's pin (no error when it has none); the retention
+/// policies then run.
+#[utoipa::path(
+    delete, path = "/v1/replicas/{id}/pin", tag = "sink",
+    params(("id" = i64, Path, description = "Replica id")),
+    security(("bearer" = ["operator"])),
+    responses(
+        (status = 200, description = "Unpinned; the replica as it is now", body = Replica),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 403, description = "The token's role is below operator", body = ErrorBody),
+        (status = 404, description = "No such replica", body = ErrorBody),
+        (status = 422, description = "The id is not a number", body = ErrorBody),
+    )
+)]
+pub(crate) async fn unpin_replica(
+    State(s): State<AppState>,
+    caller: By,
+    id: Result<Path<String>, PathRejection>,
+) -> Result<Json<Replica>, ApiError> {
+    let id = replica_id(id)?;
+    let r = sink(&s)?.unpin(id).await.map_err(lifecycle_error)?;
+    info!(replica = id, by = by(&caller), "replica unpinned");
+    Ok(Json(Replica::from(r)))
 }

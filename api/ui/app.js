@@ -497,7 +497,12 @@ function renderReplicas(st) {
   fill($('#replicas tbody'), st.replicas.map((r) => {
     const bar = el('progress', { max: Math.max(1, r.bytes_total), value: r.state === 'published' ? r.bytes_total : r.bytes_done });
     const done = r.state === 'published' ? r.bytes_total : r.bytes_done;
-    return [r.id, r.job, r.source_path, r.state, bar, fmtBytes(done) + ' / ' + fmtBytes(r.bytes_total),
+    // A pin, or why and when a removed replica went (its record's title).
+    let state = r.state;
+    if (r.pin) state += ' · pinned';
+    if (r.removal) state += ' (' + r.removal.reason + (r.removal.forced ? ', forced' : '') + ')';
+    const stateCell = el('span', { title: r.removal ? r.removal.detail : (r.pin ? r.pin.reason : '') }, state);
+    return [r.id, r.job, r.source_path, stateCell, bar, fmtBytes(done) + ' / ' + fmtBytes(r.bytes_total),
             r.state === 'published' ? r.local_path : '–',
             fmtTime(r.published_at), fmtDur(r.commit_to_replica_s)];
   }));

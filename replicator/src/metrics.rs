@@ -34,6 +34,11 @@
 //! Sink:
 //! - `ferry_received_bytes_total{peer}`: payload bytes that matched their
 //!   BLAKE3 hash and were written to staging, by source agent.
+//! - `ferry_replicas_removed_total{reason}` and
+//!   `ferry_replica_freed_bytes_total{reason}`: replicas removed since the
+//!   sink started and their manifests' bytes, by `rule` (a retention
+//!   policy), `pressure` or `operator`, counted when their files are gone.
+//! - `ferry_pinned_replicas`: published replicas with a live pin.
 //! - `ferry_verification_failures_total`: chunks whose bytes did not hash
 //!   to the BLAKE3 sent with them, chunks whose verified hash differed
 //!   from the sealed manifest's at commit, and sealed manifests that did
@@ -96,11 +101,13 @@ const TRANSFER_STATES: [TransferState; 7] = [
 ];
 
 /// Sink-side row states, always reported (0 when none).
-const REPLICA_STATES: [TransferState; 4] = [
+const REPLICA_STATES: [TransferState; 6] = [
     TransferState::Receiving,
     TransferState::Published,
     TransferState::Failed,
     TransferState::Cancelled,
+    TransferState::Removing,
+    TransferState::Removed,
 ];
 
 /// Position of `c` in [`CLASSES`].
@@ -317,6 +324,11 @@ struct StateLabel {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PeerLabel {
     peer: String,
 }
@@ -514,6 +526,9 @@ pub(crate) struct SinkMetrics {
     replica_states: Family<StateLabel, Gauge>,
     read_back_wall: Counter<f64, AtomicU64>,
     read_back_cpu: Counter<f64, AtomicU64>,
+    removed: Family<ReasonLabel, Counter>,
+    freed: Family<ReasonLabel, Counter>,
+    pinned: Gauge,
 }
 
 impl std::fmt::Debug for SinkMetrics {
@@ -536,6 +551,9 @@ impl SinkMetrics {
             replica_states: Family::default(),
             read_back_wall: Counter::default(),
             read_back_cpu: Counter::default(),
+            removed: Family::default(),
+            freed: Family::default(),
+            pinned: Gauge::default(),
         };
         registry.register(
             "ferry_received_bytes",
@@ -578,6 +596,26 @@ impl SinkMetrics {
              back before publishing, in seconds",
             m.read_back_cpu.clone(),
         );
+        registry.register(
+            "ferry_replicas_removed",
+            "Replicas removed since this sink started (their files deleted), by reason: rule \
+             (a retention policy), pressure (space) or operator, in replicas",
+            m.removed.clone(),
+        );
+        registry.register(
+            "ferry_replica_freed_bytes",
+            "Bytes of the replicas removed since this sink started (their manifests' sizes; a \
+             file shared with another version by a hard link frees less), by reason, in bytes",
+            m.freed.clone(),
+        );
+        registry.register(
+            "ferry_pinned_replicas",
+            "Published replicas with a live pin, in replicas",
+            m.pinned.clone(),
+        );
+        for r in ferry_catalog::RemovalReason::ALL {
+            m.removed_by(r);
+        }
         SinkMetrics { registry, ..m }
     }
 
@@ -604,14 +642,34 @@ impl SinkMetrics {
         }
     }
 
-    /// Sets the replica-state gauges from `states` and encodes the
-    /// registry.
+    /// Counts a finished removal of `bytes` for `reason`.
+    pub(crate) fn removed(&self, reason: ferry_catalog::RemovalReason, bytes: u64) {
+        self.removed_by(reason).inc();
+        self.freed
+            .get_or_create(&ReasonLabel {
+                reason: reason.as_str().to_string(),
+            })
+            .inc_by(bytes);
+    }
+
+    fn removed_by(&self, reason: ferry_catalog::RemovalReason) -> Counter {
+        let label = ReasonLabel {
+            reason: reason.as_str().to_string(),
+        };
+        let _ = self.freed.get_or_create(&label);
+        self.removed.get_or_create(&label).clone()
+    }
+
+    /// Sets the replica-state gauges from `states` and the pinned count,
+    /// and encodes the registry.
     pub(crate) fn render(
         &self,
         states: &[(TransferState, i64)],
+        pinned: i64,
     ) -> Result<String, std::fmt::Error> {
         let _one = crate::lock::lock(&self.scrape);
         set_states(&self.replica_states, &REPLICA_STATES, states);
+        self.pinned.set(pinned);
         encode(&self.registry)
     }
 }
@@ -895,8 +953,13 @@ mod tests {
             wall: std::time::Duration::from_millis(1500),
             cpu: std::time::Duration::from_millis(2250),
         });
+        m.removed(ferry_catalog::RemovalReason::Operator, 300);
+        m.removed(ferry_catalog::RemovalReason::Operator, 20);
         let text = m
-            .render(&[(TransferState::Published, 1), (TransferState::Receiving, 2)])
+            .render(
+                &[(TransferState::Published, 1), (TransferState::Receiving, 2)],
+                4,
+            )
             .unwrap();
         let fam = strict_families(&text);
         let expect = [
@@ -907,6 +970,9 @@ mod tests {
             ("ferry_replica_state_replicas", "gauge"),
             ("ferry_read_back_seconds_total", "counter"),
             ("ferry_read_back_cpu_seconds_total", "counter"),
+            ("ferry_replicas_removed_total", "counter"),
+            ("ferry_replica_freed_bytes_total", "counter"),
+            ("ferry_pinned_replicas", "gauge"),
         ];
         for (n, ty) in expect {
             assert_eq!(fam.get(n).map(String::as_str), Some(ty), "{n} in:\n{text}");
@@ -947,5 +1013,19 @@ mod tests {
             (st("receiving"), st("published"), st("failed")),
             (2.0, 1.0, 0.0)
         );
+        let rm = |r| value(&s, "ferry_replicas_removed_total", &[("reason", r)]);
+        assert_eq!(
+            (rm("operator"), rm("rule"), rm("pressure")),
+            (2.0, 0.0, 0.0)
+        );
+        assert_eq!(
+            value(
+                &s,
+                "ferry_replica_freed_bytes_total",
+                &[("reason", "operator")]
+            ),
+            320.0
+        );
+        assert_eq!(value(&s, "ferry_pinned_replicas", &[]), 4.0);
     }
 }

@@ -6,7 +6,8 @@
 //!
 //! Layout under the sink root: replicas at `<root>/<site>/<job>/<rel>`,
 //! staging at `<root>/.ferry/staging/<row id>` (same file system, so the
-//! final move is one `rename`).
+//! final move is one `rename`), replicas being removed at
+//! `<root>/.ferry/retired/<row id>` (see [`lifecycle`]).
 
 use std::collections::HashMap;
 use std::fs::OpenOptions;
@@ -16,13 +17,15 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
-use ferry_catalog::{now_ms, Catalog, CatalogError, NewReplica, SourceTimes, VerifiedChunk};
+use ferry_catalog::{
+    now_ms, Catalog, CatalogError, CheckpointMeta, NewReplica, SourceTimes, VerifiedChunk,
+};
 use ferry_proto::manifest::{hex, ChunkMap, FileInfo, Hash, Manifest};
 use ferry_proto::paths::check_name;
 use ferry_proto::state::{Profile, TransferId, TransferState};
 use ferry_proto::wire::{
-    BatchHeader, Commit, Control, Hello, Open, RecordHeader, BATCH_HEADER_LEN, PROTOCOL_VERSION,
-    RECORD_HEADER_LEN,
+    BatchHeader, Commit, Control, Hello, Open, RecordHeader, BATCH_HEADER_LEN,
+    MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, RECORD_HEADER_LEN,
 };
 use quinn::{Connection, Endpoint, RecvStream, VarInt};
 use serde::Serialize;
@@ -40,6 +43,8 @@ use crate::tls;
 use decide::Table;
 
 mod decide;
+pub mod lifecycle;
+pub mod retention;
 
 pub use crate::storage::posix::publish::FAULT_KILL_ENV;
 
@@ -63,6 +68,11 @@ pub struct SinkConfig {
     /// fetched again (see `publish`). Costs one read of the checkpoint
     /// at publish time (from the page cache when it still holds it).
     pub reread_before_publish: bool,
+    /// Retention policies (`[[sink.retention]]`), first match per job;
+    /// empty keeps every replica.
+    pub retention: Vec<retention::RetentionPolicy>,
+    /// How often the policies run besides after each publish.
+    pub retention_interval: Duration,
 }
 
 /// What resolve answers for a source path.
@@ -163,6 +173,8 @@ struct LiveState {
     bytes_at_open: u64,
     commit: Option<(Manifest, u64)>,
     times: SourceTimes,
+    /// The step and class the source sent with the commit.
+    meta: CheckpointMeta,
     siblings: Vec<(String, Vec<u8>)>,
     batches_done: u64,
     publishing: bool,
@@ -197,6 +209,10 @@ struct Inner {
     /// shared by all the connections of that source (a link's pool): data
     /// of a transfer may arrive on any of them.
     sources: Mutex<HashMap<(String, String), Weak<Opened>>>,
+    /// Wakes the retention loop (a replica was published).
+    retention_wake: tokio::sync::Notify,
+    /// Rows whose files a task is deleting now.
+    retiring: Mutex<std::collections::HashSet<i64>>,
 }
 
 impl Inner {
@@ -275,8 +291,11 @@ impl Sink {
             store: Arc::new(Posix),
             holds: Arc::default(),
             sources: Mutex::new(HashMap::new()),
+            retention_wake: tokio::sync::Notify::new(),
+            retiring: Mutex::default(),
         });
         tokio::spawn(catalog_writer(catalog, rx));
+        inner.tasks.spawn(lifecycle::run(inner.clone()));
         let i = inner.clone();
         inner.tasks.spawn(async move {
             loop {
@@ -322,7 +341,8 @@ impl Sink {
     /// [`MetricsError`].
     pub async fn render_metrics(&self) -> Result<String, MetricsError> {
         let states = self.inner.catalog.replica_state_counts().await?;
-        Ok(self.inner.metrics.render(&states)?)
+        let pinned = self.inner.catalog.pinned_replica_count(now_ms()).await?;
+        Ok(self.inner.metrics.render(&states, pinned)?)
     }
 
     /// A counter that changes whenever a replica is published or progress
@@ -365,9 +385,17 @@ impl Sink {
                                 .publish_under_way(Path::new(&r.staging_path))
                     })
                 };
-                if let Some(p) = rows
-                    .iter()
-                    .find(|r| r.state == TransferState::Published)
+                // The newest published version, unless a newer one was
+                // removed since (the older row's bytes went with the
+                // re-save the removed one was).
+                let newest = rows.iter().find(|r| {
+                    matches!(
+                        r.state,
+                        TransferState::Published | TransferState::Removing | TransferState::Removed
+                    )
+                });
+                if let Some(p) = newest
+                    .filter(|p| p.state == TransferState::Published)
                     .filter(|p| !settling(p))
                 {
                     let local = if suffix.as_os_str().is_empty() {
@@ -401,6 +429,15 @@ impl Sink {
                         bytes_done: done,
                         bytes_total: r.bytes_total as u64,
                         eta_s: eta,
+                    });
+                }
+                if let Some(r) = newest.filter(|r| r.state != TransferState::Published) {
+                    let why = r
+                        .removal
+                        .as_ref()
+                        .map_or(String::new(), |m| format!(" ({}: {})", m.reason, m.detail));
+                    return Ok(Resolution::Remote {
+                        reason: Some(format!("replica {} was removed{why}", r.id)),
                     });
                 }
                 return Ok(Resolution::Remote {
@@ -560,9 +597,10 @@ async fn serve_connection(
         }
         None => return Ok(()),
     };
-    if hello.version != PROTOCOL_VERSION {
+    if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&hello.version) {
         let message = format!(
-            "incompatible protocol version: peer speaks {}, this sink speaks {PROTOCOL_VERSION}",
+            "incompatible protocol version: peer speaks {}, this sink speaks \
+             {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}",
             hello.version
         );
         ctl.send_last(
@@ -577,8 +615,10 @@ async fn serve_connection(
     if let Err(e) = check_name(&hello.site) {
         return Err(ConnError::Unexpected(format!("bad site name: {e}")));
     }
+    // Answered in the source's version (an older source checks for its
+    // own).
     ctl.send(&Control::Hello(Hello {
-        version: PROTOCOL_VERSION,
+        version: hello.version,
         agent: inner.cfg.agent.clone(),
         site: inner.cfg.site.clone(),
     }))
@@ -660,6 +700,7 @@ async fn serve_connection(
                     batches,
                     manifest,
                     siblings,
+                    checkpoint,
                 }) => {
                     let live = open.get(id);
                     let Some(live) = live else {
@@ -682,6 +723,7 @@ async fn serve_connection(
                             opened_ms,
                         };
                         st.siblings = siblings;
+                        st.meta = checkpoint_meta(id, checkpoint);
                     }
                     maybe_finish(inner, &live, &ctl, id).await?;
                 }
@@ -1485,7 +1527,7 @@ async fn maybe_finish(
     enum Next {
         Need(Vec<u64>, u64),
         Mismatch(String),
-        Publish(Manifest, SourceTimes, Vec<(u64, Hash)>),
+        Publish(Manifest, (SourceTimes, CheckpointMeta), Vec<(u64, Hash)>),
     }
     let next = {
         let mut st = crate::lock::lock(&live.st);
@@ -1501,7 +1543,7 @@ async fn maybe_finish(
             Ok(keys) => match decide::commit_verdict(&keys, &st.verified) {
                 decide::CommitVerdict::Publish => {
                     st.publishing = true;
-                    Next::Publish(manifest, st.times, keys)
+                    Next::Publish(manifest, (st.times, st.meta), keys)
                 }
                 decide::CommitVerdict::Need { keys: need, wrong } => {
                     // Verified against the hash sent with it, but not the
@@ -1543,7 +1585,7 @@ async fn maybe_finish(
             })
             .await
         }
-        Next::Publish(manifest, times, keys) => {
+        Next::Publish(manifest, (times, meta), keys) => {
             let t_publish = Instant::now();
             // One publish at a time per local path: two transfers moving
             // versions into the same place must not interleave their steps.
@@ -1625,6 +1667,7 @@ async fn maybe_finish(
                     &local,
                     manifest.bytes(),
                     times,
+                    meta,
                 )
                 .await
             {
@@ -1649,6 +1692,10 @@ async fn maybe_finish(
                 m.remove(&live.id);
             }
             inner.changed.send_modify(|v| *v += 1);
+            // The retention policies run at each publish.
+            if !inner.cfg.retention.is_empty() {
+                inner.retention_wake.notify_one();
+            }
             info!(transfer = %id, path = %local, root = %root_hex, publish_ms = t_publish.elapsed().as_millis() as u64, reread_ms, reread_cpu_ms, "replica published");
             ctl.send(&Control::Published {
                 id,
@@ -1657,6 +1704,31 @@ async fn maybe_finish(
             })
             .await
         }
+    }
+}
+
+/// The step and class of a version 3 commit, typed; a class name this sink
+/// does not know is logged and left unknown.
+fn checkpoint_meta(
+    id: TransferId,
+    info: Option<ferry_proto::wire::CheckpointInfo>,
+) -> CheckpointMeta {
+    let Some(info) = info else {
+        return CheckpointMeta::default();
+    };
+    let class = match info.class.as_str() {
+        "" => None,
+        name => match name.parse::<scheduler::Class>() {
+            Ok(c) => Some(c),
+            Err(e) => {
+                warn!(transfer = %id, "commit names {e}; stored without a class");
+                None
+            }
+        },
+    };
+    CheckpointMeta {
+        step: info.step,
+        class,
     }
 }
 

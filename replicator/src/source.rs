@@ -20,7 +20,7 @@ use ferry_catalog::{
 use ferry_proto::manifest::{hex, ChunkMap, FileEntry, FileInfo, Hash, Manifest};
 use ferry_proto::state::{CheckpointState, TransferId, TransferState};
 use ferry_proto::wire::{
-    Commit, Control, Hello, Open, RecordHeader, TransferKey, PROTOCOL_VERSION,
+    CheckpointInfo, Commit, Control, Hello, Open, RecordHeader, TransferKey, PROTOCOL_VERSION,
 };
 use quinn::{Connection, Endpoint, VarInt};
 use serde::Serialize;
@@ -2314,6 +2314,7 @@ async fn commit_loop(
             .catalog
             .set_transfer_state(t.id, TransferState::Verifying, None)
             .await?;
+        let checkpoint = checkpoint_info(c, t, &sealed.manifest);
         c.ctl
             .send(&Control::Commit(Commit {
                 id,
@@ -2322,6 +2323,7 @@ async fn commit_loop(
                 batches,
                 manifest: (*sealed.manifest).clone(),
                 siblings: sealed.siblings.clone(),
+                checkpoint: Some(checkpoint),
             }))
             .await?;
         loop {
@@ -2339,6 +2341,51 @@ async fn commit_loop(
             }
         }
     }
+}
+
+/// What the commit tells the sink of the checkpoint (protocol version 3):
+/// its step ([`step_at_commit`]) and the class the link's scheduler
+/// serves the transfer in now (`urgent` while a signal promotes it; the
+/// run's class if the scheduler no longer holds it). No catalog read: the
+/// commit waits for nothing.
+fn checkpoint_info(c: &LinkConn, t: &Transfer, m: &Manifest) -> CheckpointInfo {
+    let class = c.sched.lock().ls.class_of(t.id).unwrap_or_else(|| {
+        scheduler::effective_class(t.class, t.urgent_until, ferry_catalog::now_ms())
+    });
+    CheckpointInfo {
+        step: step_at_commit(t.format.is_some(), &t.rel, m),
+        class: class.as_str().to_string(),
+    }
+}
+
+/// The step of checkpoint `rel` (its directory name, `formats::step_of`)
+/// when its format names steps: the watcher recognised it
+/// (`watched_format`), or `formats::recognise` does from the sealed
+/// manifest's files (a push). `None` for a directory of no known format
+/// (`dataset-2024` is not step 2024).
+fn step_at_commit(watched_format: bool, rel: &str, m: &Manifest) -> Option<u64> {
+    use crate::formats;
+    let recognised = watched_format || {
+        let files: Vec<formats::FileState> = m
+            .files
+            .iter()
+            .map(|f| formats::FileState {
+                path: f.path.clone(),
+                size: f.size,
+                mtime_ns: f.mtime_ns,
+                complete: true,
+                content: None,
+            })
+            .collect();
+        formats::recognise(&formats::Snapshot {
+            dir: rel,
+            files: &files,
+            siblings: &[],
+            sibling_dirs: &[],
+        })
+        .is_some()
+    };
+    recognised.then(|| formats::step_of(rel)).flatten()
 }
 
 async fn handle_end(
@@ -2693,6 +2740,37 @@ mod tests {
         );
         assert_eq!(default_connections(0, 0), 1);
         assert_eq!(default_connections(u64::MAX, 4), 4);
+    }
+
+    #[test]
+    fn a_commit_names_the_step_only_of_a_checkpoint_format() {
+        use ferry_proto::manifest::FileEntry;
+        let m = |paths: &[&str]| Manifest {
+            chunk_size: 1 << 20,
+            files: paths
+                .iter()
+                .map(|p| FileEntry {
+                    path: (*p).into(),
+                    size: 1,
+                    mode: 0o644,
+                    mtime_ns: 0,
+                    chunks: vec![[0; 32]],
+                })
+                .collect(),
+            markers: vec![],
+        };
+        // A pushed DeepSpeed save: recognised from its files.
+        let ds = m(&[
+            "mp_rank_00_model_states.pt",
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        ]);
+        assert_eq!(step_at_commit(false, "global_step1200", &ds), Some(1200));
+        // A pushed directory of no known format has no step, digits or not.
+        let data = m(&["shard-0.bin", "COMMITTED"]);
+        assert_eq!(step_at_commit(false, "dataset-2024", &data), None);
+        // The watcher's format counts (its files were checked then).
+        assert_eq!(step_at_commit(true, "step_00000300", &data), Some(300));
+        assert_eq!(step_at_commit(true, "release", &data), None);
     }
 
     #[test]

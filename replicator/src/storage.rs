@@ -252,12 +252,22 @@ pub trait SinkStore: Send + Sync + fmt::Debug {
     /// I/O errors naming the path (`NotFound` is not an error).
     fn discard(&self, staging: &Path) -> io::Result<()>;
 
-    /// Removes the published version at `local_path` (a replica that is
-    /// no longer kept).
+    /// Takes the published version at `local_path` out of the published
+    /// namespace in one atomic step (a reader sees the whole version or
+    /// nothing there), moving it to `aside`, a path of the sink's own area
+    /// that does not exist yet; [`SinkStore::retire`] then deletes it.
+    /// `Ok(false)` when nothing is at `local_path` (withdrawn already).
+    ///
+    /// # Errors
+    /// I/O errors naming the path.
+    fn withdraw(&self, local_path: &Path, aside: &Path) -> io::Result<bool>;
+
+    /// Deletes a version [`SinkStore::withdraw`] moved to `aside`. A
+    /// deletion a crash interrupted is finished by calling it again.
     ///
     /// # Errors
     /// I/O errors naming the path (`NotFound` is not an error).
-    fn retire(&self, local_path: &Path) -> io::Result<()>;
+    fn retire(&self, aside: &Path) -> io::Result<()>;
 
     /// Bytes free for new replicas under `path`; `None` when the backend
     /// cannot tell (an object store).

@@ -168,6 +168,8 @@ async fn a_source_outside_accept_peers_is_refused() {
             accept_peers: vec!["train-a-1".into()],
             reserve_bytes: 0,
             reread_before_publish: true,
+            retention: Vec::new(),
+            retention_interval: std::time::Duration::from_secs(60),
         },
         catalog,
         ep,

@@ -13,10 +13,12 @@ use ferry_proto::limits::MAX_CHUNK;
 use ferry_proto::manifest::FileInfo;
 use ferry_proto::state::TransferId;
 use ferry_proto::wire::{
-    BatchHeader, Commit, Control, Hello, Open, RecordHeader, TransferKey, PROTOCOL_VERSION,
+    BatchHeader, CheckpointInfo, Commit, Control, Hello, Open, RecordHeader, TransferKey,
+    MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 use quinn::{Connection, Endpoint};
 use replicator::conn::read_frame;
+use replicator::sink::retention::RetentionPolicy;
 use replicator::sink::{Sink, SinkConfig};
 use replicator::tls::{self, AgentIdentity};
 use replicator::transport::{self, SocketKind};
@@ -31,6 +33,11 @@ struct Setup {
 }
 
 async fn setup() -> Setup {
+    setup_with(Vec::new()).await
+}
+
+/// [`setup`] with the sink's retention policies.
+async fn setup_with(retention: Vec<RetentionPolicy>) -> Setup {
     let dir = tempfile::tempdir().unwrap();
     let base = dir.path().to_path_buf();
     let certs = base.join("certs");
@@ -61,6 +68,8 @@ async fn setup() -> Setup {
             accept_peers: vec![],
             reserve_bytes: 0,
             reread_before_publish: true,
+            retention,
+            retention_interval: std::time::Duration::from_secs(3600),
         },
         catalog,
         ep,
@@ -390,6 +399,7 @@ async fn out_of_order_control_messages_close_the_connection() {
                 batches: 0,
                 manifest,
                 siblings: vec![],
+                checkpoint: None,
             }),
             "commit for unknown transfer 77",
         ),
@@ -527,6 +537,7 @@ async fn records_past_the_declared_file_size_are_dropped() {
             batches: 4,
             manifest: m,
             siblings: vec![],
+            checkpoint: None,
         })
         .encode(),
     )
@@ -543,6 +554,207 @@ async fn records_past_the_declared_file_size_are_dropped() {
     assert_eq!(published, payload);
     assert!(Path::new(&local_path).starts_with(&s.sink_root));
     assert!(outside_root(&s).is_empty(), "{:?}", outside_root(&s));
+}
+
+/// Opens transfer `n` (checkpoint `step_<n>`, one 10-byte file) on a new
+/// connection speaking `version`, sends its chunk and commits with
+/// `checkpoint`; returns the published local path.
+async fn publish_raw(
+    s: &Setup,
+    n: u64,
+    version: u16,
+    checkpoint: Option<CheckpointInfo>,
+) -> String {
+    publish_at(s, n, &format!("step_{n}"), version, checkpoint).await
+}
+
+/// [`publish_raw`] of checkpoint `rel`.
+async fn publish_at(
+    s: &Setup,
+    n: u64,
+    rel: &str,
+    version: u16,
+    checkpoint: Option<CheckpointInfo>,
+) -> String {
+    let (conn, mut send, mut recv, answer) = connect(s, version).await;
+    match answer {
+        Some(Control::Hello(h)) => assert_eq!(h.version, version),
+        other => panic!("version {version}: expected a hello, got {other:?}"),
+    }
+    send.write_all(&open(n, rel, vec![file("a", 10)]).encode())
+        .await
+        .unwrap();
+    assert!(matches!(
+        read_frame(&mut recv).await.unwrap(),
+        Some(Control::Have { .. })
+    ));
+    let payload = b"abcdefghij";
+    send_record(&conn, n, 0, 0, payload).await;
+    let m = ferry_proto::manifest::Manifest {
+        chunk_size: 4 << 20,
+        files: vec![ferry_proto::manifest::FileEntry {
+            path: "a".into(),
+            size: 10,
+            mode: 0o644,
+            mtime_ns: 0,
+            chunks: vec![*blake3::hash(payload).as_bytes()],
+        }],
+        markers: vec![],
+    };
+    send.write_all(
+        &Control::Commit(Commit {
+            id: TransferId(n),
+            committed_ms: 0,
+            opened_ms: 0,
+            batches: 1,
+            manifest: m,
+            siblings: vec![],
+            checkpoint,
+        })
+        .encode(),
+    )
+    .await
+    .unwrap();
+    let reply = tokio::time::timeout(Duration::from_secs(20), read_frame(&mut recv))
+        .await
+        .unwrap()
+        .unwrap();
+    let Some(Control::Published { local_path, .. }) = reply else {
+        panic!("version {version}: expected published, got {reply:?}");
+    };
+    assert_eq!(
+        std::fs::read(Path::new(&local_path).join("a")).unwrap(),
+        payload
+    );
+    conn.close(0u32.into(), b"done");
+    local_path
+}
+
+/// A source of the previous protocol version (no step or class at commit)
+/// still publishes; a current one's step and class are stored with the
+/// replica. The sink answers each hello in the source's own version.
+#[tokio::test]
+async fn an_old_version_source_still_publishes_and_a_new_one_sends_step_and_class() {
+    let s = setup().await;
+    let old = publish_raw(&s, 1, MIN_PROTOCOL_VERSION, None).await;
+    let info = CheckpointInfo {
+        step: Some(1200),
+        class: "urgent".into(),
+    };
+    let new = publish_raw(&s, 2, PROTOCOL_VERSION, Some(info)).await;
+    let cat = s._sink.catalog();
+    let row = async |p: String| cat.replica_by_local_path(&p).await.unwrap().unwrap();
+    let old = row(old).await;
+    assert_eq!((old.step, old.class), (None, None));
+    let new = row(new).await;
+    assert_eq!(
+        (new.step, new.class),
+        (Some(1200), Some(scheduler::Class::Urgent))
+    );
+}
+
+/// Removal by hand refuses, naming why and removing nothing: an unknown
+/// id, a version a re-save replaced, a pinned one without force.
+#[tokio::test]
+async fn a_removal_by_hand_refuses_what_it_cannot_remove() {
+    use replicator::sink::lifecycle::LifecycleError;
+    let s = setup().await;
+    let path = publish_at(&s, 1, "step_7", PROTOCOL_VERSION, None).await;
+    // The job saves step 7 again: a new transfer, the same path.
+    let again = publish_at(&s, 2, "step_7", PROTOCOL_VERSION, None).await;
+    assert_eq!(path, again);
+    let rows = s._sink.catalog().replicas_in(None, 10, 0).await.unwrap();
+    let (new, old) = (rows[0].id, rows[1].id);
+    match s._sink.remove(999, false, "").await {
+        Err(e @ LifecycleError::NotFound(999)) => assert_eq!(e.to_string(), "no replica 999"),
+        other => panic!("{other:?}"),
+    }
+    match s._sink.remove(old, false, "").await {
+        Err(e @ LifecycleError::Replaced { .. }) => {
+            assert!(
+                e.to_string()
+                    .contains(&format!("replaced by replica {new}")),
+                "{e}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    s._sink.pin(new, None, "keep").await.unwrap();
+    match s._sink.remove(new, false, "").await {
+        Err(e @ LifecycleError::Pinned { .. }) => assert!(e.to_string().contains("keep"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(Path::new(&path).join("a").exists(), "nothing was removed");
+    let r = s._sink.remove(new, true, "").await.unwrap();
+    assert_eq!(r.state, ferry_proto::state::TransferState::Removing);
+    assert!(r.removal.unwrap().forced);
+    assert!(!Path::new(&path).exists());
+    // Removed now: a second removal is refused.
+    assert!(matches!(
+        s._sink.remove(new, true, "").await,
+        Err(LifecycleError::NotPublished { .. })
+    ));
+}
+
+/// A `dry_run` policy names what it would remove and removes nothing; the
+/// same policy without `dry_run` removes it (out of the published
+/// namespace at once, its files deleted in the background).
+#[tokio::test]
+async fn a_dry_run_policy_removes_nothing() {
+    for dry_run in [true, false] {
+        let policy = RetentionPolicy::new("job", Some(1), None, None, None, dry_run).unwrap();
+        let s = setup_with(vec![policy]).await;
+        let info = |step| CheckpointInfo {
+            step: Some(step),
+            class: "scheduled".into(),
+        };
+        let older = publish_raw(&s, 1, PROTOCOL_VERSION, Some(info(100))).await;
+        let newer = publish_raw(&s, 2, PROTOCOL_VERSION, Some(info(200))).await;
+        let cat = s._sink.catalog();
+        // By rel: the pass after the publish may have removed it already.
+        let older_id = cat
+            .replicas_in(None, 10, 0)
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|r| r.rel == "step_1")
+            .unwrap()
+            .id;
+        if dry_run {
+            assert_eq!(s._sink.apply_retention().await.unwrap(), vec![older_id]);
+            assert!(Path::new(&older).join("a").exists());
+            assert!(cat.replica_by_local_path(&older).await.unwrap().is_some());
+            let r = s._sink.resolve("/ckpt/job/step_1").await.unwrap();
+            assert!(
+                matches!(r, replicator::sink::Resolution::Local { .. }),
+                "{r:?}"
+            );
+        } else {
+            // The pass after the publish may have been first: either way
+            // the row ends `removed`.
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            loop {
+                s._sink.apply_retention().await.unwrap();
+                let r = cat.replica(older_id).await.unwrap().unwrap();
+                if r.state == ferry_proto::state::TransferState::Removed {
+                    assert_eq!(
+                        r.removal.unwrap().reason,
+                        ferry_catalog::RemovalReason::Rule
+                    );
+                    break;
+                }
+                assert!(std::time::Instant::now() < deadline, "{r:?}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            assert!(!Path::new(&older).exists(), "out of the published path");
+            let r = s._sink.resolve("/ckpt/job/step_1").await.unwrap();
+            assert!(
+                matches!(r, replicator::sink::Resolution::Remote { .. }),
+                "{r:?}"
+            );
+        }
+        assert!(Path::new(&newer).join("a").exists());
+    }
 }
 
 /// A symlink planted in a transfer's staging directory, at a file's name or

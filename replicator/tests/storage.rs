@@ -31,6 +31,10 @@ struct Backend<'a> {
     /// Whether a replica read back keeps the modes and mtimes of the
     /// manifest (an object store keeps them in its commit object instead).
     keeps_metadata: bool,
+    /// Whether the store can take a published version out of the
+    /// namespace ([`SinkStore::withdraw`]); S3 refuses until replicas live
+    /// under versioned prefixes.
+    withdraws: bool,
 }
 
 /// What must match between a checkpoint and its replica: the manifest
@@ -272,12 +276,29 @@ fn stages_publishes_and_retires(b: &Backend, dir: &Path) {
 
     assert!(sink.free_space(dir).unwrap().is_none_or(|b| b > 0));
     sink.flush(dir).unwrap();
-    sink.retire(&local).unwrap();
-    sink.retire(&local).unwrap();
+    // Withdrawn in one step (nothing left at the published path), then
+    // deleted; both steps may be repeated (a restart finishing them).
+    let aside = dir.join("retired/1");
+    if !b.withdraws {
+        let e = sink.withdraw(&local, &aside).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::Unsupported, "{e}");
+        build(src, &local, &markers, cs).expect("a refused withdraw leaves the replica");
+        return;
+    }
+    assert!(sink.withdraw(&local, &aside).unwrap());
     assert!(
         src.list(&local, &[]).is_err(),
-        "retired: nothing left to list"
+        "withdrawn: nothing left to list at the published path"
     );
+    assert_eq!(
+        build(src, &aside, &markers, cs).unwrap().root(),
+        m2.root(),
+        "the whole version moved aside"
+    );
+    assert!(!sink.withdraw(&local, &aside).unwrap(), "withdrawn already");
+    sink.retire(&aside).unwrap();
+    sink.retire(&aside).unwrap();
+    assert!(src.list(&aside, &[]).is_err(), "retired: nothing left");
 }
 
 /// Staging never writes through a symlink planted in the staging area.
@@ -397,6 +418,7 @@ fn posix_backend_conforms() {
         put: &put,
         put_if_absent: &put_if_absent,
         keeps_metadata: true,
+        withdraws: true,
     };
     conforms(&b, &d.path().join("suite"), "the local file system");
     lists_with_sizes_markers_and_versions(src, &d.path().join("list"));
@@ -471,6 +493,7 @@ fn hdfs_backend_conforms() {
         put: &put,
         put_if_absent: &put_if_absent,
         keeps_metadata: true,
+        withdraws: true,
     };
     let dir = unique("hdfs-suite");
     conforms(&b, &dir, &format!("the MiniDFSCluster at {url}"));
@@ -505,6 +528,7 @@ fn s3_backend_conforms() {
         put: &put,
         put_if_absent: &put_if_absent,
         keeps_metadata: false,
+        withdraws: false,
     };
     let dir = unique("s3-suite");
     // The server's conditional create first: the publish relies on it.

@@ -14,8 +14,8 @@ use ferry_proto::manifest::{chunk_count, FileEntry, FileInfo, Manifest, MIN_CHUN
 use ferry_proto::paths::{check_name, check_relative};
 use ferry_proto::state::{Profile, TransferId};
 use ferry_proto::wire::{
-    frame_len, BatchHeader, Commit, Control, Hello, Open, RecordHeader, TransferKey, WireError,
-    BATCH_HEADER_LEN, DATA_MAGIC, RECORD_HEADER_LEN,
+    frame_len, BatchHeader, CheckpointInfo, Commit, Control, Hello, Open, RecordHeader,
+    TransferKey, WireError, BATCH_HEADER_LEN, DATA_MAGIC, RECORD_HEADER_LEN,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed};
@@ -264,19 +264,21 @@ fn control() -> impl Strategy<Value = Control> {
             prop::collection::vec(
                 (short_str(), prop::collection::vec(any::<u8>(), 0..64)),
                 0..=MAX_SIBLINGS as usize
-            )
+            ),
+            prop::option::of((prop::option::of(any::<u64>()), short_str()))
         )
             .prop_map(
-                |((id, committed_ms, opened_ms, batches), manifest, siblings)| Control::Commit(
-                    Commit {
+                |((id, committed_ms, opened_ms, batches), manifest, siblings, checkpoint)| {
+                    Control::Commit(Commit {
                         id: TransferId(id),
                         committed_ms,
                         opened_ms,
                         batches,
                         manifest,
                         siblings,
-                    }
-                )
+                        checkpoint: checkpoint.map(|(step, class)| CheckpointInfo { step, class }),
+                    })
+                }
             ),
         (any::<u64>(), short_str(), any::<[u8; 32]>()).prop_map(|(id, local_path, root)| {
             Control::Published {

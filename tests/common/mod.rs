@@ -203,6 +203,9 @@ pub struct SinkSpec {
     pub root: PathBuf,
     /// `reserve`, if not the default.
     pub reserve: Option<String>,
+    /// Extra TOML lines for `[sink]` (keys, then `[[sink.retention]]`
+    /// tables).
+    pub extra: String,
 }
 
 /// Everything written into an agent's TOML config file.
@@ -296,6 +299,7 @@ impl AgentConfig {
             if let Some(r) = &s.reserve {
                 t += &format!("reserve = {}\n", toml_str(r));
             }
+            t += &s.extra;
         }
         t
     }
@@ -649,6 +653,7 @@ impl World {
             sink: Some(SinkSpec {
                 root: self.sink_root(),
                 reserve: None,
+                extra: String::new(),
             }),
         }
     }

@@ -3,6 +3,7 @@
 
 use ferry_proto::manifest::FileInfo;
 use ferry_proto::state::{Profile, TransferId, TransferState};
+use scheduler::Class;
 use std::path::Path;
 
 use sqlx::any::AnyRow;
@@ -58,6 +59,103 @@ pub struct Replica {
     pub open_to_replica_s: Option<f64>,
     /// Replication profile.
     pub profile: Profile,
+    /// Training step the source sent at commit (protocol version 3), if
+    /// the checkpoint's format names one.
+    pub step: Option<i64>,
+    /// The transfer's class at commit, as the source sent it (protocol
+    /// version 3); `None` from an older source.
+    pub class: Option<Class>,
+    /// The operator's pin, if pinned.
+    pub pin: Option<Pin>,
+    /// The removal, once the replica is `removing` or `removed`.
+    pub removal: Option<Removal>,
+}
+
+/// An operator's pin on a replica: it never expires, and a removal by hand
+/// needs `force`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pin {
+    /// When it was pinned (Unix ms).
+    pub at: i64,
+    /// Until when (Unix ms); `None` = until unpinned.
+    pub until: Option<i64>,
+    /// Why, as the operator gave it.
+    pub reason: String,
+}
+
+/// Why a replica was removed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RemovalReason {
+    /// Its retention policy expired it.
+    Rule,
+    /// Space pressure.
+    Pressure,
+    /// An operator removed it by hand.
+    Operator,
+}
+
+impl RemovalReason {
+    /// Every reason, for metrics labels.
+    pub const ALL: [RemovalReason; 3] = [
+        RemovalReason::Rule,
+        RemovalReason::Pressure,
+        RemovalReason::Operator,
+    ];
+
+    /// The name stored in the catalog and shown in the API and metrics.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            RemovalReason::Rule => "rule",
+            RemovalReason::Pressure => "pressure",
+            RemovalReason::Operator => "operator",
+        }
+    }
+}
+
+impl std::fmt::Display for RemovalReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for RemovalReason {
+    type Err = ferry_proto::state::UnknownName;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        RemovalReason::ALL
+            .into_iter()
+            .find(|r| r.as_str() == s)
+            .ok_or_else(|| ferry_proto::state::UnknownName {
+                what: "removal reason",
+                got: s.chars().take(100).collect(),
+                expected: "rule pressure operator",
+            })
+    }
+}
+
+/// The record of a removal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Removal {
+    /// Rule, pressure or operator.
+    pub reason: RemovalReason,
+    /// The policy that expired it, or the operator's note.
+    pub detail: String,
+    /// When it left the published namespace (Unix ms).
+    pub started_at: i64,
+    /// When its files were gone (Unix ms); `None` while `removing`.
+    pub finished_at: Option<i64>,
+    /// Bytes it held (its manifest's size).
+    pub bytes: i64,
+    /// An operator removed it past its pin (`force=true`).
+    pub forced: bool,
+}
+
+/// What a version 3 source said of a checkpoint at commit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CheckpointMeta {
+    /// Training step.
+    pub step: Option<u64>,
+    /// Class at commit.
+    pub class: Option<Class>,
 }
 
 /// New sink-side row.
@@ -101,7 +199,9 @@ pub struct SourceTimes {
 
 const REPLICA_COLS: &str = "id, peer, source_site, source_transfer, job, source_path, rel, \
     chunk_size, state, bytes_total, bytes_done, staging_path, local_path, manifest_root, error, \
-    created_at, published_at, committed_at, commit_to_replica_s, open_to_replica_s, profile";
+    created_at, published_at, committed_at, commit_to_replica_s, open_to_replica_s, profile, \
+    step, class, pinned_at, pinned_until, pin_reason, removal_reason, removal_detail, \
+    removal_started_at, removed_at, removed_bytes, removal_forced";
 
 fn replica_row(r: &AnyRow) -> Result<Replica, sqlx::Error> {
     Ok(Replica {
@@ -126,6 +226,36 @@ fn replica_row(r: &AnyRow) -> Result<Replica, sqlx::Error> {
         commit_to_replica_s: r.try_get("commit_to_replica_s")?,
         open_to_replica_s: r.try_get("open_to_replica_s")?,
         profile: profile(r)?,
+        step: r.try_get("step")?,
+        class: r
+            .try_get::<Option<String>, _>("class")?
+            .map(|_| parsed(r, "class"))
+            .transpose()?,
+        pin: match r.try_get::<Option<i64>, _>("pinned_at")? {
+            Some(at) => Some(Pin {
+                at,
+                until: r.try_get("pinned_until")?,
+                reason: r
+                    .try_get::<Option<String>, _>("pin_reason")?
+                    .unwrap_or_default(),
+            }),
+            None => None,
+        },
+        removal: match r.try_get::<Option<String>, _>("removal_reason")? {
+            Some(_) => Some(Removal {
+                reason: parsed(r, "removal_reason")?,
+                detail: r
+                    .try_get::<Option<String>, _>("removal_detail")?
+                    .unwrap_or_default(),
+                started_at: r
+                    .try_get::<Option<i64>, _>("removal_started_at")?
+                    .unwrap_or(0),
+                finished_at: r.try_get("removed_at")?,
+                bytes: r.try_get::<Option<i64>, _>("removed_bytes")?.unwrap_or(0),
+                forced: r.try_get::<i64, _>("removal_forced")? != 0,
+            }),
+            None => None,
+        },
     })
 }
 
@@ -265,6 +395,7 @@ impl Catalog {
     ///
     /// # Errors
     /// SQL errors.
+    #[allow(clippy::too_many_arguments)]
     pub async fn set_replica_published(
         &self,
         id: i64,
@@ -273,6 +404,7 @@ impl Catalog {
         local_path: &str,
         bytes: u64,
         times: SourceTimes,
+        meta: CheckpointMeta,
     ) -> Result<Option<f64>, CatalogError> {
         let now = now_ms();
         let lag = |t: i64| (t > 0).then(|| (now - t) as f64 / 1000.0);
@@ -281,7 +413,8 @@ impl Catalog {
         sqlx::query(&self.db.sql(
             "UPDATE replicas SET state = 'published', manifest = ?, manifest_root = ?, \
              local_path = ?, bytes_total = ?, bytes_done = ?, published_at = ?, opened_at = ?, \
-             committed_at = ?, commit_to_replica_s = ?, open_to_replica_s = ? WHERE id = ?",
+             committed_at = ?, commit_to_replica_s = ?, open_to_replica_s = ?, step = ?, \
+             class = ? WHERE id = ?",
         ))
         .bind(manifest)
         .bind(root_hex)
@@ -293,6 +426,8 @@ impl Catalog {
         .bind(known(times.committed_ms))
         .bind(lag(times.committed_ms))
         .bind(lag(times.opened_ms))
+        .bind(meta.step.and_then(|s| i64::try_from(s).ok()))
+        .bind(meta.class.map(Class::as_str))
         .bind(id)
         .execute(&mut *tx)
         .await?;
@@ -374,17 +509,160 @@ impl Catalog {
         limit: i64,
         offset: i64,
     ) -> Result<Vec<Replica>, CatalogError> {
-        let q = if published {
-            format!("SELECT {REPLICA_COLS} FROM replicas WHERE state = 'published' ORDER BY id DESC LIMIT ? OFFSET ?")
+        self.replicas_in(published.then_some(TransferState::Published), limit, offset)
+            .await
+    }
+
+    /// Sink-side rows in `state` (any state if `None`), newest first.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn replicas_in(
+        &self,
+        state: Option<TransferState>,
+        limit: i64,
+        offset: i64,
+    ) -> Result<Vec<Replica>, CatalogError> {
+        let q = if state.is_some() {
+            format!("SELECT {REPLICA_COLS} FROM replicas WHERE state = ? ORDER BY id DESC LIMIT ? OFFSET ?")
         } else {
             format!("SELECT {REPLICA_COLS} FROM replicas ORDER BY id DESC LIMIT ? OFFSET ?")
         };
-        let rows = sqlx::query(&self.db.sql(&q))
-            .bind(limit)
-            .bind(offset)
-            .fetch_all(&self.pool)
-            .await?;
+        let sql = self.db.sql(&q);
+        let mut query = sqlx::query(&sql);
+        if let Some(s) = state {
+            query = query.bind(s.as_str());
+        }
+        let rows = query.bind(limit).bind(offset).fetch_all(&self.pool).await?;
         Ok(rows.iter().map(replica_row).collect::<Result<_, _>>()?)
+    }
+
+    /// The published versions a retention policy weighs: every `published`
+    /// row with no newer published, `removing` or `removed` row at its
+    /// `local_path` (an older one was replaced on disk by a re-save),
+    /// oldest first.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn current_replicas(&self) -> Result<Vec<Replica>, CatalogError> {
+        let q = format!(
+            "SELECT {REPLICA_COLS} FROM replicas r WHERE state = 'published' AND NOT EXISTS \
+             (SELECT 1 FROM replicas n WHERE n.local_path = r.local_path \
+             AND n.state IN ('published', 'removing', 'removed') AND n.id > r.id) ORDER BY id"
+        );
+        let rows = sqlx::query(&self.db.sql(&q)).fetch_all(&self.pool).await?;
+        Ok(rows.iter().map(replica_row).collect::<Result<_, _>>()?)
+    }
+
+    /// Rows whose removal began but did not finish (a crash): finished
+    /// after a restart.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn replicas_removing(&self) -> Result<Vec<Replica>, CatalogError> {
+        self.replicas_in(Some(TransferState::Removing), i64::MAX, 0)
+            .await
+    }
+
+    /// Takes published replica `id` out of the published namespace: its
+    /// state becomes `removing` with the removal's record. False (and
+    /// nothing written) when the row is not `published` (removed
+    /// meanwhile, say).
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn begin_replica_removal(
+        &self,
+        id: i64,
+        reason: RemovalReason,
+        detail: &str,
+        forced: bool,
+        bytes: i64,
+    ) -> Result<bool, CatalogError> {
+        let r = sqlx::query(&self.db.sql(
+            "UPDATE replicas SET state = 'removing', removal_reason = ?, removal_detail = ?, \
+             removal_started_at = ?, removed_bytes = ?, removal_forced = ? \
+             WHERE id = ? AND state = 'published'",
+        ))
+        .bind(reason.as_str())
+        .bind(detail)
+        .bind(now_ms())
+        .bind(bytes)
+        .bind(i64::from(forced))
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(r.rows_affected() == 1)
+    }
+
+    /// Records that the files of `removing` replica `id` are gone.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn finish_replica_removal(&self, id: i64) -> Result<(), CatalogError> {
+        sqlx::query(&self.db.sql(
+            "UPDATE replicas SET state = 'removed', removed_at = ? WHERE id = ? AND state = 'removing'",
+        ))
+        .bind(now_ms())
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Pins published replica `id` (`until`: Unix ms, `None` = until
+    /// unpinned), replacing an earlier pin. False when no published row
+    /// has that id.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn pin_replica(
+        &self,
+        id: i64,
+        until: Option<i64>,
+        reason: &str,
+    ) -> Result<bool, CatalogError> {
+        let r = sqlx::query(&self.db.sql(
+            "UPDATE replicas SET pinned_at = ?, pinned_until = ?, pin_reason = ? \
+             WHERE id = ? AND state = 'published'",
+        ))
+        .bind(now_ms())
+        .bind(until)
+        .bind(reason)
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(r.rows_affected() == 1)
+    }
+
+    /// Removes the pin of replica `id`, if it has one; true if it had.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn unpin_replica(&self, id: i64) -> Result<bool, CatalogError> {
+        let r = sqlx::query(&self.db.sql(
+            "UPDATE replicas SET pinned_at = NULL, pinned_until = NULL, pin_reason = NULL \
+             WHERE id = ? AND pinned_at IS NOT NULL",
+        ))
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(r.rows_affected() == 1)
+    }
+
+    /// Published replicas pinned at `now_ms` (Unix ms), for metrics.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn pinned_replica_count(&self, now_ms: i64) -> Result<i64, CatalogError> {
+        let r = sqlx::query(&self.db.sql(
+            "SELECT COUNT(*) AS n FROM replicas WHERE state = 'published' \
+             AND pinned_at IS NOT NULL AND (pinned_until IS NULL OR pinned_until > ?)",
+        ))
+        .bind(now_ms)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(r.try_get("n")?)
     }
 
     /// The sink-side rows for a checkpoint at `source_path`, newest first:

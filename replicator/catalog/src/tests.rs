@@ -203,7 +203,18 @@ async fn transfer_and_replica_rows_roundtrip() {
         opened_ms: now_ms() - 5_000,
     };
     let stored_lag = c
-        .set_replica_published(r, b"m", "ab", "/eval/x", 5, times)
+        .set_replica_published(
+            r,
+            b"m",
+            "ab",
+            "/eval/x",
+            5,
+            times,
+            CheckpointMeta {
+                step: Some(1200),
+                class: Some(scheduler::Class::Urgent),
+            },
+        )
         .await
         .unwrap();
     assert_eq!(
@@ -223,6 +234,95 @@ async fn transfer_and_replica_rows_roundtrip() {
         "{lag} {open}"
     );
     assert_eq!(c.replica_manifest(r).await.unwrap().unwrap(), b"m");
+    assert_eq!(rep.step, Some(1200));
+    assert_eq!(rep.class, Some(scheduler::Class::Urgent));
+    assert_eq!((rep.pin.clone(), rep.removal.clone()), (None, None));
+}
+
+/// Pins, the current versions at a path, and a removal's two steps.
+#[tokio::test]
+async fn replica_pins_and_removals_are_recorded() {
+    let d = tempfile::tempdir().unwrap();
+    let c = Catalog::open(d.path()).await.unwrap();
+    let mut ids = Vec::new();
+    for (n, path) in [(1, "/eval/a"), (2, "/eval/a"), (3, "/eval/b")] {
+        let r = replica_for(&c, TransferId(n)).await;
+        c.set_replica_published(
+            r,
+            b"m",
+            "ab",
+            path,
+            10 * n,
+            SourceTimes::default(),
+            CheckpointMeta::default(),
+        )
+        .await
+        .unwrap();
+        ids.push(r);
+    }
+    // The first was replaced at /eval/a by the second.
+    let current: Vec<i64> = c
+        .current_replicas()
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(current, vec![ids[1], ids[2]]);
+    assert!(c.pin_replica(ids[2], None, "bisecting").await.unwrap());
+    assert_eq!(c.pinned_replica_count(now_ms()).await.unwrap(), 1);
+    let pin = c.replica(ids[2]).await.unwrap().unwrap().pin.unwrap();
+    assert_eq!((pin.until, pin.reason.as_str()), (None, "bisecting"));
+    assert!(c.unpin_replica(ids[2]).await.unwrap());
+    assert!(!c.unpin_replica(ids[2]).await.unwrap(), "nothing to unpin");
+    assert!(
+        !c.pin_replica(9999, None, "x").await.unwrap(),
+        "no such replica"
+    );
+    // An expired pin does not count.
+    assert!(c
+        .pin_replica(ids[2], Some(now_ms() - 1), "old")
+        .await
+        .unwrap());
+    assert_eq!(c.pinned_replica_count(now_ms()).await.unwrap(), 0);
+
+    assert!(c
+        .begin_replica_removal(ids[1], RemovalReason::Operator, "full disk", true, 20)
+        .await
+        .unwrap());
+    assert!(
+        !c.begin_replica_removal(ids[1], RemovalReason::Rule, "x", false, 20)
+            .await
+            .unwrap(),
+        "a removal begins once"
+    );
+    assert_eq!(c.replicas_removing().await.unwrap().len(), 1);
+    c.finish_replica_removal(ids[1]).await.unwrap();
+    let r = c.replica(ids[1]).await.unwrap().unwrap();
+    assert_eq!(r.state, TransferState::Removed);
+    let rm = r.removal.unwrap();
+    assert_eq!(rm.reason, RemovalReason::Operator);
+    assert_eq!(
+        (rm.detail.as_str(), rm.bytes, rm.forced),
+        ("full disk", 20, true)
+    );
+    assert!(rm.finished_at.unwrap() >= rm.started_at);
+    assert!(c.replicas_removing().await.unwrap().is_empty());
+    let removed = c
+        .replicas_in(Some(TransferState::Removed), 10, 0)
+        .await
+        .unwrap();
+    assert_eq!(removed.len(), 1);
+    // The removed version leaves the current ones, and the one it
+    // replaced does not come back (its bytes went with the re-save).
+    let current: Vec<i64> = c
+        .current_replicas()
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(current, vec![ids[2]]);
 }
 
 async fn replica_for(c: &Catalog, id: TransferId) -> i64 {
@@ -713,7 +813,13 @@ async fn version_2_catalog_migrates_and_keeps_its_rows() {
         .fetch_one(&c.pool)
         .await
         .unwrap();
-    assert_eq!(v, 5);
+    assert_eq!(v, 6);
+    // 0006: an older replica has no step, class, pin or removal.
+    let r = c.replica(9).await.unwrap().unwrap();
+    assert_eq!(
+        (r.step, r.class, r.pin, r.removal),
+        (None, None, None, None)
+    );
     // 0005 gave the older transfer, job and signal their events.
     let kinds: Vec<(i64, EventKind)> = c
         .events_since(0)

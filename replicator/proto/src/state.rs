@@ -66,7 +66,9 @@ macro_rules! names {
 /// Where a transfer is: a source-side transfer row goes `queued` ->
 /// `active` (<-> `paused`) -> `verifying` -> `published`, or ends `failed`
 /// or `cancelled`; a sink-side row is `receiving` until it is
-/// `published`, `failed` or `cancelled`.
+/// `published`, `failed` or `cancelled`, and a published replica that is
+/// removed goes `removing` (out of the published namespace, its files
+/// being deleted) -> `removed`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum TransferState {
@@ -88,6 +90,13 @@ pub enum TransferState {
     Cancelled,
     /// Sink side: chunks are arriving.
     Receiving,
+    /// Sink side: a replica taken out of the published namespace (resolve
+    /// no longer names it) whose files are being deleted; finished after a
+    /// restart.
+    Removing,
+    /// Sink side: a replica removed (by its retention policy, space
+    /// pressure or an operator); the row keeps the record.
+    Removed,
 }
 
 names!(TransferState, "transfer state",
@@ -99,21 +108,28 @@ names!(TransferState, "transfer state",
     Failed => "failed",
     Cancelled => "cancelled",
     Receiving => "receiving",
+    Removing => "removing",
+    Removed => "removed",
 );
 
 impl TransferState {
-    /// The states a transfer never leaves.
-    pub const FINAL: [TransferState; 3] = [
+    /// The states a transfer never leaves (a sink-side replica may still
+    /// be removed after it is published).
+    pub const FINAL: [TransferState; 4] = [
         TransferState::Published,
         TransferState::Failed,
         TransferState::Cancelled,
+        TransferState::Removed,
     ];
 
     /// True for the states a transfer never leaves ([`Self::FINAL`]).
     pub const fn is_final(self) -> bool {
         matches!(
             self,
-            TransferState::Published | TransferState::Failed | TransferState::Cancelled
+            TransferState::Published
+                | TransferState::Failed
+                | TransferState::Cancelled
+                | TransferState::Removed
         )
     }
 }

@@ -1,4 +1,10 @@
-//! Ferry's wire protocol, version 2: a sans-IO codec.
+//! Ferry's wire protocol, version 3: a sans-IO codec.
+//!
+//! Version 3 added [`Commit::checkpoint`] (the checkpoint's step and class
+//! at commit, which the sink keeps with the replica for its retention
+//! policy). A sink speaks versions 2 and 3 ([`MIN_PROTOCOL_VERSION`] to
+//! [`PROTOCOL_VERSION`]) and answers a source's hello with the source's
+//! version; a version 2 source sends no step or class.
 //!
 //! Version 2 added [`Control::Files`] (a transfer's file table grows while
 //! its checkpoint is written), stable chunk keys (see
@@ -29,9 +35,15 @@ use crate::state::{Profile, TransferId};
 
 pub use crate::codec::WireError;
 
-/// Protocol version carried in [`Hello`]. Peers with a different version
-/// refuse the connection with [`Control::Error`] naming both versions.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// Protocol version carried in [`Hello`]: the one a source speaks, and the
+/// newest a sink speaks. A sink refuses a version outside
+/// [`MIN_PROTOCOL_VERSION`]..=[`PROTOCOL_VERSION`] with [`Control::Error`]
+/// naming both; a source refuses a sink whose hello names another version.
+pub const PROTOCOL_VERSION: u16 = 3;
+
+/// The oldest protocol version a sink still accepts from a source (its
+/// commits carry no [`Commit::checkpoint`]).
+pub const MIN_PROTOCOL_VERSION: u16 = 2;
 
 /// Magic bytes at the start of every data stream.
 pub const DATA_MAGIC: [u8; 4] = *b"FRY1";
@@ -105,6 +117,24 @@ pub struct Commit {
     /// `(file name, content)`, written next to the replica after it is
     /// in place. At most [`MAX_SIBLINGS`] of [`MAX_SIBLING_BYTES`].
     pub siblings: Vec<(String, Vec<u8>)>,
+    /// Version 3: the checkpoint's step and class at commit; `None` from a
+    /// version 2 source (encoded as nothing, so a version 2 frame decodes
+    /// unchanged).
+    pub checkpoint: Option<CheckpointInfo>,
+}
+
+/// What a version 3 source tells the sink about a checkpoint at commit,
+/// for the sink's retention policy (the job travels in [`TransferKey`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct CheckpointInfo {
+    /// The training step, when the checkpoint's format names one (from its
+    /// directory name); `None` for a pushed directory of no known format.
+    pub step: Option<u64>,
+    /// The transfer's scheduler class at commit (`urgent`, `scheduled`,
+    /// `background`; a promoted transfer's is `urgent`); empty when
+    /// unknown. At most 255 bytes; the sink parses it and ignores a name
+    /// it does not know.
+    pub class: String,
 }
 
 /// Messages on the control stream.
@@ -263,6 +293,7 @@ impl Control {
                 batches,
                 manifest,
                 siblings,
+                checkpoint,
             }) => {
                 w.u8(T_COMMIT);
                 w.u64(id.0);
@@ -275,6 +306,13 @@ impl Control {
                     w.str(name);
                     w.u32(bytes.len() as u32);
                     w.0.extend_from_slice(bytes);
+                }
+                if let Some(c) = checkpoint {
+                    // Version 3: a flag byte (bit 0: step present), the
+                    // step (0 when absent), the class name.
+                    w.u8(u8::from(c.step.is_some()));
+                    w.u64(c.step.unwrap_or(0));
+                    w.str(&c.class);
                 }
             }
             Control::Published {
@@ -377,6 +415,32 @@ impl Control {
                     let len = r.count("sibling marker length", MAX_SIBLING_BYTES, 1)?;
                     siblings.push((name, r.take(len, "sibling marker")?.to_vec()));
                 }
+                // Version 3 appends the checkpoint's step and class; a
+                // version 2 commit ends here.
+                let checkpoint = if r.remaining() == 0 {
+                    None
+                } else {
+                    let flags = r.u8("checkpoint flags")?;
+                    if flags > 1 {
+                        return Err(WireError::Invalid {
+                            what: "checkpoint flags",
+                            why: format!("unknown bits in {flags:#04x}"),
+                        });
+                    }
+                    let step = r.u64("step")?;
+                    let class = r.str("class")?;
+                    if class.len() > 255 {
+                        return Err(WireError::TooLarge {
+                            what: "class name",
+                            got: class.len() as u64,
+                            limit: 255,
+                        });
+                    }
+                    Some(CheckpointInfo {
+                        step: (flags & 1 == 1).then_some(step),
+                        class,
+                    })
+                };
                 Control::Commit(Commit {
                     id,
                     committed_ms,
@@ -384,6 +448,7 @@ impl Control {
                     batches,
                     manifest,
                     siblings,
+                    checkpoint,
                 })
             }
             T_PUBLISHED => Control::Published {
@@ -601,7 +666,29 @@ mod tests {
             batches: 12,
             manifest: manifest(),
             siblings: vec![("latest".into(), b"global_step12".to_vec())],
+            checkpoint: Some(CheckpointInfo {
+                step: Some(12),
+                class: "urgent".into(),
+            }),
         }));
+        // Version 2 (no checkpoint info), and version 3 without a step.
+        for checkpoint in [
+            None,
+            Some(CheckpointInfo {
+                step: None,
+                class: String::new(),
+            }),
+        ] {
+            roundtrip(Control::Commit(Commit {
+                id: TransferId(4),
+                committed_ms: 0,
+                opened_ms: 0,
+                batches: 1,
+                manifest: manifest(),
+                siblings: vec![],
+                checkpoint,
+            }));
+        }
         roundtrip(Control::Published {
             id: TransferId(3),
             local_path: "/eval/x".into(),
@@ -614,6 +701,39 @@ mod tests {
         roundtrip(Control::Error {
             message: "bad".into(),
         });
+    }
+
+    #[test]
+    fn a_version_2_commit_decodes_without_checkpoint_info_and_bad_flags_are_named() {
+        let v3 = Control::Commit(Commit {
+            id: TransferId(4),
+            committed_ms: 1,
+            opened_ms: 2,
+            batches: 3,
+            manifest: manifest(),
+            siblings: vec![],
+            checkpoint: Some(CheckpointInfo {
+                step: Some(7),
+                class: "scheduled".into(),
+            }),
+        })
+        .encode();
+        // The version 3 tail: flags (1), step (8), class ("scheduled", 2 + 9).
+        let tail = 1 + 8 + 2 + 9;
+        let v2 = &v3[4..v3.len() - tail];
+        match Control::decode(v2).unwrap() {
+            Control::Commit(c) => assert_eq!(c.checkpoint, None),
+            other => panic!("{other:?}"),
+        }
+        let mut bad = v3[4..].to_vec();
+        let at = bad.len() - tail;
+        bad[at] = 0x80;
+        match Control::decode(&bad) {
+            Err(WireError::Invalid { what, .. }) => assert_eq!(what, "checkpoint flags"),
+            other => panic!("{other:?}"),
+        }
+        // A tail cut short is truncated, not a version 2 commit.
+        assert!(Control::decode(&v3[4..v3.len() - 3]).is_err());
     }
 
     #[test]

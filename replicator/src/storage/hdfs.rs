@@ -716,9 +716,23 @@ impl SinkStore for Hdfs {
         self.delete_tree(&s)
     }
 
-    fn retire(&self, local_path: &Path) -> io::Result<()> {
+    fn withdraw(&self, local_path: &Path, aside: &Path) -> io::Result<bool> {
         let l = self.root.check(local_path)?;
-        self.delete_tree(&l)
+        let a = self.root.check(aside)?;
+        if !self.exists(&l)? {
+            return Ok(false);
+        }
+        // One directory rename: a reader sees the whole version or nothing.
+        self.rename(&l, &a)?;
+        Ok(true)
+    }
+
+    fn retire(&self, aside: &Path) -> io::Result<()> {
+        let a = self.root.check(aside)?;
+        match self.delete_tree(&a) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        }
     }
 
     fn free_space(&self, _path: &Path) -> io::Result<Option<u64>> {

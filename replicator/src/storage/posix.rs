@@ -211,9 +211,38 @@ impl SinkStore for Posix {
         Ok(())
     }
 
-    fn retire(&self, local_path: &Path) -> io::Result<()> {
-        match std::fs::remove_dir_all(local_path) {
-            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(at(local_path)(e)),
+    fn withdraw(&self, local_path: &Path, aside: &Path) -> io::Result<bool> {
+        if let Some(parent) = aside.parent() {
+            std::fs::create_dir_all(parent).map_err(at(parent))?;
+        }
+        match std::fs::rename(local_path, aside) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+            Err(e) => {
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!(
+                        "moving {} aside to {}: {e}",
+                        local_path.display(),
+                        aside.display()
+                    ),
+                ))
+            }
+            Ok(()) => {}
+        }
+        // The move is durable before the files go.
+        for dir in [local_path.parent(), aside.parent()].into_iter().flatten() {
+            File::open(dir)
+                .and_then(|d| d.sync_all())
+                .map_err(at(dir))?;
+        }
+        publish::fault_point("withdrawn");
+        Ok(true)
+    }
+
+    fn retire(&self, aside: &Path) -> io::Result<()> {
+        let mut removed = 0u64;
+        match remove_tree(aside, &mut removed) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
             _ => Ok(()),
         }
     }
@@ -227,6 +256,26 @@ impl SinkStore for Posix {
 
     fn flush(&self, dir: &Path) -> io::Result<()> {
         sync_dir_fs(dir).map_err(at(dir))
+    }
+}
+
+/// Deletes the tree at `path` (files first, then each directory), without
+/// following symlinks; `removed` counts the files deleted (a kill point of
+/// the reliability suite, `retire-partial`, lies after the first).
+fn remove_tree(path: &Path, removed: &mut u64) -> io::Result<()> {
+    let md = std::fs::symlink_metadata(path).map_err(at(path))?;
+    if md.is_dir() {
+        for e in std::fs::read_dir(path).map_err(at(path))? {
+            remove_tree(&e.map_err(at(path))?.path(), removed)?;
+        }
+        std::fs::remove_dir(path).map_err(at(path))
+    } else {
+        std::fs::remove_file(path).map_err(at(path))?;
+        *removed += 1;
+        if *removed == 1 {
+            publish::fault_point("retire-partial");
+        }
+        Ok(())
     }
 }
 

@@ -722,6 +722,21 @@ impl SinkStore for S3 {
         self.delete_prefix(self.key(staging)?)
     }
 
+    fn withdraw(&self, local_path: &Path, _aside: &Path) -> io::Result<bool> {
+        // A replica's objects live under its published prefix, and a
+        // re-publish writes the same keys: deleting them later from an
+        // `aside` record could delete a newer version's objects. Until
+        // replicas live under versioned prefixes, an S3 sink refuses.
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!(
+                "{}: removing a replica from an S3 sink is not supported yet (its objects are \
+                 not under a versioned prefix)",
+                self.root.url_of(local_path)
+            ),
+        ))
+    }
+
     fn retire(&self, local_path: &Path) -> io::Result<()> {
         let l = self.root.check(local_path)?;
         let k = self.commit_key(&l);

@@ -96,6 +96,8 @@ async fn start_sink(base: &Path, reserve_bytes: u64, ep: quinn::Endpoint) -> Sin
             accept_peers: vec!["src".into()],
             reserve_bytes,
             reread_before_publish: true,
+            retention: Vec::new(),
+            retention_interval: std::time::Duration::from_secs(60),
         },
         Catalog::open(&base.join("dst-data")).await.unwrap(),
         ep,

@@ -45,9 +45,11 @@ use crate::storage::{PublishOutcome, ReadBack};
 
 /// Environment variable of the reliability suite: when it names one of the
 /// points `markers-held`, `placed` or `markers-in` (after steps 3, 4 and 5
-/// of a fresh publish) or `on-disk` (after the publish, before the catalog
-/// records it), the sink SIGKILLs itself there. Read only in builds with
-/// the `fault-injection` feature.
+/// of a fresh publish), `on-disk` (after the publish, before the catalog
+/// records it), `withdrawn` (a removed replica moved aside, before its
+/// files are deleted) or `retire-partial` (after the first file of a
+/// removed replica is deleted), the sink SIGKILLs itself there. Read only
+/// in builds with the `fault-injection` feature.
 pub const FAULT_KILL_ENV: &str = "FERRY_FAULT_KILL_IN_PUBLISH";
 
 /// SIGKILLs this process if [`FAULT_KILL_ENV`] names `point`.

@@ -1,0 +1,393 @@
+//! The replica lifecycle on real agents: a retention policy run at each
+//! publish and every `retention_interval` (1 s here), operators' pins,
+//! removal by hand (API and CLI), the removal records, metrics, bad input,
+//! and a sink killed inside a removal.
+
+#![allow(clippy::unwrap_used)]
+
+#[allow(dead_code)]
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::*;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+
+const TRANSFER: Duration = Duration::from_secs(120);
+
+/// The sink's API with a reader and an operator token.
+struct Api {
+    http: reqwest::Client,
+    url: String,
+    reader: String,
+    operator: String,
+}
+
+impl Api {
+    async fn call(
+        &self,
+        token: &str,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (StatusCode, Value) {
+        let mut rb = self
+            .http
+            .request(method, format!("{}{path}", self.url))
+            .bearer_auth(token);
+        if let Some(b) = body {
+            rb = rb.json(&b);
+        }
+        let r = rb.send().await.unwrap();
+        let status = r.status();
+        let text = r.text().await.unwrap();
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+
+    async fn replicas(&self, state: &str) -> Vec<Value> {
+        let (st, v) = self
+            .call(
+                &self.reader,
+                reqwest::Method::GET,
+                &format!("/v1/replicas?state={state}&limit=1000"),
+                None,
+            )
+            .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        v["items"].as_array().unwrap().clone()
+    }
+
+    /// The published replica of checkpoint `rel`.
+    async fn published(&self, rel: &str) -> Option<Value> {
+        self.replicas("published")
+            .await
+            .into_iter()
+            .find(|r| r["rel"] == rel)
+    }
+
+    async fn resolve(&self, path: &Path) -> Value {
+        let url = reqwest::Url::parse_with_params(
+            &format!("{}/v1/resolve", self.url),
+            &[("path", path.to_str().unwrap())],
+        )
+        .unwrap();
+        let r = self
+            .http
+            .get(url)
+            .bearer_auth(&self.reader)
+            .send()
+            .await
+            .unwrap();
+        r.json().await.unwrap()
+    }
+
+    async fn metrics(&self) -> String {
+        self.http
+            .get(format!("{}/metrics", self.url))
+            .bearer_auth(&self.reader)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+}
+
+/// The value of the sample `name` (with its labels written as in the text
+/// format, e.g. `{reason="rule"}`), 0 if absent.
+fn sample(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Waits until replica `id` is `removed` and returns its row.
+async fn wait_removed(w: &World, api: &Api, id: i64, what: &str) -> Value {
+    w.wait_until(&format!("{what} to be removed"), TRANSFER, async || {
+        if let Some(r) = api
+            .replicas("removed")
+            .await
+            .into_iter()
+            .find(|r| r["id"] == id)
+        {
+            return Ok(r);
+        }
+        Err(format!("removing: {:?}", api.replicas("removing").await))
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_policy_removes_what_it_no_longer_keeps_and_operators_pin_and_remove() {
+    let w = World::new("retention").await;
+    let reader = api::auth::new_token();
+    let operator = api::auth::new_token();
+    let tokens = format!(
+        "[[api.tokens]]\nname = \"evals\"\nrole = \"reader\"\nhash = \"{}\"\n\n\
+         [[api.tokens]]\nname = \"ops\"\nrole = \"operator\"\nhash = \"{}\"\n",
+        api::auth::hash_token(&reader),
+        api::auth::hash_token(&operator)
+    );
+    let mut c = w
+        .start_cluster("200Mbit/s", &[], |sink, _| {
+            sink.api = tokens.clone();
+            sink.sink.as_mut().unwrap().extra = "retention_interval = \"1s\"\n\n\
+                 [[sink.retention]]\njob = \"llama-*\"\nkeep_last = 2\nmin_age = \"4s\"\n"
+                .into();
+        })
+        .await;
+    let api = Api {
+        http: reqwest::Client::new(),
+        url: c.sink.url(),
+        reader,
+        operator: operator.clone(),
+    };
+    let ckpt = |step: u32| w.source_root().join(format!("step_{step:06}"));
+    let push = async |step: u32| {
+        w.gen(&ckpt(step), "300KB").await;
+        let out = w.push(&c.source, &ckpt(step), &[]).await;
+        w.ensure(out.success(), || format!("ferry push: {out}"));
+        api.published(&format!("step_{step:06}")).await.unwrap()
+    };
+    let first = push(100).await;
+    let first_id = first["id"].as_i64().unwrap();
+    // The source sent its class with the commit (protocol version 3); a
+    // generated checkpoint of no known format has no step.
+    assert_eq!(first["class"], "scheduled", "{first}");
+    assert_eq!(first["step"], Value::Null, "{first}");
+    push(200).await;
+
+    // A reader may not pin; an operator may.
+    let pin_path = format!("/v1/replicas/{first_id}/pin");
+    let (st, body) = api
+        .call(
+            &api.reader,
+            reqwest::Method::POST,
+            &pin_path,
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(st, StatusCode::FORBIDDEN, "{body}");
+    let (st, body) = api
+        .call(
+            &api.operator,
+            reqwest::Method::POST,
+            &pin_path,
+            Some(json!({"reason": "bisecting a loss spike", "for": "-5m"})),
+        )
+        .await;
+    assert_eq!(st, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert!(body["error"].as_str().unwrap().contains("`for`"), "{body}");
+    let (st, body) = api
+        .call(
+            &api.operator,
+            reqwest::Method::POST,
+            &pin_path,
+            Some(json!({"reason": "bisecting a loss spike"})),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{body}");
+    assert_eq!(body["pin"]["reason"], "bisecting a loss spike (by ops)");
+
+    // Two more versions: keep_last 2 keeps 300 and 400; 200 goes once it
+    // is older than min_age (4 s) at a pass, at a publish or the 1 s
+    // interval; 100 stays, pinned.
+    push(300).await;
+    push(400).await;
+    let second = wait_removed(
+        &w,
+        &api,
+        {
+            let all = api.replicas("").await;
+            all.iter().find(|r| r["rel"] == "step_000200").unwrap()["id"]
+                .as_i64()
+                .unwrap()
+        },
+        "step 200",
+    )
+    .await;
+    assert_eq!(second["removal"]["reason"], "rule", "{second}");
+    let detail = second["removal"]["detail"].as_str().unwrap();
+    assert!(detail.contains("keep_last 2"), "{detail}");
+    assert!(second["removal"]["bytes"].as_i64().unwrap() > 0, "{second}");
+    assert!(
+        !w.replica_path("step_000200").exists(),
+        "its files are gone"
+    );
+    let r = api.resolve(&ckpt(200)).await;
+    assert_eq!(r["state"], "remote", "{r}");
+    assert!(r["reason"].as_str().unwrap().contains("removed"), "{r}");
+    for step in [100, 300, 400] {
+        let r = api.resolve(&ckpt(step)).await;
+        assert_eq!(r["state"], "local", "step {step}: {r}");
+    }
+    w.assert_same_tree(&ckpt(100), &w.replica_path("step_000100"));
+
+    // Bad input removes nothing.
+    let published_before = api.replicas("published").await.len();
+    for (path, want) in [
+        ("/v1/replicas/999999", StatusCode::NOT_FOUND),
+        ("/v1/replicas/abc", StatusCode::UNPROCESSABLE_ENTITY),
+        ("/v1/replicas/-3", StatusCode::NOT_FOUND),
+    ] {
+        let (st, body) = api
+            .call(&api.operator, reqwest::Method::DELETE, path, None)
+            .await;
+        assert_eq!(st, want, "{path}: {body}");
+    }
+    let rm_first = format!("/v1/replicas/{first_id}");
+    let (st, body) = api
+        .call(&api.reader, reqwest::Method::DELETE, &rm_first, None)
+        .await;
+    assert_eq!(st, StatusCode::FORBIDDEN, "{body}");
+    // Pinned: refused naming the pin.
+    let (st, body) = api
+        .call(&api.operator, reqwest::Method::DELETE, &rm_first, None)
+        .await;
+    assert_eq!(st, StatusCode::CONFLICT, "{body}");
+    let e = body["error"].as_str().unwrap();
+    assert!(
+        e.contains("pinned") && e.contains("bisecting a loss spike"),
+        "{e}"
+    );
+    // The CLI says the same.
+    let server = ["--server", &api.url, "--token", &operator];
+    let mut args = vec!["replica", "rm", "999999"];
+    args.extend(server);
+    let out = w.ferry(&args, &[], Duration::from_secs(30)).await;
+    assert!(
+        !out.success() && out.all().contains("no replica 999999"),
+        "{out}"
+    );
+    assert_eq!(api.replicas("published").await.len(), published_before);
+    assert_eq!(api.resolve(&ckpt(100)).await["state"], "local");
+
+    // Forced, through the CLI: recorded as forced, by the operator.
+    let id_s = first_id.to_string();
+    let mut args = vec![
+        "replica",
+        "rm",
+        &id_s,
+        "--force",
+        "--reason",
+        "done bisecting",
+    ];
+    args.extend(server);
+    let out = w.ferry(&args, &[], Duration::from_secs(30)).await;
+    assert!(out.success(), "{out}");
+    // Out of the published namespace when the command returns.
+    assert_eq!(api.resolve(&ckpt(100)).await["state"], "remote");
+    let first = wait_removed(&w, &api, first_id, "step 100").await;
+    assert_eq!(first["removal"]["reason"], "operator", "{first}");
+    assert_eq!(first["removal"]["forced"], true, "{first}");
+    let detail = first["removal"]["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("bisecting a loss spike") && detail.contains("done bisecting"),
+        "{detail}"
+    );
+    let mut args = vec!["replica", "ls", "--state", "removed"];
+    args.extend(server);
+    let out = w.ferry(&args, &[], Duration::from_secs(30)).await;
+    assert!(out.success(), "{out}");
+    assert!(
+        out.stdout.contains("operator") && out.stdout.contains("rule"),
+        "{out}"
+    );
+
+    let m = api.metrics().await;
+    assert_eq!(
+        sample(&m, "ferry_replicas_removed_total{reason=\"rule\"}"),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(
+        sample(&m, "ferry_replicas_removed_total{reason=\"operator\"}"),
+        1.0,
+        "{m}"
+    );
+    assert!(
+        sample(&m, "ferry_replica_freed_bytes_total{reason=\"rule\"}") > 0.0,
+        "{m}"
+    );
+    assert_eq!(sample(&m, "ferry_pinned_replicas"), 0.0, "{m}");
+
+    // Pin and unpin through the CLI; the gauge follows.
+    let id300 = api.published("step_000300").await.unwrap()["id"]
+        .as_i64()
+        .unwrap()
+        .to_string();
+    let mut args = vec![
+        "replica",
+        "pin",
+        &id300,
+        "--reason",
+        "eval baseline",
+        "--for",
+        "1h",
+    ];
+    args.extend(server);
+    let out = w.ferry(&args, &[], Duration::from_secs(30)).await;
+    assert!(
+        out.success() && out.stdout.contains("pinned until"),
+        "{out}"
+    );
+    assert!(out.stdout.contains("eval baseline (by ops)"), "{out}");
+    assert_eq!(sample(&api.metrics().await, "ferry_pinned_replicas"), 1.0);
+    let mut args = vec!["replica", "unpin", &id300, "--json"];
+    args.extend(server);
+    let out = w.ferry(&args, &[], Duration::from_secs(30)).await;
+    assert!(out.success(), "{out}");
+    let row: Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert_eq!(row["pin"], Value::Null, "{row}");
+    assert_eq!(sample(&api.metrics().await, "ferry_pinned_replicas"), 0.0);
+
+    // A sink killed inside a removal: no published path names a part of
+    // the replica, and the removal finishes after the restart.
+    for (step, point) in [(300, "withdrawn"), (400, "retire-partial")] {
+        let rel = format!("step_{step:06}");
+        let id = api.published(&rel).await.unwrap()["id"].as_i64().unwrap();
+        c.sink.set_env("FERRY_FAULT_KILL_IN_PUBLISH", Some(point));
+        w.restart(&mut c.sink).await;
+        // The answer may never come: the sink kills itself inside.
+        let _ = api
+            .http
+            .delete(format!("{}/v1/replicas/{id}", api.url))
+            .bearer_auth(&operator)
+            .timeout(Duration::from_secs(20))
+            .send()
+            .await;
+        let sink = &mut c.sink;
+        w.wait_until(
+            &format!("the sink to kill itself at {point}"),
+            TRANSFER,
+            async || sink.exited().ok_or_else(|| "still running".to_string()),
+        )
+        .await;
+        assert!(
+            !w.replica_path(&rel).exists(),
+            "{point}: the published path still names (part of) the replica"
+        );
+        let aside = w.sink_root().join(".ferry/retired").join(id.to_string());
+        assert!(aside.exists(), "{point}: the version was moved aside first");
+        c.sink.set_env("FERRY_FAULT_KILL_IN_PUBLISH", None);
+        w.restart(&mut c.sink).await;
+        let row = wait_removed(&w, &api, id, &rel).await;
+        assert_eq!(row["removal"]["reason"], "operator", "{row}");
+        w.wait_until("the files to be gone", TRANSFER, async || {
+            if aside.exists() {
+                Err(format!("{} still there", aside.display()))
+            } else {
+                Ok(())
+            }
+        })
+        .await;
+        assert_eq!(api.resolve(&ckpt(step)).await["state"], "remote");
+    }
+    assert!(api.replicas("published").await.is_empty());
+}
