@@ -679,6 +679,11 @@ async fn a_removal_by_hand_refuses_what_it_cannot_remove() {
         }
         other => panic!("{other:?}"),
     }
+    // Nor is a pin on it taken: it would protect nothing.
+    match s._sink.pin(old, None, "keep").await {
+        Err(LifecycleError::Replaced { by, .. }) => assert_eq!(by, new),
+        other => panic!("{other:?}"),
+    }
     s._sink.pin(new, None, "keep").await.unwrap();
     match s._sink.remove(new, false, "").await {
         Err(e @ LifecycleError::Pinned { .. }) => assert!(e.to_string().contains("keep"), "{e}"),

@@ -81,8 +81,9 @@ impl Sink {
     /// needs `force`. Returns the row as it is now.
     ///
     /// # Errors
-    /// [`LifecycleError::NotFound`], [`LifecycleError::NotPublished`], or
-    /// a catalog error.
+    /// [`LifecycleError::NotFound`], [`LifecycleError::NotPublished`],
+    /// [`LifecycleError::Replaced`] (a re-save replaced it), or a catalog
+    /// error.
     pub async fn pin(
         &self,
         id: i64,
@@ -91,6 +92,15 @@ impl Sink {
     ) -> Result<Replica, LifecycleError> {
         let cat = &self.inner.catalog;
         let r = cat.replica(id).await?.ok_or(LifecycleError::NotFound(id))?;
+        // A version a re-save replaced has no files left: a pin on it
+        // would protect nothing.
+        if let Some(by) = newer_version(&self.inner, &r).await? {
+            return Err(LifecycleError::Replaced {
+                id,
+                by,
+                path: r.local_path,
+            });
+        }
         if !cat.pin_replica(id, until, reason).await? {
             return Err(LifecycleError::NotPublished {
                 id,

@@ -15,7 +15,9 @@
 //!    a `keep_last` (or protect from `max_bytes`).
 //! 2. Then, while the group holds more than `max_bytes` (each file
 //!    counted once, hard links included), its oldest version kept only by
-//!    `keep_last` or `keep_every` expires.
+//!    `keep_last` or `keep_every` expires; never the group's newest, so a
+//!    `max_bytes` below one checkpoint's size keeps the newest one alone
+//!    rather than removing every replica as soon as it is published.
 //! 3. All other versions expire.
 //!
 //! "Newest" and "oldest" order a group by step when every version of the
@@ -53,7 +55,7 @@ impl RetentionPolicy {
     /// # Errors
     /// A message naming the bad key: a glob that does not parse, a policy
     /// that sets none of `keep_last`, `keep_every`, `min_age`,
-    /// `max_bytes`, or a `keep_every` of 0.
+    /// `max_bytes`, or a `keep_last` or `keep_every` of 0.
     pub fn new(
         job: &str,
         keep_last: Option<u32>,
@@ -69,6 +71,12 @@ impl RetentionPolicy {
             return Err(format!(
                 "the policy for job {job:?} sets none of keep_last, keep_every, min_age, \
                  max_bytes: it would keep everything; set at least one"
+            ));
+        }
+        if keep_last == Some(0) {
+            return Err(format!(
+                "keep_last of the policy for job {job:?} must be 1 or more (0 would remove \
+                 every replica as soon as it is published; leave it unset for no limit)"
             ));
         }
         if keep_every == Some(0) {
@@ -239,8 +247,8 @@ pub fn evaluate(policies: &[RetentionPolicy], versions: &[Version], now_ms: i64)
                 }
                 total
             };
-            // Oldest first.
-            for k in (0..members.len()).rev() {
+            // Oldest first; the newest (rank 0) stays.
+            for k in (1..members.len()).rev() {
                 let total = bytes_of(&outcome);
                 if total <= max {
                     break;
@@ -360,6 +368,15 @@ mod tests {
         // Exactly at the limit is under it.
         let p = [policy(None, None, None, Some(30))];
         assert_eq!(kept(&p, &ten()), vec![8, 9, 10]);
+    }
+
+    #[test]
+    fn max_bytes_below_one_version_keeps_the_newest() {
+        let p = [policy(None, None, None, Some(1))];
+        assert_eq!(kept(&p, &ten()), vec![10]);
+        assert!(RetentionPolicy::new("*", Some(0), None, None, None, false)
+            .unwrap_err()
+            .contains("keep_last"));
     }
 
     #[test]
