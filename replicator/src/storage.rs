@@ -189,6 +189,18 @@ pub struct ReadBack {
     pub cpu: Duration,
 }
 
+impl ReadBack {
+    /// A read-back whose CPU time the backend cannot tell apart from
+    /// other work (HDFS and S3 read on a runtime shared with other calls):
+    /// `wall` and a `cpu` of zero.
+    pub fn wall_only(wall: Duration) -> ReadBack {
+        ReadBack {
+            wall,
+            cpu: Duration::ZERO,
+        }
+    }
+}
+
 /// What [`SinkStore::publish`] did.
 #[derive(Debug, PartialEq, Eq)]
 pub enum PublishOutcome {

@@ -691,12 +691,7 @@ impl SinkStore for Hdfs {
         self.write_whole(&placed, Bytes::from(l.clone().into_bytes()), 0o600)?;
         self.place(&s, &l, m)?;
         Ok(PublishOutcome::Published {
-            // The reads ran on the storage runtime's threads, shared with
-            // other calls: their CPU time is not this publish's alone.
-            reread: reread_time.map(|wall| ReadBack {
-                wall,
-                cpu: std::time::Duration::ZERO,
-            }),
+            reread: reread_time.map(ReadBack::wall_only),
         })
     }
 

@@ -697,12 +697,7 @@ impl SinkStore for S3 {
             };
         }
         Ok(PublishOutcome::Published {
-            // The reads ran on the storage runtime's threads, shared with
-            // other calls: their CPU time is not this publish's alone.
-            reread: reread_time.map(|wall| ReadBack {
-                wall,
-                cpu: std::time::Duration::ZERO,
-            }),
+            reread: reread_time.map(ReadBack::wall_only),
         })
     }
 
