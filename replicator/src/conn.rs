@@ -44,14 +44,20 @@ pub enum ConnError {
     Peer(String),
 }
 
-/// Reads exactly `len` bytes from `recv` into a new vector, copying them
-/// once from quinn's buffers (no zero-filled buffer first).
+/// Reads exactly `len` bytes from `recv` into `buf` (emptied first, its
+/// capacity reused: a buffer from a [`crate::bufpool::BufPool`]), copying
+/// them once from quinn's buffers (no zero fill).
 ///
 /// # Errors
 /// [`ReadExactError::FinishedEarly`] with the bytes read if the stream ends
 /// first; [`ReadExactError::ReadError`] if it fails.
-pub async fn read_vec(recv: &mut RecvStream, len: usize) -> Result<Vec<u8>, ReadExactError> {
-    let mut buf = Vec::with_capacity(len);
+pub async fn read_into(
+    recv: &mut RecvStream,
+    len: usize,
+    buf: &mut Vec<u8>,
+) -> Result<(), ReadExactError> {
+    buf.clear();
+    buf.reserve(len);
     while buf.len() < len {
         match recv.read_chunk(len - buf.len(), true).await {
             Ok(Some(c)) => buf.extend_from_slice(&c.bytes),
@@ -59,7 +65,7 @@ pub async fn read_vec(recv: &mut RecvStream, len: usize) -> Result<Vec<u8>, Read
             Err(e) => return Err(ReadExactError::ReadError(e)),
         }
     }
-    Ok(buf)
+    Ok(())
 }
 
 /// Reads one control frame; `Ok(None)` when the peer finished the stream

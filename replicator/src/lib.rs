@@ -3,6 +3,7 @@
 //!
 //! See ARCHITECTURE.md at the repository root for the map.
 
+pub mod bufpool;
 pub mod cc;
 pub mod conn;
 pub mod formats;

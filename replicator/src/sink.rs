@@ -34,6 +34,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
+use crate::bufpool::BufPool;
 use crate::conn::{code, read_frame, ConnError, ControlSender};
 use crate::hold::{HoldPoint, Holds};
 use crate::metrics::{MetricsError, SinkMetrics};
@@ -213,6 +214,9 @@ struct Inner {
     retention_wake: tokio::sync::Notify,
     /// Rows whose files a task is deleting now.
     retiring: Mutex<std::collections::HashSet<i64>>,
+    /// Chunk buffers: each record is copied out of quinn into one, and it
+    /// comes back once the chunk is in staging.
+    bufs: Arc<BufPool>,
 }
 
 impl Inner {
@@ -293,6 +297,7 @@ impl Sink {
             sources: Mutex::new(HashMap::new()),
             retention_wake: tokio::sync::Notify::new(),
             retiring: Mutex::default(),
+            bufs: BufPool::new(crate::bufpool::AGENT_POOL_BYTES),
         });
         tokio::spawn(catalog_writer(catalog, rx));
         inner.tasks.spawn(lifecycle::run(inner.clone()));
@@ -1307,8 +1312,13 @@ async fn receive_batch(
             let first_byte = now_ms();
             let h = RecordHeader::decode(&rb)?;
             let fits = wait_for_table(&live, &h).await;
-            let buf = crate::conn::read_vec(&mut s, h.len as usize).await?;
+            let mut buf = inner.bufs.take(h.len as usize);
+            if let Err(e) = crate::conn::read_into(&mut s, h.len as usize, &mut buf).await {
+                inner.bufs.give(buf);
+                return Err(e.into());
+            }
             if !fits {
+                inner.bufs.give(buf);
                 // Data of a file the source shrank or never announced (a
                 // race with a file-table update, or a confused peer):
                 // dropped unwritten; the commit asks for whatever is
@@ -1346,8 +1356,9 @@ async fn receive_batch(
         let group: Vec<(RecordHeader, Vec<u8>)> =
             group.into_iter().map(|(h, b, _)| (h, b)).collect();
         let l2 = live.clone();
+        let bufs = inner.bufs.clone();
         let res = blocking(move || {
-            let r = write_group(&l2, group);
+            let r = write_group(&l2, group, &bufs);
             drop(guard);
             r
         })
@@ -1420,11 +1431,16 @@ type GroupResult = (Vec<(u64, Hash, u64)>, Vec<u64>);
 
 /// Hashes each record, writes the good ones into staging and returns
 /// `(verified (index, hash, bytes), failed indices)`.
-fn write_group(live: &Live, group: Vec<(RecordHeader, Vec<u8>)>) -> io::Result<GroupResult> {
+fn write_group(
+    live: &Live,
+    group: Vec<(RecordHeader, Vec<u8>)>,
+    bufs: &BufPool,
+) -> io::Result<GroupResult> {
     let mut good = Vec::with_capacity(group.len());
     let mut bad = Vec::new();
     let mut staging = live.store.staging(&live.staging);
     for (h, buf) in group {
+        let (h, buf) = (h, Returned { buf, pool: bufs });
         let (g, rel) = {
             let t = live
                 .table
@@ -1444,6 +1460,26 @@ fn write_group(live: &Live, group: Vec<(RecordHeader, Vec<u8>)>) -> io::Result<G
         good.push((g, hash, buf.len() as u64));
     }
     Ok((good, bad))
+}
+
+/// A chunk buffer that goes back to its pool however [`write_group`]
+/// leaves it (written, refused, or an I/O error).
+struct Returned<'a> {
+    buf: Vec<u8>,
+    pool: &'a BufPool,
+}
+
+impl std::ops::Deref for Returned<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for Returned<'_> {
+    fn drop(&mut self) {
+        self.pool.give(std::mem::take(&mut self.buf));
+    }
 }
 
 /// Waits (at most [`OPEN_WAIT`]) until the file table holds the record's

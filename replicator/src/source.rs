@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::bufpool::BufPool;
 use crate::storage::posix::Posix;
 use crate::storage::{read_chunks_owned, RangeRead, ScanError, SourceStore};
 use ferry_catalog::{
@@ -371,6 +372,8 @@ struct Inner {
     /// Taken by [`Source::set_link_rate`] from recording a rate to
     /// applying it.
     rate_changes: tokio::sync::Mutex<()>,
+    /// Chunk buffers, back from quinn once their bytes were acknowledged.
+    bufs: Arc<BufPool>,
 }
 
 /// A running source; cheap to clone.
@@ -497,6 +500,7 @@ impl Source {
             holds: Arc::default(),
             metrics,
             rate_changes: tokio::sync::Mutex::new(()),
+            bufs: BufPool::new(crate::bufpool::AGENT_POOL_BYTES),
         });
         inner.tasks.spawn(sampler(inner.clone()));
         for link in inner.links.values() {
@@ -2244,6 +2248,7 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
         slots: Arc::new(slots),
         times: SourceTimes::default(),
         siblings: Vec::new(),
+        recheck: true,
     };
     commit_loop(
         inner, c, &t, &dir, &progress, &mut rx, need, batches, sealed,
@@ -2264,6 +2269,11 @@ struct Sealed {
     times: SourceTimes,
     /// Markers beside the checkpoint directory, sent with the commit.
     siblings: Vec<(String, Vec<u8>)>,
+    /// A pushed checkpoint (read once, not watched): before each commit,
+    /// every file's size and mtime are compared with the manifest's, and a
+    /// file rewritten after its chunks were sent is read again
+    /// ([`reread_changed`]).
+    recheck: bool,
 }
 
 /// Resends whatever the sink asks for, then commits; repeats until the
@@ -2278,10 +2288,10 @@ async fn commit_loop(
     rx: &mut mpsc::UnboundedReceiver<Control>,
     mut need: Vec<u64>,
     mut batches: u64,
-    sealed: Sealed,
+    mut sealed: Sealed,
 ) -> Result<(), RunError> {
     let id = t.id;
-    let root = sealed.manifest.root();
+    let mut root = sealed.manifest.root();
     loop {
         while let Ok(m) = rx.try_recv() {
             match m {
@@ -2310,6 +2320,35 @@ async fn commit_loop(
             continue;
         }
         inner.holds.hold(id, HoldPoint::Commit).await;
+        if sealed.recheck {
+            let (m, dir2, inner2) = (sealed.manifest.clone(), dir.to_path_buf(), inner.clone());
+            let changed =
+                tokio::task::spawn_blocking(move || changed_files(&*inner2.store, &dir2, &m))
+                    .await
+                    .map_err(|e| RunError::Fatal(e.to_string()))??;
+            if !changed.is_empty() {
+                warn!(
+                    transfer = %id,
+                    files = changed.len(),
+                    first = %sealed.manifest.files[changed[0].0].path,
+                    "files changed after their chunks were sent; reading them again"
+                );
+                let (m, dir2, inner2) = (sealed.manifest.clone(), dir.to_path_buf(), inner.clone());
+                let map2 = sealed.map.clone();
+                let (entries, n) = send_round(inner, c, id, progress, rx, &mut need, move |out| {
+                    reread_changed(&inner2, &dir2, &m, &map2, &changed, out)
+                })
+                .await?;
+                batches += n;
+                let mut m = (*sealed.manifest).clone();
+                for (fi, e) in entries {
+                    m.files[fi] = e;
+                }
+                root = m.root();
+                sealed.manifest = Arc::new(m);
+                continue;
+            }
+        }
         inner
             .catalog
             .set_transfer_state(t.id, TransferState::Verifying, None)
@@ -2620,28 +2659,36 @@ fn read_all(
     let mut entries = Vec::with_capacity(files.len());
     for (fi, info) in files.iter().enumerate() {
         let path = dir.join(&info.path);
-        let chunks = read_chunks_owned(&*inner.store, &path, info, chunk_size, |ci, buf, hash| {
-            let g = map.index(fi as u32, ci).unwrap_or(u64::MAX);
-            if have.contains(&g) {
-                return Ok(());
-            }
-            // The record keeps the buffer the chunk was read into.
-            let mut data = std::mem::take(buf);
-            maybe_corrupt(inner, &mut data);
-            let rec = Record {
-                header: RecordHeader {
-                    file: fi as u32,
-                    chunk: ci,
-                    len: data.len() as u32,
-                    hash: *hash,
-                },
-                data: data.into(),
-            };
-            out.blocking_send(rec).map_err(|_| ScanError::Unsupported {
-                path: path.clone(),
-                why: "sending stopped".into(),
-            })
-        })
+        let pool = Some(&*inner.bufs);
+        let chunks = read_chunks_owned(
+            &*inner.store,
+            &path,
+            info,
+            chunk_size,
+            pool,
+            |ci, buf, hash| {
+                let g = map.index(fi as u32, ci).unwrap_or(u64::MAX);
+                if have.contains(&g) {
+                    return Ok(());
+                }
+                // The record keeps the buffer the chunk was read into.
+                let mut data = std::mem::take(buf);
+                maybe_corrupt(inner, &mut data);
+                let rec = Record {
+                    header: RecordHeader {
+                        file: fi as u32,
+                        chunk: ci,
+                        len: data.len() as u32,
+                        hash: *hash,
+                    },
+                    data: inner.bufs.bytes(data),
+                };
+                out.blocking_send(rec).map_err(|_| ScanError::Unsupported {
+                    path: path.clone(),
+                    why: "sending stopped".into(),
+                })
+            },
+        )
         .map_err(|e| e.to_string())?;
         entries.push(FileEntry {
             path: info.path.clone(),
@@ -2650,6 +2697,103 @@ fn read_all(
             mtime_ns: info.mtime_ns,
             chunks,
         });
+    }
+    Ok(entries)
+}
+
+/// The files of pushed manifest `m` under `dir` whose size or mtime
+/// differ now from the manifest's (read before), by manifest position,
+/// with their mtime now (ns).
+///
+/// # Errors
+/// [`RunError::Retry`] when a file's size changed (the sink's file table
+/// holds the old size: the run starts over with a new open), or a file
+/// cannot be looked at.
+fn changed_files(
+    store: &dyn SourceStore,
+    dir: &Path,
+    m: &Manifest,
+) -> Result<Vec<(usize, i64)>, RunError> {
+    let mut changed = Vec::new();
+    for (fi, f) in m.files.iter().enumerate() {
+        let p = dir.join(&f.path);
+        let (size, mtime_ns, _) = store
+            .stat(&p)
+            .map_err(|e| RunError::Retry(format!("{} after it was sent: {e}", p.display())))?;
+        if size != f.size {
+            return Err(RunError::Retry(format!(
+                "{} changed size after it was sent ({} to {size} bytes); starting over",
+                p.display(),
+                f.size
+            )));
+        }
+        if mtime_ns != f.mtime_ns {
+            changed.push((fi, mtime_ns));
+        }
+    }
+    Ok(changed)
+}
+
+/// Reads the files `changed` of `m` (manifest positions with their new
+/// mtime) again, sends each chunk whose hash differs from the manifest's,
+/// and returns their new manifest entries.
+fn reread_changed(
+    inner: &Inner,
+    dir: &Path,
+    m: &Manifest,
+    map: &ChunkMap,
+    changed: &[(usize, i64)],
+    out: &mpsc::Sender<Record>,
+) -> Result<Vec<(usize, FileEntry)>, String> {
+    let mut entries = Vec::with_capacity(changed.len());
+    for &(fi, mtime_ns) in changed {
+        let old = &m.files[fi];
+        let info = FileInfo {
+            path: old.path.clone(),
+            size: old.size,
+            mode: old.mode,
+            mtime_ns,
+        };
+        let path = dir.join(&old.path);
+        let pool = Some(&*inner.bufs);
+        let chunks = read_chunks_owned(
+            &*inner.store,
+            &path,
+            &info,
+            m.chunk_size,
+            pool,
+            |ci, buf, hash| {
+                if old.chunks.get(ci as usize) == Some(hash) || map.index(fi as u32, ci).is_none() {
+                    return Ok(());
+                }
+                let mut data = std::mem::take(buf);
+                maybe_corrupt(inner, &mut data);
+                let rec = Record {
+                    header: RecordHeader {
+                        file: fi as u32,
+                        chunk: ci,
+                        len: data.len() as u32,
+                        hash: *hash,
+                    },
+                    data: inner.bufs.bytes(data),
+                };
+                out.blocking_send(rec).map_err(|_| ScanError::Unsupported {
+                    path: path.clone(),
+                    why: "sending stopped".into(),
+                })
+            },
+        )
+        .map_err(|e| e.to_string())?;
+        entries.push((
+            fi,
+            FileEntry {
+                path: old.path.clone(),
+                size: old.size,
+                mode: old.mode,
+                mtime_ns,
+                chunks,
+            },
+        ));
     }
     Ok(entries)
 }
@@ -2686,8 +2830,9 @@ fn read_some(
             ));
         }
         let (off, len) = map.span(fi, ci);
-        let mut data = match &open {
-            Some((_, f)) => f.read_range(off, len).map_err(|e| {
+        let mut data = inner.bufs.take(len as usize);
+        match &open {
+            Some((_, f)) => f.read_range_into(off, len, &mut data).map_err(|e| {
                 if e.kind() == std::io::ErrorKind::UnexpectedEof {
                     format!(
                         "{} changed while it was being copied (shorter than its manifest)",
@@ -2697,8 +2842,8 @@ fn read_some(
                     format!("{}: {e}", dir.join(&entry.path).display())
                 }
             })?,
-            None => Vec::new(),
-        };
+            None => data.clear(),
+        }
         let hash = *blake3::hash(&data).as_bytes();
         if hash != entry.chunks[ci as usize] {
             return Err(format!(
@@ -2714,7 +2859,7 @@ fn read_some(
                 len: len as u32,
                 hash,
             },
-            data: data.into(),
+            data: inner.bufs.bytes(data),
         })
         .map_err(|_| "sending stopped".to_string())?;
     }

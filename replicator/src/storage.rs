@@ -98,6 +98,17 @@ pub trait RangeRead: Send {
     /// As [`RangeRead::read_exact_at`].
     fn read_range(&self, offset: u64, len: u64) -> io::Result<Vec<u8>>;
 
+    /// [`RangeRead::read_range`] into `buf`, replacing its contents and
+    /// using its capacity (a buffer from a [`crate::bufpool::BufPool`]);
+    /// a backend without a cheaper way replaces `buf` with a new buffer.
+    ///
+    /// # Errors
+    /// As [`RangeRead::read_exact_at`].
+    fn read_range_into(&self, offset: u64, len: u64, buf: &mut Vec<u8>) -> io::Result<()> {
+        *buf = self.read_range(offset, len)?;
+        Ok(())
+    }
+
     /// The file's size (bytes), mtime (ns since the Unix epoch) and version
     /// now, to tell whether it changed while it was read.
     ///
@@ -338,7 +349,7 @@ pub fn read_chunks(
     chunk_size: u32,
     mut on_chunk: impl FnMut(u32, &[u8], &Hash) -> Result<(), ScanError>,
 ) -> Result<Vec<Hash>, ScanError> {
-    read_chunks_owned(store, path, info, chunk_size, |i, buf, h| {
+    read_chunks_owned(store, path, info, chunk_size, None, |i, buf, h| {
         on_chunk(i, buf, h)
     })
 }
@@ -346,7 +357,8 @@ pub fn read_chunks(
 /// [`read_chunks`] for a caller that keeps some chunks' bytes: `on_chunk`
 /// gets the buffer the chunk was read into and may take it
 /// (`std::mem::take`), with no copy; the next chunk is then read into a
-/// new buffer (not zero-filled first). A buffer left in place is reused.
+/// buffer from `pool` (or a new one), never zero-filled first. A buffer
+/// left in place is reused.
 ///
 /// # Errors
 /// As [`read_chunks`].
@@ -355,6 +367,7 @@ pub fn read_chunks_owned(
     path: &Path,
     info: &FileInfo,
     chunk_size: u32,
+    pool: Option<&crate::bufpool::BufPool>,
     mut on_chunk: impl FnMut(u32, &mut Vec<u8>, &Hash) -> Result<(), ScanError>,
 ) -> Result<Vec<Hash>, ScanError> {
     let io_err = |source| ScanError::Io {
@@ -371,12 +384,12 @@ pub fn read_chunks_owned(
     for i in 0..n {
         let len = chunk_len(info.size, chunk_size, i) as usize;
         let offset = i * u64::from(chunk_size);
-        let read = if buf.is_empty() {
-            f.read_range(offset, len as u64).map(|b| buf = b)
-        } else {
-            buf.resize(len, 0);
-            f.read_exact_at(&mut buf, offset)
-        };
+        if buf.capacity() == 0 {
+            if let Some(p) = pool {
+                buf = p.take(len);
+            }
+        }
+        let read = f.read_range_into(offset, len as u64, &mut buf);
         read.map_err(|e| {
             if e.kind() == io::ErrorKind::UnexpectedEof {
                 ScanError::Changed {
@@ -392,6 +405,9 @@ pub fn read_chunks_owned(
         let h = *blake3::hash(&buf).as_bytes();
         on_chunk(i as u32, &mut buf, &h)?;
         hashes.push(h);
+    }
+    if let Some(p) = pool {
+        p.give(buf);
     }
     let (size, mtime_ns, _) = f.current().map_err(|e| ScanError::Io {
         path: path.to_path_buf(),

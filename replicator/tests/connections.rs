@@ -204,3 +204,84 @@ async fn wait_moving(p: &Pair, ids: &[ferry_proto::state::TransferId]) {
     }
     panic!("the load never started moving");
 }
+
+/// Rewrites `file` in place with other bytes in its first 1,000, the same
+/// size, and an mtime one second later (a coarse file system could
+/// otherwise keep the old one); returns the new bytes.
+fn rewrite_head(file: &std::path::Path, grow: usize) -> Vec<u8> {
+    let mtime = std::fs::metadata(file).unwrap().modified().unwrap();
+    let mut b = std::fs::read(file).unwrap();
+    for x in &mut b[..1000] {
+        *x ^= 0xff;
+    }
+    b.extend(std::iter::repeat_n(7u8, grow));
+    std::fs::write(file, &b).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(file)
+        .unwrap()
+        .set_modified(mtime + Duration::from_secs(1))
+        .unwrap();
+    b
+}
+
+/// A pushed shard rewritten after all its chunks were sent, before the
+/// commit: the source notices at the commit, sends the changed chunk again
+/// (only that one) and the replica holds the final bytes.
+#[cfg(feature = "fault-injection")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_changed_after_it_was_sent_is_sent_again() {
+    use replicator::hold::HoldPoint;
+    let _serial = SERIAL.lock().await;
+    let p = pair_with(0, |cfg| cfg.links[0].connections = 4).await;
+    let ckpt = p.root.join("step-3");
+    write_dir(&ckpt, 3, 1 << 20);
+    let total = 3u64 << 20;
+    let mut hold = p.source.hold_at(HoldPoint::Commit);
+    let t = p.source.submit(&ckpt, None).await.unwrap();
+    assert_eq!(hold.reached().await, Some(t.id));
+    let sent_before = p.source.catalog().transfer(t.id).await.unwrap().unwrap();
+    let now = rewrite_head(&ckpt.join("shard-1.bin"), 0);
+    hold.release();
+    let done = wait_published(&p, t.id).await;
+    let replica = replica_path(&p, t.id).await;
+    assert_eq!(std::fs::read(replica.join("shard-1.bin")).unwrap(), now);
+    common::same_tree(&ckpt, &replica);
+    let chunk = u64::from(ferry_proto::manifest::MIN_CHUNK_SIZE);
+    assert!(
+        sent_before.bytes_sent as u64 >= total,
+        "all sent before the commit: {}",
+        sent_before.bytes_sent
+    );
+    // The changed chunk goes again before the commit, and once more if its
+    // stale copy, still in flight on another connection, reached the sink
+    // after the new one (the commit's comparison asks for it); nothing
+    // else goes again.
+    let again = done.bytes_sent as u64 - total;
+    assert!(
+        again == chunk || again == 2 * chunk,
+        "only the changed chunk went again: {again} bytes"
+    );
+}
+
+/// A pushed shard that grew after it was sent: the sink's file table holds
+/// the old size, so the run starts over, and the replica holds the final
+/// bytes.
+#[cfg(feature = "fault-injection")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_that_grew_after_it_was_sent_starts_the_run_over() {
+    use replicator::hold::HoldPoint;
+    let _serial = SERIAL.lock().await;
+    let p = pair_with(0, |cfg| cfg.links[0].connections = 4).await;
+    let ckpt = p.root.join("step-4");
+    write_dir(&ckpt, 3, 1 << 20);
+    let mut hold = p.source.hold_at(HoldPoint::Commit);
+    let t = p.source.submit(&ckpt, None).await.unwrap();
+    assert_eq!(hold.reached().await, Some(t.id));
+    let now = rewrite_head(&ckpt.join("shard-2.bin"), 5000);
+    hold.release();
+    wait_published(&p, t.id).await;
+    let replica = replica_path(&p, t.id).await;
+    assert_eq!(std::fs::read(replica.join("shard-2.bin")).unwrap(), now);
+    common::same_tree(&ckpt, &replica);
+}

@@ -150,26 +150,32 @@ fn run_jobs(
         let mut complete_read = true;
         for c in job.from..job.to {
             let len = chunk_len(job.size, chunk_size, u64::from(c)) as usize;
-            // A new buffer per chunk, not zero-filled: a sent chunk's
-            // record keeps it.
-            let Ok(mut data) = file.read_range(u64::from(c) * u64::from(chunk_size), len as u64)
-            else {
+            // A pooled buffer per chunk, not zero-filled: a sent chunk's
+            // record keeps it until quinn is done with it.
+            let mut data = inner.bufs.take(len);
+            if file
+                .read_range_into(u64::from(c) * u64::from(chunk_size), len as u64, &mut data)
+                .is_err()
+            {
                 // Shorter than it was: the next view shows the new size.
+                inner.bufs.give(data);
                 complete_read = false;
                 break;
-            };
+            }
             let i = (c - job.from) as usize;
             let quick = xxhash_rust::xxh3::xxh3_64(&data);
             let known = job.known.get(i).copied().flatten();
             if let Some(h) = known.filter(|_| job.quick.get(i).copied().flatten() == Some(quick)) {
                 // Unchanged since it was sent.
                 r.hashes.push((c, h, quick));
+                inner.bufs.give(data);
                 continue;
             }
             let hash = *blake3::hash(&data).as_bytes();
             r.hashes.push((c, hash, quick));
             let key = u64::from(job.idx) << 32 | u64::from(c);
             if known == Some(hash) || (known.is_none() && have.contains(&key)) {
+                inner.bufs.give(data);
                 continue;
             }
             maybe_corrupt(inner, &mut data);
@@ -181,7 +187,7 @@ fn run_jobs(
                     len: len as u32,
                     hash,
                 },
-                data: data.into(),
+                data: inner.bufs.bytes(data),
             })
             .map_err(|_| "sending stopped".to_string())?;
         }
@@ -486,6 +492,7 @@ pub(super) async fn run_watched(
             opened_ms: last.opened_ms,
         },
         siblings,
+        recheck: false,
     };
     commit_loop(
         inner, c, &t, &dir, &progress, &mut rx, need, batches, sealed,

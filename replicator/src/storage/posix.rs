@@ -46,19 +46,26 @@ impl RangeRead for PosixFile {
     }
 
     fn read_range(&self, offset: u64, len: u64) -> io::Result<Vec<u8>> {
-        // Read into uninitialised capacity (no zero fill): seek, then
-        // read_to_end on at most `len` bytes.
         let mut data = Vec::with_capacity(len as usize);
+        self.read_range_into(offset, len, &mut data)?;
+        Ok(data)
+    }
+
+    fn read_range_into(&self, offset: u64, len: u64, data: &mut Vec<u8>) -> io::Result<()> {
+        // Read into the buffer's uninitialised capacity (no zero fill):
+        // seek, then read_to_end on at most `len` bytes.
+        data.clear();
+        data.reserve(len as usize);
         let mut r: &File = &self.file;
         r.seek(io::SeekFrom::Start(offset))?;
-        r.take(len).read_to_end(&mut data)?;
+        r.take(len).read_to_end(data)?;
         if data.len() as u64 != len {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
                 format!("{} bytes at {offset}, expected {len}", data.len()),
             ));
         }
-        Ok(data)
+        Ok(())
     }
 
     fn current(&self) -> io::Result<(u64, i64, FileVersion)> {
