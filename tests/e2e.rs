@@ -21,12 +21,13 @@ const TRANSFER: Duration = Duration::from_secs(120);
 /// for byte.
 #[tokio::test]
 async fn a_link_over_three_connections_replicates_through_the_relay() {
+    const CONNECTIONS: u32 = 3;
     let w = World::new("conns").await;
     let ckpt = w.source_root().join("step_000300");
     w.gen(&ckpt, "20MB").await;
     let c = w
         .start_cluster("200Mbit/s", &[], |_, src| {
-            src.links[0].connections = Some(3)
+            src.links[0].connections = Some(CONNECTIONS)
         })
         .await;
     let out = w.push(&c.source, &ckpt, &[]).await;
@@ -34,8 +35,8 @@ async fn a_link_over_three_connections_replicates_through_the_relay() {
     w.assert_same_tree(&ckpt, &w.replica_path("step_000300"));
     let log = c.sink.stderr();
     let connected = log.matches("source connected").count();
-    w.ensure(connected == 3, || {
-        format!("the sink saw {connected} connections from the source, not 3:\n{log}")
+    w.ensure(connected == CONNECTIONS as usize, || {
+        format!("the sink saw {connected} connections from the source, not {CONNECTIONS}:\n{log}")
     });
 }
 

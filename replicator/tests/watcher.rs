@@ -226,9 +226,31 @@ async fn checkpoint_deleted_mid_write_is_cancelled_and_staging_removed() {
 
 #[tokio::test]
 async fn appended_shard_rewritten_below_its_end_is_sent_again() {
+    rewritten_below_its_end_is_sent_again(1).await;
+}
+
+/// The same over a link served by four connections: the transfer opens,
+/// grows its file table and sends its batches through the pool, and the
+/// changed chunk is still caught and sent again. (A few MB keep one
+/// writer free, so the chunks may all ride on one connection of the
+/// pool: the dispatcher gives a chunk to whichever writer is free first.)
+#[tokio::test]
+async fn over_four_connections_a_shard_rewritten_below_its_end_is_sent_again() {
+    rewritten_below_its_end_is_sent_again(4).await;
+}
+
+/// A shard still being appended to streams its full chunks; then one of
+/// them is rewritten in place and the shard appended to and closed. The
+/// replica holds the final bytes, and the changed chunk went twice (the
+/// transfer sent at least a chunk more than the checkpoint's size).
+async fn rewritten_below_its_end_is_sent_again(connections: usize) {
     use std::io::Write;
     use std::os::unix::fs::FileExt;
-    let p = pair_with(0, watching(RootWatch::default())).await;
+    let p = pair_with(0, |cfg| {
+        watching(RootWatch::default())(cfg);
+        cfg.links[0].connections = connections;
+    })
+    .await;
     let ckpt = p.root.join("step_7");
     std::fs::create_dir_all(&ckpt).unwrap();
     let cs = MIN_CHUNK_SIZE as usize;

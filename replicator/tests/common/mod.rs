@@ -22,6 +22,9 @@ pub struct Pair {
     pub source: Source,
     pub sink: Sink,
     pub root: PathBuf,
+    /// Connections configured for link `l` (what a test that counts the
+    /// link's connections expects, rather than assuming one).
+    pub connections: u64,
 }
 
 pub async fn pair(reserve_bytes: u64) -> Pair {
@@ -55,6 +58,7 @@ pub async fn pair_with(reserve_bytes: u64, adjust: impl FnOnce(&mut SourceConfig
     let src_ep = transport::endpoint(SocketKind::Memory(sa), None).unwrap();
     let mut cfg = source_config(&root, b);
     adjust(&mut cfg);
+    let connections = cfg.links[0].connections as u64;
     let source = Source::start_with_sockets(
         cfg,
         Catalog::open(&base.join("src-data")).await.unwrap(),
@@ -68,6 +72,7 @@ pub async fn pair_with(reserve_bytes: u64, adjust: impl FnOnce(&mut SourceConfig
         source,
         sink,
         root,
+        connections,
     }
 }
 
