@@ -744,6 +744,130 @@ fn spread(v: &mut [f64]) -> (f64, f64, f64) {
     }
 }
 
+/// Events `perf stat` counts in the cpu scenario: instructions do not move
+/// with the machine's noise (most VMs, this one included, report them as
+/// not supported); page faults and context switches are software events
+/// every kernel counts.
+const PERF_EVENTS: &str = "instructions,page-faults,context-switches";
+
+/// Counts from one `perf stat -x,` report; `None` where the event was not
+/// counted (unsupported, or perf missing).
+#[derive(Debug, Default, Clone, Copy)]
+struct Counts {
+    instructions: Option<u64>,
+    page_faults: Option<u64>,
+    context_switches: Option<u64>,
+}
+
+impl Counts {
+    /// Parses `perf stat -x,` output: `value,unit,event,...` per line, the
+    /// value `<not supported>` or `<not counted>` when there is none.
+    fn parse(text: &str) -> Counts {
+        let mut c = Counts::default();
+        for line in text.lines() {
+            let f: Vec<&str> = line.split(',').collect();
+            if f.len() < 3 {
+                continue;
+            }
+            let v = f[0].trim().parse::<u64>().ok();
+            match f[2].trim() {
+                e if e.starts_with("instructions") => c.instructions = v,
+                e if e.starts_with("page-faults") => c.page_faults = v,
+                e if e.starts_with("context-switches") => c.context_switches = v,
+                _ => {}
+            }
+        }
+        c
+    }
+
+    /// The sum of two processes' counts (`None` if either lacks one).
+    fn plus(self, o: Counts) -> Counts {
+        let add = |a: Option<u64>, b: Option<u64>| Some(a? + b?);
+        Counts {
+            instructions: add(self.instructions, o.instructions),
+            page_faults: add(self.page_faults, o.page_faults),
+            context_switches: add(self.context_switches, o.context_switches),
+        }
+    }
+}
+
+/// `perf stat` attached to a running process from [`PerfStat::attach`] to
+/// [`PerfStat::finish`].
+struct PerfStat {
+    child: Child,
+    out: PathBuf,
+}
+
+impl PerfStat {
+    /// Attaches to `pid`; `None` (and the counts are left out) when perf
+    /// cannot be started.
+    fn attach(pid: u32, out: PathBuf) -> Option<PerfStat> {
+        let child = Command::new("perf")
+            .args([
+                "stat",
+                "-x,",
+                "-e",
+                PERF_EVENTS,
+                "-p",
+                &pid.to_string(),
+                "-o",
+            ])
+            .arg(&out)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .ok()?;
+        register(child.id());
+        // perf needs a moment to open its counters on the process.
+        std::thread::sleep(Duration::from_millis(200));
+        Some(PerfStat { child, out })
+    }
+
+    /// Stops counting (SIGINT, as perf expects) and reads the counts.
+    fn finish(mut self) -> Counts {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        unregister(self.child.id());
+        Counts::parse(&std::fs::read_to_string(&self.out).unwrap_or_default())
+    }
+}
+
+/// The median of the runs' values of one counter per GB, `None` when any
+/// run lacks it.
+fn counter_median(runs: &[Counts], gb: f64, pick: impl Fn(&Counts) -> Option<u64>) -> Option<f64> {
+    let mut v: Vec<f64> = runs
+        .iter()
+        .map(|c| pick(c).map(|n| n as f64 / gb))
+        .collect::<Option<_>>()?;
+    Some(spread(&mut v).0)
+}
+
+/// One line of per-GB counter medians for the report.
+fn counters_line(tool: &str, runs: &[Counts], gb: f64) -> String {
+    let show = |v: Option<f64>| v.map_or("not counted".to_string(), |x| format!("{x:.0}"));
+    format!(
+        "  {tool} per GB (medians): instructions {}, page faults {}, context switches {}",
+        show(counter_median(runs, gb, |c| c.instructions)),
+        show(counter_median(runs, gb, |c| c.page_faults)),
+        show(counter_median(runs, gb, |c| c.context_switches)),
+    )
+}
+
+/// Counter medians per GB as JSON (null where not counted).
+fn counters_json(runs: &[Counts], gb: f64) -> Value {
+    json!({
+        "instructions_per_gb": counter_median(runs, gb, |c| c.instructions),
+        "page_faults_per_gb": counter_median(runs, gb, |c| c.page_faults),
+        "context_switches_per_gb": counter_median(runs, gb, |c| c.context_switches),
+    })
+}
+
 /// Link rate of the cpu scenario, bit/s (10 Gbit/s: above what either
 /// agent reaches on loopback, so CPU is the limit).
 const CPU_RATE: u64 = 10_000_000_000;
@@ -790,6 +914,19 @@ pub fn scenario_cpu(b: &mut Bench, ck: &Ckpt) -> Result<()> {
         "cpu: {runs} runs each of bare quinn and ferry, alternating, {:.0} MB on loopback, {connections} connection(s)",
         ck.bytes as f64 / 1e6
     ));
+    // `perf stat` counters where perf runs here (it needs root and the
+    // Debian package linux-perf); without it the counts are left out.
+    let perf_ok = Command::new("perf")
+        .args(["stat", "-e", "page-faults", "--", "true"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !perf_ok {
+        say("  perf stat does not run here: instruction, page-fault and context-switch counts are left out");
+    }
+    let mut quinn_counts: Vec<Counts> = Vec::new();
+    let mut ferry_counts: Vec<Counts> = Vec::new();
     let mut quinn: Vec<Value> = Vec::new();
     // (source CPU s, sink CPU s, wall s) per Ferry run.
     let mut ferry: Vec<(f64, f64, f64)> = Vec::new();
@@ -797,12 +934,31 @@ pub fn scenario_cpu(b: &mut Bench, ck: &Ckpt) -> Result<()> {
     let mut read_back: Vec<f64> = Vec::new();
     const READ_BACK: &str = "ferry_read_back_cpu_seconds_total";
     for i in 0..runs {
-        let out = cmd_ok(
-            Command::new(b.repo.join(&b.args.bin).join("quinn-bare"))
-                .args(["--bytes", &ck.bytes.to_string()])
-                .args(["--connections", &connections.to_string()]),
-            "quinn-bare",
-        )?;
+        let qbin = b.repo.join(&b.args.bin).join("quinn-bare");
+        let qargs = [
+            "--bytes".to_string(),
+            ck.bytes.to_string(),
+            "--connections".to_string(),
+            connections.to_string(),
+        ];
+        let qperf = b.log(&format!("cpu-perf-quinn-{i}.txt"));
+        let out = if perf_ok {
+            let o = cmd_ok(
+                Command::new("perf")
+                    .args(["stat", "-x,", "-e", PERF_EVENTS, "-o"])
+                    .arg(&qperf)
+                    .arg("--")
+                    .arg(&qbin)
+                    .args(&qargs),
+                "quinn-bare under perf stat",
+            )?;
+            quinn_counts.push(Counts::parse(
+                &std::fs::read_to_string(&qperf).unwrap_or_default(),
+            ));
+            o
+        } else {
+            cmd_ok(Command::new(&qbin).args(&qargs), "quinn-bare")?
+        };
         let v: Value =
             serde_json::from_str(out.lines().last().unwrap_or("")).context("quinn-bare JSON")?;
         quinn.push(v);
@@ -815,9 +971,20 @@ pub fn scenario_cpu(b: &mut Bench, ck: &Ckpt) -> Result<()> {
             "cpu",
         )?;
         let rb0 = agents.sink_metric(READ_BACK)?;
+        let perf = |pid: Option<u32>, who: &str| {
+            pid.filter(|_| perf_ok)
+                .and_then(|p| PerfStat::attach(p, b.log(&format!("cpu-perf-{who}-{i}.txt"))))
+        };
+        let (ps, pd) = (
+            perf(agents.src.pid(), "source"),
+            perf(agents.dst.pid(), "sink"),
+        );
         let (s0, d0) = agents.cpu_s();
         let pushed = agents.push_and_wait(&ck.dir, COPY_CAP)?;
         let (s1, d1) = agents.cpu_s();
+        if let (Some(ps), Some(pd)) = (ps, pd) {
+            ferry_counts.push(ps.finish().plus(pd.finish()));
+        }
         if pushed.state != Some(TransferState::Published) {
             bail!(
                 "cpu: the transfer ended {:?}: {}",
@@ -876,6 +1043,10 @@ pub fn scenario_cpu(b: &mut Bench, ck: &Ckpt) -> Result<()> {
         f_cpu / q_cpu,
         cp_cpu / gb
     ));
+    if perf_ok {
+        say(counters_line("ferry (both agents)", &ferry_counts, gb));
+        say(counters_line("bare quinn", &quinn_counts, gb));
+    }
     let mut r = Record::copy("cpu", "ferry", ck.bytes, ck.files, f_wall, 0, 0.0, 0.0);
     r.verified = true;
     r.extra = json!({
@@ -896,6 +1067,7 @@ pub fn scenario_cpu(b: &mut Bench, ck: &Ckpt) -> Result<()> {
         "target_over_quinn": 1.5,
         "connections": connections,
         "runs_source_sink_wall_s": ferry.iter().map(|r| json!([r.0, r.1, r.2])).collect::<Vec<_>>(),
+        "perf_stat": counters_json(&ferry_counts, gb),
         "note": "medians of the runs, alternating with quinn-bare; the sink's read-back before publish is included",
     });
     b.records.push(r);
@@ -917,6 +1089,7 @@ pub fn scenario_cpu(b: &mut Bench, ck: &Ckpt) -> Result<()> {
         "goodput_bps_range": [q_glo, q_ghi],
         "connections": connections,
         "runs_cpu_s": quinn.iter().map(|v| v["cpu_s"].clone()).collect::<Vec<_>>(),
+        "perf_stat": counters_json(&quinn_counts, gb),
         "note": "medians of the runs, alternating with Ferry; the bytes are not files and are not compared",
     });
     b.records.push(r);
@@ -1016,4 +1189,30 @@ pub fn scenario_lag(b: &mut Bench) -> Result<()> {
         b.records.push(r);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn perf_stat_csv_counts_and_unsupported_events() {
+        let text = "# started on Tue Dec  1 23:00:00 2026\n\n\
+                    <not supported>,,instructions,0,100.00,,\n\
+                    16668,,page-faults,3687360000,100.00,4.521,K/sec\n\
+                    14657,,context-switches,3687360000,100.00,3.975,K/sec\n";
+        let c = Counts::parse(text);
+        assert_eq!(c.instructions, None);
+        assert_eq!(c.page_faults, Some(16668));
+        assert_eq!(c.context_switches, Some(14657));
+        let sum = c.plus(Counts::parse(
+            "10,,page-faults,1,100.00,,\n5,,context-switches,1,100.00,,\n",
+        ));
+        assert_eq!(sum.page_faults, Some(16678));
+        assert_eq!(sum.context_switches, Some(14662));
+        assert_eq!(sum.instructions, None);
+        let runs = [sum, sum];
+        assert_eq!(counter_median(&runs, 2.0, |c| c.page_faults), Some(8339.0));
+        assert_eq!(counter_median(&runs, 2.0, |c| c.instructions), None);
+    }
 }
