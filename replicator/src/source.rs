@@ -1541,6 +1541,7 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
 /// then answers, routed to the transfers' inboxes, and batch
 /// confirmations, handed to the dispatcher. When the control connection's
 /// ends, the inboxes are dropped: every transfer learns the pool is gone.
+#[allow(clippy::too_many_arguments)]
 async fn read_control(
     link_name: String,
     peer_name: String,
