@@ -2322,11 +2322,12 @@ struct Sealed {
 
 /// Resends whatever the sink asks for, then commits; repeats until the
 /// sink publishes. The commit names the batches opened in this run and
-/// those given up with a lost connection ([`LinkSched::commit_point`]). A
-/// connection lost after the commit, with batches of this transfer the
-/// sink had not confirmed, makes it commit again once their chunks are
-/// sent on the other connections (the sink replaces the commit it was
-/// waiting on with the new one).
+/// those given up with a lost connection ([`LinkSched::commit_point`]),
+/// and goes once the transfer's queue is drained. A connection lost after
+/// the commit, with batches of this transfer the sink had not confirmed,
+/// makes it commit again once their chunks are sent on the other
+/// connections (the sink replaces the commit it was waiting on with the
+/// new one).
 #[allow(clippy::too_many_arguments)]
 async fn commit_loop(
     inner: &Arc<Inner>,
@@ -2384,11 +2385,11 @@ async fn commit_loop(
                 lost,
             })
         };
-        let mut given_up = c.sched.lost_batches(id);
-        c.ctl.send(&commit(c.sched.commit_point(id))).await?;
-        // Chunks of batches given up after the commit are being sent
-        // again; once they are, the commit is sent again.
-        let mut recommit = false;
+        // The commit goes once every chunk queued is written (chunks moved
+        // off a lost connection after the round included); batches given
+        // up after it make it go again once their chunks are sent.
+        let mut given_up = 0;
+        let mut unsent = true;
         loop {
             let losses = c.sched.losses();
             tokio::pin!(losses);
@@ -2397,19 +2398,21 @@ async fn commit_loop(
             tokio::pin!(changes);
             changes.as_mut().enable();
             if c.sched.lost_batches(id) > given_up {
-                recommit = true;
+                unsent = true;
             }
-            if recommit && c.sched.drained(id) {
+            if unsent && c.sched.drained(id) {
                 let point = c.sched.commit_point(id);
+                if given_up > 0 || !point.1.is_empty() {
+                    info!(
+                        transfer = %id,
+                        batches = point.0,
+                        lost = point.1.len(),
+                        "committing with batches given up with a lost connection"
+                    );
+                }
                 given_up = point.1.len();
-                info!(
-                    transfer = %id,
-                    batches = point.0,
-                    lost = given_up,
-                    "committing again: batches were given up with a lost connection after the commit"
-                );
                 c.ctl.send(&commit(point)).await?;
-                recommit = false;
+                unsent = false;
                 continue;
             }
             tokio::select! {
@@ -2426,7 +2429,7 @@ async fn commit_loop(
                     other => return handle_end(inner, t, other, &root).await,
                 },
                 _ = &mut losses => {}
-                _ = &mut changes, if recommit => {}
+                _ = &mut changes, if unsent => {}
             }
         }
     }

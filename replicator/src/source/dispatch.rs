@@ -29,7 +29,9 @@
 //!   commit lists the given-up sequence numbers so the sink does not wait
 //!   for them. A record's bytes are shared with quinn's send buffer
 //!   (`bytes::Bytes`), so keeping them costs memory only between quinn's
-//!   acknowledgement and the sink's confirmation, about one round trip.
+//!   acknowledgement and the sink's confirmation, about one round trip;
+//!   the control connection's batches are not kept (its loss replaces the
+//!   pool).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering;
@@ -133,6 +135,9 @@ pub(crate) struct WriterId {
     pub(crate) connection: usize,
     pub(crate) writer: usize,
 }
+
+/// Index of the control connection in a link's pool.
+const CONTROL: usize = 0;
 
 /// Why a writer could not open a batch.
 enum NoBatch {
@@ -242,20 +247,28 @@ impl LinkSched {
         let seq = q.batches;
         q.batches += 1;
         q.open += 1;
-        q.unconfirmed.insert(
-            seq,
-            Unconfirmed {
-                writer: me,
-                recs: Vec::new(),
-            },
-        );
+        // The control connection's batches are not kept: losing it
+        // replaces the pool, and the resumed run sends what the sink lacks.
+        if me.connection != CONTROL {
+            q.unconfirmed.insert(
+                seq,
+                Unconfirmed {
+                    writer: me,
+                    recs: Vec::new(),
+                },
+            );
+        }
         Ok(seq)
     }
 
     /// Keeps `rec` with batch `seq` of `id` (writer `me`'s) until the sink
-    /// confirms it. False if the batch's connection was lost meanwhile:
-    /// the record is queued again and the writer stops.
+    /// confirms it (not on the control connection, whose loss replaces
+    /// the pool). False if the batch's connection was lost meanwhile: the
+    /// record is queued again and the writer stops.
     fn track(&self, id: TransferId, seq: u64, me: WriterId, rec: &Record) -> bool {
+        if me.connection == CONTROL {
+            return true;
+        }
         let mut s = self.lock();
         let s = &mut *s;
         let Some(q) = s.queues.get_mut(&id) else {
@@ -755,4 +768,116 @@ async fn write(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use ferry_proto::wire::RecordHeader;
+
+    fn sched() -> (LinkSched, TransferId) {
+        let ls = LinkScheduler::new(scheduler::Policy::default(), 1_000_000_000, 10, 0);
+        let s = LinkSched::new(ls, LinkCounters::default());
+        let id = TransferId(7);
+        s.activate(
+            scheduler::Transfer {
+                id,
+                class: scheduler::Class::Scheduled,
+                job: "j".into(),
+                model_params: None,
+                importance: 0.0,
+                bytes_left: 1 << 20,
+                created_ms: 0,
+                size_final: true,
+            },
+            Arc::default(),
+        );
+        (s, id)
+    }
+
+    fn rec(chunk: u32) -> Record {
+        Record {
+            header: RecordHeader {
+                file: 0,
+                chunk,
+                len: 4,
+                hash: [0; 32],
+            },
+            data: bytes::Bytes::from_static(b"abcd"),
+        }
+    }
+
+    fn queued(s: &LinkSched, id: TransferId) -> Vec<u32> {
+        s.lock().queues[&id]
+            .recs
+            .iter()
+            .map(|r| r.header.chunk)
+            .collect()
+    }
+
+    fn writer(pool: u64, connection: usize) -> WriterId {
+        WriterId {
+            pool,
+            connection,
+            writer: 0,
+        }
+    }
+
+    #[test]
+    fn a_lost_connection_s_unconfirmed_batches_are_given_up_and_their_chunks_queued_again() {
+        let (s, id) = sched();
+        let pool = s.new_pool();
+        let (w0, w2, w3) = (writer(pool, 0), writer(pool, 2), writer(pool, 3));
+        // Batch 0 on connection 2 (chunks 1, 2), batch 1 on the control
+        // connection (chunk 3), batch 2 on connection 2 (chunk 4, which the
+        // sink confirms), batch 3 on connection 3 (chunk 5).
+        let b0 = s.open_batch(id, w2).ok().unwrap();
+        assert!(s.track(id, b0, w2, &rec(1)));
+        assert!(s.track(id, b0, w2, &rec(2)));
+        let b1 = s.open_batch(id, w0).ok().unwrap();
+        assert!(s.track(id, b1, w0, &rec(3)));
+        let b2 = s.open_batch(id, w2).ok().unwrap();
+        assert!(s.track(id, b2, w2, &rec(4)));
+        let b3 = s.open_batch(id, w3).ok().unwrap();
+        assert!(s.track(id, b3, w3, &rec(5)));
+        assert_eq!((b0, b1, b2, b3), (0, 1, 2, 3));
+        s.confirmed(id, &[b2]);
+        assert_eq!(s.connection_lost(pool, 2), (1, 2));
+        assert_eq!(queued(&s, id), [1, 2]);
+        assert_eq!(s.commit_point(id), (4, vec![0]));
+        assert_eq!(s.lost_batches(id), 1);
+        // The scheduler knows the chunks are ready again.
+        assert!(matches!(
+            s.lock().ls.next(0),
+            Decision::Send { id: t, .. } if t == id
+        ));
+        // A writer of the lost connection still writing batch 0: its
+        // record goes back too, and it opens no more batches.
+        assert!(!s.track(id, b0, w2, &rec(6)));
+        assert_eq!(queued(&s, id), [1, 2, 6]);
+        assert!(matches!(s.open_batch(id, w2), Err(NoBatch::Lost)));
+        // Connection 3 lives on; its batch stays until confirmed.
+        assert_eq!(s.connection_lost(pool, 2), (0, 0), "once");
+        assert_eq!(s.commit_point(id), (4, vec![0]));
+    }
+
+    #[test]
+    fn writers_of_a_replaced_pool_open_nothing_and_requeue_nothing() {
+        let (s, id) = sched();
+        let old = s.new_pool();
+        let b = s.open_batch(id, writer(old, 1)).ok().unwrap();
+        assert!(s.track(id, b, writer(old, 1), &rec(1)));
+        let new = s.new_pool();
+        assert_ne!(old, new);
+        assert_eq!(s.connection_lost(old, 1), (0, 0), "an old pool's loss");
+        assert!(matches!(
+            s.open_batch(id, writer(old, 2)),
+            Err(NoBatch::Lost)
+        ));
+        s.put_back(id, writer(old, 2), rec(9));
+        assert!(queued(&s, id).is_empty(), "an older run's record");
+        // The current pool's writers go on.
+        assert_eq!(s.open_batch(id, writer(new, 1)).ok(), Some(1));
+    }
 }
