@@ -19,6 +19,9 @@ pub mod code {
     pub const SHUTDOWN: u32 = 4;
     /// Data for a transfer the sink refused.
     pub const REFUSED: u32 = 5;
+    /// A batch the source gave up (its commit lists it as lost, protocol
+    /// version 4), arriving after that commit: not read.
+    pub const LOST_BATCH: u32 = 6;
 }
 
 /// Errors on a control stream.

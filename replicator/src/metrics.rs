@@ -19,10 +19,17 @@
 //!   (a `Need`: the chunk failed BLAKE3 on arrival, or was missing or wrong
 //!   when the commit was checked), counted once per chunk each time the
 //!   source queues such a request for re-sending. Not counted: chunks sent
-//!   again because a transfer resumed on a new connection (the source does
-//!   not track which unverified chunks it had sent), chunks of a watched
+//!   again because a transfer resumed on a new pool after its control
+//!   connection was lost (the resumed run sends what the sink had not
+//!   verified), chunks moved off a lost connection of the pool
+//!   (`ferry_chunks_moved_total`), chunks of a watched
 //!   file sent again because the file changed while it was written, and
 //!   QUIC packet retransmissions.
+//! - `ferry_chunks_moved_total{link}`: chunks queued again for the link's
+//!   other connections because the connection they went on was lost
+//!   before the sink confirmed their batch (protocol version 4; the
+//!   control connection's loss restarts the pool instead and is not
+//!   counted).
 //! - `ferry_link_capacity_bits_per_second{link}`: the link's rate cap.
 //! - `ferry_link_utilisation_ratio{link}`: payload bit/s over the last
 //!   [`RATE_WINDOW_MS`] divided by the rate cap (ARCHITECTURE.md
@@ -367,6 +374,8 @@ pub(crate) struct LinkCounters {
     pub(crate) sent: [Counter; 3],
     /// Chunks the sink asked for again.
     pub(crate) retries: Counter,
+    /// Chunks moved to other connections after theirs was lost.
+    pub(crate) moved: Counter,
 }
 
 impl LinkCounters {
@@ -394,6 +403,7 @@ pub(crate) struct SourceMetrics {
     scrape: Mutex<()>,
     sent: Family<LinkClassLabel, Counter>,
     retries: Family<LinkLabel, Counter>,
+    moved: Family<LinkLabel, Counter>,
     capacity: Family<LinkLabel, Gauge>,
     utilisation: Family<LinkLabel, Gauge<f64, AtomicU64>>,
     queue_depth: Family<LinkClassLabel, Gauge>,
@@ -415,6 +425,7 @@ impl SourceMetrics {
             scrape: Mutex::new(()),
             sent: Family::default(),
             retries: Family::default(),
+            moved: Family::default(),
             capacity: Family::default(),
             utilisation: Family::default(),
             queue_depth: Family::default(),
@@ -431,6 +442,12 @@ impl SourceMetrics {
             "Chunks the sink asked for again (failed BLAKE3 on arrival, or missing or wrong \
              at commit) that the source queued for re-sending, by link, in chunks",
             m.retries.clone(),
+        );
+        registry.register(
+            "ferry_chunks_moved",
+            "Chunks queued again for the link's other connections because the connection they \
+             went on was lost before the sink confirmed them, by link, in chunks",
+            m.moved.clone(),
         );
         registry.register(
             "ferry_link_capacity_bits_per_second",
@@ -467,13 +484,16 @@ impl SourceMetrics {
                 })
                 .clone()
         });
-        let retries = self
-            .retries
-            .get_or_create(&LinkLabel {
-                link: link.to_string(),
-            })
-            .clone();
-        LinkCounters { sent, retries }
+        let label = LinkLabel {
+            link: link.to_string(),
+        };
+        let retries = self.retries.get_or_create(&label).clone();
+        let moved = self.moved.get_or_create(&label).clone();
+        LinkCounters {
+            sent,
+            retries,
+            moved,
+        }
     }
 
     /// Sets the scrape-time gauges from `s` and encodes the registry.
@@ -847,6 +867,7 @@ mod tests {
         l.sent[class_index(Class::Urgent)].inc_by(5 * MB);
         l.sent[class_index(Class::Background)].inc_by(7);
         l.retries.inc_by(3);
+        l.moved.inc_by(2);
         // The handle and the registry's series are the same counter.
         assert_eq!(m.link("to-eval").sent_totals(), [5 * MB, 0, 7]);
         let scrape = SourceScrape {
@@ -862,6 +883,7 @@ mod tests {
         let expect = [
             ("ferry_sent_bytes_total", "counter"),
             ("ferry_chunk_retries_total", "counter"),
+            ("ferry_chunks_moved_total", "counter"),
             ("ferry_link_capacity_bits_per_second", "gauge"),
             ("ferry_link_utilisation_ratio", "gauge"),
             ("ferry_queue_depth_transfers", "gauge"),
@@ -887,6 +909,10 @@ mod tests {
         assert_eq!(
             value(&s, "ferry_chunk_retries_total", &[("link", "to-eval")]),
             3.0
+        );
+        assert_eq!(
+            value(&s, "ferry_chunks_moved_total", &[("link", "to-eval")]),
+            2.0
         );
         assert_eq!(
             value(

@@ -24,8 +24,8 @@ use ferry_proto::manifest::{hex, ChunkMap, FileInfo, Hash, Manifest};
 use ferry_proto::paths::check_name;
 use ferry_proto::state::{Profile, TransferId, TransferState};
 use ferry_proto::wire::{
-    BatchHeader, Commit, Control, Hello, Open, RecordHeader, BATCH_HEADER_LEN,
-    MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, RECORD_HEADER_LEN,
+    BatchHeader, Commit, Control, Hello, Open, RecordHeader, MIN_PROTOCOL_VERSION,
+    PROTOCOL_VERSION, RECORD_HEADER_LEN,
 };
 use quinn::{Connection, Endpoint, RecvStream, VarInt};
 use serde::Serialize;
@@ -140,6 +140,9 @@ struct Live {
     syncing: std::sync::atomic::AtomicBool,
     /// Chunk writes hold it shared, publishing holds it exclusively.
     writes: Arc<tokio::sync::RwLock<()>>,
+    /// Held while a batch confirmation is sent: batches finishing
+    /// meanwhile go together in the next one.
+    confirming: tokio::sync::Mutex<()>,
 }
 
 /// Staging bytes written before a background `syncfs` starts. Flushing as
@@ -177,7 +180,14 @@ struct LiveState {
     /// The step and class the source sent with the commit.
     meta: CheckpointMeta,
     siblings: Vec<(String, Vec<u8>)>,
-    batches_done: u64,
+    /// Batches of this run that arrived whole.
+    batches_in: decide::BatchesIn,
+    /// Batches the source's latest commit lists as lost (protocol version
+    /// 4): not waited for, and not read if they arrive after it.
+    lost: std::collections::HashSet<u64>,
+    /// Batches arrived whole and not yet confirmed to the source
+    /// ([`Control::BatchDone`]).
+    unconfirmed: Vec<u64>,
     publishing: bool,
     failed: bool,
     /// Publish attempts that found staged chunks changed on disk.
@@ -632,6 +642,7 @@ async fn serve_connection(
     // Transfers opened by this source (on this connection or another of
     // its link's pool), by source transfer id.
     let open = inner.opened_for(peer, &hello.site);
+    let version = hello.version;
     let streams = {
         let (inner, conn, open, ctl) = (inner.clone(), conn.clone(), open.clone(), ctl.clone());
         tokio::spawn(async move {
@@ -639,7 +650,7 @@ async fn serve_connection(
                 let (inner, open, ctl, conn) =
                     (inner.clone(), open.clone(), ctl.clone(), conn.clone());
                 inner.clone().tasks.spawn(async move {
-                    match receive_batch(&inner, &open, &ctl, s).await {
+                    match receive_batch(&inner, &open, &ctl, version, s).await {
                         Ok(()) => {}
                         // The connection went away; the source resumes later.
                         Err(e @ (ConnError::Read(_) | ConnError::Connection(_))) => {
@@ -706,6 +717,7 @@ async fn serve_connection(
                     manifest,
                     siblings,
                     checkpoint,
+                    lost,
                 }) => {
                     let live = open.get(id);
                     let Some(live) = live else {
@@ -718,11 +730,16 @@ async fn serve_connection(
                         debug!(
                             transfer = %id,
                             batches,
-                            batches_done = st.batches_done,
+                            lost = lost.len(),
+                            batches_counted = st.batches_in.counted,
+                            batches_numbered = st.batches_in.seqs.len(),
                             bytes_done = st.bytes_done,
                             "commit received"
                         );
                         st.commit = Some((manifest, batches));
+                        // The latest commit's list: the source's losses
+                        // of this run so far.
+                        st.lost = lost.into_iter().collect();
                         st.times = SourceTimes {
                             committed_ms,
                             opened_ms,
@@ -999,6 +1016,7 @@ async fn open_transfer(
         unsynced: Default::default(),
         syncing: Default::default(),
         writes: Default::default(),
+        confirming: Default::default(),
     });
     {
         let mut m = crate::lock::lock(&inner.live);
@@ -1256,17 +1274,17 @@ impl Opened {
 const GROUP_BYTES: usize = 8 << 20;
 
 /// Receives one batch (a data stream) of a transfer opened by this
-/// connection's source; answers go to the control stream the transfer was
-/// opened on (`conn_ctl`, this connection's, if it is unknown).
+/// connection's source (which speaks protocol `version`); answers go to
+/// the control stream the transfer was opened on (`conn_ctl`, this
+/// connection's, if it is unknown).
 async fn receive_batch(
     inner: &Arc<Inner>,
     open: &Opened,
     conn_ctl: &Arc<ControlSender>,
+    version: u16,
     mut s: RecvStream,
 ) -> Result<(), ConnError> {
-    let mut hb = [0u8; BATCH_HEADER_LEN];
-    s.read_exact(&mut hb).await?;
-    let header = BatchHeader::decode(&hb)?;
+    let header = read_batch_header(&mut s, version).await?;
     // A fresh transfer's data may overtake its open on the control stream:
     // wait for the open to be handled.
     let mut opened = open.changes.subscribe();
@@ -1294,6 +1312,10 @@ async fn receive_batch(
         .ctl(header.transfer)
         .unwrap_or_else(|| conn_ctl.clone());
     let ctl = &*ctl;
+    if given_up(&live, header.seq) {
+        let _ = s.stop(VarInt::from_u32(code::LOST_BATCH));
+        return Ok(());
+    }
     let mut ended = false;
     while !ended {
         // Records with the arrival of their first and last byte (Unix ms).
@@ -1420,11 +1442,49 @@ async fn receive_batch(
             .await?;
         }
     }
-    {
-        let mut st = crate::lock::lock(&live.st);
-        st.batches_done += 1;
-    }
+    batch_in(&live, ctl, header).await?;
     maybe_finish(inner, &live, ctl, header.transfer).await
+}
+
+/// Reads a data stream's batch header, of the length protocol `version`
+/// gives it.
+async fn read_batch_header(s: &mut RecvStream, version: u16) -> Result<BatchHeader, ConnError> {
+    let mut hb = [0u8; ferry_proto::wire::BATCH_HEADER_V4_LEN];
+    let hb = &mut hb[..BatchHeader::len_for(version)];
+    s.read_exact(hb).await?;
+    Ok(BatchHeader::decode(hb)?)
+}
+
+/// True for a batch the source gave up (its commit, already here, lists
+/// it as lost): not read, since nothing waits for it.
+fn given_up(live: &Live, seq: Option<u64>) -> bool {
+    seq.is_some_and(|q| crate::lock::lock(&live.st).lost.contains(&q))
+}
+
+/// Counts batch `header` of `live` as arrived whole and, from a version 4
+/// source (its batches carry a sequence number), confirms it on `ctl`,
+/// together with any others finishing meanwhile. A numbered batch counts
+/// once its confirmation is sent, so the confirmation precedes any answer
+/// to the commit.
+async fn batch_in(live: &Live, ctl: &ControlSender, header: BatchHeader) -> Result<(), ConnError> {
+    let Some(seq) = header.seq else {
+        crate::lock::lock(&live.st).batches_in.counted += 1;
+        return Ok(());
+    };
+    crate::lock::lock(&live.st).unconfirmed.push(seq);
+    let _one_at_a_time = live.confirming.lock().await;
+    let seqs = std::mem::take(&mut crate::lock::lock(&live.st).unconfirmed);
+    if seqs.is_empty() {
+        // Sent and counted by the confirmation that held the lock before.
+        return Ok(());
+    }
+    ctl.send(&Control::BatchDone {
+        id: header.transfer,
+        seqs: seqs.clone(),
+    })
+    .await?;
+    crate::lock::lock(&live.st).batches_in.seqs.extend(seqs);
+    Ok(())
 }
 
 type GroupResult = (Vec<(u64, Hash, u64)>, Vec<u64>);
@@ -1568,7 +1628,13 @@ async fn maybe_finish(
     let next = {
         let mut st = crate::lock::lock(&live.st);
         let announced = st.commit.as_ref().map(|(_, batches)| *batches);
-        if !decide::commit_ready(announced, st.batches_done, st.publishing, st.failed) {
+        if !decide::commit_ready(
+            announced,
+            &st.lost,
+            &st.batches_in,
+            st.publishing,
+            st.failed,
+        ) {
             return Ok(());
         }
         let Some((manifest, _)) = st.commit.take() else {

@@ -1331,9 +1331,12 @@ const SMALL_TREE_FILES: u64 = 4096;
 /// An established pool of connections to a sink. The first carries the
 /// control stream the transfers use (opens, file tables, commits, cancels
 /// and the sink's answers); every connection carries data streams, written
-/// by the link's stream writers. The pool lives and dies as one: when any
-/// connection of it is lost, the others are closed and every transfer on
-/// it resumes on a new pool (the sink keeps what it verified).
+/// by the link's stream writers. When the control connection is lost, the
+/// others are closed and every transfer on the pool resumes on a new one
+/// (the sink keeps what it verified). When another connection is lost,
+/// the pool goes on without it: the chunks of its batches the sink had not
+/// confirmed are sent again on the others (`LinkSched::connection_lost`),
+/// and the pool is replaced once the link has no transfer running.
 #[derive(Clone)]
 struct LinkConn {
     /// The control connection (the pool's first).
@@ -1355,6 +1358,8 @@ struct LinkConn {
     unanswered: Arc<Mutex<HashMap<TransferId, u32>>>,
     /// The link's dispatcher (its writers run on this pool).
     sched: Arc<LinkSched>,
+    /// Connections of the pool lost while the control one lives.
+    lost: Arc<AtomicU64>,
 }
 
 impl LinkConn {
@@ -1448,6 +1453,7 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
     let inbox: Arc<Mutex<HashMap<TransferId, mpsc::UnboundedSender<Control>>>> = Arc::default();
     let unanswered: Arc<Mutex<HashMap<TransferId, u32>>> = Arc::default();
     let pool: Arc<Vec<Connection>> = Arc::new(dialled.iter().map(|d| d.0.clone()).collect());
+    let pool_no = link.sched.new_pool();
     let mut ctls = Vec::new();
     for (index, (conn, ctl, recv)) in dialled.into_iter().enumerate() {
         // Every connection's control stream is read: the control one's
@@ -1461,6 +1467,7 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
             recv,
             inbox.clone(),
             unanswered.clone(),
+            link.sched.clone(),
         ));
         ctls.push(ctl);
         for w in 0..inner.cfg.streams.max(1) {
@@ -1468,6 +1475,7 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
                 link.sched.clone(),
                 conn.clone(),
                 dispatch::WriterId {
+                    pool: pool_no,
                     connection: index,
                     writer: w,
                 },
@@ -1476,22 +1484,48 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
             ));
         }
     }
-    // One connection lost loses the pool: its batches in flight never
-    // complete at the sink, so every transfer resumes on a new pool.
+    // The control connection lost loses the pool: the transfers' opens,
+    // commits and the sink's answers travel on it, so every transfer
+    // resumes on a new pool.
     let (p2, link_name) = (pool.clone(), l.name.clone());
     tokio::spawn(async move {
-        let closed = p2.iter().map(|c| Box::pin(c.closed()));
-        let (why, index, _) = futures::future::select_all(closed).await;
+        let Some(control) = p2.first() else { return };
+        let why = control.closed().await;
         if p2.len() > 1 {
-            debug!(link = link_name, connection = index, reason = %why, "a connection of the link closed; closing the others");
+            debug!(link = link_name, reason = %why, "the control connection of the link closed; closing the others");
         }
         for c in p2.iter() {
             c.close(
                 VarInt::from_u32(code::PROTOCOL),
-                b"another connection of the link was lost",
+                b"the control connection of the link was lost",
             );
         }
     });
+    // Another connection lost: the pool goes on without it, and the chunks
+    // of its batches the sink had not confirmed go to the others.
+    let lost = Arc::new(AtomicU64::new(0));
+    for (index, conn) in pool.iter().enumerate().skip(1) {
+        let (conn, control, lost) = (conn.clone(), pool[0].clone(), lost.clone());
+        let (sched, link_name) = (link.sched.clone(), l.name.clone());
+        let shutdown = inner.shutdown.clone();
+        tokio::spawn(async move {
+            let why = conn.closed().await;
+            if control.close_reason().is_some() || shutdown.is_cancelled() {
+                return;
+            }
+            lost.fetch_add(1, Ordering::Relaxed);
+            let (batches, chunks) = sched.connection_lost(pool_no, index);
+            sched.counters.moved.inc_by(chunks);
+            warn!(
+                link = link_name,
+                connection = index,
+                batches_given_up = batches,
+                chunks_moved = chunks,
+                reason = %why,
+                "a connection of the link was lost; its unconfirmed chunks go to the others"
+            );
+        });
+    }
     let ctl = Arc::new(ctls.remove(0));
     Ok(LinkConn {
         conn: pool[0].clone(),
@@ -1501,14 +1535,17 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
         inbox,
         unanswered,
         sched: link.sched.clone(),
+        lost,
     })
 }
 
 /// Reads the sink's side of the control stream of connection `index` of a
 /// link's pool: first its hello (a refusal or another version closes the
-/// connection, and so the pool, with a log line), then answers, routed to
-/// the transfers' inboxes. When it ends, the inboxes are dropped: every
-/// transfer learns the pool is gone.
+/// connection with a log line, and so the pool if it is the control one),
+/// then answers, routed to the transfers' inboxes, and batch
+/// confirmations, handed to the dispatcher. When the control connection's
+/// ends, the inboxes are dropped: every transfer learns the pool is gone.
+#[allow(clippy::too_many_arguments)]
 async fn read_control(
     link_name: String,
     peer_name: String,
@@ -1517,6 +1554,7 @@ async fn read_control(
     mut recv: quinn::RecvStream,
     ib: Arc<Mutex<HashMap<TransferId, mpsc::UnboundedSender<Control>>>>,
     un: Arc<Mutex<HashMap<TransferId, u32>>>,
+    sched: Arc<LinkSched>,
 ) {
     let c2 = conn;
     let hello = tokio::time::timeout(Duration::from_secs(15), read_frame(&mut recv)).await;
@@ -1559,14 +1597,18 @@ async fn read_control(
             "sink refused the connection: {why}"
         );
         c2.close(VarInt::from_u32(code::PROTOCOL), b"hello failed");
-        {
-            let mut m = crate::lock::lock(&ib);
-            m.clear();
+        if index == 0 {
+            crate::lock::lock(&ib).clear();
         }
         return;
     }
     loop {
         match read_frame(&mut recv).await {
+            Ok(Some(Control::BatchDone { id, seqs })) => {
+                // The sink has these batches: their chunks need not be
+                // kept for re-sending on another connection.
+                sched.confirmed(id, &seqs);
+            }
             Ok(Some(msg)) => {
                 let id = match &msg {
                     Control::Have { id, .. }
@@ -1602,10 +1644,11 @@ async fn read_control(
             }
         }
     }
-    // Dropping the senders tells every transfer the connection is gone.
-    {
-        let mut m = crate::lock::lock(&ib);
-        m.clear();
+    // Dropping the senders tells every transfer the pool is gone: only the
+    // control connection's end does (another's only loses its batches,
+    // which `LinkSched::connection_lost` sends again elsewhere).
+    if index == 0 {
+        crate::lock::lock(&ib).clear();
     }
 }
 
@@ -1846,6 +1889,20 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
             })
             .map(|t| sched_transfer(t, &jobs, now))
             .collect();
+        if running.is_empty() {
+            if let Some(c) = conn.as_ref().filter(|c| c.lost.load(Ordering::Relaxed) > 0) {
+                // A pool that lost connections other than the control one
+                // is replaced once nothing runs on it: the next transfer
+                // gets every connection again.
+                info!(
+                    link = link.cfg.name,
+                    lost = c.lost.load(Ordering::Relaxed),
+                    "replacing the link's pool, which lost connections"
+                );
+                c.close(code::DONE, b"replacing a pool that lost connections");
+                conn = None;
+            }
+        }
         if !waiting.is_empty()
             && conn
                 .as_ref()
@@ -2024,7 +2081,9 @@ fn runnable(inner: &Inner, t: &Transfer) -> bool {
         || crate::lock::lock(&inner.views).contains_key(&t.id)
 }
 
-/// A chunk ready to go: where it belongs and its bytes.
+/// A chunk ready to go: where it belongs and its bytes (a clone shares
+/// them).
+#[derive(Clone)]
 struct Record {
     header: RecordHeader,
     /// The chunk's bytes, handed to quinn without a copy
@@ -2222,15 +2281,13 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
     // the sink lacks.
     let files = Arc::new(scan.files);
     let mut need: Vec<u64> = Vec::new();
-    let mut batches = 0u64;
-    let (entries, n) = {
+    let entries = {
         let (files, map, dir, inner2) = (files.clone(), map.clone(), dir.clone(), inner.clone());
         send_round(inner, c, id, &progress, &mut rx, &mut need, move |out| {
             read_all(&inner2, &dir, &files, chunk_size, &map, &have, out)
         })
         .await?
     };
-    batches += n;
     let manifest = Manifest {
         chunk_size,
         files: entries,
@@ -2250,10 +2307,7 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
         siblings: Vec::new(),
         recheck: true,
     };
-    commit_loop(
-        inner, c, &t, &dir, &progress, &mut rx, need, batches, sealed,
-    )
-    .await
+    commit_loop(inner, c, &t, &dir, &progress, &mut rx, need, sealed).await
 }
 
 /// A sealed manifest and how chunk keys of the transfer's file table map
@@ -2277,7 +2331,13 @@ struct Sealed {
 }
 
 /// Resends whatever the sink asks for, then commits; repeats until the
-/// sink publishes.
+/// sink publishes. The commit names the batches opened in this run and
+/// those given up with a lost connection ([`LinkSched::commit_point`]),
+/// and goes once the transfer's queue is drained. A connection lost after
+/// the commit, with batches of this transfer the sink had not confirmed,
+/// makes it commit again once their chunks are sent on the other
+/// connections (the sink replaces the commit it was waiting on with the
+/// new one).
 #[allow(clippy::too_many_arguments)]
 async fn commit_loop(
     inner: &Arc<Inner>,
@@ -2287,7 +2347,6 @@ async fn commit_loop(
     progress: &Arc<LiveProgress>,
     rx: &mut mpsc::UnboundedReceiver<Control>,
     mut need: Vec<u64>,
-    mut batches: u64,
     mut sealed: Sealed,
 ) -> Result<(), RunError> {
     let id = t.id;
@@ -2312,11 +2371,10 @@ async fn commit_loop(
             );
             let (m2, dir, inner2) = (sealed.manifest.clone(), dir.to_path_buf(), inner.clone());
             let (map2, slots) = (sealed.map.clone(), sealed.slots.clone());
-            let (_, n) = send_round(inner, c, id, progress, rx, &mut need, move |out| {
+            send_round(inner, c, id, progress, rx, &mut need, move |out| {
                 read_some(&inner2, &dir, &m2, &map2, &slots, &list, out)
             })
             .await?;
-            batches += n;
             continue;
         }
         inner.holds.hold(id, HoldPoint::Commit).await;
@@ -2335,11 +2393,10 @@ async fn commit_loop(
                 );
                 let (m, dir2, inner2) = (sealed.manifest.clone(), dir.to_path_buf(), inner.clone());
                 let map2 = sealed.map.clone();
-                let (entries, n) = send_round(inner, c, id, progress, rx, &mut need, move |out| {
+                let entries = send_round(inner, c, id, progress, rx, &mut need, move |out| {
                     reread_changed(&inner2, &dir2, &m, &map2, &changed, out)
                 })
                 .await?;
-                batches += n;
                 let mut m = (*sealed.manifest).clone();
                 for (fi, e) in entries {
                     m.files[fi] = e;
@@ -2354,29 +2411,63 @@ async fn commit_loop(
             .set_transfer_state(t.id, TransferState::Verifying, None)
             .await?;
         let checkpoint = checkpoint_info(c, t, &sealed.manifest);
-        c.ctl
-            .send(&Control::Commit(Commit {
+        let commit = |(batches, lost): (u64, Vec<u64>)| {
+            Control::Commit(Commit {
                 id,
                 committed_ms: sealed.times.committed_ms,
                 opened_ms: sealed.times.opened_ms,
                 batches,
                 manifest: (*sealed.manifest).clone(),
                 siblings: sealed.siblings.clone(),
-                checkpoint: Some(checkpoint),
-            }))
-            .await?;
+                checkpoint: Some(checkpoint.clone()),
+                lost,
+            })
+        };
+        // The commit goes once every chunk queued is written (chunks moved
+        // off a lost connection after the round included); batches given
+        // up after it make it go again once their chunks are sent.
+        let mut given_up = 0;
+        let mut unsent = true;
         loop {
-            match recv(inner, c, rx).await? {
-                Control::Have { .. } => continue,
-                Control::Need { chunks, .. } => {
-                    need.extend(chunks);
-                    inner
-                        .catalog
-                        .set_transfer_state(t.id, TransferState::Active, None)
-                        .await?;
-                    break;
+            let losses = c.sched.losses();
+            tokio::pin!(losses);
+            losses.as_mut().enable();
+            let changes = c.sched.changes();
+            tokio::pin!(changes);
+            changes.as_mut().enable();
+            if c.sched.lost_batches(id) > given_up {
+                unsent = true;
+            }
+            if unsent && c.sched.drained(id) {
+                let point = c.sched.commit_point(id);
+                if given_up > 0 || !point.1.is_empty() {
+                    info!(
+                        transfer = %id,
+                        batches = point.0,
+                        lost = point.1.len(),
+                        "committing with batches given up with a lost connection"
+                    );
                 }
-                other => return handle_end(inner, t, other, &root).await,
+                given_up = point.1.len();
+                c.ctl.send(&commit(point)).await?;
+                unsent = false;
+                continue;
+            }
+            tokio::select! {
+                m = recv(inner, c, rx) => match m? {
+                    Control::Have { .. } => continue,
+                    Control::Need { chunks, .. } => {
+                        need.extend(chunks);
+                        inner
+                            .catalog
+                            .set_transfer_state(t.id, TransferState::Active, None)
+                            .await?;
+                        break;
+                    }
+                    other => return handle_end(inner, t, other, &root).await,
+                },
+                _ = &mut losses => {}
+                _ = &mut changes, if unsent => {}
             }
         }
     }
@@ -2478,8 +2569,7 @@ async fn recv(
 
 /// Runs `produce` on a blocking thread; the records it makes go to the
 /// link's dispatcher (which interleaves them with other transfers' in the
-/// scheduler's order). Returns what `produce` returned and the number of
-/// batches (streams) this round opened. Control messages arriving
+/// scheduler's order). Returns what `produce` returned. Control messages arriving
 /// meanwhile are handled: `need` collects chunks to send again, a refusal
 /// or cancel ends the round.
 #[allow(clippy::too_many_arguments)]
@@ -2491,11 +2581,10 @@ async fn send_round<T: Send + 'static>(
     rx_ctl: &mut mpsc::UnboundedReceiver<Control>,
     need: &mut Vec<u64>,
     produce: impl FnOnce(&mpsc::Sender<Record>) -> Result<T, String> + Send + 'static,
-) -> Result<(T, u64), RunError> {
+) -> Result<T, RunError> {
     let tid = id;
     let sched = c.sched.clone();
     sched.set_progress(tid, progress.clone());
-    let before = sched.batches(tid);
     let (tx, mut rx) = mpsc::channel::<Record>(2);
     // If this round ends early (connection lost, refusal), dropping `rx`
     // makes the producer's next send fail and it stops too.
@@ -2617,8 +2706,7 @@ async fn send_round<T: Send + 'static>(
         return Err(RunError::Shutdown);
     }
     result?;
-    let t = produced.map_err(RunError::Fatal)?;
-    Ok((t, sched.batches(tid) - before))
+    produced.map_err(RunError::Fatal)
 }
 
 /// Flips the first byte of `data` while [`Inner::corrupt`] counts chunks

@@ -14,7 +14,7 @@ use ferry_proto::manifest::FileInfo;
 use ferry_proto::state::TransferId;
 use ferry_proto::wire::{
     BatchHeader, CheckpointInfo, Commit, Control, Hello, Open, RecordHeader, TransferKey,
-    MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+    BATCH_SEQ_VERSION, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 use quinn::{Connection, Endpoint};
 use replicator::conn::read_frame;
@@ -224,6 +224,7 @@ async fn oversized_record_closes_the_connection() {
     data.write_all(
         &BatchHeader {
             transfer: TransferId(1),
+            seq: Some(0),
         }
         .encode(),
     )
@@ -300,6 +301,7 @@ async fn a_batch_after_its_cancel_is_dropped_and_the_connection_lives() {
     data.write_all(
         &BatchHeader {
             transfer: TransferId(1),
+            seq: Some(0),
         }
         .encode(),
     )
@@ -316,6 +318,25 @@ async fn a_batch_after_its_cancel_is_dropped_and_the_connection_lives() {
         .filter(|f| f.contains("1-"))
         .collect();
     assert!(staged.is_empty(), "{staged:?}");
+}
+
+/// The sink's next answer on `recv` other than a batch confirmation, and
+/// the batches confirmed before it, sorted.
+async fn answer_after_confirmations(recv: &mut quinn::RecvStream) -> (Option<Control>, Vec<u64>) {
+    let mut done = Vec::new();
+    loop {
+        let m = tokio::time::timeout(Duration::from_secs(20), read_frame(recv))
+            .await
+            .expect("no answer from the sink within 20 s")
+            .unwrap();
+        match m {
+            Some(Control::BatchDone { seqs, .. }) => done.extend(seqs),
+            other => {
+                done.sort_unstable();
+                return (other, done);
+            }
+        }
+    }
 }
 
 /// Waits for the sink to close `conn` and returns the close reason.
@@ -349,11 +370,23 @@ fn staging_dir(s: &Setup) -> std::path::PathBuf {
     dirs.into_iter().next().unwrap()
 }
 
-async fn send_record(conn: &Connection, transfer: u64, file: u32, chunk: u32, payload: &[u8]) {
+/// Sends one batch holding one record: batch `seq` of `transfer` (the
+/// sequence number only from a version 4 source, `version`).
+#[allow(clippy::too_many_arguments)]
+async fn send_record(
+    conn: &Connection,
+    version: u16,
+    transfer: u64,
+    seq: u64,
+    file: u32,
+    chunk: u32,
+    payload: &[u8],
+) {
     let mut data = conn.open_uni().await.unwrap();
     data.write_all(
         &BatchHeader {
             transfer: TransferId(transfer),
+            seq: (version >= BATCH_SEQ_VERSION).then_some(seq),
         }
         .encode(),
     )
@@ -400,6 +433,7 @@ async fn out_of_order_control_messages_close_the_connection() {
                 manifest,
                 siblings: vec![],
                 checkpoint: None,
+                lost: vec![],
             }),
             "commit for unknown transfer 77",
         ),
@@ -418,6 +452,13 @@ async fn out_of_order_control_messages_close_the_connection() {
                 root: [0; 32],
             },
             "unexpected published",
+        ),
+        (
+            Control::BatchDone {
+                id: TransferId(1),
+                seqs: vec![0],
+            },
+            "unexpected batch-done",
         ),
     ];
     for (msg, want) in cases {
@@ -449,7 +490,7 @@ async fn out_of_order_control_messages_close_the_connection() {
 #[tokio::test]
 async fn unknown_message_types_close_the_connection() {
     let s = setup().await;
-    for ty in [0u8, 11, 200, 255] {
+    for ty in [0u8, 12, 200, 255] {
         let (conn, mut send, _recv, _) = connect(&s, PROTOCOL_VERSION).await;
         let mut frame = 9u32.to_be_bytes().to_vec();
         frame.push(ty);
@@ -463,7 +504,9 @@ async fn unknown_message_types_close_the_connection() {
     }
     let (conn, _send, _recv, _) = connect(&s, PROTOCOL_VERSION).await;
     let mut data = conn.open_uni().await.unwrap();
-    data.write_all(b"GET / HTTP/1.1\r\n").await.unwrap();
+    data.write_all(b"GET / HTTP/1.1\r\nHost: sink\r\n\r\n")
+        .await
+        .unwrap();
     let _ = data.finish();
     let reason = closed_reason(&conn).await;
     assert!(reason.contains("magic bytes"), "{reason}");
@@ -477,7 +520,7 @@ async fn data_for_a_transfer_never_opened_closes_the_connection() {
     let s = setup().await;
     let (conn, _send, _recv, _) = connect(&s, PROTOCOL_VERSION).await;
     let c2 = conn.clone();
-    tokio::spawn(async move { send_record(&c2, 42, 0, 0, b"hello").await });
+    tokio::spawn(async move { send_record(&c2, PROTOCOL_VERSION, 42, 0, 0, 0, b"hello").await });
     let reason = closed_reason(&conn).await;
     assert!(
         reason.contains("transfer 42 which was never opened"),
@@ -503,10 +546,11 @@ async fn records_past_the_declared_file_size_are_dropped() {
         Some(Control::Have { .. })
     ));
     // In parallel: each waits up to 10 s for a file-table update.
+    let v = PROTOCOL_VERSION;
     tokio::join!(
-        send_record(&conn, 1, 0, 1, &[7u8; 10]),
-        send_record(&conn, 1, 0, 0, &[7u8; 100]),
-        send_record(&conn, 1, 5, 0, &[7u8; 10]),
+        send_record(&conn, v, 1, 0, 0, 1, &[7u8; 10]),
+        send_record(&conn, v, 1, 1, 0, 0, &[7u8; 100]),
+        send_record(&conn, v, 1, 2, 5, 0, &[7u8; 10]),
     );
     assert!(conn.close_reason().is_none(), "{:?}", conn.close_reason());
     let staged = staging_dir(&s).join("a");
@@ -516,7 +560,7 @@ async fn records_past_the_declared_file_size_are_dropped() {
     );
     // The honest record completes the transfer.
     let payload = b"0123456789";
-    send_record(&conn, 1, 0, 0, payload).await;
+    send_record(&conn, v, 1, 3, 0, 0, payload).await;
     let m = ferry_proto::manifest::Manifest {
         chunk_size: 4 << 20,
         files: vec![ferry_proto::manifest::FileEntry {
@@ -538,18 +582,18 @@ async fn records_past_the_declared_file_size_are_dropped() {
             manifest: m,
             siblings: vec![],
             checkpoint: None,
+            lost: vec![],
         })
         .encode(),
     )
     .await
     .unwrap();
-    let reply = tokio::time::timeout(Duration::from_secs(20), read_frame(&mut recv))
-        .await
-        .unwrap()
-        .unwrap();
+    let (reply, done) = answer_after_confirmations(&mut recv).await;
     let Some(Control::Published { local_path, .. }) = reply else {
         panic!("expected published, got {reply:?}");
     };
+    // Every batch was confirmed, the ones with dropped records too.
+    assert_eq!(done, [0, 1, 2, 3]);
     let published = std::fs::read(Path::new(&local_path).join("a")).unwrap();
     assert_eq!(published, payload);
     assert!(Path::new(&local_path).starts_with(&s.sink_root));
@@ -589,7 +633,7 @@ async fn publish_at(
         Some(Control::Have { .. })
     ));
     let payload = b"abcdefghij";
-    send_record(&conn, n, 0, 0, payload).await;
+    send_record(&conn, version, n, 0, 0, 0, payload).await;
     let m = ferry_proto::manifest::Manifest {
         chunk_size: 4 << 20,
         files: vec![ferry_proto::manifest::FileEntry {
@@ -610,18 +654,23 @@ async fn publish_at(
             manifest: m,
             siblings: vec![],
             checkpoint,
+            lost: vec![],
         })
         .encode(),
     )
     .await
     .unwrap();
-    let reply = tokio::time::timeout(Duration::from_secs(20), read_frame(&mut recv))
-        .await
-        .unwrap()
-        .unwrap();
+    let (reply, done) = answer_after_confirmations(&mut recv).await;
     let Some(Control::Published { local_path, .. }) = reply else {
         panic!("version {version}: expected published, got {reply:?}");
     };
+    // Only a version 4 source hears about its batches.
+    let want: &[u64] = if version >= BATCH_SEQ_VERSION {
+        &[0]
+    } else {
+        &[]
+    };
+    assert_eq!(done, want, "version {version}");
     assert_eq!(
         std::fs::read(Path::new(&local_path).join("a")).unwrap(),
         payload
@@ -630,13 +679,24 @@ async fn publish_at(
     local_path
 }
 
-/// A source of the previous protocol version (no step or class at commit)
-/// still publishes; a current one's step and class are stored with the
-/// replica. The sink answers each hello in the source's own version.
+/// Sources of the older protocol versions (version 2: no step or class at
+/// commit; version 3: no batch sequence numbers) still publish; a current
+/// one's step and class are stored with the replica and its batch is
+/// confirmed. The sink answers each hello in the source's own version.
 #[tokio::test]
 async fn an_old_version_source_still_publishes_and_a_new_one_sends_step_and_class() {
     let s = setup().await;
     let old = publish_raw(&s, 1, MIN_PROTOCOL_VERSION, None).await;
+    let v3 = publish_raw(
+        &s,
+        3,
+        3,
+        Some(CheckpointInfo {
+            step: Some(3),
+            class: "background".into(),
+        }),
+    )
+    .await;
     let info = CheckpointInfo {
         step: Some(1200),
         class: "urgent".into(),
@@ -646,6 +706,11 @@ async fn an_old_version_source_still_publishes_and_a_new_one_sends_step_and_clas
     let row = async |p: String| cat.replica_by_local_path(&p).await.unwrap().unwrap();
     let old = row(old).await;
     assert_eq!((old.step, old.class), (None, None));
+    let v3 = row(v3).await;
+    assert_eq!(
+        (v3.step, v3.class),
+        (Some(3), Some(scheduler::Class::Background))
+    );
     let new = row(new).await;
     assert_eq!(
         (new.step, new.class),
@@ -788,7 +853,7 @@ async fn symlinks_planted_in_staging_are_never_followed() {
             outside.clone()
         };
         std::os::unix::fs::symlink(&target, staging_dir(&s).join(planted)).unwrap();
-        send_record(&conn, 1, 0, 0, b"0123456789").await;
+        send_record(&conn, PROTOCOL_VERSION, 1, 0, 0, 0, b"0123456789").await;
         // The sink cancels the transfer (or closes the connection).
         let reply = tokio::time::timeout(Duration::from_secs(20), read_frame(&mut recv)).await;
         match reply {

@@ -15,7 +15,7 @@ use ferry_proto::paths::{check_name, check_relative};
 use ferry_proto::state::{Profile, TransferId};
 use ferry_proto::wire::{
     frame_len, BatchHeader, CheckpointInfo, Commit, Control, Hello, Open, RecordHeader,
-    TransferKey, WireError, BATCH_HEADER_LEN, DATA_MAGIC, RECORD_HEADER_LEN,
+    TransferKey, WireError, BATCH_HEADER_LEN, BATCH_HEADER_V4_LEN, DATA_MAGIC, RECORD_HEADER_LEN,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed};
@@ -55,16 +55,21 @@ fn payload_bytes(m: &Control) -> usize {
             key.job.len() + key.source_path.len() + key.rel.len() + infos(files)
         }
         Control::Have { chunks, .. } | Control::Need { chunks, .. } => chunks.len() * 8,
+        Control::BatchDone { seqs, .. } => seqs.len() * 8,
         Control::Refuse { reason, .. } | Control::Cancel { reason, .. } => reason.len(),
         Control::Files { files, .. } => infos(files),
         Control::Commit(Commit {
-            manifest, siblings, ..
+            manifest,
+            siblings,
+            lost,
+            ..
         }) => {
-            manifest
-                .files
-                .iter()
-                .map(|f| f.path.len() + 28 + f.chunks.len() * 32)
-                .sum::<usize>()
+            lost.len() * 8
+                + manifest
+                    .files
+                    .iter()
+                    .map(|f| f.path.len() + 28 + f.chunks.len() * 32)
+                    .sum::<usize>()
                 + manifest.markers.len() * 4
                 + siblings
                     .iter()
@@ -111,13 +116,15 @@ fn decode_all(body: &[u8]) {
         m.validate().unwrap();
         assert_eq!(m.encode(), body);
     }
-    if let Ok(b) = <&[u8; BATCH_HEADER_LEN]>::try_from(body) {
-        match BatchHeader::decode(b) {
-            Ok(h) => assert_eq!(&h.encode(), b),
-            Err(e) => {
-                assert_eq!(e, WireError::BadMagic);
-                assert_ne!(b[..4], DATA_MAGIC);
-            }
+    match BatchHeader::decode(body) {
+        Ok(h) => {
+            assert_eq!(h.encode(), body);
+            assert_eq!(h.seq.is_some(), body.len() == BATCH_HEADER_V4_LEN);
+        }
+        Err(WireError::BadMagic) => assert_ne!(body[..4], DATA_MAGIC),
+        Err(e) => {
+            assert!(matches!(e, WireError::Invalid { .. }), "{e}");
+            assert!(body.len() != BATCH_HEADER_LEN && body.len() != BATCH_HEADER_V4_LEN);
         }
     }
     if let Ok(b) = <&[u8; RECORD_HEADER_LEN]>::try_from(body) {
@@ -244,9 +251,13 @@ fn control() -> impl Strategy<Value = Control> {
             id: TransferId(id),
             chunks
         }),
-        (any::<u64>(), ids).prop_map(|(id, chunks)| Control::Need {
+        (any::<u64>(), ids.clone()).prop_map(|(id, chunks)| Control::Need {
             id: TransferId(id),
             chunks
+        }),
+        (any::<u64>(), ids.clone()).prop_map(|(id, seqs)| Control::BatchDone {
+            id: TransferId(id),
+            seqs
         }),
         (any::<u64>(), short_str()).prop_map(|(id, reason)| Control::Refuse {
             id: TransferId(id),
@@ -265,10 +276,16 @@ fn control() -> impl Strategy<Value = Control> {
                 (short_str(), prop::collection::vec(any::<u8>(), 0..64)),
                 0..=MAX_SIBLINGS as usize
             ),
-            prop::option::of((prop::option::of(any::<u64>()), short_str()))
+            // Version 2 (nothing), 3 (checkpoint info) or 4 (checkpoint
+            // info and lost batches, possibly none).
+            prop::option::of((prop::option::of(any::<u64>()), short_str(), ids))
         )
             .prop_map(
-                |((id, committed_ms, opened_ms, batches), manifest, siblings, checkpoint)| {
+                |((id, committed_ms, opened_ms, batches), manifest, siblings, tail)| {
+                    let (checkpoint, lost) = match tail {
+                        Some((step, class, lost)) => (Some(CheckpointInfo { step, class }), lost),
+                        None => (None, Vec::new()),
+                    };
                     Control::Commit(Commit {
                         id: TransferId(id),
                         committed_ms,
@@ -276,7 +293,8 @@ fn control() -> impl Strategy<Value = Control> {
                         batches,
                         manifest,
                         siblings,
-                        checkpoint: checkpoint.map(|(step, class)| CheckpointInfo { step, class }),
+                        checkpoint,
+                        lost,
                     })
                 }
             ),
@@ -367,7 +385,7 @@ proptest! {
     /// decoder.
     #[test]
     fn arbitrary_bytes_never_panic(
-        ty in prop_oneof![0u8..=11, any::<u8>()],
+        ty in prop_oneof![0u8..=12, any::<u8>()],
         rest in prop::collection::vec(any::<u8>(), 0..300),
     ) {
         let mut body = vec![ty];
@@ -384,10 +402,10 @@ proptest! {
         }
     }
 
-    /// Fixed-size headers: every 12- and 44-byte input.
+    /// Fixed-size headers: every 12-, 20- and 44-byte input.
     #[test]
     fn arbitrary_headers_never_panic(
-        batch in any::<[u8; BATCH_HEADER_LEN]>(),
+        batch in any::<[u8; BATCH_HEADER_V4_LEN]>(),
         magic in any::<bool>(),
         record in prop::collection::vec(any::<u8>(), RECORD_HEADER_LEN),
     ) {
@@ -396,6 +414,7 @@ proptest! {
             batch[..4].copy_from_slice(&DATA_MAGIC);
         }
         decode_all(&batch);
+        decode_all(&batch[..BATCH_HEADER_LEN]);
         decode_all(&record);
     }
 
@@ -410,17 +429,20 @@ proptest! {
         check_decoded(&frame[4..], &back);
     }
 
-    /// Valid headers round-trip.
+    /// Valid headers round-trip (batch headers of versions 2-3 and 4).
     #[test]
     fn valid_headers_roundtrip(
         transfer in any::<u64>(),
+        seq in prop::option::of(any::<u64>()),
         file in any::<u32>(),
         chunk in any::<u32>(),
         len in 0..=MAX_CHUNK,
         hash in any::<[u8; 32]>(),
     ) {
-        let b = BatchHeader { transfer: TransferId(transfer) };
-        prop_assert_eq!(BatchHeader::decode(&b.encode()).unwrap(), b);
+        let b = BatchHeader { transfer: TransferId(transfer), seq };
+        let bytes = b.encode();
+        prop_assert_eq!(bytes.len(), BatchHeader::len_for(if seq.is_some() { 4 } else { 3 }));
+        prop_assert_eq!(BatchHeader::decode(&bytes).unwrap(), b);
         let r = RecordHeader { file, chunk, len, hash };
         prop_assert!(RecordHeader::decode(&r.encode()).unwrap() == r);
     }

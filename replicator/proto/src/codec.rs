@@ -78,7 +78,8 @@ impl Writer {
         self.u32(s.len() as u32);
         self.0.extend_from_slice(s.as_bytes());
     }
-    /// A list of chunk keys (`u32` count, then `u64` each).
+    /// A list of chunk keys or other `u64`s (`u32` count, then `u64`
+    /// each).
     pub(crate) fn indices(&mut self, v: &[u64]) {
         self.u32(v.len() as u32);
         for i in v {
@@ -192,8 +193,17 @@ impl<'a> Reader<'a> {
     }
     /// A list of chunk keys, at most [`MAX_CHUNKS`].
     pub(crate) fn indices(&mut self) -> Result<Vec<u64>, WireError> {
-        let n = self.count("chunk index count", MAX_CHUNKS, 8)?;
-        (0..n).map(|_| self.u64("chunk index")).collect()
+        self.indices_named("chunk index count", "chunk index")
+    }
+    /// A list of `u64`s (`u32` count, then each), at most [`MAX_CHUNKS`];
+    /// errors name the count `count` and an element `elem`.
+    pub(crate) fn indices_named(
+        &mut self,
+        count: &'static str,
+        elem: &'static str,
+    ) -> Result<Vec<u64>, WireError> {
+        let n = self.count(count, MAX_CHUNKS, 8)?;
+        (0..n).map(|_| self.u64(elem)).collect()
     }
     pub(crate) fn finish(&self) -> Result<(), WireError> {
         match self.remaining() {

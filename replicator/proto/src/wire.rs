@@ -1,10 +1,21 @@
-//! Ferry's wire protocol, version 3: a sans-IO codec.
+//! Ferry's wire protocol, version 4: a sans-IO codec.
+//!
+//! Version 4 lets a link's pool of connections lose one that does not
+//! carry the control stream without stopping its transfers: each batch
+//! header carries the batch's sequence number within its transfer
+//! ([`BatchHeader::seq`]), the sink confirms each batch it has written and
+//! verified ([`Control::BatchDone`]), and the commit lists the batches the
+//! source gave up ([`Commit::lost`]: they went on a connection that was
+//! lost before the sink confirmed them; their chunks were sent again in
+//! later batches). A sink speaks versions 2 to 4 ([`MIN_PROTOCOL_VERSION`]
+//! to [`PROTOCOL_VERSION`]) and answers a source's hello with the source's
+//! version; it reads batch headers of the length that version gives
+//! ([`BatchHeader::len_for`]) and confirms batches only to a version 4
+//! source.
 //!
 //! Version 3 added [`Commit::checkpoint`] (the checkpoint's step and class
 //! at commit, which the sink keeps with the replica for its retention
-//! policy). A sink speaks versions 2 and 3 ([`MIN_PROTOCOL_VERSION`] to
-//! [`PROTOCOL_VERSION`]) and answers a source's hello with the source's
-//! version; a version 2 source sends no step or class.
+//! policy); a version 2 source sends no step or class.
 //!
 //! Version 2 added [`Control::Files`] (a transfer's file table grows while
 //! its checkpoint is written), stable chunk keys (see
@@ -39,17 +50,28 @@ pub use crate::codec::WireError;
 /// newest a sink speaks. A sink refuses a version outside
 /// [`MIN_PROTOCOL_VERSION`]..=[`PROTOCOL_VERSION`] with [`Control::Error`]
 /// naming both; a source refuses a sink whose hello names another version.
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 
 /// The oldest protocol version a sink still accepts from a source (its
 /// commits carry no [`Commit::checkpoint`]).
 pub const MIN_PROTOCOL_VERSION: u16 = 2;
 
+/// The first protocol version whose batch headers carry a sequence number
+/// ([`BatchHeader::seq`]), whose sink confirms batches
+/// ([`Control::BatchDone`]) and whose commits list lost batches
+/// ([`Commit::lost`]).
+pub const BATCH_SEQ_VERSION: u16 = 4;
+
 /// Magic bytes at the start of every data stream.
 pub const DATA_MAGIC: [u8; 4] = *b"FRY1";
 
-/// Size of a [`BatchHeader`] on the wire, in bytes.
+/// Size of a [`BatchHeader`] on the wire from a version 2 or 3 source
+/// (magic, transfer id), in bytes.
 pub const BATCH_HEADER_LEN: usize = 4 + 8;
+
+/// Size of a [`BatchHeader`] on the wire from a version 4 source (magic,
+/// transfer id, sequence number), in bytes.
+pub const BATCH_HEADER_V4_LEN: usize = 4 + 8 + 8;
 
 /// Size of a [`RecordHeader`] on the wire, in bytes.
 pub const RECORD_HEADER_LEN: usize = 4 + 4 + 4 + 32;
@@ -107,8 +129,11 @@ pub struct Commit {
     /// When the checkpoint opened at the source (its first file or
     /// directory), Unix milliseconds; 0 if unknown.
     pub opened_ms: i64,
-    /// Number of data streams the source sent for this transfer on this
-    /// connection, so the sink knows when all of them have arrived.
+    /// Number of data streams (batches) the source sent for this transfer
+    /// since this run's open, on any connection of the link's pool, so the
+    /// sink knows when all of them have arrived. From a version 4 source
+    /// their sequence numbers are `0..batches`, and the sink waits for
+    /// each of them except those in [`Commit::lost`].
     pub batches: u64,
     /// The sealed manifest.
     pub manifest: Manifest,
@@ -121,6 +146,21 @@ pub struct Commit {
     /// version 2 source (encoded as nothing, so a version 2 frame decodes
     /// unchanged).
     pub checkpoint: Option<CheckpointInfo>,
+    /// Version 4: sequence numbers ([`BatchHeader::seq`]) of batches the
+    /// source gave up: they went on a connection of the pool that was lost
+    /// before the sink confirmed them ([`Control::BatchDone`]), and their
+    /// chunks were sent again in later batches. The sink does not wait
+    /// for them, and ignores them if they arrive after the commit. Empty
+    /// from a version 2 or 3 source.
+    ///
+    /// Encoded after the checkpoint info (flag bit 1, then a `u32` count
+    /// and a `u64` each, at most [`crate::limits::MAX_CHUNKS`]); an empty
+    /// list is encoded as nothing, so a version 4 commit with no lost
+    /// batch is byte for byte a version 3 one. A commit with lost batches
+    /// but no checkpoint info (which no source sends: version 4 always
+    /// sends both) is encoded with an empty checkpoint info, and decodes
+    /// with `Some(CheckpointInfo::default())`.
+    pub lost: Vec<u64>,
 }
 
 /// What a version 3 source tells the sink about a checkpoint at commit,
@@ -198,6 +238,19 @@ pub enum Control {
         /// Why.
         reason: String,
     },
+    /// Sink to a version 4 source, on the control stream the transfer was
+    /// opened on: these batches of the transfer (sequence numbers,
+    /// [`BatchHeader::seq`]) arrived whole and every chunk in them was
+    /// written and verified (or was already; a chunk that failed
+    /// verification is asked for with [`Control::Need`]). Batches that
+    /// finish together share one message. The source stops keeping their
+    /// chunks for re-sending elsewhere.
+    BatchDone {
+        /// Source transfer id.
+        id: TransferId,
+        /// Sequence numbers, at most [`crate::limits::MAX_CHUNKS`].
+        seqs: Vec<u64>,
+    },
     /// Either direction: a fatal protocol error; the connection closes.
     Error {
         /// Human-readable message.
@@ -215,6 +268,12 @@ const T_PUBLISHED: u8 = 7;
 const T_CANCEL: u8 = 8;
 const T_ERROR: u8 = 9;
 const T_FILES: u8 = 10;
+const T_BATCH_DONE: u8 = 11;
+
+/// Flag bits of the checkpoint info of a commit (version 3 and later).
+const CK_STEP: u8 = 1;
+/// A list of lost batches follows the class (version 4).
+const CK_LOST: u8 = 2;
 
 impl Control {
     /// Short name of the message type, for logs.
@@ -229,6 +288,7 @@ impl Control {
             Control::Commit(Commit { .. }) => "commit",
             Control::Published { .. } => "published",
             Control::Cancel { .. } => "cancel",
+            Control::BatchDone { .. } => "batch-done",
             Control::Error { .. } => "error",
         }
     }
@@ -294,6 +354,7 @@ impl Control {
                 manifest,
                 siblings,
                 checkpoint,
+                lost,
             }) => {
                 w.u8(T_COMMIT);
                 w.u64(id.0);
@@ -307,12 +368,25 @@ impl Control {
                     w.u32(bytes.len() as u32);
                     w.0.extend_from_slice(bytes);
                 }
-                if let Some(c) = checkpoint {
+                if checkpoint.is_some() || !lost.is_empty() {
                     // Version 3: a flag byte (bit 0: step present), the
-                    // step (0 when absent), the class name.
-                    w.u8(u8::from(c.step.is_some()));
+                    // step (0 when absent), the class name; version 4
+                    // with lost batches: flag bit 1, then their list.
+                    let empty = CheckpointInfo::default();
+                    let c = checkpoint.as_ref().unwrap_or(&empty);
+                    let mut flags = 0;
+                    if c.step.is_some() {
+                        flags |= CK_STEP;
+                    }
+                    if !lost.is_empty() {
+                        flags |= CK_LOST;
+                    }
+                    w.u8(flags);
                     w.u64(c.step.unwrap_or(0));
                     w.str(&c.class);
+                    if !lost.is_empty() {
+                        w.indices(lost);
+                    }
                 }
             }
             Control::Published {
@@ -329,6 +403,11 @@ impl Control {
                 w.u8(T_CANCEL);
                 w.u64(id.0);
                 w.long_str(reason);
+            }
+            Control::BatchDone { id, seqs } => {
+                w.u8(T_BATCH_DONE);
+                w.u64(id.0);
+                w.indices(seqs);
             }
             Control::Error { message } => {
                 w.u8(T_ERROR);
@@ -415,13 +494,13 @@ impl Control {
                     let len = r.count("sibling marker length", MAX_SIBLING_BYTES, 1)?;
                     siblings.push((name, r.take(len, "sibling marker")?.to_vec()));
                 }
-                // Version 3 appends the checkpoint's step and class; a
-                // version 2 commit ends here.
-                let checkpoint = if r.remaining() == 0 {
-                    None
+                // Version 3 appends the checkpoint's step and class (and
+                // version 4 its lost batches); a version 2 commit ends here.
+                let (checkpoint, lost) = if r.remaining() == 0 {
+                    (None, Vec::new())
                 } else {
                     let flags = r.u8("checkpoint flags")?;
-                    if flags > 1 {
+                    if flags & !(CK_STEP | CK_LOST) != 0 {
                         return Err(WireError::Invalid {
                             what: "checkpoint flags",
                             why: format!("unknown bits in {flags:#04x}"),
@@ -436,10 +515,23 @@ impl Control {
                             limit: 255,
                         });
                     }
-                    Some(CheckpointInfo {
-                        step: (flags & 1 == 1).then_some(step),
+                    let lost = if flags & CK_LOST != 0 {
+                        let lost = r.indices_named("lost batch count", "lost batch")?;
+                        if lost.is_empty() {
+                            return Err(WireError::Invalid {
+                                what: "lost batches",
+                                why: "flagged but the list is empty".into(),
+                            });
+                        }
+                        lost
+                    } else {
+                        Vec::new()
+                    };
+                    let info = CheckpointInfo {
+                        step: (flags & CK_STEP != 0).then_some(step),
                         class,
-                    })
+                    };
+                    (Some(info), lost)
                 };
                 Control::Commit(Commit {
                     id,
@@ -449,6 +541,7 @@ impl Control {
                     manifest,
                     siblings,
                     checkpoint,
+                    lost,
                 })
             }
             T_PUBLISHED => Control::Published {
@@ -459,6 +552,10 @@ impl Control {
             T_CANCEL => Control::Cancel {
                 id: TransferId(r.u64("transfer id")?),
                 reason: r.long_str("reason")?,
+            },
+            T_BATCH_DONE => Control::BatchDone {
+                id: TransferId(r.u64("transfer id")?),
+                seqs: r.indices_named("batch count", "batch sequence number")?,
             },
             T_ERROR => Control::Error {
                 message: r.long_str("error message")?,
@@ -494,35 +591,71 @@ pub fn frame_len(prefix: [u8; 4]) -> Result<usize, WireError> {
     Ok(len)
 }
 
-/// Header at the start of every data stream.
+/// Header at the start of every data stream: the magic bytes
+/// [`DATA_MAGIC`], the transfer id (`u64`) and, from a version 4 source,
+/// the batch's sequence number (`u64`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BatchHeader {
     /// Source transfer id the records belong to.
     pub transfer: TransferId,
+    /// Version 4: the batch's sequence number within its transfer's run,
+    /// assigned by the source from 0 in the order the batches are opened
+    /// (on any connection of the pool); the sink confirms it with
+    /// [`Control::BatchDone`]. `None` from a version 2 or 3 source.
+    pub seq: Option<u64>,
 }
 
 impl BatchHeader {
-    /// Encodes the header ([`BATCH_HEADER_LEN`] bytes).
-    pub fn encode(&self) -> [u8; BATCH_HEADER_LEN] {
-        let mut b = [0u8; BATCH_HEADER_LEN];
-        b[..4].copy_from_slice(&DATA_MAGIC);
-        b[4..].copy_from_slice(&self.transfer.0.to_be_bytes());
+    /// The header's length on the wire from a source speaking `version`:
+    /// [`BATCH_HEADER_V4_LEN`] from [`BATCH_SEQ_VERSION`] on, else
+    /// [`BATCH_HEADER_LEN`].
+    pub fn len_for(version: u16) -> usize {
+        if version >= BATCH_SEQ_VERSION {
+            BATCH_HEADER_V4_LEN
+        } else {
+            BATCH_HEADER_LEN
+        }
+    }
+
+    /// Encodes the header: [`BATCH_HEADER_V4_LEN`] bytes with a sequence
+    /// number, [`BATCH_HEADER_LEN`] without.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(BATCH_HEADER_V4_LEN);
+        b.extend_from_slice(&DATA_MAGIC);
+        b.extend_from_slice(&self.transfer.0.to_be_bytes());
+        if let Some(seq) = self.seq {
+            b.extend_from_slice(&seq.to_be_bytes());
+        }
         b
     }
 
-    /// Decodes a header.
+    /// Decodes a header of [`BATCH_HEADER_LEN`] bytes (no sequence number)
+    /// or [`BATCH_HEADER_V4_LEN`] bytes (with one).
     ///
     /// # Errors
-    /// [`WireError::BadMagic`] when the magic bytes are wrong.
-    pub fn decode(b: &[u8; BATCH_HEADER_LEN]) -> Result<Self, WireError> {
+    /// [`WireError::BadMagic`] when the magic bytes are wrong;
+    /// [`WireError::Invalid`] for any other length.
+    pub fn decode(b: &[u8]) -> Result<Self, WireError> {
+        if b.len() != BATCH_HEADER_LEN && b.len() != BATCH_HEADER_V4_LEN {
+            return Err(WireError::Invalid {
+                what: "batch header length",
+                why: format!(
+                    "{} bytes, expected {BATCH_HEADER_LEN} or {BATCH_HEADER_V4_LEN}",
+                    b.len()
+                ),
+            });
+        }
         if b[..4] != DATA_MAGIC {
             return Err(WireError::BadMagic);
         }
-        let mut id = [0u8; 8];
-        id.copy_from_slice(&b[4..]);
-        Ok(BatchHeader {
-            transfer: TransferId(u64::from_be_bytes(id)),
-        })
+        let mut r = Reader::new(&b[4..]);
+        let transfer = TransferId(r.u64("transfer id")?);
+        let seq = if r.remaining() > 0 {
+            Some(r.u64("batch sequence number")?)
+        } else {
+            None
+        };
+        Ok(BatchHeader { transfer, seq })
     }
 }
 
@@ -670,6 +803,21 @@ mod tests {
                 step: Some(12),
                 class: "urgent".into(),
             }),
+            lost: vec![],
+        }));
+        // Version 4 with lost batches.
+        roundtrip(Control::Commit(Commit {
+            id: TransferId(3),
+            committed_ms: 1,
+            opened_ms: 2,
+            batches: 12,
+            manifest: manifest(),
+            siblings: vec![],
+            checkpoint: Some(CheckpointInfo {
+                step: None,
+                class: "scheduled".into(),
+            }),
+            lost: vec![4, 9, 10],
         }));
         // Version 2 (no checkpoint info), and version 3 without a step.
         for checkpoint in [
@@ -687,6 +835,7 @@ mod tests {
                 manifest: manifest(),
                 siblings: vec![],
                 checkpoint,
+                lost: vec![],
             }));
         }
         roundtrip(Control::Published {
@@ -697,6 +846,10 @@ mod tests {
         roundtrip(Control::Cancel {
             id: TransferId(3),
             reason: "deleted".into(),
+        });
+        roundtrip(Control::BatchDone {
+            id: TransferId(3),
+            seqs: vec![0, 7],
         });
         roundtrip(Control::Error {
             message: "bad".into(),
@@ -716,6 +869,7 @@ mod tests {
                 step: Some(7),
                 class: "scheduled".into(),
             }),
+            lost: vec![],
         })
         .encode();
         // The version 3 tail: flags (1), step (8), class ("scheduled", 2 + 9).
@@ -819,10 +973,151 @@ mod tests {
         assert_eq!(Control::decode(&[200]), Err(WireError::UnknownType(200)));
         let mut bad = BatchHeader {
             transfer: TransferId(1),
+            seq: None,
         }
         .encode();
         bad[0] = b'X';
         assert_eq!(BatchHeader::decode(&bad), Err(WireError::BadMagic));
+    }
+
+    /// Bytes of a version 3 commit as a version 3 source wrote them
+    /// (before version 4 existed): type, id 5, commit time 1, open time 2,
+    /// 3 batches, the test manifest, no siblings, step 7, class "urgent".
+    fn v3_commit_bytes() -> Vec<u8> {
+        let mut b = vec![T_COMMIT];
+        for v in [5u64, 1, 2, 3] {
+            b.extend_from_slice(&v.to_be_bytes());
+        }
+        b.extend_from_slice(&manifest().encode());
+        b.extend_from_slice(&0u32.to_be_bytes());
+        b.push(1);
+        b.extend_from_slice(&7u64.to_be_bytes());
+        b.extend_from_slice(&6u16.to_be_bytes());
+        b.extend_from_slice(b"urgent");
+        b
+    }
+
+    #[test]
+    fn a_version_3_commit_decodes_unchanged_with_no_lost_batches() {
+        let v3 = v3_commit_bytes();
+        let want = Commit {
+            id: TransferId(5),
+            committed_ms: 1,
+            opened_ms: 2,
+            batches: 3,
+            manifest: manifest(),
+            siblings: vec![],
+            checkpoint: Some(CheckpointInfo {
+                step: Some(7),
+                class: "urgent".into(),
+            }),
+            lost: vec![],
+        };
+        assert_eq!(Control::decode(&v3).unwrap(), Control::Commit(want.clone()));
+        // A version 4 commit that lost nothing is the same bytes.
+        assert_eq!(&Control::Commit(want.clone()).encode()[4..], &v3[..]);
+        // With lost batches: flag bit 1 and the list after the class.
+        let v4 = Control::Commit(Commit {
+            lost: vec![2],
+            ..want
+        })
+        .encode();
+        let body = &v4[4..];
+        let mut expect = v3.clone();
+        let flags_at = v3.len() - (1 + 8 + 2 + 6);
+        expect[flags_at] = 1 | 2;
+        expect.extend_from_slice(&1u32.to_be_bytes());
+        expect.extend_from_slice(&2u64.to_be_bytes());
+        assert_eq!(body, &expect[..]);
+    }
+
+    #[test]
+    fn lost_batches_flagged_but_empty_or_cut_short_are_errors() {
+        let mut b = v3_commit_bytes();
+        let flags_at = b.len() - (1 + 8 + 2 + 6);
+        b[flags_at] = 1 | 2;
+        // Flagged, no list at all.
+        assert!(matches!(
+            Control::decode(&b),
+            Err(WireError::Truncated { .. })
+        ));
+        // Flagged, an empty list (not canonical: it encodes as no flag).
+        let mut empty = b.clone();
+        empty.extend_from_slice(&0u32.to_be_bytes());
+        match Control::decode(&empty) {
+            Err(WireError::Invalid { what, .. }) => assert_eq!(what, "lost batches"),
+            other => panic!("{other:?}"),
+        }
+        // A count larger than what follows.
+        let mut cut = b.clone();
+        cut.extend_from_slice(&2u32.to_be_bytes());
+        cut.extend_from_slice(&1u64.to_be_bytes());
+        assert!(matches!(
+            Control::decode(&cut),
+            Err(WireError::Truncated { .. })
+        ));
+        // Unknown flag bits are still named.
+        b[flags_at] = 4;
+        match Control::decode(&b) {
+            Err(WireError::Invalid { what, .. }) => assert_eq!(what, "checkpoint flags"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn lost_batches_without_checkpoint_info_travel_with_an_empty_one() {
+        let frame = Control::Commit(Commit {
+            id: TransferId(1),
+            committed_ms: 0,
+            opened_ms: 0,
+            batches: 2,
+            manifest: manifest(),
+            siblings: vec![],
+            checkpoint: None,
+            lost: vec![1],
+        })
+        .encode();
+        match Control::decode(&frame[4..]).unwrap() {
+            Control::Commit(c) => {
+                assert_eq!(c.checkpoint, Some(CheckpointInfo::default()));
+                assert_eq!(c.lost, vec![1]);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn batch_headers_carry_a_sequence_number_from_version_4() {
+        assert_eq!(BatchHeader::len_for(2), BATCH_HEADER_LEN);
+        assert_eq!(BatchHeader::len_for(3), BATCH_HEADER_LEN);
+        assert_eq!(BatchHeader::len_for(4), BATCH_HEADER_V4_LEN);
+        let v3 = BatchHeader {
+            transfer: TransferId(9),
+            seq: None,
+        };
+        let b = v3.encode();
+        // Version 3's bytes: the magic and the id, nothing else.
+        let mut want = DATA_MAGIC.to_vec();
+        want.extend_from_slice(&9u64.to_be_bytes());
+        assert_eq!(b, want);
+        assert_eq!(BatchHeader::decode(&b), Ok(v3));
+        let v4 = BatchHeader {
+            transfer: TransferId(9),
+            seq: Some(41),
+        };
+        let b = v4.encode();
+        assert_eq!(b.len(), BATCH_HEADER_V4_LEN);
+        assert_eq!(&b[BATCH_HEADER_LEN..], &41u64.to_be_bytes());
+        assert_eq!(BatchHeader::decode(&b), Ok(v4));
+        for len in [0, 4, 11, 13, 19, 21] {
+            assert!(
+                matches!(
+                    BatchHeader::decode(&vec![0; len]),
+                    Err(WireError::Invalid { .. })
+                ),
+                "{len} bytes"
+            );
+        }
     }
 
     #[test]

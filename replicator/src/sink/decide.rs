@@ -7,7 +7,7 @@
 //! driver in `sink.rs` reads the catalog and the storage, calls these and
 //! carries the verdicts out.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use ferry_proto::manifest::{validate_files, ChunkMap, FileInfo, Hash, Manifest};
 use ferry_proto::paths::{check_name, check_relative};
@@ -192,15 +192,42 @@ pub(crate) fn commit_verdict(keys: &[(u64, Hash)], verified: &HashMap<u64, Hash>
     }
 }
 
+/// The batches of a transfer's run that arrived whole.
+#[derive(Debug, Default)]
+pub(crate) struct BatchesIn {
+    /// Batches without a sequence number (from a version 2 or 3 source),
+    /// counted.
+    pub(crate) counted: u64,
+    /// Sequence numbers of batches from a version 4 source.
+    pub(crate) seqs: HashSet<u64>,
+}
+
 /// Whether a commit can be decided now: it has arrived, every batch the
-/// source announced with it is in, and no publish or failure is under way.
+/// source announced with it is in (from a version 4 source: each of the
+/// sequence numbers `0..announced` except the `lost` ones; from an older
+/// one: as many batches as announced), and no publish or failure is under
+/// way.
 pub(crate) fn commit_ready(
     announced_batches: Option<u64>,
-    batches_done: u64,
+    lost: &HashSet<u64>,
+    done: &BatchesIn,
     publishing: bool,
     failed: bool,
 ) -> bool {
-    matches!(announced_batches, Some(b) if batches_done >= b) && !publishing && !failed
+    let Some(b) = announced_batches else {
+        return false;
+    };
+    if publishing || failed {
+        return false;
+    }
+    let awaited = b.saturating_sub(lost.iter().filter(|s| **s < b).count() as u64);
+    let arrived = done.counted
+        + done
+            .seqs
+            .iter()
+            .filter(|s| **s < b && !lost.contains(s))
+            .count() as u64;
+    arrived >= awaited
 }
 
 /// A transfer's file table: files by position (chunk keys name positions,
@@ -596,11 +623,78 @@ mod tests {
 
     #[test]
     fn commit_waits_for_its_batches_and_for_no_publish_under_way() {
-        assert!(!commit_ready(None, 5, false, false), "no commit yet");
-        assert!(!commit_ready(Some(3), 2, false, false), "a batch still out");
-        assert!(commit_ready(Some(3), 3, false, false));
-        assert!(!commit_ready(Some(3), 3, true, false), "publishing");
-        assert!(!commit_ready(Some(3), 4, false, true), "failed");
+        let none = HashSet::new();
+        let counted = |n| BatchesIn {
+            counted: n,
+            ..BatchesIn::default()
+        };
+        assert!(
+            !commit_ready(None, &none, &counted(5), false, false),
+            "no commit yet"
+        );
+        assert!(
+            !commit_ready(Some(3), &none, &counted(2), false, false),
+            "a batch still out"
+        );
+        assert!(commit_ready(Some(3), &none, &counted(3), false, false));
+        assert!(
+            !commit_ready(Some(3), &none, &counted(3), true, false),
+            "publishing"
+        );
+        assert!(
+            !commit_ready(Some(3), &none, &counted(4), false, true),
+            "failed"
+        );
+    }
+
+    #[test]
+    fn a_version_4_commit_waits_for_each_batch_but_the_lost_ones() {
+        let seqs = |s: &[u64]| BatchesIn {
+            counted: 0,
+            seqs: s.iter().copied().collect(),
+        };
+        let lost: HashSet<u64> = [1, 4].into_iter().collect();
+        // 0..5 without 1 and 4: 0, 2, 3.
+        assert!(commit_ready(
+            Some(5),
+            &lost,
+            &seqs(&[0, 2, 3]),
+            false,
+            false
+        ));
+        assert!(
+            !commit_ready(Some(5), &lost, &seqs(&[0, 2]), false, false),
+            "batch 3 still out"
+        );
+        // A lost batch that arrived anyway does not stand in for another.
+        assert!(
+            !commit_ready(Some(5), &lost, &seqs(&[0, 1, 2, 4]), false, false),
+            "batch 3 still out"
+        );
+        // Nor does a batch of a later round (seq 5 and up).
+        assert!(
+            !commit_ready(Some(5), &lost, &seqs(&[0, 2, 5]), false, false),
+            "batch 3 still out"
+        );
+        assert!(
+            commit_ready(Some(5), &lost, &seqs(&[0, 1, 2, 3, 4, 5]), false, false),
+            "everything in"
+        );
+        // Without losses, every batch counts.
+        assert!(!commit_ready(
+            Some(3),
+            &HashSet::new(),
+            &seqs(&[0, 2]),
+            false,
+            false
+        ));
+        assert!(commit_ready(
+            Some(3),
+            &HashSet::new(),
+            &seqs(&[2, 0, 1]),
+            false,
+            false
+        ));
     }
 
     #[test]

@@ -19,8 +19,21 @@
 //! - A transfer's send round ends with [`LinkSched::flush`]: every chunk it
 //!   queued is written and every batch it opened is finished, so the batch
 //!   count sent with the commit is exact.
+//! - Each batch gets the next sequence number of its transfer's run
+//!   (protocol version 4) and is kept, with the records written on it,
+//!   until the sink confirms it ([`LinkSched::confirmed`]). When a
+//!   connection other than the control one is lost, its unconfirmed
+//!   batches are given up ([`LinkSched::connection_lost`]): their records
+//!   go back to their transfers' queues, the writers of the other
+//!   connections send them again as the scheduler picks them, and the
+//!   commit lists the given-up sequence numbers so the sink does not wait
+//!   for them. A record's bytes are shared with quinn's send buffer
+//!   (`bytes::Bytes`), so keeping them costs memory only between quinn's
+//!   acknowledgement and the sink's confirmation, about one round trip;
+//!   the control connection's batches are not kept (its loss replaces the
+//!   pool).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -29,6 +42,7 @@ use ferry_proto::state::TransferId;
 use ferry_proto::wire::BatchHeader;
 use quinn::{Connection, SendStream};
 use scheduler::{Decision, LinkScheduler};
+use tokio::sync::futures::Notified;
 use tokio::sync::Notify;
 
 use super::{LiveProgress, Record};
@@ -59,9 +73,22 @@ struct Queue {
     in_write: usize,
     /// Batches (streams) of this transfer open now.
     open: usize,
-    /// Batches opened since the transfer became active.
+    /// Batches opened since the transfer became active: the next batch's
+    /// sequence number.
     batches: u64,
+    /// Batches not yet confirmed by the sink, by sequence number.
+    unconfirmed: HashMap<u64, Unconfirmed>,
+    /// Sequence numbers of batches given up (their connection was lost
+    /// before the sink confirmed them), in the order they were.
+    lost: Vec<u64>,
     progress: Arc<LiveProgress>,
+}
+
+/// A batch on its way: the connection it went on and the records written
+/// on it so far.
+struct Unconfirmed {
+    writer: WriterId,
+    recs: Vec<Record>,
 }
 
 impl Queue {
@@ -75,6 +102,11 @@ pub(crate) struct SchedState {
     /// The link's scheduler.
     pub(crate) ls: LinkScheduler,
     queues: HashMap<TransferId, Queue>,
+    /// The number of the link's current pool of connections (see
+    /// [`LinkSched::new_pool`]); writers of older pools open no batches.
+    pool: u64,
+    /// Connections of the current pool that were lost, by index.
+    lost_connections: HashSet<usize>,
 }
 
 /// One link's scheduling state, shared by its transfers and writers.
@@ -84,6 +116,8 @@ pub(crate) struct LinkSched {
     ready: Notify,
     /// Readers wait here for queue space, flushes for their last batch.
     moved: Notify,
+    /// Woken when a connection's unconfirmed batches are given up.
+    lost: Notify,
     /// The link's metrics (payload bytes by class, chunk retries).
     pub(crate) counters: LinkCounters,
     /// Test hooks (`fault-injection`): a connection to close after its
@@ -92,12 +126,25 @@ pub(crate) struct LinkSched {
     pub(crate) faults: Mutex<Faults>,
 }
 
-/// Which stream writer of a link's pool: connection index (0 is the
-/// control connection) and writer index on that connection.
+/// Which stream writer of a link's pool: the pool's number
+/// ([`LinkSched::new_pool`]), connection index (0 is the control
+/// connection) and writer index on that connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct WriterId {
+    pub(crate) pool: u64,
     pub(crate) connection: usize,
     pub(crate) writer: usize,
+}
+
+/// Index of the control connection in a link's pool.
+const CONTROL: usize = 0;
+
+/// Why a writer could not open a batch.
+enum NoBatch {
+    /// Its connection was lost, or its pool replaced: the writer stops.
+    Lost,
+    /// The transfer is no longer active: its record is dropped.
+    Inactive,
 }
 
 /// One chunk handed to quinn (test hook, `fault-injection`).
@@ -137,9 +184,12 @@ impl LinkSched {
             state: Mutex::new(SchedState {
                 ls,
                 queues: HashMap::new(),
+                pool: 0,
+                lost_connections: HashSet::new(),
             }),
             ready: Notify::new(),
             moved: Notify::new(),
+            lost: Notify::new(),
             counters,
             #[cfg(feature = "fault-injection")]
             faults: Mutex::new(Faults::default()),
@@ -170,9 +220,173 @@ impl LinkSched {
                 in_write: 0,
                 open: 0,
                 batches: 0,
+                unconfirmed: HashMap::new(),
+                lost: Vec::new(),
                 progress,
             },
         );
+    }
+
+    /// A new pool of connections starts serving the link: returns its
+    /// number, for its writers' [`WriterId`]s. Writers of older pools can
+    /// open no more batches.
+    pub(crate) fn new_pool(&self) -> u64 {
+        let mut s = self.lock();
+        s.pool += 1;
+        s.lost_connections.clear();
+        s.pool
+    }
+
+    /// Opens a batch of `id` for writer `me`: its sequence number.
+    fn open_batch(&self, id: TransferId, me: WriterId) -> Result<u64, NoBatch> {
+        let mut s = self.lock();
+        if s.pool != me.pool || s.lost_connections.contains(&me.connection) {
+            return Err(NoBatch::Lost);
+        }
+        let q = s.queues.get_mut(&id).ok_or(NoBatch::Inactive)?;
+        let seq = q.batches;
+        q.batches += 1;
+        q.open += 1;
+        // The control connection's batches are not kept: losing it
+        // replaces the pool, and the resumed run sends what the sink lacks.
+        if me.connection != CONTROL {
+            q.unconfirmed.insert(
+                seq,
+                Unconfirmed {
+                    writer: me,
+                    recs: Vec::new(),
+                },
+            );
+        }
+        Ok(seq)
+    }
+
+    /// Keeps `rec` with batch `seq` of `id` (writer `me`'s) until the sink
+    /// confirms it (not on the control connection, whose loss replaces
+    /// the pool). False if the batch's connection was lost meanwhile: the
+    /// record is queued again and the writer stops.
+    fn track(&self, id: TransferId, seq: u64, me: WriterId, rec: &Record) -> bool {
+        if me.connection == CONTROL {
+            return true;
+        }
+        let mut s = self.lock();
+        let s = &mut *s;
+        let Some(q) = s.queues.get_mut(&id) else {
+            // Deactivated: nothing waits for the chunk any more.
+            return true;
+        };
+        match q.unconfirmed.get_mut(&seq) {
+            Some(b) if b.writer == me => {
+                b.recs.push(rec.clone());
+                true
+            }
+            _ => {
+                // Given up already (its connection was lost); a writer of
+                // an older pool holds a record of an older run: dropped.
+                if s.pool == me.pool {
+                    requeue(&mut s.ls, id, q, vec![rec.clone()]);
+                }
+                false
+            }
+        }
+    }
+
+    /// Queues `rec` of `id` again: writer `me` took it and could not send
+    /// it (dropped if `me` belongs to an older pool: the record is of an
+    /// older run).
+    fn put_back(&self, id: TransferId, me: WriterId, rec: Record) {
+        {
+            let mut guard = self.lock();
+            let s = &mut *guard;
+            if s.pool != me.pool {
+                return;
+            }
+            if let Some(q) = s.queues.get_mut(&id) {
+                requeue(&mut s.ls, id, q, vec![rec]);
+            }
+        }
+        self.ready.notify_waiters();
+    }
+
+    /// Connection `connection` of pool `pool` was lost: every batch sent
+    /// on it that the sink has not confirmed is given up, and its records
+    /// go back to their transfers' queues, to be sent on the other
+    /// connections. Returns the batches given up and the chunks queued
+    /// again.
+    pub(crate) fn connection_lost(&self, pool: u64, connection: usize) -> (u64, u64) {
+        let (mut batches, mut chunks) = (0u64, 0u64);
+        {
+            let mut s = self.lock();
+            if s.pool != pool {
+                return (0, 0);
+            }
+            s.lost_connections.insert(connection);
+            let s = &mut *s;
+            for (id, q) in s.queues.iter_mut() {
+                let mut gone: Vec<u64> = q
+                    .unconfirmed
+                    .iter()
+                    .filter(|(_, b)| b.writer.pool == pool && b.writer.connection == connection)
+                    .map(|(seq, _)| *seq)
+                    .collect();
+                gone.sort_unstable();
+                for seq in gone {
+                    if let Some(b) = q.unconfirmed.remove(&seq) {
+                        batches += 1;
+                        chunks += b.recs.len() as u64;
+                        q.lost.push(seq);
+                        requeue(&mut s.ls, *id, q, b.recs);
+                    }
+                }
+            }
+        }
+        self.ready.notify_waiters();
+        self.moved.notify_waiters();
+        self.lost.notify_waiters();
+        (batches, chunks)
+    }
+
+    /// The sink confirmed batches `seqs` of `id`: their records are let go.
+    pub(crate) fn confirmed(&self, id: TransferId, seqs: &[u64]) {
+        let mut s = self.lock();
+        if let Some(q) = s.queues.get_mut(&id) {
+            for seq in seqs {
+                q.unconfirmed.remove(seq);
+            }
+        }
+    }
+
+    /// What a commit of `id` sends now: the batches opened since it became
+    /// active (their sequence numbers are `0..batches`) and those given up.
+    pub(crate) fn commit_point(&self, id: TransferId) -> (u64, Vec<u64>) {
+        self.lock()
+            .queues
+            .get(&id)
+            .map_or((0, Vec::new()), |q| (q.batches, q.lost.clone()))
+    }
+
+    /// Batches of `id` given up so far.
+    pub(crate) fn lost_batches(&self, id: TransferId) -> usize {
+        self.lock().queues.get(&id).map_or(0, |q| q.lost.len())
+    }
+
+    /// True if every chunk `id` queued is written and its batches are
+    /// finished (or it is not active).
+    pub(crate) fn drained(&self, id: TransferId) -> bool {
+        self.lock().queues.get(&id).is_none_or(Queue::drained)
+    }
+
+    /// Resolves when a connection's unconfirmed batches are next given up
+    /// ([`LinkSched::connection_lost`]); enable it before checking.
+    pub(crate) fn losses(&self) -> Notified<'_> {
+        self.lost.notified()
+    }
+
+    /// Resolves at the next change of the queues (a chunk written, a batch
+    /// finished, chunks queued again); enable it before checking a
+    /// condition.
+    pub(crate) fn changes(&self) -> Notified<'_> {
+        self.moved.notified()
     }
 
     /// Sets the live-progress counters of active transfer `id`.
@@ -189,11 +403,6 @@ impl LinkSched {
         s.queues.remove(&id);
         drop(s);
         self.moved.notify_waiters();
-    }
-
-    /// Batches opened for `id` since it became active.
-    pub(crate) fn batches(&self, id: TransferId) -> u64 {
-        self.lock().queues.get(&id).map_or(0, |q| q.batches)
     }
 
     /// Queues a ready chunk of `id`, waiting while its queue is full.
@@ -258,6 +467,17 @@ impl LinkSched {
     }
 }
 
+/// Puts `recs` of `id` back at the end of its queue `q` and tells the
+/// scheduler they are ready.
+fn requeue(ls: &mut LinkScheduler, id: TransferId, q: &mut Queue, recs: Vec<Record>) {
+    for r in recs {
+        let len = r.data.len() as u64;
+        q.bytes += len;
+        ls.chunk_ready(id, len);
+        q.recs.push_back(r);
+    }
+}
+
 enum Step {
     /// Transfer, stream priority, its effective class, chunk.
     Send(TransferId, i32, scheduler::Class, Record),
@@ -275,9 +495,9 @@ pub(crate) async fn writer(
     target: u64,
     stop: tokio_util::sync::CancellationToken,
 ) {
-    let mut cur: Option<(TransferId, SendStream, u64)> = None;
-    let finish = |cur: &mut Option<(TransferId, SendStream, u64)>| {
-        if let Some((id, mut s, _)) = cur.take() {
+    let mut cur: Option<Batch> = None;
+    let finish = |cur: &mut Option<Batch>| {
+        if let Some(Batch { id, mut s, .. }) = cur.take() {
             let _ = s.finish();
             if let Some(q) = sched.lock().queues.get_mut(&id) {
                 q.open = q.open.saturating_sub(1);
@@ -320,11 +540,11 @@ pub(crate) async fn writer(
         sched.moved.notify_waiters();
         match step {
             Step::Send(id, priority, class, rec) => {
-                if cur.as_ref().is_some_and(|c| c.0 != id) {
+                if cur.as_ref().is_some_and(|c| c.id != id) {
                     finish(&mut cur);
                 }
                 let len = rec.data.len() as u64;
-                let res = write(&sched, &conn, &mut cur, id, priority, rec).await;
+                let res = write(&sched, &conn, me, &mut cur, id, priority, rec).await;
                 let (progress, empty) = {
                     let mut s = sched.lock();
                     match s.queues.get_mut(&id) {
@@ -337,12 +557,16 @@ pub(crate) async fn writer(
                 };
                 match res {
                     Ok(()) => {}
+                    Err(WriteFail::Dropped) => {
+                        sched.moved.notify_waiters();
+                        continue;
+                    }
                     Err(WriteFail::Stream(e)) => {
                         // The sink stopped this batch (a refused or
                         // cancelled transfer): drop it; the transfer learns
                         // why on the control stream.
                         tracing::debug!(transfer = %id, "{e}");
-                        if let Some((sid, _, _)) = cur.take() {
+                        if let Some(Batch { id: sid, .. }) = cur.take() {
                             if let Some(q) = sched.lock().queues.get_mut(&sid) {
                                 q.open = q.open.saturating_sub(1);
                             }
@@ -351,8 +575,10 @@ pub(crate) async fn writer(
                         continue;
                     }
                     Err(WriteFail::Connection(e)) => {
-                        // Every transfer on it stops (their flushes and
-                        // pushes see the close).
+                        // The control connection: every transfer on it
+                        // stops (their flushes and pushes see the close).
+                        // Another one: its unconfirmed batches go to the
+                        // other connections (`LinkSched::connection_lost`).
                         tracing::debug!(transfer = %id, "{e}");
                         finish(&mut cur);
                         conn.close(0u32.into(), b"stream write failed");
@@ -399,9 +625,7 @@ pub(crate) async fn writer(
                         );
                     }
                 }
-                #[cfg(not(feature = "fault-injection"))]
-                let _ = me;
-                if empty || cur.as_ref().is_some_and(|c| c.2 >= target) {
+                if empty || cur.as_ref().is_some_and(|c| c.bytes >= target) {
                     finish(&mut cur);
                 }
                 sched.moved.notify_waiters();
@@ -411,7 +635,7 @@ pub(crate) async fn writer(
                     sched
                         .lock()
                         .queues
-                        .get(&c.0)
+                        .get(&c.id)
                         .is_none_or(|q| q.recs.is_empty())
                 });
                 if idle_cur {
@@ -437,10 +661,20 @@ pub(crate) async fn writer(
     }
 }
 
-/// Writes `rec` on the writer's batch of `id`, opening one (with the
-/// class's priority) if needed.
+/// A writer's open batch.
+struct Batch {
+    id: TransferId,
+    s: SendStream,
+    /// Payload bytes written on it.
+    bytes: u64,
+    /// Its sequence number in the transfer's run.
+    seq: u64,
+}
+
 /// Why a chunk could not be written.
 enum WriteFail {
+    /// The transfer is no longer active; the chunk was dropped unsent.
+    Dropped,
     /// The sink stopped this batch (it refused or dropped the transfer):
     /// the other batches go on.
     Stream(String),
@@ -457,33 +691,59 @@ fn classify(e: quinn::WriteError) -> WriteFail {
     }
 }
 
+/// Writes `rec` on writer `me`'s batch of `id`, opening one (with the
+/// class's priority) if needed. A record that could not be handed to
+/// quinn goes back to its queue, unless the transfer is no longer active.
 async fn write(
     sched: &LinkSched,
     conn: &Connection,
-    cur: &mut Option<(TransferId, SendStream, u64)>,
+    me: WriterId,
+    cur: &mut Option<Batch>,
     id: TransferId,
     priority: i32,
     rec: Record,
 ) -> Result<(), WriteFail> {
     if cur.is_none() {
-        let s = conn
-            .open_uni()
-            .await
-            .map_err(|e| WriteFail::Connection(format!("opening a batch: {e}")))?;
-        let _ = s.set_priority(priority);
-        {
-            let mut st = sched.lock();
-            if let Some(q) = st.queues.get_mut(&id) {
-                q.batches += 1;
-                q.open += 1;
+        let seq = match sched.open_batch(id, me) {
+            Ok(seq) => seq,
+            Err(NoBatch::Inactive) => return Err(WriteFail::Dropped),
+            Err(NoBatch::Lost) => {
+                sched.put_back(id, me, rec);
+                return Err(WriteFail::Connection("the connection was lost".to_string()));
             }
+        };
+        // From here the batch counts as opened: if the stream cannot be
+        // opened, the connection is gone and the batch is given up with it.
+        let s = match conn.open_uni().await {
+            Ok(s) => s,
+            Err(e) => {
+                sched.put_back(id, me, rec);
+                if let Some(q) = sched.lock().queues.get_mut(&id) {
+                    q.open = q.open.saturating_sub(1);
+                }
+                return Err(WriteFail::Connection(format!("opening a batch: {e}")));
+            }
+        };
+        let _ = s.set_priority(priority);
+        let b = cur.insert(Batch {
+            id,
+            s,
+            bytes: 0,
+            seq,
+        });
+        let header = BatchHeader {
+            transfer: id,
+            seq: Some(seq),
+        };
+        if let Err(e) = b.s.write_all(&header.encode()).await {
+            sched.put_back(id, me, rec);
+            return Err(classify(e));
         }
-        let s = cur.insert((id, s, 0));
-        s.1.write_all(&BatchHeader { transfer: id }.encode())
-            .await
-            .map_err(classify)?;
     }
-    if let Some((_, s, n)) = cur.as_mut() {
+    if let Some(b) = cur.as_mut() {
+        if !sched.track(id, b.seq, me, &rec) {
+            return Err(WriteFail::Connection("the connection was lost".to_string()));
+        }
         let t0 = std::time::Instant::now();
         let len = rec.data.len();
         // The record's bytes go to quinn as they are; only the header is
@@ -492,8 +752,8 @@ async fn write(
             bytes::Bytes::copy_from_slice(&rec.header.encode()),
             rec.data,
         ];
-        s.write_all_chunks(&mut parts).await.map_err(classify)?;
-        *n += len as u64;
+        b.s.write_all_chunks(&mut parts).await.map_err(classify)?;
+        b.bytes += len as u64;
         let took = t0.elapsed();
         if took > std::time::Duration::from_millis(20) {
             // The connection's send window or the stream's flow control
@@ -508,4 +768,116 @@ async fn write(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use ferry_proto::wire::RecordHeader;
+
+    fn sched() -> (LinkSched, TransferId) {
+        let ls = LinkScheduler::new(scheduler::Policy::default(), 1_000_000_000, 10, 0);
+        let s = LinkSched::new(ls, LinkCounters::default());
+        let id = TransferId(7);
+        s.activate(
+            scheduler::Transfer {
+                id,
+                class: scheduler::Class::Scheduled,
+                job: "j".into(),
+                model_params: None,
+                importance: 0.0,
+                bytes_left: 1 << 20,
+                created_ms: 0,
+                size_final: true,
+            },
+            Arc::default(),
+        );
+        (s, id)
+    }
+
+    fn rec(chunk: u32) -> Record {
+        Record {
+            header: RecordHeader {
+                file: 0,
+                chunk,
+                len: 4,
+                hash: [0; 32],
+            },
+            data: bytes::Bytes::from_static(b"abcd"),
+        }
+    }
+
+    fn queued(s: &LinkSched, id: TransferId) -> Vec<u32> {
+        s.lock().queues[&id]
+            .recs
+            .iter()
+            .map(|r| r.header.chunk)
+            .collect()
+    }
+
+    fn writer(pool: u64, connection: usize) -> WriterId {
+        WriterId {
+            pool,
+            connection,
+            writer: 0,
+        }
+    }
+
+    #[test]
+    fn a_lost_connection_s_unconfirmed_batches_are_given_up_and_their_chunks_queued_again() {
+        let (s, id) = sched();
+        let pool = s.new_pool();
+        let (w0, w2, w3) = (writer(pool, 0), writer(pool, 2), writer(pool, 3));
+        // Batch 0 on connection 2 (chunks 1, 2), batch 1 on the control
+        // connection (chunk 3), batch 2 on connection 2 (chunk 4, which the
+        // sink confirms), batch 3 on connection 3 (chunk 5).
+        let b0 = s.open_batch(id, w2).ok().unwrap();
+        assert!(s.track(id, b0, w2, &rec(1)));
+        assert!(s.track(id, b0, w2, &rec(2)));
+        let b1 = s.open_batch(id, w0).ok().unwrap();
+        assert!(s.track(id, b1, w0, &rec(3)));
+        let b2 = s.open_batch(id, w2).ok().unwrap();
+        assert!(s.track(id, b2, w2, &rec(4)));
+        let b3 = s.open_batch(id, w3).ok().unwrap();
+        assert!(s.track(id, b3, w3, &rec(5)));
+        assert_eq!((b0, b1, b2, b3), (0, 1, 2, 3));
+        s.confirmed(id, &[b2]);
+        assert_eq!(s.connection_lost(pool, 2), (1, 2));
+        assert_eq!(queued(&s, id), [1, 2]);
+        assert_eq!(s.commit_point(id), (4, vec![0]));
+        assert_eq!(s.lost_batches(id), 1);
+        // The scheduler knows the chunks are ready again.
+        assert!(matches!(
+            s.lock().ls.next(0),
+            Decision::Send { id: t, .. } if t == id
+        ));
+        // A writer of the lost connection still writing batch 0: its
+        // record goes back too, and it opens no more batches.
+        assert!(!s.track(id, b0, w2, &rec(6)));
+        assert_eq!(queued(&s, id), [1, 2, 6]);
+        assert!(matches!(s.open_batch(id, w2), Err(NoBatch::Lost)));
+        // Connection 3 lives on; its batch stays until confirmed.
+        assert_eq!(s.connection_lost(pool, 2), (0, 0), "once");
+        assert_eq!(s.commit_point(id), (4, vec![0]));
+    }
+
+    #[test]
+    fn writers_of_a_replaced_pool_open_nothing_and_requeue_nothing() {
+        let (s, id) = sched();
+        let old = s.new_pool();
+        let b = s.open_batch(id, writer(old, 1)).ok().unwrap();
+        assert!(s.track(id, b, writer(old, 1), &rec(1)));
+        let new = s.new_pool();
+        assert_ne!(old, new);
+        assert_eq!(s.connection_lost(old, 1), (0, 0), "an old pool's loss");
+        assert!(matches!(
+            s.open_batch(id, writer(old, 2)),
+            Err(NoBatch::Lost)
+        ));
+        s.put_back(id, writer(old, 2), rec(9));
+        assert!(queued(&s, id).is_empty(), "an older run's record");
+        // The current pool's writers go on.
+        assert_eq!(s.open_batch(id, writer(new, 1)).ok(), Some(1));
+    }
 }

@@ -246,7 +246,6 @@ pub(super) async fn run_watched(
         "streaming a checkpoint as it is written"
     );
     let mut need: Vec<u64> = Vec::new();
-    let mut batches = 0u64;
     let (markers, committed_ms, siblings, last) = loop {
         let v = view.borrow_and_update().clone();
         let committed = match &v.state {
@@ -359,12 +358,10 @@ pub(super) async fn run_watched(
                 jobs.iter().map(|j| u64::from(j.to - j.from)).sum::<u64>(),
             );
             let (inner2, have2) = (inner.clone(), have.clone());
-            let (results, n) =
-                send_round(inner, c, id, &progress, &mut rx, &mut need, move |out| {
-                    run_jobs(&inner2, jobs, &have2, chunk_size, out)
-                })
-                .await?;
-            batches += n;
+            let results = send_round(inner, c, id, &progress, &mut rx, &mut need, move |out| {
+                run_jobs(&inner2, jobs, &have2, chunk_size, out)
+            })
+            .await?;
             debug!(
                 transfer = %id,
                 files = n_full,
@@ -494,8 +491,5 @@ pub(super) async fn run_watched(
         siblings,
         recheck: false,
     };
-    commit_loop(
-        inner, c, &t, &dir, &progress, &mut rx, need, batches, sealed,
-    )
-    .await
+    commit_loop(inner, c, &t, &dir, &progress, &mut rx, need, sealed).await
 }
