@@ -8,7 +8,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -1360,6 +1360,11 @@ struct LinkConn {
     sched: Arc<LinkSched>,
     /// Connections of the pool lost while the control one lives.
     lost: Arc<AtomicU64>,
+    /// The sink's hello arrived on the control connection with our
+    /// protocol version: only then is the link's dial backoff reset (a
+    /// sink that refuses every hello is dialled at the backoff's pace, not
+    /// every 250 ms).
+    greeted: Arc<AtomicBool>,
 }
 
 impl LinkConn {
@@ -1454,6 +1459,7 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
     let unanswered: Arc<Mutex<HashMap<TransferId, u32>>> = Arc::default();
     let pool: Arc<Vec<Connection>> = Arc::new(dialled.iter().map(|d| d.0.clone()).collect());
     let pool_no = link.sched.new_pool();
+    let greeted = Arc::new(AtomicBool::new(false));
     let mut ctls = Vec::new();
     for (index, (conn, ctl, recv)) in dialled.into_iter().enumerate() {
         // Every connection's control stream is read: the control one's
@@ -1468,6 +1474,7 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
             inbox.clone(),
             unanswered.clone(),
             link.sched.clone(),
+            greeted.clone(),
         ));
         ctls.push(ctl);
         for w in 0..inner.cfg.streams.max(1) {
@@ -1536,6 +1543,7 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
         unanswered,
         sched: link.sched.clone(),
         lost,
+        greeted,
     })
 }
 
@@ -1555,12 +1563,14 @@ async fn read_control(
     ib: Arc<Mutex<HashMap<TransferId, mpsc::UnboundedSender<Control>>>>,
     un: Arc<Mutex<HashMap<TransferId, u32>>>,
     sched: Arc<LinkSched>,
+    greeted: Arc<AtomicBool>,
 ) {
     let c2 = conn;
     let hello = tokio::time::timeout(Duration::from_secs(15), read_frame(&mut recv)).await;
     let refusal = match hello {
         Ok(Ok(Some(Control::Hello(h)))) if h.version == PROTOCOL_VERSION => {
             if index == 0 {
+                greeted.store(true, Ordering::Relaxed);
                 info!(
                     link = link_name,
                     peer = h.agent,
@@ -1915,7 +1925,6 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                     link.connections
                         .fetch_add(c.pool.len() as u64, Ordering::Relaxed);
                     conn = Some(c);
-                    backoff = Duration::from_millis(250);
                 }
                 Err(e) => {
                     warn!(link = link.cfg.name, retry_in = ?backoff, "{e}");
@@ -1928,6 +1937,12 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                     backoff = (backoff * 2).min(Duration::from_secs(10));
                 }
             }
+        }
+        if conn
+            .as_ref()
+            .is_some_and(|c| c.greeted.load(Ordering::Relaxed))
+        {
+            backoff = Duration::from_millis(250);
         }
         if let Some(c) = conn.as_ref().filter(|c| c.conn.close_reason().is_none()) {
             let admit = link.sched.lock().ls.admit(&waiting, now);

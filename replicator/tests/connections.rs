@@ -348,3 +348,76 @@ async fn a_shard_that_grew_after_it_was_sent_starts_the_run_over() {
     assert_eq!(std::fs::read(replica.join("shard-2.bin")).unwrap(), now);
     common::same_tree(&ckpt, &replica);
 }
+
+/// A sink that answers every hello with an older protocol version (one
+/// not yet upgraded) is dialled at the backoff's pace, 250 ms doubling up
+/// to 10 s, not every 250 ms: the backoff is reset only once the sink's
+/// hello is accepted, not when the QUIC handshake succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sink_of_an_older_protocol_is_dialled_at_the_backoff_pace() {
+    use ferry_proto::wire::{Control, Hello, PROTOCOL_VERSION};
+    use replicator::source::Source;
+    use replicator::transport::{self, SocketKind};
+    use std::net::SocketAddr;
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path();
+    let certs = common::dev_pki(base);
+    let (a, b): (SocketAddr, SocketAddr) =
+        ("10.0.0.1:1".parse().unwrap(), "10.0.0.2:2".parse().unwrap());
+    let params = ferry_linkemu::LinkParams::new(1_000_000_000, Duration::from_millis(10));
+    let (sa, sb) = ferry_linkemu::memory_pair(a, b, params.clone(), params);
+    let server = quinn::ServerConfig::with_crypto(
+        replicator::tls::server_crypto(&common::identity(&certs, "dst")).unwrap(),
+    );
+    let sink_ep = transport::endpoint(SocketKind::Memory(sb), Some(server)).unwrap();
+    // The old sink: reads the hello, answers in version 3, keeps the
+    // connection until the source closes it.
+    let dials = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let d2 = dials.clone();
+    tokio::spawn(async move {
+        while let Some(inc) = sink_ep.accept().await {
+            d2.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tokio::spawn(async move {
+                let Ok(conn) = inc.await else { return };
+                let Ok((mut send, mut recv)) = conn.accept_bi().await else {
+                    return;
+                };
+                let _ = replicator::conn::read_frame(&mut recv).await;
+                let hello = Control::Hello(Hello {
+                    version: PROTOCOL_VERSION - 1,
+                    agent: "dst".into(),
+                    site: "eval-b".into(),
+                });
+                let _ = send.write_all(&hello.encode()).await;
+                conn.closed().await;
+            });
+        }
+    });
+    let root = common::job_root(base);
+    let source = Source::start_with_sockets(
+        common::source_config(&root, b),
+        ferry_catalog::Catalog::open(&base.join("src-data"))
+            .await
+            .unwrap(),
+        transport::endpoint(SocketKind::Memory(sa), None).unwrap(),
+        None,
+        &common::identity(&certs, "src"),
+    )
+    .unwrap();
+    let ckpt = root.join("step-1");
+    write_dir(&ckpt, 1, 4096);
+    let t = source.submit(&ckpt, None).await.unwrap();
+    // Dials at 0, 0.25, 0.75, 1.75 and 3.75 s (plus handshakes) at the
+    // backoff's pace; every 250 ms or so before the fix.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let n = dials.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(n >= 2, "the source dialled the sink again: {n} dials");
+    assert!(
+        n <= 6,
+        "the source redialled a sink it cannot talk to {n} times in 4 s"
+    );
+    let row = source.catalog().transfer(t.id).await.unwrap().unwrap();
+    assert!(!row.state.is_final(), "it waits for the sink: {row:?}");
+    source.shutdown(Duration::from_secs(5)).await;
+}

@@ -77,13 +77,13 @@ pub async fn pair_with(reserve_bytes: u64, adjust: impl FnOnce(&mut SourceConfig
 }
 
 /// A development PKI for agents `src` and `dst` in `base/certs`.
-fn dev_pki(base: &Path) -> PathBuf {
+pub fn dev_pki(base: &Path) -> PathBuf {
     let certs = base.join("certs");
     tls::init_dev_pki(&certs, &["src".into(), "dst".into()], 2).unwrap();
     certs
 }
 
-fn identity(certs: &Path, name: &str) -> AgentIdentity {
+pub fn identity(certs: &Path, name: &str) -> AgentIdentity {
     AgentIdentity::load(
         &certs.join("ca.pem"),
         &certs.join(format!("{name}.pem")),
@@ -111,7 +111,7 @@ async fn start_sink(base: &Path, reserve_bytes: u64, ep: quinn::Endpoint) -> Sin
 }
 
 /// `base/ckpt/job`, created and canonical.
-fn job_root(base: &Path) -> PathBuf {
+pub fn job_root(base: &Path) -> PathBuf {
     let root = base.join("ckpt").join("job");
     std::fs::create_dir_all(&root).unwrap();
     std::fs::canonicalize(root).unwrap()
@@ -119,7 +119,7 @@ fn job_root(base: &Path) -> PathBuf {
 
 /// Source settings of the tests: job `job` at `root`, link `l` to the sink
 /// at `peer`, watcher off.
-fn source_config(root: &Path, peer: SocketAddr) -> SourceConfig {
+pub fn source_config(root: &Path, peer: SocketAddr) -> SourceConfig {
     SourceConfig {
         agent: "src".into(),
         site: "train-a".into(),
