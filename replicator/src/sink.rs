@@ -812,7 +812,19 @@ async fn open_transfer(
             state: r.state,
             chunk_size: u32::try_from(r.chunk_size).unwrap_or(0),
         }),
-        existing.as_ref().and_then(|r| r.error.as_deref()),
+        existing
+            .as_ref()
+            .and_then(|r| {
+                // A removed replica says why in its removal, not its error.
+                r.removal
+                    .as_ref()
+                    .map(|m| match m.detail.as_str() {
+                        "" => format!("by {}", m.reason),
+                        d => format!("by {}: {d}", m.reason),
+                    })
+                    .or_else(|| r.error.clone())
+            })
+            .as_deref(),
         chunk_size,
     );
     let (row, have) = match (plan, existing) {
