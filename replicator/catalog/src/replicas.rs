@@ -236,15 +236,14 @@ pub(crate) async fn publish_in(
 ) -> Result<Option<f64>, CatalogError> {
     let lag = |t: i64| (t > 0).then(|| (now - t) as f64 / 1000.0);
     let known = |t: i64| (t > 0).then_some(t);
-    // Keep when the bytes arrived (in bins) before the chunk rows go.
-    let windows = crate::chunks::arrival_bins(db, &mut *conn, p.id).await?;
-    let arrivals = serde_json::to_string(&windows)
-        .map_err(|e| CatalogError::Corrupt(format!("arrival windows: {e}")))?;
+    // A write first: a transaction that reads first and writes later
+    // fails at once (SQLite's `SQLITE_BUSY`, no waiting) when another
+    // connection wrote meanwhile.
     sqlx::query(&db.sql(
         "UPDATE replicas SET state = 'published', manifest = ?, manifest_root = ?, \
          local_path = ?, bytes_total = ?, bytes_done = ?, published_at = ?, opened_at = ?, \
          committed_at = ?, commit_to_replica_s = ?, open_to_replica_s = ?, step = ?, \
-         class = ?, arrivals = ? WHERE id = ?",
+         class = ? WHERE id = ?",
     ))
     .bind(&p.manifest[..])
     .bind(p.root_hex.as_str())
@@ -258,10 +257,18 @@ pub(crate) async fn publish_in(
     .bind(lag(p.times.opened_ms))
     .bind(p.meta.step.and_then(|s| i64::try_from(s).ok()))
     .bind(p.meta.class.map(Class::as_str))
-    .bind(arrivals)
     .bind(p.id)
     .execute(&mut *conn)
     .await?;
+    // Keep when the bytes arrived (in bins) before the chunk rows go.
+    let windows = crate::chunks::arrival_bins(db, &mut *conn, p.id).await?;
+    let arrivals = serde_json::to_string(&windows)
+        .map_err(|e| CatalogError::Corrupt(format!("arrival windows: {e}")))?;
+    sqlx::query(&db.sql("UPDATE replicas SET arrivals = ? WHERE id = ?"))
+        .bind(arrivals)
+        .bind(p.id)
+        .execute(&mut *conn)
+        .await?;
     sqlx::query(&db.sql("DELETE FROM chunks WHERE replica = ?"))
         .bind(p.id)
         .execute(&mut *conn)
