@@ -18,7 +18,8 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use ferry_catalog::{
-    now_ms, Catalog, CatalogError, CheckpointMeta, NewReplica, SourceTimes, VerifiedChunk,
+    now_ms, Catalog, CatalogError, CheckpointMeta, NewReplica, PublishedReplica, SourceTimes,
+    VerifiedChunk,
 };
 use ferry_proto::manifest::{hex, ChunkMap, FileInfo, Hash, Manifest};
 use ferry_proto::paths::check_name;
@@ -194,10 +195,21 @@ struct LiveState {
     changed_on_disk: u32,
 }
 
+/// What the catalog writer records ([`catalog_writer`]).
 enum CatalogOp {
     Chunk(VerifiedChunk),
     Flush(oneshot::Sender<()>),
+    /// A replica in place and durable on disk; the answer is the
+    /// commit-to-replica lag stored, or why it could not be recorded.
+    Publish(PublishedReplica, PublishAnswer),
 }
+
+/// Where the catalog writer answers a publish: the commit-to-replica lag
+/// stored (seconds), or why it could not be recorded.
+type PublishAnswer = oneshot::Sender<Result<Option<f64>, String>>;
+
+/// Most publishes the catalog writer records in one transaction.
+const PUBLISHES_PER_BATCH: usize = 256;
 
 struct Inner {
     cfg: SinkConfig,
@@ -524,8 +536,14 @@ fn staging_root(root: &Path) -> PathBuf {
     root.join(".ferry").join("staging")
 }
 
+/// Records verified chunks and publishes in the catalog: everything
+/// queued meanwhile goes in one transaction ([`Catalog::record_batch`]),
+/// so the chunks and publishes of many small transfers arriving together
+/// cost one commit. Should a batch with publishes fail, each is retried
+/// on its own, so that one bad row does not keep the others unrecorded.
 async fn catalog_writer(catalog: Catalog, mut rx: mpsc::Receiver<CatalogOp>) {
     let mut batch = Vec::new();
+    let mut published = Vec::new();
     let mut waiters = Vec::new();
     while let Some(op) = rx.recv().await {
         let mut next = Some(op);
@@ -533,23 +551,57 @@ async fn catalog_writer(catalog: Catalog, mut rx: mpsc::Receiver<CatalogOp>) {
             match op {
                 CatalogOp::Chunk(c) => batch.push(c),
                 CatalogOp::Flush(w) => waiters.push(w),
+                CatalogOp::Publish(p, w) => published.push((p, w)),
             }
-            if batch.len() < 4096 {
+            if batch.len() < 4096 && published.len() < PUBLISHES_PER_BATCH {
                 next = rx.try_recv().ok();
             }
         }
-        if !batch.is_empty() {
-            if let Err(e) = catalog.add_chunks(&batch).await {
-                // The chunks stay in staging; they are fetched again after a
-                // restart because the catalog does not list them.
-                warn!(error = %e, chunks = batch.len(), "could not record verified chunks");
-            }
-            batch.clear();
-        }
+        record(&catalog, &mut batch, &mut published).await;
         for w in waiters.drain(..) {
             let _ = w.send(());
         }
     }
+}
+
+/// One batch of [`catalog_writer`]; empties `chunks` and `published`,
+/// answering each publish.
+async fn record(
+    catalog: &Catalog,
+    chunks: &mut Vec<VerifiedChunk>,
+    published: &mut Vec<(PublishedReplica, PublishAnswer)>,
+) {
+    if chunks.is_empty() && published.is_empty() {
+        return;
+    }
+    let recs: Vec<PublishedReplica> = published.iter().map(|(p, _)| p.clone()).collect();
+    match catalog.record_batch(chunks, &recs).await {
+        Ok(lags) => {
+            for ((_, w), lag) in published.drain(..).zip(lags) {
+                let _ = w.send(Ok(lag));
+            }
+        }
+        Err(e) if published.is_empty() => {
+            // The chunks stay in staging; they are fetched again after a
+            // restart because the catalog does not list them.
+            warn!(error = %e, chunks = chunks.len(), "could not record verified chunks");
+        }
+        Err(e) => {
+            debug!(error = %e, publishes = published.len(), "a catalog batch failed; recording its parts one by one");
+            if let Err(e) = catalog.add_chunks(chunks).await {
+                warn!(error = %e, chunks = chunks.len(), "could not record verified chunks");
+            }
+            for (p, w) in published.drain(..) {
+                let r = catalog
+                    .record_batch(&[], std::slice::from_ref(&p))
+                    .await
+                    .map(|lags| lags.into_iter().next().flatten())
+                    .map_err(|e| e.to_string());
+                let _ = w.send(r);
+            }
+        }
+    }
+    chunks.clear();
 }
 
 async fn flush(inner: &Inner) {
@@ -665,6 +717,15 @@ async fn serve_connection(
             }
         })
     };
+    // Messages of one transfer are handled in order, each in a task that
+    // waits for the one before it; different transfers go on at once, so
+    // a publish (a sync, catalog writes) does not hold up the opens and
+    // commits behind it on the control stream. At most
+    // CONTROL_TASKS_PER_CONNECTION are under way; the stream is read no
+    // further meanwhile.
+    let mut chains: HashMap<TransferId, tokio::task::JoinHandle<()>> = HashMap::new();
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(CONTROL_TASKS_PER_CONNECTION));
+    let site = hello.site.clone();
     let result = async {
         loop {
             let msg = tokio::select! {
@@ -676,102 +737,164 @@ async fn serve_connection(
             };
             let Some(msg) = msg else { return Ok(()) };
             debug!(msg = msg.name(), "control");
-            match msg {
-                Control::Open(request) => {
-                    let id = request.key.id;
-                    inner.holds.hold(id, HoldPoint::Open).await;
-                    match open_transfer(inner, peer, &hello.site, request).await {
-                        Ok((live, have)) => {
-                            open.insert(id, live, ctl.clone());
-                            ctl.send(&Control::Have { id, chunks: have }).await?;
-                        }
-                        Err(e) => {
-                            open.refuse(id);
-                            warn!(transfer = %id, peer, "refused transfer: {e}");
-                            ctl.send(&Control::Refuse {
-                                id,
-                                reason: e.to_string(),
-                            })
-                            .await?;
-                        }
-                    }
-                }
-                Control::Files { id, files } => {
-                    let Some(live) = open.get(id) else {
-                        // Refused or cancelled here already: nothing to grow.
-                        continue;
-                    };
-                    if let Err(e) = grow_table(inner, &live, &files).await {
-                        let reason = e.to_string();
-                        warn!(transfer = %id, peer, "{reason}");
-                        open.remove(id);
-                        cancel_live(inner, &live, TransferState::Failed, &reason).await;
-                        ctl.send(&Control::Cancel { id, reason }).await?;
-                    }
-                }
-                Control::Commit(Commit {
-                    id,
-                    committed_ms,
-                    opened_ms,
-                    batches,
-                    manifest,
-                    siblings,
-                    checkpoint,
-                    lost,
-                }) => {
-                    let live = open.get(id);
-                    let Some(live) = live else {
-                        return Err(ConnError::Unexpected(format!(
-                            "commit for unknown transfer {id}"
-                        )));
-                    };
-                    {
-                        let mut st = crate::lock::lock(&live.st);
-                        debug!(
-                            transfer = %id,
-                            batches,
-                            lost = lost.len(),
-                            batches_counted = st.batches_in.counted,
-                            batches_numbered = st.batches_in.seqs.len(),
-                            bytes_done = st.bytes_done,
-                            "commit received"
-                        );
-                        st.commit = Some((manifest, batches));
-                        // The latest commit's list: the source's losses
-                        // of this run so far.
-                        st.lost = lost.into_iter().collect();
-                        st.times = SourceTimes {
-                            committed_ms,
-                            opened_ms,
-                        };
-                        st.siblings = siblings;
-                        st.meta = checkpoint_meta(id, checkpoint);
-                    }
-                    maybe_finish(inner, &live, &ctl, id).await?;
-                }
-                Control::Cancel { id, reason } => {
-                    let live = open.remove(id);
-                    // Batches still on their way are dropped, not waited
-                    // for (they would hold the connection up).
-                    open.refuse(id);
-                    if let Some(live) = live {
-                        info!(transfer = %id, reason, "transfer cancelled by source");
-                        cancel_live(inner, &live, TransferState::Cancelled, &reason).await;
-                    }
-                }
-                Control::Error { message } => return Err(ConnError::Peer(message)),
+            let id = match &msg {
+                Control::Open(request) => request.key.id,
+                Control::Files { id, .. } | Control::Commit(Commit { id, .. }) => *id,
+                Control::Cancel { id, .. } => *id,
+                Control::Error { message } => return Err(ConnError::Peer(message.clone())),
                 other => {
                     return Err(ConnError::Unexpected(format!(
                         "unexpected {} from a source",
                         other.name()
                     )))
                 }
+            };
+            let permit = tokio::select! {
+                p = in_flight.clone().acquire_owned() => p.map_err(|_| ConnError::Unexpected("closed".into()))?,
+                _ = inner.shutdown.cancelled() => {
+                    conn.close(VarInt::from_u32(code::SHUTDOWN), b"sink shutting down");
+                    return Ok(());
+                }
+            };
+            let before = chains.remove(&id);
+            let (inner2, conn2, open2, ctl2) =
+                (inner.clone(), conn.clone(), open.clone(), ctl.clone());
+            let (peer2, site2) = (peer.to_string(), site.clone());
+            let task = inner.tasks.spawn(async move {
+                if let Some(before) = before {
+                    let _ = before.await;
+                }
+                let r = handle_control(&inner2, &open2, &ctl2, &peer2, &site2, msg).await;
+                drop(permit);
+                match r {
+                    Ok(()) => {}
+                    // The connection went away; the source resumes later.
+                    Err(e @ (ConnError::Read(_) | ConnError::Connection(_) | ConnError::Write(_))) => {
+                        debug!(transfer = %id, error = %e, "control answer not sent")
+                    }
+                    Err(e) => {
+                        warn!(peer = %peer2, error = %e, "closing the connection");
+                        conn2.close(VarInt::from_u32(code::PROTOCOL), e.to_string().as_bytes());
+                    }
+                }
+            });
+            chains.insert(id, task);
+            if chains.len() > 4 * CONTROL_TASKS_PER_CONNECTION {
+                chains.retain(|_, t| !t.is_finished());
             }
         }
     }
     .await;
     streams.abort();
     result
+}
+
+/// Control messages of a connection handled at once (see
+/// `serve_connection`): enough for a burst of small transfers' opens and
+/// commits, few enough to bound what one source can start.
+const CONTROL_TASKS_PER_CONNECTION: usize = 64;
+
+/// Handles one control message about a transfer (open, file-table
+/// update, commit or cancel), answering on `ctl`.
+async fn handle_control(
+    inner: &Arc<Inner>,
+    open: &Opened,
+    ctl: &Arc<ControlSender>,
+    peer: &str,
+    site: &str,
+    msg: Control,
+) -> Result<(), ConnError> {
+    match msg {
+        Control::Open(request) => {
+            let id = request.key.id;
+            inner.holds.hold(id, HoldPoint::Open).await;
+            match open_transfer(inner, peer, site, request).await {
+                Ok((live, have)) => {
+                    open.insert(id, live, ctl.clone());
+                    ctl.send(&Control::Have { id, chunks: have }).await?;
+                }
+                Err(e) => {
+                    open.refuse(id);
+                    warn!(transfer = %id, peer, "refused transfer: {e}");
+                    ctl.send(&Control::Refuse {
+                        id,
+                        reason: e.to_string(),
+                    })
+                    .await?;
+                }
+            }
+        }
+        Control::Files { id, files } => {
+            let Some(live) = open.get(id) else {
+                // Refused or cancelled here already: nothing to grow.
+                return Ok(());
+            };
+            if let Err(e) = grow_table(inner, &live, &files).await {
+                let reason = e.to_string();
+                warn!(transfer = %id, peer, "{reason}");
+                open.remove(id);
+                cancel_live(inner, &live, TransferState::Failed, &reason).await;
+                ctl.send(&Control::Cancel { id, reason }).await?;
+            }
+        }
+        Control::Commit(Commit {
+            id,
+            committed_ms,
+            opened_ms,
+            batches,
+            manifest,
+            siblings,
+            checkpoint,
+            lost,
+        }) => {
+            let live = open.get(id);
+            let Some(live) = live else {
+                return Err(ConnError::Unexpected(format!(
+                    "commit for unknown transfer {id}"
+                )));
+            };
+            {
+                let mut st = crate::lock::lock(&live.st);
+                debug!(
+                    transfer = %id,
+                    batches,
+                    lost = lost.len(),
+                    batches_counted = st.batches_in.counted,
+                    batches_numbered = st.batches_in.seqs.len(),
+                    bytes_done = st.bytes_done,
+                    "commit received"
+                );
+                st.commit = Some((manifest, batches));
+                // The latest commit's list: the source's losses of this
+                // run so far.
+                st.lost = lost.into_iter().collect();
+                st.times = SourceTimes {
+                    committed_ms,
+                    opened_ms,
+                };
+                st.siblings = siblings;
+                st.meta = checkpoint_meta(id, checkpoint);
+            }
+            maybe_finish(inner, &live, ctl, id).await?;
+        }
+        Control::Cancel { id, reason } => {
+            let live = open.remove(id);
+            // Batches still on their way are dropped, not waited
+            // for (they would hold the connection up).
+            open.refuse(id);
+            if let Some(live) = live {
+                info!(transfer = %id, reason, "transfer cancelled by source");
+                cancel_live(inner, &live, TransferState::Cancelled, &reason).await;
+            }
+        }
+        other => {
+            return Err(ConnError::Unexpected(format!(
+                "unexpected {} from a source",
+                other.name()
+            )))
+        }
+    }
+    Ok(())
 }
 
 /// Opens (or resumes) a transfer the source announced with `open`.
@@ -801,10 +924,23 @@ async fn open_transfer(
             local_path.display()
         )));
     }
-    let existing = inner
-        .catalog
-        .find_replica(peer, key.id, &key.source_path)
-        .await?;
+    // The rows of this source path, newest first: the transfer's own row,
+    // if it has one, is almost always among them, and so is a published
+    // version a re-save can reuse files from. One query for both.
+    let same_source = inner.catalog.replicas_for_source(&key.source_path).await?;
+    let existing = match same_source
+        .iter()
+        .find(|r| r.peer == peer && r.source_transfer == key.id)
+    {
+        Some(r) => Some(r.clone()),
+        None if same_source.len() >= ferry_catalog::replicas::SAME_SOURCE_ROWS => {
+            inner
+                .catalog
+                .find_replica(peer, key.id, &key.source_path)
+                .await?
+        }
+        None => None,
+    };
     let mut published_root = None;
     let plan = decide::plan_open(
         key.id,
@@ -827,6 +963,7 @@ async fn open_transfer(
             .as_deref(),
         chunk_size,
     );
+    // The row's id, state, staging and local paths, and the chunks it has.
     let (row, have) = match (plan, existing) {
         (decide::OpenPlan::Refuse(why), _) => return Err(refuse(why)),
         (
@@ -908,7 +1045,7 @@ async fn open_transfer(
                     .await?;
                 Vec::new()
             };
-            (r, chunks)
+            (RowAtOpen::of(&r), chunks)
         }
         (_, _) => {
             // One staging directory per (peer, transfer, source path), the
@@ -943,14 +1080,16 @@ async fn open_transfer(
                     profile: key.profile,
                 })
                 .await?;
-            let row = inner
-                .catalog
-                .replica(id)
-                .await?
-                .ok_or_else(|| refuse("catalog row vanished".into()))?;
+            // Known without reading it back.
+            let row = RowAtOpen {
+                id,
+                state: TransferState::Receiving,
+                staging_path: staging.to_string_lossy().into_owned(),
+                local_path: local_path.to_string_lossy().into_owned(),
+            };
             let reused = reuse_published(
                 inner,
-                &key.source_path,
+                &same_source,
                 &local_path,
                 &files,
                 chunk_size,
@@ -1036,6 +1175,25 @@ async fn open_transfer(
     }
     info!(transfer = %key.id, peer, path = %key.source_path, bytes_total, resumed_bytes = done, "transfer opened");
     Ok((live, have_list))
+}
+
+/// What [`open_transfer`] needs of the transfer's catalog row.
+struct RowAtOpen {
+    id: i64,
+    state: TransferState,
+    staging_path: String,
+    local_path: String,
+}
+
+impl RowAtOpen {
+    fn of(r: &ferry_catalog::Replica) -> RowAtOpen {
+        RowAtOpen {
+            id: r.id,
+            state: r.state,
+            staging_path: r.staging_path.clone(),
+            local_path: r.local_path.clone(),
+        }
+    }
 }
 
 /// Longest time between two catalog copies of a growing file table.
@@ -1144,16 +1302,13 @@ async fn grow_table(
 /// again. Returns `(global index, hash, bytes)` of the reused chunks.
 async fn reuse_published(
     inner: &Inner,
-    source_path: &str,
+    rows: &[ferry_catalog::Replica],
     local_path: &Path,
     files: &[FileInfo],
     chunk_size: u32,
     staging: &Path,
 ) -> Vec<(u64, Hash, u64)> {
     let lp = local_path.to_string_lossy();
-    let Ok(rows) = inner.catalog.replicas_for_source(source_path).await else {
-        return Vec::new();
-    };
     let Some(prev) = rows
         .iter()
         .find(|r| r.state == TransferState::Published && r.local_path == lp)
@@ -1772,19 +1927,25 @@ async fn maybe_finish(
             }
             let local = live.local_path.to_string_lossy().into_owned();
             inner.metrics.published.inc();
-            match inner
-                .catalog
-                .set_replica_published(
-                    live.id,
-                    &manifest.encode(),
-                    &root_hex,
-                    &local,
-                    manifest.bytes(),
-                    times,
-                    meta,
-                )
-                .await
-            {
+            // Recorded by the catalog writer, in one transaction with the
+            // other publishes and chunks that arrive meanwhile.
+            let (tx, rx) = oneshot::channel();
+            let rec = PublishedReplica {
+                id: live.id,
+                manifest: manifest.encode(),
+                root_hex: root_hex.clone(),
+                local_path: local.clone(),
+                bytes: manifest.bytes(),
+                times,
+                meta,
+            };
+            let recorded = match inner.chunks.send(CatalogOp::Publish(rec, tx)).await {
+                Ok(()) => rx
+                    .await
+                    .unwrap_or_else(|_| Err("the catalog writer stopped".into())),
+                Err(_) => Err("the catalog writer stopped".into()),
+            };
+            match recorded {
                 Ok(recorded) => {
                     if let Some(lag_s) = recorded {
                         inner.metrics.observe_lag(lag_s);
@@ -1988,6 +2149,76 @@ fn write_siblings(replica: &Path, siblings: &[(String, Vec<u8>)]) -> io::Result<
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    /// The catalog writer records what is queued together in one batch;
+    /// when that batch fails (here a chunk of a row that does not exist),
+    /// each publish in it is recorded on its own and answered, so one bad
+    /// entry never leaves a durable replica unrecorded.
+    #[tokio::test]
+    async fn the_catalog_writer_records_each_publish_of_a_failed_batch_alone() {
+        let d = tempfile::tempdir().unwrap();
+        let c = Catalog::open(d.path()).await.unwrap();
+        let mut ids = Vec::new();
+        for n in 1..=2 {
+            let files = [];
+            ids.push(
+                c.insert_replica(&NewReplica {
+                    peer: "p",
+                    source_site: "s",
+                    source_transfer: TransferId(n),
+                    job: "j",
+                    source_path: &format!("/ck/{n}"),
+                    rel: "x",
+                    chunk_size: 1 << 20,
+                    files: &files,
+                    bytes_total: 4,
+                    staging_path: "/st",
+                    local_path: &format!("/eval/{n}"),
+                    profile: Profile::Full,
+                })
+                .await
+                .unwrap(),
+            );
+        }
+        let chunk = |replica: i64| VerifiedChunk {
+            replica,
+            key: 0,
+            hash: [1; 32],
+            bytes: 4,
+            arrived_ms: None,
+            arrival_started_ms: None,
+        };
+        let (tx, rx) = mpsc::channel(16);
+        let writer = tokio::spawn(catalog_writer(c.clone(), rx));
+        // Queued before the writer looks: one batch.
+        let mut answers = Vec::new();
+        tx.send(CatalogOp::Chunk(chunk(ids[0]))).await.unwrap();
+        tx.send(CatalogOp::Chunk(chunk(9_999))).await.unwrap();
+        for id in &ids {
+            let (w, r) = oneshot::channel();
+            let rec = PublishedReplica {
+                id: *id,
+                manifest: b"m".to_vec(),
+                root_hex: "ab".into(),
+                local_path: format!("/eval/{id}"),
+                bytes: 4,
+                times: SourceTimes::default(),
+                meta: CheckpointMeta::default(),
+            };
+            tx.send(CatalogOp::Publish(rec, w)).await.unwrap();
+            answers.push(r);
+        }
+        for a in answers {
+            assert_eq!(a.await.unwrap(), Ok(None));
+        }
+        for id in &ids {
+            let row = c.replica(*id).await.unwrap().unwrap();
+            assert_eq!(row.state, TransferState::Published, "{row:?}");
+            assert_eq!(row.manifest_root.as_deref(), Some("ab"));
+        }
+        drop(tx);
+        writer.await.unwrap();
+    }
 
     #[test]
     fn source_paths_are_normalised_or_refused() {

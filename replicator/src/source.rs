@@ -1284,20 +1284,13 @@ async fn submit(
     } else {
         None
     };
-    let id = inner
+    let t = inner
         .catalog
-        .insert_transfer(link, &root.job, &abs.to_string_lossy(), &rel, class)
+        .insert_pushed_transfer(link, &root.job, &abs.to_string_lossy(), &rel, class, small)
         .await?;
-    if let Some((bytes, files)) = small {
-        inner.catalog.set_transfer_size(id, bytes, files).await?;
-    }
-    info!(transfer = %id, path = %abs.display(), link, %class, "transfer queued");
+    info!(transfer = %t.id, path = %abs.display(), link, %class, "transfer queued");
     state.wake.notify_one();
-    inner
-        .catalog
-        .transfer(id)
-        .await?
-        .ok_or_else(|| SubmitError::Catalog(CatalogError::Corrupt("new transfer vanished".into())))
+    Ok(t)
 }
 
 /// Size (bytes) and file count of the regular files under `dir` if they
@@ -1996,7 +1989,11 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                     next = running.try_join_next();
                 }
             }
-            _ = link.wake.notified() => {}
+            _ = link.wake.notified() => {
+                // A burst of submissions (each wakes the worker) is
+                // reconciled at most every MIN_RECONCILE_GAP too.
+                tokio::time::sleep_until(reconciled_at + MIN_RECONCILE_GAP).await;
+            }
             _ = sleep => {}
             _ = inner.shutdown.cancelled() => {}
         }
@@ -2012,7 +2009,8 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
 }
 
 /// Least time between two reloads of a link's queue from the catalog
-/// after transfers end (those ending meanwhile are handled together).
+/// after transfers end or are submitted (those ending or arriving
+/// meanwhile are handled together).
 const MIN_RECONCILE_GAP: Duration = Duration::from_millis(10);
 
 /// Runs transfer `t` to its end on `c`.
@@ -2156,19 +2154,14 @@ async fn begin(inner: &Inner, t: &Transfer) -> Result<bool, RunError> {
     // Only asked when it can make a difference.
     let published_before =
         !started_before && inner.catalog.published_before(&t.source_path, t.id).await?;
-    let took_active = inner
-        .catalog
-        .set_transfer_state(t.id, TransferState::Active, None)
-        .await?;
+    // `active` and the last note cleared in one write.
+    let took_active = inner.catalog.set_transfer_active(t.id).await?;
     match start_of(started_before, published_before, took_active) {
         Start::Stopped => {
             debug!(transfer = %t.id, "paused or cancelled before its run started");
             Err(RunError::Stopped)
         }
-        start => {
-            inner.catalog.set_transfer_note(t.id, None).await?;
-            Ok(start == Start::Fresh)
-        }
+        start => Ok(start == Start::Fresh),
     }
 }
 
@@ -2260,10 +2253,14 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
     let scan = listing.into_infos();
     let t_scanned = t_start.elapsed();
     let bytes_total: u64 = scan.files.iter().map(|f| f.size).sum();
-    inner
-        .catalog
-        .set_transfer_size(t.id, bytes_total, scan.files.len() as u64)
-        .await?;
+    // A small transfer's size was recorded at submit: not written again
+    // unless the listing differs.
+    if (t.bytes_total, t.shards) != (bytes_total as i64, scan.files.len() as i64) {
+        inner
+            .catalog
+            .set_transfer_size(t.id, bytes_total, scan.files.len() as u64)
+            .await?;
+    }
     let progress = track_run(inner, &t, bytes_total);
 
     let chunk_size = inner.cfg.chunk_size;

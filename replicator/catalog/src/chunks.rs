@@ -218,10 +218,29 @@ impl Catalog {
     /// # Errors
     /// SQL errors (nothing is recorded then).
     pub async fn add_chunks(&self, chunks: &[VerifiedChunk]) -> Result<(), CatalogError> {
+        self.record_batch(chunks, &[]).await.map(|_| ())
+    }
+
+    /// Records verified chunks (as [`Catalog::add_chunks`]) and then
+    /// publishes (as [`Catalog::set_replica_published`], in order) in one
+    /// transaction: the sink's catalog writer gathers what arrives close
+    /// together, so a burst of small transfers costs one commit, not
+    /// several per transfer. A publish's chunks may be in the same batch:
+    /// they count for its arrival bins. All or nothing: after an error or
+    /// a crash, none of the batch is recorded. Returns the
+    /// commit-to-replica lag of each publish, seconds.
+    ///
+    /// # Errors
+    /// SQL errors (nothing is recorded then).
+    pub async fn record_batch(
+        &self,
+        chunks: &[VerifiedChunk],
+        published: &[crate::PublishedReplica],
+    ) -> Result<Vec<Option<f64>>, CatalogError> {
         let now = now_ms();
         let mut tx = self.pool.begin().await?;
         // One bytes_done update per replica and batch: an UPDATE rewrites
-        // the whole row.
+        // the whole row. A row published in this batch gets its total then.
         let mut gained: Vec<(i64, i64)> = Vec::new();
         for c in chunks {
             let r = sqlx::query(&self.db.sql(
@@ -245,6 +264,9 @@ impl Catalog {
             }
         }
         for (id, n) in gained {
+            if published.iter().any(|p| p.id == id) {
+                continue;
+            }
             sqlx::query(
                 &self
                     .db
@@ -255,8 +277,12 @@ impl Catalog {
             .execute(&mut *tx)
             .await?;
         }
+        let mut lags = Vec::with_capacity(published.len());
+        for p in published {
+            lags.push(crate::replicas::publish_in(self.db, &mut tx, p, now).await?);
+        }
         tx.commit().await?;
-        Ok(())
+        Ok(lags)
     }
 
     /// Forgets verified chunks (they will be fetched again) and resets

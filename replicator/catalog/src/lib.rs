@@ -52,7 +52,9 @@ pub use chunks::{Arrivals, VerifiedChunk, ARRIVAL_BIN_MS, MAX_ARRIVAL_BINS};
 pub use events::{Change, Event, EventKind};
 pub use export::TraceExport;
 pub use jobs::{origin, Job, MAX_MODEL_PARAMS};
-pub use replicas::{CheckpointMeta, NewReplica, Pin, Removal, RemovalReason, Replica, SourceTimes};
+pub use replicas::{
+    CheckpointMeta, NewReplica, Pin, PublishedReplica, Removal, RemovalReason, Replica, SourceTimes,
+};
 pub use signals::Signal;
 pub use transfers::{NewWatchedTransfer, ProgressNote, Transfer};
 

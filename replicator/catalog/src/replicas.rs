@@ -197,6 +197,85 @@ pub struct SourceTimes {
     pub opened_ms: i64,
 }
 
+/// A publish to record: a sink-side row whose replica is in place and
+/// durable ([`Catalog::set_replica_published`], [`Catalog::record_batch`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PublishedReplica {
+    /// Sink-side row id.
+    pub id: i64,
+    /// The sealed manifest, encoded.
+    pub manifest: Vec<u8>,
+    /// Hex BLAKE3 root of the manifest.
+    pub root_hex: String,
+    /// Where the replica is.
+    pub local_path: String,
+    /// Bytes in the replica.
+    pub bytes: u64,
+    /// When the source opened and committed the checkpoint.
+    pub times: SourceTimes,
+    /// Step and class at commit.
+    pub meta: CheckpointMeta,
+}
+
+/// Most rows [`Catalog::replicas_for_source`] returns (the newest).
+pub const SAME_SOURCE_ROWS: usize = 16;
+
+/// Ancestor paths per statement of [`Catalog::overlapping_replica`]
+/// (SQLite allows 999 placeholders per statement in older builds).
+const MAX_ANCESTORS_PER_QUERY: usize = 400;
+
+/// Records publish `p` on `conn` (inside the caller's transaction): the
+/// row becomes `published` with its manifest, root, times and the arrival
+/// bins of its chunk rows, which are then deleted. Returns the
+/// commit-to-replica lag stored, seconds.
+pub(crate) async fn publish_in(
+    db: crate::dialect::Dialect,
+    conn: &mut sqlx::AnyConnection,
+    p: &PublishedReplica,
+    now: i64,
+) -> Result<Option<f64>, CatalogError> {
+    let lag = |t: i64| (t > 0).then(|| (now - t) as f64 / 1000.0);
+    let known = |t: i64| (t > 0).then_some(t);
+    // A write first: a transaction that reads first and writes later
+    // fails at once (SQLite's `SQLITE_BUSY`, no waiting) when another
+    // connection wrote meanwhile.
+    sqlx::query(&db.sql(
+        "UPDATE replicas SET state = 'published', manifest = ?, manifest_root = ?, \
+         local_path = ?, bytes_total = ?, bytes_done = ?, published_at = ?, opened_at = ?, \
+         committed_at = ?, commit_to_replica_s = ?, open_to_replica_s = ?, step = ?, \
+         class = ? WHERE id = ?",
+    ))
+    .bind(&p.manifest[..])
+    .bind(p.root_hex.as_str())
+    .bind(p.local_path.as_str())
+    .bind(p.bytes as i64)
+    .bind(p.bytes as i64)
+    .bind(now)
+    .bind(known(p.times.opened_ms))
+    .bind(known(p.times.committed_ms))
+    .bind(lag(p.times.committed_ms))
+    .bind(lag(p.times.opened_ms))
+    .bind(p.meta.step.and_then(|s| i64::try_from(s).ok()))
+    .bind(p.meta.class.map(Class::as_str))
+    .bind(p.id)
+    .execute(&mut *conn)
+    .await?;
+    // Keep when the bytes arrived (in bins) before the chunk rows go.
+    let windows = crate::chunks::arrival_bins(db, &mut *conn, p.id).await?;
+    let arrivals = serde_json::to_string(&windows)
+        .map_err(|e| CatalogError::Corrupt(format!("arrival windows: {e}")))?;
+    sqlx::query(&db.sql("UPDATE replicas SET arrivals = ? WHERE id = ?"))
+        .bind(arrivals)
+        .bind(p.id)
+        .execute(&mut *conn)
+        .await?;
+    sqlx::query(&db.sql("DELETE FROM chunks WHERE replica = ?"))
+        .bind(p.id)
+        .execute(&mut *conn)
+        .await?;
+    Ok(lag(p.times.committed_ms))
+}
+
 const REPLICA_COLS: &str = "id, peer, source_site, source_transfer, job, source_path, rel, \
     chunk_size, state, bytes_total, bytes_done, staging_path, local_path, manifest_root, error, \
     created_at, published_at, committed_at, commit_to_replica_s, open_to_replica_s, profile, \
@@ -391,7 +470,7 @@ impl Catalog {
     /// Marks a row published: stores the sealed manifest and its root and
     /// deletes the per-chunk rows (no longer needed). Returns the
     /// commit-to-replica lag it stored, seconds (`None`: commit time
-    /// unknown).
+    /// unknown). [`Catalog::record_batch`] records several at once.
     ///
     /// # Errors
     /// SQL errors.
@@ -406,46 +485,19 @@ impl Catalog {
         times: SourceTimes,
         meta: CheckpointMeta,
     ) -> Result<Option<f64>, CatalogError> {
-        let now = now_ms();
-        let lag = |t: i64| (t > 0).then(|| (now - t) as f64 / 1000.0);
-        let known = |t: i64| (t > 0).then_some(t);
+        let p = PublishedReplica {
+            id,
+            manifest: manifest.to_vec(),
+            root_hex: root_hex.to_string(),
+            local_path: local_path.to_string(),
+            bytes,
+            times,
+            meta,
+        };
         let mut tx = self.pool.begin().await?;
-        sqlx::query(&self.db.sql(
-            "UPDATE replicas SET state = 'published', manifest = ?, manifest_root = ?, \
-             local_path = ?, bytes_total = ?, bytes_done = ?, published_at = ?, opened_at = ?, \
-             committed_at = ?, commit_to_replica_s = ?, open_to_replica_s = ?, step = ?, \
-             class = ? WHERE id = ?",
-        ))
-        .bind(manifest)
-        .bind(root_hex)
-        .bind(local_path)
-        .bind(bytes as i64)
-        .bind(bytes as i64)
-        .bind(now)
-        .bind(known(times.opened_ms))
-        .bind(known(times.committed_ms))
-        .bind(lag(times.committed_ms))
-        .bind(lag(times.opened_ms))
-        .bind(meta.step.and_then(|s| i64::try_from(s).ok()))
-        .bind(meta.class.map(Class::as_str))
-        .bind(id)
-        .execute(&mut *tx)
-        .await?;
-        // Keep when the bytes arrived (in bins) before the chunk rows go.
-        let windows = crate::chunks::arrival_bins(self.db, &mut tx, id).await?;
-        let json = serde_json::to_string(&windows)
-            .map_err(|e| CatalogError::Corrupt(format!("arrival windows: {e}")))?;
-        sqlx::query(&self.db.sql("UPDATE replicas SET arrivals = ? WHERE id = ?"))
-            .bind(json)
-            .bind(id)
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query(&self.db.sql("DELETE FROM chunks WHERE replica = ?"))
-            .bind(id)
-            .execute(&mut *tx)
-            .await?;
+        let lag = publish_in(self.db, &mut tx, &p, now_ms()).await?;
         tx.commit().await?;
-        Ok(lag(times.committed_ms))
+        Ok(lag)
     }
 
     /// Sets a sink-side row's state and error.
@@ -665,9 +717,9 @@ impl Catalog {
         Ok(r.try_get("n")?)
     }
 
-    /// The sink-side rows for a checkpoint at `source_path`, newest first:
-    /// the newest published one and the newest one overall tell resolve
-    /// what to answer.
+    /// The sink-side rows for a checkpoint at `source_path`, newest first
+    /// (at most [`SAME_SOURCE_ROWS`]): the newest published one and the
+    /// newest one overall tell resolve what to answer.
     ///
     /// # Errors
     /// SQL errors.
@@ -676,7 +728,7 @@ impl Catalog {
         source_path: &str,
     ) -> Result<Vec<Replica>, CatalogError> {
         let q = format!(
-            "SELECT {REPLICA_COLS} FROM replicas WHERE source_path = ? ORDER BY id DESC LIMIT 16"
+            "SELECT {REPLICA_COLS} FROM replicas WHERE source_path = ? ORDER BY id DESC LIMIT {SAME_SOURCE_ROWS}"
         );
         let rows = sqlx::query(&self.db.sql(&q))
             .bind(source_path)
@@ -696,34 +748,52 @@ impl Catalog {
         local_path: &str,
     ) -> Result<Option<String>, CatalogError> {
         let base = local_path.trim_end_matches('/');
-        // Descendants: paths in [base + "/", base + "0"), "0" being the
-        // byte after "/".
-        let r = sqlx::query(&self.db.sql(
-            "SELECT local_path FROM replicas WHERE state IN ('receiving', 'published') \
-             AND local_path >= ? AND local_path < ? LIMIT 1",
-        ))
-        .bind(format!("{base}/"))
-        .bind(format!("{base}0"))
-        .fetch_optional(&self.pool)
-        .await?;
-        if let Some(r) = r {
-            return Ok(Some(r.try_get("local_path")?));
-        }
-        let mut p = Path::new(base).parent();
-        while let Some(a) = p {
-            let r = sqlx::query(&self.db.sql(
-                "SELECT local_path FROM replicas WHERE state IN ('receiving', 'published') \
-                 AND local_path = ? LIMIT 1",
-            ))
-            .bind(a.to_string_lossy().as_ref())
-            .fetch_optional(&self.pool)
-            .await?;
-            if let Some(r) = r {
+        let ancestors: Vec<String> = Path::new(base)
+            .ancestors()
+            .skip(1)
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        // One statement for the descendants and every ancestor (a few
+        // hundred placeholders at most per statement; a deeper path takes
+        // more). `state || ''` keeps SQLite's planner on the `local_path`
+        // index: on `state` it would scan every live row.
+        let mut groups = ancestors.chunks(MAX_ANCESTORS_PER_QUERY);
+        let mut first = true;
+        loop {
+            let group = groups.next().unwrap_or(&[]);
+            if !first && group.is_empty() {
+                return Ok(None);
+            }
+            let mut cond = Vec::new();
+            if first {
+                // Descendants: paths in [base + "/", base + "0"), "0" being
+                // the byte after "/".
+                cond.push("(local_path >= ? AND local_path < ?)".to_string());
+            }
+            if !group.is_empty() {
+                cond.push(format!(
+                    "local_path IN ({})",
+                    vec!["?"; group.len()].join(", ")
+                ));
+            }
+            let q = format!(
+                "SELECT local_path FROM replicas WHERE state || '' IN ('receiving', 'published') \
+                 AND ({}) LIMIT 1",
+                cond.join(" OR ")
+            );
+            let sql = self.db.sql(&q);
+            let mut query = sqlx::query(&sql);
+            if first {
+                query = query.bind(format!("{base}/")).bind(format!("{base}0"));
+            }
+            for a in group {
+                query = query.bind(a.as_str());
+            }
+            if let Some(r) = query.fetch_optional(&self.pool).await? {
                 return Ok(Some(r.try_get("local_path")?));
             }
-            p = a.parent();
+            first = false;
         }
-        Ok(None)
     }
 
     /// The newest published row whose `local_path` is `local_path`.

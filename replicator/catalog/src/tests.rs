@@ -103,6 +103,76 @@ async fn pause_and_final_states_are_not_undone_by_the_transfer_task() {
     assert_eq!(state_of(id).await, TransferState::Failed);
 }
 
+/// A run's start takes `active` and clears the note in one write, with
+/// the same refusals as any `active`: never over a pause or a final state.
+#[tokio::test]
+async fn a_run_start_clears_the_note_and_respects_pauses() {
+    let d = tempfile::tempdir().unwrap();
+    let c = Catalog::open(d.path()).await.unwrap();
+    let id = c
+        .insert_transfer("l", "j", "/ck/s1", "s1", Class::Scheduled)
+        .await
+        .unwrap();
+    c.set_transfer_note(id, Some("link down")).await.unwrap();
+    c.set_transfer_state(id, TransferState::Paused, None)
+        .await
+        .unwrap();
+    assert!(!c.set_transfer_active(id).await.unwrap(), "paused");
+    let t = c.transfer(id).await.unwrap().unwrap();
+    assert_eq!((t.state, t.started_at), (TransferState::Paused, None));
+    assert_eq!(t.error.as_deref(), Some("link down"));
+    c.set_transfer_state(id, TransferState::Queued, None)
+        .await
+        .unwrap();
+    assert!(c.set_transfer_active(id).await.unwrap());
+    let t = c.transfer(id).await.unwrap().unwrap();
+    assert_eq!((t.state, t.error), (TransferState::Active, None));
+    let started = t.started_at.unwrap();
+    c.set_transfer_state(id, TransferState::Queued, None)
+        .await
+        .unwrap();
+    assert!(c.set_transfer_active(id).await.unwrap());
+    let t = c.transfer(id).await.unwrap().unwrap();
+    assert_eq!(t.started_at, Some(started), "the first start is kept");
+    c.set_transfer_state(id, TransferState::Failed, Some("x"))
+        .await
+        .unwrap();
+    assert!(!c.set_transfer_active(id).await.unwrap(), "final");
+    assert_eq!(
+        c.transfer(id).await.unwrap().unwrap().state,
+        TransferState::Failed
+    );
+}
+
+/// A pushed transfer is inserted with its size (when known) and its
+/// arrival event, and the row returned is the row stored.
+#[tokio::test]
+async fn a_pushed_transfer_is_inserted_with_its_size_and_returned() {
+    let d = tempfile::tempdir().unwrap();
+    let c = Catalog::open(d.path()).await.unwrap();
+    let t = c
+        .insert_pushed_transfer("l", "j", "/ck/a", "a", Class::Urgent, Some((4096, 2)))
+        .await
+        .unwrap();
+    assert_eq!((t.bytes_total, t.shards, t.bytes_done), (4096, 2, 0));
+    assert_eq!((t.state, t.class), (TransferState::Queued, Class::Urgent));
+    assert_eq!(c.transfer(t.id).await.unwrap().unwrap(), t);
+    let u = c
+        .insert_pushed_transfer("l", "j", "/ck/b", "b", Class::Scheduled, None)
+        .await
+        .unwrap();
+    assert_eq!((u.bytes_total, u.shards), (0, 0));
+    assert_ne!(t.id, u.id);
+    let arrivals = c
+        .events_since(0)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|e| matches!(e.change, Change::Arrival { .. }))
+        .count();
+    assert_eq!(arrivals, 2, "each insert records its arrival");
+}
+
 #[tokio::test]
 async fn transfer_progress_never_moves_backwards() {
     let d = tempfile::tempdir().unwrap();
@@ -410,6 +480,187 @@ async fn add_chunks_records_arrival_time_and_length() {
         assert!((before..=after).contains(&at), "{before} {at} {after}");
     }
     assert_eq!(c.replica(r).await.unwrap().unwrap().bytes_done, 14);
+}
+
+/// A sink-side row at `local_path` in `state`.
+async fn replica_at(c: &Catalog, id: u64, local_path: &str, state: TransferState) -> i64 {
+    let r = c
+        .insert_replica(&NewReplica {
+            peer: "p",
+            source_site: "s",
+            source_transfer: TransferId(id),
+            job: "j",
+            source_path: &format!("/ck/{id}"),
+            rel: "x",
+            chunk_size: 1 << 20,
+            files: &[],
+            bytes_total: 10,
+            staging_path: "/st",
+            local_path,
+            profile: Profile::Full,
+        })
+        .await
+        .unwrap();
+    c.set_replica_state(r, state, None).await.unwrap();
+    r
+}
+
+/// A replica path overlaps a live or published one above or below it,
+/// never a sibling with the same prefix, a failed row or itself; the
+/// ancestors of a path deeper than one statement's share are all asked.
+#[tokio::test]
+async fn overlapping_replicas_are_found_above_and_below() {
+    let d = tempfile::tempdir().unwrap();
+    let c = Catalog::open(d.path()).await.unwrap();
+    replica_at(&c, 1, "/eval/a/b", TransferState::Receiving).await;
+    replica_at(&c, 2, "/eval/f", TransferState::Failed).await;
+    replica_at(&c, 3, "/deep", TransferState::Published).await;
+    let over = |p: String| {
+        let c = c.clone();
+        async move { c.overlapping_replica(&p).await.unwrap() }
+    };
+    assert_eq!(over("/eval/a".into()).await.as_deref(), Some("/eval/a/b"));
+    assert_eq!(over("/eval/a/".into()).await.as_deref(), Some("/eval/a/b"));
+    assert_eq!(
+        over("/eval/a/b/c/d".into()).await.as_deref(),
+        Some("/eval/a/b")
+    );
+    assert_eq!(over("/eval/a/b".into()).await, None, "itself");
+    assert_eq!(over("/eval/a/bc".into()).await, None, "a sibling");
+    assert_eq!(over("/eval/a/b0".into()).await, None, "a sibling");
+    assert_eq!(over("/eval/f/g".into()).await, None, "a failed row");
+    assert_eq!(over("/eval".into()).await.as_deref(), Some("/eval/a/b"));
+    let deep = format!("/deep{}", "/d".repeat(2 * MAX_DEPTH_TESTED));
+    assert_eq!(over(deep).await.as_deref(), Some("/deep"));
+    assert_eq!(over(format!("/other{}", "/d".repeat(900))).await, None);
+}
+
+/// More ancestors than one statement of `overlapping_replica` asks for.
+const MAX_DEPTH_TESTED: usize = 500;
+
+/// Chunks and publishes recorded in one batch: each publish gets its
+/// manifest, its arrival bins (from chunks of the same batch too) and
+/// loses its chunk rows; a row still receiving keeps its chunks and
+/// counts their bytes.
+#[tokio::test]
+async fn a_batch_records_chunks_and_publishes_together() {
+    let d = tempfile::tempdir().unwrap();
+    let c = Catalog::open(d.path()).await.unwrap();
+    let r1 = replica_at(&c, 1, "/eval/1", TransferState::Receiving).await;
+    let r2 = replica_at(&c, 2, "/eval/2", TransferState::Receiving).await;
+    let r3 = replica_at(&c, 3, "/eval/3", TransferState::Receiving).await;
+    let at = now_ms() - 60_000;
+    c.add_chunks(&[VerifiedChunk {
+        arrived_ms: Some(at),
+        ..vc(r2, 0, [2; 32], 6)
+    }])
+    .await
+    .unwrap();
+    let published = |id: i64, root: &str, committed_ms: i64| PublishedReplica {
+        id,
+        manifest: root.as_bytes().to_vec(),
+        root_hex: root.into(),
+        local_path: format!("/eval/{id}"),
+        bytes: 10,
+        times: SourceTimes {
+            committed_ms,
+            opened_ms: 0,
+        },
+        meta: CheckpointMeta {
+            step: Some(7),
+            class: Some(Class::Background),
+        },
+    };
+    let lags = c
+        .record_batch(
+            &[
+                VerifiedChunk {
+                    arrived_ms: Some(at + 1_000),
+                    ..vc(r1, 0, [1; 32], 4)
+                },
+                vc(r3, 0, [3; 32], 5),
+            ],
+            &[
+                published(r1, "aa", now_ms() - 3_000),
+                published(r2, "bb", 0),
+            ],
+        )
+        .await
+        .unwrap();
+    assert_eq!(lags.len(), 2);
+    assert!(
+        lags[0].is_some_and(|l| (3.0..60.0).contains(&l)),
+        "{lags:?}"
+    );
+    assert_eq!(lags[1], None, "commit time unknown");
+    for (r, root, bin) in [(r1, "aa", at + 1_000), (r2, "bb", at)] {
+        let row = c.replica(r).await.unwrap().unwrap();
+        assert_eq!(row.state, TransferState::Published, "{row:?}");
+        assert_eq!(row.manifest_root.as_deref(), Some(root));
+        assert_eq!((row.bytes_done, row.step), (10, Some(7)));
+        assert_eq!(row.class, Some(Class::Background));
+        assert_eq!(row.commit_to_replica_s, lags[(r == r2) as usize]);
+        assert_eq!(
+            c.replica_manifest(r).await.unwrap().unwrap(),
+            root.as_bytes()
+        );
+        assert!(c.chunks(r).await.unwrap().is_empty());
+        let arrivals = c.chunk_arrivals(r).await.unwrap();
+        assert_eq!(arrivals.bins.first().map(|b| b.0), Some(bin / 10 * 10));
+    }
+    let row3 = c.replica(r3).await.unwrap().unwrap();
+    assert_eq!(row3.state, TransferState::Receiving);
+    assert_eq!(row3.bytes_done, 5);
+    assert_eq!(c.chunks(r3).await.unwrap(), vec![(0, [3; 32])]);
+}
+
+/// A batch is all or nothing: when one publish in it cannot be written
+/// (a trigger refuses it here, as a full disk or a crash would stop the
+/// transaction), neither the publishes before it nor the batch's chunks
+/// are recorded, and every row is as it was.
+#[tokio::test]
+async fn a_failed_batch_records_nothing() {
+    let d = tempfile::tempdir().unwrap();
+    let c = Catalog::open(d.path()).await.unwrap();
+    let r1 = replica_at(&c, 1, "/eval/1", TransferState::Receiving).await;
+    let r2 = replica_at(&c, 2, "/eval/2", TransferState::Receiving).await;
+    sqlx::query(&format!(
+        "CREATE TRIGGER refuse_r2 BEFORE UPDATE OF state ON replicas \
+         WHEN NEW.id = {r2} AND NEW.state = 'published' \
+         BEGIN SELECT RAISE(ABORT, 'refused by the test'); END"
+    ))
+    .execute(&c.pool)
+    .await
+    .unwrap();
+    let published = |id: i64| PublishedReplica {
+        id,
+        manifest: b"m".to_vec(),
+        root_hex: "ab".into(),
+        local_path: format!("/eval/{id}"),
+        bytes: 10,
+        times: SourceTimes::default(),
+        meta: CheckpointMeta::default(),
+    };
+    let e = c
+        .record_batch(
+            &[vc(r1, 0, [1; 32], 4), vc(r2, 0, [2; 32], 4)],
+            &[published(r1), published(r2)],
+        )
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("refused by the test"), "{e}");
+    for r in [r1, r2] {
+        let row = c.replica(r).await.unwrap().unwrap();
+        assert_eq!(row.state, TransferState::Receiving, "{row:?}");
+        assert_eq!((row.bytes_done, row.manifest_root), (0, None));
+        assert!(c.chunks(r).await.unwrap().is_empty());
+    }
+    // Alone, the first one records.
+    c.record_batch(&[vc(r1, 0, [1; 32], 4)], &[published(r1)])
+        .await
+        .unwrap();
+    let row = c.replica(r1).await.unwrap().unwrap();
+    assert_eq!(row.state, TransferState::Published);
 }
 
 #[tokio::test]

@@ -222,6 +222,48 @@ impl Catalog {
         Ok(id)
     }
 
+    /// Inserts a queued transfer of a pushed directory, with its size and
+    /// file count when they are known at once (a small directory; `None`:
+    /// 0 until its run lists it), records its arrival in the same
+    /// transaction and returns the new row: one transaction, no read
+    /// back (a burst of pushes costs the catalog little each).
+    ///
+    /// # Errors
+    /// SQL errors (nothing is written then).
+    pub async fn insert_pushed_transfer(
+        &self,
+        link: &str,
+        job: &str,
+        source_path: &str,
+        rel: &str,
+        class: Class,
+        size: Option<(u64, u64)>,
+    ) -> Result<Transfer, CatalogError> {
+        let now = now_ms();
+        let (bytes, shards) = size.map_or((0, 0), |(b, n)| (b as i64, n as i64));
+        let mut tx = self.pool.begin().await?;
+        let q = format!(
+            "INSERT INTO transfers (link, job, source_path, rel, class, state, created_at, \
+             bytes_total, shards) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING {TRANSFER_COLS}"
+        );
+        let r = sqlx::query(&self.db.sql(&q))
+            .bind(link)
+            .bind(job)
+            .bind(source_path)
+            .bind(rel)
+            .bind(class.as_str())
+            .bind(TransferState::Queued.as_str())
+            .bind(now)
+            .bind(bytes)
+            .bind(shards)
+            .fetch_one(&mut *tx)
+            .await?;
+        let t = transfer_row(&r)?;
+        record_arrival(self, &mut tx, now, t.id, link, job, class).await?;
+        tx.commit().await?;
+        Ok(t)
+    }
+
     /// Inserts a queued transfer of a checkpoint the watcher found (or a
     /// controller announced) and records its arrival (an `arrival` event,
     /// same transaction, at its `created_at`); returns its id.
@@ -473,6 +515,27 @@ impl Catalog {
         .bind(now)
         .bind(id.as_i64())
         .bind(new_state)
+        .execute(&self.pool)
+        .await?;
+        Ok(r.rows_affected() > 0)
+    }
+
+    /// A run of a transfer starts: the state becomes `active` (stamping
+    /// `started_at` on the first) and the last-problem text is cleared, in
+    /// one write, with the refusals of [`Catalog::set_transfer_state`]: a
+    /// final or `paused` transfer stays as it is. Returns whether it took
+    /// the state.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_transfer_active(&self, id: TransferId) -> Result<bool, CatalogError> {
+        let r = sqlx::query(&self.db.sql(
+            "UPDATE transfers SET state = 'active', error = NULL, \
+             started_at = COALESCE(started_at, ?) \
+             WHERE id = ? AND state NOT IN ('published', 'failed', 'cancelled', 'paused')",
+        ))
+        .bind(now_ms())
+        .bind(id.as_i64())
         .execute(&self.pool)
         .await?;
         Ok(r.rows_affected() > 0)

@@ -71,6 +71,11 @@ struct Args {
     /// Shards of the scale scenario's checkpoint (its size is 4 KiB each).
     #[arg(long, default_value_t = 100_000)]
     scale_shards: u64,
+    /// Scale scenario: submissions of the 1,000 queued transfers in flight
+    /// at once (`POST /v1/transfers` from that many threads), as a burst
+    /// of jobs arrives; 1 submits them one after another.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    scale_submitters: u32,
     /// Work directory (checkpoints, copies, agent data); emptied at the start
     /// if it is empty or was made by ferry-bench (refused otherwise).
     #[arg(long, default_value = "/var/tmp/ferry-bench")]

@@ -649,22 +649,24 @@ pub fn scenario_scale(b: &mut Bench) -> Result<()> {
     ));
     b.records.push(r);
 
-    say("scale: 1,000 queued transfers of 4 KiB");
+    let submitters = b.args.scale_submitters.max(1) as usize;
+    say(format!(
+        "scale: 1,000 queued transfers of 4 KiB ({submitters} submissions in flight)"
+    ));
     let before = link.snap()?;
     let t0 = Instant::now();
-    let mut ids = Vec::with_capacity(1000);
-    for i in 0..1000 {
-        ids.push(agents.push(&qroot.join(format!("ckpt-{i:04}")), "scheduled")?);
-    }
+    let t0_ms = unix_ms();
+    let ids = submit_all(&agents, &qroot, 1000, submitters)?;
     let submit_s = t0.elapsed().as_secs_f64();
+    let submitted_ms = unix_ms();
     let mut max_queued = 0usize;
-    let published = loop {
+    let (published, last_ms) = loop {
         let all = agents.transfers()?;
         let mine: Vec<&Value> = all
             .iter()
             .filter(|t| t["id"].as_i64().is_some_and(|id| ids.contains(&id)))
             .collect();
-        let published = mine.iter().filter(|t| t["state"] == "published").count();
+        let done: Vec<&&Value> = mine.iter().filter(|t| t["state"] == "published").collect();
         let failed: Vec<&&Value> = mine
             .iter()
             .filter(|t| matches!(t["state"].as_str(), Some("failed" | "cancelled")))
@@ -677,12 +679,19 @@ pub fn scenario_scale(b: &mut Bench) -> Result<()> {
             );
         }
         max_queued = max_queued.max(mine.iter().filter(|t| t["state"] == "queued").count());
-        if published == ids.len() || t0.elapsed() > Duration::from_secs(900) {
-            break published;
+        if done.len() == ids.len() || t0.elapsed() > Duration::from_secs(900) {
+            // When the source recorded each publish (Unix ms): the last
+            // one ends the burst, whenever this poll saw it.
+            let last = done.iter().filter_map(|t| t["finished_at"].as_i64()).max();
+            break (done.len(), last);
         }
         std::thread::sleep(Duration::from_millis(250));
     };
-    let wall = t0.elapsed().as_secs_f64();
+    let polled = t0.elapsed().as_secs_f64();
+    let last_ms = last_ms.unwrap_or(t0_ms + (polled * 1000.0) as i64);
+    // First submission to last publish, and last submission to last publish.
+    let wall = (last_ms - t0_ms).max(0) as f64 / 1000.0;
+    let tail_s = (last_ms - submitted_ms).max(0) as f64 / 1000.0;
     let (rss_src, rss_dst) = agents.peak_rss();
     let mut ok = published == ids.len();
     for (i, id) in ids.iter().enumerate().take(1000) {
@@ -714,6 +723,8 @@ pub fn scenario_scale(b: &mut Bench) -> Result<()> {
         "transfers": ids.len(),
         "published": published,
         "submit_s": submit_s,
+        "submitters": submitters,
+        "after_last_submit_s": tail_s,
         "max_seen_queued": max_queued,
         "per_transfer_ms": wall * 1000.0 / ids.len() as f64,
         "peak_rss_source_bytes": rss_src,
@@ -721,7 +732,7 @@ pub fn scenario_scale(b: &mut Bench) -> Result<()> {
         "target_rss_bytes": 512u64 << 20,
     });
     say(format!(
-        "  {published} published in {wall:.1} s (submitted in {submit_s:.1} s); peak RSS source {} MiB, sink {} MiB",
+        "  {published} published in {wall:.2} s, {tail_s:.2} s after the last submission (submitted in {submit_s:.2} s); peak RSS source {} MiB, sink {} MiB",
         rss_src >> 20,
         rss_dst >> 20
     ));
@@ -733,6 +744,51 @@ pub fn scenario_scale(b: &mut Bench) -> Result<()> {
     std::fs::remove_dir_all(&ck.dir)?;
     std::fs::remove_dir_all(&qroot)?;
     Ok(())
+}
+
+/// Now, Unix milliseconds (the agents' `created_at` and `finished_at`
+/// clock: the same host).
+fn unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// Submits `ckpt-0000` .. under `qroot` (`n` of them) with `in_flight`
+/// requests at once; returns the transfer ids in checkpoint order.
+fn submit_all(agents: &Agents, qroot: &Path, n: usize, in_flight: usize) -> Result<Vec<i64>> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let got: Vec<Result<Vec<(usize, i64)>>> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..in_flight.min(n))
+            .map(|_| {
+                s.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if i >= n {
+                            return Ok(mine);
+                        }
+                        let id = agents.push(&qroot.join(format!("ckpt-{i:04}")), "scheduled")?;
+                        mine.push((i, id));
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| {
+                w.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a submitting thread panicked")))
+            })
+            .collect()
+    });
+    let mut ids = vec![0i64; n];
+    for r in got {
+        for (i, id) in r? {
+            ids[i] = id;
+        }
+    }
+    Ok(ids)
 }
 
 /// The median and range of `v` (sorted in place); NaN for none.
