@@ -744,8 +744,37 @@ fn default_retention_interval() -> Duration {
 }
 
 fn de_size_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
-    let s = String::deserialize(d)?;
-    parse_size(&s).map(Some).map_err(serde::de::Error::custom)
+    de_size(d).map(Some)
+}
+
+/// A quantity in the config: a string with a unit (`"4MiB"`,
+/// `"1Gbit/s"`) parsed by `parse`, or a whole number in the base unit
+/// (`unit`: bytes, bit/s).
+struct Quantity {
+    /// What the key takes, for the error: `a size such as "4MiB"`.
+    expecting: &'static str,
+    parse: fn(&str) -> Result<u64, String>,
+}
+
+impl serde::de::Visitor<'_> for Quantity {
+    type Value = u64;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(self.expecting)
+    }
+
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<u64, E> {
+        (self.parse)(v).map_err(E::custom)
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<u64, E> {
+        Ok(v)
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<u64, E> {
+        u64::try_from(v)
+            .map_err(|_| E::custom(format!("{v} is negative; expected {}", self.expecting)))
+    }
 }
 
 fn default_true() -> bool {
@@ -757,13 +786,17 @@ fn default_reserve() -> u64 {
 }
 
 fn de_rate<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
-    let s = String::deserialize(d)?;
-    parse_rate(&s).map_err(serde::de::Error::custom)
+    d.deserialize_any(Quantity {
+        expecting: "a rate such as \"1Gbit/s\" or a whole number of bit/s",
+        parse: parse_rate,
+    })
 }
 
 fn de_size<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
-    let s = String::deserialize(d)?;
-    parse_size(&s).map_err(serde::de::Error::custom)
+    d.deserialize_any(Quantity {
+        expecting: "a size such as \"4MiB\" or a whole number of bytes",
+        parse: parse_size,
+    })
 }
 
 pub use ferry_proto::units::{format_rate, parse_rate};
@@ -931,6 +964,13 @@ impl Config {
                 {
                     bail!("source.roots[{i}].path contains source.roots[{j}].path; roots must not nest");
                 }
+                if let Some((scheme, _)) = r.path.to_string_lossy().split_once("://") {
+                    bail!(
+                        "source.roots[{i}].path {}: {scheme}:// roots are not supported by \
+                         `ferry serve` yet; give a local directory",
+                        r.path.display()
+                    );
+                }
                 if !r.path.is_absolute() {
                     bail!(
                         "source.roots[{i}].path must be absolute, got {}",
@@ -952,6 +992,14 @@ impl Config {
             }
         }
         if let Some(s) = &self.sink {
+            let root = s.root.to_string_lossy();
+            if let Some((scheme, _)) = root.split_once("://") {
+                bail!(
+                    "sink.root {root}: {scheme}:// roots are not supported by `ferry serve` yet \
+                     (the HDFS and S3 backends exist as libraries, see ARCHITECTURE.md \
+                     \"Storage backends\"); give a local directory"
+                );
+            }
             if !s.root.is_absolute() {
                 bail!("sink.root must be absolute, got {}", s.root.display());
             }
@@ -1054,6 +1102,10 @@ link = "to-eval"
         assert!(e.contains("source.roots[0].link"), "{e}");
         let e = err(&GOOD.replace("role = \"source\"", "role = \"sink\""));
         assert!(e.contains("[sink]"), "{e}");
+        let e = err(&GOOD.replace("path = \"/ckpt/job\"", "path = \"hdfs://nn/ckpt/job\""));
+        assert!(e.contains("hdfs:// roots are not supported"), "{e}");
+        let e = err(&format!("{GOOD}[sink]\nroot = \"s3://bucket/eval\"\n"));
+        assert!(e.contains("s3:// roots are not supported"), "{e}");
     }
 
     #[test]
@@ -1411,6 +1463,16 @@ link = "to-eval"
         assert!(e.contains("scheduler.small_transfer"), "{e}");
         let e = sched("small_transfer = \"lots\"");
         assert!(e.contains("small_transfer"), "{e}");
+        let e = sched("small_transfer = true");
+        assert!(
+            e.contains("a size such as \"4MiB\" or a whole number of bytes"),
+            "{e}"
+        );
+        let e = sched("small_transfer = -5");
+        assert!(e.contains("negative"), "{e}");
+        // A bare number is bytes.
+        let c = load(&format!("{GOOD}[scheduler]\nsmall_transfer = 5000\n")).unwrap();
+        assert_eq!(c.scheduler.policy().unwrap().small_bytes, 5000);
         let e = sched("aging = \"0s\"");
         assert!(e.contains("scheduler.aging"), "{e}");
         let e = sched("severity_half_life = \"10 fortnights\"");
