@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use crate::bufpool::BufPool;
 use crate::storage::posix::Posix;
-use crate::storage::{read_chunks_owned, RangeRead, ScanError, SourceStore};
+use crate::storage::{read_chunks_versioned, FileVersion, RangeRead, ScanError, SourceStore};
 use ferry_catalog::{
     Catalog, CatalogError, NewWatchedTransfer, ProgressNote, SourceTimes, Transfer,
 };
@@ -2293,7 +2293,7 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
     // the sink lacks.
     let files = Arc::new(scan.files);
     let mut need: Vec<u64> = Vec::new();
-    let entries = {
+    let (entries, versions) = {
         let (files, map, dir, inner2) = (files.clone(), map.clone(), dir.clone(), inner.clone());
         send_round(inner, c, id, &progress, &mut rx, &mut need, move |out| {
             read_all(&inner2, &dir, &files, chunk_size, &map, &have, out)
@@ -2317,7 +2317,7 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
         slots: Arc::new(slots),
         times: SourceTimes::default(),
         siblings: Vec::new(),
-        recheck: true,
+        recheck: Some(versions),
     };
     commit_loop(inner, c, &t, &dir, &progress, &mut rx, need, sealed).await
 }
@@ -2335,11 +2335,11 @@ struct Sealed {
     times: SourceTimes,
     /// Markers beside the checkpoint directory, sent with the commit.
     siblings: Vec<(String, Vec<u8>)>,
-    /// A pushed checkpoint (read once, not watched): before each commit,
-    /// every file's size and mtime are compared with the manifest's, and a
-    /// file rewritten after its chunks were sent is read again
-    /// ([`reread_changed`]).
-    recheck: bool,
+    /// A pushed checkpoint (read once, not watched): each manifest file's
+    /// version as it was read. Before each commit every file's size, mtime
+    /// and version are compared with them, and a file rewritten after its
+    /// chunks were sent is read again ([`reread_changed`]).
+    recheck: Option<Vec<FileVersion>>,
 }
 
 /// Resends whatever the sink asks for, then commits; repeats until the
@@ -2390,12 +2390,13 @@ async fn commit_loop(
             continue;
         }
         inner.holds.hold(id, HoldPoint::Commit).await;
-        if sealed.recheck {
+        if let Some(versions) = sealed.recheck.clone() {
             let (m, dir2, inner2) = (sealed.manifest.clone(), dir.to_path_buf(), inner.clone());
-            let changed =
-                tokio::task::spawn_blocking(move || changed_files(&*inner2.store, &dir2, &m))
-                    .await
-                    .map_err(|e| RunError::Fatal(e.to_string()))??;
+            let changed = tokio::task::spawn_blocking(move || {
+                changed_files(&*inner2.store, &dir2, &m, &versions)
+            })
+            .await
+            .map_err(|e| RunError::Fatal(e.to_string()))??;
             if !changed.is_empty() {
                 warn!(
                     transfer = %id,
@@ -2410,8 +2411,11 @@ async fn commit_loop(
                 })
                 .await?;
                 let mut m = (*sealed.manifest).clone();
-                for (fi, e) in entries {
+                for (fi, e, v) in entries {
                     m.files[fi] = e;
+                    if let Some(vs) = sealed.recheck.as_mut() {
+                        vs[fi] = v;
+                    }
                 }
                 root = m.root();
                 sealed.manifest = Arc::new(m);
@@ -2755,12 +2759,13 @@ fn read_all(
     map: &ChunkMap,
     have: &HashSet<u64>,
     out: &mpsc::Sender<Record>,
-) -> Result<Vec<FileEntry>, String> {
+) -> Result<(Vec<FileEntry>, Vec<FileVersion>), String> {
     let mut entries = Vec::with_capacity(files.len());
+    let mut versions = Vec::with_capacity(files.len());
     for (fi, info) in files.iter().enumerate() {
         let path = dir.join(&info.path);
         let pool = Some(&*inner.bufs);
-        let chunks = read_chunks_owned(
+        let (chunks, version) = read_chunks_versioned(
             &*inner.store,
             &path,
             info,
@@ -2797,13 +2802,14 @@ fn read_all(
             mtime_ns: info.mtime_ns,
             chunks,
         });
+        versions.push(version);
     }
-    Ok(entries)
+    Ok((entries, versions))
 }
 
-/// The files of pushed manifest `m` under `dir` whose size or mtime
-/// differ now from the manifest's (read before), by manifest position,
-/// with their mtime now (ns).
+/// The files of pushed manifest `m` under `dir` whose mtime or version
+/// differ now from the manifest's and `versions` (as read before), by
+/// manifest position, with their mtime now (ns).
 ///
 /// # Errors
 /// [`RunError::Retry`] when a file's size changed (the sink's file table
@@ -2813,11 +2819,12 @@ fn changed_files(
     store: &dyn SourceStore,
     dir: &Path,
     m: &Manifest,
+    versions: &[FileVersion],
 ) -> Result<Vec<(usize, i64)>, RunError> {
     let mut changed = Vec::new();
     for (fi, f) in m.files.iter().enumerate() {
         let p = dir.join(&f.path);
-        let (size, mtime_ns, _) = store
+        let (size, mtime_ns, version) = store
             .stat(&p)
             .map_err(|e| RunError::Retry(format!("{} after it was sent: {e}", p.display())))?;
         if size != f.size {
@@ -2827,7 +2834,9 @@ fn changed_files(
                 f.size
             )));
         }
-        if mtime_ns != f.mtime_ns {
+        // The version catches a rewrite that restored the mtime (`cp -p`,
+        // `rsync -a`, `touch -r`): on POSIX it covers the ctime.
+        if mtime_ns != f.mtime_ns || versions.get(fi) != Some(&version) {
             changed.push((fi, mtime_ns));
         }
     }
@@ -2844,7 +2853,7 @@ fn reread_changed(
     map: &ChunkMap,
     changed: &[(usize, i64)],
     out: &mpsc::Sender<Record>,
-) -> Result<Vec<(usize, FileEntry)>, String> {
+) -> Result<Vec<(usize, FileEntry, FileVersion)>, String> {
     let mut entries = Vec::with_capacity(changed.len());
     for &(fi, mtime_ns) in changed {
         let old = &m.files[fi];
@@ -2856,7 +2865,7 @@ fn reread_changed(
         };
         let path = dir.join(&old.path);
         let pool = Some(&*inner.bufs);
-        let chunks = read_chunks_owned(
+        let (chunks, version) = read_chunks_versioned(
             &*inner.store,
             &path,
             &info,
@@ -2893,6 +2902,7 @@ fn reread_changed(
                 mtime_ns,
                 chunks,
             },
+            version,
         ));
     }
     Ok(entries)

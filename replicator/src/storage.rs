@@ -368,13 +368,32 @@ pub fn read_chunks_owned(
     info: &FileInfo,
     chunk_size: u32,
     pool: Option<&crate::bufpool::BufPool>,
-    mut on_chunk: impl FnMut(u32, &mut Vec<u8>, &Hash) -> Result<(), ScanError>,
+    on_chunk: impl FnMut(u32, &mut Vec<u8>, &Hash) -> Result<(), ScanError>,
 ) -> Result<Vec<Hash>, ScanError> {
+    read_chunks_versioned(store, path, info, chunk_size, pool, on_chunk).map(|(h, _)| h)
+}
+
+/// [`read_chunks_owned`], also returning the file's [`FileVersion`] as
+/// it was read: the same before and after the read, or
+/// [`ScanError::Changed`] (a rewrite in place that restored the size and
+/// mtime still moves the version).
+///
+/// # Errors
+/// As [`read_chunks`].
+pub fn read_chunks_versioned(
+    store: &dyn SourceStore,
+    path: &Path,
+    info: &FileInfo,
+    chunk_size: u32,
+    pool: Option<&crate::bufpool::BufPool>,
+    mut on_chunk: impl FnMut(u32, &mut Vec<u8>, &Hash) -> Result<(), ScanError>,
+) -> Result<(Vec<Hash>, FileVersion), ScanError> {
     let io_err = |source| ScanError::Io {
         path: path.to_path_buf(),
         source,
     };
     let f = store.open(path).map_err(io_err)?;
+    let (_, _, version_before) = f.current().map_err(io_err)?;
     let n = chunk_count(info.size, chunk_size);
     let mut hashes = Vec::with_capacity(n as usize);
     // Sized to the chunk read, not to `chunk_size`: most shards are far
@@ -409,16 +428,16 @@ pub fn read_chunks_owned(
     if let Some(p) = pool {
         p.give(buf);
     }
-    let (size, mtime_ns, _) = f.current().map_err(|e| ScanError::Io {
+    let (size, mtime_ns, version) = f.current().map_err(|e| ScanError::Io {
         path: path.to_path_buf(),
         source: e,
     })?;
-    if size != info.size || mtime_ns != info.mtime_ns {
+    if size != info.size || mtime_ns != info.mtime_ns || version != version_before {
         return Err(ScanError::Changed {
             path: path.to_path_buf(),
         });
     }
-    Ok(hashes)
+    Ok((hashes, version))
 }
 
 /// Builds the manifest of `dir` by listing it and reading every file once.

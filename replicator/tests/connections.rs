@@ -268,10 +268,15 @@ async fn wait_moving(p: &Pair, ids: &[ferry_proto::state::TransferId]) {
     panic!("the load never started moving");
 }
 
-/// Rewrites `file` in place with other bytes in its first 1,000, the same
-/// size, and an mtime one second later (a coarse file system could
-/// otherwise keep the old one); returns the new bytes.
+/// Rewrites `file` in place with other bytes in its first 1,000 (and
+/// `grow` more at its end), and an mtime one second later (a coarse file
+/// system could otherwise keep the old one); returns the new bytes.
 fn rewrite_head(file: &std::path::Path, grow: usize) -> Vec<u8> {
+    rewrite_head_at(file, grow, Duration::from_secs(1))
+}
+
+/// [`rewrite_head`] with the old mtime plus `later` put back.
+fn rewrite_head_at(file: &std::path::Path, grow: usize, later: Duration) -> Vec<u8> {
     let mtime = std::fs::metadata(file).unwrap().modified().unwrap();
     let mut b = std::fs::read(file).unwrap();
     for x in &mut b[..1000] {
@@ -283,7 +288,7 @@ fn rewrite_head(file: &std::path::Path, grow: usize) -> Vec<u8> {
         .write(true)
         .open(file)
         .unwrap()
-        .set_modified(mtime + Duration::from_secs(1))
+        .set_modified(mtime + later)
         .unwrap();
     b
 }
@@ -325,6 +330,31 @@ async fn a_shard_changed_after_it_was_sent_is_sent_again() {
         again == chunk || again == 2 * chunk,
         "only the changed chunk went again: {again} bytes"
     );
+}
+
+/// A pushed shard rewritten in place with its size and mtime restored (as
+/// `cp -p`, `rsync -a` or `touch -r` leave it): its version (the ctime,
+/// on POSIX) still moved, so it is read and sent again.
+#[cfg(feature = "fault-injection")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_rewritten_with_its_mtime_restored_is_sent_again() {
+    use replicator::hold::HoldPoint;
+    let _serial = SERIAL.lock().await;
+    let p = pair_with(0, |cfg| cfg.links[0].connections = 4).await;
+    let ckpt = p.root.join("step-5");
+    write_dir(&ckpt, 3, 1 << 20);
+    let mut hold = p.source.hold_at(HoldPoint::Commit);
+    let t = p.source.submit(&ckpt, None).await.unwrap();
+    assert_eq!(hold.reached().await, Some(t.id));
+    let f = ckpt.join("shard-0.bin");
+    let before = std::fs::metadata(&f).unwrap().modified().unwrap();
+    let now = rewrite_head_at(&f, 0, Duration::ZERO);
+    assert_eq!(std::fs::metadata(&f).unwrap().modified().unwrap(), before);
+    hold.release();
+    wait_published(&p, t.id).await;
+    let replica = replica_path(&p, t.id).await;
+    assert_eq!(std::fs::read(replica.join("shard-0.bin")).unwrap(), now);
+    common::same_tree(&ckpt, &replica);
 }
 
 /// A pushed shard that grew after it was sent: the sink's file table holds

@@ -489,7 +489,7 @@ pub(super) async fn run_watched(
             opened_ms: last.opened_ms,
         },
         siblings,
-        recheck: false,
+        recheck: None,
     };
     commit_loop(inner, c, &t, &dir, &progress, &mut rx, need, sealed).await
 }
