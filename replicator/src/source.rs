@@ -1441,13 +1441,33 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
         .ok_or_else(|| format!("{} resolves to no address", l.peer))?;
     let endpoints = link_endpoints(inner, link)?;
     // All handshakes at once: a pool takes one round trip, not one each.
-    // If one fails, the ones that succeeded are dropped (and so closed).
-    let dialled = futures::future::try_join_all(
+    // The first connection carries the control stream: if it fails, so
+    // does the dial. A further one that fails is left out: the pool works
+    // with fewer connections until the link dials again.
+    let results = futures::future::join_all(
         endpoints
             .iter()
             .map(|ep| handshake(inner, link, ep, peer_addr)),
     )
-    .await?;
+    .await;
+    let mut dialled = Vec::with_capacity(results.len());
+    for (index, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(d) => dialled.push(d),
+            Err(e) if index == 0 => return Err(e),
+            Err(e) => {
+                let local = endpoints[index]
+                    .local_addr()
+                    .map_or_else(|_| "an unknown address".to_string(), |a| a.to_string());
+                warn!(
+                    link = l.name,
+                    connection = index,
+                    local = %local,
+                    "a further connection of the link failed its handshake; going on without it: {e}"
+                );
+            }
+        }
+    }
     let inbox: Arc<Mutex<HashMap<TransferId, mpsc::UnboundedSender<Control>>>> = Arc::default();
     let unanswered: Arc<Mutex<HashMap<TransferId, u32>>> = Arc::default();
     let pool: Arc<Vec<Connection>> = Arc::new(dialled.iter().map(|d| d.0.clone()).collect());

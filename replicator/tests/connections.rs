@@ -451,3 +451,71 @@ async fn a_sink_of_an_older_protocol_is_dialled_at_the_backoff_pace() {
     assert!(!row.state.is_final(), "it waits for the sink: {row:?}");
     source.shutdown(Duration::from_secs(5)).await;
 }
+
+/// A further connection of the pool whose handshake fails (its socket
+/// leads nowhere) is left out: the link works on the others instead of
+/// failing every dial.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_further_connection_that_cannot_connect_is_left_out() {
+    use replicator::source::Source;
+    use replicator::transport::{self, SocketFactory, SocketKind};
+    use std::net::SocketAddr;
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path();
+    let certs = common::dev_pki(base);
+    let (a, b): (SocketAddr, SocketAddr) =
+        ("10.0.0.1:1".parse().unwrap(), "10.0.0.2:2".parse().unwrap());
+    let params = ferry_linkemu::LinkParams::new(1_000_000_000, Duration::from_millis(10));
+    let (sa, sb) = ferry_linkemu::memory_pair(a, b, params.clone(), params.clone());
+    // A second emulated link with nothing at its far end.
+    let (nowhere, _far) = ferry_linkemu::memory_pair(
+        "10.0.9.1:1".parse().unwrap(),
+        "10.0.9.2:2".parse().unwrap(),
+        params.clone(),
+        params,
+    );
+    let server = quinn::ServerConfig::with_crypto(
+        replicator::tls::server_crypto(&common::identity(&certs, "dst")).unwrap(),
+    );
+    let sink_ep = transport::endpoint(SocketKind::Memory(sb), Some(server)).unwrap();
+    let sink = common::start_sink(base, 0, sink_ep).await;
+    let (first, next) = (sa.clone(), std::sync::atomic::AtomicU16::new(10));
+    let sockets = SocketFactory::Custom(std::sync::Arc::new(move || {
+        let port = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let s: std::sync::Arc<dyn quinn::AsyncUdpSocket> = if port == 11 {
+            nowhere.sibling(SocketAddr::from(([10, 0, 9, 1], port)))?
+        } else {
+            first.sibling(SocketAddr::from(([10, 0, 0, 1], port)))?
+        };
+        Ok(s)
+    }));
+    let root = common::job_root(base);
+    let mut cfg = common::source_config(&root, b);
+    cfg.links[0].connections = 3;
+    let source = Source::start_with_sockets(
+        cfg,
+        ferry_catalog::Catalog::open(&base.join("src-data"))
+            .await
+            .unwrap(),
+        transport::endpoint(SocketKind::Memory(sa), None).unwrap(),
+        Some(sockets),
+        &common::identity(&certs, "src"),
+    )
+    .unwrap();
+    let ckpt = root.join("step-1");
+    write_dir(&ckpt, 3, 1 << 20);
+    let t = source.submit(&ckpt, None).await.unwrap();
+    // The failing handshake takes the idle timeout (10 s) to give up.
+    let done = common::published_by(&source, t.id).await;
+    assert_eq!(done.state.as_str(), "published");
+    assert_eq!(
+        source.link_connections("l"),
+        Some(2),
+        "the pool is the two connections that connected"
+    );
+    let reps = sink.catalog().replicas(true, 100, 0).await.unwrap();
+    let r = reps.iter().find(|r| r.source_transfer == t.id).unwrap();
+    common::same_tree(&ckpt, std::path::Path::new(&r.local_path));
+    source.shutdown(Duration::from_secs(5)).await;
+}

@@ -92,7 +92,7 @@ pub fn identity(certs: &Path, name: &str) -> AgentIdentity {
     .unwrap()
 }
 
-async fn start_sink(base: &Path, reserve_bytes: u64, ep: quinn::Endpoint) -> Sink {
+pub async fn start_sink(base: &Path, reserve_bytes: u64, ep: quinn::Endpoint) -> Sink {
     Sink::start(
         SinkConfig {
             agent: "dst".into(),
