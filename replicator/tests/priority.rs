@@ -258,14 +258,16 @@ async fn under_fifo_the_signal_changes_nothing_and_the_checkpoint_waits_its_turn
         last_older = last_older.max(arrivals(&p, id).await.bins.last().unwrap().0);
     }
     // Older transfers' chunks go first; the checkpoint gets only the gaps
-    // their readers leave (more of them on a loaded machine) until the
-    // last older chunk. Urgent, it would get nearly all of its bytes
-    // before then.
+    // their readers leave until the last older chunk. On a loaded machine
+    // (CI with other jobs beside it) the readers leave many: 0.6 of the
+    // checkpoint's bytes came early in one such run. Urgent, it gets all
+    // of them before then (the load is still moving when it publishes,
+    // see the test above), so three quarters still tells the two apart.
     let ck = arrivals(&p, t.id).await;
     let total: u64 = ck.bins.iter().map(|b| b.1).sum();
     let early = ck.bytes_between(0, last_older);
     assert!(
-        early * 3 <= total,
+        early * 4 <= total * 3,
         "under fifo the checkpoint got {early} of its {total} bytes before the older transfers' last chunk"
     );
 }

@@ -339,6 +339,70 @@ fn replica_row(r: &AnyRow) -> Result<Replica, sqlx::Error> {
 }
 
 impl Catalog {
+    /// Records verified chunks (as [`Catalog::add_chunks`]) and then
+    /// publishes (as [`Catalog::set_replica_published`], in order) in one
+    /// transaction: the sink's catalog writer gathers what arrives close
+    /// together, so a burst of small transfers costs one commit, not
+    /// several per transfer. A publish's chunks may be in the same batch:
+    /// they count for its arrival bins. All or nothing: after an error or
+    /// a crash, none of the batch is recorded. Returns the
+    /// commit-to-replica lag of each publish, seconds.
+    ///
+    /// # Errors
+    /// SQL errors (nothing is recorded then).
+    pub async fn record_batch(
+        &self,
+        chunks: &[crate::chunks::VerifiedChunk],
+        published: &[crate::PublishedReplica],
+    ) -> Result<Vec<Option<f64>>, CatalogError> {
+        let now = now_ms();
+        let mut tx = self.pool.begin().await?;
+        // One bytes_done update per replica and batch: an UPDATE rewrites
+        // the whole row. A row published in this batch gets its total then.
+        let mut gained: Vec<(i64, i64)> = Vec::new();
+        for c in chunks {
+            let r = sqlx::query(&self.db.sql(
+                "INSERT INTO chunks (replica, idx, hash, verified_at, bytes, arrival_started) \
+                 VALUES (?, ?, ?, ?, ?, ?) \
+                 ON CONFLICT DO NOTHING",
+            ))
+            .bind(c.replica)
+            .bind(c.key as i64)
+            .bind(&c.hash[..])
+            .bind(c.arrived_ms.unwrap_or(now))
+            .bind(c.bytes as i64)
+            .bind(c.arrival_started_ms)
+            .execute(&mut *tx)
+            .await?;
+            if r.rows_affected() > 0 {
+                match gained.iter_mut().find(|(id, _)| *id == c.replica) {
+                    Some((_, n)) => *n += c.bytes as i64,
+                    None => gained.push((c.replica, c.bytes as i64)),
+                }
+            }
+        }
+        for (id, n) in gained {
+            if published.iter().any(|p| p.id == id) {
+                continue;
+            }
+            sqlx::query(
+                &self
+                    .db
+                    .sql("UPDATE replicas SET bytes_done = bytes_done + ? WHERE id = ?"),
+            )
+            .bind(n)
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        }
+        let mut lags = Vec::with_capacity(published.len());
+        for p in published {
+            lags.push(publish_in(self.db, &mut tx, p, now).await?);
+        }
+        tx.commit().await?;
+        Ok(lags)
+    }
+
     /// Sink-side rows (incoming transfers and replicas) per state (states
     /// with none are left out).
     ///
