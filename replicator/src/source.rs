@@ -2769,6 +2769,38 @@ fn maybe_corrupt(inner: &Inner, data: &mut [u8]) {
 #[cfg(not(feature = "fault-injection"))]
 fn maybe_corrupt(_inner: &Inner, _data: &mut [u8]) {}
 
+/// Queues chunk `ci` of file-table position `fi`, just read from `path`
+/// into `buf` with BLAKE3 `hash`: the record takes the buffer (no copy;
+/// it goes back to the pool once quinn is done with it).
+///
+/// # Errors
+/// [`ScanError::Unsupported`] when the send round has stopped.
+fn send_read_chunk(
+    inner: &Inner,
+    out: &mpsc::Sender<Record>,
+    path: &Path,
+    fi: u32,
+    ci: u32,
+    buf: &mut Vec<u8>,
+    hash: &Hash,
+) -> Result<(), ScanError> {
+    let mut data = std::mem::take(buf);
+    maybe_corrupt(inner, &mut data);
+    let rec = Record {
+        header: RecordHeader {
+            file: fi,
+            chunk: ci,
+            len: data.len() as u32,
+            hash: *hash,
+        },
+        data: inner.bufs.bytes(data),
+    };
+    out.blocking_send(rec).map_err(|_| ScanError::Unsupported {
+        path: path.to_path_buf(),
+        why: "sending stopped".into(),
+    })
+}
+
 /// First pass over a checkpoint: each file read once, sequentially, one
 /// chunk per read; chunks the sink lacks are queued for sending.
 fn read_all(
@@ -2796,22 +2828,7 @@ fn read_all(
                 if have.contains(&g) {
                     return Ok(());
                 }
-                // The record keeps the buffer the chunk was read into.
-                let mut data = std::mem::take(buf);
-                maybe_corrupt(inner, &mut data);
-                let rec = Record {
-                    header: RecordHeader {
-                        file: fi as u32,
-                        chunk: ci,
-                        len: data.len() as u32,
-                        hash: *hash,
-                    },
-                    data: inner.bufs.bytes(data),
-                };
-                out.blocking_send(rec).map_err(|_| ScanError::Unsupported {
-                    path: path.clone(),
-                    why: "sending stopped".into(),
-                })
+                send_read_chunk(inner, out, &path, fi as u32, ci, buf, hash)
             },
         )
         .map_err(|e| e.to_string())?;
@@ -2895,21 +2912,7 @@ fn reread_changed(
                 if old.chunks.get(ci as usize) == Some(hash) || map.index(fi as u32, ci).is_none() {
                     return Ok(());
                 }
-                let mut data = std::mem::take(buf);
-                maybe_corrupt(inner, &mut data);
-                let rec = Record {
-                    header: RecordHeader {
-                        file: fi as u32,
-                        chunk: ci,
-                        len: data.len() as u32,
-                        hash: *hash,
-                    },
-                    data: inner.bufs.bytes(data),
-                };
-                out.blocking_send(rec).map_err(|_| ScanError::Unsupported {
-                    path: path.clone(),
-                    why: "sending stopped".into(),
-                })
+                send_read_chunk(inner, out, &path, fi as u32, ci, buf, hash)
             },
         )
         .map_err(|e| e.to_string())?;
