@@ -38,6 +38,11 @@ enum Command {
     /// See ops/ferry.example.toml for every key, its default and unit.
     /// SIGTERM or Ctrl-C drains: batches stop at a chunk boundary, in-flight
     /// writes finish, the catalog is flushed; exits within 10 s.
+    ///
+    /// Wire protocol: this build speaks version 4. A sink accepts sources
+    /// of versions 2 to 4; a source needs a sink of version 4 (it names
+    /// both versions otherwise), so upgrade the sinks of a site pair
+    /// first, then the sources.
     Serve {
         /// Config file.
         #[arg(long, short, env = "FERRY_CONFIG")]
@@ -216,9 +221,11 @@ enum Command {
         /// ratios; the resulting size is printed. Instead of --size.
         #[arg(long, value_parser = ferry_gen::parse_scale, conflicts_with_all = ["size", "shards"])]
         scale: Option<f64>,
-        /// Exactly N tensor files (1-100000, plus the marker) adding up to
-        /// --size: the model's layer pattern repeated or cut to N. Only for
-        /// the per-tensor layout (no --format, or --format generic).
+        /// Exactly N tensor files (plus the marker) adding up to --size:
+        /// the model's layer pattern repeated or cut to N. At least the
+        /// preset's fixed tensors (3 for 7b and 70b, 25 for mm), at most
+        /// 100000. Only for the per-tensor layout (no --format, or
+        /// --format generic).
         #[arg(long, value_parser = clap::value_parser!(u64).range(1..=ferry_gen::MAX_SHARDS))]
         shards: Option<u64>,
         /// Seed for the content (same seed, same bytes).
