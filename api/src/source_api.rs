@@ -521,12 +521,20 @@ pub(crate) struct LinkView {
     name: String,
     /// Rate cap now, bit/s.
     rate_bps: Option<u64>,
+    /// QUIC connections the link is served by when all are up.
+    connections: Option<usize>,
+    /// Of those, open now (fewer after one was lost, 0 while the link is
+    /// not connected).
+    connections_open: Option<usize>,
 }
 
 fn link_view(src: &Source, name: &str) -> LinkView {
+    let pool = src.link_pool(name);
     LinkView {
         name: name.to_string(),
         rate_bps: src.link_rate(name),
+        connections: pool.map(|p| p.0),
+        connections_open: pool.map(|p| p.1),
     }
 }
 

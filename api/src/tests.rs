@@ -513,14 +513,18 @@ async fn link_rates_change_live_and_bad_ones_are_refused() {
     );
     let (s, v) = call(w.r(), put("l", r#"{"rate_bps": 250000000}"#)).await;
     assert_eq!(s, StatusCode::OK, "{v}");
-    assert_eq!(v, json!({ "name": "l", "rate_bps": 250_000_000u64 }));
+    // The sink never answers here: one connection each, none open.
+    assert_eq!(
+        v,
+        json!({ "name": "l", "rate_bps": 250_000_000u64, "connections": 1, "connections_open": 0 })
+    );
     let (s, v) = call(w.r(), get("/v1/links")).await;
     assert_eq!(s, StatusCode::OK);
     assert_eq!(
         v["items"],
         json!([
-            { "name": "l", "rate_bps": 250_000_000u64 },
-            { "name": "m", "rate_bps": 1_000_000_000u64 },
+            { "name": "l", "rate_bps": 250_000_000u64, "connections": 1, "connections_open": 0 },
+            { "name": "m", "rate_bps": 1_000_000_000u64, "connections": 1, "connections_open": 0 },
         ])
     );
     assert_eq!(w.source.link_rate("l"), Some(250_000_000));
@@ -983,7 +987,7 @@ async fn lists_page_with_limit_and_offset() {
     assert_eq!(s, StatusCode::OK);
     assert_eq!(
         v["items"],
-        json!([{ "name": "m", "rate_bps": 1_000_000_000u64 }])
+        json!([{ "name": "m", "rate_bps": 1_000_000_000u64, "connections": 1, "connections_open": 0 }])
     );
 }
 

@@ -226,7 +226,9 @@ function renderLinks(st) {
             el('span', { class: 'muted' }, 'last 10 minutes; dashed: rate cap'))));
       box.append(card);
     }
-    setCell(card.querySelector('.cap'), 'rate cap ' + fmtRate(l.rate_bps));
+    const conns = l.connections > 1 || l.connections_open !== l.connections
+      ? ` · ${l.connections_open} of ${l.connections} connections open` : '';
+    setCell(card.querySelector('.cap'), 'rate cap ' + fmtRate(l.rate_bps) + conns);
     const pct = Math.min(100, 100 * l.utilisation);
     card.querySelector('.meter div').style.width = pct.toFixed(1) + '%';
     setCell(card.querySelector('.util'), 'utilisation ' + pct.toFixed(1) + ' % · goodput ' + fmtRate(l.goodput_bps));

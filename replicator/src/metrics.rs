@@ -31,6 +31,8 @@
 //!   control connection's loss restarts the pool instead and is not
 //!   counted).
 //! - `ferry_link_capacity_bits_per_second{link}`: the link's rate cap.
+//! - `ferry_link_connections{link}`: QUIC connections of the link's pool
+//!   open now (its `connections` setting when all are up).
 //! - `ferry_link_utilisation_ratio{link}`: payload bit/s over the last
 //!   [`RATE_WINDOW_MS`] divided by the rate cap (ARCHITECTURE.md
 //!   "Measures": at most about 1448/1500 at a 1500-byte MTU).
@@ -245,6 +247,13 @@ pub struct LinkStats {
     pub name: String,
     /// The link's rate cap, bit/s.
     pub rate_bps: u64,
+    /// QUIC connections the link is served by when all are up (its
+    /// `connections` setting).
+    pub connections: usize,
+    /// Of those, open now: fewer after a connection of the pool was lost
+    /// (until the pool is replaced once the link is idle), 0 while the
+    /// link is not connected.
+    pub connections_open: usize,
     /// Payload bit/s written to the link, all classes, over the last
     /// [`RATE_WINDOW_MS`] (resent chunks included).
     pub goodput_bps: f64,
@@ -388,8 +397,9 @@ impl LinkCounters {
 /// What the source knows at scrape time.
 #[derive(Debug, Default)]
 pub(crate) struct SourceScrape {
-    /// Per configured link: name, rate cap (bit/s), utilisation (ratio).
-    pub(crate) links: Vec<(String, u64, f64)>,
+    /// Per configured link: name, rate cap (bit/s), utilisation (ratio),
+    /// connections open.
+    pub(crate) links: Vec<(String, u64, f64, usize)>,
     /// Transfers not in a final state by link and effective class.
     pub(crate) queued: HashMap<(String, Class), i64>,
     /// Transfers per state.
@@ -405,6 +415,7 @@ pub(crate) struct SourceMetrics {
     retries: Family<LinkLabel, Counter>,
     moved: Family<LinkLabel, Counter>,
     capacity: Family<LinkLabel, Gauge>,
+    connections: Family<LinkLabel, Gauge>,
     utilisation: Family<LinkLabel, Gauge<f64, AtomicU64>>,
     queue_depth: Family<LinkClassLabel, Gauge>,
     states: Family<StateLabel, Gauge>,
@@ -427,6 +438,7 @@ impl SourceMetrics {
             retries: Family::default(),
             moved: Family::default(),
             capacity: Family::default(),
+            connections: Family::default(),
             utilisation: Family::default(),
             queue_depth: Family::default(),
             states: Family::default(),
@@ -453,6 +465,12 @@ impl SourceMetrics {
             "ferry_link_capacity_bits_per_second",
             "The link's rate cap (Ferry's share of the WAN), in bits per second",
             m.capacity.clone(),
+        );
+        registry.register(
+            "ferry_link_connections",
+            "QUIC connections of the link's pool open now, in connections (fewer than its \
+             connections setting after one was lost; 0 while not connected)",
+            m.connections.clone(),
         );
         registry.register(
             "ferry_link_utilisation_ratio",
@@ -500,13 +518,17 @@ impl SourceMetrics {
     pub(crate) fn render(&self, s: &SourceScrape) -> Result<String, std::fmt::Error> {
         let _one = crate::lock::lock(&self.scrape);
         self.capacity.clear();
+        self.connections.clear();
         self.utilisation.clear();
         self.queue_depth.clear();
-        for (link, cap, util) in &s.links {
+        for (link, cap, util, open) in &s.links {
             let l = LinkLabel { link: link.clone() };
             self.capacity
                 .get_or_create(&l)
                 .set(i64::try_from(*cap).unwrap_or(i64::MAX));
+            self.connections
+                .get_or_create(&l)
+                .set(i64::try_from(*open).unwrap_or(i64::MAX));
             self.utilisation.get_or_create(&l).set(*util);
             for c in CLASSES {
                 self.queue_depth
@@ -871,7 +893,7 @@ mod tests {
         // The handle and the registry's series are the same counter.
         assert_eq!(m.link("to-eval").sent_totals(), [5 * MB, 0, 7]);
         let scrape = SourceScrape {
-            links: vec![("to-eval".into(), 1_000_000_000, 0.5)],
+            links: vec![("to-eval".into(), 1_000_000_000, 0.5, 3)],
             queued: HashMap::from([
                 (("to-eval".into(), Class::Scheduled), 2),
                 (("gone".into(), Class::Background), 1),
@@ -885,6 +907,7 @@ mod tests {
             ("ferry_chunk_retries_total", "counter"),
             ("ferry_chunks_moved_total", "counter"),
             ("ferry_link_capacity_bits_per_second", "gauge"),
+            ("ferry_link_connections", "gauge"),
             ("ferry_link_utilisation_ratio", "gauge"),
             ("ferry_queue_depth_transfers", "gauge"),
             ("ferry_state_transfers", "gauge"),
@@ -926,6 +949,10 @@ mod tests {
             value(&s, "ferry_link_utilisation_ratio", &[("link", "to-eval")]),
             0.5
         );
+        assert_eq!(
+            value(&s, "ferry_link_connections", &[("link", "to-eval")]),
+            3.0
+        );
         let depth = |l, c| {
             value(
                 &s,
@@ -945,7 +972,7 @@ mod tests {
         // The next scrape forgets what is gone.
         let text = m
             .render(&SourceScrape {
-                links: vec![("to-eval".into(), 2_000_000_000, 0.0)],
+                links: vec![("to-eval".into(), 2_000_000_000, 0.0, 1)],
                 ..Default::default()
             })
             .unwrap();

@@ -627,7 +627,7 @@ impl Source {
         let links = self
             .link_stats(false)
             .into_iter()
-            .map(|l| (l.name, l.rate_bps, l.utilisation))
+            .map(|l| (l.name, l.rate_bps, l.utilisation, l.connections_open))
             .collect();
         Ok(inner.metrics.render(&crate::metrics::SourceScrape {
             links,
@@ -696,6 +696,15 @@ impl Source {
     /// A link's current rate cap, bit/s (`None`: unknown link).
     pub fn link_rate(&self, link: &str) -> Option<u64> {
         self.inner.links.get(link).map(|l| l.share.rate_bps())
+    }
+
+    /// `link`'s pool of QUIC connections: `(connections when all are up,
+    /// open now)`; `None` for an unknown link.
+    pub fn link_pool(&self, link: &str) -> Option<(usize, usize)> {
+        self.inner
+            .links
+            .get(link)
+            .map(|l| (l.cfg.connections.max(1), l.sched.open_connections()))
     }
 
     /// Connections to the sink established on `link` since the agent
@@ -1471,7 +1480,7 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
     let inbox: Arc<Mutex<HashMap<TransferId, mpsc::UnboundedSender<Control>>>> = Arc::default();
     let unanswered: Arc<Mutex<HashMap<TransferId, u32>>> = Arc::default();
     let pool: Arc<Vec<Connection>> = Arc::new(dialled.iter().map(|d| d.0.clone()).collect());
-    let pool_no = link.sched.new_pool();
+    let pool_no = link.sched.new_pool(pool.len());
     let greeted = Arc::new(AtomicBool::new(false));
     let mut ctls = Vec::new();
     for (index, (conn, ctl, recv)) in dialled.into_iter().enumerate() {
@@ -1507,10 +1516,11 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
     // The control connection lost loses the pool: the transfers' opens,
     // commits and the sink's answers travel on it, so every transfer
     // resumes on a new pool.
-    let (p2, link_name) = (pool.clone(), l.name.clone());
+    let (p2, link_name, sched) = (pool.clone(), l.name.clone(), link.sched.clone());
     tokio::spawn(async move {
         let Some(control) = p2.first() else { return };
         let why = control.closed().await;
+        sched.pool_closed(pool_no);
         if p2.len() > 1 {
             debug!(link = link_name, reason = %why, "the control connection of the link closed; closing the others");
         }
@@ -1762,6 +1772,8 @@ fn link_stats(l: &LinkState, with_history: bool) -> LinkStats {
     LinkStats {
         name: l.cfg.name.clone(),
         rate_bps,
+        connections: l.cfg.connections.max(1),
+        connections_open: l.sched.open_connections(),
         goodput_bps,
         utilisation: if rate_bps > 0 {
             goodput_bps / rate_bps as f64

@@ -92,6 +92,27 @@ async fn a_data_connection_lost_mid_transfer_moves_its_chunks_to_the_others() {
     write_dir(&ckpt, 8, 2 << 20);
     std::fs::write(ckpt.join(".metadata"), b"done").unwrap();
     let t = p.source.submit(&ckpt, None).await.unwrap();
+    // Between the loss and the end of the transfer, the pool goes on with
+    // three of its four connections, and says so.
+    let mut open_after_loss = None;
+    for _ in 0..3000 {
+        let pool = p.source.link_pool("l").unwrap();
+        if pool.1 == 3 {
+            let m = p.source.render_metrics().await.unwrap();
+            open_after_loss = Some((pool, metric(&m, "ferry_link_connections{link=\"l\"}")));
+            break;
+        }
+        let row = p.source.catalog().transfer(t.id).await.unwrap().unwrap();
+        if row.state.is_final() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert_eq!(
+        open_after_loss,
+        Some(((4, 3), 3.0)),
+        "(connections, open) and the metric once one of four was lost"
+    );
     wait_published(&p, t.id).await;
     common::same_tree(&ckpt, &replica_path(&p, t.id).await);
     assert_eq!(

@@ -132,18 +132,10 @@ async fn a_loss_spike_makes_a_checkpoint_urgent_and_its_bytes_go_first() {
 }
 
 /// The same over a link of four connections: the scheduler stays one per
-/// link, so the default floors should still leave urgent most of the link
-/// whichever connections its chunks take.
-///
-/// Ignored for now: on 2 loaded cores the share measured 0.61 to 0.98
-/// (one run in eight under 0.7; the one-connection case 0.97 to 1.0 at
-/// the same time). The arrival bins show lower-class transfers still
-/// arriving at about the link's rate / 4 (one connection's congestion
-/// controller share) for up to a few hundred ms after urgent's first
-/// byte: chunks queued in quinn on other connections before the signal,
-/// which quinn's stream priorities (per connection) cannot pre-empt.
-/// Run it with `--ignored`.
-#[ignore = "urgent share under 0.7 in about one run in eight on loaded cores: lower-class bytes queued in quinn on other connections (see doc comment)"]
+/// link and each chunk goes to the connection with the least unsent, so
+/// the default floors still leave urgent most of the link: each
+/// connection's congestion controller has a quarter of the rate, and
+/// urgent chunks on every connection keep all four busy with them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_four_connections_a_loss_spike_still_sends_urgent_bytes_first() {
     urgent_after_a_loss_spike_goes_first(4).await;
@@ -211,6 +203,17 @@ async fn urgent_after_a_loss_spike_goes_first(connections: usize) {
         eprintln!("urgent: {:?}", arrivals(&p, t.id).await);
         for id in &load {
             eprintln!("{id}: {:?}", arrivals(&p, *id).await);
+        }
+        let sent = p.source.sent_chunks("l");
+        if let Some(first) = sent.iter().position(|c| c.transfer == t.id) {
+            for conn in 0..connections {
+                let seq: String = sent[first..]
+                    .iter()
+                    .filter(|c| c.connection == conn)
+                    .map(|c| if c.transfer == t.id { 'U' } else { '.' })
+                    .collect();
+                eprintln!("connection {conn} from urgent's first chunk: {seq}");
+            }
         }
     }
     // The floors leave urgent 85 % while both lower classes are busy.

@@ -231,9 +231,9 @@ async fn appended_shard_rewritten_below_its_end_is_sent_again() {
 
 /// The same over a link served by four connections: the transfer opens,
 /// grows its file table and sends its batches through the pool, and the
-/// changed chunk is still caught and sent again. (A few MB keep one
-/// writer free, so the chunks may all ride on one connection of the
-/// pool: the dispatcher gives a chunk to whichever writer is free first.)
+/// changed chunk is still caught and sent again. (The dispatcher gives
+/// each chunk to the connection with the least unsent bytes, so the
+/// chunks spread over the pool.)
 #[tokio::test]
 async fn over_four_connections_a_shard_rewritten_below_its_end_is_sent_again() {
     rewritten_below_its_end_is_sent_again(4).await;

@@ -3,7 +3,14 @@
 //! [`LinkScheduler`] which one goes next (ARCHITECTURE.md "Bird's-eye view").
 //! A link served by several connections has writers on each, all asking
 //! the one scheduler: chunks are striped across the connections in the
-//! order the scheduler picks them, whichever writer is free first.
+//! order the scheduler picks them, each to the connection with the least
+//! unsent bytes among those with a writer free (join the shortest queue;
+//! the backlog is modelled from the bytes handed to each connection and
+//! its congestion controller's share of the rate). Each connection's
+//! controller aims at the link's rate divided by the connections, so
+//! urgent chunks spread this way keep every connection busy with them,
+//! and quinn's stream priorities (which act within one connection) put
+//! them ahead of lower-class bytes on each.
 //!
 //! - A transfer's ready chunks wait in its queue (at most
 //!   [`QUEUE_RECORDS`] records and [`QUEUE_BYTES`] bytes, so its reader
@@ -107,6 +114,109 @@ pub(crate) struct SchedState {
     pool: u64,
     /// Connections of the current pool that were lost, by index.
     lost_connections: HashSet<usize>,
+    /// The current pool's connections, by index, for striping.
+    conns: Vec<ConnLoad>,
+}
+
+/// One connection of a link's pool, as the striping sees it.
+#[derive(Debug, Clone, Copy, Default)]
+struct ConnLoad {
+    /// Payload bytes handed to quinn on it and not yet sent, as modelled:
+    /// each connection's congestion controller aims at the link's rate
+    /// divided by the pool's connections (`crate::cc`), so the backlog
+    /// drains at that rate.
+    backlog: f64,
+    /// When `backlog` was last brought up to date, Unix ms.
+    at_ms: i64,
+    /// Its stream writers running.
+    writers: usize,
+    /// Those of them handing a chunk to quinn now (the others could take
+    /// the next chunk at once).
+    writing: usize,
+}
+
+impl SchedState {
+    /// Brings the modelled backlog of every connection up to `now_ms`.
+    fn drain(&mut self, now_ms: i64) {
+        let per_ms = self.ls.rate_bps() as f64 / 8.0 / 1000.0 / self.conns.len().max(1) as f64;
+        for c in &mut self.conns {
+            let dt = (now_ms - c.at_ms).max(0) as f64;
+            c.backlog = (c.backlog - dt * per_ms).max(0.0);
+            c.at_ms = now_ms;
+        }
+    }
+
+    /// True if writer `me` should leave the next chunk to a writer of
+    /// another connection: one of the pool's other live connections has a
+    /// writer free and a smaller backlog. Chunks then go to the
+    /// connection that will send them soonest (join the shortest queue),
+    /// so a transfer's chunks spread evenly over the pool and urgent
+    /// chunks do not pile up on one connection while the others send
+    /// lower-class bytes at their share of the rate.
+    fn defer(&mut self, me: WriterId, now_ms: i64) -> bool {
+        if me.pool != self.pool || self.conns.len() < 2 {
+            return false;
+        }
+        self.drain(now_ms);
+        let Some(mine) = self.conns.get(me.connection).map(|c| c.backlog) else {
+            return false;
+        };
+        self.conns.iter().enumerate().any(|(i, c)| {
+            i != me.connection
+                && !self.lost_connections.contains(&i)
+                && c.writers > c.writing
+                && c.backlog < mine
+        })
+    }
+
+    /// Writer `me` starts (`+1`) or stops (`-1`) handing a chunk of
+    /// `bytes` to quinn (the bytes count once, at the start).
+    fn writing(&mut self, me: WriterId, start: bool, bytes: u64) {
+        if me.pool != self.pool {
+            return;
+        }
+        if let Some(c) = self.conns.get_mut(me.connection) {
+            if start {
+                c.writing += 1;
+                c.backlog += bytes as f64;
+            } else {
+                c.writing = c.writing.saturating_sub(1);
+            }
+        }
+    }
+}
+
+/// A stream writer's place in its connection's [`ConnLoad`], given up
+/// when the writer ends.
+struct Seat<'a> {
+    sched: &'a LinkSched,
+    me: WriterId,
+}
+
+impl<'a> Seat<'a> {
+    fn take(sched: &'a LinkSched, me: WriterId) -> Seat<'a> {
+        let mut s = sched.lock();
+        if s.pool == me.pool {
+            if let Some(c) = s.conns.get_mut(me.connection) {
+                c.writers += 1;
+            }
+        }
+        Seat { sched, me }
+    }
+}
+
+impl Drop for Seat<'_> {
+    fn drop(&mut self) {
+        let mut s = self.sched.lock();
+        if s.pool == self.me.pool {
+            if let Some(c) = s.conns.get_mut(self.me.connection) {
+                c.writers = c.writers.saturating_sub(1);
+            }
+        }
+        drop(s);
+        // A writer that deferred to this one looks again.
+        self.sched.moved.notify_waiters();
+    }
 }
 
 /// One link's scheduling state, shared by its transfers and writers.
@@ -186,6 +296,7 @@ impl LinkSched {
                 queues: HashMap::new(),
                 pool: 0,
                 lost_connections: HashSet::new(),
+                conns: Vec::new(),
             }),
             ready: Notify::new(),
             moved: Notify::new(),
@@ -227,14 +338,31 @@ impl LinkSched {
         );
     }
 
-    /// A new pool of connections starts serving the link: returns its
-    /// number, for its writers' [`WriterId`]s. Writers of older pools can
-    /// open no more batches.
-    pub(crate) fn new_pool(&self) -> u64 {
+    /// A new pool of `connections` connections starts serving the link:
+    /// returns its number, for its writers' [`WriterId`]s. Writers of
+    /// older pools can open no more batches.
+    pub(crate) fn new_pool(&self, connections: usize) -> u64 {
         let mut s = self.lock();
         s.pool += 1;
         s.lost_connections.clear();
+        s.conns = vec![ConnLoad::default(); connections];
         s.pool
+    }
+
+    /// The current pool ended (its control connection closed): no
+    /// connection of it is open any more.
+    pub(crate) fn pool_closed(&self, pool: u64) {
+        let mut s = self.lock();
+        if s.pool == pool {
+            s.conns.clear();
+            s.lost_connections.clear();
+        }
+    }
+
+    /// Connections of the link's current pool open now (0 while none is).
+    pub(crate) fn open_connections(&self) -> usize {
+        let s = self.lock();
+        s.conns.len().saturating_sub(s.lost_connections.len())
     }
 
     /// Opens a batch of `id` for writer `me`: its sequence number.
@@ -483,7 +611,14 @@ enum Step {
     Send(TransferId, i32, scheduler::Class, Record),
     Wait(i64),
     Idle,
+    /// A writer of another connection takes the next chunk.
+    Defer,
 }
+
+/// How long a writer that deferred to another connection waits at most
+/// before it looks again (it is woken as soon as a chunk is taken or a
+/// writer ends).
+const DEFER_WAIT: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// Writes the chunks the scheduler picks onto `conn` (writer `me` of the
 /// link's pool) until it closes; batches hold about `target` payload
@@ -495,6 +630,7 @@ pub(crate) async fn writer(
     target: u64,
     stop: tokio_util::sync::CancellationToken,
 ) {
+    let _seat = Seat::take(&sched, me);
     let mut cur: Option<Batch> = None;
     let finish = |cur: &mut Option<Batch>| {
         if let Some(Batch { id, mut s, .. }) = cur.take() {
@@ -503,6 +639,20 @@ pub(crate) async fn writer(
                 q.open = q.open.saturating_sub(1);
             }
             sched.moved.notify_waiters();
+        }
+    };
+    // The open batch ends if nothing more is queued for its transfer (a
+    // flush of that transfer waits for its batches to end).
+    let finish_if_idle = |cur: &mut Option<Batch>| {
+        let idle = cur.as_ref().is_some_and(|c| {
+            sched
+                .lock()
+                .queues
+                .get(&c.id)
+                .is_none_or(|q| q.recs.is_empty())
+        });
+        if idle {
+            finish(cur);
         }
     };
     loop {
@@ -514,30 +664,44 @@ pub(crate) async fn writer(
         let ready = sched.ready.notified();
         tokio::pin!(ready);
         ready.as_mut().enable();
+        let moved = sched.moved.notified();
+        tokio::pin!(moved);
+        moved.as_mut().enable();
         let step = {
             let mut s = sched.lock();
-            match s.ls.next(now_ms()) {
-                Decision::Send { id, priority, .. } => {
-                    // The class the scheduler served it in (a promotion
-                    // shows here, whatever the policy's priorities).
-                    let class = s.ls.class_of(id).unwrap_or(scheduler::Class::Scheduled);
-                    let rec = s.queues.get_mut(&id).and_then(|q| {
-                        let r = q.recs.pop_front()?;
-                        q.bytes = q.bytes.saturating_sub(r.data.len() as u64);
-                        q.in_write += 1;
-                        Some(r)
-                    });
-                    match rec {
-                        Some(r) => Step::Send(id, priority, class, r),
-                        // Deactivated between the decision and now.
-                        None => continue,
+            let now = now_ms();
+            if s.defer(me, now) {
+                Step::Defer
+            } else {
+                match s.ls.next(now) {
+                    Decision::Send { id, priority, .. } => {
+                        // The class the scheduler served it in (a promotion
+                        // shows here, whatever the policy's priorities).
+                        let class = s.ls.class_of(id).unwrap_or(scheduler::Class::Scheduled);
+                        let rec = s.queues.get_mut(&id).and_then(|q| {
+                            let r = q.recs.pop_front()?;
+                            q.bytes = q.bytes.saturating_sub(r.data.len() as u64);
+                            q.in_write += 1;
+                            Some(r)
+                        });
+                        match rec {
+                            Some(r) => {
+                                s.writing(me, true, r.data.len() as u64);
+                                Step::Send(id, priority, class, r)
+                            }
+                            // Deactivated between the decision and now.
+                            None => continue,
+                        }
                     }
+                    Decision::Wait { until_ms } => Step::Wait(until_ms),
+                    Decision::Idle => Step::Idle,
                 }
-                Decision::Wait { until_ms } => Step::Wait(until_ms),
-                Decision::Idle => Step::Idle,
             }
         };
-        sched.moved.notify_waiters();
+        if matches!(step, Step::Send(..)) {
+            // A queue has room again; writers that deferred look again.
+            sched.moved.notify_waiters();
+        }
         match step {
             Step::Send(id, priority, class, rec) => {
                 if cur.as_ref().is_some_and(|c| c.id != id) {
@@ -547,6 +711,7 @@ pub(crate) async fn writer(
                 let res = write(&sched, &conn, me, &mut cur, id, priority, rec).await;
                 let (progress, empty) = {
                     let mut s = sched.lock();
+                    s.writing(me, false, 0);
                     match s.queues.get_mut(&id) {
                         Some(q) => {
                             q.in_write = q.in_write.saturating_sub(1);
@@ -631,16 +796,7 @@ pub(crate) async fn writer(
                 sched.moved.notify_waiters();
             }
             Step::Wait(until_ms) => {
-                let idle_cur = cur.as_ref().is_some_and(|c| {
-                    sched
-                        .lock()
-                        .queues
-                        .get(&c.id)
-                        .is_none_or(|q| q.recs.is_empty())
-                });
-                if idle_cur {
-                    finish(&mut cur);
-                }
+                finish_if_idle(&mut cur);
                 let wait = std::time::Duration::from_millis((until_ms - now_ms()).max(1) as u64);
                 tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
@@ -655,6 +811,16 @@ pub(crate) async fn writer(
                     _ = ready => {}
                     _ = conn.closed() => return,
                     _ = stop.cancelled() => return,
+                }
+            }
+            Step::Defer => {
+                finish_if_idle(&mut cur);
+                tokio::select! {
+                    _ = tokio::time::sleep(DEFER_WAIT) => {}
+                    _ = ready => {}
+                    _ = moved => {}
+                    _ = conn.closed() => { finish(&mut cur); return; }
+                    _ = stop.cancelled() => { finish(&mut cur); return; }
                 }
             }
         }
@@ -825,9 +991,46 @@ mod tests {
     }
 
     #[test]
+    fn the_next_chunk_goes_to_the_connection_with_the_least_unsent() {
+        // 1 Gbit/s over 2 connections: each drains 62.5 bytes per ms.
+        let (s, _) = sched();
+        let pool = s.new_pool(2);
+        let (w0, w1) = (writer(pool, 0), writer(pool, 1));
+        let _seats = (Seat::take(&s, w0), Seat::take(&s, w1));
+        let mut st = s.lock();
+        assert!(!st.defer(w0, 1000), "equal backlogs: whoever asks first");
+        assert!(!st.defer(w1, 1000));
+        // Connection 0 takes 125,000 bytes at t = 1000 ms.
+        st.writing(w0, true, 125_000);
+        st.writing(w0, false, 0);
+        assert!(st.defer(w0, 1000), "connection 1 has less unsent");
+        assert!(!st.defer(w1, 1000));
+        // While connection 1's only writer is busy, connection 0 goes on.
+        st.writing(w1, true, 1000);
+        assert!(!st.defer(w0, 1001));
+        st.writing(w1, false, 0);
+        assert!(st.defer(w0, 1001));
+        // A lost connection is not waited for.
+        st.lost_connections.insert(1);
+        assert!(!st.defer(w0, 1001));
+        st.lost_connections.clear();
+        // Both drained after 2 s at 62.5 bytes per ms.
+        assert!(!st.defer(w0, 3000));
+        // A writer of an older pool never defers.
+        assert!(!st.defer(writer(pool - 1, 0), 1000));
+        drop(st);
+        // A connection whose writers ended is not waited for.
+        drop(_seats.1);
+        let mut st = s.lock();
+        st.writing(w0, true, 125_000);
+        st.writing(w0, false, 0);
+        assert!(!st.defer(w0, 3000));
+    }
+
+    #[test]
     fn a_lost_connection_s_unconfirmed_batches_are_given_up_and_their_chunks_queued_again() {
         let (s, id) = sched();
-        let pool = s.new_pool();
+        let pool = s.new_pool(4);
         let (w0, w2, w3) = (writer(pool, 0), writer(pool, 2), writer(pool, 3));
         // Batch 0 on connection 2 (chunks 1, 2), batch 1 on the control
         // connection (chunk 3), batch 2 on connection 2 (chunk 4, which the
@@ -865,10 +1068,10 @@ mod tests {
     #[test]
     fn writers_of_a_replaced_pool_open_nothing_and_requeue_nothing() {
         let (s, id) = sched();
-        let old = s.new_pool();
+        let old = s.new_pool(4);
         let b = s.open_batch(id, writer(old, 1)).ok().unwrap();
         assert!(s.track(id, b, writer(old, 1), &rec(1)));
-        let new = s.new_pool();
+        let new = s.new_pool(4);
         assert_ne!(old, new);
         assert_eq!(s.connection_lost(old, 1), (0, 0), "an old pool's loss");
         assert!(matches!(
