@@ -36,6 +36,10 @@ enum Command {
     /// Run an agent (source, sink or both) from a TOML config file.
     ///
     /// See ops/ferry.example.toml for every key, its default and unit.
+    /// The catalog is SQLite in agent.data_dir unless [catalog] url, or the
+    /// environment variable FERRY_CATALOG_URL (which wins), names a
+    /// PostgreSQL database (postgres://USER@HOST/DB; the password may come
+    /// from catalog.password_file and is never printed).
     /// SIGTERM or Ctrl-C drains: batches stop at a chunk boundary, in-flight
     /// writes finish, the catalog is flushed; exits within 10 s.
     Serve {

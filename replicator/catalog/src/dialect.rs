@@ -267,6 +267,46 @@ impl std::fmt::Display for PostgresUrl {
     }
 }
 
+/// `text` with the password of every URL in it (`scheme://user:PASSWORD@`)
+/// replaced by `***`: for messages that quote input that may hold one,
+/// such as a config file's parse error quoting its line.
+pub fn redact_url_passwords(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find("://") {
+        let (head, tail) = rest.split_at(i + 3);
+        out.push_str(head);
+        // The authority ends at the first '/', whitespace or quote; its
+        // user information at the last '@' before that.
+        let end = tail
+            .find(|c: char| c == '/' || c.is_whitespace() || c == '"' || c == '\'')
+            .unwrap_or(tail.len());
+        let authority = &tail[..end];
+        match authority
+            .rfind('@')
+            .and_then(|at| authority[..at].find(':').map(|colon| (colon, at)))
+        {
+            Some((colon, at)) => {
+                out.push_str(&authority[..=colon]);
+                out.push_str("***");
+                out.push_str(&authority[at..]);
+            }
+            None => out.push_str(authority),
+        }
+        rest = &tail[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// From a string, as [`PostgresUrl::parse`] (config files).
+impl<'de> serde::Deserialize<'de> for PostgresUrl {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        PostgresUrl::parse(&s).map_err(serde::de::Error::custom)
+    }
+}
+
 impl std::fmt::Debug for PostgresUrl {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "PostgresUrl({self})")
@@ -345,6 +385,12 @@ mod tests {
             "postgres://ferry:***@db.example/site_a"
         );
         assert!(from_file.secret().contains("p%40ss%20word%2F1"));
+        assert_eq!(
+            redact_url_passwords(
+                "line 3: url = \"postgres://u:p@ss@h:5/x\" and s3://k:v@b/o, http://h/x?a=b:c@d"
+            ),
+            "line 3: url = \"postgres://u:***@h:5/x\" and s3://k:***@b/o, http://h/x?a=b:c@d"
+        );
         let e = PostgresUrl::parse("mysql://ferry:hunter2@db/x").unwrap_err();
         assert!(e.contains("scheme") && !e.contains("hunter2"), "{e}");
         let e = PostgresUrl::parse("hunter2").unwrap_err();

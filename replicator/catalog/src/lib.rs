@@ -54,7 +54,7 @@ mod tests;
 pub mod transfers;
 
 use dialect::Dialect;
-pub use dialect::PostgresUrl;
+pub use dialect::{redact_url_passwords, PostgresUrl};
 
 pub use chunks::{Arrivals, VerifiedChunk, ARRIVAL_BIN_MS, MAX_ARRIVAL_BINS};
 pub use events::{Change, Event, EventKind};
