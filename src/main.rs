@@ -940,9 +940,16 @@ async fn push(
 async fn verify(path: &Path, cfg_path: &Path) -> Result<()> {
     let cfg = config::Config::load(cfg_path)?;
     let abs = std::fs::canonicalize(path).with_context(|| format!("{}", path.display()))?;
-    // Read-only use of the catalog: open the SQLite file directly so a
-    // running agent keeps its lock.
-    let report = replicator::verify::verify_replica(&cfg.agent.data_dir, &abs).await?;
+    let report = match cfg.catalog_url(std::env::var(config::CATALOG_URL_ENV).ok().as_deref())? {
+        // A PostgreSQL catalog takes several clients at once.
+        Some(url) => {
+            let catalog = ferry_catalog::Catalog::open_postgres(&url, &cfg.agent.site).await?;
+            replicator::verify::verify_replica_in(catalog, &abs).await?
+        }
+        // Read-only use of the catalog: open the SQLite file directly so a
+        // running agent keeps its lock.
+        None => replicator::verify::verify_replica(&cfg.agent.data_dir, &abs).await?,
+    };
     outln!(
         "{}: {} files, {} bytes checked against manifest root {}",
         abs.display(),

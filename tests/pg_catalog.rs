@@ -86,7 +86,13 @@ async fn agents_on_postgres_catalogs_replicate_and_another_site_is_refused() {
         .await;
     let out = w.push(&c.source, &ckpt, &[]).await;
     w.ensure(out.success(), || format!("ferry push failed: {out}"));
-    w.assert_same_tree(&ckpt, &w.replica_path("step_000100"));
+    let replica = w.replica_path("step_000100");
+    w.assert_same_tree(&ckpt, &replica);
+    // `ferry verify` reads the manifest from the sink's PostgreSQL catalog.
+    let v = w.verify(&c.sink, &replica).await;
+    w.ensure(v.success(), || {
+        format!("ferry verify on PostgreSQL failed: {v}")
+    });
 
     for a in [&c.source, &c.sink] {
         let db = a.cfg.data_dir.join("ferry.db");
