@@ -64,6 +64,67 @@ async fn one(url: &str, sql: &str) -> String {
     v
 }
 
+/// `ferry catalog migrate --to`: a source that ran on SQLite has its
+/// catalog copied into PostgreSQL (the password from a file), restarts on
+/// it and lists its published transfer; a second copy into the same
+/// database is refused.
+#[tokio::test]
+async fn an_agent_s_sqlite_catalog_moves_to_postgres() {
+    let db = fresh_db("migrate").await;
+    let w = World::new("pgmigrate").await;
+    let ckpt = w.source_root().join("step_000200");
+    w.gen(&ckpt, "2MB").await;
+    let mut c = w.start_cluster("200Mbit/s", &[], |_, _| {}).await;
+    let out = w.push(&c.source, &ckpt, &[]).await;
+    w.ensure(out.success(), || format!("ferry push failed: {out}"));
+    c.source.kill();
+
+    let pw = w.root.join("pg.pass");
+    std::fs::write(&pw, "unused-by-trust\n").unwrap();
+    let config = c.source.config_path.to_str().unwrap().to_string();
+    let migrate = async || {
+        w.ferry(
+            &[
+                "catalog",
+                "migrate",
+                "--to",
+                &db,
+                "--password-file",
+                pw.to_str().unwrap(),
+                "--config",
+                &config,
+            ],
+            &[],
+            Duration::from_secs(60),
+        )
+        .await
+    };
+    let out = migrate().await;
+    w.ensure(
+        out.success() && out.stdout.contains("transfers: 1 rows"),
+        || format!("ferry catalog migrate failed: {out}"),
+    );
+    w.ensure(!out.all().contains("unused-by-trust"), || {
+        format!("the password was printed: {out}")
+    });
+
+    c.source.cfg.tail = format!("\n[catalog]\nurl = {}\n", toml_str(&db));
+    std::fs::write(&c.source.config_path, c.source.cfg.to_toml()).unwrap();
+    w.restart(&mut c.source).await;
+    let ts = w.transfers(&c.source).await;
+    w.ensure(ts.len() == 1 && s(&ts[0], "state") == "published", || {
+        format!("on PostgreSQL the source lists {ts:?}")
+    });
+    c.source.kill();
+    let out = migrate().await;
+    w.ensure(
+        !out.success() && out.all().contains("already holds 1 transfers"),
+        || format!("a second copy into a catalog with transfers should be refused: {out}"),
+    );
+    c.sink.kill();
+    drop_db(&db).await;
+}
+
 /// A source and a sink whose catalogs are PostgreSQL databases replicate
 /// a checkpoint; the rows are in PostgreSQL (no SQLite file in the data
 /// directories), and the state survives a restart. An agent of another

@@ -43,6 +43,7 @@ use sqlx::AnyPool;
 
 pub mod chunks;
 mod convert;
+mod copy;
 pub mod dialect;
 pub mod events;
 mod export;
@@ -57,6 +58,7 @@ use dialect::Dialect;
 pub use dialect::{redact_url_passwords, PostgresUrl};
 
 pub use chunks::{Arrivals, VerifiedChunk, ARRIVAL_BIN_MS, MAX_ARRIVAL_BINS};
+pub use copy::{CopyCounts, COPIED_TABLES};
 pub use events::{Change, Event, EventKind};
 pub use export::TraceExport;
 pub use jobs::{origin, Job, MAX_MODEL_PARAMS};

@@ -1355,3 +1355,128 @@ async fn an_unreachable_postgres_catalog_is_reported_without_its_password() {
     assert!(shown.contains("cannot connect"), "{shown}");
     assert!(!shown.contains("Hunter2"), "{shown}");
 }
+
+/// Everything a catalog shows through its API, for comparing two.
+async fn snapshot(c: &Catalog, replicas: &[i64]) -> Vec<String> {
+    let mut v = vec![
+        format!("{:?}", c.transfers(1000, 0).await.unwrap()),
+        format!("{:?}", c.replicas(false, 1000, 0).await.unwrap()),
+        format!("{:?}", c.jobs().await.unwrap()),
+        format!("{:?}", c.recent_signals(1000).await.unwrap()),
+        format!("{:?}", c.events_since(i64::MIN).await.unwrap()),
+    ];
+    for r in replicas {
+        v.push(format!("{:?}", c.chunks(*r).await.unwrap()));
+        v.push(format!("{:?}", c.chunk_arrivals(*r).await.unwrap()));
+        v.push(format!("{:?}", c.replica_files(*r).await.unwrap()));
+    }
+    v
+}
+
+/// `ferry catalog migrate`: a single agent's SQLite catalog (transfers,
+/// jobs, signals, events, replicas with their files, chunks and
+/// publishes) lands in an empty PostgreSQL catalog as it was, with its
+/// ids; new rows there continue after them; a target that holds
+/// transfers is refused and left as it was.
+#[tokio::test]
+async fn an_sqlite_catalog_copies_into_an_empty_postgres_catalog() {
+    let d = tempfile::tempdir().unwrap();
+    let src = Catalog::open(d.path()).await.unwrap();
+    let t1 = src
+        .insert_transfer("l", "j", "/ck/1", "1", Class::Scheduled)
+        .await
+        .unwrap();
+    src.insert_transfer("l", "k", "/ck/2", "2", Class::Background)
+        .await
+        .unwrap();
+    src.reprioritise_transfer(t1, Some(Class::Urgent), Some(Some(0.25)))
+        .await
+        .unwrap();
+    src.note_transfer_progress(
+        t1,
+        ProgressNote {
+            bytes_total: 100,
+            bytes_done: 40,
+            bytes_sent: 50,
+        },
+    )
+    .await
+    .unwrap();
+    src.put_job("j", Some(7e9), 0.5).await.unwrap();
+    src.put_job("k", None, 0.0).await.unwrap();
+    src.insert_signal("j", "nan", 0.75, Some(12), Some("key-1"))
+        .await
+        .unwrap();
+    src.record_link_rate("l", 1_000_000).await.unwrap();
+    let files = vec![FileInfo {
+        path: "a.bin".into(),
+        size: 8,
+        mtime_ns: 5,
+        mode: 0o644,
+    }];
+    let r1 = replica_at(&src, 1, "/eval/1", TransferState::Receiving).await;
+    let r2 = replica_at(&src, 2, "/eval/2", TransferState::Receiving).await;
+    src.set_replica_files(r1, &files, 10).await.unwrap();
+    src.record_batch(
+        &[
+            VerifiedChunk {
+                arrived_ms: Some(now_ms() - 2_000),
+                arrival_started_ms: Some(now_ms() - 2_500),
+                ..vc(r1, 0, [1; 32], 4)
+            },
+            vc(r2, 0, [2; 32], 5),
+        ],
+        &[PublishedReplica {
+            id: r1,
+            manifest: b"manifest".to_vec(),
+            root_hex: "aa".into(),
+            local_path: "/eval/1".into(),
+            bytes: 10,
+            times: SourceTimes {
+                committed_ms: now_ms() - 3_000,
+                opened_ms: 0,
+            },
+            meta: CheckpointMeta {
+                step: Some(7),
+                class: Some(Class::Background),
+            },
+        }],
+    )
+    .await
+    .unwrap();
+    let before = snapshot(&src, &[r1, r2]).await;
+
+    let (admin, name, url) = fresh_pg_database().await;
+    let dst = Catalog::open_postgres(&url, "s").await.unwrap();
+    let counts = src.copy_into(&dst).await.unwrap();
+    let count = |t: &str| counts.iter().find(|c| c.0 == t).unwrap().1;
+    assert_eq!(
+        (count("transfers"), count("replicas")),
+        (2, 2),
+        "{counts:?}"
+    );
+    assert_eq!(
+        count("chunks"),
+        1,
+        "r1's chunks went at publish: {counts:?}"
+    );
+    assert_eq!(snapshot(&dst, &[r1, r2]).await, before);
+    assert_eq!(
+        dst.replica_manifest(r1).await.unwrap().as_deref(),
+        Some(&b"manifest"[..])
+    );
+    let t3 = dst
+        .insert_transfer("l", "j", "/ck/3", "3", Class::Scheduled)
+        .await
+        .unwrap();
+    assert!(
+        t3.as_i64() > 2,
+        "ids continue after the copied ones: {t3:?}"
+    );
+
+    let e = src.copy_into(&dst).await.unwrap_err();
+    assert!(e.to_string().contains("already holds 3 transfers"), "{e}");
+    assert_eq!(dst.transfers(1000, 0).await.unwrap().len(), 3);
+    dst.close().await;
+    drop_pg_database(&admin, &name).await;
+}
