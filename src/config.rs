@@ -1422,6 +1422,20 @@ link = "to-eval"
         let hv = format!("Bearer {tok}").parse().unwrap();
         let caller = c.api.auth().unwrap().authenticate(Some(&hv)).unwrap();
         assert_eq!(caller.role, api::Role::Operator);
+        // So is the commented [catalog] block.
+        let cat = include_str!("../ops/ferry.example.toml")
+            .replace("# [catalog]", "[catalog]")
+            .replace("# url = ", "url = ")
+            .replace("# password_file = ", "password_file = ");
+        let c = load(&cat).unwrap();
+        assert_eq!(
+            c.catalog.url.unwrap().to_string(),
+            "postgres://ferry@db.train-a.example:5432/ferry_train_a"
+        );
+        assert_eq!(
+            c.catalog.password_file.unwrap(),
+            PathBuf::from("/etc/ferry/catalog.password")
+        );
     }
 
     #[test]
