@@ -64,7 +64,17 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
             id.name()
         );
     }
-    let catalog = Catalog::open(&cfg.agent.data_dir).await?;
+    let catalog = match cfg.catalog_url(
+        std::env::var(crate::config::CATALOG_URL_ENV)
+            .ok()
+            .as_deref(),
+    )? {
+        Some(url) => {
+            tracing::info!(catalog = %url, site = %cfg.agent.site, "catalog in PostgreSQL");
+            Catalog::open_postgres(&url, &cfg.agent.site).await?
+        }
+        None => Catalog::open(&cfg.agent.data_dir).await?,
+    };
     let is_sink = matches!(cfg.agent.role, Role::Sink | Role::Both);
     let is_source = matches!(cfg.agent.role, Role::Source | Role::Both);
 

@@ -37,6 +37,27 @@ pub struct Config {
     /// `[scheduler]`; every key optional.
     #[serde(default)]
     pub scheduler: SchedulerSection,
+    /// `[catalog]`; absent = SQLite in `agent.data_dir`.
+    #[serde(default)]
+    pub catalog: CatalogSection,
+}
+
+/// The environment variable that overrides `catalog.url` (a
+/// `postgres://` URL; empty = not set).
+pub const CATALOG_URL_ENV: &str = "FERRY_CATALOG_URL";
+
+/// `[catalog]`: where the agent's catalog lives. Without `url` (and
+/// without [`CATALOG_URL_ENV`]) it is SQLite, `agent.data_dir/ferry.db`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CatalogSection {
+    /// `postgres://USER[:PASSWORD]@HOST[:PORT]/DATABASE`: the site's
+    /// PostgreSQL catalog, one database per site. Shown everywhere with
+    /// its password as `***`.
+    pub url: Option<ferry_catalog::PostgresUrl>,
+    /// A file holding the password (one line), so the config file need
+    /// not; relative to the config file's directory.
+    pub password_file: Option<PathBuf>,
 }
 
 /// What an agent does.
@@ -811,8 +832,14 @@ impl Config {
     pub fn load(path: &Path) -> Result<Config> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("config file {}", path.display()))?;
-        let mut c: Config = toml::from_str(&text)
-            .map_err(|e| anyhow::anyhow!("config file {}: {e}", path.display()))?;
+        // A parse error quotes the line, which may hold a URL's password.
+        let mut c: Config = toml::from_str(&text).map_err(|e| {
+            anyhow::anyhow!(
+                "config file {}: {}",
+                path.display(),
+                ferry_catalog::redact_url_passwords(&e.to_string())
+            )
+        })?;
         let base = path.parent().unwrap_or(Path::new("."));
         let api_tls = [&mut c.api.tls_cert, &mut c.api.tls_key];
         for p in [&mut c.tls.ca, &mut c.tls.cert, &mut c.tls.key]
@@ -823,9 +850,45 @@ impl Config {
                 *p = base.join(&*p);
             }
         }
+        if let Some(p) = &mut c.catalog.password_file {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        }
         c.check()
             .with_context(|| format!("config file {}", path.display()))?;
         Ok(c)
+    }
+
+    /// The PostgreSQL catalog this agent uses, its password read from
+    /// `catalog.password_file` if given: `env_url` (the value of
+    /// [`CATALOG_URL_ENV`], which wins; empty = unset), else
+    /// `catalog.url`. `None`: SQLite in `agent.data_dir`.
+    ///
+    /// # Errors
+    /// A message naming the variable or key (never the password): a bad
+    /// URL, a password file that cannot be read or is empty, a password
+    /// given twice, or `password_file` without a URL.
+    pub fn catalog_url(&self, env_url: Option<&str>) -> Result<Option<ferry_catalog::PostgresUrl>> {
+        let url = match env_url.filter(|u| !u.is_empty()) {
+            Some(u) => Some(
+                ferry_catalog::PostgresUrl::parse(u)
+                    .map_err(|e| anyhow::anyhow!("{CATALOG_URL_ENV}: {e}"))?,
+            ),
+            None => self.catalog.url.clone(),
+        };
+        match (url, &self.catalog.password_file) {
+            (None, Some(f)) => bail!(
+                "catalog.password_file {} is set but there is no catalog.url (or {CATALOG_URL_ENV})",
+                f.display()
+            ),
+            (None, None) => Ok(None),
+            (Some(u), None) => Ok(Some(u)),
+            (Some(u), Some(f)) => Ok(Some(
+                u.with_password_file(f)
+                    .map_err(|e| anyhow::anyhow!("catalog: {e}"))?,
+            )),
+        }
     }
 
     /// Checks cross-references and ranges.
@@ -1044,6 +1107,84 @@ link = "to-eval"
 
     fn err(text: &str) -> String {
         format!("{:#}", load(text).unwrap_err())
+    }
+
+    #[test]
+    fn catalog_is_sqlite_unless_a_url_is_given_and_the_env_wins() {
+        let c = load(GOOD).unwrap();
+        assert!(c.catalog_url(None).unwrap().is_none(), "SQLite by default");
+        assert!(
+            c.catalog_url(Some("")).unwrap().is_none(),
+            "empty env = unset"
+        );
+        let u = c
+            .catalog_url(Some("postgres://ferry:envpw@db-env/site_a"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(u.to_string(), "postgres://ferry:***@db-env/site_a");
+
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("pg.pass"), "filepw\n").unwrap();
+        let text = format!(
+            "{GOOD}\n[catalog]\nurl = \"postgres://ferry@db-conf:5432/site_a\"\npassword_file = \"pg.pass\"\n"
+        );
+        let p = d.path().join("ferry.toml");
+        std::fs::write(&p, &text).unwrap();
+        let c = Config::load(&p).unwrap();
+        assert!(
+            c.catalog.password_file.as_ref().unwrap().is_absolute(),
+            "relative to the config file"
+        );
+        let u = c.catalog_url(None).unwrap().unwrap();
+        assert_eq!(u.to_string(), "postgres://ferry:***@db-conf:5432/site_a");
+        assert!(
+            u.redact("filepw") == "***",
+            "the file's password is in the URL"
+        );
+        let u = c
+            .catalog_url(Some("postgres://other@db-env/site_a"))
+            .unwrap()
+            .unwrap();
+        assert!(
+            u.to_string().starts_with("postgres://other:***@db-env/"),
+            "{u}"
+        );
+        // A password twice, a missing file, a bad URL: named, never shown.
+        let e = format!(
+            "{:#}",
+            c.catalog_url(Some("postgres://ferry:envpw@db-env/site_a"))
+                .unwrap_err()
+        );
+        assert!(e.contains("keep one") && !e.contains("envpw"), "{e}");
+        std::fs::remove_file(d.path().join("pg.pass")).unwrap();
+        let e = format!("{:#}", c.catalog_url(None).unwrap_err());
+        assert!(e.contains("pg.pass"), "{e}");
+        let e = format!(
+            "{:#}",
+            c.catalog_url(Some("mysql://u:pw9@h/x")).unwrap_err()
+        );
+        assert!(e.contains(CATALOG_URL_ENV) && !e.contains("pw9"), "{e}");
+        let e = err(&format!("{GOOD}\n[catalog]\nurl = \"http://u:pw8@h/x\"\n"));
+        assert!(
+            e.contains("url =") && e.contains("scheme") && !e.contains("pw8"),
+            "{e}"
+        );
+        let e = format!(
+            "{:#}",
+            load(&format!("{GOOD}\n[catalog]\npassword_file = \"x\"\n"))
+                .unwrap()
+                .catalog_url(None)
+                .unwrap_err()
+        );
+        assert!(e.contains("no catalog.url"), "{e}");
+        let c = load(&format!(
+            "{GOOD}\n[catalog]\nurl = \"postgres://u:pw7@h/x\"\n"
+        ))
+        .unwrap();
+        assert!(
+            !format!("{c:?}").contains("pw7"),
+            "Debug of the config hides it"
+        );
     }
 
     #[test]
@@ -1281,6 +1422,20 @@ link = "to-eval"
         let hv = format!("Bearer {tok}").parse().unwrap();
         let caller = c.api.auth().unwrap().authenticate(Some(&hv)).unwrap();
         assert_eq!(caller.role, api::Role::Operator);
+        // So is the commented [catalog] block.
+        let cat = include_str!("../ops/ferry.example.toml")
+            .replace("# [catalog]", "[catalog]")
+            .replace("# url = ", "url = ")
+            .replace("# password_file = ", "password_file = ");
+        let c = load(&cat).unwrap();
+        assert_eq!(
+            c.catalog.url.unwrap().to_string(),
+            "postgres://ferry@db.train-a.example:5432/ferry_train_a"
+        );
+        assert_eq!(
+            c.catalog.password_file.unwrap(),
+            PathBuf::from("/etc/ferry/catalog.password")
+        );
     }
 
     #[test]

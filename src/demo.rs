@@ -153,6 +153,7 @@ fn agent_config(dir: &Path, name: &str, role: Role, api: SocketAddr) -> Config {
         source: None,
         sink: None,
         scheduler: Default::default(),
+        catalog: Default::default(),
     }
 }
 

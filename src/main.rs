@@ -36,6 +36,10 @@ enum Command {
     /// Run an agent (source, sink or both) from a TOML config file.
     ///
     /// See ops/ferry.example.toml for every key, its default and unit.
+    /// The catalog is SQLite in agent.data_dir unless [catalog] url, or the
+    /// environment variable FERRY_CATALOG_URL (which wins), names a
+    /// PostgreSQL database (postgres://USER@HOST/DB; the password may come
+    /// from catalog.password_file and is never printed).
     /// SIGTERM or Ctrl-C drains: batches stop at a chunk boundary, in-flight
     /// writes finish, the catalog is flushed; exits within 10 s.
     ///
@@ -167,6 +171,11 @@ enum Command {
     Token {
         #[command(subcommand)]
         command: TokenCommand,
+    },
+    /// The agent's catalog.
+    Catalog {
+        #[command(subcommand)]
+        command: CatalogCommand,
     },
     /// Re-hash a published replica against its manifest and report any
     /// difference (reads the sink's catalog).
@@ -413,6 +422,31 @@ enum ReplicaCommand {
 }
 
 #[derive(Debug, Subcommand)]
+enum CatalogCommand {
+    /// Copy a single agent's SQLite catalog (agent.data_dir/ferry.db) into
+    /// an empty PostgreSQL catalog, every row with its id, in one
+    /// transaction; then set [catalog] url in the config and restart.
+    ///
+    /// Stop the agent first (its lock on the data directory is taken). A
+    /// target that already holds transfers or replicas is refused and left
+    /// as it is; the SQLite file is left as it is. The target records the
+    /// agent's site (agent.site).
+    Migrate {
+        /// PostgreSQL catalog: postgres://USER@HOST[:PORT]/DATABASE (give the
+        /// password with --password-file rather than here, where other
+        /// users of the machine can see it).
+        #[arg(long, value_name = "URL")]
+        to: String,
+        /// File holding the target's password (one line).
+        #[arg(long, value_name = "FILE")]
+        password_file: Option<PathBuf>,
+        /// The agent's config file (for its data directory and site).
+        #[arg(long, short, env = "FERRY_CONFIG")]
+        config: PathBuf,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 enum TokenCommand {
     /// Make a new random token: prints it once (first line of stdout) and
     /// the [[api.tokens]] entry to add to the agent's config, which holds
@@ -617,6 +651,14 @@ async fn run(cli: Cli) -> Result<()> {
             out::print(format_args!("{text}"))
         }
         Command::Verify { path, config } => verify(&path, &config).await,
+        Command::Catalog {
+            command:
+                CatalogCommand::Migrate {
+                    to,
+                    password_file,
+                    config,
+                },
+        } => catalog_migrate(&to, password_file.as_deref(), &config).await,
         Command::Certs {
             command:
                 CertsCommand::Init {
@@ -940,12 +982,46 @@ async fn push(
     }
 }
 
+async fn catalog_migrate(to: &str, password_file: Option<&Path>, cfg_path: &Path) -> Result<()> {
+    let cfg = config::Config::load(cfg_path)?;
+    let mut url =
+        ferry_catalog::PostgresUrl::parse(to).map_err(|e| anyhow::anyhow!("--to: {e}"))?;
+    if let Some(f) = password_file {
+        url = url
+            .with_password_file(f)
+            .map_err(|e| anyhow::anyhow!("--password-file: {e}"))?;
+    }
+    let from = ferry_catalog::Catalog::open(&cfg.agent.data_dir).await?;
+    let into = ferry_catalog::Catalog::open_postgres(&url, &cfg.agent.site).await?;
+    let counts = from.copy_into(&into).await?;
+    into.close().await;
+    from.close().await;
+    for (table, n) in &counts {
+        outln!("{table}: {n} rows")?;
+    }
+    noteln!(
+        "copied {} into {url}; set [catalog] url = \"{url}\" (password from password_file) in {} \
+         and start the agent; {} is left as it is",
+        cfg.agent.data_dir.join("ferry.db").display(),
+        cfg_path.display(),
+        cfg.agent.data_dir.join("ferry.db").display(),
+    );
+    Ok(())
+}
+
 async fn verify(path: &Path, cfg_path: &Path) -> Result<()> {
     let cfg = config::Config::load(cfg_path)?;
     let abs = std::fs::canonicalize(path).with_context(|| format!("{}", path.display()))?;
-    // Read-only use of the catalog: open the SQLite file directly so a
-    // running agent keeps its lock.
-    let report = replicator::verify::verify_replica(&cfg.agent.data_dir, &abs).await?;
+    let report = match cfg.catalog_url(std::env::var(config::CATALOG_URL_ENV).ok().as_deref())? {
+        // A PostgreSQL catalog takes several clients at once.
+        Some(url) => {
+            let catalog = ferry_catalog::Catalog::open_postgres(&url, &cfg.agent.site).await?;
+            replicator::verify::verify_replica_in(catalog, &abs).await?
+        }
+        // Read-only use of the catalog: open the SQLite file directly so a
+        // running agent keeps its lock.
+        None => replicator::verify::verify_replica(&cfg.agent.data_dir, &abs).await?,
+    };
     outln!(
         "{}: {} files, {} bytes checked against manifest root {}",
         abs.display(),

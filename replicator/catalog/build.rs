@@ -1,6 +1,7 @@
 //! Rebuilds the crate when a migration is added or changed.
 //!
-//! `sqlx::migrate!("../../migrations/sqlite")` in `src/lib.rs` embeds the
+//! `sqlx::migrate!("../../migrations/sqlite")` and
+//! `sqlx::migrate!("../../migrations/postgres")` in `src/lib.rs` embed the
 //! migrations at compile time, and on stable Rust a proc macro cannot ask
 //! Cargo to watch a directory: a new migration file alone would not
 //! rebuild the crate, and the agent and tests would keep migrating to the
@@ -8,4 +9,5 @@
 //! (`sqlx migrate build-script`).
 fn main() {
     println!("cargo:rerun-if-changed=../../migrations/sqlite");
+    println!("cargo:rerun-if-changed=../../migrations/postgres");
 }

@@ -45,6 +45,15 @@ pub enum VerifyError {
 /// differences are reported in [`Report::problems`], not as errors.
 pub async fn verify_replica(data_dir: &Path, local_path: &Path) -> Result<Report, VerifyError> {
     let catalog = Catalog::open_read_only(data_dir).await?;
+    verify_replica_in(catalog, local_path).await
+}
+
+/// [`verify_replica`] with the manifest from `catalog` (a PostgreSQL
+/// catalog, say), which is closed when the manifest is read.
+///
+/// # Errors
+/// As [`verify_replica`].
+pub async fn verify_replica_in(catalog: Catalog, local_path: &Path) -> Result<Report, VerifyError> {
     let lp = local_path.to_string_lossy().into_owned();
     let row = catalog
         .replica_by_local_path(&lp)

@@ -238,6 +238,8 @@ pub struct AgentConfig {
     pub source: Option<SourceSpec>,
     /// `[sink]`
     pub sink: Option<SinkSpec>,
+    /// TOML tables appended at the end of the file (`[catalog]`, ...).
+    pub tail: String,
 }
 
 /// A TOML basic string holding `s`, correctly escaped.
@@ -301,6 +303,7 @@ impl AgentConfig {
             }
             t += &s.extra;
         }
+        t += &self.tail;
         t
     }
 }
@@ -549,6 +552,7 @@ impl World {
             .env_remove("FERRY_CONFIG")
             .env_remove("FERRY_SERVER")
             .env_remove("FERRY_LOG")
+            .env_remove("FERRY_CATALOG_URL")
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .kill_on_drop(true);
@@ -655,6 +659,7 @@ impl World {
                 reserve: None,
                 extra: String::new(),
             }),
+            tail: String::new(),
         }
     }
 
@@ -689,6 +694,7 @@ impl World {
                 root_extra: String::new(),
             }),
             sink: None,
+            tail: String::new(),
         }
     }
 
@@ -735,6 +741,7 @@ impl World {
             .current_dir(&agent.dir)
             .env_remove("FERRY_CONFIG")
             .env_remove("FERRY_LOG")
+            .env_remove("FERRY_CATALOG_URL")
             .env_remove("FERRY_FAULT_CORRUPT_CHUNKS")
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())

@@ -115,7 +115,7 @@ async fn record_job_if_changed(
     let mut q = sqlx::query(&sql)
         .bind(at_ms)
         .bind(name)
-        .bind(params)
+        .bind(crate::convert::real(params))
         .bind(importance)
         .bind(name)
         .bind(importance);
@@ -163,7 +163,7 @@ impl Catalog {
                  WHERE jobs.origin = ?",
             ))
             .bind(name)
-            .bind(params)
+            .bind(crate::convert::real(params))
             .bind(importance)
             .bind(origin::CONFIG)
             .bind(now)
@@ -206,7 +206,7 @@ impl Catalog {
         record_job_if_changed(self, &mut tx, now, name, params, importance, false).await?;
         let r = sqlx::query(&self.db.sql(&q))
             .bind(name)
-            .bind(params)
+            .bind(crate::convert::real(params))
             .bind(importance)
             .bind(origin::API)
             .bind(now)

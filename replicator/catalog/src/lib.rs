@@ -16,16 +16,23 @@
 //! # Dialects
 //!
 //! Queries run through sqlx's `Any` driver, so one implementation serves
-//! every database; SQLite in the data directory (WAL mode) is the
-//! embedded default and the only dialect of this build. Everything that
-//! differs between dialects lives in [`dialect`]: how a database is opened
-//! (for SQLite: the file, its pragmas, the agent lock), and
-//! [`dialect::Dialect::sql`], which every statement passes through and
-//! which will rewrite the `?` placeholders for PostgreSQL (`$1`, `$2`,
-//! ...). Statements use only SQL that both dialects accept
-//! (`RETURNING`, `ON CONFLICT ... DO UPDATE`, `COALESCE`). Migrations are
-//! embedded, one folder per dialect: `migrations/sqlite/` today,
-//! `migrations/postgres/` with the PostgreSQL catalog.
+//! every database: SQLite in the data directory (WAL mode), the embedded
+//! default for a single agent ([`Catalog::open`]), or PostgreSQL, one
+//! database per site ([`Catalog::open_postgres`], `[catalog] url` in the
+//! agent's config). Everything that differs between dialects lives in
+//! [`dialect`]: how a database is opened (for SQLite: the file, its
+//! pragmas, the agent lock; for PostgreSQL: the URL, its password kept
+//! out of every message, the site check), and [`dialect::Dialect::sql`],
+//! which every statement passes through and which numbers the `?`
+//! placeholders for PostgreSQL (`$1`, `$2`, ...). Statements use only SQL
+//! that both dialects accept (`RETURNING`, `ON CONFLICT ... DO UPDATE`,
+//! `COALESCE`); the scalar minimum and maximum are
+//! [`dialect::Dialect::least`] and [`dialect::Dialect::greatest`].
+//! Migrations are embedded, one folder per dialect with the same schema:
+//! `migrations/sqlite/` and `migrations/postgres/` (which also records
+//! the site, `0007_site.sql`). The crate's tests are one conformance
+//! suite: each runs on SQLite and on a fresh PostgreSQL database of the
+//! server at `FERRY_TEST_PG_URL` (started by `ops/test`).
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -36,6 +43,7 @@ use sqlx::AnyPool;
 
 pub mod chunks;
 mod convert;
+mod copy;
 pub mod dialect;
 pub mod events;
 mod export;
@@ -47,8 +55,10 @@ mod tests;
 pub mod transfers;
 
 use dialect::Dialect;
+pub use dialect::{redact_url_passwords, PostgresUrl};
 
 pub use chunks::{Arrivals, VerifiedChunk, ARRIVAL_BIN_MS, MAX_ARRIVAL_BINS};
+pub use copy::{CopyCounts, COPIED_TABLES};
 pub use events::{Change, Event, EventKind};
 pub use export::TraceExport;
 pub use jobs::{origin, Job, MAX_MODEL_PARAMS};
@@ -77,6 +87,30 @@ pub enum CatalogError {
         path: PathBuf,
         /// What went wrong and what to do.
         why: String,
+    },
+    /// The PostgreSQL catalog cannot be reached, refuses the login, or
+    /// cannot be migrated. The URL is shown with its password replaced by
+    /// `***`, and the message holds no password.
+    #[error("catalog {url}: {why}")]
+    Database {
+        /// The catalog's URL, password redacted.
+        url: String,
+        /// What went wrong.
+        why: String,
+    },
+    /// The PostgreSQL catalog belongs to another site: one database holds
+    /// one site's catalog.
+    #[error(
+        "catalog {url} belongs to site '{catalog_site}', not to this agent's site \
+         '{agent_site}': give each site its own database"
+    )]
+    OtherSite {
+        /// The catalog's URL, password redacted.
+        url: String,
+        /// The site recorded in the catalog.
+        catalog_site: String,
+        /// The site of the agent that opened it.
+        agent_site: String,
     },
     /// An SQL error.
     #[error("catalog: {0}")]
@@ -164,6 +198,78 @@ impl Catalog {
             db: Dialect::Sqlite,
             _lock: Some(std::sync::Arc::new(lock)),
         })
+    }
+
+    /// Opens (migrating if needed) the PostgreSQL catalog at `url` for an
+    /// agent of `site`. The first agent to open a catalog records its
+    /// site; an agent of another site is refused. No lock is taken: agents
+    /// of one site may share the database.
+    ///
+    /// # Errors
+    /// [`CatalogError::Database`] (URL and message without the password)
+    /// if the server cannot be reached, refuses the login or the catalog
+    /// cannot be migrated; [`CatalogError::OtherSite`] naming both sites.
+    pub async fn open_postgres(url: &PostgresUrl, site: &str) -> Result<Catalog, CatalogError> {
+        let db_err = |why: String| CatalogError::Database {
+            url: url.to_string(),
+            why: url.redact(&why),
+        };
+        let pool = dialect::open_postgres(url)
+            .await
+            .map_err(|e| db_err(format!("cannot connect: {e}")))?;
+        sqlx::migrate!("../../migrations/postgres")
+            .run(&pool)
+            .await
+            .map_err(|e| db_err(format!("cannot migrate it: {e}")))?;
+        let db = Dialect::Postgres;
+        sqlx::query(&db.sql(
+            "INSERT INTO catalog_site (id, site, recorded_at) VALUES (1, ?, ?) \
+             ON CONFLICT (id) DO NOTHING",
+        ))
+        .bind(site)
+        .bind(now_ms())
+        .execute(&pool)
+        .await
+        .map_err(|e| db_err(format!("cannot record the site: {e}")))?;
+        let recorded: String =
+            sqlx::query_scalar(&db.sql("SELECT site FROM catalog_site WHERE id = 1"))
+                .fetch_one(&pool)
+                .await
+                .map_err(|e| db_err(format!("cannot read the site: {e}")))?;
+        if recorded != site {
+            pool.close().await;
+            return Err(CatalogError::OtherSite {
+                url: url.to_string(),
+                catalog_site: recorded,
+                agent_site: site.to_string(),
+            });
+        }
+        Ok(Catalog {
+            pool,
+            db,
+            _lock: None,
+        })
+    }
+
+    /// The site recorded in a PostgreSQL catalog (`None` for SQLite,
+    /// which records none).
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn site(&self) -> Result<Option<String>, CatalogError> {
+        match self.db {
+            Dialect::Sqlite => Ok(None),
+            Dialect::Postgres => Ok(sqlx::query_scalar(
+                &self.db.sql("SELECT site FROM catalog_site WHERE id = 1"),
+            )
+            .fetch_optional(&self.pool)
+            .await?),
+        }
+    }
+
+    /// The database this catalog lives in.
+    pub fn dialect(&self) -> Dialect {
+        self.db
     }
 
     /// Opens an existing catalog read-only, without the agent lock, so

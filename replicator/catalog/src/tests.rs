@@ -9,7 +9,124 @@ use scheduler::Class;
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
 
 use crate::chunks::spread_arrivals;
+use crate::dialect::Dialect;
 use crate::*;
+
+/// A catalog for one test: SQLite in a temporary directory, or a
+/// PostgreSQL database of its own, created on the server at
+/// `FERRY_TEST_PG_URL` (set by `ops/test`) and dropped when the test ends.
+pub(crate) struct TestCatalog {
+    pub(crate) catalog: Catalog,
+    _dir: tempfile::TempDir,
+    pg: Option<(PostgresUrl, String)>,
+}
+
+/// Where the test PostgreSQL server is; a test asking for it fails
+/// (never skips) when the test command did not start one.
+pub(crate) fn test_pg_url() -> PostgresUrl {
+    let url = std::env::var("FERRY_TEST_PG_URL").unwrap_or_else(|_| {
+        panic!(
+            "FERRY_TEST_PG_URL is not set: the PostgreSQL catalog tests need a server; run them \
+             through ops/test (or ops/with-test-pg cargo test ...), which starts one"
+        )
+    });
+    PostgresUrl::parse(&url).unwrap_or_else(|e| panic!("FERRY_TEST_PG_URL: {e}"))
+}
+
+/// A fresh, empty database on the test server: its admin URL and name.
+pub(crate) async fn fresh_pg_database() -> (PostgresUrl, String, PostgresUrl) {
+    use sqlx::Connection;
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let admin = test_pg_url();
+    let name = format!(
+        "ferry_test_{}_{}_{}",
+        std::process::id(),
+        N.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        now_ms()
+    );
+    let mut conn = sqlx::PgConnection::connect(admin.secret())
+        .await
+        .unwrap_or_else(|e| panic!("test PostgreSQL at {admin}: {e}"));
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    conn.close().await.unwrap();
+    let url = admin.with_database(&name);
+    (admin, name, url)
+}
+
+/// Drops a test database (its connections too).
+pub(crate) async fn drop_pg_database(admin: &PostgresUrl, name: &str) {
+    use sqlx::Connection;
+    let mut conn = sqlx::PgConnection::connect(admin.secret()).await.unwrap();
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    conn.close().await.unwrap();
+}
+
+impl TestCatalog {
+    /// The site PostgreSQL test catalogs are recorded for.
+    pub(crate) const SITE: &str = "test-site";
+
+    pub(crate) async fn new(db: Dialect) -> TestCatalog {
+        let dir = tempfile::tempdir().unwrap();
+        match db {
+            Dialect::Sqlite => TestCatalog {
+                catalog: Catalog::open(dir.path()).await.unwrap(),
+                _dir: dir,
+                pg: None,
+            },
+            Dialect::Postgres => {
+                let (admin, name, url) = fresh_pg_database().await;
+                TestCatalog {
+                    catalog: Catalog::open_postgres(&url, Self::SITE).await.unwrap(),
+                    _dir: dir,
+                    pg: Some((admin, name)),
+                }
+            }
+        }
+    }
+
+    /// Closes the catalog and drops its PostgreSQL database.
+    pub(crate) async fn finish(self) {
+        self.catalog.close().await;
+        if let Some((admin, name)) = &self.pg {
+            drop_pg_database(admin, name).await;
+        }
+    }
+}
+
+/// Runs `body` on a fresh catalog of dialect `db`.
+pub(crate) async fn run_on<F, Fut>(db: Dialect, body: F)
+where
+    F: FnOnce(Catalog) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let t = TestCatalog::new(db).await;
+    body(t.catalog.clone()).await;
+    t.finish().await;
+}
+
+/// The conformance suite: `both!(name)` makes the test `name::sqlite`
+/// and `name::postgres` of `async fn name(c: Catalog)`, run on a fresh
+/// catalog of each dialect.
+macro_rules! both {
+    ($name:ident) => {
+        mod $name {
+            #[tokio::test]
+            async fn sqlite() {
+                $crate::tests::run_on($crate::dialect::Dialect::Sqlite, super::$name).await
+            }
+            #[tokio::test]
+            async fn postgres() {
+                $crate::tests::run_on($crate::dialect::Dialect::Postgres, super::$name).await
+            }
+        }
+    };
+}
 
 mod events;
 
@@ -21,10 +138,7 @@ async fn second_agent_on_one_data_dir_is_refused() {
     assert!(e.to_string().contains("already in use"), "{e}");
 }
 
-#[tokio::test]
-async fn pause_and_final_states_are_not_undone_by_the_transfer_task() {
-    let d = tempfile::tempdir().unwrap();
-    let c = Catalog::open(d.path()).await.unwrap();
+async fn pause_and_final_states_are_not_undone_by_the_transfer_task(c: Catalog) {
     let state_of = |id| {
         let c = c.clone();
         async move { c.transfer(id).await.unwrap().unwrap().state }
@@ -102,13 +216,11 @@ async fn pause_and_final_states_are_not_undone_by_the_transfer_task() {
         .unwrap();
     assert_eq!(state_of(id).await, TransferState::Failed);
 }
+both!(pause_and_final_states_are_not_undone_by_the_transfer_task);
 
 /// A run's start takes `active` and clears the note in one write, with
 /// the same refusals as any `active`: never over a pause or a final state.
-#[tokio::test]
-async fn a_run_start_clears_the_note_and_respects_pauses() {
-    let d = tempfile::tempdir().unwrap();
-    let c = Catalog::open(d.path()).await.unwrap();
+async fn a_run_start_clears_the_note_and_respects_pauses(c: Catalog) {
     let id = c
         .insert_transfer("l", "j", "/ck/s1", "s1", Class::Scheduled)
         .await
@@ -143,13 +255,11 @@ async fn a_run_start_clears_the_note_and_respects_pauses() {
         TransferState::Failed
     );
 }
+both!(a_run_start_clears_the_note_and_respects_pauses);
 
 /// A pushed transfer is inserted with its size (when known) and its
 /// arrival event, and the row returned is the row stored.
-#[tokio::test]
-async fn a_pushed_transfer_is_inserted_with_its_size_and_returned() {
-    let d = tempfile::tempdir().unwrap();
-    let c = Catalog::open(d.path()).await.unwrap();
+async fn a_pushed_transfer_is_inserted_with_its_size_and_returned(c: Catalog) {
     let t = c
         .insert_pushed_transfer("l", "j", "/ck/a", "a", Class::Urgent, Some((4096, 2)))
         .await
@@ -172,11 +282,9 @@ async fn a_pushed_transfer_is_inserted_with_its_size_and_returned() {
         .count();
     assert_eq!(arrivals, 2, "each insert records its arrival");
 }
+both!(a_pushed_transfer_is_inserted_with_its_size_and_returned);
 
-#[tokio::test]
-async fn transfer_progress_never_moves_backwards() {
-    let d = tempfile::tempdir().unwrap();
-    let c = Catalog::open(d.path()).await.unwrap();
+async fn transfer_progress_never_moves_backwards(c: Catalog) {
     let id = c
         .insert_transfer("l", "j", "/ck/s1", "s1", Class::Scheduled)
         .await
@@ -210,11 +318,9 @@ async fn transfer_progress_never_moves_backwards() {
     c.set_transfer_size(id, 200, 3).await.unwrap();
     assert_eq!(row(c.clone()).await, (200, 120, 160, 3));
 }
+both!(transfer_progress_never_moves_backwards);
 
-#[tokio::test]
-async fn transfer_and_replica_rows_roundtrip() {
-    let d = tempfile::tempdir().unwrap();
-    let c = Catalog::open(d.path()).await.unwrap();
+async fn transfer_and_replica_rows_roundtrip(c: Catalog) {
     let id = c
         .insert_transfer("l", "j", "/ck/s1", "s1", Class::Scheduled)
         .await
@@ -308,12 +414,10 @@ async fn transfer_and_replica_rows_roundtrip() {
     assert_eq!(rep.class, Some(scheduler::Class::Urgent));
     assert_eq!((rep.pin.clone(), rep.removal.clone()), (None, None));
 }
+both!(transfer_and_replica_rows_roundtrip);
 
 /// Pins, the current versions at a path, and a removal's two steps.
-#[tokio::test]
-async fn replica_pins_and_removals_are_recorded() {
-    let d = tempfile::tempdir().unwrap();
-    let c = Catalog::open(d.path()).await.unwrap();
+async fn replica_pins_and_removals_are_recorded(c: Catalog) {
     let mut ids = Vec::new();
     for (n, path) in [(1, "/eval/a"), (2, "/eval/a"), (3, "/eval/b")] {
         let r = replica_for(&c, TransferId(n)).await;
@@ -394,6 +498,7 @@ async fn replica_pins_and_removals_are_recorded() {
         .collect();
     assert_eq!(current, vec![ids[2]]);
 }
+both!(replica_pins_and_removals_are_recorded);
 
 async fn replica_for(c: &Catalog, id: TransferId) -> i64 {
     c.insert_replica(&NewReplica {
@@ -442,10 +547,7 @@ fn a_chunk_s_bytes_are_spread_over_its_arrival() {
     assert_eq!(long.bin_ms, 100);
 }
 
-#[tokio::test]
-async fn add_chunks_records_arrival_time_and_length() {
-    let d = tempfile::tempdir().unwrap();
-    let c = Catalog::open(d.path()).await.unwrap();
+async fn add_chunks_records_arrival_time_and_length(c: Catalog) {
     let r = replica_for(&c, TransferId(1)).await;
     let before = now_ms();
     c.add_chunks(&[vc(r, 0, [1; 32], 7), vc(r, 1, [2; 32], 3)])
@@ -465,9 +567,9 @@ async fn add_chunks_records_arrival_time_and_length() {
         c.chunk_arrivals(r).await.unwrap().bins.first(),
         Some(&((before - 5_003) / 10 * 10, 4))
     );
-    let rows: Vec<(i64, Option<i64>, Option<i64>)> = sqlx::query_as(
+    let rows: Vec<(i64, Option<i64>, Option<i64>)> = sqlx::query_as(&c.db.sql(
         "SELECT idx, verified_at, bytes FROM chunks WHERE replica = ? AND idx < 2 ORDER BY idx",
-    )
+    ))
     .bind(r)
     .fetch_all(&c.pool)
     .await
@@ -481,6 +583,7 @@ async fn add_chunks_records_arrival_time_and_length() {
     }
     assert_eq!(c.replica(r).await.unwrap().unwrap().bytes_done, 14);
 }
+both!(add_chunks_records_arrival_time_and_length);
 
 /// A sink-side row at `local_path` in `state`.
 async fn replica_at(c: &Catalog, id: u64, local_path: &str, state: TransferState) -> i64 {
@@ -508,10 +611,7 @@ async fn replica_at(c: &Catalog, id: u64, local_path: &str, state: TransferState
 /// A replica path overlaps a live or published one above or below it,
 /// never a sibling with the same prefix, a failed row or itself; the
 /// ancestors of a path deeper than one statement's share are all asked.
-#[tokio::test]
-async fn overlapping_replicas_are_found_above_and_below() {
-    let d = tempfile::tempdir().unwrap();
-    let c = Catalog::open(d.path()).await.unwrap();
+async fn overlapping_replicas_are_found_above_and_below(c: Catalog) {
     replica_at(&c, 1, "/eval/a/b", TransferState::Receiving).await;
     replica_at(&c, 2, "/eval/f", TransferState::Failed).await;
     replica_at(&c, 3, "/deep", TransferState::Published).await;
@@ -534,6 +634,7 @@ async fn overlapping_replicas_are_found_above_and_below() {
     assert_eq!(over(deep).await.as_deref(), Some("/deep"));
     assert_eq!(over(format!("/other{}", "/d".repeat(900))).await, None);
 }
+both!(overlapping_replicas_are_found_above_and_below);
 
 /// More ancestors than one statement of `overlapping_replica` asks for.
 const MAX_DEPTH_TESTED: usize = 500;
@@ -542,10 +643,7 @@ const MAX_DEPTH_TESTED: usize = 500;
 /// manifest, its arrival bins (from chunks of the same batch too) and
 /// loses its chunk rows; a row still receiving keeps its chunks and
 /// counts their bytes.
-#[tokio::test]
-async fn a_batch_records_chunks_and_publishes_together() {
-    let d = tempfile::tempdir().unwrap();
-    let c = Catalog::open(d.path()).await.unwrap();
+async fn a_batch_records_chunks_and_publishes_together(c: Catalog) {
     let r1 = replica_at(&c, 1, "/eval/1", TransferState::Receiving).await;
     let r2 = replica_at(&c, 2, "/eval/2", TransferState::Receiving).await;
     let r3 = replica_at(&c, 3, "/eval/3", TransferState::Receiving).await;
@@ -613,25 +711,34 @@ async fn a_batch_records_chunks_and_publishes_together() {
     assert_eq!(row3.bytes_done, 5);
     assert_eq!(c.chunks(r3).await.unwrap(), vec![(0, [3; 32])]);
 }
+both!(a_batch_records_chunks_and_publishes_together);
 
 /// A batch is all or nothing: when one publish in it cannot be written
 /// (a trigger refuses it here, as a full disk or a crash would stop the
 /// transaction), neither the publishes before it nor the batch's chunks
 /// are recorded, and every row is as it was.
-#[tokio::test]
-async fn a_failed_batch_records_nothing() {
-    let d = tempfile::tempdir().unwrap();
-    let c = Catalog::open(d.path()).await.unwrap();
+async fn a_failed_batch_records_nothing(c: Catalog) {
     let r1 = replica_at(&c, 1, "/eval/1", TransferState::Receiving).await;
     let r2 = replica_at(&c, 2, "/eval/2", TransferState::Receiving).await;
-    sqlx::query(&format!(
-        "CREATE TRIGGER refuse_r2 BEFORE UPDATE OF state ON replicas \
-         WHEN NEW.id = {r2} AND NEW.state = 'published' \
-         BEGIN SELECT RAISE(ABORT, 'refused by the test'); END"
-    ))
-    .execute(&c.pool)
-    .await
-    .unwrap();
+    let refuse = match c.db {
+        Dialect::Sqlite => vec![format!(
+            "CREATE TRIGGER refuse_r2 BEFORE UPDATE OF state ON replicas \
+             WHEN NEW.id = {r2} AND NEW.state = 'published' \
+             BEGIN SELECT RAISE(ABORT, 'refused by the test'); END"
+        )],
+        Dialect::Postgres => vec![
+            "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN RAISE EXCEPTION 'refused by the test'; END $$"
+                .to_string(),
+            format!(
+                "CREATE TRIGGER refuse_r2 BEFORE UPDATE OF state ON replicas FOR EACH ROW \
+                 WHEN (NEW.id = {r2} AND NEW.state = 'published') EXECUTE FUNCTION refuse()"
+            ),
+        ],
+    };
+    for sql in &refuse {
+        sqlx::query(sql).execute(&c.pool).await.unwrap();
+    }
     let published = |id: i64| PublishedReplica {
         id,
         manifest: b"m".to_vec(),
@@ -662,11 +769,9 @@ async fn a_failed_batch_records_nothing() {
     let row = c.replica(r1).await.unwrap().unwrap();
     assert_eq!(row.state, TransferState::Published);
 }
+both!(a_failed_batch_records_nothing);
 
-#[tokio::test]
-async fn signals_are_idempotent_by_key() {
-    let d = tempfile::tempdir().unwrap();
-    let c = Catalog::open(d.path()).await.unwrap();
+async fn signals_are_idempotent_by_key(c: Catalog) {
     let (s1, new) = c
         .insert_signal("j", "loss_spike", 0.8, Some(1200), Some("k1"))
         .await
@@ -736,11 +841,9 @@ async fn signals_are_idempotent_by_key() {
     assert!(e.to_string().contains("kind"), "{e}");
     assert_eq!(c.recent_signals(100).await.unwrap().len(), 3);
 }
+both!(signals_are_idempotent_by_key);
 
-#[tokio::test]
-async fn api_jobs_survive_config_sync() {
-    let d = tempfile::tempdir().unwrap();
-    let c = Catalog::open(d.path()).await.unwrap();
+async fn api_jobs_survive_config_sync(c: Catalog) {
     c.sync_config_jobs(&[("a".into(), Some(7e10), 0.8), ("b".into(), Some(0.0), 0.2)])
         .await
         .unwrap();
@@ -813,11 +916,9 @@ async fn api_jobs_survive_config_sync() {
     assert!(e.to_string().contains("job name"), "{e}");
     assert_eq!(c.job("a").await.unwrap().unwrap(), put2);
 }
+both!(api_jobs_survive_config_sync);
 
-#[tokio::test]
-async fn class_importance_and_urgent_promotion() {
-    let d = tempfile::tempdir().unwrap();
-    let c = Catalog::open(d.path()).await.unwrap();
+async fn class_importance_and_urgent_promotion(c: Catalog) {
     let id = c
         .insert_transfer("l", "j", "/ck/s1", "s1", Class::Scheduled)
         .await
@@ -844,7 +945,7 @@ async fn class_importance_and_urgent_promotion() {
     );
     // A class the types cannot hold (written by another version, or by
     // hand) is an error naming the column, not a silent default.
-    sqlx::query("UPDATE transfers SET class = 'soon' WHERE id = ?")
+    sqlx::query(&c.db.sql("UPDATE transfers SET class = 'soon' WHERE id = ?"))
         .bind(id.as_i64())
         .execute(&c.pool)
         .await
@@ -878,11 +979,9 @@ async fn class_importance_and_urgent_promotion() {
     let t = c.transfer(id).await.unwrap().unwrap();
     assert_eq!((t.class, t.importance), (Class::Background, None));
 }
+both!(class_importance_and_urgent_promotion);
 
-#[tokio::test]
-async fn newest_unpublished_skips_final_transfers_and_keeps_paused() {
-    let d = tempfile::tempdir().unwrap();
-    let c = Catalog::open(d.path()).await.unwrap();
+async fn newest_unpublished_skips_final_transfers_and_keeps_paused(c: Catalog) {
     assert_eq!(c.newest_unpublished_transfer("j").await.unwrap(), None);
     let mut ids = Vec::new();
     // (created_at, state): the newest is published, the one with the
@@ -901,13 +1000,16 @@ async fn newest_unpublished_skips_final_transfers_and_keeps_paused() {
             .insert_transfer("l", "j", &format!("/ck/s{n}"), "s", Class::Scheduled)
             .await
             .unwrap();
-        sqlx::query("UPDATE transfers SET created_at = ?, state = ? WHERE id = ?")
-            .bind(created)
-            .bind(st.as_str())
-            .bind(id.as_i64())
-            .execute(&c.pool)
-            .await
-            .unwrap();
+        sqlx::query(
+            &c.db
+                .sql("UPDATE transfers SET created_at = ?, state = ? WHERE id = ?"),
+        )
+        .bind(created)
+        .bind(st.as_str())
+        .bind(id.as_i64())
+        .execute(&c.pool)
+        .await
+        .unwrap();
         ids.push(id);
     }
     // Another job's newer transfer does not count.
@@ -936,11 +1038,14 @@ async fn newest_unpublished_skips_final_transfers_and_keeps_paused() {
         .collect();
     assert_eq!(unfinished, [ids[0], ids[1], other]);
     // Equal creation times: the larger id is the newer.
-    sqlx::query("UPDATE transfers SET created_at = 3000 WHERE id = ?")
-        .bind(ids[1].as_i64())
-        .execute(&c.pool)
-        .await
-        .unwrap();
+    sqlx::query(
+        &c.db
+            .sql("UPDATE transfers SET created_at = 3000 WHERE id = ?"),
+    )
+    .bind(ids[1].as_i64())
+    .execute(&c.pool)
+    .await
+    .unwrap();
     assert_eq!(
         c.newest_unpublished_transfer("j")
             .await
@@ -959,6 +1064,7 @@ async fn newest_unpublished_skips_final_transfers_and_keeps_paused() {
     assert_ne!(t.id, logs);
     assert_eq!(t.id, ids[1]);
 }
+both!(newest_unpublished_skips_final_transfers_and_keeps_paused);
 
 /// A catalog in `dir/data` made by only the migrations given (name, SQL):
 /// what an older version of Ferry left. Returns the data directory and a
@@ -1042,11 +1148,13 @@ async fn version_2_catalog_migrates_and_keeps_its_rows() {
     assert_eq!((t.class, t.created_at), (Class::Scheduled, 1000));
     assert_eq!((t.importance, t.urgent_until, t.signal), (None, None, None));
     assert_eq!(c.chunks(9).await.unwrap(), vec![(0, [3; 32])]);
-    let old: (Option<i64>, Option<i64>) =
-        sqlx::query_as("SELECT verified_at, bytes FROM chunks WHERE replica = 9")
-            .fetch_one(&c.pool)
-            .await
-            .unwrap();
+    let old: (Option<i64>, Option<i64>) = sqlx::query_as(
+        &c.db
+            .sql("SELECT verified_at, bytes FROM chunks WHERE replica = 9"),
+    )
+    .fetch_one(&c.pool)
+    .await
+    .unwrap();
     assert_eq!(old, (None, None));
     assert!(c.jobs().await.unwrap().is_empty());
     c.put_job("j", Some(7e9), 0.5).await.unwrap();
@@ -1060,7 +1168,7 @@ async fn version_2_catalog_migrates_and_keeps_its_rows() {
             .signal,
         Some(s.id)
     );
-    let v: i64 = sqlx::query_scalar("SELECT MAX(version) FROM _sqlx_migrations")
+    let v: i64 = sqlx::query_scalar(&c.db.sql("SELECT MAX(version) FROM _sqlx_migrations"))
         .fetch_one(&c.pool)
         .await
         .unwrap();
@@ -1097,17 +1205,17 @@ async fn sqlite_catalog_runs_in_wal_mode_with_foreign_keys() {
         held.push(c.pool.acquire().await.unwrap());
     }
     for conn in &mut held {
-        let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
+        let mode: String = sqlx::query_scalar(&c.db.sql("PRAGMA journal_mode"))
             .fetch_one(&mut **conn)
             .await
             .unwrap();
         assert_eq!(mode, "wal");
-        let fk: i64 = sqlx::query_scalar("PRAGMA foreign_keys")
+        let fk: i64 = sqlx::query_scalar(&c.db.sql("PRAGMA foreign_keys"))
             .fetch_one(&mut **conn)
             .await
             .unwrap();
         assert_eq!(fk, 1);
-        let sync: i64 = sqlx::query_scalar("PRAGMA synchronous")
+        let sync: i64 = sqlx::query_scalar(&c.db.sql("PRAGMA synchronous"))
             .fetch_one(&mut **conn)
             .await
             .unwrap();
@@ -1120,7 +1228,7 @@ async fn a_file_that_is_not_a_catalog_is_refused_naming_it() {
     let d = tempfile::tempdir().unwrap();
     let c = Catalog::open(d.path()).await.unwrap();
     // Everything in the main file, as after an agent's clean stop.
-    sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)")
+    sqlx::query(&c.db.sql("PRAGMA wal_checkpoint(TRUNCATE)"))
         .execute(&c.pool)
         .await
         .unwrap();
@@ -1139,4 +1247,236 @@ async fn a_file_that_is_not_a_catalog_is_refused_naming_it() {
         .to_string();
     assert!(e.contains(&db.display().to_string()), "{e}");
     assert_eq!(std::fs::read(&db).unwrap(), bytes);
+}
+
+/// One database per site: the first agent records its site, an agent of
+/// another site is refused naming both, and the first may come back.
+#[tokio::test]
+async fn postgres_catalog_of_another_site_is_refused_naming_both() {
+    let (admin, name, url) = fresh_pg_database().await;
+    let a = Catalog::open_postgres(&url, "train-a").await.unwrap();
+    assert_eq!(a.site().await.unwrap().as_deref(), Some("train-a"));
+    let e = Catalog::open_postgres(&url, "train-b").await.unwrap_err();
+    let shown = e.to_string();
+    assert!(matches!(e, CatalogError::OtherSite { .. }), "{shown}");
+    assert!(
+        shown.contains("'train-a'") && shown.contains("'train-b'"),
+        "{shown}"
+    );
+    // A second agent of the same site shares it.
+    let a2 = Catalog::open_postgres(&url, "train-a").await.unwrap();
+    let id = a
+        .insert_transfer("l", "j", "/ck/1", "1", Class::Scheduled)
+        .await
+        .unwrap();
+    assert!(a2.transfer(id).await.unwrap().is_some());
+    a.close().await;
+    a2.close().await;
+    drop_pg_database(&admin, &name).await;
+}
+
+/// A login with a password (from a password file, as the config gives
+/// it) opens the catalog; a wrong password is refused, and neither
+/// password appears in the error.
+#[tokio::test]
+async fn postgres_password_comes_from_a_file_and_never_shows_in_errors() {
+    use sqlx::Connection;
+    let (admin, name, url) = fresh_pg_database().await;
+    let role = format!("{name}_role");
+    let password = format!("pw-{}-s3cr3t", now_ms());
+    let mut conn = sqlx::PgConnection::connect(admin.secret()).await.unwrap();
+    // ops/with-test-pg makes members of ferry_password_login log in with
+    // a password (scram-sha-256); everyone else is trusted.
+    for sql in [
+        "DO $$ BEGIN CREATE ROLE ferry_password_login NOLOGIN; \
+         EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL; END $$"
+            .to_string(),
+        format!("CREATE ROLE {role} LOGIN PASSWORD '{password}' IN ROLE ferry_password_login"),
+        format!("ALTER DATABASE {name} OWNER TO {role}"),
+    ] {
+        sqlx::query(&sql).execute(&mut conn).await.unwrap();
+    }
+    let base = url.with_user(&role);
+    let d = tempfile::tempdir().unwrap();
+    let file = d.path().join("catalog.password");
+    std::fs::write(&file, format!("{password}\n")).unwrap();
+    let good = base.clone().with_password_file(&file).unwrap();
+    assert!(!good.to_string().contains(&password), "{good}");
+    let c = Catalog::open_postgres(&good, "s").await.unwrap();
+    assert!(!format!("{c:?}").contains(&password), "{c:?}");
+    c.close().await;
+
+    let wrong = format!("{password}-wrong");
+    let bad = base.clone().with_password(&wrong).unwrap();
+    let e = Catalog::open_postgres(&bad, "s").await.unwrap_err();
+    let shown = format!("{e} {e:?}");
+    assert!(shown.contains("password authentication failed"), "{shown}");
+    assert!(
+        shown.contains(":***@"),
+        "the URL is shown redacted: {shown}"
+    );
+    assert!(
+        !shown.contains(&password) && !shown.contains("s3cr3t"),
+        "{shown}"
+    );
+
+    // A missing or empty file is named, and its content never shown.
+    let e = base
+        .clone()
+        .with_password_file(&d.path().join("nope"))
+        .unwrap_err();
+    assert!(e.contains("nope"), "{e}");
+    std::fs::write(&file, "\n").unwrap();
+    let e = base.clone().with_password_file(&file).unwrap_err();
+    assert!(e.contains("is empty"), "{e}");
+    let e = good.with_password_file(&file).unwrap_err();
+    assert!(e.contains("keep one") && !e.contains(&password), "{e}");
+
+    drop_pg_database(&admin, &name).await;
+    sqlx::query(&format!("DROP ROLE {role}"))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    conn.close().await.unwrap();
+}
+
+/// A server that cannot be reached is reported with the URL, its password
+/// replaced; no server needed.
+#[tokio::test]
+async fn an_unreachable_postgres_catalog_is_reported_without_its_password() {
+    // Port 1 on loopback: nothing listens there.
+    let url = PostgresUrl::parse("postgres://ferry:Hunter2-secret@127.0.0.1:1/site_a").unwrap();
+    let e = Catalog::open_postgres(&url, "s").await.unwrap_err();
+    let shown = format!("{e} {e:?}");
+    assert!(
+        shown.contains("postgres://ferry:***@127.0.0.1:1/site_a"),
+        "{shown}"
+    );
+    assert!(shown.contains("cannot connect"), "{shown}");
+    assert!(!shown.contains("Hunter2"), "{shown}");
+}
+
+/// Everything a catalog shows through its API, for comparing two.
+async fn snapshot(c: &Catalog, replicas: &[i64]) -> Vec<String> {
+    let mut v = vec![
+        format!("{:?}", c.transfers(1000, 0).await.unwrap()),
+        format!("{:?}", c.replicas(false, 1000, 0).await.unwrap()),
+        format!("{:?}", c.jobs().await.unwrap()),
+        format!("{:?}", c.recent_signals(1000).await.unwrap()),
+        format!("{:?}", c.events_since(i64::MIN).await.unwrap()),
+    ];
+    for r in replicas {
+        v.push(format!("{:?}", c.chunks(*r).await.unwrap()));
+        v.push(format!("{:?}", c.chunk_arrivals(*r).await.unwrap()));
+        v.push(format!("{:?}", c.replica_files(*r).await.unwrap()));
+    }
+    v
+}
+
+/// `ferry catalog migrate`: a single agent's SQLite catalog (transfers,
+/// jobs, signals, events, replicas with their files, chunks and
+/// publishes) lands in an empty PostgreSQL catalog as it was, with its
+/// ids; new rows there continue after them; a target that holds
+/// transfers is refused and left as it was.
+#[tokio::test]
+async fn an_sqlite_catalog_copies_into_an_empty_postgres_catalog() {
+    let d = tempfile::tempdir().unwrap();
+    let src = Catalog::open(d.path()).await.unwrap();
+    let t1 = src
+        .insert_transfer("l", "j", "/ck/1", "1", Class::Scheduled)
+        .await
+        .unwrap();
+    src.insert_transfer("l", "k", "/ck/2", "2", Class::Background)
+        .await
+        .unwrap();
+    src.reprioritise_transfer(t1, Some(Class::Urgent), Some(Some(0.25)))
+        .await
+        .unwrap();
+    src.note_transfer_progress(
+        t1,
+        ProgressNote {
+            bytes_total: 100,
+            bytes_done: 40,
+            bytes_sent: 50,
+        },
+    )
+    .await
+    .unwrap();
+    src.put_job("j", Some(7e9), 0.5).await.unwrap();
+    src.put_job("k", None, 0.0).await.unwrap();
+    src.insert_signal("j", "nan", 0.75, Some(12), Some("key-1"))
+        .await
+        .unwrap();
+    src.record_link_rate("l", 1_000_000).await.unwrap();
+    let files = vec![FileInfo {
+        path: "a.bin".into(),
+        size: 8,
+        mtime_ns: 5,
+        mode: 0o644,
+    }];
+    let r1 = replica_at(&src, 1, "/eval/1", TransferState::Receiving).await;
+    let r2 = replica_at(&src, 2, "/eval/2", TransferState::Receiving).await;
+    src.set_replica_files(r1, &files, 10).await.unwrap();
+    src.record_batch(
+        &[
+            VerifiedChunk {
+                arrived_ms: Some(now_ms() - 2_000),
+                arrival_started_ms: Some(now_ms() - 2_500),
+                ..vc(r1, 0, [1; 32], 4)
+            },
+            vc(r2, 0, [2; 32], 5),
+        ],
+        &[PublishedReplica {
+            id: r1,
+            manifest: b"manifest".to_vec(),
+            root_hex: "aa".into(),
+            local_path: "/eval/1".into(),
+            bytes: 10,
+            times: SourceTimes {
+                committed_ms: now_ms() - 3_000,
+                opened_ms: 0,
+            },
+            meta: CheckpointMeta {
+                step: Some(7),
+                class: Some(Class::Background),
+            },
+        }],
+    )
+    .await
+    .unwrap();
+    let before = snapshot(&src, &[r1, r2]).await;
+
+    let (admin, name, url) = fresh_pg_database().await;
+    let dst = Catalog::open_postgres(&url, "s").await.unwrap();
+    let counts = src.copy_into(&dst).await.unwrap();
+    let count = |t: &str| counts.iter().find(|c| c.0 == t).unwrap().1;
+    assert_eq!(
+        (count("transfers"), count("replicas")),
+        (2, 2),
+        "{counts:?}"
+    );
+    assert_eq!(
+        count("chunks"),
+        1,
+        "r1's chunks went at publish: {counts:?}"
+    );
+    assert_eq!(snapshot(&dst, &[r1, r2]).await, before);
+    assert_eq!(
+        dst.replica_manifest(r1).await.unwrap().as_deref(),
+        Some(&b"manifest"[..])
+    );
+    let t3 = dst
+        .insert_transfer("l", "j", "/ck/3", "3", Class::Scheduled)
+        .await
+        .unwrap();
+    assert!(
+        t3.as_i64() > 2,
+        "ids continue after the copied ones: {t3:?}"
+    );
+
+    let e = src.copy_into(&dst).await.unwrap_err();
+    assert!(e.to_string().contains("already holds 3 transfers"), "{e}");
+    assert_eq!(dst.transfers(1000, 0).await.unwrap().len(), 3);
+    dst.close().await;
+    drop_pg_database(&admin, &name).await;
 }

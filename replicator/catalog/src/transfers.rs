@@ -572,10 +572,11 @@ impl Catalog {
         shards: u64,
     ) -> Result<(), CatalogError> {
         let total = bytes_total as i64;
-        sqlx::query(&self.db.sql(
-            "UPDATE transfers SET bytes_total = ?, shards = ?, bytes_done = MIN(bytes_done, ?) \
+        let least = self.db.least();
+        sqlx::query(&self.db.sql(&format!(
+            "UPDATE transfers SET bytes_total = ?, shards = ?, bytes_done = {least}(bytes_done, ?) \
              WHERE id = ?",
-        ))
+        )))
         .bind(total)
         .bind(shards as i64)
         .bind(total)
@@ -600,11 +601,12 @@ impl Catalog {
         p: ProgressNote,
     ) -> Result<(), CatalogError> {
         let total = p.bytes_total as i64;
-        sqlx::query(&self.db.sql(
-            "UPDATE transfers SET bytes_total = MAX(bytes_total, ?), \
-             bytes_done = MIN(MAX(bytes_done, ?), MAX(bytes_total, ?)), \
-             bytes_sent = MAX(bytes_sent, ?) WHERE id = ?",
-        ))
+        let (least, greatest) = (self.db.least(), self.db.greatest());
+        sqlx::query(&self.db.sql(&format!(
+            "UPDATE transfers SET bytes_total = {greatest}(bytes_total, ?), \
+             bytes_done = {least}({greatest}(bytes_done, ?), {greatest}(bytes_total, ?)), \
+             bytes_sent = {greatest}(bytes_sent, ?) WHERE id = ?",
+        )))
         .bind(total)
         .bind(p.bytes_done as i64)
         .bind(total)
@@ -690,7 +692,7 @@ impl Catalog {
                 "UPDATE transfers SET importance = ? \
                  WHERE id = ? AND state NOT IN ('published', 'failed', 'cancelled')",
             ))
-            .bind(importance)
+            .bind(crate::convert::real(importance))
             .bind(id.as_i64())
             .execute(&mut *tx)
             .await?;

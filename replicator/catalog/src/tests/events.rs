@@ -9,7 +9,7 @@ use crate::events::{record, Change};
 
 /// Id of the newest event (0 when there is none).
 async fn last_id(c: &Catalog) -> i64 {
-    sqlx::query_scalar("SELECT COALESCE(MAX(id), 0) FROM events")
+    sqlx::query_scalar(&c.db.sql("SELECT COALESCE(MAX(id), 0) FROM events"))
         .fetch_one(&c.pool)
         .await
         .unwrap()
@@ -37,22 +37,28 @@ macro_rules! recorded {
 
 /// Moves the newest event to `at_ms`, so tests can lay out a history.
 async fn stamp(c: &Catalog, at_ms: i64) {
-    sqlx::query("UPDATE events SET at_ms = ? WHERE id = (SELECT MAX(id) FROM events)")
-        .bind(at_ms)
-        .execute(&c.pool)
-        .await
-        .unwrap();
+    sqlx::query(
+        &c.db
+            .sql("UPDATE events SET at_ms = ? WHERE id = (SELECT MAX(id) FROM events)"),
+    )
+    .bind(at_ms)
+    .execute(&c.pool)
+    .await
+    .unwrap();
 }
 
 /// Sets a transfer's `finished_at` (as a publish or failure at that time
 /// would).
 async fn finished(c: &Catalog, id: TransferId, at_ms: i64) {
-    sqlx::query("UPDATE transfers SET finished_at = ? WHERE id = ?")
-        .bind(at_ms)
-        .bind(id.as_i64())
-        .execute(&c.pool)
-        .await
-        .unwrap();
+    sqlx::query(
+        &c.db
+            .sql("UPDATE transfers SET finished_at = ? WHERE id = ?"),
+    )
+    .bind(at_ms)
+    .bind(id.as_i64())
+    .execute(&c.pool)
+    .await
+    .unwrap();
 }
 
 fn link(name: &str, rate_bps: u64, rtt_ms: u64) -> LinkSpec {
@@ -94,11 +100,7 @@ fn arrival_with(
     }
 }
 
-#[tokio::test]
-async fn each_change_records_exactly_its_event() {
-    let d = tempfile::tempdir().unwrap();
-    let c = Catalog::open(d.path()).await.unwrap();
-
+async fn each_change_records_exactly_its_event(c: Catalog) {
     let (id, got) = recorded!(
         c,
         c.insert_transfer("l", "j", "/ck/a", "a", Class::Background)
@@ -304,22 +306,26 @@ async fn each_change_records_exactly_its_event() {
     assert!(e.unwrap_err().to_string().contains("rate_bps"));
     assert_eq!(got, []);
 }
+both!(each_change_records_exactly_its_event);
 
-#[tokio::test]
-async fn a_change_whose_event_cannot_be_written_is_not_made() {
-    let d = tempfile::tempdir().unwrap();
-    let c = Catalog::open(d.path()).await.unwrap();
+async fn a_change_whose_event_cannot_be_written_is_not_made(c: Catalog) {
     let id = c
         .insert_transfer("l", "j", "/ck/a", "a", Class::Scheduled)
         .await
         .unwrap();
-    sqlx::query(
-        "CREATE TRIGGER no_events BEFORE INSERT ON events \
-         BEGIN SELECT RAISE(ABORT, 'events refused'); END",
-    )
-    .execute(&c.pool)
-    .await
-    .unwrap();
+    let refuse: &[&str] = match c.db {
+        Dialect::Sqlite => &["CREATE TRIGGER no_events BEFORE INSERT ON events \
+             BEGIN SELECT RAISE(ABORT, 'events refused'); END"],
+        Dialect::Postgres => &[
+            "CREATE FUNCTION refuse_events() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN RAISE EXCEPTION 'events refused'; END $$",
+            "CREATE TRIGGER no_events BEFORE INSERT ON events \
+             FOR EACH ROW EXECUTE FUNCTION refuse_events()",
+        ],
+    };
+    for sql in refuse {
+        sqlx::query(sql).execute(&c.pool).await.unwrap();
+    }
     let refused = |r: Result<_, CatalogError>| {
         let e = r.expect_err("the change went through without its event");
         assert!(e.to_string().contains("events refused"), "{e}");
@@ -365,18 +371,17 @@ async fn a_change_whose_event_cannot_be_written_is_not_made() {
     assert!(c.recent_signals(10).await.unwrap().is_empty());
     assert_eq!(c.events_since(i64::MIN).await.unwrap().len(), 1);
 
-    sqlx::query("DROP TRIGGER no_events")
-        .execute(&c.pool)
-        .await
-        .unwrap();
+    let drop = match c.db {
+        Dialect::Sqlite => "DROP TRIGGER no_events",
+        Dialect::Postgres => "DROP TRIGGER no_events ON events",
+    };
+    sqlx::query(drop).execute(&c.pool).await.unwrap();
     assert!(c.pause_transfer(id).await.unwrap());
     assert_eq!(c.events_since(i64::MIN).await.unwrap().len(), 2);
 }
+both!(a_change_whose_event_cannot_be_written_is_not_made);
 
-#[tokio::test]
-async fn config_rates_and_jobs_are_recorded_when_they_differ() {
-    let d = tempfile::tempdir().unwrap();
-    let c = Catalog::open(d.path()).await.unwrap();
+async fn config_rates_and_jobs_are_recorded_when_they_differ(c: Catalog) {
     let rates = |l: u64, m: u64| vec![("l".to_string(), l), ("m".to_string(), m)];
     let rate = |link: &str, rate_bps| Change::Rate {
         link: link.into(),
@@ -436,11 +441,9 @@ async fn config_rates_and_jobs_are_recorded_when_they_differ() {
     assert_eq!(got, [job("b", Some(3e9), 0.2)]);
     assert_eq!(c.job("a").await.unwrap().unwrap().importance, 0.1);
 }
+both!(config_rates_and_jobs_are_recorded_when_they_differ);
 
-#[tokio::test]
-async fn export_lines_are_in_time_order_then_row_order() {
-    let d = tempfile::tempdir().unwrap();
-    let c = Catalog::open(d.path()).await.unwrap();
+async fn export_lines_are_in_time_order_then_row_order(c: Catalog) {
     let links = [link("l", 1_000_000, 20)];
     // Made in this order, at times out of that order.
     let a = c
@@ -512,11 +515,9 @@ async fn export_lines_are_in_time_order_then_row_order() {
         x.trace.events[0]
     );
 }
+both!(export_lines_are_in_time_order_then_row_order);
 
-#[tokio::test]
-async fn export_header_has_the_rates_and_jobs_in_force_at_since() {
-    let d = tempfile::tempdir().unwrap();
-    let c = Catalog::open(d.path()).await.unwrap();
+async fn export_header_has_the_rates_and_jobs_in_force_at_since(c: Catalog) {
     let links = [link("l", 1000, 20), link("m", 2000, 30)];
     c.record_link_rate("l", 500).await.unwrap();
     stamp(&c, 1000).await;
@@ -531,7 +532,7 @@ async fn export_header_has_the_rates_and_jobs_in_force_at_since() {
     // A job with no event (as none is since catalog version 5): from the
     // jobs table.
     c.put_job("c", Some(1e9), 0.3).await.unwrap();
-    sqlx::query("DELETE FROM events WHERE job = 'c'")
+    sqlx::query(&c.db.sql("DELETE FROM events WHERE job = 'c'"))
         .execute(&c.pool)
         .await
         .unwrap();
@@ -582,11 +583,9 @@ async fn export_header_has_the_rates_and_jobs_in_force_at_since() {
     assert_eq!(rates(&x), [("l".into(), 700, 20), ("m".into(), 2000, 30)]);
     assert_eq!(x.trace.header.jobs[0], spec("a", Some(7e9), 0.9));
 }
+both!(export_header_has_the_rates_and_jobs_in_force_at_since);
 
-#[tokio::test]
-async fn export_queues_again_what_was_unfinished_at_since_as_it_was() {
-    let d = tempfile::tempdir().unwrap();
-    let c = Catalog::open(d.path()).await.unwrap();
+async fn export_queues_again_what_was_unfinished_at_since_as_it_was(c: Catalog) {
     let links = [link("l", 1000, 20)];
     let push = |name: &'static str, at: i64| {
         let c = c.clone();
@@ -682,11 +681,9 @@ async fn export_queues_again_what_was_unfinished_at_since_as_it_was() {
         arrive(t1, Class::Scheduled, None, 1100)
     );
 }
+both!(export_queues_again_what_was_unfinished_at_since_as_it_was);
 
-#[tokio::test]
-async fn export_fills_unknown_sizes_and_leaves_out_what_a_trace_cannot_hold() {
-    let d = tempfile::tempdir().unwrap();
-    let c = Catalog::open(d.path()).await.unwrap();
+async fn export_fills_unknown_sizes_and_leaves_out_what_a_trace_cannot_hold(c: Catalog) {
     let links = [link("l", 1000, 20)];
     // Size unknown when queued: the size known at export time.
     let a = c
@@ -719,7 +716,7 @@ async fn export_fills_unknown_sizes_and_leaves_out_what_a_trace_cannot_hold() {
         .await
         .unwrap();
     let mut conn = c.pool.acquire().await.unwrap();
-    sqlx::query("DELETE FROM events WHERE transfer = ?")
+    sqlx::query(&c.db.sql("DELETE FROM events WHERE transfer = ?"))
         .bind(b.as_i64())
         .execute(&mut *conn)
         .await
@@ -749,18 +746,25 @@ async fn export_fills_unknown_sizes_and_leaves_out_what_a_trace_cannot_hold() {
     assert_eq!(x.trace.arrivals(), 2);
     assert!(matches!(x.trace.events.last().unwrap().what, What::Pause { id } if id == a));
     // A stored value no trace can carry is an error naming the column.
-    sqlx::query("UPDATE events SET severity = 2.5 WHERE kind = 'arrival'")
-        .execute(&c.pool)
-        .await
-        .unwrap();
+    sqlx::query(
+        &c.db
+            .sql("UPDATE events SET severity = 2.5 WHERE kind = 'arrival'"),
+    )
+    .execute(&c.pool)
+    .await
+    .unwrap();
     c.insert_signal("j", "nan", 0.5, None, None).await.unwrap();
-    sqlx::query("UPDATE events SET severity = 2.5 WHERE kind = 'signal'")
-        .execute(&c.pool)
-        .await
-        .unwrap();
+    sqlx::query(
+        &c.db
+            .sql("UPDATE events SET severity = 2.5 WHERE kind = 'signal'"),
+    )
+    .execute(&c.pool)
+    .await
+    .unwrap();
     let e = c.export_trace(0, &links).await.unwrap_err().to_string();
     assert!(e.contains("severity") && e.contains("2.5"), "{e}");
 }
+both!(export_fills_unknown_sizes_and_leaves_out_what_a_trace_cannot_hold);
 
 #[tokio::test]
 async fn version_4_catalog_gets_the_history_it_kept() {
