@@ -47,6 +47,10 @@ pub struct Overrides {
     /// it, each is a UDP socket on the address family of `quic.listen`,
     /// any port). `None` with `socket`: every connection on `socket`.
     pub sockets: Option<SocketFactory>,
+    /// The value of `FERRY_CATALOG_URL` to apply over `[catalog] url`:
+    /// `ferry serve` passes the environment's, `ferry demo` none (its
+    /// agents always keep their catalogs in their own data directories).
+    pub catalog_url_env: Option<String>,
 }
 
 /// Starts an agent from `cfg`.
@@ -64,11 +68,7 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
             id.name()
         );
     }
-    let catalog = match cfg.catalog_url(
-        std::env::var(crate::config::CATALOG_URL_ENV)
-            .ok()
-            .as_deref(),
-    )? {
+    let catalog = match cfg.catalog_url(ov.catalog_url_env.as_deref())? {
         Some(url) => {
             tracing::info!(catalog = %url, site = %cfg.agent.site, "catalog in PostgreSQL");
             Catalog::open_postgres(&url, &cfg.agent.site).await?

@@ -674,6 +674,7 @@ pub(crate) async fn start_pair(
         Overrides {
             socket: Some(dst_sock),
             sockets: None,
+            catalog_url_env: None,
         },
     )
     .await?;
@@ -691,6 +692,7 @@ pub(crate) async fn start_pair(
         Overrides {
             socket: Some(src_sock),
             sockets: Some(sockets),
+            catalog_url_env: None,
         },
     )
     .await?;

@@ -893,7 +893,14 @@ fn role_name(role: config::Role) -> &'static str {
 
 async fn serve(path: &Path) -> Result<()> {
     let cfg = config::Config::load(path)?;
-    let agent = agent::start(&cfg, agent::Overrides::default()).await?;
+    let agent = agent::start(
+        &cfg,
+        agent::Overrides {
+            catalog_url_env: std::env::var(config::CATALOG_URL_ENV).ok(),
+            ..Default::default()
+        },
+    )
+    .await?;
     // A closed stdout must not stop the agent.
     noteln!(
         "ferry agent {} ({}) serving: API {}/ QUIC {}",
