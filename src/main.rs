@@ -233,8 +233,9 @@ enum Command {
         /// Exactly N tensor files (plus the marker) adding up to --size:
         /// the model's layer pattern repeated or cut to N. At least the
         /// preset's fixed tensors (3 for 7b and 70b, 25 for mm), at most
-        /// 100000. Only for the per-tensor layout (no --format, or
-        /// --format generic).
+        /// 100000, and enough of them for the preset's share of files
+        /// under 16 KiB at this --size (the error says when not). Only for
+        /// the per-tensor layout (no --format, or --format generic).
         #[arg(long, value_parser = clap::value_parser!(u64).range(1..=ferry_gen::MAX_SHARDS))]
         shards: Option<u64>,
         /// Seed for the content (same seed, same bytes).
