@@ -68,6 +68,33 @@ fn metric(text: &str, name: &str) -> f64 {
         .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
 }
 
+/// A pair whose link `l` has four connections (200 Mbit/s, 2 writers
+/// each, 256 KiB batches, `chunk_size`-byte chunks), connection `lose`
+/// set to close after its 5th chunk, and checkpoint `name` (8 files of
+/// 2 MiB, committed) submitted: the pair, the checkpoint and its
+/// transfer row.
+#[cfg(feature = "fault-injection")]
+async fn four_connections_losing(
+    lose: usize,
+    chunk_size: u32,
+    name: &str,
+) -> (Pair, PathBuf, ferry_catalog::Transfer) {
+    let p = pair_with(0, |cfg| {
+        cfg.links[0].connections = 4;
+        cfg.links[0].rate_bps = 200_000_000;
+        cfg.streams = 2;
+        cfg.batch_bytes = 256 << 10;
+        cfg.chunk_size = chunk_size;
+    })
+    .await;
+    assert!(p.source.close_connection_after("l", lose, 5));
+    let ckpt = p.root.join(name);
+    write_dir(&ckpt, 8, 2 << 20);
+    std::fs::write(ckpt.join(".metadata"), b"done").unwrap();
+    let t = p.source.submit(&ckpt, None).await.unwrap();
+    (p, ckpt, t)
+}
+
 /// One connection of four, not the control one, closed after its 5th
 /// chunk: the pool goes on with the other three. The chunks of its
 /// batches the sink had not confirmed go back to the dispatcher and are
@@ -79,19 +106,7 @@ fn metric(text: &str, name: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_data_connection_lost_mid_transfer_moves_its_chunks_to_the_others() {
     let _serial = SERIAL.lock().await;
-    let p = pair_with(0, |cfg| {
-        cfg.links[0].connections = 4;
-        cfg.links[0].rate_bps = 200_000_000;
-        cfg.streams = 2;
-        cfg.batch_bytes = 256 << 10;
-        cfg.chunk_size = 256 << 10;
-    })
-    .await;
-    assert!(p.source.close_connection_after("l", 2, 5));
-    let ckpt = p.root.join("step-2");
-    write_dir(&ckpt, 8, 2 << 20);
-    std::fs::write(ckpt.join(".metadata"), b"done").unwrap();
-    let t = p.source.submit(&ckpt, None).await.unwrap();
+    let (p, ckpt, t) = four_connections_losing(2, 256 << 10, "step-2").await;
     // Between the loss and the end of the transfer, the pool goes on with
     // three of its four connections, and says so.
     let mut open_after_loss = None;
@@ -149,18 +164,8 @@ async fn a_data_connection_lost_mid_transfer_moves_its_chunks_to_the_others() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_control_connection_lost_mid_transfer_resumes_on_a_new_pool() {
     let _serial = SERIAL.lock().await;
-    let p = pair_with(0, |cfg| {
-        cfg.links[0].connections = 4;
-        cfg.links[0].rate_bps = 200_000_000;
-        cfg.streams = 2;
-        cfg.batch_bytes = 256 << 10;
-    })
-    .await;
-    assert!(p.source.close_connection_after("l", 0, 5));
-    let ckpt = p.root.join("step-3");
-    write_dir(&ckpt, 8, 2 << 20);
-    std::fs::write(ckpt.join(".metadata"), b"done").unwrap();
-    let t = p.source.submit(&ckpt, None).await.unwrap();
+    let (p, ckpt, t) =
+        four_connections_losing(0, ferry_proto::manifest::MIN_CHUNK_SIZE, "step-3").await;
     wait_published(&p, t.id).await;
     common::same_tree(&ckpt, &replica_path(&p, t.id).await);
     let n = p.source.link_connections("l").unwrap();
