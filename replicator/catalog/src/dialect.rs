@@ -52,6 +52,29 @@ impl Dialect {
             Dialect::Postgres => "GREATEST",
         }
     }
+
+    /// An expression for the database clock's time now, in Unix
+    /// milliseconds (`BIGINT`): leases and heartbeats are timed by the
+    /// database, so agents whose clocks disagree still agree on who holds
+    /// what. PostgreSQL's `clock_timestamp()` (the time the expression is
+    /// evaluated, also inside a long transaction); SQLite's `julianday`.
+    pub fn now_ms(self) -> &'static str {
+        match self {
+            Dialect::Sqlite => "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)",
+            Dialect::Postgres => "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)",
+        }
+    }
+
+    /// The clause that locks the rows a `SELECT` reads until the
+    /// transaction ends and skips rows another transaction holds
+    /// (PostgreSQL's `FOR UPDATE SKIP LOCKED`, the claim of a job
+    /// queue); empty for SQLite, whose writers are serialised anyway.
+    pub fn lock_skip_locked(self) -> &'static str {
+        match self {
+            Dialect::Sqlite => "",
+            Dialect::Postgres => " FOR UPDATE SKIP LOCKED",
+        }
+    }
 }
 
 /// `sql` with each `?` placeholder outside literals, quoted identifiers

@@ -48,6 +48,7 @@ pub mod dialect;
 pub mod events;
 mod export;
 pub mod jobs;
+pub mod pool;
 pub mod replicas;
 pub mod signals;
 #[cfg(test)]
@@ -62,6 +63,7 @@ pub use copy::{CopyCounts, COPIED_TABLES};
 pub use events::{Change, Event, EventKind};
 pub use export::TraceExport;
 pub use jobs::{origin, Job, MAX_MODEL_PARAMS};
+pub use pool::{AgentState, Beat, Claim, Heartbeat, LeaseRecord, PoolAgent};
 pub use replicas::{
     CheckpointMeta, NewReplica, Pin, PublishedReplica, Removal, RemovalReason, Replica, SourceTimes,
 };

@@ -129,6 +129,7 @@ macro_rules! both {
 }
 
 mod events;
+mod pool;
 
 #[tokio::test]
 async fn second_agent_on_one_data_dir_is_refused() {
@@ -1172,7 +1173,7 @@ async fn version_2_catalog_migrates_and_keeps_its_rows() {
         .fetch_one(&c.pool)
         .await
         .unwrap();
-    assert_eq!(v, 6);
+    assert_eq!(v, 8);
     // 0006: an older replica has no step, class, pin or removal.
     let r = c.replica(9).await.unwrap().unwrap();
     assert_eq!(

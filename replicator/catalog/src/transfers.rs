@@ -99,6 +99,10 @@ pub struct Transfer {
     pub urgent_until: Option<i64>,
     /// Id of the signal that promoted it ([`Signal::id`]), if any.
     pub signal: Option<i64>,
+    /// The agent holding the transfer's lease, while the lease is live
+    /// by the database clock (see [`Catalog::claim_transfer`]); `None`:
+    /// no agent runs it.
+    pub holder: Option<String>,
 }
 
 /// A transfer of a checkpoint the watcher follows, for
@@ -138,10 +142,18 @@ pub struct ProgressNote {
     pub bytes_sent: u64,
 }
 
-const TRANSFER_COLS: &str = "id, link, job, source_path, rel, class, state, bytes_total, \
-    bytes_done, bytes_sent, shards, manifest_root, local_path, error, created_at, started_at, finished_at, \
-    checkpoint, format, opened_at, committed_at, commit_identity, profile, importance, \
-    urgent_until, signal";
+/// The columns of a [`Transfer`] in `db`'s SQL; `holder` only while its
+/// lease is live by the database clock.
+fn transfer_cols(db: crate::dialect::Dialect) -> String {
+    format!(
+        "id, link, job, source_path, rel, class, state, bytes_total, \
+         bytes_done, bytes_sent, shards, manifest_root, local_path, error, created_at, \
+         started_at, finished_at, checkpoint, format, opened_at, committed_at, \
+         commit_identity, profile, importance, urgent_until, signal, \
+         CASE WHEN lease_until >= {} THEN holder END AS holder",
+        db.now_ms()
+    )
+}
 
 fn transfer_row(r: &AnyRow) -> Result<Transfer, sqlx::Error> {
     Ok(Transfer {
@@ -171,6 +183,7 @@ fn transfer_row(r: &AnyRow) -> Result<Transfer, sqlx::Error> {
         importance: r.try_get("importance")?,
         urgent_until: r.try_get("urgent_until")?,
         signal: r.try_get("signal")?,
+        holder: r.try_get("holder")?,
     })
 }
 
@@ -242,9 +255,10 @@ impl Catalog {
         let now = now_ms();
         let (bytes, shards) = size.map_or((0, 0), |(b, n)| (b as i64, n as i64));
         let mut tx = self.pool.begin().await?;
+        let cols = transfer_cols(self.db);
         let q = format!(
             "INSERT INTO transfers (link, job, source_path, rel, class, state, created_at, \
-             bytes_total, shards) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING {TRANSFER_COLS}"
+             bytes_total, shards) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING {cols}"
         );
         let r = sqlx::query(&self.db.sql(&q))
             .bind(link)
@@ -378,7 +392,8 @@ impl Catalog {
     /// # Errors
     /// SQL errors.
     pub async fn transfer(&self, id: TransferId) -> Result<Option<Transfer>, CatalogError> {
-        let q = format!("SELECT {TRANSFER_COLS} FROM transfers WHERE id = ?");
+        let cols = transfer_cols(self.db);
+        let q = format!("SELECT {cols} FROM transfers WHERE id = ?");
         let r = sqlx::query(&self.db.sql(&q))
             .bind(id.as_i64())
             .fetch_optional(&self.pool)
@@ -391,7 +406,8 @@ impl Catalog {
     /// # Errors
     /// SQL errors.
     pub async fn transfers(&self, limit: i64, offset: i64) -> Result<Vec<Transfer>, CatalogError> {
-        let q = format!("SELECT {TRANSFER_COLS} FROM transfers ORDER BY id DESC LIMIT ? OFFSET ?");
+        let cols = transfer_cols(self.db);
+        let q = format!("SELECT {cols} FROM transfers ORDER BY id DESC LIMIT ? OFFSET ?");
         let rows = sqlx::query(&self.db.sql(&q))
             .bind(limit)
             .bind(offset)
@@ -414,9 +430,8 @@ impl Catalog {
     /// # Errors
     /// SQL errors.
     pub async fn unfinished_transfers(&self) -> Result<Vec<Transfer>, CatalogError> {
-        let q = format!(
-            "SELECT {TRANSFER_COLS} FROM transfers WHERE state NOT IN (?, ?, ?) ORDER BY id"
-        );
+        let cols = transfer_cols(self.db);
+        let q = format!("SELECT {cols} FROM transfers WHERE state NOT IN (?, ?, ?) ORDER BY id");
         let rows = sqlx::query(&self.db.sql(&q))
             .bind(TransferState::Published.as_str())
             .bind(TransferState::Failed.as_str())
@@ -434,9 +449,9 @@ impl Catalog {
         &self,
         source_path: &str,
     ) -> Result<Option<Transfer>, CatalogError> {
-        let q = format!(
-            "SELECT {TRANSFER_COLS} FROM transfers WHERE source_path = ? ORDER BY id DESC LIMIT 1"
-        );
+        let cols = transfer_cols(self.db);
+        let q =
+            format!("SELECT {cols} FROM transfers WHERE source_path = ? ORDER BY id DESC LIMIT 1");
         let r = sqlx::query(&self.db.sql(&q))
             .bind(source_path)
             .fetch_optional(&self.pool)
@@ -452,7 +467,8 @@ impl Catalog {
         &self,
         source_path: &str,
     ) -> Result<Vec<Transfer>, CatalogError> {
-        let q = format!("SELECT {TRANSFER_COLS} FROM transfers WHERE source_path = ? ORDER BY id");
+        let cols = transfer_cols(self.db);
+        let q = format!("SELECT {cols} FROM transfers WHERE source_path = ? ORDER BY id");
         let rows = sqlx::query(&self.db.sql(&q))
             .bind(source_path)
             .fetch_all(&self.pool)
@@ -825,8 +841,9 @@ impl Catalog {
         &self,
         job: &str,
     ) -> Result<Option<Transfer>, CatalogError> {
+        let cols = transfer_cols(self.db);
         let q = format!(
-            "SELECT {TRANSFER_COLS} FROM transfers WHERE job = ? AND state NOT IN (?, ?, ?) \
+            "SELECT {cols} FROM transfers WHERE job = ? AND state NOT IN (?, ?, ?) \
              AND class <> 'background' ORDER BY created_at DESC, id DESC LIMIT 1"
         );
         let r = sqlx::query(&self.db.sql(&q))

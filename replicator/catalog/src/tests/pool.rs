@@ -1,0 +1,174 @@
+//! The pool: heartbeats, agent states and transfer leases, on both
+//! dialects; concurrent claims on PostgreSQL.
+
+use super::*;
+
+fn beat<'a>(name: &'a str, timeout_ms: i64) -> Heartbeat<'a> {
+    Heartbeat {
+        name,
+        role: "source",
+        version: "0.1.0",
+        api_url: "http://127.0.0.1:1",
+        timeout_ms,
+        sent_bps: 8e6,
+        received_bps: 0.0,
+    }
+}
+
+async fn queued(c: &Catalog) -> TransferId {
+    c.insert_pushed_transfer("l", "j", "/src/a", "a", Class::Scheduled, Some((100, 1)))
+        .await
+        .unwrap()
+        .id
+}
+
+/// Waits (bounded) until the database clock passes `until_ms`.
+async fn wait_past(c: &Catalog, until_ms: i64) {
+    for _ in 0..200 {
+        if c.db_now_ms().await.unwrap() > until_ms {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    panic!("the database clock did not pass {until_ms}");
+}
+
+async fn one_agent_holds_a_transfer_until_it_releases_it(c: Catalog) {
+    let id = queued(&c).await;
+    for a in ["a", "b"] {
+        c.register_agent(&beat(a, 60_000)).await.unwrap();
+    }
+    let first = c.claim_transfer(id, "a", 60_000).await.unwrap().unwrap();
+    assert_eq!(first.epoch, 1);
+    assert_eq!(first.took_over_from, None);
+    assert_eq!(c.claim_transfer(id, "b", 60_000).await.unwrap(), None);
+    // The holder renews, under the same epoch.
+    let again = c.claim_transfer(id, "a", 60_000).await.unwrap().unwrap();
+    assert_eq!(again.epoch, 1);
+    assert_eq!(
+        c.transfer(id).await.unwrap().unwrap().holder.as_deref(),
+        Some("a")
+    );
+    let agents = c.pool_agents().await.unwrap();
+    let a = agents.iter().find(|x| x.name == "a").unwrap();
+    assert_eq!(
+        (a.state, a.held, a.held_bytes_left),
+        (AgentState::Live, 1, 100)
+    );
+    assert_eq!(agents.iter().find(|x| x.name == "b").unwrap().held, 0);
+    // Another agent cannot release it.
+    assert!(!c.release_transfer(id, "b", 1).await.unwrap());
+    assert!(c.release_transfer(id, "a", 1).await.unwrap());
+    assert_eq!(c.transfer(id).await.unwrap().unwrap().holder, None);
+    let second = c.claim_transfer(id, "b", 60_000).await.unwrap().unwrap();
+    assert_eq!((second.epoch, second.took_over_from), (2, None));
+    let leases = c.transfer_leases(id).await.unwrap();
+    assert_eq!(leases.len(), 2);
+    assert_eq!(leases[0].agent, "a");
+    assert_eq!(leases[0].end_reason.as_deref(), Some("released"));
+    assert!(leases[0].ended_at.unwrap() <= leases[1].claimed_at);
+    assert_eq!((leases[1].agent.as_str(), leases[1].ended_at), ("b", None));
+}
+both!(one_agent_holds_a_transfer_until_it_releases_it);
+
+async fn a_lease_not_renewed_lapses_and_another_agent_takes_over(c: Catalog) {
+    let id = queued(&c).await;
+    c.register_agent(&beat("a", 300)).await.unwrap();
+    c.register_agent(&beat("b", 60_000)).await.unwrap();
+    let a = c.claim_transfer(id, "a", 300).await.unwrap().unwrap();
+    wait_past(&c, a.lease_until).await;
+    // Lapsed: nobody holds it, a's heartbeat no longer renews it, and a
+    // is down.
+    assert_eq!(c.transfer(id).await.unwrap().unwrap().holder, None);
+    let b_state =
+        |agents: Vec<PoolAgent>, n: &str| agents.into_iter().find(|x| x.name == n).unwrap().state;
+    assert_eq!(
+        b_state(c.pool_agents().await.unwrap(), "a"),
+        AgentState::Down
+    );
+    let taken = c.claim_transfer(id, "b", 60_000).await.unwrap().unwrap();
+    assert_eq!(taken.epoch, 2);
+    assert_eq!(taken.took_over_from.as_deref(), Some("a"));
+    let renewed = c.heartbeat(&beat("a", 300)).await.unwrap();
+    assert!(renewed.held.is_empty(), "{renewed:?}");
+    assert_eq!(
+        b_state(c.pool_agents().await.unwrap(), "a"),
+        AgentState::Live
+    );
+    // b's heartbeat renews b's lease.
+    let b = c.heartbeat(&beat("b", 60_000)).await.unwrap();
+    assert_eq!(b.held, vec![id]);
+    let leases = c.transfer_leases(id).await.unwrap();
+    assert_eq!(leases[0].end_reason.as_deref(), Some("lapsed"));
+    assert_eq!(leases[0].ended_at, Some(a.lease_until));
+    assert!(leases[0].ended_at.unwrap() < leases[1].claimed_at);
+}
+both!(a_lease_not_renewed_lapses_and_another_agent_takes_over);
+
+async fn paused_and_finished_transfers_are_not_claimed(c: Catalog) {
+    let id = queued(&c).await;
+    c.register_agent(&beat("a", 60_000)).await.unwrap();
+    assert!(c.pause_transfer(id).await.unwrap());
+    assert_eq!(c.claim_transfer(id, "a", 60_000).await.unwrap(), None);
+    assert!(c.resume_transfer(id).await.unwrap());
+    assert!(c.claim_transfer(id, "a", 60_000).await.unwrap().is_some());
+    assert!(c.cancel_transfer(id, "test").await.unwrap());
+    assert_eq!(c.claim_transfer(id, "a", 60_000).await.unwrap(), None);
+    // An unknown agent's heartbeat is an error naming it.
+    let e = c.heartbeat(&beat("ghost", 1000)).await.unwrap_err();
+    assert!(e.to_string().contains("ghost"), "{e}");
+}
+both!(paused_and_finished_transfers_are_not_claimed);
+
+async fn a_clean_stop_releases_everything_and_drain_is_recorded(c: Catalog) {
+    let (x, y) = (queued(&c).await, queued(&c).await);
+    c.register_agent(&beat("a", 60_000)).await.unwrap();
+    c.claim_transfer(x, "a", 60_000).await.unwrap().unwrap();
+    c.claim_transfer(y, "a", 60_000).await.unwrap().unwrap();
+    assert!(c.set_agent_draining("a", true).await.unwrap());
+    assert!(!c.set_agent_draining("nobody", true).await.unwrap());
+    let b = c.heartbeat(&beat("a", 60_000)).await.unwrap();
+    assert!(b.draining);
+    assert_eq!(b.held, vec![x, y]);
+    let a = |agents: Vec<PoolAgent>| agents.into_iter().find(|x| x.name == "a").unwrap();
+    assert_eq!(
+        a(c.pool_agents().await.unwrap()).state,
+        AgentState::Draining
+    );
+    c.agent_stopped("a").await.unwrap();
+    let stopped = a(c.pool_agents().await.unwrap());
+    assert_eq!((stopped.state, stopped.held), (AgentState::Stopped, 0));
+    for id in [x, y] {
+        let l = c.transfer_leases(id).await.unwrap();
+        assert_eq!(l[0].end_reason.as_deref(), Some("released"), "{l:?}");
+    }
+    // Registering again keeps the operator's drain.
+    c.register_agent(&beat("a", 60_000)).await.unwrap();
+    assert!(c.heartbeat(&beat("a", 60_000)).await.unwrap().draining);
+}
+both!(a_clean_stop_releases_everything_and_drain_is_recorded);
+
+/// Many agents claim one transfer at once on PostgreSQL: exactly one
+/// gets it.
+#[tokio::test]
+async fn concurrent_claims_on_postgres_give_one_lease() {
+    let t = TestCatalog::new(Dialect::Postgres).await;
+    let c = t.catalog.clone();
+    let id = queued(&c).await;
+    let names: Vec<String> = (0..8).map(|i| format!("agent-{i}")).collect();
+    for n in &names {
+        c.register_agent(&beat(n, 60_000)).await.unwrap();
+    }
+    let claims = futures::future::join_all(names.iter().map(|n| {
+        let c = c.clone();
+        async move { c.claim_transfer(id, n, 60_000).await.unwrap() }
+    }))
+    .await;
+    assert_eq!(
+        claims.iter().filter(|c| c.is_some()).count(),
+        1,
+        "{claims:?}"
+    );
+    assert_eq!(c.transfer_leases(id).await.unwrap().len(), 1);
+    t.finish().await;
+}
