@@ -32,7 +32,11 @@ pub struct Agent {
     pub source: Option<Source>,
     /// Sink role.
     pub sink: Option<Sink>,
+    /// Membership of the site's pool.
+    pub pool: replicator::pool::Membership,
     catalog: Catalog,
+    stop_pool: CancellationToken,
+    pool_task: tokio::task::JoinHandle<()>,
     stop_api: CancellationToken,
     api_task: tokio::task::JoinHandle<()>,
 }
@@ -77,6 +81,17 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
     };
     let is_sink = matches!(cfg.agent.role, Role::Sink | Role::Both);
     let is_source = matches!(cfg.agent.role, Role::Source | Role::Both);
+    let role = match cfg.agent.role {
+        Role::Source => "source",
+        Role::Sink => "sink",
+        Role::Both => "both",
+    };
+    let pool = replicator::pool::Membership::new(
+        catalog.clone(),
+        cfg.pool.config(),
+        &cfg.agent.name,
+        role,
+    );
 
     let server = if is_sink {
         let mut sc = quinn::ServerConfig::with_crypto(tls::server_crypto(&id)?);
@@ -171,6 +186,7 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
                 quiet_period: s.quiet_period,
                 checkpoint_idle_timeout: s.checkpoint_idle_timeout,
                 policy: cfg.scheduler.policy()?,
+                pool: Some(pool.clone()),
             };
             // Jobs from the config file; jobs set through the API keep
             // their values (see `Catalog::sync_config_jobs`).
@@ -245,12 +261,23 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
     } else if cfg.api.tokens.is_empty() {
         tracing::warn!("[api] has no tokens: every request but /, /healthz and /openapi.json will get 401 (make one with `ferry token new --role operator`)");
     }
-    let router = api::router(api::AppState::new(
-        cfg.agent.name.clone(),
-        source.clone(),
-        sink.clone(),
-        auth,
-    ));
+    pool.set_api_url(&api_url);
+    {
+        let (source, sink) = (source.clone(), sink.clone());
+        pool.set_rates(Box::new(move || {
+            let sent = source.as_ref().map_or(0.0, |s| {
+                s.link_stats(false).iter().map(|l| l.goodput_bps).sum()
+            });
+            let received = sink.as_ref().map_or(0.0, |s| s.received_bps());
+            (sent, received)
+        }));
+    }
+    let stop_pool = CancellationToken::new();
+    let pool_task = tokio::spawn(pool.clone().run(stop_pool.clone()));
+    let router = api::router(
+        api::AppState::new(cfg.agent.name.clone(), source.clone(), sink.clone(), auth)
+            .with_pool(pool.clone()),
+    );
     let stop_api = CancellationToken::new();
     let stop = stop_api.clone();
     let api_task = crate::apiserve::spawn(
@@ -277,7 +304,10 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
         quic_addr,
         source,
         sink,
+        pool,
         catalog,
+        stop_pool,
+        pool_task,
         stop_api,
         api_task,
     })
@@ -301,6 +331,9 @@ impl Agent {
         if let Some(s) = &self.sink {
             s.shutdown(half).await;
         }
+        // Recorded stopped in the catalog, its leases released.
+        self.stop_pool.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.pool_task).await;
         self.stop_api.cancel();
         let _ = tokio::time::timeout(Duration::from_secs(1), self.api_task).await;
         self.catalog.close().await;

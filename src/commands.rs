@@ -659,6 +659,118 @@ pub async fn replica_unpin(args: &ServerArgs, id: i64, raw: bool) -> Result<()> 
     outln!("{}", replica_line(&r))
 }
 
+/// `ferry pool`: `GET /v1/pool`, one line per agent of the site's pool.
+///
+/// # Errors
+/// As [`Client::get`] (503 when the agent's catalog does not answer).
+pub async fn pool(args: &ServerArgs, raw: bool) -> Result<()> {
+    let c = Client::new(args, REQUEST_TIMEOUT)?;
+    let out = c.get("/v1/pool", &[]).await?;
+    if raw {
+        return outln!("{out}");
+    }
+    outln!("{}", render_pool(&out).trim_end())
+}
+
+/// The human form of `ferry pool` (`out`: the answer of `GET /v1/pool`).
+pub fn render_pool(out: &Value) -> String {
+    let agents = out["agents"].as_array().map(Vec::as_slice).unwrap_or(&[]);
+    let mut s = format!(
+        "pool of {} agent{} (seen from {}",
+        agents.len(),
+        if agents.len() == 1 { "" } else { "s" },
+        text(out, "agent")
+    );
+    if out["catalog_up"].as_bool() == Some(false) {
+        s += &format!(
+            "; its catalog does not answer: {}",
+            text(out, "catalog_error")
+        );
+    }
+    s += ")\n";
+    let mut rows = vec![vec![
+        "AGENT".to_string(),
+        "ROLE".into(),
+        "STATE".into(),
+        "HEARTBEAT".into(),
+        "HOLDS".into(),
+        "SENT".into(),
+        "RECEIVED".into(),
+        "VERSION".into(),
+    ]];
+    for a in agents {
+        let rate = |k: &str| crate::config::format_rate(a[k].as_f64().unwrap_or(0.0) as u64);
+        rows.push(vec![
+            text(a, "name").to_string(),
+            text(a, "role").to_string(),
+            text(a, "state").to_string(),
+            format!("{:.1}s ago", a["heartbeat_age_s"].as_f64().unwrap_or(0.0)),
+            format!(
+                "{} ({} left)",
+                a["held"].as_i64().unwrap_or(0),
+                HumanBytes(a["held_bytes_left"].as_i64().unwrap_or(0).max(0) as u64)
+            ),
+            rate("sent_bps"),
+            rate("received_bps"),
+            text(a, "version").to_string(),
+        ]);
+    }
+    s + &table(&rows)
+}
+
+/// `ferry drain NAME` (`POST /v1/agents/{name}/drain`), or with `undo`
+/// its reversal (`DELETE`); with `wait`, polls `GET /v1/pool` until the
+/// drained agent holds nothing (at most `wait`).
+///
+/// # Errors
+/// As [`Client::post`] (404 for an agent not in the pool); a wait that
+/// runs out names what the agent still holds.
+pub async fn drain(
+    args: &ServerArgs,
+    name: &str,
+    undo: bool,
+    wait: Option<Duration>,
+    raw: bool,
+) -> Result<()> {
+    let c = Client::new(args, REQUEST_TIMEOUT)?;
+    let path = format!("/v1/agents/{name}/drain");
+    let (_, r) = if undo {
+        c.delete(&path, &[]).await?
+    } else {
+        c.post(&path, &json!({})).await?
+    };
+    if raw {
+        return outln!("{r}");
+    }
+    if undo {
+        return outln!("{name}: no longer drained; it claims transfers again");
+    }
+    outln!(
+        "{name}: drained; it claims nothing new and holds {} transfer(s) now",
+        r["held"].as_i64().unwrap_or(0)
+    )?;
+    let Some(wait) = wait else { return Ok(()) };
+    let until = std::time::Instant::now() + wait;
+    loop {
+        let pool = c.get("/v1/pool", &[]).await?;
+        let me = pool["agents"]
+            .as_array()
+            .and_then(|a| a.iter().find(|x| x["name"] == name).cloned())
+            .unwrap_or_default();
+        let held = me["held"].as_i64().unwrap_or(0);
+        if held == 0 {
+            return outln!("{name}: holds nothing");
+        }
+        if std::time::Instant::now() >= until {
+            anyhow::bail!(
+                "{name} still holds {held} transfer(s) after {}",
+                humantime::format_duration(wait)
+            );
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
 /// `ferry signal`: `POST /v1/signals` on the source.
 ///
 /// # Errors

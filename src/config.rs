@@ -40,6 +40,53 @@ pub struct Config {
     /// `[catalog]`; absent = SQLite in `agent.data_dir`.
     #[serde(default)]
     pub catalog: CatalogSection,
+    /// `[pool]`; every key optional.
+    #[serde(default)]
+    pub pool: PoolSection,
+}
+
+/// `[pool]`: the timing of the agent's membership of its site's pool
+/// (agents sharing one PostgreSQL catalog; a single agent on SQLite is a
+/// pool of one). See [`replicator::pool`].
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolSection {
+    /// How often the agent writes its heartbeat and renews its transfer
+    /// leases. Default 2 s.
+    #[serde(default = "default_heartbeat", with = "humantime_serde")]
+    pub heartbeat_interval: Duration,
+    /// How long the agent's leases (and its membership) last without a
+    /// heartbeat: after this other agents see it down and take its
+    /// transfers over. At least three heartbeat intervals. Default 10 s.
+    #[serde(default = "default_lease_timeout", with = "humantime_serde")]
+    pub lease_timeout: Duration,
+}
+
+fn default_heartbeat() -> Duration {
+    replicator::pool::PoolConfig::default().heartbeat_interval
+}
+
+fn default_lease_timeout() -> Duration {
+    replicator::pool::PoolConfig::default().lease_timeout
+}
+
+impl Default for PoolSection {
+    fn default() -> Self {
+        PoolSection {
+            heartbeat_interval: default_heartbeat(),
+            lease_timeout: default_lease_timeout(),
+        }
+    }
+}
+
+impl PoolSection {
+    /// The pool's timing.
+    pub fn config(&self) -> replicator::pool::PoolConfig {
+        replicator::pool::PoolConfig {
+            heartbeat_interval: self.heartbeat_interval,
+            lease_timeout: self.lease_timeout,
+        }
+    }
 }
 
 /// The environment variable that overrides `catalog.url` (a
@@ -911,6 +958,7 @@ impl Config {
         }
         self.api.auth()?;
         self.api.check_transport()?;
+        self.pool.config().check().map_err(anyhow::Error::msg)?;
         if let Some(sink) = &self.sink {
             for (i, r) in sink.retention.iter().enumerate() {
                 r.policy()

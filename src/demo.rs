@@ -154,6 +154,7 @@ fn agent_config(dir: &Path, name: &str, role: Role, api: SocketAddr) -> Config {
         sink: None,
         scheduler: Default::default(),
         catalog: Default::default(),
+        pool: Default::default(),
     }
 }
 

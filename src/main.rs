@@ -161,6 +161,37 @@ enum Command {
         #[command(flatten)]
         server: client::ServerArgs,
     },
+    /// The site's pool: every agent sharing the catalog of the agent
+    /// asked, its state (live, draining, down, stopped), its last
+    /// heartbeat, the transfers it holds and its rates. Needs a reader
+    /// token.
+    Pool {
+        #[command(flatten)]
+        server: client::ServerArgs,
+        /// Print the API's JSON answer instead.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Drain an agent of the pool (any agent of the pool takes the
+    /// request): it claims no new transfer and finishes what it holds.
+    /// The drain lasts across restarts until `--undo`. Needs an operator
+    /// token.
+    Drain {
+        /// The agent's name (as `ferry pool` lists it).
+        name: String,
+        /// Undo an earlier drain: the agent claims transfers again.
+        #[arg(long)]
+        undo: bool,
+        /// Wait up to this long (e.g. 5m) until the agent holds nothing;
+        /// exit code 1 if it still does then.
+        #[arg(long, value_parser = humantime::parse_duration, conflicts_with = "undo")]
+        wait: Option<Duration>,
+        #[command(flatten)]
+        server: client::ServerArgs,
+        /// Print the API's JSON answer instead.
+        #[arg(long)]
+        json: bool,
+    },
     /// Replicas at a sink: list (with removal records), pin, unpin,
     /// remove. Listing needs a reader token, the others an operator token.
     Replica {
@@ -620,6 +651,14 @@ async fn run(cli: Cli) -> Result<()> {
             output,
             server,
         } => commands::trace(&server, since, output.as_deref()).await,
+        Command::Pool { server, json } => commands::pool(&server, json).await,
+        Command::Drain {
+            name,
+            undo,
+            wait,
+            server,
+            json,
+        } => commands::drain(&server, &name, undo, wait, json).await,
         Command::Replica { command } => match command {
             ReplicaCommand::Ls {
                 state,

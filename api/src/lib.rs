@@ -19,6 +19,7 @@ pub mod auth;
 pub mod error;
 mod metrics;
 pub mod model;
+mod pool_api;
 mod sink_api;
 mod source_api;
 mod ui;
@@ -68,6 +69,9 @@ pub struct AppState {
     openapi: Arc<OnceLock<String>>,
     /// What the live views share.
     live: Arc<ui::Live>,
+    /// The agent's membership of its site's pool (`None` in tests that
+    /// start a bare source or sink).
+    pub pool: Option<replicator::pool::Membership>,
 }
 
 impl AppState {
@@ -81,7 +85,15 @@ impl AppState {
             auth,
             openapi: Arc::new(OnceLock::new()),
             live: Arc::default(),
+            pool: None,
         }
+    }
+
+    /// The same state with the agent's pool membership (`/v1/pool`,
+    /// `/v1/agents/{name}/drain`, the pool's metrics).
+    pub fn with_pool(mut self, pool: replicator::pool::Membership) -> Self {
+        self.pool = Some(pool);
+        self
     }
 
     /// The roles this agent has, as named in `/healthz`.
@@ -227,6 +239,18 @@ pub fn build(state: AppState) -> (Router, utoipa::openapi::OpenApi) {
             OpenApiRouter::new()
                 .routes(routes!(sink_api::remove_replica))
                 .routes(routes!(sink_api::pin_replica, sink_api::unpin_replica)),
+            Role::Operator,
+            Some(REQUEST_TIMEOUT),
+        ));
+    }
+    if state.pool.is_some() {
+        groups.push((
+            OpenApiRouter::new().routes(routes!(pool_api::get_pool)),
+            Role::Reader,
+            Some(REQUEST_TIMEOUT),
+        ));
+        groups.push((
+            OpenApiRouter::new().routes(routes!(pool_api::drain, pool_api::undrain)),
             Role::Operator,
             Some(REQUEST_TIMEOUT),
         ));

@@ -42,6 +42,9 @@ async fn render(s: &AppState) -> Result<String, replicator::metrics::MetricsErro
     if let Some(sink) = &s.sink {
         out += &sink.render_metrics().await?;
     }
+    if let Some(pool) = &s.pool {
+        out += &pool.render_metrics().await?;
+    }
     Ok(out)
 }
 

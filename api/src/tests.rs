@@ -281,6 +281,7 @@ async fn with_source() -> WithSource {
         quiet_period: Duration::from_millis(300),
         checkpoint_idle_timeout: Duration::from_secs(600),
         policy,
+        pool: None,
     };
     let ep = transport::endpoint(SocketKind::Udp("127.0.0.1:0".parse().unwrap()), None).unwrap();
     let catalog = Catalog::open(&d.path().join("data")).await.unwrap();

@@ -10,6 +10,7 @@ pub mod formats;
 pub mod hold;
 mod lock;
 pub mod metrics;
+pub mod pool;
 pub mod sink;
 pub mod source;
 pub mod storage;

@@ -349,7 +349,7 @@ struct PeerLabel {
     peer: String,
 }
 
-fn encode(registry: &Registry) -> Result<String, std::fmt::Error> {
+pub(crate) fn encode(registry: &Registry) -> Result<String, std::fmt::Error> {
     let mut out = String::new();
     prometheus_client::encoding::prometheus_text::encode(&mut out, registry)?;
     Ok(out)
@@ -559,6 +559,8 @@ pub(crate) struct SinkMetrics {
     registry: Registry,
     scrape: Mutex<()>,
     received: Family<PeerLabel, Counter>,
+    /// Payload bytes verified and written to staging, every peer.
+    pub(crate) received_total: Counter,
     /// Chunks and manifests that failed verification.
     pub(crate) verification_failures: Counter,
     /// Commit-to-replica lag, seconds.
@@ -587,6 +589,7 @@ impl SinkMetrics {
             registry: Registry::default(),
             scrape: Mutex::new(()),
             received: Family::default(),
+            received_total: Counter::default(),
             verification_failures: Counter::default(),
             lag: Histogram::new(LAG_BUCKETS_S),
             published: Counter::default(),

@@ -239,6 +239,9 @@ struct Inner {
     /// Chunk buffers: each record is copied out of quinn into one, and it
     /// comes back once the chunk is in staging.
     bufs: Arc<BufPool>,
+    /// The previous [`Sink::received_bps`] sample: when, and the bytes
+    /// received then.
+    received_sample: Mutex<Option<(std::time::Instant, u64)>>,
 }
 
 impl Inner {
@@ -320,6 +323,7 @@ impl Sink {
             retention_wake: tokio::sync::Notify::new(),
             retiring: Mutex::default(),
             bufs: BufPool::new(crate::bufpool::AGENT_POOL_BYTES),
+            received_sample: Mutex::new(None),
         });
         tokio::spawn(catalog_writer(catalog, rx));
         inner.tasks.spawn(lifecycle::run(inner.clone()));
@@ -358,6 +362,23 @@ impl Sink {
     /// The sink root.
     pub fn root(&self) -> &Path {
         &self.inner.cfg.root
+    }
+
+    /// Payload bytes verified and written to staging per second since
+    /// the previous call (0 on the first), in bit/s: the rate the
+    /// agent's heartbeat records in the pool (one caller).
+    pub fn received_bps(&self) -> f64 {
+        let total = self.inner.metrics.received_total.get();
+        let now = std::time::Instant::now();
+        let mut last = crate::lock::lock(&self.inner.received_sample);
+        let rate = match *last {
+            Some((at, bytes)) if now > at => {
+                total.saturating_sub(bytes) as f64 * 8.0 / (now - at).as_secs_f64()
+            }
+            _ => 0.0,
+        };
+        *last = Some((now, total));
+        rate
     }
 
     /// This sink's metrics in the Prometheus text exposition format
@@ -1578,6 +1599,7 @@ async fn receive_batch(
         }
         let verified: u64 = good.iter().map(|g| g.2).sum();
         open.received.inc_by(verified);
+        inner.metrics.received_total.inc_by(verified);
         live.wrote(verified);
         for (g, h, len) in good {
             let c = VerifiedChunk {

@@ -143,6 +143,13 @@ pub struct SourceConfig {
     pub checkpoint_idle_timeout: Duration,
     /// How transfers are ranked and the link shared (`[scheduler]`).
     pub policy: scheduler::Policy,
+    /// The agent's membership of its site's pool: with it, a transfer
+    /// runs only under a lease claimed in the catalog
+    /// ([`ferry_catalog::Catalog::claim_transfer`]), transfers other
+    /// agents hold are left to them and count against `max_active`, and
+    /// a run whose lease was not renewed in time stops. `None`: no
+    /// leases (a source started on its own, as in the crate's tests).
+    pub pool: Option<crate::pool::Membership>,
 }
 
 /// Live progress of one run of a transfer (from its start or resume to
@@ -1845,6 +1852,9 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
     let mut dial_after = tokio::time::Instant::now();
     let mut running: tokio::task::JoinSet<Ended> = tokio::task::JoinSet::new();
     let mut stops: HashMap<TransferId, CancellationToken> = HashMap::new();
+    // The lease epoch each running transfer was claimed under (in a pool).
+    let mut leases: HashMap<TransferId, i64> = HashMap::new();
+    let pool = inner.cfg.pool.clone();
     let mut saved_at = tokio::time::Instant::now();
     let mut reconciled_at;
     // Signals still live after a restart raise their jobs' scores again.
@@ -1887,6 +1897,31 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
             }
         };
         let mine: Vec<&Transfer> = ts.iter().filter(|t| t.link == link.cfg.name).collect();
+        // In a pool: transfers another agent holds a live lease on run
+        // there, and count against max_active here.
+        let me = inner.cfg.agent.as_str();
+        let held_elsewhere =
+            |t: &Transfer| pool.is_some() && t.holder.as_deref().is_some_and(|h| h != me);
+        if let Some(p) = &pool {
+            // A run whose lease lapsed (the catalog did not answer in
+            // time, or the agent was paused) stops before another agent
+            // may take the transfer over.
+            let valid = p.leases_valid();
+            for t in &mine {
+                if let Some(stop) = stops.get(&t.id) {
+                    if !stop.is_cancelled() && (!valid || t.holder.as_deref() != Some(me)) {
+                        warn!(
+                            link = link.cfg.name,
+                            transfer = %t.id,
+                            holder = t.holder.as_deref().unwrap_or("nobody"),
+                            "the transfer's lease was not renewed in time; stopping its run"
+                        );
+                        p.count_lost();
+                        stop.cancel();
+                    }
+                }
+            }
+        }
         // What running transfers achieved so far survives a crash too.
         if saved_at.elapsed() >= SAVE_PROGRESS_EVERY {
             saved_at = tokio::time::Instant::now();
@@ -1920,10 +1955,23 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
             .filter(|t| {
                 t.state != TransferState::Paused
                     && !stops.contains_key(&t.id)
+                    && !held_elsewhere(t)
                     && runnable(&inner, t)
             })
             .map(|t| sched_transfer(t, &jobs, now))
             .collect();
+        let elsewhere: Vec<scheduler::Transfer> = mine
+            .iter()
+            .filter(|t| held_elsewhere(t) && !stops.contains_key(&t.id))
+            .map(|t| sched_transfer(t, &jobs, now))
+            .collect();
+        // A drained agent, or one whose catalog does not answer, claims
+        // nothing.
+        let waiting = if pool.as_ref().is_some_and(|p| !p.may_claim()) {
+            Vec::new()
+        } else {
+            waiting
+        };
         if running.is_empty() {
             if let Some(c) = conn.as_ref().filter(|c| c.lost.load(Ordering::Relaxed) > 0) {
                 // A pool that lost connections other than the control one
@@ -1970,11 +2018,39 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
             backoff = Duration::from_millis(250);
         }
         if let Some(c) = conn.as_ref().filter(|c| c.conn.close_reason().is_none()) {
-            let admit = link.sched.lock().ls.admit(&waiting, now);
+            let admit = link
+                .sched
+                .lock()
+                .ls
+                .admit_in_pool(&waiting, &elsewhere, now);
             for id in admit {
                 let Some(t) = mine.iter().find(|t| t.id == id).map(|t| (*t).clone()) else {
                     continue;
                 };
+                if let Some(p) = &pool {
+                    let timeout = p.config().lease_timeout.as_millis() as i64;
+                    match inner.catalog.claim_transfer(id, me, timeout).await {
+                        Ok(Some(claim)) => {
+                            if let Some(from) = &claim.took_over_from {
+                                info!(
+                                    link = link.cfg.name,
+                                    transfer = %id,
+                                    from = from.as_str(),
+                                    epoch = claim.epoch,
+                                    "took the transfer over: the previous holder's lease lapsed"
+                                );
+                                p.count_takeover();
+                            }
+                            leases.insert(id, claim.epoch);
+                        }
+                        // Another agent claimed it first, or it was paused.
+                        Ok(None) => continue,
+                        Err(e) => {
+                            warn!(transfer = %id, error = %e, "catalog: claiming the transfer");
+                            continue;
+                        }
+                    }
+                }
                 let st = sched_transfer(&t, &jobs, now);
                 link.sched.activate(st, Arc::new(LiveProgress::default()));
                 let stop = inner.shutdown.child_token();
@@ -2010,6 +2086,11 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                             crate::lock::lock(&c.inbox).remove(&id);
                         }
                         let lost = end_transfer(&inner, conn.as_ref(), id, result, backoff).await;
+                        if let (Some(epoch), Some(p)) = (leases.remove(&id), &pool) {
+                            if let Err(e) = p.catalog().release_transfer(id, me, epoch).await {
+                                warn!(transfer = %id, error = %e, "catalog: releasing the transfer's lease (it lapses by itself)");
+                            }
+                        }
                         if let Some(c) = conn.as_ref().filter(|_| lost) {
                             // Every transfer on this connection resumes on a new one.
                             c.close(code::PROTOCOL, b"resuming on a new connection");
@@ -2021,6 +2102,7 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                     next = running.try_join_next();
                 }
             }
+            _ = async { match &pool { Some(p) => p.changed().await, None => std::future::pending().await } } => {}
             _ = link.wake.notified() => {
                 // A burst of submissions (each wakes the worker) is
                 // reconciled at most every MIN_RECONCILE_GAP too.
@@ -3146,6 +3228,7 @@ mod tests {
             quiet_period: Duration::from_millis(300),
             checkpoint_idle_timeout: Duration::from_secs(600),
             policy: scheduler::Policy::default(),
+            pool: None,
         };
         let ep = endpoint(SocketKind::Udp("127.0.0.1:0".parse().unwrap()), None).unwrap();
         let catalog = Catalog::open(&d.path().join("data")).await.unwrap();

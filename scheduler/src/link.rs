@@ -584,9 +584,22 @@ impl LinkScheduler {
     /// transfers is then bounded by bytes and a few round trips, not one
     /// round trip after another four at a time.
     pub fn admit(&self, waiting: &[Transfer], now_ms: i64) -> Vec<TransferId> {
+        self.admit_in_pool(waiting, &[], now_ms)
+    }
+
+    /// As [`LinkScheduler::admit`], in a pool of agents: `elsewhere` are
+    /// the link's transfers other agents of the pool run now, which count
+    /// against `max_active` (and `max_small_active`) like this agent's
+    /// own active ones: the limits hold for the whole pool.
+    pub fn admit_in_pool(
+        &self,
+        waiting: &[Transfer],
+        elsewhere: &[Transfer],
+        now_ms: i64,
+    ) -> Vec<TransferId> {
         let max = self.policy.max_active.max(1);
         if self.policy.kind == PolicyKind::Fifo {
-            let free = max.saturating_sub(self.entries.len());
+            let free = max.saturating_sub(self.entries.len() + elsewhere.len());
             let mut w: Vec<&Transfer> = waiting
                 .iter()
                 .filter(|t| !self.entries.contains_key(&t.id))
@@ -602,16 +615,20 @@ impl LinkScheduler {
         };
         let mut out = Vec::new();
         let small = |t: &Transfer| t.is_small(&self.policy);
-        let mut small_free = self
-            .policy
-            .max_small_active
-            .saturating_sub(self.entries.values().filter(|e| small(&e.t)).count());
+        let mut small_free = self.policy.max_small_active.saturating_sub(
+            self.entries.values().filter(|e| small(&e.t)).count()
+                + elsewhere.iter().filter(|t| small(t)).count(),
+        );
         for class in CLASSES {
             let active = self
                 .entries
                 .values()
                 .filter(|e| e.t.class == class && !small(&e.t))
-                .count();
+                .count()
+                + elsewhere
+                    .iter()
+                    .filter(|t| t.class == class && !small(t))
+                    .count();
             let mut free = max.saturating_sub(active);
             let mut w: Vec<(bool, f64, &Transfer)> = waiting
                 .iter()

@@ -471,3 +471,56 @@ fn small_transfers_start_beside_max_active() {
         vec![TransferId(3)]
     );
 }
+
+/// In a pool, transfers other agents run count against `max_active` per
+/// class (and against `max_small_active`) like this agent's own: the
+/// limits hold for the whole pool, and a class whose slots are taken
+/// elsewhere admits nothing here while another class still does.
+#[test]
+fn transfers_running_elsewhere_in_the_pool_count_against_max_active() {
+    let policy = Policy {
+        max_active: 2,
+        max_small_active: 1,
+        small_bytes: 4096,
+        ..Policy::default()
+    };
+    let s = LinkScheduler::new(policy.clone(), FAST, 100, 0);
+    let sched = |id: u64| transfer(id, Class::Scheduled, 0.5, None);
+    let urgent = |id: u64| transfer(id, Class::Urgent, 0.5, None);
+    let small = |id: u64| Transfer {
+        bytes_left: 100,
+        size_final: true,
+        ..transfer(id, Class::Background, 0.5, None)
+    };
+    let waiting = vec![sched(1), sched(2), urgent(3), small(4)];
+    assert_eq!(s.admit_in_pool(&waiting, &[], 0).len(), 4);
+    // Another agent runs one scheduled transfer: one scheduled slot left.
+    let got = s.admit_in_pool(&waiting, &[sched(10)], 0);
+    assert_eq!(got.len(), 3, "{got:?}");
+    assert!(got.contains(&TransferId(3)) && got.contains(&TransferId(4)));
+    // A small transfer elsewhere takes the one small slot, but a small
+    // one may still take a free slot of its class.
+    let got = s.admit_in_pool(&waiting, &[sched(10), sched(11), small(12)], 0);
+    assert_eq!(got, vec![TransferId(3), TransferId(4)]);
+    // With its class full elsewhere too, only urgent starts here.
+    let bg = |id: u64| transfer(id, Class::Background, 0.5, None);
+    let elsewhere = [sched(10), sched(11), small(12), bg(13), bg(14)];
+    assert_eq!(
+        s.admit_in_pool(&waiting, &elsewhere, 0),
+        vec![TransferId(3)]
+    );
+    // Under fifo, max_active in all, the pool's included.
+    let fifo = LinkScheduler::new(
+        Policy {
+            kind: PolicyKind::Fifo,
+            ..policy
+        },
+        FAST,
+        100,
+        0,
+    );
+    assert_eq!(fifo.admit_in_pool(&waiting, &[urgent(20)], 0).len(), 1);
+    assert!(fifo
+        .admit_in_pool(&waiting, &[urgent(20), sched(21)], 0)
+        .is_empty());
+}

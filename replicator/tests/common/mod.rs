@@ -145,6 +145,7 @@ pub fn source_config(root: &Path, peer: SocketAddr) -> SourceConfig {
         quiet_period: Duration::from_millis(300),
         checkpoint_idle_timeout: Duration::from_secs(600),
         policy: Default::default(),
+        pool: None,
     }
 }
 

@@ -1,0 +1,202 @@
+//! Pool routes: the site's agents as the shared catalog sees them, and
+//! draining one.
+
+use axum::extract::rejection::PathRejection;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::Json;
+use replicator::pool::Membership;
+use serde::Serialize;
+
+use crate::auth::Caller;
+use crate::error::{ApiError, ErrorBody};
+use crate::AppState;
+
+/// Who acted, for the log: the token's configured name.
+type By = Option<axum::Extension<Caller>>;
+
+fn pool(s: &AppState) -> Result<&Membership, ApiError> {
+    s.pool
+        .as_ref()
+        .ok_or_else(|| ApiError::not_found("this agent runs outside a pool"))
+}
+
+/// One agent of the pool.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub(crate) struct PoolAgentView {
+    /// Agent name.
+    name: String,
+    /// `source`, `sink` or `both`.
+    role: String,
+    /// The ferry version it runs.
+    version: String,
+    /// Its REST API's base URL.
+    api_url: String,
+    /// `live`, `draining` (claims nothing new), `down` (no heartbeat within
+    /// its lease timeout; its leases lapsed) or `stopped` (stopped
+    /// cleanly, holding nothing).
+    state: String,
+    /// When it last started, Unix ms.
+    started_at: i64,
+    /// Seconds since its last heartbeat, by the catalog's clock.
+    heartbeat_age_s: f64,
+    /// Its lease timeout, seconds.
+    lease_timeout_s: f64,
+    /// Transfers it holds live leases on.
+    held: i64,
+    /// Bytes left to send of those transfers (as last recorded), bytes.
+    held_bytes_left: i64,
+    /// Payload bit/s it sent at its last heartbeat.
+    sent_bps: f64,
+    /// Payload bit/s it received (verified) at its last heartbeat.
+    received_bps: f64,
+}
+
+impl From<ferry_catalog::PoolAgent> for PoolAgentView {
+    fn from(a: ferry_catalog::PoolAgent) -> Self {
+        PoolAgentView {
+            name: a.name,
+            role: a.role,
+            version: a.version,
+            api_url: a.api_url,
+            state: a.state.as_str().to_string(),
+            started_at: a.started_at,
+            heartbeat_age_s: a.heartbeat_age_ms as f64 / 1000.0,
+            lease_timeout_s: a.timeout_ms as f64 / 1000.0,
+            held: a.held,
+            held_bytes_left: a.held_bytes_left,
+            sent_bps: a.sent_bps,
+            received_bps: a.received_bps,
+        }
+    }
+}
+
+/// The pool as this agent sees it.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub(crate) struct PoolView {
+    /// This agent's name.
+    agent: String,
+    /// Whether this agent's last heartbeat reached the catalog.
+    catalog_up: bool,
+    /// Why it did not, if it did not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    catalog_error: Option<String>,
+    /// Heartbeat interval, seconds.
+    heartbeat_interval_s: f64,
+    /// Every agent that ever registered in the catalog, by name.
+    agents: Vec<PoolAgentView>,
+}
+
+/// The site's pool: every agent sharing this agent's catalog, its state,
+/// what it holds and its rates.
+#[utoipa::path(
+    get, path = "/v1/pool", tag = "agent",
+    security(("bearer" = ["reader"])),
+    responses(
+        (status = 200, description = "The pool's agents, by name", body = PoolView),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 503, description = "The catalog does not answer", body = ErrorBody),
+    )
+)]
+pub(crate) async fn get_pool(State(s): State<AppState>) -> Result<Json<PoolView>, ApiError> {
+    let p = pool(&s)?;
+    let (catalog_up, catalog_error) = p.catalog_status();
+    let agents = p.catalog().pool_agents().await.map_err(|e| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the catalog does not answer: {e}"),
+        )
+    })?;
+    Ok(Json(PoolView {
+        agent: p.name().to_string(),
+        catalog_up,
+        catalog_error,
+        heartbeat_interval_s: p.config().heartbeat_interval.as_secs_f64(),
+        agents: agents.into_iter().map(PoolAgentView::from).collect(),
+    }))
+}
+
+async fn set_drain(
+    s: &AppState,
+    caller: &By,
+    name: Result<Path<String>, PathRejection>,
+    draining: bool,
+) -> Result<Json<PoolAgentView>, ApiError> {
+    let Path(name) = name?;
+    let p = pool(s)?;
+    let known = p
+        .catalog()
+        .set_agent_draining(&name, draining)
+        .await
+        .map_err(ApiError::internal)?;
+    if !known {
+        return Err(ApiError::not_found(format!(
+            "no agent {name:?} in this pool (GET /v1/pool lists them)"
+        )));
+    }
+    tracing::info!(
+        agent = name,
+        draining,
+        by = caller.as_ref().map_or("unknown", |c| c.0.name.as_str()),
+        "{}",
+        if draining {
+            "agent drained: it claims nothing new and finishes what it holds"
+        } else {
+            "agent no longer drained"
+        }
+    );
+    let agents = p
+        .catalog()
+        .pool_agents()
+        .await
+        .map_err(ApiError::internal)?;
+    agents
+        .into_iter()
+        .find(|a| a.name == name)
+        .map(|a| Json(a.into()))
+        .ok_or_else(|| ApiError::not_found(format!("no agent {name:?} in this pool")))
+}
+
+/// Drain an agent of the pool: it claims no new transfer and finishes
+/// those it holds (its state reads `draining`, and `held` falls to 0).
+/// Any agent of the pool takes the request; the drained agent sees it at
+/// its next heartbeat. A drain lasts, across restarts, until undone
+/// (`DELETE`).
+#[utoipa::path(
+    post, path = "/v1/agents/{name}/drain", tag = "agent",
+    params(("name" = String, Path, description = "Agent name")),
+    security(("bearer" = ["operator"])),
+    responses(
+        (status = 200, description = "The agent as it is now", body = PoolAgentView),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 403, description = "The token's role is below operator", body = ErrorBody),
+        (status = 404, description = "No such agent in the pool", body = ErrorBody),
+    )
+)]
+pub(crate) async fn drain(
+    State(s): State<AppState>,
+    caller: By,
+    name: Result<Path<String>, PathRejection>,
+) -> Result<Json<PoolAgentView>, ApiError> {
+    set_drain(&s, &caller, name, true).await
+}
+
+/// Undo a drain: the agent claims transfers again.
+#[utoipa::path(
+    delete, path = "/v1/agents/{name}/drain", tag = "agent",
+    params(("name" = String, Path, description = "Agent name")),
+    security(("bearer" = ["operator"])),
+    responses(
+        (status = 200, description = "The agent as it is now", body = PoolAgentView),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 403, description = "The token's role is below operator", body = ErrorBody),
+        (status = 404, description = "No such agent in the pool", body = ErrorBody),
+    )
+)]
+pub(crate) async fn undrain(
+    State(s): State<AppState>,
+    caller: By,
+    name: Result<Path<String>, PathRejection>,
+) -> Result<Json<PoolAgentView>, ApiError> {
+    set_drain(&s, &caller, name, false).await
+}

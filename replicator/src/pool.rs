@@ -1,0 +1,370 @@
+//! An agent's membership of its site's pool: registration, the heartbeat
+//! that keeps it (and its transfer leases) alive in the catalog, and what
+//! it knows of its own standing (ARCHITECTURE.md, "Pool").
+//!
+//! Every `heartbeat_interval` the agent writes its heartbeat and renews
+//! the leases it holds, in one transaction timed by the database clock
+//! ([`ferry_catalog::Catalog::heartbeat`]). Its leases run until the
+//! database's now plus `lease_timeout`; another agent may claim a
+//! transfer whose lease lapsed. The agent itself stops trusting its
+//! leases `lease_timeout - heartbeat_interval` after the start of its
+//! last heartbeat that succeeded ([`Membership::leases_valid`]): a lease
+//! renewed by a statement sent at local time `t` runs at least until
+//! `t + lease_timeout`, so an agent that cannot reach the catalog (or was
+//! paused) stops its runs before any other agent may take them over.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ferry_catalog::{AgentState, Catalog, Heartbeat};
+use ferry_proto::state::TransferId;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+/// Timing of the pool (`[pool]` in the config).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolConfig {
+    /// How often the agent writes its heartbeat and renews its leases
+    /// (default 2 s).
+    pub heartbeat_interval: Duration,
+    /// How long a lease (and the agent's membership) lasts without a
+    /// heartbeat (default 10 s): after this, other agents see the agent
+    /// down and may claim its transfers. At least three heartbeat
+    /// intervals.
+    pub lease_timeout: Duration,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            heartbeat_interval: Duration::from_secs(2),
+            lease_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl PoolConfig {
+    /// Checks the timing.
+    ///
+    /// # Errors
+    /// A message naming the setting when the interval is zero or the
+    /// timeout is shorter than three intervals.
+    pub fn check(&self) -> Result<(), String> {
+        if self.heartbeat_interval.is_zero() {
+            return Err("pool.heartbeat_interval must be more than 0".into());
+        }
+        if self.lease_timeout < self.heartbeat_interval * 3 {
+            return Err(format!(
+                "pool.lease_timeout ({:?}) must be at least three heartbeat intervals ({:?}): \
+                 a lease must survive a missed heartbeat",
+                self.lease_timeout,
+                self.heartbeat_interval * 3
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Payload rates an agent reports with its heartbeat: (sent, received),
+/// bit/s.
+pub type RateProbe = Box<dyn Fn() -> (f64, f64) + Send + Sync>;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabel {
+    state: &'static str,
+}
+
+/// What the agent knows of its own standing.
+#[derive(Debug, Default)]
+struct Standing {
+    /// Local time the last successful heartbeat was sent.
+    last_ok: Option<Instant>,
+    /// Whether the last heartbeat reached the catalog.
+    catalog_up: bool,
+    /// The last heartbeat's error, if it failed.
+    error: Option<String>,
+    /// Whether an operator drained the agent.
+    draining: bool,
+    /// Leases the last heartbeat renewed.
+    held: HashSet<TransferId>,
+}
+
+struct Inner {
+    catalog: Catalog,
+    cfg: PoolConfig,
+    name: String,
+    role: String,
+    version: String,
+    api_url: Mutex<String>,
+    rates: Mutex<Option<RateProbe>>,
+    standing: Mutex<Standing>,
+    /// Wakes the source's link workers: the agent's standing changed.
+    changed: tokio::sync::Notify,
+    registry: Registry,
+    catalog_up: Gauge,
+    agents: Family<StateLabel, Gauge>,
+    takeovers: Counter,
+    lost: Counter,
+    heartbeats_failed: AtomicU64,
+}
+
+/// An agent's membership of the pool; cheap to clone.
+#[derive(Clone)]
+pub struct Membership {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Membership {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Membership")
+            .field("agent", &self.inner.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Membership {
+    /// Membership of agent `name` (role `source`, `sink` or `both`) in the
+    /// pool of `catalog`'s site. Nothing is written until [`Membership::run`].
+    pub fn new(catalog: Catalog, cfg: PoolConfig, name: &str, role: &str) -> Membership {
+        let mut registry = Registry::default();
+        let catalog_up = Gauge::default();
+        let agents = Family::<StateLabel, Gauge>::default();
+        let takeovers = Counter::default();
+        let lost = Counter::default();
+        registry.register(
+            "ferry_catalog_up",
+            "1 if this agent's last heartbeat reached the catalog, else 0",
+            catalog_up.clone(),
+        );
+        registry.register(
+            "ferry_pool_agents",
+            "Agents of the site's pool by state (live, draining, down, stopped), as this \
+             agent's catalog sees them",
+            agents.clone(),
+        );
+        registry.register(
+            "ferry_lease_takeovers",
+            "Transfers this agent claimed after another agent's lease on them lapsed",
+            takeovers.clone(),
+        );
+        registry.register(
+            "ferry_leases_lost",
+            "Leases this agent lost before its run of the transfer ended (not renewed in \
+             time: the catalog was unreachable or the agent was paused)",
+            lost.clone(),
+        );
+        Membership {
+            inner: Arc::new(Inner {
+                catalog,
+                cfg,
+                name: name.to_string(),
+                role: role.to_string(),
+                version: env!("CARGO_PKG_VERSION").to_string(),
+                api_url: Mutex::new(String::new()),
+                rates: Mutex::new(None),
+                standing: Mutex::new(Standing::default()),
+                changed: tokio::sync::Notify::new(),
+                registry,
+                catalog_up,
+                agents,
+                takeovers,
+                lost,
+                heartbeats_failed: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// The agent's name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// The pool's timing.
+    pub fn config(&self) -> PoolConfig {
+        self.inner.cfg
+    }
+
+    /// The catalog the pool shares.
+    pub fn catalog(&self) -> &Catalog {
+        &self.inner.catalog
+    }
+
+    /// Sets the REST API's base URL recorded with the heartbeat.
+    pub fn set_api_url(&self, url: &str) {
+        *crate::lock::lock(&self.inner.api_url) = url.to_string();
+    }
+
+    /// Sets how the payload rates recorded with each heartbeat are read.
+    pub fn set_rates(&self, probe: RateProbe) {
+        *crate::lock::lock(&self.inner.rates) = Some(probe);
+    }
+
+    fn beat(&self) -> (String, f64, f64) {
+        let url = crate::lock::lock(&self.inner.api_url).clone();
+        let (sent, received) = crate::lock::lock(&self.inner.rates)
+            .as_ref()
+            .map_or((0.0, 0.0), |p| p());
+        (url, sent, received)
+    }
+
+    /// Whether the agent may act on its leases now: its last heartbeat
+    /// succeeded less than `lease_timeout - heartbeat_interval` ago.
+    pub fn leases_valid(&self) -> bool {
+        let s = crate::lock::lock(&self.inner.standing);
+        s.last_ok.is_some_and(|t| {
+            t.elapsed() < self.inner.cfg.lease_timeout - self.inner.cfg.heartbeat_interval
+        })
+    }
+
+    /// Whether the agent may claim work: its leases are valid and it is
+    /// not drained.
+    pub fn may_claim(&self) -> bool {
+        self.leases_valid() && !crate::lock::lock(&self.inner.standing).draining
+    }
+
+    /// Whether an operator drained the agent.
+    pub fn draining(&self) -> bool {
+        crate::lock::lock(&self.inner.standing).draining
+    }
+
+    /// Whether the last heartbeat reached the catalog, and its error if
+    /// not.
+    pub fn catalog_status(&self) -> (bool, Option<String>) {
+        let s = crate::lock::lock(&self.inner.standing);
+        (s.catalog_up, s.error.clone())
+    }
+
+    /// Whether the last heartbeat renewed the lease on transfer `id`.
+    pub fn renewed(&self, id: TransferId) -> bool {
+        crate::lock::lock(&self.inner.standing).held.contains(&id)
+    }
+
+    /// Resolves when the agent's standing changes (a heartbeat failed or
+    /// came back, a drain, a lease not renewed).
+    pub async fn changed(&self) {
+        self.inner.changed.notified().await
+    }
+
+    /// Counts a takeover (a claim of a transfer whose previous holder's
+    /// lease lapsed).
+    pub fn count_takeover(&self) {
+        self.inner.takeovers.inc();
+    }
+
+    /// Counts a lease lost before its run ended.
+    pub fn count_lost(&self) {
+        self.inner.lost.inc();
+    }
+
+    /// Registers the agent, then heartbeats every interval until
+    /// `stop`, then records a clean stop (its leases released). Failures
+    /// are logged and retried at the next interval; the agent's standing
+    /// says whether the catalog answers.
+    pub async fn run(self, stop: CancellationToken) {
+        let i = &self.inner;
+        let mut registered = false;
+        let mut tick = tokio::time::interval(i.cfg.heartbeat_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.cancelled() => break,
+            }
+            let (url, sent, received) = self.beat();
+            let hb = Heartbeat {
+                name: &i.name,
+                role: &i.role,
+                version: &i.version,
+                api_url: &url,
+                timeout_ms: i.cfg.lease_timeout.as_millis() as i64,
+                sent_bps: sent,
+                received_bps: received,
+            };
+            let started = Instant::now();
+            let result = async {
+                if !registered {
+                    i.catalog.register_agent(&hb).await?;
+                    registered = true;
+                }
+                i.catalog.heartbeat(&hb).await
+            }
+            .await;
+            let mut changed = false;
+            match result {
+                Ok(b) => {
+                    let held: HashSet<TransferId> = b.held.into_iter().collect();
+                    let mut s = crate::lock::lock(&i.standing);
+                    if !s.catalog_up {
+                        if s.last_ok.is_some() || s.error.is_some() {
+                            info!(agent = i.name, "the catalog answers again");
+                        }
+                        changed = true;
+                    }
+                    if s.draining != b.draining || s.held.iter().any(|t| !held.contains(t)) {
+                        changed = true;
+                    }
+                    if b.draining && !s.draining {
+                        info!(
+                            agent = i.name,
+                            "drained by an operator: claiming nothing new"
+                        );
+                    }
+                    *s = Standing {
+                        last_ok: Some(started),
+                        catalog_up: true,
+                        error: None,
+                        draining: b.draining,
+                        held,
+                    };
+                    i.catalog_up.set(1);
+                }
+                Err(e) => {
+                    let mut s = crate::lock::lock(&i.standing);
+                    if s.catalog_up || s.error.is_none() {
+                        warn!(agent = i.name, error = %e, "heartbeat: the catalog does not answer; leases lapse after {:?}", i.cfg.lease_timeout);
+                        changed = true;
+                    }
+                    s.catalog_up = false;
+                    s.error = Some(e.to_string());
+                    i.catalog_up.set(0);
+                    i.heartbeats_failed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            if changed {
+                i.changed.notify_waiters();
+            }
+        }
+        if registered {
+            if let Err(e) = i.catalog.agent_stopped(&i.name).await {
+                warn!(agent = i.name, error = %e, "recording a clean stop in the catalog");
+            }
+        }
+    }
+
+    /// The pool's metrics in Prometheus text format (`ferry_catalog_up`,
+    /// `ferry_pool_agents{state}`, `ferry_lease_takeovers_total`,
+    /// `ferry_leases_lost_total`); the agents by state are read from the
+    /// catalog now (left as they were if it does not answer).
+    ///
+    /// # Errors
+    /// Encoding errors only.
+    pub async fn render_metrics(&self) -> Result<String, std::fmt::Error> {
+        if let Ok(agents) = self.inner.catalog.pool_agents().await {
+            for st in AgentState::ALL {
+                let n = agents.iter().filter(|a| a.state == st).count();
+                self.inner
+                    .agents
+                    .get_or_create(&StateLabel { state: st.as_str() })
+                    .set(n as i64);
+            }
+        }
+        crate::metrics::encode(&self.inner.registry)
+    }
+}

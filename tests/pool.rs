@@ -1,0 +1,373 @@
+//! A site's pool: two source agents (real `ferry serve` processes) on one
+//! PostgreSQL catalog (a fresh database on the server at
+//! `FERRY_TEST_PG_URL`, started by `ops/test`), one sink behind
+//! `ferry link-emu`. Transfers are claimed under leases timed by the
+//! database clock; a killed agent's transfer is taken over; a drained
+//! agent claims nothing.
+
+#![allow(clippy::unwrap_used)]
+
+#[allow(dead_code)]
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use common::*;
+use serde_json::Value;
+use sqlx::{Connection, Row};
+
+/// The second source agent of the site.
+const SOURCE_2: &str = "train-a-2";
+
+fn pg_url() -> String {
+    std::env::var("FERRY_TEST_PG_URL").unwrap_or_else(|_| {
+        panic!(
+            "FERRY_TEST_PG_URL is not set: this test needs a PostgreSQL server; run it through \
+             ops/test (or ops/with-test-pg cargo test ...), which starts one"
+        )
+    })
+}
+
+/// A fresh database on the test server; its URL.
+async fn fresh_db(name: &str) -> String {
+    let url = pg_url();
+    let name = format!("ferry_pool_{name}_{}", std::process::id());
+    let mut c = sqlx::PgConnection::connect(&url).await.unwrap();
+    for q in [
+        format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
+        format!("CREATE DATABASE {name}"),
+    ] {
+        sqlx::query(&q).execute(&mut c).await.unwrap();
+    }
+    c.close().await.unwrap();
+    let (server, _) = url.rsplit_once('/').unwrap();
+    format!("{server}/{name}")
+}
+
+async fn drop_db(url: &str) {
+    let name = url.rsplit_once('/').unwrap().1;
+    let mut c = sqlx::PgConnection::connect(&pg_url()).await.unwrap();
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        .execute(&mut c)
+        .await
+        .unwrap();
+    c.close().await.unwrap();
+}
+
+/// One lease of the catalog's history.
+#[derive(Debug, Clone)]
+struct Lease {
+    transfer: i64,
+    epoch: i64,
+    agent: String,
+    claimed_at: i64,
+    ended_at: Option<i64>,
+    end_reason: Option<String>,
+}
+
+async fn leases(db: &str) -> Vec<Lease> {
+    let mut c = sqlx::PgConnection::connect(db).await.unwrap();
+    let rows = sqlx::query(
+        "SELECT transfer, epoch, agent, claimed_at, ended_at, end_reason FROM transfer_leases \
+         ORDER BY transfer, epoch",
+    )
+    .fetch_all(&mut c)
+    .await
+    .unwrap();
+    c.close().await.unwrap();
+    rows.iter()
+        .map(|r| Lease {
+            transfer: r.get("transfer"),
+            epoch: r.get("epoch"),
+            agent: r.get("agent"),
+            claimed_at: r.get("claimed_at"),
+            ended_at: r.get("ended_at"),
+            end_reason: r.get("end_reason"),
+        })
+        .collect()
+}
+
+/// Fails unless the leases of each transfer follow one another in time.
+fn assert_no_overlap(w: &World, ls: &[Lease]) {
+    let mut by: BTreeMap<i64, Vec<&Lease>> = BTreeMap::new();
+    for l in ls {
+        by.entry(l.transfer).or_default().push(l);
+    }
+    for (t, v) in by {
+        for pair in v.windows(2) {
+            let (a, b) = (pair[0], pair[1]);
+            w.ensure(
+                a.ended_at.is_some_and(|e| e <= b.claimed_at) && a.epoch < b.epoch,
+                || format!("leases of transfer {t} overlap: {a:?} then {b:?}"),
+            );
+        }
+    }
+}
+
+struct Site {
+    db: String,
+    sink: Agent,
+    _relay: Relay,
+    a: Agent,
+    b: Agent,
+}
+
+/// A sink, a relay at `rate`, and two source agents of one site on one
+/// fresh PostgreSQL catalog with a short heartbeat (300 ms) and lease
+/// timeout (1.5 s). Both read the same source root.
+async fn site(w: &World, name: &str, rate: &str) -> Site {
+    let db = fresh_db(name).await;
+    w.certs("certs", &[SOURCE_NAME, SOURCE_2, SINK_NAME]).await;
+    let sink = w.start_agent("sink", w.sink_config(), &[]).await;
+    let relay = w.start_relay(&sink.cfg.quic_listen, rate).await;
+    let tail = format!(
+        "\n[catalog]\nurl = {}\n\n[pool]\nheartbeat_interval = \"300ms\"\nlease_timeout = \"1500ms\"\n",
+        toml_str(&db)
+    );
+    let start = async |label: &str, agent: &str| {
+        let mut cfg = w.source_config(&format!("127.0.0.1:{}", relay.port), rate);
+        let certs = w.root.join("certs");
+        cfg.name = agent.into();
+        cfg.cert = certs.join(format!("{agent}.pem"));
+        cfg.key = certs.join(format!("{agent}.key"));
+        cfg.data_dir = w.root.join(label).join("data");
+        cfg.tail = tail.clone();
+        w.start_agent(label, cfg, &[]).await
+    };
+    let a = start("source-a", SOURCE_NAME).await;
+    let b = start("source-b", SOURCE_2).await;
+    Site {
+        db,
+        sink,
+        _relay: relay,
+        a,
+        b,
+    }
+}
+
+/// Waits until every transfer of `ids` is published (as any agent of
+/// the pool lists it).
+async fn wait_published(w: &World, agent: &Agent, ids: &[i64]) {
+    w.wait_until(
+        "every transfer to be published",
+        Duration::from_secs(120),
+        async || {
+            let ts = w.transfers(agent).await;
+            let left: Vec<String> = ids
+                .iter()
+                .filter_map(|id| {
+                    let t = ts.iter().find(|t| t["id"].as_i64() == Some(*id));
+                    match t.map(|t| s(t, "state")) {
+                        Some(st) if st == "published" => None,
+                        Some(st) if st == "failed" || st == "cancelled" => {
+                            w.fail(format!("transfer {id} ended {st}: {t:?}"))
+                        }
+                        st => Some(format!("{id}: {st:?}")),
+                    }
+                })
+                .collect();
+            if left.is_empty() {
+                Ok(())
+            } else {
+                Err(left.join(", "))
+            }
+        },
+    )
+    .await;
+}
+
+/// Checkpoints pushed through either agent of the pool are replicated
+/// once each, byte-identical; both agents carry transfers, and no two
+/// leases of one transfer overlap. `ferry pool` on either agent lists
+/// both. A drained agent claims nothing: what is pushed through it runs
+/// on the other.
+#[tokio::test]
+async fn two_source_agents_share_the_work_and_a_drained_one_claims_nothing() {
+    let w = World::new("pool").await;
+    let mut names = Vec::new();
+    for i in 0..6 {
+        let name = format!("step_{:06}", 100 * (i + 1));
+        w.gen(&w.source_root().join(&name), "3MB").await;
+        names.push(name);
+    }
+    let mut site = site(&w, "share", "200Mbit/s").await;
+    // Three through each agent: each agent's link worker is woken by its
+    // own pushes and claims while the pool has free slots.
+    let mut ids = Vec::new();
+    for (i, n) in names.iter().enumerate() {
+        let via = if i % 2 == 0 { &site.a } else { &site.b };
+        ids.push(w.push_no_wait(via, &w.source_root().join(n)).await);
+    }
+    wait_published(&w, &site.a, &ids).await;
+    for n in &names {
+        w.assert_same_tree(&w.source_root().join(n), &w.replica_path(n));
+    }
+    let replicas = w
+        .get_json(&format!("{}/v1/replicas?limit=1000", site.sink.url()))
+        .await;
+    let published: Vec<&Value> = replicas["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| s(r, "state") == "published")
+        .collect();
+    w.ensure(published.len() == names.len(), || {
+        format!(
+            "expected {} published replicas, one each: {replicas}",
+            names.len()
+        )
+    });
+    let ls = leases(&site.db).await;
+    let holders: BTreeSet<&str> = ls.iter().map(|l| l.agent.as_str()).collect();
+    w.ensure(
+        holders.contains(SOURCE_NAME) && holders.contains(SOURCE_2),
+        || format!("both agents should have carried transfers: {ls:?}"),
+    );
+    w.ensure(
+        ls.iter()
+            .all(|l| l.end_reason.as_deref() == Some("released")),
+        || format!("every lease should have been released: {ls:?}"),
+    );
+    assert_no_overlap(&w, &ls);
+
+    // Either agent shows the whole pool.
+    for via in [&site.a, &site.b] {
+        let out = w
+            .ferry(
+                &["pool", "--server", &via.url()],
+                &[],
+                Duration::from_secs(30),
+            )
+            .await;
+        w.ensure(
+            out.success()
+                && out.stdout.contains(SOURCE_NAME)
+                && out.stdout.contains(SOURCE_2)
+                && out.stdout.matches(" live ").count() == 2,
+            || {
+                format!(
+                    "ferry pool through {} should list both agents live: {out}",
+                    via.label
+                )
+            },
+        );
+    }
+
+    // Drain b through a; then push through b: a runs it.
+    let out = w
+        .ferry(
+            &[
+                "drain",
+                SOURCE_2,
+                "--wait",
+                "30s",
+                "--server",
+                &site.a.url(),
+            ],
+            &[],
+            Duration::from_secs(60),
+        )
+        .await;
+    w.ensure(
+        out.success() && out.stdout.contains("holds nothing"),
+        || format!("ferry drain failed: {out}"),
+    );
+    let pool = w.get_json(&format!("{}/v1/pool", site.b.url())).await;
+    let b = pool["agents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["name"] == SOURCE_2)
+        .cloned()
+        .unwrap();
+    w.ensure(s(&b, "state") == "draining", || format!("{pool}"));
+    // The drained agent sees the drain at its next heartbeat.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let late = w.source_root().join("step_000900");
+    w.gen(&late, "2MB").await;
+    let id = w.push_no_wait(&site.b, &late).await;
+    wait_published(&w, &site.a, &[id]).await;
+    let ls = leases(&site.db).await;
+    let of_late: Vec<&Lease> = ls.iter().filter(|l| l.transfer == id).collect();
+    w.ensure(
+        !of_late.is_empty() && of_late.iter().all(|l| l.agent == SOURCE_NAME),
+        || format!("the drained agent should not have claimed transfer {id}: {ls:?}"),
+    );
+
+    site.a.kill();
+    site.b.kill();
+    site.sink.kill();
+    drop_db(&site.db).await;
+}
+
+/// SIGKILL the agent holding a transfer: once its lease lapses (1.5 s
+/// here, by the database clock) the other agent claims the transfer
+/// and publishes it; the leases do not overlap, the first one ended
+/// `lapsed`, the taker counts a takeover, and `ferry pool` shows the
+/// killed agent down.
+#[tokio::test]
+async fn a_killed_agent_s_transfer_is_taken_over_by_another() {
+    let w = World::new("pool-kill").await;
+    let ckpt = w.source_root().join("step_000100");
+    w.gen(&ckpt, "40MB").await;
+    // 40 MB at 40 Mbit/s: about 8 s, time to kill the sender midway.
+    let mut site = site(&w, "kill", "40Mbit/s").await;
+    let id = w.push_no_wait(&site.a, &ckpt).await;
+    w.wait_until(
+        "the first agent to be sending",
+        Duration::from_secs(60),
+        async || {
+            let t = w
+                .get_json(&format!("{}/v1/transfers/{id}", site.a.url()))
+                .await;
+            let sent = t["progress"]["bytes_sent"].as_u64().unwrap_or(0);
+            if sent > 4 << 20 {
+                Ok(())
+            } else {
+                Err(format!("{sent} bytes sent: {t}"))
+            }
+        },
+    )
+    .await;
+    let ls = leases(&site.db).await;
+    w.ensure(
+        ls.len() == 1 && ls[0].agent == SOURCE_NAME && ls[0].ended_at.is_none(),
+        || format!("the first agent should hold the only lease: {ls:?}"),
+    );
+    site.a.kill();
+    wait_published(&w, &site.b, &[id]).await;
+    w.assert_same_tree(&ckpt, &w.replica_path("step_000100"));
+    let ls = leases(&site.db).await;
+    assert_no_overlap(&w, &ls);
+    w.ensure(
+        ls.len() == 2
+            && ls[0].end_reason.as_deref() == Some("lapsed")
+            && ls[1].agent == SOURCE_2
+            && ls[1].end_reason.as_deref() == Some("released"),
+        || format!("expected a lapsed lease then the second agent's: {ls:?}"),
+    );
+    let metrics = w.metrics_text(&site.b).await;
+    w.ensure(metrics.contains("ferry_lease_takeovers_total 1"), || {
+        format!("the second agent should count one takeover:\n{metrics}")
+    });
+    let out = w
+        .ferry(
+            &["pool", "--server", &site.b.url()],
+            &[],
+            Duration::from_secs(30),
+        )
+        .await;
+    let line_a = out
+        .stdout
+        .lines()
+        .find(|l| l.contains(SOURCE_NAME))
+        .unwrap_or_default()
+        .to_string();
+    w.ensure(line_a.contains(" down "), || {
+        format!("ferry pool should show the killed agent down: {out}")
+    });
+    site.b.kill();
+    site.sink.kill();
+    drop_db(&site.db).await;
+}
