@@ -159,7 +159,7 @@ async fn wait_published(w: &World, agent: &Agent, ids: &[i64]) {
                 .filter_map(|id| {
                     let t = ts.iter().find(|t| t["id"].as_i64() == Some(*id));
                     match t.map(|t| s(t, "state")) {
-                        Some(st) if st == "published" => None,
+                        Some("published") => None,
                         Some(st) if st == "failed" || st == "cancelled" => {
                             w.fail(format!("transfer {id} ended {st}: {t:?}"))
                         }
