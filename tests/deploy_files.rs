@@ -205,6 +205,17 @@ fn pool_example_configs_load_as_a_source_pool_and_a_sink_pool() {
         "[scheduler] differs"
     );
 
+    // One watcher per root: the other source agent only carries pushed
+    // transfers (watched roots are not handed over between agents yet).
+    let watching = sources
+        .iter()
+        .filter(|c| !c.source.as_ref().unwrap().scan_interval.is_zero())
+        .count();
+    assert_eq!(
+        watching, 1,
+        "exactly one source agent should watch the roots"
+    );
+
     let sink_names: BTreeSet<&str> = sinks.iter().map(|c| c.agent.name.as_str()).collect();
     let linked: BTreeSet<&str> = sources[0]
         .links

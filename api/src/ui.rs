@@ -125,6 +125,11 @@ pub(crate) struct Status {
     signals: Vec<Signal>,
     /// The last 30 replicas, incoming and published, with lag (sink).
     replicas: Vec<Replica>,
+    /// Every agent of the site's pool, by name (empty outside a pool or
+    /// while the catalog does not answer).
+    pool: Vec<crate::pool_api::PoolAgentView>,
+    /// Whether this agent's last heartbeat reached the catalog.
+    catalog_up: bool,
 }
 
 /// The status of `s` now.
@@ -142,7 +147,15 @@ pub(crate) async fn snapshot(s: &AppState, with_history: bool) -> Result<Status,
         published: Vec::new(),
         signals: Vec::new(),
         replicas: Vec::new(),
+        pool: Vec::new(),
+        catalog_up: true,
     };
+    if let Some(p) = &s.pool {
+        st.catalog_up = p.catalog_status().0;
+        if let Ok(agents) = p.catalog().pool_agents().await {
+            st.pool = agents.into_iter().map(Into::into).collect();
+        }
+    }
     if let Some(src) = &s.source {
         let cat = src.catalog();
         st.links = src.link_stats(with_history);

@@ -197,6 +197,19 @@ function render(st) {
     renderSignals(st);
   }
   if (st.roles.includes('sink')) renderReplicas(st);
+  renderPool(st);
+}
+
+function renderPool(st) {
+  const agents = st.pool || [];
+  $('#pool-panel').hidden = agents.length === 0;
+  $('#pool-note').textContent = st.catalog_up ? '' : '· this agent\'s catalog does not answer: it claims nothing';
+  fill($('#pool tbody'), agents.map((a) => [
+    a.name + (a.name === st.agent ? ' (this agent)' : ''), a.role,
+    el('span', { class: 'pool-' + a.state }, a.state),
+    a.heartbeat_age_s.toFixed(1) + ' s ago',
+    a.held + ' (' + fmtBytes(a.held_bytes_left) + ' left)',
+    fmtRate(a.sent_bps), fmtRate(a.received_bps), a.version]));
 }
 
 function canOperate() {
