@@ -303,9 +303,10 @@ async fn two_source_agents_share_the_work_and_a_drained_one_claims_nothing() {
 
 /// SIGKILL the agent holding a transfer: once its lease lapses (1.5 s
 /// here, by the database clock) the other agent claims the transfer
-/// and publishes it; the leases do not overlap, the first one ended
-/// `lapsed`, the taker counts a takeover, and `ferry pool` shows the
-/// killed agent down.
+/// and publishes it, sending less than the whole (the sink keys the
+/// transfer by the source catalog, not by agent); the leases do not
+/// overlap, the first one ended `lapsed`, the taker counts a takeover,
+/// and `ferry pool` shows the killed agent down.
 #[tokio::test]
 async fn a_killed_agent_s_transfer_is_taken_over_by_another() {
     let w = World::new("pool-kill").await;
@@ -314,18 +315,23 @@ async fn a_killed_agent_s_transfer_is_taken_over_by_another() {
     // 40 MB at 40 Mbit/s: about 8 s, time to kill the sender midway.
     let mut site = site(&w, "kill", "40Mbit/s").await;
     let id = w.push_no_wait(&site.a, &ckpt).await;
+    // Killed once the sink has 16 MiB of it verified in staging.
     w.wait_until(
-        "the first agent to be sending",
+        "the sink to hold part of the transfer",
         Duration::from_secs(60),
         async || {
-            let t = w
-                .get_json(&format!("{}/v1/transfers/{id}", site.a.url()))
+            let v = w
+                .get_json(&format!("{}/v1/replicas?limit=10", site.sink.url()))
                 .await;
-            let sent = t["progress"]["bytes_sent"].as_u64().unwrap_or(0);
-            if sent > 4 << 20 {
+            let done = v["items"]
+                .as_array()
+                .and_then(|a| a.first())
+                .and_then(|r| r["bytes_done"].as_u64())
+                .unwrap_or(0);
+            if done >= 16 << 20 {
                 Ok(())
             } else {
-                Err(format!("{sent} bytes sent: {t}"))
+                Err(format!("{done} bytes at the sink: {v}"))
             }
         },
     )
@@ -350,6 +356,17 @@ async fn a_killed_agent_s_transfer_is_taken_over_by_another() {
     let metrics = w.metrics_text(&site.b).await;
     w.ensure(metrics.contains("ferry_lease_takeovers_total 1"), || {
         format!("the second agent should count one takeover:\n{metrics}")
+    });
+    // The sink keys the transfer by the source catalog, so the second
+    // agent sent only what the sink lacked.
+    let sent: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("ferry_sent_bytes_total{"))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum();
+    let total = 40_000_000.0;
+    w.ensure(sent > 0.0 && sent < total * 0.85, || {
+        format!("the second agent sent {sent} bytes of a {total}-byte checkpoint:\n{metrics}")
     });
     let out = w
         .ferry(

@@ -949,19 +949,40 @@ async fn open_transfer(
     // if it has one, is almost always among them, and so is a published
     // version a re-save can reuse files from. One query for both.
     let same_source = inner.catalog.replicas_for_source(&key.source_path).await?;
-    let existing = match same_source
-        .iter()
-        .find(|r| r.peer == peer && r.source_transfer == key.id)
-    {
-        Some(r) => Some(r.clone()),
-        None if same_source.len() >= ferry_catalog::replicas::SAME_SOURCE_ROWS => {
-            inner
-                .catalog
-                .find_replica(peer, key.id, &key.source_path)
-                .await?
+    // Whose transfer it is: the source's catalog (protocol 5 on), so any
+    // agent of the source's pool continues it, or the agent for an older
+    // source.
+    let origin = key.origin.as_ref().map(|o| format!("catalog:{o}"));
+    let owner = origin.as_deref().unwrap_or(peer);
+    let find = async |owner: &str| -> Result<Option<ferry_catalog::Replica>, CatalogError> {
+        match same_source
+            .iter()
+            .find(|r| r.peer == owner && r.source_transfer == key.id)
+        {
+            Some(r) => Ok(Some(r.clone())),
+            None if same_source.len() >= ferry_catalog::replicas::SAME_SOURCE_ROWS => {
+                inner
+                    .catalog
+                    .find_replica(owner, key.id, &key.source_path)
+                    .await
+            }
+            None => Ok(None),
         }
-        None => None,
     };
+    let mut existing = find(owner).await?;
+    if existing.is_none() && origin.is_some() {
+        // First opened by this agent before it spoke protocol 5: the row
+        // is keyed by its name; it continues under its catalog's key.
+        if let Some(r) = find(peer).await? {
+            if inner.catalog.set_replica_peer(r.id, owner).await? {
+                info!(transfer = %key.id, peer, owner, "transfer re-keyed to its source catalog");
+                existing = Some(ferry_catalog::Replica {
+                    peer: owner.to_string(),
+                    ..r
+                });
+            }
+        }
+    }
     let mut published_root = None;
     let plan = decide::plan_open(
         key.id,
@@ -1075,7 +1096,7 @@ async fn open_transfer(
             let path_tag = blake3::hash(key.source_path.as_bytes()).to_hex();
             let staging = staging_root(root).join(format!(
                 "{}-{}-{}",
-                sanitize(peer),
+                sanitize(owner),
                 key.id,
                 &path_tag[..16]
             ));
@@ -1087,7 +1108,7 @@ async fn open_transfer(
             let id = inner
                 .catalog
                 .insert_replica(&NewReplica {
-                    peer,
+                    peer: owner,
                     source_site: site,
                     source_transfer: key.id,
                     job: &key.job,
@@ -1505,6 +1526,11 @@ async fn receive_batch(
         return Ok(());
     }
     let mut ended = false;
+    // A read that failed mid-batch (the source went away): the whole
+    // records read before it are still written (and recorded, so that
+    // whichever agent resumes the transfer need not send them again),
+    // then the error is returned.
+    let mut broken: Option<ConnError> = None;
     while !ended {
         // Records with the arrival of their first and last byte (Unix ms).
         let mut group: Vec<(RecordHeader, Vec<u8>, (i64, i64))> = Vec::new();
@@ -1517,7 +1543,11 @@ async fn receive_batch(
                     ended = true;
                     break;
                 }
-                Err(e) => return Err(e.into()),
+                Err(e) => {
+                    broken = Some(e.into());
+                    ended = true;
+                    break;
+                }
             }
             let first_byte = now_ms();
             let h = RecordHeader::decode(&rb)?;
@@ -1525,7 +1555,9 @@ async fn receive_batch(
             let mut buf = inner.bufs.take(h.len as usize);
             if let Err(e) = crate::conn::read_into(&mut s, h.len as usize, &mut buf).await {
                 inner.bufs.give(buf);
-                return Err(e.into());
+                broken = Some(e.into());
+                ended = true;
+                break;
             }
             if !fits {
                 inner.bufs.give(buf);
@@ -1630,6 +1662,9 @@ async fn receive_batch(
             })
             .await?;
         }
+    }
+    if let Some(e) = broken {
+        return Err(e);
     }
     batch_in(&live, ctl, header).await?;
     maybe_finish(inner, &live, ctl, header.transfer).await

@@ -8,7 +8,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -21,7 +21,8 @@ use ferry_catalog::{
 use ferry_proto::manifest::{hex, ChunkMap, FileEntry, FileInfo, Hash, Manifest};
 use ferry_proto::state::{CheckpointState, TransferId, TransferState};
 use ferry_proto::wire::{
-    CheckpointInfo, Commit, Control, Hello, Open, RecordHeader, TransferKey, PROTOCOL_VERSION,
+    CheckpointInfo, Commit, Control, Hello, Open, RecordHeader, TransferKey, MIN_SOURCE_VERSION,
+    ORIGIN_VERSION, PROTOCOL_VERSION,
 };
 use quinn::{Connection, Endpoint, VarInt};
 use serde::Serialize;
@@ -349,6 +350,10 @@ struct LinkState {
     endpoints: Mutex<Vec<Endpoint>>,
     /// Rates by class and their history, fed by the sampler.
     sampler: Mutex<LinkSampler>,
+    /// The protocol version the link's next dial speaks:
+    /// [`PROTOCOL_VERSION`], or an older one a sink asked for by naming
+    /// the versions it speaks when it refused a hello.
+    speak: Arc<AtomicU16>,
 }
 
 struct Inner {
@@ -483,6 +488,7 @@ impl Source {
                     connections: AtomicU64::new(0),
                     endpoints: Mutex::new(Vec::new()),
                     sampler: Mutex::new(LinkSampler::default()),
+                    speak: Arc::new(AtomicU16::new(PROTOCOL_VERSION)),
                 }),
             );
         }
@@ -1369,6 +1375,8 @@ struct LinkConn {
     sched: Arc<LinkSched>,
     /// Connections of the pool lost while the control one lives.
     lost: Arc<AtomicU64>,
+    /// The protocol version the pool speaks.
+    version: u16,
     /// The sink's hello arrived on the control connection with our
     /// protocol version: only then is the link's dial backoff reset (a
     /// sink that refuses every hello is dialled at the backoff's pace, not
@@ -1421,6 +1429,7 @@ async fn handshake(
     link: &LinkState,
     endpoint: &Endpoint,
     peer_addr: std::net::SocketAddr,
+    version: u16,
 ) -> Result<(Connection, ControlSender, quinn::RecvStream), String> {
     let l = &link.cfg;
     let connecting = endpoint
@@ -1439,7 +1448,7 @@ async fn handshake(
         .map_err(|e| format!("control stream to {}: {e}", l.peer_name))?;
     let ctl = ControlSender::new(send);
     ctl.send(&Control::Hello(Hello {
-        version: PROTOCOL_VERSION,
+        version,
         agent: inner.cfg.agent.clone(),
         site: inner.cfg.site.clone(),
     }))
@@ -1456,6 +1465,7 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
         .next()
         .ok_or_else(|| format!("{} resolves to no address", l.peer))?;
     let endpoints = link_endpoints(inner, link)?;
+    let version = link.speak.load(Ordering::Relaxed);
     // All handshakes at once: a pool takes one round trip, not one each.
     // The first connection carries the control stream: if it fails, so
     // does the dial. A further one that fails is left out: the pool works
@@ -1463,7 +1473,7 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
     let results = futures::future::join_all(
         endpoints
             .iter()
-            .map(|ep| handshake(inner, link, ep, peer_addr)),
+            .map(|ep| handshake(inner, link, ep, peer_addr, version)),
     )
     .await;
     let mut dialled = Vec::with_capacity(results.len());
@@ -1504,6 +1514,8 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
             unanswered.clone(),
             link.sched.clone(),
             greeted.clone(),
+            version,
+            link.speak.clone(),
         ));
         ctls.push(ctl);
         for w in 0..inner.cfg.streams.max(1) {
@@ -1574,7 +1586,25 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
         sched: link.sched.clone(),
         lost,
         greeted,
+        version,
     })
+}
+
+/// The protocol version to speak next to a sink whose refusal of a hello
+/// in `version` was `message`: the newest version it names ("this sink
+/// speaks A to B", as every release's sink words it), if that is older
+/// than `version` and at least [`MIN_SOURCE_VERSION`].
+fn older_version_to_speak(message: &str, version: u16) -> Option<u16> {
+    let rest = message.split("this sink speaks ").nth(1)?;
+    let (lo, hi) = rest.split_once(" to ")?;
+    let lo: u16 = lo.trim().parse().ok()?;
+    let hi: u16 = hi
+        .trim()
+        .trim_end_matches(|c: char| !c.is_ascii_digit())
+        .parse()
+        .ok()?;
+    let newest = hi.min(version.saturating_sub(1));
+    (newest >= lo && newest >= MIN_SOURCE_VERSION && hi < version).then_some(newest)
 }
 
 /// Reads the sink's side of the control stream of connection `index` of a
@@ -1594,11 +1624,13 @@ async fn read_control(
     un: Arc<Mutex<HashMap<TransferId, u32>>>,
     sched: Arc<LinkSched>,
     greeted: Arc<AtomicBool>,
+    version: u16,
+    speak: Arc<AtomicU16>,
 ) {
     let c2 = conn;
     let hello = tokio::time::timeout(Duration::from_secs(15), read_frame(&mut recv)).await;
     let refusal = match hello {
-        Ok(Ok(Some(Control::Hello(h)))) if h.version == PROTOCOL_VERSION => {
+        Ok(Ok(Some(Control::Hello(h)))) if h.version == version => {
             if index == 0 {
                 greeted.store(true, Ordering::Relaxed);
                 info!(
@@ -1617,10 +1649,24 @@ async fn read_control(
             None
         }
         Ok(Ok(Some(Control::Hello(h)))) => Some(format!(
-            "incompatible protocol version: sink speaks {}, this source speaks {PROTOCOL_VERSION}",
+            "incompatible protocol version: sink speaks {}, this source speaks {version}",
             h.version
         )),
-        Ok(Ok(Some(Control::Error { message }))) => Some(message),
+        Ok(Ok(Some(Control::Error { message }))) => {
+            // A sink of an older release names the versions it speaks:
+            // the next dial speaks the newest of them this source knows.
+            if let Some(older) = older_version_to_speak(&message, version).filter(|_| index == 0) {
+                warn!(
+                    link = link_name,
+                    peer = peer_name,
+                    "the sink speaks protocol versions up to {older}; dialling again in \
+                     version {older} (upgrade the sink: a source of this release sends \
+                     version {PROTOCOL_VERSION}'s additions only to a sink that speaks it)"
+                );
+                speak.store(older, Ordering::Relaxed);
+            }
+            Some(message)
+        }
         Ok(Ok(Some(m))) => Some(format!("expected hello, got {}", m.name())),
         Ok(Ok(None)) => Some("sink closed the control stream".into()),
         Ok(Err(e)) => Some(
@@ -2333,6 +2379,7 @@ async fn open_on_sink(
                 source_path: t.source_path.clone(),
                 rel: t.rel.clone(),
                 profile: t.profile,
+                origin: (c.version >= ORIGIN_VERSION).then(|| inner.catalog.id().to_string()),
             },
             chunk_size: inner.cfg.chunk_size,
             bytes_total: files.iter().map(|f| f.size).sum(),
@@ -3413,5 +3460,19 @@ mod tests {
         let j = source.put_job("job", Some(Some(7e10)), 0.5).await.unwrap();
         assert_eq!(j.model_params, Some(7e10));
         source.shutdown(Duration::from_secs(1)).await;
+    }
+
+    #[test]
+    fn a_sink_naming_older_versions_is_spoken_to_in_the_newest_it_names() {
+        let refusal = |hi: u16| {
+            format!("incompatible protocol version: peer speaks 5, this sink speaks 2 to {hi}")
+        };
+        assert_eq!(older_version_to_speak(&refusal(4), 5), Some(4));
+        // Never below what this source can speak, never up again.
+        assert_eq!(older_version_to_speak(&refusal(3), 5), None);
+        assert_eq!(older_version_to_speak(&refusal(5), 5), None);
+        assert_eq!(older_version_to_speak(&refusal(6), 5), None);
+        assert_eq!(older_version_to_speak("sink refused: full", 5), None);
+        assert_eq!(older_version_to_speak("this sink speaks x to y", 5), None);
     }
 }

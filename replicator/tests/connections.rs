@@ -478,6 +478,96 @@ async fn a_sink_of_an_older_protocol_is_dialled_at_the_backoff_pace() {
     source.shutdown(Duration::from_secs(5)).await;
 }
 
+/// A sink of the previous release refuses a hello of this release's
+/// version, naming the versions it speaks (as every release's sink
+/// words it): the source dials again in the newest of them, and keeps
+/// speaking it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sink_of_the_previous_release_is_spoken_to_in_its_version() {
+    use ferry_proto::wire::{Control, Hello, PROTOCOL_VERSION};
+    use replicator::source::Source;
+    use replicator::transport::{self, SocketKind};
+    use std::net::SocketAddr;
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path();
+    let certs = common::dev_pki(base);
+    let (a, b): (SocketAddr, SocketAddr) =
+        ("10.0.0.1:1".parse().unwrap(), "10.0.0.2:2".parse().unwrap());
+    let params = ferry_linkemu::LinkParams::new(1_000_000_000, Duration::from_millis(10));
+    let (sa, sb) = ferry_linkemu::memory_pair(a, b, params.clone(), params);
+    let server = quinn::ServerConfig::with_crypto(
+        replicator::tls::server_crypto(&common::identity(&certs, "dst")).unwrap(),
+    );
+    let sink_ep = transport::endpoint(SocketKind::Memory(sb), Some(server)).unwrap();
+    let old = PROTOCOL_VERSION - 1;
+    // The old sink: refuses a newer hello as it always has, answers one of
+    // its own version, and records the versions it was greeted in.
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let s2 = seen.clone();
+    tokio::spawn(async move {
+        while let Some(inc) = sink_ep.accept().await {
+            let seen = s2.clone();
+            tokio::spawn(async move {
+                let Ok(conn) = inc.await else { return };
+                let Ok((mut send, mut recv)) = conn.accept_bi().await else {
+                    return;
+                };
+                let Ok(Some(Control::Hello(h))) = replicator::conn::read_frame(&mut recv).await
+                else {
+                    return;
+                };
+                seen.lock().unwrap().push(h.version);
+                let answer = if h.version > old {
+                    Control::Error {
+                        message: format!(
+                            "incompatible protocol version: peer speaks {}, this sink speaks 2 to {old}",
+                            h.version
+                        ),
+                    }
+                } else {
+                    Control::Hello(Hello {
+                        version: h.version,
+                        agent: "dst".into(),
+                        site: "eval-b".into(),
+                    })
+                };
+                let _ = send.write_all(&answer.encode()).await;
+                conn.closed().await;
+            });
+        }
+    });
+    let root = common::job_root(base);
+    let source = Source::start_with_sockets(
+        common::source_config(&root, b),
+        ferry_catalog::Catalog::open(&base.join("src-data"))
+            .await
+            .unwrap(),
+        transport::endpoint(SocketKind::Memory(sa), None).unwrap(),
+        None,
+        &common::identity(&certs, "src"),
+    )
+    .unwrap();
+    let ckpt = root.join("step-1");
+    write_dir(&ckpt, 1, 4096);
+    source.submit(&ckpt, None).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let v = seen.lock().unwrap().clone();
+        if v.len() >= 2 {
+            assert_eq!(v[0], PROTOCOL_VERSION, "{v:?}");
+            assert!(v[1..].iter().all(|x| *x == old), "{v:?}");
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the source did not dial again: {v:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    source.shutdown(Duration::from_secs(5)).await;
+}
+
 /// A further connection of the pool whose handshake fails (its socket
 /// leads nowhere) is left out: the link works on the others instead of
 /// failing every dial.

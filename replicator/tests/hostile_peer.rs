@@ -129,6 +129,7 @@ fn open(id: u64, rel: &str, files: Vec<FileInfo>) -> Control {
             source_path: format!("/ckpt/job/{rel}"),
             rel: rel.into(),
             profile: ferry_proto::state::Profile::Full,
+            origin: None,
         },
         chunk_size: 4 << 20,
         bytes_total,
@@ -612,6 +613,9 @@ async fn publish_raw(
     publish_at(s, n, &format!("step_{n}"), version, checkpoint).await
 }
 
+/// The source catalog id a version 5 source sends in [`publish_at`].
+const ORIGIN: &str = "00112233445566778899aabbccddeeff";
+
 /// [`publish_raw`] of checkpoint `rel`.
 async fn publish_at(
     s: &Setup,
@@ -625,9 +629,13 @@ async fn publish_at(
         Some(Control::Hello(h)) => assert_eq!(h.version, version),
         other => panic!("version {version}: expected a hello, got {other:?}"),
     }
-    send.write_all(&open(n, rel, vec![file("a", 10)]).encode())
-        .await
-        .unwrap();
+    let mut o = open(n, rel, vec![file("a", 10)]);
+    if version >= ferry_proto::wire::ORIGIN_VERSION {
+        if let Control::Open(op) = &mut o {
+            op.key.origin = Some(ORIGIN.into());
+        }
+    }
+    send.write_all(&o.encode()).await.unwrap();
     assert!(matches!(
         read_frame(&mut recv).await.unwrap(),
         Some(Control::Have { .. })
@@ -682,7 +690,7 @@ async fn publish_at(
 /// Sources of the older protocol versions (version 2: no step or class at
 /// commit; version 3: no batch sequence numbers) still publish; a current
 /// one's step and class are stored with the replica and its batch is
-/// confirmed. The sink answers each hello in the source's own version.
+/// confirmed, and its transfer is keyed by its catalog's id. The sink answers each hello in the source's own version.
 #[tokio::test]
 async fn an_old_version_source_still_publishes_and_a_new_one_sends_step_and_class() {
     let s = setup().await;
@@ -716,6 +724,10 @@ async fn an_old_version_source_still_publishes_and_a_new_one_sends_step_and_clas
         (new.step, new.class),
         (Some(1200), Some(scheduler::Class::Urgent))
     );
+    // A version 5 source's transfer is keyed by its catalog, an older
+    // one's by the agent that sent it.
+    assert_eq!(new.peer, format!("catalog:{ORIGIN}"));
+    assert!(!v3.peer.starts_with("catalog:"), "{v3:?}");
 }
 
 /// Removal by hand refuses, naming why and removing nothing: an unknown

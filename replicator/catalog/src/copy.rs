@@ -8,7 +8,8 @@ use crate::dialect::Dialect;
 use crate::{Catalog, CatalogError};
 
 /// The tables copied, parents first (`chunks` refers to `replicas`).
-/// `_sqlx_migrations` and `catalog_site` belong to the target.
+/// `_sqlx_migrations` and `catalog_site` belong to the target; the
+/// catalog's id (`catalog_identity`) is carried over.
 pub const COPIED_TABLES: [&str; 7] = [
     "transfers",
     "jobs",
@@ -135,6 +136,12 @@ impl Catalog {
             }
             counts.push((table, rows.len() as u64));
         }
+        // The catalog keeps its id: sinks key this agent's transfers by
+        // it, so they resume after the move.
+        sqlx::query("UPDATE catalog_identity SET catalog_id = $1 WHERE id = 1")
+            .bind(self.id())
+            .execute(&mut *tx)
+            .await?;
         tx.commit().await?;
         Ok(counts)
     }

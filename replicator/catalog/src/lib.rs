@@ -141,7 +141,25 @@ pub fn now_ms() -> i64 {
 pub struct Catalog {
     pool: AnyPool,
     db: Dialect,
+    /// The catalog's id (`catalog_identity`), read at open.
+    id: std::sync::Arc<str>,
     _lock: Option<std::sync::Arc<Flock<File>>>,
+}
+
+/// Makes the catalog's id if it has none yet (a random 128-bit value,
+/// hex) and returns the one it has.
+async fn identity(pool: &AnyPool, db: Dialect) -> Result<String, sqlx::Error> {
+    let fresh: [u8; 16] = rand::random();
+    let hex: String = fresh.iter().map(|b| format!("{b:02x}")).collect();
+    sqlx::query(&db.sql(
+        "INSERT INTO catalog_identity (id, catalog_id) VALUES (1, ?) ON CONFLICT (id) DO NOTHING",
+    ))
+    .bind(hex)
+    .execute(pool)
+    .await?;
+    sqlx::query_scalar(&db.sql("SELECT catalog_id FROM catalog_identity WHERE id = 1"))
+        .fetch_one(pool)
+        .await
 }
 
 impl Catalog {
@@ -195,9 +213,13 @@ impl Catalog {
             .run(&pool)
             .await
             .map_err(|e| file(format!("cannot migrate it: {e}")))?;
+        let id = identity(&pool, Dialect::Sqlite)
+            .await
+            .map_err(|e| file(format!("cannot record its id: {e}")))?;
         Ok(Catalog {
             pool,
             db: Dialect::Sqlite,
+            id: id.into(),
             _lock: Some(std::sync::Arc::new(lock)),
         })
     }
@@ -246,11 +268,23 @@ impl Catalog {
                 agent_site: site.to_string(),
             });
         }
+        let id = identity(&pool, db)
+            .await
+            .map_err(|e| db_err(format!("cannot record its id: {e}")))?;
         Ok(Catalog {
             pool,
             db,
+            id: id.into(),
             _lock: None,
         })
+    }
+
+    /// The catalog's id: made at its first open (128 random bits, hex),
+    /// kept by `ferry catalog migrate`; sources send it with each open
+    /// (wire protocol 5) so the sink keys transfers by catalog, not by
+    /// agent. Empty for an old catalog opened read-only.
+    pub fn id(&self) -> &str {
+        &self.id
     }
 
     /// The site recorded in a PostgreSQL catalog (`None` for SQLite,
@@ -288,9 +322,16 @@ impl Catalog {
             });
         }
         let pool = dialect::open_sqlite(&db, true).await?;
+        // A catalog of an older release has no identity table.
+        let id: Option<String> =
+            sqlx::query_scalar("SELECT catalog_id FROM catalog_identity WHERE id = 1")
+                .fetch_optional(&pool)
+                .await
+                .unwrap_or(None);
         Ok(Catalog {
             pool,
             db: Dialect::Sqlite,
+            id: id.unwrap_or_default().into(),
             _lock: None,
         })
     }

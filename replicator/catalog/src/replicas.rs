@@ -17,7 +17,9 @@ use crate::{now_ms, Catalog, CatalogError};
 pub struct Replica {
     /// Row id.
     pub id: i64,
-    /// Source agent name (certificate SAN).
+    /// Whose transfer it is: `catalog:<id>` (the source catalog's id, wire
+    /// protocol 5 on: any agent of the source's pool continues it), or the
+    /// source agent's name (certificate SAN) for an older source.
     pub peer: String,
     /// Source site.
     pub source_site: String,
@@ -161,7 +163,7 @@ pub struct CheckpointMeta {
 /// New sink-side row.
 #[derive(Debug, Clone)]
 pub struct NewReplica<'a> {
-    /// Source agent name.
+    /// Whose transfer it is (see [`Replica::peer`]).
     pub peer: &'a str,
     /// Source site.
     pub source_site: &'a str,
@@ -432,6 +434,27 @@ impl Catalog {
             .fetch_optional(&self.pool)
             .await?;
         Ok(r.as_ref().map(replica_row).transpose()?)
+    }
+
+    /// Re-keys row `id` to `peer` (see [`Replica::peer`]): a transfer
+    /// first opened by an agent of an older protocol, keyed by its name,
+    /// continues under its catalog's key. Returns false if another row
+    /// holds that key already.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_replica_peer(&self, id: i64, peer: &str) -> Result<bool, CatalogError> {
+        let r = sqlx::query(&self.db.sql(
+            "UPDATE replicas SET peer = ? WHERE id = ? AND NOT EXISTS \
+             (SELECT 1 FROM replicas o WHERE o.peer = ? AND o.source_transfer = replicas.source_transfer \
+              AND o.source_path = replicas.source_path)",
+        ))
+        .bind(peer)
+        .bind(id)
+        .bind(peer)
+        .execute(&self.pool)
+        .await?;
+        Ok(r.rows_affected() > 0)
     }
 
     /// Inserts an incoming transfer in state `receiving`; returns its id.

@@ -1173,7 +1173,7 @@ async fn version_2_catalog_migrates_and_keeps_its_rows() {
         .fetch_one(&c.pool)
         .await
         .unwrap();
-    assert_eq!(v, 8);
+    assert_eq!(v, 9);
     // 0006: an older replica has no step, class, pin or removal.
     let r = c.replica(9).await.unwrap().unwrap();
     assert_eq!(
@@ -1474,6 +1474,12 @@ async fn an_sqlite_catalog_copies_into_an_empty_postgres_catalog() {
         t3.as_i64() > 2,
         "ids continue after the copied ones: {t3:?}"
     );
+    // The catalog's id moves with it (the sinks key its transfers by it).
+    assert_ne!(src.id(), dst.id());
+    let moved = Catalog::open_postgres(&url, "s").await.unwrap();
+    assert_eq!(moved.id(), src.id());
+    assert_eq!(moved.id().len(), 32);
+    moved.close().await;
 
     let e = src.copy_into(&dst).await.unwrap_err();
     assert!(e.to_string().contains("already holds 3 transfers"), "{e}");

@@ -1,4 +1,13 @@
-//! Ferry's wire protocol, version 4: a sans-IO codec.
+//! Ferry's wire protocol, version 5: a sans-IO codec.
+//!
+//! Version 5 adds the source's catalog id to [`Control::Open`]
+//! ([`TransferKey::origin`]): the sink keys a transfer's row by it (with
+//! the source site and the transfer id) instead of by the agent that
+//! sent it, so another agent of the source's pool, sharing its catalog,
+//! continues a transfer where the first left off. A sink speaks versions
+//! 2 to 5; a source speaks 5, or 4 to a sink that refuses 5 (it names the
+//! versions it speaks, and the source dials again in the newest of them
+//! it knows, [`MIN_SOURCE_VERSION`] at least).
 //!
 //! Version 4 lets a link's pool of connections lose one that does not
 //! carry the control stream without stopping its transfers: each batch
@@ -7,7 +16,7 @@
 //! verified ([`Control::BatchDone`]), and the commit lists the batches the
 //! source gave up ([`Commit::lost`]: they went on a connection that was
 //! lost before the sink confirmed them; their chunks were sent again in
-//! later batches). A sink speaks versions 2 to 4 ([`MIN_PROTOCOL_VERSION`]
+//! later batches). A sink speaks versions 2 to 5 ([`MIN_PROTOCOL_VERSION`]
 //! to [`PROTOCOL_VERSION`]) and answers a source's hello with the source's
 //! version; it reads batch headers of the length that version gives
 //! ([`BatchHeader::len_for`]) and confirms batches only to a version 4
@@ -50,7 +59,15 @@ pub use crate::codec::WireError;
 /// newest a sink speaks. A sink refuses a version outside
 /// [`MIN_PROTOCOL_VERSION`]..=[`PROTOCOL_VERSION`] with [`Control::Error`]
 /// naming both; a source refuses a sink whose hello names another version.
-pub const PROTOCOL_VERSION: u16 = 4;
+pub const PROTOCOL_VERSION: u16 = 5;
+
+/// The oldest protocol version a source still speaks, to a sink that
+/// refuses newer ones: its batches carry sequence numbers.
+pub const MIN_SOURCE_VERSION: u16 = BATCH_SEQ_VERSION;
+
+/// The first protocol version whose opens carry the source's catalog id
+/// ([`TransferKey::origin`]).
+pub const ORIGIN_VERSION: u16 = 5;
 
 /// The oldest protocol version a sink still accepts from a source (its
 /// commits carry no [`Commit::checkpoint`]).
@@ -102,6 +119,12 @@ pub struct TransferKey {
     /// Replication profile; on the wire an empty string for
     /// [`Profile::Full`] (which predates profiles), else its name.
     pub profile: Profile,
+    /// The source catalog's id (from [`ORIGIN_VERSION`] on; `None` from
+    /// an older source): with the source site and [`TransferKey::id`] the
+    /// key of the transfer's row at the sink, whichever agent of the
+    /// source's pool sends it. On the wire after the file table, only
+    /// when present; at most 255 bytes.
+    pub origin: Option<String>,
 }
 
 /// [`Control::Open`]: source to sink, a transfer starts (or resumes).
@@ -322,6 +345,9 @@ impl Control {
                 for f in files {
                     f.encode(&mut w);
                 }
+                if let Some(origin) = &key.origin {
+                    w.str(origin);
+                }
             }
             Control::Have { id, chunks } => {
                 w.u8(T_HAVE);
@@ -445,6 +471,7 @@ impl Control {
                             why: e.to_string(),
                         })?
                     },
+                    origin: None,
                 };
                 let chunk_size = r.u32("chunk size")?;
                 let bytes_total = r.u64("bytes total")?;
@@ -452,6 +479,18 @@ impl Control {
                 let mut files = Vec::with_capacity(n);
                 for _ in 0..n {
                     files.push(FileInfo::decode(&mut r)?);
+                }
+                // Version 5 appends the source's catalog id.
+                let mut key = key;
+                if r.remaining() > 0 {
+                    let origin = r.str("origin")?;
+                    if origin.is_empty() || origin.len() > 255 {
+                        return Err(WireError::Invalid {
+                            what: "origin",
+                            why: format!("a catalog id of {} bytes (1 to 255)", origin.len()),
+                        });
+                    }
+                    key.origin = Some(origin);
                 }
                 Control::Open(Open {
                     key,
@@ -761,6 +800,7 @@ mod tests {
                 source_path: "/ckpt/mm/step_1".into(),
                 rel: "step_1".into(),
                 profile: Profile::WeightsOnly,
+                origin: None,
             },
             chunk_size: 4 << 20,
             bytes_total: 10,
@@ -935,6 +975,7 @@ mod tests {
                 source_path: "/s".into(),
                 rel: "r".into(),
                 profile: Profile::WeightsOnly,
+                origin: None,
             },
             chunk_size: 1 << 20,
             bytes_total: 0,

@@ -429,6 +429,7 @@ mod tests {
             source_path: format!("/ckpt/{job}/{rel}"),
             rel: rel.into(),
             profile: Profile::Full,
+            origin: None,
         }
     }
 

@@ -172,3 +172,20 @@ async fn concurrent_claims_on_postgres_give_one_lease() {
     assert_eq!(c.transfer_leases(id).await.unwrap().len(), 1);
     t.finish().await;
 }
+
+/// A catalog's id is made once and kept across opens; two catalogs
+/// never share one.
+#[tokio::test]
+async fn a_catalog_keeps_its_id_and_two_catalogs_differ() {
+    let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = Catalog::open(d1.path()).await.unwrap();
+    let id = a.id().to_string();
+    assert_eq!(id.len(), 32, "{id}");
+    a.close().await;
+    drop(a);
+    let again = Catalog::open(d1.path()).await.unwrap();
+    assert_eq!(again.id(), id);
+    assert_eq!(Catalog::open_read_only(d1.path()).await.unwrap().id(), id);
+    let b = Catalog::open(d2.path()).await.unwrap();
+    assert_ne!(b.id(), id);
+}
