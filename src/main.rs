@@ -538,10 +538,12 @@ enum CertsCommand {
 
 fn main() {
     let cli = Cli::parse();
+    // PostgreSQL's notices (a migration table that exists already) are
+    // not news.
     let default = if matches!(cli.command, Command::Demo(_)) {
         "warn"
     } else {
-        "info"
+        "info,sqlx::postgres::notice=warn"
     };
     use std::io::IsTerminal;
     tracing_subscriber::fmt()

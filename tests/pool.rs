@@ -117,26 +117,33 @@ struct Site {
 /// fresh PostgreSQL catalog with a short heartbeat (300 ms) and lease
 /// timeout (1.5 s). Both read the same source root.
 async fn site(w: &World, name: &str, rate: &str) -> Site {
+    site_with(w, name, rate, |db| db.to_string()).await
+}
+
+/// [`site`], the first agent reaching the catalog at `a_url(db)`.
+async fn site_with(w: &World, name: &str, rate: &str, a_url: impl Fn(&str) -> String) -> Site {
     let db = fresh_db(name).await;
     w.certs("certs", &[SOURCE_NAME, SOURCE_2, SINK_NAME]).await;
     let sink = w.start_agent("sink", w.sink_config(), &[]).await;
     let relay = w.start_relay(&sink.cfg.quic_listen, rate).await;
-    let tail = format!(
-        "\n[catalog]\nurl = {}\n\n[pool]\nheartbeat_interval = \"300ms\"\nlease_timeout = \"1500ms\"\n",
-        toml_str(&db)
-    );
-    let start = async |label: &str, agent: &str| {
+    let tail = |url: &str| {
+        format!(
+            "\n[catalog]\nurl = {}\n\n[pool]\nheartbeat_interval = \"300ms\"\nlease_timeout = \"1500ms\"\n",
+            toml_str(url)
+        )
+    };
+    let start = async |label: &str, agent: &str, url: String| {
         let mut cfg = w.source_config(&format!("127.0.0.1:{}", relay.port), rate);
         let certs = w.root.join("certs");
         cfg.name = agent.into();
         cfg.cert = certs.join(format!("{agent}.pem"));
         cfg.key = certs.join(format!("{agent}.key"));
         cfg.data_dir = w.root.join(label).join("data");
-        cfg.tail = tail.clone();
+        cfg.tail = tail(&url);
         w.start_agent(label, cfg, &[]).await
     };
-    let a = start("source-a", SOURCE_NAME).await;
-    let b = start("source-b", SOURCE_2).await;
+    let a = start("source-a", SOURCE_NAME, a_url(&db)).await;
+    let b = start("source-b", SOURCE_2, db.clone()).await;
     Site {
         db,
         sink,
@@ -282,8 +289,7 @@ async fn two_source_agents_share_the_work_and_a_drained_one_claims_nothing() {
         .cloned()
         .unwrap();
     w.ensure(s(&b, "state") == "draining", || format!("{pool}"));
-    // The drained agent sees the drain at its next heartbeat.
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    // The catalog refuses the drained agent's claims at once.
     let late = w.source_root().join("step_000900");
     w.gen(&late, "2MB").await;
     let id = w.push_no_wait(&site.b, &late).await;
@@ -384,6 +390,197 @@ async fn a_killed_agent_s_transfer_is_taken_over_by_another() {
     w.ensure(line_a.contains(" down "), || {
         format!("ferry pool should show the killed agent down: {out}")
     });
+    site.b.kill();
+    site.sink.kill();
+    drop_db(&site.db).await;
+}
+
+/// A TCP forwarder from a loopback port to `to` whose connections can be
+/// cut, and new ones refused, while `down` is set: the catalog going
+/// away for one agent only (the test's PostgreSQL server stays up for
+/// the other tests).
+struct Cut {
+    port: u16,
+    down: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    cut: tokio_util::sync::CancellationToken,
+    gen: std::sync::Arc<std::sync::Mutex<tokio_util::sync::CancellationToken>>,
+}
+
+impl Cut {
+    async fn start(to: std::net::SocketAddr) -> Cut {
+        use std::sync::atomic::Ordering;
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = l.local_addr().unwrap().port();
+        let down = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let gen = std::sync::Arc::new(std::sync::Mutex::new(
+            tokio_util::sync::CancellationToken::new(),
+        ));
+        let cut = tokio_util::sync::CancellationToken::new();
+        let (d2, g2, c2) = (down.clone(), gen.clone(), cut.clone());
+        tokio::spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    a = l.accept() => a,
+                    _ = c2.cancelled() => return,
+                };
+                let Ok((mut inbound, _)) = accepted else {
+                    continue;
+                };
+                if d2.load(Ordering::SeqCst) {
+                    continue;
+                }
+                let token = g2.lock().unwrap().clone();
+                tokio::spawn(async move {
+                    let Ok(mut out) = tokio::net::TcpStream::connect(to).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut out) => {}
+                        _ = token.cancelled() => {}
+                    }
+                });
+            }
+        });
+        Cut {
+            port,
+            down,
+            cut,
+            gen,
+        }
+    }
+
+    /// Cuts every connection and refuses new ones.
+    fn down(&self) {
+        self.down.store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut g = self.gen.lock().unwrap();
+        g.cancel();
+        *g = tokio_util::sync::CancellationToken::new();
+    }
+
+    fn up(&self) {
+        self.down.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for Cut {
+    fn drop(&mut self) {
+        self.cut.cancel();
+    }
+}
+
+/// The value of an unlabelled sample in Prometheus text, or the sum of a
+/// labelled family's samples.
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter(|l| {
+            let rest = &l[name.len()..];
+            rest.starts_with(' ') || rest.starts_with('{')
+        })
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
+/// One agent loses the catalog for 10 s while it sends: its `/metrics`
+/// and `/v1/pool` still answer and say so (`ferry_catalog_up 0`,
+/// `catalog_up` false), it stops sending before its lease can lapse,
+/// the other agent takes the transfer over, nothing is lost (published
+/// once, byte-identical, leases never overlap), and once the catalog is
+/// back the first agent is live again.
+#[tokio::test]
+async fn an_agent_that_loses_the_catalog_stops_sending_and_loses_nothing() {
+    let w = World::new("pool-outage").await;
+    let ckpt = w.source_root().join("step_000100");
+    w.gen(&ckpt, "40MB").await;
+    let pg: std::net::SocketAddr = {
+        let u = pg_url();
+        let host = u
+            .split('@')
+            .nth(1)
+            .unwrap()
+            .split('/')
+            .next()
+            .unwrap()
+            .to_string();
+        tokio::net::lookup_host(host).await.unwrap().next().unwrap()
+    };
+    let cut = Cut::start(pg).await;
+    let via = |db: &str| db.replacen(&pg.to_string(), &format!("127.0.0.1:{}", cut.port), 1);
+    let mut site = site_with(&w, "outage", "40Mbit/s", via).await;
+    w.ensure(site.a.cfg.tail.contains(&cut.port.to_string()), || {
+        format!(
+            "the first agent should reach the catalog through the cut: {}",
+            site.a.cfg.tail
+        )
+    });
+    let id = w.push_no_wait(&site.a, &ckpt).await;
+    w.wait_until(
+        "the first agent to send",
+        Duration::from_secs(60),
+        async || {
+            let sent = metric(&w.metrics_text(&site.a).await, "ferry_sent_bytes_total");
+            if sent > 4e6 {
+                Ok(())
+            } else {
+                Err(format!("{sent} bytes sent"))
+            }
+        },
+    )
+    .await;
+    cut.down();
+    let cut_at = std::time::Instant::now();
+    // Its metrics answer without the catalog and say it is gone.
+    w.wait_until("ferry_catalog_up 0", Duration::from_secs(30), async || {
+        let m = w.metrics_text(&site.a).await;
+        if m.contains("ferry_catalog_up 0") {
+            Ok(())
+        } else {
+            Err("still 1".into())
+        }
+    })
+    .await;
+    let pool = w.get_json(&format!("{}/v1/pool", site.a.url())).await;
+    w.ensure(pool["catalog_up"] == false, || format!("{pool}"));
+    // It stops sending: its lease (1.5 s) cannot be renewed.
+    tokio::time::sleep(Duration::from_secs(3).saturating_sub(cut_at.elapsed())).await;
+    let before = metric(&w.metrics_text(&site.a).await, "ferry_sent_bytes_total");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let after = metric(&w.metrics_text(&site.a).await, "ferry_sent_bytes_total");
+    w.ensure(after == before, || {
+        format!("the agent without its catalog kept sending: {before} then {after} bytes")
+    });
+    tokio::time::sleep(Duration::from_secs(10).saturating_sub(cut_at.elapsed())).await;
+    cut.up();
+    wait_published(&w, &site.b, &[id]).await;
+    w.assert_same_tree(&ckpt, &w.replica_path("step_000100"));
+    let ls = leases(&site.db).await;
+    assert_no_overlap(&w, &ls);
+    w.ensure(ls.iter().any(|l| l.agent == SOURCE_2), || {
+        format!("the second agent should have taken the transfer over: {ls:?}")
+    });
+    w.wait_until(
+        "the first agent to be live again",
+        Duration::from_secs(60),
+        async || {
+            let m = w.metrics_text(&site.a).await;
+            let pool = w.get_json(&format!("{}/v1/pool", site.b.url())).await;
+            let a = pool["agents"]
+                .as_array()
+                .and_then(|v| v.iter().find(|x| x["name"] == SOURCE_NAME).cloned())
+                .unwrap_or_default();
+            if m.contains("ferry_catalog_up 1") && a["state"] == "live" {
+                Ok(())
+            } else {
+                Err(format!("{a}"))
+            }
+        },
+    )
+    .await;
+    let m = w.metrics_text(&site.a).await;
+    w.ensure(metric(&m, "ferry_leases_lost_total") >= 1.0, || {
+        format!("the first agent should count its lost lease:\n{m}")
+    });
+    site.a.kill();
     site.b.kill();
     site.sink.kill();
     drop_db(&site.db).await;

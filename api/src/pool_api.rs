@@ -3,7 +3,6 @@
 
 use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
 use axum::Json;
 use replicator::pool::Membership;
 use serde::Serialize;
@@ -46,14 +45,22 @@ pub(crate) struct PoolAgentView {
     held: i64,
     /// Bytes left to send of those transfers (as last recorded), bytes.
     held_bytes_left: i64,
-    /// Payload bit/s it sent at its last heartbeat.
+    /// Payload bit/s it sent at its last heartbeat (0 once it is down or
+    /// stopped).
     sent_bps: f64,
-    /// Payload bit/s it received (verified) at its last heartbeat.
+    /// Payload bit/s it received (verified) at its last heartbeat (0 once
+    /// it is down or stopped).
     received_bps: f64,
 }
 
 impl From<ferry_catalog::PoolAgent> for PoolAgentView {
     fn from(a: ferry_catalog::PoolAgent) -> Self {
+        // A down or stopped agent's last rates are history, not its rates.
+        let up = matches!(
+            a.state,
+            ferry_catalog::AgentState::Live | ferry_catalog::AgentState::Draining
+        );
+        let rate = |r: f64| if up { r } else { 0.0 };
         PoolAgentView {
             name: a.name,
             role: a.role,
@@ -65,8 +72,8 @@ impl From<ferry_catalog::PoolAgent> for PoolAgentView {
             lease_timeout_s: a.timeout_ms as f64 / 1000.0,
             held: a.held,
             held_bytes_left: a.held_bytes_left,
-            sent_bps: a.sent_bps,
-            received_bps: a.received_bps,
+            sent_bps: rate(a.sent_bps),
+            received_bps: rate(a.received_bps),
         }
     }
 }
@@ -93,20 +100,29 @@ pub(crate) struct PoolView {
     get, path = "/v1/pool", tag = "agent",
     security(("bearer" = ["reader"])),
     responses(
-        (status = 200, description = "The pool's agents, by name", body = PoolView),
+        (status = 200, description = "The pool's agents, by name (none, with `catalog_up` false and `catalog_error`, while the catalog does not answer)", body = PoolView),
         (status = 401, description = "No or unknown token", body = ErrorBody),
-        (status = 503, description = "The catalog does not answer", body = ErrorBody),
     )
 )]
 pub(crate) async fn get_pool(State(s): State<AppState>) -> Result<Json<PoolView>, ApiError> {
     let p = pool(&s)?;
-    let (catalog_up, catalog_error) = p.catalog_status();
-    let agents = p.catalog().pool_agents().await.map_err(|e| {
-        ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("the catalog does not answer: {e}"),
-        )
-    })?;
+    let (mut catalog_up, mut catalog_error) = p.catalog_status();
+    // The pool is in the catalog: without it (no answer within 3 s) the
+    // answer says so, with no agents, rather than failing.
+    let read = p.catalog().pool_agents();
+    let agents = match tokio::time::timeout(std::time::Duration::from_secs(3), read).await {
+        Ok(Ok(a)) => a,
+        Ok(Err(e)) => {
+            catalog_up = false;
+            catalog_error = Some(e.to_string());
+            Vec::new()
+        }
+        Err(_) => {
+            catalog_up = false;
+            catalog_error = Some("no answer within 3 s".into());
+            Vec::new()
+        }
+    };
     Ok(Json(PoolView {
         agent: p.name().to_string(),
         catalog_up,

@@ -132,8 +132,49 @@ pub(crate) struct Status {
     catalog_up: bool,
 }
 
-/// The status of `s` now.
+/// How long the status waits for the catalog (3 s) before it answers
+/// with what the agent knows without it (links and rates, `catalog_up`
+/// false): the UI keeps showing the agent while the catalog is down.
+const STATUS_CATALOG_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// The status of `s` now; without the catalog's parts when it does not
+/// answer in time (or fails while the agent's heartbeat says it is down).
 pub(crate) async fn snapshot(s: &AppState, with_history: bool) -> Result<Status, ApiError> {
+    let down = || {
+        let mut st = empty_status(s);
+        st.catalog_up = false;
+        if let Some(src) = &s.source {
+            st.links = src.link_stats(with_history);
+        }
+        st
+    };
+    match tokio::time::timeout(STATUS_CATALOG_WAIT, snapshot_with_catalog(s, with_history)).await {
+        Ok(Ok(st)) => Ok(st),
+        Ok(Err(_)) if s.pool.as_ref().is_some_and(|p| !p.catalog_status().0) => Ok(down()),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Ok(down()),
+    }
+}
+
+fn empty_status(s: &AppState) -> Status {
+    Status {
+        agent: s.agent.clone(),
+        roles: s.roles(),
+        now_ms: ferry_catalog::now_ms(),
+        open: s.auth.is_open(),
+        links: Vec::new(),
+        counts: Default::default(),
+        unfinished: 0,
+        transfers: Vec::new(),
+        published: Vec::new(),
+        signals: Vec::new(),
+        replicas: Vec::new(),
+        pool: Vec::new(),
+        catalog_up: true,
+    }
+}
+
+async fn snapshot_with_catalog(s: &AppState, with_history: bool) -> Result<Status, ApiError> {
     let now = ferry_catalog::now_ms();
     let mut st = Status {
         agent: s.agent.clone(),

@@ -245,8 +245,16 @@ pub struct HistoryPoint {
 pub struct LinkStats {
     /// Link name.
     pub name: String,
-    /// The link's rate cap, bit/s.
+    /// The link's rate cap, bit/s: in a pool, the budget of all its
+    /// agents on the link.
     pub rate_bps: u64,
+    /// This agent's fraction of the cap, 0..1: 1 unless other agents of
+    /// its pool run transfers on the link, when the class rules over the
+    /// pool's active transfers divide it (ARCHITECTURE.md, "Pool").
+    pub pool_fraction: f64,
+    /// The rate this agent paces the link at, bit/s: `rate_bps` x
+    /// `pool_fraction` (at least 1 Mbit/s).
+    pub pace_bps: u64,
     /// QUIC connections the link is served by when all are up (its
     /// `connections` setting).
     pub connections: usize,
@@ -257,7 +265,7 @@ pub struct LinkStats {
     /// Payload bit/s written to the link, all classes, over the last
     /// [`RATE_WINDOW_MS`] (resent chunks included).
     pub goodput_bps: f64,
-    /// `goodput_bps / rate_bps` (0 with no cap), a ratio: at most about
+    /// `goodput_bps / pace_bps` (0 with no cap), a ratio: at most about
     /// 0.97 on a full link (payload is about 1448 of every 1500 bytes on
     /// the wire), more for a few seconds after the cap is lowered.
     pub utilisation: f64,
@@ -394,17 +402,25 @@ impl LinkCounters {
     }
 }
 
+/// How long a scrape waits for the catalog before it renders without the
+/// gauges read from it (2 s): `/metrics` must answer while the catalog
+/// does not, so that `ferry_catalog_up` 0 reaches Prometheus.
+pub const SCRAPE_CATALOG_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// What the source knows at scrape time.
 #[derive(Debug, Default)]
 pub(crate) struct SourceScrape {
     /// Per configured link: name, rate cap (bit/s), utilisation (ratio),
     /// connections open.
     pub(crate) links: Vec<(String, u64, f64, usize)>,
-    /// Transfers not in a final state by link and effective class.
-    pub(crate) queued: HashMap<(String, Class), i64>,
-    /// Transfers per state.
-    pub(crate) states: Vec<(TransferState, i64)>,
+    /// From the catalog (`None` when it did not answer in time: those
+    /// gauges keep their last values): transfers not in a final state by
+    /// link and effective class, and transfers per state.
+    pub(crate) catalog: Option<(QueueDepths, Vec<(TransferState, i64)>)>,
 }
+
+/// Transfers not in a final state by link and effective class.
+pub(crate) type QueueDepths = HashMap<(String, Class), i64>;
 
 /// The source's registry.
 pub(crate) struct SourceMetrics {
@@ -520,7 +536,9 @@ impl SourceMetrics {
         self.capacity.clear();
         self.connections.clear();
         self.utilisation.clear();
-        self.queue_depth.clear();
+        if s.catalog.is_some() {
+            self.queue_depth.clear();
+        }
         for (link, cap, util, open) in &s.links {
             let l = LinkLabel { link: link.clone() };
             self.capacity
@@ -530,24 +548,28 @@ impl SourceMetrics {
                 .get_or_create(&l)
                 .set(i64::try_from(*open).unwrap_or(i64::MAX));
             self.utilisation.get_or_create(&l).set(*util);
-            for c in CLASSES {
+            if s.catalog.is_some() {
+                for c in CLASSES {
+                    self.queue_depth
+                        .get_or_create(&LinkClassLabel {
+                            link: link.clone(),
+                            class: c.as_str(),
+                        })
+                        .set(0);
+                }
+            }
+        }
+        if let Some((queued, states)) = &s.catalog {
+            for ((link, class), n) in queued {
                 self.queue_depth
                     .get_or_create(&LinkClassLabel {
                         link: link.clone(),
-                        class: c.as_str(),
+                        class: class.as_str(),
                     })
-                    .set(0);
+                    .set(*n);
             }
+            set_states(&self.states, &TRANSFER_STATES, states);
         }
-        for ((link, class), n) in &s.queued {
-            self.queue_depth
-                .get_or_create(&LinkClassLabel {
-                    link: link.clone(),
-                    class: class.as_str(),
-                })
-                .set(*n);
-        }
-        set_states(&self.states, &TRANSFER_STATES, &s.states);
         encode(&self.registry)
     }
 }
@@ -709,12 +731,15 @@ impl SinkMetrics {
     /// and encodes the registry.
     pub(crate) fn render(
         &self,
-        states: &[(TransferState, i64)],
-        pinned: i64,
+        catalog: Option<(&[(TransferState, i64)], i64)>,
     ) -> Result<String, std::fmt::Error> {
         let _one = crate::lock::lock(&self.scrape);
-        set_states(&self.replica_states, &REPLICA_STATES, states);
-        self.pinned.set(pinned);
+        // Without the catalog (it did not answer in time) the gauges read
+        // from it keep their last values.
+        if let Some((states, pinned)) = catalog {
+            set_states(&self.replica_states, &REPLICA_STATES, states);
+            self.pinned.set(pinned);
+        }
         encode(&self.registry)
     }
 }
@@ -897,13 +922,40 @@ mod tests {
         assert_eq!(m.link("to-eval").sent_totals(), [5 * MB, 0, 7]);
         let scrape = SourceScrape {
             links: vec![("to-eval".into(), 1_000_000_000, 0.5, 3)],
-            queued: HashMap::from([
-                (("to-eval".into(), Class::Scheduled), 2),
-                (("gone".into(), Class::Background), 1),
-            ]),
-            states: vec![(TransferState::Queued, 2), (TransferState::Published, 4)],
+            catalog: Some((
+                HashMap::from([
+                    (("to-eval".into(), Class::Scheduled), 2),
+                    (("gone".into(), Class::Background), 1),
+                ]),
+                vec![(TransferState::Queued, 2), (TransferState::Published, 4)],
+            )),
         };
         let text = m.render(&scrape).unwrap();
+        // A scrape while the catalog does not answer keeps the gauges read
+        // from it (and still renders the rest).
+        let without = m
+            .render(&SourceScrape {
+                links: vec![("to-eval".into(), 1_000_000_000, 0.25, 3)],
+                catalog: None,
+            })
+            .unwrap();
+        let w = parse(&without);
+        assert_eq!(
+            value(&w, "ferry_state_transfers", &[("state", "queued")]),
+            2.0
+        );
+        assert_eq!(
+            value(
+                &w,
+                "ferry_queue_depth_transfers",
+                &[("link", "to-eval"), ("class", "scheduled")]
+            ),
+            2.0
+        );
+        assert_eq!(
+            value(&w, "ferry_link_utilisation_ratio", &[("link", "to-eval")]),
+            0.25
+        );
         let fam = strict_families(&text);
         let expect = [
             ("ferry_sent_bytes_total", "counter"),
@@ -976,7 +1028,7 @@ mod tests {
         let text = m
             .render(&SourceScrape {
                 links: vec![("to-eval".into(), 2_000_000_000, 0.0, 1)],
-                ..Default::default()
+                catalog: Some((HashMap::new(), Vec::new())),
             })
             .unwrap();
         let s = parse(&text);
@@ -1012,10 +1064,10 @@ mod tests {
         m.removed(ferry_catalog::RemovalReason::Operator, 300);
         m.removed(ferry_catalog::RemovalReason::Operator, 20);
         let text = m
-            .render(
+            .render(Some((
                 &[(TransferState::Published, 1), (TransferState::Receiving, 2)],
                 4,
-            )
+            )))
             .unwrap();
         let fam = strict_families(&text);
         let expect = [

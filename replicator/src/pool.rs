@@ -57,8 +57,18 @@ impl PoolConfig {
     /// A message naming the setting when the interval is zero or the
     /// timeout is shorter than three intervals.
     pub fn check(&self) -> Result<(), String> {
-        if self.heartbeat_interval.is_zero() {
-            return Err("pool.heartbeat_interval must be more than 0".into());
+        if self.heartbeat_interval < Duration::from_millis(100) {
+            return Err(format!(
+                "pool.heartbeat_interval ({:?}) must be at least 100ms: every heartbeat is a \
+                 write to the catalog",
+                self.heartbeat_interval
+            ));
+        }
+        if self.lease_timeout < Duration::from_secs(1) {
+            return Err(format!(
+                "pool.lease_timeout ({:?}) must be at least 1s",
+                self.lease_timeout
+            ));
         }
         if self.lease_timeout < self.heartbeat_interval * 3 {
             return Err(format!(
@@ -71,6 +81,9 @@ impl PoolConfig {
         Ok(())
     }
 }
+
+/// How often a run checks that its agent still holds its lease (100 ms).
+pub const FENCE_CHECK: Duration = Duration::from_millis(100);
 
 /// Payload rates an agent reports with its heartbeat: (sent, received),
 /// bit/s.
@@ -100,6 +113,8 @@ struct Inner {
     catalog: Catalog,
     cfg: PoolConfig,
     name: String,
+    /// This process's random id (hex), registered with the name.
+    instance: String,
     role: String,
     version: String,
     api_url: Mutex<String>,
@@ -165,6 +180,10 @@ impl Membership {
                 catalog,
                 cfg,
                 name: name.to_string(),
+                instance: {
+                    let r: [u8; 8] = rand::random();
+                    r.iter().map(|b| format!("{b:02x}")).collect()
+                },
                 role: role.to_string(),
                 version: env!("CARGO_PKG_VERSION").to_string(),
                 api_url: Mutex::new(String::new()),
@@ -241,9 +260,35 @@ impl Membership {
         (s.catalog_up, s.error.clone())
     }
 
-    /// Whether the last heartbeat renewed the lease on transfer `id`.
-    pub fn renewed(&self, id: TransferId) -> bool {
-        crate::lock::lock(&self.inner.standing).held.contains(&id)
+    /// Whether the agent may still act on its lease of transfer `id`,
+    /// claimed (the claim returned) at local time `claimed`: its leases
+    /// are valid ([`Membership::leases_valid`]), and no heartbeat sent
+    /// after the claim failed to renew this one (a lease that lapsed, or
+    /// was taken over, is not renewed).
+    pub fn holds(&self, id: TransferId, claimed: Instant) -> bool {
+        let cfg = self.inner.cfg;
+        let s = crate::lock::lock(&self.inner.standing);
+        match s.last_ok {
+            None => false,
+            Some(t) if t.elapsed() >= cfg.lease_timeout - cfg.heartbeat_interval => false,
+            Some(t) => t <= claimed || s.held.contains(&id),
+        }
+    }
+
+    /// Resolves once the agent may no longer act on its lease of transfer
+    /// `id` claimed at `claimed` (see [`Membership::holds`]), checked
+    /// every [`FENCE_CHECK`]: whatever the agent is doing, even waiting on
+    /// a catalog that does not answer, the run is stopped before another
+    /// agent may claim the transfer.
+    pub async fn lost(&self, id: TransferId, claimed: Instant) {
+        let mut tick = tokio::time::interval(FENCE_CHECK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if !self.holds(id, claimed) {
+                return;
+            }
+        }
     }
 
     /// Resolves when the agent's standing changes (a heartbeat failed or
@@ -284,6 +329,7 @@ impl Membership {
                 version: &i.version,
                 api_url: &url,
                 timeout_ms: i.cfg.lease_timeout.as_millis() as i64,
+                instance: &i.instance,
                 sent_bps: sent,
                 received_bps: received,
             };
@@ -325,6 +371,22 @@ impl Membership {
                     };
                     i.catalog_up.set(1);
                 }
+                Err(ferry_catalog::CatalogError::AgentName(why)) => {
+                    // The catalog answers, but this process is not (or no
+                    // longer) the pool's agent of this name: it claims
+                    // nothing, and tries to register again.
+                    registered = false;
+                    let mut s = crate::lock::lock(&i.standing);
+                    if s.error.as_deref() != Some(why.as_str()) {
+                        warn!(agent = i.name, "not joining the pool: {why}");
+                        changed = true;
+                    }
+                    s.last_ok = None;
+                    s.held.clear();
+                    s.catalog_up = true;
+                    s.error = Some(why);
+                    i.catalog_up.set(1);
+                }
                 Err(e) => {
                     let mut s = crate::lock::lock(&i.standing);
                     if s.catalog_up || s.error.is_none() {
@@ -342,7 +404,7 @@ impl Membership {
             }
         }
         if registered {
-            if let Err(e) = i.catalog.agent_stopped(&i.name).await {
+            if let Err(e) = i.catalog.agent_stopped(&i.name, &i.instance).await {
                 warn!(agent = i.name, error = %e, "recording a clean stop in the catalog");
             }
         }
@@ -351,12 +413,16 @@ impl Membership {
     /// The pool's metrics in Prometheus text format (`ferry_catalog_up`,
     /// `ferry_pool_agents{state}`, `ferry_lease_takeovers_total`,
     /// `ferry_leases_lost_total`); the agents by state are read from the
-    /// catalog now (left as they were if it does not answer).
+    /// catalog now (left as they were if it does not answer within
+    /// [`crate::metrics::SCRAPE_CATALOG_WAIT`]).
     ///
     /// # Errors
     /// Encoding errors only.
     pub async fn render_metrics(&self) -> Result<String, std::fmt::Error> {
-        if let Ok(agents) = self.inner.catalog.pool_agents().await {
+        let read = self.inner.catalog.pool_agents();
+        if let Ok(Ok(agents)) =
+            tokio::time::timeout(crate::metrics::SCRAPE_CATALOG_WAIT, read).await
+        {
             for st in AgentState::ALL {
                 let n = agents.iter().filter(|a| a.state == st).count();
                 self.inner

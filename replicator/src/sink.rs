@@ -388,9 +388,20 @@ impl Sink {
     /// # Errors
     /// [`MetricsError`].
     pub async fn render_metrics(&self) -> Result<String, MetricsError> {
-        let states = self.inner.catalog.replica_state_counts().await?;
-        let pinned = self.inner.catalog.pinned_replica_count(now_ms()).await?;
-        Ok(self.inner.metrics.render(&states, pinned)?)
+        let read = async {
+            let states = self.inner.catalog.replica_state_counts().await?;
+            let pinned = self.inner.catalog.pinned_replica_count(now_ms()).await?;
+            Ok::<_, CatalogError>((states, pinned))
+        };
+        match tokio::time::timeout(crate::metrics::SCRAPE_CATALOG_WAIT, read).await {
+            Ok(Ok((states, pinned))) => Ok(self.inner.metrics.render(Some((&states, pinned)))?),
+            other => {
+                if let Ok(Err(e)) = other {
+                    warn!(error = %e, "metrics: the catalog did not answer; replica gauges keep their last values");
+                }
+                Ok(self.inner.metrics.render(None)?)
+            }
+        }
     }
 
     /// A counter that changes whenever a replica is published or progress

@@ -354,7 +354,35 @@ struct LinkState {
     /// [`PROTOCOL_VERSION`], or an older one a sink asked for by naming
     /// the versions it speaks when it refused a hello.
     speak: Arc<AtomicU16>,
+    /// The link's rate cap, bit/s (the config's, or one set through the
+    /// API): the budget of the whole pool on this link.
+    cap: AtomicU64,
+    /// This agent's fraction of `cap` (f64 bits), 1 unless other agents
+    /// of the pool run transfers on the link
+    /// ([`scheduler::LinkScheduler::pool_fraction`]).
+    fraction: AtomicU64,
 }
+
+impl LinkState {
+    /// Paces the link at its cap times this agent's fraction of it (at
+    /// least [`MIN_PACE_BPS`]).
+    fn apply_rate(&self) {
+        let cap = self.cap.load(Ordering::Relaxed);
+        let f = f64::from_bits(self.fraction.load(Ordering::Relaxed));
+        let pace = ((cap as f64 * f) as u64).max(MIN_PACE_BPS).min(cap);
+        self.share.set_rate_bps(pace);
+        self.sched
+            .lock()
+            .ls
+            .set_rate(dispatch::payload_rate(pace), ferry_catalog::now_ms());
+        self.sched.poke();
+    }
+}
+
+/// The least rate an agent paces a link at when other agents of its pool
+/// take most of it, bit/s (1 Mbit/s): a transfer admitted between two
+/// reloads of the queue still moves.
+const MIN_PACE_BPS: u64 = 1_000_000;
 
 struct Inner {
     cfg: SourceConfig,
@@ -489,6 +517,8 @@ impl Source {
                     endpoints: Mutex::new(Vec::new()),
                     sampler: Mutex::new(LinkSampler::default()),
                     speak: Arc::new(AtomicU16::new(PROTOCOL_VERSION)),
+                    cap: AtomicU64::new(l.rate_bps),
+                    fraction: AtomicU64::new(1.0f64.to_bits()),
                 }),
             );
         }
@@ -629,24 +659,38 @@ impl Source {
     /// [`MetricsError`].
     pub async fn render_metrics(&self) -> Result<String, MetricsError> {
         let inner = &self.inner;
-        let states = inner.catalog.transfer_state_counts().await?;
-        let unfinished = inner.catalog.unfinished_transfers().await?;
-        let now = ferry_catalog::now_ms();
-        let mut queued: HashMap<(String, scheduler::Class), i64> = HashMap::new();
-        for t in &unfinished {
-            let class = scheduler::effective_class(t.class, t.urgent_until, now);
-            *queued.entry((t.link.clone(), class)).or_default() += 1;
-        }
+        let read = async {
+            let states = inner.catalog.transfer_state_counts().await?;
+            let unfinished = inner.catalog.unfinished_transfers().await?;
+            Ok::<_, CatalogError>((states, unfinished))
+        };
+        let catalog = match tokio::time::timeout(crate::metrics::SCRAPE_CATALOG_WAIT, read).await {
+            Ok(Ok((states, unfinished))) => {
+                let now = ferry_catalog::now_ms();
+                let mut queued: HashMap<(String, scheduler::Class), i64> = HashMap::new();
+                for t in &unfinished {
+                    let class = scheduler::effective_class(t.class, t.urgent_until, now);
+                    *queued.entry((t.link.clone(), class)).or_default() += 1;
+                }
+                Some((queued, states))
+            }
+            Ok(Err(e)) => {
+                warn!(error = %e, "metrics: the catalog did not answer; queue and state gauges keep their last values");
+                None
+            }
+            Err(_) => {
+                warn!("metrics: the catalog did not answer within 2 s; queue and state gauges keep their last values");
+                None
+            }
+        };
         let links = self
             .link_stats(false)
             .into_iter()
             .map(|l| (l.name, l.rate_bps, l.utilisation, l.connections_open))
             .collect();
-        Ok(inner.metrics.render(&crate::metrics::SourceScrape {
-            links,
-            queued,
-            states,
-        })?)
+        Ok(inner
+            .metrics
+            .render(&crate::metrics::SourceScrape { links, catalog })?)
     }
 
     /// Changes a link's rate cap (bit/s) at run time: the scheduler's
@@ -667,12 +711,8 @@ impl Source {
         // the link in the order they were recorded.
         let _order = self.inner.rate_changes.lock().await;
         self.inner.catalog.record_link_rate(link, rate_bps).await?;
-        l.share.set_rate_bps(rate_bps);
-        l.sched
-            .lock()
-            .ls
-            .set_rate(dispatch::payload_rate(rate_bps), ferry_catalog::now_ms());
-        l.sched.poke();
+        l.cap.store(rate_bps, Ordering::Relaxed);
+        l.apply_rate();
         Ok(true)
     }
 
@@ -706,9 +746,14 @@ impl Source {
         self.inner.links.keys().cloned().collect()
     }
 
-    /// A link's current rate cap, bit/s (`None`: unknown link).
+    /// A link's current rate cap, bit/s (`None`: unknown link): the
+    /// pool's budget on it, of which this agent paces at its fraction
+    /// ([`LinkStats::pool_fraction`]).
     pub fn link_rate(&self, link: &str) -> Option<u64> {
-        self.inner.links.get(link).map(|l| l.share.rate_bps())
+        self.inner
+            .links
+            .get(link)
+            .map(|l| l.cap.load(Ordering::Relaxed))
     }
 
     /// `link`'s pool of QUIC connections: `(connections when all are up,
@@ -1818,18 +1863,21 @@ async fn save_progress(inner: &Inner, id: TransferId, end: bool) {
 
 /// A link's [`LinkStats`] from its sampler.
 fn link_stats(l: &LinkState, with_history: bool) -> LinkStats {
-    let rate_bps = l.share.rate_bps();
+    let rate_bps = l.cap.load(Ordering::Relaxed);
+    let pace_bps = l.share.rate_bps();
     let s = crate::lock::lock(&l.sampler);
     let class_bps = s.class_rates();
     let goodput_bps = class_bps.total();
     LinkStats {
         name: l.cfg.name.clone(),
         rate_bps,
+        pool_fraction: f64::from_bits(l.fraction.load(Ordering::Relaxed)),
+        pace_bps,
         connections: l.cfg.connections.max(1),
         connections_open: l.sched.open_connections(),
         goodput_bps,
-        utilisation: if rate_bps > 0 {
-            goodput_bps / rate_bps as f64
+        utilisation: if pace_bps > 0 {
+            goodput_bps / pace_bps as f64
         } else {
             0.0
         },
@@ -1948,26 +1996,6 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
         let me = inner.cfg.agent.as_str();
         let held_elsewhere =
             |t: &Transfer| pool.is_some() && t.holder.as_deref().is_some_and(|h| h != me);
-        if let Some(p) = &pool {
-            // A run whose lease lapsed (the catalog did not answer in
-            // time, or the agent was paused) stops before another agent
-            // may take the transfer over.
-            let valid = p.leases_valid();
-            for t in &mine {
-                if let Some(stop) = stops.get(&t.id) {
-                    if !stop.is_cancelled() && (!valid || t.holder.as_deref() != Some(me)) {
-                        warn!(
-                            link = link.cfg.name,
-                            transfer = %t.id,
-                            holder = t.holder.as_deref().unwrap_or("nobody"),
-                            "the transfer's lease was not renewed in time; stopping its run"
-                        );
-                        p.count_lost();
-                        stop.cancel();
-                    }
-                }
-            }
-        }
         // What running transfers achieved so far survives a crash too.
         if saved_at.elapsed() >= SAVE_PROGRESS_EVERY {
             saved_at = tokio::time::Instant::now();
@@ -2073,6 +2101,7 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                 let Some(t) = mine.iter().find(|t| t.id == id).map(|t| (*t).clone()) else {
                     continue;
                 };
+                let mut claimed_at = None;
                 if let Some(p) = &pool {
                     let timeout = p.config().lease_timeout.as_millis() as i64;
                     match inner.catalog.claim_transfer(id, me, timeout).await {
@@ -2088,6 +2117,7 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                                 p.count_takeover();
                             }
                             leases.insert(id, claim.epoch);
+                            claimed_at = Some(std::time::Instant::now());
                         }
                         // Another agent claimed it first, or it was paused.
                         Ok(None) => continue,
@@ -2102,13 +2132,54 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                 let stop = inner.shutdown.child_token();
                 stops.insert(id, stop.clone());
                 let (inner2, c2) = (inner.clone(), c.clone());
+                // In a pool, the run also ends once its lease may have
+                // lapsed, whatever it is waiting on (a catalog that does
+                // not answer included): before another agent may claim it.
+                let fence = pool.clone().zip(claimed_at);
+                let (sched, link_name) = (link.sched.clone(), link.cfg.name.clone());
                 running.spawn(async move {
+                    let lost = async {
+                        match &fence {
+                            Some((p, at)) => p.lost(id, *at).await,
+                            None => std::future::pending().await,
+                        }
+                    };
                     let r = tokio::select! {
                         r = run_one(&inner2, &c2, t) => r,
                         _ = stop.cancelled() => Err(RunError::Stopped),
+                        _ = lost => {
+                            warn!(
+                                link = link_name,
+                                transfer = %id,
+                                "this agent may no longer hold the transfer's lease (not renewed in \
+                                 time: the catalog does not answer, or the agent was paused); \
+                                 stopping its run"
+                            );
+                            // Chunks queued for the link's writers go too.
+                            sched.deactivate(id);
+                            if let Some((p, _)) = &fence {
+                                p.count_lost();
+                            }
+                            Err(RunError::Stopped)
+                        }
                     };
                     (id, r)
                 });
+            }
+        }
+        if pool.is_some() {
+            // The link's budget is the pool's: this agent paces at its
+            // fraction of it, by the class rules over what runs anywhere.
+            let f = link.sched.lock().ls.pool_fraction(&elsewhere, now);
+            let old = f64::from_bits(link.fraction.load(Ordering::Relaxed));
+            if (f - old).abs() > 0.01 || (f != old && (f == 1.0 || f == 0.0)) {
+                link.fraction.store(f.to_bits(), Ordering::Relaxed);
+                link.apply_rate();
+                debug!(
+                    link = link.cfg.name,
+                    fraction = f,
+                    "this agent's share of the link's budget"
+                );
             }
         }
         let sleep = if conn.is_none() && !waiting.is_empty() {

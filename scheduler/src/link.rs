@@ -569,6 +569,56 @@ impl LinkScheduler {
         Some((e.t.id, w[class]))
     }
 
+    /// In a pool of agents sharing this link: the fraction of the link's
+    /// rate cap this agent's active transfers are due, 0..1, when
+    /// `elsewhere` are the link's transfers other agents run now. The
+    /// class rules hold pool wide: every class with an active transfer
+    /// anywhere is busy (the highest busy class gets the rest, each lower
+    /// busy class its floor), and a class's weight is split among all its
+    /// active transfers in proportion to their scores, wherever they run.
+    /// This agent's fraction is the sum over its own. 1 when nothing runs
+    /// elsewhere (a single agent keeps the whole link). Under `fifo`, 1
+    /// if the oldest active transfer of the pool is here, else 0.
+    pub fn pool_fraction(&self, elsewhere: &[Transfer], now_ms: i64) -> f64 {
+        if elsewhere.is_empty() {
+            return 1.0;
+        }
+        if self.entries.is_empty() {
+            return 0.0;
+        }
+        let mine = self.entries.values().map(|e| (&e.t, e.score.value));
+        let others: Vec<(&Transfer, f64)> = elsewhere
+            .iter()
+            .filter(|t| !self.entries.contains_key(&t.id))
+            .map(|t| (t, self.score_of(t, now_ms).value))
+            .collect();
+        if self.policy.kind == PolicyKind::Fifo {
+            let oldest_mine = self
+                .entries
+                .values()
+                .map(|e| (e.t.created_ms, e.t.id))
+                .min();
+            let oldest_other = others.iter().map(|(t, _)| (t.created_ms, t.id)).min();
+            return match (oldest_mine, oldest_other) {
+                (Some(m), Some(o)) if o < m => 0.0,
+                _ => 1.0,
+            };
+        }
+        let mut busy = [false; 3];
+        let mut sums = [0.0; 3];
+        for (t, sc) in mine.clone().chain(others.iter().copied()) {
+            busy[ci(t.class)] = true;
+            sums[ci(t.class)] += sc;
+        }
+        let w = self.class_weights(busy);
+        mine.map(|(t, sc)| {
+            let c = ci(t.class);
+            w[c] * sc / sums[c].max(f64::MIN_POSITIVE)
+        })
+        .sum::<f64>()
+        .clamp(0.0, 1.0)
+    }
+
     /// Which of `waiting` (queued transfers of this link, not active) to
     /// start now, best first. Under `priority`: per class, up to
     /// `max_active` active at once; within a class, transfers that have

@@ -524,3 +524,39 @@ fn transfers_running_elsewhere_in_the_pool_count_against_max_active() {
         .admit_in_pool(&waiting, &[urgent(20), sched(21)], 0)
         .is_empty());
 }
+
+/// A pool's agents split a link's rate by the class rules over the
+/// pool's active transfers: with nothing elsewhere an agent keeps the
+/// whole link; an urgent transfer elsewhere leaves a scheduled-only agent
+/// its class's floor; equal transfers of one class split it evenly; the
+/// fractions of all agents add up to 1.
+#[test]
+fn a_pool_splits_a_link_by_class_and_score() {
+    let policy = Policy::default();
+    let floor = policy.floors.scheduled;
+    let mut a = LinkScheduler::new(policy.clone(), FAST, 100, 0);
+    let mut b = LinkScheduler::new(policy.clone(), FAST, 100, 0);
+    let sched = |id: u64| transfer(id, Class::Scheduled, 0.5, None);
+    let urgent = |id: u64| transfer(id, Class::Urgent, 0.5, None);
+    a.upsert(sched(1), 0);
+    assert_eq!(a.pool_fraction(&[], 0), 1.0);
+    // Another agent runs an equal scheduled transfer: half each.
+    b.upsert(sched(2), 0);
+    let fa = a.pool_fraction(&[sched(2)], 0);
+    let fb = b.pool_fraction(&[sched(1)], 0);
+    assert!(
+        (fa - 0.5).abs() < 1e-9 && (fb - 0.5).abs() < 1e-9,
+        "{fa} {fb}"
+    );
+    // An urgent one elsewhere: the scheduled ones share the floor.
+    let mut c = LinkScheduler::new(policy.clone(), FAST, 100, 0);
+    c.upsert(urgent(3), 0);
+    let fa = a.pool_fraction(&[sched(2), urgent(3)], 0);
+    let fb = b.pool_fraction(&[sched(1), urgent(3)], 0);
+    let fc = c.pool_fraction(&[sched(1), sched(2)], 0);
+    assert!((fa - floor / 2.0).abs() < 1e-9, "{fa}");
+    assert!((fa + fb + fc - 1.0).abs() < 1e-9, "{fa} + {fb} + {fc}");
+    // An agent running nothing gets nothing while others run.
+    let idle = LinkScheduler::new(policy, FAST, 100, 0);
+    assert_eq!(idle.pool_fraction(&[sched(1)], 0), 0.0);
+}

@@ -66,6 +66,16 @@ impl Dialect {
     }
 
     /// The clause that locks the rows a `SELECT` reads until the
+    /// transaction ends, waiting for other transactions' locks
+    /// (PostgreSQL's `FOR UPDATE`); empty for SQLite.
+    pub fn lock_for_update(self) -> &'static str {
+        match self {
+            Dialect::Sqlite => "",
+            Dialect::Postgres => " FOR UPDATE",
+        }
+    }
+
+    /// The clause that locks the rows a `SELECT` reads until the
     /// transaction ends and skips rows another transaction holds
     /// (PostgreSQL's `FOR UPDATE SKIP LOCKED`, the claim of a job
     /// queue); empty for SQLite, whose writers are serialised anyway.

@@ -114,6 +114,10 @@ pub enum CatalogError {
         /// The site of the agent that opened it.
         agent_site: String,
     },
+    /// Another process runs under this agent's name in the pool (or
+    /// took the name over): the message names it.
+    #[error("{0}")]
+    AgentName(String),
     /// An SQL error.
     #[error("catalog: {0}")]
     Sql(#[from] sqlx::Error),
@@ -144,6 +148,41 @@ pub struct Catalog {
     /// The catalog's id (`catalog_identity`), read at open.
     id: std::sync::Arc<str>,
     _lock: Option<std::sync::Arc<Flock<File>>>,
+}
+
+/// The newest schema version this release knows (its last migration).
+pub fn schema_version() -> i64 {
+    sqlx::migrate!("../../migrations/postgres")
+        .iter()
+        .map(|m| m.version)
+        .max()
+        .unwrap_or(0)
+}
+
+/// Refuses a catalog whose schema is newer than `migrator` knows (an
+/// agent of a newer release migrated it), naming both versions, before
+/// anything is written. A catalog without a schema yet passes.
+async fn refuse_newer_schema(
+    pool: &AnyPool,
+    migrator: &sqlx::migrate::Migrator,
+) -> Result<(), String> {
+    let known = migrator.iter().map(|m| m.version).max().unwrap_or(0);
+    // No table yet: a new catalog.
+    let Ok(newest) =
+        sqlx::query_scalar::<_, Option<i64>>("SELECT MAX(version) FROM _sqlx_migrations")
+            .fetch_one(pool)
+            .await
+    else {
+        return Ok(());
+    };
+    match newest {
+        Some(v) if v > known => Err(format!(
+            "its schema is version {v}, newer than this agent's {known} (ferry {}): an agent \
+             of a newer release migrated it; upgrade this agent",
+            env!("CARGO_PKG_VERSION")
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// Makes the catalog's id if it has none yet (a random 128-bit value,
@@ -209,7 +248,11 @@ impl Catalog {
                 shown.join("; ")
             )));
         }
-        sqlx::migrate!("../../migrations/sqlite")
+        let migrator = sqlx::migrate!("../../migrations/sqlite");
+        refuse_newer_schema(&pool, &migrator)
+            .await
+            .map_err(|e| file(e.to_string()))?;
+        migrator
             .run(&pool)
             .await
             .map_err(|e| file(format!("cannot migrate it: {e}")))?;
@@ -241,7 +284,12 @@ impl Catalog {
         let pool = dialect::open_postgres(url)
             .await
             .map_err(|e| db_err(format!("cannot connect: {e}")))?;
-        sqlx::migrate!("../../migrations/postgres")
+        let migrator = sqlx::migrate!("../../migrations/postgres");
+        if let Err(e) = refuse_newer_schema(&pool, &migrator).await {
+            pool.close().await;
+            return Err(db_err(e.to_string()));
+        }
+        migrator
             .run(&pool)
             .await
             .map_err(|e| db_err(format!("cannot migrate it: {e}")))?;

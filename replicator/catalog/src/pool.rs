@@ -34,6 +34,9 @@ pub struct Heartbeat<'a> {
     /// Its lease timeout, milliseconds: it is down once its last
     /// heartbeat is older than this, and its leases lapse then.
     pub timeout_ms: i64,
+    /// The process's random id, made at its start: one name runs in
+    /// one process at a time.
+    pub instance: &'a str,
     /// Payload bytes it sends now, as a source, bit/s.
     pub sent_bps: f64,
     /// Payload bytes it receives now, as a sink, bit/s.
@@ -163,31 +166,55 @@ impl Catalog {
         Ok(sqlx::query_scalar(&q).fetch_one(&self.pool).await?)
     }
 
-    /// Registers agent `b.name` at its start: its row is made or
-    /// replaced (the draining flag an operator set is kept), stamped
-    /// started and heartbeating now.
+    /// Registers agent `b.name` (process `b.instance`) at its start: its
+    /// row is made or replaced (the draining flag an operator set is
+    /// kept), stamped started and heartbeating now. Refused while another
+    /// process of that name is live (it heartbeats and has not stopped):
+    /// one name runs once in a pool.
     ///
     /// # Errors
-    /// SQL errors.
+    /// [`CatalogError::AgentName`] naming the live agent (its API and the
+    /// age of its last heartbeat); SQL errors.
     pub async fn register_agent(&self, b: &Heartbeat<'_>) -> Result<(), CatalogError> {
         let now = self.db.now_ms();
         let q = format!(
             "INSERT INTO agents (name, role, version, api_url, started_at, heartbeat_at, \
-             timeout_ms, sent_bps, received_bps, stopped) VALUES (?, ?, ?, ?, {now}, {now}, ?, 0, 0, 0) \
+             timeout_ms, sent_bps, received_bps, stopped, instance) \
+             VALUES (?, ?, ?, ?, {now}, {now}, ?, 0, 0, 0, ?) \
              ON CONFLICT (name) DO UPDATE SET role = excluded.role, version = excluded.version, \
              api_url = excluded.api_url, started_at = excluded.started_at, \
              heartbeat_at = excluded.heartbeat_at, timeout_ms = excluded.timeout_ms, \
-             sent_bps = 0, received_bps = 0, stopped = 0"
+             sent_bps = 0, received_bps = 0, stopped = 0, instance = excluded.instance \
+             WHERE agents.instance = excluded.instance OR agents.stopped = 1 \
+             OR agents.heartbeat_at + agents.timeout_ms < {now}"
         );
-        sqlx::query(&self.db.sql(&q))
+        let r = sqlx::query(&self.db.sql(&q))
             .bind(b.name)
             .bind(b.role)
             .bind(b.version)
             .bind(b.api_url)
             .bind(b.timeout_ms)
+            .bind(b.instance)
             .execute(&self.pool)
             .await?;
-        Ok(())
+        if r.rows_affected() > 0 {
+            return Ok(());
+        }
+        let q = format!(
+            "SELECT api_url, {now} - heartbeat_at AS age, timeout_ms FROM agents WHERE name = ?"
+        );
+        let (url, age, timeout): (String, i64, i64) = sqlx::query_as(&self.db.sql(&q))
+            .bind(b.name)
+            .fetch_one(&self.pool)
+            .await?;
+        Err(CatalogError::AgentName(format!(
+            "another agent named {} is live in this pool (API {url}, last heartbeat {:.1} s \
+             ago): give each agent its own name; this one joins once that one stops or its \
+             heartbeat is {:.1} s old",
+            b.name,
+            age as f64 / 1000.0,
+            timeout as f64 / 1000.0
+        )))
     }
 
     /// One heartbeat of agent `b.name`: its row says it is alive now, and
@@ -196,27 +223,29 @@ impl Catalog {
     /// must stop that transfer; see the module doc).
     ///
     /// # Errors
-    /// [`CatalogError::Invalid`] if the agent was never registered; SQL
-    /// errors (nothing is renewed then).
+    /// [`CatalogError::AgentName`] if this process is not the one
+    /// registered under the name; SQL errors (nothing is renewed then).
     pub async fn heartbeat(&self, b: &Heartbeat<'_>) -> Result<Beat, CatalogError> {
         let mut tx = self.pool.begin().await?;
         let q = format!("SELECT {} AS now", self.db.now_ms());
         let now: i64 = sqlx::query_scalar(&q).fetch_one(&mut *tx).await?;
         let draining: Option<i64> = sqlx::query_scalar(&self.db.sql(
             "UPDATE agents SET heartbeat_at = ?, timeout_ms = ?, sent_bps = ?, \
-             received_bps = ?, stopped = 0 WHERE name = ? RETURNING draining",
+             received_bps = ?, stopped = 0 WHERE name = ? AND instance = ? RETURNING draining",
         ))
         .bind(now)
         .bind(b.timeout_ms)
         .bind(b.sent_bps)
         .bind(b.received_bps)
         .bind(b.name)
+        .bind(b.instance)
         .fetch_optional(&mut *tx)
         .await?;
         let Some(draining) = draining else {
             tx.rollback().await?;
-            return Err(CatalogError::Invalid(format!(
-                "agent {} is not registered in the catalog",
+            return Err(CatalogError::AgentName(format!(
+                "agent {} is not registered in the catalog by this process (another process \
+                 of that name registered after it)",
                 b.name
             )));
         };
@@ -239,20 +268,30 @@ impl Catalog {
         })
     }
 
-    /// Agent `name` stops cleanly: it releases every lease it holds and
-    /// is recorded stopped.
+    /// Agent `name` (process `instance`) stops cleanly: it releases every
+    /// lease it holds and is recorded stopped. Nothing changes if another
+    /// process of that name registered since.
     ///
     /// # Errors
     /// SQL errors.
-    pub async fn agent_stopped(&self, name: &str) -> Result<(), CatalogError> {
+    pub async fn agent_stopped(&self, name: &str, instance: &str) -> Result<(), CatalogError> {
         let mut tx = self.pool.begin().await?;
         let q = format!("SELECT {} AS now", self.db.now_ms());
         let now: i64 = sqlx::query_scalar(&q).fetch_one(&mut *tx).await?;
+        let mine: Option<i64> = sqlx::query_scalar(
+            &self
+                .db
+                .sql("UPDATE agents SET stopped = 1 WHERE name = ? AND instance = ? RETURNING 1"),
+        )
+        .bind(name)
+        .bind(instance)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if mine.is_none() {
+            tx.rollback().await?;
+            return Ok(());
+        }
         release_where(self, &mut tx, now, "holder = ?", &[Bind::Text(name)]).await?;
-        sqlx::query(&self.db.sql("UPDATE agents SET stopped = 1 WHERE name = ?"))
-            .bind(name)
-            .execute(&mut *tx)
-            .await?;
         tx.commit().await?;
         Ok(())
     }
@@ -329,7 +368,8 @@ impl Catalog {
     /// nobody holds a live lease on it (a new epoch; a lapsed lease of
     /// another agent is ended at its `lease_until`), renewed if `agent`
     /// holds it already. `None`: another agent holds a live lease, another
-    /// agent is claiming it right now, or the transfer is paused or final.
+    /// agent is claiming it right now, the transfer is paused or final, or
+    /// `agent` is drained.
     ///
     /// # Errors
     /// SQL errors (nothing is claimed then).
@@ -340,14 +380,18 @@ impl Catalog {
         timeout_ms: i64,
     ) -> Result<Option<Claim>, CatalogError> {
         let mut tx = self.pool.begin().await?;
+        // A drained agent claims nothing, from the moment the drain is
+        // written (not only from its next heartbeat).
         let q = format!(
             "SELECT holder, lease_until, lease_epoch, {} AS now FROM transfers \
-             WHERE id = ? AND state NOT IN {FINAL_OR_PAUSED}{}",
+             WHERE id = ? AND state NOT IN {FINAL_OR_PAUSED} \
+             AND NOT EXISTS (SELECT 1 FROM agents WHERE name = ? AND draining = 1){}",
             self.db.now_ms(),
             self.db.lock_skip_locked()
         );
         let Some(row) = sqlx::query(&self.db.sql(&q))
             .bind(id.as_i64())
+            .bind(agent)
             .fetch_optional(&mut *tx)
             .await?
         else {
@@ -501,6 +545,18 @@ async fn release_where(
     cond: &str,
     args: &[Bind<'_>],
 ) -> Result<u64, CatalogError> {
+    // The transfers' rows are locked first, as a claim locks them (then
+    // its lease record): the same order, so the two never deadlock.
+    let q = format!(
+        "SELECT id FROM transfers WHERE {cond}{}",
+        c.db.lock_for_update()
+    );
+    let sql = c.db.sql(&q);
+    let mut query = sqlx::query(&sql);
+    for a in args {
+        query = a.bind(query);
+    }
+    query.fetch_all(&mut *tx).await?;
     let until = "(SELECT t.lease_until FROM transfers t WHERE t.id = transfer_leases.transfer)";
     let q = format!(
         "UPDATE transfer_leases SET \

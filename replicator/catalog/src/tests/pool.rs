@@ -10,6 +10,7 @@ fn beat<'a>(name: &'a str, timeout_ms: i64) -> Heartbeat<'a> {
         version: "0.1.0",
         api_url: "http://127.0.0.1:1",
         timeout_ms,
+        instance: "p1",
         sent_bps: 8e6,
         received_bps: 0.0,
     }
@@ -135,7 +136,7 @@ async fn a_clean_stop_releases_everything_and_drain_is_recorded(c: Catalog) {
         a(c.pool_agents().await.unwrap()).state,
         AgentState::Draining
     );
-    c.agent_stopped("a").await.unwrap();
+    c.agent_stopped("a", "p1").await.unwrap();
     let stopped = a(c.pool_agents().await.unwrap());
     assert_eq!((stopped.state, stopped.held), (AgentState::Stopped, 0));
     for id in [x, y] {
@@ -189,3 +190,101 @@ async fn a_catalog_keeps_its_id_and_two_catalogs_differ() {
     let b = Catalog::open(d2.path()).await.unwrap();
     assert_ne!(b.id(), id);
 }
+
+/// An agent refuses a catalog an agent of a newer release migrated,
+/// naming both schema versions, and changes nothing in it.
+#[tokio::test]
+async fn a_catalog_of_a_newer_schema_is_refused_naming_both_versions() {
+    let add_future = |db: Dialect| {
+        db.sql(
+            "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
+             VALUES (?, 'from the future', TRUE, ?, 0)",
+        )
+        .into_owned()
+    };
+    let known = crate::schema_version();
+    let future = known + 90;
+    // SQLite.
+    let d = tempfile::tempdir().unwrap();
+    let c = Catalog::open(d.path()).await.unwrap();
+    sqlx::query(&add_future(Dialect::Sqlite))
+        .bind(future)
+        .bind(vec![0u8; 48])
+        .execute(&c.pool)
+        .await
+        .unwrap();
+    c.close().await;
+    drop(c);
+    let e = Catalog::open(d.path()).await.unwrap_err().to_string();
+    assert!(
+        e.contains(&format!(
+            "schema is version {future}, newer than this agent's {known}"
+        )),
+        "{e}"
+    );
+    // PostgreSQL.
+    let (admin, name, url) = fresh_pg_database().await;
+    let c = Catalog::open_postgres(&url, TestCatalog::SITE)
+        .await
+        .unwrap();
+    sqlx::query(&add_future(Dialect::Postgres))
+        .bind(future)
+        .bind(vec![0u8; 48])
+        .execute(&c.pool)
+        .await
+        .unwrap();
+    c.close().await;
+    let e = Catalog::open_postgres(&url, TestCatalog::SITE)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&format!(
+            "schema is version {future}, newer than this agent's {known}"
+        )),
+        "{e}"
+    );
+    drop_pg_database(&admin, &name).await;
+}
+
+async fn one_name_runs_once_and_a_drained_agent_claims_nothing(c: Catalog) {
+    let id = queued(&c).await;
+    c.register_agent(&beat("a", 60_000)).await.unwrap();
+    // Another process under the same name is refused while a is live,
+    // naming it; its heartbeats are refused too.
+    let twin = Heartbeat {
+        instance: "p2",
+        api_url: "http://127.0.0.1:2",
+        ..beat("a", 60_000)
+    };
+    match c.register_agent(&twin).await {
+        Err(CatalogError::AgentName(why)) => {
+            assert!(
+                why.contains("another agent named a") && why.contains("127.0.0.1:1"),
+                "{why}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        c.heartbeat(&twin).await,
+        Err(CatalogError::AgentName(_))
+    ));
+    // ... and a stop by the twin changes nothing.
+    c.agent_stopped("a", "p2").await.unwrap();
+    assert!(c.heartbeat(&beat("a", 60_000)).await.is_ok());
+    // Drained, a claims nothing at once (before any heartbeat).
+    assert!(c.set_agent_draining("a", true).await.unwrap());
+    assert_eq!(c.claim_transfer(id, "a", 60_000).await.unwrap(), None);
+    assert!(c.set_agent_draining("a", false).await.unwrap());
+    assert!(c.claim_transfer(id, "a", 60_000).await.unwrap().is_some());
+    // Once a stopped, the name is free for the twin.
+    c.agent_stopped("a", "p1").await.unwrap();
+    c.register_agent(&twin).await.unwrap();
+    assert!(c.heartbeat(&twin).await.is_ok());
+    assert!(matches!(
+        c.heartbeat(&beat("a", 60_000)).await,
+        Err(CatalogError::AgentName(_))
+    ));
+}
+both!(one_name_runs_once_and_a_drained_agent_claims_nothing);
