@@ -768,7 +768,16 @@ async fn a_removal_by_hand_refuses_what_it_cannot_remove() {
     }
     assert!(Path::new(&path).join("a").exists(), "nothing was removed");
     let r = s._sink.remove(new, true, "").await.unwrap();
-    assert_eq!(r.state, ferry_proto::state::TransferState::Removing);
+    // Its files are deleted in the background, which may already be
+    // done by the time the row is read back.
+    assert!(
+        matches!(
+            r.state,
+            ferry_proto::state::TransferState::Removing
+                | ferry_proto::state::TransferState::Removed
+        ),
+        "{r:?}"
+    );
     assert!(r.removal.unwrap().forced);
     assert!(!Path::new(&path).exists());
     // Removed now: a second removal is refused.
