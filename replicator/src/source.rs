@@ -1770,7 +1770,24 @@ async fn read_control(
             }
             Ok(None) => break,
             Err(e) => {
-                debug!(error = %e, "control stream ended");
+                let why = c2
+                    .close_reason()
+                    .map(|r| r.to_string())
+                    .unwrap_or_else(|| e.to_string());
+                if index == 0 {
+                    // Once per pool: the transfers on it say they resume.
+                    info!(
+                        link = link_name,
+                        peer = peer_name,
+                        "the connection to the sink ended: {why}"
+                    );
+                } else {
+                    debug!(
+                        link = link_name,
+                        connection = index,
+                        "control stream ended: {why}"
+                    );
+                }
                 break;
             }
         }

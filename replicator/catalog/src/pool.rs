@@ -168,9 +168,12 @@ impl Catalog {
 
     /// Registers agent `b.name` (process `b.instance`) at its start: its
     /// row is made or replaced (the draining flag an operator set is
-    /// kept), stamped started and heartbeating now. Refused while another
-    /// process of that name is live (it heartbeats and has not stopped):
-    /// one name runs once in a pool.
+    /// kept), stamped started and heartbeating now. On PostgreSQL, refused
+    /// while another process of that name is live (it heartbeats and has
+    /// not stopped): one name runs once in a pool, and an agent restarted
+    /// after a crash joins once its old leases lapsed. On SQLite (one
+    /// agent, which holds the data directory's lock) a new process always
+    /// takes the row.
     ///
     /// # Errors
     /// [`CatalogError::AgentName`] naming the live agent (its API and the
@@ -184,9 +187,16 @@ impl Catalog {
              ON CONFLICT (name) DO UPDATE SET role = excluded.role, version = excluded.version, \
              api_url = excluded.api_url, started_at = excluded.started_at, \
              heartbeat_at = excluded.heartbeat_at, timeout_ms = excluded.timeout_ms, \
-             sent_bps = 0, received_bps = 0, stopped = 0, instance = excluded.instance \
-             WHERE agents.instance = excluded.instance OR agents.stopped = 1 \
-             OR agents.heartbeat_at + agents.timeout_ms < {now}"
+             sent_bps = 0, received_bps = 0, stopped = 0, instance = excluded.instance{}",
+            // An SQLite catalog has one agent at a time (the data
+            // directory's lock): a new process is the agent restarted.
+            match self.db {
+                crate::dialect::Dialect::Sqlite => String::new(),
+                crate::dialect::Dialect::Postgres => format!(
+                    " WHERE agents.instance = excluded.instance OR agents.stopped = 1 \
+                     OR agents.heartbeat_at + agents.timeout_ms < {now}"
+                ),
+            }
         );
         let r = sqlx::query(&self.db.sql(&q))
             .bind(b.name)
@@ -208,9 +218,10 @@ impl Catalog {
             .fetch_one(&self.pool)
             .await?;
         Err(CatalogError::AgentName(format!(
-            "another agent named {} is live in this pool (API {url}, last heartbeat {:.1} s \
-             ago): give each agent its own name; this one joins once that one stops or its \
-             heartbeat is {:.1} s old",
+            "the pool's agent {} is live (API {url}, last heartbeat {:.1} s ago): this process \
+             joins once that one stops or its heartbeat is {:.1} s old (an agent restarted \
+             after a crash waits for its old leases to lapse; a second agent needs its own \
+             name)",
             b.name,
             age as f64 / 1000.0,
             timeout as f64 / 1000.0
