@@ -975,8 +975,11 @@ impl Source {
         if !self.inner.catalog.resume_transfer(id).await? {
             return Err(self.changed_meanwhile(id, "resumed").await);
         }
+        // The row as the resume left it (queued), read before the link
+        // worker is woken: once woken it may start the transfer at once.
+        let resumed = self.existing(id).await;
         wake(&self.inner, &t);
-        self.existing(id).await
+        resumed
     }
 
     /// Cancels transfer `id`: it stops, and the sink drops its staging
