@@ -175,22 +175,8 @@ fn empty_status(s: &AppState) -> Status {
 }
 
 async fn snapshot_with_catalog(s: &AppState, with_history: bool) -> Result<Status, ApiError> {
-    let now = ferry_catalog::now_ms();
-    let mut st = Status {
-        agent: s.agent.clone(),
-        roles: s.roles(),
-        now_ms: now,
-        open: s.auth.is_open(),
-        links: Vec::new(),
-        counts: Default::default(),
-        unfinished: 0,
-        transfers: Vec::new(),
-        published: Vec::new(),
-        signals: Vec::new(),
-        replicas: Vec::new(),
-        pool: Vec::new(),
-        catalog_up: true,
-    };
+    let mut st = empty_status(s);
+    let now = st.now_ms;
     if let Some(p) = &s.pool {
         st.catalog_up = p.catalog_status().0;
         if let Ok(agents) = p.catalog().pool_agents().await {

@@ -786,6 +786,37 @@ mod tests {
         }
     }
 
+    /// A version 5 open carries the source catalog's id after the file
+    /// table; an older one none; an empty or oversized id is refused,
+    /// naming the field.
+    #[test]
+    fn an_open_carries_its_origin_and_a_bad_one_is_refused() {
+        let open = |origin: Option<String>| {
+            Control::Open(Open {
+                key: TransferKey {
+                    id: TransferId(7),
+                    job: "mm".into(),
+                    source_path: "/ckpt/mm/step_1".into(),
+                    rel: "step_1".into(),
+                    profile: Profile::Full,
+                    origin,
+                },
+                chunk_size: 4 << 20,
+                bytes_total: 0,
+                files: vec![],
+            })
+        };
+        roundtrip(open(Some("00112233445566778899aabbccddeeff".into())));
+        roundtrip(open(None));
+        for bad in [String::new(), "x".repeat(256)] {
+            let mut frame = open(None).encode();
+            frame.extend_from_slice(&(bad.len() as u16).to_be_bytes());
+            frame.extend_from_slice(bad.as_bytes());
+            let e = Control::decode(&frame[4..]).unwrap_err().to_string();
+            assert!(e.contains("origin"), "{e}");
+        }
+    }
+
     #[test]
     fn every_message_roundtrips() {
         roundtrip(Control::Hello(Hello {
