@@ -54,6 +54,7 @@ pub mod signals;
 #[cfg(test)]
 mod tests;
 pub mod transfers;
+pub mod watches;
 
 use dialect::Dialect;
 pub use dialect::{redact_url_passwords, PostgresUrl};
@@ -69,6 +70,7 @@ pub use replicas::{
 };
 pub use signals::Signal;
 pub use transfers::{NewWatchedTransfer, ProgressNote, Transfer};
+pub use watches::{RootFingerprint, WatchClaim, WatchLease};
 
 /// Catalog failures.
 #[derive(Debug, thiserror::Error)]

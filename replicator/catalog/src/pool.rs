@@ -53,6 +53,9 @@ pub struct Beat {
     /// The transfers whose leases it holds, renewed to
     /// `at_ms + timeout_ms`.
     pub held: Vec<TransferId>,
+    /// The source roots whose watches it holds (see
+    /// [`Catalog::claim_watch`]), renewed alike, sorted.
+    pub watches: Vec<String>,
 }
 
 /// An agent's state in the pool, judged by the database clock.
@@ -120,6 +123,8 @@ pub struct PoolAgent {
     pub held: i64,
     /// Bytes left to send of those transfers, as last recorded.
     pub held_bytes_left: i64,
+    /// Source roots whose live watch leases it holds.
+    pub watches: i64,
     /// Payload bit/s it sent at its last heartbeat.
     pub sent_bps: f64,
     /// Payload bit/s it received at its last heartbeat.
@@ -269,18 +274,29 @@ impl Catalog {
         .bind(now)
         .fetch_all(&mut *tx)
         .await?;
+        let mut watches: Vec<String> = sqlx::query_scalar(&self.db.sql(
+            "UPDATE watches SET lease_until = ? WHERE holder = ? AND lease_until >= ? \
+             RETURNING root",
+        ))
+        .bind(now + b.timeout_ms)
+        .bind(b.name)
+        .bind(now)
+        .fetch_all(&mut *tx)
+        .await?;
         tx.commit().await?;
         let mut held: Vec<TransferId> = held.into_iter().filter_map(TransferId::from_i64).collect();
         held.sort();
+        watches.sort();
         Ok(Beat {
             at_ms: now,
             draining: draining != 0,
             held,
+            watches,
         })
     }
 
     /// Agent `name` (process `instance`) stops cleanly: it releases every
-    /// lease it holds and is recorded stopped. Nothing changes if another
+    /// lease it holds (transfers and watches) and is recorded stopped. Nothing changes if another
     /// process of that name registered since.
     ///
     /// # Errors
@@ -303,6 +319,14 @@ impl Catalog {
             return Ok(());
         }
         release_where(self, &mut tx, now, "holder = ?", &[Bind::Text(name)]).await?;
+        sqlx::query(
+            &self
+                .db
+                .sql("UPDATE watches SET holder = NULL, lease_until = NULL WHERE holder = ?"),
+        )
+        .bind(name)
+        .execute(&mut *tx)
+        .await?;
         tx.commit().await?;
         Ok(())
     }
@@ -339,7 +363,8 @@ impl Catalog {
              {now} - a.heartbeat_at AS age, \
              (SELECT COUNT(*) FROM transfers t WHERE t.holder = a.name AND t.lease_until >= {now}) AS held, \
              (SELECT CAST(COALESCE(SUM(t.bytes_total - t.bytes_done), 0) AS BIGINT) FROM transfers t \
-              WHERE t.holder = a.name AND t.lease_until >= {now}) AS held_left \
+              WHERE t.holder = a.name AND t.lease_until >= {now}) AS held_left, \
+             (SELECT COUNT(*) FROM watches w WHERE w.holder = a.name AND w.lease_until >= {now}) AS watches \
              FROM agents a ORDER BY a.name"
         );
         let rows = sqlx::query(&q).fetch_all(&self.pool).await?;
@@ -368,6 +393,7 @@ impl Catalog {
                 timeout_ms,
                 held: r.try_get("held")?,
                 held_bytes_left: r.try_get("held_left")?,
+                watches: r.try_get("watches")?,
                 sent_bps: r.try_get("sent_bps")?,
                 received_bps: r.try_get("received_bps")?,
             });

@@ -303,3 +303,112 @@ async fn one_name_runs_once_and_a_drained_agent_claims_nothing(c: Catalog) {
     ));
 }
 both!(one_name_runs_once_and_a_drained_agent_claims_nothing);
+
+async fn one_agent_watches_a_root_and_another_takes_the_watch_over(c: Catalog) {
+    c.register_agent(&beat("a", 300)).await.unwrap();
+    c.register_agent(&beat("b", 60_000)).await.unwrap();
+    let first = c.claim_watch("/ckpt", "a", 300).await.unwrap().unwrap();
+    assert_eq!((first.epoch, first.took_over_from), (1, None));
+    // Renewing keeps the epoch; another agent cannot take a live watch.
+    assert_eq!(
+        c.claim_watch("/ckpt", "a", 300)
+            .await
+            .unwrap()
+            .unwrap()
+            .epoch,
+        1
+    );
+    assert_eq!(c.claim_watch("/ckpt", "b", 60_000).await.unwrap(), None);
+    // Another root is independent.
+    assert!(c
+        .claim_watch("/other", "b", 60_000)
+        .await
+        .unwrap()
+        .is_some());
+    let a = c.pool_agents().await.unwrap();
+    assert_eq!(a.iter().find(|x| x.name == "a").unwrap().watches, 1);
+    let w = c.watches().await.unwrap();
+    assert_eq!(w.len(), 2);
+    assert_eq!(
+        (w[0].root.as_str(), w[0].holder.as_deref(), w[0].live),
+        ("/ckpt", Some("a"), true)
+    );
+    // a stops heartbeating: its lease lapses, is not renewed, and b takes
+    // the watch over under the next epoch.
+    let until = w[0].lease_until.unwrap();
+    wait_past(&c, until).await;
+    assert!(!c.watches().await.unwrap()[0].live);
+    let taken = c.claim_watch("/ckpt", "b", 60_000).await.unwrap().unwrap();
+    assert_eq!(
+        (taken.epoch, taken.took_over_from.as_deref()),
+        (2, Some("a"))
+    );
+    let late = c.heartbeat(&beat("a", 300)).await.unwrap();
+    assert!(late.watches.is_empty(), "{late:?}");
+    let b = c.heartbeat(&beat("b", 60_000)).await.unwrap();
+    assert_eq!(b.watches, vec!["/ckpt".to_string(), "/other".to_string()]);
+    // Released: nobody holds it; a drained agent claims nothing; a clean
+    // stop releases every watch.
+    assert!(!c.release_watch("/ckpt", "a").await.unwrap());
+    assert!(c.release_watch("/ckpt", "b").await.unwrap());
+    assert_eq!(c.watches().await.unwrap()[0].holder, None);
+    assert!(c.set_agent_draining("a", true).await.unwrap());
+    assert_eq!(c.claim_watch("/ckpt", "a", 60_000).await.unwrap(), None);
+    c.agent_stopped("b", "p1").await.unwrap();
+    assert!(c
+        .watches()
+        .await
+        .unwrap()
+        .iter()
+        .all(|w| w.holder.is_none()));
+}
+both!(one_agent_watches_a_root_and_another_takes_the_watch_over);
+
+async fn each_agent_records_its_fingerprint_of_a_root(c: Catalog) {
+    c.record_root_fingerprint("/ckpt", "a", "[[\"x\",1,2]]", 10, None)
+        .await
+        .unwrap();
+    c.record_root_fingerprint("/ckpt", "b", "[]", 11, Some("differs"))
+        .await
+        .unwrap();
+    // A new record replaces the agent's old one.
+    c.record_root_fingerprint("/ckpt", "a", "[[\"x\",1,3]]", 12, None)
+        .await
+        .unwrap();
+    let f = c.root_fingerprints(Some("/ckpt")).await.unwrap();
+    assert_eq!(f.len(), 2);
+    assert_eq!(
+        (f[0].agent.as_str(), f[0].entries.as_str(), f[0].cutoff_ms),
+        ("a", "[[\"x\",1,3]]", 12)
+    );
+    assert_eq!(
+        (f[1].agent.as_str(), f[1].refused.as_deref()),
+        ("b", Some("differs"))
+    );
+    assert!(c.root_fingerprints(Some("/none")).await.unwrap().is_empty());
+    assert_eq!(c.root_fingerprints(None).await.unwrap().len(), 2);
+}
+both!(each_agent_records_its_fingerprint_of_a_root);
+
+/// Many agents claim one root's watch at once on PostgreSQL: exactly
+/// one gets it.
+#[tokio::test]
+async fn concurrent_watch_claims_on_postgres_give_one_watcher() {
+    let t = TestCatalog::new(Dialect::Postgres).await;
+    let c = t.catalog.clone();
+    let names: Vec<String> = (0..8).map(|i| format!("agent-{i}")).collect();
+    for n in &names {
+        c.register_agent(&beat(n, 60_000)).await.unwrap();
+    }
+    let claims = futures::future::join_all(names.iter().map(|n| {
+        let c = c.clone();
+        async move { c.claim_watch("/ckpt", n, 60_000).await.unwrap() }
+    }))
+    .await;
+    assert_eq!(
+        claims.iter().filter(|c| c.is_some()).count(),
+        1,
+        "{claims:?}"
+    );
+    t.finish().await;
+}
