@@ -706,16 +706,55 @@ pub fn render_pool(out: &Value) -> String {
             text(a, "state").to_string(),
             format!("{:.1}s ago", a["heartbeat_age_s"].as_f64().unwrap_or(0.0)),
             format!(
-                "{} ({} left)",
+                "{} ({} left){}",
                 a["held"].as_i64().unwrap_or(0),
-                HumanBytes(a["held_bytes_left"].as_i64().unwrap_or(0).max(0) as u64)
+                HumanBytes(a["held_bytes_left"].as_i64().unwrap_or(0).max(0) as u64),
+                match a["watches"].as_i64().unwrap_or(0) {
+                    0 => String::new(),
+                    1 => ", watches 1 root".into(),
+                    n => format!(", watches {n} roots"),
+                }
             ),
             rate("sent_bps"),
             rate("received_bps"),
             text(a, "version").to_string(),
         ]);
     }
-    s + &table(&rows)
+    let mut s = s + &table(&rows);
+    let watches = out["watches"].as_array().map(Vec::as_slice).unwrap_or(&[]);
+    if !watches.is_empty() {
+        s += "\nwatched roots:\n";
+        let mut rows = vec![vec![
+            "ROOT".to_string(),
+            "WATCHED BY".into(),
+            "REFUSED BY".into(),
+        ]];
+        for w in watches {
+            let by = match (w["holder"].as_str(), w["live"].as_bool()) {
+                (Some(h), Some(true)) => h.to_string(),
+                (Some(h), _) => format!("nobody ({h}'s lease lapsed)"),
+                (None, _) => "nobody".into(),
+            };
+            let refused: Vec<String> = w["refused"]
+                .as_array()
+                .map(Vec::as_slice)
+                .unwrap_or(&[])
+                .iter()
+                .map(|r| format!("{}: {}", text(r, "agent"), text(r, "reason")))
+                .collect();
+            rows.push(vec![
+                text(w, "root").to_string(),
+                by,
+                if refused.is_empty() {
+                    "-".into()
+                } else {
+                    refused.join("; ")
+                },
+            ]);
+        }
+        s += &table(&rows);
+    }
+    s
 }
 
 /// `ferry drain NAME` (`POST /v1/agents/{name}/drain`), or with `undo`
@@ -758,12 +797,13 @@ pub async fn drain(
             .and_then(|a| a.iter().find(|x| x["name"] == name).cloned())
             .unwrap_or_default();
         let held = me["held"].as_i64().unwrap_or(0);
-        if held == 0 {
+        let watches = me["watches"].as_i64().unwrap_or(0);
+        if held == 0 && watches == 0 {
             return outln!("{name}: holds nothing");
         }
         if std::time::Instant::now() >= until {
             anyhow::bail!(
-                "{name} still holds {held} transfer(s) after {}",
+                "{name} still holds {held} transfer(s) and watches {watches} root(s) after {}",
                 humantime::format_duration(wait)
             );
         }

@@ -205,15 +205,26 @@ fn pool_example_configs_load_as_a_source_pool_and_a_sink_pool() {
         "[scheduler] differs"
     );
 
-    // One watcher per root: the other source agent only carries pushed
-    // transfers (watched roots are not handed over between agents yet).
-    let watching = sources
-        .iter()
-        .filter(|c| !c.source.as_ref().unwrap().scan_interval.is_zero())
-        .count();
+    // Every source agent may watch the roots (one at a time, under a
+    // lease): the watcher settings are identical too.
+    let watch = |c: &Config| {
+        let s = c.source.as_ref().unwrap();
+        (
+            s.scan_interval,
+            s.roots
+                .iter()
+                .map(|r| format!("{:?}", r.watch(0).unwrap()))
+                .collect::<Vec<_>>(),
+        )
+    };
     assert_eq!(
-        watching, 1,
-        "exactly one source agent should watch the roots"
+        watch(&sources[0]),
+        watch(&sources[1]),
+        "the source agents' watcher settings differ"
+    );
+    assert!(
+        !sources[0].source.as_ref().unwrap().scan_interval.is_zero(),
+        "the source agents should watch their roots"
     );
 
     let sink_names: BTreeSet<&str> = sinks.iter().map(|c| c.agent.name.as_str()).collect();

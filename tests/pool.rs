@@ -117,11 +117,20 @@ struct Site {
 /// fresh PostgreSQL catalog with a short heartbeat (300 ms) and lease
 /// timeout (1.5 s). Both read the same source root.
 async fn site(w: &World, name: &str, rate: &str) -> Site {
-    site_with(w, name, rate, |db| db.to_string()).await
+    site_with(w, name, rate, |db| db.to_string(), |_| {}, &[]).await
 }
 
-/// [`site`], the first agent reaching the catalog at `a_url(db)`.
-async fn site_with(w: &World, name: &str, rate: &str, a_url: impl Fn(&str) -> String) -> Site {
+/// [`site`], the first agent reaching the catalog at `a_url(db)`, each
+/// source agent's config changed by `tweak` first, the second agent run
+/// through `b_wrap` (see [`Agent::wrap`]).
+async fn site_with(
+    w: &World,
+    name: &str,
+    rate: &str,
+    a_url: impl Fn(&str) -> String,
+    tweak: impl Fn(&mut AgentConfig),
+    b_wrap: &[String],
+) -> Site {
     let db = fresh_db(name).await;
     w.certs("certs", &[SOURCE_NAME, SOURCE_2, SINK_NAME]).await;
     let sink = w.start_agent("sink", w.sink_config(), &[]).await;
@@ -132,7 +141,7 @@ async fn site_with(w: &World, name: &str, rate: &str, a_url: impl Fn(&str) -> St
             toml_str(url)
         )
     };
-    let start = async |label: &str, agent: &str, url: String| {
+    let start = async |label: &str, agent: &str, url: String, wrap: &[String]| {
         let mut cfg = w.source_config(&format!("127.0.0.1:{}", relay.port), rate);
         let certs = w.root.join("certs");
         cfg.name = agent.into();
@@ -140,10 +149,11 @@ async fn site_with(w: &World, name: &str, rate: &str, a_url: impl Fn(&str) -> St
         cfg.key = certs.join(format!("{agent}.key"));
         cfg.data_dir = w.root.join(label).join("data");
         cfg.tail = tail(&url);
-        w.start_agent(label, cfg, &[]).await
+        tweak(&mut cfg);
+        w.start_agent_wrapped(label, cfg, &[], wrap).await
     };
-    let a = start("source-a", SOURCE_NAME, a_url(&db)).await;
-    let b = start("source-b", SOURCE_2, db.clone()).await;
+    let a = start("source-a", SOURCE_NAME, a_url(&db), &[]).await;
+    let b = start("source-b", SOURCE_2, db.clone(), b_wrap).await;
     Site {
         db,
         sink,
@@ -506,7 +516,7 @@ async fn an_agent_that_loses_the_catalog_stops_sending_and_loses_nothing() {
     };
     let cut = Cut::start(pg).await;
     let via = |db: &str| db.replacen(&pg.to_string(), &format!("127.0.0.1:{}", cut.port), 1);
-    let mut site = site_with(&w, "outage", "40Mbit/s", via).await;
+    let mut site = site_with(&w, "outage", "40Mbit/s", via, |_| {}, &[]).await;
     w.ensure(site.a.cfg.tail.contains(&cut.port.to_string()), || {
         format!(
             "the first agent should reach the catalog through the cut: {}",
@@ -579,6 +589,311 @@ async fn an_agent_that_loses_the_catalog_stops_sending_and_loses_nothing() {
     let m = w.metrics_text(&site.a).await;
     w.ensure(metric(&m, "ferry_leases_lost_total") >= 1.0, || {
         format!("the first agent should count its lost lease:\n{m}")
+    });
+    site.a.kill();
+    site.b.kill();
+    site.sink.kill();
+    drop_db(&site.db).await;
+}
+
+/// Turns a source agent's watcher on: rescans every 0.5 s, 1 s quiet
+/// period.
+fn watcher_on(src: &mut AgentConfig) {
+    if let Some(s) = src.source.as_mut() {
+        s.scan_interval = "500ms".into();
+        s.extra = "quiet_period = \"1s\"\n".into();
+    }
+}
+
+/// The watch of `root` as `agent`'s `GET /v1/pool` shows it.
+async fn watch_of(w: &World, agent: &Agent, root: &str) -> Value {
+    let pool = w.get_json(&format!("{}/v1/pool", agent.url())).await;
+    pool["watches"]
+        .as_array()
+        .and_then(|ws| ws.iter().find(|x| x["root"] == root).cloned())
+        .unwrap_or_default()
+}
+
+/// Waits until one agent holds a live watch of `root`; its name.
+async fn watcher_of(w: &World, via: &Agent, root: &str) -> String {
+    w.wait_until(
+        "one agent to watch the root",
+        Duration::from_secs(60),
+        async || {
+            let v = watch_of(w, via, root).await;
+            match (v["holder"].as_str(), v["live"].as_bool()) {
+                (Some(h), Some(true)) => Ok(h.to_string()),
+                _ => Err(format!("{v}")),
+            }
+        },
+    )
+    .await
+}
+
+/// Two source agents configured with one watched root: one of them
+/// watches it. SIGKILL that one while a training job writes a checkpoint
+/// it streams: the other takes the watch over once the lease lapses,
+/// adopts the transfer, and the checkpoint is replicated once,
+/// identical; no two leases of the transfer overlap.
+#[tokio::test]
+async fn a_killed_watcher_s_root_is_taken_over_and_its_checkpoint_replicated_once() {
+    watched_checkpoint_moves_to_the_other_agent(false).await;
+}
+
+/// As above, but the watching agent is drained (`ferry drain --wait`):
+/// it releases the watch and its transfer at once and reports that it
+/// holds nothing; the other agent finishes the checkpoint.
+#[tokio::test]
+async fn a_drained_watcher_hands_its_root_over() {
+    watched_checkpoint_moves_to_the_other_agent(true).await;
+}
+
+async fn watched_checkpoint_moves_to_the_other_agent(drain: bool) {
+    let w = World::new(if drain {
+        "pool-watch-drain"
+    } else {
+        "pool-watch"
+    })
+    .await;
+    let root = w.source_root();
+    std::fs::create_dir_all(&root).unwrap();
+    let key = std::fs::canonicalize(&root)
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    let mut site = site_with(
+        &w,
+        if drain { "watch_drain" } else { "watch" },
+        "200Mbit/s",
+        |db| db.to_string(),
+        watcher_on,
+        &[],
+    )
+    .await;
+    let holder = watcher_of(&w, &site.a, &key).await;
+    let (watching, other) = if holder == SOURCE_NAME {
+        (&mut site.a, &site.b)
+    } else {
+        (&mut site.b, &site.a)
+    };
+    // 40 MB at 40 Mbit/s: the save takes about 8 s.
+    let mut gen = tokio::process::Command::new(FERRY)
+        .args(["gen", "--out", root.to_str().unwrap(), "--format", "dcp"])
+        .args([
+            "--step",
+            "700",
+            "--size",
+            "40MB",
+            "--write-rate",
+            "40Mbit/s",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let ckpt = root.join("step_00000700");
+    let path = ckpt.to_str().unwrap().to_string();
+    w.wait_until(
+        "the watching agent to stream the checkpoint",
+        Duration::from_secs(60),
+        async || {
+            let ts = w.transfers(watching).await;
+            match ts.iter().find(|t| s(t, "source_path") == path) {
+                Some(t) if t["bytes_sent"].as_u64().unwrap_or(0) > 0 => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    if drain {
+        let out = w
+            .ferry(
+                &["drain", &holder, "--wait", "30s", "--server", &other.url()],
+                &[],
+                Duration::from_secs(60),
+            )
+            .await;
+        w.ensure(
+            out.success() && out.stdout.contains("holds nothing"),
+            || format!("ferry drain of the watching agent failed: {out}"),
+        );
+    } else {
+        watching.kill();
+    }
+    let status = gen.wait().await.unwrap();
+    w.ensure(status.success(), || format!("ferry gen failed: {status}"));
+    let t = w
+        .wait_until(
+            "the checkpoint to publish",
+            Duration::from_secs(120),
+            async || {
+                let ts = w.transfers(other).await;
+                let mine: Vec<&Value> = ts.iter().filter(|t| s(t, "source_path") == path).collect();
+                match mine.as_slice() {
+                    [t] if s(t, "state") == "published" => Ok((*t).clone()),
+                    [t] => Err(format!("transfer {}", s(t, "state"))),
+                    more => Err(format!("{} transfers: {more:?}", more.len())),
+                }
+            },
+        )
+        .await;
+    w.ensure(s(&t, "checkpoint") == "committed", || format!("{t}"));
+    w.assert_same_tree(&ckpt, &w.replica_path("step_00000700"));
+    let v = watch_of(&w, other, &key).await;
+    let other_name = if holder == SOURCE_NAME {
+        SOURCE_2
+    } else {
+        SOURCE_NAME
+    };
+    w.ensure(
+        v["holder"] == other_name && v["live"] == true && v["epoch"].as_i64() == Some(2),
+        || format!("the other agent should watch the root under epoch 2: {v}"),
+    );
+    let replicas = w
+        .get_json(&format!("{}/v1/replicas?limit=1000", site.sink.url()))
+        .await;
+    let published = replicas["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| s(r, "state") == "published")
+        .count();
+    w.ensure(published == 1, || {
+        format!("the checkpoint should be published once: {replicas}")
+    });
+    let ls = leases(&site.db).await;
+    assert_no_overlap(&w, &ls);
+    w.ensure(ls.iter().any(|l| l.agent == other_name), || {
+        format!("the other agent should have taken the transfer over: {ls:?}")
+    });
+    site.a.kill();
+    site.b.kill();
+    site.sink.kill();
+    drop_db(&site.db).await;
+}
+
+/// Sets the mtime of every file under `dir` an hour back (settled for
+/// a fingerprint).
+fn age_files(dir: &std::path::Path) {
+    let back = std::time::SystemTime::now() - Duration::from_secs(3600);
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            age_files(&p);
+        } else {
+            std::fs::File::options()
+                .write(true)
+                .open(&p)
+                .unwrap()
+                .set_modified(back)
+                .unwrap();
+        }
+    }
+}
+
+/// The second agent runs in its own mount namespace, where another
+/// directory is mounted over the root's path: it sees other storage
+/// there. Whichever agent watches the root, the other one records that
+/// its fingerprint differs (`GET /v1/pool`, `ferry pool`), and does not
+/// take the watch over when the watching agent dies. Needs root (for
+/// `unshare --mount`), as `ops/test` runs.
+#[tokio::test]
+async fn an_agent_that_sees_other_storage_at_the_root_refuses_to_watch_it() {
+    let w = World::new("pool-fingerprint").await;
+    let root = w.source_root();
+    w.gen(&root.join("step_000100"), "1MB").await;
+    let elsewhere = w.root.join("elsewhere");
+    w.gen(&elsewhere.join("step_000100"), "2MB").await;
+    age_files(&root);
+    age_files(&elsewhere);
+    let key = std::fs::canonicalize(&root)
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    let wrap: Vec<String> = [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        "mount --bind \"$0\" \"$1\" && shift && exec \"$@\"",
+        elsewhere.to_str().unwrap(),
+        &key,
+    ]
+    .iter()
+    .map(|x| x.to_string())
+    .collect();
+    let mut site = site_with(
+        &w,
+        "fingerprint",
+        "200Mbit/s",
+        |db| db.to_string(),
+        watcher_on,
+        &wrap,
+    )
+    .await;
+    let holder = watcher_of(&w, &site.a, &key).await;
+    let refuser = if holder == SOURCE_NAME {
+        SOURCE_2
+    } else {
+        SOURCE_NAME
+    };
+    let v = w
+        .wait_until(
+            "the other agent to refuse the root",
+            Duration::from_secs(60),
+            async || {
+                let v = watch_of(&w, &site.a, &key).await;
+                let refused = v["refused"].as_array().cloned().unwrap_or_default();
+                match refused.as_slice() {
+                    [r] if r["agent"] == refuser => Ok(r.clone()),
+                    _ => Err(format!("{v}")),
+                }
+            },
+        )
+        .await;
+    w.ensure(s(&v, "reason").contains("step_000100"), || {
+        format!("the reason should name the file that differs: {v}")
+    });
+    let out = w
+        .ferry(
+            &["pool", "--server", &site.a.url()],
+            &[],
+            Duration::from_secs(30),
+        )
+        .await;
+    w.ensure(
+        out.success() && out.stdout.contains("watched roots") && out.stdout.contains(refuser),
+        || format!("ferry pool should show the refusal: {out}"),
+    );
+    // The watching agent dies; the other never takes the root over.
+    let (dead, alive) = if holder == SOURCE_NAME {
+        (&mut site.a, &site.b)
+    } else {
+        (&mut site.b, &site.a)
+    };
+    dead.kill();
+    // Its lease (1.5 s) lapses; give the survivor three lease timeouts
+    // of heartbeats to (wrongly) claim it.
+    w.wait_until(
+        "the dead agent's watch lease to lapse",
+        Duration::from_secs(30),
+        async || {
+            let v = watch_of(&w, alive, &key).await;
+            if v["live"] == false {
+                Ok(())
+            } else {
+                Err(format!("{v}"))
+            }
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(4500)).await;
+    let v = watch_of(&w, alive, &key).await;
+    w.ensure(v["holder"] == holder.as_str() && v["live"] == false, || {
+        format!("nobody should watch the root after its watcher died: {v}")
     });
     site.a.kill();
     site.b.kill();

@@ -45,6 +45,8 @@ pub(crate) struct PoolAgentView {
     held: i64,
     /// Bytes left to send of those transfers (as last recorded), bytes.
     held_bytes_left: i64,
+    /// Source roots whose watches it holds (live leases).
+    watches: i64,
     /// Payload bit/s it sent at its last heartbeat (0 once it is down or
     /// stopped).
     sent_bps: f64,
@@ -72,6 +74,7 @@ impl From<ferry_catalog::PoolAgent> for PoolAgentView {
             lease_timeout_s: a.timeout_ms as f64 / 1000.0,
             held: a.held,
             held_bytes_left: a.held_bytes_left,
+            watches: a.watches,
             sent_bps: rate(a.sent_bps),
             received_bps: rate(a.received_bps),
         }
@@ -92,6 +95,75 @@ pub(crate) struct PoolView {
     heartbeat_interval_s: f64,
     /// Every agent that ever registered in the catalog, by name.
     agents: Vec<PoolAgentView>,
+    /// Every source root a source agent of the pool is configured to
+    /// watch, by path.
+    watches: Vec<WatchView>,
+}
+
+/// A source root's watch: who watches it, and which agents refuse to
+/// (their fingerprint of the root differs from the watching agent's).
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub(crate) struct WatchView {
+    /// The root's path.
+    root: String,
+    /// The agent watching it (or that watched it last, when `live` is
+    /// false); none when released.
+    holder: Option<String>,
+    /// Whether the holder's lease is live (by the catalog's clock).
+    live: bool,
+    /// The watch lease's epoch: one more at every takeover or release
+    /// and claim.
+    epoch: i64,
+    /// Agents that recorded a fingerprint of the root, by name.
+    agents: Vec<String>,
+    /// Agents that refuse to watch the root, and why.
+    refused: Vec<WatchRefusal>,
+}
+
+/// An agent that refuses to watch a root.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub(crate) struct WatchRefusal {
+    /// Agent name.
+    agent: String,
+    /// Why: how its fingerprint differs.
+    reason: String,
+}
+
+/// The roots' watches from the catalog's `watches` and
+/// `root_fingerprints`.
+fn watch_views(
+    leases: Vec<ferry_catalog::WatchLease>,
+    prints: Vec<ferry_catalog::RootFingerprint>,
+) -> Vec<WatchView> {
+    let mut roots: Vec<String> = leases
+        .iter()
+        .map(|w| w.root.clone())
+        .chain(prints.iter().map(|f| f.root.clone()))
+        .collect();
+    roots.sort();
+    roots.dedup();
+    roots
+        .into_iter()
+        .map(|root| {
+            let lease = leases.iter().find(|w| w.root == root);
+            let mine = prints.iter().filter(|f| f.root == root);
+            WatchView {
+                holder: lease.and_then(|w| w.holder.clone()),
+                live: lease.is_some_and(|w| w.live),
+                epoch: lease.map_or(0, |w| w.epoch),
+                agents: mine.clone().map(|f| f.agent.clone()).collect(),
+                refused: mine
+                    .filter_map(|f| {
+                        f.refused.as_ref().map(|r| WatchRefusal {
+                            agent: f.agent.clone(),
+                            reason: r.clone(),
+                        })
+                    })
+                    .collect(),
+                root,
+            }
+        })
+        .collect()
 }
 
 /// The site's pool: every agent sharing this agent's catalog, its state,
@@ -109,26 +181,34 @@ pub(crate) async fn get_pool(State(s): State<AppState>) -> Result<Json<PoolView>
     let (mut catalog_up, mut catalog_error) = p.catalog_status();
     // The pool is in the catalog: without it (no answer within 3 s) the
     // answer says so, with no agents, rather than failing.
-    let read = p.catalog().pool_agents();
-    let agents = match tokio::time::timeout(std::time::Duration::from_secs(3), read).await {
-        Ok(Ok(a)) => a,
-        Ok(Err(e)) => {
-            catalog_up = false;
-            catalog_error = Some(e.to_string());
-            Vec::new()
-        }
-        Err(_) => {
-            catalog_up = false;
-            catalog_error = Some("no answer within 3 s".into());
-            Vec::new()
-        }
+    let c = p.catalog();
+    let read = async {
+        Ok::<_, ferry_catalog::CatalogError>((
+            c.pool_agents().await?,
+            watch_views(c.watches().await?, c.root_fingerprints(None).await?),
+        ))
     };
+    let (agents, watches) =
+        match tokio::time::timeout(std::time::Duration::from_secs(3), read).await {
+            Ok(Ok(a)) => a,
+            Ok(Err(e)) => {
+                catalog_up = false;
+                catalog_error = Some(e.to_string());
+                Default::default()
+            }
+            Err(_) => {
+                catalog_up = false;
+                catalog_error = Some("no answer within 3 s".into());
+                Default::default()
+            }
+        };
     Ok(Json(PoolView {
         agent: p.name().to_string(),
         catalog_up,
         catalog_error,
         heartbeat_interval_s: p.config().heartbeat_interval.as_secs_f64(),
         agents: agents.into_iter().map(PoolAgentView::from).collect(),
+        watches,
     }))
 }
 
@@ -173,8 +253,9 @@ async fn set_drain(
         .ok_or_else(|| ApiError::not_found(format!("no agent {name:?} in this pool")))
 }
 
-/// Drain an agent of the pool: it claims no new transfer and finishes
-/// those it holds (its state reads `draining`, and `held` falls to 0).
+/// Drain an agent of the pool: it claims no new transfer, finishes or
+/// releases those it holds, and releases its watches to the other agents
+/// (its state reads `draining`, and `held` and `watches` fall to 0).
 /// Any agent of the pool takes the request; the drained agent sees it at
 /// its next heartbeat. A drain lasts, across restarts, until undone
 /// (`DELETE`).

@@ -208,7 +208,8 @@ function renderPool(st) {
     a.name + (a.name === st.agent ? ' (this agent)' : ''), a.role,
     el('span', { class: 'pool-' + a.state }, a.state),
     a.heartbeat_age_s.toFixed(1) + ' s ago',
-    a.held + ' (' + fmtBytes(a.held_bytes_left) + ' left)',
+    a.held + ' (' + fmtBytes(a.held_bytes_left) + ' left)' +
+      (a.watches ? ' · watches ' + a.watches + (a.watches === 1 ? ' root' : ' roots') : ''),
     fmtRate(a.sent_bps), fmtRate(a.received_bps), a.version]));
 }
 

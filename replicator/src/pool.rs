@@ -107,6 +107,8 @@ struct Standing {
     draining: bool,
     /// Leases the last heartbeat renewed.
     held: HashSet<TransferId>,
+    /// Watch leases (source roots) the last heartbeat renewed.
+    watches: HashSet<String>,
 }
 
 struct Inner {
@@ -166,7 +168,8 @@ impl Membership {
         );
         registry.register(
             "ferry_lease_takeovers",
-            "Transfers this agent claimed after another agent's lease on them lapsed",
+            "Transfers and watched source roots this agent claimed after another agent's lease \
+             on them lapsed",
             takeovers.clone(),
         );
         registry.register(
@@ -275,6 +278,19 @@ impl Membership {
         }
     }
 
+    /// Whether the agent may still watch source root `root`, whose watch
+    /// it claimed at local time `claimed`: as [`Membership::holds`], for
+    /// the root's watch lease.
+    pub fn holds_watch(&self, root: &str, claimed: Instant) -> bool {
+        let cfg = self.inner.cfg;
+        let s = crate::lock::lock(&self.inner.standing);
+        match s.last_ok {
+            None => false,
+            Some(t) if t.elapsed() >= cfg.lease_timeout - cfg.heartbeat_interval => false,
+            Some(t) => t <= claimed || s.watches.contains(root),
+        }
+    }
+
     /// Resolves once the agent may no longer act on its lease of transfer
     /// `id` claimed at `claimed` (see [`Membership::holds`]), checked
     /// every [`FENCE_CHECK`]: whatever the agent is doing, even waiting on
@@ -346,6 +362,7 @@ impl Membership {
             match result {
                 Ok(b) => {
                     let held: HashSet<TransferId> = b.held.into_iter().collect();
+                    let watches: HashSet<String> = b.watches.into_iter().collect();
                     let mut s = crate::lock::lock(&i.standing);
                     if !s.catalog_up {
                         if s.last_ok.is_some() || s.error.is_some() {
@@ -353,7 +370,10 @@ impl Membership {
                         }
                         changed = true;
                     }
-                    if s.draining != b.draining || s.held.iter().any(|t| !held.contains(t)) {
+                    if s.draining != b.draining
+                        || s.held.iter().any(|t| !held.contains(t))
+                        || s.watches.iter().any(|r| !watches.contains(r))
+                    {
                         changed = true;
                     }
                     if b.draining && !s.draining {
@@ -368,6 +388,7 @@ impl Membership {
                         error: None,
                         draining: b.draining,
                         held,
+                        watches,
                     };
                     i.catalog_up.set(1);
                 }
@@ -383,6 +404,7 @@ impl Membership {
                     }
                     s.last_ok = None;
                     s.held.clear();
+                    s.watches.clear();
                     s.catalog_up = true;
                     s.error = Some(why);
                     i.catalog_up.set(1);

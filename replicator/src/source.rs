@@ -41,6 +41,7 @@ use crate::transport::{transport_config, SocketFactory, Tuning};
 mod dispatch;
 mod streaming;
 pub mod watch_core;
+pub mod watch_lease;
 pub mod watcher;
 
 use dispatch::{LinkSched, Lost};
@@ -556,11 +557,29 @@ impl Source {
                 quiet: inner.cfg.quiet_period,
                 idle_timeout: inner.cfg.checkpoint_idle_timeout,
             };
+            // In a pool (a PostgreSQL catalog) each root is watched by
+            // one agent at a time, under a lease; a single agent watches
+            // its roots itself.
+            let pool =
+                inner.cfg.pool.clone().filter(|_| {
+                    inner.catalog.dialect() == ferry_catalog::dialect::Dialect::Postgres
+                });
             for root in inner.cfg.roots.clone() {
                 let i = inner.clone();
-                inner
-                    .tasks
-                    .spawn(watcher::watch_root(i, root, timing.clone()));
+                match &pool {
+                    Some(p) => inner.tasks.spawn(watch_lease::supervise_root(
+                        i,
+                        root,
+                        timing.clone(),
+                        p.clone(),
+                    )),
+                    None => {
+                        let stop = inner.shutdown.clone();
+                        inner
+                            .tasks
+                            .spawn(watcher::watch_root(i, root, timing.clone(), stop))
+                    }
+                };
             }
         }
         Ok(Source { inner })

@@ -332,6 +332,10 @@ pub struct Agent {
     /// Its stderr (appended to across restarts).
     pub stderr_path: PathBuf,
     env: Vec<(String, String)>,
+    /// A command (and its arguments) that runs `ferry serve` (appended
+    /// to it), e.g. `unshare` to give the agent its own mount namespace;
+    /// empty: `ferry serve` itself.
+    pub wrap: Vec<String>,
     dir: PathBuf,
     proc: Option<Proc>,
 }
@@ -701,6 +705,18 @@ impl World {
     /// Writes `cfg` to `<root>/<label>/ferry.toml`, starts `ferry serve`
     /// with `env` and waits until its API answers.
     pub async fn start_agent(&self, label: &str, cfg: AgentConfig, env: &[(&str, &str)]) -> Agent {
+        self.start_agent_wrapped(label, cfg, env, &[]).await
+    }
+
+    /// [`World::start_agent`], `ferry serve` run through `wrap` (see
+    /// [`Agent::wrap`]).
+    pub async fn start_agent_wrapped(
+        &self,
+        label: &str,
+        cfg: AgentConfig,
+        env: &[(&str, &str)],
+        wrap: &[String],
+    ) -> Agent {
         let dir = self.root.join(label);
         fs::create_dir_all(&dir).unwrap();
         let config_path = dir.join("ferry.toml");
@@ -719,6 +735,7 @@ impl World {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
+            wrap: wrap.to_vec(),
             dir,
             proc: None,
         };
@@ -736,7 +753,14 @@ impl World {
                 .open(p)
                 .unwrap()
         };
-        let mut cmd = Command::new(FERRY);
+        let mut cmd = match agent.wrap.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(FERRY);
+                c
+            }
+            None => Command::new(FERRY),
+        };
         cmd.args(["serve", "--config", agent.config_path.to_str().unwrap()])
             .current_dir(&agent.dir)
             .env_remove("FERRY_CONFIG")
@@ -1282,6 +1306,7 @@ impl World {
             config_path,
             stderr_path,
             env: Vec::new(),
+            wrap: Vec::new(),
             dir,
             proc: Some(proc),
         }

@@ -33,6 +33,7 @@ use ferry_catalog::{now_ms, NewWatchedTransfer, Transfer};
 use ferry_proto::state::{CheckpointState, Profile, TransferId, TransferState};
 use scheduler::Class;
 use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::watch_core::{
@@ -289,8 +290,34 @@ fn scan_root(root: &Path, format: Option<Format>) -> (Vec<FileState>, Vec<String
     (files, dirs)
 }
 
-/// Starts watching `root`; runs until the agent stops.
-pub(super) async fn watch_root(inner: Arc<Inner>, root: RootConfig, timing: WatchTiming) {
+/// Watches `root` until `stop` is cancelled (the agent stops, or, in a
+/// pool, the agent no longer holds the root's watch). The views it gave
+/// out are withdrawn then: the runs of its checkpoints stop, and the
+/// transfers stay in the catalog for whichever agent watches the root
+/// next.
+pub(super) async fn watch_root(
+    inner: Arc<Inner>,
+    root: RootConfig,
+    timing: WatchTiming,
+    stop: CancellationToken,
+) {
+    let mut views = HashMap::new();
+    follow(&inner, &root, timing, &stop, &mut views).await;
+    let mut v = crate::lock::lock(&inner.views);
+    for id in views.keys() {
+        v.remove(id);
+    }
+}
+
+/// [`watch_root`]'s loop; `views` holds the senders of the views of the
+/// transfers it follows.
+async fn follow(
+    inner: &Arc<Inner>,
+    root: &RootConfig,
+    timing: WatchTiming,
+    stop: &CancellationToken,
+    views: &mut HashMap<TransferId, watch::Sender<CheckpointView>>,
+) {
     let mut core = match WatchCore::new(&root.watch, inner.cfg.markers.clone(), &timing) {
         Ok(c) => c,
         Err(e) => {
@@ -388,8 +415,6 @@ pub(super) async fn watch_root(inner: Arc<Inner>, root: RootConfig, timing: Watc
     };
     drop(tx);
     info!(root = %root.path.display(), job = root.job, mode = ?root.watch.mode, start = ?root.watch.start, "watching for checkpoints");
-    // The senders of the views of the transfers the core follows.
-    let mut views: HashMap<TransferId, watch::Sender<CheckpointView>> = HashMap::new();
     let mut next_full = tokio::time::Instant::now();
     loop {
         // A full pass scans every checkpoint directory (the safety net:
@@ -428,13 +453,13 @@ pub(super) async fn watch_root(inner: Arc<Inner>, root: RootConfig, timing: Watc
             return;
         };
         core = back;
-        let answers = answers(&inner, &root, &core.questions(&scan)).await;
+        let answers = answers(inner, root, &core.questions(&scan)).await;
         let now = Now {
             at,
             unix_ms: now_ms(),
         };
         for action in core.handle_scan(scan, &answers, now) {
-            act(&inner, &root, &mut core, &mut views, action).await;
+            act(inner, root, &mut core, views, action).await;
         }
         if overflow.swap(false, std::sync::atomic::Ordering::Relaxed) {
             debug!(root = %root.path.display(), "inotify overflow or error: rescanning");
@@ -448,7 +473,7 @@ pub(super) async fn watch_root(inner: Arc<Inner>, root: RootConfig, timing: Watc
                 while rx.try_recv().is_ok() {}
             }
             _ = tokio::time::sleep_until(next_full) => {}
-            _ = inner.shutdown.cancelled() => return,
+            _ = stop.cancelled() => return,
         }
     }
 }

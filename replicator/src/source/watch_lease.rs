@@ -1,0 +1,407 @@
+//! Watching a source root in a pool: one agent at a time, under a lease.
+//!
+//! Every source agent of a pool configured with a root runs one
+//! supervisor for it. Each heartbeat interval the supervisor records the
+//! agent's fingerprint of the root in the catalog (see [`fingerprint`]),
+//! and, while the agent watches nothing of it, claims the root's watch
+//! lease ([`ferry_catalog::Catalog::claim_watch`]); the agent that holds
+//! it runs the watcher ([`super::watcher`]) on the root. A watch whose
+//! holder stops heartbeating lapses after the lease timeout and another
+//! agent takes it over: its watcher adopts the transfers of the
+//! checkpoints the catalog has for the root, so a checkpoint being
+//! written is replicated once. A drained agent releases its watches at
+//! once. An agent whose fingerprint disagrees with the watching agent's
+//! does not see the same storage at the root's path: it never watches
+//! the root, and says why (log, `GET /v1/pool`). Nothing is written into
+//! the root.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant, UNIX_EPOCH};
+
+use ferry_catalog::now_ms;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::watcher::{self, WatchTiming};
+use super::{Inner, RootConfig};
+use crate::pool::Membership;
+
+/// How many files a fingerprint lists (the first in a sorted
+/// depth-first walk of the root).
+pub const FINGERPRINT_FILES: usize = 100;
+
+/// Files modified less than this long before a fingerprint is taken are
+/// left out of it (10 s): files being written differ between two looks.
+pub const FINGERPRINT_SETTLE: Duration = Duration::from_secs(10);
+
+/// One file of a fingerprint: path relative to the root, size in bytes,
+/// mtime in Unix ms.
+pub type FingerprintEntry = (String, u64, i64);
+
+/// The first [`FINGERPRINT_FILES`] regular files under `root` (sorted
+/// depth-first walk, names compared as bytes; symbolic links are not
+/// followed) modified at or before `cutoff_ms` (Unix ms): their relative
+/// paths, sizes and mtimes.
+///
+/// # Errors
+/// The root cannot be listed; unreadable subdirectories and files that
+/// vanish during the walk are skipped.
+pub fn fingerprint(root: &Path, cutoff_ms: i64) -> std::io::Result<Vec<FingerprintEntry>> {
+    let mut out = Vec::new();
+    walk(root, root, cutoff_ms, &mut out, true)?;
+    Ok(out)
+}
+
+fn walk(
+    root: &Path,
+    dir: &Path,
+    cutoff_ms: i64,
+    out: &mut Vec<FingerprintEntry>,
+    top: bool,
+) -> std::io::Result<()> {
+    let mut names = match std::fs::read_dir(dir) {
+        Ok(rd) => rd
+            .filter_map(|e| e.ok().map(|e| e.file_name()))
+            .collect::<Vec<_>>(),
+        Err(e) if top => return Err(e),
+        Err(_) => return Ok(()),
+    };
+    names.sort();
+    for name in names {
+        if out.len() >= FINGERPRINT_FILES {
+            return Ok(());
+        }
+        let path = dir.join(&name);
+        let Ok(md) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        if md.is_dir() {
+            walk(root, &path, cutoff_ms, out, false)?;
+        } else if md.is_file() {
+            let mtime_ms = md
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_millis() as i64);
+            if mtime_ms > cutoff_ms {
+                continue;
+            }
+            let rel = path
+                .strip_prefix(root)
+                .unwrap_or(&path)
+                .to_string_lossy()
+                .into_owned();
+            out.push((rel, md.len(), mtime_ms));
+        }
+    }
+    Ok(())
+}
+
+/// Whether two fingerprints of one root taken with the same cutoff show
+/// the same storage: every file both list has the same size and mtime,
+/// and they list at least one file in common (or both list none). Files
+/// only one lists are ignored, so files deleted or added between the two
+/// looks do not count.
+///
+/// # Errors
+/// Why they differ, naming the first file that differs.
+pub fn same_storage(mine: &[FingerprintEntry], theirs: &[FingerprintEntry]) -> Result<(), String> {
+    if mine.is_empty() && theirs.is_empty() {
+        return Ok(());
+    }
+    if mine.is_empty() || theirs.is_empty() {
+        return Err(format!(
+            "this agent sees {} settled file(s) there, the watching agent {}",
+            mine.len(),
+            theirs.len()
+        ));
+    }
+    let mut common = 0;
+    for (name, size, mtime) in mine {
+        if let Some((_, s, m)) = theirs.iter().find(|(n, _, _)| n == name) {
+            if (s, m) != (size, mtime) {
+                return Err(format!(
+                    "{name}: {size} bytes, mtime {mtime} ms here; {s} bytes, mtime {m} ms at \
+                     the watching agent"
+                ));
+            }
+            common += 1;
+        }
+    }
+    if common == 0 {
+        return Err(format!(
+            "none of the first {} files here (from {:?}) is among the watching agent's (from \
+             {:?})",
+            mine.len(),
+            mine[0].0,
+            theirs[0].0
+        ));
+    }
+    Ok(())
+}
+
+/// The watcher this agent runs on a root while it holds the root's
+/// watch.
+struct Watching {
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+    /// Local time the claim returned.
+    claimed: Instant,
+}
+
+impl Watching {
+    async fn end(self) {
+        self.stop.cancel();
+        let _ = self.task.await;
+    }
+}
+
+/// Supervises `root` in `pool` until the agent stops (see the module
+/// doc).
+pub(super) async fn supervise_root(
+    inner: Arc<Inner>,
+    root: RootConfig,
+    timing: WatchTiming,
+    pool: Membership,
+) {
+    let key = root.path.to_string_lossy().into_owned();
+    let me = pool.name().to_string();
+    let catalog = inner.catalog.clone();
+    let lease_ms = pool.config().lease_timeout.as_millis() as i64;
+    let mut tick = tokio::time::interval(pool.config().heartbeat_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut watching: Option<Watching> = None;
+    let mut refused: Option<String> = None;
+    let mut failing = false;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = pool.changed() => {}
+            _ = inner.shutdown.cancelled() => break,
+        }
+        if let Some(w) = &watching {
+            let lost = !pool.holds_watch(&key, w.claimed);
+            let drained = pool.draining();
+            if lost || drained || w.task.is_finished() {
+                if let Some(w) = watching.take() {
+                    w.end().await;
+                }
+                if lost {
+                    warn!(root = key, "lost the watch of this root (its lease was not renewed in time): stopped watching");
+                } else if drained {
+                    match catalog.release_watch(&key, &me).await {
+                        Ok(_) => info!(
+                            root = key,
+                            "drained: released the watch of this root to the other agents"
+                        ),
+                        Err(e) => {
+                            warn!(root = key, error = %e, "drained: stopped watching; releasing the watch in the catalog failed (it lapses after the lease timeout)")
+                        }
+                    }
+                }
+            }
+        }
+        let result = look(&inner, &root, &key, &me, watching.is_some()).await;
+        let verdict = match result {
+            Ok(v) => {
+                if failing {
+                    info!(root = key, "the root's fingerprint is recorded again");
+                    failing = false;
+                }
+                v
+            }
+            Err(e) => {
+                if !failing {
+                    warn!(
+                        root = key,
+                        "cannot take or record the root's fingerprint: {e}"
+                    );
+                    failing = true;
+                }
+                continue;
+            }
+        };
+        if verdict != refused {
+            match &verdict {
+                Some(why) => warn!(
+                    root = key,
+                    "not watching this root: it does not look like the storage the watching agent \
+                     sees at that path ({why}); every source agent of a pool must read the same \
+                     storage there"
+                ),
+                None if refused.is_some() => {
+                    info!(root = key, "the root's fingerprint agrees again")
+                }
+                None => {}
+            }
+            refused = verdict;
+        }
+        if watching.is_some() || refused.is_some() || !pool.may_claim() {
+            continue;
+        }
+        match catalog.claim_watch(&key, &me, lease_ms).await {
+            Ok(Some(c)) => {
+                match &c.took_over_from {
+                    Some(from) => {
+                        pool.count_takeover();
+                        info!(
+                            root = key,
+                            from,
+                            epoch = c.epoch,
+                            "took the watch of this root over (the watching agent's lease lapsed)"
+                        );
+                    }
+                    None => info!(
+                        root = key,
+                        epoch = c.epoch,
+                        "holding the watch of this root"
+                    ),
+                }
+                let stop = inner.shutdown.child_token();
+                let task = tokio::spawn(watcher::watch_root(
+                    inner.clone(),
+                    root.clone(),
+                    timing.clone(),
+                    stop.clone(),
+                ));
+                watching = Some(Watching {
+                    stop,
+                    task,
+                    claimed: Instant::now(),
+                });
+            }
+            Ok(None) => {}
+            Err(e) => warn!(root = key, error = %e, "claiming the watch of this root"),
+        }
+    }
+    if let Some(w) = watching.take() {
+        w.end().await;
+    }
+}
+
+/// Takes this agent's fingerprint of the root and records it, with its
+/// verdict against the watching agent's (or, when nobody holds the watch,
+/// the newest other agent's). `holding`: this agent watches the root
+/// (its view is the reference; it compares with nobody). The verdict:
+/// `Some(why)` when this agent must not watch the root.
+async fn look(
+    inner: &Inner,
+    root: &RootConfig,
+    key: &str,
+    me: &str,
+    holding: bool,
+) -> Result<Option<String>, String> {
+    let catalog = &inner.catalog;
+    let others = catalog
+        .root_fingerprints(Some(key))
+        .await
+        .map_err(|e| format!("catalog: {e}"))?;
+    let holder = catalog
+        .watches()
+        .await
+        .map_err(|e| format!("catalog: {e}"))?
+        .into_iter()
+        .find(|w| w.root == key)
+        .and_then(|w| w.holder)
+        .filter(|h| h != me);
+    let reference = if holding {
+        None
+    } else {
+        match &holder {
+            Some(h) => others.iter().find(|f| &f.agent == h),
+            None => others
+                .iter()
+                .filter(|f| f.agent != me && f.refused.is_none())
+                .max_by_key(|f| f.recorded_at),
+        }
+    };
+    let cutoff = now_ms() - FINGERPRINT_SETTLE.as_millis() as i64;
+    let theirs = reference
+        .map(|r| {
+            serde_json::from_str::<Vec<FingerprintEntry>>(&r.entries)
+                .map(|e| (r.agent.clone(), r.cutoff_ms, e))
+                .map_err(|e| {
+                    format!(
+                        "agent {}'s recorded fingerprint does not parse: {e}",
+                        r.agent
+                    )
+                })
+        })
+        .transpose()?;
+    let path = root.path.clone();
+    let compare_at = theirs.as_ref().map(|t| t.1);
+    let (mine, mine_then) = tokio::task::spawn_blocking(move || {
+        let mine = fingerprint(&path, cutoff)?;
+        let then = compare_at.map(|c| fingerprint(&path, c)).transpose()?;
+        Ok::<_, std::io::Error>((mine, then))
+    })
+    .await
+    .map_err(|e| format!("fingerprint task: {e}"))?
+    .map_err(|e| format!("cannot list {}: {e}", root.path.display()))?;
+    let verdict = match (theirs, mine_then) {
+        (Some((agent, _, entries)), Some(m)) => same_storage(&m, &entries)
+            .err()
+            .map(|why| format!("differs from agent {agent}'s: {why}")),
+        _ => None,
+    };
+    let entries = serde_json::to_string(&mine).map_err(|e| e.to_string())?;
+    catalog
+        .record_root_fingerprint(key, me, &entries, cutoff, verdict.as_deref())
+        .await
+        .map_err(|e| format!("catalog: {e}"))?;
+    Ok(verdict)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn e(n: &str, size: u64, mtime: i64) -> FingerprintEntry {
+        (n.to_string(), size, mtime)
+    }
+
+    #[test]
+    fn fingerprints_agree_on_common_files_and_ignore_the_rest() {
+        let a = vec![e("s1/a", 1, 10), e("s1/b", 2, 11), e("s2/a", 3, 12)];
+        // Deleted at the front, added at the end: still the same storage.
+        let b = vec![e("s1/b", 2, 11), e("s2/a", 3, 12), e("s3/a", 4, 13)];
+        assert_eq!(same_storage(&a, &b), Ok(()));
+        assert_eq!(same_storage(&[], &[]), Ok(()));
+        // A file both list, with another size or mtime.
+        let c = vec![e("s1/b", 2, 99)];
+        assert!(same_storage(&a, &c).unwrap_err().starts_with("s1/b"));
+        // Nothing in common, or one side empty.
+        assert!(same_storage(&a, &[e("x", 1, 1)])
+            .unwrap_err()
+            .contains("none of"));
+        assert!(same_storage(&a, &[]).is_err());
+        assert!(same_storage(&[], &a).is_err());
+    }
+
+    #[test]
+    fn a_fingerprint_lists_settled_files_in_walk_order_up_to_its_limit() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(d.path().join("step_2")).unwrap();
+        std::fs::create_dir_all(d.path().join("step_1")).unwrap();
+        std::fs::write(d.path().join("step_2/x"), b"abc").unwrap();
+        std::fs::write(d.path().join("step_1/y"), b"a").unwrap();
+        std::fs::write(d.path().join("latest"), b"2").unwrap();
+        let now = now_ms() + 1_000;
+        let f = fingerprint(d.path(), now).unwrap();
+        let names: Vec<&str> = f.iter().map(|x| x.0.as_str()).collect();
+        assert_eq!(names, ["latest", "step_1/y", "step_2/x"]);
+        assert_eq!(f[2].1, 3);
+        // A cutoff before the files were written leaves them out.
+        assert!(fingerprint(d.path(), 0).unwrap().is_empty());
+        for i in 0..(FINGERPRINT_FILES + 5) {
+            std::fs::write(d.path().join(format!("step_1/f{i:03}")), b"").unwrap();
+        }
+        assert_eq!(
+            fingerprint(d.path(), now + 1_000).unwrap().len(),
+            FINGERPRINT_FILES
+        );
+        assert!(fingerprint(&d.path().join("missing"), now).is_err());
+    }
+}
