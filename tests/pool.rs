@@ -117,17 +117,17 @@ struct Site {
 /// fresh PostgreSQL catalog with a short heartbeat (300 ms) and lease
 /// timeout (1.5 s). Both read the same source root.
 async fn site(w: &World, name: &str, rate: &str) -> Site {
-    site_with(w, name, rate, |db| db.to_string(), |_| {}, &[]).await
+    site_with(w, name, rate, |_, db| db.to_string(), |_| {}, &[]).await
 }
 
-/// [`site`], the first agent reaching the catalog at `a_url(db)`, each
+/// [`site`], each source agent reaching the catalog at `url(agent, db)`, each
 /// source agent's config changed by `tweak` first, the second agent run
 /// through `b_wrap` (see [`Agent::wrap`]).
 async fn site_with(
     w: &World,
     name: &str,
     rate: &str,
-    a_url: impl Fn(&str) -> String,
+    url: impl Fn(&str, &str) -> String,
     tweak: impl Fn(&mut AgentConfig),
     b_wrap: &[String],
 ) -> Site {
@@ -152,8 +152,8 @@ async fn site_with(
         tweak(&mut cfg);
         w.start_agent_wrapped(label, cfg, &[], wrap).await
     };
-    let a = start("source-a", SOURCE_NAME, a_url(&db), &[]).await;
-    let b = start("source-b", SOURCE_2, db.clone(), b_wrap).await;
+    let a = start("source-a", SOURCE_NAME, url(SOURCE_NAME, &db), &[]).await;
+    let b = start("source-b", SOURCE_2, url(SOURCE_2, &db), b_wrap).await;
     Site {
         db,
         sink,
@@ -499,7 +499,19 @@ fn metric(text: &str, name: &str) -> f64 {
 /// back the first agent is live again.
 #[tokio::test]
 async fn an_agent_that_loses_the_catalog_stops_sending_and_loses_nothing() {
-    let w = World::new("pool-outage").await;
+    catalog_outage(false).await;
+}
+
+/// The catalog is gone for every source agent for 10 s (as if PostgreSQL
+/// stopped): both say so, neither sends nor claims, and once it is back
+/// the transfer is finished by one of them, nothing lost.
+#[tokio::test]
+async fn a_catalog_stopped_for_10_s_stops_the_pool_and_loses_nothing() {
+    catalog_outage(true).await;
+}
+
+async fn catalog_outage(both: bool) {
+    let w = World::new(if both { "pool-stop" } else { "pool-outage" }).await;
     let ckpt = w.source_root().join("step_000100");
     w.gen(&ckpt, "40MB").await;
     let pg: std::net::SocketAddr = {
@@ -515,8 +527,15 @@ async fn an_agent_that_loses_the_catalog_stops_sending_and_loses_nothing() {
         tokio::net::lookup_host(host).await.unwrap().next().unwrap()
     };
     let cut = Cut::start(pg).await;
-    let via = |db: &str| db.replacen(&pg.to_string(), &format!("127.0.0.1:{}", cut.port), 1);
-    let mut site = site_with(&w, "outage", "40Mbit/s", via, |_| {}, &[]).await;
+    let via = |agent: &str, db: &str| {
+        if both || agent == SOURCE_NAME {
+            db.replacen(&pg.to_string(), &format!("127.0.0.1:{}", cut.port), 1)
+        } else {
+            db.to_string()
+        }
+    };
+    let name = if both { "stop" } else { "outage" };
+    let mut site = site_with(&w, name, "40Mbit/s", via, |_| {}, &[]).await;
     w.ensure(site.a.cfg.tail.contains(&cut.port.to_string()), || {
         format!(
             "the first agent should reach the catalog through the cut: {}",
@@ -549,23 +568,54 @@ async fn an_agent_that_loses_the_catalog_stops_sending_and_loses_nothing() {
         }
     })
     .await;
-    let pool = w.get_json(&format!("{}/v1/pool", site.a.url())).await;
-    w.ensure(pool["catalog_up"] == false, || format!("{pool}"));
-    // It stops sending: its lease (1.5 s) cannot be renewed.
+    let cut_off: Vec<&Agent> = if both {
+        vec![&site.a, &site.b]
+    } else {
+        vec![&site.a]
+    };
+    for a in &cut_off {
+        w.wait_until(
+            "the agent to say its catalog is gone",
+            Duration::from_secs(30),
+            async || {
+                let pool = w.get_json(&format!("{}/v1/pool", a.url())).await;
+                if pool["catalog_up"] == false {
+                    Ok(())
+                } else {
+                    Err(format!("{pool}"))
+                }
+            },
+        )
+        .await;
+    }
+    // They stop sending: their leases (1.5 s) cannot be renewed.
     tokio::time::sleep(Duration::from_secs(3).saturating_sub(cut_at.elapsed())).await;
-    let before = metric(&w.metrics_text(&site.a).await, "ferry_sent_bytes_total");
+    let mut before = Vec::new();
+    for a in &cut_off {
+        before.push(metric(&w.metrics_text(a).await, "ferry_sent_bytes_total"));
+    }
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let after = metric(&w.metrics_text(&site.a).await, "ferry_sent_bytes_total");
-    w.ensure(after == before, || {
-        format!("the agent without its catalog kept sending: {before} then {after} bytes")
-    });
+    for (a, before) in cut_off.iter().zip(before) {
+        let after = metric(&w.metrics_text(a).await, "ferry_sent_bytes_total");
+        w.ensure(after == before, || {
+            format!(
+                "{} without its catalog kept sending: {before} then {after} bytes",
+                a.label
+            )
+        });
+    }
     tokio::time::sleep(Duration::from_secs(10).saturating_sub(cut_at.elapsed())).await;
     cut.up();
     wait_published(&w, &site.b, &[id]).await;
     w.assert_same_tree(&ckpt, &w.replica_path("step_000100"));
     let ls = leases(&site.db).await;
     assert_no_overlap(&w, &ls);
-    w.ensure(ls.iter().any(|l| l.agent == SOURCE_2), || {
+    w.ensure(
+        ls.first()
+            .is_some_and(|l| l.end_reason.as_deref() == Some("lapsed")),
+        || format!("the lease held through the outage should have lapsed: {ls:?}"),
+    );
+    w.ensure(both || ls.iter().any(|l| l.agent == SOURCE_2), || {
         format!("the second agent should have taken the transfer over: {ls:?}")
     });
     w.wait_until(
@@ -665,7 +715,7 @@ async fn watched_checkpoint_moves_to_the_other_agent(drain: bool) {
         &w,
         if drain { "watch_drain" } else { "watch" },
         "200Mbit/s",
-        |db| db.to_string(),
+        |_, db| db.to_string(),
         watcher_on,
         &[],
     )
@@ -829,7 +879,7 @@ async fn an_agent_that_sees_other_storage_at_the_root_refuses_to_watch_it() {
         &w,
         "fingerprint",
         "200Mbit/s",
-        |db| db.to_string(),
+        |_, db| db.to_string(),
         watcher_on,
         &wrap,
     )
