@@ -82,6 +82,12 @@ impl PoolConfig {
     }
 }
 
+/// How long one heartbeat may take before it counts as failed: the
+/// heartbeat interval, at least 1 s.
+fn heartbeat_timeout(cfg: PoolConfig) -> Duration {
+    cfg.heartbeat_interval.max(Duration::from_secs(1))
+}
+
 /// How often a run checks that its agent still holds its lease (100 ms).
 pub const FENCE_CHECK: Duration = Duration::from_millis(100);
 
@@ -350,14 +356,22 @@ impl Membership {
                 received_bps: received,
             };
             let started = Instant::now();
-            let result = async {
+            // Bounded: while the database is down, sqlx retries a new
+            // connection with a backoff of up to 2 s inside one call, so
+            // a heartbeat begun during an outage could still be waiting
+            // well after the database is back. A fresh attempt at the
+            // next tick connects at once.
+            let result = tokio::time::timeout(heartbeat_timeout(i.cfg), async {
                 if !registered {
                     i.catalog.register_agent(&hb).await?;
                     registered = true;
                 }
                 i.catalog.heartbeat(&hb).await
-            }
-            .await;
+            })
+            .await
+            .unwrap_or(Err(ferry_catalog::CatalogError::Timeout(
+                heartbeat_timeout(i.cfg),
+            )));
             let mut changed = false;
             match result {
                 Ok(b) => {

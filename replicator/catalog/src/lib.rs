@@ -132,6 +132,9 @@ pub enum CatalogError {
     /// A value to store is out of range; the message names the field.
     #[error("{0}")]
     Invalid(String),
+    /// The catalog did not answer within the time a caller allowed.
+    #[error("catalog: no answer within {0:?}")]
+    Timeout(std::time::Duration),
 }
 
 /// Milliseconds since the Unix epoch, the catalog's time unit.
