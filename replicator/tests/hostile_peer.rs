@@ -730,6 +730,90 @@ async fn an_old_version_source_still_publishes_and_a_new_one_sends_step_and_clas
     assert!(!v3.peer.starts_with("catalog:"), "{v3:?}");
 }
 
+/// A recorded session of a source of the previous release (protocol 4,
+/// written by that release's own codec: `tests/fixtures/protocol-4/`),
+/// replayed byte for byte: the current sink answers in version 4,
+/// confirms the batch and publishes the checkpoint with its modes,
+/// mtimes, sibling marker, step and class; the transfer is keyed by the
+/// sending agent (a version 4 open names no source catalog).
+#[tokio::test]
+async fn a_recorded_protocol_4_source_session_still_publishes() {
+    let s = setup().await;
+    let fx = |n: &str| {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/protocol-4")
+            .join(n);
+        std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+    };
+    let conn = s
+        .client
+        .connect(s.sink_addr, "sink-1")
+        .unwrap()
+        .await
+        .unwrap();
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    send.write_all(&fx("hello.bin")).await.unwrap();
+    match read_frame(&mut recv).await.unwrap() {
+        Some(Control::Hello(h)) => assert_eq!(h.version, 4),
+        other => panic!("expected a version 4 hello, got {other:?}"),
+    }
+    send.write_all(&fx("open.bin")).await.unwrap();
+    assert!(matches!(
+        read_frame(&mut recv).await.unwrap(),
+        Some(Control::Have { .. })
+    ));
+    let mut data = conn.open_uni().await.unwrap();
+    data.write_all(&fx("batch.bin")).await.unwrap();
+    let _ = data.finish();
+    let _ = tokio::time::timeout(Duration::from_secs(20), data.stopped()).await;
+    send.write_all(&fx("commit.bin")).await.unwrap();
+    let (reply, done) = answer_after_confirmations(&mut recv).await;
+    let Some(Control::Published { local_path, .. }) = reply else {
+        panic!("expected published, got {reply:?}");
+    };
+    assert_eq!(done, [0]);
+    let dir = Path::new(&local_path);
+    assert!(dir.ends_with("train-a/job/step_4"), "{local_path}");
+    let b: Vec<u8> = (0..3000u32).map(|i| (i * 7 % 251) as u8).collect();
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    for (name, bytes, mode, mtime) in [
+        (
+            "a",
+            b"abcdefghij".to_vec(),
+            0o644,
+            1_700_000_000_123_456_789i64,
+        ),
+        ("sub/b", b, 0o600, 1_700_000_000_123_456_790),
+    ] {
+        let p = dir.join(name);
+        assert_eq!(std::fs::read(&p).unwrap(), bytes, "{name}");
+        let md = std::fs::metadata(&p).unwrap();
+        assert_eq!(md.permissions().mode() & 0o777, mode, "{name}");
+        assert_eq!(
+            md.mtime() * 1_000_000_000 + md.mtime_nsec(),
+            mtime,
+            "{name}"
+        );
+    }
+    assert_eq!(
+        std::fs::read(dir.parent().unwrap().join("latest")).unwrap(),
+        b"step_4"
+    );
+    let row = s
+        ._sink
+        .catalog()
+        .replica_by_local_path(&local_path)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (row.step, row.class),
+        (Some(4), Some(scheduler::Class::Scheduled))
+    );
+    assert!(!row.peer.starts_with("catalog:"), "{row:?}");
+    conn.close(0u32.into(), b"done");
+}
+
 /// Removal by hand refuses, naming why and removing nothing: an unknown
 /// id, a version a re-save replaced, a pinned one without force.
 #[tokio::test]
