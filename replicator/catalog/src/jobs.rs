@@ -213,6 +213,7 @@ impl Catalog {
             .fetch_one(&mut *tx)
             .await?;
         let job = job_row(&r)?;
+        crate::settings::announce(self.db, &mut tx, crate::settings::payload::SETTINGS).await?;
         tx.commit().await?;
         Ok(job)
     }

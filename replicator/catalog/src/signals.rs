@@ -95,6 +95,8 @@ impl Catalog {
                 severity: sig.severity,
             };
             events::record(self.db, &mut tx, now, &change).await?;
+            // The pool's other agents raise the job's score too.
+            crate::settings::announce(self.db, &mut tx, crate::settings::payload::SIGNAL).await?;
             tx.commit().await?;
             return Ok((sig, true));
         }
