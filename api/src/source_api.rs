@@ -591,8 +591,10 @@ pub(crate) struct PutLink {
     rate_bps: u64,
 }
 
-/// Change a link's rate cap live (until the agent restarts; then the
-/// config's `rate` holds again).
+/// Change a link's rate cap live. On a single agent it lasts until the
+/// agent restarts (then the config's `rate` holds again); in a pool it
+/// is the pool's setting `link.NAME.rate`, kept in the catalog and
+/// applied by every agent within about a second.
 #[utoipa::path(
     put, path = "/v1/links/{link}", tag = "source",
     params(("link" = String, Path, description = "Link name")),

@@ -216,20 +216,22 @@ pub fn apply_policy_setting(p: &mut Policy, name: &str, v: &Value) -> Result<(),
 }
 
 /// The policy of a pool: `base` (the agent's config) with each stored
-/// scheduler setting of `stored` applied. A stored value this agent
-/// cannot use (of another release, or out of range) is logged and left
-/// at `base`'s.
-pub fn policy_from(base: &Policy, stored: &[Setting]) -> Policy {
+/// scheduler setting of `stored` applied, and what could not be: a
+/// stored value this agent cannot use (written by another release, or
+/// out of range) stays at `base`'s and is named in the second part
+/// (setting, value and why).
+pub fn policy_from(base: &Policy, stored: &[Setting]) -> (Policy, Vec<String>) {
     let mut p = base.clone();
+    let mut unusable = Vec::new();
     for s in stored
         .iter()
         .filter(|s| SCHEDULER_SETTINGS.contains(&s.name.as_str()))
     {
         if let Err(e) = apply_policy_setting(&mut p, &s.name, &s.value) {
-            warn!(setting = s.name, value = %s.value, "the pool's catalog holds a value this agent cannot use; keeping its config's: {e}");
+            unusable.push(format!("{} = {}: {e}", s.name, s.value));
         }
     }
-    p
+    (p, unusable)
 }
 
 /// A setting whose value in an agent's config differs from the pool's.
@@ -282,7 +284,10 @@ pub async fn adopt(
             });
         }
     }
-    let policy = policy_from(policy, &stored);
+    let (policy, unusable) = policy_from(policy, &stored);
+    for e in &unusable {
+        warn!("the pool's catalog holds a value this agent cannot use; keeping its config's: {e}");
+    }
     for (l, bps) in links.iter_mut() {
         let name = link_rate_setting(l);
         if let Some(v) = stored
@@ -478,5 +483,29 @@ mod tests {
             "{e}"
         );
         assert_eq!(p, Policy::default());
+    }
+
+    #[test]
+    fn stored_values_this_agent_cannot_use_keep_its_own_and_are_named() {
+        let row = |name: &str, value: Value| Setting {
+            name: name.into(),
+            value,
+            updated_at: 0,
+            updated_by: "x".into(),
+        };
+        let stored = [
+            row("scheduler.max_active", json!(9)),
+            row("scheduler.aging_cap", json!(0.5)),
+            row("scheduler.from_a_newer_release", json!(1)),
+            row("link.l.rate", json!(5)),
+        ];
+        let (p, unusable) = policy_from(&Policy::default(), &stored);
+        assert_eq!(p.max_active, 9);
+        assert_eq!(p.aging_cap, Policy::default().aging_cap);
+        assert_eq!(unusable.len(), 1, "{unusable:?}");
+        assert!(
+            unusable[0].starts_with("scheduler.aging_cap = 0.5: "),
+            "{unusable:?}"
+        );
     }
 }

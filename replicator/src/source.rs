@@ -437,6 +437,9 @@ struct Inner {
     holds: Arc<Holds>,
     /// This source's Prometheus registry.
     metrics: SourceMetrics,
+    /// Shared settings this agent could not use at the last read (each
+    /// logged once).
+    unusable_settings: Mutex<Vec<String>>,
     /// Taken by [`Source::set_link_rate`] from recording a rate to
     /// applying it.
     rate_changes: tokio::sync::Mutex<()>,
@@ -572,6 +575,7 @@ impl Source {
             corrupt: AtomicU64::new(corrupt),
             holds: Arc::default(),
             metrics,
+            unusable_settings: Mutex::new(Vec::new()),
             rate_changes: tokio::sync::Mutex::new(()),
             bufs: BufPool::new(crate::bufpool::AGENT_POOL_BYTES),
         });
@@ -911,14 +915,25 @@ impl Source {
     /// Catalog errors (nothing is applied then).
     pub async fn refresh_shared(&self) -> Result<(), CatalogError> {
         let inner = &self.inner;
+        // Taken before the read: a change this agent is making is read
+        // after it is stored, never undone by an older read.
+        let _order = inner.rate_changes.lock().await;
         let stored = inner.catalog.settings().await?;
         let horizon = 20 * self.policy().severity_half_life_ms as i64;
         let sigs = inner
             .catalog
             .signals_since(ferry_catalog::now_ms() - horizon)
             .await?;
-        let _order = inner.rate_changes.lock().await;
-        let policy = crate::settings::policy_from(&inner.cfg.policy, &stored);
+        let (policy, unusable) = crate::settings::policy_from(&inner.cfg.policy, &stored);
+        {
+            let mut known = crate::lock::lock(&inner.unusable_settings);
+            for e in unusable.iter().filter(|e| !known.contains(*e)) {
+                warn!(
+                    "the pool's catalog holds a value this agent cannot use; keeping its own: {e}"
+                );
+            }
+            *known = unusable;
+        }
         if self.set_policy(policy.clone()) {
             info!(
                 policy = policy.kind.as_str(),
@@ -951,9 +966,10 @@ impl Source {
             }
         }
         if new {
-            for l in inner.links.values() {
-                l.sched.poke();
-            }
+            // Scores changed, and the signal may have promoted a transfer
+            // to `urgent`: the link workers reload the queue and this
+            // agent's fraction of each link's budget now.
+            self.wake_all();
         }
         Ok(())
     }
