@@ -53,7 +53,9 @@ impl Catalog {
     /// first stored under that key is returned, whatever its job, kind or
     /// severity. The flag is true if the signal is new; a new signal is
     /// recorded as a `signal` event (job, kind, severity) in the same
-    /// transaction, a repeated one is not.
+    /// transaction, a repeated one is not. On PostgreSQL a new signal is
+    /// announced to the pool (`signal` on
+    /// [`crate::settings::POOL_CHANNEL`]), so every agent counts it.
     ///
     /// # Errors
     /// [`CatalogError::Invalid`] naming the field (job name, severity);
