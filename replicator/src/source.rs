@@ -918,11 +918,10 @@ impl Source {
         // Taken before the read: a change this agent is making is read
         // after it is stored, never undone by an older read.
         let _order = inner.rate_changes.lock().await;
-        let stored = inner.catalog.settings().await?;
         let horizon = 20 * self.policy().severity_half_life_ms as i64;
-        let sigs = inner
+        let (stored, sigs) = inner
             .catalog
-            .signals_since(ferry_catalog::now_ms() - horizon)
+            .shared_state(ferry_catalog::now_ms() - horizon)
             .await?;
         let (policy, unusable) = crate::settings::policy_from(&inner.cfg.policy, &stored);
         {

@@ -184,6 +184,41 @@ impl Catalog {
         rows.iter().map(setting_row).collect()
     }
 
+    /// What an agent of a pool reads about every second: every stored
+    /// setting (by name) and the signals received at or after `since_ms`
+    /// (Unix ms, oldest first), in one read-only transaction (one
+    /// transaction a second per agent on the catalog).
+    ///
+    /// # Errors
+    /// SQL errors; a setting whose value is not JSON
+    /// ([`CatalogError::Corrupt`] naming it).
+    pub async fn shared_state(
+        &self,
+        since_ms: i64,
+    ) -> Result<(Vec<Setting>, Vec<crate::Signal>), CatalogError> {
+        let mut tx = self.pool.begin().await?;
+        let q = format!("SELECT {SETTING_COLS} FROM settings ORDER BY name");
+        let settings = sqlx::query(&self.db.sql(&q))
+            .fetch_all(&mut *tx)
+            .await?
+            .iter()
+            .map(setting_row)
+            .collect::<Result<Vec<_>, _>>()?;
+        let q = format!(
+            "SELECT {} FROM signals WHERE received_at >= ? ORDER BY id",
+            crate::signals::SIGNAL_COLS
+        );
+        let signals = sqlx::query(&self.db.sql(&q))
+            .bind(since_ms)
+            .fetch_all(&mut *tx)
+            .await?
+            .iter()
+            .map(crate::signals::signal_row)
+            .collect::<Result<Vec<_>, _>>()?;
+        tx.commit().await?;
+        Ok((settings, signals))
+    }
+
     /// A pool's `[[jobs]]` `(name, model_params, importance)` from an
     /// agent's config: each job the catalog does not hold yet is added
     /// (origin `config`, recorded as a `job` event); a job it holds keeps

@@ -32,9 +32,10 @@ pub struct Signal {
     pub received_at: i64,
 }
 
-const SIGNAL_COLS: &str = "id, job, kind, severity, step, idempotency_key, transfer, received_at";
+pub(crate) const SIGNAL_COLS: &str =
+    "id, job, kind, severity, step, idempotency_key, transfer, received_at";
 
-fn signal_row(r: &AnyRow) -> Result<Signal, sqlx::Error> {
+pub(crate) fn signal_row(r: &AnyRow) -> Result<Signal, sqlx::Error> {
     Ok(Signal {
         id: r.try_get("id")?,
         job: r.try_get("job")?,

@@ -80,6 +80,14 @@ async fn settings_are_seeded_only_when_absent(c: Catalog) {
         .unwrap_err();
     assert!(e.to_string().contains("\"bad name\""), "{e}");
     assert!(c.settings().await.unwrap().iter().all(|s| s.name != "ok"));
+    // What an agent reads every second: the same settings, and the
+    // signals since a time.
+    let (sig, _) = c.insert_signal("j", "nan", 0.5, None, None).await.unwrap();
+    let (settings, signals) = c.shared_state(sig.received_at).await.unwrap();
+    assert_eq!(settings, c.settings().await.unwrap());
+    assert_eq!(signals, [sig.clone()]);
+    let (_, later) = c.shared_state(sig.received_at + 1).await.unwrap();
+    assert!(later.is_empty(), "{later:?}");
 }
 both!(settings_are_seeded_only_when_absent);
 
