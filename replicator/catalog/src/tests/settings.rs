@@ -85,7 +85,7 @@ async fn settings_are_seeded_only_when_absent(c: Catalog) {
     let (sig, _) = c.insert_signal("j", "nan", 0.5, None, None).await.unwrap();
     let (settings, signals) = c.shared_state(sig.received_at).await.unwrap();
     assert_eq!(settings, c.settings().await.unwrap());
-    assert_eq!(signals, [sig.clone()]);
+    assert_eq!(signals, std::slice::from_ref(&sig));
     let (_, later) = c.shared_state(sig.received_at + 1).await.unwrap();
     assert!(later.is_empty(), "{later:?}");
 }
