@@ -173,6 +173,43 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
                     watch: r.watch(i)?,
                 });
             }
+            // Jobs from the config file: on a single agent's SQLite
+            // catalog, jobs set through the API keep their values (see
+            // `Catalog::sync_config_jobs`); in a pool the catalog's jobs
+            // win and the config only adds missing ones.
+            let jobs: Vec<(String, Option<f64>, f64)> = cfg
+                .jobs
+                .iter()
+                .map(|j| {
+                    let p = (j.model_params > 0.0).then_some(j.model_params);
+                    (j.name.clone(), p, j.importance)
+                })
+                .collect();
+            let mut policy = cfg.scheduler.policy()?;
+            if catalog.dialect() == ferry_catalog::dialect::Dialect::Postgres {
+                // A pool: the catalog's settings win; the config seeds
+                // those it lacks (replicator::settings::adopt).
+                let mut rates: Vec<(String, u64)> =
+                    links.iter().map(|l| (l.name.clone(), l.rate_bps)).collect();
+                let (shared, _) = replicator::settings::adopt(
+                    &catalog,
+                    &cfg.agent.name,
+                    &policy,
+                    &mut rates,
+                    &jobs,
+                )
+                .await
+                .context("the pool's shared settings ([scheduler], [[links]] rate, [[jobs]])")?;
+                policy = shared;
+                for (l, (_, bps)) in links.iter_mut().zip(&rates) {
+                    l.rate_bps = *bps;
+                }
+            } else {
+                catalog
+                    .sync_config_jobs(&jobs)
+                    .await
+                    .context("storing [[jobs]] in the catalog")?;
+            }
             let sc = SourceConfig {
                 agent: cfg.agent.name.clone(),
                 site: cfg.agent.site.clone(),
@@ -185,26 +222,14 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
                 scan_interval: (!s.scan_interval.is_zero()).then_some(s.scan_interval),
                 quiet_period: s.quiet_period,
                 checkpoint_idle_timeout: s.checkpoint_idle_timeout,
-                policy: cfg.scheduler.policy()?,
+                policy,
                 pool: Some(pool.clone()),
             };
-            // Jobs from the config file; jobs set through the API keep
-            // their values (see `Catalog::sync_config_jobs`).
-            let jobs: Vec<(String, Option<f64>, f64)> = cfg
-                .jobs
-                .iter()
-                .map(|j| {
-                    let p = (j.model_params > 0.0).then_some(j.model_params);
-                    (j.name.clone(), p, j.importance)
-                })
-                .collect();
-            catalog
-                .sync_config_jobs(&jobs)
-                .await
-                .context("storing [[jobs]] in the catalog")?;
-            // A rate cap set through the API lasts until a restart: the
-            // configured one holds again, and the recorded history (`GET
-            // /v1/trace`) says so.
+            // On a single agent, a rate cap set through the API lasts
+            // until a restart: the configured one holds again, and the
+            // recorded history (`GET /v1/trace`) says so. In a pool the
+            // caps are the catalog's (recorded when they differ from the
+            // last recorded one).
             let rates: Vec<(String, u64)> = sc
                 .links
                 .iter()
@@ -288,12 +313,18 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
         stop,
     )
     .context("[api] listen")?;
+    let pooled = catalog.dialect() == ferry_catalog::dialect::Dialect::Postgres;
     for j in &cfg.jobs {
         tracing::info!(
             job = j.name,
             model_params = j.model_params,
             importance = j.importance,
-            "job in the config file (values set through PUT /v1/jobs take precedence)"
+            "{}",
+            if pooled {
+                "job in the config file (the pool's catalog's values take precedence)"
+            } else {
+                "job in the config file (values set through PUT /v1/jobs take precedence)"
+            }
         );
     }
     tracing::info!(agent = cfg.agent.name, %api_addr, %quic_addr, "agent started");

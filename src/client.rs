@@ -170,6 +170,15 @@ impl Client {
         self.send(rb, "POST", path).await
     }
 
+    /// `PUT path` with a JSON body; the status and the JSON answer.
+    ///
+    /// # Errors
+    /// See [`Client::send`].
+    pub async fn put(&self, path: &str, body: &Value) -> Result<(StatusCode, Value)> {
+        let rb = self.http.put(format!("{}{path}", self.base)).json(body);
+        self.send(rb, "PUT", path).await
+    }
+
     /// `DELETE path?query`; the status and the JSON answer.
     ///
     /// # Errors

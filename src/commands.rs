@@ -757,6 +757,77 @@ pub fn render_pool(out: &Value) -> String {
     s
 }
 
+/// `ferry pool settings` (`GET /v1/settings`): the settings the agent
+/// uses, as a table or the API's JSON.
+///
+/// # Errors
+/// As [`Client::get`].
+pub async fn pool_settings(args: &ServerArgs, raw: bool) -> Result<()> {
+    let c = Client::new(args, REQUEST_TIMEOUT)?;
+    let out = c.get("/v1/settings", &[]).await?;
+    if raw {
+        return outln!("{out}");
+    }
+    outln!("{}", render_settings(&out).trim_end())
+}
+
+/// The human form of `ferry pool settings` (`out`: the answer of `GET
+/// /v1/settings` or `PUT /v1/settings/{name}`).
+pub fn render_settings(out: &Value) -> String {
+    let shared = out["shared"].as_bool() == Some(true);
+    let mut s = if shared {
+        "settings of the pool (stored in its catalog; every agent uses them)\n".to_string()
+    } else {
+        "settings of this single agent (from its config file)\n".to_string()
+    };
+    let mut rows = vec![vec!["SETTING".to_string(), "VALUE".into(), "SET BY".into()]];
+    for i in out["items"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+        let name = text(i, "name").to_string();
+        let value = match (&i["value"], name.ends_with(".rate")) {
+            (Value::Number(n), true) => crate::config::format_rate(n.as_u64().unwrap_or(0)),
+            (Value::String(t), _) => t.clone(),
+            (v, _) => v.to_string(),
+        };
+        let by = i["updated_by"].as_str().unwrap_or("config").to_string();
+        rows.push(vec![name, value, by]);
+    }
+    s += &table(&rows);
+    s
+}
+
+/// `ferry pool set KEY VALUE` (`PUT /v1/settings/{KEY}` with the value as
+/// typed; the agent reads it by the setting's kind).
+///
+/// # Errors
+/// As [`Client::put`]: 404 for an unknown link or job, 409 for a
+/// scheduler setting on a single agent, 422 naming a bad key or value.
+pub async fn pool_set(args: &ServerArgs, key: &str, value: &str, raw: bool) -> Result<()> {
+    let c = Client::new(args, REQUEST_TIMEOUT)?;
+    let (_, out) = c
+        .put(&format!("/v1/settings/{key}"), &json!({ "value": value }))
+        .await?;
+    if raw {
+        return outln!("{out}");
+    }
+    let now = out["items"]
+        .as_array()
+        .and_then(|a| a.iter().find(|i| i["name"] == key))
+        .map(|i| match &i["value"] {
+            Value::Number(n) if key.ends_with(".rate") => {
+                crate::config::format_rate(n.as_u64().unwrap_or(0))
+            }
+            Value::String(t) => t.clone(),
+            v => v.to_string(),
+        });
+    match (now, out["shared"].as_bool() == Some(true)) {
+        (Some(v), true) => {
+            outln!("{key} = {v} (every agent of the pool applies it within about a second)")
+        }
+        (Some(v), false) => outln!("{key} = {v} (this agent, until it restarts)"),
+        (None, _) => outln!("{key} set to {value}"),
+    }
+}
+
 /// `ferry drain NAME` (`POST /v1/agents/{name}/drain`), or with `undo`
 /// its reversal (`DELETE`); with `wait`, polls `GET /v1/pool` until the
 /// drained agent holds nothing (at most `wait`).

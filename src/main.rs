@@ -166,8 +166,11 @@ enum Command {
     /// The site's pool: every agent sharing the catalog of the agent
     /// asked, its state (live, draining, down, stopped), its last
     /// heartbeat, the transfers it holds and its rates. Needs a reader
-    /// token.
+    /// token. `ferry pool settings` shows the settings the pool shares,
+    /// `ferry pool set KEY VALUE` changes one.
     Pool {
+        #[command(subcommand)]
+        command: Option<PoolCommand>,
         #[command(flatten)]
         server: client::ServerArgs,
         /// Print the API's JSON answer instead.
@@ -390,6 +393,38 @@ struct LinkEmuArgs {
     /// Queue limit in bytes (default one bandwidth-delay product).
     #[arg(long, value_parser = ferry_proto::units::parse_size)]
     queue: Option<u64>,
+}
+
+#[derive(Debug, Subcommand)]
+enum PoolCommand {
+    /// The settings this agent uses (`GET /v1/settings`): the
+    /// scheduler's and each link's rate cap; in a pool (PostgreSQL
+    /// catalog) the catalog's values, which every agent of the pool uses,
+    /// with who stored them. Needs a reader token.
+    Settings {
+        #[command(flatten)]
+        server: client::ServerArgs,
+        /// Print the API's JSON answer instead.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Change a setting for the whole pool (`PUT /v1/settings/KEY`); any
+    /// agent of the pool takes it and every agent applies it within
+    /// about a second. KEY is `scheduler.NAME` (a `[scheduler]` key, e.g.
+    /// `scheduler.max_active`, `scheduler.weights.severity`; a pool
+    /// only), `link.NAME.rate` (e.g. `2Gbit/s`), `job.NAME.importance`
+    /// or `job.NAME.model_params`. Needs an operator token.
+    Set {
+        /// The setting, e.g. `scheduler.max_active`, `link.to-eval.rate`.
+        key: String,
+        /// Its new value, e.g. `8`, `2Gbit/s`, `10m`, `0.9`.
+        value: String,
+        #[command(flatten)]
+        server: client::ServerArgs,
+        /// Print the API's JSON answer instead.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -655,7 +690,25 @@ async fn run(cli: Cli) -> Result<()> {
             output,
             server,
         } => commands::trace(&server, since, output.as_deref()).await,
-        Command::Pool { server, json } => commands::pool(&server, json).await,
+        Command::Pool {
+            command: None,
+            server,
+            json,
+        } => commands::pool(&server, json).await,
+        Command::Pool {
+            command: Some(PoolCommand::Settings { server, json }),
+            ..
+        } => commands::pool_settings(&server, json).await,
+        Command::Pool {
+            command:
+                Some(PoolCommand::Set {
+                    key,
+                    value,
+                    server,
+                    json,
+                }),
+            ..
+        } => commands::pool_set(&server, &key, &value, json).await,
         Command::Drain {
             name,
             undo,

@@ -217,6 +217,44 @@ async fn the_ui_shows_a_transfer_advance_and_an_operator_pauses_it() {
     .unwrap();
     assert_eq!(buttons, json!(0), "a reader was offered actions");
     eprintln!("progress bar: {first} then {later} bytes");
+    // The settings in use: a single agent's, from its config file; no
+    // form (a pool's settings change there, this agent's link caps in the
+    // Links panel).
+    let settings = until(&w, "the settings panel", async || {
+        let v = js(
+            &b,
+            "const p = document.querySelector('#settings-panel'); \
+             if (!p || p.hidden) return null; \
+             return { rows: [...document.querySelectorAll('#settings tbody tr')] \
+                        .map((tr) => [...tr.children].map((td) => td.textContent)), \
+                      note: document.querySelector('#settings-note').textContent, \
+                      form_hidden: document.querySelector('#setting-form').hidden };",
+        )
+        .await?;
+        Ok((!v.is_null()).then_some(v))
+    })
+    .await;
+    let rows = settings["rows"].as_array().cloned().unwrap_or_default();
+    assert!(
+        rows.contains(&json!(["scheduler.max_active", "4", "config file"])),
+        "{settings}"
+    );
+    assert!(
+        rows.contains(&json!([
+            format!("link.{LINK}.rate"),
+            "20.0 Mbit/s",
+            "config file"
+        ])),
+        "{settings}"
+    );
+    assert!(
+        settings["note"]
+            .as_str()
+            .unwrap_or("")
+            .contains("single agent"),
+        "{settings}"
+    );
+    assert_eq!(settings["form_hidden"], json!(true), "{settings}");
 
     // An operator pauses it.
     use_token(&b, &operator).await;

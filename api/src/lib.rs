@@ -261,7 +261,8 @@ pub fn build(state: AppState) -> (Router, utoipa::openapi::OpenApi) {
             .routes(routes!(source_api::get_transfer))
             .routes(routes!(source_api::list_jobs))
             .routes(routes!(source_api::list_links))
-            .routes(routes!(source_api::list_signals));
+            .routes(routes!(source_api::list_signals))
+            .routes(routes!(source_api::get_settings));
         let signaler = OpenApiRouter::new()
             .routes(routes!(source_api::post_signal))
             .routes(routes!(source_api::announce));
@@ -273,6 +274,7 @@ pub fn build(state: AppState) -> (Router, utoipa::openapi::OpenApi) {
             .routes(routes!(source_api::cancel))
             .routes(routes!(source_api::put_job))
             .routes(routes!(source_api::put_link))
+            .routes(routes!(source_api::put_setting))
             .routes(routes!(source_api::trace));
         groups.push((reader, Role::Reader, Some(REQUEST_TIMEOUT)));
         groups.push((signaler, Role::Signaler, Some(REQUEST_TIMEOUT)));

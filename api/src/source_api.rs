@@ -591,8 +591,10 @@ pub(crate) struct PutLink {
     rate_bps: u64,
 }
 
-/// Change a link's rate cap live (until the agent restarts; then the
-/// config's `rate` holds again).
+/// Change a link's rate cap live. On a single agent it lasts until the
+/// agent restarts (then the config's `rate` holds again); in a pool it
+/// is the pool's setting `link.NAME.rate`, kept in the catalog and
+/// applied by every agent within about a second.
 #[utoipa::path(
     put, path = "/v1/links/{link}", tag = "source",
     params(("link" = String, Path, description = "Link name")),
@@ -821,4 +823,197 @@ pub(crate) async fn trace(
         x.trace.to_json_lines(),
     )
         .into_response())
+}
+
+/// One shared setting as this agent uses it.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub(crate) struct SettingView {
+    /// `scheduler.max_active`, `scheduler.weights.severity`, ... (the
+    /// config file's keys under `[scheduler]`) or `link.NAME.rate`
+    /// (bit/s).
+    name: String,
+    /// The value in use: a number, or a string for durations (`"10m"`)
+    /// and the policy's name.
+    value: serde_json::Value,
+    /// When the pool's catalog stored it (Unix ms); `null` when it is
+    /// this agent's config value (a single agent).
+    updated_at: Option<i64>,
+    /// Who stored it: `config of AGENT` (seeded from that agent's
+    /// config) or an API token's name; `null` as `updated_at`.
+    updated_by: Option<String>,
+}
+
+/// The settings a pool shares (`GET /v1/settings`).
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub(crate) struct SettingsView {
+    /// True in a pool (PostgreSQL catalog): the values are the catalog's,
+    /// every agent of the pool uses them and a change reaches them all
+    /// within about a second. False on a single agent (SQLite): its
+    /// config's values; a link's rate may be changed until a restart.
+    shared: bool,
+    /// The scheduler's settings, then each link's rate cap, by name.
+    items: Vec<SettingView>,
+}
+
+async fn settings_view(src: &Source) -> Result<SettingsView, ApiError> {
+    let shared = src.catalog().dialect() == ferry_catalog::dialect::Dialect::Postgres;
+    let stored = if shared {
+        src.catalog().settings().await.map_err(ApiError::internal)?
+    } else {
+        Vec::new()
+    };
+    let mut values = replicator::settings::policy_settings(&src.policy());
+    let mut links = src.links();
+    links.sort();
+    for l in &links {
+        if let Some(bps) = src.link_rate(l) {
+            values.push((
+                replicator::settings::link_rate_setting(l),
+                serde_json::json!(bps),
+            ));
+        }
+    }
+    let items = values
+        .into_iter()
+        .map(|(name, value)| {
+            let s = stored.iter().find(|s| s.name == name);
+            SettingView {
+                updated_at: s.map(|s| s.updated_at),
+                updated_by: s.map(|s| s.updated_by.clone()),
+                name,
+                value,
+            }
+        })
+        .collect();
+    Ok(SettingsView { shared, items })
+}
+
+/// The scheduler's settings and the links' rate caps this agent uses: in
+/// a pool, the values of the pool's catalog.
+#[utoipa::path(
+    get, path = "/v1/settings", tag = "source",
+    security(("bearer" = ["reader"])),
+    responses(
+        (status = 200, description = "The settings in use", body = SettingsView),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+    )
+)]
+pub(crate) async fn get_settings(
+    State(s): State<AppState>,
+) -> Result<Json<SettingsView>, ApiError> {
+    Ok(Json(settings_view(source(&s)?).await?))
+}
+
+/// Body of `PUT /v1/settings/{name}`.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PutSetting {
+    /// The new value: a JSON number or string, or its text as typed
+    /// (`"2Gbit/s"` or `"2Gbit"` for a rate, `"10m"` for a duration,
+    /// `"16MiB"` for a size, `"8"` for a number).
+    value: serde_json::Value,
+}
+
+/// Change a setting for the whole pool: `scheduler.*` (a pool only: a
+/// single agent takes `[scheduler]` from its config), `link.NAME.rate`
+/// (as `PUT /v1/links/{link}`), `job.NAME.importance` or
+/// `job.NAME.model_params` (as `PUT /v1/jobs/{job}`). In a pool the value
+/// is stored in the catalog and every agent applies it within about a
+/// second.
+#[utoipa::path(
+    put, path = "/v1/settings/{name}", tag = "source",
+    params(("name" = String, Path, description = "Setting name, e.g. scheduler.max_active")),
+    request_body = PutSetting,
+    security(("bearer" = ["operator"])),
+    responses(
+        (status = 200, description = "The settings in use after the change", body = SettingsView),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 403, description = "The token's role is below operator", body = ErrorBody),
+        (status = 404, description = "No such link or job", body = ErrorBody),
+        (status = 409, description = "A scheduler setting on a single agent (SQLite catalog)", body = ErrorBody),
+        (status = 413, description = "Body over 64 KiB", body = ErrorBody),
+        (status = 422, description = "Unknown setting or bad value; the message names it", body = ErrorBody),
+    )
+)]
+pub(crate) async fn put_setting(
+    State(s): State<AppState>,
+    caller: By,
+    name: Result<Path<String>, PathRejection>,
+    body: Result<Json<PutSetting>, JsonRejection>,
+) -> Result<Json<SettingsView>, ApiError> {
+    let Path(name) = name?;
+    let Json(req) = body?;
+    let src = source(&s)?;
+    if let Some(link) = replicator::settings::link_of_setting(&name) {
+        let v = replicator::settings::parse_value(&name, &req.value)
+            .map_err(ApiError::unprocessable)?;
+        let bps = v.as_u64().unwrap_or(0);
+        if !(RATE_BOUNDS.0..=RATE_BOUNDS.1).contains(&bps) {
+            return Err(ApiError::unprocessable(format!(
+                "{name} must be from {} to {} bit/s, got {bps}",
+                RATE_BOUNDS.0, RATE_BOUNDS.1
+            )));
+        }
+        if !src
+            .set_link_rate_as(link, bps, by(&caller))
+            .await
+            .map_err(ApiError::internal)?
+        {
+            return Err(ApiError::not_found(format!("unknown link {link:?}")));
+        }
+        tracing::info!(
+            link,
+            rate_bps = bps,
+            by = by(&caller),
+            "link rate cap changed"
+        );
+    } else if let Some(rest) = name.strip_prefix("job.") {
+        let (job, field) = rest.rsplit_once('.').unwrap_or((rest, ""));
+        let number = |v: &serde_json::Value| match v {
+            serde_json::Value::Number(n) => n.as_f64(),
+            serde_json::Value::String(t) => t.trim().parse::<f64>().ok(),
+            _ => None,
+        };
+        let v = number(&req.value)
+            .filter(|v| v.is_finite())
+            .ok_or_else(|| ApiError::unprocessable(format!("{name} must be a number")))?;
+        let current = src.catalog().job(job).await.map_err(ApiError::internal)?;
+        let j = match field {
+            "importance" => src.put_job(job, None, v).await,
+            "model_params" => {
+                let Some(c) = current else {
+                    return Err(ApiError::not_found(format!(
+                        "unknown job {job:?}: set its importance first (job.{job}.importance)"
+                    )));
+                };
+                src.put_job(job, Some(Some(v)), c.importance).await
+            }
+            _ => {
+                return Err(ApiError::unprocessable(format!(
+                    "unknown setting {name:?}: a job's settings are job.NAME.importance and \
+                     job.NAME.model_params"
+                )))
+            }
+        }
+        .map_err(ops_error)?;
+        tracing::info!(
+            job,
+            importance = j.importance,
+            model_params = ?j.model_params,
+            by = by(&caller),
+            "operator set a job"
+        );
+    } else {
+        let stored = src
+            .put_policy_setting(&name, &req.value, by(&caller))
+            .await
+            .map_err(ops_error)?;
+        tracing::info!(
+            setting = name,
+            value = %stored.value,
+            by = by(&caller),
+            "scheduler setting changed for the pool"
+        );
+    }
+    Ok(Json(settings_view(src).await?))
 }

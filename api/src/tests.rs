@@ -531,6 +531,80 @@ async fn link_rates_change_live_and_bad_ones_are_refused() {
     assert_eq!(w.source.link_rate("l"), Some(250_000_000));
 }
 
+/// A single agent (SQLite catalog): `GET /v1/settings` shows its config's
+/// values, not shared; a link's rate changes through `PUT
+/// /v1/settings/link.NAME.rate` as through `PUT /v1/links`; a scheduler
+/// setting is refused (its `[scheduler]` is the config file's), and a bad
+/// name or value is named.
+#[tokio::test]
+async fn settings_of_a_single_agent() {
+    let w = with_source().await;
+    let put = |name: &str, body: &str| send("PUT", &format!("/v1/settings/{name}"), body);
+    let (s, v) = call(w.r(), get("/v1/settings")).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["shared"], json!(false));
+    let item = |v: &serde_json::Value, name: &str| {
+        v["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|i| i["name"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {name} in {v}"))
+    };
+    assert_eq!(
+        item(&v, "scheduler.max_active"),
+        json!({ "name": "scheduler.max_active", "value": w.source.policy().max_active,
+                "updated_at": null, "updated_by": null })
+    );
+    assert_eq!(item(&v, "link.l.rate")["value"], json!(10_000_000_000u64));
+    let policy = w.source.policy();
+
+    let (s, v) = call(w.r(), put("link.l.rate", r#"{"value": "250Mbit"}"#)).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(item(&v, "link.l.rate")["value"], json!(250_000_000u64));
+    assert_eq!(w.source.link_rate("l"), Some(250_000_000));
+    refused(
+        call(w.r(), put("link.nowhere.rate", r#"{"value": 5000000}"#)).await,
+        StatusCode::NOT_FOUND,
+        &["nowhere"],
+    );
+    refused(
+        call(w.r(), put("link.l.rate", r#"{"value": "fast"}"#)).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &["link.l.rate"],
+    );
+    refused(
+        call(w.r(), put("scheduler.max_active", r#"{"value": 8}"#)).await,
+        StatusCode::CONFLICT,
+        &["scheduler.max_active", "config file"],
+    );
+    assert_eq!(w.source.policy(), policy);
+    refused(
+        call(w.r(), put("scheduler.nope", r#"{"value": 8}"#)).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &["unknown setting \"scheduler.nope\""],
+    );
+    // A job's importance, as through `PUT /v1/jobs/{job}`.
+    let (s, v) = call(w.r(), put("job.j.importance", r#"{"value": "0.7"}"#)).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(
+        w.source
+            .catalog()
+            .job("j")
+            .await
+            .unwrap()
+            .unwrap()
+            .importance,
+        0.7
+    );
+    refused(
+        call(w.r(), put("job.j.importance", r#"{"value": 2}"#)).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &["importance"],
+    );
+}
+
 #[tokio::test]
 async fn transfer_actions_follow_the_state() {
     let w = with_source().await;
@@ -1148,6 +1222,10 @@ async fn tokens_never_reach_the_log() {
         ),
         (send("PUT", "/v1/links/l", r#"{"rate_bps": 5000000}"#), op),
         (
+            send("PUT", "/v1/settings/link.m.rate", r#"{"value": "7Mbit/s"}"#),
+            op,
+        ),
+        (
             send("PUT", "/v1/links/l", r#"{"rate_bps": 5000000}"#),
             reader,
         ),
@@ -1158,8 +1236,8 @@ async fn tokens_never_reach_the_log() {
         statuses.push(s);
     }
     assert_eq!(
-        statuses[..3],
-        [StatusCode::OK; 3],
+        statuses[..4],
+        [StatusCode::OK; 4],
         "the operator's requests"
     );
     let log = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
@@ -1178,6 +1256,12 @@ async fn tokens_never_reach_the_log() {
         mine.iter()
             .any(|l| l.contains("operator changed a transfer")),
         "the class change was not logged with its actor: {mine:?}"
+    );
+    assert!(
+        mine.iter().any(|l| l.contains("link rate cap changed")
+            && l.contains("link=\"m\"")
+            && l.contains("rate_bps=7000000")),
+        "the change through /v1/settings was not logged with its actor: {mine:?}"
     );
     for (_, t) in &toks {
         let secret = &t[auth::TOKEN_PREFIX.len()..];
@@ -1216,7 +1300,7 @@ async fn every_body_is_limited_and_validated_naming_the_field() {
             assert!(v["error"].is_string(), "{m} {path}: {v}");
         }
     }
-    assert_eq!(with_body, 6, "operations with a body");
+    assert_eq!(with_body, 7, "operations with a body");
 }
 
 #[tokio::test]

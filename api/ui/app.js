@@ -15,6 +15,7 @@ const ui = {
   expanded: new Set(), // transfer ids whose score terms are shown
   status: null,
   stream: null,        // AbortController of the event stream
+  settings: null,      // the answer of GET /v1/settings
 };
 
 // ---- formatting ------------------------------------------------------
@@ -109,6 +110,7 @@ async function connect() {
     ui.history = {};
     for (const l of first.links) ui.history[l.name] = l.history.slice();
     render(first);
+    loadSettings();
     const r = await fetch('/v1/events', { headers: headers(), signal: ctl.signal });
     if (!r.ok) {
       const d = await r.json().catch(() => null);
@@ -462,8 +464,11 @@ async function setRate(link, input) {
   if (!(mbps > 0)) { notice('Enter the new rate cap in Mbit/s.', true); return; }
   try {
     const l = await api('PUT', `/v1/links/${encodeURIComponent(link)}`, { rate_bps: Math.round(mbps * 1e6) });
-    notice(`Link ${link}: rate cap set to ${fmtRate(l.rate_bps)} (until the agent restarts).`);
+    const scope = ui.settings && ui.settings.shared
+      ? 'for every agent of the pool' : 'until the agent restarts';
+    notice(`Link ${link}: rate cap set to ${fmtRate(l.rate_bps)} (${scope}).`);
     input.value = '';
+    loadSettings();
   } catch (e) {
     notice(`Could not change link ${link}: ${e.status || ''} ${e.message}`, true);
   }
@@ -523,6 +528,53 @@ function renderReplicas(st) {
             fmtTime(r.published_at), fmtDur(r.commit_to_replica_s)];
   }));
 }
+
+// ---- settings (GET /v1/settings, every 5 s; not in the status stream) --
+
+async function loadSettings() {
+  if (!ui.status || !ui.status.roles.includes('source')) {
+    $('#settings-panel').hidden = true;
+    return;
+  }
+  try {
+    renderSettings(await api('GET', '/v1/settings'));
+  } catch (e) {
+    // The event stream reports an agent that does not answer.
+  }
+}
+
+function renderSettings(s) {
+  ui.settings = s;
+  $('#settings-panel').hidden = false;
+  $('#settings-note').textContent = s.shared
+    ? '· the pool\'s, stored in its catalog: a change reaches every agent'
+    : '· from this agent\'s config file (a single agent)';
+  fill($('#settings tbody'), s.items.map((i) => [
+    i.name, i.name.endsWith('.rate') ? fmtRate(i.value) : String(i.value), i.updated_by || 'config file']));
+  const sel = $('#setting-name');
+  const names = s.items.map((i) => i.name);
+  if ([...sel.options].map((o) => o.value).join() !== names.join()) {
+    sel.replaceChildren(...names.map((n) => el('option', { value: n }, n)));
+  }
+  // A single agent takes [scheduler] from its config; its links' caps
+  // change in the Links panel.
+  $('#setting-form').hidden = !canOperate() || !s.shared;
+}
+
+$('#setting-form').addEventListener('submit', async (ev) => {
+  ev.preventDefault();
+  const name = $('#setting-name').value;
+  const value = $('#setting-value').value.trim();
+  if (!value) { notice('Enter the new value of ' + name + '.', true); return; }
+  try {
+    renderSettings(await api('PUT', `/v1/settings/${encodeURIComponent(name)}`, { value }));
+    notice(`${name} set to ${value} for every agent of the pool.`);
+    $('#setting-value').value = '';
+  } catch (e) {
+    notice(`Could not set ${name}: ${e.status || ''} ${e.message}`, true);
+  }
+});
+setInterval(loadSettings, 5000);
 
 // ---- token -----------------------------------------------------------
 

@@ -11,6 +11,7 @@ pub mod hold;
 mod lock;
 pub mod metrics;
 pub mod pool;
+pub mod settings;
 pub mod sink;
 pub mod source;
 pub mod storage;

@@ -6,7 +6,7 @@
 //! commit. Chunks the sink already has are skipped; chunks it asks for
 //! again are re-read and re-sent.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -362,6 +362,9 @@ struct LinkState {
     /// of the pool run transfers on the link
     /// ([`scheduler::LinkScheduler::pool_fraction`]).
     fraction: AtomicU64,
+    /// Ids of the signals the link's scheduler has counted (each once,
+    /// whether this agent took it or another agent of the pool did).
+    signals: Mutex<BTreeSet<i64>>,
 }
 
 impl LinkState {
@@ -378,7 +381,29 @@ impl LinkState {
             .set_rate(dispatch::payload_rate(pace), ferry_catalog::now_ms());
         self.sched.poke();
     }
+
+    /// Counts signal `g` in the job's severity unless it was counted
+    /// already; true if it is new to the link.
+    fn count_signal(&self, g: &ferry_catalog::Signal) -> bool {
+        let mut seen = crate::lock::lock(&self.signals);
+        if !seen.insert(g.id) {
+            return false;
+        }
+        // Ids of signals long decayed need not be kept.
+        while seen.len() > MAX_SIGNAL_IDS {
+            seen.pop_first();
+        }
+        drop(seen);
+        self.sched
+            .lock()
+            .ls
+            .signal(&g.job, g.severity, g.received_at);
+        true
+    }
 }
+
+/// Signal ids a link remembers as counted (the newest are kept).
+const MAX_SIGNAL_IDS: usize = 10_000;
 
 /// The least rate an agent paces a link at when other agents of its pool
 /// take most of it, bit/s (1 Mbit/s): a transfer admitted between two
@@ -387,6 +412,9 @@ const MIN_PACE_BPS: u64 = 1_000_000;
 
 struct Inner {
     cfg: SourceConfig,
+    /// The scheduler's policy now: `cfg.policy`, or in a pool the
+    /// catalog's, changed while the agent runs ([`Source::set_policy`]).
+    policy: Mutex<scheduler::Policy>,
     catalog: Catalog,
     /// Where checkpoints are read.
     store: Arc<dyn SourceStore>,
@@ -410,6 +438,9 @@ struct Inner {
     holds: Arc<Holds>,
     /// This source's Prometheus registry.
     metrics: SourceMetrics,
+    /// Shared settings this agent could not use at the last read (each
+    /// logged once).
+    unusable_settings: Mutex<Vec<String>>,
     /// Taken by [`Source::set_link_rate`] from recording a rate to
     /// applying it.
     rate_changes: tokio::sync::Mutex<()>,
@@ -520,6 +551,7 @@ impl Source {
                     speak: Arc::new(AtomicU16::new(PROTOCOL_VERSION)),
                     cap: AtomicU64::new(l.rate_bps),
                     fraction: AtomicU64::new(1.0f64.to_bits()),
+                    signals: Mutex::new(BTreeSet::new()),
                 }),
             );
         }
@@ -529,6 +561,7 @@ impl Source {
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
         let inner = Arc::new(Inner {
+            policy: Mutex::new(cfg.policy.clone()),
             cfg,
             catalog,
             store: Arc::new(Posix),
@@ -543,6 +576,7 @@ impl Source {
             corrupt: AtomicU64::new(corrupt),
             holds: Arc::default(),
             metrics,
+            unusable_settings: Mutex::new(Vec::new()),
             rate_changes: tokio::sync::Mutex::new(()),
             bufs: BufPool::new(crate::bufpool::AGENT_POOL_BYTES),
         });
@@ -582,7 +616,15 @@ impl Source {
                 };
             }
         }
-        Ok(Source { inner })
+        let source = Source { inner };
+        if source.inner.catalog.dialect() == ferry_catalog::dialect::Dialect::Postgres {
+            let stop = source.inner.shutdown.clone();
+            source
+                .inner
+                .tasks
+                .spawn(crate::settings::follow(source.clone(), stop));
+        }
+        Ok(source)
     }
 
     /// Test hook: the next run of any transfer to reach `point` is held
@@ -715,20 +757,51 @@ impl Source {
     /// Changes a link's rate cap (bit/s) at run time: the scheduler's
     /// token bucket at once, the congestion controller of its connection on
     /// the next ack. The change is recorded in the catalog first (a `rate`
-    /// event, the cap's only durable record), then applied; it lasts until
-    /// the agent restarts. Returns false, recording nothing, for an unknown
-    /// link.
+    /// event), then applied. On a single agent's SQLite catalog it lasts
+    /// until the agent restarts; in a pool (PostgreSQL) it is also stored
+    /// as the pool's setting `link.NAME.rate`, kept across restarts, and
+    /// every agent of the pool applies it ([`crate::settings`]). Returns
+    /// false, recording nothing, for an unknown link.
     ///
     /// # Errors
     /// Catalog errors (the rate is left as it was), a rate of 0 among them
     /// ([`CatalogError::Invalid`]).
     pub async fn set_link_rate(&self, link: &str, rate_bps: u64) -> Result<bool, CatalogError> {
+        self.set_link_rate_as(link, rate_bps, "unknown").await
+    }
+
+    /// [`Source::set_link_rate`], with `by` (the API token's name)
+    /// recorded as the writer of the pool's setting.
+    ///
+    /// # Errors
+    /// As [`Source::set_link_rate`].
+    pub async fn set_link_rate_as(
+        &self,
+        link: &str,
+        rate_bps: u64,
+        by: &str,
+    ) -> Result<bool, CatalogError> {
         let Some(l) = self.inner.links.get(link) else {
             return Ok(false);
         };
         // Held from the record to the change, so concurrent changes reach
         // the link in the order they were recorded.
         let _order = self.inner.rate_changes.lock().await;
+        if self.inner.catalog.dialect() == ferry_catalog::dialect::Dialect::Postgres {
+            if rate_bps == 0 {
+                return Err(CatalogError::Invalid(
+                    "rate_bps must be at least 1 bit/s".into(),
+                ));
+            }
+            self.inner
+                .catalog
+                .put_setting(
+                    &crate::settings::link_rate_setting(link),
+                    &serde_json::json!(rate_bps),
+                    by,
+                )
+                .await?;
+        }
         self.inner.catalog.record_link_rate(link, rate_bps).await?;
         l.cap.store(rate_bps, Ordering::Relaxed);
         l.apply_rate();
@@ -794,9 +867,129 @@ impl Source {
             .map(|l| l.connections.load(Ordering::Relaxed))
     }
 
-    /// The scheduler's settings.
-    pub fn policy(&self) -> &scheduler::Policy {
-        &self.inner.cfg.policy
+    /// The scheduler's settings now: the config's, or in a pool the
+    /// catalog's (see [`crate::settings`]).
+    pub fn policy(&self) -> scheduler::Policy {
+        crate::lock::lock(&self.inner.policy).clone()
+    }
+
+    /// Runs the scheduler with `policy` from now on: every link's
+    /// scheduler re-scores its transfers, and the link workers admit by
+    /// the new limits at their next look at the queue. True if it
+    /// differs from the policy it replaces.
+    pub fn set_policy(&self, policy: scheduler::Policy) -> bool {
+        {
+            let mut p = crate::lock::lock(&self.inner.policy);
+            if *p == policy {
+                return false;
+            }
+            *p = policy.clone();
+        }
+        for l in self.inner.links.values() {
+            l.sched.lock().ls.set_policy(policy.clone());
+        }
+        self.wake_all();
+        true
+    }
+
+    /// Sets scheduler setting `name` (`scheduler.max_active`, ...; see
+    /// [`crate::settings::SCHEDULER_SETTINGS`]) to `value` (a JSON value,
+    /// or its text such as `"8"` or `"10m"`) for the whole pool: stored
+    /// in the catalog (its writer `by`, the API token's name), announced
+    /// to the other agents, and applied here at once.
+    ///
+    /// # Errors
+    /// [`OpsError::Conflict`] on a single agent's SQLite catalog (its
+    /// `[scheduler]` comes from its config file); [`OpsError::Invalid`]
+    /// naming the setting; catalog errors (nothing changes then).
+    pub async fn put_policy_setting(
+        &self,
+        name: &str,
+        value: &serde_json::Value,
+        by: &str,
+    ) -> Result<ferry_catalog::Setting, OpsError> {
+        let v = crate::settings::parse_value(name, value).map_err(OpsError::Invalid)?;
+        if self.inner.catalog.dialect() != ferry_catalog::dialect::Dialect::Postgres {
+            return Err(OpsError::Conflict(format!(
+                "{name}: a single agent (catalog in SQLite) takes [scheduler] from its config \
+                 file; shared settings need a pool's PostgreSQL catalog"
+            )));
+        }
+        let _order = self.inner.rate_changes.lock().await;
+        let mut p = self.policy();
+        crate::settings::apply_policy_setting(&mut p, name, &v).map_err(OpsError::Invalid)?;
+        let stored = self.inner.catalog.put_setting(name, &v, by).await?;
+        self.set_policy(p);
+        Ok(stored)
+    }
+
+    /// Reads the pool's shared settings and recent signals from the
+    /// catalog and applies what changed: the scheduler's policy, each
+    /// link's rate cap (not recorded again: the agent that changed it
+    /// did), and each signal no link of this agent counted yet (another
+    /// agent took it). Run every second and on each notification by
+    /// [`crate::settings::follow`] (PostgreSQL only).
+    ///
+    /// # Errors
+    /// Catalog errors (nothing is applied then).
+    pub async fn refresh_shared(&self) -> Result<(), CatalogError> {
+        let inner = &self.inner;
+        // Taken before the read: a change this agent is making is read
+        // after it is stored, never undone by an older read.
+        let _order = inner.rate_changes.lock().await;
+        let horizon = 20 * self.policy().severity_half_life_ms as i64;
+        let (stored, sigs) = inner
+            .catalog
+            .shared_state(ferry_catalog::now_ms() - horizon)
+            .await?;
+        let (policy, unusable) = crate::settings::policy_from(&inner.cfg.policy, &stored);
+        {
+            let mut known = crate::lock::lock(&inner.unusable_settings);
+            for e in unusable.iter().filter(|e| !known.contains(*e)) {
+                warn!(
+                    "the pool's catalog holds a value this agent cannot use; keeping its own: {e}"
+                );
+            }
+            *known = unusable;
+        }
+        if self.set_policy(policy.clone()) {
+            info!(
+                policy = policy.kind.as_str(),
+                max_active = policy.max_active,
+                "scheduler: the pool's settings changed; applied"
+            );
+        }
+        for s in &stored {
+            let Some(link) = crate::settings::link_of_setting(&s.name) else {
+                continue;
+            };
+            let (Some(l), Some(bps)) = (inner.links.get(link), s.value.as_u64()) else {
+                continue;
+            };
+            if bps > 0 && l.cap.load(Ordering::Relaxed) != bps {
+                l.cap.store(bps, Ordering::Relaxed);
+                l.apply_rate();
+                info!(
+                    link,
+                    rate_bps = bps,
+                    by = s.updated_by,
+                    "link rate cap: the pool's setting changed; applied"
+                );
+            }
+        }
+        let mut new = false;
+        for g in &sigs {
+            for l in inner.links.values() {
+                new |= l.count_signal(g);
+            }
+        }
+        if new {
+            // Scores changed, and the signal may have promoted a transfer
+            // to `urgent`: the link workers reload the queue and this
+            // agent's fraction of each link's budget now.
+            self.wake_all();
+        }
+        Ok(())
     }
 
     /// True if `job` is known: configured or set through the API (the
@@ -867,7 +1060,7 @@ impl Source {
             });
         }
         for l in inner.links.values() {
-            l.sched.lock().ls.signal(job, severity, sig.received_at);
+            l.count_signal(&sig);
         }
         let mut outcome = SignalOutcome {
             promoted: None,
@@ -877,7 +1070,7 @@ impl Source {
             new: true,
         };
         if let Some(t) = inner.catalog.newest_unpublished_transfer(job).await? {
-            let until = sig.received_at + inner.cfg.policy.urgent_for_ms as i64;
+            let until = sig.received_at + self.policy().urgent_for_ms as i64;
             inner.catalog.promote_urgent(t.id, until, sig.id).await?;
             inner.catalog.set_signal_transfer(sig.id, t.id).await?;
             sig.transfer = Some(t.id);
@@ -1126,8 +1319,9 @@ impl Source {
             }
             None => (None, 0.0),
         };
+        let policy = self.policy();
         let score = scheduler::score(
-            &self.inner.cfg.policy,
+            &policy,
             scheduler::ScoreInputs {
                 model_params: st.model_params,
                 importance: st.importance,
@@ -1136,7 +1330,7 @@ impl Source {
             },
         );
         Ranking {
-            policy: self.inner.cfg.policy.kind.as_str(),
+            policy: policy.kind.as_str(),
             class: st.class,
             promoted_until: t.urgent_until.filter(|u| *u > now),
             score: explained.map_or(score, |e| e.score),
@@ -1363,7 +1557,7 @@ async fn submit(
     // A small directory's size is known at once, so the scheduler can
     // start it beside the large ones (`[scheduler] small_transfer`); the
     // run's own listing stays what is sent.
-    let policy = &inner.cfg.policy;
+    let policy = crate::lock::lock(&inner.policy).clone();
     let small = if policy.max_small_active > 0 {
         let (limit, dir) = (policy.small_bytes, abs.clone());
         tokio::task::spawn_blocking(move || small_tree_size(&dir, limit))
@@ -1991,16 +2185,15 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
     let mut saved_at = tokio::time::Instant::now();
     let mut reconciled_at;
     // Signals still live after a restart raise their jobs' scores again.
-    let horizon = 20 * inner.cfg.policy.severity_half_life_ms as i64;
+    let horizon = 20 * crate::lock::lock(&inner.policy).severity_half_life_ms as i64;
     match inner
         .catalog
         .signals_since(ferry_catalog::now_ms() - horizon)
         .await
     {
         Ok(sigs) => {
-            let mut s = link.sched.lock();
-            for g in sigs {
-                s.ls.signal(&g.job, g.severity, g.received_at);
+            for g in &sigs {
+                link.count_signal(g);
             }
         }
         Err(e) => warn!(error = %e, "catalog: loading signals"),

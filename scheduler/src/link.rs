@@ -226,6 +226,16 @@ impl LinkScheduler {
         &self.policy
     }
 
+    /// Replaces the policy (a pool's shared `[scheduler]` changed): every
+    /// active transfer's score is computed again under it at the next
+    /// decision; ready chunks, signals and the rate cap are kept.
+    pub fn set_policy(&mut self, policy: Policy) {
+        self.policy = policy;
+        for e in self.entries.values_mut() {
+            e.scored_at = i64::MIN;
+        }
+    }
+
     /// The rate cap, bit/s.
     pub fn rate_bps(&self) -> u64 {
         self.bucket.rate_bps

@@ -4,7 +4,7 @@
 
 use ferry_proto::state::TransferId;
 use proptest::prelude::*;
-use scheduler::{Class, Decision, Floors, LinkScheduler, Policy, PolicyKind, Transfer};
+use scheduler::{Class, Decision, Floors, LinkScheduler, Policy, PolicyKind, Transfer, Weights};
 
 const MIB: u64 = 1 << 20;
 /// A rate no test reaches (bit/s), for properties that are not about it.
@@ -407,6 +407,57 @@ fn with_aging_off_admission_follows_the_score() {
         ..transfer(2, Class::Scheduled, 1.0, None)
     };
     assert_eq!(s.admit(&[old, new], 10_000_001), vec![TransferId(2)]);
+}
+
+/// A new policy (a pool's shared `[scheduler]` changed) applies at once:
+/// admission follows its `max_active`, and the active transfers' shares
+/// follow its weights.
+#[test]
+fn a_new_policy_applies_to_admission_and_shares_at_once() {
+    let policy = Policy {
+        max_active: 1,
+        ..Policy::default()
+    };
+    let mut s = LinkScheduler::new(policy.clone(), FAST, 100, 0);
+    let waiting: Vec<Transfer> = (1..=3)
+        .map(|i| transfer(i, Class::Scheduled, 0.0, None))
+        .collect();
+    assert_eq!(s.admit(&waiting, 0).len(), 1);
+    s.set_policy(Policy {
+        max_active: 3,
+        ..policy.clone()
+    });
+    assert_eq!(s.admit(&waiting, 0).len(), 3);
+
+    // Two active transfers, one important: with the importance weight
+    // at 0 they share alike; at its default the important one gets more.
+    let mut s = LinkScheduler::new(
+        Policy {
+            weights: Weights {
+                importance: 0.0,
+                ..Weights::default()
+            },
+            ..Policy::default()
+        },
+        FAST,
+        100,
+        0,
+    );
+    s.upsert(transfer(1, Class::Scheduled, 1.0, None), 0);
+    s.upsert(transfer(2, Class::Scheduled, 0.0, None), 0);
+    let share = |s: &LinkScheduler, id: u64| {
+        s.shares()
+            .into_iter()
+            .find(|(t, _)| *t == TransferId(id))
+            .map_or(0.0, |(_, x)| x)
+    };
+    let (a, b) = (share(&s, 1), share(&s, 2));
+    assert!((a - b).abs() < 1e-9, "{a} vs {b}");
+    s.set_policy(Policy::default());
+    // Scores are recomputed at the next decision.
+    s.next(1);
+    let (a, b) = (share(&s, 1), share(&s, 2));
+    assert!(a > b * 1.5, "{a} vs {b}");
 }
 
 /// Small transfers (size known, at most `small_bytes` left) do not count

@@ -9,7 +9,9 @@ use crate::{Catalog, CatalogError};
 
 /// The tables copied, parents first (`chunks` refers to `replicas`).
 /// `_sqlx_migrations` and `catalog_site` belong to the target; the
-/// catalog's id (`catalog_identity`) is carried over.
+/// catalog's id (`catalog_identity`) is carried over. `settings` is empty
+/// on SQLite (a single agent's settings are its config's, which seed the
+/// pool's at its first start on PostgreSQL).
 pub const COPIED_TABLES: [&str; 7] = [
     "transfers",
     "jobs",

@@ -7,10 +7,13 @@
 //! change ([`Catalog::reprioritise_transfer`]), pause, resume or cancel
 //! ([`Catalog::pause_transfer`], [`Catalog::resume_transfer`],
 //! [`Catalog::cancel_transfer`]), a job's size or importance changed
-//! ([`Catalog::put_job`], [`Catalog::sync_config_jobs`]), a signal
+//! ([`Catalog::put_job`], [`Catalog::sync_config_jobs`],
+//! [`Catalog::seed_config_jobs`]), a signal
 //! ([`Catalog::insert_signal`]) and a link's rate cap
 //! ([`Catalog::record_link_rate`], [`Catalog::sync_config_link_rates`];
-//! the rate lives in memory, so the row is its only record). A change that
+//! on a single agent the rate lives in memory, so the row is its only
+//! record; in a pool the `settings` table holds it too, see
+//! [`crate::settings`]). A change that
 //! fails writes no row, and a row is never written without its change.
 //!
 //! Not recorded: a signal's promotion of a transfer to `urgent` (a replay

@@ -180,7 +180,9 @@ impl Catalog {
     /// The row's origin becomes `api`: config file values no longer
     /// overwrite it, also after a restart. A new job, or a new size or
     /// importance, is recorded as a `job` event in the same transaction
-    /// (the same values again are not). Returns the row as stored.
+    /// (the same values again are not), and on PostgreSQL announced to
+    /// the pool (`settings` on [`crate::settings::POOL_CHANNEL`]).
+    /// Returns the row as stored.
     ///
     /// # Errors
     /// [`CatalogError::Invalid`] naming the field; SQL errors (nothing is
@@ -213,6 +215,7 @@ impl Catalog {
             .fetch_one(&mut *tx)
             .await?;
         let job = job_row(&r)?;
+        crate::settings::announce(self.db, &mut tx, crate::settings::payload::SETTINGS).await?;
         tx.commit().await?;
         Ok(job)
     }

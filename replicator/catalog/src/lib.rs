@@ -50,6 +50,7 @@ mod export;
 pub mod jobs;
 pub mod pool;
 pub mod replicas;
+pub mod settings;
 pub mod signals;
 #[cfg(test)]
 mod tests;
@@ -68,6 +69,7 @@ pub use pool::{AgentState, Beat, Claim, Heartbeat, LeaseRecord, PoolAgent};
 pub use replicas::{
     CheckpointMeta, NewReplica, Pin, PublishedReplica, Removal, RemovalReason, Replica, SourceTimes,
 };
+pub use settings::{PoolListener, Setting, POOL_CHANNEL};
 pub use signals::Signal;
 pub use transfers::{NewWatchedTransfer, ProgressNote, Transfer};
 pub use watches::{RootFingerprint, WatchClaim, WatchLease};
@@ -152,6 +154,9 @@ pub struct Catalog {
     db: Dialect,
     /// The catalog's id (`catalog_identity`), read at open.
     id: std::sync::Arc<str>,
+    /// The PostgreSQL catalog's address, for [`Catalog::listen_pool`]
+    /// (`None` on SQLite).
+    url: Option<PostgresUrl>,
     _lock: Option<std::sync::Arc<Flock<File>>>,
 }
 
@@ -268,6 +273,7 @@ impl Catalog {
             pool,
             db: Dialect::Sqlite,
             id: id.into(),
+            url: None,
             _lock: Some(std::sync::Arc::new(lock)),
         })
     }
@@ -328,6 +334,7 @@ impl Catalog {
             pool,
             db,
             id: id.into(),
+            url: Some(url.clone()),
             _lock: None,
         })
     }
@@ -385,6 +392,7 @@ impl Catalog {
             pool,
             db: Dialect::Sqlite,
             id: id.unwrap_or_default().into(),
+            url: None,
             _lock: None,
         })
     }

@@ -32,9 +32,10 @@ pub struct Signal {
     pub received_at: i64,
 }
 
-const SIGNAL_COLS: &str = "id, job, kind, severity, step, idempotency_key, transfer, received_at";
+pub(crate) const SIGNAL_COLS: &str =
+    "id, job, kind, severity, step, idempotency_key, transfer, received_at";
 
-fn signal_row(r: &AnyRow) -> Result<Signal, sqlx::Error> {
+pub(crate) fn signal_row(r: &AnyRow) -> Result<Signal, sqlx::Error> {
     Ok(Signal {
         id: r.try_get("id")?,
         job: r.try_get("job")?,
@@ -53,7 +54,9 @@ impl Catalog {
     /// first stored under that key is returned, whatever its job, kind or
     /// severity. The flag is true if the signal is new; a new signal is
     /// recorded as a `signal` event (job, kind, severity) in the same
-    /// transaction, a repeated one is not.
+    /// transaction, a repeated one is not. On PostgreSQL a new signal is
+    /// announced to the pool (`signal` on
+    /// [`crate::settings::POOL_CHANNEL`]), so every agent counts it.
     ///
     /// # Errors
     /// [`CatalogError::Invalid`] naming the field (job name, severity);
@@ -95,6 +98,8 @@ impl Catalog {
                 severity: sig.severity,
             };
             events::record(self.db, &mut tx, now, &change).await?;
+            // The pool's other agents raise the job's score too.
+            crate::settings::announce(self.db, &mut tx, crate::settings::payload::SIGNAL).await?;
             tx.commit().await?;
             return Ok((sig, true));
         }

@@ -130,6 +130,7 @@ macro_rules! both {
 
 mod events;
 mod pool;
+mod settings;
 
 #[tokio::test]
 async fn second_agent_on_one_data_dir_is_refused() {

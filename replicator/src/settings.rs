@@ -1,0 +1,511 @@
+//! The pool's shared settings as a source agent uses them
+//! (ARCHITECTURE.md, "Pool"): the scheduler's policy and each link's
+//! rate cap, stored in the catalog's `settings` table
+//! ([`ferry_catalog::settings`]) under the names of the config file's
+//! keys: `scheduler.max_active`, `scheduler.weights.severity`, ...,
+//! and `link.NAME.rate` (bit/s).
+//!
+//! On PostgreSQL (a pool) the catalog's values win: at start an agent
+//! writes its config's values only where the catalog has none
+//! ([`adopt`]), logs a warning naming each setting whose config value
+//! differs (with both values) and uses the catalog's. While it runs it
+//! reads the settings and the recent signals again about every second
+//! and at once when another agent announces a change on the catalog's
+//! notification channel ([`follow`]), so a change made through any
+//! agent's API reaches every agent of the pool. A single agent on SQLite
+//! keeps its config's values (none of this runs).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_catalog::dialect::Dialect;
+use ferry_catalog::{Catalog, CatalogError, Setting};
+use scheduler::{Policy, PolicyKind};
+use serde_json::{json, Value};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::source::Source;
+
+/// The scheduler's settings, by the name of their config key
+/// (`[scheduler]`), as stored in a pool's catalog.
+pub const SCHEDULER_SETTINGS: [&str; 13] = [
+    "scheduler.policy",
+    "scheduler.aging",
+    "scheduler.aging_cap",
+    "scheduler.severity_half_life",
+    "scheduler.urgent_for",
+    "scheduler.max_active",
+    "scheduler.small_transfer",
+    "scheduler.max_small_active",
+    "scheduler.weights.model_size",
+    "scheduler.weights.importance",
+    "scheduler.weights.severity",
+    "scheduler.floors.scheduled",
+    "scheduler.floors.background",
+];
+
+/// How often an agent of a pool reads the shared settings and recent
+/// signals again without a notification (1 s).
+pub const REFRESH: Duration = Duration::from_secs(1);
+
+/// The setting name of `link`'s rate cap: `link.NAME.rate`.
+pub fn link_rate_setting(link: &str) -> String {
+    format!("link.{link}.rate")
+}
+
+/// The link of a `link.NAME.rate` setting name.
+pub fn link_of_setting(name: &str) -> Option<&str> {
+    name.strip_prefix("link.")?.strip_suffix(".rate")
+}
+
+fn duration_value(ms: u64) -> Value {
+    json!(humantime::format_duration(Duration::from_millis(ms)).to_string())
+}
+
+/// `p` as settings, `(name, value)` in the order of
+/// [`SCHEDULER_SETTINGS`]: durations as strings (`"10m"`), the size of a
+/// small transfer in bytes.
+pub fn policy_settings(p: &Policy) -> Vec<(String, Value)> {
+    let values = [
+        json!(p.kind.as_str()),
+        duration_value(p.aging_ms),
+        json!(p.aging_cap),
+        duration_value(p.severity_half_life_ms),
+        duration_value(p.urgent_for_ms),
+        json!(p.max_active),
+        json!(p.small_bytes),
+        json!(p.max_small_active),
+        json!(p.weights.size),
+        json!(p.weights.importance),
+        json!(p.weights.severity),
+        json!(p.floors.scheduled),
+        json!(p.floors.background),
+    ];
+    SCHEDULER_SETTINGS
+        .iter()
+        .zip(values)
+        .map(|(n, v)| (n.to_string(), v))
+        .collect()
+}
+
+/// `v` as text: a string as it is, anything else as JSON.
+fn text(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        o => o.to_string(),
+    }
+}
+
+fn number(name: &str, v: &Value) -> Result<f64, String> {
+    let n = match v {
+        Value::Number(n) => n.as_f64(),
+        Value::String(s) => s.trim().parse::<f64>().ok(),
+        _ => None,
+    };
+    n.filter(|n| n.is_finite())
+        .ok_or_else(|| format!("{name} must be a number, got {}", text(v)))
+}
+
+fn whole(name: &str, v: &Value) -> Result<u64, String> {
+    let n = match v {
+        Value::Number(n) => n.as_u64(),
+        Value::String(s) => s.trim().parse::<u64>().ok(),
+        _ => None,
+    };
+    n.ok_or_else(|| format!("{name} must be a whole number, 0 or more, got {}", text(v)))
+}
+
+/// The canonical stored value of setting `name` from `v`, a JSON value
+/// or its text as typed (`"2Gbit/s"` or `"2Gbit"` for a rate, `"10m"`
+/// for a duration, `"16MiB"` for a size, `"8"` for a number).
+///
+/// # Errors
+/// A message naming the setting: an unknown name, or a value of the
+/// wrong kind. Ranges are checked by [`apply_policy_setting`] and by
+/// the link's rate bounds.
+pub fn parse_value(name: &str, v: &Value) -> Result<Value, String> {
+    if link_of_setting(name).is_some() {
+        let bps = match v {
+            Value::String(s) => {
+                let s = s.trim();
+                let full = if s.ends_with("bit") {
+                    format!("{s}/s")
+                } else {
+                    s.to_string()
+                };
+                ferry_proto::units::parse_rate(&full).map_err(|e| format!("{name}: {e}"))?
+            }
+            o => whole(name, o)?,
+        };
+        return Ok(json!(bps));
+    }
+    let key = name.strip_prefix("scheduler.").unwrap_or("");
+    match key {
+        "policy" => match text(v).trim() {
+            p @ ("priority" | "fifo") => Ok(json!(p)),
+            o => Err(format!(
+                "{name} must be \"priority\" or \"fifo\", got {o:?}"
+            )),
+        },
+        "aging" | "severity_half_life" | "urgent_for" => {
+            let d = humantime::parse_duration(text(v).trim())
+                .map_err(|e| format!("{name} must be a duration such as \"10m\": {e}"))?;
+            Ok(duration_value(d.as_millis().min(u64::MAX as u128) as u64))
+        }
+        "small_transfer" => match v {
+            Value::String(s) if s.trim().parse::<u64>().is_err() => {
+                let b =
+                    ferry_proto::units::parse_size(s.trim()).map_err(|e| format!("{name}: {e}"))?;
+                Ok(json!(b))
+            }
+            o => Ok(json!(whole(name, o)?)),
+        },
+        "max_active" | "max_small_active" => Ok(json!(whole(name, v)?)),
+        "aging_cap" | "weights.model_size" | "weights.importance" | "weights.severity"
+        | "floors.scheduled" | "floors.background" => Ok(json!(number(name, v)?)),
+        _ => Err(format!(
+            "unknown setting {name:?}: a pool shares {}, link.NAME.rate, job.NAME.importance \
+             and job.NAME.model_params",
+            SCHEDULER_SETTINGS.join(", ")
+        )),
+    }
+}
+
+/// Sets scheduler setting `name` of `p` to `v` (any form
+/// [`parse_value`] reads) and checks the whole policy
+/// ([`Policy::check`]).
+///
+/// # Errors
+/// A message naming the setting; `p` is left as it was.
+pub fn apply_policy_setting(p: &mut Policy, name: &str, v: &Value) -> Result<(), String> {
+    let v = parse_value(name, v)?;
+    let mut n = p.clone();
+    let ms = |v: &Value| -> Result<u64, String> {
+        let d = humantime::parse_duration(&text(v)).map_err(|e| format!("{name}: {e}"))?;
+        Ok(d.as_millis().min(u64::MAX as u128) as u64)
+    };
+    let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
+    let u = |v: &Value| v.as_u64().unwrap_or(u64::MAX);
+    match name.strip_prefix("scheduler.").unwrap_or("") {
+        "policy" => {
+            n.kind = if v == json!("fifo") {
+                PolicyKind::Fifo
+            } else {
+                PolicyKind::Priority
+            }
+        }
+        "aging" => n.aging_ms = ms(&v)?,
+        "severity_half_life" => n.severity_half_life_ms = ms(&v)?,
+        "urgent_for" => n.urgent_for_ms = ms(&v)?,
+        "aging_cap" => n.aging_cap = f(&v),
+        "max_active" => n.max_active = usize::try_from(u(&v)).unwrap_or(usize::MAX),
+        "small_transfer" => n.small_bytes = u(&v),
+        "max_small_active" => n.max_small_active = usize::try_from(u(&v)).unwrap_or(usize::MAX),
+        "weights.model_size" => n.weights.size = f(&v),
+        "weights.importance" => n.weights.importance = f(&v),
+        "weights.severity" => n.weights.severity = f(&v),
+        "floors.scheduled" => n.floors.scheduled = f(&v),
+        "floors.background" => n.floors.background = f(&v),
+        _ => return Err(format!("{name} is not a scheduler setting")),
+    }
+    n.check().map_err(|e| format!("scheduler.{e}"))?;
+    *p = n;
+    Ok(())
+}
+
+/// The policy of a pool: `base` (the agent's config) with each stored
+/// scheduler setting of `stored` applied, and what could not be: a
+/// stored value this agent cannot use (written by another release, or
+/// out of range) stays at `base`'s and is named in the second part
+/// (setting, value and why).
+pub fn policy_from(base: &Policy, stored: &[Setting]) -> (Policy, Vec<String>) {
+    let mut p = base.clone();
+    let mut unusable = Vec::new();
+    for s in stored
+        .iter()
+        .filter(|s| SCHEDULER_SETTINGS.contains(&s.name.as_str()))
+    {
+        if let Err(e) = apply_policy_setting(&mut p, &s.name, &s.value) {
+            unusable.push(format!("{} = {}: {e}", s.name, s.value));
+        }
+    }
+    (p, unusable)
+}
+
+/// A setting whose value in an agent's config differs from the pool's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Difference {
+    /// The setting (`scheduler.max_active`, `link.NAME.rate`,
+    /// `job.NAME.importance`, ...).
+    pub setting: String,
+    /// The config's value.
+    pub config: Value,
+    /// The catalog's value, which the agent uses.
+    pub catalog: Value,
+}
+
+/// Seeds a pool's catalog from an agent's config and adopts the
+/// catalog's values: the scheduler's `policy`, the rate caps of `links`
+/// (`(name, bit/s)`, changed in place) and `jobs` (`(name,
+/// model_params, importance)`) are written where the catalog has none
+/// (the first agent to start wins; `agent` is recorded as their writer);
+/// each config value that differs from the catalog's is logged as a
+/// warning naming the setting and both values. Returns the policy to
+/// run with and the differences.
+///
+/// # Errors
+/// Catalog errors, and values the catalog refuses (naming them).
+pub async fn adopt(
+    catalog: &Catalog,
+    agent: &str,
+    policy: &Policy,
+    links: &mut [(String, u64)],
+    jobs: &[(String, Option<f64>, f64)],
+) -> Result<(Policy, Vec<Difference>), CatalogError> {
+    let by = format!("config of {agent}");
+    let mut seed = policy_settings(policy);
+    for (l, bps) in links.iter() {
+        seed.push((link_rate_setting(l), json!(bps)));
+    }
+    let stored = catalog.seed_settings(&seed, &by).await?;
+    let mut diffs = Vec::new();
+    for (name, mine) in &seed {
+        let Some(s) = stored.iter().find(|s| &s.name == name) else {
+            continue;
+        };
+        let theirs = parse_value(name, &s.value).unwrap_or(s.value.clone());
+        if &theirs != mine {
+            diffs.push(Difference {
+                setting: name.clone(),
+                config: mine.clone(),
+                catalog: theirs,
+            });
+        }
+    }
+    let (policy, unusable) = policy_from(policy, &stored);
+    for e in &unusable {
+        warn!("the pool's catalog holds a value this agent cannot use; keeping its config's: {e}");
+    }
+    for (l, bps) in links.iter_mut() {
+        let name = link_rate_setting(l);
+        if let Some(v) = stored
+            .iter()
+            .find(|s| s.name == name)
+            .and_then(|s| s.value.as_u64())
+            .filter(|v| *v > 0)
+        {
+            *bps = v;
+        }
+    }
+    let held = catalog.seed_config_jobs(jobs).await?;
+    for (name, params, importance) in jobs {
+        let Some(j) = held.iter().find(|j| &j.name == name) else {
+            continue;
+        };
+        if j.importance != *importance {
+            diffs.push(Difference {
+                setting: format!("job.{name}.importance"),
+                config: json!(importance),
+                catalog: json!(j.importance),
+            });
+        }
+        let params = params.filter(|p| *p > 0.0);
+        if j.model_params != params {
+            diffs.push(Difference {
+                setting: format!("job.{name}.model_params"),
+                config: json!(params.unwrap_or(0.0)),
+                catalog: json!(j.model_params.unwrap_or(0.0)),
+            });
+        }
+    }
+    for d in &diffs {
+        warn!(
+            setting = d.setting,
+            config = %d.config,
+            catalog = %d.catalog,
+            "this agent's config differs from the pool's catalog; using the catalog's value \
+             (change it with `ferry pool set`)"
+        );
+    }
+    Ok((policy, diffs))
+}
+
+/// Keeps `source` in step with its pool's catalog until `stop`: reads
+/// the shared settings and recent signals ([`Source::refresh_shared`])
+/// every [`REFRESH`] and at once on a notification on the catalog's
+/// channel. The listener has a connection of its own; losing it stops
+/// nothing: the agent goes on reading every second and connects again.
+/// Does nothing on SQLite.
+pub async fn follow(source: Source, stop: CancellationToken) {
+    let catalog = source.catalog().clone();
+    if catalog.dialect() != Dialect::Postgres {
+        return;
+    }
+    let poke = Arc::new(Notify::new());
+    let listener = tokio::spawn(listen(catalog, poke.clone(), stop.clone()));
+    let mut tick = tokio::time::interval(REFRESH);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut failing = false;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = poke.notified() => {}
+            _ = stop.cancelled() => break,
+        }
+        let read = tokio::time::timeout(REFRESH * 5, source.refresh_shared());
+        match read.await {
+            Ok(Ok(())) => {
+                if failing {
+                    info!("shared settings: the catalog answers again");
+                }
+                failing = false;
+            }
+            Ok(Err(e)) if !failing => {
+                failing = true;
+                warn!(error = %e, "shared settings: cannot read the catalog; retrying every second");
+            }
+            Err(_) if !failing => {
+                failing = true;
+                warn!(
+                    "shared settings: the catalog did not answer within 5 s; retrying every second"
+                );
+            }
+            _ => {}
+        }
+    }
+    listener.abort();
+}
+
+/// Listens on the pool's channel, poking `poke` at each notification and
+/// when the connection was lost (something may have been missed);
+/// connects again after a failure, at most once a second.
+async fn listen(catalog: Catalog, poke: Arc<Notify>, stop: CancellationToken) {
+    let mut announced_down = false;
+    loop {
+        let attempt = tokio::select! {
+            r = catalog.listen_pool(Duration::from_secs(5)) => r,
+            _ = stop.cancelled() => return,
+        };
+        match attempt {
+            Ok(Some(mut l)) => {
+                if announced_down {
+                    info!("shared settings: listening for the pool's notifications again");
+                }
+                // Whatever was announced while not listening.
+                poke.notify_one();
+                loop {
+                    let r = tokio::select! {
+                        r = l.recv() => r,
+                        _ = stop.cancelled() => return,
+                    };
+                    match r {
+                        Ok(Some(_)) => poke.notify_one(),
+                        Ok(None) => {
+                            warn!("shared settings: the notification connection was lost; connecting again (the settings are read every second meanwhile)");
+                            poke.notify_one();
+                        }
+                        Err(e) => {
+                            warn!(error = %e, "shared settings: the notification connection failed; reading every second until it is back");
+                            announced_down = true;
+                            break;
+                        }
+                    }
+                }
+            }
+            Ok(None) => return,
+            Err(e) => {
+                if !announced_down {
+                    warn!(error = %e, "shared settings: cannot listen for the pool's notifications; reading every second meanwhile");
+                    announced_down = true;
+                }
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            _ = stop.cancelled() => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn policy_round_trips_through_its_settings() {
+        let mut p = Policy {
+            kind: PolicyKind::Fifo,
+            max_active: 9,
+            aging_ms: 90_000,
+            ..Policy::default()
+        };
+        p.weights.severity = 3.5;
+        let mut q = Policy::default();
+        for (n, v) in policy_settings(&p) {
+            apply_policy_setting(&mut q, &n, &v).unwrap();
+        }
+        assert_eq!(q, p);
+    }
+
+    #[test]
+    fn typed_values_are_read_and_bad_ones_named() {
+        assert_eq!(
+            parse_value("link.to-eval.rate", &json!("2Gbit")).unwrap(),
+            json!(2_000_000_000u64)
+        );
+        assert_eq!(
+            parse_value("link.x.rate", &json!("250Mbit/s")).unwrap(),
+            json!(250_000_000u64)
+        );
+        assert_eq!(
+            parse_value("scheduler.max_active", &json!("8")).unwrap(),
+            json!(8)
+        );
+        assert_eq!(
+            parse_value("scheduler.aging", &json!("600s")).unwrap(),
+            json!("10m")
+        );
+        assert_eq!(
+            parse_value("scheduler.small_transfer", &json!("1MiB")).unwrap(),
+            json!(1u64 << 20)
+        );
+        let e = parse_value("scheduler.nope", &json!(1)).unwrap_err();
+        assert!(e.contains("unknown setting \"scheduler.nope\""), "{e}");
+        let e = parse_value("scheduler.max_active", &json!("many")).unwrap_err();
+        assert!(e.starts_with("scheduler.max_active"), "{e}");
+        let mut p = Policy::default();
+        let e = apply_policy_setting(&mut p, "scheduler.max_active", &json!(0)).unwrap_err();
+        assert!(
+            e.starts_with("scheduler.max_active must be from 1 to 64"),
+            "{e}"
+        );
+        assert_eq!(p, Policy::default());
+    }
+
+    #[test]
+    fn stored_values_this_agent_cannot_use_keep_its_own_and_are_named() {
+        let row = |name: &str, value: Value| Setting {
+            name: name.into(),
+            value,
+            updated_at: 0,
+            updated_by: "x".into(),
+        };
+        let stored = [
+            row("scheduler.max_active", json!(9)),
+            row("scheduler.aging_cap", json!(0.5)),
+            row("scheduler.from_a_newer_release", json!(1)),
+            row("link.l.rate", json!(5)),
+        ];
+        let (p, unusable) = policy_from(&Policy::default(), &stored);
+        assert_eq!(p.max_active, 9);
+        assert_eq!(p.aging_cap, Policy::default().aging_cap);
+        assert_eq!(unusable.len(), 1, "{unusable:?}");
+        assert!(
+            unusable[0].starts_with("scheduler.aging_cap = 0.5: "),
+            "{unusable:?}"
+        );
+    }
+}
