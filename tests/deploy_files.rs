@@ -17,9 +17,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use common::pg::*;
 use common::*;
 use ferry::config::{Config, Role};
-use sqlx::Connection;
 
 /// The repository root (the `ferry` crate's manifest directory).
 fn repo() -> PathBuf {
@@ -387,33 +387,6 @@ impl Exposed {
     }
 }
 
-/// The test server's URL; the test fails (never skips) without it.
-fn pg_url() -> String {
-    std::env::var("FERRY_TEST_PG_URL").unwrap_or_else(|_| {
-        panic!(
-            "FERRY_TEST_PG_URL is not set: this test needs a PostgreSQL server; run it through \
-             ops/test (or ops/with-test-pg cargo test ...), which starts one"
-        )
-    })
-}
-
-/// Runs `sql` on the test server's maintenance database.
-async fn pg_admin(sql: &str) {
-    let mut c = sqlx::PgConnection::connect(&pg_url()).await.unwrap();
-    sqlx::query(sql).execute(&mut c).await.unwrap();
-    c.close().await.unwrap();
-}
-
-/// A fresh database on the test server, named after `name` and this
-/// process; its URL.
-async fn fresh_db(name: &str) -> String {
-    let name = format!("ferry_deploy_{name}_{}", std::process::id());
-    pg_admin(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).await;
-    pg_admin(&format!("CREATE DATABASE {name}")).await;
-    let url = pg_url();
-    format!("{}/{name}", url.rsplit_once('/').unwrap().0)
-}
-
 /// Every `ferry_*` metric that `ops/prometheus/ferry-alerts.yml` and
 /// `ops/grafana/ferry-dashboard.json` use is exposed by a running source
 /// or sink agent (a rule on a metric that does not exist never fires).
@@ -423,7 +396,10 @@ async fn fresh_db(name: &str) -> String {
 /// series before.
 #[tokio::test]
 async fn every_metric_the_alerts_and_dashboard_use_exists_on_running_agents() {
-    let (src_db, sink_db) = (fresh_db("source").await, fresh_db("sink").await);
+    let (src_db, sink_db) = (
+        fresh_db("deploy_source").await,
+        fresh_db("deploy_sink").await,
+    );
     let w = World::new("deploy-metrics").await;
     let ckpt = w.source_root().join("step_000100");
     w.gen(&ckpt, "1MB").await;

@@ -10,51 +10,9 @@ mod common;
 
 use std::time::Duration;
 
+use common::pg::*;
 use common::*;
 use sqlx::Connection;
-
-/// The test server's URL; the test fails (never skips) without it.
-fn pg_url() -> String {
-    std::env::var("FERRY_TEST_PG_URL").unwrap_or_else(|_| {
-        panic!(
-            "FERRY_TEST_PG_URL is not set: this test needs a PostgreSQL server; run it through \
-             ops/test (or ops/with-test-pg cargo test ...), which starts one"
-        )
-    })
-}
-
-/// `url` with database `name`.
-fn with_db(url: &str, name: &str) -> String {
-    let (server, _) = url.rsplit_once('/').unwrap();
-    format!("{server}/{name}")
-}
-
-/// A fresh database on the test server; its URL.
-async fn fresh_db(name: &str) -> String {
-    let url = pg_url();
-    let name = format!("ferry_e2e_{name}_{}", std::process::id());
-    let mut c = sqlx::PgConnection::connect(&url).await.unwrap();
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-        .execute(&mut c)
-        .await
-        .unwrap();
-    sqlx::query(&format!("CREATE DATABASE {name}"))
-        .execute(&mut c)
-        .await
-        .unwrap();
-    c.close().await.unwrap();
-    with_db(&url, &name)
-}
-
-async fn drop_db(url: &str) {
-    let name = url.rsplit_once('/').unwrap().1;
-    let mut c = sqlx::PgConnection::connect(&pg_url()).await.unwrap();
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-        .execute(&mut c)
-        .await
-        .unwrap();
-    c.close().await.unwrap();
-}
 
 /// One column of one row, as text.
 async fn one(url: &str, sql: &str) -> String {
@@ -70,7 +28,7 @@ async fn one(url: &str, sql: &str) -> String {
 /// database is refused.
 #[tokio::test]
 async fn an_agent_s_sqlite_catalog_moves_to_postgres() {
-    let db = fresh_db("migrate").await;
+    let db = fresh_db("e2e_migrate").await;
     let w = World::new("pgmigrate").await;
     let ckpt = w.source_root().join("step_000200");
     w.gen(&ckpt, "2MB").await;
@@ -133,8 +91,8 @@ async fn an_agent_s_sqlite_catalog_moves_to_postgres() {
 /// in that URL is not printed.
 #[tokio::test]
 async fn agents_on_postgres_catalogs_replicate_and_another_site_is_refused() {
-    let src_db = fresh_db("src").await;
-    let sink_db = fresh_db("sink").await;
+    let src_db = fresh_db("e2e_src").await;
+    let sink_db = fresh_db("e2e_sink").await;
     let w = World::new("pgcat").await;
     let ckpt = w.source_root().join("step_000100");
     w.gen(&ckpt, "5MB").await;

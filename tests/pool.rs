@@ -13,47 +13,13 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
+use common::pg::*;
 use common::*;
 use serde_json::Value;
 use sqlx::{Connection, Row};
 
 /// The second source agent of the site.
 const SOURCE_2: &str = "train-a-2";
-
-fn pg_url() -> String {
-    std::env::var("FERRY_TEST_PG_URL").unwrap_or_else(|_| {
-        panic!(
-            "FERRY_TEST_PG_URL is not set: this test needs a PostgreSQL server; run it through \
-             ops/test (or ops/with-test-pg cargo test ...), which starts one"
-        )
-    })
-}
-
-/// A fresh database on the test server; its URL.
-async fn fresh_db(name: &str) -> String {
-    let url = pg_url();
-    let name = format!("ferry_pool_{name}_{}", std::process::id());
-    let mut c = sqlx::PgConnection::connect(&url).await.unwrap();
-    for q in [
-        format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
-        format!("CREATE DATABASE {name}"),
-    ] {
-        sqlx::query(&q).execute(&mut c).await.unwrap();
-    }
-    c.close().await.unwrap();
-    let (server, _) = url.rsplit_once('/').unwrap();
-    format!("{server}/{name}")
-}
-
-async fn drop_db(url: &str) {
-    let name = url.rsplit_once('/').unwrap().1;
-    let mut c = sqlx::PgConnection::connect(&pg_url()).await.unwrap();
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-        .execute(&mut c)
-        .await
-        .unwrap();
-    c.close().await.unwrap();
-}
 
 /// One lease of the catalog's history.
 #[derive(Debug, Clone)]
@@ -131,7 +97,7 @@ async fn site_with(
     tweak: impl Fn(&mut AgentConfig),
     b_wrap: &[String],
 ) -> Site {
-    let db = fresh_db(name).await;
+    let db = fresh_db(&format!("pool_{name}")).await;
     w.certs("certs", &[SOURCE_NAME, SOURCE_2, SINK_NAME]).await;
     let sink = w.start_agent("sink", w.sink_config(), &[]).await;
     let relay = w.start_relay(&sink.cfg.quic_listen, rate).await;

@@ -14,6 +14,7 @@ mod common;
 
 use std::time::Duration;
 
+use common::pg::*;
 use common::*;
 use serde_json::Value;
 use sqlx::Connection;
@@ -25,41 +26,6 @@ const SOURCE_2: &str = "train-a-2";
 /// it within about a second (at once on a notification); generous for
 /// a loaded machine.
 const PROPAGATION: Duration = Duration::from_secs(20);
-
-fn pg_url() -> String {
-    std::env::var("FERRY_TEST_PG_URL").unwrap_or_else(|_| {
-        panic!(
-            "FERRY_TEST_PG_URL is not set: this test needs a PostgreSQL server; run it through \
-             ops/test (or ops/with-test-pg cargo test ...), which starts one"
-        )
-    })
-}
-
-/// A fresh database on the test server; its URL.
-async fn fresh_db(name: &str) -> String {
-    let url = pg_url();
-    let name = format!("ferry_settings_{name}_{}", std::process::id());
-    let mut c = sqlx::PgConnection::connect(&url).await.unwrap();
-    for q in [
-        format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
-        format!("CREATE DATABASE {name}"),
-    ] {
-        sqlx::query(&q).execute(&mut c).await.unwrap();
-    }
-    c.close().await.unwrap();
-    let (server, _) = url.rsplit_once('/').unwrap();
-    format!("{server}/{name}")
-}
-
-async fn drop_db(url: &str) {
-    let name = url.rsplit_once('/').unwrap().1;
-    let mut c = sqlx::PgConnection::connect(&pg_url()).await.unwrap();
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-        .execute(&mut c)
-        .await
-        .unwrap();
-    c.close().await.unwrap();
-}
 
 /// The value `agent` uses for setting `name` (`GET /v1/settings`).
 async fn setting(w: &World, agent: &Agent, name: &str) -> Value {
@@ -114,7 +80,7 @@ async fn wait_setting(w: &World, agent: &Agent, name: &str, want: Value) {
 #[tokio::test]
 async fn the_catalog_wins_and_changes_and_signals_reach_every_agent() {
     let w = World::new("pool_settings").await;
-    let db = fresh_db("wins").await;
+    let db = fresh_db("settings_wins").await;
     w.certs("certs", &[SOURCE_NAME, SOURCE_2]).await;
     // Nobody listens here: transfers stay queued.
     let peer = format!("127.0.0.1:{}", free_udp_port());

@@ -7,6 +7,8 @@
 //! is bounded and fails through [`World::fail`], which appends the tail of
 //! every agent's stderr to the panic message.
 
+pub mod pg;
+
 use std::collections::{BTreeMap, HashSet};
 use std::fmt::Display;
 use std::fs::{self, File, OpenOptions};
