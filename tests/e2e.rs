@@ -627,21 +627,7 @@ async fn source_killed_while_a_checkpoint_is_written_resumes_it() {
         .await;
     let root = w.source_root();
     // 24 MB at 48 Mbit/s: the save takes about 4 s.
-    let mut gen = tokio::process::Command::new(FERRY)
-        .args(["gen", "--out", root.to_str().unwrap(), "--format", "dcp"])
-        .args([
-            "--step",
-            "700",
-            "--size",
-            "24MB",
-            "--write-rate",
-            "48Mbit/s",
-        ])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let mut gen = w.spawn_dcp_save(&root, "700", "24MB", "48Mbit/s");
     let ckpt = root.join("step_00000700");
     let path = ckpt.to_str().unwrap().to_string();
     w.wait_until("the watcher to start streaming", TRANSFER, async || {

@@ -693,21 +693,7 @@ async fn watched_checkpoint_moves_to_the_other_agent(drain: bool) {
         (&mut site.b, &site.a)
     };
     // 40 MB at 40 Mbit/s: the save takes about 8 s.
-    let mut gen = tokio::process::Command::new(FERRY)
-        .args(["gen", "--out", root.to_str().unwrap(), "--format", "dcp"])
-        .args([
-            "--step",
-            "700",
-            "--size",
-            "40MB",
-            "--write-rate",
-            "40Mbit/s",
-        ])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let mut gen = w.spawn_dcp_save(&root, "700", "40MB", "40Mbit/s");
     let ckpt = root.join("step_00000700");
     let path = ckpt.to_str().unwrap().to_string();
     w.wait_until(

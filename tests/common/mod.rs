@@ -607,6 +607,27 @@ impl World {
         self.ensure(out.success(), || format!("ferry gen failed: {out}"));
     }
 
+    /// Starts `ferry gen --out ROOT --format dcp --step STEP --size SIZE
+    /// --write-rate RATE` in the background: a DCP save written at a
+    /// training job's pace, for the watcher to follow while it grows
+    /// (`ROOT/step_<STEP, 8 digits>`). Killed if dropped.
+    pub fn spawn_dcp_save(
+        &self,
+        root: &Path,
+        step: &str,
+        size: &str,
+        rate: &str,
+    ) -> tokio::process::Child {
+        tokio::process::Command::new(FERRY)
+            .args(["gen", "--out", root.to_str().unwrap(), "--format", "dcp"])
+            .args(["--step", step, "--size", size, "--write-rate", rate])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap_or_else(|e| self.fail(format!("cannot start ferry gen: {e}")))
+    }
+
     /// `ferry push PATH --server <source API> [EXTRA...]`.
     pub async fn push(&self, source: &Agent, path: &Path, extra: &[&str]) -> CmdOutput {
         let url = source.url();
