@@ -156,18 +156,25 @@ impl Catalog {
             self.db.now_ms()
         );
         let rows = sqlx::query(&q).fetch_all(&self.pool).await?;
-        Ok(rows
-            .iter()
-            .map(|r| {
-                Ok(WatchLease {
-                    root: r.try_get("root")?,
-                    holder: r.try_get("holder")?,
-                    live: r.try_get::<i64, _>("live")? != 0,
-                    lease_until: r.try_get("lease_until")?,
-                    epoch: r.try_get("lease_epoch")?,
-                })
-            })
-            .collect::<Result<_, sqlx::Error>>()?)
+        Ok(rows.iter().map(watch_row).collect::<Result<_, _>>()?)
+    }
+
+    /// The watch of `root`, if any agent ever claimed it.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn watch(&self, root: &str) -> Result<Option<WatchLease>, CatalogError> {
+        let q = format!(
+            "SELECT root, holder, lease_until, lease_epoch, \
+             CASE WHEN lease_until >= {} THEN 1 ELSE 0 END AS live \
+             FROM watches WHERE root = ?",
+            self.db.now_ms()
+        );
+        let r = sqlx::query(&self.db.sql(&q))
+            .bind(root)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.as_ref().map(watch_row).transpose()?)
     }
 
     /// Records agent `agent`'s fingerprint of `root` (replacing its
@@ -244,4 +251,14 @@ impl Catalog {
             })
             .collect::<Result<_, sqlx::Error>>()?)
     }
+}
+
+fn watch_row(r: &sqlx::any::AnyRow) -> Result<WatchLease, sqlx::Error> {
+    Ok(WatchLease {
+        root: r.try_get("root")?,
+        holder: r.try_get("holder")?,
+        live: r.try_get::<i64, _>("live")? != 0,
+        lease_until: r.try_get("lease_until")?,
+        epoch: r.try_get("lease_epoch")?,
+    })
 }

@@ -1,10 +1,11 @@
 //! Watching a source root in a pool: one agent at a time, under a lease.
 //!
 //! Every source agent of a pool configured with a root runs one
-//! supervisor for it. Each heartbeat interval the supervisor records the
-//! agent's fingerprint of the root in the catalog (see [`fingerprint`]),
-//! and, while the agent watches nothing of it, claims the root's watch
-//! lease ([`ferry_catalog::Catalog::claim_watch`]); the agent that holds
+//! supervisor for it. Each heartbeat interval the supervisor reads who
+//! watches the root; every [`LOOK_EVERY`], and at every heartbeat while
+//! nobody holds a live watch of it, it records the agent's fingerprint
+//! of the root in the catalog (see [`fingerprint`]) and, while the agent
+//! does not watch it, claims the root's watch lease ([`ferry_catalog::Catalog::claim_watch`]); the agent that holds
 //! it runs the watcher ([`super::watcher`]) on the root. A watch whose
 //! holder stops heartbeating lapses after the lease timeout and another
 //! agent takes it over: its watcher adopts the transfers of the
@@ -34,6 +35,11 @@ pub const FINGERPRINT_FILES: usize = 100;
 /// Files modified less than this long before a fingerprint is taken are
 /// left out of it (10 s): files being written differ between two looks.
 pub const FINGERPRINT_SETTLE: Duration = Duration::from_secs(10);
+
+/// How often an agent refreshes its fingerprint of a root while nothing
+/// can change hands (it watches the root, or another agent's lease on it
+/// is live): 15 s. Without a live watcher it looks at every heartbeat.
+pub const LOOK_EVERY: Duration = Duration::from_secs(15);
 
 /// One file of a fingerprint: path relative to the root, size in bytes,
 /// mtime in Unix ms.
@@ -174,6 +180,7 @@ pub(super) async fn supervise_root(
     let mut watching: Option<Watching> = None;
     let mut refused: Option<String> = None;
     let mut failing = false;
+    let mut last_look: Option<Instant> = None;
     loop {
         tokio::select! {
             _ = tick.tick() => {}
@@ -202,7 +209,39 @@ pub(super) async fn supervise_root(
                 }
             }
         }
-        let result = look(&inner, &root, &key, &me, watching.is_some()).await;
+        // Who holds the watch now decides whether there is anything to
+        // do before the next periodic look: while this agent watches the
+        // root, or another agent's lease on it is live, nobody can claim
+        // it, so the fingerprint is only refreshed every LOOK_EVERY.
+        let lease = match catalog.watch(&key).await {
+            Ok(l) => l,
+            Err(e) => {
+                if !failing {
+                    warn!(root = key, "cannot read the root's watch: {e}");
+                    failing = true;
+                }
+                continue;
+            }
+        };
+        let holder = lease
+            .as_ref()
+            .and_then(|l| l.holder.clone())
+            .filter(|h| *h != me);
+        let other_live = holder.is_some() && lease.as_ref().is_some_and(|l| l.live);
+        let due = last_look.is_none_or(|t: Instant| t.elapsed() >= LOOK_EVERY);
+        if !due && (watching.is_some() || other_live) {
+            continue;
+        }
+        last_look = Some(Instant::now());
+        let result = look(
+            &inner,
+            &root,
+            &key,
+            &me,
+            watching.is_some(),
+            holder.as_deref(),
+        )
+        .await;
         let verdict = match result {
             Ok(v) => {
                 if failing {
@@ -291,25 +330,18 @@ async fn look(
     key: &str,
     me: &str,
     holding: bool,
+    holder: Option<&str>,
 ) -> Result<Option<String>, String> {
     let catalog = &inner.catalog;
     let others = catalog
         .root_fingerprints(Some(key))
         .await
         .map_err(|e| format!("catalog: {e}"))?;
-    let holder = catalog
-        .watches()
-        .await
-        .map_err(|e| format!("catalog: {e}"))?
-        .into_iter()
-        .find(|w| w.root == key)
-        .and_then(|w| w.holder)
-        .filter(|h| h != me);
     let reference = if holding {
         None
     } else {
-        match &holder {
-            Some(h) => others.iter().find(|f| &f.agent == h),
+        match holder {
+            Some(h) => others.iter().find(|f| f.agent == h),
             None => others
                 .iter()
                 .filter(|f| f.agent != me && f.refused.is_none())

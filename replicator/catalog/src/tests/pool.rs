@@ -329,6 +329,8 @@ async fn one_agent_watches_a_root_and_another_takes_the_watch_over(c: Catalog) {
     assert_eq!(a.iter().find(|x| x.name == "a").unwrap().watches, 1);
     let w = c.watches().await.unwrap();
     assert_eq!(w.len(), 2);
+    assert_eq!(c.watch("/ckpt").await.unwrap().as_ref(), Some(&w[0]));
+    assert_eq!(c.watch("/never").await.unwrap(), None);
     assert_eq!(
         (w[0].root.as_str(), w[0].holder.as_deref(), w[0].live),
         ("/ckpt", Some("a"), true)
