@@ -802,11 +802,33 @@ fn age_files(dir: &std::path::Path) {
 /// `unshare --mount`), as `ops/test` runs.
 #[tokio::test]
 async fn an_agent_that_sees_other_storage_at_the_root_refuses_to_watch_it() {
-    let w = World::new("pool-fingerprint").await;
+    other_storage_at_the_root(false).await;
+}
+
+/// As above, with an empty directory over the root (a missing mount):
+/// even if the agent that sees nothing took the watch first, it gives it
+/// up to the agent that sees the files, which watches the root in the
+/// end.
+#[tokio::test]
+async fn an_agent_with_a_missing_mount_never_keeps_the_watch() {
+    other_storage_at_the_root(true).await;
+}
+
+async fn other_storage_at_the_root(empty: bool) {
+    let w = World::new(if empty {
+        "pool-missing-mount"
+    } else {
+        "pool-fingerprint"
+    })
+    .await;
     let root = w.source_root();
     w.gen(&root.join("step_000100"), "1MB").await;
     let elsewhere = w.root.join("elsewhere");
-    w.gen(&elsewhere.join("step_000100"), "2MB").await;
+    if empty {
+        std::fs::create_dir_all(&elsewhere).unwrap();
+    } else {
+        w.gen(&elsewhere.join("step_000100"), "2MB").await;
+    }
     age_files(&root);
     age_files(&elsewhere);
     let key = std::fs::canonicalize(&root)
@@ -829,14 +851,36 @@ async fn an_agent_that_sees_other_storage_at_the_root_refuses_to_watch_it() {
     .collect();
     let mut site = site_with(
         &w,
-        "fingerprint",
+        if empty {
+            "missing_mount"
+        } else {
+            "fingerprint"
+        },
         "200Mbit/s",
         |_, db| db.to_string(),
         watcher_on,
         &wrap,
     )
     .await;
-    let holder = watcher_of(&w, &site.a, &key).await;
+    let mut holder = watcher_of(&w, &site.a, &key).await;
+    if empty {
+        // The agent that sees nothing gives the watch up (it looks every
+        // 15 s while it holds it) to the one that sees the files.
+        holder = w
+            .wait_until(
+                "the agent that sees the files to watch the root",
+                Duration::from_secs(60),
+                async || {
+                    let v = watch_of(&w, &site.a, &key).await;
+                    if v["holder"] == SOURCE_NAME && v["live"] == true {
+                        Ok(SOURCE_NAME.to_string())
+                    } else {
+                        Err(format!("{v}"))
+                    }
+                },
+            )
+            .await;
+    }
     let refuser = if holder == SOURCE_NAME {
         SOURCE_2
     } else {
@@ -856,8 +900,13 @@ async fn an_agent_that_sees_other_storage_at_the_root_refuses_to_watch_it() {
             },
         )
         .await;
-    w.ensure(s(&v, "reason").contains("step_000100"), || {
-        format!("the reason should name the file that differs: {v}")
+    let named = if empty {
+        "sees 0 settled file"
+    } else {
+        "step_000100"
+    };
+    w.ensure(s(&v, "reason").contains(named), || {
+        format!("the reason should say {named:?}: {v}")
     });
     let out = w
         .ferry(

@@ -313,6 +313,20 @@ impl Membership {
         }
     }
 
+    /// Resolves once the agent may no longer watch `root`, whose watch
+    /// it claimed at `claimed` (see [`Membership::holds_watch`]), checked
+    /// every [`FENCE_CHECK`].
+    pub async fn watch_lost(&self, root: &str, claimed: Instant) {
+        let mut tick = tokio::time::interval(FENCE_CHECK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if !self.holds_watch(root, claimed) {
+                return;
+            }
+        }
+    }
+
     /// Resolves when the agent's standing changes (a heartbeat failed or
     /// came back, a drain, a lease not renewed).
     pub async fn changed(&self) {

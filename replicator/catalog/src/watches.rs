@@ -55,6 +55,8 @@ pub struct RootFingerprint {
     pub cutoff_ms: i64,
     /// When it was recorded, Unix ms (database clock).
     pub recorded_at: i64,
+    /// How long ago it was recorded, ms (database clock).
+    pub age_ms: i64,
     /// Why the agent refuses to watch the root (`None`: it agrees with
     /// the watching agent's, or had nothing to compare with).
     pub refused: Option<String>,
@@ -219,7 +221,10 @@ impl Catalog {
         &self,
         root: Option<&str>,
     ) -> Result<Vec<RootFingerprint>, CatalogError> {
-        let cols = "root, agent, entries, cutoff_ms, recorded_at, refused";
+        let cols = format!(
+            "root, agent, entries, cutoff_ms, recorded_at, refused, {} - recorded_at AS age_ms",
+            self.db.now_ms()
+        );
         let rows = match root {
             Some(r) => {
                 sqlx::query(&self.db.sql(&format!(
@@ -246,6 +251,7 @@ impl Catalog {
                     entries: r.try_get("entries")?,
                     cutoff_ms: r.try_get("cutoff_ms")?,
                     recorded_at: r.try_get("recorded_at")?,
+                    age_ms: r.try_get("age_ms")?,
                     refused: r.try_get("refused")?,
                 })
             })

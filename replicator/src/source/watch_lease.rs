@@ -118,7 +118,7 @@ pub fn same_storage(mine: &[FingerprintEntry], theirs: &[FingerprintEntry]) -> R
     }
     if mine.is_empty() || theirs.is_empty() {
         return Err(format!(
-            "this agent sees {} settled file(s) there, the watching agent {}",
+            "this agent sees {} settled file(s) there, the other agent {}",
             mine.len(),
             theirs.len()
         ));
@@ -128,8 +128,9 @@ pub fn same_storage(mine: &[FingerprintEntry], theirs: &[FingerprintEntry]) -> R
         if let Some((_, s, m)) = theirs.iter().find(|(n, _, _)| n == name) {
             if (s, m) != (size, mtime) {
                 return Err(format!(
-                    "{name}: {size} bytes, mtime {mtime} ms here; {s} bytes, mtime {m} ms at \
-                     the watching agent"
+                    "{name}: {size} bytes modified at {} here; {s} bytes modified at {} there",
+                    show_ms(*mtime),
+                    show_ms(*m)
                 ));
             }
             common += 1;
@@ -137,14 +138,19 @@ pub fn same_storage(mine: &[FingerprintEntry], theirs: &[FingerprintEntry]) -> R
     }
     if common == 0 {
         return Err(format!(
-            "none of the first {} files here (from {:?}) is among the watching agent's (from \
-             {:?})",
+            "none of the first {} files here (from {:?}) is among the other agent's (from {:?})",
             mine.len(),
             mine[0].0,
             theirs[0].0
         ));
     }
     Ok(())
+}
+
+/// A Unix-ms time as RFC 3339 (UTC, milliseconds).
+fn show_ms(ms: i64) -> String {
+    let t = UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64);
+    humantime::format_rfc3339_millis(t).to_string()
 }
 
 /// The watcher this agent runs on a root while it holds the root's
@@ -157,10 +163,50 @@ struct Watching {
 }
 
 impl Watching {
+    /// Starts the watcher on `root`, and its fence: the watcher is
+    /// stopped within [`crate::pool::FENCE_CHECK`] of the agent no longer
+    /// holding the watch, whatever the supervisor is waiting on.
+    fn start(
+        inner: &Arc<Inner>,
+        root: &RootConfig,
+        timing: &WatchTiming,
+        pool: &Membership,
+    ) -> Self {
+        let stop = inner.shutdown.child_token();
+        let claimed = Instant::now();
+        let task = tokio::spawn(watcher::watch_root(
+            inner.clone(),
+            root.clone(),
+            timing.clone(),
+            stop.clone(),
+        ));
+        let (fence_pool, fence_stop) = (pool.clone(), stop.clone());
+        let key = root.path.to_string_lossy().into_owned();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = fence_pool.watch_lost(&key, claimed) => fence_stop.cancel(),
+                _ = fence_stop.cancelled() => {}
+            }
+        });
+        Watching {
+            stop,
+            task,
+            claimed,
+        }
+    }
+
     async fn end(self) {
         self.stop.cancel();
         let _ = self.task.await;
     }
+}
+
+/// Why a look at a root failed.
+enum LookError {
+    /// The root could not be listed (gone, unmounted, no permission).
+    Root(String),
+    /// The catalog did not answer, or holds a value that does not parse.
+    Catalog(String),
 }
 
 /// Supervises `root` in `pool` until the agent stops (see the module
@@ -174,12 +220,16 @@ pub(super) async fn supervise_root(
     let key = root.path.to_string_lossy().into_owned();
     let me = pool.name().to_string();
     let catalog = inner.catalog.clone();
-    let lease_ms = pool.config().lease_timeout.as_millis() as i64;
-    let mut tick = tokio::time::interval(pool.config().heartbeat_interval);
+    let cfg = pool.config();
+    let lease_ms = cfg.lease_timeout.as_millis() as i64;
+    let mut tick = tokio::time::interval(cfg.heartbeat_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut watching: Option<Watching> = None;
     let mut refused: Option<String> = None;
-    let mut failing = false;
+    let mut failing: Option<String> = None;
+    // Since when the root cannot be listed (it is released after the
+    // lease timeout of that).
+    let mut unreadable_since: Option<Instant> = None;
     let mut last_look: Option<Instant> = None;
     loop {
         tokio::select! {
@@ -197,15 +247,7 @@ pub(super) async fn supervise_root(
                 if lost {
                     warn!(root = key, "lost the watch of this root (its lease was not renewed in time): stopped watching");
                 } else if drained {
-                    match catalog.release_watch(&key, &me).await {
-                        Ok(_) => info!(
-                            root = key,
-                            "drained: released the watch of this root to the other agents"
-                        ),
-                        Err(e) => {
-                            warn!(root = key, error = %e, "drained: stopped watching; releasing the watch in the catalog failed (it lapses after the lease timeout)")
-                        }
-                    }
+                    release(&catalog, &key, &me, "drained").await;
                 }
             }
         }
@@ -216,47 +258,62 @@ pub(super) async fn supervise_root(
         let lease = match catalog.watch(&key).await {
             Ok(l) => l,
             Err(e) => {
-                if !failing {
-                    warn!(root = key, "cannot read the root's watch: {e}");
-                    failing = true;
-                }
+                note_failure(
+                    &key,
+                    &mut failing,
+                    format!("cannot read the root's watch: {e}"),
+                );
                 continue;
             }
         };
-        let holder = lease
+        let other_live = lease
             .as_ref()
-            .and_then(|l| l.holder.clone())
-            .filter(|h| *h != me);
-        let other_live = holder.is_some() && lease.as_ref().is_some_and(|l| l.live);
+            .is_some_and(|l| l.live && l.holder.as_deref().is_some_and(|h| h != me));
         let due = last_look.is_none_or(|t: Instant| t.elapsed() >= LOOK_EVERY);
-        if !due && (watching.is_some() || other_live) {
+        if !due && unreadable_since.is_none() && (watching.is_some() || other_live) {
             continue;
         }
         last_look = Some(Instant::now());
-        let result = look(
+        let verdict = match look(
             &inner,
             &root,
             &key,
             &me,
             watching.is_some(),
-            holder.as_deref(),
+            lease.as_ref(),
+            cfg,
         )
-        .await;
-        let verdict = match result {
+        .await
+        {
             Ok(v) => {
-                if failing {
+                if failing.take().is_some() {
                     info!(root = key, "the root's fingerprint is recorded again");
-                    failing = false;
                 }
+                unreadable_since = None;
                 v
             }
-            Err(e) => {
-                if !failing {
-                    warn!(
-                        root = key,
-                        "cannot take or record the root's fingerprint: {e}"
-                    );
-                    failing = true;
+            Err(LookError::Catalog(e)) => {
+                note_failure(
+                    &key,
+                    &mut failing,
+                    format!("cannot record the root's fingerprint: {e}"),
+                );
+                continue;
+            }
+            Err(LookError::Root(e)) => {
+                note_failure(&key, &mut failing, e.clone());
+                let since = *unreadable_since.get_or_insert_with(Instant::now);
+                // Said in the catalog, so `ferry pool` shows it and no other
+                // agent takes this agent's view for a reference.
+                let why = format!("cannot list the root: {e}");
+                let _ = catalog
+                    .record_root_fingerprint(&key, &me, "[]", now_ms(), Some(&why))
+                    .await;
+                if watching.is_some() && since.elapsed() >= cfg.lease_timeout {
+                    if let Some(w) = watching.take() {
+                        w.end().await;
+                    }
+                    release(&catalog, &key, &me, "the root cannot be listed").await;
                 }
                 continue;
             }
@@ -265,8 +322,8 @@ pub(super) async fn supervise_root(
             match &verdict {
                 Some(why) => warn!(
                     root = key,
-                    "not watching this root: it does not look like the storage the watching agent \
-                     sees at that path ({why}); every source agent of a pool must read the same \
+                    "not watching this root: it does not look like the storage the other agents \
+                     see at that path ({why}); every source agent of a pool must read the same \
                      storage there"
                 ),
                 None if refused.is_some() => {
@@ -276,7 +333,14 @@ pub(super) async fn supervise_root(
             }
             refused = verdict;
         }
-        if watching.is_some() || refused.is_some() || !pool.may_claim() {
+        if refused.is_some() {
+            if let Some(w) = watching.take() {
+                w.end().await;
+                release(&catalog, &key, &me, "its view of the root differs").await;
+            }
+            continue;
+        }
+        if watching.is_some() || !pool.may_claim() {
             continue;
         }
         match catalog.claim_watch(&key, &me, lease_ms).await {
@@ -297,18 +361,7 @@ pub(super) async fn supervise_root(
                         "holding the watch of this root"
                     ),
                 }
-                let stop = inner.shutdown.child_token();
-                let task = tokio::spawn(watcher::watch_root(
-                    inner.clone(),
-                    root.clone(),
-                    timing.clone(),
-                    stop.clone(),
-                ));
-                watching = Some(Watching {
-                    stop,
-                    task,
-                    claimed: Instant::now(),
-                });
+                watching = Some(Watching::start(&inner, &root, &timing, &pool));
             }
             Ok(None) => {}
             Err(e) => warn!(root = key, error = %e, "claiming the watch of this root"),
@@ -319,70 +372,163 @@ pub(super) async fn supervise_root(
     }
 }
 
+/// Logs `why` once until it changes (a failure repeated every heartbeat
+/// is one line).
+fn note_failure(key: &str, failing: &mut Option<String>, why: String) {
+    if failing.as_deref() != Some(why.as_str()) {
+        warn!(root = key, "{why}");
+        *failing = Some(why);
+    }
+}
+
+/// Releases this agent's watch of `key` in the catalog (the watcher was
+/// stopped), saying `why` in the log.
+async fn release(catalog: &ferry_catalog::Catalog, key: &str, me: &str, why: &str) {
+    match catalog.release_watch(key, me).await {
+        Ok(_) => info!(
+            root = key,
+            "{why}: released the watch of this root to the other agents"
+        ),
+        Err(e) => {
+            warn!(root = key, error = %e, "{why}: stopped watching; releasing the watch in the catalog failed (it lapses after the lease timeout)")
+        }
+    }
+}
+
 /// Takes this agent's fingerprint of the root and records it, with its
-/// verdict against the watching agent's (or, when nobody holds the watch,
-/// the newest other agent's). `holding`: this agent watches the root
-/// (its view is the reference; it compares with nobody). The verdict:
-/// `Some(why)` when this agent must not watch the root.
+/// verdict; `Some(why)` when this agent must not watch the root.
+///
+/// - An agent that does not hold the watch compares with the watching
+///   agent's fingerprint while that agent's lease is live, else with the
+///   newest fingerprint of another agent that does not refuse the root.
+///   A reference recorded within `lease_timeout + LOOK_EVERY` is compared
+///   strictly, at its cutoff ([`same_storage`]); an older one (its agent
+///   may be long gone, and retention may have deleted every file it
+///   listed) only refuses on evidence: this agent sees no settled file
+///   where it saw some, or a file both list differs.
+/// - The watching agent keeps its view unless it sees no settled file
+///   while another agent's fresh fingerprint lists some (a missing
+///   mount under the watching agent).
 async fn look(
     inner: &Inner,
     root: &RootConfig,
     key: &str,
     me: &str,
     holding: bool,
-    holder: Option<&str>,
-) -> Result<Option<String>, String> {
+    lease: Option<&ferry_catalog::WatchLease>,
+    cfg: crate::pool::PoolConfig,
+) -> Result<Option<String>, LookError> {
     let catalog = &inner.catalog;
-    let others = catalog
+    let others: Vec<_> = catalog
         .root_fingerprints(Some(key))
         .await
-        .map_err(|e| format!("catalog: {e}"))?;
+        .map_err(|e| LookError::Catalog(e.to_string()))?
+        .into_iter()
+        .filter(|f| f.agent != me)
+        .collect();
+    let fresh_ms = (cfg.lease_timeout + LOOK_EVERY).as_millis() as i64;
+    let parse = |r: &ferry_catalog::RootFingerprint| {
+        serde_json::from_str::<Vec<FingerprintEntry>>(&r.entries).map_err(|e| {
+            LookError::Catalog(format!(
+                "agent {}'s recorded fingerprint does not parse: {e}",
+                r.agent
+            ))
+        })
+    };
+    let live_holder = lease
+        .filter(|l| l.live)
+        .and_then(|l| l.holder.as_deref())
+        .filter(|h| *h != me);
     let reference = if holding {
         None
     } else {
-        match holder {
+        match live_holder {
             Some(h) => others.iter().find(|f| f.agent == h),
             None => others
                 .iter()
-                .filter(|f| f.agent != me && f.refused.is_none())
+                .filter(|f| f.refused.is_none())
                 .max_by_key(|f| f.recorded_at),
         }
     };
+    let theirs = reference.map(|r| parse(r).map(|e| (r, e))).transpose()?;
     let cutoff = now_ms() - FINGERPRINT_SETTLE.as_millis() as i64;
-    let theirs = reference
-        .map(|r| {
-            serde_json::from_str::<Vec<FingerprintEntry>>(&r.entries)
-                .map(|e| (r.agent.clone(), r.cutoff_ms, e))
-                .map_err(|e| {
-                    format!(
-                        "agent {}'s recorded fingerprint does not parse: {e}",
-                        r.agent
-                    )
-                })
-        })
-        .transpose()?;
     let path = root.path.clone();
-    let compare_at = theirs.as_ref().map(|t| t.1);
+    let compare_at = theirs.as_ref().map(|(r, _)| r.cutoff_ms);
     let (mine, mine_then) = tokio::task::spawn_blocking(move || {
         let mine = fingerprint(&path, cutoff)?;
         let then = compare_at.map(|c| fingerprint(&path, c)).transpose()?;
         Ok::<_, std::io::Error>((mine, then))
     })
     .await
-    .map_err(|e| format!("fingerprint task: {e}"))?
-    .map_err(|e| format!("cannot list {}: {e}", root.path.display()))?;
-    let verdict = match (theirs, mine_then) {
-        (Some((agent, _, entries)), Some(m)) => same_storage(&m, &entries)
-            .err()
-            .map(|why| format!("differs from agent {agent}'s: {why}")),
-        _ => None,
+    .map_err(|e| LookError::Root(format!("fingerprint task: {e}")))?
+    .map_err(|e| LookError::Root(format!("cannot list {}: {e}", root.path.display())))?;
+    let verdict = if holding {
+        let mut seen = None;
+        if mine.is_empty() {
+            for f in others.iter().filter(|f| f.age_ms <= fresh_ms) {
+                let n = parse(f)?.len();
+                if n > 0 {
+                    seen = Some((f.agent.clone(), n));
+                    break;
+                }
+            }
+        }
+        seen.map(|(agent, n)| {
+            format!("this agent sees no settled file there, agent {agent} sees {n}")
+        })
+    } else {
+        match (theirs, mine_then) {
+            (Some((r, entries)), Some(then)) if r.age_ms <= fresh_ms => {
+                same_storage(&then, &entries)
+                    .err()
+                    .map(|why| format!("differs from agent {}'s: {why}", r.agent))
+            }
+            (Some((r, entries)), _) => no_contradiction(&mine, &entries).err().map(|why| {
+                format!(
+                    "differs from agent {}'s fingerprint of {} s ago: {why}",
+                    r.agent,
+                    r.age_ms / 1000
+                )
+            }),
+            _ => None,
+        }
     };
-    let entries = serde_json::to_string(&mine).map_err(|e| e.to_string())?;
+    let entries = serde_json::to_string(&mine).map_err(|e| LookError::Catalog(e.to_string()))?;
     catalog
         .record_root_fingerprint(key, me, &entries, cutoff, verdict.as_deref())
         .await
-        .map_err(|e| format!("catalog: {e}"))?;
+        .map_err(|e| LookError::Catalog(e.to_string()))?;
     Ok(verdict)
+}
+
+/// The check against an old fingerprint (its files may have been deleted
+/// since, and others written): `mine` must list some file if `theirs`
+/// did, and no file both list may differ in size or mtime.
+///
+/// # Errors
+/// What contradicts it.
+pub fn no_contradiction(
+    mine: &[FingerprintEntry],
+    theirs: &[FingerprintEntry],
+) -> Result<(), String> {
+    if mine.is_empty() && !theirs.is_empty() {
+        return Err(format!(
+            "this agent sees no settled file there, that agent saw {}",
+            theirs.len()
+        ));
+    }
+    for (name, size, mtime) in mine {
+        if let Some((_, s, m)) = theirs.iter().find(|(n, _, _)| n == name) {
+            if (s, m) != (size, mtime) {
+                return Err(format!(
+                    "{name}: {size} bytes modified at {} here; {s} bytes modified at {} there",
+                    show_ms(*mtime),
+                    show_ms(*m)
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -410,6 +556,21 @@ mod tests {
             .contains("none of"));
         assert!(same_storage(&a, &[]).is_err());
         assert!(same_storage(&[], &a).is_err());
+    }
+
+    #[test]
+    fn an_old_fingerprint_refuses_only_on_evidence() {
+        let old = vec![e("s1/a", 1, 10), e("s1/b", 2, 11)];
+        // Every file it listed deleted since, others written: agrees.
+        assert_eq!(no_contradiction(&[e("s9/a", 5, 90)], &old), Ok(()));
+        assert_eq!(no_contradiction(&[], &[]), Ok(()));
+        // Nothing seen where it saw files, or a common file changed.
+        assert!(no_contradiction(&[], &old)
+            .unwrap_err()
+            .contains("no settled file"));
+        assert!(no_contradiction(&[e("s1/b", 3, 11)], &old)
+            .unwrap_err()
+            .starts_with("s1/b"));
     }
 
     #[test]

@@ -256,12 +256,17 @@ fn scan_dir(
 
 /// Files directly in the root (markers beside checkpoint directories) and
 /// the names of its subdirectories.
-fn scan_root(root: &Path, format: Option<Format>) -> (Vec<FileState>, Vec<String>) {
+///
+/// # Errors
+/// The root cannot be listed (gone, unmounted, no permission): the pass
+/// is skipped, so nothing under it is judged deleted.
+fn scan_root(
+    root: &Path,
+    format: Option<Format>,
+) -> std::io::Result<(Vec<FileState>, Vec<String>)> {
     let mut files = Vec::new();
     let mut dirs = Vec::new();
-    let Ok(rd) = std::fs::read_dir(root) else {
-        return (files, dirs);
-    };
+    let rd = std::fs::read_dir(root)?;
     for e in rd.flatten() {
         let Some(name) = e.file_name().to_str().map(str::to_owned) else {
             continue;
@@ -287,7 +292,7 @@ fn scan_root(root: &Path, format: Option<Format>) -> (Vec<FileState>, Vec<String
         }
     }
     dirs.sort();
-    (files, dirs)
+    Ok((files, dirs))
 }
 
 /// Watches `root` until `stop` is cancelled (the agent stops, or, in a
@@ -302,7 +307,12 @@ pub(super) async fn watch_root(
     stop: CancellationToken,
 ) {
     let mut views = HashMap::new();
-    follow(&inner, &root, timing, &stop, &mut views).await;
+    // Cancelled at once, even in the middle of a catalog call that waits
+    // on a database that does not answer.
+    tokio::select! {
+        _ = follow(&inner, &root, timing, &stop, &mut views) => {}
+        _ = stop.cancelled() => {}
+    }
     let mut v = crate::lock::lock(&inner.views);
     for id in views.keys() {
         v.remove(id);
@@ -416,6 +426,7 @@ async fn follow(
     drop(tx);
     info!(root = %root.path.display(), job = root.job, mode = ?root.watch.mode, start = ?root.watch.start, "watching for checkpoints");
     let mut next_full = tokio::time::Instant::now();
+    let mut unreadable = false;
     loop {
         // A full pass scans every checkpoint directory (the safety net:
         // missed events, idle timeouts, quiet periods); the passes between
@@ -433,7 +444,10 @@ async fn follow(
         let pass = tokio::task::spawn_blocking({
             let (path, fmt, closed) = (root.path.clone(), root.watch.format, closed.clone());
             move || {
-                let (siblings, dirs) = scan_root(&path, fmt);
+                let (siblings, dirs) = match scan_root(&path, fmt) {
+                    Ok(r) => r,
+                    Err(e) => return (core, Err(e)),
+                };
                 let closed = crate::lock::lock(&closed).clone();
                 let scanned = dirs
                     .iter()
@@ -445,7 +459,7 @@ async fn follow(
                     dirs,
                     scanned,
                 };
-                (core, scan)
+                (core, Ok(scan))
             }
         })
         .await;
@@ -453,6 +467,27 @@ async fn follow(
             return;
         };
         core = back;
+        let scan = match scan {
+            Ok(scan) => {
+                if unreadable {
+                    info!(root = %root.path.display(), "the root can be listed again");
+                    unreadable = false;
+                }
+                scan
+            }
+            Err(e) => {
+                if !unreadable {
+                    warn!(root = %root.path.display(), "cannot list the root ({e}): skipping its scans until it can (nothing under it counts as deleted meanwhile)");
+                    unreadable = true;
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(timing.rescan) => {}
+                    _ = stop.cancelled() => return,
+                }
+                next_full = tokio::time::Instant::now();
+                continue;
+            }
+        };
         let answers = answers(inner, root, &core.questions(&scan)).await;
         let now = Now {
             at,
