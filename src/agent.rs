@@ -75,7 +75,7 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
     let catalog = match cfg.catalog_url(ov.catalog_url_env.as_deref())? {
         Some(url) => {
             tracing::info!(catalog = %url, site = %cfg.agent.site, "catalog in PostgreSQL");
-            Catalog::open_postgres(&url, &cfg.agent.site).await?
+            open_postgres_waiting(&url, &cfg.agent.site).await?
         }
         None => Catalog::open(&cfg.agent.data_dir).await?,
     };
@@ -342,6 +342,39 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
         stop_api,
         api_task,
     })
+}
+
+/// How long an agent waits at start for a PostgreSQL catalog whose
+/// server does not answer (it may be starting with the host), retrying
+/// every 2 s: 2 minutes. A server that answers with a refusal (login,
+/// database, site, schema) fails at once.
+pub const CATALOG_START_WAIT: Duration = Duration::from_secs(120);
+
+/// Opens the PostgreSQL catalog, waiting up to [`CATALOG_START_WAIT`]
+/// for a server that does not answer yet.
+async fn open_postgres_waiting(
+    url: &ferry_catalog::PostgresUrl,
+    site: &str,
+) -> Result<Catalog, ferry_catalog::CatalogError> {
+    let until = std::time::Instant::now() + CATALOG_START_WAIT;
+    let mut said = false;
+    loop {
+        match Catalog::open_postgres(url, site).await {
+            Err(e @ ferry_catalog::CatalogError::Unreachable { .. })
+                if std::time::Instant::now() < until =>
+            {
+                if !said {
+                    tracing::warn!(
+                        "{e}; retrying every 2 s for up to {}",
+                        humantime::format_duration(CATALOG_START_WAIT)
+                    );
+                    said = true;
+                }
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+            r => return r,
+        }
+    }
 }
 
 /// `https://ADDR` or `http://ADDR` (IPv6 in brackets).

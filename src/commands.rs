@@ -686,6 +686,10 @@ pub fn render_pool(out: &Value) -> String {
             "; its catalog does not answer: {}",
             text(out, "catalog_error")
         );
+    } else if let Some(e) = out["catalog_error"].as_str() {
+        // The catalog answers but refuses this agent (e.g. another
+        // process runs under its name).
+        s += &format!("; this agent is not in the pool: {e}");
     }
     s += ")\n";
     let mut rows = vec![vec![

@@ -204,7 +204,9 @@ function render(st) {
 
 function renderPool(st) {
   const agents = st.pool || [];
-  $('#pool-panel').hidden = agents.length === 0;
+  // Shown also while the catalog does not answer (no agents then): the
+  // note says so.
+  $('#pool-panel').hidden = agents.length === 0 && st.catalog_up !== false;
   $('#pool-note').textContent = st.catalog_up ? '' : '· this agent\'s catalog does not answer: it claims nothing';
   fill($('#pool tbody'), agents.map((a) => [
     a.name + (a.name === st.agent ? ' (this agent)' : ''), a.role,

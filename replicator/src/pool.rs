@@ -64,6 +64,19 @@ impl PoolConfig {
                 self.heartbeat_interval
             ));
         }
+        if self.heartbeat_interval > Duration::from_secs(60) {
+            return Err(format!(
+                "pool.heartbeat_interval ({:?}) must be at most 1m",
+                self.heartbeat_interval
+            ));
+        }
+        if self.lease_timeout > Duration::from_secs(600) {
+            return Err(format!(
+                "pool.lease_timeout ({:?}) must be at most 10m: a dead agent's transfers and \
+                 watches wait that long for another agent",
+                self.lease_timeout
+            ));
+        }
         if self.lease_timeout < Duration::from_secs(1) {
             return Err(format!(
                 "pool.lease_timeout ({:?}) must be at least 1s",
@@ -482,5 +495,43 @@ impl Membership {
             }
         }
         crate::metrics::encode(&self.inner.registry)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn cfg(hb_ms: u64, lease_ms: u64) -> PoolConfig {
+        PoolConfig {
+            heartbeat_interval: Duration::from_millis(hb_ms),
+            lease_timeout: Duration::from_millis(lease_ms),
+        }
+    }
+
+    #[test]
+    fn pool_timing_is_bounded_both_ways() {
+        assert_eq!(PoolConfig::default().check(), Ok(()));
+        assert_eq!(cfg(100, 1_000).check(), Ok(()));
+        assert_eq!(cfg(60_000, 600_000).check(), Ok(()));
+        for (bad, named) in [
+            (cfg(99, 10_000), "heartbeat_interval"),
+            (cfg(60_001, 600_000), "heartbeat_interval"),
+            (cfg(100, 999), "lease_timeout"),
+            (cfg(2_000, 5_999), "three heartbeat intervals"),
+            (cfg(2_000, 600_001), "at most 10m"),
+            // Far out of range: refused, no overflow.
+            (
+                PoolConfig {
+                    heartbeat_interval: Duration::MAX,
+                    lease_timeout: Duration::MAX,
+                },
+                "heartbeat_interval",
+            ),
+        ] {
+            let e = bad.check().unwrap_err();
+            assert!(e.contains(named), "{bad:?}: {e}");
+        }
     }
 }

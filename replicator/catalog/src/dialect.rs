@@ -357,9 +357,14 @@ pub const POSTGRES_CONNECT_TIMEOUT_S: u64 = 15;
 /// A message (its password redacted) when the server cannot be reached
 /// within [`POSTGRES_CONNECT_TIMEOUT_S`], refuses the login, or the
 /// database does not exist.
-pub(crate) async fn open_postgres(url: &PostgresUrl) -> Result<AnyPool, String> {
+///
+/// The error says also whether the server did not answer at all (no
+/// connection, refused, timed out: it may be starting), as opposed to
+/// answering with a refusal (login, database).
+pub(crate) async fn open_postgres(url: &PostgresUrl) -> Result<AnyPool, (String, bool)> {
     sqlx::any::install_default_drivers();
-    let opts = AnyConnectOptions::from_str(url.secret()).map_err(|e| url.redact(&e.to_string()))?;
+    let opts = AnyConnectOptions::from_str(url.secret())
+        .map_err(|e| (url.redact(&e.to_string()), false))?;
     // One connection first, so that a wrong address or password fails at
     // once instead of after the pool's acquire timeout.
     let first = tokio::time::timeout(
@@ -367,18 +372,26 @@ pub(crate) async fn open_postgres(url: &PostgresUrl) -> Result<AnyPool, String> 
         AnyConnection::connect_with(&opts),
     )
     .await
-    .map_err(|_| format!("no answer within {POSTGRES_CONNECT_TIMEOUT_S} s"))?
-    .map_err(|e| url.redact(&e.to_string()))?;
+    .map_err(|_| {
+        (
+            format!("no answer within {POSTGRES_CONNECT_TIMEOUT_S} s"),
+            true,
+        )
+    })?
+    .map_err(|e| {
+        let unanswered = matches!(e, sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut);
+        (url.redact(&e.to_string()), unanswered)
+    })?;
     first
         .close()
         .await
-        .map_err(|e| url.redact(&e.to_string()))?;
+        .map_err(|e| (url.redact(&e.to_string()), true))?;
     AnyPoolOptions::new()
         .max_connections(8)
         .acquire_timeout(Duration::from_secs(10))
         .connect_with(opts)
         .await
-        .map_err(|e| url.redact(&e.to_string()))
+        .map_err(|e| (url.redact(&e.to_string()), true))
 }
 
 #[cfg(test)]

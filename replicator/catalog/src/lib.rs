@@ -104,6 +104,16 @@ pub enum CatalogError {
         /// What went wrong.
         why: String,
     },
+    /// The PostgreSQL catalog's server does not answer (no connection,
+    /// refused, timed out): it may be starting. Password redacted as in
+    /// [`CatalogError::Database`].
+    #[error("catalog {url}: {why}")]
+    Unreachable {
+        /// The catalog's URL, password redacted.
+        url: String,
+        /// What went wrong.
+        why: String,
+    },
     /// The PostgreSQL catalog belongs to another site: one database holds
     /// one site's catalog.
     #[error(
@@ -284,7 +294,8 @@ impl Catalog {
     /// of one site may share the database.
     ///
     /// # Errors
-    /// [`CatalogError::Database`] (URL and message without the password)
+    /// [`CatalogError::Unreachable`] when the server does not answer at
+    /// all; [`CatalogError::Database`] (URL and message without the password)
     /// if the server cannot be reached, refuses the login or the catalog
     /// cannot be migrated; [`CatalogError::OtherSite`] naming both sites.
     pub async fn open_postgres(url: &PostgresUrl, site: &str) -> Result<Catalog, CatalogError> {
@@ -294,7 +305,16 @@ impl Catalog {
         };
         let pool = dialect::open_postgres(url)
             .await
-            .map_err(|e| db_err(format!("cannot connect: {e}")))?;
+            .map_err(|(e, unanswered)| {
+                if unanswered {
+                    CatalogError::Unreachable {
+                        url: url.to_string(),
+                        why: url.redact(&format!("cannot connect: {e}")),
+                    }
+                } else {
+                    db_err(format!("cannot connect: {e}"))
+                }
+            })?;
         let migrator = sqlx::migrate!("../../migrations/postgres");
         if let Err(e) = refuse_newer_schema(&pool, &migrator).await {
             pool.close().await;
