@@ -413,6 +413,27 @@ async fn every_metric_the_alerts_and_dashboard_use_exists_on_running_agents() {
     let out = w.push(&c.source, &ckpt, &[]).await;
     w.ensure(out.success(), || format!("ferry push failed: {out}"));
     w.assert_same_tree(&ckpt, &w.replica_path("step_000100"));
+    // The watch gauges have series once a source agent of a pool watches
+    // a root: the same agent again, its watcher on.
+    let mut c = c;
+    if let Some(s) = c.source.cfg.source.as_mut() {
+        s.scan_interval = "500ms".into();
+    }
+    std::fs::write(&c.source.config_path, c.source.cfg.to_toml()).unwrap();
+    w.restart(&mut c.source).await;
+    w.wait_until(
+        "the source root's watch gauge",
+        Duration::from_secs(60),
+        async || {
+            let m = w.metrics_text(&c.source).await;
+            if m.contains("ferry_root_watched{") {
+                Ok(())
+            } else {
+                Err("no ferry_root_watched series yet".into())
+            }
+        },
+    )
+    .await;
     let mut exposed = Exposed::default();
     exposed.add(&w.metrics_text(&c.source).await);
     exposed.add(&w.metrics_text(&c.sink).await);

@@ -908,6 +908,16 @@ async fn other_storage_at_the_root(empty: bool) {
     w.ensure(s(&v, "reason").contains(named), || {
         format!("the reason should say {named:?}: {v}")
     });
+    let refusing = if refuser == SOURCE_NAME {
+        &site.a
+    } else {
+        &site.b
+    };
+    let m = w.metrics_text(refusing).await;
+    let line = format!("ferry_root_refused{{root=\"{key}\"}} 1");
+    w.ensure(m.contains(&line), || {
+        format!("the refusing agent should export {line}:\n{m}")
+    });
     let out = w
         .ferry(
             &["pool", "--server", &site.a.url()],

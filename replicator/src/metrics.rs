@@ -337,6 +337,11 @@ struct LinkLabel {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RootLabel {
+    root: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct LinkClassLabel {
     link: String,
     class: &'static str,
@@ -435,6 +440,8 @@ pub(crate) struct SourceMetrics {
     utilisation: Family<LinkLabel, Gauge<f64, AtomicU64>>,
     queue_depth: Family<LinkClassLabel, Gauge>,
     states: Family<StateLabel, Gauge>,
+    root_watched: Family<RootLabel, Gauge>,
+    root_refused: Family<RootLabel, Gauge>,
 }
 
 impl std::fmt::Debug for SourceMetrics {
@@ -458,6 +465,8 @@ impl SourceMetrics {
             utilisation: Family::default(),
             queue_depth: Family::default(),
             states: Family::default(),
+            root_watched: Family::default(),
+            root_refused: Family::default(),
         };
         registry.register(
             "ferry_sent_bytes",
@@ -504,7 +513,28 @@ impl SourceMetrics {
             "Transfers per state, in transfers",
             m.states.clone(),
         );
+        registry.register(
+            "ferry_root_watched",
+            "In a pool: 1 while some agent holds a live watch of this source root, as this \
+             agent last read the catalog, else 0 (nobody follows its new checkpoints)",
+            m.root_watched.clone(),
+        );
+        registry.register(
+            "ferry_root_refused",
+            "In a pool: 1 while this agent refuses to watch this source root (its view of the \
+             root differs from the other agents', or it cannot list it), else 0",
+            m.root_refused.clone(),
+        );
         SourceMetrics { registry, ..m }
+    }
+
+    /// Sets the watch gauges of source root `root` (in a pool).
+    pub(crate) fn set_root_watch(&self, root: &str, watched: bool, refused: bool) {
+        let l = RootLabel {
+            root: root.to_string(),
+        };
+        self.root_watched.get_or_create(&l).set(i64::from(watched));
+        self.root_refused.get_or_create(&l).set(i64::from(refused));
     }
 
     /// The counters of `link`, created now (each a handle on the

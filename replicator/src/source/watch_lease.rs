@@ -269,6 +269,12 @@ pub(super) async fn supervise_root(
         let other_live = lease
             .as_ref()
             .is_some_and(|l| l.live && l.holder.as_deref().is_some_and(|h| h != me));
+        let watched = lease.as_ref().is_some_and(|l| l.live && l.holder.is_some());
+        inner.metrics.set_root_watch(
+            &key,
+            watched,
+            refused.is_some() || unreadable_since.is_some(),
+        );
         let due = last_look.is_none_or(|t: Instant| t.elapsed() >= LOOK_EVERY);
         if !due && unreadable_since.is_none() && (watching.is_some() || other_live) {
             continue;
@@ -333,6 +339,9 @@ pub(super) async fn supervise_root(
             }
             refused = verdict;
         }
+        inner
+            .metrics
+            .set_root_watch(&key, watched, refused.is_some());
         if refused.is_some() {
             if let Some(w) = watching.take() {
                 w.end().await;
