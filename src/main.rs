@@ -167,7 +167,9 @@ enum Command {
     /// asked, its state (live, draining, down, stopped), its last
     /// heartbeat, the transfers it holds and its rates. Needs a reader
     /// token. `ferry pool settings` shows the settings the pool shares,
-    /// `ferry pool set KEY VALUE` changes one.
+    /// `ferry pool set KEY VALUE` changes one (their options, such as
+    /// `--server`, go after the subcommand).
+    #[command(args_conflicts_with_subcommands = true)]
     Pool {
         #[command(subcommand)]
         command: Option<PoolCommand>,

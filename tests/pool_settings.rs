@@ -188,6 +188,26 @@ async fn the_catalog_wins_and_changes_and_signals_reach_every_agent() {
         by.as_str().is_some_and(|s| !s.starts_with("config of")),
         || format!("link.to-eval.rate updated_by {by}"),
     );
+    // PUT /v1/links (the UI's rate field) records its caller too: the
+    // open API's `anonymous`.
+    let r = w
+        .http()
+        .put(format!("{}/v1/links/to-eval", a.url()))
+        .json(&serde_json::json!({ "rate_bps": 1_500_000_000u64 }))
+        .send()
+        .await
+        .unwrap();
+    w.ensure(r.status().is_success(), || format!("PUT /v1/links: {r:?}"));
+    wait_setting(&w, &b, "link.to-eval.rate", 1_500_000_000u64.into()).await;
+    let all = w.get_json(&format!("{}/v1/settings", b.url())).await;
+    let by = all["items"]
+        .as_array()
+        .and_then(|v| v.iter().find(|i| i["name"] == "link.to-eval.rate"))
+        .map(|i| i["updated_by"].clone())
+        .unwrap_or_default();
+    w.ensure(by == "anonymous", || {
+        format!("PUT /v1/links should record its caller: updated_by {by}")
+    });
 
     // A signal taken by A raises the job's severity (and score) on B.
     let ckpt = w.source_root().join("step_000100");

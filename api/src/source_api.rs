@@ -625,7 +625,7 @@ pub(crate) async fn put_link(
         )));
     }
     if !src
-        .set_link_rate(&link, req.rate_bps)
+        .set_link_rate_as(&link, req.rate_bps, by(&caller))
         .await
         .map_err(ApiError::internal)?
     {
@@ -979,11 +979,22 @@ pub(crate) async fn put_setting(
             .ok_or_else(|| ApiError::unprocessable(format!("{name} must be a number")))?;
         let current = src.catalog().job(job).await.map_err(ApiError::internal)?;
         let j = match field {
-            "importance" => src.put_job(job, None, v).await,
+            "importance" => {
+                // A typo must not create a job: new jobs come from the
+                // config or `PUT /v1/jobs/{job}`.
+                if !src.known_job(job).await.map_err(ApiError::internal)? {
+                    return Err(ApiError::not_found(format!(
+                        "unknown job {job:?} (GET /v1/jobs lists them; PUT /v1/jobs/{{job}} \
+                         adds one)"
+                    )));
+                }
+                src.put_job(job, None, v).await
+            }
             "model_params" => {
                 let Some(c) = current else {
                     return Err(ApiError::not_found(format!(
-                        "unknown job {job:?}: set its importance first (job.{job}.importance)"
+                        "unknown job {job:?} (GET /v1/jobs lists them; PUT /v1/jobs/{{job}} \
+                         adds one)"
                     )));
                 };
                 src.put_job(job, Some(Some(v)), c.importance).await

@@ -586,12 +586,12 @@ async fn settings_of_a_single_agent() {
         &["unknown setting \"scheduler.nope\""],
     );
     // A job's importance, as through `PUT /v1/jobs/{job}`.
-    let (s, v) = call(w.r(), put("job.j.importance", r#"{"value": "0.7"}"#)).await;
+    let (s, v) = call(w.r(), put("job.job.importance", r#"{"value": "0.7"}"#)).await;
     assert_eq!(s, StatusCode::OK, "{v}");
     assert_eq!(
         w.source
             .catalog()
-            .job("j")
+            .job("job")
             .await
             .unwrap()
             .unwrap()
@@ -599,10 +599,17 @@ async fn settings_of_a_single_agent() {
         0.7
     );
     refused(
-        call(w.r(), put("job.j.importance", r#"{"value": 2}"#)).await,
+        call(w.r(), put("job.job.importance", r#"{"value": 2}"#)).await,
         StatusCode::UNPROCESSABLE_ENTITY,
         &["importance"],
     );
+    // A typo does not create a job.
+    refused(
+        call(w.r(), put("job.typo.importance", r#"{"value": 0.5}"#)).await,
+        StatusCode::NOT_FOUND,
+        &["unknown job \"typo\""],
+    );
+    assert_eq!(w.source.catalog().job("typo").await.unwrap(), None);
 }
 
 #[tokio::test]

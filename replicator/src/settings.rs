@@ -180,8 +180,21 @@ pub fn parse_value(name: &str, v: &Value) -> Result<Value, String> {
 /// # Errors
 /// A message naming the setting; `p` is left as it was.
 pub fn apply_policy_setting(p: &mut Policy, name: &str, v: &Value) -> Result<(), String> {
-    let v = parse_value(name, v)?;
     let mut n = p.clone();
+    set_policy_field(&mut n, name, v)?;
+    n.check().map_err(|e| format!("scheduler.{e}"))?;
+    *p = n;
+    Ok(())
+}
+
+/// Sets scheduler setting `name` of `n` to `v` without checking the
+/// policy as a whole (settings that are only valid together, such as
+/// the two floors, are set one by one, then checked once).
+///
+/// # Errors
+/// A message naming the setting when `v` is not a value of it.
+fn set_policy_field(n: &mut Policy, name: &str, v: &Value) -> Result<(), String> {
+    let v = parse_value(name, v)?;
     let ms = |v: &Value| -> Result<u64, String> {
         let d = humantime::parse_duration(&text(v)).map_err(|e| format!("{name}: {e}"))?;
         Ok(d.as_millis().min(u64::MAX as u128) as u64)
@@ -210,28 +223,58 @@ pub fn apply_policy_setting(p: &mut Policy, name: &str, v: &Value) -> Result<(),
         "floors.background" => n.floors.background = f(&v),
         _ => return Err(format!("{name} is not a scheduler setting")),
     }
-    n.check().map_err(|e| format!("scheduler.{e}"))?;
-    *p = n;
     Ok(())
 }
 
-/// The policy of a pool: `base` (the agent's config) with each stored
-/// scheduler setting of `stored` applied, and what could not be: a
-/// stored value this agent cannot use (written by another release, or
-/// out of range) stays at `base`'s and is named in the second part
-/// (setting, value and why).
+/// The policy of a pool: `base` (the agent's config) with every stored
+/// scheduler setting of `stored` applied, and what could not be used.
+/// The values are first applied all together and the policy checked
+/// once (settings valid only together, such as the two floors, are
+/// taken as a whole). If that fails (a value this agent cannot read,
+/// written by another release, or values written outside
+/// [`Catalog::put_setting_checked`]), they are applied one by one in
+/// name order, each checked, and those that cannot be used stay at
+/// `base`'s and are named (setting, value and why).
 pub fn policy_from(base: &Policy, stored: &[Setting]) -> (Policy, Vec<String>) {
+    let scheduler = || {
+        stored
+            .iter()
+            .filter(|s| SCHEDULER_SETTINGS.contains(&s.name.as_str()))
+    };
+    let mut all = base.clone();
+    if scheduler().all(|s| set_policy_field(&mut all, &s.name, &s.value).is_ok())
+        && all.check().is_ok()
+    {
+        return (all, Vec::new());
+    }
     let mut p = base.clone();
     let mut unusable = Vec::new();
-    for s in stored
-        .iter()
-        .filter(|s| SCHEDULER_SETTINGS.contains(&s.name.as_str()))
-    {
+    for s in scheduler() {
         if let Err(e) = apply_policy_setting(&mut p, &s.name, &s.value) {
             unusable.push(format!("{} = {}: {e}", s.name, s.value));
         }
     }
     (p, unusable)
+}
+
+/// Checks that `stored` (every setting of a pool, one of them about to
+/// change) makes a valid policy on top of `base`: for
+/// [`Catalog::put_setting_checked`].
+///
+/// # Errors
+/// The first setting that is not a value of its kind, or why the policy
+/// as a whole is invalid.
+pub fn check_stored_policy(base: &Policy, stored: &[Setting]) -> Result<(), String> {
+    let mut p = base.clone();
+    for s in stored
+        .iter()
+        .filter(|s| SCHEDULER_SETTINGS.contains(&s.name.as_str()))
+    {
+        set_policy_field(&mut p, &s.name, &s.value)?;
+    }
+    p.check().map_err(|e| {
+        format!("scheduler.{e} (with the pool's other scheduler settings as stored now)")
+    })
 }
 
 /// A setting whose value in an agent's config differs from the pool's.
@@ -244,6 +287,9 @@ pub struct Difference {
     pub config: Value,
     /// The catalog's value, which the agent uses.
     pub catalog: Value,
+    /// Whether the catalog's value came from another agent's config
+    /// (two files disagree), rather than a change through the API.
+    pub from_config: bool,
 }
 
 /// Seeds a pool's catalog from an agent's config and adopts the
@@ -281,6 +327,7 @@ pub async fn adopt(
                 setting: name.clone(),
                 config: mine.clone(),
                 catalog: theirs,
+                from_config: s.updated_by.starts_with("config of "),
             });
         }
     }
@@ -309,6 +356,7 @@ pub async fn adopt(
                 setting: format!("job.{name}.importance"),
                 config: json!(importance),
                 catalog: json!(j.importance),
+                from_config: j.origin == ferry_catalog::origin::CONFIG,
             });
         }
         let params = params.filter(|p| *p > 0.0);
@@ -317,17 +365,32 @@ pub async fn adopt(
                 setting: format!("job.{name}.model_params"),
                 config: json!(params.unwrap_or(0.0)),
                 catalog: json!(j.model_params.unwrap_or(0.0)),
+                from_config: j.origin == ferry_catalog::origin::CONFIG,
             });
         }
     }
     for d in &diffs {
-        warn!(
-            setting = d.setting,
-            config = %d.config,
-            catalog = %d.catalog,
-            "this agent's config differs from the pool's catalog; using the catalog's value \
-             (change it with `ferry pool set`)"
-        );
+        if d.from_config {
+            // Two agents' files disagree: one of them is not what the
+            // operator meant.
+            warn!(
+                setting = d.setting,
+                config = %d.config,
+                catalog = %d.catalog,
+                "this agent's config differs from the pool's catalog; using the catalog's value \
+                 (change it with `ferry pool set`)"
+            );
+        } else {
+            // Changed through the API since the files were written: the
+            // expected state of a running pool.
+            info!(
+                setting = d.setting,
+                config = %d.config,
+                catalog = %d.catalog,
+                "this agent's config differs from the pool's catalog, where the value was set \
+                 through the API; using the catalog's value"
+            );
+        }
     }
     Ok((policy, diffs))
 }
@@ -483,6 +546,43 @@ mod tests {
             "{e}"
         );
         assert_eq!(p, Policy::default());
+    }
+
+    #[test]
+    fn settings_valid_only_together_are_applied_together() {
+        let row = |name: &str, value: Value| Setting {
+            name: name.into(),
+            value,
+            updated_at: 0,
+            updated_by: "x".into(),
+        };
+        // Floors 0.4 + 0.5 are valid; background alone on top of a
+        // scheduled floor of 0.6 (this agent's config) would not be.
+        let base = Policy {
+            floors: scheduler::Floors {
+                scheduled: 0.6,
+                ..Policy::default().floors
+            },
+            ..Policy::default()
+        };
+        let stored = [
+            row("scheduler.floors.background", json!(0.5)),
+            row("scheduler.floors.scheduled", json!(0.4)),
+        ];
+        let (p, unusable) = policy_from(&base, &stored);
+        assert!(unusable.is_empty(), "{unusable:?}");
+        assert_eq!((p.floors.scheduled, p.floors.background), (0.4, 0.5));
+        // The checked write refuses a value invalid with the others.
+        let e = check_stored_policy(
+            &base,
+            &[
+                row("scheduler.floors.background", json!(0.5)),
+                row("scheduler.floors.scheduled", json!(0.6)),
+            ],
+        )
+        .unwrap_err();
+        assert!(e.contains("floors"), "{e}");
+        assert_eq!(check_stored_policy(&base, &stored), Ok(()));
     }
 
     #[test]

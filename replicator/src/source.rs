@@ -916,9 +916,24 @@ impl Source {
             )));
         }
         let _order = self.inner.rate_changes.lock().await;
-        let mut p = self.policy();
-        crate::settings::apply_policy_setting(&mut p, name, &v).map_err(OpsError::Invalid)?;
-        let stored = self.inner.catalog.put_setting(name, &v, by).await?;
+        // Checked in the writing transaction against every stored
+        // scheduler setting, under a lock every such write takes: two
+        // agents' changes valid alone but not together are not both
+        // stored.
+        let base = self.inner.cfg.policy.clone();
+        let stored = match self
+            .inner
+            .catalog
+            .put_setting_checked(name, &v, by, |all| {
+                crate::settings::check_stored_policy(&base, all)
+            })
+            .await
+        {
+            Ok(s) => s,
+            Err(CatalogError::Invalid(e)) => return Err(OpsError::Invalid(e)),
+            Err(e) => return Err(e.into()),
+        };
+        let (p, _) = crate::settings::policy_from(&base, &self.inner.catalog.settings().await?);
         self.set_policy(p);
         Ok(stored)
     }

@@ -98,6 +98,11 @@ pub(crate) async fn announce(
     Ok(())
 }
 
+/// The key of the PostgreSQL advisory lock that writes of checked
+/// settings take ([`Catalog::put_setting_checked`]): an arbitrary
+/// constant of this project.
+const SETTINGS_LOCK: i64 = 0x0046_4552_5259_5345; // "FERRYSE"
+
 impl Catalog {
     /// Writes each `(name, value)` that the catalog does not hold yet,
     /// recording `by` (e.g. `config of AGENT`) as its writer, and returns
@@ -152,18 +157,62 @@ impl Catalog {
         value: &serde_json::Value,
         by: &str,
     ) -> Result<Setting, CatalogError> {
+        self.put_setting_checked(name, value, by, |_| Ok(())).await
+    }
+
+    /// [`Catalog::put_setting`], written only if `check` accepts every
+    /// stored setting with this one changed (by name), all read in the
+    /// writing transaction. On PostgreSQL the transaction first takes a
+    /// lock every such write takes (`pg_advisory_xact_lock`), so two
+    /// agents changing settings at once are checked one after the
+    /// other: settings valid alone but not together are never both
+    /// written.
+    ///
+    /// # Errors
+    /// [`CatalogError::Invalid`] with `check`'s message, or naming a bad
+    /// name; SQL errors (nothing is written then).
+    pub async fn put_setting_checked(
+        &self,
+        name: &str,
+        value: &serde_json::Value,
+        by: &str,
+        check: impl FnOnce(&[Setting]) -> Result<(), String>,
+    ) -> Result<Setting, CatalogError> {
         check_setting_name(name)?;
+        let mut tx = self.pool.begin().await?;
+        if self.db == crate::dialect::Dialect::Postgres {
+            sqlx::query("SELECT pg_advisory_xact_lock($1)")
+                .bind(SETTINGS_LOCK)
+                .execute(&mut *tx)
+                .await?;
+        }
+        let q = format!("SELECT {SETTING_COLS} FROM settings ORDER BY name");
+        let rows = sqlx::query(&self.db.sql(&q)).fetch_all(&mut *tx).await?;
+        let mut all: Vec<Setting> = rows.iter().map(setting_row).collect::<Result<_, _>>()?;
+        let now = now_ms();
+        match all.iter_mut().find(|s| s.name == name) {
+            Some(s) => s.value = value.clone(),
+            None => all.push(Setting {
+                name: name.to_string(),
+                value: value.clone(),
+                updated_at: now,
+                updated_by: by.to_string(),
+            }),
+        }
+        if let Err(e) = check(&all) {
+            tx.rollback().await?;
+            return Err(CatalogError::Invalid(e));
+        }
         let q = format!(
             "INSERT INTO settings (name, value, updated_at, updated_by) VALUES (?, ?, ?, ?) \
              ON CONFLICT (name) DO UPDATE SET value = excluded.value, \
              updated_at = excluded.updated_at, updated_by = excluded.updated_by \
              RETURNING {SETTING_COLS}"
         );
-        let mut tx = self.pool.begin().await?;
         let r = sqlx::query(&self.db.sql(&q))
             .bind(name)
             .bind(value.to_string())
-            .bind(now_ms())
+            .bind(now)
             .bind(by)
             .fetch_one(&mut *tx)
             .await?;

@@ -199,3 +199,51 @@ async fn changes_and_signals_are_announced_on_postgres() {
     drop(l);
     t.finish().await;
 }
+
+/// A checked write sees every stored setting with its own value in
+/// place, and writes nothing when the check refuses. On PostgreSQL two
+/// checked writes at once, each valid alone but not together, never
+/// both land: the lock makes the second see the first.
+#[tokio::test]
+async fn checked_writes_valid_alone_but_not_together_do_not_both_land() {
+    let t = TestCatalog::new(Dialect::Postgres).await;
+    let c = t.catalog.clone();
+    // The check: the two floors must sum to at most 0.9.
+    let sum_ok = |all: &[Setting]| {
+        let f = |n: &str| {
+            all.iter()
+                .find(|s| s.name == n)
+                .and_then(|s| s.value.as_f64())
+                .unwrap_or(0.0)
+        };
+        let sum = f("scheduler.floors.scheduled") + f("scheduler.floors.background");
+        if sum <= 0.9 {
+            Ok(())
+        } else {
+            Err(format!("floors sum to {sum}"))
+        }
+    };
+    let e = c
+        .put_setting_checked("scheduler.floors.scheduled", &json!(0.95), "alice", sum_ok)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("floors sum to 0.95"), "{e}");
+    assert!(c.settings().await.unwrap().is_empty());
+    for _ in 0..10 {
+        for n in ["scheduler.floors.scheduled", "scheduler.floors.background"] {
+            c.put_setting(n, &json!(0.0), "reset").await.unwrap();
+        }
+        let (half, most) = (json!(0.5), json!(0.45));
+        let (a, b) = tokio::join!(
+            c.put_setting_checked("scheduler.floors.scheduled", &half, "a", sum_ok),
+            c.put_setting_checked("scheduler.floors.background", &most, "b", sum_ok),
+        );
+        assert_eq!(
+            [a.is_ok(), b.is_ok()].iter().filter(|x| **x).count(),
+            1,
+            "{a:?} {b:?}"
+        );
+        assert_eq!(sum_ok(&c.settings().await.unwrap()), Ok(()));
+    }
+    t.finish().await;
+}
