@@ -114,9 +114,10 @@ pub(crate) struct WatchView {
     /// The watch lease's epoch: one more at every takeover or release
     /// and claim.
     epoch: i64,
-    /// Agents that recorded a fingerprint of the root, by name.
+    /// Agents running now (live or draining) that recorded a fingerprint
+    /// of the root, by name.
     agents: Vec<String>,
-    /// Agents that refuse to watch the root, and why.
+    /// Agents running now that refuse to watch the root, and why.
     refused: Vec<WatchRefusal>,
 }
 
@@ -183,10 +184,27 @@ pub(crate) async fn get_pool(State(s): State<AppState>) -> Result<Json<PoolView>
     // answer says so, with no agents, rather than failing.
     let c = p.catalog();
     let read = async {
-        Ok::<_, ferry_catalog::CatalogError>((
-            c.pool_agents().await?,
-            watch_views(c.watches().await?, c.root_fingerprints(None).await?),
-        ))
+        let agents = c.pool_agents().await?;
+        // Only agents running now speak for a root (a stopped or dead
+        // agent's last refusal is history).
+        let up: Vec<&str> = agents
+            .iter()
+            .filter(|a| {
+                matches!(
+                    a.state,
+                    ferry_catalog::AgentState::Live | ferry_catalog::AgentState::Draining
+                )
+            })
+            .map(|a| a.name.as_str())
+            .collect();
+        let prints = c
+            .root_fingerprints(None)
+            .await?
+            .into_iter()
+            .filter(|f| up.contains(&f.agent.as_str()))
+            .collect();
+        let watches = watch_views(c.watches().await?, prints);
+        Ok::<_, ferry_catalog::CatalogError>((agents, watches))
     };
     let (agents, watches) =
         match tokio::time::timeout(std::time::Duration::from_secs(3), read).await {
