@@ -15,18 +15,12 @@
 //! agent's API reaches every agent of the pool. A single agent on SQLite
 //! keeps its config's values (none of this runs).
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_catalog::dialect::Dialect;
 use ferry_catalog::{Catalog, CatalogError, Setting};
 use scheduler::{Policy, PolicyKind};
 use serde_json::{json, Value};
-use tokio::sync::Notify;
-use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
-
-use crate::source::Source;
 
 /// The scheduler's settings, by the name of their config key
 /// (`[scheduler]`), as stored in a pool's catalog.
@@ -393,103 +387,6 @@ pub async fn adopt(
         }
     }
     Ok((policy, diffs))
-}
-
-/// Keeps `source` in step with its pool's catalog until `stop`: reads
-/// the shared settings and recent signals ([`Source::refresh_shared`])
-/// every [`REFRESH`] and at once on a notification on the catalog's
-/// channel. The listener has a connection of its own; losing it stops
-/// nothing: the agent goes on reading every second and connects again.
-/// Does nothing on SQLite.
-pub async fn follow(source: Source, stop: CancellationToken) {
-    let catalog = source.catalog().clone();
-    if catalog.dialect() != Dialect::Postgres {
-        return;
-    }
-    let poke = Arc::new(Notify::new());
-    let listener = tokio::spawn(listen(catalog, poke.clone(), stop.clone()));
-    let mut tick = tokio::time::interval(REFRESH);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut failing = false;
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = poke.notified() => {}
-            _ = stop.cancelled() => break,
-        }
-        let read = tokio::time::timeout(REFRESH * 5, source.refresh_shared());
-        match read.await {
-            Ok(Ok(())) => {
-                if failing {
-                    info!("shared settings: the catalog answers again");
-                }
-                failing = false;
-            }
-            Ok(Err(e)) if !failing => {
-                failing = true;
-                warn!(error = %e, "shared settings: cannot read the catalog; retrying every second");
-            }
-            Err(_) if !failing => {
-                failing = true;
-                warn!(
-                    "shared settings: the catalog did not answer within 5 s; retrying every second"
-                );
-            }
-            _ => {}
-        }
-    }
-    listener.abort();
-}
-
-/// Listens on the pool's channel, poking `poke` at each notification and
-/// when the connection was lost (something may have been missed);
-/// connects again after a failure, at most once a second.
-async fn listen(catalog: Catalog, poke: Arc<Notify>, stop: CancellationToken) {
-    let mut announced_down = false;
-    loop {
-        let attempt = tokio::select! {
-            r = catalog.listen_pool(Duration::from_secs(5)) => r,
-            _ = stop.cancelled() => return,
-        };
-        match attempt {
-            Ok(Some(mut l)) => {
-                if announced_down {
-                    info!("shared settings: listening for the pool's notifications again");
-                }
-                // Whatever was announced while not listening.
-                poke.notify_one();
-                loop {
-                    let r = tokio::select! {
-                        r = l.recv() => r,
-                        _ = stop.cancelled() => return,
-                    };
-                    match r {
-                        Ok(Some(_)) => poke.notify_one(),
-                        Ok(None) => {
-                            warn!("shared settings: the notification connection was lost; connecting again (the settings are read every second meanwhile)");
-                            poke.notify_one();
-                        }
-                        Err(e) => {
-                            warn!(error = %e, "shared settings: the notification connection failed; reading every second until it is back");
-                            announced_down = true;
-                            break;
-                        }
-                    }
-                }
-            }
-            Ok(None) => return,
-            Err(e) => {
-                if !announced_down {
-                    warn!(error = %e, "shared settings: cannot listen for the pool's notifications; reading every second meanwhile");
-                    announced_down = true;
-                }
-            }
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-            _ = stop.cancelled() => return,
-        }
-    }
 }
 
 #[cfg(test)]

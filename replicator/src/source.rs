@@ -39,6 +39,7 @@ use crate::tls;
 use crate::transport::{transport_config, SocketFactory, Tuning};
 
 mod dispatch;
+mod shared;
 mod streaming;
 pub mod watch_core;
 pub mod watch_lease;
@@ -622,7 +623,7 @@ impl Source {
             source
                 .inner
                 .tasks
-                .spawn(crate::settings::follow(source.clone(), stop));
+                .spawn(shared::follow(source.clone(), stop));
         }
         Ok(source)
     }

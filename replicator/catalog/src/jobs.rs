@@ -181,7 +181,7 @@ impl Catalog {
     /// overwrite it, also after a restart. A new job, or a new size or
     /// importance, is recorded as a `job` event in the same transaction
     /// (the same values again are not), and on PostgreSQL announced to
-    /// the pool (`settings` on [`crate::settings::POOL_CHANNEL`]).
+    /// the pool (`settings` on [`crate::notify::POOL_CHANNEL`]).
     /// Returns the row as stored.
     ///
     /// # Errors
@@ -215,7 +215,7 @@ impl Catalog {
             .fetch_one(&mut *tx)
             .await?;
         let job = job_row(&r)?;
-        crate::settings::announce(self.db, &mut tx, crate::settings::payload::SETTINGS).await?;
+        crate::notify::announce(self.db, &mut tx, crate::notify::payload::SETTINGS).await?;
         tx.commit().await?;
         Ok(job)
     }

@@ -48,6 +48,7 @@ pub mod dialect;
 pub mod events;
 mod export;
 pub mod jobs;
+pub mod notify;
 pub mod pool;
 pub mod replicas;
 pub mod settings;

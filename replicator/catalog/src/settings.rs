@@ -18,22 +18,13 @@
 use std::time::Duration;
 
 use sqlx::any::AnyRow;
-use sqlx::{AnyConnection, Row};
+use sqlx::Row;
 
-use crate::dialect::Dialect;
 use crate::jobs::{check_job_name, check_params, check_unit, job_row, Job, JOB_COLS};
+use crate::notify::announce;
 use crate::{now_ms, origin, Catalog, CatalogError};
 
-/// The PostgreSQL notification channel of the pool (`LISTEN ferry_pool`).
-pub const POOL_CHANNEL: &str = "ferry_pool";
-
-/// Payloads announced on [`POOL_CHANNEL`].
-pub mod payload {
-    /// A setting or a job changed.
-    pub const SETTINGS: &str = "settings";
-    /// A training controller's signal was stored.
-    pub const SIGNAL: &str = "signal";
-}
+pub use crate::notify::{payload, POOL_CHANNEL};
 
 /// Longest setting name accepted, bytes.
 pub const MAX_SETTING_NAME: usize = 200;
@@ -77,23 +68,6 @@ fn check_setting_name(name: &str) -> Result<(), CatalogError> {
             "setting name {name:?} must be 1 to {MAX_SETTING_NAME} bytes without spaces or \
              control characters"
         )));
-    }
-    Ok(())
-}
-
-/// Announces `what` on [`POOL_CHANNEL`] within `tx` (PostgreSQL only;
-/// delivered when the transaction commits).
-pub(crate) async fn announce(
-    db: Dialect,
-    tx: &mut AnyConnection,
-    what: &str,
-) -> Result<(), sqlx::Error> {
-    if db == Dialect::Postgres {
-        sqlx::query("SELECT pg_notify($1, $2)")
-            .bind(POOL_CHANNEL)
-            .bind(what)
-            .execute(&mut *tx)
-            .await?;
     }
     Ok(())
 }

@@ -56,7 +56,7 @@ impl Catalog {
     /// recorded as a `signal` event (job, kind, severity) in the same
     /// transaction, a repeated one is not. On PostgreSQL a new signal is
     /// announced to the pool (`signal` on
-    /// [`crate::settings::POOL_CHANNEL`]), so every agent counts it.
+    /// [`crate::notify::POOL_CHANNEL`]), so every agent counts it.
     ///
     /// # Errors
     /// [`CatalogError::Invalid`] naming the field (job name, severity);
@@ -99,7 +99,7 @@ impl Catalog {
             };
             events::record(self.db, &mut tx, now, &change).await?;
             // The pool's other agents raise the job's score too.
-            crate::settings::announce(self.db, &mut tx, crate::settings::payload::SIGNAL).await?;
+            crate::notify::announce(self.db, &mut tx, crate::notify::payload::SIGNAL).await?;
             tx.commit().await?;
             return Ok((sig, true));
         }
