@@ -94,6 +94,22 @@ impl SourceStore for Posix {
                 if ev.need_rescan() {
                     on_event(WatchEvent::Overflow);
                 }
+                // Opens, reads and closes without a write change nothing,
+                // and the watcher's own scans (and a pool's fingerprints)
+                // make them: waking on them would make every scan wake
+                // the next, about 50 a second.
+                if matches!(
+                    ev.kind,
+                    EventKind::Access(
+                        AccessKind::Open(_)
+                            | AccessKind::Read
+                            | AccessKind::Any
+                            | AccessKind::Other
+                            | AccessKind::Close(AccessMode::Read | AccessMode::Execute)
+                    )
+                ) {
+                    return;
+                }
                 on_event(WatchEvent::Touched(ev.paths.clone()));
                 match (&ev.kind, ev.paths.as_slice()) {
                     (EventKind::Modify(ModifyKind::Name(RenameMode::Both)), [from, to]) => {
