@@ -92,18 +92,39 @@ pub async fn status(args: &ServerArgs, raw: bool) -> Result<()> {
         .map(|r| r.iter().filter_map(Value::as_str).collect())
         .unwrap_or_default();
     let mut out = json!({ "healthz": health });
+    // A part the agent cannot give (its catalog does not answer: 503) is
+    // shown as missing, with the reason, and the rest is still printed;
+    // the command then fails, naming the parts.
+    let mut missing = Vec::new();
+    let mut parts = Vec::new();
     if roles.contains(&"source") {
-        out["links"] = Value::Array(all_items(&c, "/v1/links").await?);
-        out["transfers"] = Value::Array(all_items(&c, "/v1/transfers").await?);
+        parts.extend([("links", "/v1/links"), ("transfers", "/v1/transfers")]);
     }
     if roles.contains(&"sink") {
-        out["replicas"] = Value::Array(all_items(&c, "/v1/replicas").await?);
+        parts.push(("replicas", "/v1/replicas"));
+    }
+    for (key, path) in parts {
+        match all_items(&c, path).await {
+            Ok(items) => out[key] = Value::Array(items),
+            Err(e) => {
+                out["unavailable"][key] = Value::String(format!("{e:#}"));
+                missing.push(key);
+            }
+        }
     }
     if raw {
-        outln!("{}", serde_json::to_string_pretty(&out)?)
+        outln!("{}", serde_json::to_string_pretty(&out)?)?;
     } else {
-        crate::out::print(format_args!("{}", render_status(c.base(), &out, now_ms())))
+        crate::out::print(format_args!("{}", render_status(c.base(), &out, now_ms())))?;
     }
+    if !missing.is_empty() {
+        bail!(
+            "the agent at {} could not give its {}",
+            c.base(),
+            missing.join(", ")
+        );
+    }
+    Ok(())
 }
 
 fn now_ms() -> i64 {
@@ -277,6 +298,11 @@ pub fn render_status(base: &str, out: &Value, now_ms: i64) -> String {
             roles.join(" and ")
         }
     );
+    if let Some(gone) = out["unavailable"].as_object() {
+        for (key, why) in gone {
+            s += &format!("{key}: not available: {}\n", why.as_str().unwrap_or("?"));
+        }
+    }
     if let Some(links) = out["links"].as_array() {
         if links.is_empty() {
             s += "links: none\n";
@@ -1092,6 +1118,23 @@ mod tests {
         assert!(name.starts_with("name = \"reader-"), "{name}");
         assert!(!name.contains(&token[6..14]), "{name}");
         assert!(token_new(api::Role::Reader, Some(" ")).is_err());
+    }
+
+    #[test]
+    fn status_names_the_parts_the_agent_could_not_give() {
+        let out = json!({
+            "healthz": {"status": "ok", "agent": "train-a-1", "roles": ["source"]},
+            "links": [{"name": "to-eval", "rate_bps": 1_000_000_000u64}],
+            "unavailable": {"transfers": "GET /v1/transfers: 503 the catalog does not answer"},
+        });
+        let s = render_status("http://127.0.0.1:7070", &out, 0);
+        assert!(
+            s.contains(
+                "transfers: not available: GET /v1/transfers: 503 the catalog does not answer\n"
+            ),
+            "{s}"
+        );
+        assert!(s.contains("link to-eval: rate cap 1Gbit/s"), "{s}");
     }
 
     #[test]

@@ -50,6 +50,25 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// 503 when the catalog's server does not answer
+    /// ([`ferry_catalog::CatalogError::is_unavailable`]): the message says
+    /// so and that the request may be retried when it is back (the
+    /// agent's `/v1/status` and `ferry_catalog_up` show when). Any other
+    /// catalog error is a 500 as [`ApiError::internal`].
+    pub fn catalog(e: ferry_catalog::CatalogError) -> Self {
+        if e.is_unavailable() {
+            tracing::warn!(error = %e, "a request needs the catalog, which does not answer");
+            Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("the catalog does not answer ({e}); retry when it is back"),
+            )
+        } else {
+            Self::internal(e)
+        }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         (self.status, Json(json!({ "error": self.message }))).into_response()

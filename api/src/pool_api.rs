@@ -242,7 +242,7 @@ async fn set_drain(
         .catalog()
         .set_agent_draining(&name, draining)
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::catalog)?;
     if !known {
         return Err(ApiError::not_found(format!(
             "no agent {name:?} in this pool (GET /v1/pool lists them)"
@@ -259,11 +259,7 @@ async fn set_drain(
             "agent no longer drained"
         }
     );
-    let agents = p
-        .catalog()
-        .pool_agents()
-        .await
-        .map_err(ApiError::internal)?;
+    let agents = p.catalog().pool_agents().await.map_err(ApiError::catalog)?;
     agents
         .into_iter()
         .find(|a| a.name == name)

@@ -82,7 +82,7 @@ pub(crate) async fn resolve(
     let deadline = Instant::now() + wait;
     let mut changes = sink.changes();
     loop {
-        let r = sink.resolve(&path).await.map_err(ApiError::internal)?;
+        let r = sink.resolve(&path).await.map_err(ApiError::catalog)?;
         if matches!(r, Resolution::Local { .. }) || Instant::now() >= deadline {
             return Ok(Json(r));
         }
@@ -160,7 +160,7 @@ pub(crate) async fn replicas(
         .catalog()
         .replicas_in(state, limit, offset)
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::catalog)?;
     Ok(Json(ReplicaPage {
         items: items.into_iter().map(Replica::from).collect(),
         limit,
@@ -188,7 +188,7 @@ fn lifecycle_error(e: LifecycleError) -> ApiError {
         LifecycleError::NotPublished { .. }
         | LifecycleError::Replaced { .. }
         | LifecycleError::Pinned { .. } => ApiError::new(StatusCode::CONFLICT, e.to_string()),
-        LifecycleError::Catalog(e) => ApiError::internal(e),
+        LifecycleError::Catalog(e) => ApiError::catalog(e),
     }
 }
 

@@ -128,7 +128,7 @@ fn submit_error(e: SubmitError) -> ApiError {
         SubmitError::UnknownLink(l) => {
             ApiError::unprocessable(format!("`link`: unknown link {l:?}"))
         }
-        SubmitError::Catalog(e) => ApiError::internal(e),
+        SubmitError::Catalog(e) => ApiError::catalog(e),
     }
 }
 
@@ -253,7 +253,7 @@ pub(crate) async fn list_transfers(
         .catalog()
         .transfers(limit, offset)
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::catalog)?;
     let items = rows.into_iter().map(|t| view(src, t)).collect();
     Ok(Json(TransferPage {
         items,
@@ -294,9 +294,9 @@ pub(crate) async fn get_transfer(
         .catalog()
         .transfer(id)
         .await
-        .map_err(ApiError::internal)?
+        .map_err(ApiError::catalog)?
         .ok_or_else(|| ApiError::not_found(format!("no transfer {id}")))?;
-    let ranking = src.ranking(&t).await.map_err(ApiError::internal)?;
+    let ranking = src.ranking(&t).await.map_err(ApiError::catalog)?;
     Ok(Json(TransferDetail {
         view: view(src, t),
         ranking,
@@ -312,7 +312,7 @@ fn ops_error(e: OpsError) -> ApiError {
         }
         OpsError::Invalid(m) => ApiError::unprocessable(m),
         OpsError::Conflict(m) => ApiError::new(StatusCode::CONFLICT, m),
-        OpsError::Catalog(e) => ApiError::internal(e),
+        OpsError::Catalog(e) => ApiError::catalog(e),
     }
 }
 
@@ -450,7 +450,7 @@ pub(crate) async fn list_jobs(
     let Query(p) = p?;
     let (limit, offset) = p.get()?;
     let src = source(&s)?;
-    let jobs = src.catalog().jobs().await.map_err(ApiError::internal)?;
+    let jobs = src.catalog().jobs().await.map_err(ApiError::catalog)?;
     let items = jobs
         .into_iter()
         .skip(offset as usize)
@@ -627,7 +627,7 @@ pub(crate) async fn put_link(
     if !src
         .set_link_rate_as(&link, req.rate_bps, by(&caller))
         .await
-        .map_err(ApiError::internal)?
+        .map_err(ApiError::catalog)?
     {
         return Err(ApiError::not_found(format!("unknown link {link:?}")));
     }
@@ -736,7 +736,7 @@ pub(crate) async fn list_signals(
         .catalog()
         .signals_page(limit, offset)
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::catalog)?;
     Ok(Json(SignalPage {
         items: items.into_iter().map(Signal::from).collect(),
         limit,
@@ -802,7 +802,7 @@ pub(crate) async fn trace(
     let Query(q) = q?;
     let since = since_ms(q.since.as_deref())?;
     let src = source(&s)?;
-    let x = src.trace(since).await.map_err(ApiError::internal)?;
+    let x = src.trace(since).await.map_err(ApiError::catalog)?;
     if x.left_out > 0 {
         tracing::warn!(
             since,
@@ -858,7 +858,7 @@ pub(crate) struct SettingsView {
 async fn settings_view(src: &Source) -> Result<SettingsView, ApiError> {
     let shared = src.catalog().dialect() == ferry_catalog::dialect::Dialect::Postgres;
     let stored = if shared {
-        src.catalog().settings().await.map_err(ApiError::internal)?
+        src.catalog().settings().await.map_err(ApiError::catalog)?
     } else {
         Vec::new()
     };
@@ -957,7 +957,7 @@ pub(crate) async fn put_setting(
         if !src
             .set_link_rate_as(link, bps, by(&caller))
             .await
-            .map_err(ApiError::internal)?
+            .map_err(ApiError::catalog)?
         {
             return Err(ApiError::not_found(format!("unknown link {link:?}")));
         }
@@ -977,12 +977,12 @@ pub(crate) async fn put_setting(
         let v = number(&req.value)
             .filter(|v| v.is_finite())
             .ok_or_else(|| ApiError::unprocessable(format!("{name} must be a number")))?;
-        let current = src.catalog().job(job).await.map_err(ApiError::internal)?;
+        let current = src.catalog().job(job).await.map_err(ApiError::catalog)?;
         let j = match field {
             "importance" => {
                 // A typo must not create a job: new jobs come from the
                 // config or `PUT /v1/jobs/{job}`.
-                if !src.known_job(job).await.map_err(ApiError::internal)? {
+                if !src.known_job(job).await.map_err(ApiError::catalog)? {
                     return Err(ApiError::not_found(format!(
                         "unknown job {job:?} (GET /v1/jobs lists them; PUT /v1/jobs/{{job}} \
                          adds one)"

@@ -1528,3 +1528,18 @@ async fn the_trace_is_json_lines_for_operators_and_since_is_checked() {
     );
     assert!(t.events.iter().all(|e| e.at_ms == last + 1));
 }
+
+/// A catalog that does not answer (here: closed) makes a listing a 503
+/// that says so, not a 500 that hides the cause.
+#[tokio::test]
+async fn a_catalog_that_does_not_answer_is_a_503_naming_it() {
+    let w = with_source().await;
+    w.source.catalog().close().await;
+    let (s, v) = call(w.r(), get("/v1/transfers")).await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+    let msg = v["error"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains("the catalog does not answer") && msg.contains("retry"),
+        "{v}"
+    );
+}

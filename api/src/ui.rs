@@ -189,17 +189,17 @@ async fn snapshot_with_catalog(s: &AppState, with_history: bool) -> Result<Statu
         st.counts = cat
             .transfer_state_counts()
             .await
-            .map_err(ApiError::internal)?
+            .map_err(ApiError::catalog)?
             .into_iter()
             .map(|(state, n)| (state.as_str().to_string(), n))
             .collect();
         let live = cat
             .unfinished_transfers()
             .await
-            .map_err(ApiError::internal)?;
+            .map_err(ApiError::catalog)?;
         st.unfinished = live.len();
         // One catalog read ranks them all; the best MAX_QUEUE_ROWS are shown.
-        let ranks = src.rankings(&live).await.map_err(ApiError::internal)?;
+        let ranks = src.rankings(&live).await.map_err(ApiError::catalog)?;
         let mut rows: Vec<_> = live.into_iter().zip(ranks).collect();
         rows.sort_by(|(a, ra), (b, rb)| {
             // Class order is urgent, scheduled, background.
@@ -219,7 +219,7 @@ async fn snapshot_with_catalog(s: &AppState, with_history: bool) -> Result<Statu
         let recent: Vec<Transfer> = cat
             .transfers(200, 0)
             .await
-            .map_err(ApiError::internal)?
+            .map_err(ApiError::catalog)?
             .into_iter()
             .filter(|t| t.state.is_final())
             .collect();
@@ -251,7 +251,7 @@ async fn snapshot_with_catalog(s: &AppState, with_history: bool) -> Result<Statu
         st.signals = cat
             .recent_signals(10)
             .await
-            .map_err(ApiError::internal)?
+            .map_err(ApiError::catalog)?
             .into_iter()
             .map(Signal::from)
             .collect();
@@ -261,7 +261,7 @@ async fn snapshot_with_catalog(s: &AppState, with_history: bool) -> Result<Statu
             .catalog()
             .replicas(false, 30, 0)
             .await
-            .map_err(ApiError::internal)?
+            .map_err(ApiError::catalog)?
             .into_iter()
             .map(Replica::from)
             .collect();

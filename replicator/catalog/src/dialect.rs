@@ -178,6 +178,8 @@ pub(crate) async fn open_sqlite(db: &Path, read_only: bool) -> Result<AnyPool, s
 #[derive(Clone, PartialEq, Eq)]
 pub struct PostgresUrl {
     url: url::Url,
+    /// The file the password was read from, named in login errors.
+    password_file: Option<std::path::PathBuf>,
 }
 
 impl PostgresUrl {
@@ -192,7 +194,10 @@ impl PostgresUrl {
                 "not a postgres:// URL ({e}): expected postgres://USER:PASSWORD@HOST:PORT/DATABASE"
             )
         })?;
-        let shown = PostgresUrl { url };
+        let shown = PostgresUrl {
+            url,
+            password_file: None,
+        };
         if !matches!(shown.url.scheme(), "postgres" | "postgresql") {
             return Err(format!(
                 "{shown}: the scheme must be postgres:// (or postgresql://), not {}://",
@@ -240,7 +245,15 @@ impl PostgresUrl {
         if password.is_empty() {
             return Err(format!("password_file {} is empty", path.display()));
         }
-        self.with_password(password)
+        let mut with = self.with_password(password)?;
+        with.password_file = Some(path.to_path_buf());
+        Ok(with)
+    }
+
+    /// The file the password was read from ([`PostgresUrl::with_password_file`]),
+    /// if any.
+    pub fn password_file(&self) -> Option<&Path> {
+        self.password_file.as_deref()
     }
 
     /// Whether the URL holds a password.
@@ -271,7 +284,10 @@ impl PostgresUrl {
     pub fn with_database(&self, name: &str) -> PostgresUrl {
         let mut url = self.url.clone();
         url.set_path(&format!("/{name}"));
-        PostgresUrl { url }
+        PostgresUrl {
+            url,
+            password_file: self.password_file.clone(),
+        }
     }
 
     /// The same URL with login `user` (and no password).
@@ -280,7 +296,10 @@ impl PostgresUrl {
         // A URL with a host always takes a user name and password.
         let _ = url.set_username(user);
         let _ = url.set_password(None);
-        PostgresUrl { url }
+        PostgresUrl {
+            url,
+            password_file: None,
+        }
     }
 
     /// The full URL, password included, for the driver only.
@@ -363,7 +382,15 @@ pub const POSTGRES_CONNECT_TIMEOUT_S: u64 = 15;
 /// answering with a refusal (login, database).
 pub(crate) async fn open_postgres(url: &PostgresUrl) -> Result<AnyPool, (String, bool)> {
     sqlx::any::install_default_drivers();
-    let opts = AnyConnectOptions::from_str(url.secret())
+    // Connections show as `ferry` in pg_stat_activity unless the URL names
+    // its own application_name.
+    let mut named = url.url.clone();
+    if !named.query_pairs().any(|(k, _)| k == "application_name") {
+        named
+            .query_pairs_mut()
+            .append_pair("application_name", "ferry");
+    }
+    let opts = AnyConnectOptions::from_str(named.as_str())
         .map_err(|e| (url.redact(&e.to_string()), false))?;
     // One connection first, so that a wrong address or password fails at
     // once instead of after the pool's acquire timeout.

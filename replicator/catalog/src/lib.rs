@@ -150,6 +150,31 @@ pub enum CatalogError {
     Timeout(std::time::Duration),
 }
 
+impl CatalogError {
+    /// True when the catalog's server did not answer (no connection,
+    /// refused, reset, timed out, shutting down) rather than answering
+    /// with a refusal: the caller may retry once it is back.
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            CatalogError::Unreachable { .. } | CatalogError::Timeout(_) => true,
+            CatalogError::Sql(e) => match e {
+                sqlx::Error::Io(_)
+                | sqlx::Error::PoolTimedOut
+                | sqlx::Error::PoolClosed
+                | sqlx::Error::WorkerCrashed => true,
+                // SQLSTATE class 08 (connection exception) and 57P01-57P03
+                // (admin shutdown, crash shutdown, cannot connect now), as
+                // listed in PostgreSQL's "Errcodes" appendix.
+                sqlx::Error::Database(d) => d
+                    .code()
+                    .is_some_and(|c| c.starts_with("08") || c.starts_with("57P0")),
+                _ => false,
+            },
+            _ => false,
+        }
+    }
+}
+
 /// Milliseconds since the Unix epoch, the catalog's time unit.
 pub fn now_ms() -> i64 {
     SystemTime::now()
@@ -313,7 +338,14 @@ impl Catalog {
                         why: url.redact(&format!("cannot connect: {e}")),
                     }
                 } else {
-                    db_err(format!("cannot connect: {e}"))
+                    // A refused login names where the password came from.
+                    let from = url.password_file().map_or(String::new(), |f| {
+                        format!(
+                            " (the password was read from password_file {})",
+                            f.display()
+                        )
+                    });
+                    db_err(format!("cannot connect: {e}{from}"))
                 }
             })?;
         let migrator = sqlx::migrate!("../../migrations/postgres");

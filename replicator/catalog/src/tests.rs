@@ -1306,6 +1306,14 @@ async fn postgres_password_comes_from_a_file_and_never_shows_in_errors() {
     assert!(!good.to_string().contains(&password), "{good}");
     let c = Catalog::open_postgres(&good, "s").await.unwrap();
     assert!(!format!("{c:?}").contains(&password), "{c:?}");
+    // Its connections name themselves in pg_stat_activity.
+    let app: String = sqlx::query_scalar(
+        "SELECT application_name::text FROM pg_stat_activity WHERE pid = pg_backend_pid()",
+    )
+    .fetch_one(&c.pool)
+    .await
+    .unwrap();
+    assert_eq!(app, "ferry");
     c.close().await;
 
     let wrong = format!("{password}-wrong");
@@ -1319,6 +1327,19 @@ async fn postgres_password_comes_from_a_file_and_never_shows_in_errors() {
     );
     assert!(
         !shown.contains(&password) && !shown.contains("s3cr3t"),
+        "{shown}"
+    );
+
+    // A wrong password from a file: the refusal names the file.
+    let wrong_file = d.path().join("wrong.password");
+    std::fs::write(&wrong_file, format!("{wrong}\n")).unwrap();
+    let bad = base.clone().with_password_file(&wrong_file).unwrap();
+    let e = Catalog::open_postgres(&bad, "s").await.unwrap_err();
+    let shown = e.to_string();
+    assert!(
+        shown.contains("password authentication failed")
+            && shown.contains(&format!("password_file {}", wrong_file.display()))
+            && !shown.contains(&password),
         "{shown}"
     );
 
