@@ -143,6 +143,7 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
                         })
                         .collect::<anyhow::Result<_>>()?,
                     retention_interval: s.retention_interval,
+                    pressure: s.pressure()?,
                 },
                 catalog.clone(),
                 endpoint.clone(),

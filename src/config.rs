@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use ferry_proto::units::parse_size;
+use replicator::sink::pressure::{SpacePressure, Threshold};
 use serde::{Deserialize, Deserializer};
 
 /// The whole file.
@@ -761,6 +762,57 @@ pub struct SinkSection {
     /// default `"60s"`.
     #[serde(default = "default_retention_interval", with = "humantime_serde")]
     pub retention_interval: Duration,
+    /// Space pressure: when free space falls below `min_free` (a size,
+    /// `"50GB"`, or a share of the file system's capacity, `"10%"`), the
+    /// sink removes replicas until `target_free` is free: staging of
+    /// failed transfers, what a policy expires, then background before
+    /// scheduled before urgent replicas, oldest first, never a pinned one,
+    /// a job's newest or one younger than its policy's `min_age`. Set both
+    /// or neither; both above `reserve`. Unset: nothing is removed for
+    /// space.
+    #[serde(default, deserialize_with = "de_threshold_opt")]
+    pub min_free: Option<Threshold>,
+    /// See `min_free`; at least `min_free`.
+    #[serde(default, deserialize_with = "de_threshold_opt")]
+    pub target_free: Option<Threshold>,
+}
+
+impl SinkSection {
+    /// `min_free` and `target_free` together.
+    ///
+    /// # Errors
+    /// Only one of them is set, or both are sizes and `target_free` is
+    /// below `min_free` or either is not above `reserve`.
+    pub fn pressure(&self) -> Result<Option<SpacePressure>> {
+        match (self.min_free, self.target_free) {
+            (None, None) => Ok(None),
+            (Some(min_free), Some(target_free)) => {
+                if let (Threshold::Bytes(m), Threshold::Bytes(t)) = (min_free, target_free) {
+                    if t < m {
+                        bail!("sink.target_free ({t} bytes) must be at least sink.min_free ({m} bytes)");
+                    }
+                }
+                let p = SpacePressure {
+                    min_free,
+                    target_free,
+                };
+                // Sizes are checked against the reserve now; percentages
+                // when the sink starts and knows its capacity.
+                p.bytes(Some(u64::MAX), self.reserve)
+                    .map_err(|e| anyhow::anyhow!(e))?;
+                Ok(Some(p))
+            }
+            (Some(_), None) => bail!("sink.min_free is set without sink.target_free: set both (target_free at least min_free)"),
+            (None, Some(_)) => bail!("sink.target_free is set without sink.min_free: set both"),
+        }
+    }
+}
+
+fn de_threshold_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Threshold>, D::Error> {
+    let s = String::deserialize(d)?;
+    Threshold::parse(&s)
+        .map(Some)
+        .map_err(serde::de::Error::custom)
 }
 
 /// `[[sink.retention]]`: which replicas of matching jobs are kept
@@ -967,6 +1019,7 @@ impl Config {
             if sink.retention_interval.is_zero() {
                 bail!("sink.retention_interval must be more than 0");
             }
+            sink.pressure()?;
         }
         for (i, l) in self.links.iter().enumerate() {
             if l.name.is_empty() {
@@ -1421,6 +1474,56 @@ link = "to-eval"
         );
         assert!(!load(&off).unwrap().sink.unwrap().reread_before_publish);
         assert_eq!(s.retention_interval, Duration::from_secs(60));
+        assert_eq!(s.pressure().unwrap(), None);
+        // The commented space pressure thresholds are valid; one alone,
+        // a target below the minimum or a minimum within the reserve are
+        // refused, naming the keys.
+        let on = sink
+            .replace("# min_free = ", "min_free = ")
+            .replace("# target_free = ", "target_free = ");
+        let p = load(&on)
+            .unwrap()
+            .sink
+            .unwrap()
+            .pressure()
+            .unwrap()
+            .unwrap();
+        assert_eq!(p.min_free, Threshold::Percent(10.0));
+        assert_eq!(p.target_free, Threshold::Percent(15.0));
+        let e = format!(
+            "{:#}",
+            load(&sink.replace("# min_free = \"10%\"", "min_free = \"5%\"")).unwrap_err()
+        );
+        assert!(
+            e.contains("sink.min_free") && e.contains("target_free"),
+            "{e}"
+        );
+        let e = format!(
+            "{:#}",
+            load(
+                &on.replace("min_free = \"10%\"", "min_free = \"20GB\"")
+                    .replace("target_free = \"15%\"", "target_free = \"10GB\"")
+            )
+            .unwrap_err()
+        );
+        assert!(e.contains("at least sink.min_free"), "{e}");
+        let e = format!(
+            "{:#}",
+            load(
+                &on.replace("min_free = \"10%\"", "min_free = \"512MiB\"")
+                    .replace("target_free = \"15%\"", "target_free = \"2GiB\"")
+            )
+            .unwrap_err()
+        );
+        assert!(
+            e.contains("sink.min_free") && e.contains("sink.reserve"),
+            "{e}"
+        );
+        let e = format!(
+            "{:#}",
+            load(&on.replace("min_free = \"10%\"", "min_free = \"lots\"")).unwrap_err()
+        );
+        assert!(e.contains("lots") && e.contains("10%"), "{e}");
         assert!(
             s.retention.is_empty(),
             "without a policy every replica is kept"

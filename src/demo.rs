@@ -646,6 +646,8 @@ pub(crate) async fn start_pair(
         reread_before_publish: true,
         retention: Vec::new(),
         retention_interval: std::time::Duration::from_secs(60),
+        min_free: None,
+        target_free: None,
     });
     let mut src_cfg = agent_config(dir, "demo-source", Role::Source, loopback);
     src_cfg.agent.data_dir = data.join("demo-source-data");

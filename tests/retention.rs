@@ -391,3 +391,167 @@ async fn a_policy_removes_what_it_no_longer_keeps_and_operators_pin_and_remove()
     }
     assert!(api.replicas("published").await.is_empty());
 }
+
+/// A tmpfs of `mib` MiB mounted at `dir` for the test's life (lazily
+/// unmounted on drop, also after a failed assertion). Needs root, as
+/// `ops/test` runs in CI.
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    fn mount(dir: &Path, mib: u64) -> Tmpfs {
+        std::fs::create_dir_all(dir).unwrap();
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "ferry-test"])
+            .arg(dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "mounting a {mib} MiB tmpfs at {} failed (the space pressure test needs root, \
+             as ops/test runs it): {}",
+            dir.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Tmpfs(dir.to_path_buf())
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+/// Space pressure on a sink whose root is a 48 MiB file system, replicas
+/// of 8 MiB, `min_free` 18 MiB, `target_free` 26 MiB: a publish that
+/// leaves too little free removes background before scheduled replicas,
+/// oldest first, never the newest; an incoming transfer that does not fit
+/// removes replicas only if that makes room, and with everything kept
+/// back it is refused naming why, nothing removed.
+#[tokio::test]
+async fn space_pressure_removes_in_order_and_refuses_when_everything_is_kept() {
+    let w = World::new("pressure").await;
+    let _fs = Tmpfs::mount(&w.sink_root(), 48);
+    let operator = api::auth::new_token();
+    let tokens = format!(
+        "[[api.tokens]]\nname = \"ops\"\nrole = \"operator\"\nhash = \"{}\"\n",
+        api::auth::hash_token(&operator)
+    );
+    let c = w
+        .start_cluster("400Mbit/s", &[], |sink, _| {
+            sink.api = tokens.clone();
+            sink.sink.as_mut().unwrap().extra = "reserve = \"1MiB\"\nmin_free = \"18MiB\"\n\
+                 target_free = \"26MiB\"\nretention_interval = \"1s\"\n"
+                .into();
+        })
+        .await;
+    let api = Api {
+        http: reqwest::Client::new(),
+        url: c.sink.url(),
+        reader: operator.clone(),
+        operator: operator.clone(),
+    };
+    // A checkpoint of one file of `mib` MiB (distinct bytes) and a marker.
+    let make = |name: &str, mib: usize| {
+        let dir = w.source_root().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut data = vec![0u8; mib << 20];
+        let mut x = name
+            .bytes()
+            .fold(0x9e37_79b9_u64, |a, b| a.rotate_left(7) ^ u64::from(b));
+        for c in data.chunks_mut(8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
+        }
+        std::fs::write(dir.join("weights.bin"), data).unwrap();
+        std::fs::write(dir.join("meta.json"), b"{}").unwrap();
+        dir
+    };
+    let push_ok = async |name: &str, class: &str| -> i64 {
+        let dir = make(name, 8);
+        let out = w.push(&c.source, &dir, &["--class", class]).await;
+        w.ensure(out.success(), || format!("ferry push {name}: {out}"));
+        api.published(name).await.unwrap()["id"].as_i64().unwrap()
+    };
+    let a = push_ok("a", "background").await;
+    let b = push_ok("b", "scheduled").await;
+    let c3 = push_ok("c", "background").await;
+    // About 16 MiB free after d: below min_free. Background goes first,
+    // oldest first (a, then c), until 26 MiB are free; b is older than c
+    // but scheduled, d is the newest.
+    let d = push_ok("d", "scheduled").await;
+    for (id, what) in [(a, "a"), (c3, "c")] {
+        let r = wait_removed(&w, &api, id, what).await;
+        assert_eq!(r["removal"]["reason"], "pressure", "{r}");
+        let detail = r["removal"]["detail"].as_str().unwrap();
+        assert!(detail.contains("class background"), "{detail}");
+    }
+    let published: Vec<i64> = api
+        .replicas("published")
+        .await
+        .iter()
+        .map(|r| r["id"].as_i64().unwrap())
+        .collect();
+    assert!(
+        published.contains(&b) && published.contains(&d) && published.len() == 2,
+        "b and d stay: {published:?}"
+    );
+    w.assert_same_tree(&w.source_root().join("b"), &w.replica_path("b"));
+
+    // b pinned, d the newest: nothing may go, and a 34 MiB checkpoint
+    // does not fit in about 32 MiB free. Refused, naming why; nothing
+    // removed.
+    let (st, body) = api
+        .call(
+            &operator,
+            reqwest::Method::POST,
+            &format!("/v1/replicas/{b}/pin"),
+            Some(json!({"reason": "baseline"})),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{body}");
+    let big = make("e", 34);
+    let out = w.push(&c.source, &big, &["--class", "urgent"]).await;
+    assert!(!out.success(), "{out}");
+    let all = out.all();
+    assert!(
+        all.contains("not enough space at the sink")
+            && all.contains("1 pinned")
+            && all.contains("its job's newest"),
+        "{out}"
+    );
+    assert_eq!(api.replicas("published").await.len(), 2);
+    assert_eq!(api.replicas("removed").await.len(), 2);
+
+    // Unpinned, b may go: removing it makes room, so it goes and the
+    // checkpoint is admitted; once it is published, d (no longer the
+    // newest) goes too.
+    let (st, body) = api
+        .call(
+            &operator,
+            reqwest::Method::DELETE,
+            &format!("/v1/replicas/{b}/pin"),
+            None,
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{body}");
+    let out = w.push(&c.source, &big, &["--class", "urgent"]).await;
+    w.ensure(out.success(), || format!("ferry push e again: {out}"));
+    for (id, what) in [(b, "b"), (d, "d")] {
+        let r = wait_removed(&w, &api, id, what).await;
+        assert_eq!(r["removal"]["reason"], "pressure", "{r}");
+    }
+    w.assert_same_tree(&big, &w.replica_path("e"));
+    let m = api.metrics().await;
+    assert_eq!(
+        sample(&m, "ferry_replicas_removed_total{reason=\"pressure\"}"),
+        4.0,
+        "{m}"
+    );
+    drop(c);
+}

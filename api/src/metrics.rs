@@ -92,6 +92,7 @@ mod tests {
                 reread_before_publish: true,
                 retention: Vec::new(),
                 retention_interval: std::time::Duration::from_secs(60),
+                pressure: None,
             },
             catalog,
             ep,

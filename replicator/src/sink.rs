@@ -46,6 +46,7 @@ use decide::Table;
 
 mod decide;
 pub mod lifecycle;
+pub mod pressure;
 pub mod retention;
 
 pub use crate::storage::posix::publish::FAULT_KILL_ENV;
@@ -75,6 +76,11 @@ pub struct SinkConfig {
     pub retention: Vec<retention::RetentionPolicy>,
     /// How often the policies run besides after each publish.
     pub retention_interval: Duration,
+    /// `[sink] min_free` and `target_free`: below `min_free` free, the
+    /// sink removes replicas until `target_free` is free, and an incoming
+    /// transfer that does not fit makes room the same way
+    /// ([`pressure`]); `None` removes nothing for space.
+    pub pressure: Option<pressure::SpacePressure>,
 }
 
 /// What resolve answers for a source path.
@@ -236,6 +242,8 @@ struct Inner {
     retention_wake: tokio::sync::Notify,
     /// Rows whose files a task is deleting now.
     retiring: Mutex<std::collections::HashSet<i64>>,
+    /// Held while space pressure removes replicas: one relief at a time.
+    relief: tokio::sync::Mutex<()>,
     /// Chunk buffers: each record is copied out of quinn into one, and it
     /// comes back once the chunk is in staging.
     bufs: Arc<BufPool>,
@@ -306,6 +314,11 @@ impl Sink {
         std::fs::create_dir_all(staging_root(&cfg.root)).map_err(|e| {
             io::Error::new(e.kind(), format!("sink root {}: {e}", cfg.root.display()))
         })?;
+        if let Some(p) = cfg.pressure {
+            let capacity = Posix.capacity(&cfg.root)?;
+            p.bytes(capacity, cfg.reserve_bytes)
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        }
         let (tx, rx) = mpsc::channel(65_536);
         let inner = Arc::new(Inner {
             cfg,
@@ -322,6 +335,7 @@ impl Sink {
             sources: Mutex::new(HashMap::new()),
             retention_wake: tokio::sync::Notify::new(),
             retiring: Mutex::default(),
+            relief: tokio::sync::Mutex::new(()),
             bufs: BufPool::new(crate::bufpool::AGENT_POOL_BYTES),
             received_sample: Mutex::new(None),
         });
@@ -1175,18 +1189,25 @@ async fn open_transfer(
         if let Some(needed) =
             decide::space_shortfall(bytes_total, done, avail, inner.cfg.reserve_bytes)
         {
-            let msg = format!(
-                "not enough space at the sink: {} has {} bytes free (keeping {} in reserve), the checkpoint needs {} more bytes",
+            let pressure = lifecycle::make_room(inner, needed).await;
+            let (r, store) = (root.clone(), inner.store.clone());
+            let avail = blocking(move || store.free_space(&r)).await?;
+            if decide::space_shortfall(bytes_total, done, avail, inner.cfg.reserve_bytes).is_some()
+            {
+                let msg = format!(
+                "not enough space at the sink: {} has {} bytes free (keeping {} in reserve), the checkpoint needs {} more bytes{}",
                 root.display(),
                 avail.unwrap_or(0),
                 inner.cfg.reserve_bytes,
-                needed
+                needed,
+                pressure.map_or(String::new(), |why| format!("; {why}"))
             );
-            inner
-                .catalog
-                .set_replica_state(row.id, TransferState::Failed, Some(&msg))
-                .await?;
-            return Err(refuse(msg));
+                inner
+                    .catalog
+                    .set_replica_state(row.id, TransferState::Failed, Some(&msg))
+                    .await?;
+                return Err(refuse(msg));
+            }
         }
     }
     let staging = PathBuf::from(&row.staging_path);
@@ -1296,12 +1317,18 @@ async fn grow_table(
         let avail = blocking(move || store.free_space(&r)).await?;
         let done = crate::lock::lock(&live.st).bytes_done;
         if let Some(needed) = decide::space_shortfall(total, done, avail, inner.cfg.reserve_bytes) {
-            return Err(TransferError::Refused(format!(
-                "not enough space at the sink: {} has {} bytes free (keeping {} in reserve), the checkpoint, now {total} bytes, needs {needed} more",
-                inner.cfg.root.display(),
-                avail.unwrap_or(0),
-                inner.cfg.reserve_bytes,
-            )));
+            let pressure = lifecycle::make_room(inner, needed).await;
+            let (r, store) = (inner.cfg.root.clone(), inner.store.clone());
+            let avail = blocking(move || store.free_space(&r)).await?;
+            if decide::space_shortfall(total, done, avail, inner.cfg.reserve_bytes).is_some() {
+                return Err(TransferError::Refused(format!(
+                    "not enough space at the sink: {} has {} bytes free (keeping {} in reserve), the checkpoint, now {total} bytes, needs {needed} more{}",
+                    inner.cfg.root.display(),
+                    avail.unwrap_or(0),
+                    inner.cfg.reserve_bytes,
+                    pressure.map_or(String::new(), |why| format!("; {why}"))
+                )));
+            }
         }
     }
     if let Some(files) = snapshot {

@@ -299,6 +299,16 @@ pub trait SinkStore: Send + Sync + fmt::Debug {
     /// I/O errors naming the path.
     fn free_space(&self, path: &Path) -> io::Result<Option<u64>>;
 
+    /// Bytes the storage under `path` holds in all, free and used (the
+    /// base of `[sink] min_free = "10%"`); `None` when the backend cannot
+    /// tell, the default.
+    ///
+    /// # Errors
+    /// I/O errors naming the path.
+    fn capacity(&self, _path: &Path) -> io::Result<Option<u64>> {
+        Ok(None)
+    }
+
     /// Makes what was staged under `dir` durable (a background flush as
     /// the data arrives, so little is left for the publish).
     ///

@@ -170,6 +170,7 @@ async fn a_source_outside_accept_peers_is_refused() {
             reread_before_publish: true,
             retention: Vec::new(),
             retention_interval: std::time::Duration::from_secs(60),
+            pressure: None,
         },
         catalog,
         ep,

@@ -70,6 +70,7 @@ async fn setup_with(retention: Vec<RetentionPolicy>) -> Setup {
             reread_before_publish: true,
             retention,
             retention_interval: std::time::Duration::from_secs(3600),
+            pressure: None,
         },
         catalog,
         ep,

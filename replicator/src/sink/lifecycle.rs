@@ -182,7 +182,7 @@ impl Sink {
             let sep = if note.is_empty() { "" } else { "; " };
             detail = format!("forced past the pin ({}){sep}{note}", p.reason);
         }
-        if !remove_version(inner, &r, RemovalReason::Operator, &detail, force).await? {
+        if !remove_version(inner, &r, RemovalReason::Operator, &detail, force, false).await? {
             // Replaced by a re-save, or removed (by a policy, say),
             // meanwhile.
             if let Some(by) = newer_version(inner, &r).await? {
@@ -213,7 +213,7 @@ impl Sink {
     /// # Errors
     /// Catalog errors.
     pub async fn apply_retention(&self) -> Result<Vec<i64>, CatalogError> {
-        retention_pass(&self.inner).await
+        retention_pass(&self.inner, false).await
     }
 }
 
@@ -234,48 +234,29 @@ pub(super) async fn run(inner: Arc<Inner>) {
             _ = inner.retention_wake.notified() => {}
         }
         finish_removals(&inner).await;
-        if let Err(e) = retention_pass(&inner).await {
+        if let Err(e) = retention_pass(&inner, false).await {
             warn!(error = %e, "retention pass failed; trying again at the next one");
         }
+        pressure_pass(&inner).await;
     }
 }
 
-/// One pass of the policies over the current versions.
-async fn retention_pass(inner: &Arc<Inner>) -> Result<Vec<i64>, CatalogError> {
+/// One pass of the policies over the current versions; with `wait`, the
+/// files of what it removes are deleted before it returns.
+async fn retention_pass(inner: &Arc<Inner>, wait: bool) -> Result<Vec<i64>, CatalogError> {
     let policies = &inner.cfg.retention;
     if policies.is_empty() {
         return Ok(Vec::new());
     }
     let now = now_ms();
     let rows = inner.catalog.current_replicas().await?;
-    let mut versions = Vec::with_capacity(rows.len());
-    for r in &rows {
-        let counts_files = policies
+    let versions = versions_of(&rows, now, |r| {
+        policies
             .iter()
             .find(|p| p.matches(&r.job))
-            .is_some_and(|p| p.max_bytes.is_some());
-        let files = if counts_files {
-            // Each file once, by its identity: hard links count once.
-            let dir = PathBuf::from(&r.local_path);
-            blocking(move || Ok(file_identities(&dir)))
-                .await
-                .unwrap_or_default()
-        } else {
-            vec![((u64::MAX, r.id as u64), r.bytes_total.max(0) as u64)]
-        };
-        versions.push(Version {
-            id: r.id,
-            job: r.job.clone(),
-            source_site: r.source_site.clone(),
-            step: r.step.and_then(|s| u64::try_from(s).ok()),
-            published_ms: r.published_at.unwrap_or(r.created_at),
-            files,
-            pinned: r
-                .pin
-                .as_ref()
-                .is_some_and(|p| p.until.is_none_or(|u| u > now)),
-        });
-    }
+            .is_some_and(|p| p.max_bytes.is_some())
+    })
+    .await;
     let mut expired = Vec::new();
     for v in retention::evaluate(policies, &versions, now) {
         let Err(why) = v.outcome else { continue };
@@ -300,11 +281,253 @@ async fn retention_pass(inner: &Arc<Inner>) -> Result<Vec<i64>, CatalogError> {
             );
             continue;
         }
-        if let Err(e) = remove_version(inner, r, RemovalReason::Rule, &detail, false).await {
+        if let Err(e) = remove_version(inner, r, RemovalReason::Rule, &detail, false, wait).await {
             warn!(replica = v.id, error = %e, "could not remove an expired replica");
         }
     }
     Ok(expired)
+}
+
+/// The published `rows` as the policies see them at `now` (Unix ms); the
+/// files of a row for which `count_files` is true are listed by identity
+/// (hard links count once), the others count as one file of their size.
+async fn versions_of(
+    rows: &[Replica],
+    now: i64,
+    count_files: impl Fn(&Replica) -> bool,
+) -> Vec<Version> {
+    let mut versions = Vec::with_capacity(rows.len());
+    for r in rows {
+        let files = if count_files(r) {
+            let dir = PathBuf::from(&r.local_path);
+            blocking(move || Ok(file_identities(&dir)))
+                .await
+                .unwrap_or_default()
+        } else {
+            vec![((u64::MAX, r.id as u64), r.bytes_total.max(0) as u64)]
+        };
+        versions.push(Version {
+            id: r.id,
+            job: r.job.clone(),
+            source_site: r.source_site.clone(),
+            step: r.step.and_then(|s| u64::try_from(s).ok()),
+            published_ms: r.published_at.unwrap_or(r.created_at),
+            files,
+            pinned: r
+                .pin
+                .as_ref()
+                .is_some_and(|p| p.until.is_none_or(|u| u > now)),
+        });
+    }
+    versions
+}
+
+/// Free bytes in the sink root's storage now (`None`: it cannot tell, or
+/// the call failed, logged).
+async fn free_now(inner: &Inner) -> Option<u64> {
+    let (store, root) = (inner.store.clone(), inner.cfg.root.clone());
+    match blocking(move || store.free_space(&root)).await {
+        Ok(f) => f,
+        Err(e) => {
+            warn!(error = %e, "measuring the sink's free space");
+            None
+        }
+    }
+}
+
+/// `[sink] min_free` and `target_free` in bytes now (percentages of the
+/// storage's capacity now); `None` without them, or when they cannot be
+/// worked out (logged).
+async fn pressure_bytes(inner: &Inner) -> Option<(u64, u64)> {
+    let p = inner.cfg.pressure?;
+    let (store, root) = (inner.store.clone(), inner.cfg.root.clone());
+    let capacity = blocking(move || store.capacity(&root))
+        .await
+        .unwrap_or_else(|e| {
+            warn!(error = %e, "measuring the sink's capacity");
+            None
+        });
+    match p.bytes(capacity, inner.cfg.reserve_bytes) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            warn!(error = %e, "space pressure is off");
+            None
+        }
+    }
+}
+
+/// What [`relieve`] did.
+pub(super) struct Relief {
+    /// Free bytes at the end (`None`: unknown).
+    pub free: Option<u64>,
+    /// Replicas removed under pressure.
+    pub removed: usize,
+    /// When the goal was not reached: what the plan could free and what
+    /// it kept back, in words.
+    pub short: Option<String>,
+}
+
+/// After each retention pass: when free space is below `min_free`,
+/// removes until it is at least `target_free` ([`relieve`]).
+async fn pressure_pass(inner: &Arc<Inner>) {
+    let Some((min, target)) = pressure_bytes(inner).await else {
+        return;
+    };
+    let Some(free) = free_now(inner).await else {
+        return;
+    };
+    if free >= min {
+        return;
+    }
+    warn!(
+        free,
+        min_free = min,
+        target_free = target,
+        "space pressure: free space is below min_free; removing replicas until target_free is free"
+    );
+    let r = relieve(inner, target, false).await;
+    match r.short {
+        None => info!(
+            free = r.free,
+            removed = r.removed,
+            "space pressure relieved"
+        ),
+        Some(why) => warn!(
+            free = r.free,
+            removed = r.removed,
+            target_free = target,
+            "space pressure: target_free not reached: {why}"
+        ),
+    }
+}
+
+/// Makes room for an incoming transfer that needs `needed` bytes more
+/// than `avail` free (keeping `[sink] reserve`), when `[sink] min_free`
+/// is set: removes under pressure only if that frees enough. `None` when
+/// it now fits; else why not, for the refusal.
+pub(super) async fn make_room(inner: &Arc<Inner>, needed: u64) -> Option<String> {
+    pressure_bytes(inner).await?;
+    let goal = needed.saturating_add(inner.cfg.reserve_bytes);
+    let r = relieve(inner, goal, true).await;
+    match (r.free, r.short) {
+        (Some(f), _) if f >= goal => {
+            info!(
+                removed = r.removed,
+                free = f,
+                needed,
+                "space pressure: made room for an incoming transfer"
+            );
+            None
+        }
+        (_, Some(why)) => Some(why),
+        (free, None) => Some(format!("{} bytes free after removals", free.unwrap_or(0))),
+    }
+}
+
+/// Removes, in order, until `goal` bytes are free: the staging areas of
+/// failed and cancelled transfers, the replicas a policy expires, then
+/// the replicas [`super::pressure::plan`] picks, measuring free space
+/// again after each. With `all_or_nothing`, the plan's replicas go only
+/// if together they free enough.
+async fn relieve(inner: &Arc<Inner>, goal: u64, all_or_nothing: bool) -> Relief {
+    let _one = inner.relief.lock().await;
+    let mut relief = Relief {
+        free: free_now(inner).await,
+        removed: 0,
+        short: None,
+    };
+    let reached = |r: &Relief| r.free.is_none_or(|f| f >= goal);
+    if reached(&relief) {
+        return relief;
+    }
+    // 1. What failed or cancelled transfers left staged (kept when a
+    // publish was under way: it may hold a published version).
+    for state in [TransferState::Failed, TransferState::Cancelled] {
+        let rows = match inner.catalog.replicas_in(Some(state), i64::MAX, 0).await {
+            Ok(rows) => rows,
+            Err(e) => {
+                warn!(error = %e, "space pressure: listing {state} transfers");
+                continue;
+            }
+        };
+        for r in rows {
+            let staging = PathBuf::from(&r.staging_path);
+            if r.staging_path.is_empty()
+                || crate::lock::lock(&inner.live).contains_key(&r.id)
+                || inner.store.publish_under_way(&staging)
+                || std::fs::symlink_metadata(&staging).is_err()
+            {
+                continue;
+            }
+            let store = inner.store.clone();
+            let s2 = staging.clone();
+            match blocking(move || store.discard(&s2)).await {
+                Ok(()) => {
+                    info!(transfer = r.id, staging = %staging.display(), "space pressure: removed the staging area of a {state} transfer")
+                }
+                Err(e) => {
+                    warn!(transfer = r.id, error = %e, "space pressure: removing a staging area")
+                }
+            }
+        }
+    }
+    relief.free = free_now(inner).await;
+    if reached(&relief) {
+        return relief;
+    }
+    // 2. What a policy expires anyway.
+    if let Err(e) = retention_pass(inner, true).await {
+        warn!(error = %e, "space pressure: retention pass failed");
+    }
+    relief.free = free_now(inner).await;
+    if reached(&relief) {
+        return relief;
+    }
+    // 3. By class at publish, oldest first.
+    let rows = match inner.catalog.current_replicas().await {
+        Ok(rows) => rows,
+        Err(e) => {
+            relief.short = Some(format!("the catalog could not list replicas: {e}"));
+            return relief;
+        }
+    };
+    let now = now_ms();
+    let versions = versions_of(&rows, now, |_| true).await;
+    let classes: Vec<_> = rows.iter().map(|r| r.class).collect();
+    let need = goal.saturating_sub(relief.free.unwrap_or(0));
+    let plan = super::pressure::plan(&inner.cfg.retention, &versions, &classes, now, need);
+    if plan.freed < need {
+        relief.short = Some(format!(
+            "removing every replica that may go under space pressure ({}) would free {} of the {need} bytes needed; {}",
+            plan.remove.len(),
+            plan.freed,
+            plan.protected_text()
+        ));
+        if all_or_nothing {
+            return relief;
+        }
+    }
+    for id in plan.remove {
+        let Some(r) = rows.iter().find(|r| r.id == id) else {
+            continue;
+        };
+        let detail = format!(
+            "space pressure: {} bytes free, {goal} wanted; class {} at publish, oldest first",
+            relief.free.unwrap_or(0),
+            r.class.map_or("scheduled", |c| c.as_str())
+        );
+        match remove_version(inner, r, RemovalReason::Pressure, &detail, false, true).await {
+            Ok(true) => relief.removed += 1,
+            Ok(false) => {}
+            Err(e) => warn!(replica = id, error = %e, "space pressure: could not remove a replica"),
+        }
+        relief.free = free_now(inner).await;
+        if reached(&relief) {
+            relief.short = None;
+            break;
+        }
+    }
+    relief
 }
 
 /// The newest row that replaced `r` at its path: published, or removed
@@ -336,6 +559,7 @@ async fn remove_version(
     reason: RemovalReason,
     detail: &str,
     forced: bool,
+    wait: bool,
 ) -> Result<bool, CatalogError> {
     let local = PathBuf::from(&r.local_path);
     let lock = inner.publish_lock(&local);
@@ -372,18 +596,27 @@ async fn remove_version(
         warn!(replica = r.id, error = %e, "could not move a removed replica aside; trying again later");
         return Ok(true);
     }
-    spawn_retire(inner, r.clone(), aside);
+    if wait {
+        retire(inner.clone(), r.clone(), aside).await;
+    } else {
+        spawn_retire(inner, r.clone(), aside);
+    }
     Ok(true)
 }
 
-/// Step 3: deletes the version moved aside and records the removal done.
+/// Step 3 in the background: [`retire`].
 fn spawn_retire(inner: &Arc<Inner>, r: Replica, aside: PathBuf) {
+    let inner2 = inner.clone();
+    inner.tasks.spawn(retire(inner2, r, aside));
+}
+
+/// Step 3: deletes the version moved aside and records the removal done
+/// (nothing if another task is deleting it already).
+async fn retire(inner: Arc<Inner>, r: Replica, aside: PathBuf) {
     if !crate::lock::lock(&inner.retiring).insert(r.id) {
         return;
     }
-    let inner2 = inner.clone();
-    inner.tasks.spawn(async move {
-        let inner = inner2;
+    {
         let store = inner.store.clone();
         let res = blocking(move || store.retire(&aside)).await;
         let done = match res {
@@ -402,7 +635,10 @@ fn spawn_retire(inner: &Arc<Inner>, r: Replica, aside: PathBuf) {
                     .map(|m| m.reason)
                     .unwrap_or(RemovalReason::Rule);
                 let row = inner.catalog.replica(r.id).await.ok().flatten();
-                if row.as_ref().is_some_and(|x| x.state == TransferState::Removed) {
+                if row
+                    .as_ref()
+                    .is_some_and(|x| x.state == TransferState::Removed)
+                {
                     let reason = row
                         .as_ref()
                         .and_then(|x| x.removal.as_ref())
@@ -414,7 +650,7 @@ fn spawn_retire(inner: &Arc<Inner>, r: Replica, aside: PathBuf) {
             Err(e) => warn!(replica = r.id, error = %e, "could not record a finished removal"),
         }
         inner.changed.send_modify(|v| *v += 1);
-    });
+    }
 }
 
 /// Finishes removals a crash (or an I/O error) left `removing`.

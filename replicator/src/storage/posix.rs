@@ -277,6 +277,13 @@ impl SinkStore for Posix {
         Ok(Some(s.blocks_available() as u64 * s.fragment_size() as u64))
     }
 
+    fn capacity(&self, path: &Path) -> io::Result<Option<u64>> {
+        let s = nix::sys::statvfs::statvfs(path)
+            .map_err(io::Error::from)
+            .map_err(at(path))?;
+        Ok(Some(s.blocks() as u64 * s.fragment_size() as u64))
+    }
+
     fn flush(&self, dir: &Path) -> io::Result<()> {
         sync_dir_fs(dir).map_err(at(dir))
     }

@@ -103,6 +103,7 @@ pub async fn start_sink(base: &Path, reserve_bytes: u64, ep: quinn::Endpoint) ->
             reread_before_publish: true,
             retention: Vec::new(),
             retention_interval: std::time::Duration::from_secs(60),
+            pressure: None,
         },
         Catalog::open(&base.join("dst-data")).await.unwrap(),
         ep,
