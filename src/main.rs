@@ -180,8 +180,10 @@ enum Command {
         json: bool,
     },
     /// Drain an agent of the pool (any agent of the pool takes the
-    /// request): it claims no new transfer and finishes what it holds.
-    /// The drain lasts across restarts until `--undo`. Needs an operator
+    /// request): it claims no new transfer, finishes what it holds, and
+    /// hands the source roots it watches over to the other agents at once.
+    /// The drain lasts across restarts until `--undo`. Without `--wait`
+    /// the command returns once the drain is recorded. Needs an operator
     /// token.
     Drain {
         /// The agent's name (as `ferry pool` lists it).
@@ -494,20 +496,28 @@ enum ReplicaCommand {
 
 #[derive(Debug, Subcommand)]
 enum CatalogCommand {
-    /// Copy a single agent's SQLite catalog (agent.data_dir/ferry.db) into
-    /// an empty PostgreSQL catalog, every row with its id, in one
-    /// transaction; then set [catalog] url in the config and restart.
+    /// Two jobs. With --to: copy a single agent's SQLite catalog
+    /// (agent.data_dir/ferry.db) into an empty PostgreSQL catalog, every
+    /// row with its id, in one transaction; then set [catalog] url in the
+    /// config and restart. Without --to, for an agent whose config names a
+    /// PostgreSQL catalog: bring that catalog's schema up to this
+    /// release's (the upgrade step of a pool, before its agents are
+    /// restarted one by one on the new release; migrations are additive
+    /// within a release, so agents of the previous release keep working).
     ///
-    /// Stop the agent first (its lock on the data directory is taken). A
-    /// target that already holds transfers or replicas is refused and left
-    /// as it is; the SQLite file is left as it is. The target records the
-    /// agent's site (agent.site).
+    /// With --to, stop the agent first (its lock on the data directory is
+    /// taken). A target that already holds transfers or replicas is
+    /// refused and left as it is; the SQLite file is left as it is. The
+    /// target records the agent's site (agent.site). --to with a config
+    /// that already names a PostgreSQL catalog is refused. An agent also
+    /// brings its catalog's schema up to date when it starts, and refuses
+    /// a schema newer than it knows, naming both versions.
     Migrate {
-        /// PostgreSQL catalog: postgres://USER@HOST[:PORT]/DATABASE (give the
-        /// password with --password-file rather than here, where other
-        /// users of the machine can see it).
+        /// PostgreSQL catalog to copy into: postgres://USER@HOST[:PORT]/DATABASE
+        /// (give the password with --password-file rather than here, where
+        /// other users of the machine can see it).
         #[arg(long, value_name = "URL")]
-        to: String,
+        to: Option<String>,
         /// File holding the target's password (one line).
         #[arg(long, value_name = "FILE")]
         password_file: Option<PathBuf>,
@@ -757,7 +767,7 @@ async fn run(cli: Cli) -> Result<()> {
                     password_file,
                     config,
                 },
-        } => catalog_migrate(&to, password_file.as_deref(), &config).await,
+        } => catalog_migrate(to.as_deref(), password_file.as_deref(), &config).await,
         Command::Certs {
             command:
                 CertsCommand::Init {
@@ -1088,8 +1098,54 @@ async fn push(
     }
 }
 
-async fn catalog_migrate(to: &str, password_file: Option<&Path>, cfg_path: &Path) -> Result<()> {
+async fn catalog_migrate(
+    to: Option<&str>,
+    password_file: Option<&Path>,
+    cfg_path: &Path,
+) -> Result<()> {
     let cfg = config::Config::load(cfg_path)?;
+    let now = cfg.catalog_url(std::env::var(config::CATALOG_URL_ENV).ok().as_deref())?;
+    let Some(to) = to else {
+        let Some(url) = now else {
+            bail!(
+                "{} keeps the agent's catalog in SQLite ({}): give --to postgres://... to move \
+                 it into PostgreSQL (a SQLite catalog's schema is brought up to date when the \
+                 agent starts)",
+                cfg_path.display(),
+                cfg.agent.data_dir.join("ferry.db").display()
+            );
+        };
+        if password_file.is_some() {
+            bail!("--password-file goes with --to; the config's own catalog takes [catalog] password_file");
+        }
+        // Opening a PostgreSQL catalog applies the migrations it lacks,
+        // and refuses one newer than this release.
+        let c = ferry_catalog::Catalog::open_postgres(&url, &cfg.agent.site).await?;
+        c.close().await;
+        outln!(
+            "catalog {url}: schema at version {}, this release's newest",
+            ferry_catalog::schema_version()
+        )?;
+        return Ok(());
+    };
+    // An agent already on PostgreSQL has no SQLite catalog to move; copying
+    // an empty one would point it at a new, empty pool.
+    if let Some(now) = now {
+        bail!(
+            "{} already puts this agent's catalog in PostgreSQL ({now}); ferry catalog migrate \
+             moves a single agent's SQLite catalog (agent.data_dir/ferry.db) into PostgreSQL, \
+             nothing else (schema upgrades run when an agent starts)",
+            cfg_path.display()
+        );
+    }
+    let db = cfg.agent.data_dir.join("ferry.db");
+    if !db.exists() {
+        bail!(
+            "{} does not exist: the agent of {} has no SQLite catalog to move",
+            db.display(),
+            cfg_path.display()
+        );
+    }
     let mut url =
         ferry_catalog::PostgresUrl::parse(to).map_err(|e| anyhow::anyhow!("--to: {e}"))?;
     if let Some(f) = password_file {
@@ -1105,12 +1161,16 @@ async fn catalog_migrate(to: &str, password_file: Option<&Path>, cfg_path: &Path
     for (table, n) in &counts {
         outln!("{table}: {n} rows")?;
     }
+    let password = match password_file {
+        Some(f) => format!(" and password_file = \"{}\"", f.display()),
+        None => String::new(),
+    };
     noteln!(
-        "copied {} into {url}; set [catalog] url = \"{url}\" (password from password_file) in {} \
+        "copied {} into {url}; set [catalog] url = \"{url}\"{password} in {} \
          and start the agent; {} is left as it is",
-        cfg.agent.data_dir.join("ferry.db").display(),
+        db.display(),
         cfg_path.display(),
-        cfg.agent.data_dir.join("ferry.db").display(),
+        db.display(),
     );
     Ok(())
 }

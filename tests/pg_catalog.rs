@@ -74,7 +74,50 @@ async fn an_agent_s_sqlite_catalog_moves_to_postgres() {
         format!("on PostgreSQL the source lists {ts:?}")
     });
     c.source.kill();
+    // Its config now names PostgreSQL: a copy (--to) is refused, naming
+    // why, and without --to the schema is brought up to date.
     let out = migrate().await;
+    w.ensure(
+        !out.success()
+            && out
+                .all()
+                .contains("already puts this agent's catalog in PostgreSQL"),
+        || format!("--to with a config on PostgreSQL should be refused: {out}"),
+    );
+    let out = w
+        .ferry(
+            &["catalog", "migrate", "--config", &config],
+            &[],
+            Duration::from_secs(60),
+        )
+        .await;
+    w.ensure(
+        out.success() && out.stdout.contains("schema at version"),
+        || format!("ferry catalog migrate without --to: {out}"),
+    );
+    // A second copy into a catalog with transfers is refused.
+    let other = w.root.join("other.toml");
+    std::fs::write(
+        &other,
+        std::fs::read_to_string(&c.source.config_path)
+            .unwrap()
+            .replace(&c.source.cfg.tail, ""),
+    )
+    .unwrap();
+    let out = w
+        .ferry(
+            &[
+                "catalog",
+                "migrate",
+                "--to",
+                &db,
+                "--config",
+                other.to_str().unwrap(),
+            ],
+            &[],
+            Duration::from_secs(60),
+        )
+        .await;
     w.ensure(
         !out.success() && out.all().contains("already holds 1 transfers"),
         || format!("a second copy into a catalog with transfers should be refused: {out}"),
