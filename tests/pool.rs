@@ -378,6 +378,8 @@ async fn a_killed_agent_s_transfer_is_taken_over_by_another() {
 struct Cut {
     port: u16,
     down: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Black hole: connections stay open and nothing goes through.
+    hole: std::sync::Arc<std::sync::atomic::AtomicBool>,
     cut: tokio_util::sync::CancellationToken,
     gen: std::sync::Arc<std::sync::Mutex<tokio_util::sync::CancellationToken>>,
 }
@@ -392,7 +394,8 @@ impl Cut {
             tokio_util::sync::CancellationToken::new(),
         ));
         let cut = tokio_util::sync::CancellationToken::new();
-        let (d2, g2, c2) = (down.clone(), gen.clone(), cut.clone());
+        let hole = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (d2, g2, c2, h2) = (down.clone(), gen.clone(), cut.clone(), hole.clone());
         tokio::spawn(async move {
             loop {
                 let accepted = tokio::select! {
@@ -406,13 +409,21 @@ impl Cut {
                     continue;
                 }
                 let token = g2.lock().unwrap().clone();
+                let (h3, c3) = (h2.clone(), c2.clone());
                 tokio::spawn(async move {
                     let Ok(mut out) = tokio::net::TcpStream::connect(to).await else {
                         return;
                     };
-                    tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut out) => {}
-                        _ = token.cancelled() => {}
+                    if !h3.load(Ordering::SeqCst) {
+                        tokio::select! {
+                            _ = tokio::io::copy_bidirectional(&mut inbound, &mut out) => return,
+                            _ = token.cancelled() => {}
+                        }
+                    }
+                    // A black hole keeps both ends open, silent, until
+                    // the test ends.
+                    if h3.load(Ordering::SeqCst) {
+                        c3.cancelled().await;
                     }
                 });
             }
@@ -420,6 +431,7 @@ impl Cut {
         Cut {
             port,
             down,
+            hole,
             cut,
             gen,
         }
@@ -435,6 +447,15 @@ impl Cut {
 
     fn up(&self) {
         self.down.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Makes every connection, open or new, a black hole: the peer's
+    /// packets go nowhere and nothing comes back, as behind a dead route.
+    fn black_hole(&self) {
+        self.hole.store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut g = self.gen.lock().unwrap();
+        g.cancel();
+        *g = tokio_util::sync::CancellationToken::new();
     }
 }
 
@@ -664,13 +685,47 @@ async fn a_drained_watcher_hands_its_root_over() {
     watched_checkpoint_moves_to_the_other_agent(true).await;
 }
 
+/// As above, but the watching agent's route to the catalog becomes a
+/// black hole (connections stay open, nothing answers): it stops its run
+/// and its watch before its leases lapse, and the other agent finishes.
+#[tokio::test]
+async fn a_watcher_cut_off_from_the_catalog_stops_before_its_leases_lapse() {
+    watched_checkpoint_moves(Move::BlackHole).await;
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Move {
+    Kill,
+    Drain,
+    BlackHole,
+}
+
 async fn watched_checkpoint_moves_to_the_other_agent(drain: bool) {
-    let w = World::new(if drain {
-        "pool-watch-drain"
-    } else {
-        "pool-watch"
+    watched_checkpoint_moves(if drain { Move::Drain } else { Move::Kill }).await;
+}
+
+async fn watched_checkpoint_moves(how: Move) {
+    let w = World::new(match how {
+        Move::Drain => "pool-watch-drain",
+        Move::Kill => "pool-watch",
+        Move::BlackHole => "pool-watch-hole",
     })
     .await;
+    let pg: std::net::SocketAddr = {
+        let u = pg_url();
+        let host = u
+            .split('@')
+            .nth(1)
+            .unwrap()
+            .split('/')
+            .next()
+            .unwrap()
+            .to_string();
+        tokio::net::lookup_host(host).await.unwrap().next().unwrap()
+    };
+    // Each agent reaches the catalog through its own proxy.
+    let cuts = [Cut::start(pg).await, Cut::start(pg).await];
+    let ports = [cuts[0].port, cuts[1].port];
     let root = w.source_root();
     std::fs::create_dir_all(&root).unwrap();
     let key = std::fs::canonicalize(&root)
@@ -679,14 +734,22 @@ async fn watched_checkpoint_moves_to_the_other_agent(drain: bool) {
         .into_owned();
     let mut site = site_with(
         &w,
-        if drain { "watch_drain" } else { "watch" },
+        match how {
+            Move::Drain => "watch_drain",
+            Move::Kill => "watch",
+            Move::BlackHole => "watch_hole",
+        },
         "200Mbit/s",
-        |_, db| db.to_string(),
+        |agent, db| {
+            let i = usize::from(agent != SOURCE_NAME);
+            db.replacen(&pg.to_string(), &format!("127.0.0.1:{}", ports[i]), 1)
+        },
         watcher_on,
         &[],
     )
     .await;
     let holder = watcher_of(&w, &site.a, &key).await;
+    let holder_cut = &cuts[usize::from(holder != SOURCE_NAME)];
     let (watching, other) = if holder == SOURCE_NAME {
         (&mut site.a, &site.b)
     } else {
@@ -708,20 +771,52 @@ async fn watched_checkpoint_moves_to_the_other_agent(drain: bool) {
         },
     )
     .await;
-    if drain {
-        let out = w
-            .ferry(
-                &["drain", &holder, "--wait", "30s", "--server", &other.url()],
-                &[],
-                Duration::from_secs(60),
+    match how {
+        Move::Drain => {
+            let out = w
+                .ferry(
+                    &["drain", &holder, "--wait", "30s", "--server", &other.url()],
+                    &[],
+                    Duration::from_secs(60),
+                )
+                .await;
+            w.ensure(
+                out.success() && out.stdout.contains("holds nothing"),
+                || format!("ferry drain of the watching agent failed: {out}"),
+            );
+        }
+        Move::Kill => watching.kill(),
+        Move::BlackHole => {
+            holder_cut.black_hole();
+            let cut_at = std::time::Instant::now();
+            // The lease timeout is 1.5 s: within it (and a margin for a
+            // loaded machine) the run stops and stops sending.
+            w.wait_until(
+                "the cut-off agent to stop its run",
+                Duration::from_secs(20),
+                async || {
+                    let log = std::fs::read_to_string(&watching.stderr_path).unwrap_or_default();
+                    if log.contains("may no longer hold the transfer's lease") {
+                        Ok(())
+                    } else {
+                        Err("no fence in its log yet".into())
+                    }
+                },
             )
             .await;
-        w.ensure(
-            out.success() && out.stdout.contains("holds nothing"),
-            || format!("ferry drain of the watching agent failed: {out}"),
-        );
-    } else {
-        watching.kill();
+            let stopped_after = cut_at.elapsed();
+            w.ensure(stopped_after < Duration::from_secs(6), || {
+                format!(
+                    "the run stopped {stopped_after:?} after the cut; the lease lapses after 1.5 s"
+                )
+            });
+            let before = metric(&w.metrics_text(watching).await, "ferry_sent_bytes_total");
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            let after = metric(&w.metrics_text(watching).await, "ferry_sent_bytes_total");
+            w.ensure(after == before, || {
+                format!("the cut-off agent kept sending: {before} then {after} bytes")
+            });
+        }
     }
     let status = gen.wait().await.unwrap();
     w.ensure(status.success(), || format!("ferry gen failed: {status}"));

@@ -2392,24 +2392,36 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                             None => std::future::pending().await,
                         }
                     };
+                    let fenced = || {
+                        warn!(
+                            link = link_name,
+                            transfer = %id,
+                            "this agent may no longer hold the transfer's lease (not renewed in \
+                             time: the catalog does not answer, or the agent was paused); \
+                             stopping its run"
+                        );
+                        // Chunks queued for the link's writers go too.
+                        sched.deactivate(id);
+                        if let Some((p, _)) = &fence {
+                            p.count_lost();
+                        }
+                        Err(RunError::Stopped)
+                    };
                     let r = tokio::select! {
                         r = run_one(&inner2, &c2, t) => r,
                         _ = stop.cancelled() => Err(RunError::Stopped),
-                        _ = lost => {
-                            warn!(
-                                link = link_name,
-                                transfer = %id,
-                                "this agent may no longer hold the transfer's lease (not renewed in \
-                                 time: the catalog does not answer, or the agent was paused); \
-                                 stopping its run"
-                            );
-                            // Chunks queued for the link's writers go too.
-                            sched.deactivate(id);
-                            if let Some((p, _)) = &fence {
-                                p.count_lost();
-                            }
-                            Err(RunError::Stopped)
-                        }
+                        _ = lost => fenced(),
+                    };
+                    // A run that failed just as its lease may have lapsed
+                    // (the watch of its root, fenced at the same moment,
+                    // stopped the watcher it was following) lost its lease
+                    // too: said and counted as such, at once.
+                    let r = match (&r, &fence) {
+                        (
+                            Err(RunError::Retry(_) | RunError::Fatal(_) | RunError::Cancelled(_)),
+                            Some((p, at)),
+                        ) if !p.holds(id, *at) => fenced(),
+                        _ => r,
                     };
                     (id, r)
                 });
