@@ -128,6 +128,9 @@ struct Standing {
     held: HashSet<TransferId>,
     /// Watch leases (source roots) the last heartbeat renewed.
     watches: HashSet<String>,
+    /// Live, undrained agents of its role at the last heartbeat, itself
+    /// included.
+    live_peers: i64,
 }
 
 struct Inner {
@@ -268,6 +271,13 @@ impl Membership {
     /// not drained.
     pub fn may_claim(&self) -> bool {
         self.leases_valid() && !crate::lock::lock(&self.inner.standing).draining
+    }
+
+    /// How many live, undrained agents of this agent's role the pool had
+    /// at the last heartbeat, this one included (1 before the first).
+    pub fn live_peers(&self) -> u32 {
+        let n = crate::lock::lock(&self.inner.standing).live_peers;
+        u32::try_from(n).unwrap_or(u32::MAX).max(1)
     }
 
     /// Whether an operator drained the agent.
@@ -430,6 +440,7 @@ impl Membership {
                         draining: b.draining,
                         held,
                         watches,
+                        live_peers: b.live_peers,
                     };
                     i.catalog_up.set(1);
                 }

@@ -2345,10 +2345,35 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                 .lock()
                 .ls
                 .admit_in_pool(&waiting, &elsewhere, now);
+            // In a pool, an agent running its share of max_active leaves
+            // new transfers any agent can run to its peers for
+            // SPREAD_WAIT_MS.
+            let counts = |t: &Transfer| {
+                let st = sched_transfer(t, &jobs, now);
+                !st.is_small(link.sched.lock().ls.policy())
+            };
+            let mut running_big = mine
+                .iter()
+                .filter(|t| stops.contains_key(&t.id) && counts(t))
+                .count();
             for id in admit {
                 let Some(t) = mine.iter().find(|t| t.id == id).map(|t| (*t).clone()) else {
                     continue;
                 };
+                // A watched checkpoint runs only where its watcher is
+                // (see runnable): never left to peers.
+                if let Some(p) = pool.as_ref().filter(|_| t.format.is_none()) {
+                    let st = sched_transfer(&t, &jobs, now);
+                    if link.sched.lock().ls.leave_to_peers(
+                        &st,
+                        running_big,
+                        p.live_peers(),
+                        now.saturating_sub(t.created_at),
+                        SPREAD_WAIT_MS,
+                    ) {
+                        continue;
+                    }
+                }
                 let mut claimed_at = None;
                 if let Some(p) = &pool {
                     let timeout = p.config().lease_timeout.as_millis() as i64;
@@ -2376,6 +2401,9 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                     }
                 }
                 let st = sched_transfer(&t, &jobs, now);
+                if !st.is_small(link.sched.lock().ls.policy()) {
+                    running_big += 1;
+                }
                 link.sched.activate(st, Arc::new(LiveProgress::default()));
                 let stop = inner.shutdown.child_token();
                 stops.insert(id, stop.clone());
@@ -2575,6 +2603,12 @@ async fn end_transfer(
         }
     }
 }
+
+/// How long (ms) an agent of a pool that runs its share of `max_active`
+/// leaves a new transfer to the other live agents before it takes it
+/// anyway ([`scheduler::LinkScheduler::leave_to_peers`]): three reconcile
+/// passes of theirs.
+const SPREAD_WAIT_MS: i64 = 3_000;
 
 /// A watched checkpoint's transfer can run once the watcher follows it
 /// (an announced checkpoint waits for its first bytes); others always.

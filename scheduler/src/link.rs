@@ -647,6 +647,29 @@ impl LinkScheduler {
         self.admit_in_pool(waiting, &[], now_ms)
     }
 
+    /// Whether an agent of a pool of `peers` live agents, running
+    /// `running` transfers of the link that count against `max_active`,
+    /// should leave the admitted transfer `t`, queued `queued_ms`
+    /// milliseconds ago, to the other agents for now: it already runs its
+    /// share, `ceil(max_active / peers)`, `t` counts against `max_active`
+    /// (it is not small), and `t` has waited less than `wait_ms` (after
+    /// that any agent with room takes it, so a transfer no other agent can
+    /// run is not left waiting). One agent alone never leaves anything.
+    pub fn leave_to_peers(
+        &self,
+        t: &Transfer,
+        running: usize,
+        peers: u32,
+        queued_ms: i64,
+        wait_ms: i64,
+    ) -> bool {
+        if peers <= 1 || t.is_small(&self.policy) || queued_ms >= wait_ms {
+            return false;
+        }
+        let share = self.policy.max_active.max(1).div_ceil(peers as usize);
+        running >= share
+    }
+
     /// As [`LinkScheduler::admit`], in a pool of agents: `elsewhere` are
     /// the link's transfers other agents of the pool run now, which count
     /// against `max_active` (and `max_small_active`) like this agent's

@@ -576,6 +576,34 @@ fn transfers_running_elsewhere_in_the_pool_count_against_max_active() {
         .is_empty());
 }
 
+/// An agent running its share of `max_active` (rounded up over the
+/// pool's live agents) leaves a new transfer to the others for a while;
+/// never a small one, never when alone, and not once it has waited.
+#[test]
+fn an_agent_running_its_share_leaves_new_transfers_to_its_peers() {
+    let policy = Policy {
+        max_active: 4,
+        max_small_active: 8,
+        small_bytes: 4096,
+        ..Policy::default()
+    };
+    let s = LinkScheduler::new(policy, FAST, 100, 0);
+    let big = transfer(1, Class::Scheduled, 0.5, None);
+    let small = Transfer {
+        bytes_left: 100,
+        size_final: true,
+        ..transfer(2, Class::Scheduled, 0.5, None)
+    };
+    // Two agents: a share of 2.
+    assert!(!s.leave_to_peers(&big, 1, 2, 0, 3000));
+    assert!(s.leave_to_peers(&big, 2, 2, 0, 3000));
+    // Three agents: ceil(4 / 3) = 2.
+    assert!(s.leave_to_peers(&big, 2, 3, 2999, 3000));
+    assert!(!s.leave_to_peers(&big, 2, 3, 3000, 3000));
+    assert!(!s.leave_to_peers(&big, 3, 1, 0, 3000));
+    assert!(!s.leave_to_peers(&small, 9, 2, 0, 3000));
+}
+
 /// A pool's agents split a link's rate by the class rules over the
 /// pool's active transfers: with nothing elsewhere an agent keeps the
 /// whole link; an urgent transfer elsewhere leaves a scheduled-only agent

@@ -56,6 +56,9 @@ pub struct Beat {
     /// The source roots whose watches it holds (see
     /// [`Catalog::claim_watch`]), renewed alike, sorted.
     pub watches: Vec<String>,
+    /// Agents of its role that are live and not drained, itself included
+    /// (at least 1): how many share the pool's work.
+    pub live_peers: i64,
 }
 
 /// An agent's state in the pool, judged by the database clock.
@@ -283,6 +286,14 @@ impl Catalog {
         .bind(now)
         .fetch_all(&mut *tx)
         .await?;
+        let live_peers: i64 = sqlx::query_scalar(&self.db.sql(
+            "SELECT COUNT(*) FROM agents WHERE role = ? AND stopped = 0 AND draining = 0 \
+             AND heartbeat_at + timeout_ms >= ?",
+        ))
+        .bind(b.role)
+        .bind(now)
+        .fetch_one(&mut *tx)
+        .await?;
         tx.commit().await?;
         let mut held: Vec<TransferId> = held.into_iter().filter_map(TransferId::from_i64).collect();
         held.sort();
@@ -292,6 +303,7 @@ impl Catalog {
             draining: draining != 0,
             held,
             watches,
+            live_peers: live_peers.max(1),
         })
     }
 
