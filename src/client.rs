@@ -80,6 +80,25 @@ pub struct ServerArgs {
 #[derive(Debug)]
 pub struct Exit(pub i32);
 
+/// An error answer of the agent: its HTTP status, and the message shown
+/// (`METHOD PATH: STATUS: {"error"} message`, with a hint for 401 and
+/// 403). Callers may downcast an `anyhow::Error` to it to look at the
+/// status.
+#[derive(Debug)]
+pub struct HttpError {
+    /// The answer's status.
+    pub status: StatusCode,
+    text: String,
+}
+
+impl std::fmt::Display for HttpError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl std::error::Error for HttpError {}
+
 impl std::fmt::Display for Exit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "exit code {}", self.0)
@@ -247,7 +266,11 @@ impl Client {
             .as_ref()
             .and_then(|v| v["error"].as_str())
             .map_or_else(|| excerpt(&text), str::to_string);
-        bail!("{method} {path}: {status}: {message}{}", self.hint(status))
+        Err(HttpError {
+            status,
+            text: format!("{method} {path}: {status}: {message}{}", self.hint(status)),
+        }
+        .into())
     }
 
     fn hint(&self, status: StatusCode) -> String {

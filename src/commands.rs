@@ -92,9 +92,10 @@ pub async fn status(args: &ServerArgs, raw: bool) -> Result<()> {
         .map(|r| r.iter().filter_map(Value::as_str).collect())
         .unwrap_or_default();
     let mut out = json!({ "healthz": health });
-    // A part the agent cannot give (its catalog does not answer: 503) is
-    // shown as missing, with the reason, and the rest is still printed;
-    // the command then fails, naming the parts.
+    // A part the agent cannot give because its catalog does not answer
+    // (503) is shown as missing, with the reason, and the rest is still
+    // printed; the command then fails, naming the parts. Any other error
+    // (no token, say) fails at once.
     let mut missing = Vec::new();
     let mut parts = Vec::new();
     if roles.contains(&"source") {
@@ -106,10 +107,14 @@ pub async fn status(args: &ServerArgs, raw: bool) -> Result<()> {
     for (key, path) in parts {
         match all_items(&c, path).await {
             Ok(items) => out[key] = Value::Array(items),
-            Err(e) => {
+            Err(e)
+                if e.downcast_ref::<crate::client::HttpError>()
+                    .is_some_and(|h| h.status == reqwest::StatusCode::SERVICE_UNAVAILABLE) =>
+            {
                 out["unavailable"][key] = Value::String(format!("{e:#}"));
                 missing.push(key);
             }
+            Err(e) => return Err(e),
         }
     }
     if raw {
