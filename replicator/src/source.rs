@@ -2195,6 +2195,8 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
     let mut dial_after = tokio::time::Instant::now();
     let mut running: tokio::task::JoinSet<Ended> = tokio::task::JoinSet::new();
     let mut stops: HashMap<TransferId, CancellationToken> = HashMap::new();
+    // Transfers whose wait for a watcher was noted in the catalog.
+    let mut waits_noted: HashSet<TransferId> = HashSet::new();
     // The lease epoch each running transfer was claimed under (in a pool).
     let mut leases: HashMap<TransferId, i64> = HashMap::new();
     let pool = inner.cfg.pool.clone();
@@ -2272,6 +2274,24 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
             }
         }
         link.sched.poke();
+        // A checkpoint only its root's watcher can run, queued for 10 s
+        // with no watcher here following it: say why it waits (once).
+        for t in &mine {
+            if t.state == TransferState::Queued
+                && t.error.is_none()
+                && now.saturating_sub(t.created_at) >= 10_000
+                && !held_elsewhere(t)
+                && !runnable(&inner, t)
+                && waits_noted.insert(t.id)
+            {
+                let note = "waits for the watcher of its source root to follow it (an announced \
+                            checkpoint until its first files appear; in a pool, `ferry pool` lists \
+                            each root's watcher, and none may watch it now)";
+                if let Err(e) = inner.catalog.set_transfer_note(t.id, Some(note)).await {
+                    warn!(transfer = %t.id, error = %e, "recording why a transfer waits");
+                }
+            }
+        }
         let waiting: Vec<scheduler::Transfer> = mine
             .iter()
             .filter(|t| {
