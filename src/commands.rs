@@ -818,11 +818,7 @@ pub fn render_settings(out: &Value) -> String {
     let mut rows = vec![vec!["SETTING".to_string(), "VALUE".into(), "SET BY".into()]];
     for i in out["items"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
         let name = text(i, "name").to_string();
-        let value = match (&i["value"], name.ends_with(".rate")) {
-            (Value::Number(n), true) => crate::config::format_rate(n.as_u64().unwrap_or(0)),
-            (Value::String(t), _) => t.clone(),
-            (v, _) => v.to_string(),
-        };
+        let value = replicator::settings::display_value(&name, &i["value"]);
         let by = i["updated_by"].as_str().unwrap_or("config").to_string();
         rows.push(vec![name, value, by]);
     }
@@ -847,13 +843,7 @@ pub async fn pool_set(args: &ServerArgs, key: &str, value: &str, raw: bool) -> R
     let now = out["items"]
         .as_array()
         .and_then(|a| a.iter().find(|i| i["name"] == key))
-        .map(|i| match &i["value"] {
-            Value::Number(n) if key.ends_with(".rate") => {
-                crate::config::format_rate(n.as_u64().unwrap_or(0))
-            }
-            Value::String(t) => t.clone(),
-            v => v.to_string(),
-        });
+        .map(|i| replicator::settings::display_value(key, &i["value"]));
     match (now, out["shared"].as_bool() == Some(true)) {
         (Some(v), true) => {
             outln!("{key} = {v} (every agent of the pool applies it within about a second)")
@@ -1123,6 +1113,25 @@ mod tests {
         assert!(name.starts_with("name = \"reader-"), "{name}");
         assert!(!name.contains(&token[6..14]), "{name}");
         assert!(token_new(api::Role::Reader, Some(" ")).is_err());
+    }
+
+    #[test]
+    fn settings_show_rates_and_sizes_as_written() {
+        let out = json!({"shared": true, "items": [
+            {"name": "link.to-eval.rate", "value": 2_000_000_000u64, "updated_by": "ops"},
+            {"name": "scheduler.small_transfer", "value": 33_554_432u64},
+            {"name": "scheduler.policy", "value": "priority"},
+            {"name": "scheduler.max_active", "value": 4},
+        ]});
+        let s = render_settings(&out);
+        for want in ["2Gbit/s", "32MiB", "priority", " 4 ", "ops", "config"] {
+            assert!(s.contains(want), "{want}: {s}");
+        }
+        assert!(!s.contains("33554432"), "{s}");
+        assert_eq!(
+            replicator::settings::display_value("scheduler.small_transfer", &json!(1000)),
+            "1000B"
+        );
     }
 
     #[test]

@@ -1832,7 +1832,14 @@ link = "to-eval"
         assert_eq!(parse_rate("2.5Gbit/s"), Ok(2_500_000_000));
         assert_eq!(parse_rate("250Mbit/s"), Ok(250_000_000));
         assert_eq!(parse_rate("5000"), Ok(5000));
-        assert!(parse_rate("0Gbit/s").is_err());
         assert!(parse_rate("1 GB").is_err());
+        // Terabit rates, up to 10 Tbit/s, and formatted back alike.
+        assert_eq!(parse_rate("1Tbit/s"), Ok(1_000_000_000_000));
+        assert_eq!(format_rate(10_000_000_000_000), "10Tbit/s");
+        // Out of range, zero included: the range is named.
+        for v in ["0Gbit/s", "0", "100", "11Tbit/s", "-5Mbit/s"] {
+            let e = parse_rate(v).unwrap_err();
+            assert!(e.contains("outside 1kbit/s..10Tbit/s"), "{v}: {e}");
+        }
     }
 }

@@ -579,15 +579,16 @@ pub(crate) async fn list_links(
     }))
 }
 
-/// Smallest and largest rate cap accepted, bit/s.
-pub const RATE_BOUNDS: (u64, u64) = (1_000, 1_000_000_000_000);
+/// Smallest and largest rate cap accepted, bit/s (1 kbit/s and 10 Tbit/s,
+/// as [`ferry_proto::units::RATE_RANGE`]).
+pub const RATE_BOUNDS: (u64, u64) = ferry_proto::units::RATE_RANGE;
 
 /// Body of `PUT /v1/links/{link}`.
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct PutLink {
-    /// New rate cap, bit/s (1,000 to 10^12).
-    #[schema(minimum = 1000, maximum = 1_000_000_000_000_u64)]
+    /// New rate cap, bit/s (1,000 to 10^13).
+    #[schema(minimum = 1000, maximum = 10_000_000_000_000_u64)]
     rate_bps: u64,
 }
 
@@ -620,7 +621,7 @@ pub(crate) async fn put_link(
     let src = source(&s)?;
     if !(RATE_BOUNDS.0..=RATE_BOUNDS.1).contains(&req.rate_bps) {
         return Err(ApiError::unprocessable(format!(
-            "`rate_bps` must be from {} to {} bit/s, got {}",
+            "`rate_bps` must be from {} to {} bit/s (1kbit/s to 10Tbit/s), got {}",
             RATE_BOUNDS.0, RATE_BOUNDS.1, req.rate_bps
         )));
     }
@@ -950,8 +951,8 @@ pub(crate) async fn put_setting(
         let bps = v.as_u64().unwrap_or(0);
         if !(RATE_BOUNDS.0..=RATE_BOUNDS.1).contains(&bps) {
             return Err(ApiError::unprocessable(format!(
-                "{name} must be from {} to {} bit/s, got {bps}",
-                RATE_BOUNDS.0, RATE_BOUNDS.1
+                "{name} must be from 1kbit/s to 10Tbit/s, got {}",
+                ferry_proto::units::format_rate(bps)
             )));
         }
         if !src
@@ -1010,7 +1011,7 @@ pub(crate) async fn put_setting(
         tracing::info!(
             job,
             importance = j.importance,
-            model_params = ?j.model_params,
+            model_params = %j.model_params.map_or("unknown".to_string(), |p| p.to_string()),
             by = by(&caller),
             "operator set a job"
         );

@@ -108,7 +108,7 @@ fn whole(name: &str, v: &Value) -> Result<u64, String> {
         Value::String(s) => s.trim().parse::<u64>().ok(),
         _ => None,
     };
-    n.ok_or_else(|| format!("{name} must be a whole number, 0 or more, got {}", text(v)))
+    n.ok_or_else(|| format!("{name} must be a whole number, got {}", text(v)))
 }
 
 /// The canonical stored value of setting `name` from `v`, a JSON value
@@ -267,8 +267,40 @@ pub fn check_stored_policy(base: &Policy, stored: &[Setting]) -> Result<(), Stri
         set_policy_field(&mut p, &s.name, &s.value)?;
     }
     p.check().map_err(|e| {
+        // A value invalid on its own is named as such; the pool's other
+        // settings are mentioned only when the combination is at fault.
+        for s in stored
+            .iter()
+            .filter(|s| SCHEDULER_SETTINGS.contains(&s.name.as_str()))
+        {
+            let mut alone = base.clone();
+            if set_policy_field(&mut alone, &s.name, &s.value).is_ok() {
+                if let Err(e) = alone.check() {
+                    return format!("scheduler.{e}");
+                }
+            }
+        }
         format!("scheduler.{e} (with the pool's other scheduler settings as stored now)")
     })
+}
+
+/// A shared setting's stored value as a user writes it: a rate as
+/// `"2Gbit/s"`, `scheduler.small_transfer` as `"16MiB"` (whole KiB or
+/// MiB, else bytes), text as it is, other values as JSON.
+pub fn display_value(name: &str, v: &Value) -> String {
+    match v {
+        Value::Number(n) if name.ends_with(".rate") => {
+            ferry_proto::units::format_rate(n.as_u64().unwrap_or(0))
+        }
+        Value::Number(n) if name == "scheduler.small_transfer" => match n.as_u64() {
+            Some(b) if b > 0 && b % (1 << 20) == 0 => format!("{}MiB", b >> 20),
+            Some(b) if b > 0 && b % (1 << 10) == 0 => format!("{}KiB", b >> 10),
+            Some(b) => format!("{b}B"),
+            None => v.to_string(),
+        },
+        Value::String(t) => t.clone(),
+        v => v.to_string(),
+    }
 }
 
 /// A setting whose value in an agent's config differs from the pool's.
@@ -369,8 +401,8 @@ pub async fn adopt(
             // operator meant.
             warn!(
                 setting = d.setting,
-                config = %d.config,
-                catalog = %d.catalog,
+                config = %display_value(&d.setting, &d.config),
+                catalog = %display_value(&d.setting, &d.catalog),
                 "this agent's config differs from the pool's catalog; using the catalog's value \
                  (change it with `ferry pool set`)"
             );
@@ -379,8 +411,8 @@ pub async fn adopt(
             // expected state of a running pool.
             info!(
                 setting = d.setting,
-                config = %d.config,
-                catalog = %d.catalog,
+                config = %display_value(&d.setting, &d.config),
+                catalog = %display_value(&d.setting, &d.catalog),
                 "this agent's config differs from the pool's catalog, where the value was set \
                  through the API; using the catalog's value"
             );

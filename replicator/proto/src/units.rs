@@ -2,16 +2,23 @@
 //! config files: rates in bit/s (decimal SI, as link rates are quoted) and
 //! sizes in bytes (SI and IEC prefixes).
 
-/// Parses a rate like `"1Gbit/s"`, `"250Mbit/s"`, `"800kbit/s"` or a bare
-/// number of bit/s into bit/s (decimal SI prefixes, as link rates are
-/// quoted).
+/// Smallest and largest rate accepted anywhere (link rates, rate caps),
+/// bit/s: 1 kbit/s and 10 Tbit/s.
+pub const RATE_RANGE: (u64, u64) = (1_000, 10_000_000_000_000);
+
+/// Parses a rate like `"1Gbit/s"`, `"250Mbit/s"`, `"800kbit/s"`,
+/// `"1Tbit/s"` or a bare number of bit/s into bit/s (decimal SI prefixes,
+/// as link rates are quoted), within [`RATE_RANGE`].
 ///
 /// # Errors
-/// A message naming the bad value.
+/// A message naming the bad value: not a number with one of those units,
+/// or outside the range.
 pub fn parse_rate(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let bad = || format!("{s:?} is not a rate like \"1Gbit/s\" or \"250Mbit/s\"");
-    let (num, mult) = if let Some(n) = t.strip_suffix("Gbit/s") {
+    let (num, mult) = if let Some(n) = t.strip_suffix("Tbit/s") {
+        (n, 1e12)
+    } else if let Some(n) = t.strip_suffix("Gbit/s") {
         (n, 1e9)
     } else if let Some(n) = t.strip_suffix("Mbit/s") {
         (n, 1e6)
@@ -23,12 +30,12 @@ pub fn parse_rate(s: &str) -> Result<u64, String> {
         (t, 1.0)
     };
     let v: f64 = num.trim().parse().map_err(|_| bad())?;
-    if !(v.is_finite() && v > 0.0) {
+    if !v.is_finite() {
         return Err(bad());
     }
     let r = v * mult;
-    if !(1000.0..=1e13).contains(&r) {
-        return Err(format!("{s:?} is outside 1 kbit/s..10 Tbit/s"));
+    if !(RATE_RANGE.0 as f64..=RATE_RANGE.1 as f64).contains(&r) {
+        return Err(format!("{s:?} is outside 1kbit/s..10Tbit/s"));
     }
     Ok(r as u64)
 }
@@ -36,7 +43,9 @@ pub fn parse_rate(s: &str) -> Result<u64, String> {
 /// Formats bit/s the way [`parse_rate`] reads them, e.g. `"1Gbit/s"`,
 /// `"250Mbit/s"`, `"5kbit/s"`.
 pub fn format_rate(bps: u64) -> String {
-    let (v, unit) = if bps >= 1_000_000_000 {
+    let (v, unit) = if bps >= 1_000_000_000_000 {
+        (bps as f64 / 1e12, "Tbit/s")
+    } else if bps >= 1_000_000_000 {
         (bps as f64 / 1e9, "Gbit/s")
     } else if bps >= 1_000_000 {
         (bps as f64 / 1e6, "Mbit/s")
