@@ -122,7 +122,7 @@ async fn the_catalog_wins_and_changes_and_signals_reach_every_agent() {
     // B said what differs, with both values, and uses the catalog's.
     for (name, config, catalog) in [
         ("scheduler.max_active", "7", "4"),
-        ("link.to-eval.rate", "500000000", "1000000000"),
+        ("link.to-eval.rate", "500Mbit/s", "1Gbit/s"),
         ("job.llama-7b.importance", "0.2", "0.8"),
     ] {
         w.wait_until(
@@ -163,6 +163,12 @@ async fn the_catalog_wins_and_changes_and_signals_reach_every_agent() {
     assert_eq!(links["items"][0]["rate_bps"], 1_000_000_000u64, "{links}");
     let jobs = w.get_json(&format!("{}/v1/jobs", b.url())).await;
     assert_eq!(jobs["items"][0]["importance"], 0.8, "{jobs}");
+    // The settings list the jobs too (model size unknown here).
+    assert_eq!(setting(&w, &b, "job.llama-7b.importance").await, 0.8);
+    assert_eq!(
+        setting(&w, &b, "job.llama-7b.model_params").await,
+        Value::Null
+    );
 
     // A change through one agent is applied by the other.
     pool_set(&w, &a, "scheduler.max_active", "8").await;

@@ -852,7 +852,8 @@ pub(crate) struct SettingsView {
     /// within about a second. False on a single agent (SQLite): its
     /// config's values; a link's rate may be changed until a restart.
     shared: bool,
-    /// The scheduler's settings, then each link's rate cap, by name.
+    /// The scheduler's settings, then each link's rate cap, by name, then
+    /// each job's `importance` and `model_params` (`null`: unknown).
     items: Vec<SettingView>,
 }
 
@@ -874,7 +875,7 @@ async fn settings_view(src: &Source) -> Result<SettingsView, ApiError> {
             ));
         }
     }
-    let items = values
+    let mut items: Vec<SettingView> = values
         .into_iter()
         .map(|(name, value)| {
             let s = stored.iter().find(|s| s.name == name);
@@ -886,6 +887,25 @@ async fn settings_view(src: &Source) -> Result<SettingsView, ApiError> {
             }
         })
         .collect();
+    // Each job's importance and model size (the jobs table; `updated_by`
+    // says whether a config or the API wrote them last).
+    for j in src.catalog().jobs().await.map_err(ApiError::catalog)? {
+        let by = Some(j.origin.clone());
+        items.push(SettingView {
+            name: format!("job.{}.importance", j.name),
+            value: serde_json::json!(j.importance),
+            updated_at: Some(j.updated_at),
+            updated_by: by.clone(),
+        });
+        items.push(SettingView {
+            name: format!("job.{}.model_params", j.name),
+            value: j
+                .model_params
+                .map_or(serde_json::Value::Null, |p| serde_json::json!(p)),
+            updated_at: Some(j.updated_at),
+            updated_by: by,
+        });
+    }
     Ok(SettingsView { shared, items })
 }
 

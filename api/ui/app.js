@@ -552,7 +552,9 @@ function renderSettings(s) {
     ? '· the pool\'s, stored in its catalog: a change reaches every agent'
     : '· from this agent\'s config file (a single agent)';
   fill($('#settings tbody'), s.items.map((i) => [
-    i.name, i.name.endsWith('.rate') ? fmtRate(i.value) : String(i.value), i.updated_by || 'config file']));
+    i.name,
+    i.value === null ? 'unknown' : i.name.endsWith('.rate') ? fmtRate(i.value) : String(i.value),
+    i.updated_by || 'config file']));
   const sel = $('#setting-name');
   const names = s.items.map((i) => i.name);
   if ([...sel.options].map((o) => o.value).join() !== names.join()) {

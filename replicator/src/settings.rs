@@ -299,6 +299,7 @@ pub fn display_value(name: &str, v: &Value) -> String {
             None => v.to_string(),
         },
         Value::String(t) => t.clone(),
+        Value::Null => "unknown".into(),
         v => v.to_string(),
     }
 }
