@@ -2618,7 +2618,13 @@ async fn end_transfer(
             false
         }
         Err(RunError::Retry(why)) => {
-            warn!(transfer = %id, retry_in = ?backoff, "transfer interrupted, will resume: {why}");
+            if inner.cfg.pool.as_ref().is_some_and(|p| p.draining()) {
+                // Drained: the watch (and with it the run) went to
+                // another agent of the pool, which resumes it.
+                info!(transfer = %id, "transfer handed over (this agent is drained): {why}");
+            } else {
+                warn!(transfer = %id, retry_in = ?backoff, "transfer interrupted, will resume: {why}");
+            }
             true
         }
     }

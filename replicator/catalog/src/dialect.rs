@@ -12,6 +12,11 @@ use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
 use sqlx::sqlite::SqliteConnectOptions;
 use sqlx::{AnyConnection, AnyPool, ConnectOptions, Connection, Executor};
 
+
+/// Seconds a catalog call waits for a free database connection (and for a
+/// new one to connect) before it fails: [`sqlx::Error::PoolTimedOut`].
+pub(crate) const ACQUIRE_TIMEOUT_S: u64 = 10;
+
 /// A database the catalog can live in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Dialect {
@@ -160,7 +165,7 @@ pub(crate) async fn open_sqlite(db: &Path, read_only: bool) -> Result<AnyPool, s
     first.close().await?;
     AnyPoolOptions::new()
         .max_connections(if read_only { 1 } else { 4 })
-        .acquire_timeout(Duration::from_secs(10))
+        .acquire_timeout(Duration::from_secs(ACQUIRE_TIMEOUT_S))
         .after_connect(move |conn, _| {
             Box::pin(async move {
                 conn.execute(pragmas).await?;
@@ -415,7 +420,7 @@ pub(crate) async fn open_postgres(url: &PostgresUrl) -> Result<AnyPool, (String,
         .map_err(|e| (url.redact(&e.to_string()), true))?;
     AnyPoolOptions::new()
         .max_connections(8)
-        .acquire_timeout(Duration::from_secs(10))
+        .acquire_timeout(Duration::from_secs(ACQUIRE_TIMEOUT_S))
         .connect_with(opts)
         .await
         .map_err(|e| (url.redact(&e.to_string()), true))

@@ -134,7 +134,7 @@ pub enum CatalogError {
     #[error("{0}")]
     AgentName(String),
     /// An SQL error.
-    #[error("catalog: {0}")]
+    #[error("catalog: {}", sql_text(.0))]
     Sql(#[from] sqlx::Error),
     /// Migrations failed (a newer or damaged catalog).
     #[error("catalog migration: {0}")]
@@ -148,6 +148,21 @@ pub enum CatalogError {
     /// The catalog did not answer within the time a caller allowed.
     #[error("catalog: no answer within {0:?}")]
     Timeout(std::time::Duration),
+}
+
+/// An SQL error's message, with sqlx's connection-pool wording (its own
+/// pool of database connections, easy to take for the pool of agents)
+/// said plainly.
+fn sql_text(e: &sqlx::Error) -> String {
+    match e {
+        sqlx::Error::PoolTimedOut => format!(
+            "no database connection could be had within {} s (the database does not answer, \
+             or every connection is busy)",
+            dialect::ACQUIRE_TIMEOUT_S
+        ),
+        sqlx::Error::PoolClosed => "the database connections are closed (the agent is stopping)".into(),
+        e => e.to_string(),
+    }
 }
 
 impl CatalogError {
