@@ -826,6 +826,16 @@ pub fn render_settings(out: &Value) -> String {
     s
 }
 
+/// `ferry pool forget NAME` (`DELETE /v1/agents/NAME`).
+///
+/// # Errors
+/// As [`Client::delete`]: 404 for an unknown agent, 409 for a live one.
+pub async fn pool_forget(args: &ServerArgs, name: &str) -> Result<()> {
+    let c = Client::new(args, REQUEST_TIMEOUT)?;
+    c.delete(&format!("/v1/agents/{name}"), &[]).await?;
+    outln!("{name} is no longer listed in the pool (it registers anew if it starts again)")
+}
+
 /// `ferry pool set KEY VALUE` (`PUT /v1/settings/{KEY}` with the value as
 /// typed; the agent reads it by the setting's kind).
 ///

@@ -429,6 +429,16 @@ enum PoolCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Remove a stopped or down agent from the pool's listing
+    /// (`DELETE /v1/agents/NAME`), e.g. a host taken out of service for
+    /// good; a live agent is refused (stop it first). Needs an operator
+    /// token.
+    Forget {
+        /// The agent's name (as `ferry pool` lists it).
+        name: String,
+        #[command(flatten)]
+        server: client::ServerArgs,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -721,6 +731,10 @@ async fn run(cli: Cli) -> Result<()> {
                 }),
             ..
         } => commands::pool_set(&server, &key, &value, json).await,
+        Command::Pool {
+            command: Some(PoolCommand::Forget { name, server }),
+            ..
+        } => commands::pool_forget(&server, &name).await,
         Command::Drain {
             name,
             undo,

@@ -376,6 +376,37 @@ async fn a_killed_agent_s_transfer_is_taken_over_by_another() {
     w.ensure(line_a.contains(" down "), || {
         format!("ferry pool should show the killed agent down: {out}")
     });
+    // An operator forgets the dead agent; a live one, or an unknown name,
+    // is refused, naming why.
+    let forget = async |name: &str| {
+        w.ferry(
+            &["pool", "forget", name, "--server", &site.b.url()],
+            &[],
+            Duration::from_secs(30),
+        )
+        .await
+    };
+    let out = forget(SOURCE_2).await;
+    w.ensure(!out.success() && out.all().contains("is live"), || {
+        format!("forgetting a live agent should be refused: {out}")
+    });
+    let out = forget("nobody").await;
+    w.ensure(
+        !out.success() && out.all().contains("no agent \"nobody\""),
+        || format!("forgetting an unknown agent should be refused: {out}"),
+    );
+    let out = forget(SOURCE_NAME).await;
+    w.ensure(out.success(), || format!("ferry pool forget: {out}"));
+    let out = w
+        .ferry(
+            &["pool", "--server", &site.b.url()],
+            &[],
+            Duration::from_secs(30),
+        )
+        .await;
+    w.ensure(out.success() && !out.stdout.contains(SOURCE_NAME), || {
+        format!("the forgotten agent should no longer be listed: {out}")
+    });
     site.b.kill();
     site.sink.kill();
     drop_db(&site.db).await;

@@ -250,7 +250,9 @@ pub fn build(state: AppState) -> (Router, utoipa::openapi::OpenApi) {
             Some(REQUEST_TIMEOUT),
         ));
         groups.push((
-            OpenApiRouter::new().routes(routes!(pool_api::drain, pool_api::undrain)),
+            OpenApiRouter::new()
+                .routes(routes!(pool_api::drain, pool_api::undrain))
+                .routes(routes!(pool_api::forget)),
             Role::Operator,
             Some(REQUEST_TIMEOUT),
         ));

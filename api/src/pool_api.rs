@@ -267,6 +267,61 @@ async fn set_drain(
         .ok_or_else(|| ApiError::not_found(format!("no agent {name:?} in this pool")))
 }
 
+/// What `DELETE /v1/agents/{name}` answers.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub(crate) struct Forgotten {
+    /// The agent no longer listed.
+    forgotten: String,
+}
+
+/// Remove a stopped or down agent from the pool's listing (`ferry pool
+/// forget`), e.g. a host taken out of service for good: its row and its
+/// fingerprints of source roots go; the records of its past leases stay.
+/// A live agent is refused (409): stop it first. An agent that starts
+/// again under that name registers anew.
+#[utoipa::path(
+    delete, path = "/v1/agents/{name}", tag = "agent",
+    params(("name" = String, Path, description = "Agent name")),
+    security(("bearer" = ["operator"])),
+    responses(
+        (status = 200, description = "The agent is no longer listed", body = Forgotten),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 403, description = "The token's role is below operator", body = ErrorBody),
+        (status = 404, description = "No such agent in the pool", body = ErrorBody),
+        (status = 409, description = "The agent is live", body = ErrorBody),
+    )
+)]
+pub(crate) async fn forget(
+    State(s): State<AppState>,
+    caller: By,
+    name: Result<Path<String>, PathRejection>,
+) -> Result<Json<Forgotten>, ApiError> {
+    let Path(name) = name?;
+    let p = pool(&s)?;
+    match p
+        .catalog()
+        .forget_agent(&name)
+        .await
+        .map_err(ApiError::catalog)?
+    {
+        ferry_catalog::Forget::Forgotten => {
+            tracing::info!(
+                agent = name,
+                by = caller.as_ref().map_or("unknown", |c| c.0.name.as_str()),
+                "agent removed from the pool's listing"
+            );
+            Ok(Json(Forgotten { forgotten: name }))
+        }
+        ferry_catalog::Forget::Live => Err(ApiError::new(
+            axum::http::StatusCode::CONFLICT,
+            format!("agent {name:?} is live (it heartbeats): stop it first, then forget it"),
+        )),
+        ferry_catalog::Forget::NotFound => Err(ApiError::not_found(format!(
+            "no agent {name:?} in this pool (GET /v1/pool lists them)"
+        ))),
+    }
+}
+
 /// Drain an agent of the pool: it claims no new transfer, finishes or
 /// releases those it holds, and releases its watches to the other agents
 /// (its state reads `draining`, and `held` and `watches` fall to 0).

@@ -12,7 +12,6 @@ use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
 use sqlx::sqlite::SqliteConnectOptions;
 use sqlx::{AnyConnection, AnyPool, ConnectOptions, Connection, Executor};
 
-
 /// Seconds a catalog call waits for a free database connection (and for a
 /// new one to connect) before it fails: [`sqlx::Error::PoolTimedOut`].
 pub(crate) const ACQUIRE_TIMEOUT_S: u64 = 10;

@@ -66,7 +66,7 @@ pub use copy::{CopyCounts, COPIED_TABLES};
 pub use events::{Change, Event, EventKind};
 pub use export::TraceExport;
 pub use jobs::{origin, Job, MAX_MODEL_PARAMS};
-pub use pool::{AgentState, Beat, Claim, Heartbeat, LeaseRecord, PoolAgent};
+pub use pool::{AgentState, Beat, Claim, Forget, Heartbeat, LeaseRecord, PoolAgent};
 pub use replicas::{
     CheckpointMeta, NewReplica, Pin, PublishedReplica, Removal, RemovalReason, Replica, SourceTimes,
 };
@@ -160,7 +160,9 @@ fn sql_text(e: &sqlx::Error) -> String {
              or every connection is busy)",
             dialect::ACQUIRE_TIMEOUT_S
         ),
-        sqlx::Error::PoolClosed => "the database connections are closed (the agent is stopping)".into(),
+        sqlx::Error::PoolClosed => {
+            "the database connections are closed (the agent is stopping)".into()
+        }
         e => e.to_string(),
     }
 }

@@ -61,6 +61,17 @@ pub struct Beat {
     pub live_peers: i64,
 }
 
+/// What [`Catalog::forget_agent`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forget {
+    /// The agent was stopped or down; it is no longer listed.
+    Forgotten,
+    /// The agent is live (heartbeating): nothing was removed.
+    Live,
+    /// No agent of that name.
+    NotFound,
+}
+
 /// An agent's state in the pool, judged by the database clock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AgentState {
@@ -359,6 +370,46 @@ impl Catalog {
             .execute(&self.pool)
             .await?;
         Ok(r.rows_affected() > 0)
+    }
+
+    /// Removes agent `name` from the pool's listing (its row and its
+    /// fingerprints of source roots), if it is stopped or down (no
+    /// heartbeat within its timeout, by the database clock): an agent
+    /// taken out of service for good. Its leases lapsed with its
+    /// heartbeat; the records of its past leases stay.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn forget_agent(&self, name: &str) -> Result<Forget, CatalogError> {
+        let mut tx = self.pool.begin().await?;
+        let q = format!("SELECT {} AS now", self.db.now_ms());
+        let now: i64 = sqlx::query_scalar(&q).fetch_one(&mut *tx).await?;
+        let row: Option<(i64, i64, i64)> = sqlx::query_as(
+            &self
+                .db
+                .sql("SELECT stopped, heartbeat_at, timeout_ms FROM agents WHERE name = ?"),
+        )
+        .bind(name)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some((stopped, heartbeat_at, timeout_ms)) = row else {
+            tx.rollback().await?;
+            return Ok(Forget::NotFound);
+        };
+        if stopped == 0 && heartbeat_at + timeout_ms >= now {
+            tx.rollback().await?;
+            return Ok(Forget::Live);
+        }
+        sqlx::query(&self.db.sql("DELETE FROM agents WHERE name = ?"))
+            .bind(name)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(&self.db.sql("DELETE FROM root_fingerprints WHERE agent = ?"))
+            .bind(name)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(Forget::Forgotten)
     }
 
     /// Every agent of the pool, by name, with its state and what it holds
