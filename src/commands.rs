@@ -591,10 +591,18 @@ fn replica_line(r: &Value) -> String {
         };
         extra = format!(" {} {when}{forced}: {}", s("reason"), s("detail"));
     }
+    // A published version a re-save replaced has no files left.
+    let state = match r["replaced_by"].as_i64() {
+        Some(by) => {
+            extra = format!(" (replaced by {by}){extra}");
+            "replaced"
+        }
+        None => text(r, "state"),
+    };
     format!(
         "{:>6} {:<10} {} step {step} {} B{extra}  {}",
         int(r, "id"),
-        text(r, "state"),
+        state,
         text(r, "job"),
         int(r, "bytes_total"),
         text(r, "local_path"),
@@ -1123,6 +1131,21 @@ mod tests {
         assert!(name.starts_with("name = \"reader-"), "{name}");
         assert!(!name.contains(&token[6..14]), "{name}");
         assert!(token_new(api::Role::Reader, Some(" ")).is_err());
+    }
+
+    #[test]
+    fn a_replaced_version_reads_replaced_naming_the_newer() {
+        let r = json!({"id": 3, "state": "published", "job": "j", "bytes_total": 10,
+                       "local_path": "/e/s", "replaced_by": 7});
+        let line = replica_line(&r);
+        assert!(
+            line.contains("replaced") && line.contains("(replaced by 7)"),
+            "{line}"
+        );
+        assert!(!line.contains("published"), "{line}");
+        let r = json!({"id": 7, "state": "published", "job": "j", "bytes_total": 10,
+                       "local_path": "/e/s"});
+        assert!(replica_line(&r).contains("published"));
     }
 
     #[test]

@@ -347,6 +347,31 @@ async fn a_policy_removes_what_it_no_longer_keeps_and_operators_pin_and_remove()
     assert_eq!(row["pin"], Value::Null, "{row}");
     assert_eq!(sample(&api.metrics().await, "ferry_pinned_replicas"), 0.0);
 
+    // Step 300 saved again: the older row reads as replaced by the new
+    // one, in the API and in `ferry replica ls`.
+    std::fs::write(ckpt(300).join("extra.bin"), b"a re-save").unwrap();
+    let out = w.push(&c.source, &ckpt(300), &[]).await;
+    w.ensure(out.success(), || format!("ferry push of a re-save: {out}"));
+    let both: Vec<Value> = api
+        .replicas("published")
+        .await
+        .into_iter()
+        .filter(|r| r["rel"] == "step_000300")
+        .collect();
+    assert_eq!(both.len(), 2, "{both:?}");
+    assert_eq!(both[1]["replaced_by"], both[0]["id"], "{both:?}");
+    assert_eq!(both[0]["replaced_by"], Value::Null, "{both:?}");
+    let mut args = vec!["replica", "ls"];
+    args.extend(server);
+    let out = w.ferry(&args, &[], Duration::from_secs(30)).await;
+    assert!(
+        out.stdout.contains(&format!(
+            "(replaced by {})",
+            both[0]["id"].as_i64().unwrap()
+        )),
+        "{out}"
+    );
+
     // A sink killed inside a removal: no published path names a part of
     // the replica, and the removal finishes after the restart.
     for (step, point) in [(300, "withdrawn"), (400, "retire-partial")] {
@@ -389,7 +414,10 @@ async fn a_policy_removes_what_it_no_longer_keeps_and_operators_pin_and_remove()
         .await;
         assert_eq!(api.resolve(&ckpt(step)).await["state"], "remote");
     }
-    assert!(api.replicas("published").await.is_empty());
+    // Only the version the re-save replaced is left with state
+    // `published`, and it says so.
+    let left = api.replicas("published").await;
+    assert!(left.iter().all(|r| r["replaced_by"].is_i64()), "{left:?}");
 }
 
 /// A tmpfs of `mib` MiB mounted at `dir` for the test's life (lazily

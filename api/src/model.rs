@@ -169,6 +169,10 @@ pub struct Replica {
     pub pin: Option<ReplicaPin>,
     /// The removal, once `removing` or `removed`.
     pub removal: Option<ReplicaRemoval>,
+    /// A `published` row that a newer version at its local path replaced
+    /// (a re-save; its files went then): that row's id. Absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replaced_by: Option<i64>,
 }
 
 /// A pin on a replica.
@@ -254,6 +258,7 @@ impl From<ferry_catalog::Replica> for Replica {
                 bytes: m.bytes,
                 forced: m.forced,
             }),
+            replaced_by: None,
         }
     }
 }

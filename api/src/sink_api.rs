@@ -156,13 +156,48 @@ pub(crate) async fn replicas(
                 })?,
         ),
     };
-    let items = sink(&s)?
-        .catalog()
+    let catalog = sink(&s)?.catalog();
+    let rows = catalog
         .replicas_in(state, limit, offset)
         .await
         .map_err(ApiError::catalog)?;
+    // A published row a re-save replaced says by which.
+    let mut items: Vec<Replica> = Vec::with_capacity(rows.len());
+    let mut newer: std::collections::HashMap<String, Vec<(i64, TransferState)>> =
+        std::collections::HashMap::new();
+    for r in &rows {
+        if r.state == TransferState::Published && !newer.contains_key(&r.local_path) {
+            let at = catalog
+                .replica_versions_at(&r.local_path)
+                .await
+                .map_err(ApiError::catalog)?;
+            newer.insert(r.local_path.clone(), at);
+        }
+    }
+    for r in rows {
+        let by = (r.state == TransferState::Published)
+            .then(|| newer.get(&r.local_path))
+            .flatten()
+            .and_then(|v| {
+                v.iter()
+                    .filter(|(id, st)| {
+                        *id > r.id
+                            && matches!(
+                                st,
+                                TransferState::Published
+                                    | TransferState::Removing
+                                    | TransferState::Removed
+                            )
+                    })
+                    .map(|(id, _)| *id)
+                    .min()
+            });
+        let mut v = Replica::from(r);
+        v.replaced_by = by;
+        items.push(v);
+    }
     Ok(Json(ReplicaPage {
-        items: items.into_iter().map(Replica::from).collect(),
+        items,
         limit,
         offset,
     }))

@@ -244,6 +244,8 @@ struct Inner {
     retiring: Mutex<std::collections::HashSet<i64>>,
     /// Held while space pressure removes replicas: one relief at a time.
     relief: tokio::sync::Mutex<()>,
+    /// Replicas a `dry_run` policy was logged as removing (once each).
+    dry_run_said: Mutex<std::collections::HashSet<i64>>,
     /// Chunk buffers: each record is copied out of quinn into one, and it
     /// comes back once the chunk is in staging.
     bufs: Arc<BufPool>,
@@ -336,6 +338,7 @@ impl Sink {
             retention_wake: tokio::sync::Notify::new(),
             retiring: Mutex::default(),
             relief: tokio::sync::Mutex::new(()),
+            dry_run_said: Mutex::default(),
             bufs: BufPool::new(crate::bufpool::AGENT_POOL_BYTES),
             received_sample: Mutex::new(None),
         });

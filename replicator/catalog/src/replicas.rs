@@ -901,4 +901,30 @@ impl Catalog {
             .await?;
         Ok(r.as_ref().map(replica_row).transpose()?)
     }
+
+    /// Every row at `local_path` as (id, state), oldest first: the
+    /// versions a path held, to tell which one replaced which.
+    ///
+    /// # Errors
+    /// SQL errors; [`CatalogError::Corrupt`] for an unknown state.
+    pub async fn replica_versions_at(
+        &self,
+        local_path: &str,
+    ) -> Result<Vec<(i64, TransferState)>, CatalogError> {
+        let rows: Vec<(i64, String)> = sqlx::query_as(
+            &self
+                .db
+                .sql("SELECT id, state FROM replicas WHERE local_path = ? ORDER BY id"),
+        )
+        .bind(local_path)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.into_iter()
+            .map(|(id, st)| {
+                st.parse()
+                    .map(|st| (id, st))
+                    .map_err(|e| CatalogError::Corrupt(format!("replica {id}: {e}")))
+            })
+            .collect()
+    }
 }

@@ -499,6 +499,16 @@ async fn replica_pins_and_removals_are_recorded(c: Catalog) {
         .map(|r| r.id)
         .collect();
     assert_eq!(current, vec![ids[2]]);
+    // Every version the path held, oldest first, with its state.
+    let at = c.replica_versions_at("/eval/a").await.unwrap();
+    assert_eq!(
+        at,
+        vec![
+            (ids[0], TransferState::Published),
+            (ids[1], TransferState::Removed)
+        ]
+    );
+    assert!(c.replica_versions_at("/nowhere").await.unwrap().is_empty());
 }
 both!(replica_pins_and_removals_are_recorded);
 

@@ -271,6 +271,10 @@ async fn retention_pass(inner: &Arc<Inner>, wait: bool) -> Result<Vec<i64>, Cata
         let detail = format!("{}; {why}", p.describe());
         expired.push(v.id);
         if p.dry_run {
+            // Said once per replica, not at every pass.
+            if !crate::lock::lock(&inner.dry_run_said).insert(v.id) {
+                continue;
+            }
             info!(
                 replica = v.id,
                 job = r.job,
