@@ -138,8 +138,17 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
                         .iter()
                         .enumerate()
                         .map(|(i, r)| {
-                            r.policy()
-                                .map_err(|e| anyhow::anyhow!("sink.retention[{i}]: {e}"))
+                            let p = r
+                                .policy()
+                                .map_err(|e| anyhow::anyhow!("sink.retention[{i}]: {e}"))?;
+                            if p.keeps_everything() {
+                                tracing::warn!(
+                                    policy = p.describe(),
+                                    "sink.retention[{i}] sets neither keep_last nor max_bytes: \
+                                     keep_every and min_age alone keep every replica of its jobs"
+                                );
+                            }
+                            Ok(p)
                         })
                         .collect::<anyhow::Result<_>>()?,
                     retention_interval: s.retention_interval,

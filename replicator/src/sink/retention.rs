@@ -95,6 +95,13 @@ impl RetentionPolicy {
         })
     }
 
+    /// Whether the policy can never expire anything: it sets neither
+    /// `keep_last` nor `max_bytes`, so `keep_every` and `min_age` only
+    /// add to an unlimited `keep_last` (the agent warns at start).
+    pub fn keeps_everything(&self) -> bool {
+        self.keep_last.is_none() && self.max_bytes.is_none()
+    }
+
     /// Whether the policy applies to `job`.
     pub fn matches(&self, job: &str) -> bool {
         self.matcher.is_match(job)
@@ -284,6 +291,21 @@ mod tests {
         max_bytes: Option<u64>,
     ) -> RetentionPolicy {
         RetentionPolicy::new("*", keep_last, keep_every, min_age, max_bytes, false).unwrap()
+    }
+
+    #[test]
+    fn a_policy_without_keep_last_or_max_bytes_keeps_everything() {
+        let hour = Some(Duration::from_secs(3600));
+        assert!(policy(None, Some(100), None, None).keeps_everything());
+        assert!(policy(None, None, hour, None).keeps_everything());
+        assert!(!policy(Some(2), Some(100), None, None).keeps_everything());
+        assert!(!policy(None, None, hour, Some(10)).keeps_everything());
+        // And indeed nothing expires under it.
+        let vs: Vec<Version> = (1..=5)
+            .map(|i| v(i, Some(i as u64 * 100), 600, 10))
+            .collect();
+        let p = policy(None, Some(1000), hour, None);
+        assert!(evaluate(&[p], &vs, NOW).iter().all(|x| x.outcome.is_ok()));
     }
 
     /// Version `id` of job `j` at site `a`, at `step`, published `age`
