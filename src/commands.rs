@@ -701,26 +701,40 @@ pub async fn replica_unpin(args: &ServerArgs, id: i64, raw: bool) -> Result<()> 
 /// `ferry pool`: `GET /v1/pool`, one line per agent of the site's pool.
 ///
 /// # Errors
-/// As [`Client::get`] (503 when the agent's catalog does not answer).
+/// As [`Client::get`]; when the agent's catalog does not answer, what the
+/// agent knows is printed and the command fails saying so.
 pub async fn pool(args: &ServerArgs, raw: bool) -> Result<()> {
     let c = Client::new(args, REQUEST_TIMEOUT)?;
     let out = c.get("/v1/pool", &[]).await?;
     if raw {
-        return outln!("{out}");
+        outln!("{out}")?;
+    } else {
+        outln!("{}", render_pool(&out).trim_end())?;
     }
-    outln!("{}", render_pool(&out).trim_end())
+    if out["catalog_up"].as_bool() == Some(false) {
+        bail!(
+            "the agent at {} cannot see its pool: its catalog does not answer",
+            c.base()
+        );
+    }
+    Ok(())
 }
 
 /// The human form of `ferry pool` (`out`: the answer of `GET /v1/pool`).
 pub fn render_pool(out: &Value) -> String {
     let agents = out["agents"].as_array().map(Vec::as_slice).unwrap_or(&[]);
-    let mut s = format!(
-        "pool of {} agent{} (seen from {}",
-        agents.len(),
-        if agents.len() == 1 { "" } else { "s" },
-        text(out, "agent")
-    );
-    if out["catalog_up"].as_bool() == Some(false) {
+    let down = out["catalog_up"].as_bool() == Some(false);
+    let mut s = if down && agents.is_empty() {
+        format!("pool not known (seen from {}", text(out, "agent"))
+    } else {
+        format!(
+            "pool of {} agent{} (seen from {}",
+            agents.len(),
+            if agents.len() == 1 { "" } else { "s" },
+            text(out, "agent")
+        )
+    };
+    if down {
         s += &format!(
             "; its catalog does not answer: {}",
             text(out, "catalog_error")
@@ -1146,6 +1160,18 @@ mod tests {
         let r = json!({"id": 7, "state": "published", "job": "j", "bytes_total": 10,
                        "local_path": "/e/s"});
         assert!(replica_line(&r).contains("published"));
+    }
+
+    #[test]
+    fn a_pool_whose_catalog_does_not_answer_is_not_shown_as_empty() {
+        let out = json!({"agent": "train-a-1", "catalog_up": false,
+                         "catalog_error": "no answer within 3 s", "agents": []});
+        let s = render_pool(&out);
+        assert!(
+            s.starts_with("pool not known (seen from train-a-1; its catalog does not answer: no answer within 3 s)"),
+            "{s}"
+        );
+        assert!(!s.contains("0 agents"), "{s}");
     }
 
     #[test]

@@ -1146,9 +1146,9 @@ async fn catalog_migrate(
     // an empty one would point it at a new, empty pool.
     if let Some(now) = now {
         bail!(
-            "{} already puts this agent's catalog in PostgreSQL ({now}); ferry catalog migrate \
-             moves a single agent's SQLite catalog (agent.data_dir/ferry.db) into PostgreSQL, \
-             nothing else (schema upgrades run when an agent starts)",
+            "{} already puts this agent's catalog in PostgreSQL ({now}); --to moves a single \
+             agent's SQLite catalog (agent.data_dir/ferry.db) into PostgreSQL (to bring this \
+             catalog's schema up to date, run ferry catalog migrate without --to)",
             cfg_path.display()
         );
     }

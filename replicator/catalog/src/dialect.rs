@@ -306,9 +306,23 @@ impl PostgresUrl {
         }
     }
 
-    /// The full URL, password included, for the driver only.
+    /// The full URL, password included, for the tests' own connections.
+    #[cfg(test)]
     pub(crate) fn secret(&self) -> &str {
         self.url.as_str()
+    }
+
+    /// [`PostgresUrl::secret`] with `application_name=ferry` added unless
+    /// the URL names its own: every connection of the agent (its pool and
+    /// its `LISTEN`) shows as `ferry` in `pg_stat_activity`.
+    pub(crate) fn secret_named(&self) -> String {
+        let mut named = self.url.clone();
+        if !named.query_pairs().any(|(k, _)| k == "application_name") {
+            named
+                .query_pairs_mut()
+                .append_pair("application_name", "ferry");
+        }
+        named.into()
     }
 }
 
@@ -386,15 +400,7 @@ pub const POSTGRES_CONNECT_TIMEOUT_S: u64 = 15;
 /// answering with a refusal (login, database).
 pub(crate) async fn open_postgres(url: &PostgresUrl) -> Result<AnyPool, (String, bool)> {
     sqlx::any::install_default_drivers();
-    // Connections show as `ferry` in pg_stat_activity unless the URL names
-    // its own application_name.
-    let mut named = url.url.clone();
-    if !named.query_pairs().any(|(k, _)| k == "application_name") {
-        named
-            .query_pairs_mut()
-            .append_pair("application_name", "ferry");
-    }
-    let opts = AnyConnectOptions::from_str(named.as_str())
+    let opts = AnyConnectOptions::from_str(&url.secret_named())
         .map_err(|e| (url.redact(&e.to_string()), false))?;
     // One connection first, so that a wrong address or password fails at
     // once instead of after the pool's acquire timeout.

@@ -330,7 +330,7 @@ impl Catalog {
             why: url.redact(&why),
         };
         let listen = async {
-            let mut l = sqlx::postgres::PgListener::connect(url.secret()).await?;
+            let mut l = sqlx::postgres::PgListener::connect(&url.secret_named()).await?;
             l.listen(POOL_CHANNEL).await?;
             Ok::<_, sqlx::Error>(l)
         };

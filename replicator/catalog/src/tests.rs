@@ -1324,6 +1324,21 @@ async fn postgres_password_comes_from_a_file_and_never_shows_in_errors() {
     .await
     .unwrap();
     assert_eq!(app, "ferry");
+    // Its LISTEN connection too.
+    let listener = c
+        .listen_pool(std::time::Duration::from_secs(10))
+        .await
+        .unwrap()
+        .unwrap();
+    let apps: Vec<String> = sqlx::query_scalar(
+        "SELECT application_name::text FROM pg_stat_activity \
+         WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+    )
+    .fetch_all(&c.pool)
+    .await
+    .unwrap();
+    assert_eq!(apps, vec!["ferry".to_string()]);
+    drop(listener);
     c.close().await;
 
     let wrong = format!("{password}-wrong");
