@@ -16,6 +16,15 @@ use sqlx::{AnyConnection, AnyPool, ConnectOptions, Connection, Executor};
 /// new one to connect) before it fails: [`sqlx::Error::PoolTimedOut`].
 pub(crate) const ACQUIRE_TIMEOUT_S: u64 = 10;
 
+/// PostgreSQL ends an agent's session that sits this long (ms) inside a
+/// transaction without a statement. An agent cut off from the database
+/// mid-transaction (its route silent, the connection not closed) would
+/// otherwise keep the transaction's row locks until the server notices
+/// the dead connection (TCP keepalive: hours), and the other agents'
+/// claims of those transfers and watches would skip them (`SKIP LOCKED`)
+/// or wait (`FOR UPDATE`). The catalog's own transactions never pause.
+pub const IDLE_IN_TRANSACTION_TIMEOUT_MS: u64 = 5_000;
+
 /// A database the catalog can live in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Dialect {
@@ -312,15 +321,26 @@ impl PostgresUrl {
         self.url.as_str()
     }
 
-    /// [`PostgresUrl::secret`] with `application_name=ferry` added unless
-    /// the URL names its own: every connection of the agent (its pool and
-    /// its `LISTEN`) shows as `ferry` in `pg_stat_activity`.
+    /// The URL the driver connects with, password included, with two
+    /// session settings added unless the URL gives its own:
+    /// `application_name=ferry` (every connection of the agent, its pool
+    /// and its `LISTEN`, shows as `ferry` in `pg_stat_activity`) and
+    /// `idle_in_transaction_session_timeout` of
+    /// [`IDLE_IN_TRANSACTION_TIMEOUT_MS`].
     pub(crate) fn secret_named(&self) -> String {
         let mut named = self.url.clone();
-        if !named.query_pairs().any(|(k, _)| k == "application_name") {
+        let has =
+            |u: &url::Url, key: &str| u.query_pairs().any(|(k, v)| k == key || v.contains(key));
+        if !has(&named, "application_name") {
             named
                 .query_pairs_mut()
                 .append_pair("application_name", "ferry");
+        }
+        if !has(&named, "idle_in_transaction_session_timeout") {
+            named.query_pairs_mut().append_pair(
+                "options[idle_in_transaction_session_timeout]",
+                &IDLE_IN_TRANSACTION_TIMEOUT_MS.to_string(),
+            );
         }
         named.into()
     }

@@ -174,6 +174,45 @@ async fn concurrent_claims_on_postgres_give_one_lease() {
     t.finish().await;
 }
 
+/// An agent cut off in the middle of a transaction (here: a transaction
+/// left open, holding the row lock of a watch, as behind a silent route)
+/// does not block the others for long: the server ends the idle session
+/// after `IDLE_IN_TRANSACTION_TIMEOUT_MS`, and another agent's claim of
+/// that watch goes through.
+#[tokio::test]
+async fn a_transaction_left_open_releases_its_locks_after_the_idle_timeout() {
+    let t = TestCatalog::new(Dialect::Postgres).await;
+    let c = t.catalog.clone();
+    c.register_agent(&beat("b", 60_000)).await.unwrap();
+    c.claim_watch("/ckpt", "b", 1).await.unwrap().unwrap();
+    let mut stuck = c.pool.begin().await.unwrap();
+    sqlx::query(
+        &c.db
+            .sql("UPDATE watches SET lease_until = 0 WHERE root = ?"),
+    )
+    .bind("/ckpt")
+    .execute(&mut *stuck)
+    .await
+    .unwrap();
+    let started = std::time::Instant::now();
+    let claim = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        c.claim_watch("/ckpt", "b", 60_000),
+    )
+    .await
+    .expect("the claim waited on a lock held by an idle transaction for 30 s");
+    assert!(claim.unwrap().is_some());
+    let waited = started.elapsed();
+    assert!(
+        waited
+            >= std::time::Duration::from_millis(crate::dialect::IDLE_IN_TRANSACTION_TIMEOUT_MS / 2),
+        "the open transaction should have held the lock a while: {waited:?}"
+    );
+    // The server ended the idle session: its transaction cannot commit.
+    assert!(stuck.commit().await.is_err());
+    t.finish().await;
+}
+
 /// A catalog's id is made once and kept across opens; two catalogs
 /// never share one.
 #[tokio::test]
