@@ -360,13 +360,15 @@ async fn a_killed_agent_s_transfer_is_taken_over_by_another() {
     w.ensure(sent > 0.0 && sent < total * 0.85, || {
         format!("the second agent sent {sent} bytes of a {total}-byte checkpoint:\n{metrics}")
     });
-    let out = w
-        .ferry(
+    let pool_via_b = async || {
+        w.ferry(
             &["pool", "--server", &site.b.url()],
             &[],
             Duration::from_secs(30),
         )
-        .await;
+        .await
+    };
+    let out = pool_via_b().await;
     let line_a = out
         .stdout
         .lines()
@@ -397,19 +399,27 @@ async fn a_killed_agent_s_transfer_is_taken_over_by_another() {
     );
     let out = forget(SOURCE_NAME).await;
     w.ensure(out.success(), || format!("ferry pool forget: {out}"));
-    let out = w
-        .ferry(
-            &["pool", "--server", &site.b.url()],
-            &[],
-            Duration::from_secs(30),
-        )
-        .await;
+    let out = pool_via_b().await;
     w.ensure(out.success() && !out.stdout.contains(SOURCE_NAME), || {
         format!("the forgotten agent should no longer be listed: {out}")
     });
     site.b.kill();
     site.sink.kill();
     drop_db(&site.db).await;
+}
+
+/// The test PostgreSQL server's address (from `FERRY_TEST_PG_URL`).
+async fn pg_addr() -> std::net::SocketAddr {
+    let u = pg_url();
+    let host = u
+        .split('@')
+        .nth(1)
+        .unwrap()
+        .split('/')
+        .next()
+        .unwrap()
+        .to_string();
+    tokio::net::lookup_host(host).await.unwrap().next().unwrap()
 }
 
 /// A TCP forwarder from a loopback port to `to` whose connections can be
@@ -542,18 +552,7 @@ async fn catalog_outage(both: bool) {
     let w = World::new(if both { "pool-stop" } else { "pool-outage" }).await;
     let ckpt = w.source_root().join("step_000100");
     w.gen(&ckpt, "40MB").await;
-    let pg: std::net::SocketAddr = {
-        let u = pg_url();
-        let host = u
-            .split('@')
-            .nth(1)
-            .unwrap()
-            .split('/')
-            .next()
-            .unwrap()
-            .to_string();
-        tokio::net::lookup_host(host).await.unwrap().next().unwrap()
-    };
+    let pg = pg_addr().await;
     let cut = Cut::start(pg).await;
     let via = |agent: &str, db: &str| {
         if both || agent == SOURCE_NAME {
@@ -752,18 +751,7 @@ async fn watched_checkpoint_moves(how: Move) {
         Move::BlackHole => "pool-watch-hole",
     })
     .await;
-    let pg: std::net::SocketAddr = {
-        let u = pg_url();
-        let host = u
-            .split('@')
-            .nth(1)
-            .unwrap()
-            .split('/')
-            .next()
-            .unwrap()
-            .to_string();
-        tokio::net::lookup_host(host).await.unwrap().next().unwrap()
-    };
+    let pg = pg_addr().await;
     // Each agent reaches the catalog through its own proxy.
     let cuts = [Cut::start(pg).await, Cut::start(pg).await];
     let ports = [cuts[0].port, cuts[1].port];

@@ -73,6 +73,28 @@ pub(crate) fn check_params(field: &str, v: Option<f64>) -> Result<Option<f64>, C
 pub const MAX_MODEL_PARAMS: f64 = 1e15;
 
 /// A job name usable in paths, else an error naming `field`.
+/// A checked config job: name, model_params (`None`: unknown),
+/// importance.
+pub(crate) type ConfigJob<'a> = (&'a String, Option<f64>, f64);
+
+/// A config's jobs `(name, model_params, importance)` checked, with
+/// `model_params` of 0 read as unknown.
+///
+/// # Errors
+/// [`CatalogError::Invalid`] naming the job and the bad field.
+pub(crate) fn check_config_jobs(
+    jobs: &[(String, Option<f64>, f64)],
+) -> Result<Vec<ConfigJob<'_>>, CatalogError> {
+    jobs.iter()
+        .map(|(name, params, importance)| {
+            check_job_name("job name", name)?;
+            let params = check_params(&format!("job {name:?} model_params"), *params)?;
+            let importance = check_unit(&format!("job {name:?} importance"), *importance)?;
+            Ok((name, params, importance))
+        })
+        .collect()
+}
+
 pub(crate) fn check_job_name(field: &str, name: &str) -> Result<(), CatalogError> {
     ferry_proto::paths::check_name(name).map_err(|e| CatalogError::Invalid(format!("{field}: {e}")))
 }
@@ -144,13 +166,7 @@ impl Catalog {
         &self,
         jobs: &[(String, Option<f64>, f64)],
     ) -> Result<(), CatalogError> {
-        let mut rows = Vec::with_capacity(jobs.len());
-        for (name, params, importance) in jobs {
-            check_job_name("job name", name)?;
-            let params = check_params(&format!("job {name:?} model_params"), *params)?;
-            let importance = check_unit(&format!("job {name:?} importance"), *importance)?;
-            rows.push((name, params, importance));
-        }
+        let rows = check_config_jobs(jobs)?;
         let now = now_ms();
         let mut tx = self.pool.begin().await?;
         for (name, params, importance) in rows {

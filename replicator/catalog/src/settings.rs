@@ -20,7 +20,7 @@ use std::time::Duration;
 use sqlx::any::AnyRow;
 use sqlx::Row;
 
-use crate::jobs::{check_job_name, check_params, check_unit, job_row, Job, JOB_COLS};
+use crate::jobs::{check_config_jobs, job_row, Job, JOB_COLS};
 use crate::notify::announce;
 use crate::{now_ms, origin, Catalog, CatalogError};
 
@@ -257,13 +257,7 @@ impl Catalog {
         &self,
         jobs: &[(String, Option<f64>, f64)],
     ) -> Result<Vec<Job>, CatalogError> {
-        let mut rows = Vec::with_capacity(jobs.len());
-        for (name, params, importance) in jobs {
-            check_job_name("job name", name)?;
-            let params = check_params(&format!("job {name:?} model_params"), *params)?;
-            let importance = check_unit(&format!("job {name:?} importance"), *importance)?;
-            rows.push((name, params, importance));
-        }
+        let rows = check_config_jobs(jobs)?;
         let now = now_ms();
         let mut tx = self.pool.begin().await?;
         let mut written = 0;

@@ -456,17 +456,22 @@ async fn relieve(inner: &Arc<Inner>, goal: u64, all_or_nothing: bool) -> Relief 
         };
         for r in rows {
             let staging = PathBuf::from(&r.staging_path);
-            if r.staging_path.is_empty()
-                || crate::lock::lock(&inner.live).contains_key(&r.id)
-                || inner.store.publish_under_way(&staging)
-                || std::fs::symlink_metadata(&staging).is_err()
-            {
+            if r.staging_path.is_empty() || crate::lock::lock(&inner.live).contains_key(&r.id) {
                 continue;
             }
             let store = inner.store.clone();
             let s2 = staging.clone();
-            match blocking(move || store.discard(&s2)).await {
-                Ok(()) => {
+            // Off the async threads: the checks touch the file system too.
+            let discarded = blocking(move || {
+                if store.publish_under_way(&s2) || std::fs::symlink_metadata(&s2).is_err() {
+                    return Ok(false);
+                }
+                store.discard(&s2).map(|()| true)
+            })
+            .await;
+            match discarded {
+                Ok(false) => {}
+                Ok(true) => {
                     info!(transfer = r.id, staging = %staging.display(), "space pressure: removed the staging area of a {state} transfer")
                 }
                 Err(e) => {

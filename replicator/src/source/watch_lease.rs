@@ -123,20 +123,7 @@ pub fn same_storage(mine: &[FingerprintEntry], theirs: &[FingerprintEntry]) -> R
             theirs.len()
         ));
     }
-    let mut common = 0;
-    for (name, size, mtime) in mine {
-        if let Some((_, s, m)) = theirs.iter().find(|(n, _, _)| n == name) {
-            if (s, m) != (size, mtime) {
-                return Err(format!(
-                    "{name}: {size} bytes modified at {} here; {s} bytes modified at {} there",
-                    show_ms(*mtime),
-                    show_ms(*m)
-                ));
-            }
-            common += 1;
-        }
-    }
-    if common == 0 {
+    if files_in_common(mine, theirs)? == 0 {
         return Err(format!(
             "none of the first {} files here (from {:?}) is among the other agent's (from {:?})",
             mine.len(),
@@ -526,6 +513,19 @@ pub fn no_contradiction(
             theirs.len()
         ));
     }
+    files_in_common(mine, theirs).map(|_| ())
+}
+
+/// How many files both fingerprints list, all with the same size and
+/// mtime in both.
+///
+/// # Errors
+/// The first file both list whose size or mtime differs, named.
+fn files_in_common(
+    mine: &[FingerprintEntry],
+    theirs: &[FingerprintEntry],
+) -> Result<usize, String> {
+    let mut common = 0;
     for (name, size, mtime) in mine {
         if let Some((_, s, m)) = theirs.iter().find(|(n, _, _)| n == name) {
             if (s, m) != (size, mtime) {
@@ -535,9 +535,10 @@ pub fn no_contradiction(
                     show_ms(*m)
                 ));
             }
+            common += 1;
         }
     }
-    Ok(())
+    Ok(common)
 }
 
 #[cfg(test)]
