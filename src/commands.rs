@@ -516,6 +516,113 @@ pub async fn resolve(args: &ServerArgs, path: &str, wait: Duration, raw: bool) -
     }
 }
 
+/// `ferry resolve PATH --lease D [-- COMMAND...]`: resolves with a reader
+/// lease of `lease` on the version found. Without a command, prints the
+/// leased path (the lease id and expiry on stderr) and leaves the lease
+/// to expire. With one, runs it (`{}` in its arguments and FERRY_PATH
+/// give the path, FERRY_LEASE the lease id), renews the lease every third
+/// of its length while it runs, releases it after, and exits with the
+/// command's exit code (128 + the signal's number when a signal ended
+/// it).
+///
+/// # Errors
+/// As [`resolve`]; a lease out of range; a command that cannot start
+/// (the lease is released first).
+pub async fn resolve_leased(
+    args: &ServerArgs,
+    path: &str,
+    wait: Duration,
+    lease: Duration,
+    command: &[String],
+    raw: bool,
+) -> Result<()> {
+    if !path.starts_with('/') {
+        bail!("PATH must be the checkpoint's absolute path at the source, got {path:?}");
+    }
+    if wait > api::MAX_WAIT {
+        bail!(
+            "--wait must be at most {}",
+            humantime::format_duration(api::MAX_WAIT)
+        );
+    }
+    if lease < Duration::from_secs(1) || lease > Duration::from_secs(7 * 86_400) {
+        bail!("--lease must be at least 1s and at most 7d");
+    }
+    let c = Client::new(args, REQUEST_TIMEOUT + wait)?;
+    let wait_s = format!("{}ms", wait.as_millis());
+    let lease_s = format!("{}ms", lease.as_millis());
+    let mut query = vec![("path", path), ("lease", lease_s.as_str())];
+    if !wait.is_zero() {
+        query.push(("wait", wait_s.as_str()));
+    }
+    let r = c.get("/v1/resolve", &query).await?;
+    if r["state"] != "local" {
+        if raw {
+            outln!("{r}")?;
+        } else {
+            eprintln!("{}", describe_resolution(path, &r));
+        }
+        return Err(Exit(NOT_LOCAL_EXIT).into());
+    }
+    let local = text(&r, "local_path");
+    let id = r["lease"]["id"].as_str().unwrap_or_default().to_string();
+    if id.is_empty() {
+        bail!("the sink answered without a lease: {r}");
+    }
+    let leases = format!("/v1/leases/{id}");
+    if command.is_empty() {
+        if raw {
+            outln!("{r}")?;
+        } else {
+            outln!("{local}")?;
+            eprintln!(
+                "lease {id} on replica {} until {}; renew: POST {leases}/renew, release: DELETE {leases}",
+                r["replica"],
+                r["lease"]["expires_at"].as_str().unwrap_or("?")
+            );
+        }
+        return Ok(());
+    }
+    let argv: Vec<String> = command.iter().map(|a| a.replace("{}", local)).collect();
+    let mut child = match tokio::process::Command::new(&argv[0])
+        .args(&argv[1..])
+        .env("FERRY_PATH", local)
+        .env("FERRY_LEASE", &id)
+        .spawn()
+    {
+        Ok(ch) => ch,
+        Err(e) => {
+            let _ = c.delete(&leases, &[]).await;
+            bail!("cannot run {:?}: {e} (the lease was released)", argv[0]);
+        }
+    };
+    let every = (lease / 3).max(Duration::from_millis(500));
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    let status = loop {
+        tokio::select! {
+            st = child.wait() => break st,
+            _ = tick.tick() => {
+                if let Err(e) = c.post(&format!("{leases}/renew"), &json!({})).await {
+                    eprintln!("warning: renewing lease {id}: {e:#}; the version may go once it expires");
+                }
+            }
+        }
+    };
+    let status = status.context("waiting for the command")?;
+    if let Err(e) = c.delete(&leases, &[]).await {
+        eprintln!("warning: releasing lease {id}: {e:#}; it expires by itself");
+    }
+    let code = status.code().unwrap_or_else(|| {
+        use std::os::unix::process::ExitStatusExt;
+        128 + status.signal().unwrap_or(0)
+    });
+    if code == 0 {
+        Ok(())
+    } else {
+        Err(Exit(code).into())
+    }
+}
+
 /// One line saying where a path that is not local is.
 pub fn describe_resolution(path: &str, r: &Value) -> String {
     match r["state"].as_str() {
@@ -591,7 +698,16 @@ fn replica_line(r: &Value) -> String {
         };
         extra = format!(" {} {when}{forced}: {}", s("reason"), s("detail"));
     }
-    // A published version a re-save replaced has no files left.
+    if let Some(u) = r["leased_until"].as_i64() {
+        let n = r["leases"].as_array().map_or(0, Vec::len);
+        extra = format!(
+            "{extra} leased until {} ({n} lease{})",
+            at(u),
+            if n == 1 { "" } else { "s" }
+        );
+    }
+    // A published version a re-save replaced: its files stay only while
+    // a lease holds them.
     let state = match r["replaced_by"].as_i64() {
         Some(by) => {
             extra = format!(" (replaced by {by}){extra}");
@@ -1160,6 +1276,15 @@ mod tests {
         let r = json!({"id": 7, "state": "published", "job": "j", "bytes_total": 10,
                        "local_path": "/e/s"});
         assert!(replica_line(&r).contains("published"));
+        assert!(!replica_line(&r).contains("leased"));
+        let r = json!({"id": 3, "state": "published", "job": "j", "bytes_total": 10,
+                       "local_path": "/e/s", "replaced_by": 7,
+                       "leased_until": 1_800_000_000_000_i64, "leases": [{"id": "ab"}]});
+        let line = replica_line(&r);
+        assert!(
+            line.contains("leased until 2027-") && line.contains("(1 lease)"),
+            "{line}"
+        );
     }
 
     #[test]

@@ -89,9 +89,13 @@ enum Command {
     /// Needs a reader token.
     #[command(
         after_help = "Exit codes: 0 local (the path is printed), 3 not local (replicating, \
-                            remote or unknown), 1 error.\n\
+                            remote or unknown), 1 error; with a command, the command's own.\n\
                             Example: ckpt=$(ferry resolve /ckpt/mm-large/step_001000 --wait 5m \
-                            --server https://eval-b-1:7070) && run_eval \"$ckpt\""
+                            --server https://eval-b-1:7070) && run_eval \"$ckpt\"\n\
+                            With a lease, the version read cannot change or go while the \
+                            command runs, even if training re-saves the checkpoint:\n  \
+                            ferry resolve /ckpt/mm-large/step_001000 --wait 5m --lease 10m \
+                            -- run_eval {}"
     )]
     Resolve {
         /// The checkpoint's absolute path at the source (or a path inside
@@ -101,6 +105,20 @@ enum Command {
         /// to become local before answering.
         #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
         wait: Duration,
+        /// Take a reader lease of this length (1s to 7d, e.g. 10m) on the
+        /// version found: the printed path then names that version's own
+        /// directory, kept until the lease expires or is released. With a
+        /// command after `--`, the lease is renewed while the command
+        /// runs and released when it ends; without, it is printed (id and
+        /// expiry on stderr) and left to expire.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        lease: Option<Duration>,
+        /// A command to run on the local path while the lease holds (after
+        /// `--`): `{}` in its arguments becomes the path, and the
+        /// environment variable FERRY_PATH holds it (FERRY_LEASE the
+        /// lease id). Needs --lease.
+        #[arg(last = true, value_name = "COMMAND")]
+        command: Vec<String>,
         #[command(flatten)]
         server: client::ServerArgs,
         /// Print the API's JSON answer instead (exit codes unchanged).
@@ -686,9 +704,19 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Resolve {
             path,
             wait,
+            lease,
+            command,
             server,
             json,
-        } => commands::resolve(&server, &path, wait, json).await,
+        } => match (lease, command.is_empty()) {
+            (None, true) => commands::resolve(&server, &path, wait, json).await,
+            (None, false) => anyhow::bail!(
+                "a command after -- runs under a lease: add --lease (e.g. --lease 10m)"
+            ),
+            (Some(lease), _) => {
+                commands::resolve_leased(&server, &path, wait, lease, &command, json).await
+            }
+        },
         Command::Signal {
             job,
             kind,

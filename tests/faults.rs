@@ -731,8 +731,9 @@ async fn bytes_changed_in_staging_are_found_before_publish_and_fetched_again() {
 }
 
 /// The sink SIGKILLs itself at each point of a publish where a crash
-/// leaves work on disk (markers set aside, directory renamed into place,
-/// markers moved in, all done but the catalog not told). While it is dead
+/// leaves work on disk (markers set aside, staging moved into its version
+/// directory, markers moved in, the published link switched, all done but
+/// the catalog not told). While it is dead
 /// a directory at the published path never has its commit marker unless it
 /// is complete; after a restart the publish is finished, the replica is
 /// byte-identical, `local` for resolve, and nothing is left in staging.
@@ -740,7 +741,13 @@ async fn bytes_changed_in_staging_are_found_before_publish_and_fetched_again() {
 async fn a_publish_cut_short_by_a_kill_is_finished_after_restart() {
     let w = World::new("publish-kill").await;
     let mut c = w.start_cluster("200Mbit/s", &[], |_, _| {}).await;
-    let points = ["markers-held", "placed", "markers-in", "on-disk"];
+    let points = [
+        "markers-held",
+        "placed",
+        "markers-in",
+        "switched",
+        "on-disk",
+    ];
     let mut finished = 0;
     for (i, point) in points.iter().enumerate() {
         let rel = format!("step_{:06}", (i + 1) * 100);
@@ -845,7 +852,10 @@ async fn a_resave_cut_short_in_its_publish_never_resolves_to_the_old_version() {
         .into_iter()
         .find(|f| f != "COMMITTED")
         .unwrap();
-    for (round, point) in ["placed", "markers-in", "on-disk"].iter().enumerate() {
+    for (round, point) in ["placed", "markers-in", "switched", "on-disk"]
+        .iter()
+        .enumerate()
+    {
         // The job saves the step again: other bytes, a newer mtime.
         flip_byte(&ckpt.join(&victim), round as u64);
         c.sink.set_env(FAULT_ENV, Some(point));

@@ -583,3 +583,281 @@ async fn space_pressure_removes_in_order_and_refuses_when_everything_is_kept() {
     );
     drop(c);
 }
+
+/// Reader leases: a leased path names one version for the lease's life,
+/// through a re-save under `keep_last = 1` and past the policy, until the
+/// lease expires or is released; bad lease input is refused clearly and
+/// removes nothing; `ferry resolve --lease -- CMD` holds a lease while
+/// the command runs.
+#[tokio::test]
+async fn a_leased_version_outlives_a_re_save_and_its_policy_until_the_lease_ends() {
+    let w = World::new("leases").await;
+    let reader = api::auth::new_token();
+    let other = api::auth::new_token();
+    let operator = api::auth::new_token();
+    let tokens = format!(
+        "[[api.tokens]]\nname = \"evals\"\nrole = \"reader\"\nhash = \"{}\"\n\n\
+         [[api.tokens]]\nname = \"other-evals\"\nrole = \"reader\"\nhash = \"{}\"\n\n\
+         [[api.tokens]]\nname = \"ops\"\nrole = \"operator\"\nhash = \"{}\"\n",
+        api::auth::hash_token(&reader),
+        api::auth::hash_token(&other),
+        api::auth::hash_token(&operator)
+    );
+    let c = w
+        .start_cluster("200Mbit/s", &[], |sink, _| {
+            sink.api = tokens.clone();
+            sink.sink.as_mut().unwrap().extra = "retention_interval = \"1s\"\n\n\
+                 [[sink.retention]]\njob = \"*\"\nkeep_last = 1\n"
+                .into();
+        })
+        .await;
+    let api = Api {
+        http: reqwest::Client::new(),
+        url: c.sink.url(),
+        reader: reader.clone(),
+        operator: operator.clone(),
+    };
+    let get =
+        async |token: &str, path: &str| api.call(token, reqwest::Method::GET, path, None).await;
+    let lease_url = |path: &Path, lease: &str| {
+        format!("/v1/resolve?path={}&lease={lease}", path.to_str().unwrap())
+    };
+    let ckpt = |step: u32| w.source_root().join(format!("step_{step:06}"));
+    let push = async |step: u32| {
+        let out = w.push(&c.source, &ckpt(step), &[]).await;
+        w.ensure(out.success(), || format!("ferry push: {out}"));
+        api.published(&format!("step_{step:06}")).await.unwrap()
+    };
+    w.gen(&ckpt(100), "600KB").await;
+    let v1 = push(100).await;
+    let v1_id = v1["id"].as_i64().unwrap();
+
+    // A leased resolve names the version's own directory.
+    let (st, r) = get(&reader, &lease_url(&ckpt(100), "10m")).await;
+    assert_eq!(st, StatusCode::OK, "{r}");
+    assert_eq!(r["state"], "local", "{r}");
+    assert_eq!(r["replica"], v1_id, "{r}");
+    let leased = std::path::PathBuf::from(r["local_path"].as_str().unwrap());
+    assert!(
+        leased.starts_with(w.sink_root().join(".ferry/versions")),
+        "{r}"
+    );
+    let lease1 = r["lease"]["id"].as_str().unwrap().to_string();
+    assert_eq!(r["lease"]["holder"], "evals", "{r}");
+    let plain = api.resolve(&ckpt(100)).await;
+    assert_eq!(
+        plain["local_path"],
+        w.replica_path("step_000100").to_str().unwrap()
+    );
+    assert!(plain.get("lease").is_none(), "{plain}");
+    // The reader opens one file now; the old bytes, for later.
+    let snapshot = w.root.join("step_100-v1");
+    copy_tree(&ckpt(100), &snapshot);
+    let files = files_under(&ckpt(100));
+    let (first, rest) = files.split_first().unwrap();
+    assert_eq!(
+        std::fs::read(leased.join(first)).unwrap(),
+        std::fs::read(snapshot.join(first)).unwrap()
+    );
+
+    // Training saves step 100 again: every file rewritten, one added.
+    for f in &files {
+        if f != "COMMITTED" {
+            let p = ckpt(100).join(f);
+            let mut b = std::fs::read(&p).unwrap();
+            b.iter_mut().for_each(|x| *x = x.wrapping_add(1));
+            std::fs::write(&p, b).unwrap();
+        }
+    }
+    std::fs::write(ckpt(100).join("extra.bin"), b"new in the re-save").unwrap();
+    let v2 = push(100).await;
+    let v2_id = v2["id"].as_i64().unwrap();
+    assert_ne!(v2_id, v1_id);
+    // The published path names the new version at once...
+    w.assert_same_tree(&ckpt(100), &w.replica_path("step_000100"));
+    // ...while the leased path still names the old one, passes later: a
+    // file the reader had not opened yet has the old version's bytes.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    for f in rest {
+        assert_eq!(
+            std::fs::read(leased.join(f)).unwrap(),
+            std::fs::read(snapshot.join(f)).unwrap(),
+            "{f} in the leased version"
+        );
+    }
+    w.assert_same_tree(&snapshot, &leased);
+    let row1 = api
+        .replicas("published")
+        .await
+        .into_iter()
+        .find(|r| r["id"] == v1_id)
+        .unwrap();
+    assert_eq!(row1["replaced_by"], v2_id, "{row1}");
+    assert_eq!(row1["leases"][0]["id"], lease1.as_str(), "{row1}");
+    assert!(row1["leased_until"].is_i64(), "{row1}");
+    let m = api.metrics().await;
+    assert_eq!(sample(&m, "ferry_leased_replicas"), 1.0, "{m}");
+
+    // Bad input: clear errors, nothing removed.
+    for (q, want, says) in [
+        ("-5m", StatusCode::UNPROCESSABLE_ENTITY, "`lease`"),
+        ("0s", StatusCode::UNPROCESSABLE_ENTITY, "at least 1s"),
+        ("8d", StatusCode::UNPROCESSABLE_ENTITY, "at most 7d"),
+        ("soon", StatusCode::UNPROCESSABLE_ENTITY, "`lease`"),
+    ] {
+        let (st, body) = get(&reader, &lease_url(&ckpt(100), q)).await;
+        assert_eq!(st, want, "lease={q}: {body}");
+        assert!(body["error"].as_str().unwrap().contains(says), "{body}");
+    }
+    let (st, body) = get(&reader, &lease_url(&ckpt(999), "1m")).await;
+    assert_eq!(
+        (st, body["state"].as_str()),
+        (StatusCode::OK, Some("unknown"))
+    );
+    assert!(body.get("lease").is_none(), "{body}");
+    let post = async |token: &str, path: &str| {
+        api.call(token, reqwest::Method::POST, path, Some(json!({})))
+            .await
+    };
+    let (st, body) = post(&reader, "/v1/leases/0123456789abcdef0123456789abcdef/renew").await;
+    assert_eq!(st, StatusCode::NOT_FOUND, "{body}");
+    let (st, body) = post(&reader, "/v1/leases/not-a-lease/renew").await;
+    assert_eq!(st, StatusCode::NOT_FOUND, "{body}");
+    let renew1 = format!("/v1/leases/{lease1}/renew");
+    let (st, body) = post(&other, &renew1).await;
+    assert_eq!(st, StatusCode::FORBIDDEN, "{body}");
+    assert!(
+        body["error"].as_str().unwrap().contains("held by evals"),
+        "{body}"
+    );
+    let (st, body) = post(&reader, &renew1).await;
+    assert_eq!(st, StatusCode::OK, "{body}");
+    assert!(leased.exists());
+
+    // A 2 s lease on the current version, then a newer checkpoint: under
+    // keep_last = 1, step 100 expires, but not while the lease holds it.
+    let (st, r2) = get(&reader, &lease_url(&ckpt(100), "2s")).await;
+    assert_eq!(st, StatusCode::OK, "{r2}");
+    assert_eq!(r2["replica"], v2_id, "{r2}");
+    let leased2 = std::path::PathBuf::from(r2["local_path"].as_str().unwrap());
+    // An operator's removal is refused, naming the holder.
+    let (st, body) = api
+        .call(
+            &operator,
+            reqwest::Method::DELETE,
+            &format!("/v1/replicas/{v2_id}"),
+            None,
+        )
+        .await;
+    assert_eq!(st, StatusCode::CONFLICT, "{body}");
+    assert!(
+        body["error"].as_str().unwrap().contains("leased by evals"),
+        "{body}"
+    );
+    w.gen(&ckpt(200), "100KB").await;
+    let t = std::time::Instant::now();
+    push(200).await;
+    assert!(leased2.join("COMMITTED").exists(), "removed while leased");
+    let gone = wait_removed(&w, &api, v2_id, "step 100 (its lease expired)").await;
+    assert_eq!(gone["removal"]["reason"], "rule", "{gone}");
+    assert!(
+        t.elapsed() < Duration::from_secs(2 + 10 + 5),
+        "removed {:?} after the push: later than the lease plus ten intervals",
+        t.elapsed()
+    );
+    assert!(!leased2.exists());
+
+    // The first lease, released by its holder: the old version goes.
+    assert!(leased.exists(), "the renewed lease still holds it");
+    let (st, body) = api
+        .call(
+            &reader,
+            reqwest::Method::DELETE,
+            &format!("/v1/leases/{lease1}"),
+            None,
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{body}");
+    w.wait_until("the released version to go", TRANSFER, async || {
+        if leased.exists() {
+            Err(format!("{} still there", leased.display()))
+        } else {
+            Ok(())
+        }
+    })
+    .await;
+    let (st, body) = post(&reader, &renew1).await;
+    assert_eq!(st, StatusCode::GONE, "{body}");
+    assert!(
+        body["error"].as_str().unwrap().contains("released"),
+        "{body}"
+    );
+
+    // `ferry resolve --lease -- CMD`: the command reads the leased path
+    // ({} and FERRY_PATH), the lease lives while it runs and is released
+    // after; its exit code is ferry's.
+    let out_file = w.root.join("cmd-out");
+    let script = format!(
+        "test \"$FERRY_PATH\" = \"$1\" && cat \"$1/COMMITTED\" > /dev/null && \
+         echo \"$FERRY_LEASE\" > {} && exit 7",
+        out_file.display()
+    );
+    let c200 = ckpt(200);
+    let args = [
+        "resolve",
+        c200.to_str().unwrap(),
+        "--lease",
+        "1m",
+        "--server",
+        &api.url,
+        "--token",
+        &reader,
+        "--",
+        "sh",
+        "-c",
+        &script,
+        "sh",
+        "{}",
+    ];
+    let out = w.ferry(&args, &[], Duration::from_secs(60)).await;
+    assert_eq!(out.code, Some(7), "{out}");
+    let held = std::fs::read_to_string(&out_file).unwrap();
+    let (st, body) = post(&reader, &format!("/v1/leases/{}/renew", held.trim())).await;
+    assert_eq!(st, StatusCode::GONE, "released after the command: {body}");
+    let (_, after) = get(&reader, "/v1/leases").await;
+    assert_eq!(after["items"], json!([]), "{after}");
+    // A command without --lease is refused before anything runs.
+    let out = w
+        .ferry(
+            &[
+                "resolve",
+                c200.to_str().unwrap(),
+                "--server",
+                &api.url,
+                "--",
+                "true",
+            ],
+            &[],
+            Duration::from_secs(30),
+        )
+        .await;
+    assert!(!out.success() && out.all().contains("--lease"), "{out}");
+    drop(c);
+}
+
+/// Copies the regular files under `from` to `to`, keeping modes and
+/// modification times.
+fn copy_tree(from: &Path, to: &Path) {
+    for f in files_under(from) {
+        let (src, dst) = (from.join(&f), to.join(&f));
+        std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
+        std::fs::copy(&src, &dst).unwrap();
+        let md = std::fs::metadata(&src).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&dst)
+            .unwrap()
+            .set_modified(md.modified().unwrap())
+            .unwrap();
+    }
+}

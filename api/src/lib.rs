@@ -226,7 +226,11 @@ pub fn build(state: AppState) -> (Router, utoipa::openapi::OpenApi) {
     ];
     if state.sink.is_some() {
         groups.push((
-            OpenApiRouter::new().routes(routes!(sink_api::replicas)),
+            OpenApiRouter::new()
+                .routes(routes!(sink_api::replicas))
+                .routes(routes!(sink_api::list_leases))
+                .routes(routes!(sink_api::renew_lease))
+                .routes(routes!(sink_api::release_lease)),
             Role::Reader,
             Some(REQUEST_TIMEOUT),
         ));

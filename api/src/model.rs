@@ -170,9 +170,17 @@ pub struct Replica {
     /// The removal, once `removing` or `removed`.
     pub removal: Option<ReplicaRemoval>,
     /// A `published` row that a newer version at its local path replaced
-    /// (a re-save; its files went then): that row's id. Absent otherwise.
+    /// (a re-save): that row's id. Its files stay in its version
+    /// directory only while a reader lease holds it. Absent otherwise.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub replaced_by: Option<i64>,
+    /// Until when reader leases hold this version (Unix ms; the latest
+    /// expiry of its live leases); `null` when none does. A leased
+    /// version is never removed (unless by hand with `force=true`).
+    pub leased_until: Option<i64>,
+    /// The live reader leases on this version (`GET /v1/leases` lists
+    /// them all).
+    pub leases: Vec<replicator::sink::LeaseGrant>,
 }
 
 /// A pin on a replica.
@@ -246,6 +254,10 @@ impl From<ferry_catalog::Replica> for Replica {
                 until: p.until,
                 reason: p.reason,
             }),
+            leased_until: r
+                .leased_until
+                .filter(|u| *u > ferry_catalog::now_ms() && r.version_deleted_at.is_none()),
+            leases: Vec::new(),
             removal: r.removal.map(|m| ReplicaRemoval {
                 reason: match m.reason {
                     ferry_catalog::RemovalReason::Rule => RemovalReason::Rule,

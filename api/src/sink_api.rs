@@ -10,11 +10,11 @@ use axum::response::IntoResponse;
 use axum::Json;
 use ferry_proto::state::TransferState;
 use replicator::sink::lifecycle::LifecycleError;
-use replicator::sink::{Resolution, Sink};
+use replicator::sink::{LeaseGrant, Resolution, Sink};
 use serde::Deserialize;
 use tracing::info;
 
-use crate::auth::Caller;
+use crate::auth::{Caller, Role};
 use crate::error::{ApiError, ErrorBody};
 use crate::model::Replica;
 use crate::{AppState, Page, MAX_WAIT};
@@ -41,11 +41,36 @@ pub(crate) struct ResolveQuery {
     /// Wait up to this long (`30s`, `2m`; at most 300 s) for the path to
     /// be local before answering.
     wait: Option<String>,
+    /// Take a reader lease for this long (`10m`, `2h`; 1 s to 7 days) on
+    /// the version a `local` answer names: its `local_path` is then in
+    /// that version's own directory, which stays, whatever a re-save
+    /// publishes or a policy expires, until the lease expires or is
+    /// released. Renew with `POST /v1/leases/{id}/renew`.
+    lease: Option<String>,
+}
+
+/// Longest reader lease (and renewal), 7 days.
+pub(crate) const MAX_LEASE: Duration = Duration::from_secs(7 * 86_400);
+
+/// A lease duration: 1 s to [`MAX_LEASE`].
+fn lease_duration(text: &str) -> Result<Duration, ApiError> {
+    let d = humantime::parse_duration(text.trim()).map_err(|e| {
+        ApiError::unprocessable(format!(
+            "`lease` {text:?} is not a positive duration like 10m or 2h: {e}"
+        ))
+    })?;
+    if d < Duration::from_secs(1) || d > MAX_LEASE {
+        return Err(ApiError::unprocessable(format!(
+            "`lease` {text:?} must be at least 1s and at most 7d"
+        )));
+    }
+    Ok(d)
 }
 
 /// Where a source path is at this sink: `local` (with the local path),
 /// `replicating` (progress and ETA), `remote` or `unknown`. With `wait`, a
-/// long poll that answers as soon as the path is local.
+/// long poll that answers as soon as the path is local. With `lease`, a
+/// `local` answer holds a reader lease on the version it names.
 #[utoipa::path(
     get, path = "/v1/resolve", tag = "sink",
     params(ResolveQuery),
@@ -53,11 +78,13 @@ pub(crate) struct ResolveQuery {
     responses(
         (status = 200, description = "Where the path is", body = Resolution),
         (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 409, description = "`lease` on a sink whose storage keeps no version directories", body = ErrorBody),
         (status = 422, description = "A parameter is missing or invalid", body = ErrorBody),
     )
 )]
 pub(crate) async fn resolve(
     State(s): State<AppState>,
+    caller: By,
     q: Result<Query<ResolveQuery>, QueryRejection>,
 ) -> Result<Json<Resolution>, ApiError> {
     let Query(q) = q?;
@@ -79,10 +106,20 @@ pub(crate) async fn resolve(
             })?
             .min(MAX_WAIT),
     };
+    let lease = match q.lease.as_deref() {
+        None | Some("") => None,
+        Some(l) => Some(lease_duration(l)?),
+    };
     let deadline = Instant::now() + wait;
     let mut changes = sink.changes();
     loop {
-        let r = sink.resolve(&path).await.map_err(ApiError::catalog)?;
+        let r = match lease {
+            None => sink.resolve(&path).await.map_err(ApiError::catalog)?,
+            Some(d) => sink
+                .resolve_with_lease(&path, d, by(&caller))
+                .await
+                .map_err(lifecycle_error)?,
+        };
         if matches!(r, Resolution::Local { .. }) || Instant::now() >= deadline {
             return Ok(Json(r));
         }
@@ -174,6 +211,7 @@ pub(crate) async fn replicas(
             newer.insert(r.local_path.clone(), at);
         }
     }
+    let live = sink(&s)?.leases().await.map_err(ApiError::catalog)?;
     for r in rows {
         let by = (r.state == TransferState::Published)
             .then(|| newer.get(&r.local_path))
@@ -194,6 +232,7 @@ pub(crate) async fn replicas(
             });
         let mut v = Replica::from(r);
         v.replaced_by = by;
+        v.leases = live.iter().filter(|l| l.replica == v.id).cloned().collect();
         items.push(v);
     }
     Ok(Json(ReplicaPage {
@@ -220,11 +259,109 @@ fn replica_id(id: Result<Path<String>, PathRejection>) -> Result<i64, ApiError> 
 fn lifecycle_error(e: LifecycleError) -> ApiError {
     match e {
         LifecycleError::NotFound(_) => ApiError::not_found(e.to_string()),
+        LifecycleError::LeaseUnknown(_) => ApiError::not_found(e.to_string()),
+        LifecycleError::LeaseEnded(_) => ApiError::new(StatusCode::GONE, e.to_string()),
+        LifecycleError::NotHolder { .. } => ApiError::new(StatusCode::FORBIDDEN, e.to_string()),
         LifecycleError::NotPublished { .. }
         | LifecycleError::Replaced { .. }
-        | LifecycleError::Pinned { .. } => ApiError::new(StatusCode::CONFLICT, e.to_string()),
+        | LifecycleError::Pinned { .. }
+        | LifecycleError::Leased { .. }
+        | LifecycleError::Lease(_)
+        | LifecycleError::NotVersioned => ApiError::new(StatusCode::CONFLICT, e.to_string()),
         LifecycleError::Catalog(e) => ApiError::catalog(e),
     }
+}
+
+/// The live leases: all of them.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub(crate) struct LeaseList {
+    items: Vec<LeaseGrant>,
+}
+
+/// The live reader leases at this sink, oldest first.
+#[utoipa::path(
+    get, path = "/v1/leases", tag = "sink",
+    security(("bearer" = ["reader"])),
+    responses(
+        (status = 200, description = "The live leases", body = LeaseList),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+    )
+)]
+pub(crate) async fn list_leases(State(s): State<AppState>) -> Result<Json<LeaseList>, ApiError> {
+    let items = sink(&s)?.leases().await.map_err(ApiError::catalog)?;
+    Ok(Json(LeaseList { items }))
+}
+
+/// A lease id from the path: 32 hex digits, else 404 naming it.
+fn lease_id(id: Result<Path<String>, PathRejection>) -> Result<String, ApiError> {
+    let Path(id) = id?;
+    if id.len() != 32 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(ApiError::not_found(format!(
+            "no lease {:?}: a lease id is 32 hex digits, as resolve with `lease` answers it",
+            id.chars().take(64).collect::<String>()
+        )));
+    }
+    Ok(id.to_ascii_lowercase())
+}
+
+/// Renew a reader lease: it now expires its duration from now. Only its
+/// holder (the token that took it) or an operator may.
+#[utoipa::path(
+    post, path = "/v1/leases/{id}/renew", tag = "sink",
+    params(("id" = String, Path, description = "Lease id (32 hex digits)")),
+    security(("bearer" = ["reader"])),
+    responses(
+        (status = 200, description = "Renewed; the lease as it is now", body = LeaseGrant),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 403, description = "Another token holds it, and this one is not an operator", body = ErrorBody),
+        (status = 404, description = "No such lease", body = ErrorBody),
+        (status = 410, description = "The lease expired or was released; its version may be gone", body = ErrorBody),
+    )
+)]
+pub(crate) async fn renew_lease(
+    State(s): State<AppState>,
+    caller: By,
+    id: Result<Path<String>, PathRejection>,
+) -> Result<Json<LeaseGrant>, ApiError> {
+    let id = lease_id(id)?;
+    let l = sink(&s)?
+        .renew_lease(&id, by(&caller), is_operator(&caller))
+        .await
+        .map_err(lifecycle_error)?;
+    Ok(Json(l))
+}
+
+/// Release a reader lease now: the version it held goes when nothing else
+/// keeps it. Only its holder or an operator may.
+#[utoipa::path(
+    delete, path = "/v1/leases/{id}", tag = "sink",
+    params(("id" = String, Path, description = "Lease id (32 hex digits)")),
+    security(("bearer" = ["reader"])),
+    responses(
+        (status = 200, description = "Released; the lease as it was", body = LeaseGrant),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 403, description = "Another token holds it, and this one is not an operator", body = ErrorBody),
+        (status = 404, description = "No such lease", body = ErrorBody),
+        (status = 410, description = "The lease had expired or was released already", body = ErrorBody),
+    )
+)]
+pub(crate) async fn release_lease(
+    State(s): State<AppState>,
+    caller: By,
+    id: Result<Path<String>, PathRejection>,
+) -> Result<Json<LeaseGrant>, ApiError> {
+    let id = lease_id(id)?;
+    let l = sink(&s)?
+        .release_lease(&id, by(&caller), is_operator(&caller))
+        .await
+        .map_err(lifecycle_error)?;
+    Ok(Json(l))
+}
+
+/// Whether the caller's role is operator (an open API's anonymous caller
+/// is).
+fn is_operator(c: &By) -> bool {
+    c.as_ref().is_none_or(|c| c.0.role >= Role::Operator)
 }
 
 /// Query of `DELETE /v1/replicas/{id}`.

@@ -523,8 +523,14 @@ function renderReplicas(st) {
     // A pin, or why and when a removed replica went (its record's title).
     let state = r.state;
     if (r.pin) state += ' · pinned';
+    // A version a reader lease holds (it is not removed until then).
+    if (r.leased_until) state += ' · leased';
     if (r.removal) state += ' (' + r.removal.reason + (r.removal.forced ? ', forced' : '') + ')';
-    const stateCell = el('span', { title: r.removal ? r.removal.detail : (r.pin ? r.pin.reason : '') }, state);
+    const why = [];
+    if (r.removal) why.push(r.removal.detail);
+    if (r.pin) why.push('pinned: ' + r.pin.reason);
+    if (r.leased_until) why.push('leased until ' + new Date(r.leased_until).toISOString());
+    const stateCell = el('span', { title: why.join('; ') }, state);
     return [r.id, r.job, r.source_path, stateCell, bar, fmtBytes(done) + ' / ' + fmtBytes(r.bytes_total),
             r.state === 'published' ? r.local_path : '–',
             fmtTime(r.published_at), fmtDur(r.commit_to_replica_s)];

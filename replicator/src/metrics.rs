@@ -48,6 +48,7 @@
 //!   sink started and their manifests' bytes, by `rule` (a retention
 //!   policy), `pressure` or `operator`, counted when their files are gone.
 //! - `ferry_pinned_replicas`: published replicas with a live pin.
+//! - `ferry_leased_replicas`: versions a live reader lease holds.
 //! - `ferry_verification_failures_total`: chunks whose bytes did not hash
 //!   to the BLAKE3 sent with them, chunks whose verified hash differed
 //!   from the sealed manifest's at commit, and sealed manifests that did
@@ -625,7 +626,12 @@ pub(crate) struct SinkMetrics {
     removed: Family<ReasonLabel, Counter>,
     freed: Family<ReasonLabel, Counter>,
     pinned: Gauge,
+    leased: Gauge,
 }
+
+/// What a sink's scrape reads from its catalog: replicas per state, and
+/// the pinned and leased counts.
+pub(crate) type SinkGauges<'a> = (&'a [(TransferState, i64)], i64, i64);
 
 impl std::fmt::Debug for SinkMetrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -651,6 +657,7 @@ impl SinkMetrics {
             removed: Family::default(),
             freed: Family::default(),
             pinned: Gauge::default(),
+            leased: Gauge::default(),
         };
         registry.register(
             "ferry_received_bytes",
@@ -710,6 +717,11 @@ impl SinkMetrics {
             "Published replicas with a live pin, in replicas",
             m.pinned.clone(),
         );
+        registry.register(
+            "ferry_leased_replicas",
+            "Replica versions a live reader lease holds, in replicas",
+            m.leased.clone(),
+        );
         for r in ferry_catalog::RemovalReason::ALL {
             m.removed_by(r);
         }
@@ -757,18 +769,19 @@ impl SinkMetrics {
         self.removed.get_or_create(&label).clone()
     }
 
-    /// Sets the replica-state gauges from `states` and the pinned count,
-    /// and encodes the registry.
+    /// Sets the replica-state gauges from `states` and the pinned and
+    /// leased counts, and encodes the registry.
     pub(crate) fn render(
         &self,
-        catalog: Option<(&[(TransferState, i64)], i64)>,
+        catalog: Option<SinkGauges<'_>>,
     ) -> Result<String, std::fmt::Error> {
         let _one = crate::lock::lock(&self.scrape);
         // Without the catalog (it did not answer in time) the gauges read
         // from it keep their last values.
-        if let Some((states, pinned)) = catalog {
+        if let Some((states, pinned, leased)) = catalog {
             set_states(&self.replica_states, &REPLICA_STATES, states);
             self.pinned.set(pinned);
+            self.leased.set(leased);
         }
         encode(&self.registry)
     }
@@ -1097,6 +1110,7 @@ mod tests {
             .render(Some((
                 &[(TransferState::Published, 1), (TransferState::Receiving, 2)],
                 4,
+                5,
             )))
             .unwrap();
         let fam = strict_families(&text);
@@ -1111,6 +1125,7 @@ mod tests {
             ("ferry_replicas_removed_total", "counter"),
             ("ferry_replica_freed_bytes_total", "counter"),
             ("ferry_pinned_replicas", "gauge"),
+            ("ferry_leased_replicas", "gauge"),
         ];
         for (n, ty) in expect {
             assert_eq!(fam.get(n).map(String::as_str), Some(ty), "{n} in:\n{text}");
@@ -1165,5 +1180,6 @@ mod tests {
             320.0
         );
         assert_eq!(value(&s, "ferry_pinned_replicas", &[]), 4.0);
+        assert_eq!(value(&s, "ferry_leased_replicas", &[]), 5.0);
     }
 }

@@ -4,9 +4,11 @@
 //! fails, and publishes the replica atomically once the source has sealed
 //! the manifest and every chunk matches it.
 //!
-//! Layout under the sink root: replicas at `<root>/<site>/<job>/<rel>`,
-//! staging at `<root>/.ferry/staging/<row id>` (same file system, so the
-//! final move is one `rename`), replicas being removed at
+//! Layout under the sink root: replicas published at
+//! `<root>/<site>/<job>/<rel>`, a symbolic link to the current version's
+//! directory `<root>/.ferry/versions/<row id>`; staging at
+//! `<root>/.ferry/staging/<row id>` (same file system, so the move into
+//! the version directory is one `rename`); versions being removed at
 //! `<root>/.ferry/retired/<row id>` (see [`lifecycle`]).
 
 use std::collections::HashMap;
@@ -83,6 +85,35 @@ pub struct SinkConfig {
     pub pressure: Option<pressure::SpacePressure>,
 }
 
+/// A reader lease as resolve and the lease routes answer it.
+#[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
+pub struct LeaseGrant {
+    /// The lease id (32 hex digits), for `POST /v1/leases/{id}/renew` and
+    /// `DELETE /v1/leases/{id}`.
+    pub id: String,
+    /// The replica row (version) it holds.
+    pub replica: i64,
+    /// When it expires unless renewed, RFC 3339.
+    pub expires_at: String,
+    /// How long each renewal extends it, seconds.
+    pub duration_s: f64,
+    /// The API token's name that took it.
+    pub holder: String,
+}
+
+impl LeaseGrant {
+    /// The catalog's lease as the API shows it.
+    pub fn of(l: &ferry_catalog::ReaderLease) -> LeaseGrant {
+        LeaseGrant {
+            id: l.id.clone(),
+            replica: l.replica,
+            expires_at: rfc3339(l.expires_at),
+            duration_s: l.duration_ms as f64 / 1000.0,
+            holder: l.holder.clone(),
+        }
+    }
+}
+
 /// What resolve answers for a source path.
 #[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
 #[serde(tag = "state", rename_all = "lowercase")]
@@ -100,6 +131,14 @@ pub enum Resolution {
         /// full replica.
         #[serde(skip_serializing_if = "Option::is_none")]
         profile: Option<Profile>,
+        /// The replica's row id (its version), for `/v1/replicas/{id}`.
+        replica: i64,
+        /// With `lease`: the lease that keeps this version, whose
+        /// `local_path` then names this version's own directory (the same
+        /// bytes for the lease's whole life, whatever is published
+        /// later); absent without.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        lease: Option<LeaseGrant>,
     },
     /// Chunks are arriving.
     Replicating {
@@ -408,10 +447,13 @@ impl Sink {
         let read = async {
             let states = self.inner.catalog.replica_state_counts().await?;
             let pinned = self.inner.catalog.pinned_replica_count(now_ms()).await?;
-            Ok::<_, CatalogError>((states, pinned))
+            let leased = self.inner.catalog.leased_replica_count(now_ms()).await?;
+            Ok::<_, CatalogError>((states, pinned, leased))
         };
         match tokio::time::timeout(crate::metrics::SCRAPE_CATALOG_WAIT, read).await {
-            Ok(Ok((states, pinned))) => Ok(self.inner.metrics.render(Some((&states, pinned)))?),
+            Ok(Ok((states, pinned, leased))) => {
+                Ok(self.inner.metrics.render(Some((&states, pinned, leased)))?)
+            }
             other => {
                 if let Ok(Err(e)) = other {
                     warn!(error = %e, "metrics: the catalog did not answer; replica gauges keep their last values");
@@ -433,8 +475,17 @@ impl Sink {
     /// # Errors
     /// Catalog errors.
     pub async fn resolve(&self, path: &str) -> Result<Resolution, CatalogError> {
+        Ok(self.resolve_row(path).await?.0)
+    }
+
+    /// [`Sink::resolve`], and for a `local` answer the replica row and
+    /// the path of the answer below the replica's directory.
+    pub(crate) async fn resolve_row(
+        &self,
+        path: &str,
+    ) -> Result<(Resolution, Option<(i64, PathBuf)>), CatalogError> {
         let Some(path) = normalize_source_path(path) else {
-            return Ok(Resolution::Unknown);
+            return Ok((Resolution::Unknown, None));
         };
         let path = path.as_str();
         let mut ancestor = Some(Path::new(path));
@@ -481,14 +532,19 @@ impl Sink {
                     };
                     // A file the checkpoint does not hold has no twin.
                     if std::fs::symlink_metadata(&local).is_err() {
-                        return Ok(Resolution::Unknown);
+                        return Ok((Resolution::Unknown, None));
                     }
-                    return Ok(Resolution::Local {
-                        local_path: local.to_string_lossy().into_owned(),
-                        manifest_root: p.manifest_root.clone().unwrap_or_default(),
-                        published_at: rfc3339(p.published_at.unwrap_or(0)),
-                        profile: (p.profile != Profile::Full).then_some(p.profile),
-                    });
+                    return Ok((
+                        Resolution::Local {
+                            local_path: local.to_string_lossy().into_owned(),
+                            manifest_root: p.manifest_root.clone().unwrap_or_default(),
+                            published_at: rfc3339(p.published_at.unwrap_or(0)),
+                            profile: (p.profile != Profile::Full).then_some(p.profile),
+                            replica: p.id,
+                            lease: None,
+                        },
+                        Some((p.id, suffix.to_path_buf())),
+                    ));
                 }
                 if let Some(r) = rows.iter().find(|r| r.state == TransferState::Receiving) {
                     let live = self
@@ -501,31 +557,40 @@ impl Sink {
                         Some(l) => l.progress(),
                         None => (r.bytes_done as u64, None),
                     };
-                    return Ok(Resolution::Replicating {
-                        bytes_done: done,
-                        bytes_total: r.bytes_total as u64,
-                        eta_s: eta,
-                    });
+                    return Ok((
+                        Resolution::Replicating {
+                            bytes_done: done,
+                            bytes_total: r.bytes_total as u64,
+                            eta_s: eta,
+                        },
+                        None,
+                    ));
                 }
                 if let Some(r) = newest.filter(|r| r.state != TransferState::Published) {
                     let why = r
                         .removal
                         .as_ref()
                         .map_or(String::new(), |m| format!(" ({}: {})", m.reason, m.detail));
-                    return Ok(Resolution::Remote {
-                        reason: Some(format!("replica {} was removed{why}", r.id)),
-                    });
+                    return Ok((
+                        Resolution::Remote {
+                            reason: Some(format!("replica {} was removed{why}", r.id)),
+                        },
+                        None,
+                    ));
                 }
-                return Ok(Resolution::Remote {
-                    reason: first
-                        .error
-                        .clone()
-                        .or_else(|| Some(first.state.to_string())),
-                });
+                return Ok((
+                    Resolution::Remote {
+                        reason: first
+                            .error
+                            .clone()
+                            .or_else(|| Some(first.state.to_string())),
+                    },
+                    None,
+                ));
             }
             ancestor = a.parent();
         }
-        Ok(Resolution::Unknown)
+        Ok((Resolution::Unknown, None))
     }
 
     /// Stops accepting, lets in-flight chunk writes finish, flushes the
@@ -583,6 +648,18 @@ fn rfc3339(ms: i64) -> String {
 
 fn staging_root(root: &Path) -> PathBuf {
     root.join(".ferry").join("staging")
+}
+
+/// Where the sink keeps the version directories of its replicas.
+pub(crate) fn versions_root(root: &Path) -> PathBuf {
+    root.join(".ferry").join("versions")
+}
+
+/// The version directory of replica row `id`: its files, which the
+/// published path names (a symbolic link) while it is the current
+/// version, and a leased path names for the lease's life.
+pub fn version_dir(root: &Path, id: i64) -> PathBuf {
+    versions_root(root).join(id.to_string())
 }
 
 /// Records verified chunks and publishes in the catalog: everything
@@ -1964,10 +2041,12 @@ async fn maybe_finish(
             let root_hex = hex(&manifest.root());
             let (l2, m2) = (live.clone(), manifest.clone());
             let reread = inner.cfg.reread_before_publish;
+            let version = version_dir(&inner.cfg.root, live.id);
             let res = blocking(move || {
                 l2.store.publish(
                     &l2.staging,
                     &l2.local_path,
+                    &version,
                     &m2,
                     reread.then_some(&keys[..]),
                 )
@@ -2065,10 +2144,9 @@ async fn maybe_finish(
                 m.remove(&live.id);
             }
             inner.changed.send_modify(|v| *v += 1);
-            // The retention policies run at each publish.
-            if !inner.cfg.retention.is_empty() {
-                inner.retention_wake.notify_one();
-            }
+            // The retention policies run at each publish, and the version
+            // this one replaced goes unless a lease holds it.
+            inner.retention_wake.notify_one();
             info!(transfer = %id, path = %local, root = %root_hex, publish_ms = t_publish.elapsed().as_millis() as u64, reread_ms, reread_cpu_ms, "replica published");
             ctl.send(&Control::Published {
                 id,

@@ -245,9 +245,15 @@ pub trait SinkStore: Send + Sync + fmt::Debug {
 
     /// Publishes staging area `staging` at `local_path` as checkpoint `m`,
     /// atomically: a reader sees the previous version or the whole new
-    /// one, commit markers last. With `reread` (the chunk keys of `m`,
-    /// one per chunk in manifest order), staging is read back and checked
-    /// first. Finishes a publish that a crash interrupted.
+    /// one, commit markers last. Where the backend keeps versions
+    /// ([`SinkStore::versioned`]), the files go to the version directory
+    /// `version` (a path of the sink's own area, new) and `local_path`
+    /// names it from then on; the previous version's directory stays
+    /// until [`SinkStore::withdraw`] takes it. Elsewhere `version` is not
+    /// used and the previous version is replaced. With `reread` (the
+    /// chunk keys of `m`, one per chunk in manifest order), staging is
+    /// read back and checked first. Finishes a publish that a crash
+    /// interrupted.
     ///
     /// # Errors
     /// I/O errors naming the path.
@@ -255,9 +261,41 @@ pub trait SinkStore: Send + Sync + fmt::Debug {
         &self,
         staging: &Path,
         local_path: &Path,
+        version: &Path,
         m: &Manifest,
         reread: Option<&[(u64, Hash)]>,
     ) -> io::Result<PublishOutcome>;
+
+    /// Whether each published version keeps a location of its own that
+    /// later publishes at the same path leave alone (POSIX: version
+    /// directories behind a symbolic link), so that a reader lease can
+    /// hold one. False (the default): publishing replaces in place.
+    fn versioned(&self) -> bool {
+        false
+    }
+
+    /// The version directory the published path `local_path` names now;
+    /// `None` when nothing is published there, or the backend does not
+    /// keep versions, or `local_path` holds a replica itself (published
+    /// before version directories).
+    ///
+    /// # Errors
+    /// I/O errors naming the path.
+    fn named_version(&self, _local_path: &Path) -> io::Result<Option<PathBuf>> {
+        Ok(None)
+    }
+
+    /// Moves a replica published at `local_path` itself (before version
+    /// directories) into version directory `version`, leaving
+    /// `local_path` naming it, without a moment where a reader of
+    /// `local_path` sees anything else. False when there is nothing to
+    /// move (or the backend does not keep versions).
+    ///
+    /// # Errors
+    /// I/O errors naming the path; nothing moves then.
+    fn adopt(&self, _local_path: &Path, _version: &Path) -> io::Result<bool> {
+        Ok(false)
+    }
 
     /// Whether a publish from `staging` has begun and the catalog has not
     /// yet recorded it ([`SinkStore::publish_recorded`]).
@@ -275,15 +313,18 @@ pub trait SinkStore: Send + Sync + fmt::Debug {
     /// I/O errors naming the path (`NotFound` is not an error).
     fn discard(&self, staging: &Path) -> io::Result<()>;
 
-    /// Takes the published version at `local_path` out of the published
-    /// namespace in one atomic step (a reader sees the whole version or
-    /// nothing there), moving it to `aside`, a path of the sink's own area
-    /// that does not exist yet; [`SinkStore::retire`] then deletes it.
-    /// `Ok(false)` when nothing is at `local_path` (withdrawn already).
+    /// Takes version `version` (as given to [`SinkStore::publish`]) out
+    /// of the published namespace in one atomic step (a reader of
+    /// `local_path` sees the whole version or nothing there), leaving a
+    /// newer version published at `local_path` alone, and moves it to
+    /// `aside`, a path of the sink's own area that does not exist yet;
+    /// [`SinkStore::retire`] then deletes it. Where the backend does not
+    /// keep versions, what is at `local_path` moves. `Ok(false)` when
+    /// there was nothing to move (withdrawn already).
     ///
     /// # Errors
     /// I/O errors naming the path.
-    fn withdraw(&self, local_path: &Path, aside: &Path) -> io::Result<bool>;
+    fn withdraw(&self, local_path: &Path, version: &Path, aside: &Path) -> io::Result<bool>;
 
     /// Deletes a version [`SinkStore::withdraw`] moved to `aside`. A
     /// deletion a crash interrupted is finished by calling it again.

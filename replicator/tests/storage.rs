@@ -236,7 +236,8 @@ fn stages_publishes_and_retires(b: &Backend, dir: &Path) {
             }
         }
     }
-    let out = sink.publish(&staging, &local, &m1, None).unwrap();
+    let (v1, v2) = (dir.join("versions/1"), dir.join("versions/2"));
+    let out = sink.publish(&staging, &local, &v1, &m1, None).unwrap();
     assert!(matches!(out, PublishOutcome::Published { .. }), "{out:?}");
     sink.publish_recorded(&staging).unwrap();
     assert!(!sink.publish_under_way(&staging));
@@ -261,10 +262,22 @@ fn stages_publishes_and_retires(b: &Backend, dir: &Path) {
         st.stage_chunk("opt/o.bin", 0, &o2).unwrap();
         st.stage_chunk("COMMITTED", 0, &[]).unwrap();
     }
-    let out = sink.publish(&staging2, &local, &m2, None).unwrap();
+    let out = sink.publish(&staging2, &local, &v2, &m2, None).unwrap();
     assert!(matches!(out, PublishOutcome::Published { .. }), "{out:?}");
     sink.publish_recorded(&staging2).unwrap();
     same_replica(b, &build(src, &local, &markers, cs).unwrap(), &m2);
+    if sink.versioned() {
+        // The older version stays whole in its own directory (a leased
+        // reader's path) until it is withdrawn, which leaves the
+        // published path alone.
+        assert_eq!(sink.named_version(&local).unwrap().as_deref(), Some(&*v2));
+        same_replica(b, &build(src, &v1, &markers, cs).unwrap(), &m1);
+        let aside1 = dir.join("retired/old");
+        assert!(sink.withdraw(&local, &v1, &aside1).unwrap());
+        sink.retire(&aside1).unwrap();
+        assert!(src.list(&v1, &[]).is_err(), "the older version is gone");
+        same_replica(b, &build(src, &local, &markers, cs).unwrap(), &m2);
+    }
 
     // A staging area that never got published is discarded without a
     // trace; discarding twice is no error.
@@ -280,12 +293,12 @@ fn stages_publishes_and_retires(b: &Backend, dir: &Path) {
     // deleted; both steps may be repeated (a restart finishing them).
     let aside = dir.join("retired/1");
     if !b.withdraws {
-        let e = sink.withdraw(&local, &aside).unwrap_err();
+        let e = sink.withdraw(&local, &v2, &aside).unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::Unsupported, "{e}");
         build(src, &local, &markers, cs).expect("a refused withdraw leaves the replica");
         return;
     }
-    assert!(sink.withdraw(&local, &aside).unwrap());
+    assert!(sink.withdraw(&local, &v2, &aside).unwrap());
     assert!(
         src.list(&local, &[]).is_err(),
         "withdrawn: nothing left to list at the published path"
@@ -295,7 +308,10 @@ fn stages_publishes_and_retires(b: &Backend, dir: &Path) {
         m2.root(),
         "the whole version moved aside"
     );
-    assert!(!sink.withdraw(&local, &aside).unwrap(), "withdrawn already");
+    assert!(
+        !sink.withdraw(&local, &v2, &aside).unwrap(),
+        "withdrawn already"
+    );
     sink.retire(&aside).unwrap();
     sink.retire(&aside).unwrap();
     assert!(src.list(&aside, &[]).is_err(), "retired: nothing left");
@@ -367,14 +383,20 @@ fn rereads_before_publishing(b: &Backend, dir: &Path) {
         st.stage_chunk("f.bin", u64::from(cs), &data[cs as usize..])
             .unwrap();
     }
-    let out = b.sink.publish(&staging, &local, &m, Some(&keys)).unwrap();
+    let out = b
+        .sink
+        .publish(&staging, &local, &dir.join("versions/1"), &m, Some(&keys))
+        .unwrap();
     assert_eq!(out, PublishOutcome::Refetch(vec![100]));
     assert!(b.src.list(&local, &[]).is_err(), "nothing published");
     b.sink
         .staging(&staging)
         .stage_chunk("f.bin", 0, &data[..cs as usize])
         .unwrap();
-    let out = b.sink.publish(&staging, &local, &m, Some(&keys)).unwrap();
+    let out = b
+        .sink
+        .publish(&staging, &local, &dir.join("versions/1"), &m, Some(&keys))
+        .unwrap();
     assert!(
         matches!(out, PublishOutcome::Published { reread: Some(_) }),
         "{out:?}"
@@ -575,7 +597,9 @@ fn s3_publishes_large_files_in_parts() {
         st.stage_chunk("big.bin", (i * cs as usize) as u64, c)
             .unwrap();
     }
-    let out = s.publish(&staging, &dir.join("replica"), &m, None).unwrap();
+    let out = s
+        .publish(&staging, &dir.join("replica"), &dir.join("v"), &m, None)
+        .unwrap();
     assert!(matches!(out, PublishOutcome::Published { .. }), "{out:?}");
     let parts = s.multipart_parts();
     assert_eq!(parts, vec![vec![8 << 20, 8 << 20, (4 << 20) + 5]]);

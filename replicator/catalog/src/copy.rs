@@ -12,7 +12,7 @@ use crate::{Catalog, CatalogError};
 /// catalog's id (`catalog_identity`) is carried over. `settings` is empty
 /// on SQLite (a single agent's settings are its config's, which seed the
 /// pool's at its first start on PostgreSQL).
-pub const COPIED_TABLES: [&str; 7] = [
+pub const COPIED_TABLES: [&str; 8] = [
     "transfers",
     "jobs",
     "signals",
@@ -20,6 +20,7 @@ pub const COPIED_TABLES: [&str; 7] = [
     "replicas",
     "replica_files",
     "chunks",
+    "leases",
 ];
 
 /// Rows copied per table, in [`COPIED_TABLES`] order.
@@ -128,7 +129,8 @@ impl Catalog {
                 }
                 q.execute(&mut *tx).await?;
             }
-            if names.contains(&"id") && table != "replica_files" {
+            // `replica_files` is keyed by replica, `leases` by a random text id.
+            if names.contains(&"id") && table != "replica_files" && table != "leases" {
                 sqlx::query(&format!(
                     "SELECT setval(pg_get_serial_sequence('{table}', 'id'), \
                      COALESCE(MAX(id), 0) + 1, false) FROM {table}"

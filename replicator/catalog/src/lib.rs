@@ -48,6 +48,7 @@ pub mod dialect;
 pub mod events;
 mod export;
 pub mod jobs;
+pub mod leases;
 pub mod notify;
 pub mod pool;
 pub mod replicas;
@@ -66,6 +67,7 @@ pub use copy::{CopyCounts, COPIED_TABLES};
 pub use events::{Change, Event, EventKind};
 pub use export::TraceExport;
 pub use jobs::{origin, Job, MAX_MODEL_PARAMS};
+pub use leases::{LeaseProblem, ReaderLease, LEASE_MEMORY_MS};
 pub use pool::{AgentState, Beat, Claim, Forget, Heartbeat, LeaseRecord, PoolAgent};
 pub use replicas::{
     CheckpointMeta, NewReplica, Pin, PublishedReplica, Removal, RemovalReason, Replica, SourceTimes,

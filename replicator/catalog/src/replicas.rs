@@ -71,6 +71,20 @@ pub struct Replica {
     pub pin: Option<Pin>,
     /// The removal, once the replica is `removing` or `removed`.
     pub removal: Option<Removal>,
+    /// The latest expiry of its reader leases (Unix ms; `None`: never
+    /// leased). A version is leased while this is in the future; see
+    /// [`crate::leases`].
+    pub leased_until: Option<i64>,
+    /// When the directory of this version was deleted after a re-save
+    /// replaced it (Unix ms); no lease is granted on it after.
+    pub version_deleted_at: Option<i64>,
+}
+
+impl Replica {
+    /// Whether a reader lease holds this version at `now` (Unix ms).
+    pub fn leased_at(&self, now: i64) -> bool {
+        self.leased_until.is_some_and(|u| u > now)
+    }
 }
 
 /// An operator's pin on a replica: it never expires, and a removal by hand
@@ -282,7 +296,7 @@ const REPLICA_COLS: &str = "id, peer, source_site, source_transfer, job, source_
     chunk_size, state, bytes_total, bytes_done, staging_path, local_path, manifest_root, error, \
     created_at, published_at, committed_at, commit_to_replica_s, open_to_replica_s, profile, \
     step, class, pinned_at, pinned_until, pin_reason, removal_reason, removal_detail, \
-    removal_started_at, removed_at, removed_bytes, removal_forced";
+    removal_started_at, removed_at, removed_bytes, removal_forced, leased_until, version_deleted_at";
 
 fn replica_row(r: &AnyRow) -> Result<Replica, sqlx::Error> {
     Ok(Replica {
@@ -337,6 +351,8 @@ fn replica_row(r: &AnyRow) -> Result<Replica, sqlx::Error> {
             }),
             None => None,
         },
+        leased_until: r.try_get("leased_until")?,
+        version_deleted_at: r.try_get("version_deleted_at")?,
     })
 }
 
@@ -706,7 +722,10 @@ impl Catalog {
     /// Takes published replica `id` out of the published namespace: its
     /// state becomes `removing` with the removal's record. False (and
     /// nothing written) when the row is not `published` (removed
-    /// meanwhile, say).
+    /// meanwhile, say), or a reader lease holds it and the removal is not
+    /// `forced` (decided on the row itself, so a lease granted at the same
+    /// time either comes first and stops the removal, or finds the row
+    /// `removing` and is refused).
     ///
     /// # Errors
     /// SQL errors.
@@ -718,17 +737,21 @@ impl Catalog {
         forced: bool,
         bytes: i64,
     ) -> Result<bool, CatalogError> {
+        let now = now_ms();
         let r = sqlx::query(&self.db.sql(
             "UPDATE replicas SET state = 'removing', removal_reason = ?, removal_detail = ?, \
              removal_started_at = ?, removed_bytes = ?, removal_forced = ? \
-             WHERE id = ? AND state = 'published'",
+             WHERE id = ? AND state = 'published' \
+             AND (? = 1 OR leased_until IS NULL OR leased_until <= ?)",
         ))
         .bind(reason.as_str())
         .bind(detail)
-        .bind(now_ms())
+        .bind(now)
         .bind(bytes)
         .bind(i64::from(forced))
         .bind(id)
+        .bind(i64::from(forced))
+        .bind(now)
         .execute(&self.pool)
         .await?;
         Ok(r.rows_affected() == 1)

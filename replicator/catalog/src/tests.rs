@@ -512,6 +512,144 @@ async fn replica_pins_and_removals_are_recorded(c: Catalog) {
 }
 both!(replica_pins_and_removals_are_recorded);
 
+/// Leases: grant, renew, release, expiry, and their effect on removals
+/// and on deleting a replaced version.
+async fn reader_leases_hold_a_version(c: Catalog) {
+    let mut ids = Vec::new();
+    for n in 1..=3 {
+        let r = replica_for(&c, TransferId(n)).await;
+        c.set_replica_published(
+            r,
+            b"m",
+            "ab",
+            "/eval/a",
+            10,
+            SourceTimes::default(),
+            CheckpointMeta::default(),
+        )
+        .await
+        .unwrap();
+        ids.push(r);
+    }
+    let l = c
+        .grant_lease(ids[0], "eval", 60_000)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(l.id.len(), 32);
+    assert!(l.live_at(now_ms()));
+    assert_eq!(c.lease(&l.id).await.unwrap().unwrap(), l);
+    let r = c.replica(ids[0]).await.unwrap().unwrap();
+    assert_eq!(r.leased_until, Some(l.expires_at));
+    assert!(r.leased_at(now_ms()));
+    assert_eq!(c.leased_replica_count(now_ms()).await.unwrap(), 1);
+    // A leased version is neither removed nor deleted as replaced...
+    assert!(!c
+        .begin_replica_removal(ids[0], RemovalReason::Rule, "x", false, 1)
+        .await
+        .unwrap());
+    assert!(!c.claim_replaced_version(ids[0]).await.unwrap());
+    // ...but an operator's forced removal goes ahead.
+    let l2 = c
+        .grant_lease(ids[1], "eval", 60_000)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(c
+        .begin_replica_removal(ids[1], RemovalReason::Operator, "x", true, 1)
+        .await
+        .unwrap());
+    // No lease on a version being removed, or whose directory went.
+    assert!(c.grant_lease(ids[1], "eval", 1000).await.unwrap().is_none());
+    assert!(c.claim_replaced_version(ids[2]).await.unwrap());
+    assert!(!c.claim_replaced_version(ids[2]).await.unwrap(), "once");
+    assert!(c.grant_lease(ids[2], "eval", 1000).await.unwrap().is_none());
+    assert!(c.grant_lease(9999, "eval", 1000).await.unwrap().is_none());
+    // Renewal extends from now; release ends it and the row's expiry
+    // falls back to the other leases'.
+    let other = c.grant_lease(ids[0], "b", 5_000).await.unwrap().unwrap();
+    let renewed = c.renew_lease(&l.id).await.unwrap().unwrap();
+    assert!(renewed.expires_at >= l.expires_at);
+    let released = c.release_lease(&l.id).await.unwrap().unwrap();
+    assert!(released.released_at.is_some());
+    assert_eq!(
+        c.replica(ids[0]).await.unwrap().unwrap().leased_until,
+        Some(other.expires_at)
+    );
+    assert!(matches!(
+        c.renew_lease(&l.id).await.unwrap(),
+        Err(LeaseProblem::Released(_))
+    ));
+    assert!(matches!(
+        c.release_lease(&l.id).await.unwrap(),
+        Err(LeaseProblem::Released(_))
+    ));
+    assert_eq!(
+        c.renew_lease("00000000000000000000000000000000")
+            .await
+            .unwrap(),
+        Err(LeaseProblem::Unknown)
+    );
+    c.release_lease(&other.id).await.unwrap().unwrap();
+    assert_eq!(c.replica(ids[0]).await.unwrap().unwrap().leased_until, None);
+    assert!(c
+        .live_leases(now_ms())
+        .await
+        .unwrap()
+        .iter()
+        .all(|x| x.id == l2.id));
+    // An expired lease cannot be renewed, and no longer holds its version.
+    let short = c.grant_lease(ids[0], "eval", 1).await.unwrap().unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    assert!(matches!(
+        c.renew_lease(&short.id).await.unwrap(),
+        Err(LeaseProblem::Expired(_))
+    ));
+    assert!(c.claim_replaced_version(ids[0]).await.unwrap());
+    // Ended leases are forgotten a day later.
+    assert_eq!(
+        c.forget_ended_leases(now_ms() + LEASE_MEMORY_MS + 120_000)
+            .await
+            .unwrap(),
+        4
+    );
+    assert!(c.lease(&short.id).await.unwrap().is_none());
+}
+both!(reader_leases_hold_a_version);
+
+/// A lease granted while a removal begins on the same version: exactly
+/// one of them wins, decided on the row.
+async fn a_lease_and_a_removal_at_once_never_both_win(c: Catalog) {
+    for n in 0..20 {
+        let r = replica_for(&c, TransferId(100 + n)).await;
+        c.set_replica_published(
+            r,
+            b"m",
+            "ab",
+            &format!("/eval/{n}"),
+            10,
+            SourceTimes::default(),
+            CheckpointMeta::default(),
+        )
+        .await
+        .unwrap();
+        let (c1, c2) = (c.clone(), c.clone());
+        let (lease, removal) = tokio::join!(
+            async move { c1.grant_lease(r, "eval", 60_000).await.unwrap() },
+            async move {
+                c2.begin_replica_removal(r, RemovalReason::Rule, "x", false, 1)
+                    .await
+                    .unwrap()
+            }
+        );
+        assert!(
+            lease.is_some() != removal,
+            "round {n}: lease {lease:?}, removal {removal}"
+        );
+    }
+}
+both!(a_lease_and_a_removal_at_once_never_both_win);
+
 async fn replica_for(c: &Catalog, id: TransferId) -> i64 {
     c.insert_replica(&NewReplica {
         peer: "p",

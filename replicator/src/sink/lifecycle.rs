@@ -1,6 +1,8 @@
 //! A replica's life after its publish: retention policies
 //! ([`super::retention`], run after each publish and every
-//! `retention_interval`), operators' pins, and removal.
+//! `retention_interval`), operators' pins, reader leases on versions,
+//! the deletion of versions a re-save replaced (once no lease holds
+//! them), and removal.
 //!
 //! A removal, by a policy or an operator, goes in this order:
 //!
@@ -21,12 +23,14 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use ferry_catalog::{now_ms, CatalogError, RemovalReason, Replica};
+use std::time::Duration;
+
+use ferry_catalog::{now_ms, CatalogError, LeaseProblem, RemovalReason, Replica};
 use ferry_proto::state::TransferState;
 use tracing::{info, warn};
 
 use super::retention::{self, Expired, Version};
-use super::{blocking, Inner, Sink};
+use super::{blocking, Inner, LeaseGrant, Resolution, Sink};
 
 /// Why a pin or a removal was refused.
 #[derive(Debug, thiserror::Error)]
@@ -65,9 +69,112 @@ pub enum LifecycleError {
         /// `, until <RFC 3339>` or empty.
         until: String,
     },
+    /// A reader lease holds it: removing it needs `force`.
+    #[error(
+        "replica {id} is leased by {holders} until {until}; wait, or remove it with force=true"
+    )]
+    Leased {
+        /// Row id.
+        id: i64,
+        /// The holders' token names, comma-separated.
+        holders: String,
+        /// The latest expiry, RFC 3339.
+        until: String,
+    },
+    /// No live lease has this id.
+    #[error("{0}")]
+    Lease(String),
+    /// The lease is not known (never granted here, or forgotten a day
+    /// after it ended).
+    #[error("no lease {0} (a lease is forgotten a day after it ends)")]
+    LeaseUnknown(String),
+    /// The lease expired or was released: it holds nothing any more.
+    #[error("{0}")]
+    LeaseEnded(String),
+    /// The caller is neither the lease's holder nor an operator.
+    #[error("lease {id} is held by {holder}; only its holder or an operator may {action} it")]
+    NotHolder {
+        /// The lease id.
+        id: String,
+        /// Its holder.
+        holder: String,
+        /// `renew` or `release`.
+        action: &'static str,
+    },
+    /// This sink's storage publishes in place: no version a lease could
+    /// hold.
+    #[error("this sink's storage publishes replicas in place, without version directories; leases are not available on it")]
+    NotVersioned,
     /// A catalog error.
     #[error(transparent)]
     Catalog(#[from] CatalogError),
+}
+
+impl LifecycleError {
+    /// A copy of a [`LifecycleError::Leased`] (other variants become a
+    /// generic message; only called on that one).
+    fn clone_leased(&self) -> LifecycleError {
+        match self {
+            LifecycleError::Leased { id, holders, until } => LifecycleError::Leased {
+                id: *id,
+                holders: holders.clone(),
+                until: until.clone(),
+            },
+            other => LifecycleError::Lease(other.to_string()),
+        }
+    }
+}
+
+/// The error for a lease that cannot be renewed or released.
+fn lease_problem(id: &str, p: LeaseProblem) -> LifecycleError {
+    match p {
+        LeaseProblem::Unknown => LifecycleError::LeaseUnknown(id.to_string()),
+        LeaseProblem::Expired(at) => LifecycleError::LeaseEnded(format!(
+            "lease {id} expired at {}; its version may be gone: resolve again for a new lease",
+            super::rfc3339(at)
+        )),
+        LeaseProblem::Released(at) => {
+            LifecycleError::LeaseEnded(format!("lease {id} was released at {}", super::rfc3339(at)))
+        }
+    }
+}
+
+/// Whether a newer version replaced row `id` at its path, by the catalog.
+async fn replaced_now(inner: &Inner, id: i64) -> Result<bool, CatalogError> {
+    match inner.catalog.replica(id).await? {
+        Some(r) => Ok(newer_version(inner, &r).await?.is_some()),
+        None => Ok(true),
+    }
+}
+
+/// [`LifecycleError::Leased`] if a live reader lease holds `r` now.
+async fn leased_error(inner: &Inner, r: &Replica) -> Result<Option<LifecycleError>, CatalogError> {
+    let now = now_ms();
+    let Some(fresh) = inner.catalog.replica(r.id).await? else {
+        return Ok(None);
+    };
+    if !fresh.leased_at(now) {
+        return Ok(None);
+    }
+    let mut holders: Vec<String> = inner
+        .catalog
+        .live_leases(now)
+        .await?
+        .into_iter()
+        .filter(|l| l.replica == r.id)
+        .map(|l| l.holder)
+        .collect();
+    holders.sort();
+    holders.dedup();
+    Ok(Some(LifecycleError::Leased {
+        id: r.id,
+        holders: if holders.is_empty() {
+            "a reader".into()
+        } else {
+            holders.join(", ")
+        },
+        until: super::rfc3339(fresh.leased_until.unwrap_or(now)),
+    }))
 }
 
 /// Where a removed version waits for its deletion.
@@ -177,12 +284,24 @@ impl Sink {
                     .map_or(String::new(), |u| format!(", until {}", super::rfc3339(u))),
             });
         }
+        let leased = leased_error(inner, &r).await?;
+        if let (Some(e), false) = (&leased, force) {
+            return Err(e.clone_leased());
+        }
         let mut detail = note.to_string();
         if let Some(p) = pin {
             let sep = if note.is_empty() { "" } else { "; " };
-            detail = format!("forced past the pin ({}){sep}{note}", p.reason);
+            detail = format!("forced past the pin ({}){sep}{detail}", p.reason);
+        }
+        if let Some(LifecycleError::Leased { holders, .. }) = &leased {
+            let sep = if detail.is_empty() { "" } else { "; " };
+            detail = format!("forced past the lease of {holders}{sep}{detail}");
         }
         if !remove_version(inner, &r, RemovalReason::Operator, &detail, force, false).await? {
+            // A lease granted meanwhile.
+            if let (Some(e), false) = (leased_error(inner, &r).await?, force) {
+                return Err(e);
+            }
             // Replaced by a re-save, or removed (by a policy, say),
             // meanwhile.
             if let Some(by) = newer_version(inner, &r).await? {
@@ -206,6 +325,165 @@ impl Sink {
             .ok_or(LifecycleError::NotFound(id))
     }
 
+    /// Resolves `path` as [`Sink::resolve`] and, when it is local, grants
+    /// `holder` a lease of `duration` on the version it names: the answer's
+    /// `local_path` is then inside that version's own directory, which
+    /// stays (whatever a re-save publishes, whatever a policy says) until
+    /// the lease expires or is released. Other answers carry no lease.
+    ///
+    /// # Errors
+    /// [`LifecycleError::NotVersioned`] on storage without version
+    /// directories; catalog errors.
+    pub async fn resolve_with_lease(
+        &self,
+        path: &str,
+        duration: Duration,
+        holder: &str,
+    ) -> Result<Resolution, LifecycleError> {
+        let inner = &self.inner;
+        if !inner.store.versioned() {
+            return Err(LifecycleError::NotVersioned);
+        }
+        let ms = i64::try_from(duration.as_millis()).unwrap_or(i64::MAX);
+        // A re-save or a removal between the answer and the grant makes
+        // the grant fail (or find no directory): ask again.
+        for _ in 0..5 {
+            let (res, row) = self.resolve_row(path).await?;
+            let (
+                Resolution::Local {
+                    manifest_root,
+                    published_at,
+                    profile,
+                    ..
+                },
+                Some((id, suffix)),
+            ) = (&res, row)
+            else {
+                return Ok(res);
+            };
+            let Some(lease) = inner.catalog.grant_lease(id, holder, ms).await? else {
+                continue;
+            };
+            let version = super::version_dir(&inner.cfg.root, id);
+            let local = if suffix.as_os_str().is_empty() {
+                version.clone()
+            } else {
+                version.join(&suffix)
+            };
+            let l2 = local.clone();
+            if !blocking(move || Ok(std::fs::symlink_metadata(&l2).is_ok()))
+                .await
+                .unwrap_or(false)
+            {
+                let _ = inner.catalog.release_lease(&lease.id).await?;
+                if !version.exists() && !replaced_now(inner, id).await? {
+                    return Err(LifecycleError::Lease(format!(
+                        "replica {id} has no version directory ({}); it was published before \
+                         version directories and could not be moved into one (see the log)",
+                        version.display()
+                    )));
+                }
+                continue;
+            }
+            info!(replica = id, lease = lease.id, holder, expires_at = %super::rfc3339(lease.expires_at), "reader lease granted");
+            inner.changed.send_modify(|v| *v += 1);
+            return Ok(Resolution::Local {
+                local_path: local.to_string_lossy().into_owned(),
+                manifest_root: manifest_root.clone(),
+                published_at: published_at.clone(),
+                profile: *profile,
+                replica: id,
+                lease: Some(LeaseGrant::of(&lease)),
+            });
+        }
+        Err(LifecycleError::Lease(
+            "the replica changed five times while a lease was being granted; ask again".into(),
+        ))
+    }
+
+    /// Extends lease `id` by its duration from now. `caller` is the API
+    /// token's name; only the holder or an `operator` may.
+    ///
+    /// # Errors
+    /// [`LifecycleError`] naming why (unknown, ended, not the holder).
+    pub async fn renew_lease(
+        &self,
+        id: &str,
+        caller: &str,
+        operator: bool,
+    ) -> Result<LeaseGrant, LifecycleError> {
+        self.lease_holder_check(id, caller, operator, "renew")
+            .await?;
+        match self.inner.catalog.renew_lease(id).await? {
+            Ok(l) => Ok(LeaseGrant::of(&l)),
+            Err(p) => Err(lease_problem(id, p)),
+        }
+    }
+
+    /// Releases lease `id` now (only its holder or an `operator`); the
+    /// version it held goes if nothing else keeps it.
+    ///
+    /// # Errors
+    /// [`LifecycleError`] naming why (unknown, ended, not the holder).
+    pub async fn release_lease(
+        &self,
+        id: &str,
+        caller: &str,
+        operator: bool,
+    ) -> Result<LeaseGrant, LifecycleError> {
+        self.lease_holder_check(id, caller, operator, "release")
+            .await?;
+        match self.inner.catalog.release_lease(id).await? {
+            Ok(l) => {
+                info!(
+                    replica = l.replica,
+                    lease = id,
+                    by = caller,
+                    "reader lease released"
+                );
+                self.inner.retention_wake.notify_one();
+                self.inner.changed.send_modify(|v| *v += 1);
+                Ok(LeaseGrant::of(&l))
+            }
+            Err(p) => Err(lease_problem(id, p)),
+        }
+    }
+
+    /// The live reader leases, oldest first.
+    ///
+    /// # Errors
+    /// Catalog errors.
+    pub async fn leases(&self) -> Result<Vec<LeaseGrant>, CatalogError> {
+        Ok(self
+            .inner
+            .catalog
+            .live_leases(now_ms())
+            .await?
+            .iter()
+            .map(LeaseGrant::of)
+            .collect())
+    }
+
+    async fn lease_holder_check(
+        &self,
+        id: &str,
+        caller: &str,
+        operator: bool,
+        action: &'static str,
+    ) -> Result<(), LifecycleError> {
+        let Some(l) = self.inner.catalog.lease(id).await? else {
+            return Err(LifecycleError::LeaseUnknown(id.chars().take(64).collect()));
+        };
+        if l.holder != caller && !operator {
+            return Err(LifecycleError::NotHolder {
+                id: l.id,
+                holder: l.holder,
+                action,
+            });
+        }
+        Ok(())
+    }
+
     /// Runs the retention policies once now (they also run after each
     /// publish and every `retention_interval`); returns the ids of the
     /// replicas they expired (with `dry_run`, that would expire).
@@ -220,7 +498,9 @@ impl Sink {
 /// The background task of a sink: finishes removals a crash interrupted,
 /// then runs the policies after each publish and every interval.
 pub(super) async fn run(inner: Arc<Inner>) {
+    adopt_unversioned(&inner).await;
     finish_removals(&inner).await;
+    sweep_versions(&inner).await;
     let every = inner
         .cfg
         .retention_interval
@@ -237,7 +517,203 @@ pub(super) async fn run(inner: Arc<Inner>) {
         if let Err(e) = retention_pass(&inner, false).await {
             warn!(error = %e, "retention pass failed; trying again at the next one");
         }
+        sweep_versions(&inner).await;
         pressure_pass(&inner).await;
+        if let Err(e) = inner.catalog.forget_ended_leases(now_ms()).await {
+            warn!(error = %e, "forgetting ended leases");
+        }
+    }
+}
+
+/// Moves each current replica published before version directories (a
+/// directory at its published path) into its own version directory, the
+/// published path becoming a link to it (see
+/// [`crate::storage::SinkStore::adopt`]); once, at start.
+async fn adopt_unversioned(inner: &Arc<Inner>) {
+    if !inner.store.versioned() {
+        return;
+    }
+    let rows = match inner.catalog.current_replicas().await {
+        Ok(rows) => rows,
+        Err(e) => {
+            warn!(error = %e, "listing replicas to move into version directories");
+            return;
+        }
+    };
+    let mut moved = 0usize;
+    for r in rows {
+        let local = PathBuf::from(&r.local_path);
+        let lock = inner.publish_lock(&local);
+        let _guard = lock.lock_owned().await;
+        let version = super::version_dir(&inner.cfg.root, r.id);
+        let store = inner.store.clone();
+        match blocking(move || store.adopt(&local, &version)).await {
+            Ok(true) => moved += 1,
+            Ok(false) => {}
+            Err(e) => {
+                warn!(replica = r.id, error = %e, "could not move a replica into its version directory; it stays where it is, and leases on it are refused")
+            }
+        }
+    }
+    if moved > 0 {
+        info!(
+            replicas = moved,
+            "moved replicas published before version directories into their own"
+        );
+    }
+}
+
+/// Deletes the version directories nothing needs any more: a version a
+/// re-save replaced once no lease holds it, and what a failed publish
+/// left. A version a published path names, one whose transfer is still
+/// receiving (a publish may be under way), and one being removed are
+/// left alone. Each is claimed in the catalog first
+/// ([`ferry_catalog::Catalog::claim_replaced_version`]), so a lease is
+/// never granted on a version being deleted.
+async fn sweep_versions(inner: &Arc<Inner>) {
+    if !inner.store.versioned() {
+        return;
+    }
+    let root = inner.cfg.root.clone();
+    let dirs = [
+        super::versions_root(&root),
+        root.join(".ferry").join("retired"),
+    ];
+    let d2 = dirs.clone();
+    let listed = blocking(move || {
+        let mut out = Vec::new();
+        for (i, d) in d2.iter().enumerate() {
+            match std::fs::read_dir(d) {
+                Ok(rd) => {
+                    for e in rd.flatten() {
+                        out.push((i, e.file_name().to_string_lossy().into_owned()));
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(std::io::Error::new(
+                        e.kind(),
+                        format!("{}: {e}", d.display()),
+                    ))
+                }
+            }
+        }
+        Ok(out)
+    })
+    .await;
+    let listed = match listed {
+        Ok(l) => l,
+        Err(e) => {
+            warn!(error = %e, "listing version directories");
+            return;
+        }
+    };
+    if listed.is_empty() {
+        return;
+    }
+    // The current versions, in one query: most directories are theirs.
+    let current: std::collections::HashSet<String> = match inner.catalog.current_replicas().await {
+        Ok(rows) => rows.iter().map(|r| r.id.to_string()).collect(),
+        Err(e) => {
+            warn!(error = %e, "listing current replicas; sweeping at the next pass");
+            return;
+        }
+    };
+    for (which, name) in listed {
+        if which == 0 && current.contains(&name) {
+            continue;
+        }
+        let (id_text, link) = match name.strip_suffix(".link") {
+            Some(id) => (id, true),
+            None => (name.as_str(), false),
+        };
+        let Ok(id) = id_text.parse::<i64>() else {
+            continue;
+        };
+        let row = match inner.catalog.replica(id).await {
+            Ok(Some(r)) => r,
+            Ok(None) => continue,
+            Err(e) => {
+                warn!(error = %e, "reading a version's row; trying again at the next pass");
+                return;
+            }
+        };
+        let path = dirs[which].join(&name);
+        if which == 1 {
+            // retired/<id> of a replaced version whose deletion a crash
+            // interrupted (a removal's is finished by finish_removals).
+            if row.version_deleted_at.is_some() && row.removal.is_none() {
+                let store = inner.store.clone();
+                if let Err(e) = blocking(move || store.retire(&path)).await {
+                    warn!(replica = id, error = %e, "deleting a replaced version");
+                }
+            }
+            continue;
+        }
+        if link {
+            // A link made for a publish that never finished.
+            if row.state != TransferState::Receiving {
+                let _ = blocking(move || std::fs::remove_file(&path)).await;
+            }
+            continue;
+        }
+        if matches!(
+            row.state,
+            TransferState::Receiving | TransferState::Removing | TransferState::Removed
+        ) {
+            continue;
+        }
+        let local = PathBuf::from(&row.local_path);
+        let (store, l2) = (inner.store.clone(), local.clone());
+        match blocking(move || store.named_version(&l2)).await {
+            Ok(Some(v)) if v == path => continue,
+            Ok(_) => {}
+            Err(e) => {
+                warn!(replica = id, error = %e, "reading what a published path names");
+                continue;
+            }
+        }
+        if row.state == TransferState::Published {
+            match newer_version(inner, &row).await {
+                Ok(Some(_)) => {}
+                // Current by the catalog, though its path does not name
+                // it (changed by hand?): kept.
+                Ok(None) => continue,
+                Err(e) => {
+                    warn!(replica = id, error = %e, "reading a version's successor");
+                    continue;
+                }
+            }
+        }
+        let claimed = row.version_deleted_at.is_some()
+            || match inner.catalog.claim_replaced_version(id).await {
+                Ok(c) => c,
+                Err(e) => {
+                    warn!(replica = id, error = %e, "claiming a replaced version");
+                    continue;
+                }
+            };
+        if !claimed {
+            // A live lease holds it.
+            continue;
+        }
+        let aside = retired_path(&root, id);
+        let store = inner.store.clone();
+        let res = blocking(move || {
+            store.withdraw(&local, &path, &aside)?;
+            store.retire(&aside)
+        })
+        .await;
+        match res {
+            Ok(()) => info!(
+                replica = id,
+                state = %row.state,
+                "deleted a version no published path names and no lease holds"
+            ),
+            Err(e) => {
+                warn!(replica = id, error = %e, "deleting a replaced version; trying again at the next pass")
+            }
+        }
     }
 }
 
@@ -321,6 +797,7 @@ async fn versions_of(
                 .pin
                 .as_ref()
                 .is_some_and(|p| p.until.is_none_or(|u| u > now)),
+            leased: r.leased_at(now),
         });
     }
     versions
@@ -444,8 +921,10 @@ async fn relieve(inner: &Arc<Inner>, goal: u64, all_or_nothing: bool) -> Relief 
     if reached(&relief) {
         return relief;
     }
-    // 1. What failed or cancelled transfers left staged (kept when a
-    // publish was under way: it may hold a published version).
+    // 1. Versions a re-save replaced that no lease holds, and what
+    // failed or cancelled transfers left staged (kept when a publish was
+    // under way: it may hold a published version).
+    sweep_versions(inner).await;
     for state in [TransferState::Failed, TransferState::Cancelled] {
         let rows = match inner.catalog.replicas_in(Some(state), i64::MAX, 0).await {
             Ok(rows) => rows,
@@ -597,8 +1076,9 @@ async fn remove_version(
         "removing a replica: out of the published namespace, its files go next"
     );
     let aside = retired_path(&inner.cfg.root, r.id);
+    let version = super::version_dir(&inner.cfg.root, r.id);
     let (store, l2, a2) = (inner.store.clone(), local.clone(), aside.clone());
-    let moved = blocking(move || store.withdraw(&l2, &a2)).await;
+    let moved = blocking(move || store.withdraw(&l2, &version, &a2)).await;
     drop(guard);
     if let Err(e) = moved {
         // The row stays `removing`: finished at the next pass or start.
@@ -680,8 +1160,9 @@ async fn finish_removals(inner: &Arc<Inner>) {
         let lock = inner.publish_lock(&local);
         let guard = lock.lock_owned().await;
         if std::fs::symlink_metadata(&aside).is_err() && !replaced(inner, &r).await {
+            let version = super::version_dir(&inner.cfg.root, r.id);
             let (store, l2, a2) = (inner.store.clone(), local.clone(), aside.clone());
-            if let Err(e) = blocking(move || store.withdraw(&l2, &a2)).await {
+            if let Err(e) = blocking(move || store.withdraw(&l2, &version, &a2)).await {
                 warn!(replica = r.id, error = %e, "could not move a removed replica aside; trying again later");
                 continue;
             }

@@ -6,7 +6,8 @@
 //! measuring again after each, until free space is at least `target_free`
 //! (or, for an incoming transfer, until it fits).
 //!
-//! A version may go under pressure unless it is pinned, it is the newest
+//! A version may go under pressure unless it is pinned, a reader lease
+//! holds it, it is the newest
 //! of its (job, source site) (by step when every version of the group has
 //! one, else by publish time, as in [`super::retention`]), or it is
 //! younger than the `min_age` of the first policy matching its job. Those
@@ -117,6 +118,8 @@ impl SpacePressure {
 pub enum Protected {
     /// Pinned.
     Pinned,
+    /// Held by a reader lease.
+    Leased,
     /// The newest of its (job, source site).
     Newest,
     /// Younger than its policy's `min_age`.
@@ -128,6 +131,7 @@ impl Protected {
     pub fn as_str(self) -> &'static str {
         match self {
             Protected::Pinned => "pinned",
+            Protected::Leased => "leased",
             Protected::Newest => "its job's newest",
             Protected::Young => "younger than min_age",
         }
@@ -212,6 +216,8 @@ pub fn plan(
             .and_then(|p| p.min_age);
         let why = if v.pinned {
             Some(Protected::Pinned)
+        } else if v.leased {
+            Some(Protected::Leased)
         } else if newest[i] {
             Some(Protected::Newest)
         } else if min_age.is_some_and(|m| {
@@ -278,6 +284,7 @@ mod tests {
             published_ms: NOW - age_min * MIN,
             files: vec![((id as u64, 1), bytes)],
             pinned: false,
+            leased: false,
         }
     }
 
@@ -376,6 +383,19 @@ mod tests {
             p.protected_text(),
             "1 pinned, 3 its job's newest, 1 younger than min_age"
         );
+    }
+
+    #[test]
+    fn a_leased_version_never_goes() {
+        let mut vs = vec![
+            v(1, "j", 100, 500, 10),
+            v(2, "j", 200, 400, 10),
+            v(3, "j", 300, 300, 10),
+        ];
+        vs[0].leased = true;
+        let p = plan(&[], &vs, &[None; 3], NOW, u64::MAX);
+        assert_eq!(p.remove, vec![2]);
+        assert_eq!(p.protected_text(), "1 leased, 1 its job's newest");
     }
 
     #[test]

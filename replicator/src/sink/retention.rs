@@ -9,13 +9,17 @@
 //! policy whose `job` glob matches the job:
 //!
 //! 1. A version is *kept* if it is pinned, younger than `min_age`, among
-//!    the newest `keep_last` of its group, or its step is a multiple of
-//!    `keep_every`. An unset `keep_last` means unlimited (every version is
-//!    among the newest), so `keep_every` and `min_age` only matter beside
-//!    a `keep_last` (or protect from `max_bytes`).
+//!    the newest `keep_last` of its group, its step is a multiple of
+//!    `keep_every`, or a reader lease holds it. An unset `keep_last` means
+//!    unlimited (every version is among the newest), so `keep_every` and
+//!    `min_age` only matter beside a `keep_last` (or protect from
+//!    `max_bytes`). A lease is weighed last: a version kept only by a
+//!    lease is one of the newest `keep_last` only by its rank, and the
+//!    ranks of newer versions do not change for it.
 //! 2. Then, while the group holds more than `max_bytes` (each file
 //!    counted once, hard links included), its oldest version kept only by
-//!    `keep_last` or `keep_every` expires; never the group's newest, so a
+//!    `keep_last` or `keep_every` and not leased expires; never the
+//!    group's newest, so a
 //!    `max_bytes` below one checkpoint's size keeps the newest one alone
 //!    rather than removing every replica as soon as it is published.
 //! 3. All other versions expire.
@@ -146,6 +150,8 @@ pub struct Version {
     pub files: Vec<((u64, u64), u64)>,
     /// Pinned (by an operator): never expires.
     pub pinned: bool,
+    /// Held by a live reader lease: never expires while it is.
+    pub leased: bool,
 }
 
 /// Why a version is kept (the first that applies, in this order).
@@ -159,6 +165,8 @@ pub enum Kept {
     KeepEvery,
     /// Among the newest `keep_last` (or `keep_last` is unset).
     KeepLast,
+    /// Held by a reader lease, and by no other rule.
+    Leased,
 }
 
 /// Why a version expires.
@@ -234,6 +242,8 @@ pub fn evaluate(policies: &[RetentionPolicy], versions: &[Version], now_ms: i64)
                     Ok(Kept::KeepEvery)
                 } else if p.keep_last.is_none_or(|n| rank < n as usize) {
                     Ok(Kept::KeepLast)
+                } else if v.leased {
+                    Ok(Kept::Leased)
                 } else {
                     Err(Expired::NotKept)
                 }
@@ -260,7 +270,9 @@ pub fn evaluate(policies: &[RetentionPolicy], versions: &[Version], now_ms: i64)
                 if total <= max {
                     break;
                 }
-                if matches!(outcome[k], Ok(Kept::KeepLast | Kept::KeepEvery)) {
+                if matches!(outcome[k], Ok(Kept::KeepLast | Kept::KeepEvery))
+                    && !versions[members[k]].leased
+                {
                     outcome[k] = Err(Expired::MaxBytes(total));
                 }
             }
@@ -319,6 +331,7 @@ mod tests {
             published_ms: NOW - age_min * MIN,
             files: vec![((id as u64, 1), bytes)],
             pinned: false,
+            leased: false,
         }
     }
 
@@ -476,6 +489,34 @@ mod tests {
             Some(1),
         )];
         assert_eq!(kept(&p, &vs).len(), 10);
+    }
+
+    #[test]
+    fn a_leased_version_outlives_keep_last_and_max_bytes_without_taking_a_place() {
+        // Ten versions, steps 100..1000, 10 bytes each; version 3 leased.
+        let mut vs = ten();
+        vs[2].leased = true;
+        let p = [policy(Some(2), None, None, None)];
+        assert_eq!(kept(&p, &vs), vec![3, 9, 10]);
+        let verdicts = evaluate(&p, &vs, NOW);
+        assert_eq!(verdicts[2].outcome, Ok(Kept::Leased));
+        // The newest two are still the newest two: the lease took no
+        // place among them.
+        assert_eq!(verdicts[9].outcome, Ok(Kept::KeepLast));
+        assert_eq!(verdicts[8].outcome, Ok(Kept::KeepLast));
+        // A leased version among the newest is not expired by max_bytes
+        // either: 10 and 9 are leased, keep_last 3 keeps 8 too, 15 bytes
+        // allowed: only 8 goes.
+        let mut vs = ten();
+        vs[8].leased = true;
+        vs[9].leased = true;
+        let p = [policy(Some(3), None, None, Some(15))];
+        let verdicts = evaluate(&p, &vs, NOW);
+        assert_eq!(verdicts[7].outcome, Err(Expired::MaxBytes(30)));
+        assert_eq!(kept(&p, &vs), vec![9, 10]);
+        // When the lease ends, the policy alone decides.
+        vs[8].leased = false;
+        assert_eq!(kept(&p, &vs), vec![10]);
     }
 
     #[test]

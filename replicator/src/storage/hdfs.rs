@@ -650,6 +650,7 @@ impl SinkStore for Hdfs {
         &self,
         staging: &Path,
         local_path: &Path,
+        _version: &Path,
         m: &Manifest,
         reread: Option<&[(u64, Hash)]>,
     ) -> io::Result<PublishOutcome> {
@@ -711,7 +712,7 @@ impl SinkStore for Hdfs {
         self.delete_tree(&s)
     }
 
-    fn withdraw(&self, local_path: &Path, aside: &Path) -> io::Result<bool> {
+    fn withdraw(&self, local_path: &Path, _version: &Path, aside: &Path) -> io::Result<bool> {
         let l = self.root.check(local_path)?;
         let a = self.root.check(aside)?;
         if !self.exists(&l)? {

@@ -210,10 +210,23 @@ impl SinkStore for Posix {
         &self,
         staging: &Path,
         local_path: &Path,
+        version: &Path,
         m: &Manifest,
         reread: Option<&[(u64, Hash)]>,
     ) -> io::Result<PublishOutcome> {
-        publish::publish(staging, local_path, m, reread)
+        publish::publish(staging, local_path, version, m, reread)
+    }
+
+    fn versioned(&self) -> bool {
+        true
+    }
+
+    fn named_version(&self, local_path: &Path) -> io::Result<Option<PathBuf>> {
+        publish::named_version(local_path)
+    }
+
+    fn adopt(&self, local_path: &Path, version: &Path) -> io::Result<bool> {
+        publish::adopt(local_path, version)
     }
 
     fn publish_under_way(&self, staging: &Path) -> bool {
@@ -234,29 +247,41 @@ impl SinkStore for Posix {
         Ok(())
     }
 
-    fn withdraw(&self, local_path: &Path, aside: &Path) -> io::Result<bool> {
+    fn withdraw(&self, local_path: &Path, version: &Path, aside: &Path) -> io::Result<bool> {
         if let Some(parent) = aside.parent() {
             std::fs::create_dir_all(parent).map_err(at(parent))?;
         }
-        match std::fs::rename(local_path, aside) {
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
-            Err(e) => {
-                return Err(io::Error::new(
-                    e.kind(),
-                    format!(
-                        "moving {} aside to {}: {e}",
-                        local_path.display(),
-                        aside.display()
-                    ),
-                ))
-            }
-            Ok(()) => {}
+        let exists = |p: &Path| std::fs::symlink_metadata(p).is_ok();
+        let mut moved = false;
+        if publish::names(local_path, version) {
+            // Out of the published namespace in one step: the link goes.
+            std::fs::remove_file(local_path).map_err(at(local_path))?;
+            moved = true;
+        } else if !exists(version)
+            && std::fs::symlink_metadata(local_path).is_ok_and(|m| m.is_dir())
+        {
+            // Published before version directories: the directory itself
+            // moves aside.
+            rename_aside(local_path, aside)?;
+            moved = true;
+        }
+        if exists(version) {
+            rename_aside(version, aside)?;
+            moved = true;
+        }
+        if !moved {
+            return Ok(false);
         }
         // The move is durable before the files go.
-        for dir in [local_path.parent(), aside.parent()].into_iter().flatten() {
-            File::open(dir)
-                .and_then(|d| d.sync_all())
-                .map_err(at(dir))?;
+        for dir in [local_path.parent(), version.parent(), aside.parent()]
+            .into_iter()
+            .flatten()
+        {
+            if dir.exists() {
+                File::open(dir)
+                    .and_then(|d| d.sync_all())
+                    .map_err(at(dir))?;
+            }
         }
         publish::fault_point("withdrawn");
         Ok(true)
@@ -287,6 +312,20 @@ impl SinkStore for Posix {
     fn flush(&self, dir: &Path) -> io::Result<()> {
         sync_dir_fs(dir).map_err(at(dir))
     }
+}
+
+/// Renames `from` to `aside`, naming both in an error.
+fn rename_aside(from: &Path, aside: &Path) -> io::Result<()> {
+    std::fs::rename(from, aside).map_err(|e| {
+        io::Error::new(
+            e.kind(),
+            format!(
+                "moving {} aside to {}: {e}",
+                from.display(),
+                aside.display()
+            ),
+        )
+    })
 }
 
 /// Deletes the tree at `path` (files first, then each directory), without

@@ -600,6 +600,7 @@ impl SinkStore for S3 {
         &self,
         staging: &Path,
         local_path: &Path,
+        _version: &Path,
         m: &Manifest,
         reread: Option<&[(u64, Hash)]>,
     ) -> io::Result<PublishOutcome> {
@@ -717,7 +718,7 @@ impl SinkStore for S3 {
         self.delete_prefix(self.key(staging)?)
     }
 
-    fn withdraw(&self, local_path: &Path, _aside: &Path) -> io::Result<bool> {
+    fn withdraw(&self, local_path: &Path, _version: &Path, _aside: &Path) -> io::Result<bool> {
         // A replica's objects live under its published prefix, and a
         // re-publish writes the same keys: deleting them later from an
         // `aside` record could delete a newer version's objects. Until

@@ -1,9 +1,11 @@
 //! Publishing a replica (DESIGN.md, data path step 6): the staging
 //! directory is read back and checked against the sealed manifest, moved
-//! into place with one `rename`, and its commit markers are moved in last.
-//! A publish that a crash interrupted is finished from what is on disk.
+//! into its own version directory, and the published path, a symbolic
+//! link, is switched to it in one `rename`. A publish that a crash
+//! interrupted is finished from what is on disk.
 //!
-//! On disk, a publish of staging directory `S` to local path `L` goes:
+//! On disk, a publish of staging directory `S` to local path `L` as
+//! version directory `V` (`<root>/.ferry/versions/<row id>`) goes:
 //!
 //! 1. every staged chunk is read back and hashed; chunks that no longer
 //!    match the manifest (changed on disk since they were verified on
@@ -11,23 +13,28 @@
 //! 2. files the manifest does not list are removed, sizes, modes and
 //!    mtimes set, the file system synced;
 //! 3. the commit markers are moved aside into `S.markers/<i>` (the i-th
-//!    marker of the manifest): from here until step 6, `S.markers`
+//!    marker of the manifest): from here until step 7, `S.markers`
 //!    existing means a publish is under way;
-//! 4. `S` is renamed to `L` (or atomically exchanged with an older version
-//!    at `L`, which then sits at `S`);
-//! 5. the markers are moved into `L`, in the manifest's order, and `L` is
+//! 4. `S` is renamed to `V` (no published path names `V` yet);
+//! 5. the markers are moved into `V`, in the manifest's order, and `V` is
 //!    synced;
-//! 6. the older version, if any, is removed;
+//! 6. a symbolic link to `V` (relative, so the sink root may be mounted
+//!    elsewhere) is made at `V.link` and exchanged with `L` in one
+//!    `renameat2(RENAME_EXCHANGE)` (or renamed to `L` when nothing is
+//!    there); what `L` was (the link to the older version, or the
+//!    directory of a replica published before version directories) is
+//!    then at `V.link` and is removed. The older version's directory
+//!    stays: the sink deletes it once no reader lease holds it;
 //! 7. once the catalog has recorded the replica, [`finish`] removes
 //!    `S.markers`.
 //!
-//! A reader therefore never sees a commit marker beside a file that is not
-//! the verified one, and from step 3 until the catalog knows, `S.markers`
-//! says a publish to `L` is under way ([`under_way`]; resolve does not
-//! answer with an older version of `L` meanwhile). After a crash,
-//! [`publish`] finds `S.markers` and finishes the move: it checks which of
-//! `S` and `L` holds the verified checkpoint (sizes, modes, mtimes and
-//! every chunk hash) before moving anything.
+//! A reader of `L` therefore sees the whole older version or the whole
+//! new one, markers included, and a reader given `V` (a leased path) sees
+//! `V` for as long as it exists, whatever is published at `L` later. From
+//! step 3 until the catalog knows, `S.markers` says a publish to `L` is
+//! under way ([`under_way`]; resolve does not answer with an older
+//! version of `L` meanwhile). After a crash, [`publish`] finds `S.markers`
+//! and finishes the steps left.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -44,8 +51,9 @@ use tracing::warn;
 use crate::storage::{PublishOutcome, ReadBack};
 
 /// Environment variable of the reliability suite: when it names one of the
-/// points `markers-held`, `placed` or `markers-in` (after steps 3, 4 and 5
-/// of a fresh publish), `on-disk` (after the publish, before the catalog
+/// points `markers-held`, `placed`, `markers-in` or `switched` (after
+/// steps 3, 4, 5 and 6 of a fresh publish), `on-disk` (after the publish,
+/// before the catalog
 /// records it), `withdrawn` (a removed replica moved aside, before its
 /// files are deleted) or `retire-partial` (after the first file of a
 /// removed replica is deleted), the sink SIGKILLs itself there. Read only
@@ -126,7 +134,7 @@ fn open_regular(path: &Path) -> io::Result<File> {
 }
 
 /// Publishes staging directory `staging` at `local_path` as the checkpoint
-/// `m`. With `reread`, the chunk keys of `m` as the sink's file table
+/// `m`, in version directory `version`. With `reread`, the chunk keys of `m` as the sink's file table
 /// numbers them, one per chunk in manifest order (files in order, chunks
 /// in order), staging is read back first (step 1); without, step 1 is
 /// skipped. Finishes an interrupted publish of the same transfer first if
@@ -138,15 +146,20 @@ fn open_regular(path: &Path) -> io::Result<File> {
 pub(super) fn publish(
     staging: &Path,
     local_path: &Path,
+    version: &Path,
     m: &Manifest,
     reread: Option<&[(u64, Hash)]>,
 ) -> io::Result<PublishOutcome> {
     let held = held_dir(staging);
     if held.exists() {
-        resume(staging, local_path, m, &held)?;
+        resume(staging, local_path, version, m, &held)?;
         return Ok(PublishOutcome::Recovered);
     }
-    if !has_files(staging)? && local_path.is_dir() && matches(local_path, m, &|_| None)? {
+    if !has_files(staging)?
+        && names(local_path, version)
+        && version.is_dir()
+        && matches(version, m, &|_| None)?
+    {
         // Published before a crash that came before the catalog heard of it.
         if staging.exists() {
             std::fs::remove_dir_all(staging).map_err(at(staging))?;
@@ -170,6 +183,12 @@ pub(super) fn publish(
         return Err(io::Error::other(format!(
             "{} exists and is not a directory",
             local_path.display()
+        )));
+    }
+    if std::fs::symlink_metadata(version).is_ok() {
+        return Err(io::Error::other(format!(
+            "{} exists already; another publish of this transfer left it",
+            version.display()
         )));
     }
     for f in &m.files {
@@ -221,28 +240,40 @@ pub(super) fn publish(
         std::fs::rename(&from, held.join(i.to_string())).map_err(at(&from))?;
     }
     fault_point("markers-held");
-    place(staging, local_path)?;
+    place(staging, version)?;
     fault_point("placed");
-    markers_in(local_path, m, &held)?;
+    markers_in(version, m, &held)?;
     fault_point("markers-in");
-    clean_up(staging)?;
+    switch(local_path, version)?;
+    fault_point("switched");
     Ok(PublishOutcome::Published {
         reread: reread_took,
     })
 }
 
 /// Finishes a publish interrupted after its markers were moved aside.
-fn resume(staging: &Path, local_path: &Path, m: &Manifest, held: &Path) -> io::Result<()> {
-    let aside: HashMap<usize, PathBuf> = m
-        .markers
-        .iter()
-        .enumerate()
-        .map(|(i, mi)| (*mi as usize, held.join(i.to_string())))
-        .collect();
-    let overlay = |fi: usize| aside.get(&fi).filter(|p| p.exists()).cloned();
-    let placed = local_path.is_dir() && matches(local_path, m, &overlay)?;
-    if !placed {
-        if !(staging.is_dir() && matches(staging, m, &overlay)?) {
+fn resume(
+    staging: &Path,
+    local_path: &Path,
+    version: &Path,
+    m: &Manifest,
+    held: &Path,
+) -> io::Result<()> {
+    if !version.is_dir() {
+        let aside: HashMap<usize, PathBuf> = m
+            .markers
+            .iter()
+            .enumerate()
+            .map(|(i, mi)| (*mi as usize, held.join(i.to_string())))
+            .collect();
+        let overlay = |fi: usize| aside.get(&fi).filter(|p| p.exists()).cloned();
+        if staging.is_dir() && matches(staging, m, &overlay)? {
+            place(staging, version)?;
+        } else if is_real_dir(local_path) && matches(local_path, m, &overlay)? {
+            // A publish by a release before version directories moved the
+            // checkpoint to `local_path` itself: it becomes this version.
+            adopt(local_path, version)?;
+        } else {
             return Err(io::Error::other(format!(
                 "an earlier publish of this transfer was interrupted, and neither {} nor {} \
                  holds the verified checkpoint; push the checkpoint again",
@@ -250,56 +281,196 @@ fn resume(staging: &Path, local_path: &Path, m: &Manifest, held: &Path) -> io::R
                 local_path.display()
             )));
         }
-        place(staging, local_path)?;
     }
-    markers_in(local_path, m, held)?;
-    clean_up(staging)
-}
-
-/// Step 4: `staging` becomes `local_path`, exchanged with an older version
-/// if there is one.
-fn place(staging: &Path, local_path: &Path) -> io::Result<()> {
-    if let Some(parent) = local_path.parent() {
-        std::fs::create_dir_all(parent).map_err(at(parent))?;
-    }
-    if local_path.exists() {
-        nix::fcntl::renameat2(
-            None,
-            staging,
-            None,
-            local_path,
-            nix::fcntl::RenameFlags::RENAME_EXCHANGE,
-        )
-        .map_err(io::Error::from)
-        .map_err(at(local_path))
-    } else {
-        std::fs::rename(staging, local_path).map_err(at(local_path))
-    }
-}
-
-/// Step 5: every marker still set aside moves into `local_path`, in the
-/// manifest's order; then `local_path` is synced.
-fn markers_in(local_path: &Path, m: &Manifest, held: &Path) -> io::Result<()> {
-    for (i, mi) in m.markers.iter().enumerate() {
-        let from = held.join(i.to_string());
-        if from.exists() {
-            let f = &m.files[*mi as usize];
-            let to = local_path.join(&f.path);
-            std::fs::rename(&from, &to).map_err(at(&to))?;
-        }
-    }
-    File::open(local_path)
-        .and_then(|d| d.sync_all())
-        .map_err(at(local_path))
-}
-
-/// Step 6: the older version (now at `staging`, after an exchange) goes;
-/// the held-markers directory stays until [`finish`].
-fn clean_up(staging: &Path) -> io::Result<()> {
+    markers_in(version, m, held)?;
+    switch(local_path, version)?;
     if staging.exists() {
         std::fs::remove_dir_all(staging).map_err(at(staging))?;
     }
     Ok(())
+}
+
+/// Step 4: `staging` becomes the version directory `version`.
+fn place(staging: &Path, version: &Path) -> io::Result<()> {
+    if let Some(parent) = version.parent() {
+        std::fs::create_dir_all(parent).map_err(at(parent))?;
+    }
+    std::fs::rename(staging, version).map_err(at(version))
+}
+
+/// Step 5: every marker still set aside moves into `version`, in the
+/// manifest's order; then `version` is synced.
+fn markers_in(version: &Path, m: &Manifest, held: &Path) -> io::Result<()> {
+    for (i, mi) in m.markers.iter().enumerate() {
+        let from = held.join(i.to_string());
+        if from.exists() {
+            let f = &m.files[*mi as usize];
+            let to = version.join(&f.path);
+            std::fs::rename(&from, &to).map_err(at(&to))?;
+        }
+    }
+    File::open(version)
+        .and_then(|d| d.sync_all())
+        .map_err(at(version))
+}
+
+/// Where step 6 makes the new link before it moves to the published path
+/// (and where what the published path was waits for its removal).
+fn link_aside(version: &Path) -> PathBuf {
+    version.with_extension("link")
+}
+
+/// Whether `path` is a directory itself, not a link to one.
+fn is_real_dir(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok_and(|m| m.is_dir())
+}
+
+/// The relative path from directory `from` to `to` (both absolute and
+/// lexically normal, as the sink's paths are).
+fn relative(from: &Path, to: &Path) -> PathBuf {
+    let (f, t): (Vec<_>, Vec<_>) = (from.components().collect(), to.components().collect());
+    let common = f.iter().zip(&t).take_while(|(a, b)| a == b).count();
+    let mut out = PathBuf::new();
+    for _ in common..f.len() {
+        out.push("..");
+    }
+    for c in &t[common..] {
+        out.push(c.as_os_str());
+    }
+    out
+}
+
+/// The link text that makes `local_path` name `version`.
+fn link_text(local_path: &Path, version: &Path) -> PathBuf {
+    relative(local_path.parent().unwrap_or(Path::new("/")), version)
+}
+
+/// Whether `local_path` is a link naming `version`.
+pub(super) fn names(local_path: &Path, version: &Path) -> bool {
+    std::fs::read_link(local_path).is_ok_and(|t| t == link_text(local_path, version))
+}
+
+/// The version directory the link at `local_path` names: `None` when
+/// nothing is there, or a directory (published before version
+/// directories).
+///
+/// # Errors
+/// I/O errors naming the path.
+pub(super) fn named_version(local_path: &Path) -> io::Result<Option<PathBuf>> {
+    match std::fs::read_link(local_path) {
+        Ok(t) => {
+            let base = local_path.parent().unwrap_or(Path::new("/"));
+            Ok(Some(normal(&base.join(t))))
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) if e.kind() == io::ErrorKind::InvalidInput => Ok(None),
+        Err(e) => Err(at(local_path)(e)),
+    }
+}
+
+/// `path` with `.` and `..` components resolved lexically.
+fn normal(path: &Path) -> PathBuf {
+    let mut out = PathBuf::new();
+    for c in path.components() {
+        match c {
+            std::path::Component::ParentDir => {
+                out.pop();
+            }
+            std::path::Component::CurDir => {}
+            c => out.push(c.as_os_str()),
+        }
+    }
+    out
+}
+
+/// Step 6: `local_path` becomes a link to `version` in one step; what was
+/// there (a link to an older version, or a directory published before
+/// version directories) is removed after. Nothing to do when it names
+/// `version` already.
+fn switch(local_path: &Path, version: &Path) -> io::Result<()> {
+    let tmp = link_aside(version);
+    if !names(local_path, version) {
+        if let Some(parent) = local_path.parent() {
+            std::fs::create_dir_all(parent).map_err(at(parent))?;
+        }
+        remove_any(&tmp)?;
+        std::os::unix::fs::symlink(link_text(local_path, version), &tmp).map_err(at(&tmp))?;
+        if std::fs::symlink_metadata(local_path).is_ok() {
+            nix::fcntl::renameat2(
+                None,
+                &tmp,
+                None,
+                local_path,
+                nix::fcntl::RenameFlags::RENAME_EXCHANGE,
+            )
+            .map_err(io::Error::from)
+            .map_err(at(local_path))?;
+        } else {
+            std::fs::rename(&tmp, local_path).map_err(at(local_path))?;
+        }
+        if let Some(parent) = local_path.parent() {
+            File::open(parent)
+                .and_then(|d| d.sync_all())
+                .map_err(at(parent))?;
+        }
+    }
+    remove_any(&tmp)
+}
+
+/// Removes what is at `path` (a link, a file or a tree), if anything.
+fn remove_any(path: &Path) -> io::Result<()> {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => std::fs::remove_dir_all(path).map_err(at(path)),
+        Ok(_) => std::fs::remove_file(path).map_err(at(path)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(at(path)(e)),
+    }
+}
+
+/// Moves the directory at `local_path` (a replica published before
+/// version directories) into `version`, leaving a link to it at
+/// `local_path`, in one exchange: a reader of `local_path` sees the same
+/// files throughout. False when `local_path` is not a directory.
+///
+/// # Errors
+/// I/O errors naming the path; nothing moves then.
+pub(super) fn adopt(local_path: &Path, version: &Path) -> io::Result<bool> {
+    if !is_real_dir(local_path) {
+        return Ok(false);
+    }
+    if std::fs::symlink_metadata(version).is_ok() {
+        return Err(io::Error::other(format!(
+            "{} exists already; {} stays where it is",
+            version.display(),
+            local_path.display()
+        )));
+    }
+    if let Some(parent) = version.parent() {
+        std::fs::create_dir_all(parent).map_err(at(parent))?;
+    }
+    // The link is made where the directory goes: after the exchange the
+    // directory is there and the link at `local_path`, whose text is
+    // relative to `local_path`'s directory.
+    std::os::unix::fs::symlink(link_text(local_path, version), version).map_err(at(version))?;
+    if let Err(e) = nix::fcntl::renameat2(
+        None,
+        version,
+        None,
+        local_path,
+        nix::fcntl::RenameFlags::RENAME_EXCHANGE,
+    ) {
+        let _ = std::fs::remove_file(version);
+        return Err(at(local_path)(io::Error::from(e)));
+    }
+    for dir in [local_path.parent(), version.parent()]
+        .into_iter()
+        .flatten()
+    {
+        File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(at(dir))?;
+    }
+    Ok(true)
 }
 
 fn mtime(ns: i64) -> std::time::SystemTime {
@@ -516,6 +687,7 @@ mod tests {
         src: PathBuf,
         staging: PathBuf,
         local: PathBuf,
+        version: PathBuf,
         m: Manifest,
     }
 
@@ -525,12 +697,14 @@ mod tests {
         let m = source(&src);
         let staging = tmp.path().join(".ferry/staging/peer-1-abc");
         let local = tmp.path().join("site/job/step_100");
+        let version = tmp.path().join(".ferry/versions/1");
         stage(&src, &staging, &m);
         Case {
             _tmp: tmp,
             src,
             staging,
             local,
+            version,
             m,
         }
     }
@@ -538,6 +712,18 @@ mod tests {
     /// Every file of `m` at `dir` is byte-identical to the source, with
     /// its mode and mtime.
     fn assert_published(c: &Case) {
+        assert!(
+            names(&c.local, &c.version),
+            "the published path names the version"
+        );
+        assert_eq!(
+            named_version(&c.local).unwrap().as_deref(),
+            Some(&*c.version)
+        );
+        assert!(
+            !link_aside(&c.version).exists(),
+            "the link's temporary name left behind"
+        );
         assert!(matches(&c.local, &c.m, &|_| None).unwrap());
         for f in &c.m.files {
             assert_eq!(
@@ -557,7 +743,7 @@ mod tests {
     #[test]
     fn publishes_with_modes_times_and_markers() {
         let c = case();
-        let out = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
+        let out = publish(&c.staging, &c.local, &c.version, &c.m, Some(&keys(&c.m))).unwrap();
         // The read-back ran, on threads whose CPU time it counted.
         assert!(
             matches!(out, PublishOutcome::Published { reread: Some(r) } if r.cpu > Duration::ZERO),
@@ -586,14 +772,14 @@ mod tests {
                 .iter()
                 .position(|f| f.path == "sub/b.bin")
                 .unwrap() as u64;
-        let out = publish(&c.staging, &c.local, &c.m, Some(&ks)).unwrap();
+        let out = publish(&c.staging, &c.local, &c.version, &c.m, Some(&ks)).unwrap();
         assert_eq!(out, PublishOutcome::Refetch(vec![1, b_index << 32]));
         assert!(!c.local.exists());
         assert!(!held_dir(&c.staging).exists());
         // A missing file is refetched too.
         std::fs::remove_file(c.staging.join("c.json")).unwrap();
         let c_index = c.m.files.iter().position(|f| f.path == "c.json").unwrap() as u64;
-        let out = publish(&c.staging, &c.local, &c.m, Some(&ks)).unwrap();
+        let out = publish(&c.staging, &c.local, &c.version, &c.m, Some(&ks)).unwrap();
         let mut want = vec![1, b_index << 32, c_index << 32];
         want.sort_unstable();
         assert_eq!(out, PublishOutcome::Refetch(want));
@@ -608,7 +794,7 @@ mod tests {
         let published = c.src.parent().unwrap().join("published-a.bin");
         std::fs::hard_link(c.staging.join("a.bin"), &published).unwrap();
         let before = std::fs::metadata(&published).unwrap();
-        publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
+        publish(&c.staging, &c.local, &c.version, &c.m, Some(&keys(&c.m))).unwrap();
         let after = std::fs::metadata(&published).unwrap();
         assert_eq!(after.mode(), before.mode());
         assert_eq!(
@@ -634,10 +820,10 @@ mod tests {
                 .iter()
                 .position(|f| f.path == "sub/b.bin")
                 .unwrap() as u64;
-        let out = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
+        let out = publish(&c.staging, &c.local, &c.version, &c.m, Some(&keys(&c.m))).unwrap();
         assert_eq!(out, PublishOutcome::Refetch(vec![b_index << 32]));
         // Without the read-back the move refuses it, naming the file.
-        let err = publish(&c.staging, &c.local, &c.m, None).unwrap_err();
+        let err = publish(&c.staging, &c.local, &c.version, &c.m, None).unwrap_err();
         assert!(err.to_string().contains("sub/b.bin"), "{err}");
         assert!(!c.local.exists());
     }
@@ -648,7 +834,7 @@ mod tests {
         assert!(!under_way(&c.staging));
         up_to_markers_held(&c);
         assert!(under_way(&c.staging));
-        place(&c.staging, &c.local).unwrap();
+        place(&c.staging, &c.version).unwrap();
         // Staging moved away, the catalog not yet told.
         assert!(under_way(&c.staging));
         // Opening the transfer again re-creates staging: still under way.
@@ -662,7 +848,7 @@ mod tests {
     fn without_the_read_back_staging_is_published_as_it_is() {
         let c = case();
         std::fs::write(c.staging.join("sub/b.bin"), b"bea").unwrap();
-        let out = publish(&c.staging, &c.local, &c.m, None).unwrap();
+        let out = publish(&c.staging, &c.local, &c.version, &c.m, None).unwrap();
         assert_eq!(out, PublishOutcome::Published { reread: None });
         assert_eq!(std::fs::read(c.local.join("sub/b.bin")).unwrap(), b"bea");
     }
@@ -692,7 +878,7 @@ mod tests {
     fn a_crash_after_the_markers_were_set_aside_is_finished() {
         let c = case();
         up_to_markers_held(&c);
-        let out = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
+        let out = publish(&c.staging, &c.local, &c.version, &c.m, Some(&keys(&c.m))).unwrap();
         assert_eq!(out, PublishOutcome::Recovered);
         assert_published(&c);
     }
@@ -701,42 +887,114 @@ mod tests {
     fn a_crash_after_the_rename_is_finished() {
         let c = case();
         let held = up_to_markers_held(&c);
-        place(&c.staging, &c.local).unwrap();
+        place(&c.staging, &c.version).unwrap();
         // The sink re-creates an empty staging directory when the
         // transfer is opened again.
         std::fs::create_dir_all(&c.staging).unwrap();
         assert!(!c.local.join("COMMITTED").exists());
-        let out = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
+        let out = publish(&c.staging, &c.local, &c.version, &c.m, Some(&keys(&c.m))).unwrap();
         assert_eq!(out, PublishOutcome::Recovered);
         assert_published(&c);
         assert!(!held.exists());
     }
 
     #[test]
-    fn a_crash_after_exchanging_with_an_older_version_is_finished() {
+    fn a_crash_after_the_move_into_the_version_directory_leaves_an_older_replica_published() {
         let c = case();
-        // An older version published at the same path.
+        // An older replica published at the same path by a release before
+        // version directories: a directory at the published path.
         std::fs::create_dir_all(&c.local).unwrap();
         std::fs::write(c.local.join("a.bin"), b"old").unwrap();
         std::fs::write(c.local.join("COMMITTED"), b"").unwrap();
         up_to_markers_held(&c);
-        place(&c.staging, &c.local).unwrap();
-        assert_eq!(std::fs::read(c.staging.join("a.bin")).unwrap(), b"old");
-        let out = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
+        place(&c.staging, &c.version).unwrap();
+        // Until the switch, readers of the published path see the old one.
+        assert_eq!(std::fs::read(c.local.join("a.bin")).unwrap(), b"old");
+        let out = publish(&c.staging, &c.local, &c.version, &c.m, Some(&keys(&c.m))).unwrap();
         assert_eq!(out, PublishOutcome::Recovered);
         assert_published(&c);
     }
 
     #[test]
+    fn a_re_save_switches_the_link_and_leaves_the_older_version_whole() {
+        let c = case();
+        publish(&c.staging, &c.local, &c.version, &c.m, None).unwrap();
+        finish(&c.staging).unwrap();
+        // A reader given the version's own path.
+        let leased = c.version.join("a.bin");
+        let old_bytes = std::fs::read(&leased).unwrap();
+        // The next version: a.bin rewritten.
+        let src2 = c.src.parent().unwrap().join("src2");
+        std::fs::create_dir_all(src2.join("sub")).unwrap();
+        for f in &c.m.files {
+            std::fs::copy(c.src.join(&f.path), src2.join(&f.path)).unwrap();
+        }
+        std::fs::write(src2.join("a.bin"), b"new bytes").unwrap();
+        let m2 = build(&Posix, &src2, &["COMMITTED".into()], CHUNK).unwrap();
+        let staging2 = c.staging.with_file_name("peer-2-abc");
+        stage(&src2, &staging2, &m2);
+        let version2 = c.version.with_file_name("2");
+        let out = publish(&staging2, &c.local, &version2, &m2, Some(&keys(&m2))).unwrap();
+        assert!(matches!(out, PublishOutcome::Published { .. }), "{out:?}");
+        assert!(names(&c.local, &version2));
+        assert_eq!(std::fs::read(c.local.join("a.bin")).unwrap(), b"new bytes");
+        // The older version is untouched where the reader was sent.
+        assert_eq!(std::fs::read(&leased).unwrap(), old_bytes);
+        assert!(matches(&c.version, &c.m, &|_| None).unwrap());
+        // A crash after the exchange, before its leftover went: finished.
+        std::fs::create_dir_all(&staging2).unwrap();
+        std::os::unix::fs::symlink("stale", link_aside(&version2)).unwrap();
+        std::fs::create_dir_all(held_dir(&staging2)).unwrap();
+        let out = publish(&staging2, &c.local, &version2, &m2, None).unwrap();
+        assert_eq!(out, PublishOutcome::Recovered);
+        assert!(!link_aside(&version2).exists());
+        assert!(names(&c.local, &version2));
+    }
+
+    #[test]
+    fn the_link_is_relative_so_the_sink_root_may_move() {
+        let c = case();
+        publish(&c.staging, &c.local, &c.version, &c.m, None).unwrap();
+        let root = c._tmp.path();
+        let moved = root.with_file_name(format!(
+            "{}-moved",
+            root.file_name().unwrap().to_string_lossy()
+        ));
+        std::fs::rename(root, &moved).unwrap();
+        let bytes = std::fs::read(moved.join("site/job/step_100/a.bin"));
+        std::fs::rename(&moved, root).unwrap();
+        assert_eq!(bytes.unwrap(), std::fs::read(c.src.join("a.bin")).unwrap());
+    }
+
+    #[test]
+    fn adopting_a_replica_published_in_place_keeps_its_files_visible() {
+        let c = case();
+        std::fs::create_dir_all(&c.local).unwrap();
+        std::fs::write(c.local.join("a.bin"), b"in place").unwrap();
+        assert!(adopt(&c.local, &c.version).unwrap());
+        assert!(names(&c.local, &c.version));
+        assert_eq!(std::fs::read(c.local.join("a.bin")).unwrap(), b"in place");
+        assert_eq!(std::fs::read(c.version.join("a.bin")).unwrap(), b"in place");
+        // Once is enough; a link is not adopted again.
+        assert!(!adopt(&c.local, &c.version).unwrap());
+        // A version directory in the way: refused, nothing moves.
+        let other = c._tmp.path().join("site/job/step_200");
+        std::fs::create_dir_all(&other).unwrap();
+        let err = adopt(&other, &c.version).unwrap_err();
+        assert!(err.to_string().contains("exists already"), "{err}");
+        assert!(is_real_dir(&other));
+    }
+
+    #[test]
     fn a_crash_before_the_catalog_heard_of_it_is_recognised() {
         let c = case();
-        let first = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
+        let first = publish(&c.staging, &c.local, &c.version, &c.m, Some(&keys(&c.m))).unwrap();
         assert!(
             matches!(first, PublishOutcome::Published { .. }),
             "{first:?}"
         );
         std::fs::create_dir_all(&c.staging).unwrap();
-        let out = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
+        let out = publish(&c.staging, &c.local, &c.version, &c.m, Some(&keys(&c.m))).unwrap();
         assert_eq!(out, PublishOutcome::Recovered);
         assert_published(&c);
     }
@@ -752,7 +1010,7 @@ mod tests {
             .unwrap();
         a.write_all_at(&[9], 7).unwrap();
         let m = c.m.clone();
-        let err = publish(&c.staging, &c.local, &m, Some(&keys(&m))).unwrap_err();
+        let err = publish(&c.staging, &c.local, &c.version, &m, Some(&keys(&m))).unwrap_err();
         let text = err.to_string();
         assert!(text.contains("interrupted"), "{text}");
         assert!(text.contains("push the checkpoint again"), "{text}");
@@ -767,7 +1025,7 @@ mod tests {
         std::fs::create_dir_all(&c.local).unwrap();
         std::fs::write(c.local.join("a.bin"), b"old").unwrap();
         // Staging holds the new version: a normal publish, by exchange.
-        let out = publish(&c.staging, &c.local, &c.m, Some(&keys(&c.m))).unwrap();
+        let out = publish(&c.staging, &c.local, &c.version, &c.m, Some(&keys(&c.m))).unwrap();
         assert!(
             matches!(out, PublishOutcome::Published { reread: Some(_) }),
             "{out:?}"
