@@ -233,6 +233,10 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
                 quiet_period: s.quiet_period,
                 checkpoint_idle_timeout: s.checkpoint_idle_timeout,
                 policy,
+                pins: replicator::source::pins::SignalPins {
+                    kinds: s.pin_on.clone(),
+                    pin_for: s.pin_for,
+                },
                 pool: Some(pool.clone()),
             };
             // On a single agent, a rate cap set through the API lasts

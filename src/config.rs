@@ -570,9 +570,27 @@ pub struct SourceSection {
     /// transfer cancelled, the sink's staging removed); default `"30m"`.
     #[serde(default = "default_idle", with = "humantime_serde")]
     pub checkpoint_idle_timeout: Duration,
+    /// Signal kinds that pin the checkpoints around the signal at the
+    /// sinks (the last before its step and the first at or after it);
+    /// default every kind, `[]` for none.
+    #[serde(default = "default_pin_on")]
+    pub pin_on: Vec<String>,
+    /// How long a signal's pins last; default `"7d"`.
+    #[serde(default = "default_pin_for", with = "humantime_serde")]
+    pub pin_for: Duration,
     /// `[[source.roots]]`
     #[serde(default)]
     pub roots: Vec<RootSection>,
+}
+
+fn default_pin_on() -> Vec<String> {
+    replicator::source::SIGNAL_KINDS
+        .iter()
+        .map(|k| k.to_string())
+        .collect()
+}
+fn default_pin_for() -> Duration {
+    Duration::from_secs(7 * 86_400)
 }
 
 fn default_chunk() -> u64 {
@@ -1110,6 +1128,22 @@ impl Config {
                     "source.checkpoint_idle_timeout must be at least 10s and longer than source.quiet_period ({}), got {}",
                     humantime::format_duration(s.quiet_period),
                     humantime::format_duration(s.checkpoint_idle_timeout)
+                );
+            }
+            for k in &s.pin_on {
+                if !replicator::source::SIGNAL_KINDS.contains(&k.as_str()) {
+                    bail!(
+                        "source.pin_on: unknown signal kind {k:?} (expected some of {})",
+                        replicator::source::SIGNAL_KINDS.join(", ")
+                    );
+                }
+            }
+            if s.pin_for < Duration::from_secs(1)
+                || s.pin_for > Duration::from_secs(100 * 365 * 86_400)
+            {
+                bail!(
+                    "source.pin_for must be at least 1s and at most 100 years, got {}",
+                    humantime::format_duration(s.pin_for)
                 );
             }
             for (i, r) in s.roots.iter().enumerate() {
@@ -1670,6 +1704,10 @@ link = "to-eval"
             "[source]\ncheckpoint_idle_timeout = \"1ms\"\n",
         ));
         assert!(e.contains("source.checkpoint_idle_timeout"), "{e}");
+        let e = err(&GOOD.replace("[source]\n", "[source]\npin_on = [\"loss\"]\n"));
+        assert!(e.contains("source.pin_on") && e.contains("\"loss\""), "{e}");
+        let e = err(&GOOD.replace("[source]\n", "[source]\npin_for = \"0s\"\n"));
+        assert!(e.contains("source.pin_for"), "{e}");
         let e = err(&GOOD.replace("[source]\n", "[source]\nscan_interval = \"1ns\"\n"));
         assert!(e.contains("source.scan_interval"), "{e}");
         let e = err(&GOOD.replace("[source]\n", "[source]\nquiet_period = \"100y\"\n"));

@@ -668,6 +668,8 @@ pub(crate) async fn start_pair(
         scan_interval: scan,
         quiet_period: Duration::from_secs(2),
         checkpoint_idle_timeout: Duration::from_secs(600),
+        pin_on: Vec::new(),
+        pin_for: Duration::from_secs(7 * 86_400),
         roots,
     });
     sink_cfg.check()?;

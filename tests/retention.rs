@@ -861,3 +861,156 @@ fn copy_tree(from: &Path, to: &Path) {
             .unwrap();
     }
 }
+
+/// A loss-spike signal pins, at the sink, the last checkpoint before its
+/// step (one the source's `select` had skipped: replicated for the pin)
+/// and the first at or after it (here, then one published later for a
+/// second signal); under `keep_last = 1` they stay while pinned, with
+/// the signal named as the reason, and go once the pins end.
+#[tokio::test]
+async fn a_loss_spike_pins_the_checkpoints_around_it_until_the_pins_end() {
+    let w = World::new("signal-pins").await;
+    let reader = api::auth::new_token();
+    let tokens = format!(
+        "[[api.tokens]]\nname = \"evals\"\nrole = \"reader\"\nhash = \"{}\"\n",
+        api::auth::hash_token(&reader)
+    );
+    let c = w
+        .start_cluster("200Mbit/s", &[], |sink, source| {
+            sink.api = tokens.clone();
+            sink.sink.as_mut().unwrap().extra = "retention_interval = \"1s\"\n\n\
+                 [[sink.retention]]\njob = \"*\"\nkeep_last = 1\n"
+                .into();
+            let s = source.source.as_mut().unwrap();
+            s.scan_interval = "1s".into();
+            s.extra = "pin_for = \"12s\"\npin_on = [\"loss_spike\"]\n".into();
+            s.root_extra =
+                "format = \"dcp\"\nselect = \"every_n_steps\"\nevery_n_steps = 200\n".into();
+        })
+        .await;
+    let api = Api {
+        http: reqwest::Client::new(),
+        url: c.sink.url(),
+        reader: reader.clone(),
+        operator: reader,
+    };
+    let rel = |step: u64| format!("step_{step:08}");
+    let root = w.source_root();
+    let save = async |step: u64| {
+        let args = [
+            "gen",
+            "--out",
+            root.to_str().unwrap(),
+            "--format",
+            "dcp",
+            "--step",
+            &step.to_string(),
+            "--size",
+            "1.5MB",
+        ];
+        let out = w.ferry(&args, &[], Duration::from_secs(60)).await;
+        w.ensure(out.success(), || format!("ferry gen: {out}"));
+    };
+    let published = async |step: u64| -> Value {
+        w.wait_until(
+            &format!("step {step} to be published"),
+            TRANSFER,
+            async || {
+                api.published(&rel(step))
+                    .await
+                    .ok_or_else(|| "not yet".to_string())
+            },
+        )
+        .await
+    };
+    let signal = async |step: &str| {
+        let args = [
+            "signal",
+            "--job",
+            JOB,
+            "--kind",
+            "loss_spike",
+            "--severity",
+            "0.6",
+            "--step",
+            step,
+            "--server",
+        ];
+        let mut args = args.to_vec();
+        let url = c.source.url();
+        args.push(&url);
+        let out = w.ferry(&args, &[], Duration::from_secs(30)).await;
+        w.ensure(out.success(), || format!("ferry signal: {out}"));
+    };
+    for step in [100, 200, 300, 400] {
+        save(step).await;
+    }
+    let s400 = published(400).await;
+    let id400 = s400["id"].as_i64().unwrap();
+    assert_eq!(s400["step"], 400, "{s400}");
+    // select kept 300 back (every 200 steps).
+    assert!(api.published(&rel(300)).await.is_none());
+
+    // A spike at 350: 300 (skipped, so replicated now) and 400 are pinned.
+    signal("350").await;
+    let s300 = published(300).await;
+    let id300 = s300["id"].as_i64().unwrap();
+    let pinned = async |id: i64| -> Value {
+        w.wait_until(
+            &format!("replica {id} to be pinned"),
+            TRANSFER,
+            async || {
+                let r = api
+                    .replicas("published")
+                    .await
+                    .into_iter()
+                    .find(|r| r["id"] == id)
+                    .ok_or_else(|| format!("replica {id} is not published"))?;
+                if r["pin"].is_object() {
+                    Ok(r)
+                } else {
+                    Err(format!("not pinned: {r}"))
+                }
+            },
+        )
+        .await
+    };
+    let p300 = pinned(id300).await;
+    let p400 = pinned(id400).await;
+    let reason = |r: &Value| r["pin"]["reason"].as_str().unwrap().to_string();
+    assert!(
+        reason(&p300).contains("loss_spike at step 350")
+            && reason(&p300).contains("the last checkpoint before it"),
+        "{p300}"
+    );
+    assert!(
+        reason(&p400).contains("the first checkpoint at or after it"),
+        "{p400}"
+    );
+    assert!(p300["pin"]["until"].is_i64(), "a signal's pin ends: {p300}");
+
+    // A spike at 450, past the newest checkpoint: 400 again, and the
+    // first one published at or after 450 (600: select skips 500).
+    signal("450").await;
+    for step in [500, 600] {
+        save(step).await;
+    }
+    let s600 = published(600).await;
+    let p600 = pinned(s600["id"].as_i64().unwrap()).await;
+    assert!(reason(&p600).contains("loss_spike at step 450"), "{p600}");
+    // keep_last = 1: only the pins keep 300 and 400 (and 200 went).
+    let replicas = api.replicas("published").await;
+    for id in [id300, id400] {
+        assert!(replicas.iter().any(|r| r["id"] == id), "{replicas:?}");
+    }
+    assert!(api.published(&rel(200)).await.is_none(), "{replicas:?}");
+
+    // Once the pins end (12 s after each request), the policy removes
+    // them; 600 stays, the newest.
+    for (id, what) in [(id300, "step 300"), (id400, "step 400")] {
+        let r = wait_removed(&w, &api, id, what).await;
+        assert_eq!(r["removal"]["reason"], "rule", "{r}");
+    }
+    assert!(api.published(&rel(600)).await.is_some());
+    drop(c);
+}

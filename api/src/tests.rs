@@ -282,6 +282,7 @@ async fn with_source() -> WithSource {
         quiet_period: Duration::from_millis(300),
         checkpoint_idle_timeout: Duration::from_secs(600),
         policy,
+        pins: Default::default(),
         pool: None,
     };
     let ep = transport::endpoint(SocketKind::Udp("127.0.0.1:0".parse().unwrap()), None).unwrap();

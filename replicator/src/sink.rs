@@ -863,6 +863,15 @@ async fn serve_connection(
             };
             let Some(msg) = msg else { return Ok(()) };
             debug!(msg = msg.name(), "control");
+            if let Control::Pin(p) = msg {
+                // About replicas, not a transfer: recorded and applied by
+                // the lifecycle task.
+                let (inner2, site2) = (inner.clone(), site.clone());
+                inner
+                    .tasks
+                    .spawn(async move { lifecycle::pin_requested(&inner2, &site2, p).await });
+                continue;
+            }
             let id = match &msg {
                 Control::Open(request) => request.key.id,
                 Control::Files { id, .. } | Control::Commit(Commit { id, .. }) => *id,

@@ -39,6 +39,7 @@ use crate::tls;
 use crate::transport::{transport_config, SocketFactory, Tuning};
 
 mod dispatch;
+pub mod pins;
 mod shared;
 mod streaming;
 pub mod watch_core;
@@ -146,6 +147,9 @@ pub struct SourceConfig {
     pub checkpoint_idle_timeout: Duration,
     /// How transfers are ranked and the link shared (`[scheduler]`).
     pub policy: scheduler::Policy,
+    /// Which signals pin the checkpoints around them at the sinks, and
+    /// for how long (`[source] pin_on`, `pin_for`; see [`pins`]).
+    pub pins: pins::SignalPins,
     /// The agent's membership of its site's pool: with it, a transfer
     /// runs only under a lease claimed in the catalog
     /// ([`ferry_catalog::Catalog::claim_transfer`]), transfers other
@@ -366,6 +370,10 @@ struct LinkState {
     /// Ids of the signals the link's scheduler has counted (each once,
     /// whether this agent took it or another agent of the pool did).
     signals: Mutex<BTreeSet<i64>>,
+    /// Pins signals asked for, not yet sent to the sink (the link worker
+    /// dials for them and sends them once connected; lost if this agent
+    /// stops first).
+    pins: Mutex<Vec<ferry_proto::wire::PinRequest>>,
 }
 
 impl LinkState {
@@ -405,6 +413,35 @@ impl LinkState {
 
 /// Signal ids a link remembers as counted (the newest are kept).
 const MAX_SIGNAL_IDS: usize = 10_000;
+
+/// Sends the pins signals asked for to the link's sink (a sink before
+/// protocol version 6 cannot take them: they are dropped, said once per
+/// batch); those a failed send left are tried again at the next pass.
+async fn send_pins(link: &LinkState, c: &LinkConn) {
+    let pending = std::mem::take(&mut *crate::lock::lock(&link.pins));
+    if c.version < ferry_proto::wire::PIN_VERSION {
+        warn!(
+            link = link.cfg.name,
+            version = c.version,
+            pins = pending.len(),
+            "the sink speaks wire protocol {}, which has no pins: the pins signals asked for are not sent (upgrade the sink)",
+            c.version
+        );
+        return;
+    }
+    for (i, p) in pending.iter().enumerate() {
+        match c.ctl.send(&Control::Pin(p.clone())).await {
+            Ok(()) => {
+                info!(link = link.cfg.name, job = p.job, target = ?p.target, "pin sent to the sink")
+            }
+            Err(e) => {
+                warn!(link = link.cfg.name, error = %e, "sending pins to the sink; trying again");
+                crate::lock::lock(&link.pins).extend_from_slice(&pending[i..]);
+                return;
+            }
+        }
+    }
+}
 
 /// The least rate an agent paces a link at when other agents of its pool
 /// take most of it, bit/s (1 Mbit/s): a transfer admitted between two
@@ -553,6 +590,7 @@ impl Source {
                     cap: AtomicU64::new(l.rate_bps),
                     fraction: AtomicU64::new(1.0f64.to_bits()),
                     signals: Mutex::new(BTreeSet::new()),
+                    pins: Mutex::new(Vec::new()),
                 }),
             );
         }
@@ -1115,6 +1153,7 @@ impl Source {
         for l in inner.links.values() {
             l.sched.poke();
         }
+        pins::pin_around(inner, &outcome.signal).await;
         Ok(outcome)
     }
 
@@ -2328,7 +2367,8 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                 conn = None;
             }
         }
-        if !waiting.is_empty()
+        let pins_pending = !crate::lock::lock(&link.pins).is_empty();
+        if (!waiting.is_empty() || pins_pending)
             && conn
                 .as_ref()
                 .is_none_or(|c| c.conn.close_reason().is_some())
@@ -2360,6 +2400,9 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
             backoff = Duration::from_millis(250);
         }
         if let Some(c) = conn.as_ref().filter(|c| c.conn.close_reason().is_none()) {
+            if pins_pending {
+                send_pins(&link, c).await;
+            }
             let admit = link
                 .sched
                 .lock()
@@ -3666,6 +3709,7 @@ mod tests {
             quiet_period: Duration::from_millis(300),
             checkpoint_idle_timeout: Duration::from_secs(600),
             policy: scheduler::Policy::default(),
+            pins: Default::default(),
             pool: None,
         };
         let ep = endpoint(SocketKind::Udp("127.0.0.1:0".parse().unwrap()), None).unwrap();

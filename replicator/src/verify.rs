@@ -55,10 +55,19 @@ pub async fn verify_replica(data_dir: &Path, local_path: &Path) -> Result<Report
 /// As [`verify_replica`].
 pub async fn verify_replica_in(catalog: Catalog, local_path: &Path) -> Result<Report, VerifyError> {
     let lp = local_path.to_string_lossy().into_owned();
-    let row = catalog
-        .replica_by_local_path(&lp)
-        .await?
-        .ok_or_else(|| VerifyError::NotAReplica(lp.clone()))?;
+    let row = match catalog.replica_by_local_path(&lp).await? {
+        Some(r) => r,
+        // A version directory (`<sink root>/.ferry/versions/<id>`: where
+        // a published path's link leads, or a leased path).
+        None => match version_id(local_path) {
+            Some(id) => catalog
+                .replica(id)
+                .await?
+                .filter(|r| r.state == ferry_proto::state::TransferState::Published)
+                .ok_or_else(|| VerifyError::NotAReplica(lp.clone()))?,
+            None => return Err(VerifyError::NotAReplica(lp)),
+        },
+    };
     let bytes = catalog
         .replica_manifest(row.id)
         .await?
@@ -71,6 +80,15 @@ pub async fn verify_replica_in(catalog: Catalog, local_path: &Path) -> Result<Re
         .await
         .map_err(|e| VerifyError::BadManifest(lp, e.to_string()))?;
     Ok(report)
+}
+
+/// The replica id of a version directory path
+/// (`.../.ferry/versions/<id>`).
+fn version_id(path: &Path) -> Option<i64> {
+    let id = path.file_name()?.to_str()?.parse().ok()?;
+    let versions = path.parent()?;
+    (versions.file_name()? == "versions" && versions.parent()?.file_name()? == ".ferry")
+        .then_some(id)
 }
 
 /// Compares the files under `dir` with `m`.

@@ -14,8 +14,9 @@ use ferry_proto::manifest::{chunk_count, FileEntry, FileInfo, Manifest, MIN_CHUN
 use ferry_proto::paths::{check_name, check_relative};
 use ferry_proto::state::{Profile, TransferId};
 use ferry_proto::wire::{
-    frame_len, BatchHeader, CheckpointInfo, Commit, Control, Hello, Open, RecordHeader,
-    TransferKey, WireError, BATCH_HEADER_LEN, BATCH_HEADER_V4_LEN, DATA_MAGIC, RECORD_HEADER_LEN,
+    frame_len, BatchHeader, CheckpointInfo, Commit, Control, Hello, Open, PinRequest, PinTarget,
+    RecordHeader, TransferKey, WireError, BATCH_HEADER_LEN, BATCH_HEADER_V4_LEN, DATA_MAGIC,
+    RECORD_HEADER_LEN,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed};
@@ -77,6 +78,7 @@ fn payload_bytes(m: &Control) -> usize {
                     .sum::<usize>()
         }
         Control::Published { local_path, .. } => local_path.len() + 32,
+        Control::Pin(p) => p.job.len() + p.reason.len(),
         Control::Error { message } => message.len(),
     }
 }
@@ -310,6 +312,22 @@ fn control() -> impl Strategy<Value = Control> {
             id: TransferId(id),
             reason
         }),
+        (
+            short_str(),
+            prop_oneof![
+                Just(PinTarget::Newest),
+                any::<u64>().prop_map(PinTarget::Step),
+                any::<u64>().prop_map(PinTarget::AtOrAfter)
+            ],
+            short_str(),
+            any::<u64>()
+        )
+            .prop_map(|(job, target, reason, for_ms)| Control::Pin(PinRequest {
+                job,
+                target,
+                reason,
+                for_ms
+            })),
         short_str().prop_map(|message| Control::Error { message }),
     ]
 }
@@ -386,7 +404,7 @@ proptest! {
     /// decoder.
     #[test]
     fn arbitrary_bytes_never_panic(
-        ty in prop_oneof![0u8..=12, any::<u8>()],
+        ty in prop_oneof![0u8..=13, any::<u8>()],
         rest in prop::collection::vec(any::<u8>(), 0..300),
     ) {
         let mut body = vec![ty];

@@ -12,7 +12,7 @@ use crate::{Catalog, CatalogError};
 /// catalog's id (`catalog_identity`) is carried over. `settings` is empty
 /// on SQLite (a single agent's settings are its config's, which seed the
 /// pool's at its first start on PostgreSQL).
-pub const COPIED_TABLES: [&str; 8] = [
+pub const COPIED_TABLES: [&str; 9] = [
     "transfers",
     "jobs",
     "signals",
@@ -21,6 +21,7 @@ pub const COPIED_TABLES: [&str; 8] = [
     "replica_files",
     "chunks",
     "leases",
+    "pin_requests",
 ];
 
 /// Rows copied per table, in [`COPIED_TABLES`] order.

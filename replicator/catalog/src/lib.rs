@@ -50,6 +50,7 @@ mod export;
 pub mod jobs;
 pub mod leases;
 pub mod notify;
+pub mod pin_requests;
 pub mod pool;
 pub mod replicas;
 pub mod settings;
@@ -68,6 +69,7 @@ pub use events::{Change, Event, EventKind};
 pub use export::TraceExport;
 pub use jobs::{origin, Job, MAX_MODEL_PARAMS};
 pub use leases::{LeaseProblem, ReaderLease, LEASE_MEMORY_MS};
+pub use pin_requests::PinRequestRow;
 pub use pool::{AgentState, Beat, Claim, Forget, Heartbeat, LeaseRecord, PoolAgent};
 pub use replicas::{
     CheckpointMeta, NewReplica, Pin, PublishedReplica, Removal, RemovalReason, Replica, SourceTimes,

@@ -650,6 +650,85 @@ async fn a_lease_and_a_removal_at_once_never_both_win(c: Catalog) {
 }
 both!(a_lease_and_a_removal_at_once_never_both_win);
 
+/// Pin requests: recorded with their target, pending until applied or
+/// ended; applying never shortens a longer pin.
+async fn pin_requests_are_kept_until_applied(c: Catalog) {
+    use ferry_proto::wire::PinTarget;
+    let now = now_ms();
+    let a = c
+        .record_pin_request(
+            "train-a",
+            "j",
+            PinTarget::AtOrAfter(350),
+            "spike",
+            now + 60_000,
+        )
+        .await
+        .unwrap();
+    let b = c
+        .record_pin_request("train-a", "j", PinTarget::Newest, "spike", now + 1)
+        .await
+        .unwrap();
+    let s = c
+        .record_pin_request("train-a", "j", PinTarget::Step(u64::MAX), "x", now + 60_000)
+        .await
+        .unwrap();
+    let pending = c.pending_pin_requests(now).await.unwrap();
+    assert_eq!(
+        pending.iter().map(|p| p.id).collect::<Vec<_>>(),
+        vec![a, b, s]
+    );
+    assert_eq!(pending[0].target, PinTarget::AtOrAfter(350));
+    assert_eq!(pending[1].target, PinTarget::Newest);
+    // A step past i64 is stored as the largest one.
+    assert_eq!(pending[2].target, PinTarget::Step(i64::MAX as u64));
+    // Ended requests are no longer pending.
+    let later = c.pending_pin_requests(now + 2).await.unwrap();
+    assert_eq!(later.iter().map(|p| p.id).collect::<Vec<_>>(), vec![a, s]);
+    // Applied to a published replica pinned by hand until unpinned: the
+    // operator's pin stays, the request is done.
+    let r = replica_for(&c, TransferId(1)).await;
+    c.set_replica_published(
+        r,
+        b"m",
+        "ab",
+        "/eval/a",
+        10,
+        SourceTimes::default(),
+        CheckpointMeta::default(),
+    )
+    .await
+    .unwrap();
+    assert!(c.pin_replica(r, None, "by hand").await.unwrap());
+    assert!(!c
+        .apply_pin_request(a, r, now + 60_000, "spike")
+        .await
+        .unwrap());
+    assert_eq!(
+        c.replica(r).await.unwrap().unwrap().pin.unwrap().reason,
+        "by hand"
+    );
+    // A shorter pin is extended by a signal's.
+    assert!(c.pin_replica(r, Some(now + 10), "short").await.unwrap());
+    assert!(c
+        .apply_pin_request(s, r, now + 60_000, "spike")
+        .await
+        .unwrap());
+    let pin = c.replica(r).await.unwrap().unwrap().pin.unwrap();
+    assert_eq!(
+        (pin.reason.as_str(), pin.until),
+        ("spike", Some(now + 60_000))
+    );
+    assert!(c
+        .pending_pin_requests(now)
+        .await
+        .unwrap()
+        .iter()
+        .all(|p| p.id == b));
+    assert_eq!(c.pin_requests(10).await.unwrap()[0].applied_to, Some(r));
+}
+both!(pin_requests_are_kept_until_applied);
+
 async fn replica_for(c: &Catalog, id: TransferId) -> i64 {
     c.insert_replica(&NewReplica {
         peer: "p",

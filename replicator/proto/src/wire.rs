@@ -1,6 +1,13 @@
-//! Ferry's wire protocol, version 5: a sans-IO codec.
+//! Ferry's wire protocol, version 6: a sans-IO codec.
 //!
-//! Version 5 adds the source's catalog id to [`Control::Open`]
+//! Version 6 adds [`Control::Pin`]: a source asks the sink to pin the
+//! replicas around an anomaly signal (the last checkpoint before the
+//! signal's step and the first at or after it), so that its retention
+//! policy keeps them for a while. A source sends it only to a sink that
+//! speaks version 6; a sink speaks versions 2 to 6, and a source speaks
+//! 6, or 5 or 4 to a sink that refuses 6 (as below).
+//!
+//! Version 5 added the source's catalog id to [`Control::Open`]
 //! ([`TransferKey::origin`]): the sink keys a transfer's row by it (with
 //! the source site and the transfer id) instead of by the agent that
 //! sent it, so another agent of the source's pool, sharing its catalog,
@@ -59,7 +66,10 @@ pub use crate::codec::WireError;
 /// newest a sink speaks. A sink refuses a version outside
 /// [`MIN_PROTOCOL_VERSION`]..=[`PROTOCOL_VERSION`] with [`Control::Error`]
 /// naming both; a source refuses a sink whose hello names another version.
-pub const PROTOCOL_VERSION: u16 = 5;
+pub const PROTOCOL_VERSION: u16 = 6;
+
+/// The first protocol version whose sink takes [`Control::Pin`].
+pub const PIN_VERSION: u16 = 6;
 
 /// The oldest protocol version a source still speaks, to a sink that
 /// refuses newer ones: its batches carry sequence numbers.
@@ -200,6 +210,36 @@ pub struct CheckpointInfo {
     pub class: String,
 }
 
+/// Which replica of a job a [`PinRequest`] pins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PinTarget {
+    /// The newest replica of the job from this source (a signal without a
+    /// step); if there is none yet, the next one published.
+    Newest,
+    /// The replica of this training step, now or once it is published.
+    Step(u64),
+    /// The replica with the smallest step at or above this one: the one
+    /// present now, else the first published later.
+    AtOrAfter(u64),
+}
+
+/// [`Control::Pin`]: source to sink (version 6), pin a replica of `job`
+/// from this source's site for `for_ms` because of a signal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PinRequest {
+    /// The job (at most 255 bytes).
+    pub job: String,
+    /// Which replica.
+    pub target: PinTarget,
+    /// Why, shown with the pin (the signal, and which checkpoint this is
+    /// to it); at most 65,535 bytes.
+    pub reason: String,
+    /// How long the pin lasts from when the sink receives the request,
+    /// milliseconds; a replica published later is pinned only while the
+    /// request lasts.
+    pub for_ms: u64,
+}
+
 /// Messages on the control stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Control {
@@ -274,6 +314,9 @@ pub enum Control {
         /// Sequence numbers, at most [`crate::limits::MAX_CHUNKS`].
         seqs: Vec<u64>,
     },
+    /// Source to a version 6 sink: pin a replica because of a signal
+    /// (no answer).
+    Pin(PinRequest),
     /// Either direction: a fatal protocol error; the connection closes.
     Error {
         /// Human-readable message.
@@ -292,6 +335,12 @@ const T_CANCEL: u8 = 8;
 const T_ERROR: u8 = 9;
 const T_FILES: u8 = 10;
 const T_BATCH_DONE: u8 = 11;
+const T_PIN: u8 = 12;
+
+/// [`PinTarget`] kinds on the wire.
+const PIN_NEWEST: u8 = 0;
+const PIN_STEP: u8 = 1;
+const PIN_AT_OR_AFTER: u8 = 2;
 
 /// Flag bits of the checkpoint info of a commit (version 3 and later).
 const CK_STEP: u8 = 1;
@@ -312,6 +361,7 @@ impl Control {
             Control::Published { .. } => "published",
             Control::Cancel { .. } => "cancel",
             Control::BatchDone { .. } => "batch-done",
+            Control::Pin(_) => "pin",
             Control::Error { .. } => "error",
         }
     }
@@ -434,6 +484,19 @@ impl Control {
                 w.u8(T_BATCH_DONE);
                 w.u64(id.0);
                 w.indices(seqs);
+            }
+            Control::Pin(p) => {
+                w.u8(T_PIN);
+                w.str(&p.job);
+                let (kind, step) = match p.target {
+                    PinTarget::Newest => (PIN_NEWEST, 0),
+                    PinTarget::Step(s) => (PIN_STEP, s),
+                    PinTarget::AtOrAfter(s) => (PIN_AT_OR_AFTER, s),
+                };
+                w.u8(kind);
+                w.u64(step);
+                w.long_str(&p.reason);
+                w.u64(p.for_ms);
             }
             Control::Error { message } => {
                 w.u8(T_ERROR);
@@ -596,6 +659,35 @@ impl Control {
                 id: TransferId(r.u64("transfer id")?),
                 seqs: r.indices_named("batch count", "batch sequence number")?,
             },
+            T_PIN => {
+                let job = r.str("job")?;
+                let kind = r.u8("pin target")?;
+                let step = r.u64("step")?;
+                let target = match kind {
+                    // One encoding per message: the newest has no step.
+                    PIN_NEWEST if step != 0 => {
+                        return Err(WireError::Invalid {
+                            what: "pin target",
+                            why: format!("the newest replica with a step ({step})"),
+                        })
+                    }
+                    PIN_NEWEST => PinTarget::Newest,
+                    PIN_STEP => PinTarget::Step(step),
+                    PIN_AT_OR_AFTER => PinTarget::AtOrAfter(step),
+                    k => {
+                        return Err(WireError::Invalid {
+                            what: "pin target",
+                            why: format!("unknown kind {k} (0, 1 or 2)"),
+                        })
+                    }
+                };
+                Control::Pin(PinRequest {
+                    job,
+                    target,
+                    reason: r.long_str("pin reason")?,
+                    for_ms: r.u64("pin duration")?,
+                })
+            }
             T_ERROR => Control::Error {
                 message: r.long_str("error message")?,
             },
@@ -922,9 +1014,36 @@ mod tests {
             id: TransferId(3),
             seqs: vec![0, 7],
         });
+        for target in [
+            PinTarget::Newest,
+            PinTarget::Step(1200),
+            PinTarget::AtOrAfter(u64::MAX),
+        ] {
+            roundtrip(Control::Pin(PinRequest {
+                job: "mm-large".into(),
+                target,
+                reason: "loss_spike at step 1200".into(),
+                for_ms: 7 * 86_400_000,
+            }));
+        }
         roundtrip(Control::Error {
             message: "bad".into(),
         });
+    }
+
+    #[test]
+    fn a_pin_of_an_unknown_target_kind_is_named() {
+        let mut b = Control::Pin(PinRequest {
+            job: "j".into(),
+            target: PinTarget::Step(3),
+            reason: String::new(),
+            for_ms: 1,
+        })
+        .encode();
+        // Frame length (4), type (1), job (2 + 1): the target kind.
+        b[8] = 9;
+        let e = Control::decode(&b[4..]).unwrap_err();
+        assert!(e.to_string().contains("pin target"), "{e}");
     }
 
     #[test]

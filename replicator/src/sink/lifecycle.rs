@@ -514,6 +514,7 @@ pub(super) async fn run(inner: Arc<Inner>) {
             _ = inner.retention_wake.notified() => {}
         }
         finish_removals(&inner).await;
+        apply_pin_requests(&inner).await;
         if let Err(e) = retention_pass(&inner, false).await {
             warn!(error = %e, "retention pass failed; trying again at the next one");
         }
@@ -521,6 +522,94 @@ pub(super) async fn run(inner: Arc<Inner>) {
         pressure_pass(&inner).await;
         if let Err(e) = inner.catalog.forget_ended_leases(now_ms()).await {
             warn!(error = %e, "forgetting ended leases");
+        }
+    }
+}
+
+/// Longest pin a signal may ask for, ms (100 years, as an operator's).
+const MAX_SIGNAL_PIN_MS: u64 = 100 * 365 * 86_400_000;
+
+/// A source asked (protocol version 6) to pin a replica of one of its
+/// jobs because of a signal: recorded, then applied by the lifecycle task
+/// now if the replica is here, or once it is published before the pin's
+/// end.
+pub(super) async fn pin_requested(
+    inner: &Arc<Inner>,
+    site: &str,
+    p: ferry_proto::wire::PinRequest,
+) {
+    if let Err(e) = ferry_proto::paths::check_name(&p.job) {
+        warn!(site, error = %e, "a pin request names a bad job; ignored");
+        return;
+    }
+    let until = now_ms().saturating_add(p.for_ms.min(MAX_SIGNAL_PIN_MS) as i64);
+    let reason: String = p.reason.chars().take(1000).collect();
+    match inner
+        .catalog
+        .record_pin_request(site, &p.job, p.target, &reason, until)
+        .await
+    {
+        Ok(id) => {
+            info!(request = id, site, job = p.job, target = ?p.target, reason, until = %super::rfc3339(until), "pin requested by a signal");
+            inner.retention_wake.notify_one();
+        }
+        Err(e) => {
+            warn!(site, job = p.job, error = %e, "could not record a pin request; it is lost")
+        }
+    }
+}
+
+/// Applies the pin requests whose replica is here now (before each
+/// retention pass, so a replica a signal pins is never expired first).
+async fn apply_pin_requests(inner: &Arc<Inner>) {
+    let now = now_ms();
+    let pending = match inner.catalog.pending_pin_requests(now).await {
+        Ok(p) => p,
+        Err(e) => {
+            warn!(error = %e, "reading pin requests; trying again at the next pass");
+            return;
+        }
+    };
+    if pending.is_empty() {
+        return;
+    }
+    let rows = match inner.catalog.current_replicas().await {
+        Ok(rows) => rows,
+        Err(e) => {
+            warn!(error = %e, "listing replicas for pin requests");
+            return;
+        }
+    };
+    let versions = versions_of(&rows, now, |_| false).await;
+    for p in pending {
+        let group: Vec<Version> = versions
+            .iter()
+            .zip(&rows)
+            .filter(|(_, r)| r.job == p.job && r.source_site == p.source_site)
+            .map(|(v, _)| v.clone())
+            .collect();
+        let Some(id) = retention::pin_target(&group, p.target) else {
+            continue;
+        };
+        match inner
+            .catalog
+            .apply_pin_request(p.id, id, p.until, &p.reason)
+            .await
+        {
+            Ok(pinned) => {
+                info!(
+                    replica = id,
+                    request = p.id,
+                    job = p.job,
+                    pinned,
+                    until = %super::rfc3339(p.until),
+                    reason = p.reason,
+                    "signal pin applied{}",
+                    if pinned { "" } else { " (a longer pin holds the replica already)" }
+                );
+                inner.changed.send_modify(|v| *v += 1);
+            }
+            Err(e) => warn!(replica = id, error = %e, "applying a pin request"),
         }
     }
 }
@@ -921,6 +1010,8 @@ async fn relieve(inner: &Arc<Inner>, goal: u64, all_or_nothing: bool) -> Relief 
     if reached(&relief) {
         return relief;
     }
+    // A replica a signal pins is pinned before anything is weighed.
+    apply_pin_requests(inner).await;
     // 1. Versions a re-save replaced that no lease holds, and what
     // failed or cancelled transfers left staged (kept when a publish was
     // under way: it may hold a published version).

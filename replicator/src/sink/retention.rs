@@ -31,6 +31,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
+use ferry_proto::wire::PinTarget;
 use globset::{Glob, GlobMatcher};
 
 /// A retention policy: `[[sink.retention]]` in the config.
@@ -288,6 +289,48 @@ pub fn evaluate(policies: &[RetentionPolicy], versions: &[Version], now_ms: i64)
     out.into_iter().flatten().collect()
 }
 
+/// The version a signal's pin request names among `versions` (one job
+/// of one source site, current versions only): the newest for
+/// [`PinTarget::Newest`]; the newest version of that step for
+/// [`PinTarget::Step`]; for [`PinTarget::AtOrAfter`], of the versions
+/// whose step is at or above it, one of the smallest step. `None` when
+/// there is none (yet).
+pub fn pin_target(versions: &[Version], target: PinTarget) -> Option<i64> {
+    let newest_key = |v: &&Version| (v.published_ms, v.id);
+    match target {
+        PinTarget::Newest => {
+            let by_step = versions.iter().all(|v| v.step.is_some());
+            versions
+                .iter()
+                .max_by_key(|v| {
+                    (
+                        if by_step { v.step.unwrap_or(0) } else { 0 },
+                        v.published_ms,
+                        v.id,
+                    )
+                })
+                .map(|v| v.id)
+        }
+        PinTarget::Step(s) => versions
+            .iter()
+            .filter(|v| v.step == Some(s))
+            .max_by_key(newest_key)
+            .map(|v| v.id),
+        PinTarget::AtOrAfter(s) => {
+            let first = versions
+                .iter()
+                .filter_map(|v| v.step)
+                .filter(|&x| x >= s)
+                .min()?;
+            versions
+                .iter()
+                .filter(|v| v.step == Some(first))
+                .max_by_key(newest_key)
+                .map(|v| v.id)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -517,6 +560,38 @@ mod tests {
         // When the lease ends, the policy alone decides.
         vs[8].leased = false;
         assert_eq!(kept(&p, &vs), vec![10]);
+    }
+
+    #[test]
+    fn a_pin_request_names_the_version_around_a_step() {
+        // Steps 100..1000 (ids 1..10); step 300 saved twice (ids 3, 11).
+        let mut vs = ten();
+        vs.push(v(11, Some(300), 0, 10));
+        assert_eq!(pin_target(&vs, PinTarget::Newest), Some(10));
+        assert_eq!(pin_target(&vs, PinTarget::Step(300)), Some(11));
+        assert_eq!(pin_target(&vs, PinTarget::Step(350)), None);
+        assert_eq!(pin_target(&vs, PinTarget::AtOrAfter(250)), Some(11));
+        assert_eq!(pin_target(&vs, PinTarget::AtOrAfter(1000)), Some(10));
+        assert_eq!(pin_target(&vs, PinTarget::AtOrAfter(1001)), None);
+        assert_eq!(pin_target(&[], PinTarget::Newest), None);
+        // Without steps, the newest is the last published.
+        let vs = vec![v(1, None, 5, 1), v(2, None, 1, 1), v(3, None, 3, 1)];
+        assert_eq!(pin_target(&vs, PinTarget::Newest), Some(2));
+    }
+
+    #[test]
+    fn a_signal_pin_keeps_a_version_until_it_ends_then_the_policy_decides() {
+        // Version 3 (step 300) pinned until NOW + 1 min: kept by the pin
+        // now, expired by keep_last 1 once the clock passes its end.
+        let until = NOW + MIN;
+        // As the sink weighs a pin at `now`: live while `until` is ahead.
+        let kept_at = |now: i64| {
+            let mut vs = ten();
+            vs[2].pinned = until > now;
+            kept(&[policy(Some(1), None, None, None)], &vs)
+        };
+        assert_eq!(kept_at(NOW), vec![3, 10]);
+        assert_eq!(kept_at(until + 1), vec![10]);
     }
 
     #[test]

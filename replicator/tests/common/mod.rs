@@ -146,6 +146,7 @@ pub fn source_config(root: &Path, peer: SocketAddr) -> SourceConfig {
         quiet_period: Duration::from_millis(300),
         checkpoint_idle_timeout: Duration::from_secs(600),
         policy: Default::default(),
+        pins: Default::default(),
         pool: None,
     }
 }

@@ -1,5 +1,5 @@
--- Ferry catalog, version 13 (PostgreSQL dialect of
--- migrations/sqlite/0013_leases.sql): reader leases bound to a replica version
+-- Ferry catalog, version 13: reader leases bound to a replica version, and
+-- pins asked for by signals
 -- (ARCHITECTURE.md, "Replica lifecycle"). Times are Unix milliseconds.
 -- Each published version lives in its own directory
 -- (<sink root>/.ferry/versions/<replica id>); the published path is a
@@ -30,3 +30,22 @@ ALTER TABLE replicas ADD COLUMN leased_until BIGINT;
 -- When the directory of a version a re-save replaced was deleted (it
 -- had no live lease); a lease is never granted on it after.
 ALTER TABLE replicas ADD COLUMN version_deleted_at BIGINT;
+
+-- Pins a source asked for because of an anomaly signal (protocol version
+-- 6): pin the replica of `job` from `source_site` that `target` names
+-- ('newest', 'step' = the replica of `step`, 'at_or_after' = the one with
+-- the smallest step at or above `step`), until `until` (Unix ms). Applied
+-- when that replica is present, or once it is published before `until`;
+-- `applied_to` is then the replica's id.
+CREATE TABLE pin_requests (
+    id          INTEGER PRIMARY KEY,
+    source_site TEXT   NOT NULL,
+    job         TEXT   NOT NULL,
+    target      TEXT   NOT NULL,
+    step        BIGINT,
+    reason      TEXT   NOT NULL,
+    created_at  BIGINT NOT NULL,
+    until       BIGINT NOT NULL,
+    applied_to  BIGINT
+);
+CREATE INDEX pin_requests_pending ON pin_requests (applied_to, until);
