@@ -591,6 +591,26 @@ async fn space_pressure_removes_in_order_and_refuses_when_everything_is_kept() {
 /// the command runs.
 #[tokio::test]
 async fn a_leased_version_outlives_a_re_save_and_its_policy_until_the_lease_ends() {
+    leases(None).await;
+}
+
+/// The same on a sink whose catalog is PostgreSQL.
+#[tokio::test]
+async fn leases_hold_versions_on_a_postgresql_catalog() {
+    let db = common::pg::fresh_db("retention_leases").await;
+    leases(Some(&db)).await;
+    common::pg::drop_db(&db).await;
+}
+
+/// The `[catalog]` table that puts an agent on PostgreSQL database `db`
+/// (nothing: SQLite).
+fn catalog_tail(db: Option<&str>) -> String {
+    db.map_or_else(String::new, |u| {
+        format!("\n[catalog]\nurl = {}\n", toml_str(u))
+    })
+}
+
+async fn leases(db: Option<&str>) {
     let w = World::new("leases").await;
     let reader = api::auth::new_token();
     let other = api::auth::new_token();
@@ -606,6 +626,7 @@ async fn a_leased_version_outlives_a_re_save_and_its_policy_until_the_lease_ends
     let c = w
         .start_cluster("200Mbit/s", &[], |sink, _| {
             sink.api = tokens.clone();
+            sink.tail = catalog_tail(db);
             sink.sink.as_mut().unwrap().extra = "retention_interval = \"1s\"\n\n\
                  [[sink.retention]]\njob = \"*\"\nkeep_last = 1\n"
                 .into();
@@ -869,6 +890,18 @@ fn copy_tree(from: &Path, to: &Path) {
 /// the signal named as the reason, and go once the pins end.
 #[tokio::test]
 async fn a_loss_spike_pins_the_checkpoints_around_it_until_the_pins_end() {
+    signal_pins(None).await;
+}
+
+/// The same on a sink whose catalog is PostgreSQL.
+#[tokio::test]
+async fn signal_pins_on_a_postgresql_catalog() {
+    let db = common::pg::fresh_db("retention_pins").await;
+    signal_pins(Some(&db)).await;
+    common::pg::drop_db(&db).await;
+}
+
+async fn signal_pins(db: Option<&str>) {
     let w = World::new("signal-pins").await;
     let reader = api::auth::new_token();
     let tokens = format!(
@@ -878,6 +911,7 @@ async fn a_loss_spike_pins_the_checkpoints_around_it_until_the_pins_end() {
     let c = w
         .start_cluster("200Mbit/s", &[], |sink, source| {
             sink.api = tokens.clone();
+            sink.tail = catalog_tail(db);
             sink.sink.as_mut().unwrap().extra = "retention_interval = \"1s\"\n\n\
                  [[sink.retention]]\njob = \"*\"\nkeep_last = 1\n"
                 .into();

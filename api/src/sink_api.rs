@@ -267,6 +267,7 @@ fn lifecycle_error(e: LifecycleError) -> ApiError {
         | LifecycleError::Pinned { .. }
         | LifecycleError::Leased { .. }
         | LifecycleError::Lease(_)
+        | LifecycleError::Elsewhere { .. }
         | LifecycleError::NotVersioned => ApiError::new(StatusCode::CONFLICT, e.to_string()),
         LifecycleError::Catalog(e) => ApiError::catalog(e),
     }

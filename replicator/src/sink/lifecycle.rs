@@ -84,6 +84,17 @@ pub enum LifecycleError {
     /// No live lease has this id.
     #[error("{0}")]
     Lease(String),
+    /// The replica lives under another sink agent's root (a pool whose
+    /// agents do not share storage).
+    #[error("replica {id} is at {path}, outside this agent's sink root {root}; remove it through the sink agent that holds it")]
+    Elsewhere {
+        /// Row id.
+        id: i64,
+        /// Its local path.
+        path: String,
+        /// This agent's sink root.
+        root: String,
+    },
     /// The lease is not known (never granted here, or forgotten a day
     /// after it ended).
     #[error("no lease {0} (a lease is forgotten a day after it ends)")]
@@ -177,6 +188,14 @@ async fn leased_error(inner: &Inner, r: &Replica) -> Result<Option<LifecycleErro
     }))
 }
 
+/// Whether replica `r` lives under this agent's sink root. Agents of a
+/// pool share the catalog, not necessarily the storage: each applies the
+/// policies, space pressure and removals to the replicas it can reach
+/// (all of them when they share one root).
+fn mine(inner: &Inner, r: &Replica) -> bool {
+    Path::new(&r.local_path).starts_with(&inner.cfg.root)
+}
+
 /// Where a removed version waits for its deletion.
 fn retired_path(root: &Path, id: i64) -> PathBuf {
     root.join(".ferry").join("retired").join(id.to_string())
@@ -260,6 +279,13 @@ impl Sink {
                 id,
                 state: r.state,
                 action: "removed",
+            });
+        }
+        if !mine(inner, &r) {
+            return Err(LifecycleError::Elsewhere {
+                id,
+                path: r.local_path,
+                root: inner.cfg.root.display().to_string(),
             });
         }
         // A newer version at the same path (published, or removed since)
@@ -351,6 +377,7 @@ impl Sink {
             let (res, row) = self.resolve_row(path).await?;
             let (
                 Resolution::Local {
+                    local_path,
                     manifest_root,
                     published_at,
                     profile,
@@ -361,6 +388,13 @@ impl Sink {
             else {
                 return Ok(res);
             };
+            if !Path::new(local_path).starts_with(&inner.cfg.root) {
+                return Err(LifecycleError::Elsewhere {
+                    id,
+                    path: local_path.clone(),
+                    root: inner.cfg.root.display().to_string(),
+                });
+            }
             let Some(lease) = inner.catalog.grant_lease(id, holder, ms).await? else {
                 continue;
             };
@@ -630,7 +664,7 @@ async fn adopt_unversioned(inner: &Arc<Inner>) {
         }
     };
     let mut moved = 0usize;
-    for r in rows {
+    for r in rows.into_iter().filter(|r| mine(inner, r)) {
         let local = PathBuf::from(&r.local_path);
         let lock = inner.publish_lock(&local);
         let _guard = lock.lock_owned().await;
@@ -814,7 +848,8 @@ async fn retention_pass(inner: &Arc<Inner>, wait: bool) -> Result<Vec<i64>, Cata
         return Ok(Vec::new());
     }
     let now = now_ms();
-    let rows = inner.catalog.current_replicas().await?;
+    let mut rows = inner.catalog.current_replicas().await?;
+    rows.retain(|r| mine(inner, r));
     let versions = versions_of(&rows, now, |r| {
         policies
             .iter()
@@ -1026,7 +1061,10 @@ async fn relieve(inner: &Arc<Inner>, goal: u64, all_or_nothing: bool) -> Relief 
         };
         for r in rows {
             let staging = PathBuf::from(&r.staging_path);
-            if r.staging_path.is_empty() || crate::lock::lock(&inner.live).contains_key(&r.id) {
+            if r.staging_path.is_empty()
+                || !staging.starts_with(&inner.cfg.root)
+                || crate::lock::lock(&inner.live).contains_key(&r.id)
+            {
                 continue;
             }
             let store = inner.store.clone();
@@ -1064,7 +1102,10 @@ async fn relieve(inner: &Arc<Inner>, goal: u64, all_or_nothing: bool) -> Relief 
     }
     // 3. By class at publish, oldest first.
     let rows = match inner.catalog.current_replicas().await {
-        Ok(rows) => rows,
+        Ok(rows) => rows
+            .into_iter()
+            .filter(|r| mine(inner, r))
+            .collect::<Vec<_>>(),
         Err(e) => {
             relief.short = Some(format!("the catalog could not list replicas: {e}"));
             return relief;
@@ -1242,7 +1283,7 @@ async fn finish_removals(inner: &Arc<Inner>) {
             return;
         }
     };
-    for r in rows {
+    for r in rows.into_iter().filter(|r| mine(inner, r)) {
         if crate::lock::lock(&inner.retiring).contains(&r.id) {
             continue;
         }
