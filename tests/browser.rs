@@ -314,3 +314,95 @@ async fn the_ui_shows_a_transfer_advance_and_an_operator_pauses_it() {
     screenshot(&b, "ui-paused.png").await;
     b.close().await.unwrap();
 }
+
+/// The sink's page: the retention panel shows the policy and each
+/// version's verdict, and an operator pins a replica from its row.
+#[tokio::test]
+async fn the_sink_page_shows_retention_and_an_operator_pins_a_replica() {
+    let w = World::new("browser-sink").await;
+    let operator = api::auth::new_token();
+    let tokens = format!(
+        "[[api.tokens]]\nname = \"ops\"\nrole = \"operator\"\nhash = \"{}\"\n",
+        api::auth::hash_token(&operator)
+    );
+    let c = w
+        .start_cluster("200Mbit/s", &[], |sink, _| {
+            sink.api = tokens.clone();
+            sink.sink.as_mut().unwrap().extra =
+                "[[sink.retention]]\njob = \"*\"\nkeep_last = 5\n".into();
+        })
+        .await;
+    let ckpt = w.source_root().join("step_000100");
+    w.gen(&ckpt, "1MB").await;
+    let out = w.push(&c.source, &ckpt, &[]).await;
+    w.ensure(out.success(), || format!("ferry push: {out}"));
+    let d = start_driver(&w).await;
+    let b = browser(&w, &d).await;
+    b.goto(&format!("{}/", c.sink.url())).await.unwrap();
+    use_token(&b, &operator).await;
+    let verdict = until(&w, "the retention panel", async || {
+        let v = js(
+            &b,
+            "const p = document.querySelector('#retention-panel'); \
+             if (!p || p.hidden) return null; \
+             const td = document.querySelector('#retention tbody tr td:nth-child(7)'); \
+             return td ? { verdict: td.textContent, \
+                           policies: document.querySelector('#retention-policies').textContent } : null;",
+        )
+        .await?;
+        Ok((!v.is_null()).then_some(v))
+    })
+    .await;
+    assert!(
+        verdict["verdict"]
+            .as_str()
+            .unwrap()
+            .starts_with("kept: among the newest 5"),
+        "{verdict}"
+    );
+    assert!(
+        verdict["policies"]
+            .as_str()
+            .unwrap()
+            .contains("keep_last 5"),
+        "{verdict}"
+    );
+    // Pin from the row (the reason asked for in a dialog).
+    js(&b, "window.prompt = () => 'bisecting'; return null;")
+        .await
+        .unwrap();
+    let pin = until(&w, "a pin button", async || {
+        match b
+            .find(Locator::Css("#replicas button[data-action=\"pin\"]"))
+            .await
+        {
+            Ok(e) => Ok(Some(e)),
+            Err(e) => Err(e.to_string()),
+        }
+    })
+    .await;
+    pin.click().await.unwrap();
+    until(&w, "the replica to show pinned", async || {
+        let t = js(
+            &b,
+            "const td = document.querySelector('#replicas tbody tr td:nth-child(4)'); \
+             return td ? td.textContent : null;",
+        )
+        .await?;
+        Ok(t.as_str().filter(|t| t.contains("pinned")).map(|_| ()))
+    })
+    .await;
+    let v: Value = reqwest::Client::new()
+        .get(format!("{}/v1/replicas", c.sink.url()))
+        .bearer_auth(&operator)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let reason = v["items"][0]["pin"]["reason"].as_str().unwrap_or("");
+    assert!(reason.starts_with("bisecting"), "{v}");
+    screenshot(&b, "ui-sink.png").await;
+    b.close().await.unwrap();
+}

@@ -1048,3 +1048,135 @@ async fn signal_pins(db: Option<&str>) {
     assert!(api.published(&rel(600)).await.is_some());
     drop(c);
 }
+
+/// Policies through the API: `GET /v1/retention` shows the config's
+/// policies and each version's verdict (kept by which rule, until when);
+/// `PUT /v1/retention` (operator) replaces them, refusing bad ones with
+/// the key named and changing nothing, and the new ones run at once.
+#[tokio::test]
+async fn retention_policies_are_shown_and_replaced_through_the_api() {
+    let w = World::new("retention-api").await;
+    let reader = api::auth::new_token();
+    let operator = api::auth::new_token();
+    let tokens = format!(
+        "[[api.tokens]]\nname = \"evals\"\nrole = \"reader\"\nhash = \"{}\"\n\n\
+         [[api.tokens]]\nname = \"ops\"\nrole = \"operator\"\nhash = \"{}\"\n",
+        api::auth::hash_token(&reader),
+        api::auth::hash_token(&operator)
+    );
+    let c = w
+        .start_cluster("200Mbit/s", &[], |sink, _| {
+            sink.api = tokens.clone();
+            sink.sink.as_mut().unwrap().extra = "retention_interval = \"1s\"\n\n\
+                 [[sink.retention]]\njob = \"*\"\nkeep_last = 3\nmin_age = \"1h\"\n"
+                .into();
+        })
+        .await;
+    let api = Api {
+        http: reqwest::Client::new(),
+        url: c.sink.url(),
+        reader: reader.clone(),
+        operator: operator.clone(),
+    };
+    let mut ids = Vec::new();
+    for step in [100, 200, 300] {
+        let ckpt = w.source_root().join(format!("step_{step:06}"));
+        w.gen(&ckpt, "100KB").await;
+        let out = w.push(&c.source, &ckpt, &[]).await;
+        w.ensure(out.success(), || format!("ferry push: {out}"));
+        ids.push(api.published(&format!("step_{step:06}")).await.unwrap()["id"].clone());
+    }
+    let (st, v) = api
+        .call(&reader, reqwest::Method::GET, "/v1/retention", None)
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["set_by"], "config", "{v}");
+    assert_eq!(v["policies"][0]["keep_last"], 3, "{v}");
+    assert_eq!(v["policies"][0]["min_age"], "1h", "{v}");
+    let versions = v["jobs"][0]["versions"].as_array().unwrap().clone();
+    assert_eq!(versions.len(), 3, "{v}");
+    for x in &versions {
+        assert_eq!(x["kept"], true, "{x}");
+        assert!(x["why"].as_str().unwrap().contains("min_age"), "{x}");
+        assert!(
+            x["until"].as_i64().unwrap() > x["published_at"].as_i64().unwrap(),
+            "{x}"
+        );
+    }
+
+    // Bad policies: refused naming what is wrong; nothing changes.
+    let put = async |token: &str, body: Value| {
+        api.call(token, reqwest::Method::PUT, "/v1/retention", Some(body))
+            .await
+    };
+    let one = json!({"policies": [{"job": "*", "keep_last": 1}]});
+    let (st, body) = put(&reader, one.clone()).await;
+    assert_eq!(st, StatusCode::FORBIDDEN, "{body}");
+    for (bad, says) in [
+        (
+            json!({"policies": [{"job": "*"}]}),
+            "sets none of keep_last",
+        ),
+        (
+            json!({"policies": [{"job": "*", "min_age": "soon"}]}),
+            "min_age",
+        ),
+        (
+            json!({"policies": [{"job": "*", "max_bytes": "lots"}]}),
+            "max_bytes",
+        ),
+        (
+            json!({"policies": [{"job": "*", "keep_last": 0}]}),
+            "keep_last",
+        ),
+        (json!({"policies": [{"job": "[", "keep_last": 1}]}), "glob"),
+        (
+            json!({"policies": [{"job": "*", "keep_lost": 1}]}),
+            "keep_lost",
+        ),
+    ] {
+        let (st, body) = put(&operator, bad.clone()).await;
+        assert_eq!(st, StatusCode::UNPROCESSABLE_ENTITY, "{bad}: {body}");
+        assert!(
+            body["error"].as_str().unwrap().contains(says),
+            "{bad}: {body}"
+        );
+    }
+    let (_, v) = api
+        .call(&reader, reqwest::Method::GET, "/v1/retention", None)
+        .await;
+    assert_eq!(v["set_by"], "config", "{v}");
+    assert_eq!(api.replicas("published").await.len(), 3);
+
+    // keep_last 1 through the API: the two older versions go at once.
+    let (st, v) = put(&operator, one).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert!(
+        v["set_by"].as_str().unwrap().starts_with("API (by ops"),
+        "{v}"
+    );
+    for id in &ids[..2] {
+        let r = wait_removed(&w, &api, id.as_i64().unwrap(), "an older version").await;
+        assert!(
+            r["removal"]["detail"]
+                .as_str()
+                .unwrap()
+                .contains("keep_last 1"),
+            "{r}"
+        );
+    }
+    let (_, v) = api
+        .call(&reader, reqwest::Method::GET, "/v1/retention", None)
+        .await;
+    let versions = v["jobs"][0]["versions"].as_array().unwrap();
+    assert_eq!(versions.len(), 1, "{v}");
+    assert_eq!(versions[0]["replica"], ids[2], "{v}");
+    // The API's policies outlive a restart (stored in the catalog).
+    let mut sink = c.sink;
+    w.restart(&mut sink).await;
+    let (_, v) = api
+        .call(&reader, reqwest::Method::GET, "/v1/retention", None)
+        .await;
+    assert!(v["set_by"].as_str().unwrap().starts_with("API"), "{v}");
+    assert_eq!(v["policies"][0]["keep_last"], 1, "{v}");
+}

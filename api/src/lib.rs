@@ -229,6 +229,7 @@ pub fn build(state: AppState) -> (Router, utoipa::openapi::OpenApi) {
             OpenApiRouter::new()
                 .routes(routes!(sink_api::replicas))
                 .routes(routes!(sink_api::list_leases))
+                .routes(routes!(sink_api::get_retention))
                 .routes(routes!(sink_api::renew_lease))
                 .routes(routes!(sink_api::release_lease)),
             Role::Reader,
@@ -242,6 +243,7 @@ pub fn build(state: AppState) -> (Router, utoipa::openapi::OpenApi) {
         groups.push((
             OpenApiRouter::new()
                 .routes(routes!(sink_api::remove_replica))
+                .routes(routes!(sink_api::put_retention))
                 .routes(routes!(sink_api::pin_replica, sink_api::unpin_replica)),
             Role::Operator,
             Some(REQUEST_TIMEOUT),

@@ -260,6 +260,7 @@ fn lifecycle_error(e: LifecycleError) -> ApiError {
     match e {
         LifecycleError::NotFound(_) => ApiError::not_found(e.to_string()),
         LifecycleError::LeaseUnknown(_) => ApiError::not_found(e.to_string()),
+        LifecycleError::Invalid(_) => ApiError::unprocessable(e.to_string()),
         LifecycleError::LeaseEnded(_) => ApiError::new(StatusCode::GONE, e.to_string()),
         LifecycleError::NotHolder { .. } => ApiError::new(StatusCode::FORBIDDEN, e.to_string()),
         LifecycleError::NotPublished { .. }
@@ -271,6 +272,65 @@ fn lifecycle_error(e: LifecycleError) -> ApiError {
         | LifecycleError::NotVersioned => ApiError::new(StatusCode::CONFLICT, e.to_string()),
         LifecycleError::Catalog(e) => ApiError::catalog(e),
     }
+}
+
+/// The retention policies in force and, per job, what they decide for
+/// each current version now: kept (by which rule, until when) or removed
+/// at the next pass.
+#[utoipa::path(
+    get, path = "/v1/retention", tag = "sink",
+    security(("bearer" = ["reader"])),
+    responses(
+        (status = 200, description = "Policies and verdicts", body = replicator::sink::lifecycle::RetentionView),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+    )
+)]
+pub(crate) async fn get_retention(
+    State(s): State<AppState>,
+) -> Result<Json<replicator::sink::lifecycle::RetentionView>, ApiError> {
+    let v = sink(&s)?.retention().await.map_err(ApiError::catalog)?;
+    Ok(Json(v))
+}
+
+/// Body of `PUT /v1/retention`.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RetentionBody {
+    /// The policies, in order (the first whose `job` glob matches a job
+    /// applies); at most 100. Empty: keep everything.
+    policies: Vec<replicator::sink::retention::PolicySpec>,
+}
+
+/// Replace the retention policies (every sink agent of the pool takes
+/// them up; they replace `[[sink.retention]]` of the config) and run them
+/// at once. Each policy must set at least one of `keep_last`,
+/// `keep_every`, `min_age`, `max_bytes`.
+#[utoipa::path(
+    put, path = "/v1/retention", tag = "sink",
+    request_body = RetentionBody,
+    security(("bearer" = ["operator"])),
+    responses(
+        (status = 200, description = "In force; the policies and verdicts now", body = replicator::sink::lifecycle::RetentionView),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 403, description = "The token's role is below operator", body = ErrorBody),
+        (status = 413, description = "Body over 64 KiB", body = ErrorBody),
+        (status = 422, description = "A policy is invalid; the message names it and the key", body = ErrorBody),
+    )
+)]
+pub(crate) async fn put_retention(
+    State(s): State<AppState>,
+    caller: By,
+    body: Result<Json<RetentionBody>, JsonRejection>,
+) -> Result<Json<replicator::sink::lifecycle::RetentionView>, ApiError> {
+    let Json(b) = body?;
+    if b.policies.len() > 100 {
+        return Err(ApiError::unprocessable("at most 100 policies"));
+    }
+    let v = sink(&s)?
+        .set_retention(&b.policies, by(&caller))
+        .await
+        .map_err(lifecycle_error)?;
+    Ok(Json(v))
 }
 
 /// The live leases: all of them.

@@ -111,6 +111,7 @@ async function connect() {
     for (const l of first.links) ui.history[l.name] = l.history.slice();
     render(first);
     loadSettings();
+    loadRetention();
     const r = await fetch('/v1/events', { headers: headers(), signal: ctl.signal });
     if (!r.ok) {
       const d = await r.json().catch(() => null);
@@ -471,6 +472,7 @@ async function setRate(link, input) {
     notice(`Link ${link}: rate cap set to ${fmtRate(l.rate_bps)} (${scope}).`);
     input.value = '';
     loadSettings();
+    loadRetention();
   } catch (e) {
     notice(`Could not change link ${link}: ${e.status || ''} ${e.message}`, true);
   }
@@ -533,9 +535,89 @@ function renderReplicas(st) {
     const stateCell = el('span', { title: why.join('; ') }, state);
     return [r.id, r.job, r.source_path, stateCell, bar, fmtBytes(done) + ' / ' + fmtBytes(r.bytes_total),
             r.state === 'published' ? r.local_path : '–',
-            fmtTime(r.published_at), fmtDur(r.commit_to_replica_s)];
+            fmtTime(r.published_at), fmtDur(r.commit_to_replica_s), replicaActions(r)];
   }));
 }
+
+// Pin, unpin and remove a published replica (operators).
+function replicaActions(r) {
+  const box = el('div', { class: 'actions' });
+  if (r.state !== 'published' || r.replaced_by != null) return box;
+  if (!canOperate()) {
+    box.append(el('span', { class: 'muted', title: 'Actions need an operator token' }, 'read-only'));
+    return box;
+  }
+  if (r.pin) {
+    box.append(el('button', { 'data-action': 'unpin', onclick: () => replicaAct(r, 'DELETE', `/v1/replicas/${r.id}/pin`, undefined, 'unpinned') }, 'Unpin'));
+  } else {
+    box.append(el('button', { 'data-action': 'pin', onclick: () => {
+      const reason = window.prompt('Pin replica ' + r.id + ': why?', 'bisecting');
+      if (reason === null) return;
+      replicaAct(r, 'POST', `/v1/replicas/${r.id}/pin`, { reason }, 'pinned');
+    } }, 'Pin'));
+  }
+  // The table is redrawn at each update: a dialog, not a second click,
+  // confirms.
+  box.append(el('button', { class: 'danger', 'data-action': 'remove', onclick: () => {
+    const held = r.pin ? ' It is pinned: the sink refuses unless forced (ferry replica rm --force).'
+      : r.leased_until ? ' A reader lease holds it: the sink refuses unless forced.' : '';
+    if (!window.confirm('Remove replica ' + r.id + ' (' + r.job + ' ' + r.rel + ')? Its files are deleted.' + held)) return;
+    replicaAct(r, 'DELETE', `/v1/replicas/${r.id}?reason=${encodeURIComponent('from the web UI')}`, undefined, 'removed');
+  } }, 'Remove'));
+  return box;
+}
+
+async function replicaAct(r, method, path, body, done) {
+  try {
+    await api(method, path, body);
+    notice(`Replica ${r.id} (${r.job} ${r.rel}) ${done}.`);
+    loadRetention();
+  } catch (e) {
+    notice(`Replica ${r.id}: ${e.status || ''} ${e.message}`, true);
+  }
+}
+
+// ---- retention (GET /v1/retention, every 5 s; not in the status stream) --
+
+async function loadRetention() {
+  if (!ui.status || !ui.status.roles.includes('sink')) {
+    $('#retention-panel').hidden = true;
+    return;
+  }
+  try {
+    renderRetention(await api('GET', '/v1/retention'));
+  } catch (e) {
+    // The event stream reports an agent that does not answer.
+  }
+}
+
+function describePolicy(p) {
+  const keys = [];
+  if (p.keep_last != null) keys.push('keep_last ' + p.keep_last);
+  if (p.keep_every != null) keys.push('keep_every ' + p.keep_every);
+  if (p.min_age != null) keys.push('min_age ' + p.min_age);
+  if (p.max_bytes != null) keys.push('max_bytes ' + fmtBytes(Number(p.max_bytes)));
+  if (p.dry_run) keys.push('dry run');
+  return 'job "' + p.job + '": ' + keys.join(', ');
+}
+
+function renderRetention(v) {
+  $('#retention-panel').hidden = false;
+  $('#retention-note').textContent = '· policies from ' + v.set_by;
+  $('#retention-policies').textContent = v.policies.length
+    ? v.policies.map(describePolicy).join(' · ')
+    : 'No policy: every replica is kept.';
+  const rows = [];
+  for (const j of v.jobs) {
+    for (const x of j.versions) {
+      rows.push([j.job, j.source_site, x.step, x.replica, fmtTime(x.published_at), fmtBytes(x.bytes),
+                 el('span', { class: x.kept ? '' : 'expiring' }, (x.kept ? 'kept: ' : 'expires: ') + x.why),
+                 x.until == null ? '–' : new Date(x.until).toLocaleString()]);
+    }
+  }
+  fill($('#retention tbody'), rows);
+}
+setInterval(loadRetention, 5000);
 
 // ---- settings (GET /v1/settings, every 5 s; not in the status stream) --
 

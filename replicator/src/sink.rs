@@ -285,6 +285,9 @@ struct Inner {
     relief: tokio::sync::Mutex<()>,
     /// Replicas a `dry_run` policy was logged as removing (once each).
     dry_run_said: Mutex<std::collections::HashSet<i64>>,
+    /// The retention policies in force: the config's, or those set
+    /// through the API (the catalog's `sink.retention` setting).
+    policies: Mutex<lifecycle::Policies>,
     /// Chunk buffers: each record is copied out of quinn into one, and it
     /// comes back once the chunk is in staging.
     bufs: Arc<BufPool>,
@@ -361,6 +364,7 @@ impl Sink {
                 .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
         }
         let (tx, rx) = mpsc::channel(65_536);
+        let policies = lifecycle::Policies::from_config(&cfg.retention);
         let inner = Arc::new(Inner {
             cfg,
             catalog: catalog.clone(),
@@ -378,6 +382,7 @@ impl Sink {
             retiring: Mutex::default(),
             relief: tokio::sync::Mutex::new(()),
             dry_run_said: Mutex::default(),
+            policies: Mutex::new(policies),
             bufs: BufPool::new(crate::bufpool::AGENT_POOL_BYTES),
             received_sample: Mutex::new(None),
         });

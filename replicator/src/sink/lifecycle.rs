@@ -112,6 +112,9 @@ pub enum LifecycleError {
         /// `renew` or `release`.
         action: &'static str,
     },
+    /// A policy set through the API is not valid.
+    #[error("{0}")]
+    Invalid(String),
     /// This sink's storage publishes in place: no version a lease could
     /// hold.
     #[error("this sink's storage publishes replicas in place, without version directories; leases are not available on it")]
@@ -132,6 +135,74 @@ impl LifecycleError {
                 until: until.clone(),
             },
             other => LifecycleError::Lease(other.to_string()),
+        }
+    }
+}
+
+/// A policy's verdict on replica `r` in words: (kept, why, until).
+fn describe_verdict(
+    p: &retention::RetentionPolicy,
+    r: &Replica,
+    outcome: &Result<retention::Kept, Expired>,
+    now: i64,
+) -> (bool, String, Option<i64>) {
+    use retention::Kept;
+    match outcome {
+        Ok(Kept::Pinned) => {
+            let pin = r.pin.as_ref();
+            (
+                true,
+                format!("pinned: {}", pin.map_or("", |p| p.reason.as_str())),
+                pin.and_then(|p| p.until),
+            )
+        }
+        Ok(Kept::Leased) => (
+            true,
+            "held by a reader lease (no rule keeps it: it goes when the lease ends)".into(),
+            r.leased_until.filter(|u| *u > now),
+        ),
+        Ok(Kept::MinAge) => (
+            true,
+            format!(
+                "younger than min_age {}",
+                p.min_age
+                    .map_or(String::new(), |d| humantime::format_duration(d).to_string())
+            ),
+            p.min_age.map(|d| {
+                r.published_at
+                    .unwrap_or(r.created_at)
+                    .saturating_add(d.as_millis() as i64)
+            }),
+        ),
+        Ok(Kept::KeepEvery) => (
+            true,
+            format!(
+                "its step is a multiple of keep_every {}",
+                p.keep_every.unwrap_or(0)
+            ),
+            None,
+        ),
+        Ok(Kept::KeepLast) => (
+            true,
+            match p.keep_last {
+                Some(n) => {
+                    format!("among the newest {n} (keep_last): goes once {n} newer are published")
+                }
+                None => "keep_last unset: every version is kept by it".into(),
+            },
+            None,
+        ),
+        Err(e) => {
+            let why = match e {
+                Expired::NotKept => "kept by no rule".to_string(),
+                Expired::MaxBytes(b) => format!("over max_bytes ({b} bytes held)"),
+            };
+            let when = if p.dry_run {
+                "dry run: would be removed"
+            } else {
+                "removed at the next pass"
+            };
+            (false, format!("{why}: {when}"), None)
         }
     }
 }
@@ -518,6 +589,108 @@ impl Sink {
         Ok(())
     }
 
+    /// The retention policies in force and their verdict on each current
+    /// version of this agent's root, now.
+    ///
+    /// # Errors
+    /// Catalog errors.
+    pub async fn retention(&self) -> Result<RetentionView, CatalogError> {
+        let inner = &self.inner;
+        refresh_policies(inner).await;
+        let (list, set_by) = {
+            let p = crate::lock::lock(&inner.policies);
+            (p.list.clone(), p.set_by.clone())
+        };
+        let now = now_ms();
+        let mut rows = inner.catalog.current_replicas().await?;
+        rows.retain(|r| mine(inner, r));
+        let versions = versions_of(&rows, now, |r| {
+            list.iter()
+                .find(|p| p.matches(&r.job))
+                .is_some_and(|p| p.max_bytes.is_some())
+        })
+        .await;
+        let verdicts: std::collections::HashMap<i64, retention::Verdict> =
+            retention::evaluate(&list, &versions, now)
+                .into_iter()
+                .map(|v| (v.id, v))
+                .collect();
+        let mut jobs: Vec<JobRetention> = Vec::new();
+        for r in &rows {
+            let verdict = verdicts.get(&r.id);
+            let (kept, why, until) = match verdict {
+                None => (true, "no policy matches its job: kept".to_string(), None),
+                Some(v) => describe_verdict(&list[v.policy], r, &v.outcome, now),
+            };
+            let vv = VersionVerdict {
+                replica: r.id,
+                step: r.step,
+                local_path: r.local_path.clone(),
+                published_at: r.published_at,
+                bytes: r.bytes_total,
+                kept,
+                why,
+                until,
+            };
+            match jobs
+                .iter_mut()
+                .find(|j| j.job == r.job && j.source_site == r.source_site)
+            {
+                Some(j) => j.versions.push(vv),
+                None => jobs.push(JobRetention {
+                    job: r.job.clone(),
+                    source_site: r.source_site.clone(),
+                    policy: verdict.map(|v| v.policy),
+                    versions: vec![vv],
+                }),
+            }
+        }
+        for j in &mut jobs {
+            j.versions.sort_by_key(|v| {
+                std::cmp::Reverse((v.step.unwrap_or(-1), v.published_at, v.replica))
+            });
+        }
+        jobs.sort_by(|a, b| (&a.job, &a.source_site).cmp(&(&b.job, &b.source_site)));
+        Ok(RetentionView {
+            policies: list.iter().map(retention::PolicySpec::of).collect(),
+            set_by,
+            jobs,
+        })
+    }
+
+    /// Replaces the retention policies (for every sink agent of the pool,
+    /// stored in the catalog as the `sink.retention` setting, recorded
+    /// with `by`); they run at once. An empty list keeps everything.
+    ///
+    /// # Errors
+    /// [`LifecycleError::Invalid`] naming the bad policy and key (nothing
+    /// changes then); catalog errors.
+    pub async fn set_retention(
+        &self,
+        specs: &[retention::PolicySpec],
+        by: &str,
+    ) -> Result<RetentionView, LifecycleError> {
+        let inner = &self.inner;
+        let value = serde_json::to_value(specs)
+            .map_err(|e| LifecycleError::Invalid(format!("policies: {e}")))?;
+        for p in parse_policies(&value).map_err(LifecycleError::Invalid)? {
+            if p.keeps_everything() {
+                warn!(job = p.job, "a retention policy set through the API sets neither keep_last nor max_bytes: it keeps every version (keep_every and min_age only protect from those)");
+            }
+        }
+        inner
+            .catalog
+            .put_setting(RETENTION_SETTING, &value, by)
+            .await?;
+        info!(
+            policies = specs.len(),
+            by, "retention policies set through the API"
+        );
+        refresh_policies(inner).await;
+        inner.retention_wake.notify_one();
+        Ok(self.retention().await?)
+    }
+
     /// Runs the retention policies once now (they also run after each
     /// publish and every `retention_interval`); returns the ids of the
     /// replicas they expired (with `dry_run`, that would expire).
@@ -532,6 +705,7 @@ impl Sink {
 /// The background task of a sink: finishes removals a crash interrupted,
 /// then runs the policies after each publish and every interval.
 pub(super) async fn run(inner: Arc<Inner>) {
+    refresh_policies(&inner).await;
     adopt_unversioned(&inner).await;
     finish_removals(&inner).await;
     sweep_versions(&inner).await;
@@ -547,6 +721,7 @@ pub(super) async fn run(inner: Arc<Inner>) {
             _ = tick.tick() => {}
             _ = inner.retention_wake.notified() => {}
         }
+        refresh_policies(&inner).await;
         finish_removals(&inner).await;
         apply_pin_requests(&inner).await;
         if let Err(e) = retention_pass(&inner, false).await {
@@ -556,6 +731,138 @@ pub(super) async fn run(inner: Arc<Inner>) {
         pressure_pass(&inner).await;
         if let Err(e) = inner.catalog.forget_ended_leases(now_ms()).await {
             warn!(error = %e, "forgetting ended leases");
+        }
+    }
+}
+
+/// The catalog setting that holds retention policies set through the API.
+pub const RETENTION_SETTING: &str = "sink.retention";
+
+/// The retention policies in force, and where they come from.
+#[derive(Debug, Clone)]
+pub(super) struct Policies {
+    list: Arc<Vec<retention::RetentionPolicy>>,
+    /// `config`, or `API (by NAME at TIME)`.
+    pub(super) set_by: String,
+    /// The catalog setting's value they were read from (`None`: the
+    /// config's).
+    from_setting: Option<String>,
+}
+
+impl Policies {
+    /// The config's `[[sink.retention]]`.
+    pub(super) fn from_config(list: &[retention::RetentionPolicy]) -> Policies {
+        Policies {
+            list: Arc::new(list.to_vec()),
+            set_by: "config".into(),
+            from_setting: None,
+        }
+    }
+}
+
+/// The retention policies in force and what they decide now for each
+/// current version (`GET /v1/retention`).
+#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
+pub struct RetentionView {
+    /// The policies in force, in order: the first whose `job` glob matches
+    /// a job applies to it.
+    pub policies: Vec<retention::PolicySpec>,
+    /// Where they come from: `config` (`[[sink.retention]]`), or `API
+    /// (by NAME at TIME)`.
+    pub set_by: String,
+    /// Per (job, source site): its current versions, newest first.
+    pub jobs: Vec<JobRetention>,
+}
+
+/// The versions of one (job, source site) and their verdicts.
+#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
+pub struct JobRetention {
+    /// The job.
+    pub job: String,
+    /// The source site.
+    pub source_site: String,
+    /// Index of the policy that applies in `policies`; `null`: none (all
+    /// kept).
+    pub policy: Option<usize>,
+    /// Its current versions, newest first.
+    pub versions: Vec<VersionVerdict>,
+}
+
+/// What the policy decides for one version now.
+#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
+pub struct VersionVerdict {
+    /// The replica (version) id.
+    pub replica: i64,
+    /// Its training step, if known.
+    pub step: Option<i64>,
+    /// Its local path.
+    pub local_path: String,
+    /// Publish time (Unix ms).
+    pub published_at: Option<i64>,
+    /// Bytes in its manifest.
+    pub bytes: i64,
+    /// Kept now; false: the next pass removes it (unless the policy is a
+    /// dry run).
+    pub kept: bool,
+    /// Why, in words: the rule that keeps it (and what would end that),
+    /// or why it expires.
+    pub why: String,
+    /// When the reason that keeps it ends (Unix ms: a pin's or a lease's
+    /// end, or when it grows older than `min_age`); `null` when it does
+    /// not end by time.
+    pub until: Option<i64>,
+}
+
+/// The policies in force now.
+fn policies(inner: &Inner) -> Arc<Vec<retention::RetentionPolicy>> {
+    crate::lock::lock(&inner.policies).list.clone()
+}
+
+/// Parses the `sink.retention` setting's JSON value (a list of
+/// [`retention::PolicySpec`]).
+fn parse_policies(value: &serde_json::Value) -> Result<Vec<retention::RetentionPolicy>, String> {
+    let specs: Vec<retention::PolicySpec> =
+        serde_json::from_value(value.clone()).map_err(|e| format!("{RETENTION_SETTING}: {e}"))?;
+    specs
+        .iter()
+        .enumerate()
+        .map(|(i, p)| p.policy().map_err(|e| format!("policy {i}: {e}")))
+        .collect()
+}
+
+/// Takes up policies set through the API (by this agent or another of
+/// the pool) from the catalog; the config's stay when none are stored.
+async fn refresh_policies(inner: &Arc<Inner>) {
+    let stored = match inner.catalog.settings().await {
+        Ok(all) => all.into_iter().find(|s| s.name == RETENTION_SETTING),
+        Err(e) => {
+            warn!(error = %e, "reading the retention policies set through the API; keeping those in force");
+            return;
+        }
+    };
+    let Some(stored) = stored else {
+        return;
+    };
+    let text = stored.value.to_string();
+    if crate::lock::lock(&inner.policies).from_setting.as_deref() == Some(text.as_str()) {
+        return;
+    }
+    match parse_policies(&stored.value) {
+        Ok(list) => {
+            let set_by = format!(
+                "API (by {} at {})",
+                stored.updated_by,
+                super::rfc3339(stored.updated_at)
+            );
+            info!(policies = list.len(), set_by, "retention policies set through the API are in force (they replace [[sink.retention]] of the config)");
+            *crate::lock::lock(&inner.policies) = Policies {
+                list: Arc::new(list),
+                set_by,
+                from_setting: Some(text),
+            };
+        }
+        Err(e) => {
+            warn!(error = %e, "the retention policies stored in the catalog are not valid; keeping those in force")
         }
     }
 }
@@ -843,7 +1150,7 @@ async fn sweep_versions(inner: &Arc<Inner>) {
 /// One pass of the policies over the current versions; with `wait`, the
 /// files of what it removes are deleted before it returns.
 async fn retention_pass(inner: &Arc<Inner>, wait: bool) -> Result<Vec<i64>, CatalogError> {
-    let policies = &inner.cfg.retention;
+    let policies = policies(inner);
     if policies.is_empty() {
         return Ok(Vec::new());
     }
@@ -858,7 +1165,7 @@ async fn retention_pass(inner: &Arc<Inner>, wait: bool) -> Result<Vec<i64>, Cata
     })
     .await;
     let mut expired = Vec::new();
-    for v in retention::evaluate(policies, &versions, now) {
+    for v in retention::evaluate(&policies, &versions, now) {
         let Err(why) = v.outcome else { continue };
         let Some(r) = rows.iter().find(|r| r.id == v.id) else {
             continue;
@@ -1115,7 +1422,7 @@ async fn relieve(inner: &Arc<Inner>, goal: u64, all_or_nothing: bool) -> Relief 
     let versions = versions_of(&rows, now, |_| true).await;
     let classes: Vec<_> = rows.iter().map(|r| r.class).collect();
     let need = goal.saturating_sub(relief.free.unwrap_or(0));
-    let plan = super::pressure::plan(&inner.cfg.retention, &versions, &classes, now, need);
+    let plan = super::pressure::plan(&policies(inner), &versions, &classes, now, need);
     if plan.freed < need {
         relief.short = Some(format!(
             "removing every replica that may go under space pressure ({}) would free {} of the {need} bytes needed; {}",

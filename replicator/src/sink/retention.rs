@@ -132,6 +132,77 @@ impl RetentionPolicy {
     }
 }
 
+/// A retention policy as the API reads and writes it (`GET` and `PUT
+/// /v1/retention`), with the config's keys.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PolicySpec {
+    /// Glob over job names (`*`, `llama-*`); the first matching policy
+    /// applies.
+    pub job: String,
+    /// Keep the newest this many versions per (job, source site); absent:
+    /// unlimited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep_last: Option<u32>,
+    /// Keep versions whose step is a multiple of this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep_every: Option<u64>,
+    /// Keep versions published less than this long ago (`1h`, `2d`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_age: Option<String>,
+    /// Expire the oldest versions kept only by `keep_last` or
+    /// `keep_every` while a (job, source site) holds more than this
+    /// (`2TB`, `500GiB`, or bytes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_bytes: Option<String>,
+    /// Report what would expire and remove nothing.
+    #[serde(default)]
+    pub dry_run: bool,
+}
+
+impl PolicySpec {
+    /// The policy it describes.
+    ///
+    /// # Errors
+    /// A message naming the bad key (as [`RetentionPolicy::new`], and a
+    /// `min_age` or `max_bytes` that does not parse).
+    pub fn policy(&self) -> Result<RetentionPolicy, String> {
+        let min_age =
+            match &self.min_age {
+                None => None,
+                Some(t) => Some(humantime::parse_duration(t.trim()).map_err(|e| {
+                    format!("min_age {t:?} of the policy for job {:?}: {e}", self.job)
+                })?),
+            };
+        let max_bytes = match &self.max_bytes {
+            None => None,
+            Some(t) => Some(ferry_proto::units::parse_size(t.trim()).map_err(|e| {
+                format!("max_bytes {t:?} of the policy for job {:?}: {e}", self.job)
+            })?),
+        };
+        RetentionPolicy::new(
+            &self.job,
+            self.keep_last,
+            self.keep_every,
+            min_age,
+            max_bytes,
+            self.dry_run,
+        )
+    }
+
+    /// `p` as the API shows it.
+    pub fn of(p: &RetentionPolicy) -> PolicySpec {
+        PolicySpec {
+            job: p.job.clone(),
+            keep_last: p.keep_last,
+            keep_every: p.keep_every,
+            min_age: p.min_age.map(|d| humantime::format_duration(d).to_string()),
+            max_bytes: p.max_bytes.map(|b| b.to_string()),
+            dry_run: p.dry_run,
+        }
+    }
+}
+
 /// One published version as the policy sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Version {
