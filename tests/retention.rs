@@ -1180,3 +1180,156 @@ async fn retention_policies_are_shown_and_replaced_through_the_api() {
     assert!(v["set_by"].as_str().unwrap().starts_with("API"), "{v}");
     assert_eq!(v["policies"][0]["keep_last"], 1, "{v}");
 }
+
+/// Two sink agents of one site sharing a PostgreSQL catalog and one sink
+/// root (a sink pool): a lease taken through one holds a version the
+/// other published, against both agents' policies and sweeps; releasing
+/// it through the other lets it go; a version the policy expires is
+/// removed once; policies set through one agent are taken up by the
+/// other.
+#[tokio::test]
+async fn a_sink_pool_shares_leases_policies_and_removals() {
+    const SINK_2: &str = "eval-b-2";
+    let w = World::new("sink-pool").await;
+    w.certs("certs", &[SOURCE_NAME, SINK_NAME, SINK_2]).await;
+    let db = common::pg::fresh_db("sink_pool").await;
+    let reader = api::auth::new_token();
+    let operator = api::auth::new_token();
+    let tokens = format!(
+        "[[api.tokens]]\nname = \"evals\"\nrole = \"reader\"\nhash = \"{}\"\n\n\
+         [[api.tokens]]\nname = \"ops\"\nrole = \"operator\"\nhash = \"{}\"\n",
+        api::auth::hash_token(&reader),
+        api::auth::hash_token(&operator)
+    );
+    let extra = "retention_interval = \"1s\"\n\n[[sink.retention]]\njob = \"*\"\nkeep_last = 1\n";
+    let tail = format!(
+        "{}\n[pool]\nheartbeat_interval = \"300ms\"\nlease_timeout = \"1500ms\"\n",
+        catalog_tail(Some(&db))
+    );
+    let c = w
+        .start_cluster("200Mbit/s", &[], |sink, _| {
+            sink.api = tokens.clone();
+            sink.tail = tail.clone();
+            sink.sink.as_mut().unwrap().extra = extra.into();
+        })
+        .await;
+    let mut cfg = w.sink_config();
+    let certs = w.root.join("certs");
+    cfg.name = SINK_2.into();
+    cfg.cert = certs.join(format!("{SINK_2}.pem"));
+    cfg.key = certs.join(format!("{SINK_2}.key"));
+    cfg.data_dir = w.root.join("sink-2").join("data");
+    cfg.api = tokens.clone();
+    cfg.tail = tail.clone();
+    cfg.sink.as_mut().unwrap().extra = extra.into();
+    let sink2 = w.start_agent("sink-2", cfg, &[]).await;
+    let api1 = Api {
+        http: reqwest::Client::new(),
+        url: c.sink.url(),
+        reader: reader.clone(),
+        operator: operator.clone(),
+    };
+    let api2 = Api {
+        url: sink2.url(),
+        http: reqwest::Client::new(),
+        reader: reader.clone(),
+        operator: operator.clone(),
+    };
+    let ckpt = |step: u32| w.source_root().join(format!("step_{step:06}"));
+    let push = async |step: u32| {
+        let out = w.push(&c.source, &ckpt(step), &[]).await;
+        w.ensure(out.success(), || format!("ferry push: {out}"));
+        api1.published(&format!("step_{step:06}")).await.unwrap()
+    };
+    w.gen(&ckpt(100), "300KB").await;
+    let v1 = push(100).await;
+
+    // A lease through the other agent on the version the first published.
+    let (st, r) = api2
+        .call(
+            &reader,
+            reqwest::Method::GET,
+            &format!("/v1/resolve?path={}&lease=10m", ckpt(100).display()),
+            None,
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{r}");
+    assert_eq!(r["replica"], v1["id"], "{r}");
+    let leased = std::path::PathBuf::from(r["local_path"].as_str().unwrap());
+    let lease = r["lease"]["id"].as_str().unwrap().to_string();
+    let snapshot = w.root.join("v1");
+    copy_tree(&ckpt(100), &snapshot);
+    // A re-save: both agents' sweeps leave the leased version whole.
+    std::fs::write(ckpt(100).join("extra.bin"), b"re-saved").unwrap();
+    let v2 = push(100).await;
+    assert_ne!(v2["id"], v1["id"]);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    w.assert_same_tree(&snapshot, &leased);
+    // Released through the first agent: the old version goes.
+    let (st, body) = api1
+        .call(
+            &reader,
+            reqwest::Method::DELETE,
+            &format!("/v1/leases/{lease}"),
+            None,
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{body}");
+    w.wait_until("the released version to go", TRANSFER, async || {
+        if leased.exists() {
+            Err(format!("{} still there", leased.display()))
+        } else {
+            Ok(())
+        }
+    })
+    .await;
+
+    // A newer checkpoint: keep_last 1 expires step 100, removed once.
+    w.gen(&ckpt(200), "300KB").await;
+    push(200).await;
+    let id2 = v2["id"].as_i64().unwrap();
+    let r = wait_removed(&w, &api2, id2, "step 100").await;
+    assert_eq!(r["removal"]["reason"], "rule", "{r}");
+    assert!(!w.replica_path("step_000100").exists());
+    w.assert_same_tree(&ckpt(200), &w.replica_path("step_000200"));
+    for (api, who) in [(&api1, "sink 1"), (&api2, "sink 2")] {
+        let m = api.metrics().await;
+        let n = sample(&m, "ferry_replicas_removed_total{reason=\"rule\"}");
+        assert!(n <= 1.0, "{who} counted {n} removals: {m}");
+    }
+    let total: f64 = [api1.metrics().await, api2.metrics().await]
+        .iter()
+        .map(|m| sample(m, "ferry_replicas_removed_total{reason=\"rule\"}"))
+        .sum();
+    assert_eq!(total, 1.0, "the one expired version is removed once");
+
+    // Policies set through one agent are the other's too.
+    let (st, body) = api2
+        .call(
+            &operator,
+            reqwest::Method::PUT,
+            "/v1/retention",
+            Some(json!({"policies": [{"job": "*", "keep_last": 4}]})),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{body}");
+    let (_, v) = api1
+        .call(&reader, reqwest::Method::GET, "/v1/retention", None)
+        .await;
+    assert_eq!(v["policies"][0]["keep_last"], 4, "{v}");
+    assert!(
+        v["set_by"].as_str().unwrap().starts_with("API (by ops"),
+        "{v}"
+    );
+    for agent in [&c.sink, &sink2] {
+        let log = agent.stderr();
+        assert!(
+            !log.contains("could not remove") && !log.contains("deleting a replaced version"),
+            "{}: {log}",
+            agent.label
+        );
+    }
+    drop(sink2);
+    drop(c);
+    common::pg::drop_db(&db).await;
+}
