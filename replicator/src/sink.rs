@@ -288,6 +288,10 @@ struct Inner {
     /// The retention policies in force: the config's, or those set
     /// through the API (the catalog's `sink.retention` setting).
     policies: Mutex<lifecycle::Policies>,
+    /// A publish replaced a version, or a lease was released: the next
+    /// lifecycle pass looks for version directories to delete (it also
+    /// does at every interval).
+    sweep_wanted: std::sync::atomic::AtomicBool,
     /// Chunk buffers: each record is copied out of quinn into one, and it
     /// comes back once the chunk is in staging.
     bufs: Arc<BufPool>,
@@ -383,6 +387,7 @@ impl Sink {
             relief: tokio::sync::Mutex::new(()),
             dry_run_said: Mutex::default(),
             policies: Mutex::new(policies),
+            sweep_wanted: std::sync::atomic::AtomicBool::new(false),
             bufs: BufPool::new(crate::bufpool::AGENT_POOL_BYTES),
             received_sample: Mutex::new(None),
         });
@@ -2056,6 +2061,12 @@ async fn maybe_finish(
             let (l2, m2) = (live.clone(), manifest.clone());
             let reread = inner.cfg.reread_before_publish;
             let version = version_dir(&inner.cfg.root, live.id);
+            if std::fs::symlink_metadata(&live.local_path).is_ok() {
+                // A version is replaced: it goes once no lease holds it.
+                inner
+                    .sweep_wanted
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
+            }
             let res = blocking(move || {
                 l2.store.publish(
                     &l2.staging,

@@ -716,21 +716,34 @@ pub(super) async fn run(inner: Arc<Inner>) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        tokio::select! {
+        // Woken by a publish, a pin request or a released lease, or the
+        // interval passed (what time alone changes: leases, pins and
+        // min_age running out, and other agents' policies).
+        let ticked = tokio::select! {
             _ = inner.shutdown.cancelled() => return,
-            _ = tick.tick() => {}
-            _ = inner.retention_wake.notified() => {}
+            _ = tick.tick() => true,
+            _ = inner.retention_wake.notified() => false,
+        };
+        if ticked {
+            refresh_policies(&inner).await;
         }
-        refresh_policies(&inner).await;
         finish_removals(&inner).await;
         apply_pin_requests(&inner).await;
         if let Err(e) = retention_pass(&inner, false).await {
             warn!(error = %e, "retention pass failed; trying again at the next one");
         }
-        sweep_versions(&inner).await;
+        if ticked
+            || inner
+                .sweep_wanted
+                .swap(false, std::sync::atomic::Ordering::Relaxed)
+        {
+            sweep_versions(&inner).await;
+        }
         pressure_pass(&inner).await;
-        if let Err(e) = inner.catalog.forget_ended_leases(now_ms()).await {
-            warn!(error = %e, "forgetting ended leases");
+        if ticked {
+            if let Err(e) = inner.catalog.forget_ended_leases(now_ms()).await {
+                warn!(error = %e, "forgetting ended leases");
+            }
         }
     }
 }
