@@ -474,14 +474,8 @@ pub fn render_status(base: &str, out: &Value, now_ms: i64) -> String {
 
 // ------------------------------------------------------------- resolve --
 
-/// `ferry resolve PATH`: asks the sink where the checkpoint `path` (its
-/// absolute path at the source) is. Prints the local path (exit 0), or
-/// the state and progress on stderr and exits with [`NOT_LOCAL_EXIT`].
-///
-/// # Errors
-/// A relative path, an unreachable or refusing agent; [`Exit`] when the
-/// path is not local.
-pub async fn resolve(args: &ServerArgs, path: &str, wait: Duration, raw: bool) -> Result<()> {
+/// Refuses a relative `PATH` or a `--wait` over the API's longest.
+fn check_resolve_args(path: &str, wait: Duration) -> Result<()> {
     if !path.starts_with('/') {
         bail!("PATH must be the checkpoint's absolute path at the source, got {path:?}");
     }
@@ -491,6 +485,18 @@ pub async fn resolve(args: &ServerArgs, path: &str, wait: Duration, raw: bool) -
             humantime::format_duration(api::MAX_WAIT)
         );
     }
+    Ok(())
+}
+
+/// `ferry resolve PATH`: asks the sink where the checkpoint `path` (its
+/// absolute path at the source) is. Prints the local path (exit 0), or
+/// the state and progress on stderr and exits with [`NOT_LOCAL_EXIT`].
+///
+/// # Errors
+/// A relative path, an unreachable or refusing agent; [`Exit`] when the
+/// path is not local.
+pub async fn resolve(args: &ServerArgs, path: &str, wait: Duration, raw: bool) -> Result<()> {
+    check_resolve_args(path, wait)?;
     let c = Client::new(args, REQUEST_TIMEOUT + wait)?;
     let wait_s = format!("{}ms", wait.as_millis());
     let mut query = vec![("path", path)];
@@ -536,15 +542,7 @@ pub async fn resolve_leased(
     command: &[String],
     raw: bool,
 ) -> Result<()> {
-    if !path.starts_with('/') {
-        bail!("PATH must be the checkpoint's absolute path at the source, got {path:?}");
-    }
-    if wait > api::MAX_WAIT {
-        bail!(
-            "--wait must be at most {}",
-            humantime::format_duration(api::MAX_WAIT)
-        );
-    }
+    check_resolve_args(path, wait)?;
     if lease < Duration::from_secs(1) || lease > Duration::from_secs(7 * 86_400) {
         bail!("--lease must be at least 1s and at most 7d");
     }

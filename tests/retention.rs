@@ -107,6 +107,32 @@ fn sample(text: &str, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// A reader ("evals") and an operator ("ops") token, and the
+/// `[[api.tokens]]` entries that admit them.
+fn reader_and_operator() -> (String, String, String) {
+    let reader = api::auth::new_token();
+    let operator = api::auth::new_token();
+    let tokens = format!(
+        "[[api.tokens]]\nname = \"evals\"\nrole = \"reader\"\nhash = \"{}\"\n\n\
+         [[api.tokens]]\nname = \"ops\"\nrole = \"operator\"\nhash = \"{}\"\n",
+        api::auth::hash_token(&reader),
+        api::auth::hash_token(&operator)
+    );
+    (reader, operator, tokens)
+}
+
+/// Waits until nothing is at `path` (`what`, for the failure message).
+async fn wait_gone(w: &World, path: &Path, what: &str) {
+    w.wait_until(what, TRANSFER, async || {
+        if path.exists() {
+            Err(format!("{} still there", path.display()))
+        } else {
+            Ok(())
+        }
+    })
+    .await;
+}
+
 /// Waits until replica `id` is `removed` and returns its row.
 async fn wait_removed(w: &World, api: &Api, id: i64, what: &str) -> Value {
     w.wait_until(&format!("{what} to be removed"), TRANSFER, async || {
@@ -126,14 +152,7 @@ async fn wait_removed(w: &World, api: &Api, id: i64, what: &str) -> Value {
 #[tokio::test]
 async fn a_policy_removes_what_it_no_longer_keeps_and_operators_pin_and_remove() {
     let w = World::new("retention").await;
-    let reader = api::auth::new_token();
-    let operator = api::auth::new_token();
-    let tokens = format!(
-        "[[api.tokens]]\nname = \"evals\"\nrole = \"reader\"\nhash = \"{}\"\n\n\
-         [[api.tokens]]\nname = \"ops\"\nrole = \"operator\"\nhash = \"{}\"\n",
-        api::auth::hash_token(&reader),
-        api::auth::hash_token(&operator)
-    );
+    let (reader, operator, tokens) = reader_and_operator();
     let mut c = w
         .start_cluster("200Mbit/s", &[], |sink, _| {
             sink.api = tokens.clone();
@@ -404,14 +423,7 @@ async fn a_policy_removes_what_it_no_longer_keeps_and_operators_pin_and_remove()
         w.restart(&mut c.sink).await;
         let row = wait_removed(&w, &api, id, &rel).await;
         assert_eq!(row["removal"]["reason"], "operator", "{row}");
-        w.wait_until("the files to be gone", TRANSFER, async || {
-            if aside.exists() {
-                Err(format!("{} still there", aside.display()))
-            } else {
-                Ok(())
-            }
-        })
-        .await;
+        wait_gone(&w, &aside, "the files to be gone").await;
         assert_eq!(api.resolve(&ckpt(step)).await["state"], "remote");
     }
     // Only the version the re-save replaced is left with state
@@ -799,14 +811,7 @@ async fn leases(db: Option<&str>) {
         )
         .await;
     assert_eq!(st, StatusCode::OK, "{body}");
-    w.wait_until("the released version to go", TRANSFER, async || {
-        if leased.exists() {
-            Err(format!("{} still there", leased.display()))
-        } else {
-            Ok(())
-        }
-    })
-    .await;
+    wait_gone(&w, &leased, "the released version to go").await;
     let (st, body) = post(&reader, &renew1).await;
     assert_eq!(st, StatusCode::GONE, "{body}");
     assert!(
@@ -1056,14 +1061,7 @@ async fn signal_pins(db: Option<&str>) {
 #[tokio::test]
 async fn retention_policies_are_shown_and_replaced_through_the_api() {
     let w = World::new("retention-api").await;
-    let reader = api::auth::new_token();
-    let operator = api::auth::new_token();
-    let tokens = format!(
-        "[[api.tokens]]\nname = \"evals\"\nrole = \"reader\"\nhash = \"{}\"\n\n\
-         [[api.tokens]]\nname = \"ops\"\nrole = \"operator\"\nhash = \"{}\"\n",
-        api::auth::hash_token(&reader),
-        api::auth::hash_token(&operator)
-    );
+    let (reader, operator, tokens) = reader_and_operator();
     let c = w
         .start_cluster("200Mbit/s", &[], |sink, _| {
             sink.api = tokens.clone();
@@ -1193,14 +1191,7 @@ async fn a_sink_pool_shares_leases_policies_and_removals() {
     let w = World::new("sink-pool").await;
     w.certs("certs", &[SOURCE_NAME, SINK_NAME, SINK_2]).await;
     let db = common::pg::fresh_db("sink_pool").await;
-    let reader = api::auth::new_token();
-    let operator = api::auth::new_token();
-    let tokens = format!(
-        "[[api.tokens]]\nname = \"evals\"\nrole = \"reader\"\nhash = \"{}\"\n\n\
-         [[api.tokens]]\nname = \"ops\"\nrole = \"operator\"\nhash = \"{}\"\n",
-        api::auth::hash_token(&reader),
-        api::auth::hash_token(&operator)
-    );
+    let (reader, operator, tokens) = reader_and_operator();
     let extra = "retention_interval = \"1s\"\n\n[[sink.retention]]\njob = \"*\"\nkeep_last = 1\n";
     let tail = format!(
         "{}\n[pool]\nheartbeat_interval = \"300ms\"\nlease_timeout = \"1500ms\"\n",
@@ -1275,14 +1266,7 @@ async fn a_sink_pool_shares_leases_policies_and_removals() {
         )
         .await;
     assert_eq!(st, StatusCode::OK, "{body}");
-    w.wait_until("the released version to go", TRANSFER, async || {
-        if leased.exists() {
-            Err(format!("{} still there", leased.display()))
-        } else {
-            Ok(())
-        }
-    })
-    .await;
+    wait_gone(&w, &leased, "the released version to go").await;
 
     // A newer checkpoint: keep_last 1 expires step 100, removed once.
     w.gen(&ckpt(200), "300KB").await;

@@ -80,6 +80,30 @@ fn new_lease_id() -> String {
 }
 
 impl Catalog {
+    /// Lease `id` read in `tx`: `Err` when there is none or it was
+    /// released.
+    async fn open_lease(
+        &self,
+        tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+        id: &str,
+    ) -> Result<Result<ReaderLease, LeaseProblem>, CatalogError> {
+        let q = format!("SELECT {LEASE_COLS} FROM leases WHERE id = ?");
+        let Some(lease) = sqlx::query(&self.db.sql(&q))
+            .bind(id)
+            .fetch_optional(&mut **tx)
+            .await?
+            .as_ref()
+            .map(lease_row)
+            .transpose()?
+        else {
+            return Ok(Err(LeaseProblem::Unknown));
+        };
+        Ok(match lease.released_at {
+            Some(at) => Err(LeaseProblem::Released(at)),
+            None => Ok(lease),
+        })
+    }
+
     /// Grants `holder` a lease of `duration_ms` on replica `replica`:
     /// `None` (nothing written) when the row is not `published`, or its
     /// version's directory was deleted after a re-save replaced it.
@@ -158,22 +182,13 @@ impl Catalog {
     ) -> Result<Result<ReaderLease, LeaseProblem>, CatalogError> {
         let now = now_ms();
         let mut tx = self.pool.begin().await?;
-        let q = format!("SELECT {LEASE_COLS} FROM leases WHERE id = ?");
-        let Some(mut lease) = sqlx::query(&self.db.sql(&q))
-            .bind(id)
-            .fetch_optional(&mut *tx)
-            .await?
-            .as_ref()
-            .map(lease_row)
-            .transpose()?
-        else {
-            tx.rollback().await?;
-            return Ok(Err(LeaseProblem::Unknown));
+        let mut lease = match self.open_lease(&mut tx, id).await? {
+            Ok(l) => l,
+            Err(p) => {
+                tx.rollback().await?;
+                return Ok(Err(p));
+            }
         };
-        if let Some(at) = lease.released_at {
-            tx.rollback().await?;
-            return Ok(Err(LeaseProblem::Released(at)));
-        }
         let expires = now.saturating_add(lease.duration_ms);
         // Only while the row still counts it as live: once its expiry has
         // passed on the row, its version may be deleted already.
@@ -213,22 +228,13 @@ impl Catalog {
     ) -> Result<Result<ReaderLease, LeaseProblem>, CatalogError> {
         let now = now_ms();
         let mut tx = self.pool.begin().await?;
-        let q = format!("SELECT {LEASE_COLS} FROM leases WHERE id = ?");
-        let Some(mut lease) = sqlx::query(&self.db.sql(&q))
-            .bind(id)
-            .fetch_optional(&mut *tx)
-            .await?
-            .as_ref()
-            .map(lease_row)
-            .transpose()?
-        else {
-            tx.rollback().await?;
-            return Ok(Err(LeaseProblem::Unknown));
+        let mut lease = match self.open_lease(&mut tx, id).await? {
+            Ok(l) => l,
+            Err(p) => {
+                tx.rollback().await?;
+                return Ok(Err(p));
+            }
         };
-        if let Some(at) = lease.released_at {
-            tx.rollback().await?;
-            return Ok(Err(LeaseProblem::Released(at)));
-        }
         if lease.expires_at <= now {
             tx.rollback().await?;
             return Ok(Err(LeaseProblem::Expired(lease.expires_at)));

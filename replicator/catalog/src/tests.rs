@@ -517,19 +517,7 @@ both!(replica_pins_and_removals_are_recorded);
 async fn reader_leases_hold_a_version(c: Catalog) {
     let mut ids = Vec::new();
     for n in 1..=3 {
-        let r = replica_for(&c, TransferId(n)).await;
-        c.set_replica_published(
-            r,
-            b"m",
-            "ab",
-            "/eval/a",
-            10,
-            SourceTimes::default(),
-            CheckpointMeta::default(),
-        )
-        .await
-        .unwrap();
-        ids.push(r);
+        ids.push(published_at(&c, n, "/eval/a").await);
     }
     let l = c
         .grant_lease(ids[0], "eval", 60_000)
@@ -621,18 +609,7 @@ both!(reader_leases_hold_a_version);
 /// one of them wins, decided on the row.
 async fn a_lease_and_a_removal_at_once_never_both_win(c: Catalog) {
     for n in 0..20 {
-        let r = replica_for(&c, TransferId(100 + n)).await;
-        c.set_replica_published(
-            r,
-            b"m",
-            "ab",
-            &format!("/eval/{n}"),
-            10,
-            SourceTimes::default(),
-            CheckpointMeta::default(),
-        )
-        .await
-        .unwrap();
+        let r = published_at(&c, 100 + n, &format!("/eval/{n}")).await;
         let (c1, c2) = (c.clone(), c.clone());
         let (lease, removal) = tokio::join!(
             async move { c1.grant_lease(r, "eval", 60_000).await.unwrap() },
@@ -687,18 +664,7 @@ async fn pin_requests_are_kept_until_applied(c: Catalog) {
     assert_eq!(later.iter().map(|p| p.id).collect::<Vec<_>>(), vec![a, s]);
     // Applied to a published replica pinned by hand until unpinned: the
     // operator's pin stays, the request is done.
-    let r = replica_for(&c, TransferId(1)).await;
-    c.set_replica_published(
-        r,
-        b"m",
-        "ab",
-        "/eval/a",
-        10,
-        SourceTimes::default(),
-        CheckpointMeta::default(),
-    )
-    .await
-    .unwrap();
+    let r = published_at(&c, 1, "/eval/a").await;
     assert!(c.pin_replica(r, None, "by hand").await.unwrap());
     assert!(!c
         .apply_pin_request(a, r, now + 60_000, "spike")
@@ -728,6 +694,23 @@ async fn pin_requests_are_kept_until_applied(c: Catalog) {
     assert_eq!(c.pin_requests(10).await.unwrap()[0].applied_to, Some(r));
 }
 both!(pin_requests_are_kept_until_applied);
+
+/// A replica of source transfer `n` published at `local_path` (10 bytes).
+async fn published_at(c: &Catalog, n: u64, local_path: &str) -> i64 {
+    let r = replica_for(c, TransferId(n)).await;
+    c.set_replica_published(
+        r,
+        b"m",
+        "ab",
+        local_path,
+        10,
+        SourceTimes::default(),
+        CheckpointMeta::default(),
+    )
+    .await
+    .unwrap();
+    r
+}
 
 async fn replica_for(c: &Catalog, id: TransferId) -> i64 {
     c.insert_replica(&NewReplica {
