@@ -359,14 +359,20 @@ async fn prune(sink: &Sink, root: &Path) {
     let old = dirs.len().saturating_sub(KEEP_CHECKPOINTS);
     for (_, dir) in dirs.into_iter().take(old) {
         let path = dir.to_string_lossy().into_owned();
-        let Ok(Resolution::Local { local_path, .. }) = sink.resolve(&path).await else {
+        let Ok(Resolution::Local { replica, .. }) = sink.resolve(&path).await else {
             continue;
         };
-        let (src, replica) = (dir.clone(), PathBuf::from(local_path));
-        let removed = tokio::task::spawn_blocking(move || {
-            std::fs::remove_dir_all(&src).and_then(|()| std::fs::remove_dir_all(&replica))
-        })
-        .await;
+        // The replica goes the way an operator's removal does (its
+        // version directory with it); then the checkpoint.
+        if let Err(e) = sink
+            .remove(replica, true, "ferry demo keeps the newest checkpoints")
+            .await
+        {
+            eprintln!("warning: removing the replica of {path}: {e}");
+            continue;
+        }
+        let src = dir.clone();
+        let removed = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(&src)).await;
         if let Ok(Err(e)) = removed {
             eprintln!("warning: removing the old checkpoint {path}: {e}");
         }
