@@ -596,19 +596,48 @@ pub async fn resolve_leased(
     };
     let every = (lease / 3).max(Duration::from_millis(500));
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    // SIGTERM goes to the command, and the lease is held until it ends (a
+    // supervisor that signals only this process must not leave the
+    // command reading an unprotected version). SIGINT is not passed on:
+    // Ctrl-C in a terminal reaches the command already.
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("watching for SIGTERM")?;
+    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .context("watching for SIGINT")?;
+    let pid = child.id().and_then(|p| i32::try_from(p).ok());
+    let forward = |sig: nix::sys::signal::Signal| {
+        if let Some(p) = pid {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p), sig);
+        }
+    };
+    let mut lost: Option<String> = None;
     let status = loop {
         tokio::select! {
             st = child.wait() => break st,
-            _ = tick.tick() => {
+            _ = term.recv() => forward(nix::sys::signal::Signal::SIGTERM),
+            _ = int.recv() => {}
+            _ = tick.tick(), if lost.is_none() => {
                 if let Err(e) = c.post(&format!("{leases}/renew"), &json!({})).await {
-                    eprintln!("warning: renewing lease {id}: {e:#}; the version may go once it expires");
+                    let gone = e
+                        .downcast_ref::<crate::client::HttpError>()
+                        .is_some_and(|h| h.status == reqwest::StatusCode::GONE || h.status == reqwest::StatusCode::NOT_FOUND);
+                    if gone {
+                        eprintln!("warning: lease {id} ended: {e:#}; the version the command reads may be deleted under it");
+                        lost = Some(format!("{e:#}"));
+                    } else {
+                        eprintln!("warning: renewing lease {id}: {e:#}; trying again");
+                    }
                 }
             }
         }
     };
     let status = status.context("waiting for the command")?;
-    if let Err(e) = c.delete(&leases, &[]).await {
-        eprintln!("warning: releasing lease {id}: {e:#}; it expires by itself");
+    if lost.is_none() {
+        if let Err(e) = c.delete(&leases, &[]).await {
+            eprintln!("warning: releasing lease {id}: {e:#}; it expires by itself");
+        }
+    } else {
+        eprintln!("warning: the command ran past its lease (lease {id} ended before it did)");
     }
     let code = status.code().unwrap_or_else(|| {
         use std::os::unix::process::ExitStatusExt;
@@ -1108,6 +1137,9 @@ pub fn render_signal(out: &Value) -> String {
         None => {
             s += "no unpublished checkpoint of this job to promote; the job's score rises (the severity halves every half-life)\n";
         }
+    }
+    for p in out["pins"].as_array().into_iter().flatten() {
+        s += &format!("pins at the sinks: {}\n", p.as_str().unwrap_or("?"));
     }
     s
 }

@@ -1139,7 +1139,7 @@ impl Config {
                 }
             }
             if s.pin_for < Duration::from_secs(1)
-                || s.pin_for > Duration::from_secs(100 * 365 * 86_400)
+                || s.pin_for > Duration::from_secs(100 * 31_557_600)
             {
                 bail!(
                     "source.pin_for must be at least 1s and at most 100 years, got {}",

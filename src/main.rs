@@ -116,7 +116,8 @@ enum Command {
         /// A command to run on the local path while the lease holds (after
         /// `--`): `{}` in its arguments becomes the path, and the
         /// environment variable FERRY_PATH holds it (FERRY_LEASE the
-        /// lease id). Needs --lease.
+        /// lease id). Needs --lease. SIGTERM to ferry goes to the command;
+        /// the lease is held until the command exits.
         #[arg(last = true, value_name = "COMMAND")]
         command: Vec<String>,
         #[command(flatten)]
@@ -477,11 +478,14 @@ enum ReplicaCommand {
     },
     /// Remove a published replica: it leaves the published namespace at
     /// once (resolve stops naming it) and its files are deleted in the
-    /// background. A pinned replica is refused unless --force.
+    /// background. A pinned replica, or one a reader lease holds, is
+    /// refused unless --force. A version a re-save replaced goes by
+    /// itself once no lease holds it; --force ends its leases.
     Rm {
         /// Replica id (`ferry replica ls`).
         id: i64,
-        /// Remove it even if pinned (recorded with the removal).
+        /// Remove it even if pinned or leased (recorded with the
+        /// removal); for a replaced version, end its leases.
         #[arg(long)]
         force: bool,
         /// Why, kept with the removal record.

@@ -800,6 +800,21 @@ async fn leases(db: Option<&str>) {
     );
     assert!(!leased2.exists());
 
+    // Removing the replaced, leased version by hand says what holds it.
+    let (st, body) = api
+        .call(
+            &operator,
+            reqwest::Method::DELETE,
+            &format!("/v1/replicas/{v1_id}"),
+            None,
+        )
+        .await;
+    assert_eq!(st, StatusCode::CONFLICT, "{body}");
+    let e = body["error"].as_str().unwrap();
+    assert!(
+        e.contains(&format!("replaced by replica {v2_id}")) && e.contains("reader lease"),
+        "{e}"
+    );
     // The first lease, released by its holder: the old version goes.
     assert!(leased.exists(), "the renewed lease still holds it");
     let (st, body) = api
@@ -868,6 +883,75 @@ async fn leases(db: Option<&str>) {
         )
         .await;
     assert!(!out.success() && out.all().contains("--lease"), "{out}");
+
+    // SIGTERM to ferry goes to the command, and the lease is held until
+    // the command has exited, then released.
+    let pid_file = w.root.join("cmd-pid");
+    let script = format!(
+        "echo $$ > {}; trap 'sleep 1; exit 9' TERM; while true; do sleep 0.1; done",
+        pid_file.display()
+    );
+    let mut child = tokio::process::Command::new(FERRY)
+        .args(["resolve", c200.to_str().unwrap(), "--lease", "1m"])
+        .args([
+            "--server", &api.url, "--token", &reader, "--", "sh", "-c", &script,
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let leases_now = async || {
+        get(&reader, "/v1/leases").await.1["items"]
+            .as_array()
+            .unwrap()
+            .len()
+    };
+    w.wait_until("the command to start under a lease", TRANSFER, async || {
+        if pid_file.exists() && leases_now().await == 1 {
+            Ok(())
+        } else {
+            Err("not yet".to_string())
+        }
+    })
+    .await;
+    let ferry_pid = nix::unistd::Pid::from_raw(child.id().unwrap() as i32);
+    nix::sys::signal::kill(ferry_pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        leases_now().await,
+        1,
+        "the lease went before the command ended"
+    );
+    let status = tokio::time::timeout(Duration::from_secs(30), child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(status.code(), Some(9), "the command's exit code");
+    assert_eq!(leases_now().await, 0, "released once the command ended");
+
+    // Removed by hand with force while leased: the lease holds nothing,
+    // and says why.
+    let (st, r) = get(&reader, &lease_url(&ckpt(200), "10m")).await;
+    assert_eq!(st, StatusCode::OK, "{r}");
+    let id200 = r["replica"].as_i64().unwrap();
+    let lease = r["lease"]["id"].as_str().unwrap().to_string();
+    let (st, body) = api
+        .call(
+            &operator,
+            reqwest::Method::DELETE,
+            &format!("/v1/replicas/{id200}?force=true"),
+            None,
+        )
+        .await;
+    assert_eq!(st, StatusCode::ACCEPTED, "{body}");
+    assert_eq!(leases_now().await, 0);
+    let (st, body) = post(&reader, &format!("/v1/leases/{lease}/renew")).await;
+    assert_eq!(st, StatusCode::GONE, "{body}");
+    assert!(
+        body["error"].as_str().unwrap().contains("was removed"),
+        "{body}"
+    );
     drop(c);
 }
 
@@ -931,7 +1015,7 @@ async fn signal_pins(db: Option<&str>) {
         http: reqwest::Client::new(),
         url: c.sink.url(),
         reader: reader.clone(),
-        operator: reader,
+        operator: reader.clone(),
     };
     let rel = |step: u64| format!("step_{step:08}");
     let root = w.source_root();
@@ -1029,28 +1113,69 @@ async fn signal_pins(db: Option<&str>) {
     assert!(p300["pin"]["until"].is_i64(), "a signal's pin ends: {p300}");
 
     // A spike at 450, past the newest checkpoint: 400 again, and the
-    // first one published at or after 450 (600: select skips 500).
+    // first one written at or after 450: 500, which select skips, so the
+    // watcher replicates it for the pin.
     signal("450").await;
     for step in [500, 600] {
         save(step).await;
     }
-    let s600 = published(600).await;
-    let p600 = pinned(s600["id"].as_i64().unwrap()).await;
-    assert!(reason(&p600).contains("loss_spike at step 450"), "{p600}");
-    // keep_last = 1: only the pins keep 300 and 400 (and 200 went).
+    let s500 = published(500).await;
+    let p500 = pinned(s500["id"].as_i64().unwrap()).await;
+    assert!(reason(&p500).contains("loss_spike at step 450"), "{p500}");
+    published(600).await;
+    // keep_last = 1: only the pins keep 300, 400 and 500 (200 went).
     let replicas = api.replicas("published").await;
     for id in [id300, id400] {
         assert!(replicas.iter().any(|r| r["id"] == id), "{replicas:?}");
     }
     assert!(api.published(&rel(200)).await.is_none(), "{replicas:?}");
 
+    // A save that crashed (one shard, no .metadata) is the last before a
+    // spike at 660: picked, but never published; its pin waits.
+    let crashed = w.source_root().join(rel(650));
+    std::fs::create_dir_all(&crashed).unwrap();
+    std::fs::write(crashed.join("__0_0.distcp"), vec![7u8; 100_000]).unwrap();
+    signal("660").await;
+    // Step 400 saved again: the new version keeps the pin.
+    std::fs::remove_dir_all(w.source_root().join(rel(400))).unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    save(400).await;
+    let again = w
+        .wait_until(
+            "the re-save of step 400 to be published",
+            TRANSFER,
+            async || {
+                api.replicas("published")
+                    .await
+                    .into_iter()
+                    .find(|r| r["rel"] == rel(400) && r["id"] != id400)
+                    .ok_or_else(|| "not yet".to_string())
+            },
+        )
+        .await;
+    let again = pinned(again["id"].as_i64().unwrap()).await;
+    assert!(reason(&again).contains("loss_spike at step"), "{again}");
+    assert!(
+        api.published(&rel(650)).await.is_none(),
+        "a crashed save was published"
+    );
+    let (_, v) = api
+        .call(&reader, reqwest::Method::GET, "/v1/retention", None)
+        .await;
+    assert!(v["pending_pins"].to_string().contains("step 650"), "{v}");
+
     // Once the pins end (12 s after each request), the policy removes
     // them; 600 stays, the newest.
-    for (id, what) in [(id300, "step 300"), (id400, "step 400")] {
-        let r = wait_removed(&w, &api, id, what).await;
+    for (r, what) in [
+        (&p300, "step 300"),
+        (&again, "step 400"),
+        (&p500, "step 500"),
+    ] {
+        let r = wait_removed(&w, &api, r["id"].as_i64().unwrap(), what).await;
         assert_eq!(r["removal"]["reason"], "rule", "{r}");
     }
     assert!(api.published(&rel(600)).await.is_some());
+    assert!(api.published(&rel(650)).await.is_none());
     drop(c);
 }
 

@@ -254,9 +254,11 @@ impl From<ferry_catalog::Replica> for Replica {
                 until: p.until,
                 reason: p.reason,
             }),
-            leased_until: r
-                .leased_until
-                .filter(|u| *u > ferry_catalog::now_ms() && r.version_deleted_at.is_none()),
+            leased_until: r.leased_until.filter(|u| {
+                *u > ferry_catalog::now_ms()
+                    && r.version_deleted_at.is_none()
+                    && r.state == TransferState::Published
+            }),
             leases: Vec::new(),
             removal: r.removal.map(|m| ReplicaRemoval {
                 reason: match m.reason {
@@ -356,6 +358,9 @@ pub struct SignalOutcome {
     /// The promoted transfer's state (a `paused` one stays paused, urgent
     /// once resumed).
     pub promoted_state: Option<TransferState>,
+    /// The pins it asked the sinks for, in words; empty when its kind
+    /// does not pin (`[source] pin_on`).
+    pub pins: Vec<String>,
 }
 
 impl From<replicator::source::SignalOutcome> for SignalOutcome {
@@ -366,6 +371,7 @@ impl From<replicator::source::SignalOutcome> for SignalOutcome {
             promoted: o.promoted,
             urgent_until: o.urgent_until,
             promoted_state: o.promoted_state,
+            pins: o.pins,
         }
     }
 }

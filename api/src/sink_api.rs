@@ -107,7 +107,7 @@ pub(crate) async fn resolve(
             .min(MAX_WAIT),
     };
     let lease = match q.lease.as_deref() {
-        None | Some("") => None,
+        None => None,
         Some(l) => Some(lease_duration(l)?),
     };
     let deadline = Instant::now() + wait;
@@ -537,7 +537,8 @@ pub(crate) async fn pin_replica(
                     "`for` {d:?} is not a positive duration like 7d or 12h: {e}"
                 ))
             })?;
-            if d.is_zero() || d > Duration::from_secs(100 * 365 * 86_400) {
+            // humantime's year: 365.25 days, so "100y" is accepted.
+            if d.is_zero() || d > Duration::from_secs(100 * 31_557_600) {
                 return Err(ApiError::unprocessable(
                     "`for` must be more than 0 and at most 100 years",
                 ));

@@ -604,9 +604,11 @@ function describePolicy(p) {
 function renderRetention(v) {
   $('#retention-panel').hidden = false;
   $('#retention-note').textContent = '· policies from ' + v.set_by;
-  $('#retention-policies').textContent = v.policies.length
+  const waiting = (v.pending_pins || []).map((p) => p.job + ' ' + p.target + ' (' + p.reason + ')');
+  $('#retention-policies').textContent = (v.policies.length
     ? v.policies.map(describePolicy).join(' · ')
-    : 'No policy: every replica is kept.';
+    : 'No policy: every replica is kept.') +
+    (waiting.length ? ' · pins waiting for their replica: ' + waiting.join('; ') : '');
   const rows = [];
   for (const j of v.jobs) {
     for (const x of j.versions) {

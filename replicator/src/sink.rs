@@ -2152,6 +2152,17 @@ async fn maybe_finish(
                     if let Some(lag_s) = recorded {
                         inner.metrics.observe_lag(lag_s);
                     }
+                    // A re-save of a pinned checkpoint stays pinned (before
+                    // the policies weigh it).
+                    match inner.catalog.carry_pin(live.id, &local, now_ms()).await {
+                        Ok(true) => {
+                            info!(transfer = %id, replica = live.id, "the version this re-save replaced was pinned: so is this one")
+                        }
+                        Ok(false) => {}
+                        Err(e) => {
+                            warn!(transfer = %id, error = %e, "carrying the replaced version's pin over")
+                        }
+                    }
                     let (staging, store) = (live.staging.clone(), live.store.clone());
                     if let Err(e) = blocking(move || store.publish_recorded(&staging)).await {
                         warn!(transfer = %id, error = %e, "could not remove the held-markers directory of a finished publish");

@@ -263,6 +263,10 @@ pub struct SignalOutcome {
     /// The promoted transfer's state (a `paused` one stays paused, urgent
     /// once resumed).
     pub promoted_state: Option<TransferState>,
+    /// The pins it asked the sinks for, in words (`step 1200: the last
+    /// checkpoint before it`); empty when its kind does not pin (`[source]
+    /// pin_on`).
+    pub pins: Vec<String>,
 }
 
 /// Why an operator or controller request was refused.
@@ -464,6 +468,14 @@ struct Inner {
     progress: Mutex<HashMap<TransferId, Arc<LiveProgress>>>,
     /// Views of watched checkpoints, by transfer id (see [`watcher`]).
     views: Mutex<HashMap<TransferId, watch::Receiver<CheckpointView>>>,
+    /// Checkpoints signals' pins picked for replication whatever `select`
+    /// says, for the watchers of their roots: (root, pick, until Unix
+    /// ms). Each root's watcher takes its own at its next pass.
+    picks: Mutex<Vec<(PathBuf, watch_core::Pick, i64)>>,
+    /// Pins waiting for the first checkpoint at or after a step to appear
+    /// under a root (root, step, reason, until Unix ms): once its watcher
+    /// picks it, the pin goes to the sink for that step.
+    step_pins: Mutex<Vec<(PathBuf, u64, String, i64)>>,
     shutdown: CancellationToken,
     tasks: TaskTracker,
     /// Test hook: flip one byte in this many chunks after hashing them
@@ -609,6 +621,8 @@ impl Source {
             links,
             progress: Mutex::new(HashMap::new()),
             views: Mutex::new(HashMap::new()),
+            picks: Mutex::new(Vec::new()),
+            step_pins: Mutex::new(Vec::new()),
             shutdown: CancellationToken::new(),
             tasks: TaskTracker::new(),
             #[cfg(feature = "fault-injection")]
@@ -1108,6 +1122,7 @@ impl Source {
             return Ok(SignalOutcome {
                 urgent_until: t.as_ref().and_then(|t| t.urgent_until),
                 promoted_state: t.as_ref().map(|t| t.state),
+                pins: Vec::new(),
                 promoted: sig.transfer,
                 signal: sig,
                 new: false,
@@ -1120,6 +1135,7 @@ impl Source {
             promoted: None,
             urgent_until: None,
             promoted_state: None,
+            pins: Vec::new(),
             signal: sig.clone(),
             new: true,
         };
@@ -1140,6 +1156,7 @@ impl Source {
                 promoted: Some(t.id),
                 urgent_until: Some(until),
                 promoted_state: Some(t.state),
+                pins: Vec::new(),
                 signal: sig,
                 new: true,
             };
@@ -1153,7 +1170,7 @@ impl Source {
         for l in inner.links.values() {
             l.sched.poke();
         }
-        pins::pin_around(inner, &outcome.signal).await;
+        outcome.pins = pins::pin_around(inner, &outcome.signal).await;
         Ok(outcome)
     }
 

@@ -52,6 +52,9 @@ pub enum LeaseProblem {
     Expired(i64),
     /// It was released at this time (Unix ms).
     Released(i64),
+    /// Its version is gone (removed by hand with force, say): it holds
+    /// nothing although it has not expired.
+    VersionGone(i64),
 }
 
 /// How long a lease that ended is remembered (renewing it then says it
@@ -202,9 +205,13 @@ impl Catalog {
         .bind(now)
         .execute(&mut *tx)
         .await?;
-        if lease.expires_at <= now || r.rows_affected() != 1 {
+        if lease.expires_at <= now {
             tx.rollback().await?;
-            return Ok(Err(LeaseProblem::Expired(lease.expires_at.min(now))));
+            return Ok(Err(LeaseProblem::Expired(lease.expires_at)));
+        }
+        if r.rows_affected() != 1 {
+            tx.rollback().await?;
+            return Ok(Err(LeaseProblem::VersionGone(lease.replica)));
         }
         sqlx::query(&self.db.sql("UPDATE leases SET expires_at = ? WHERE id = ?"))
             .bind(expires)
@@ -277,9 +284,16 @@ impl Catalog {
     /// # Errors
     /// SQL errors.
     pub async fn live_leases(&self, now: i64) -> Result<Vec<ReaderLease>, CatalogError> {
+        // A lease on a version removed by hand (force) holds nothing.
+        let cols = LEASE_COLS
+            .split(", ")
+            .map(|c| format!("l.{c}"))
+            .collect::<Vec<_>>()
+            .join(", ");
         let q = format!(
-            "SELECT {LEASE_COLS} FROM leases WHERE released_at IS NULL AND expires_at > ? \
-             ORDER BY created_at, id"
+            "SELECT {cols} FROM leases l JOIN replicas r ON r.id = l.replica \
+             WHERE l.released_at IS NULL AND l.expires_at > ? AND r.state = 'published' \
+             AND r.version_deleted_at IS NULL ORDER BY l.created_at, l.id"
         );
         let rows = sqlx::query(&self.db.sql(&q))
             .bind(now)
@@ -318,6 +332,36 @@ impl Catalog {
         .fetch_one(&self.pool)
         .await?;
         Ok(r.try_get("n")?)
+    }
+
+    /// Ends every lease on `replica` now (an operator frees a replaced
+    /// version a lease holds); returns how many. Its row is then no longer
+    /// leased.
+    ///
+    /// # Errors
+    /// SQL errors (nothing is written then).
+    pub async fn end_leases_of(&self, replica: i64) -> Result<u64, CatalogError> {
+        let now = now_ms();
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(
+            &self
+                .db
+                .sql("UPDATE replicas SET leased_until = NULL WHERE id = ?"),
+        )
+        .bind(replica)
+        .execute(&mut *tx)
+        .await?;
+        let r = sqlx::query(&self.db.sql(
+            "UPDATE leases SET released_at = ? WHERE replica = ? AND released_at IS NULL \
+             AND expires_at > ?",
+        ))
+        .bind(now)
+        .bind(replica)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(r.rows_affected())
     }
 
     /// Claims the directory of version `replica`, which a re-save

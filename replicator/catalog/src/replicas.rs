@@ -797,6 +797,47 @@ impl Catalog {
         Ok(r.rows_affected() == 1)
     }
 
+    /// A re-save of a pinned checkpoint stays pinned: gives published
+    /// replica `id` the pin (until, reason) of the version it replaced at
+    /// `local_path` (the newest older published row there), if that one
+    /// is pinned at `now` (Unix ms) and `id` has no pin. True if it did.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn carry_pin(
+        &self,
+        id: i64,
+        local_path: &str,
+        now: i64,
+    ) -> Result<bool, CatalogError> {
+        let prev: Option<(Option<i64>, Option<i64>, Option<String>)> =
+            sqlx::query_as(&self.db.sql(
+                "SELECT pinned_at, pinned_until, pin_reason FROM replicas WHERE local_path = ? \
+             AND id < ? AND state = 'published' ORDER BY id DESC LIMIT 1",
+            ))
+            .bind(local_path)
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        let Some((Some(_), until, reason)) = prev else {
+            return Ok(false);
+        };
+        if until.is_some_and(|u| u <= now) {
+            return Ok(false);
+        }
+        let r = sqlx::query(&self.db.sql(
+            "UPDATE replicas SET pinned_at = ?, pinned_until = ?, pin_reason = ? \
+             WHERE id = ? AND state = 'published' AND pinned_at IS NULL",
+        ))
+        .bind(now)
+        .bind(until)
+        .bind(reason.unwrap_or_default())
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(r.rows_affected() == 1)
+    }
+
     /// Removes the pin of replica `id`, if it has one; true if it had.
     ///
     /// # Errors

@@ -695,6 +695,36 @@ async fn pin_requests_are_kept_until_applied(c: Catalog) {
 }
 both!(pin_requests_are_kept_until_applied);
 
+/// A re-save of a pinned checkpoint stays pinned; an unpinned or expired
+/// predecessor passes nothing on, and an own pin is kept.
+async fn a_re_save_keeps_the_pin_of_the_version_it_replaces(c: Catalog) {
+    let now = now_ms();
+    let v1 = published_at(&c, 1, "/eval/a").await;
+    assert!(c
+        .pin_replica(v1, Some(now + 60_000), "spike")
+        .await
+        .unwrap());
+    let v2 = published_at(&c, 2, "/eval/a").await;
+    assert!(c.carry_pin(v2, "/eval/a", now).await.unwrap());
+    let pin = c.replica(v2).await.unwrap().unwrap().pin.unwrap();
+    assert_eq!(
+        (pin.reason.as_str(), pin.until),
+        ("spike", Some(now + 60_000))
+    );
+    assert!(!c.carry_pin(v2, "/eval/a", now).await.unwrap(), "once");
+    // Unpinned, v2 passes nothing to v3 (v1's old pin does not come back).
+    assert!(c.unpin_replica(v2).await.unwrap());
+    let v3 = published_at(&c, 3, "/eval/a").await;
+    assert!(!c.carry_pin(v3, "/eval/a", now).await.unwrap());
+    // An expired pin is not carried; another path's pin neither.
+    assert!(c.pin_replica(v3, Some(now - 1), "old").await.unwrap());
+    let v4 = published_at(&c, 4, "/eval/a").await;
+    assert!(!c.carry_pin(v4, "/eval/a", now).await.unwrap());
+    let b = published_at(&c, 5, "/eval/b").await;
+    assert!(!c.carry_pin(b, "/eval/b", now).await.unwrap());
+}
+both!(a_re_save_keeps_the_pin_of_the_version_it_replaces);
+
 /// A replica of source transfer `n` published at `local_path` (10 bytes).
 async fn published_at(c: &Catalog, n: u64, local_path: &str) -> i64 {
     let r = replica_for(c, TransferId(n)).await;

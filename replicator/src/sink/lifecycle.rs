@@ -48,9 +48,9 @@ pub enum LifecycleError {
         /// `removed` or `pinned`.
         action: &'static str,
     },
-    /// A newer version replaced this one at its path (its files went
-    /// then).
-    #[error("replica {id} was replaced by replica {by} at {path}; its files went then")]
+    /// A newer version replaced this one at its path: its files stay only
+    /// while a reader lease holds them.
+    #[error("replica {id} was replaced by replica {by} at {path}; a replaced version stays only while a reader lease holds it, and goes when the lease ends (force ends its leases)")]
     Replaced {
         /// Row id.
         id: i64,
@@ -60,7 +60,7 @@ pub enum LifecycleError {
         path: String,
     },
     /// Pinned: removing it needs `force`.
-    #[error("replica {id} is pinned ({reason}{until}); unpin it or remove it with force=true")]
+    #[error("replica {id} is pinned ({reason}{until}); unpin it, or remove it with --force (force=true in the API)")]
     Pinned {
         /// Row id.
         id: i64,
@@ -218,6 +218,9 @@ fn lease_problem(id: &str, p: LeaseProblem) -> LifecycleError {
         LeaseProblem::Released(at) => {
             LifecycleError::LeaseEnded(format!("lease {id} was released at {}", super::rfc3339(at)))
         }
+        LeaseProblem::VersionGone(replica) => LifecycleError::LeaseEnded(format!(
+            "lease {id} holds nothing: its version (replica {replica}) was removed; resolve again"
+        )),
     }
 }
 
@@ -360,8 +363,23 @@ impl Sink {
             });
         }
         // A newer version at the same path (published, or removed since)
-        // replaced this one on disk: nothing of it is left to remove.
+        // replaced this one: its files stay only while a lease holds them.
+        // With force, its leases end and it goes at the next sweep.
         if let Some(by) = newer_version(inner, &r).await? {
+            if force && r.leased_at(now_ms()) {
+                let n = inner.catalog.end_leases_of(id).await?;
+                info!(replica = id, leases = n, note, "the leases of a replaced version ended by hand (force): it goes at the next sweep");
+                inner
+                    .sweep_wanted
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
+                inner.retention_wake.notify_one();
+                inner.changed.send_modify(|v| *v += 1);
+                return inner
+                    .catalog
+                    .replica(id)
+                    .await?
+                    .ok_or(LifecycleError::NotFound(id));
+            }
             return Err(LifecycleError::Replaced {
                 id,
                 by,
@@ -651,10 +669,30 @@ impl Sink {
             });
         }
         jobs.sort_by(|a, b| (&a.job, &a.source_site).cmp(&(&b.job, &b.source_site)));
+        let pending_pins = inner
+            .catalog
+            .pending_pin_requests(now)
+            .await?
+            .into_iter()
+            .map(|p| PendingPin {
+                target: match p.target {
+                    ferry_proto::wire::PinTarget::Newest => "newest".into(),
+                    ferry_proto::wire::PinTarget::Step(s) => format!("step {s}"),
+                    ferry_proto::wire::PinTarget::AtOrAfter(s) => {
+                        format!("first at or after step {s}")
+                    }
+                },
+                source_site: p.source_site,
+                job: p.job,
+                reason: p.reason,
+                until: p.until,
+            })
+            .collect();
         Ok(RetentionView {
             policies: list.iter().map(retention::PolicySpec::of).collect(),
             set_by,
             jobs,
+            pending_pins,
         })
     }
 
@@ -785,6 +823,24 @@ pub struct RetentionView {
     pub set_by: String,
     /// Per (job, source site): its current versions, newest first.
     pub jobs: Vec<JobRetention>,
+    /// Pins signals asked for whose replica is not here yet (published
+    /// later, or never if its source does not send it).
+    pub pending_pins: Vec<PendingPin>,
+}
+
+/// A signal's pin waiting for its replica.
+#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
+pub struct PendingPin {
+    /// The source site that asked.
+    pub source_site: String,
+    /// The job.
+    pub job: String,
+    /// Which replica: `newest`, `step N`, or `first at or after step N`.
+    pub target: String,
+    /// Why (the signal).
+    pub reason: String,
+    /// When the request ends unapplied (Unix ms).
+    pub until: i64,
 }
 
 /// The versions of one (job, source site) and their verdicts.
@@ -881,7 +937,7 @@ async fn refresh_policies(inner: &Arc<Inner>) {
 }
 
 /// Longest pin a signal may ask for, ms (100 years, as an operator's).
-const MAX_SIGNAL_PIN_MS: u64 = 100 * 365 * 86_400_000;
+const MAX_SIGNAL_PIN_MS: u64 = 100 * 31_557_600_000;
 
 /// A source asked (protocol version 6) to pin a replica of one of its
 /// jobs because of a signal: recorded, then applied by the lifecycle task
@@ -1150,7 +1206,11 @@ async fn sweep_versions(inner: &Arc<Inner>) {
         match res {
             Ok(()) => info!(
                 replica = id,
-                state = %row.state,
+                why = if row.state == TransferState::Published {
+                    "a re-save replaced it"
+                } else {
+                    "its transfer did not finish"
+                },
                 "deleted a version no published path names and no lease holds"
             ),
             Err(e) => {
@@ -1478,7 +1538,7 @@ async fn newer_version(inner: &Inner, r: &Replica) -> Result<Option<i64>, Catalo
         .replicas_for_source(&r.source_path)
         .await?
         .into_iter()
-        .find(|n| {
+        .filter(|n| {
             n.id > r.id
                 && n.local_path == r.local_path
                 && matches!(
@@ -1486,7 +1546,8 @@ async fn newer_version(inner: &Inner, r: &Replica) -> Result<Option<i64>, Catalo
                     TransferState::Published | TransferState::Removing | TransferState::Removed
                 )
         })
-        .map(|n| n.id))
+        .map(|n| n.id)
+        .min())
 }
 
 /// Steps 1 and 2 of a removal, then step 3 in the background. False when

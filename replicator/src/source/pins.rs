@@ -6,7 +6,10 @@
 //! links to pin them for `pin_for` (wire protocol version 6,
 //! [`Control::Pin`](ferry_proto::wire::Control::Pin)). When no checkpoint
 //! at or after the step exists yet, the sink pins the first one published
-//! later; a signal without a step pins the newest replica.
+//! later, and the watcher replicates the first one that appears whatever
+//! `select` says; a signal without a step pins the newest replica. A
+//! picked checkpoint is replicated by its root's watcher, as any other:
+//! once its format says it committed (a crashed save is never published).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -17,6 +20,7 @@ use ferry_proto::state::TransferState;
 use ferry_proto::wire::{PinRequest, PinTarget};
 use tracing::{info, warn};
 
+use super::watch_core::Pick;
 use super::Inner;
 
 /// Which signals pin, and for how long (`[source] pin_on`, `pin_for`).
@@ -81,11 +85,11 @@ fn list_steps(root: &Path) -> Vec<(u64, PathBuf)> {
 
 /// Sends the pins signal `sig` asks for (if its kind pins), replicating
 /// a checkpoint it pins that was never replicated (skipped by `select`,
-/// or cancelled).
-pub(super) async fn pin_around(inner: &Arc<Inner>, sig: &Signal) {
+/// or cancelled); returns them in words.
+pub(super) async fn pin_around(inner: &Arc<Inner>, sig: &Signal) -> Vec<String> {
     let cfg = &inner.cfg.pins;
     if !cfg.kinds.contains(&sig.kind) {
-        return;
+        return Vec::new();
     }
     let roots: Vec<(PathBuf, String)> = inner
         .cfg
@@ -105,7 +109,11 @@ pub(super) async fn pin_around(inner: &Arc<Inner>, sig: &Signal) {
         Some(s) => format!("{} at step {s} (signal {})", sig.kind, sig.id),
         None => format!("{} (signal {})", sig.kind, sig.id),
     };
+    let until = ferry_catalog::now_ms()
+        .saturating_add(i64::try_from(cfg.pin_for.as_millis()).unwrap_or(i64::MAX));
     let mut targets: Vec<(PinTarget, String)> = Vec::new();
+    // Pins sent later, once the watcher finds their checkpoint.
+    let mut later: Vec<String> = Vec::new();
     match sig.step.and_then(|s| u64::try_from(s).ok()) {
         None => targets.push((PinTarget::Newest, format!("{what}: the newest checkpoint"))),
         Some(s) => {
@@ -121,7 +129,7 @@ pub(super) async fn pin_around(inner: &Arc<Inner>, sig: &Signal) {
                     PinTarget::Step(*step),
                     format!("{what}: the last checkpoint before it"),
                 ));
-                replicate_if_skipped(inner, dir).await;
+                pick_if_skipped(inner, dir, until).await;
             }
             match after {
                 Some((step, dir)) => {
@@ -129,12 +137,29 @@ pub(super) async fn pin_around(inner: &Arc<Inner>, sig: &Signal) {
                         PinTarget::Step(*step),
                         format!("{what}: the first checkpoint at or after it"),
                     ));
-                    replicate_if_skipped(inner, dir).await;
+                    pick_if_skipped(inner, dir, until).await;
                 }
-                None => targets.push((
-                    PinTarget::AtOrAfter(s),
-                    format!("{what}: the first checkpoint at or after it (when it comes)"),
-                )),
+                None => {
+                    let reason = format!("{what}: the first checkpoint at or after it");
+                    if inner.cfg.scan_interval.is_some() && !roots.is_empty() {
+                        // The watcher replicates the first one that
+                        // appears (whatever select says), and the pin of
+                        // its step goes then (send_step_pins).
+                        later.push(format!(
+                            "the first step at or after {s} (when it is written)"
+                        ));
+                        let mut picks = crate::lock::lock(&inner.picks);
+                        let mut waiting = crate::lock::lock(&inner.step_pins);
+                        for (root, _) in &roots {
+                            picks.push((root.clone(), Pick::AtOrAfter(s), until));
+                            waiting.push((root.clone(), s, reason.clone(), until));
+                        }
+                    } else {
+                        // No watcher here: the sink pins the first one
+                        // published.
+                        targets.push((PinTarget::AtOrAfter(s), reason));
+                    }
+                }
             }
         }
     }
@@ -163,25 +188,98 @@ pub(super) async fn pin_around(inner: &Arc<Inner>, sig: &Signal) {
         links = ?links,
         "signal: asking the sinks to pin the checkpoints around it"
     );
+    let days = cfg.pin_for.as_secs_f64() / 86_400.0;
+    targets
+        .iter()
+        .map(|(t, reason)| {
+            let which = match t {
+                PinTarget::Newest => "the newest replica".to_string(),
+                PinTarget::Step(s) => format!("step {s}"),
+                PinTarget::AtOrAfter(s) => format!("the first step at or after {s}"),
+            };
+            let why = reason.split_once(": ").map_or(reason.as_str(), |(_, w)| w);
+            format!("{which} ({why}), for {days:.1} days")
+        })
+        .chain(
+            later
+                .into_iter()
+                .map(|w| format!("{w}, for {days:.1} days")),
+        )
+        .collect()
 }
 
-/// Queues a replication of checkpoint `dir` if it has none that may
-/// still publish (never queued: `select` skipped it; or cancelled).
-async fn replicate_if_skipped(inner: &Arc<Inner>, dir: &Path) {
+/// The watcher of `root` picked checkpoint `dir` as the first at or after
+/// step `from`: the pins waiting for it go to the sinks of the root's link
+/// for its step, for what is left of their time.
+pub(super) fn send_step_pins(inner: &Arc<Inner>, root: &super::RootConfig, dir: &str, from: u64) {
+    let Some(step) = crate::formats::step_of(dir) else {
+        return;
+    };
+    let now = ferry_catalog::now_ms();
+    let mine: Vec<(String, i64)> = {
+        let mut waiting = crate::lock::lock(&inner.step_pins);
+        let mut out = Vec::new();
+        waiting.retain(|(r, s, reason, until)| {
+            if *until <= now {
+                return false;
+            }
+            if *r == root.path && *s == from {
+                out.push((reason.clone(), *until));
+                return false;
+            }
+            true
+        });
+        out
+    };
+    let Some(link) = inner.links.get(&root.link) else {
+        return;
+    };
+    {
+        let mut out = crate::lock::lock(&link.pins);
+        for (reason, until) in &mine {
+            out.push(PinRequest {
+                job: root.job.clone(),
+                target: PinTarget::Step(step),
+                reason: reason.clone(),
+                for_ms: u64::try_from(until - now).unwrap_or(0),
+            });
+        }
+    }
+    if !mine.is_empty() {
+        info!(
+            job = root.job,
+            step,
+            dir,
+            "signal: the first checkpoint at or after the signal's step is here: pinning it"
+        );
+        link.wake.notify_one();
+    }
+}
+
+/// Asks the watcher of `dir`'s root to replicate checkpoint `dir` until
+/// `until` (Unix ms) whatever `select` says, if it has no transfer that
+/// may still publish (never queued: `select` skipped it; or cancelled).
+async fn pick_if_skipped(inner: &Arc<Inner>, dir: &Path, until: i64) {
     // As transfers record it.
-    let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
-    let dir = dir.as_path();
-    let path = dir.to_string_lossy();
+    let canonical = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+    let path = canonical.to_string_lossy();
     match inner.catalog.transfer_by_path(&path).await {
         Ok(Some(t)) if t.state != TransferState::Cancelled && t.state != TransferState::Failed => {}
-        Ok(_) => match super::submit(inner, dir, None, scheduler::Class::Scheduled).await {
-            Ok(t) => {
-                info!(transfer = %t.id, path = %dir.display(), "signal: replicating a checkpoint to pin (select had skipped it)")
+        Ok(_) => {
+            let (Some(root), Some(name)) = (dir.parent(), dir.file_name()) else {
+                return;
+            };
+            if inner.cfg.scan_interval.is_none() {
+                warn!(path = %dir.display(), "signal: a checkpoint to pin was never replicated, and the watcher is off: push it to have it pinned");
+                return;
             }
-            Err(e) => {
-                warn!(path = %dir.display(), error = %e, "signal: could not replicate a checkpoint to pin")
-            }
-        },
+            info!(path = %dir.display(), "signal: the watcher replicates a checkpoint to pin (select had skipped it) once it has committed");
+            crate::lock::lock(&inner.picks).push((
+                root.to_path_buf(),
+                Pick::Dir(name.to_string_lossy().into_owned()),
+                until,
+            ));
+        }
         Err(e) => {
             warn!(path = %dir.display(), error = %e, "signal: reading a checkpoint's transfers")
         }

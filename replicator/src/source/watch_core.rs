@@ -386,6 +386,27 @@ struct Rules {
     markers: Vec<String>,
     quiet: Duration,
     idle_timeout: Duration,
+    picks: Picks,
+}
+
+/// What a signal's pins asked the watcher to replicate whatever `select`
+/// says (`source/pins.rs`): a directory of the root, or the first one
+/// with a step at or above a step (which becomes a directory once it
+/// appears).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Pick {
+    /// This checkpoint directory (a name directly under the root).
+    Dir(String),
+    /// The directory with the smallest step at or above this one, once
+    /// one exists.
+    AtOrAfter(u64),
+}
+
+/// The root's picks, each until a time (Unix ms).
+#[derive(Debug, Clone, Default)]
+struct Picks {
+    dirs: HashMap<String, i64>,
+    at_or_after: Vec<(u64, i64)>,
 }
 
 /// The watcher's decisions for one source root (see the module docs).
@@ -413,18 +434,67 @@ impl WatchCore {
                 markers,
                 quiet: timing.quiet,
                 idle_timeout: timing.idle_timeout,
+                picks: Picks::default(),
             },
             ckpts: HashMap::new(),
         })
     }
 
     /// True if the root's selection keeps directory `dir`
-    /// (`every_n_steps`; `latest_only` is decided per scan).
+    /// (`every_n_steps`; `latest_only` is decided per scan), or a
+    /// signal's pins picked it.
     pub fn selects(&self, dir: &str) -> bool {
         match self.rules.watch.select {
-            Selection::EveryNSteps(n) if n > 0 => formats::step_of(dir).is_some_and(|s| s % n == 0),
+            Selection::EveryNSteps(n) if n > 0 => {
+                formats::step_of(dir).is_some_and(|s| s % n == 0)
+                    || self.rules.picks.dirs.contains_key(dir)
+            }
             _ => true,
         }
+    }
+
+    /// A signal's pins picked `pick` until `until_ms` (Unix ms): it is
+    /// replicated whatever `select` says.
+    pub fn add_pick(&mut self, pick: Pick, until_ms: i64) {
+        match pick {
+            Pick::Dir(d) => {
+                let u = self.rules.picks.dirs.entry(d).or_insert(until_ms);
+                *u = (*u).max(until_ms);
+            }
+            Pick::AtOrAfter(s) => self.rules.picks.at_or_after.push((s, until_ms)),
+        }
+    }
+
+    /// With the root's listing `dirs` at `now_ms`: each step pick whose
+    /// directory exists now becomes a pick of that directory (the
+    /// smallest step at or above it), and ended picks are dropped.
+    /// Returns the directories picked now, each with the step of the pick
+    /// it settles.
+    pub fn settle_picks(&mut self, dirs: &[String], now_ms: i64) -> Vec<(String, u64)> {
+        let picks = &mut self.rules.picks;
+        picks.dirs.retain(|_, u| *u > now_ms);
+        picks.at_or_after.retain(|(_, u)| *u > now_ms);
+        let mut found = Vec::new();
+        picks.at_or_after.retain(|&(s, until)| {
+            let first = dirs
+                .iter()
+                .filter_map(|d| formats::step_of(d).filter(|x| *x >= s).map(|x| (x, d)))
+                .min();
+            match first {
+                Some((_, d)) => {
+                    found.push((d.clone(), s, until));
+                    false
+                }
+                None => true,
+            }
+        });
+        let mut out = Vec::new();
+        for (d, s, until) in found {
+            out.push((d.clone(), s));
+            let u = picks.dirs.entry(d).or_insert(until);
+            *u = (*u).max(until);
+        }
+        out
     }
 
     /// The format to scan `dir` with: the one recognised so far, else the
@@ -878,7 +948,8 @@ impl Rules {
             .collect();
         let superseded = self.watch.select == Selection::LatestOnly
             && step.is_some()
-            && root.newest_step.is_some_and(|n| Some(n) > step);
+            && root.newest_step.is_some_and(|n| Some(n) > step)
+            && !self.picks.dirs.contains_key(dir);
         c.committed = matches!(verdict, Verdict::Committed { .. });
         let overtaken = step
             .zip(root.newest_committed)
@@ -1668,6 +1739,44 @@ mod tests {
         assert_eq!(s.len(), 1, "{a:?}");
         assert_eq!(s[0].0, "step_2000");
         assert!(!h.core.selects("step_2500") && h.core.selects("step_3000"));
+    }
+
+    #[test]
+    fn a_signal_pick_replicates_what_select_skips_until_it_ends() {
+        let mut h = H::new(RootWatch {
+            select: Selection::EveryNSteps(1000),
+            ..RootWatch::default()
+        });
+        for d in ["step_1500", "step_2000"] {
+            h.put(d, "weights.bin", 70_000);
+            h.put(d, "COMMITTED", 0);
+        }
+        let a = h.pass();
+        assert_eq!(starts(&a).len(), 1, "{a:?}");
+        // A pin picks the skipped step 1500, and the first at or after
+        // 2100 (none yet).
+        h.core.add_pick(Pick::Dir("step_1500".into()), i64::MAX);
+        h.core.add_pick(Pick::AtOrAfter(2100), i64::MAX);
+        let dirs: Vec<String> = ["step_1500", "step_2000"].map(String::from).to_vec();
+        assert!(h.core.settle_picks(&dirs, 0).is_empty());
+        assert!(h.core.selects("step_1500"));
+        let a = h.pass();
+        let s = starts(&a);
+        assert_eq!(s.len(), 1, "{a:?}");
+        assert_eq!(s[0].0, "step_1500");
+        // 2500 and 2700 appear (both off the cadence): only the first at
+        // or after 2100 is picked.
+        let dirs: Vec<String> = ["step_2700", "step_2500"].map(String::from).to_vec();
+        assert_eq!(
+            h.core.settle_picks(&dirs, 0),
+            vec![("step_2500".to_string(), 2100)]
+        );
+        assert!(h.core.selects("step_2500") && !h.core.selects("step_2700"));
+        // Picks end.
+        h.core.add_pick(Pick::Dir("step_3500".into()), 10);
+        assert!(h.core.selects("step_3500"));
+        h.core.settle_picks(&[], 10);
+        assert!(!h.core.selects("step_3500"));
     }
 
     #[test]

@@ -436,6 +436,18 @@ async fn follow(
             next_full = tokio::time::Instant::now() + timing.rescan;
         }
         let touched: HashSet<String> = std::mem::take(&mut *crate::lock::lock(&dirty));
+        // Checkpoints a signal's pins picked here (whatever `select`
+        // says).
+        {
+            let mut picks = crate::lock::lock(&inner.picks);
+            picks.retain(|(r, pick, until)| {
+                if *r != root.path {
+                    return true;
+                }
+                core.add_pick(pick.clone(), *until);
+                false
+            });
+        }
         // One instant for the scan and the core, so the files the core
         // wants sampled are those it then judges.
         let at = Instant::now();
@@ -488,6 +500,10 @@ async fn follow(
                 continue;
             }
         };
+        for (dir, from) in core.settle_picks(&scan.dirs, now_ms()) {
+            info!(root = %root.path.display(), dir, "a signal's pin picked this checkpoint: replicating it whatever select says");
+            super::pins::send_step_pins(inner, root, &dir, from);
+        }
         let answers = answers(inner, root, &core.questions(&scan)).await;
         let now = Now {
             at,
