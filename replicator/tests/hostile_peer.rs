@@ -492,7 +492,7 @@ async fn out_of_order_control_messages_close_the_connection() {
 #[tokio::test]
 async fn unknown_message_types_close_the_connection() {
     let s = setup().await;
-    for ty in [0u8, 12, 200, 255] {
+    for ty in [0u8, 13, 200, 255] {
         let (conn, mut send, _recv, _) = connect(&s, PROTOCOL_VERSION).await;
         let mut frame = 9u32.to_be_bytes().to_vec();
         frame.push(ty);

@@ -931,7 +931,18 @@ impl Rules {
                 return;
             }
         }
-        let verdict = formats::verdict(format, &snap, &self.markers);
+        let mut verdict = formats::verdict(format, &snap, &self.markers);
+        // The format was recognised only now, from files tracked without
+        // its content check (none was known): not committed before the
+        // next scan has sampled them. Else a save first seen complete,
+        // with a truncated or empty shard and its marker, would commit
+        // unchecked.
+        if !has_checks(hint)
+            && has_checks(Some(format))
+            && matches!(verdict, Verdict::Committed { .. })
+        {
+            verdict = Verdict::Open;
+        }
         let view: Vec<ViewFile> = files
             .iter()
             .filter(|f| self.filter.keeps(&f.path))
@@ -1633,6 +1644,9 @@ mod tests {
         h.pass();
         let killed = h.core.transfer(STEP).unwrap();
         h.dcp("step_00000004");
+        // Seen whole at once: recognised, then sampled and committed at
+        // the next scan.
+        h.pass();
         h.pass();
         let a = h.pass();
         let e = ends(&a);
@@ -1722,6 +1736,47 @@ mod tests {
             view_of(&a, id).unwrap().0,
             ViewState::Committed { .. }
         ));
+    }
+
+    #[test]
+    fn a_damaged_save_first_seen_complete_on_an_auto_root_is_not_committed() {
+        // The root's format is auto: the first scan sees the whole save,
+        // its marker and a truncated shard at once, before any sample.
+        let mut h = H::new(RootWatch::default());
+        h.put(STEP, "__0_0.distcp", 4000);
+        h.put(STEP, "__1_0.distcp", 3000);
+        h.disk
+            .get_mut(STEP)
+            .unwrap()
+            .get_mut("__1_0.distcp")
+            .unwrap()
+            .intact = false;
+        h.put(STEP, ".metadata", 300);
+        let committed = |a: &[Action]| {
+            a.iter().any(|a| {
+                matches!(
+                    a,
+                    Action::StartTransfer {
+                        state: ViewState::Committed { .. },
+                        ..
+                    } | Action::UpdateView {
+                        state: ViewState::Committed { .. },
+                        ..
+                    }
+                )
+            })
+        };
+        for _ in 0..3 {
+            let a = h.pass();
+            assert!(!committed(&a), "committed with a truncated shard: {a:?}");
+        }
+        // Once whole, it commits.
+        h.put(STEP, "__1_0.distcp", 4000);
+        let mut seen = false;
+        for _ in 0..3 {
+            seen |= committed(&h.pass());
+        }
+        assert!(seen, "the whole save never committed");
     }
 
     #[test]
