@@ -111,19 +111,6 @@ impl Catalog {
         Ok(rows.iter().map(row).collect::<Result<_, _>>()?)
     }
 
-    /// Every pin request, newest first (at most `limit`).
-    ///
-    /// # Errors
-    /// SQL errors.
-    pub async fn pin_requests(&self, limit: i64) -> Result<Vec<PinRequestRow>, CatalogError> {
-        let q = format!("SELECT {COLS} FROM pin_requests ORDER BY id DESC LIMIT ?");
-        let rows = sqlx::query(&self.db.sql(&q))
-            .bind(limit)
-            .fetch_all(&self.pool)
-            .await?;
-        Ok(rows.iter().map(row).collect::<Result<_, _>>()?)
-    }
-
     /// Applies pin request `request` to published replica `replica`: the
     /// replica is pinned until `until` for `reason` unless a pin that
     /// lasts as long already holds it (an operator's pin is never
