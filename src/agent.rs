@@ -130,6 +130,7 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
                     agent: cfg.agent.name.clone(),
                     site: cfg.agent.site.clone(),
                     root: s.root.clone(),
+                    storage: s.storage()?,
                     accept_peers: s.accept_peers.clone(),
                     reserve_bytes: s.reserve,
                     reread_before_publish: s.reread_before_publish,

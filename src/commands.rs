@@ -489,8 +489,9 @@ fn check_resolve_args(path: &str, wait: Duration) -> Result<()> {
 }
 
 /// `ferry resolve PATH`: asks the sink where the checkpoint `path` (its
-/// absolute path at the source) is. Prints the local path (exit 0), or
-/// the state and progress on stderr and exits with [`NOT_LOCAL_EXIT`].
+/// absolute path at the source) is. Prints the local path, or the URL on
+/// an HDFS or S3 sink (exit 0), or the state and progress on stderr and
+/// exits with [`NOT_LOCAL_EXIT`].
 ///
 /// # Errors
 /// A relative path, an unreachable or refusing agent; [`Exit`] when the
@@ -508,7 +509,13 @@ pub async fn resolve(args: &ServerArgs, path: &str, wait: Duration, raw: bool) -
     if raw {
         outln!("{r}")?;
     } else if local {
-        outln!("{}", text(&r, "local_path"))?;
+        outln!(
+            "{}",
+            r["local_path"]
+                .as_str()
+                .or(r["url"].as_str())
+                .unwrap_or("?")
+        )?;
         if let Some(p) = r["profile"].as_str() {
             eprintln!("note: a {p} replica (some files of the checkpoint are not here)");
         }
@@ -748,7 +755,7 @@ fn replica_line(r: &Value) -> String {
         state,
         text(r, "job"),
         int(r, "bytes_total"),
-        text(r, "local_path"),
+        r["url"].as_str().unwrap_or(text(r, "local_path")),
     )
 }
 
@@ -798,7 +805,7 @@ pub async fn replica_rm(
     }
     outln!(
         "replica {id} removed from {} (its files are being deleted)",
-        text(&r, "local_path")
+        r["url"].as_str().unwrap_or(text(&r, "local_path"))
     )
 }
 

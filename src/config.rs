@@ -757,8 +757,20 @@ impl RootSection {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SinkSection {
-    /// Directory for replicas (and staging, under `.ferry/`).
+    /// Where replicas go (staging under `.ferry/` there): a local
+    /// directory, an HDFS directory (`hdfs://namenode:8020/eval`; Kerberos
+    /// and HA name services come from `HADOOP_CONF_DIR`), or an S3 bucket
+    /// prefix (`s3://bucket/eval`, see `[sink.s3]`).
     pub root: PathBuf,
+    /// On an HDFS or S3 root: bytes replicas may fill there (a size,
+    /// `"20TiB"`), the base of `reserve` and space pressure. Unset: the
+    /// HDFS directory's space quota, or unknown (no space check) on S3. A
+    /// local root uses its file system's size and refuses this key.
+    #[serde(default, deserialize_with = "de_size_opt")]
+    pub capacity: Option<u64>,
+    /// `[sink.s3]`: how to reach an `s3://` root.
+    #[serde(default)]
+    pub s3: Option<S3Section>,
     /// Source agent names allowed to connect; default: any with a
     /// certificate from the CA.
     #[serde(default)]
@@ -795,7 +807,75 @@ pub struct SinkSection {
     pub target_free: Option<Threshold>,
 }
 
+/// `[sink.s3]`: the endpoint and credentials of an `s3://` sink root.
+/// Unset keys come from the standard `AWS_ENDPOINT`, `AWS_REGION`,
+/// `AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY` environment variables.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct S3Section {
+    /// Endpoint URL of an S3-compatible store (`"http://10.0.0.5:8333"`);
+    /// unset: AWS S3 itself.
+    pub endpoint: Option<String>,
+    /// Region; default `"us-east-1"`.
+    pub region: Option<String>,
+    /// Access key id (not a secret).
+    pub access_key_id: Option<String>,
+    /// File holding the secret access key (one line; relative to the
+    /// config file). The key is never logged.
+    pub secret_access_key_file: Option<PathBuf>,
+}
+
 impl SinkSection {
+    /// The store `root` is in, with its settings: the secret access key
+    /// of an `s3://` root is read from `[sink.s3] secret_access_key_file`.
+    ///
+    /// # Errors
+    /// A root URL that does not parse, or a key file that cannot be read,
+    /// named.
+    pub fn storage(&self) -> Result<replicator::sink::SinkStorage> {
+        use replicator::sink::SinkStorage;
+        let root = self.root.to_string_lossy();
+        let Some((scheme, _)) = root.split_once("://") else {
+            return Ok(SinkStorage::Local);
+        };
+        replicator::storage::remote::RemoteRoot::parse(&root)
+            .map_err(|e| anyhow::anyhow!("sink.root: {e}"))?;
+        let url = root.trim_end_matches('/').to_string();
+        Ok(match scheme {
+            "hdfs" => SinkStorage::Hdfs {
+                url,
+                capacity: self.capacity,
+            },
+            _ => {
+                let s3 = self.s3.clone().unwrap_or_default();
+                let secret_access_key = match &s3.secret_access_key_file {
+                    Some(f) => Some(
+                        std::fs::read_to_string(f)
+                            .map_err(|e| {
+                                anyhow::anyhow!(
+                                    "sink.s3.secret_access_key_file {}: {e}",
+                                    f.display()
+                                )
+                            })?
+                            .trim()
+                            .to_string(),
+                    ),
+                    None => None,
+                };
+                SinkStorage::S3 {
+                    url,
+                    config: replicator::storage::s3::S3Config {
+                        endpoint: s3.endpoint,
+                        region: s3.region,
+                        access_key_id: s3.access_key_id,
+                        secret_access_key,
+                        capacity: self.capacity,
+                    },
+                }
+            }
+        })
+    }
+
     /// `min_free` and `target_free` together.
     ///
     /// # Errors
@@ -968,6 +1048,16 @@ impl Config {
             }
         }
         if let Some(p) = &mut c.catalog.password_file {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        }
+        if let Some(p) = c
+            .sink
+            .as_mut()
+            .and_then(|s| s.s3.as_mut())
+            .and_then(|s| s.secret_access_key_file.as_mut())
+        {
             if p.is_relative() {
                 *p = base.join(&*p);
             }
@@ -1191,15 +1281,32 @@ impl Config {
         }
         if let Some(s) = &self.sink {
             let root = s.root.to_string_lossy();
-            if let Some((scheme, _)) = root.split_once("://") {
-                bail!(
-                    "sink.root {root}: {scheme}:// roots are not supported by `ferry serve` yet \
-                     (the HDFS and S3 backends exist as libraries, see ARCHITECTURE.md \
-                     \"Storage backends\"); give a local directory"
-                );
-            }
-            if !s.root.is_absolute() {
-                bail!("sink.root must be absolute, got {}", s.root.display());
+            match root.split_once("://") {
+                Some(("hdfs" | "s3", _)) => {
+                    replicator::storage::remote::RemoteRoot::parse(&root)
+                        .map_err(|e| anyhow::anyhow!("sink.root: {e}"))?;
+                    if s.s3.is_some() && !root.starts_with("s3://") {
+                        bail!("[sink.s3] is set but sink.root {root} is not an s3:// URL");
+                    }
+                }
+                Some((scheme, _)) => bail!(
+                    "sink.root {root}: {scheme}:// is not a store ferry knows; give a local \
+                     directory, hdfs://namenode:port/dir or s3://bucket/prefix"
+                ),
+                None => {
+                    if !s.root.is_absolute() {
+                        bail!("sink.root must be absolute, got {}", s.root.display());
+                    }
+                    if s.capacity.is_some() {
+                        bail!(
+                            "sink.capacity is for hdfs:// and s3:// roots; a local root \
+                             uses its file system's size"
+                        );
+                    }
+                    if s.s3.is_some() {
+                        bail!("[sink.s3] is set but sink.root {root} is a local directory");
+                    }
+                }
             }
         }
         Ok(())
@@ -1380,8 +1487,73 @@ link = "to-eval"
         assert!(e.contains("[sink]"), "{e}");
         let e = err(&GOOD.replace("path = \"/ckpt/job\"", "path = \"hdfs://nn/ckpt/job\""));
         assert!(e.contains("hdfs:// roots are not supported"), "{e}");
-        let e = err(&format!("{GOOD}[sink]\nroot = \"s3://bucket/eval\"\n"));
-        assert!(e.contains("s3:// roots are not supported"), "{e}");
+    }
+
+    #[test]
+    fn remote_sink_roots_take_their_settings_and_bad_ones_are_named() {
+        use replicator::sink::SinkStorage;
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("s3.secret"), "s3cr3t\n").unwrap();
+        let p = d.path().join("ferry.toml");
+        let text = format!(
+            "{GOOD}[sink]\nroot = \"s3://bucket/eval/\"\ncapacity = \"2TiB\"\n\
+             [sink.s3]\nendpoint = \"http://127.0.0.1:8333\"\naccess_key_id = \"AK\"\n\
+             secret_access_key_file = \"s3.secret\"\n"
+        );
+        std::fs::write(&p, text).unwrap();
+        let c = Config::load(&p).unwrap();
+        match c.sink.as_ref().unwrap().storage().unwrap() {
+            SinkStorage::S3 { url, config } => {
+                assert_eq!(url, "s3://bucket/eval");
+                assert_eq!(config.endpoint.as_deref(), Some("http://127.0.0.1:8333"));
+                assert_eq!(config.access_key_id.as_deref(), Some("AK"));
+                assert_eq!(
+                    config.secret_access_key.as_deref(),
+                    Some("s3cr3t"),
+                    "read from the file, relative to the config"
+                );
+                assert_eq!(config.capacity, Some(2 << 40));
+                assert!(!format!("{config:?}").contains("s3cr3t"), "redacted");
+            }
+            other => panic!("expected S3, got {other:?}"),
+        }
+        let h = load(&format!("{GOOD}[sink]\nroot = \"hdfs://nn:8020/eval\"\n")).unwrap();
+        assert!(matches!(
+            h.sink.as_ref().unwrap().storage().unwrap(),
+            SinkStorage::Hdfs { ref url, capacity: None } if url == "hdfs://nn:8020/eval"
+        ));
+        let l = load(&format!("{GOOD}[sink]\nroot = \"/eval\"\n")).unwrap();
+        assert!(matches!(
+            l.sink.as_ref().unwrap().storage().unwrap(),
+            SinkStorage::Local
+        ));
+        // A missing key file is named when the sink starts.
+        std::fs::remove_file(d.path().join("s3.secret")).unwrap();
+        let e = format!("{:#}", c.sink.as_ref().unwrap().storage().unwrap_err());
+        assert!(
+            e.contains("secret_access_key_file") && e.contains("s3.secret"),
+            "{e}"
+        );
+        for (extra, want) in [
+            ("root = \"ftp://x/eval\"\n", "ftp:// is not a store"),
+            ("root = \"s3:///eval\"\n", "no bucket"),
+            ("root = \"hdfs://nn/a/../b\"\n", "not a plain absolute path"),
+            (
+                "root = \"/eval\"\ncapacity = \"1TB\"\n",
+                "sink.capacity is for",
+            ),
+            (
+                "root = \"hdfs://nn/eval\"\n[sink.s3]\nregion = \"x\"\n",
+                "not an s3:// URL",
+            ),
+            (
+                "root = \"/eval\"\n[sink.s3]\nregion = \"x\"\n",
+                "is a local directory",
+            ),
+        ] {
+            let e = err(&format!("{GOOD}[sink]\n{extra}"));
+            assert!(e.contains(want), "{extra}: {e}");
+        }
     }
 
     #[test]

@@ -413,8 +413,12 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         let _ = tokio::time::timeout(Duration::from_millis(100), changes.changed()).await;
     };
     bar.finish_and_clear();
-    let Resolution::Local { local_path, .. } = &resolution else {
-        bail!("unreachable: not local");
+    let Resolution::Local {
+        local_path: Some(local_path),
+        ..
+    } = &resolution
+    else {
+        bail!("unreachable: not a local replica");
     };
     let replica = PathBuf::from(local_path);
 
@@ -494,7 +498,13 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         }
         let local = loop {
             match sink.resolve(&path).await? {
-                Resolution::Local { local_path, .. } => break PathBuf::from(local_path),
+                Resolution::Local {
+                    local_path: Some(local_path),
+                    ..
+                } => break PathBuf::from(local_path),
+                Resolution::Local { url, .. } => {
+                    bail!("the demo's sink is local, but resolve answered {url:?}")
+                }
                 Resolution::Replicating { bytes_done, .. } => bar.set_position(bytes_done),
                 Resolution::Remote { reason } => {
                     bail!("phase 2 transfer failed: {}", reason.unwrap_or_default())
@@ -641,6 +651,8 @@ pub(crate) async fn start_pair(
     sink_cfg.quic.max_rtt = a.rtt;
     sink_cfg.sink = Some(SinkSection {
         root: data.join("eval"),
+        capacity: None,
+        s3: None,
         accept_peers: vec!["demo-source".into()],
         reserve: 0,
         reread_before_publish: true,

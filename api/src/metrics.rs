@@ -87,6 +87,7 @@ mod tests {
                 agent: "s".into(),
                 site: "eval".into(),
                 root: d.path().join("root"),
+                storage: Default::default(),
                 accept_peers: vec![],
                 reserve_bytes: 0,
                 reread_before_publish: true,

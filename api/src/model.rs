@@ -137,8 +137,14 @@ pub struct Replica {
     pub bytes_done: i64,
     /// Staging directory.
     pub staging_path: String,
-    /// Where the replica is (or will be) published.
+    /// Where the replica is (or will be) published: a local path, or on
+    /// an HDFS or S3 sink the path in that store (see `url`).
     pub local_path: String,
+    /// On an HDFS or S3 sink, the replica's URL
+    /// (`hdfs://eval-nn:8020/eval/site/job/step-100`); absent on a local
+    /// one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
     /// Hex BLAKE3 manifest root once published.
     pub manifest_root: Option<String>,
     /// Last error.
@@ -239,6 +245,7 @@ impl From<ferry_catalog::Replica> for Replica {
             bytes_done: r.bytes_done,
             staging_path: r.staging_path,
             local_path: r.local_path,
+            url: None,
             manifest_root: r.manifest_root,
             error: r.error,
             created_at: r.created_at,

@@ -32,6 +32,15 @@ pub(crate) fn sink(s: &AppState) -> Result<&Sink, ApiError> {
         .ok_or_else(|| ApiError::not_found("this agent is not a sink; ask the sink agent"))
 }
 
+/// A replica row as the API shows it, with its URL on an HDFS or S3 sink.
+fn replica_view(s: &AppState, r: ferry_catalog::Replica) -> Result<Replica, ApiError> {
+    let url = sink(s)?.twin(std::path::Path::new(&r.local_path)).1;
+    Ok(Replica {
+        url,
+        ..Replica::from(r)
+    })
+}
+
 /// Query of `GET /v1/resolve`.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
@@ -230,7 +239,7 @@ pub(crate) async fn replicas(
                     .map(|(id, _)| *id)
                     .min()
             });
-        let mut v = Replica::from(r);
+        let mut v = replica_view(&s, r)?;
         v.replaced_by = by;
         v.leases = live.iter().filter(|l| l.replica == v.id).cloned().collect();
         items.push(v);
@@ -482,7 +491,7 @@ pub(crate) async fn remove_replica(
         by = by(&caller),
         "replica removal requested"
     );
-    Ok((StatusCode::ACCEPTED, Json(Replica::from(r))))
+    Ok((StatusCode::ACCEPTED, Json(replica_view(&s, r)?)))
 }
 
 /// Body of `POST /v1/replicas/{id}/pin`.
@@ -555,7 +564,7 @@ pub(crate) async fn pin_replica(
         .pin(id, until, &reason)
         .await
         .map_err(lifecycle_error)?;
-    Ok(Json(Replica::from(r)))
+    Ok(Json(replica_view(&s, r)?))
 }
 
 /// Remove a replica's pin (no error when it has none); the retention
@@ -580,5 +589,5 @@ pub(crate) async fn unpin_replica(
     let id = replica_id(id)?;
     let r = sink(&s)?.unpin(id).await.map_err(lifecycle_error)?;
     info!(replica = id, by = by(&caller), "replica unpinned");
-    Ok(Json(Replica::from(r)))
+    Ok(Json(replica_view(&s, r)?))
 }

@@ -12,9 +12,7 @@
 //! `<root>/.ferry/retired/<row id>` (see [`lifecycle`]).
 
 use std::collections::HashMap;
-use std::fs::OpenOptions;
 use std::io;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, UNIX_EPOCH};
@@ -41,7 +39,9 @@ use crate::bufpool::BufPool;
 use crate::conn::{code, read_frame, ConnError, ControlSender};
 use crate::hold::{HoldPoint, Holds};
 use crate::metrics::{MetricsError, SinkMetrics};
+use crate::storage::hdfs::Hdfs;
 use crate::storage::posix::Posix;
+use crate::storage::s3::{S3Config, S3};
 use crate::storage::{PublishOutcome, SinkStore};
 use crate::tls;
 use decide::Table;
@@ -60,8 +60,12 @@ pub struct SinkConfig {
     pub agent: String,
     /// This agent's site.
     pub site: String,
-    /// Directory that holds replicas and staging.
+    /// Directory that holds replicas and staging: a local directory, or
+    /// with a remote [`SinkConfig::storage`], set from its URL (the path
+    /// part: `/eval` for `hdfs://nn:8020/eval`) by [`Sink::start`].
     pub root: PathBuf,
+    /// The store `root` is in: the local file system, HDFS or S3.
+    pub storage: SinkStorage,
     /// Source agent names allowed to connect; empty allows any peer whose
     /// certificate chains to the CA.
     pub accept_peers: Vec<String>,
@@ -83,6 +87,64 @@ pub struct SinkConfig {
     /// transfer that does not fit makes room the same way
     /// ([`pressure`]); `None` removes nothing for space.
     pub pressure: Option<pressure::SpacePressure>,
+}
+
+/// The store a sink keeps its replicas in.
+#[derive(Debug, Clone, Default)]
+pub enum SinkStorage {
+    /// The local directory [`SinkConfig::root`] (POSIX).
+    #[default]
+    Local,
+    /// An HDFS directory, natively ([`crate::storage::hdfs`]).
+    Hdfs {
+        /// `hdfs://namenode:port/dir`.
+        url: String,
+        /// Bytes replicas may fill under the directory; `None` uses its
+        /// space quota, if it has one.
+        capacity: Option<u64>,
+    },
+    /// A prefix of an S3 bucket ([`crate::storage::s3`]).
+    S3 {
+        /// `s3://bucket/prefix`.
+        url: String,
+        /// Endpoint, region, credentials (redacted in `Debug`) and
+        /// capacity.
+        config: S3Config,
+    },
+}
+
+impl SinkStorage {
+    /// The root URL of a remote store; `None` for a local directory.
+    pub fn url(&self) -> Option<&str> {
+        match self {
+            SinkStorage::Local => None,
+            SinkStorage::Hdfs { url, .. } | SinkStorage::S3 { url, .. } => Some(url),
+        }
+    }
+
+    /// Opens the store, checking that it answers, and says where the sink
+    /// root is in it: `local_root` for a local directory, the URL's path
+    /// for a remote store. Blocks for the remote server's answer (bounded
+    /// by [`crate::storage::remote::CALL_TIMEOUT`]).
+    ///
+    /// # Errors
+    /// The server's error (unreachable, refused credentials, missing
+    /// bucket or directory), naming the URL.
+    pub fn open(&self, local_root: &Path) -> io::Result<(Arc<dyn SinkStore>, PathBuf)> {
+        Ok(match self {
+            SinkStorage::Local => (Arc::new(Posix), local_root.to_path_buf()),
+            SinkStorage::Hdfs { url, capacity } => {
+                let h = Hdfs::connect(url, *capacity)?;
+                let root = h.root().path.clone();
+                (Arc::new(h), root)
+            }
+            SinkStorage::S3 { url, config } => {
+                let s = S3::connect(url, config)?;
+                let root = s.root().path.clone();
+                (Arc::new(s), root)
+            }
+        })
+    }
 }
 
 /// A reader lease as resolve and the lease routes answer it.
@@ -120,8 +182,15 @@ impl LeaseGrant {
 pub enum Resolution {
     /// A verified replica is published here.
     Local {
-        /// Local twin of the requested path.
-        local_path: String,
+        /// Local twin of the requested path, on a sink whose root is a
+        /// local directory; absent on an HDFS or S3 sink (see `url`).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        local_path: Option<String>,
+        /// The twin's URL on an HDFS or S3 sink
+        /// (`hdfs://eval-nn:8020/eval/train-a/job/step-100`,
+        /// `s3://bucket/eval/train-a/job/step-100`); absent on a local one.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        url: Option<String>,
         /// Hex BLAKE3 manifest root.
         manifest_root: String,
         /// Publish time, RFC 3339.
@@ -318,6 +387,14 @@ impl Inner {
         o
     }
 
+    /// Path `p` of the sink's store as users see it: the path itself on a
+    /// local directory, its URL on HDFS or S3.
+    fn shown(&self, p: &Path) -> String {
+        self.store
+            .url_of(p)
+            .unwrap_or_else(|| p.to_string_lossy().into_owned())
+    }
+
     /// The lock serialising publishes into `local_path`. Locks nobody
     /// holds or waits for are dropped from the map on the way.
     fn publish_lock(&self, local_path: &Path) -> Arc<tokio::sync::Mutex<()>> {
@@ -358,12 +435,18 @@ impl Sink {
     /// # Errors
     /// [`io::Error`] if the sink root or its staging area cannot be
     /// created.
-    pub fn start(cfg: SinkConfig, catalog: Catalog, endpoint: Endpoint) -> io::Result<Sink> {
-        std::fs::create_dir_all(staging_root(&cfg.root)).map_err(|e| {
-            io::Error::new(e.kind(), format!("sink root {}: {e}", cfg.root.display()))
-        })?;
+    pub fn start(mut cfg: SinkConfig, catalog: Catalog, endpoint: Endpoint) -> io::Result<Sink> {
+        let (store, root) = cfg.storage.open(&cfg.root)?;
+        cfg.root = root;
+        let name = cfg
+            .storage
+            .url()
+            .map_or_else(|| cfg.root.display().to_string(), str::to_string);
+        store
+            .make_dir(&staging_root(&cfg.root))
+            .map_err(|e| io::Error::new(e.kind(), format!("sink root {name}: {e}")))?;
         if let Some(p) = cfg.pressure {
-            let capacity = Posix.capacity(&cfg.root)?;
+            let capacity = store.capacity(&cfg.root)?;
             p.bytes(capacity, cfg.reserve_bytes)
                 .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
         }
@@ -379,7 +462,7 @@ impl Sink {
             tasks: TaskTracker::new(),
             metrics: SinkMetrics::new(),
             publish_locks: Mutex::default(),
-            store: Arc::new(Posix),
+            store,
             holds: Arc::default(),
             sources: Mutex::new(HashMap::new()),
             retention_wake: tokio::sync::Notify::new(),
@@ -425,9 +508,29 @@ impl Sink {
         self.inner.holds.arm(point)
     }
 
-    /// The sink root.
+    /// The sink root: a local directory, or the root's path in its HDFS
+    /// or S3 store.
     pub fn root(&self) -> &Path {
         &self.inner.cfg.root
+    }
+
+    /// The sink root as a user names it: its directory, or its URL.
+    pub fn root_name(&self) -> String {
+        self.inner
+            .cfg
+            .storage
+            .url()
+            .map_or_else(|| self.inner.cfg.root.display().to_string(), str::to_string)
+    }
+
+    /// How resolve names path `p` of the sink's store: `(Some(local
+    /// path), None)` on a local directory, `(None, Some(URL))` on HDFS or
+    /// S3.
+    pub fn twin(&self, p: &Path) -> (Option<String>, Option<String>) {
+        match self.inner.store.url_of(p) {
+            Some(u) => (None, Some(u)),
+            None => (Some(p.to_string_lossy().into_owned()), None),
+        }
     }
 
     /// Payload bytes verified and written to staging per second since
@@ -541,12 +644,15 @@ impl Sink {
                         Path::new(&p.local_path).join(suffix)
                     };
                     // A file the checkpoint does not hold has no twin.
-                    if std::fs::symlink_metadata(&local).is_err() {
+                    let (store, l2) = (self.inner.store.clone(), local.clone());
+                    if !blocking(move || store.exists(&l2)).await.unwrap_or(false) {
                         return Ok((Resolution::Unknown, None));
                     }
+                    let (local_path, url) = self.twin(&local);
                     return Ok((
                         Resolution::Local {
-                            local_path: local.to_string_lossy().into_owned(),
+                            local_path,
+                            url,
                             manifest_root: p.manifest_root.clone().unwrap_or_default(),
                             published_at: rfc3339(p.published_at.unwrap_or(0)),
                             profile: (p.profile != Profile::Full).then_some(p.profile),
@@ -1311,8 +1417,8 @@ async fn open_transfer(
     }
     let staging = PathBuf::from(&row.staging_path);
     if published_root.is_none() {
-        let s2 = staging.clone();
-        blocking(move || std::fs::create_dir_all(s2)).await?;
+        let (s2, store) = (staging.clone(), inner.store.clone());
+        blocking(move || store.make_dir(&s2)).await?;
     }
     let have_list: Vec<u64> = verified.keys().copied().collect();
     let live = Arc::new(Live {
@@ -2043,7 +2149,7 @@ async fn maybe_finish(
         Next::Publish(manifest, _, _) if live.published_root == Some(manifest.root()) => {
             ctl.send(&Control::Published {
                 id,
-                local_path: live.local_path.to_string_lossy().into_owned(),
+                local_path: inner.shown(&live.local_path),
                 root: manifest.root(),
             })
             .await
@@ -2061,7 +2167,8 @@ async fn maybe_finish(
             let (l2, m2) = (live.clone(), manifest.clone());
             let reread = inner.cfg.reread_before_publish;
             let version = version_dir(&inner.cfg.root, live.id);
-            if std::fs::symlink_metadata(&live.local_path).is_ok() {
+            let (store, lp) = (live.store.clone(), live.local_path.clone());
+            if blocking(move || store.exists(&lp)).await.unwrap_or(false) {
                 // A version is replaced: it goes once no lease holds it.
                 inner
                     .sweep_wanted
@@ -2123,7 +2230,9 @@ async fn maybe_finish(
                 .unwrap_or_default();
             if !siblings.is_empty() {
                 let l2 = live.clone();
-                if let Err(e) = blocking(move || write_siblings(&l2.local_path, &siblings)).await {
+                if let Err(e) =
+                    blocking(move || write_siblings(&*l2.store, &l2.local_path, &siblings)).await
+                {
                     warn!(transfer = %id, error = %e, "could not write the markers beside the replica");
                 }
             }
@@ -2186,7 +2295,7 @@ async fn maybe_finish(
             info!(transfer = %id, path = %local, root = %root_hex, publish_ms = t_publish.elapsed().as_millis() as u64, reread_ms, reread_cpu_ms, "replica published");
             ctl.send(&Control::Published {
                 id,
-                local_path: local,
+                local_path: inner.shown(&live.local_path),
                 root: manifest.root(),
             })
             .await
@@ -2301,7 +2410,11 @@ fn seal_table(live: &Live, m: &Manifest) -> Result<Vec<(u64, Hash)>, String> {
 /// `latest`, Megatron's tracker) next to its replica, now that the replica
 /// is in place: each through a temporary file and a rename, and never
 /// moving a marker back to an older step than the one already there.
-fn write_siblings(replica: &Path, siblings: &[(String, Vec<u8>)]) -> io::Result<()> {
+fn write_siblings(
+    store: &dyn SinkStore,
+    replica: &Path,
+    siblings: &[(String, Vec<u8>)],
+) -> io::Result<()> {
     let Some(parent) = replica.parent() else {
         return Ok(());
     };
@@ -2326,35 +2439,24 @@ fn write_siblings(replica: &Path, siblings: &[(String, Vec<u8>)]) -> io::Result<
             continue;
         }
         let dst = parent.join(name);
-        match std::fs::symlink_metadata(&dst) {
-            Ok(md) if !md.is_file() => {
+        match store.read_small(&dst) {
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => {
                 warn!(path = %dst.display(), "not a regular file; marker not written");
                 continue;
             }
-            Ok(_) => {
-                let old = std::fs::read(&dst)?;
+            Err(e) => return Err(e),
+            Ok(Some(old)) => {
                 if let (Some(o), Some(n)) = (step(&old), step(bytes)) {
                     if o > n {
                         continue;
                     }
                 }
             }
-            Err(_) => {}
+            Ok(None) => {}
         }
-        let tmp = parent.join(format!(".{name}.ferry-tmp"));
-        {
-            let mut f = OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .custom_flags(nix::libc::O_NOFOLLOW)
-                .open(&tmp)?;
-            std::io::Write::write_all(&mut f, bytes)?;
-            f.sync_all()?;
-        }
-        std::fs::rename(&tmp, &dst)?;
+        store.replace_small(&dst, bytes)?;
     }
-    std::fs::File::open(parent)?.sync_all()
+    Ok(())
 }
 
 #[cfg(test)]
@@ -2458,10 +2560,10 @@ mod tests {
         let job = d.path().join("site/job");
         std::fs::create_dir_all(job.join("global_step20")).unwrap();
         let marker = |s: &str| vec![("latest".to_string(), s.as_bytes().to_vec())];
-        write_siblings(&job.join("global_step20"), &marker("global_step20")).unwrap();
+        write_siblings(&Posix, &job.join("global_step20"), &marker("global_step20")).unwrap();
         assert_eq!(std::fs::read(job.join("latest")).unwrap(), b"global_step20");
         // An older checkpoint published later does not move it back.
-        write_siblings(&job.join("global_step10"), &marker("global_step10")).unwrap();
+        write_siblings(&Posix, &job.join("global_step10"), &marker("global_step10")).unwrap();
         assert_eq!(std::fs::read(job.join("latest")).unwrap(), b"global_step20");
         // Names a peer sends are plain names, within the replica's parent.
         let bad = vec![
@@ -2469,7 +2571,7 @@ mod tests {
             ("a/b".to_string(), b"x".to_vec()),
             ("big".to_string(), vec![b'1'; 5000]),
         ];
-        write_siblings(&job.join("global_step20"), &bad).unwrap();
+        write_siblings(&Posix, &job.join("global_step20"), &bad).unwrap();
         assert!(!d.path().join("site/escape").exists());
         assert!(!job.join("a").exists() && !job.join("big").exists());
     }

@@ -356,6 +356,50 @@ pub trait SinkStore: Send + Sync + fmt::Debug {
     /// # Errors
     /// I/O errors naming the path.
     fn flush(&self, dir: &Path) -> io::Result<()>;
+
+    /// Makes directory `dir` exist where the store has directories (POSIX:
+    /// `mkdir -p`); stores that make parents as they write (HDFS) or have
+    /// none (S3) do nothing, the default.
+    ///
+    /// # Errors
+    /// I/O errors naming the path.
+    fn make_dir(&self, _dir: &Path) -> io::Result<()> {
+        Ok(())
+    }
+
+    /// Whether something is at `path`: a file or directory (POSIX, HDFS),
+    /// an object or a published replica's prefix (S3). A published
+    /// replica's files are answered by the replica's own listing, so a
+    /// file the checkpoint does not hold is absent.
+    ///
+    /// # Errors
+    /// I/O errors naming the path (absent is `Ok(false)`).
+    fn exists(&self, path: &Path) -> io::Result<bool>;
+
+    /// The bytes of the small regular file at `path` (a marker beside a
+    /// replica: DeepSpeed's `latest`, Megatron's tracker), `None` when
+    /// nothing is there.
+    ///
+    /// # Errors
+    /// I/O errors naming the path; `InvalidData` when something other
+    /// than a regular file is there.
+    fn read_small(&self, path: &Path) -> io::Result<Option<Vec<u8>>>;
+
+    /// Replaces the small file at `path` with `bytes`, durably and in one
+    /// step where the store can (POSIX: a temporary file and a rename;
+    /// S3: one PUT; HDFS: a temporary file renamed over it), never
+    /// writing through a symbolic link.
+    ///
+    /// # Errors
+    /// I/O errors naming the path.
+    fn replace_small(&self, path: &Path, bytes: &[u8]) -> io::Result<()>;
+
+    /// The URL readers use for `path` of this store
+    /// (`hdfs://nn:8020/eval/job/step-100`, `s3://bucket/eval/job/step-100`);
+    /// `None` for a local file system, whose paths are used as they are.
+    fn url_of(&self, _path: &Path) -> Option<String> {
+        None
+    }
 }
 
 /// Errors while listing or reading a checkpoint at the source.

@@ -165,6 +165,7 @@ async fn a_source_outside_accept_peers_is_refused() {
             agent: "eval-b-1".into(),
             site: "eval-b".into(),
             root: sink_root.clone(),
+            storage: Default::default(),
             accept_peers: vec!["train-a-1".into()],
             reserve_bytes: 0,
             reread_before_publish: true,

@@ -65,6 +65,7 @@ async fn setup_with(retention: Vec<RetentionPolicy>) -> Setup {
             agent: "sink-1".into(),
             site: "eval-b".into(),
             root: sink_root.clone(),
+            storage: Default::default(),
             accept_peers: vec![],
             reserve_bytes: 0,
             reread_before_publish: true,

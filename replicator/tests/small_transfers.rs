@@ -57,8 +57,10 @@ async fn a_thousand_small_transfers_all_publish_byte_identical() {
         let t = p.source.catalog().transfer(*id).await.unwrap().unwrap();
         assert_eq!(t.state, TransferState::Published, "{t:?}");
         assert_eq!(t.bytes_total, SIZE as i64, "{t:?}");
-        let Resolution::Local { local_path, .. } =
-            p.sink.resolve(dir.to_str().unwrap()).await.unwrap()
+        let Resolution::Local {
+            local_path: Some(local_path),
+            ..
+        } = p.sink.resolve(dir.to_str().unwrap()).await.unwrap()
         else {
             panic!("{} not resolvable at the sink", dir.display());
         };

@@ -406,7 +406,31 @@ fn rereads_before_publishing(b: &Backend, dir: &Path) {
 }
 
 /// The suite every backend passes.
+/// The small files beside a replica (DeepSpeed's `latest`): absent, then
+/// written, then replaced whole; `exists` sees them.
+fn small_files(b: &Backend, dir: &Path) {
+    let marker = dir.join("latest");
+    assert!(!b.sink.exists(&marker).unwrap());
+    assert_eq!(b.sink.read_small(&marker).unwrap(), None);
+    b.sink.replace_small(&marker, b"global_step10").unwrap();
+    assert!(b.sink.exists(&marker).unwrap());
+    assert_eq!(
+        b.sink.read_small(&marker).unwrap().as_deref(),
+        Some(&b"global_step10"[..])
+    );
+    b.sink.replace_small(&marker, b"global_step200").unwrap();
+    assert_eq!(
+        b.sink.read_small(&marker).unwrap().as_deref(),
+        Some(&b"global_step200"[..]),
+        "replaced whole"
+    );
+    let listed = b.src.list(dir, &[]).unwrap();
+    let names: Vec<_> = listed.files.iter().map(|f| f.info.path.as_str()).collect();
+    assert_eq!(names, ["latest"], "no temporary left beside it");
+}
+
 fn conforms(b: &Backend, dir: &Path, server: &str) {
+    small_files(b, &dir.join("small"));
     lists(b, &dir.join("list"));
     rereads_before_publishing(b, &dir.join("reread"));
     reads_ranges(b, &dir.join("read"));

@@ -315,7 +315,11 @@ async fn checkpoint_loop(
         tokio::spawn(async move {
             let path_s = path.to_string_lossy().into_owned();
             loop {
-                if let Ok(Resolution::Local { local_path, .. }) = sink2.resolve(&path_s).await {
+                if let Ok(Resolution::Local {
+                    local_path, url, ..
+                }) = sink2.resolve(&path_s).await
+                {
+                    let local_path = local_path.or(url).unwrap_or_default();
                     let lag = sink2
                         .catalog()
                         .replicas_for_source(&path_s)

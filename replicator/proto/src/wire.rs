@@ -289,7 +289,8 @@ pub enum Control {
     Published {
         /// Source transfer id.
         id: TransferId,
-        /// Path of the replica at the sink.
+        /// Path of the replica at the sink, or its URL on an HDFS or S3
+        /// sink (`hdfs://eval-nn:8020/eval/site/job/step-100`).
         local_path: String,
         /// BLAKE3 root of the published manifest.
         root: Hash,

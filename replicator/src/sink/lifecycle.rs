@@ -477,10 +477,12 @@ impl Sink {
             else {
                 return Ok(res);
             };
+            // A versioned store is a local directory: the answer has a path.
+            let local_path = local_path.as_deref().unwrap_or_default();
             if !Path::new(local_path).starts_with(&inner.cfg.root) {
                 return Err(LifecycleError::Elsewhere {
                     id,
-                    path: local_path.clone(),
+                    path: local_path.to_string(),
                     root: inner.cfg.root.display().to_string(),
                 });
             }
@@ -511,7 +513,8 @@ impl Sink {
             info!(replica = id, lease = lease.id, holder, expires_at = %super::rfc3339(lease.expires_at), "reader lease granted");
             inner.changed.send_modify(|v| *v += 1);
             return Ok(Resolution::Local {
-                local_path: local.to_string_lossy().into_owned(),
+                local_path: Some(local.to_string_lossy().into_owned()),
+                url: None,
                 manifest_root: manifest_root.clone(),
                 published_at: published_at.clone(),
                 profile: *profile,
@@ -622,7 +625,7 @@ impl Sink {
         let now = now_ms();
         let mut rows = inner.catalog.current_replicas().await?;
         rows.retain(|r| mine(inner, r));
-        let versions = versions_of(&rows, now, |r| {
+        let versions = versions_of(&rows, now, inner.store.versioned(), |r| {
             list.iter()
                 .find(|p| p.matches(&r.job))
                 .is_some_and(|p| p.max_bytes.is_some())
@@ -990,7 +993,7 @@ async fn apply_pin_requests(inner: &Arc<Inner>) {
             return;
         }
     };
-    let versions = versions_of(&rows, now, |_| false).await;
+    let versions = versions_of(&rows, now, inner.store.versioned(), |_| false).await;
     for p in pending {
         let group: Vec<Version> = versions
             .iter()
@@ -1230,7 +1233,7 @@ async fn retention_pass(inner: &Arc<Inner>, wait: bool) -> Result<Vec<i64>, Cata
     let now = now_ms();
     let mut rows = inner.catalog.current_replicas().await?;
     rows.retain(|r| mine(inner, r));
-    let versions = versions_of(&rows, now, |r| {
+    let versions = versions_of(&rows, now, inner.store.versioned(), |r| {
         policies
             .iter()
             .find(|p| p.matches(&r.job))
@@ -1272,17 +1275,20 @@ async fn retention_pass(inner: &Arc<Inner>, wait: bool) -> Result<Vec<i64>, Cata
     Ok(expired)
 }
 
-/// The published `rows` as the policies see them at `now` (Unix ms); the
-/// files of a row for which `count_files` is true are listed by identity
-/// (hard links count once), the others count as one file of their size.
+/// The published `rows` as the policies see them at `now` (Unix ms); on a
+/// store of version directories (`listed`: POSIX, where versions share
+/// unchanged files by hard links), the files of a row for which
+/// `count_files` is true are listed by identity (hard links count once);
+/// the others count as one file of their size.
 async fn versions_of(
     rows: &[Replica],
     now: i64,
+    listed: bool,
     count_files: impl Fn(&Replica) -> bool,
 ) -> Vec<Version> {
     let mut versions = Vec::with_capacity(rows.len());
     for r in rows {
-        let files = if count_files(r) {
+        let files = if listed && count_files(r) {
             let dir = PathBuf::from(&r.local_path);
             blocking(move || Ok(file_identities(&dir)))
                 .await
@@ -1451,7 +1457,7 @@ async fn relieve(inner: &Arc<Inner>, goal: u64, all_or_nothing: bool) -> Relief 
             let s2 = staging.clone();
             // Off the async threads: the checks touch the file system too.
             let discarded = blocking(move || {
-                if store.publish_under_way(&s2) || std::fs::symlink_metadata(&s2).is_err() {
+                if store.publish_under_way(&s2) || !store.exists(&s2)? {
                     return Ok(false);
                 }
                 store.discard(&s2).map(|()| true)
@@ -1492,7 +1498,7 @@ async fn relieve(inner: &Arc<Inner>, goal: u64, all_or_nothing: bool) -> Relief 
         }
     };
     let now = now_ms();
-    let versions = versions_of(&rows, now, |_| true).await;
+    let versions = versions_of(&rows, now, inner.store.versioned(), |_| true).await;
     let classes: Vec<_> = rows.iter().map(|r| r.class).collect();
     let need = goal.saturating_sub(relief.free.unwrap_or(0));
     let plan = super::pressure::plan(&policies(inner), &versions, &classes, now, need);
@@ -1672,7 +1678,9 @@ async fn finish_removals(inner: &Arc<Inner>) {
         let local = PathBuf::from(&r.local_path);
         let lock = inner.publish_lock(&local);
         let guard = lock.lock_owned().await;
-        if std::fs::symlink_metadata(&aside).is_err() && !replaced(inner, &r).await {
+        let (store, a2) = (inner.store.clone(), aside.clone());
+        let aside_there = blocking(move || store.exists(&a2)).await.unwrap_or(false);
+        if !aside_there && !replaced(inner, &r).await {
             let version = super::version_dir(&inner.cfg.root, r.id);
             let (store, l2, a2) = (inner.store.clone(), local.clone(), aside.clone());
             if let Err(e) = blocking(move || store.withdraw(&l2, &version, &a2)).await {

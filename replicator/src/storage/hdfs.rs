@@ -181,7 +181,7 @@ impl Hdfs {
         self.call("stat", &p, |c, p| async move { c.get_file_info(&p).await })
     }
 
-    fn exists(&self, p: &str) -> io::Result<bool> {
+    fn exists_at(&self, p: &str) -> io::Result<bool> {
         match self.call("stat", p, |c, p| async move { c.get_file_info(&p).await }) {
             Ok(_) => Ok(true),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
@@ -388,23 +388,23 @@ impl Hdfs {
     fn place(&self, s: &str, l: &str, m: &Manifest) -> io::Result<()> {
         let out = format!("{s}/.ferry-out");
         let old = format!("{s}/.ferry-old");
-        if self.exists(&out)? {
-            if self.exists(l)? && !self.exists(&old)? {
+        if self.exists_at(&out)? {
+            if self.exists_at(l)? && !self.exists_at(&old)? {
                 self.rename(l, &old)?;
             }
             self.rename(&out, l)?;
         }
         for (i, &fi) in m.markers.iter().enumerate() {
             let held = format!("{s}/.ferry-markers/{i}");
-            if self.exists(&held)? {
+            if self.exists_at(&held)? {
                 let dst = format!("{l}/{}", m.files[fi as usize].path);
-                if self.exists(&dst)? {
+                if self.exists_at(&dst)? {
                     self.delete_tree(&dst)?;
                 }
                 self.rename(&held, &dst)?;
             }
         }
-        if self.exists(&old)? {
+        if self.exists_at(&old)? {
             self.delete_tree(&old)?;
         }
         Ok(())
@@ -657,14 +657,14 @@ impl SinkStore for Hdfs {
         let s = self.root.check(staging)?;
         let l = self.root.check(local_path)?;
         let placed = format!("{s}/.ferry-placed");
-        if self.exists(&placed)? {
+        if self.exists_at(&placed)? {
             self.place(&s, &l, m)?;
             return Ok(PublishOutcome::Recovered);
         }
         let out = format!("{s}/.ferry-out");
         let held = format!("{s}/.ferry-markers");
         for d in [&out, &held] {
-            if self.exists(d)? {
+            if self.exists_at(d)? {
                 self.delete_tree(d)?;
             }
         }
@@ -699,7 +699,7 @@ impl SinkStore for Hdfs {
     fn publish_under_way(&self, staging: &Path) -> bool {
         self.root
             .check(staging)
-            .and_then(|s| self.exists(&format!("{s}/.ferry-placed")))
+            .and_then(|s| self.exists_at(&format!("{s}/.ferry-placed")))
             .unwrap_or(false)
     }
 
@@ -715,7 +715,7 @@ impl SinkStore for Hdfs {
     fn withdraw(&self, local_path: &Path, _version: &Path, aside: &Path) -> io::Result<bool> {
         let l = self.root.check(local_path)?;
         let a = self.root.check(aside)?;
-        if !self.exists(&l)? {
+        if !self.exists_at(&l)? {
             return Ok(false);
         }
         // One directory rename: a reader sees the whole version or nothing.
@@ -750,5 +750,50 @@ impl SinkStore for Hdfs {
         // Every staged chunk is closed (acknowledged by the DataNode
         // pipeline) before stage_chunk returns.
         Ok(())
+    }
+
+    fn capacity(&self, _path: &Path) -> io::Result<Option<u64>> {
+        if self.capacity.is_some() {
+            return Ok(self.capacity);
+        }
+        let r = self.root.path.to_string_lossy().into_owned();
+        let sum = self.call("content summary", &r, |c, p| async move {
+            c.get_content_summary(&p).await
+        })?;
+        // Hadoop reports -1 (as u64: all ones) or 0 for no quota.
+        Ok((sum.space_quota != 0 && sum.space_quota != u64::MAX).then_some(sum.space_quota))
+    }
+
+    fn exists(&self, path: &Path) -> io::Result<bool> {
+        self.exists_at(&self.root.check(path)?)
+    }
+
+    fn read_small(&self, path: &Path) -> io::Result<Option<Vec<u8>>> {
+        let p = self.root.check(path)?;
+        match self.call("stat", &p, |c, p| async move { c.get_file_info(&p).await }) {
+            Ok(st) if st.isdir => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{}: not a regular file", self.root.url_of(path)),
+            )),
+            Ok(_) => self.read_whole(&p).map(|b| Some(b.to_vec())),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn replace_small(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
+        let p = self.root.check(path)?;
+        let (parent, name) = p.rsplit_once('/').unwrap_or(("", &p));
+        let tmp = format!("{parent}/.{name}.ferry-tmp");
+        self.write_whole(&tmp, Bytes::copy_from_slice(bytes), 0o644)?;
+        // One rename over the old file: a reader sees the old bytes or
+        // the new ones.
+        self.call("rename", &tmp, move |c, from| async move {
+            c.rename(&from, &p, true).await
+        })
+    }
+
+    fn url_of(&self, path: &Path) -> Option<String> {
+        Some(self.root.url_of(path))
     }
 }

@@ -312,6 +312,56 @@ impl SinkStore for Posix {
     fn flush(&self, dir: &Path) -> io::Result<()> {
         sync_dir_fs(dir).map_err(at(dir))
     }
+
+    fn make_dir(&self, dir: &Path) -> io::Result<()> {
+        std::fs::create_dir_all(dir).map_err(at(dir))
+    }
+
+    fn exists(&self, path: &Path) -> io::Result<bool> {
+        match std::fs::symlink_metadata(path) {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(at(path)(e)),
+        }
+    }
+
+    fn read_small(&self, path: &Path) -> io::Result<Option<Vec<u8>>> {
+        match std::fs::symlink_metadata(path) {
+            Ok(md) if !md.is_file() => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{}: not a regular file", path.display()),
+            )),
+            Ok(_) => std::fs::read(path).map(Some).map_err(at(path)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(at(path)(e)),
+        }
+    }
+
+    fn replace_small(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
+        let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{}: not a file path", path.display()),
+            ));
+        };
+        std::fs::create_dir_all(parent).map_err(at(parent))?;
+        let tmp = parent.join(format!(".{}.ferry-tmp", name.to_string_lossy()));
+        {
+            let mut f = OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .custom_flags(nix::libc::O_NOFOLLOW)
+                .open(&tmp)
+                .map_err(at(&tmp))?;
+            io::Write::write_all(&mut f, bytes).map_err(at(&tmp))?;
+            f.sync_all().map_err(at(&tmp))?;
+        }
+        std::fs::rename(&tmp, path).map_err(at(path))?;
+        File::open(parent)
+            .and_then(|d| d.sync_all())
+            .map_err(at(parent))
+    }
 }
 
 /// Renames `from` to `aside`, naming both in an error.

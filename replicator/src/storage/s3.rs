@@ -761,4 +761,31 @@ impl SinkStore for S3 {
         // A PUT is durable when it returns.
         Ok(())
     }
+
+    fn capacity(&self, _path: &Path) -> io::Result<Option<u64>> {
+        Ok(self.capacity)
+    }
+
+    fn exists(&self, path: &Path) -> io::Result<bool> {
+        let l = self.root.check(path)?;
+        // A published replica is its commit object; a file is its object.
+        Ok(self.head(self.commit_key(&l))?.is_some() || self.head(self.key_of_str(&l))?.is_some())
+    }
+
+    fn read_small(&self, path: &Path) -> io::Result<Option<Vec<u8>>> {
+        match self.get(self.key(path)?) {
+            Ok(b) => Ok(Some(b.to_vec())),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn replace_small(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
+        // One PUT replaces an object whole.
+        self.put(self.key(path)?, Bytes::copy_from_slice(bytes))
+    }
+
+    fn url_of(&self, path: &Path) -> Option<String> {
+        Some(self.root.url_of(path))
+    }
 }

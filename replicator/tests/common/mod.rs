@@ -12,7 +12,7 @@ use std::time::Duration;
 use ferry_catalog::Catalog;
 use ferry_linkemu::{memory_pair, LinkParams};
 use ferry_proto::manifest::MIN_CHUNK_SIZE;
-use replicator::sink::{Sink, SinkConfig};
+use replicator::sink::{Sink, SinkConfig, SinkStorage};
 use replicator::source::{LinkConfig, RootConfig, Source, SourceConfig};
 use replicator::tls::{self, AgentIdentity};
 use replicator::transport::{self, SocketFactory, SocketKind};
@@ -34,6 +34,16 @@ pub async fn pair(reserve_bytes: u64) -> Pair {
 /// A pair whose source settings `adjust` may change (watcher on, root
 /// format ...) before the source starts.
 pub async fn pair_with(reserve_bytes: u64, adjust: impl FnOnce(&mut SourceConfig)) -> Pair {
+    pair_on(SinkStorage::Local, reserve_bytes, adjust).await
+}
+
+/// A pair whose sink keeps its replicas in `storage` (a local directory
+/// under the test's own, or an HDFS or S3 root).
+pub async fn pair_on(
+    storage: SinkStorage,
+    reserve_bytes: u64,
+    adjust: impl FnOnce(&mut SourceConfig),
+) -> Pair {
     let dir = tempfile::tempdir().unwrap();
     let base = dir.path();
     let certs = dev_pki(base);
@@ -44,7 +54,7 @@ pub async fn pair_with(reserve_bytes: u64, adjust: impl FnOnce(&mut SourceConfig
     let server =
         quinn::ServerConfig::with_crypto(tls::server_crypto(&identity(&certs, "dst")).unwrap());
     let sink_ep = transport::endpoint(SocketKind::Memory(sb), Some(server)).unwrap();
-    let sink = start_sink(base, reserve_bytes, sink_ep).await;
+    let sink = start_sink_on(base, reserve_bytes, sink_ep, storage).await;
     let root = job_root(base);
     // A link's further connections: more source-side ends of the same
     // emulated link (one bottleneck), on 10.0.0.1:10, :11, ...
@@ -93,11 +103,22 @@ pub fn identity(certs: &Path, name: &str) -> AgentIdentity {
 }
 
 pub async fn start_sink(base: &Path, reserve_bytes: u64, ep: quinn::Endpoint) -> Sink {
+    start_sink_on(base, reserve_bytes, ep, SinkStorage::Local).await
+}
+
+/// [`start_sink`] with replicas kept in `storage`.
+pub async fn start_sink_on(
+    base: &Path,
+    reserve_bytes: u64,
+    ep: quinn::Endpoint,
+    storage: SinkStorage,
+) -> Sink {
     Sink::start(
         SinkConfig {
             agent: "dst".into(),
             site: "train-a".into(),
             root: base.join("eval"),
+            storage,
             accept_peers: vec!["src".into()],
             reserve_bytes,
             reread_before_publish: true,

@@ -1,0 +1,240 @@
+//! A sink whose root is on HDFS (a MiniDFSCluster) or S3 (SeaweedFS): a
+//! checkpoint pushed from a local source root is published there
+//! byte-identical, resolves to its URL, and a re-save replaces it. The
+//! servers are started by `ops/test` (through `ops/with-test-servers`),
+//! which passes their addresses in FERRY_TEST_HDFS_URL, FERRY_TEST_S3_URL
+//! and the S3 key pair in FERRY_TEST_S3_ACCESS_KEY_ID /
+//! FERRY_TEST_S3_SECRET_ACCESS_KEY. Each test works under a directory or
+//! key prefix of its own.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{pair_on, wait_published};
+use ferry_proto::manifest::{Manifest, MIN_CHUNK_SIZE};
+use replicator::sink::{Resolution, SinkStorage};
+use replicator::storage::hdfs::Hdfs;
+use replicator::storage::posix::Posix;
+use replicator::storage::s3::{S3Config, S3};
+use replicator::storage::{build, SourceStore};
+
+fn server_env(var: &str) -> String {
+    std::env::var(var).unwrap_or_else(|_| {
+        panic!(
+            "{var} is not set: these tests need the storage servers that ops/test starts \
+             (run ops/test, or ops/with-test-servers cargo test -p replicator --test remote_sink)"
+        )
+    })
+}
+
+/// A directory or key prefix of this test's own.
+fn unique(name: &str) -> String {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("/ferry-test/{name}-{}-{t}", std::process::id())
+}
+
+/// The S3 test server's endpoint, bucket and key pair.
+fn s3_config() -> (String, S3Config) {
+    let url = server_env("FERRY_TEST_S3_URL");
+    let (endpoint, bucket) = url.rsplit_once('/').unwrap();
+    let cfg = S3Config {
+        endpoint: Some(endpoint.to_string()),
+        region: None,
+        access_key_id: Some(server_env("FERRY_TEST_S3_ACCESS_KEY_ID")),
+        secret_access_key: Some(server_env("FERRY_TEST_S3_SECRET_ACCESS_KEY")),
+        capacity: Some(1 << 40),
+    };
+    (bucket.to_string(), cfg)
+}
+
+/// Writes a checkpoint: a multi-chunk shard, small and empty ones in
+/// sub-directories, a temporary (never replicated) and the DCP marker.
+fn write_checkpoint(dir: &Path, seed: u8) {
+    std::fs::create_dir_all(dir.join("sub/deeper")).unwrap();
+    let data = |n: usize| {
+        (0..n)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+            .collect::<Vec<_>>()
+    };
+    std::fs::write(
+        dir.join("__0_0.distcp"),
+        data(3 * MIN_CHUNK_SIZE as usize + 123),
+    )
+    .unwrap();
+    std::fs::write(dir.join("__1_0.distcp"), data(5000)).unwrap();
+    std::fs::write(dir.join("sub/bias.bin"), data(700)).unwrap();
+    std::fs::write(dir.join("sub/deeper/empty"), b"").unwrap();
+    std::fs::write(dir.join(".metadata.tmp"), b"temporary: never replicated").unwrap();
+    std::fs::write(dir.join(".metadata"), data(99)).unwrap();
+}
+
+/// What must match between a checkpoint and its replica in a remote
+/// store: every file's path, size and chunk hashes, and the markers
+/// (an object store keeps no modes, HDFS keeps mtimes to the ms).
+/// Each file's path, size and chunk hashes, and the marker indices.
+type Content = (Vec<(String, u64, Vec<[u8; 32]>)>, Vec<u32>);
+
+fn content(m: &Manifest) -> Content {
+    let files = m
+        .files
+        .iter()
+        .map(|f| (f.path.clone(), f.size, f.chunks.clone()))
+        .collect();
+    (files, m.markers.clone())
+}
+
+/// Pushes a checkpoint to a sink on `storage` (whose store, for reading
+/// the replica back, is `store`, rooted at `root`), checks the replica and
+/// what resolve answers, then re-saves it with one shard changed.
+async fn replicates_to(storage: SinkStorage, store: &dyn SourceStore, root: &str, url: &str) {
+    let p = pair_on(storage, 0, |_| {}).await;
+    let ckpt = p.root.join("step_2");
+    write_checkpoint(&ckpt, 1);
+    let markers = [".metadata".to_string()];
+    let t = p.source.submit(&ckpt, None).await.unwrap();
+    let done = wait_published(&p, t.id).await;
+    let want_url = format!("{url}/train-a/job/step_2");
+    assert_eq!(
+        done.local_path.as_deref(),
+        Some(want_url.as_str()),
+        "the source records the replica's URL"
+    );
+    let replica = PathBuf::from(format!("{root}/train-a/job/step_2"));
+    let original = build(&Posix, &ckpt, &markers, MIN_CHUNK_SIZE).unwrap();
+    let copy = build(store, &replica, &markers, MIN_CHUNK_SIZE).unwrap();
+    assert_eq!(
+        content(&copy),
+        content(&original),
+        "the replica is byte-identical"
+    );
+    assert!(
+        copy.files.iter().all(|f| f.path != ".metadata.tmp"),
+        "temporaries are not replicated"
+    );
+
+    // Resolve answers the URL, for the checkpoint and for a file of it.
+    match p.sink.resolve(&ckpt.to_string_lossy()).await.unwrap() {
+        Resolution::Local {
+            local_path, url, ..
+        } => {
+            assert_eq!(local_path, None, "no local path on a remote sink");
+            assert_eq!(url.as_deref(), Some(want_url.as_str()));
+        }
+        other => panic!("expected a replica, got {other:?}"),
+    }
+    let under = format!("{}/sub/bias.bin", ckpt.display());
+    match p.sink.resolve(&under).await.unwrap() {
+        Resolution::Local { url, .. } => {
+            assert_eq!(url, Some(format!("{want_url}/sub/bias.bin")))
+        }
+        other => panic!("expected a replica, got {other:?}"),
+    }
+    let missing = format!("{}/sub/nothing.bin", ckpt.display());
+    assert_eq!(
+        p.sink.resolve(&missing).await.unwrap(),
+        Resolution::Unknown,
+        "a file the checkpoint does not hold has no twin"
+    );
+
+    // A re-save: one shard changes, one is added; the new version
+    // replaces the old one whole.
+    write_checkpoint(&ckpt, 2);
+    std::fs::write(ckpt.join("__2_0.distcp"), vec![7u8; 3000]).unwrap();
+    let t2 = p.source.submit(&ckpt, None).await.unwrap();
+    assert_ne!(t2.id, t.id);
+    wait_published(&p, t2.id).await;
+    let original = build(&Posix, &ckpt, &markers, MIN_CHUNK_SIZE).unwrap();
+    let copy = build(store, &replica, &markers, MIN_CHUNK_SIZE).unwrap();
+    assert_eq!(
+        content(&copy),
+        content(&original),
+        "the re-saved replica is byte-identical to the new checkpoint"
+    );
+    let rows = p
+        .sink
+        .catalog()
+        .replicas_for_source(&ckpt.to_string_lossy())
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_replicates_to_an_hdfs_sink() {
+    let base = server_env("FERRY_TEST_HDFS_URL");
+    let root = unique("hdfs-sink");
+    // The sink root must exist: make it with a file in it.
+    let h = Hdfs::connect(&base, None).unwrap();
+    h.put_file(
+        Path::new(&format!("{root}/README")),
+        b"ferry test sink root",
+    )
+    .unwrap();
+    let url = format!("{base}{root}");
+    let storage = SinkStorage::Hdfs {
+        url: url.clone(),
+        capacity: None,
+    };
+    let store = Hdfs::connect(&url, None).unwrap();
+    replicates_to(storage, &store, &root, &url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_replicates_to_an_s3_sink() {
+    let (bucket, cfg) = s3_config();
+    let root = unique("s3-sink");
+    let url = format!("s3://{bucket}{root}");
+    let store = S3::connect(&url, &cfg).unwrap();
+    let storage = SinkStorage::S3 {
+        url: url.clone(),
+        config: cfg,
+    };
+    replicates_to(storage, &store, &root, &url).await;
+}
+
+#[tokio::test]
+async fn a_sink_on_a_store_it_cannot_use_does_not_start() {
+    let (bucket, mut cfg) = s3_config();
+    cfg.secret_access_key = Some("not-the-secret".into());
+    let url = format!("s3://{bucket}{}", unique("bad-secret"));
+    let dir = tempfile::tempdir().unwrap();
+    let ep = replicator::transport::endpoint(
+        replicator::transport::SocketKind::Udp("127.0.0.1:0".parse().unwrap()),
+        None,
+    )
+    .unwrap();
+    let storage = SinkStorage::S3 {
+        url: url.clone(),
+        config: cfg,
+    };
+    let e = replicator::sink::Sink::start(
+        replicator::sink::SinkConfig {
+            agent: "dst".into(),
+            site: "train-a".into(),
+            root: PathBuf::new(),
+            storage,
+            accept_peers: Vec::new(),
+            reserve_bytes: 0,
+            reread_before_publish: true,
+            retention: Vec::new(),
+            retention_interval: std::time::Duration::from_secs(60),
+            pressure: None,
+        },
+        ferry_catalog::Catalog::open(&dir.path().join("data"))
+            .await
+            .unwrap(),
+        ep,
+    )
+    .expect_err("a sink with a wrong secret must not start");
+    let msg = e.to_string();
+    assert!(msg.contains(&url), "the error names the root: {msg}");
+    assert!(
+        !msg.contains("not-the-secret"),
+        "no secret in errors: {msg}"
+    );
+}

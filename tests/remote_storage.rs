@@ -1,0 +1,171 @@
+//! End-to-end: `ferry serve` sink agents whose `[sink] root` is an HDFS
+//! directory (a MiniDFSCluster) or an S3 prefix (SeaweedFS), configured
+//! as a user would (a URL, `[sink.s3]` with a key file), fed by a source
+//! agent through the relay. A generated checkpoint is published there
+//! byte-identical, and `ferry resolve` prints its URL.
+//!
+//! The servers are started by `ops/test` (through
+//! `ops/with-test-servers`), which passes their addresses in
+//! FERRY_TEST_HDFS_URL, FERRY_TEST_S3_URL and the S3 key pair in
+//! FERRY_TEST_S3_ACCESS_KEY_ID / FERRY_TEST_S3_SECRET_ACCESS_KEY.
+
+#![allow(clippy::unwrap_used)]
+
+#[allow(dead_code)]
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::*;
+use ferry_proto::manifest::Manifest;
+use replicator::storage::hdfs::Hdfs;
+use replicator::storage::posix::Posix;
+use replicator::storage::s3::{S3Config, S3};
+use replicator::storage::{build, SourceStore};
+
+fn server_env(var: &str) -> String {
+    std::env::var(var).unwrap_or_else(|_| {
+        panic!(
+            "{var} is not set: these tests need the storage servers that ops/test starts \
+             (run ops/test, or ops/with-test-servers cargo test --test remote_storage)"
+        )
+    })
+}
+
+/// A directory or key prefix of this test's own.
+fn unique(name: &str) -> String {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("/ferry-e2e/{name}-{}-{t}", std::process::id())
+}
+
+/// Each file's path, size and chunk hashes, and the marker indices: what
+/// a replica in a remote store keeps of a checkpoint (an object store
+/// keeps no modes; HDFS keeps mtimes to the ms).
+type Content = (Vec<(String, u64, Vec<[u8; 32]>)>, Vec<u32>);
+
+fn content(m: &Manifest) -> Content {
+    let files = m
+        .files
+        .iter()
+        .map(|f| (f.path.clone(), f.size, f.chunks.clone()))
+        .collect();
+    (files, m.markers.clone())
+}
+
+/// Generates a checkpoint, replicates it to a sink agent configured by
+/// `sink_lines` (the `[sink]` keys after `root`, and tables after them)
+/// at `url`, and checks it through `store`, rooted at `root`.
+async fn replicates_to(
+    w: &World,
+    url: &str,
+    sink_lines: &str,
+    store: &dyn SourceStore,
+    root: &str,
+) {
+    let ckpt = w.source_root().join("step_000100");
+    w.gen(&ckpt, "6MB").await;
+    let c = w
+        .start_cluster("500Mbit/s", &[], |sink, _| {
+            let spec = sink.sink.as_mut().unwrap();
+            spec.root = PathBuf::from(url);
+            spec.extra = sink_lines.to_string();
+        })
+        .await;
+    let out = w.push(&c.source, &ckpt, &[]).await;
+    w.ensure(out.success(), || format!("ferry push failed: {out}"));
+
+    let replica = format!("{root}/{SOURCE_SITE}/{JOB}/step_000100");
+    let want_url = format!("{url}/{SOURCE_SITE}/{JOB}/step_000100");
+    let markers = ["COMMITTED".to_string()];
+    let chunk = ferry_proto::manifest::MIN_CHUNK_SIZE;
+    let original = build(&Posix, &ckpt, &markers, chunk).unwrap();
+    let copy = build(store, Path::new(&replica), &markers, chunk)
+        .unwrap_or_else(|e| w.fail(format!("reading the replica at {want_url}: {e}")));
+    w.ensure(content(&copy) == content(&original), || {
+        format!(
+            "the replica at {want_url} differs from {}: {} files vs {}",
+            ckpt.display(),
+            copy.files.len(),
+            original.files.len()
+        )
+    });
+
+    // `ferry resolve` prints the URL; the API answers it without a local
+    // path, and the replica row names it too.
+    let out = w
+        .ferry(
+            &["resolve", ckpt.to_str().unwrap(), "--server", &c.sink.url()],
+            &[],
+            Duration::from_secs(30),
+        )
+        .await;
+    w.ensure(out.success() && out.stdout.trim() == want_url, || {
+        format!("ferry resolve should print {want_url}: {out}")
+    });
+    let r = w.resolve(&c.sink, &ckpt).await;
+    w.ensure(
+        s(&r, "state") == "local" && r.get("local_path").is_none(),
+        || format!("resolve on a remote sink: {r}"),
+    );
+    let reps = w.get_json(&format!("{}/v1/replicas", c.sink.url())).await;
+    let row = &reps["items"][0];
+    w.ensure(s(row, "url") == want_url, || {
+        format!("the replica row should name {want_url}: {reps}")
+    });
+    // The source records where the replica went.
+    let ts = w.transfers(&c.source).await;
+    w.ensure(ts.len() == 1 && s(&ts[0], "local_path") == want_url, || {
+        format!("the source's transfer should name {want_url}: {ts:?}")
+    });
+}
+
+#[tokio::test]
+async fn a_sink_agent_on_s3_publishes_and_resolves_to_a_url() {
+    let w = World::new("s3-sink").await;
+    let s3_url = server_env("FERRY_TEST_S3_URL");
+    let (endpoint, bucket) = s3_url.rsplit_once('/').unwrap();
+    let key_id = server_env("FERRY_TEST_S3_ACCESS_KEY_ID");
+    let secret = server_env("FERRY_TEST_S3_SECRET_ACCESS_KEY");
+    let secret_file = w.root.join("s3.secret");
+    std::fs::write(&secret_file, format!("{secret}\n")).unwrap();
+    let root = unique("s3-sink");
+    let url = format!("s3://{bucket}{root}");
+    let lines = format!(
+        "capacity = \"1TiB\"\n[sink.s3]\nendpoint = {}\naccess_key_id = {}\n\
+         secret_access_key_file = {}\n",
+        toml_str(endpoint),
+        toml_str(&key_id),
+        toml_str(secret_file.to_str().unwrap()),
+    );
+    let store = S3::connect(
+        &url,
+        &S3Config {
+            endpoint: Some(endpoint.to_string()),
+            region: None,
+            access_key_id: Some(key_id),
+            secret_access_key: Some(secret),
+            capacity: None,
+        },
+    )
+    .unwrap();
+    replicates_to(&w, &url, &lines, &store, &root).await;
+}
+
+#[tokio::test]
+async fn a_sink_agent_on_hdfs_publishes_and_resolves_to_a_url() {
+    let w = World::new("hdfs-sink").await;
+    let base = server_env("FERRY_TEST_HDFS_URL");
+    let root = unique("hdfs-sink");
+    // The sink root must exist.
+    Hdfs::connect(&base, None)
+        .unwrap()
+        .put_file(Path::new(&format!("{root}/README")), b"sink root")
+        .unwrap();
+    let url = format!("{base}{root}");
+    let store = Hdfs::connect(&url, None).unwrap();
+    replicates_to(&w, &url, "", &store, &root).await;
+}
