@@ -169,3 +169,235 @@ async fn a_sink_agent_on_hdfs_publishes_and_resolves_to_a_url() {
     let store = Hdfs::connect(&url, None).unwrap();
     replicates_to(&w, &url, "", &store, &root).await;
 }
+
+/// [`replicator::sink::FAULT_KILL_ENV`].
+const FAULT_ENV: &str = "FERRY_FAULT_KILL_IN_PUBLISH";
+
+/// Bound for a transfer that should simply complete.
+const TRANSFER: Duration = Duration::from_secs(120);
+
+/// A remote sink under test: its root URL, the `[sink]` lines after
+/// `root`, a store to read it with, the root's path in that store, and
+/// whether a replica at a path is committed for readers (HDFS: its
+/// marker is there; S3: its commit object is).
+struct RemoteSink {
+    url: String,
+    lines: String,
+    store: Box<dyn SourceStore>,
+    root: String,
+    committed: Box<dyn Fn(&Path) -> bool>,
+}
+
+fn s3_sink(w: &World, name: &str) -> RemoteSink {
+    let s3_url = server_env("FERRY_TEST_S3_URL");
+    let (endpoint, bucket) = s3_url.rsplit_once('/').unwrap();
+    let key_id = server_env("FERRY_TEST_S3_ACCESS_KEY_ID");
+    let secret = server_env("FERRY_TEST_S3_SECRET_ACCESS_KEY");
+    let secret_file = w.root.join("s3.secret");
+    std::fs::write(&secret_file, format!("{secret}\n")).unwrap();
+    let root = unique(name);
+    let url = format!("s3://{bucket}{root}");
+    let lines = format!(
+        "capacity = \"1TiB\"\n[sink.s3]\nendpoint = {}\naccess_key_id = {}\n\
+         secret_access_key_file = {}\n",
+        toml_str(endpoint),
+        toml_str(&key_id),
+        toml_str(secret_file.to_str().unwrap()),
+    );
+    let store = S3::connect(
+        &url,
+        &S3Config {
+            endpoint: Some(endpoint.to_string()),
+            region: None,
+            access_key_id: Some(key_id),
+            secret_access_key: Some(secret),
+            capacity: None,
+        },
+    )
+    .unwrap();
+    let reader = store.clone();
+    RemoteSink {
+        url,
+        lines,
+        store: Box::new(store),
+        root,
+        committed: Box::new(move |p| reader.committed(p).unwrap().is_some()),
+    }
+}
+
+fn hdfs_sink(name: &str) -> RemoteSink {
+    let base = server_env("FERRY_TEST_HDFS_URL");
+    let root = unique(name);
+    // The sink root must exist.
+    Hdfs::connect(&base, None)
+        .unwrap()
+        .put_file(Path::new(&format!("{root}/README")), b"sink root")
+        .unwrap();
+    let url = format!("{base}{root}");
+    let store = Hdfs::connect(&url, None).unwrap();
+    let reader = store.clone();
+    RemoteSink {
+        url,
+        lines: String::new(),
+        store: Box::new(store),
+        root,
+        committed: Box::new(move |p| {
+            replicator::storage::SinkStore::exists(&reader, &p.join("COMMITTED")).unwrap()
+        }),
+    }
+}
+
+/// Kills the sink agent (SIGKILL, by the fault-injection points) inside
+/// each publish step of `points`: while it is dead a replica readers take
+/// as committed is complete; after a restart the publish is finished,
+/// byte-identical, resolvable to its URL, and staging is empty.
+async fn publish_killed_then_finished(w: &World, r: &RemoteSink, points: &[&str]) {
+    let mut c = w
+        .start_cluster("500Mbit/s", &[], |sink, _| {
+            let spec = sink.sink.as_mut().unwrap();
+            spec.root = PathBuf::from(&r.url);
+            spec.extra = r.lines.clone();
+        })
+        .await;
+    let markers = ["COMMITTED".to_string()];
+    let chunk = ferry_proto::manifest::MIN_CHUNK_SIZE;
+    for (i, point) in points.iter().enumerate() {
+        let rel = format!("step_{:06}", (i + 1) * 100);
+        let ckpt = w.source_root().join(&rel);
+        w.gen(&ckpt, "3MB").await;
+        c.sink.set_env(FAULT_ENV, Some(point));
+        w.restart(&mut c.sink).await;
+        let id = w.push_no_wait(&c.source, &ckpt).await;
+        let sink = &mut c.sink;
+        let status = w
+            .wait_until(
+                &format!("the sink to kill itself at {point}"),
+                TRANSFER,
+                async || sink.exited().ok_or_else(|| "still running".to_string()),
+            )
+            .await;
+        w.ensure(
+            std::os::unix::process::ExitStatusExt::signal(&status) == Some(9),
+            || format!("{point}: the sink exited with {status}, not SIGKILL"),
+        );
+        let original = build(&Posix, &ckpt, &markers, chunk).unwrap();
+        let replica = PathBuf::from(format!("{}/{SOURCE_SITE}/{JOB}/{rel}", r.root));
+        if (r.committed)(&replica) {
+            let copy = build(&*r.store, &replica, &markers, chunk).unwrap();
+            w.ensure(content(&copy) == content(&original), || {
+                format!("{point}: a committed replica is not complete")
+            });
+        }
+        c.sink.set_env(FAULT_ENV, None);
+        w.restart(&mut c.sink).await;
+        w.wait_until(
+            &format!("{point}: the transfer to be published"),
+            TRANSFER,
+            async || {
+                let t = w.transfer(&c.source, id).await;
+                match s(&t, "state") {
+                    "published" => Ok(()),
+                    "failed" | "cancelled" => w.fail(format!("{point}: the transfer ended: {t}")),
+                    _ => Err(format!("{t}")),
+                }
+            },
+        )
+        .await;
+        w.ensure((r.committed)(&replica), || {
+            format!("{point}: not committed after the restart")
+        });
+        let copy = build(&*r.store, &replica, &markers, chunk).unwrap();
+        w.ensure(content(&copy) == content(&original), || {
+            format!("{point}: the replica differs after the restart")
+        });
+        let res = w.resolve(&c.sink, &ckpt).await;
+        let want = format!("{}/{SOURCE_SITE}/{JOB}/{rel}", r.url);
+        w.ensure(
+            s(&res, "state") == "local" && s(&res, "url") == want,
+            || format!("{point}: resolve {res}"),
+        );
+        let staging = PathBuf::from(format!("{}/.ferry/staging", r.root));
+        let left = r
+            .store
+            .list(&staging, &[])
+            .map(|l| l.files.len())
+            .unwrap_or(0);
+        w.ensure(left == 0, || {
+            format!("{point}: {left} files left in staging")
+        });
+    }
+}
+
+#[tokio::test]
+async fn an_hdfs_publish_cut_short_by_a_kill_is_finished_after_restart() {
+    let w = World::new("hdfs-kill").await;
+    let r = hdfs_sink("hdfs-kill");
+    publish_killed_then_finished(&w, &r, &["placed", "switched", "on-disk"]).await;
+}
+
+#[tokio::test]
+async fn an_s3_publish_cut_short_by_a_kill_is_finished_after_restart() {
+    let w = World::new("s3-kill").await;
+    let r = s3_sink(&w, "s3-kill");
+    publish_killed_then_finished(&w, &r, &["placed", "markers-in", "on-disk"]).await;
+}
+
+/// The HDFS sink agent is SIGKILLed while chunks arrive (a file may be
+/// open for writing in staging); after a restart the transfer resumes and
+/// the replica is byte-identical.
+#[tokio::test]
+async fn an_hdfs_sink_killed_mid_transfer_resumes() {
+    let w = World::new("hdfs-resume").await;
+    let r = hdfs_sink("hdfs-resume");
+    let ckpt = w.source_root().join("step_000300");
+    w.gen(&ckpt, "40MB").await;
+    let mut c = w
+        .start_cluster("40Mbit/s", &[], |sink, _| {
+            let spec = sink.sink.as_mut().unwrap();
+            spec.root = PathBuf::from(&r.url);
+            spec.extra = r.lines.clone();
+        })
+        .await;
+    let id = w.push_no_wait(&c.source, &ckpt).await;
+    let sink = &c.sink;
+    w.wait_until(
+        "the sink to verify 20 % of the checkpoint",
+        TRANSFER,
+        async || {
+            let res = w.try_resolve(sink, &ckpt).await?;
+            let (done, total) = (
+                res["bytes_done"].as_u64().unwrap_or(0),
+                res["bytes_total"].as_u64().unwrap_or(0),
+            );
+            if s(&res, "state") == "replicating" && total > 0 && done * 5 >= total {
+                Ok(())
+            } else {
+                Err(res.to_string())
+            }
+        },
+    )
+    .await;
+    c.sink.kill();
+    w.restart(&mut c.sink).await;
+    w.wait_until(
+        "the transfer to be published after the restart",
+        TRANSFER,
+        async || {
+            let t = w.transfer(&c.source, id).await;
+            match s(&t, "state") {
+                "published" => Ok(()),
+                "failed" | "cancelled" => w.fail(format!("the transfer ended: {t}")),
+                _ => Err(format!("{t}")),
+            }
+        },
+    )
+    .await;
+    let markers = ["COMMITTED".to_string()];
+    let chunk = ferry_proto::manifest::MIN_CHUNK_SIZE;
+    let original = build(&Posix, &ckpt, &markers, chunk).unwrap();
+    let replica = PathBuf::from(format!("{}/{SOURCE_SITE}/{JOB}/step_000300", r.root));
+    let copy = build(&*r.store, &replica, &markers, chunk).unwrap();
+    w.ensure(content(&copy) == content(&original), || {
+        "the replica differs from the checkpoint after the kill".to_string()
+    });
+}

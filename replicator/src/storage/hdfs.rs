@@ -42,6 +42,7 @@ use ferry_proto::manifest::{chunk_count, chunk_len, FileInfo, Hash, Manifest};
 use hdfs_native::file::FileWriter;
 use hdfs_native::{Client, HdfsError, WriteOptions};
 
+use super::posix::publish::fault_point;
 use super::remote::{self, block_on, chunk_key, RemoteRoot};
 use super::{
     FileVersion, Listed, Listing, PublishOutcome, RangeRead, ReadBack, ScanError, SinkStore,
@@ -393,6 +394,7 @@ impl Hdfs {
                 self.rename(l, &old)?;
             }
             self.rename(&out, l)?;
+            fault_point("switched");
         }
         for (i, &fi) in m.markers.iter().enumerate() {
             let held = format!("{s}/.ferry-markers/{i}");
@@ -690,6 +692,7 @@ impl SinkStore for Hdfs {
             c.mkdirs(&p, 0o755, true).await
         })?;
         self.write_whole(&placed, Bytes::from(l.clone().into_bytes()), 0o600)?;
+        fault_point("placed");
         self.place(&s, &l, m)?;
         Ok(PublishOutcome::Published {
             reread: reread_time.map(ReadBack::wall_only),

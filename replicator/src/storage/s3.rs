@@ -46,6 +46,7 @@ use object_store::{
 };
 use serde::{Deserialize, Serialize};
 
+use super::posix::publish::fault_point;
 use super::remote::{self, block_on, chunk_key, RemoteRoot};
 use super::{
     FileVersion, Listed, Listing, PublishOutcome, RangeRead, ReadBack, ScanError, SinkStore,
@@ -657,11 +658,13 @@ impl SinkStore for S3 {
                 st.delete(&k).await
             })?;
         }
+        fault_point("placed");
         // Files in manifest order: non-markers first, markers last.
         for f in &m.files {
             let dst = self.key_of_str(&format!("{l}/{}", f.path));
             self.write_file(&s, f, m.chunk_size, dst)?;
         }
+        fault_point("markers-in");
         // Objects of an older version that this one does not have.
         let keep: std::collections::HashSet<&str> =
             m.files.iter().map(|f| f.path.as_str()).collect();

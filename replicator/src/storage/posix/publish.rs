@@ -56,7 +56,11 @@ use crate::storage::{PublishOutcome, ReadBack};
 /// before the catalog
 /// records it), `withdrawn` (a removed replica moved aside, before its
 /// files are deleted) or `retire-partial` (after the first file of a
-/// removed replica is deleted), the sink SIGKILLs itself there. Read only
+/// removed replica is deleted), the sink SIGKILLs itself there. On an
+/// HDFS sink `placed` is after the publish note, before any rename, and
+/// `switched` after the replica directory is renamed in, before its
+/// markers; on an S3 sink `placed` is before the first file is written
+/// and `markers-in` after the last, before the commit object. Read only
 /// in builds with the `fault-injection` feature.
 pub const FAULT_KILL_ENV: &str = "FERRY_FAULT_KILL_IN_PUBLISH";
 
