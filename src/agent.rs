@@ -176,7 +176,18 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
                 });
             }
             let mut roots = Vec::new();
+            let mut remotes = Vec::new();
             for (i, r) in s.roots.iter().enumerate() {
+                if replicator::storage::router::is_url(&r.path) {
+                    let url = r.path.to_string_lossy().trim_end_matches('/').to_string();
+                    let s3 = s.s3.clone().unwrap_or_default().config("source.s3", None)?;
+                    let opened = tokio::task::spawn_blocking(move || {
+                        replicator::storage::router::open_remote(&url, &s3)
+                    })
+                    .await?
+                    .with_context(|| format!("source.roots[{i}].path"))?;
+                    remotes.push(opened);
+                }
                 roots.push(RootConfig {
                     path: std::fs::canonicalize(&r.path).unwrap_or_else(|_| r.path.clone()),
                     job: r.job.clone(),
@@ -227,6 +238,7 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
                 chunk_size: s.chunk_size as u32,
                 markers: s.markers.clone(),
                 roots,
+                remotes,
                 links,
                 streams: s.streams,
                 batch_bytes: s.batch_size,

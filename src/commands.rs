@@ -476,8 +476,11 @@ pub fn render_status(base: &str, out: &Value, now_ms: i64) -> String {
 
 /// Refuses a relative `PATH` or a `--wait` over the API's longest.
 fn check_resolve_args(path: &str, wait: Duration) -> Result<()> {
-    if !path.starts_with('/') {
-        bail!("PATH must be the checkpoint's absolute path at the source, got {path:?}");
+    if replicator::sink::normalize_source_path(path).is_none() {
+        bail!(
+            "PATH must be the checkpoint's absolute path at the source (or its hdfs:// or \
+             s3:// URL), without `..`, got {path:?}"
+        );
     }
     if wait > api::MAX_WAIT {
         bail!(

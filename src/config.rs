@@ -544,6 +544,10 @@ impl SchedulerSection {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SourceSection {
+    /// `[source.s3]`: how to reach the `s3://` roots of `[[source.roots]]`
+    /// (the keys of `[sink.s3]`).
+    #[serde(default)]
+    pub s3: Option<S3Section>,
     /// Chunk size; default `"4MiB"`.
     #[serde(default = "default_chunk", deserialize_with = "de_size")]
     pub chunk_size: u64,
@@ -709,6 +713,8 @@ impl RootSection {
             o => bail!("source.roots[{i}].start must be \"on_open\" or \"on_commit\", got {o:?}"),
         };
         let mode = match self.mode.as_str() {
+            // A root in HDFS or S3 has no events to follow: always polled.
+            _ if replicator::storage::router::is_url(&self.path) => Mode::Poll,
             "inotify" => Mode::Inotify,
             "poll" => Mode::Poll,
             o => bail!("source.roots[{i}].mode must be \"inotify\" or \"poll\", got {o:?}"),
@@ -825,6 +831,39 @@ pub struct S3Section {
     pub secret_access_key_file: Option<PathBuf>,
 }
 
+impl S3Section {
+    /// The client settings, the secret read from `secret_access_key_file`
+    /// (`what` names the section in errors: `sink.s3`); `capacity` in
+    /// bytes.
+    ///
+    /// # Errors
+    /// A key file that cannot be read, named.
+    pub fn config(
+        self,
+        what: &str,
+        capacity: Option<u64>,
+    ) -> Result<replicator::storage::s3::S3Config> {
+        let secret_access_key = match &self.secret_access_key_file {
+            Some(f) => Some(
+                std::fs::read_to_string(f)
+                    .map_err(|e| {
+                        anyhow::anyhow!("{what}.secret_access_key_file {}: {e}", f.display())
+                    })?
+                    .trim()
+                    .to_string(),
+            ),
+            None => None,
+        };
+        Ok(replicator::storage::s3::S3Config {
+            endpoint: self.endpoint,
+            region: self.region,
+            access_key_id: self.access_key_id,
+            secret_access_key,
+            capacity,
+        })
+    }
+}
+
 impl SinkSection {
     /// The store `root` is in, with its settings: the secret access key
     /// of an `s3://` root is read from `[sink.s3] secret_access_key_file`.
@@ -846,33 +885,14 @@ impl SinkSection {
                 url,
                 capacity: self.capacity,
             },
-            _ => {
-                let s3 = self.s3.clone().unwrap_or_default();
-                let secret_access_key = match &s3.secret_access_key_file {
-                    Some(f) => Some(
-                        std::fs::read_to_string(f)
-                            .map_err(|e| {
-                                anyhow::anyhow!(
-                                    "sink.s3.secret_access_key_file {}: {e}",
-                                    f.display()
-                                )
-                            })?
-                            .trim()
-                            .to_string(),
-                    ),
-                    None => None,
-                };
-                SinkStorage::S3 {
-                    url,
-                    config: replicator::storage::s3::S3Config {
-                        endpoint: s3.endpoint,
-                        region: s3.region,
-                        access_key_id: s3.access_key_id,
-                        secret_access_key,
-                        capacity: self.capacity,
-                    },
-                }
-            }
+            _ => SinkStorage::S3 {
+                url,
+                config: self
+                    .s3
+                    .clone()
+                    .unwrap_or_default()
+                    .config("sink.s3", self.capacity)?,
+            },
         })
     }
 
@@ -1052,11 +1072,14 @@ impl Config {
                 *p = base.join(&*p);
             }
         }
-        if let Some(p) = c
-            .sink
-            .as_mut()
-            .and_then(|s| s.s3.as_mut())
-            .and_then(|s| s.secret_access_key_file.as_mut())
+        let key_files = [
+            c.sink.as_mut().and_then(|s| s.s3.as_mut()),
+            c.source.as_mut().and_then(|s| s.s3.as_mut()),
+        ];
+        for p in key_files
+            .into_iter()
+            .flatten()
+            .filter_map(|s| s.secret_access_key_file.as_mut())
         {
             if p.is_relative() {
                 *p = base.join(&*p);
@@ -1252,14 +1275,18 @@ impl Config {
                 {
                     bail!("source.roots[{i}].path contains source.roots[{j}].path; roots must not nest");
                 }
-                if let Some((scheme, _)) = r.path.to_string_lossy().split_once("://") {
-                    bail!(
-                        "source.roots[{i}].path {}: {scheme}:// roots are not supported by \
-                         `ferry serve` yet; give a local directory",
-                        r.path.display()
-                    );
-                }
-                if !r.path.is_absolute() {
+                let path = r.path.to_string_lossy();
+                if let Some((scheme, _)) = path.split_once("://") {
+                    if scheme != "hdfs" && scheme != "s3" {
+                        bail!(
+                            "source.roots[{i}].path {path}: {scheme}:// is not a store ferry \
+                             knows; give a local directory, hdfs://namenode:port/dir or \
+                             s3://bucket/prefix"
+                        );
+                    }
+                    replicator::storage::remote::RemoteRoot::parse(&path)
+                        .map_err(|e| anyhow::anyhow!("source.roots[{i}].path: {e}"))?;
+                } else if !r.path.is_absolute() {
                     bail!(
                         "source.roots[{i}].path must be absolute, got {}",
                         r.path.display()

@@ -673,6 +673,7 @@ pub(crate) async fn start_pair(
     });
     src_cfg.scheduler = scheduler;
     src_cfg.source = Some(SourceSection {
+        s3: None,
         chunk_size: 4 << 20,
         markers: vec!["COMMITTED".into()],
         streams: 4,

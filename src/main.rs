@@ -58,7 +58,8 @@ enum Command {
     /// `POST /v1/transfers` on the source agent; needs an operator token
     /// unless the agent allows unauthenticated requests).
     Push {
-        /// Checkpoint directory; must be under a configured source root.
+        /// Checkpoint directory; must be under a configured source root (a
+        /// local path, or an hdfs:// or s3:// URL under such a root).
         path: PathBuf,
         /// Link to use instead of the source root's.
         #[arg(long)]
@@ -1081,7 +1082,13 @@ async fn push(
     server: &client::ServerArgs,
     no_wait: bool,
 ) -> Result<()> {
-    let abs = std::fs::canonicalize(path).with_context(|| format!("{}", path.display()))?;
+    // A URL (a checkpoint under an HDFS or S3 source root) goes as it is;
+    // a local path is made absolute here, where the user gave it.
+    let abs = if replicator::storage::router::is_url(path) {
+        path.to_path_buf()
+    } else {
+        std::fs::canonicalize(path).with_context(|| format!("{}", path.display()))?
+    };
     let client = client::Client::new(server, client::REQUEST_TIMEOUT)?;
     let (_, body) = client
         .post(

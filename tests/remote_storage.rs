@@ -401,3 +401,91 @@ async fn an_hdfs_sink_killed_mid_transfer_resumes() {
         "the replica differs from the checkpoint after the kill".to_string()
     });
 }
+
+/// A source agent whose root is an S3 prefix (`[[source.roots]] path =
+/// "s3://..."` with `[source.s3]`) and a sink agent whose root is an
+/// HDFS directory: a checkpoint written into S3 and pushed by its URL
+/// (`ferry push s3://...`) lands in HDFS byte-identical, and `ferry
+/// resolve` of its source URL prints the replica's HDFS URL.
+#[tokio::test]
+async fn a_checkpoint_in_s3_is_pushed_by_its_url_to_an_hdfs_sink() {
+    let w = World::new("s3-to-hdfs").await;
+    let s3_url = server_env("FERRY_TEST_S3_URL");
+    let (endpoint, bucket) = s3_url.rsplit_once('/').unwrap();
+    let key_id = server_env("FERRY_TEST_S3_ACCESS_KEY_ID");
+    let secret = server_env("FERRY_TEST_S3_SECRET_ACCESS_KEY");
+    let secret_file = w.root.join("s3.secret");
+    std::fs::write(&secret_file, format!("{secret}\n")).unwrap();
+    let src_root = unique("s3-source");
+    let src_url = format!("s3://{bucket}{src_root}");
+    let s3 = S3::connect(
+        &format!("s3://{bucket}"),
+        &S3Config {
+            endpoint: Some(endpoint.to_string()),
+            region: None,
+            access_key_id: Some(key_id.clone()),
+            secret_access_key: Some(secret),
+            capacity: None,
+        },
+    )
+    .unwrap();
+    // The checkpoint, written into S3 as a local save would be: the same
+    // files, the marker last.
+    let local = w.root.join("local-save/step_000200");
+    w.gen(&local, "4MB").await;
+    let files = files_under(&local);
+    let mut order: Vec<&String> = files.iter().filter(|f| *f != "COMMITTED").collect();
+    order.extend(files.iter().filter(|f| *f == "COMMITTED"));
+    for rel in order {
+        s3.put_file(
+            Path::new(&format!("{src_root}/step_000200/{rel}")),
+            &std::fs::read(local.join(rel)).unwrap(),
+        )
+        .unwrap();
+    }
+    let sink = hdfs_sink("s3-to-hdfs");
+    let c = w
+        .start_cluster("500Mbit/s", &[], |sink_cfg, src_cfg| {
+            let spec = sink_cfg.sink.as_mut().unwrap();
+            spec.root = PathBuf::from(&sink.url);
+            let src = src_cfg.source.as_mut().unwrap();
+            src.root = PathBuf::from(&src_url);
+            src.extra = format!(
+                "[source.s3]\nendpoint = {}\naccess_key_id = {}\nsecret_access_key_file = {}\n",
+                toml_str(endpoint),
+                toml_str(&key_id),
+                toml_str(secret_file.to_str().unwrap()),
+            );
+        })
+        .await;
+    let ckpt_url = format!("{src_url}/step_000200");
+    let out = w
+        .ferry(
+            &["push", &ckpt_url, "--server", &c.source.url()],
+            &[],
+            TRANSFER,
+        )
+        .await;
+    w.ensure(out.success(), || {
+        format!("ferry push {ckpt_url} failed: {out}")
+    });
+    let replica = PathBuf::from(format!("{}/{SOURCE_SITE}/{JOB}/step_000200", sink.root));
+    let markers = ["COMMITTED".to_string()];
+    let chunk = ferry_proto::manifest::MIN_CHUNK_SIZE;
+    let original = build(&Posix, &local, &markers, chunk).unwrap();
+    let copy = build(&*sink.store, &replica, &markers, chunk).unwrap();
+    w.ensure(content(&copy) == content(&original), || {
+        "the HDFS replica differs from the checkpoint written into S3".to_string()
+    });
+    let want = format!("{}/{SOURCE_SITE}/{JOB}/step_000200", sink.url);
+    let out = w
+        .ferry(
+            &["resolve", &ckpt_url, "--server", &c.sink.url()],
+            &[],
+            Duration::from_secs(30),
+        )
+        .await;
+    w.ensure(out.success() && out.stdout.trim() == want, || {
+        format!("ferry resolve {ckpt_url} should print {want}: {out}")
+    });
+}

@@ -104,7 +104,7 @@ pub(crate) async fn resolve(
         .ok_or_else(|| ApiError::unprocessable("query parameter `path` is required"))?;
     if replicator::sink::normalize_source_path(&path).is_none() {
         return Err(ApiError::unprocessable(
-            "`path` must be an absolute source path without `..` components",
+            "`path` must be an absolute source path (or an hdfs:// or s3:// URL) without `..` components",
         ));
     }
     let wait = match q.wait.as_deref() {

@@ -94,9 +94,12 @@ pub(crate) async fn create_transfer(
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
     let src = source(&s)?;
-    if !req.path.starts_with('/') {
+    if !req.path.starts_with('/')
+        && !replicator::storage::router::is_url(std::path::Path::new(&req.path))
+    {
         return Err(ApiError::unprocessable(
-            "`path` must be an absolute path at the source",
+            "`path` must be an absolute path at the source, or the hdfs:// or s3:// URL of a \
+             checkpoint under a source root there",
         ));
     }
     let class = match req.class.as_deref() {
@@ -184,9 +187,12 @@ pub(crate) async fn announce(
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
     let src = source(&s)?;
-    if !req.path.starts_with('/') {
+    if !req.path.starts_with('/')
+        && !replicator::storage::router::is_url(std::path::Path::new(&req.path))
+    {
         return Err(ApiError::unprocessable(
-            "`path` must be an absolute path at the source",
+            "`path` must be an absolute path at the source, or the hdfs:// or s3:// URL of a \
+             checkpoint under a source root there",
         ));
     }
     if req.job.is_empty() {

@@ -276,6 +276,7 @@ async fn with_source() -> WithSource {
             link: "l".into(),
             watch: Default::default(),
         }],
+        remotes: Vec::new(),
         links: vec![link("l", 10_000_000_000), link("m", 1_000_000_000)],
         streams: 1,
         batch_bytes: 256 << 10,

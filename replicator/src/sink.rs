@@ -732,11 +732,29 @@ impl Live {
     }
 }
 
-/// Lexically normalises an absolute source path: repeated and trailing
-/// slashes and `.` components are dropped. `None` for a relative path or
-/// one with a `..` component (refused rather than interpreted, since the
-/// source's symlinks are unknown here).
+/// Lexically normalises an absolute source path, or the URL of a
+/// checkpoint under an HDFS or S3 source root (`hdfs://nn:8020/ckpt/x`,
+/// `s3://bucket/ckpt/x`, normalised in its path part): repeated and
+/// trailing slashes and `.` components are dropped. `None` for a relative
+/// path, another scheme, or a `..` component (refused rather than
+/// interpreted, since the source's symlinks are unknown here).
 pub fn normalize_source_path(path: &str) -> Option<String> {
+    // A checkpoint under an HDFS or S3 source root is named by its URL:
+    // the path part is normalised, the store kept as written.
+    if let Some((scheme, rest)) = path.split_once("://") {
+        if !matches!(scheme, "hdfs" | "s3") {
+            return None;
+        }
+        let (authority, p) = rest.split_once('/').unwrap_or((rest, ""));
+        if authority.is_empty() {
+            return None;
+        }
+        let p = normalize_source_path(&format!("/{p}"))?;
+        return Some(format!(
+            "{scheme}://{authority}{}",
+            if p == "/" { "" } else { &p }
+        ));
+    }
     if !path.starts_with('/') || path.contains('\0') {
         return None;
     }
@@ -2543,6 +2561,17 @@ mod tests {
         assert_eq!(normalize_source_path("/").as_deref(), Some("/"));
         assert_eq!(normalize_source_path("/a/../etc/passwd"), None);
         assert_eq!(normalize_source_path("a/b"), None);
+        assert_eq!(
+            normalize_source_path("hdfs://nn:8020/ckpt//job/./step_1/").as_deref(),
+            Some("hdfs://nn:8020/ckpt/job/step_1")
+        );
+        assert_eq!(
+            normalize_source_path("s3://bucket/a/b").as_deref(),
+            Some("s3://bucket/a/b")
+        );
+        assert_eq!(normalize_source_path("s3://bucket/a/../../x"), None);
+        assert_eq!(normalize_source_path("ftp://h/a"), None);
+        assert_eq!(normalize_source_path("s3:///a"), None);
     }
 
     #[test]

@@ -13,7 +13,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::bufpool::BufPool;
-use crate::storage::posix::Posix;
+use crate::storage::remote::RemoteRoot;
+use crate::storage::router::Router;
 use crate::storage::{read_chunks_versioned, FileVersion, RangeRead, ScanError, SourceStore};
 use ferry_catalog::{
     Catalog, CatalogError, NewWatchedTransfer, ProgressNote, SourceTimes, Transfer,
@@ -127,6 +128,10 @@ pub struct SourceConfig {
     pub markers: Vec<String>,
     /// Source roots.
     pub roots: Vec<RootConfig>,
+    /// The stores of the roots whose paths are URLs (`hdfs://`, `s3://`),
+    /// opened by the caller ([`crate::storage::router::open_remote`]);
+    /// empty when every root is a local directory.
+    pub remotes: Vec<(RemoteRoot, Arc<dyn SourceStore>)>,
     /// Links.
     pub links: Vec<LinkConfig>,
     /// Stream writers per connection of a link: each writes one batch (a
@@ -611,11 +616,16 @@ impl Source {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
+        let mut router = Router::new();
+        for (root, store) in &cfg.remotes {
+            router.add(root.clone(), store.clone());
+        }
+        let store: Arc<dyn SourceStore> = Arc::new(router);
         let inner = Arc::new(Inner {
             policy: Mutex::new(cfg.policy.clone()),
             cfg,
             catalog,
-            store: Arc::new(Posix),
+            store,
             endpoint,
             sockets,
             links,
@@ -1480,13 +1490,17 @@ impl Source {
             .file_name()
             .and_then(|n| n.to_str())
             .ok_or_else(|| bad(format!("{} has no directory name", path.display())))?;
-        let parent = std::fs::canonicalize(parent).map_err(|e| {
-            bad(format!(
-                "{} is not under a watched source root ({}: {e})",
-                path.display(),
-                parent.display()
-            ))
-        })?;
+        let parent = if crate::storage::router::is_url(parent) {
+            PathBuf::from(parent.to_string_lossy().trim_end_matches('/'))
+        } else {
+            std::fs::canonicalize(parent).map_err(|e| {
+                bad(format!(
+                    "{} is not under a watched source root ({}: {e})",
+                    path.display(),
+                    parent.display()
+                ))
+            })?
+        };
         let root = inner
             .cfg
             .roots
@@ -1585,10 +1599,19 @@ async fn submit(
     class: scheduler::Class,
 ) -> Result<Transfer, SubmitError> {
     let bad = |s: String| SubmitError::BadPath(s);
-    let abs = std::fs::canonicalize(path).map_err(|e| bad(format!("{}: {e}", path.display())))?;
-    if !abs.is_dir() {
-        return Err(bad(format!("{} is not a directory", abs.display())));
-    }
+    let remote = crate::storage::router::is_url(path);
+    let abs = if remote {
+        // A URL under a remote root: what is there is checked by the
+        // listing below, once the root is known.
+        PathBuf::from(path.to_string_lossy().trim_end_matches('/'))
+    } else {
+        let abs =
+            std::fs::canonicalize(path).map_err(|e| bad(format!("{}: {e}", path.display())))?;
+        if !abs.is_dir() {
+            return Err(bad(format!("{} is not a directory", abs.display())));
+        }
+        abs
+    };
     let root = inner
         .cfg
         .roots
@@ -1615,6 +1638,21 @@ async fn submit(
             )))
         }
     };
+    // A remote directory exists when its listing has files (an object
+    // store has no empty directories).
+    let listed = if remote {
+        let (store, dir) = (inner.store.clone(), abs.clone());
+        let l = tokio::task::spawn_blocking(move || store.list(&dir, &[]))
+            .await
+            .map_err(|e| bad(format!("{}: {e}", abs.display())))?
+            .map_err(|e| bad(e.to_string()))?;
+        if l.files.is_empty() {
+            return Err(bad(format!("{}: no files there", abs.display())));
+        }
+        Some(l)
+    } else {
+        None
+    };
     // Pushing a checkpoint that is already queued or moving returns that
     // transfer instead of starting a second copy of the same bytes.
     if let Some(t) = inner
@@ -1630,7 +1668,12 @@ async fn submit(
     // start it beside the large ones (`[scheduler] small_transfer`); the
     // run's own listing stays what is sent.
     let policy = crate::lock::lock(&inner.policy).clone();
-    let small = if policy.max_small_active > 0 {
+    let small = if let (true, Some(l)) = (policy.max_small_active > 0, &listed) {
+        let bytes: u64 = l.files.iter().map(|f| f.info.size).sum();
+        let files = l.files.len() as u64;
+        (bytes > 0 && bytes <= policy.small_bytes && files <= SMALL_TREE_FILES)
+            .then_some((bytes, files))
+    } else if policy.max_small_active > 0 {
         let (limit, dir) = (policy.small_bytes, abs.clone());
         tokio::task::spawn_blocking(move || small_tree_size(&dir, limit))
             .await
@@ -3718,6 +3761,7 @@ mod tests {
                 link: "l".into(),
                 watch: Default::default(),
             }],
+            remotes: Vec::new(),
             // Not in name order: link_stats sorts.
             links: vec![link("m", 10_000_000_000), link("l", 1_000_000_000)],
             streams: 1,

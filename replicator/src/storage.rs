@@ -28,6 +28,7 @@ use ferry_proto::manifest::{chunk_count, chunk_len, FileEntry, FileInfo, Hash, M
 pub mod hdfs;
 pub mod posix;
 pub mod remote;
+pub mod router;
 pub mod s3;
 
 /// An opaque per-file version token: two listings of a file with equal

@@ -83,6 +83,28 @@ fn list_steps(root: &Path) -> Vec<(u64, PathBuf)> {
         .collect()
 }
 
+/// [`list_steps`] of a root in a remote store (HDFS, S3), from one
+/// listing: the first path components that carry a step.
+fn list_steps_remote(store: &dyn crate::storage::SourceStore, root: &Path) -> Vec<(u64, PathBuf)> {
+    let listing = match store.list(root, &[]) {
+        Ok(l) => l,
+        Err(e) => {
+            warn!(root = %root.display(), error = %e, "listing the job's checkpoints for a signal's pins");
+            return Vec::new();
+        }
+    };
+    let mut out: Vec<(u64, PathBuf)> = listing
+        .files
+        .iter()
+        .filter_map(|f| f.info.path.split_once('/').map(|(d, _)| d))
+        .filter(|d| !d.starts_with('.'))
+        .filter_map(|d| crate::formats::step_of(d).map(|s| (s, root.join(d))))
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
 /// Sends the pins signal `sig` asks for (if its kind pins), replicating
 /// a checkpoint it pins that was never replicated (skipped by `select`,
 /// or cancelled); returns them in words.
@@ -118,8 +140,17 @@ pub(super) async fn pin_around(inner: &Arc<Inner>, sig: &Signal) -> Vec<String> 
         None => targets.push((PinTarget::Newest, format!("{what}: the newest checkpoint"))),
         Some(s) => {
             let dirs: Vec<PathBuf> = roots.iter().map(|(p, _)| p.clone()).collect();
+            let store = inner.store.clone();
             let listing = tokio::task::spawn_blocking(move || {
-                dirs.iter().flat_map(|d| list_steps(d)).collect::<Vec<_>>()
+                dirs.iter()
+                    .flat_map(|d| {
+                        if crate::storage::router::is_url(d) {
+                            list_steps_remote(&*store, d)
+                        } else {
+                            list_steps(d)
+                        }
+                    })
+                    .collect::<Vec<_>>()
             })
             .await
             .unwrap_or_default();

@@ -59,6 +59,31 @@ pub fn fingerprint(root: &Path, cutoff_ms: i64) -> std::io::Result<Vec<Fingerpri
     Ok(out)
 }
 
+/// [`fingerprint`] of a root in a remote store (HDFS, S3), from one
+/// listing through `store`: the first [`FINGERPRINT_FILES`] files by path
+/// (temporaries and Ferry's own files are not listed).
+///
+/// # Errors
+/// The root cannot be listed.
+pub fn fingerprint_remote(
+    store: &dyn crate::storage::SourceStore,
+    root: &Path,
+    cutoff_ms: i64,
+) -> std::io::Result<Vec<FingerprintEntry>> {
+    let listing = store
+        .list(root, &[])
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
+    let mut files: Vec<FingerprintEntry> = listing
+        .files
+        .into_iter()
+        .map(|f| (f.info.path, f.info.size, f.info.mtime_ns / 1_000_000))
+        .filter(|(_, _, mtime_ms)| *mtime_ms <= cutoff_ms)
+        .collect();
+    files.sort();
+    files.truncate(FINGERPRINT_FILES);
+    Ok(files)
+}
+
 fn walk(
     root: &Path,
     dir: &Path,
@@ -450,9 +475,17 @@ async fn look(
     let cutoff = now_ms() - FINGERPRINT_SETTLE.as_millis() as i64;
     let path = root.path.clone();
     let compare_at = theirs.as_ref().map(|(r, _)| r.cutoff_ms);
+    let store = inner.store.clone();
     let (mine, mine_then) = tokio::task::spawn_blocking(move || {
-        let mine = fingerprint(&path, cutoff)?;
-        let then = compare_at.map(|c| fingerprint(&path, c)).transpose()?;
+        let take = |cutoff| {
+            if crate::storage::router::is_url(&path) {
+                fingerprint_remote(&*store, &path, cutoff)
+            } else {
+                fingerprint(&path, cutoff)
+            }
+        };
+        let mine = take(cutoff)?;
+        let then = compare_at.map(take).transpose()?;
         Ok::<_, std::io::Error>((mine, then))
     })
     .await

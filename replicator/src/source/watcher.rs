@@ -295,6 +295,101 @@ fn scan_root(
     Ok((files, dirs))
 }
 
+/// One pass over a root in a remote store (HDFS, S3), which has no
+/// events to follow: one recursive listing of the root, split into the
+/// files directly in it (siblings), its subdirectories, and each
+/// subdirectory's files, with the content and samples the format and the
+/// core want (read with ranged reads). Temporaries are not listed
+/// ([`crate::storage::remote::skipped`]), no close is ever seen, and
+/// directories have no birth time.
+///
+/// # Errors
+/// The root cannot be listed (the pass is skipped, so nothing under it
+/// is judged deleted).
+fn scan_remote(
+    store: &dyn crate::storage::SourceStore,
+    root: &Path,
+    format: Option<Format>,
+    core: &WatchCore,
+    now: Instant,
+) -> std::io::Result<RootScan> {
+    const N: u64 = 64 << 10;
+    let listing = store
+        .list(root, &[])
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
+    let read = |rel: &str, offset: u64, len: u64| {
+        store
+            .open(&root.join(rel))
+            .and_then(|f| f.read_range(offset, len))
+    };
+    let mut siblings = Vec::new();
+    let mut dirs: Vec<String> = Vec::new();
+    let mut scans: HashMap<String, DirScan> = HashMap::new();
+    for f in listing.files {
+        let info = f.info;
+        let Some((dir, rel)) = info.path.split_once('/') else {
+            let content = (formats::wants_content(format, &info.path)
+                && info.size <= formats::MAX_CONTENT)
+                .then(|| read(&info.path, 0, info.size).ok())
+                .flatten();
+            siblings.push(FileState {
+                path: info.path,
+                size: info.size,
+                mtime_ns: info.mtime_ns,
+                complete: true,
+                content,
+            });
+            continue;
+        };
+        if dir.starts_with('.') {
+            continue;
+        }
+        let fmt = core.scan_format(dir);
+        let sample = core.wants_sample(dir, rel, f.version, false, now).then(|| {
+            let tail = info.size.min(N);
+            match (
+                read(&info.path, 0, info.size.min(N)),
+                read(&info.path, info.size - tail, tail),
+            ) {
+                (Ok(head), Ok(tail)) => Sample::Read { head, tail },
+                _ => Sample::Unreadable,
+            }
+        });
+        let content = (formats::wants_content(fmt, rel) && info.size <= formats::MAX_CONTENT)
+            .then(|| read(&info.path, 0, info.size).ok())
+            .flatten();
+        let file = ScannedFile {
+            path: rel.to_string(),
+            size: info.size,
+            mtime_ns: info.mtime_ns,
+            mode: info.mode & 0o7777,
+            version: f.version,
+            closed: false,
+            content,
+            sample,
+        };
+        let scan = scans.entry(dir.to_string()).or_insert_with(|| {
+            dirs.push(dir.to_string());
+            DirScan::default()
+        });
+        scan.files.push(file);
+    }
+    dirs.sort();
+    let scanned = dirs
+        .iter()
+        .map(|d| {
+            let mut s = scans.remove(d).unwrap_or_default();
+            s.files.sort_by(|a, b| a.path.cmp(&b.path));
+            (d.clone(), Some(s))
+        })
+        .collect();
+    Ok(RootScan {
+        siblings,
+        dirs,
+        scanned,
+    })
+}
+
 /// Watches `root` until `stop` is cancelled (the agent stops, or, in a
 /// pool, the agent no longer holds the root's watch). The views it gave
 /// out are withdrawn then: the runs of its checkpoints stop, and the
@@ -455,7 +550,12 @@ async fn follow(
         // sample) and comes back with the scan.
         let pass = tokio::task::spawn_blocking({
             let (path, fmt, closed) = (root.path.clone(), root.watch.format, closed.clone());
+            let store = inner.store.clone();
             move || {
+                if crate::storage::router::is_url(&path) {
+                    let scan = scan_remote(&*store, &path, fmt, &core, at);
+                    return (core, scan);
+                }
                 let (siblings, dirs) = match scan_root(&path, fmt) {
                     Ok(r) => r,
                     Err(e) => return (core, Err(e)),

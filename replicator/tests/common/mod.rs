@@ -153,6 +153,7 @@ pub fn source_config(root: &Path, peer: SocketAddr) -> SourceConfig {
             link: "l".into(),
             watch: Default::default(),
         }],
+        remotes: Vec::new(),
         links: vec![LinkConfig {
             name: "l".into(),
             peer: peer.to_string(),

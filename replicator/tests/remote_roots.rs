@@ -1,6 +1,8 @@
-//! A sink whose root is on HDFS (a MiniDFSCluster) or S3 (SeaweedFS): a
-//! checkpoint pushed from a local source root is published there
-//! byte-identical, resolves to its URL, and a re-save replaces it. The
+//! Roots on HDFS (a MiniDFSCluster) or S3 (SeaweedFS). A sink root there:
+//! a checkpoint pushed from a local source root is published there
+//! byte-identical, resolves to its URL, and a re-save replaces it. A
+//! source root there: a checkpoint written into it is found by the
+//! polling watcher (or pushed by its URL) and replicated. The
 //! servers are started by `ops/test` (through `ops/with-test-servers`),
 //! which passes their addresses in FERRY_TEST_HDFS_URL, FERRY_TEST_S3_URL
 //! and the S3 key pair in FERRY_TEST_S3_ACCESS_KEY_ID /
@@ -24,7 +26,7 @@ fn server_env(var: &str) -> String {
     std::env::var(var).unwrap_or_else(|_| {
         panic!(
             "{var} is not set: these tests need the storage servers that ops/test starts \
-             (run ops/test, or ops/with-test-servers cargo test -p replicator --test remote_sink)"
+             (run ops/test, or ops/with-test-servers cargo test -p replicator --test remote_roots)"
         )
     })
 }
@@ -237,4 +239,138 @@ async fn a_sink_on_a_store_it_cannot_use_does_not_start() {
         !msg.contains("not-the-secret"),
         "no secret in errors: {msg}"
     );
+}
+
+/// Writes a checkpoint of the generic format into `dir` of a remote store
+/// with `put`, file by file, the `COMMITTED` marker last (as a writer
+/// would); returns the files, path and bytes.
+fn put_checkpoint(
+    put: &dyn Fn(&Path, &[u8]) -> std::io::Result<()>,
+    dir: &str,
+    seed: u8,
+) -> Vec<(String, Vec<u8>)> {
+    let data = |n: usize| {
+        (0..n)
+            .map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed))
+            .collect::<Vec<_>>()
+    };
+    let files = vec![
+        (
+            "shard-0.bin".to_string(),
+            data(2 * MIN_CHUNK_SIZE as usize + 77),
+        ),
+        ("shard-1.bin".to_string(), data(3000)),
+        ("extra/state.bin".to_string(), data(500)),
+        ("COMMITTED".to_string(), b"done".to_vec()),
+    ];
+    for (rel, bytes) in &files {
+        put(Path::new(&format!("{dir}/{rel}")), bytes).unwrap();
+    }
+    files
+}
+
+/// A source whose root is `url` (opened as `store`) replicates to a local
+/// sink: with the watcher polling, a checkpoint written into the root is
+/// published; a second one is pushed by its URL. Both replicas are
+/// byte-identical and resolve from their source URLs.
+async fn replicates_from(url: &str, put: &dyn Fn(&Path, &[u8]) -> std::io::Result<()>, root: &str) {
+    let opened = replicator::storage::router::open_remote(url, &s3_config().1).unwrap();
+    let url_s = url.to_string();
+    let p = pair_on(SinkStorage::Local, 0, move |cfg| {
+        cfg.scan_interval = Some(std::time::Duration::from_millis(300));
+        cfg.quiet_period = std::time::Duration::from_millis(300);
+        cfg.roots[0].path = PathBuf::from(&url_s);
+        cfg.roots[0].watch.mode = replicator::source::watcher::Mode::Poll;
+        cfg.roots[0].watch.format = Some(replicator::formats::Format::Generic);
+        cfg.markers = vec!["COMMITTED".into()];
+        cfg.remotes = vec![opened];
+    })
+    .await;
+    // Watched: written into the root, found by the polling watcher.
+    let files = put_checkpoint(put, &format!("{root}/step_5"), 1);
+    let src = format!("{url}/step_5");
+    let local = wait_local(&p, &src).await;
+    for (rel, bytes) in &files {
+        assert_eq!(
+            &std::fs::read(local.join(rel)).unwrap(),
+            bytes,
+            "{rel} of the watched checkpoint"
+        );
+    }
+    // Pushed by its URL (the watcher would find it too; the push is
+    // answered by the same transfer or a new one, never a failure).
+    let files = put_checkpoint(put, &format!("{root}/step_6"), 2);
+    let src6 = format!("{url}/step_6");
+    p.source.submit(Path::new(&src6), None).await.unwrap();
+    let local = wait_local(&p, &src6).await;
+    for (rel, bytes) in &files {
+        assert_eq!(&std::fs::read(local.join(rel)).unwrap(), bytes, "{rel}");
+    }
+    // A file of it resolves from its URL too.
+    match p
+        .sink
+        .resolve(&format!("{src6}/extra/state.bin"))
+        .await
+        .unwrap()
+    {
+        Resolution::Local { local_path, .. } => {
+            assert_eq!(
+                local_path.map(PathBuf::from),
+                Some(local.join("extra/state.bin"))
+            )
+        }
+        other => panic!("expected a replica, got {other:?}"),
+    }
+    // A URL that is not under the root is refused, naming it.
+    let e = p
+        .source
+        .submit(Path::new(&format!("{url}-other/step_1")), None)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not under"), "{e}");
+    let e = p
+        .source
+        .submit(Path::new(&format!("{url}/step_404")), None)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("step_404"), "{e}");
+}
+
+/// Waits (at most 60 s) for `src` to resolve to a local replica.
+async fn wait_local(p: &common::Pair, src: &str) -> PathBuf {
+    for _ in 0..600 {
+        if let Resolution::Local {
+            local_path: Some(l),
+            ..
+        } = p.sink.resolve(src).await.unwrap()
+        {
+            return PathBuf::from(l);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let ts = p.source.catalog().transfers(100, 0).await.unwrap();
+    panic!("{src} not replicated within 60 s; the source's transfers: {ts:#?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_in_an_hdfs_source_root_is_watched_and_replicated() {
+    let base = server_env("FERRY_TEST_HDFS_URL");
+    let root = unique("hdfs-source");
+    let h = Hdfs::connect(&base, None).unwrap();
+    h.put_file(Path::new(&format!("{root}/README")), b"source root")
+        .unwrap();
+    let put = |p: &Path, b: &[u8]| h.put_file(p, b);
+    replicates_from(&format!("{base}{root}"), &put, &root).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_in_an_s3_source_root_is_watched_and_replicated() {
+    let (bucket, cfg) = s3_config();
+    let root = unique("s3-source");
+    let url = format!("s3://{bucket}{root}");
+    let s3 = S3::connect(&format!("s3://{bucket}"), &cfg).unwrap();
+    let put = |p: &Path, b: &[u8]| s3.put_file(p, b);
+    replicates_from(&url, &put, &root).await;
 }
