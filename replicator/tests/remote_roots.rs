@@ -90,14 +90,64 @@ fn content(m: &Manifest) -> Content {
     (files, m.markers.clone())
 }
 
+/// Reads the replica at a path as a reader of the store would, `None`
+/// when no replica is committed there or the read overlapped a change
+/// the store lets a reader detect (HDFS: the listing lacks the marker, or
+/// a file changed while read; S3: the commit object changed meanwhile).
+type Reader = Box<dyn Fn(&Path) -> Option<Content> + Send + Sync>;
+
+fn hdfs_reader(store: Hdfs) -> Reader {
+    Box::new(move |p| {
+        let m = build(&store, p, &[".metadata".to_string()], MIN_CHUNK_SIZE).ok()?;
+        (!m.markers.is_empty()).then(|| content(&m))
+    })
+}
+
+fn s3_reader(store: S3) -> Reader {
+    Box::new(move |p| {
+        let before = store.committed(p).ok()??;
+        let m = build(&store, p, &[".metadata".to_string()], MIN_CHUNK_SIZE).ok()?;
+        let after = store.committed(p).ok()??;
+        (before == after).then(|| content(&m))
+    })
+}
+
 /// Pushes a checkpoint to a sink on `storage` (whose store, for reading
 /// the replica back, is `store`, rooted at `root`), checks the replica and
-/// what resolve answers, then re-saves it with one shard changed.
-async fn replicates_to(storage: SinkStorage, store: &dyn SourceStore, root: &str, url: &str) {
+/// what resolve answers, then re-saves it with one shard changed. A reader
+/// polls the replica's path all along: whatever it sees committed is one
+/// whole version.
+async fn replicates_to(
+    storage: SinkStorage,
+    store: &dyn SourceStore,
+    root: &str,
+    url: &str,
+    reader: Reader,
+) {
     let p = pair_on(storage, 0, |_| {}).await;
     let ckpt = p.root.join("step_2");
     write_checkpoint(&ckpt, 1);
     let markers = [".metadata".to_string()];
+    let first = build(&Posix, &ckpt, &markers, MIN_CHUNK_SIZE).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watching = {
+        let (stop, replica) = (
+            stop.clone(),
+            PathBuf::from(format!("{root}/train-a/job/step_2")),
+        );
+        std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Some(c) = reader(&replica) {
+                    if seen.last() != Some(&c) {
+                        seen.push(c);
+                    }
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            seen
+        })
+    };
     let t = p.source.submit(&ckpt, None).await.unwrap();
     let done = wait_published(&p, t.id).await;
     let want_url = format!("{url}/train-a/job/step_2");
@@ -164,6 +214,21 @@ async fn replicates_to(storage: SinkStorage, store: &dyn SourceStore, root: &str
         .await
         .unwrap();
     assert_eq!(rows.len(), 2, "{rows:?}");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let seen = watching.join().unwrap();
+    let versions = [content(&first), content(&original)];
+    assert!(!seen.is_empty(), "the reader never saw a committed replica");
+    println!(
+        "{url}: the reader saw {} committed version(s) in turn",
+        seen.len()
+    );
+    for (i, c) in seen.iter().enumerate() {
+        assert!(
+            versions.contains(c),
+            "reading {i} of {} saw a committed replica that is neither version whole",
+            seen.len()
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -183,7 +248,8 @@ async fn a_checkpoint_replicates_to_an_hdfs_sink() {
         capacity: None,
     };
     let store = Hdfs::connect(&url, None).unwrap();
-    replicates_to(storage, &store, &root, &url).await;
+    let reader = hdfs_reader(store.clone());
+    replicates_to(storage, &store, &root, &url, reader).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -192,11 +258,12 @@ async fn a_checkpoint_replicates_to_an_s3_sink() {
     let root = unique("s3-sink");
     let url = format!("s3://{bucket}{root}");
     let store = S3::connect(&url, &cfg).unwrap();
+    let reader = s3_reader(store.clone());
     let storage = SinkStorage::S3 {
         url: url.clone(),
         config: cfg,
     };
-    replicates_to(storage, &store, &root, &url).await;
+    replicates_to(storage, &store, &root, &url, reader).await;
 }
 
 #[tokio::test]
