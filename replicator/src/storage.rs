@@ -327,6 +327,15 @@ pub trait SinkStore: Send + Sync + fmt::Debug {
     /// I/O errors naming the path.
     fn withdraw(&self, local_path: &Path, version: &Path, aside: &Path) -> io::Result<bool>;
 
+    /// Whether [`SinkStore::withdraw`] can take a replica out of the
+    /// published namespace here (true, the default). An S3 sink cannot
+    /// yet: a re-publish writes the same keys, so a removal could delete a
+    /// newer version's objects. Removals are refused up front there,
+    /// before anything is recorded.
+    fn removes(&self) -> bool {
+        true
+    }
+
     /// Deletes a version [`SinkStore::withdraw`] moved to `aside`. A
     /// deletion a crash interrupted is finished by calling it again.
     ///

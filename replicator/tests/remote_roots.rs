@@ -123,6 +123,7 @@ async fn replicates_to(
     root: &str,
     url: &str,
     reader: Reader,
+    removes: bool,
 ) {
     let p = pair_on(storage, 0, |_| {}).await;
     let ckpt = p.root.join("step_2");
@@ -229,6 +230,35 @@ async fn replicates_to(
             seen.len()
         );
     }
+
+    // Removing the newest replica by hand: HDFS takes it out of the
+    // namespace in one rename and deletes it; S3 refuses up front and
+    // keeps it published.
+    let newest = rows.iter().map(|r| r.id).max().unwrap();
+    let removed = p.sink.remove(newest, false, "test").await;
+    let after = p.sink.resolve(&ckpt.to_string_lossy()).await.unwrap();
+    if removes {
+        removed.unwrap();
+        assert!(matches!(after, Resolution::Remote { .. }), "{after:?}");
+        let mut gone = false;
+        for _ in 0..100 {
+            if store
+                .list(&replica, &[])
+                .map_or(true, |l| l.files.is_empty())
+            {
+                gone = true;
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        assert!(gone, "the removed replica's files are still listed");
+    } else {
+        let e = removed.unwrap_err().to_string();
+        assert!(e.contains("cannot remove"), "{e}");
+        assert!(matches!(after, Resolution::Local { .. }), "{after:?}");
+        let row = p.sink.catalog().replica(newest).await.unwrap().unwrap();
+        assert_eq!(row.state, ferry_proto::state::TransferState::Published);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -249,7 +279,7 @@ async fn a_checkpoint_replicates_to_an_hdfs_sink() {
     };
     let store = Hdfs::connect(&url, None).unwrap();
     let reader = hdfs_reader(store.clone());
-    replicates_to(storage, &store, &root, &url, reader).await;
+    replicates_to(storage, &store, &root, &url, reader, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -263,7 +293,7 @@ async fn a_checkpoint_replicates_to_an_s3_sink() {
         url: url.clone(),
         config: cfg,
     };
-    replicates_to(storage, &store, &root, &url, reader).await;
+    replicates_to(storage, &store, &root, &url, reader, false).await;
 }
 
 #[tokio::test]

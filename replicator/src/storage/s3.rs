@@ -721,6 +721,10 @@ impl SinkStore for S3 {
         self.delete_prefix(self.key(staging)?)
     }
 
+    fn removes(&self) -> bool {
+        false
+    }
+
     fn withdraw(&self, local_path: &Path, _version: &Path, _aside: &Path) -> io::Result<bool> {
         // A replica's objects live under its published prefix, and a
         // re-publish writes the same keys: deleting them later from an
