@@ -271,6 +271,43 @@ impl Hdfs {
         })
     }
 
+    /// Creates the file at `path` (under the root) for writing in order,
+    /// replacing any file there and creating its parents (mode 0644): for
+    /// the generator. Memory stays at one piece: each
+    /// [`HdfsWriter::write`] goes out to the DataNodes before it returns.
+    ///
+    /// # Errors
+    /// The NameNode's error, naming the path and root.
+    pub fn create_file(&self, path: &Path) -> io::Result<HdfsWriter> {
+        let p = self.root.check(path)?;
+        let w = self.call("create", &p, |c, p| async move {
+            let opts = WriteOptions::default()
+                .overwrite(true)
+                .create_parent(true)
+                .permission(0o644);
+            c.create(&p, opts).await
+        })?;
+        Ok(HdfsWriter {
+            store: self.clone(),
+            path: p,
+            writer: Some(w),
+        })
+    }
+
+    /// Deletes the file at `path` (not a directory's contents):
+    /// `Ok(false)` when there was none.
+    ///
+    /// # Errors
+    /// The NameNode's error, naming the path and root.
+    pub fn remove_file(&self, path: &Path) -> io::Result<bool> {
+        let p = self.root.check(path)?;
+        self.call(
+            "delete",
+            &p,
+            |c, p| async move { c.delete(&p, false).await },
+        )
+    }
+
     /// Bytes the publishes of this store have rewritten: staged data read
     /// back and written once more because its chunks did not arrive in
     /// order (a file staged in order is moved by a rename instead). The
@@ -619,6 +656,76 @@ impl Staging for HdfsStaging {
                 self.in_order.remove(rel);
                 Err(e)
             }
+        }
+    }
+}
+
+/// A file being written in order on HDFS ([`Hdfs::create_file`]). It is
+/// complete once [`HdfsWriter::close`] returns; dropped unclosed, it is
+/// closed with what was written (the partial file a killed writer leaves
+/// once its lease is recovered), and a failure to do so is logged.
+pub struct HdfsWriter {
+    store: Hdfs,
+    path: String,
+    writer: Option<FileWriter>,
+}
+
+impl fmt::Debug for HdfsWriter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "HdfsWriter({}{})", self.store.root.url, self.path)
+    }
+}
+
+impl HdfsWriter {
+    fn closed(&self) -> io::Error {
+        io::Error::other(format!(
+            "{} write {}: the writer failed before",
+            self.store.root.url, self.path
+        ))
+    }
+
+    /// Appends `bytes` (the writer keeps no copy once this returns).
+    ///
+    /// # Errors
+    /// The DataNode's or NameNode's error, naming the path and root; the
+    /// writer is unusable afterwards.
+    pub fn write(&mut self, bytes: &[u8]) -> io::Result<()> {
+        let mut w = self.writer.take().ok_or_else(|| self.closed())?;
+        let data = Bytes::copy_from_slice(bytes);
+        let w = self
+            .store
+            .call("write", &self.path, move |_, _| async move {
+                Box::pin(w.write_bytes(data)).await.map(|_| w)
+            })?;
+        self.writer = Some(w);
+        Ok(())
+    }
+
+    /// Closes the file: its length is final and readers see every byte.
+    ///
+    /// # Errors
+    /// The NameNode's error (the last block not completed), naming the
+    /// path and root.
+    pub fn close(mut self) -> io::Result<()> {
+        self.close_now()
+    }
+
+    fn close_now(&mut self) -> io::Result<()> {
+        match self.writer.take() {
+            Some(mut w) => self
+                .store
+                .call("close", &self.path, move |_, _| async move {
+                    Box::pin(w.close()).await
+                }),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for HdfsWriter {
+    fn drop(&mut self) {
+        if let Err(e) = self.close_now() {
+            tracing::warn!(error = %e, "closing an HDFS file");
         }
     }
 }

@@ -42,7 +42,8 @@ use futures::TryStreamExt;
 use object_store::aws::{AmazonS3, AmazonS3Builder, S3ConditionalPut};
 use object_store::path::Path as Key;
 use object_store::{
-    BackoffConfig, ClientOptions, ObjectStore, PutMode, PutOptions, PutPayload, RetryConfig,
+    BackoffConfig, ClientOptions, MultipartUpload, ObjectStore, PutMode, PutOptions, PutPayload,
+    RetryConfig,
 };
 use serde::{Deserialize, Serialize};
 
@@ -329,6 +330,50 @@ impl S3 {
         self.put(self.key(path)?, Bytes::copy_from_slice(data))
     }
 
+    /// Starts the object at `path` (under the root), `size` bytes long
+    /// when complete, for writing in order: for the generator. Up to
+    /// [`PART_TARGET`] bytes go out in one PUT at [`S3Writer::close`];
+    /// a larger object is a multipart upload of equal parts of
+    /// [`PART_TARGET`] bytes (more where the object would need more than
+    /// [`MAX_PARTS`]), each sent once it is full, so memory stays at one
+    /// part. Nothing is visible at `path` before `close` returns; an object
+    /// there is replaced then.
+    ///
+    /// # Errors
+    /// `InvalidInput` for a path outside the root, naming it and the root.
+    pub fn create_file(&self, path: &Path, size: u64) -> io::Result<S3Writer> {
+        let key = self.key(path)?;
+        let part = PART_TARGET.max(size.div_ceil(MAX_PARTS));
+        Ok(S3Writer {
+            store: self.clone(),
+            key,
+            part: usize::try_from(part).map_err(|_| {
+                io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("{}: {size} bytes is too large", self.root.url_of(path)),
+                )
+            })?,
+            buf: Vec::new(),
+            upload: None,
+            sizes: Vec::new(),
+        })
+    }
+
+    /// Deletes the object at `path` (S3 answers the same whether or not
+    /// there was one).
+    ///
+    /// # Errors
+    /// The server's error, naming the key and root.
+    pub fn remove_file(&self, path: &Path) -> io::Result<()> {
+        let key = self.key(path)?;
+        match self.call("delete", key.to_string(), move |st| async move {
+            st.delete(&key).await
+        }) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            r => r,
+        }
+    }
+
     /// Creates the object at `path` with `data` only if none is there
     /// (`If-None-Match: *`): `Ok(true)` when this call created it,
     /// `Ok(false)` when it existed.
@@ -429,6 +474,139 @@ impl S3 {
                 Err(e)
             }
         }
+    }
+}
+
+/// An object being written in order ([`S3::create_file`]). Only
+/// [`S3Writer::close`] makes it visible; dropped unclosed, its multipart
+/// upload (if one was started) is aborted and nothing is written, as for
+/// an uploader that was killed.
+pub struct S3Writer {
+    store: S3,
+    key: Key,
+    /// Bytes of a part.
+    part: usize,
+    /// What is not sent yet (less than a part).
+    buf: Vec<u8>,
+    upload: Option<Box<dyn MultipartUpload>>,
+    /// Sizes of the parts sent.
+    sizes: Vec<u64>,
+}
+
+impl fmt::Debug for S3Writer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "S3Writer({} {})", self.store.root.url, self.key)
+    }
+}
+
+impl S3Writer {
+    /// Appends `bytes`, sending every part that fills up.
+    ///
+    /// # Errors
+    /// The server's error for a part (the upload is aborted), naming the
+    /// key and root; the writer is unusable afterwards.
+    pub fn write(&mut self, mut bytes: &[u8]) -> io::Result<()> {
+        while !bytes.is_empty() {
+            // A full part goes out once more follows: an object of
+            // exactly one part is one PUT.
+            if self.buf.len() == self.part {
+                self.send_part()?;
+            }
+            let n = (self.part - self.buf.len()).min(bytes.len());
+            self.buf.extend_from_slice(&bytes[..n]);
+            bytes = &bytes[n..];
+        }
+        Ok(())
+    }
+
+    fn send_part(&mut self) -> io::Result<()> {
+        let mut up = match self.upload.take() {
+            Some(up) => up,
+            None => {
+                let key = self.key.clone();
+                self.store
+                    .call("start upload", self.key.to_string(), move |st| async move {
+                        st.put_multipart(&key).await
+                    })?
+            }
+        };
+        let data = std::mem::replace(&mut self.buf, Vec::with_capacity(self.part));
+        let len = data.len() as u64;
+        let fut = up.put_part(PutPayload::from(data));
+        match self
+            .store
+            .call("upload part", self.key.to_string(), move |_| fut)
+        {
+            Ok(()) => {
+                self.sizes.push(len);
+                self.upload = Some(up);
+                Ok(())
+            }
+            Err(e) => {
+                self.upload = Some(up);
+                self.abort();
+                Err(e)
+            }
+        }
+    }
+
+    fn abort(&mut self) {
+        if let Some(mut up) = self.upload.take() {
+            let r = self
+                .store
+                .call("abort upload", self.key.to_string(), move |_| async move {
+                    up.abort().await
+                });
+            if let Err(e) = r {
+                tracing::warn!(error = %e, "aborting an S3 multipart upload");
+            }
+        }
+    }
+
+    /// Completes the object: one PUT of everything written, or the last
+    /// part and the completion of the multipart upload.
+    ///
+    /// # Errors
+    /// The server's error, naming the key and root (a multipart upload is
+    /// aborted).
+    pub fn close(mut self) -> io::Result<()> {
+        if self.upload.is_none() {
+            let data = Bytes::from(std::mem::take(&mut self.buf));
+            return self.store.put(self.key.clone(), data);
+        }
+        if !self.buf.is_empty() {
+            self.send_part()?;
+        }
+        let Some(mut up) = self.upload.take() else {
+            return Ok(());
+        };
+        match self.store.call(
+            "complete upload",
+            self.key.to_string(),
+            move |_| async move {
+                match up.complete().await {
+                    Ok(_) => Ok(()),
+                    Err(e) => {
+                        let _ = up.abort().await;
+                        Err(e)
+                    }
+                }
+            },
+        ) {
+            Ok(()) => {
+                if let Ok(mut p) = self.store.parts.lock() {
+                    p.push(std::mem::take(&mut self.sizes));
+                }
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl Drop for S3Writer {
+    fn drop(&mut self) {
+        self.abort();
     }
 }
 
