@@ -19,10 +19,16 @@
 //! to [`SaveOptions::write_rate_bps`] with sleeps ([`pace`]). Contents are
 //! incompressible pseudo-random bytes seeded per file from the seed and
 //! the file's path, so a seed always yields the same bytes.
+//!
+//! [`save_into`] runs the same plan into a store that takes whole files
+//! one after the other (an HDFS directory or S3 prefix behind
+//! [`crate::output::Output`]): same names and bytes, markers last (its
+//! docs say what becomes of renames and in-place rewrites there).
 
 mod framing;
 mod layout;
 mod pace;
+mod seq;
 
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
@@ -40,6 +46,7 @@ use rand::{RngCore, SeedableRng};
 use self::framing::{Crc32, Sink};
 use self::layout::{Cut, Event, FileJob, How, Layout, Step, Until};
 use self::pace::Throttle;
+pub use self::seq::save_into;
 use super::{file_seed, Preset, DEFAULT_SMALL_FRACTION_TARGET, SMALL_SHARD_BYTES};
 
 /// A checkpoint format [`save`] can write.

@@ -96,8 +96,10 @@ use rand::rngs::SmallRng;
 use rand::{RngCore, SeedableRng};
 
 pub mod format;
+pub mod output;
 pub mod preset;
 
+use self::output::Output;
 use self::preset::RefModel;
 pub use self::preset::{Preset, MAX_SHARDS};
 
@@ -253,6 +255,61 @@ pub fn generate(opts: &GenOptions, progress: &dyn Fn(u64)) -> io::Result<GenSumm
             opts.seed, summary.shards, summary.bytes
         );
         fs::write(path, text)?;
+    }
+    Ok(plan.summary())
+}
+
+/// [`generate`] into a store that takes whole files (an HDFS or S3 root
+/// behind [`Output`]): the same files with the same bytes, in the same
+/// order (tensor files in plan order, each finished before the next,
+/// then the marker), paths relative to the store's root; `opts.out` is
+/// not used. A marker of the same name is removed first.
+///
+/// `progress` is called after every piece (at most 1 MiB) with the
+/// number of tensor bytes written so far.
+///
+/// # Errors
+///
+/// [`io::ErrorKind::InvalidInput`] as [`generate`]; the store's errors.
+pub fn generate_into(
+    opts: &GenOptions,
+    out: &dyn Output,
+    progress: &dyn Fn(u64),
+) -> io::Result<GenSummary> {
+    let marker = match &opts.marker {
+        Some(name) => Some(PathBuf::from(validate_marker(name)?)),
+        None => None,
+    };
+    let plan = Plan::for_options(opts)?;
+    if let Some(path) = &marker {
+        out.remove(path)?;
+    }
+    let buf_len = plan.largest().min(output::PIECE_BYTES);
+    let mut buf = vec![0u8; usize::try_from(buf_len).map_err(invalid)?];
+    let mut written = 0u64;
+    for (index, (tensor, &bytes)) in plan.tensors.iter().zip(&plan.bytes).enumerate() {
+        let mut rng = SmallRng::seed_from_u64(file_seed(opts.seed, index as u64));
+        let mut file = out.create(&tensor.path(), bytes)?;
+        let mut left = bytes;
+        while left > 0 {
+            let chunk = &mut buf[..usize::try_from(left.min(buf_len)).map_err(invalid)?];
+            rng.fill_bytes(chunk);
+            file.write(chunk)?;
+            left -= chunk.len() as u64;
+            written += chunk.len() as u64;
+            progress(written);
+        }
+        file.finish()?;
+    }
+    if let Some(path) = &marker {
+        let summary = plan.summary();
+        let text = format!(
+            "ferry gen seed={} shards={} bytes={}\n",
+            opts.seed, summary.shards, summary.bytes
+        );
+        let mut file = out.create(path, text.len() as u64)?;
+        file.write(text.as_bytes())?;
+        file.finish()?;
     }
     Ok(plan.summary())
 }
@@ -1115,5 +1172,46 @@ mod tests {
             let err = parse_scale(bad).unwrap_err();
             assert!(err.contains(&format!("{bad:?}")), "{bad:?}: {err}");
         }
+    }
+    #[test]
+    fn generate_into_a_store_writes_the_same_files_whole_marker_last() {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = GenOptions {
+            marker: Some("COMMITTED".into()),
+            seed: 3,
+            ..GenOptions::new(dir.path().join("out"), 6_000_000)
+        };
+        let local = generate(&opts, &|_| {}).unwrap();
+        let out = output::mem::MemOut::default();
+        let last = Cell::new(0);
+        let remote = generate_into(&opts, &out, &|n| {
+            assert!(n >= last.get());
+            last.set(n);
+        })
+        .unwrap();
+        assert_eq!(remote, local);
+        assert_eq!(last.get(), local.bytes);
+        let mem = out.0.borrow();
+        let on_disk: Vec<(PathBuf, Vec<u8>)> = walk(&opts.out)
+            .into_iter()
+            .map(|(rel, _, _)| {
+                let bytes = fs::read(opts.out.join(&rel)).unwrap();
+                (rel, bytes)
+            })
+            .collect();
+        let stored: Vec<(PathBuf, Vec<u8>)> = mem
+            .files
+            .iter()
+            .map(|(p, b)| (p.clone(), b.clone()))
+            .collect();
+        assert!(stored == on_disk, "the same files and bytes");
+        assert_eq!(
+            mem.seen.first(),
+            Some(&output::mem::Seen::Remove("COMMITTED".into()))
+        );
+        assert_eq!(
+            mem.seen.last(),
+            Some(&output::mem::Seen::Finish("COMMITTED".into()))
+        );
     }
 }
