@@ -262,8 +262,23 @@ enum Command {
     /// time: one thread per rank, the framework's file names, write order
     /// and commit marker (including the races where a marker lands before
     /// every rank is done), optionally paced and with a simulated failure.
+    ///
+    /// --out may also be hdfs://NAMENODE:PORT/DIR or s3://BUCKET/PREFIX:
+    /// then every file is written whole, one after the other (HDFS:
+    /// sequentially, in pieces of 1 MiB; S3: object by object, one PUT up
+    /// to 8 MiB, else a multipart upload of 8 MiB parts), same names and
+    /// bytes as in a local directory, in an order the framework's ranks
+    /// close them, markers last: temporary names and renames are dropped
+    /// (Orbax writes straight into <N>/), a marker rewritten in place gets
+    /// its final content last, NeMo's -unfinished file is deleted last.
+    #[command(
+        after_help = "Examples:\n  ferry gen --out hdfs://namenode:8020/ckpt/job --format dcp --size 200MB\n  \
+                      ferry gen --out s3://bucket/ckpt/job --format hf --s3-endpoint http://10.0.0.5:8333 \\\n    \
+                      --s3-access-key-id KEYID --s3-secret-access-key-file /etc/ferry/s3.key"
+    )]
     Gen {
-        /// Output directory (created). With --format: the source root; the
+        /// Output directory (created), or hdfs://NAMENODE:PORT/DIR, or
+        /// s3://BUCKET/PREFIX. With --format: the source root; the
         /// checkpoint directory is created inside it (ROOT/step_00001000 for
         /// dcp and generic, ROOT/iter_0001000 for megatron and
         /// megatron_dist, ROOT/global_step1000 for deepspeed, ROOT/step-1000
@@ -338,6 +353,8 @@ enum Command {
         /// second with seed + 1).
         #[arg(long, default_value = "none", requires = "format")]
         fault: ferry_gen::format::Fault,
+        #[command(flatten)]
+        s3: GenS3Args,
     },
     /// User-space WAN emulator: a UDP relay adding one-way delay and
     /// jitter, a rate cap with a bounded drop-tail queue, loss, corruption,
@@ -367,6 +384,36 @@ enum Command {
     /// ready (p50, p90, p99, max) for each --policy side by side. No
     /// network, no files moved, no agent needed.
     Replay(ferry::replay::ReplayArgs),
+}
+
+/// `ferry gen`'s settings of an s3:// --out (as `[sink.s3]`).
+#[derive(Debug, Clone, Default, clap::Args)]
+struct GenS3Args {
+    /// s3:// --out only: endpoint URL of an S3-compatible store, e.g.
+    /// http://10.0.0.5:8333 (default: AWS_ENDPOINT, else AWS S3).
+    #[arg(long, value_name = "URL")]
+    s3_endpoint: Option<String>,
+    /// s3:// --out only: region (default: AWS_REGION, else us-east-1).
+    #[arg(long, value_name = "REGION")]
+    s3_region: Option<String>,
+    /// s3:// --out only: access key id (default: AWS_ACCESS_KEY_ID).
+    #[arg(long, value_name = "ID")]
+    s3_access_key_id: Option<String>,
+    /// s3:// --out only: file holding the secret access key, one line
+    /// (default: AWS_SECRET_ACCESS_KEY). The key is never printed.
+    #[arg(long, value_name = "FILE")]
+    s3_secret_access_key_file: Option<PathBuf>,
+}
+
+impl GenS3Args {
+    fn settings(self) -> ferry::remote_gen::S3Settings {
+        ferry::remote_gen::S3Settings {
+            endpoint: self.s3_endpoint,
+            region: self.s3_region,
+            access_key_id: self.s3_access_key_id,
+            secret_access_key_file: self.s3_secret_access_key_file,
+        }
+    }
 }
 
 /// `ferry link-emu` flags.
@@ -843,34 +890,47 @@ async fn run(cli: Cli) -> Result<()> {
             ranks,
             write_rate,
             fault,
-        } => match format {
-            None => {
-                let opts = ferry_gen::GenOptions {
-                    model,
-                    scale,
-                    shards,
-                    marker: Some(marker),
-                    seed,
-                    ..ferry_gen::GenOptions::new(out, size)
-                };
-                gen_per_tensor(opts).await
+            s3,
+        } => {
+            let s3 = s3.settings();
+            if !ferry::remote_gen::is_remote(&out) && s3.is_set() {
+                bail!("the --s3-* options apply to an s3:// --out only");
             }
-            Some(format) => {
-                let opts = ferry_gen::format::SaveOptions {
-                    step,
-                    ranks,
-                    write_rate_bps: write_rate,
-                    seed,
-                    marker,
-                    fault,
-                    model,
-                    scale,
-                    shards,
-                    ..ferry_gen::format::SaveOptions::new(out, format, size)
-                };
-                gen_format(opts).await
+            match format {
+                None => {
+                    let opts = ferry_gen::GenOptions {
+                        model,
+                        scale,
+                        shards,
+                        marker: Some(marker),
+                        seed,
+                        ..ferry_gen::GenOptions::new(out, size)
+                    };
+                    if ferry::remote_gen::is_remote(&opts.out) {
+                        return gen_per_tensor_remote(opts, s3).await;
+                    }
+                    gen_per_tensor(opts).await
+                }
+                Some(format) => {
+                    let opts = ferry_gen::format::SaveOptions {
+                        step,
+                        ranks,
+                        write_rate_bps: write_rate,
+                        seed,
+                        marker,
+                        fault,
+                        model,
+                        scale,
+                        shards,
+                        ..ferry_gen::format::SaveOptions::new(out, format, size)
+                    };
+                    if ferry::remote_gen::is_remote(&opts.root) {
+                        return gen_format_remote(opts, s3).await;
+                    }
+                    gen_format(opts).await
+                }
             }
-        },
+        }
         Command::LinkEmu(args) => link_emu(args).await,
         Command::Demo(args) => demo::run(args).await,
         Command::Replay(args) => ferry::replay::run(&args),
@@ -902,16 +962,18 @@ async fn gen_per_tensor(opts: ferry_gen::GenOptions) -> Result<()> {
         bail!("--out {} exists and is not a directory", out.display());
     }
     ferry_gen::ensure_space(&out, size).with_context(|| format!("--out {}", out.display()))?;
-    let bar = indicatif::ProgressBar::new(size);
-    bar.set_style(indicatif::ProgressStyle::with_template(
-        "generating {bar:40} {bytes}/{total_bytes} {bytes_per_sec}",
-    )?);
+    let bar = gen_bar(size)?;
     let b2 = bar.clone();
     let s =
         tokio::task::spawn_blocking(move || ferry_gen::generate(&opts, &|n| b2.set_position(n)))
             .await?
             .with_context(|| format!("generating into {}", out.display()))?;
     bar.finish_and_clear();
+    print_gen_summary(&out, &s)
+}
+
+/// The last line of `ferry gen` without --format.
+fn print_gen_summary(out: &Path, s: &ferry_gen::GenSummary) -> Result<()> {
     outln!(
         "{}: {} shards + commit marker, {} bytes, {} under 16 KiB ({:.1} %), largest {} bytes",
         out.display(),
@@ -921,6 +983,57 @@ async fn gen_per_tensor(opts: ferry_gen::GenOptions) -> Result<()> {
         100.0 * s.small_shards as f64 / s.shards.max(1) as f64,
         s.largest
     )
+}
+
+/// The "generating" progress bar of `ferry gen`, for `total` bytes.
+fn gen_bar(total: u64) -> Result<indicatif::ProgressBar> {
+    let bar = indicatif::ProgressBar::new(total);
+    bar.set_style(indicatif::ProgressStyle::with_template(
+        "generating {bar:40} {bytes}/{total_bytes} {bytes_per_sec}",
+    )?);
+    Ok(bar)
+}
+
+/// `ferry gen --out hdfs://... | s3://...` without --format: the files of
+/// [`ferry_gen::generate`], each written whole, the marker last.
+async fn gen_per_tensor_remote(
+    opts: ferry_gen::GenOptions,
+    s3: ferry::remote_gen::S3Settings,
+) -> Result<()> {
+    let preview = ferry_gen::preview(&opts).context("planning the checkpoint")?;
+    let size = preview.summary.bytes;
+    if let Some(scale) = preview.scale {
+        outln!(
+            "model {} ({} parameters at full scale) at scale {scale:.6}: {} tensor files, \
+             {size} bytes, {} under 16 KiB",
+            opts.model,
+            opts.model.params(),
+            preview.summary.shards,
+            preview.summary.small_shards
+        )?;
+    }
+    let url = opts.out.to_string_lossy().into_owned();
+    let out = tokio::task::spawn_blocking(move || -> Result<_> {
+        let out = ferry::remote_gen::RemoteOut::open(&url, &s3)?;
+        if !out.is_empty(Path::new(""))? {
+            bail!(
+                "--out {} exists and is not empty; choose a new directory",
+                out.url()
+            );
+        }
+        Ok(out)
+    })
+    .await??;
+    let bar = gen_bar(size)?;
+    let b2 = bar.clone();
+    let url = out.url().to_string();
+    let s = tokio::task::spawn_blocking(move || {
+        ferry_gen::generate_into(&opts, &out, &|n| b2.set_position(n))
+    })
+    .await?
+    .with_context(|| format!("generating into {url}"))?;
+    bar.finish_and_clear();
+    print_gen_summary(Path::new(&url), &s)
 }
 
 /// `ferry gen --format F`: one checkpoint written the framework's way.
@@ -957,10 +1070,7 @@ async fn gen_format(opts: ferry_gen::format::SaveOptions) -> Result<()> {
     }
     ferry_gen::ensure_space(&opts.root, preview.bytes)
         .with_context(|| format!("--out {}", opts.root.display()))?;
-    let bar = indicatif::ProgressBar::new(preview.bytes.saturating_mul(passes));
-    bar.set_style(indicatif::ProgressStyle::with_template(
-        "generating {bar:40} {bytes}/{total_bytes} {bytes_per_sec}",
-    )?);
+    let bar = gen_bar(preview.bytes.saturating_mul(passes))?;
     let b2 = bar.clone();
     let (format, fault) = (opts.format, opts.fault);
     let s = tokio::task::spawn_blocking(move || {
@@ -969,6 +1079,15 @@ async fn gen_format(opts: ferry_gen::format::SaveOptions) -> Result<()> {
     .await?
     .with_context(|| format!("writing a {format} checkpoint into {}", dir.display()))?;
     bar.finish_and_clear();
+    print_save_summary(format, fault, s)
+}
+
+/// What `ferry gen --format` prints once the save is done.
+fn print_save_summary(
+    format: ferry_gen::format::GenFormat,
+    fault: ferry_gen::format::Fault,
+    s: ferry_gen::format::SaveSummary,
+) -> Result<()> {
     let opened = humantime::format_rfc3339_millis(s.opened_at);
     let commit = match s.committed_at {
         Some(t) => format!(
@@ -996,6 +1115,60 @@ async fn gen_format(opts: ferry_gen::format::SaveOptions) -> Result<()> {
         outln!("simulated fault: {fault}{damaged}")?;
     }
     Ok(())
+}
+
+/// `ferry gen --format F --out hdfs://... | s3://...`: the framework's
+/// files, each written whole, in an order its ranks close them, markers
+/// last ([`ferry_gen::format::save_into`]).
+async fn gen_format_remote(
+    mut opts: ferry_gen::format::SaveOptions,
+    s3: ferry::remote_gen::S3Settings,
+) -> Result<()> {
+    let passes = if opts.fault == ferry_gen::format::Fault::ReusedDir {
+        2
+    } else {
+        1
+    };
+    let preview = ferry_gen::format::preview(&opts).context("planning the checkpoint")?;
+    if let Some(scale) = preview.scale {
+        outln!(
+            "model {} ({} parameters at full scale) at scale {scale:.6}: {} tensors, {} bytes \
+             as {}",
+            opts.model,
+            opts.model.params(),
+            preview.tensors,
+            preview.bytes,
+            opts.format
+        )?;
+    }
+    let url = opts.root.to_string_lossy().into_owned();
+    let out = tokio::task::spawn_blocking(move || ferry::remote_gen::RemoteOut::open(&url, &s3))
+        .await??;
+    // The summary's paths are the store's URLs.
+    opts.root = PathBuf::from(out.url());
+    let dir = opts.checkpoint_dir();
+    let rel = dir.strip_prefix(&opts.root).unwrap_or(&dir).to_path_buf();
+    let out = tokio::task::spawn_blocking(move || -> Result<_> {
+        if !out.is_empty(&rel)? {
+            bail!(
+                "{} exists and is not empty; choose another --step or --out",
+                dir.display()
+            );
+        }
+        Ok(out)
+    })
+    .await??;
+    let bar = gen_bar(preview.bytes.saturating_mul(passes))?;
+    let b2 = bar.clone();
+    let (format, fault) = (opts.format, opts.fault);
+    let dir = opts.checkpoint_dir();
+    let s = tokio::task::spawn_blocking(move || {
+        ferry_gen::format::save_into(&opts, &out, &|n| b2.set_position(n))
+    })
+    .await?
+    .with_context(|| format!("writing a {format} checkpoint into {}", dir.display()))?;
+    bar.finish_and_clear();
+    print_save_summary(format, fault, s)
 }
 
 /// `--severity`: a finite number from 0 to 1 (JSON has no NaN or
