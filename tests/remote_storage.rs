@@ -489,3 +489,213 @@ async fn a_checkpoint_in_s3_is_pushed_by_its_url_to_an_hdfs_sink() {
         format!("ferry resolve {ckpt_url} should print {want}: {out}")
     });
 }
+
+/// Where a test's sink keeps replicas (or its source reads them: HDFS
+/// or S3).
+enum SinkKind {
+    Posix,
+    Hdfs,
+    S3,
+}
+
+/// An S3 or HDFS source root for a test: its URL, its path in the store,
+/// a store to read it with, the `[source]` lines it needs, and the flags
+/// `ferry gen --out URL` needs.
+struct RemoteSource {
+    url: String,
+    root: String,
+    store: Box<dyn SourceStore>,
+    source_lines: String,
+    gen_flags: Vec<String>,
+}
+
+fn hdfs_source(name: &str) -> RemoteSource {
+    let base = server_env("FERRY_TEST_HDFS_URL");
+    let root = unique(name);
+    Hdfs::connect(&base, None)
+        .unwrap()
+        .put_file(Path::new(&format!("{root}/README")), b"source root")
+        .unwrap();
+    let url = format!("{base}{root}");
+    RemoteSource {
+        store: Box::new(Hdfs::connect(&url, None).unwrap()),
+        url,
+        root,
+        source_lines: String::new(),
+        gen_flags: Vec::new(),
+    }
+}
+
+fn s3_source(w: &World, name: &str) -> RemoteSource {
+    let s3_url = server_env("FERRY_TEST_S3_URL");
+    let (endpoint, bucket) = s3_url.rsplit_once('/').unwrap();
+    let key_id = server_env("FERRY_TEST_S3_ACCESS_KEY_ID");
+    let secret = server_env("FERRY_TEST_S3_SECRET_ACCESS_KEY");
+    let secret_file = w.root.join("s3-source.secret");
+    std::fs::write(&secret_file, format!("{secret}\n")).unwrap();
+    let root = unique(name);
+    let url = format!("s3://{bucket}{root}");
+    let cfg = S3Config {
+        endpoint: Some(endpoint.to_string()),
+        region: None,
+        access_key_id: Some(key_id.clone()),
+        secret_access_key: Some(secret),
+        capacity: None,
+    };
+    RemoteSource {
+        store: Box::new(S3::connect(&format!("s3://{bucket}"), &cfg).unwrap()),
+        url,
+        root,
+        source_lines: format!(
+            "[source.s3]\nendpoint = {}\naccess_key_id = {}\nsecret_access_key_file = {}\n",
+            toml_str(endpoint),
+            toml_str(&key_id),
+            toml_str(secret_file.to_str().unwrap()),
+        ),
+        gen_flags: vec![
+            "--s3-endpoint".into(),
+            endpoint.into(),
+            "--s3-access-key-id".into(),
+            key_id,
+            "--s3-secret-access-key-file".into(),
+            secret_file.to_str().unwrap().into(),
+        ],
+    }
+}
+
+/// `ferry gen --format FORMAT` writes a save into the watched remote
+/// source root `src` while the source agent polls it; the checkpoint is
+/// replicated to a sink of `kind`, byte-identical, published once, and
+/// resolves from its source URL (to the replica's URL, or path).
+async fn generated_save_is_watched_and_replicated(
+    source_kind: SinkKind,
+    format: &str,
+    kind: SinkKind,
+) {
+    let name = format!(
+        "{}-{format}",
+        match source_kind {
+            SinkKind::S3 => "s3-watched",
+            _ => "hdfs-watched",
+        }
+    );
+    let w = &World::new(&name).await;
+    let src = &match source_kind {
+        SinkKind::S3 => s3_source(w, &name),
+        _ => hdfs_source(&name),
+    };
+    let job_url = format!("{}/{format}", src.url);
+    let job_path = format!("{}/{format}", src.root);
+    let sink = match kind {
+        SinkKind::Posix => None,
+        SinkKind::Hdfs => Some(hdfs_sink(&format!("sink-{format}"))),
+        SinkKind::S3 => Some(s3_sink(w, &format!("sink-{format}"))),
+    };
+    let c = w
+        .start_cluster("500Mbit/s", &[], |sink_cfg, src_cfg| {
+            if let Some(r) = &sink {
+                let spec = sink_cfg.sink.as_mut().unwrap();
+                spec.root = PathBuf::from(&r.url);
+                spec.extra = r.lines.clone();
+            }
+            let s = src_cfg.source.as_mut().unwrap();
+            s.root = PathBuf::from(&job_url);
+            s.scan_interval = "500ms".into();
+            s.extra = format!("quiet_period = \"1s\"\n{}", src.source_lines);
+        })
+        .await;
+    let mut args: Vec<String> = [
+        "gen", "--format", format, "--size", "3MB", "--ranks", "2", "--out", &job_url,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(src.gen_flags.iter().cloned());
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = w.ferry(&argv, &[], TRANSFER).await;
+    w.ensure(out.success(), || {
+        format!("ferry gen --out {job_url}: {out}")
+    });
+    // The checkpoint directory the generator made.
+    let listing = src.store.list(Path::new(&job_path), &[]).unwrap();
+    let dir = listing
+        .files
+        .iter()
+        .find_map(|f| f.info.path.split_once('/').map(|(d, _)| d.to_string()))
+        .unwrap_or_else(|| w.fail(format!("ferry gen wrote no directory under {job_url}")));
+    let ckpt_url = format!("{job_url}/{dir}");
+    let ckpt_path = PathBuf::from(format!("{job_path}/{dir}"));
+    let r = w
+        .wait_until(
+            &format!("{ckpt_url} to be replicated"),
+            TRANSFER,
+            async || {
+                let r = w.try_resolve(&c.sink, Path::new(&ckpt_url)).await?;
+                if s(&r, "state") == "local" {
+                    Ok(r)
+                } else {
+                    Err(r.to_string())
+                }
+            },
+        )
+        .await;
+    // Byte-identical: the same files, sizes and chunk hashes.
+    let chunk = ferry_proto::manifest::MIN_CHUNK_SIZE;
+    let original = build(&*src.store, &ckpt_path, &[], chunk).unwrap();
+    let rel = format!("{SOURCE_SITE}/{JOB}/{dir}");
+    let copy = match &sink {
+        Some(r) => build(
+            &*r.store,
+            Path::new(&format!("{}/{rel}", r.root)),
+            &[],
+            chunk,
+        ),
+        None => build(&Posix, &w.sink_root().join(&rel), &[], chunk),
+    }
+    .unwrap_or_else(|e| w.fail(format!("{format}: reading the replica: {e}")));
+    let files = |m: &Manifest| {
+        let mut v: Vec<_> = m
+            .files
+            .iter()
+            .map(|f| (f.path.clone(), f.size, f.chunks.clone()))
+            .collect();
+        v.sort();
+        v
+    };
+    w.ensure(files(&copy) == files(&original), || {
+        format!("{format}: the replica of {ckpt_url} differs from it")
+    });
+    let want = match &sink {
+        Some(r) => format!("{}/{rel}", r.url),
+        None => w.sink_root().join(&rel).to_string_lossy().into_owned(),
+    };
+    let got = r["url"].as_str().or(r["local_path"].as_str()).unwrap_or("");
+    w.ensure(got == want, || {
+        format!("{format}: resolve {r}, want {want}")
+    });
+    // Published once.
+    let ts = w.transfers(&c.source).await;
+    let published = ts.iter().filter(|t| s(t, "state") == "published").count();
+    w.ensure(published == 1 && ts.len() == 1, || {
+        format!("{format}: expected one published transfer: {ts:?}")
+    });
+    println!("{format}: {ckpt_url} -> {want}");
+}
+
+/// DCP, HF and DeepSpeed saves written by the generator into a watched
+/// HDFS source root are replicated to an HDFS, an S3 and a POSIX sink.
+#[tokio::test]
+async fn saves_generated_into_an_hdfs_root_are_watched_and_replicated() {
+    generated_save_is_watched_and_replicated(SinkKind::Hdfs, "dcp", SinkKind::Hdfs).await;
+    generated_save_is_watched_and_replicated(SinkKind::Hdfs, "hf", SinkKind::S3).await;
+    generated_save_is_watched_and_replicated(SinkKind::Hdfs, "deepspeed", SinkKind::Posix).await;
+}
+
+/// The same from a watched S3 source root, each format to another kind
+/// of sink.
+#[tokio::test]
+async fn saves_generated_into_an_s3_root_are_watched_and_replicated() {
+    generated_save_is_watched_and_replicated(SinkKind::S3, "dcp", SinkKind::S3).await;
+    generated_save_is_watched_and_replicated(SinkKind::S3, "hf", SinkKind::Posix).await;
+    generated_save_is_watched_and_replicated(SinkKind::S3, "deepspeed", SinkKind::Hdfs).await;
+}

@@ -21,20 +21,25 @@ pub fn is_url(p: &Path) -> bool {
 
 /// Opens the store of remote root `url` (`hdfs://namenode:port/dir`, or
 /// `s3://bucket/prefix` with `s3`'s endpoint and credentials) for reading
-/// checkpoints, checking that it answers.
+/// checkpoints, checking that the NameNode or endpoint answers, the
+/// credentials are accepted and the bucket exists. The root directory
+/// itself need not exist yet (as a local root, it is watched until it
+/// does); [`Router`] sends it only paths under the root.
 ///
 /// # Errors
 /// A URL that does not parse; the server's error (unreachable, refused
-/// credentials, missing bucket or directory), naming the URL.
+/// credentials, missing bucket), naming the URL.
 pub fn open_remote(
     url: &str,
     s3: &super::s3::S3Config,
 ) -> io::Result<(RemoteRoot, Arc<dyn SourceStore>)> {
     let root = RemoteRoot::parse(url)?;
+    let store_url = format!("{}://{}", root.scheme, root.authority);
+    let named = |e: io::Error| io::Error::new(e.kind(), format!("{url}: {e}"));
     let store: Arc<dyn SourceStore> = if root.scheme == "hdfs" {
-        Arc::new(super::hdfs::Hdfs::connect(url, None)?)
+        Arc::new(super::hdfs::Hdfs::connect(&store_url, None).map_err(named)?)
     } else {
-        Arc::new(super::s3::S3::connect(url, s3)?)
+        Arc::new(super::s3::S3::connect(&store_url, s3).map_err(named)?)
     };
     Ok((root, store))
 }
