@@ -777,6 +777,9 @@ pub struct SinkSection {
     /// `[sink.s3]`: how to reach an `s3://` root.
     #[serde(default)]
     pub s3: Option<S3Section>,
+    /// `[sink.hdfs]`: hot-file replication hints of an `hdfs://` root.
+    #[serde(default)]
+    pub hdfs: Option<HdfsSinkSection>,
     /// Source agent names allowed to connect; default: any with a
     /// certificate from the CA.
     #[serde(default)]
@@ -811,6 +814,71 @@ pub struct SinkSection {
     /// See `min_free`; at least `min_free`.
     #[serde(default, deserialize_with = "de_threshold_opt")]
     pub target_free: Option<Threshold>,
+}
+
+/// `[sink.hdfs]`: replication hints for the files every eval rank reads
+/// (`.metadata`, `metadata.json`, `common.pt`, `mp_rank_*_model_states.pt`,
+/// `*.index.json`, `config.json`, plus `hot_files`), given in staging
+/// before the publish and taken back after `hot_ttl`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HdfsSinkSection {
+    /// Expected readers of each replica (eval ranks that start at once);
+    /// 0 (the default) gives no hints.
+    #[serde(default)]
+    pub readers: u64,
+    /// Readers one HDFS replica of a file serves safely; default 157 (the
+    /// seed's guideline: 64 replicas for 10,000 readers, 128 for 20,000).
+    #[serde(default = "default_readers_per_replica")]
+    pub readers_per_replica: u64,
+    /// DataNodes of the eval cluster: the factor never exceeds it.
+    /// Required with `readers`.
+    pub datanodes: Option<u16>,
+    /// More globs over paths in a checkpoint directory that are hot.
+    #[serde(default)]
+    pub hot_files: Vec<String>,
+    /// How long the hot files keep the raised factor; default `"6h"`.
+    #[serde(default = "default_hot_ttl", with = "humantime_serde")]
+    pub hot_ttl: Duration,
+}
+
+fn default_readers_per_replica() -> u64 {
+    replicator::storage::hdfs::READERS_PER_REPLICA
+}
+
+fn default_hot_ttl() -> Duration {
+    Duration::from_secs(6 * 3600)
+}
+
+impl HdfsSinkSection {
+    /// The hints: `ceil(readers / readers_per_replica)` replicas, at most
+    /// `datanodes`; `None` with `readers = 0`.
+    ///
+    /// # Errors
+    /// `readers` without `datanodes`, a zero `readers_per_replica` or
+    /// `hot_ttl`, or a glob that does not parse, each named.
+    pub fn hot(&self) -> Result<Option<replicator::storage::hdfs::HotFiles>> {
+        if self.readers == 0 {
+            return Ok(None);
+        }
+        let Some(datanodes) = self.datanodes.filter(|d| *d > 0) else {
+            bail!("sink.hdfs.readers needs sink.hdfs.datanodes (the DataNodes of the eval cluster, at least 1)");
+        };
+        if self.readers_per_replica == 0 {
+            bail!("sink.hdfs.readers_per_replica must be at least 1");
+        }
+        if self.hot_ttl.is_zero() {
+            bail!("sink.hdfs.hot_ttl must be more than 0s");
+        }
+        let factor = replicator::storage::hdfs::HotFiles::factor_for(
+            self.readers,
+            self.readers_per_replica,
+            datanodes,
+        );
+        replicator::storage::hdfs::HotFiles::new(factor, &self.hot_files, self.hot_ttl)
+            .map(Some)
+            .map_err(|e| anyhow::anyhow!("sink.hdfs.hot_files: {e}"))
+    }
 }
 
 /// `[sink.s3]`: the endpoint and credentials of an `s3://` sink root.
@@ -884,6 +952,10 @@ impl SinkSection {
             "hdfs" => SinkStorage::Hdfs {
                 url,
                 capacity: self.capacity,
+                hot: match &self.hdfs {
+                    Some(h) => h.hot()?,
+                    None => None,
+                },
             },
             _ => SinkStorage::S3 {
                 url,
@@ -1315,6 +1387,12 @@ impl Config {
                     if s.s3.is_some() && !root.starts_with("s3://") {
                         bail!("[sink.s3] is set but sink.root {root} is not an s3:// URL");
                     }
+                    if s.hdfs.is_some() && !root.starts_with("hdfs://") {
+                        bail!("[sink.hdfs] is set but sink.root {root} is not an hdfs:// URL");
+                    }
+                    if let Some(h) = &s.hdfs {
+                        h.hot()?;
+                    }
                 }
                 Some((scheme, _)) => bail!(
                     "sink.root {root}: {scheme}:// is not a store ferry knows; give a local \
@@ -1330,8 +1408,11 @@ impl Config {
                              uses its file system's size"
                         );
                     }
-                    if s.s3.is_some() {
-                        bail!("[sink.s3] is set but sink.root {root} is a local directory");
+                    if s.s3.is_some() || s.hdfs.is_some() {
+                        bail!(
+                            "[sink.{}] is set but sink.root {root} is a local directory",
+                            if s.s3.is_some() { "s3" } else { "hdfs" }
+                        );
                     }
                 }
             }
@@ -1512,8 +1593,21 @@ link = "to-eval"
         assert!(e.contains("source.roots[0].link"), "{e}");
         let e = err(&GOOD.replace("role = \"source\"", "role = \"sink\""));
         assert!(e.contains("[sink]"), "{e}");
-        let e = err(&GOOD.replace("path = \"/ckpt/job\"", "path = \"hdfs://nn/ckpt/job\""));
-        assert!(e.contains("hdfs:// roots are not supported"), "{e}");
+        let c =
+            load(&GOOD.replace("path = \"/ckpt/job\"", "path = \"hdfs://nn/ckpt/job\"")).unwrap();
+        let w = c.source.as_ref().unwrap().roots[0].watch(0).unwrap();
+        assert_eq!(
+            w.mode,
+            replicator::source::watcher::Mode::Poll,
+            "an HDFS root is polled"
+        );
+        let e = err(&GOOD.replace("path = \"/ckpt/job\"", "path = \"ftp://nn/ckpt/job\""));
+        assert!(e.contains("ftp:// is not a store"), "{e}");
+        let e = err(&GOOD.replace("path = \"/ckpt/job\"", "path = \"s3:///ckpt\""));
+        assert!(
+            e.contains("source.roots[0].path") && e.contains("no bucket"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -1547,7 +1641,7 @@ link = "to-eval"
         let h = load(&format!("{GOOD}[sink]\nroot = \"hdfs://nn:8020/eval\"\n")).unwrap();
         assert!(matches!(
             h.sink.as_ref().unwrap().storage().unwrap(),
-            SinkStorage::Hdfs { ref url, capacity: None } if url == "hdfs://nn:8020/eval"
+            SinkStorage::Hdfs { ref url, capacity: None, hot: None } if url == "hdfs://nn:8020/eval"
         ));
         let l = load(&format!("{GOOD}[sink]\nroot = \"/eval\"\n")).unwrap();
         assert!(matches!(
@@ -1561,7 +1655,37 @@ link = "to-eval"
             e.contains("secret_access_key_file") && e.contains("s3.secret"),
             "{e}"
         );
+        let hot = load(&format!(
+            "{GOOD}[sink]\nroot = \"hdfs://nn:8020/eval\"\n[sink.hdfs]\nreaders = 20000\n\
+             datanodes = 300\nhot_files = [\"extra/*.pt\"]\n"
+        ))
+        .unwrap();
+        match hot.sink.as_ref().unwrap().storage().unwrap() {
+            SinkStorage::Hdfs { hot: Some(h), .. } => {
+                assert_eq!(h.factor, 128, "the seed's guideline for 20,000 readers");
+                assert!(h.matches("extra/x.pt") && h.matches("model/.metadata"));
+                assert!(!h.matches("extra/deeper/x.pt") && !h.matches("shard.bin"));
+            }
+            other => panic!("expected hints, got {other:?}"),
+        }
+        assert_eq!(
+            replicator::storage::hdfs::HotFiles::factor_for(10_000, 157, 300),
+            64
+        );
+        assert_eq!(
+            replicator::storage::hdfs::HotFiles::factor_for(10_000, 157, 20),
+            20,
+            "capped at the DataNodes"
+        );
         for (extra, want) in [
+            (
+                "root = \"hdfs://nn/eval\"\n[sink.hdfs]\nreaders = 100\n",
+                "needs sink.hdfs.datanodes",
+            ),
+            (
+                "root = \"s3://b/eval\"\n[sink.hdfs]\nreaders = 100\ndatanodes = 3\n",
+                "not an hdfs:// URL",
+            ),
             ("root = \"ftp://x/eval\"\n", "ftp:// is not a store"),
             ("root = \"s3:///eval\"\n", "no bucket"),
             ("root = \"hdfs://nn/a/../b\"\n", "not a plain absolute path"),

@@ -653,6 +653,7 @@ pub(crate) async fn start_pair(
         root: data.join("eval"),
         capacity: None,
         s3: None,
+        hdfs: None,
         accept_peers: vec!["demo-source".into()],
         reserve: 0,
         reread_before_publish: true,

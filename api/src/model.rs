@@ -145,6 +145,10 @@ pub struct Replica {
     /// one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
+    /// On an HDFS sink with hot-file hints: the raised replication of its
+    /// hot files while it lasts.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hot: Option<replicator::sink::HotView>,
     /// Hex BLAKE3 manifest root once published.
     pub manifest_root: Option<String>,
     /// Last error.
@@ -246,6 +250,7 @@ impl From<ferry_catalog::Replica> for Replica {
             staging_path: r.staging_path,
             local_path: r.local_path,
             url: None,
+            hot: replicator::sink::HotView::of(r.hot, ferry_catalog::now_ms()),
             manifest_root: r.manifest_root,
             error: r.error,
             created_at: r.created_at,

@@ -527,14 +527,17 @@ function renderReplicas(st) {
     if (r.pin) state += ' · pinned';
     // A version a reader lease holds (it is not removed until then).
     if (r.leased_until) state += ' · leased';
+    // HDFS hot files at a raised replication factor (while it lasts).
+    if (r.hot) state += ' · hot ×' + r.hot.factor;
     if (r.removal) state += ' (' + r.removal.reason + (r.removal.forced ? ', forced' : '') + ')';
     const why = [];
     if (r.removal) why.push(r.removal.detail);
     if (r.pin) why.push('pinned: ' + r.pin.reason);
     if (r.leased_until) why.push('leased until ' + new Date(r.leased_until).toISOString());
+    if (r.hot) why.push('hot files at ' + r.hot.factor + ' replicas until ' + r.hot.until + ', then ' + r.hot.previous);
     const stateCell = el('span', { title: why.join('; ') }, state);
     return [r.id, r.job, r.source_path, stateCell, bar, fmtBytes(done) + ' / ' + fmtBytes(r.bytes_total),
-            r.state === 'published' ? r.local_path : '–',
+            r.state === 'published' ? (r.url || r.local_path) : '–',
             fmtTime(r.published_at), fmtDur(r.commit_to_replica_s), replicaActions(r)];
   }));
 }

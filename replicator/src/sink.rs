@@ -39,7 +39,7 @@ use crate::bufpool::BufPool;
 use crate::conn::{code, read_frame, ConnError, ControlSender};
 use crate::hold::{HoldPoint, Holds};
 use crate::metrics::{MetricsError, SinkMetrics};
-use crate::storage::hdfs::Hdfs;
+use crate::storage::hdfs::{Hdfs, HotFiles};
 use crate::storage::posix::Posix;
 use crate::storage::s3::{S3Config, S3};
 use crate::storage::{PublishOutcome, SinkStore};
@@ -102,6 +102,9 @@ pub enum SinkStorage {
         /// Bytes replicas may fill under the directory; `None` uses its
         /// space quota, if it has one.
         capacity: Option<u64>,
+        /// Hot-file replication hints; `None`: files keep the factor they
+        /// are written with.
+        hot: Option<HotFiles>,
     },
     /// A prefix of an S3 bucket ([`crate::storage::s3`]).
     S3 {
@@ -114,6 +117,14 @@ pub enum SinkStorage {
 }
 
 impl SinkStorage {
+    /// The hot-file hints of an HDFS sink, if it gives them.
+    pub fn hot(&self) -> Option<&HotFiles> {
+        match self {
+            SinkStorage::Hdfs { hot, .. } => hot.as_ref(),
+            _ => None,
+        }
+    }
+
     /// The root URL of a remote store; `None` for a local directory.
     pub fn url(&self) -> Option<&str> {
         match self {
@@ -133,8 +144,8 @@ impl SinkStorage {
     pub fn open(&self, local_root: &Path) -> io::Result<(Arc<dyn SinkStore>, PathBuf)> {
         Ok(match self {
             SinkStorage::Local => (Arc::new(Posix), local_root.to_path_buf()),
-            SinkStorage::Hdfs { url, capacity } => {
-                let h = Hdfs::connect(url, *capacity)?;
+            SinkStorage::Hdfs { url, capacity, hot } => {
+                let h = Hdfs::connect(url, *capacity)?.with_hot(hot.clone());
                 let root = h.root().path.clone();
                 (Arc::new(h), root)
             }
@@ -176,7 +187,31 @@ impl LeaseGrant {
     }
 }
 
+/// A hot-file replication hint in force, as the API shows it.
+#[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
+pub struct HotView {
+    /// The HDFS replication factor of the replica's hot files.
+    pub factor: i64,
+    /// The factor they go back to.
+    pub previous: i64,
+    /// When they go back, RFC 3339.
+    pub until: String,
+}
+
+impl HotView {
+    /// The catalog's hint, if it is still in force at `now` (Unix ms).
+    pub fn of(h: Option<ferry_catalog::HotHint>, now: i64) -> Option<HotView> {
+        h.filter(|h| h.until > now).map(|h| HotView {
+            factor: h.factor,
+            previous: h.previous,
+            until: rfc3339(h.until),
+        })
+    }
+}
+
 /// What resolve answers for a source path.
+// One answer per request, moved once: the size of `Local` costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
 #[serde(tag = "state", rename_all = "lowercase")]
 pub enum Resolution {
@@ -202,6 +237,10 @@ pub enum Resolution {
         profile: Option<Profile>,
         /// The replica's row id (its version), for `/v1/replicas/{id}`.
         replica: i64,
+        /// On an HDFS sink with hot-file hints: the raised replication of
+        /// its hot files while it lasts; absent otherwise.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        hot: Option<HotView>,
         /// With `lease`: the lease that keeps this version, whose
         /// `local_path` then names this version's own directory (the same
         /// bytes for the lease's whole life, whatever is published
@@ -480,6 +519,12 @@ impl Sink {
         });
         tokio::spawn(catalog_writer(catalog, rx));
         inner.tasks.spawn(lifecycle::run(inner.clone()));
+        if let Some(h) = inner.cfg.storage.hot() {
+            // Checked four times per TTL (a hint ends at most a quarter
+            // late), at most every 30 s, at least every 250 ms.
+            let every = (h.ttl / 4).clamp(Duration::from_millis(250), Duration::from_secs(30));
+            inner.tasks.spawn(lower_hot_files(inner.clone(), every));
+        }
         let i = inner.clone();
         inner.tasks.spawn(async move {
             loop {
@@ -661,6 +706,7 @@ impl Sink {
                             published_at: rfc3339(p.published_at.unwrap_or(0)),
                             profile: (p.profile != Profile::Full).then_some(p.profile),
                             replica: p.id,
+                            hot: HotView::of(p.hot, now_ms()),
                             lease: None,
                         },
                         Some((p.id, suffix.to_path_buf())),
@@ -2208,8 +2254,10 @@ async fn maybe_finish(
             .await;
             let mut reread_ms = None;
             let mut reread_cpu_ms = None;
+            let mut hot_raised = None;
             let bad = match res {
-                Ok(PublishOutcome::Published { reread }) => {
+                Ok(PublishOutcome::Published { reread, hot }) => {
+                    hot_raised = hot;
                     if let Some(r) = reread {
                         reread_ms = Some(r.wall.as_millis() as u64);
                         reread_cpu_ms = Some(r.cpu.as_millis() as u64);
@@ -2285,6 +2333,9 @@ async fn maybe_finish(
                     }
                     // A re-save of a pinned checkpoint stays pinned (before
                     // the policies weigh it).
+                    if let Some(h) = hot_raised {
+                        note_hot(inner, live.id, h).await;
+                    }
                     match inner.catalog.carry_pin(live.id, &local, now_ms()).await {
                         Ok(true) => {
                             info!(transfer = %id, replica = live.id, "the version this re-save replaced was pinned: so is this one")
@@ -2321,6 +2372,91 @@ async fn maybe_finish(
                 root: manifest.root(),
             })
             .await
+        }
+    }
+}
+
+/// Records that replica `id`'s hot files were given `h.factor` replicas,
+/// until the hint's TTL ends ([`lower_hot_files`] sets them back).
+async fn note_hot(inner: &Inner, id: i64, h: crate::storage::HotRaised) {
+    let ttl = inner.cfg.storage.hot().map_or(Duration::ZERO, |h| h.ttl);
+    let until = now_ms().saturating_add(i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX));
+    match inner
+        .catalog
+        .set_replica_hot(id, i64::from(h.factor), i64::from(h.previous), until)
+        .await
+    {
+        Ok(()) => info!(
+            replica = id,
+            files = h.files,
+            factor = h.factor,
+            previous = h.previous,
+            until = %rfc3339(until),
+            "raised the replication of the replica's hot files before its publish (HDFS places \
+             the extra replicas in the background: the hdfs-native client cannot report block \
+             locations, so the publish does not wait for them)"
+        ),
+        Err(e) => warn!(replica = id, error = %e, "recording the hot files' replication hint"),
+    }
+}
+
+/// Sets the hot files of replicas whose hint has ended back to the
+/// replication they were written with (a replica a re-save replaced, or
+/// no longer published, only has its hint cleared: its files are gone
+/// or are the newer version's), every `every` until the sink stops.
+async fn lower_hot_files(inner: Arc<Inner>, every: Duration) {
+    loop {
+        tokio::select! {
+            _ = inner.shutdown.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        let ended = match inner.catalog.replicas_hot_ended(now_ms()).await {
+            Ok(r) => r,
+            Err(e) => {
+                warn!(error = %e, "listing the replicas whose hot-file hint ended");
+                continue;
+            }
+        };
+        for r in ended {
+            let current = r.state == TransferState::Published
+                && inner
+                    .catalog
+                    .replica_versions_at(&r.local_path)
+                    .await
+                    .map(|v| !v.iter().any(|(id, _)| *id > r.id))
+                    .unwrap_or(false);
+            if let (true, Some(h)) = (current, r.hot) {
+                let manifest = match inner.catalog.replica_manifest(r.id).await {
+                    Ok(Some(b)) => Manifest::decode(&b).ok(),
+                    _ => None,
+                };
+                let Some(m) = manifest else {
+                    warn!(
+                        replica = r.id,
+                        "no manifest recorded: its hot files keep their replication"
+                    );
+                    let _ = inner.catalog.clear_replica_hot(r.id).await;
+                    continue;
+                };
+                let previous = u16::try_from(h.previous).unwrap_or(3);
+                let (store, path) = (inner.store.clone(), PathBuf::from(&r.local_path));
+                match blocking(move || store.lower_hot(&path, &m, previous)).await {
+                    Ok(n) => info!(
+                        replica = r.id,
+                        files = n,
+                        factor = previous,
+                        "the hot-file hint ended: replication set back"
+                    ),
+                    Err(e) => {
+                        warn!(replica = r.id, error = %e, "setting hot files' replication back; trying again later");
+                        continue;
+                    }
+                }
+            }
+            if let Err(e) = inner.catalog.clear_replica_hot(r.id).await {
+                warn!(replica = r.id, error = %e, "clearing a hot-file hint");
+            }
+            inner.changed.send_modify(|v| *v += 1);
         }
     }
 }

@@ -221,6 +221,9 @@ pub enum PublishOutcome {
     Published {
         /// The read-back before the move, if there was one.
         reread: Option<ReadBack>,
+        /// The replication its hot files were given before the move
+        /// (HDFS with hot-file hints); `None` elsewhere.
+        hot: Option<HotRaised>,
     },
     /// The replica was already in place, from a publish a crash
     /// interrupted; it has been finished.
@@ -228,6 +231,18 @@ pub enum PublishOutcome {
     /// These chunk keys no longer match the manifest in staging; nothing
     /// moved. Fetch them again.
     Refetch(Vec<u64>),
+}
+
+/// What a publish did to the replication of a replica's hot files (the
+/// files every eval rank reads) at an HDFS sink.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HotRaised {
+    /// The replication factor they were given.
+    pub factor: u16,
+    /// The factor they were written with, to restore when the hint ends.
+    pub previous: u16,
+    /// How many files were raised.
+    pub files: u32,
 }
 
 /// Where a sink stages and publishes replicas.
@@ -403,6 +418,17 @@ pub trait SinkStore: Send + Sync + fmt::Debug {
     /// # Errors
     /// I/O errors naming the path.
     fn replace_small(&self, path: &Path, bytes: &[u8]) -> io::Result<()>;
+
+    /// Sets the replication of the hot files of the replica published at
+    /// `replica` (the manifest's files that the store's hot-file hints
+    /// match) back to `factor`; returns how many it set. Stores without
+    /// hints do nothing (`Ok(0)`), the default.
+    ///
+    /// # Errors
+    /// Errors of the store naming the path (a file gone is skipped).
+    fn lower_hot(&self, _replica: &Path, _m: &Manifest, _factor: u16) -> io::Result<u32> {
+        Ok(0)
+    }
 
     /// The URL readers use for `path` of this store
     /// (`hdfs://nn:8020/eval/job/step-100`, `s3://bucket/eval/job/step-100`);

@@ -276,6 +276,7 @@ async fn a_checkpoint_replicates_to_an_hdfs_sink() {
     let storage = SinkStorage::Hdfs {
         url: url.clone(),
         capacity: None,
+        hot: None,
     };
     let store = Hdfs::connect(&url, None).unwrap();
     let reader = hdfs_reader(store.clone());
@@ -470,4 +471,117 @@ async fn a_checkpoint_in_an_s3_source_root_is_watched_and_replicated() {
     let s3 = S3::connect(&format!("s3://{bucket}"), &cfg).unwrap();
     let put = |p: &Path, b: &[u8]| s3.put_file(p, b);
     replicates_from(&url, &put, &root).await;
+}
+
+/// Hot-file hints at an HDFS sink: the files every eval rank reads (here
+/// DCP's `.metadata`) get the raised replication factor before the
+/// publish, resolve shows it, and once the hint's TTL has passed they are
+/// back at the factor they were written with, also when the sink agent
+/// restarted in between (the hint is in the catalog).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_files_of_an_hdfs_replica_are_raised_then_set_back() {
+    use replicator::storage::hdfs::HotFiles;
+    let base = server_env("FERRY_TEST_HDFS_URL");
+    let root = unique("hdfs-hot");
+    let h = Hdfs::connect(&base, None).unwrap();
+    h.put_file(Path::new(&format!("{root}/README")), b"sink root")
+        .unwrap();
+    let url = format!("{base}{root}");
+    const FACTOR: u16 = 5;
+    let ttl = std::time::Duration::from_secs(4);
+    let storage = SinkStorage::Hdfs {
+        url: url.clone(),
+        capacity: None,
+        hot: Some(HotFiles::new(FACTOR, &["sub/*.bin".to_string()], ttl).unwrap()),
+    };
+    let p = pair_on(storage.clone(), 0, |_| {}).await;
+    let ckpt = p.root.join("step_7");
+    write_checkpoint(&ckpt, 3);
+    let t = p.source.submit(&ckpt, None).await.unwrap();
+    wait_published(&p, t.id).await;
+    let store = Hdfs::connect(&url, None).unwrap();
+    let replica = format!("{root}/train-a/job/step_7");
+    let factor = |rel: &str| {
+        store
+            .replication(Path::new(&format!("{replica}/{rel}")))
+            .unwrap()
+    };
+    let written = factor("__0_0.distcp");
+    assert!(
+        written < FACTOR,
+        "files are written with {written} replicas"
+    );
+    assert_eq!(factor(".metadata"), FACTOR, "a built-in hot name");
+    assert_eq!(factor("sub/bias.bin"), FACTOR, "an extra hot glob");
+    assert_eq!(
+        factor("sub/deeper/empty"),
+        written,
+        "`*` stays in one directory"
+    );
+    match p.sink.resolve(&ckpt.to_string_lossy()).await.unwrap() {
+        Resolution::Local { hot: Some(h), .. } => {
+            assert_eq!(
+                (h.factor, h.previous),
+                (i64::from(FACTOR), i64::from(written))
+            )
+        }
+        other => panic!("resolve should show the hint: {other:?}"),
+    }
+    // The sink agent stops before the hint ends; another starts on its
+    // catalog and sets the files back.
+    let common::Pair {
+        dir, source, sink, ..
+    } = p;
+    sink.shutdown(std::time::Duration::from_secs(5)).await;
+    source.shutdown(std::time::Duration::from_secs(5)).await;
+    drop((sink, source));
+    // The catalog's agent lock goes with the last of the old sink's tasks.
+    let mut catalog = None;
+    for _ in 0..100 {
+        match ferry_catalog::Catalog::open(&dir.path().join("dst-data")).await {
+            Ok(c) => {
+                catalog = Some(c);
+                break;
+            }
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(100)).await,
+        }
+    }
+    let ep = replicator::transport::endpoint(
+        replicator::transport::SocketKind::Udp("127.0.0.1:0".parse().unwrap()),
+        None,
+    )
+    .unwrap();
+    let sink = replicator::sink::Sink::start(
+        replicator::sink::SinkConfig {
+            agent: "dst".into(),
+            site: "train-a".into(),
+            root: PathBuf::new(),
+            storage,
+            accept_peers: Vec::new(),
+            reserve_bytes: 0,
+            reread_before_publish: true,
+            retention: Vec::new(),
+            retention_interval: std::time::Duration::from_secs(60),
+            pressure: None,
+        },
+        catalog.expect("the stopped sink's catalog could not be opened again within 10 s"),
+        ep,
+    )
+    .unwrap();
+    let mut back = false;
+    for _ in 0..300 {
+        if factor(".metadata") == written && factor("sub/bias.bin") == written {
+            back = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(
+        back,
+        "the hot files are not back at {written} replicas after the TTL"
+    );
+    match sink.resolve(&ckpt.to_string_lossy()).await.unwrap() {
+        Resolution::Local { hot: None, .. } => {}
+        other => panic!("the hint should be gone: {other:?}"),
+    }
 }

@@ -398,7 +398,13 @@ fn rereads_before_publishing(b: &Backend, dir: &Path) {
         .publish(&staging, &local, &dir.join("versions/1"), &m, Some(&keys))
         .unwrap();
     assert!(
-        matches!(out, PublishOutcome::Published { reread: Some(_) }),
+        matches!(
+            out,
+            PublishOutcome::Published {
+                reread: Some(_),
+                ..
+            }
+        ),
         "{out:?}"
     );
     let f = b.src.open(&local.join("f.bin")).unwrap();

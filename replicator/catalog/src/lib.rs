@@ -72,7 +72,8 @@ pub use leases::{LeaseProblem, ReaderLease, LEASE_MEMORY_MS};
 pub use pin_requests::PinRequestRow;
 pub use pool::{AgentState, Beat, Claim, Forget, Heartbeat, LeaseRecord, PoolAgent};
 pub use replicas::{
-    CheckpointMeta, NewReplica, Pin, PublishedReplica, Removal, RemovalReason, Replica, SourceTimes,
+    CheckpointMeta, HotHint, NewReplica, Pin, PublishedReplica, Removal, RemovalReason, Replica,
+    SourceTimes,
 };
 pub use settings::{PoolListener, Setting, POOL_CHANNEL};
 pub use signals::Signal;

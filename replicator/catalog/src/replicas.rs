@@ -78,6 +78,20 @@ pub struct Replica {
     /// When the directory of this version was deleted after a re-save
     /// replaced it (Unix ms); no lease is granted on it after.
     pub version_deleted_at: Option<i64>,
+    /// The raised replication of its hot files at an HDFS sink, while
+    /// the hint lasts.
+    pub hot: Option<HotHint>,
+}
+
+/// A replication hint in force on a replica's hot files (HDFS sink).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HotHint {
+    /// The replication factor they were given.
+    pub factor: i64,
+    /// The factor they had before, restored when the hint ends.
+    pub previous: i64,
+    /// When the hint ends, Unix ms.
+    pub until: i64,
 }
 
 impl Replica {
@@ -296,7 +310,8 @@ const REPLICA_COLS: &str = "id, peer, source_site, source_transfer, job, source_
     chunk_size, state, bytes_total, bytes_done, staging_path, local_path, manifest_root, error, \
     created_at, published_at, committed_at, commit_to_replica_s, open_to_replica_s, profile, \
     step, class, pinned_at, pinned_until, pin_reason, removal_reason, removal_detail, \
-    removal_started_at, removed_at, removed_bytes, removal_forced, leased_until, version_deleted_at";
+    removal_started_at, removed_at, removed_bytes, removal_forced, leased_until, version_deleted_at, \
+    hot_factor, hot_previous, hot_until";
 
 fn replica_row(r: &AnyRow) -> Result<Replica, sqlx::Error> {
     Ok(Replica {
@@ -353,10 +368,78 @@ fn replica_row(r: &AnyRow) -> Result<Replica, sqlx::Error> {
         },
         leased_until: r.try_get("leased_until")?,
         version_deleted_at: r.try_get("version_deleted_at")?,
+        hot: match (
+            r.try_get::<Option<i64>, _>("hot_factor")?,
+            r.try_get::<Option<i64>, _>("hot_previous")?,
+            r.try_get::<Option<i64>, _>("hot_until")?,
+        ) {
+            (Some(factor), Some(previous), Some(until)) => Some(HotHint {
+                factor,
+                previous,
+                until,
+            }),
+            _ => None,
+        },
     })
 }
 
 impl Catalog {
+    /// Records the replication hint given to replica `id`'s hot files:
+    /// `factor` now, `previous` to restore at `until` (Unix ms).
+    ///
+    /// # Errors
+    /// Database errors.
+    pub async fn set_replica_hot(
+        &self,
+        id: i64,
+        factor: i64,
+        previous: i64,
+        until: i64,
+    ) -> Result<(), CatalogError> {
+        let sql = self.db.sql(
+            "UPDATE replicas SET hot_factor = ?, hot_previous = ?, hot_until = ? WHERE id = ?",
+        );
+        sqlx::query(&sql)
+            .bind(factor)
+            .bind(previous)
+            .bind(until)
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Ends replica `id`'s replication hint (its files are back to the
+    /// previous factor, or gone).
+    ///
+    /// # Errors
+    /// Database errors.
+    pub async fn clear_replica_hot(&self, id: i64) -> Result<(), CatalogError> {
+        let sql = self.db.sql(
+            "UPDATE replicas SET hot_factor = NULL, hot_previous = NULL, hot_until = NULL \
+             WHERE id = ?",
+        );
+        sqlx::query(&sql).bind(id).execute(&self.pool).await?;
+        Ok(())
+    }
+
+    /// Replicas whose replication hint ended at or before `now` (Unix
+    /// ms), oldest end first, at most 100.
+    ///
+    /// # Errors
+    /// Database errors.
+    pub async fn replicas_hot_ended(&self, now: i64) -> Result<Vec<Replica>, CatalogError> {
+        let q = format!(
+            "SELECT {REPLICA_COLS} FROM replicas WHERE hot_until IS NOT NULL AND hot_until <= ? \
+             ORDER BY hot_until LIMIT 100"
+        );
+        let rows = sqlx::query(&self.db.sql(&q))
+            .bind(now)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(replica_row).collect::<Result<_, _>>()?)
+    }
+
     /// Records verified chunks (as [`Catalog::add_chunks`]) and then
     /// publishes (as [`Catalog::set_replica_published`], in order) in one
     /// transaction: the sink's catalog writer gathers what arrives close

@@ -1765,3 +1765,32 @@ async fn an_sqlite_catalog_copies_into_an_empty_postgres_catalog() {
     dst.close().await;
     drop_pg_database(&admin, &name).await;
 }
+
+both!(hot_file_hints_are_kept_until_they_end);
+
+/// A replica's replication hint reads back, is listed once it has ended
+/// (not before), and is gone once cleared.
+async fn hot_file_hints_are_kept_until_they_end(c: Catalog) {
+    let t = c
+        .insert_pushed_transfer("l", "j", "/ck/h1", "h1", Class::Scheduled, None)
+        .await
+        .unwrap();
+    let a = replica_for(&c, t.id).await;
+    assert_eq!(c.replica(a).await.unwrap().unwrap().hot, None);
+    c.set_replica_hot(a, 64, 3, 5_000).await.unwrap();
+    let hot = c.replica(a).await.unwrap().unwrap().hot;
+    assert_eq!(
+        hot,
+        Some(crate::HotHint {
+            factor: 64,
+            previous: 3,
+            until: 5_000
+        })
+    );
+    assert!(c.replicas_hot_ended(4_999).await.unwrap().is_empty());
+    let ended = c.replicas_hot_ended(5_000).await.unwrap();
+    assert_eq!(ended.iter().map(|r| r.id).collect::<Vec<_>>(), [a]);
+    c.clear_replica_hot(a).await.unwrap();
+    assert_eq!(c.replica(a).await.unwrap().unwrap().hot, None);
+    assert!(c.replicas_hot_ended(i64::MAX).await.unwrap().is_empty());
+}

@@ -526,6 +526,7 @@ impl Sink {
                 published_at: published_at.clone(),
                 profile: *profile,
                 replica: id,
+                hot: None,
                 lease: Some(LeaseGrant::of(&lease)),
             });
         }

@@ -45,8 +45,8 @@ use hdfs_native::{Client, HdfsError, WriteOptions};
 use super::posix::publish::fault_point;
 use super::remote::{self, block_on, chunk_key, RemoteRoot};
 use super::{
-    FileVersion, Listed, Listing, PublishOutcome, RangeRead, ReadBack, ScanError, SinkStore,
-    SourceStore, Staging, Watch, WatchHandler,
+    FileVersion, HotRaised, Listed, Listing, PublishOutcome, RangeRead, ReadBack, ScanError,
+    SinkStore, SourceStore, Staging, Watch, WatchHandler,
 };
 
 /// An HDFS name space, opened at one root URL.
@@ -56,6 +56,79 @@ pub struct Hdfs {
     client: Arc<Client>,
     capacity: Option<u64>,
     rewritten: Arc<AtomicU64>,
+    hot: Option<HotFiles>,
+}
+
+/// Names of the files every rank of an eval job reads when it starts
+/// (DCP and torch_dist `.metadata`, Megatron `metadata.json` and
+/// `common.pt`, DeepSpeed `mp_rank_*_model_states.pt`, HF
+/// `*.index.json` and `config.json`), matched in any directory of a
+/// checkpoint: the files whose default three HDFS replicas melt when
+/// thousands of ranks start at once.
+pub const HOT_NAMES: &[&str] = &[
+    ".metadata",
+    "metadata.json",
+    "common.pt",
+    "mp_rank_*_model_states.pt",
+    "*.index.json",
+    "config.json",
+];
+
+/// Readers one replica of a hot file serves, from the seed's guideline of
+/// 64 replicas for 10,000 readers and 128 for 20,000: with 157,
+/// `ceil(readers / 157)` gives both.
+pub const READERS_PER_REPLICA: u64 = 157;
+
+/// Which files of a replica at an HDFS sink get a higher replication
+/// factor before the publish, and which.
+#[derive(Debug, Clone)]
+pub struct HotFiles {
+    /// The replication factor they get.
+    pub factor: u16,
+    /// How long they keep it after the publish; then the sink sets them
+    /// back to the factor they were written with.
+    pub ttl: std::time::Duration,
+    set: globset::GlobSet,
+}
+
+impl HotFiles {
+    /// The [`HOT_NAMES`] in any directory, plus `extra` globs over paths
+    /// relative to the checkpoint directory (`*` stays within one
+    /// directory), at `factor` replicas for `ttl`.
+    ///
+    /// # Errors
+    /// A glob that does not parse, named.
+    pub fn new(
+        factor: u16,
+        extra: &[String],
+        ttl: std::time::Duration,
+    ) -> Result<HotFiles, String> {
+        let mut b = globset::GlobSetBuilder::new();
+        let names = HOT_NAMES.iter().map(|n| format!("**/{n}"));
+        for g in names.chain(extra.iter().cloned()) {
+            let glob = globset::GlobBuilder::new(&g)
+                .literal_separator(true)
+                .build()
+                .map_err(|e| format!("hot file glob {g:?}: {e}"))?;
+            b.add(glob);
+        }
+        let set = b.build().map_err(|e| e.to_string())?;
+        Ok(HotFiles { factor, ttl, set })
+    }
+
+    /// Whether the file at `rel` (relative to the checkpoint directory)
+    /// is hot.
+    pub fn matches(&self, rel: &str) -> bool {
+        self.set.is_match(rel)
+    }
+
+    /// The factor for `readers` expected readers of each replica:
+    /// `ceil(readers / per_replica)`, at most `datanodes` (a factor above
+    /// the DataNode count only leaves blocks under-replicated).
+    pub fn factor_for(readers: u64, per_replica: u64, datanodes: u16) -> u16 {
+        let f = readers.div_ceil(per_replica.max(1));
+        u16::try_from(f).unwrap_or(u16::MAX).min(datanodes)
+    }
 }
 
 impl fmt::Debug for Hdfs {
@@ -145,6 +218,7 @@ impl Hdfs {
             client: Arc::new(client),
             capacity,
             rewritten: Arc::default(),
+            hot: None,
         };
         let st = h.status(&h.root.path.clone())?;
         if !st.isdir {
@@ -306,6 +380,51 @@ impl Hdfs {
             &p,
             |c, p| async move { c.delete(&p, false).await },
         )
+    }
+
+    /// Gives this store's sink hot-file hints: the files `hot` matches get
+    /// its factor before each publish (see [`HotFiles`]).
+    pub fn with_hot(mut self, hot: Option<HotFiles>) -> Hdfs {
+        self.hot = hot;
+        self
+    }
+
+    /// The replication factor of the file at `path` (under the root).
+    ///
+    /// # Errors
+    /// The NameNode's error, naming the path and root.
+    pub fn replication(&self, path: &Path) -> io::Result<u16> {
+        let st = self.status(path)?;
+        Ok(st.replication.unwrap_or(0) as u16)
+    }
+
+    fn set_replication(&self, p: &str, factor: u16) -> io::Result<()> {
+        self.call("set_replication", p, move |c, p| async move {
+            c.set_replication(&p, u32::from(factor)).await
+        })
+        .map(|_| ())
+    }
+
+    /// Raises the files at store paths `files` to `factor` replicas,
+    /// leaving those already at or above it; `None` when none was raised.
+    fn raise(&self, files: &[String], factor: u16) -> io::Result<Option<HotRaised>> {
+        let mut previous = None;
+        let mut n = 0u32;
+        for p in files {
+            let st = self.call("stat", p, |c, p| async move { c.get_file_info(&p).await })?;
+            let had = st.replication.unwrap_or(0) as u16;
+            if had >= factor {
+                continue;
+            }
+            self.set_replication(p, factor)?;
+            previous.get_or_insert(had);
+            n += 1;
+        }
+        Ok(previous.map(|previous| HotRaised {
+            factor,
+            previous,
+            files: n,
+        }))
     }
 
     /// Bytes the publishes of this store have rewritten: staged data read
@@ -780,6 +899,7 @@ impl SinkStore for Hdfs {
         let start = std::time::Instant::now();
         let mut refetch = Vec::new();
         let mut first_chunk = 0usize;
+        let mut hot = Vec::new();
         for (fi, f) in m.files.iter().enumerate() {
             let dst = match m.markers.iter().position(|&x| x as usize == fi) {
                 Some(i) => format!("{held}/{i}"),
@@ -787,6 +907,9 @@ impl SinkStore for Hdfs {
             };
             self.assemble(&s, f, m.chunk_size, first_chunk, reread, &dst, &mut refetch)?;
             first_chunk += f.chunks.len();
+            if self.hot.as_ref().is_some_and(|h| h.matches(&f.path)) {
+                hot.push(dst);
+            }
         }
         if !refetch.is_empty() {
             self.delete_tree(&out)?;
@@ -794,6 +917,12 @@ impl SinkStore for Hdfs {
             return Ok(PublishOutcome::Refetch(refetch));
         }
         let reread_time = reread.map(|_| start.elapsed());
+        // Hot files get their higher replication in staging, before the
+        // rename makes them readable.
+        let hot = match &self.hot {
+            Some(h) => self.raise(&hot, h.factor)?,
+            None => None,
+        };
         // A checkpoint of markers only still publishes a directory.
         self.call("mkdirs", &out, |c, p| async move {
             c.mkdirs(&p, 0o755, true).await
@@ -803,7 +932,24 @@ impl SinkStore for Hdfs {
         self.place(&s, &l, m)?;
         Ok(PublishOutcome::Published {
             reread: reread_time.map(ReadBack::wall_only),
+            hot,
         })
+    }
+
+    fn lower_hot(&self, replica: &Path, m: &Manifest, factor: u16) -> io::Result<u32> {
+        let Some(h) = &self.hot else {
+            return Ok(0);
+        };
+        let l = self.root.check(replica)?;
+        let mut n = 0;
+        for f in m.files.iter().filter(|f| h.matches(&f.path)) {
+            match self.set_replication(&format!("{l}/{}", f.path), factor) {
+                Ok(()) => n += 1,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(n)
     }
 
     fn publish_under_way(&self, staging: &Path) -> bool {

@@ -879,6 +879,7 @@ impl SinkStore for S3 {
             };
         }
         Ok(PublishOutcome::Published {
+            hot: None,
             reread: reread_time.map(ReadBack::wall_only),
         })
     }

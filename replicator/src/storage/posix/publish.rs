@@ -251,6 +251,7 @@ pub(super) fn publish(
     switch(local_path, version)?;
     fault_point("switched");
     Ok(PublishOutcome::Published {
+        hot: None,
         reread: reread_took,
     })
 }
@@ -750,7 +751,7 @@ mod tests {
         let out = publish(&c.staging, &c.local, &c.version, &c.m, Some(&keys(&c.m))).unwrap();
         // The read-back ran, on threads whose CPU time it counted.
         assert!(
-            matches!(out, PublishOutcome::Published { reread: Some(r) } if r.cpu > Duration::ZERO),
+            matches!(out, PublishOutcome::Published { reread: Some(r), .. } if r.cpu > Duration::ZERO),
             "{out:?}"
         );
         assert_published(&c);
@@ -853,7 +854,13 @@ mod tests {
         let c = case();
         std::fs::write(c.staging.join("sub/b.bin"), b"bea").unwrap();
         let out = publish(&c.staging, &c.local, &c.version, &c.m, None).unwrap();
-        assert_eq!(out, PublishOutcome::Published { reread: None });
+        assert_eq!(
+            out,
+            PublishOutcome::Published {
+                reread: None,
+                hot: None
+            }
+        );
         assert_eq!(std::fs::read(c.local.join("sub/b.bin")).unwrap(), b"bea");
     }
 
@@ -1031,7 +1038,13 @@ mod tests {
         // Staging holds the new version: a normal publish, by exchange.
         let out = publish(&c.staging, &c.local, &c.version, &c.m, Some(&keys(&c.m))).unwrap();
         assert!(
-            matches!(out, PublishOutcome::Published { reread: Some(_) }),
+            matches!(
+                out,
+                PublishOutcome::Published {
+                    reread: Some(_),
+                    ..
+                }
+            ),
             "{out:?}"
         );
         assert_published(&c);
