@@ -1051,23 +1051,7 @@ async fn gen_format(opts: ferry_gen::format::SaveOptions) -> Result<()> {
             opts.root.display()
         );
     }
-    let passes = if opts.fault == ferry_gen::format::Fault::ReusedDir {
-        2
-    } else {
-        1
-    };
-    let preview = ferry_gen::format::preview(&opts).context("planning the checkpoint")?;
-    if let Some(scale) = preview.scale {
-        outln!(
-            "model {} ({} parameters at full scale) at scale {scale:.6}: {} tensors, {} bytes \
-             as {}",
-            opts.model,
-            opts.model.params(),
-            preview.tensors,
-            preview.bytes,
-            opts.format
-        )?;
-    }
+    let (preview, passes) = gen_preview(&opts)?;
     ferry_gen::ensure_space(&opts.root, preview.bytes)
         .with_context(|| format!("--out {}", opts.root.display()))?;
     let bar = gen_bar(preview.bytes.saturating_mul(passes))?;
@@ -1080,6 +1064,35 @@ async fn gen_format(opts: ferry_gen::format::SaveOptions) -> Result<()> {
     .with_context(|| format!("writing a {format} checkpoint into {}", dir.display()))?;
     bar.finish_and_clear();
     print_save_summary(format, fault, s)
+}
+
+/// Plans `ferry gen --format` and, for a `--scale`, says what it will
+/// write; returns the plan and how many passes the save makes (2 for
+/// `--fault reused-dir`, which saves twice).
+///
+/// # Errors
+/// Options the plan refuses, or stdout gone.
+fn gen_preview(
+    opts: &ferry_gen::format::SaveOptions,
+) -> Result<(ferry_gen::format::SavePreview, u64)> {
+    let passes = if opts.fault == ferry_gen::format::Fault::ReusedDir {
+        2
+    } else {
+        1
+    };
+    let preview = ferry_gen::format::preview(opts).context("planning the checkpoint")?;
+    if let Some(scale) = preview.scale {
+        outln!(
+            "model {} ({} parameters at full scale) at scale {scale:.6}: {} tensors, {} bytes \
+             as {}",
+            opts.model,
+            opts.model.params(),
+            preview.tensors,
+            preview.bytes,
+            opts.format
+        )?;
+    }
+    Ok((preview, passes))
 }
 
 /// What `ferry gen --format` prints once the save is done.
@@ -1124,23 +1137,7 @@ async fn gen_format_remote(
     mut opts: ferry_gen::format::SaveOptions,
     s3: ferry::remote_gen::S3Settings,
 ) -> Result<()> {
-    let passes = if opts.fault == ferry_gen::format::Fault::ReusedDir {
-        2
-    } else {
-        1
-    };
-    let preview = ferry_gen::format::preview(&opts).context("planning the checkpoint")?;
-    if let Some(scale) = preview.scale {
-        outln!(
-            "model {} ({} parameters at full scale) at scale {scale:.6}: {} tensors, {} bytes \
-             as {}",
-            opts.model,
-            opts.model.params(),
-            preview.tensors,
-            preview.bytes,
-            opts.format
-        )?;
-    }
+    let (preview, passes) = gen_preview(&opts)?;
     let url = opts.root.to_string_lossy().into_owned();
     let out = tokio::task::spawn_blocking(move || ferry::remote_gen::RemoteOut::open(&url, &s3))
         .await??;

@@ -29,22 +29,9 @@ use replicator::storage::{ScanError, SourceStore};
 /// Bound for one `ferry gen`.
 const GEN: Duration = Duration::from_secs(300);
 
-fn server_env(var: &str) -> String {
-    std::env::var(var).unwrap_or_else(|_| {
-        panic!(
-            "{var} is not set: these tests need the storage servers that ops/test starts \
-             (run ops/test, or ops/with-test-servers cargo test --test gen_remote)"
-        )
-    })
-}
-
 /// A directory or key prefix of this test's own.
 fn unique(name: &str) -> String {
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!("/ferry-gen/{name}-{}-{t}", std::process::id())
+    unique_in("ferry-gen", name)
 }
 
 /// One save to compare: `ferry gen` flags (after `--out`) and its commit

@@ -24,22 +24,9 @@ use replicator::storage::posix::Posix;
 use replicator::storage::s3::{S3Config, S3};
 use replicator::storage::{build, SourceStore};
 
-fn server_env(var: &str) -> String {
-    std::env::var(var).unwrap_or_else(|_| {
-        panic!(
-            "{var} is not set: these tests need the storage servers that ops/test starts \
-             (run ops/test, or ops/with-test-servers cargo test --test remote_storage)"
-        )
-    })
-}
-
 /// A directory or key prefix of this test's own.
 fn unique(name: &str) -> String {
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!("/ferry-e2e/{name}-{}-{t}", std::process::id())
+    unique_in("ferry-e2e", name)
 }
 
 /// Each file's path, size and chunk hashes, and the marker indices: what
@@ -126,48 +113,15 @@ async fn replicates_to(
 #[tokio::test]
 async fn a_sink_agent_on_s3_publishes_and_resolves_to_a_url() {
     let w = World::new("s3-sink").await;
-    let s3_url = server_env("FERRY_TEST_S3_URL");
-    let (endpoint, bucket) = s3_url.rsplit_once('/').unwrap();
-    let key_id = server_env("FERRY_TEST_S3_ACCESS_KEY_ID");
-    let secret = server_env("FERRY_TEST_S3_SECRET_ACCESS_KEY");
-    let secret_file = w.root.join("s3.secret");
-    std::fs::write(&secret_file, format!("{secret}\n")).unwrap();
-    let root = unique("s3-sink");
-    let url = format!("s3://{bucket}{root}");
-    let lines = format!(
-        "capacity = \"1TiB\"\n[sink.s3]\nendpoint = {}\naccess_key_id = {}\n\
-         secret_access_key_file = {}\n",
-        toml_str(endpoint),
-        toml_str(&key_id),
-        toml_str(secret_file.to_str().unwrap()),
-    );
-    let store = S3::connect(
-        &url,
-        &S3Config {
-            endpoint: Some(endpoint.to_string()),
-            region: None,
-            access_key_id: Some(key_id),
-            secret_access_key: Some(secret),
-            capacity: None,
-        },
-    )
-    .unwrap();
-    replicates_to(&w, &url, &lines, &store, &root).await;
+    let r = s3_sink(&w, "s3-sink");
+    replicates_to(&w, &r.url, &r.lines, &*r.store, &r.root).await;
 }
 
 #[tokio::test]
 async fn a_sink_agent_on_hdfs_publishes_and_resolves_to_a_url() {
     let w = World::new("hdfs-sink").await;
-    let base = server_env("FERRY_TEST_HDFS_URL");
-    let root = unique("hdfs-sink");
-    // The sink root must exist.
-    Hdfs::connect(&base, None)
-        .unwrap()
-        .put_file(Path::new(&format!("{root}/README")), b"sink root")
-        .unwrap();
-    let url = format!("{base}{root}");
-    let store = Hdfs::connect(&url, None).unwrap();
-    replicates_to(&w, &url, "", &store, &root).await;
+    let r = hdfs_sink("hdfs-sink");
+    replicates_to(&w, &r.url, &r.lines, &*r.store, &r.root).await;
 }
 
 /// [`replicator::sink::FAULT_KILL_ENV`].

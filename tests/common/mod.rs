@@ -1381,3 +1381,29 @@ pub fn metric(s: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)])
         _ => None,
     }
 }
+
+// ------------------------------------------------------ storage servers --
+
+/// The value of `var`, set by the test command once it started the
+/// storage servers (`ops/with-test-servers`); panics naming that command
+/// when unset, so a test never skips silently.
+#[allow(dead_code)]
+pub fn server_env(var: &str) -> String {
+    std::env::var(var).unwrap_or_else(|_| {
+        panic!(
+            "{var} is not set: this test needs the storage servers that ops/test starts \
+             (run ops/test, or ops/with-test-servers cargo test --test NAME)"
+        )
+    })
+}
+
+/// A directory or key prefix of a test's own in a shared store:
+/// `/<area>/<name>-<pid>-<ns since the epoch>`.
+#[allow(dead_code)]
+pub fn unique_in(area: &str, name: &str) -> String {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("/{area}/{name}-{}-{t}", std::process::id())
+}
