@@ -937,21 +937,32 @@ async fn run(cli: Cli) -> Result<()> {
     }
 }
 
-/// `ferry gen` without --format: the per-tensor layout of [`ferry_gen::generate`].
-async fn gen_per_tensor(opts: ferry_gen::GenOptions) -> Result<()> {
-    let out = opts.out.clone();
-    let preview = ferry_gen::preview(&opts).context("planning the checkpoint")?;
-    let size = preview.summary.bytes;
+/// Plans `ferry gen` without --format and, for a `--scale`, says what it
+/// will write.
+///
+/// # Errors
+/// Options the plan refuses, or stdout gone.
+fn gen_per_tensor_preview(opts: &ferry_gen::GenOptions) -> Result<ferry_gen::Preview> {
+    let preview = ferry_gen::preview(opts).context("planning the checkpoint")?;
     if let Some(scale) = preview.scale {
         outln!(
             "model {} ({} parameters at full scale) at scale {scale:.6}: {} tensor files, \
-             {size} bytes, {} under 16 KiB",
+             {} bytes, {} under 16 KiB",
             opts.model,
             opts.model.params(),
             preview.summary.shards,
+            preview.summary.bytes,
             preview.summary.small_shards
         )?;
     }
+    Ok(preview)
+}
+
+/// `ferry gen` without --format: the per-tensor layout of [`ferry_gen::generate`].
+async fn gen_per_tensor(opts: ferry_gen::GenOptions) -> Result<()> {
+    let out = opts.out.clone();
+    let preview = gen_per_tensor_preview(&opts)?;
+    let size = preview.summary.bytes;
     if std::fs::read_dir(&out).is_ok_and(|mut d| d.next().is_some()) {
         bail!(
             "--out {} exists and is not empty; choose a new directory",
@@ -1000,18 +1011,8 @@ async fn gen_per_tensor_remote(
     opts: ferry_gen::GenOptions,
     s3: ferry::remote_gen::S3Settings,
 ) -> Result<()> {
-    let preview = ferry_gen::preview(&opts).context("planning the checkpoint")?;
+    let preview = gen_per_tensor_preview(&opts)?;
     let size = preview.summary.bytes;
-    if let Some(scale) = preview.scale {
-        outln!(
-            "model {} ({} parameters at full scale) at scale {scale:.6}: {} tensor files, \
-             {size} bytes, {} under 16 KiB",
-            opts.model,
-            opts.model.params(),
-            preview.summary.shards,
-            preview.summary.small_shards
-        )?;
-    }
     let url = opts.out.to_string_lossy().into_owned();
     let out = tokio::task::spawn_blocking(move || -> Result<_> {
         let out = ferry::remote_gen::RemoteOut::open(&url, &s3)?;
