@@ -11,6 +11,8 @@
 //!   floors, the shares by score and the link's rate cap; it also ranks
 //!   queued transfers for admission.
 //! - [`Policy`]: the settings, `priority` or `fifo`.
+//! - [`deadline`]: the fluid model's ready times, the admission answer to
+//!   a deadline ([`Admission`]) and when a class serves deadlines first.
 //! - [`trace`]: the trace format (JSON lines) of a recorded or generated
 //!   workload; [`replay`] runs one through the real [`LinkScheduler`] on
 //!   a simulated link (`ferry replay`), with generated [`replay::preset`]s.
@@ -18,12 +20,14 @@
 use std::fmt;
 use std::str::FromStr;
 
+pub mod deadline;
 mod link;
 mod policy;
 pub mod replay;
 mod score;
 pub mod trace;
 
+pub use deadline::Admission;
 pub use link::{priority, Decision, Explanation, LinkScheduler, Transfer, SCORE_REFRESH_MS};
 pub use policy::{Floors, Policy, PolicyKind, Weights};
 pub use score::{

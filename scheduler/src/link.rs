@@ -18,10 +18,13 @@
 //! is served only when no higher class is ready.
 //!
 //! The rate cap is a token bucket in payload bytes: it fills at the cap
-//! (bit/s / 8) up to `max(BDP, largest chunk)` bytes, and a chunk needs
-//! its length in tokens (a chunk longer than the bucket needs a full one).
-//! So over any window of `W` seconds, bytes dispatched are at most
-//! `cap x W + max(BDP, largest chunk)`.
+//! (bit/s / 8) up to `max(BDP, largest chunk)` bytes plus one millisecond
+//! of the cap (waits are whole milliseconds; the extra keeps a wait's
+//! rounding from losing tokens, which at a chunk of a few milliseconds
+//! would cost several percent of the rate), and a chunk needs its length
+//! in tokens (a chunk longer than the bucket needs a full one). So over
+//! any window of `W` seconds, bytes dispatched are at most
+//! `cap x W + max(BDP, largest chunk) + cap x 1 ms`.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
@@ -60,6 +63,9 @@ pub struct Transfer {
     /// checkpoint). Only such a transfer can be small
     /// ([`crate::Policy::small_bytes`]).
     pub size_final: bool,
+    /// When it should be ready, Unix ms, if a client gave a deadline
+    /// (see [`crate::deadline`]).
+    pub deadline_ms: Option<i64>,
 }
 
 impl Transfer {
@@ -134,9 +140,9 @@ struct Entry {
     scored_at: i64,
 }
 
-const CLASSES: [Class; 3] = [Class::Urgent, Class::Scheduled, Class::Background];
+pub(crate) const CLASSES: [Class; 3] = [Class::Urgent, Class::Scheduled, Class::Background];
 
-fn ci(c: Class) -> usize {
+pub(crate) fn ci(c: Class) -> usize {
     match c {
         Class::Urgent => 0,
         Class::Scheduled => 1,
@@ -178,6 +184,9 @@ pub struct LinkScheduler {
     bucket: Bucket,
     /// Largest chunk seen, bytes (the bucket holds at least one).
     max_chunk: u64,
+    /// The chunk length the deadline margin assumes, bytes (see
+    /// [`LinkScheduler::set_chunk_bytes`]).
+    chunk_hint: u64,
     entries: BTreeMap<TransferId, Entry>,
     signals: HashMap<String, Vec<(f64, i64)>>,
     class_tag: [f64; 3],
@@ -212,6 +221,7 @@ impl LinkScheduler {
             policy,
             bucket,
             max_chunk: 0,
+            chunk_hint: crate::deadline::DEFAULT_CHUNK_BYTES,
             entries: BTreeMap::new(),
             signals: HashMap::new(),
             class_tag: [0.0; 3],
@@ -242,8 +252,43 @@ impl LinkScheduler {
     }
 
     /// Bucket size in bytes: `max(BDP, largest chunk)`.
-    fn capacity(&self) -> f64 {
+    pub(crate) fn capacity(&self) -> f64 {
         self.bucket.bdp().max(self.max_chunk as f64)
+    }
+
+    /// The rate cap in bytes per millisecond.
+    pub(crate) fn bytes_per_ms(&self) -> f64 {
+        self.bucket.bytes_per_ms()
+    }
+
+    /// The base RTT, ms (at least 1).
+    pub(crate) fn rtt_ms(&self) -> u64 {
+        self.bucket.rtt_ms
+    }
+
+    /// The chunk length deadlines are planned with: the larger of the
+    /// hint ([`LinkScheduler::set_chunk_bytes`]) and the largest chunk
+    /// seen, bytes.
+    pub(crate) fn chunk_bytes(&self) -> u64 {
+        self.chunk_hint.max(self.max_chunk)
+    }
+
+    /// Tells the scheduler the chunk length its senders use, bytes (the
+    /// agent's `[source] chunk_size`; default
+    /// [`crate::deadline::DEFAULT_CHUNK_BYTES`]), so deadline margins are
+    /// right before the first chunk is seen.
+    pub fn set_chunk_bytes(&mut self, bytes: u64) {
+        self.chunk_hint = bytes.max(1);
+    }
+
+    /// The active transfers as last given (bytes left as sent so far).
+    pub(crate) fn active_transfers(&self) -> impl Iterator<Item = &Transfer> {
+        self.entries.values().map(|e| &e.t)
+    }
+
+    /// `t`'s score value at `now_ms` under this link's policy and signals.
+    pub(crate) fn score_now(&self, t: &Transfer, now_ms: i64) -> f64 {
+        self.score_of(t, now_ms).value
     }
 
     /// Changes the rate cap (bit/s, at least 1) from `now_ms` on; tokens
@@ -386,7 +431,7 @@ impl LinkScheduler {
 
     /// Weights of the classes given which are busy: each lower busy class
     /// its floor, the highest busy class the rest.
-    fn class_weights(&self, busy: [bool; 3]) -> [f64; 3] {
+    pub(crate) fn class_weights(&self, busy: [bool; 3]) -> [f64; 3] {
         let mut w = [0.0; 3];
         let Some(top) = (0..3).find(|&i| busy[i]) else {
             return w;
@@ -467,12 +512,13 @@ impl LinkScheduler {
     pub fn next(&mut self, now_ms: i64) -> Decision {
         self.refresh_scores(now_ms);
         let cap = self.capacity();
-        self.bucket.refill(now_ms, cap);
+        let full = cap + self.bucket.bytes_per_ms();
+        self.bucket.refill(now_ms, full);
         let pick = match self.policy.kind {
             PolicyKind::Fifo => self.pick_fifo(),
-            PolicyKind::Priority => self.pick_priority(),
+            PolicyKind::Priority => self.pick_priority(now_ms),
         };
-        let Some((id, class_w)) = pick else {
+        let Some((id, class_w, by_deadline)) = pick else {
             // Nothing ready: restart virtual time so tags stay small.
             self.class_tag = [0.0; 3];
             self.v_link = 0.0;
@@ -499,7 +545,11 @@ impl LinkScheduler {
         e.ready.pop_front();
         let c = ci(e.t.class);
         let b = bytes.max(1) as f64;
-        self.v_class[c] = e.tag;
+        // A chunk sent for a deadline does not move the class's virtual
+        // time: transfers that become ready are not pushed behind it.
+        if !by_deadline {
+            self.v_class[c] = e.tag;
+        }
         e.tag += b / e.score.value.max(1e-9);
         e.t.bytes_left = e.t.bytes_left.saturating_sub(bytes);
         let class = e.t.class;
@@ -517,15 +567,54 @@ impl LinkScheduler {
         }
     }
 
-    fn pick_fifo(&self) -> Option<(TransferId, f64)> {
+    fn pick_fifo(&self) -> Option<(TransferId, f64, bool)> {
         self.entries
             .values()
             .filter(|e| !e.ready.is_empty())
             .min_by_key(|e| (e.t.created_ms, e.t.id))
-            .map(|e| (e.t.id, 0.0))
+            .map(|e| (e.t.id, 0.0, false))
     }
 
-    fn pick_priority(&mut self) -> Option<(TransferId, f64)> {
+    /// The transfer to serve in `class` earliest-deadline-first, if a
+    /// deadline of the class is at risk (see [`crate::deadline`]): the
+    /// ready one with the earliest deadline.
+    fn pick_deadline(&self, class: usize, now_ms: i64) -> Option<TransferId> {
+        if !self.policy.deadline_first {
+            return None;
+        }
+        let in_class = || {
+            self.entries
+                .values()
+                .filter(move |e| ci(e.t.class) == class && e.t.deadline_ms.is_some())
+        };
+        in_class().next()?;
+        let mut busy = [false; 3];
+        for e in self.entries.values() {
+            busy[ci(e.t.class)] = true;
+        }
+        let risk = self.at_risk(
+            CLASSES[class],
+            busy,
+            in_class().map(|e| {
+                (
+                    &e.t.id,
+                    e.t.deadline_ms.unwrap_or(i64::MAX),
+                    e.t.created_ms,
+                    e.t.bytes_left,
+                )
+            }),
+            now_ms,
+        );
+        if risk.is_empty() {
+            return None;
+        }
+        in_class()
+            .filter(|e| !e.ready.is_empty())
+            .min_by_key(|e| (e.t.deadline_ms, e.t.created_ms, e.t.id))
+            .map(|e| e.t.id)
+    }
+
+    fn pick_priority(&mut self, now_ms: i64) -> Option<(TransferId, f64, bool)> {
         let mut busy = [false; 3];
         for e in self.entries.values() {
             if !e.ready.is_empty() {
@@ -557,6 +646,7 @@ impl LinkScheduler {
         // Transfers of that class that just became ready start at the
         // class's virtual time.
         let v = self.v_class[class];
+        let deadline = self.pick_deadline(class, now_ms);
         for e in self.entries.values_mut() {
             let ready = !e.ready.is_empty();
             if ready && !e.was_ready && ci(e.t.class) == class {
@@ -565,6 +655,9 @@ impl LinkScheduler {
             if ci(e.t.class) == class || !ready {
                 e.was_ready = ready;
             }
+        }
+        if let Some(id) = deadline {
+            return Some((id, w[class], true));
         }
         let e = self
             .entries
@@ -576,7 +669,7 @@ impl LinkScheduler {
                     .then(b.score.value.total_cmp(&a.score.value))
                     .then((a.t.created_ms, a.t.id).cmp(&(b.t.created_ms, b.t.id)))
             })?;
-        Some((e.t.id, w[class]))
+        Some((e.t.id, w[class], false))
     }
 
     /// In a pool of agents sharing this link: the fraction of the link's
@@ -643,6 +736,13 @@ impl LinkScheduler {
     /// admitted in the same order (class, then rank). A burst of tiny
     /// transfers is then bounded by bytes and a few round trips, not one
     /// round trip after another four at a time.
+    ///
+    /// Under `priority` with `deadline_first`, a transfer with a deadline
+    /// starts at once and does not count against any limit, and is listed
+    /// first in its class, earliest deadline first: the class's slack
+    /// test ([`crate::deadline`]) must see every deadline of the class.
+    /// Deadlines are few (evals waiting on a slot); their bytes are still
+    /// served within the class's weight.
     pub fn admit(&self, waiting: &[Transfer], now_ms: i64) -> Vec<TransferId> {
         self.admit_in_pool(waiting, &[], now_ms)
     }
@@ -703,15 +803,13 @@ impl LinkScheduler {
                 + elsewhere.iter().filter(|t| small(t)).count(),
         );
         for class in CLASSES {
-            let active = self
-                .entries
-                .values()
-                .filter(|e| e.t.class == class && !small(&e.t))
-                .count()
-                + elsewhere
-                    .iter()
-                    .filter(|t| t.class == class && !small(t))
-                    .count();
+            let counts = |t: &Transfer| {
+                t.class == class
+                    && !small(t)
+                    && !(self.policy.deadline_first && t.deadline_ms.is_some())
+            };
+            let active = self.entries.values().filter(|e| counts(&e.t)).count()
+                + elsewhere.iter().filter(|t| counts(t)).count();
             let mut free = max.saturating_sub(active);
             let mut w: Vec<(bool, f64, &Transfer)> = waiting
                 .iter()
@@ -721,8 +819,19 @@ impl LinkScheduler {
                     (overdue, self.score_of(t, now_ms).value, t)
                 })
                 .collect();
+            // With deadline_first, transfers with a deadline go first,
+            // earliest deadline first.
+            let edf = |t: &Transfer| {
+                if self.policy.deadline_first {
+                    t.deadline_ms.unwrap_or(i64::MAX)
+                } else {
+                    i64::MAX
+                }
+            };
             w.sort_by(|a, b| {
-                b.0.cmp(&a.0)
+                edf(a.2)
+                    .cmp(&edf(b.2))
+                    .then(b.0.cmp(&a.0))
                     .then_with(|| {
                         if a.0 {
                             std::cmp::Ordering::Equal
@@ -733,7 +842,10 @@ impl LinkScheduler {
                     .then((a.2.created_ms, a.2.id).cmp(&(b.2.created_ms, b.2.id)))
             });
             for (_, _, t) in w {
-                if small(t) && small_free > 0 {
+                if self.policy.deadline_first && t.deadline_ms.is_some() {
+                    // Deadlines start at once: the class's slack test
+                    // must see all of them.
+                } else if small(t) && small_free > 0 {
                     small_free -= 1;
                 } else if free > 0 {
                     free -= 1;

@@ -117,6 +117,11 @@ pub struct Policy {
     /// together), besides the `max_active` per class; 0 turns the small
     /// transfer rule off. Default 256. Only under `Priority`.
     pub max_small_active: usize,
+    /// Within a class, serve transfers with a deadline earliest deadline
+    /// first ahead of score order while one of their deadlines is at risk,
+    /// and admit them first (see [`crate::deadline`]). Default true;
+    /// false serves them by score like the others (the baseline).
+    pub deadline_first: bool,
 }
 
 impl Default for Policy {
@@ -132,6 +137,7 @@ impl Default for Policy {
             max_active: 4,
             small_bytes: 16 << 20,
             max_small_active: 256,
+            deadline_first: true,
         }
     }
 }

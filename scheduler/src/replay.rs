@@ -205,6 +205,7 @@ impl World<'_> {
             created_ms: t.created_ms,
             // A trace gives each transfer's size at its arrival.
             size_final: true,
+            deadline_ms: t.deadline_ms,
         }
     }
 
@@ -486,7 +487,12 @@ pub fn run(trace: &Trace, policy: &Policy, opts: &Options) -> Report {
                 (
                     l.link.clone(),
                     LinkSim {
-                        sched: LinkScheduler::new(policy.clone(), l.rate_bps, l.rtt_ms, start),
+                        sched: {
+                            let mut s =
+                                LinkScheduler::new(policy.clone(), l.rate_bps, l.rtt_ms, start);
+                            s.set_chunk_bytes(opts.chunk_bytes.max(1));
+                            s
+                        },
                         rate_bps: l.rate_bps.max(1),
                         rtt_ms: l.rtt_ms,
                         dirty: false,

@@ -20,6 +20,7 @@ fn transfer(id: u64, class: Class, importance: f64, params: Option<f64>) -> Tran
         bytes_left: u64::MAX / 4,
         created_ms: 0,
         size_final: false,
+        deadline_ms: None,
     }
 }
 
@@ -179,7 +180,7 @@ proptest! {
     }
 
     /// Over every window of 1 s or longer, bytes dispatched <= rate x
-    /// window + max(BDP, largest chunk).
+    /// window + max(BDP, largest chunk) + one millisecond at the cap.
     #[test]
     fn the_rate_cap_holds_over_every_window(
         rate in 1_000_000u64..10_000_000_000,
@@ -211,7 +212,7 @@ proptest! {
             now += gaps[step % gaps.len()] / 10;
         }
         let bdp = rate as f64 / 8.0 * rtt as f64 / 1000.0;
-        let burst = bdp.max(*sizes.iter().max().unwrap() as f64);
+        let burst = bdp.max(*sizes.iter().max().unwrap() as f64) + rate as f64 / 8.0 / 1000.0;
         for a in 0..sent.len() {
             let mut sum = 0.0;
             for b in a..sent.len() {
