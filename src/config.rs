@@ -426,6 +426,10 @@ pub struct SchedulerSection {
     /// Small transfers moving at once on one link (all classes together),
     /// 0..4096; 0 turns the rule off; default 256.
     pub max_small_active: usize,
+    /// Within a class, serve transfers with a deadline earliest deadline
+    /// first while one of their deadlines is at risk, and start them at
+    /// once; default true (false: by score like the others).
+    pub deadline_first: bool,
     /// `[scheduler.weights]`
     pub weights: WeightsSection,
     /// `[scheduler.floors]`
@@ -488,6 +492,7 @@ impl Default for SchedulerSection {
             max_active: p.max_active,
             small_transfer: p.small_bytes,
             max_small_active: p.max_small_active,
+            deadline_first: p.deadline_first,
             weights: WeightsSection::default(),
             floors: FloorsSection::default(),
         }
@@ -534,6 +539,7 @@ impl SchedulerSection {
             max_active: self.max_active,
             small_bytes: self.small_transfer,
             max_small_active: self.max_small_active,
+            deadline_first: self.deadline_first,
         };
         p.check().map_err(|e| anyhow::anyhow!("scheduler.{e}"))?;
         Ok(p)

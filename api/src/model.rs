@@ -72,10 +72,21 @@ pub struct Transfer {
     pub urgent_until: Option<i64>,
     /// Id of the signal that promoted it ([`Signal::id`]), if any.
     pub signal: Option<i64>,
+    /// When its replica must be ready, Unix ms, if a client gave a
+    /// deadline and its time is known (a deadline after commit gets one
+    /// at the commit).
+    pub deadline: Option<i64>,
+    /// A deadline given as a duration after the commit, seconds.
+    pub deadline_after_commit_s: Option<f64>,
+    /// What was said about the deadline: `at_risk` (the fluid model's
+    /// ready time passed it), `met` or `missed`; `null`: nothing yet.
+    #[schema(value_type = Option<String>)]
+    pub deadline_state: Option<&'static str>,
 }
 
 impl From<ferry_catalog::Transfer> for Transfer {
     fn from(r: ferry_catalog::Transfer) -> Self {
+        let deadline = r.deadline_ms();
         Transfer {
             id: r.id,
             link: r.link,
@@ -103,6 +114,9 @@ impl From<ferry_catalog::Transfer> for Transfer {
             importance: r.importance,
             urgent_until: r.urgent_until,
             signal: r.signal,
+            deadline,
+            deadline_after_commit_s: r.deadline_after_commit.map(|a| a as f64 / 1000.0),
+            deadline_state: r.deadline_state.map(|s| s.as_str()),
         }
     }
 }

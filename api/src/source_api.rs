@@ -42,6 +42,12 @@ pub(crate) struct CreateTransfer {
     /// `scheduled` (default), `background` or `urgent`.
     #[schema(value_type = Option<scheduler::Class>)]
     class: Option<String>,
+    /// When the replica must be ready: an RFC 3339 time
+    /// (`2026-12-01T10:00:00Z`) or a duration after the checkpoint's
+    /// commit (`15m`, `1h 30m`; for a pushed directory, after it is
+    /// queued). The answer carries `admission`.
+    #[schema(example = "15m")]
+    deadline: Option<String>,
 }
 
 /// A transfer with its live progress, as the API shows it.
@@ -51,6 +57,57 @@ pub(crate) struct TransferView {
     transfer: Transfer,
     /// Live progress while it runs (`null` otherwise).
     progress: Option<Progress>,
+    /// The admission answer to its deadline, in the answer to the request
+    /// that gave one: whether the fluid model of the link has it ready in
+    /// time at the current queue and rates, when, and if not, the class
+    /// that would, or the bytes over budget.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    admission: Option<scheduler::Admission>,
+}
+
+/// Reads a `deadline` field: an RFC 3339 time or a duration after
+/// commit.
+fn parse_deadline(s: &str) -> Result<replicator::source::Deadline, ApiError> {
+    let s = s.trim();
+    if let Ok(t) = humantime::parse_rfc3339_weak(s) {
+        let ms = t
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_err(|_| ApiError::unprocessable("`deadline` is before 1970"))?
+            .as_millis();
+        return Ok(replicator::source::Deadline::At(
+            i64::try_from(ms).unwrap_or(i64::MAX),
+        ));
+    }
+    match humantime::parse_duration(s) {
+        Ok(d) if d.as_millis() > 0 && d <= std::time::Duration::from_secs(365 * 24 * 3600) => {
+            Ok(replicator::source::Deadline::AfterCommit(d))
+        }
+        _ => Err(ApiError::unprocessable(format!(
+            "`deadline` must be an RFC 3339 time (2026-12-01T10:00:00Z) or a duration after \
+             commit from 1ms to 365 days (15m, 1h 30m), got {s:?}"
+        ))),
+    }
+}
+
+/// Gives transfer `t` the deadline `d`, if any, and returns it with the
+/// admission answer.
+async fn with_deadline(
+    src: &Source,
+    t: ferry_catalog::Transfer,
+    d: Option<replicator::source::Deadline>,
+) -> Result<TransferView, ApiError> {
+    let Some(d) = d else {
+        return Ok(view(src, t));
+    };
+    let t = src
+        .set_deadline(t.id, Some(d))
+        .await
+        .map_err(ApiError::catalog)?
+        .unwrap_or(t);
+    let admission = src.admission(&t).await.map_err(ApiError::catalog)?;
+    let mut v = view(src, t);
+    v.admission = admission;
+    Ok(v)
 }
 
 /// A transfer with its ranking (`GET /v1/transfers/{id}`).
@@ -71,6 +128,7 @@ pub(crate) fn view(src: &Source, t: ferry_catalog::Transfer) -> TransferView {
     TransferView {
         transfer: transfer.into(),
         progress,
+        admission: None,
     }
 }
 
@@ -108,18 +166,13 @@ pub(crate) async fn create_transfer(
             .parse()
             .map_err(|e| ApiError::unprocessable(format!("`class`: {e}")))?,
     };
+    let deadline = req.deadline.as_deref().map(parse_deadline).transpose()?;
     let t = src
         .submit_as(&PathBuf::from(&req.path), req.link.as_deref(), class)
         .await
         .map_err(submit_error)?;
-    Ok((
-        StatusCode::CREATED,
-        Json(TransferView {
-            transfer: t.into(),
-            progress: None,
-        }),
-    )
-        .into_response())
+    let v = with_deadline(src, t, deadline).await?;
+    Ok((StatusCode::CREATED, Json(v)).into_response())
 }
 
 /// A refused submission or announcement as a 422 naming the field (or a
@@ -151,6 +204,12 @@ pub(crate) struct Announce {
     /// Expected size, bytes (0 = unknown).
     #[serde(default)]
     expected_bytes: u64,
+    /// When the replica must be ready: an RFC 3339 time or a duration
+    /// after the checkpoint's commit (`15m`). The answer's transfer
+    /// carries `admission` (before the commit, answered as if it
+    /// committed now, with `expected_bytes` as its size).
+    #[schema(example = "15m")]
+    deadline: Option<String>,
 }
 
 /// Answer of `POST /v1/checkpoints/announce`.
@@ -198,6 +257,7 @@ pub(crate) async fn announce(
     if req.job.is_empty() {
         return Err(ApiError::unprocessable("`job` must not be empty"));
     }
+    let deadline = req.deadline.as_deref().map(parse_deadline).transpose()?;
     let t = src
         .announce(
             &req.job,
@@ -212,7 +272,7 @@ pub(crate) async fn announce(
             StatusCode::CREATED,
             Json(AnnounceOutcome {
                 selected: true,
-                transfer: Some(view(src, t)),
+                transfer: Some(with_deadline(src, t, deadline).await?),
                 reason: None,
             }),
         )

@@ -1549,3 +1549,125 @@ async fn a_catalog_that_does_not_answer_is_a_503_naming_it() {
         "{v}"
     );
 }
+
+/// A directory `name` under `w`'s root holding one sparse file of
+/// `bytes`, pushed with `extra` fields; the answer.
+async fn push_sized(w: &WithSource, name: &str, bytes: u64, extra: Value) -> Value {
+    let dir = w.root.join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::File::create(dir.join("shard.bin"))
+        .unwrap()
+        .set_len(bytes)
+        .unwrap();
+    let mut body = json!({ "path": dir.to_str().unwrap() });
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    let (s, v) = call(w.r(), send("POST", "/v1/transfers", &body.to_string())).await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    v
+}
+
+/// The value of the series `name{labels}` in the metrics text, 0 if
+/// absent.
+async fn metric(w: &WithSource, series: &str) -> f64 {
+    let (s, _, text) = call_text(w.r(), get("/metrics")).await;
+    assert_eq!(s, StatusCode::OK);
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn a_deadline_is_answered_at_once_and_said_at_risk_then_missed_once() {
+    let w = with_source().await;
+    // Link l: 10 Gbit/s, nothing answers, so nothing moves.
+    let gb = 1_000_000_000u64;
+    let ok = push_sized(&w, "step-1", gb, json!({ "deadline": "1h" })).await;
+    let a = &ok["admission"];
+    assert_eq!(a["feasible"], true, "{ok}");
+    assert!(
+        a["class_needed"].is_null() && a["bytes_over"].is_null(),
+        "{a}"
+    );
+    let created = ok["created_at"].as_i64().unwrap();
+    assert_eq!(
+        ok["deadline"].as_i64().unwrap(),
+        created + 3_600_000,
+        "{ok}"
+    );
+    // 1 GB at 10 Gbit/s less packet headers: about 0.8 s.
+    let eta = a["eta_ms"].as_i64().unwrap() - created;
+    assert!((700..3_000).contains(&eta), "eta {eta} ms: {a}");
+
+    // A background transfer behind 200 GB of scheduled ones: at its
+    // floor it is late; in class scheduled, earliest deadline first, it
+    // is in time.
+    // (A deadline makes a pushed directory's size known at once.)
+    push_sized(&w, "step-2", 200 * gb, json!({ "deadline": "30d" })).await;
+    let bg = push_sized(
+        &w,
+        "logs",
+        10 * gb,
+        json!({ "class": "background", "deadline": "60s" }),
+    )
+    .await;
+    let a = &bg["admission"];
+    assert_eq!(a["feasible"], false, "{bg}");
+    assert_eq!(a["class_needed"], "scheduled", "{a}");
+    assert!(a["bytes_over"].is_null(), "{a}");
+
+    // 100 GB due in 3 s: no class makes it; the bytes over budget are
+    // about what 10 Gbit/s carries in the rest of the time.
+    let late = push_sized(
+        &w,
+        "step-3",
+        100 * gb,
+        json!({ "class": "urgent", "deadline": humantime::format_rfc3339_millis(
+            std::time::SystemTime::now() + Duration::from_secs(3)).to_string() }),
+    )
+    .await;
+    let a = &late["admission"];
+    assert_eq!(a["feasible"], false, "{late}");
+    assert!(a["class_needed"].is_null(), "{a}");
+    let over = a["bytes_over"].as_u64().unwrap();
+    assert!(over > 50 * gb && over < 100 * gb, "{a}");
+    let id = late["id"].as_i64().unwrap();
+
+    // Said at risk within a few checks, missed once the time passed;
+    // each once.
+    let mut seen = Vec::new();
+    for _ in 0..100 {
+        let st = w.transfer(id).await["deadline_state"].clone();
+        if seen.last() != Some(&st) {
+            seen.push(st.clone());
+        }
+        if st == "missed" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(seen.last().unwrap(), "missed", "{seen:?}");
+    assert!(seen.contains(&json!("at_risk")), "{seen:?}");
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let at_risk = "ferry_deadlines_total{class=\"urgent\",outcome=\"at_risk\"}";
+    let missed = "ferry_deadlines_total{class=\"urgent\",outcome=\"missed\"}";
+    assert_eq!(metric(&w, at_risk).await, 1.0);
+    assert_eq!(metric(&w, missed).await, 1.0);
+    // The background one is at risk too (it is answered late), the
+    // first, feasible one is not.
+    let first = w.transfer(ok["id"].as_i64().unwrap()).await;
+    assert!(first["deadline_state"].is_null(), "{first}");
+
+    // Bad deadlines are refused naming the field.
+    let dir = w.root.join("step-4");
+    std::fs::create_dir_all(&dir).unwrap();
+    for bad in ["soon", "0s", "2026-13-01T00:00:00Z"] {
+        let body = json!({ "path": dir.to_str().unwrap(), "deadline": bad }).to_string();
+        refused(
+            call(w.r(), send("POST", "/v1/transfers", &body)).await,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &["deadline", bad],
+        );
+    }
+}

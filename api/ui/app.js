@@ -366,8 +366,11 @@ function updateRow(tr, t, now) {
   }
   setCell(tr.querySelector('.score'), r ? r.score.value.toFixed(2) : '–');
   const s = tr.querySelector('.state');
-  setCell(s, t.state);
-  s.className = 'state ' + t.state;
+  const due = t.deadline_state === 'at_risk' ? ' · deadline at risk'
+    : t.deadline_state === 'missed' ? ' · deadline missed' : '';
+  setCell(s, t.state + due);
+  s.title = t.deadline ? 'deadline ' + fmtTime(t.deadline) + (t.deadline_state ? ' (' + t.deadline_state + ')' : '') : '';
+  s.className = 'state ' + t.state + (due ? ' late' : '');
   s.dataset.state = t.state;
   const done = liveDone(t);
   // While the checkpoint is being written its size is not final.
@@ -493,6 +496,10 @@ function details(t) {
     ['share of link', r.share == null ? 'not active' : (100 * r.share).toFixed(1) + ' %'],
     ['checkpoint', t.checkpoint + (t.format ? ' (' + t.format + ')' : '')],
   ];
+  if (t.deadline || t.deadline_after_commit_s) {
+    pairs.push(['deadline', (t.deadline ? fmtTime(t.deadline) : fmtDur(t.deadline_after_commit_s) + ' after commit')
+      + (t.deadline_state ? ' · ' + t.deadline_state.replace('_', ' ') : '')]);
+  }
   const dl = el('dl', { class: 'terms' });
   for (const [k, v] of pairs) dl.append(el('dt', {}, k), el('dd', {}, v));
   return dl;

@@ -39,6 +39,9 @@
 //! - `ferry_queue_depth_transfers{link,class}`: transfers not in a final
 //!   state, by link and effective class.
 //! - `ferry_state_transfers{state}`: transfers per state.
+//! - `ferry_deadlines_total{class,outcome}`: transfer deadlines said to
+//!   be `at_risk` (once, when the fluid model's ready time first passes
+//!   the deadline), `met` or `missed` (once), by the transfer's class.
 //!
 //! Sink:
 //! - `ferry_received_bytes_total{peer}`: payload bytes that matched their
@@ -349,6 +352,12 @@ struct LinkClassLabel {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DeadlineLabel {
+    class: &'static str,
+    outcome: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StateLabel {
     state: String,
 }
@@ -443,6 +452,7 @@ pub(crate) struct SourceMetrics {
     states: Family<StateLabel, Gauge>,
     root_watched: Family<RootLabel, Gauge>,
     root_refused: Family<RootLabel, Gauge>,
+    deadlines: Family<DeadlineLabel, Counter>,
 }
 
 impl std::fmt::Debug for SourceMetrics {
@@ -468,7 +478,15 @@ impl SourceMetrics {
             states: Family::default(),
             root_watched: Family::default(),
             root_refused: Family::default(),
+            deadlines: Family::default(),
         };
+        registry.register(
+            "ferry_deadlines",
+            "Transfer deadlines this source said something about, by class and outcome: \
+             at_risk (the fluid model's ready time passed the deadline, said once), met or \
+             missed (said once), in transfers",
+            m.deadlines.clone(),
+        );
         registry.register(
             "ferry_sent_bytes",
             "Payload bytes the source wrote to QUIC streams (chunk bytes, resent chunks \
@@ -536,6 +554,17 @@ impl SourceMetrics {
         };
         self.root_watched.get_or_create(&l).set(i64::from(watched));
         self.root_refused.get_or_create(&l).set(i64::from(refused));
+    }
+
+    /// Counts a deadline of a transfer in `class` said to be `outcome`
+    /// (`at_risk`, `met` or `missed`).
+    pub(crate) fn count_deadline(&self, class: Class, outcome: &'static str) {
+        self.deadlines
+            .get_or_create(&DeadlineLabel {
+                class: class.as_str(),
+                outcome,
+            })
+            .inc();
     }
 
     /// The counters of `link`, created now (each a handle on the

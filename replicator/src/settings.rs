@@ -24,7 +24,7 @@ use tracing::{info, warn};
 
 /// The scheduler's settings, by the name of their config key
 /// (`[scheduler]`), as stored in a pool's catalog.
-pub const SCHEDULER_SETTINGS: [&str; 13] = [
+pub const SCHEDULER_SETTINGS: [&str; 14] = [
     "scheduler.policy",
     "scheduler.aging",
     "scheduler.aging_cap",
@@ -38,6 +38,7 @@ pub const SCHEDULER_SETTINGS: [&str; 13] = [
     "scheduler.weights.severity",
     "scheduler.floors.scheduled",
     "scheduler.floors.background",
+    "scheduler.deadline_first",
 ];
 
 /// How often an agent of a pool reads the shared settings and recent
@@ -76,6 +77,7 @@ pub fn policy_settings(p: &Policy) -> Vec<(String, Value)> {
         json!(p.weights.severity),
         json!(p.floors.scheduled),
         json!(p.floors.background),
+        json!(p.deadline_first),
     ];
     SCHEDULER_SETTINGS
         .iter()
@@ -157,6 +159,13 @@ pub fn parse_value(name: &str, v: &Value) -> Result<Value, String> {
             o => Ok(json!(whole(name, o)?)),
         },
         "max_active" | "max_small_active" => Ok(json!(whole(name, v)?)),
+        "deadline_first" => match v {
+            Value::Bool(b) => Ok(json!(b)),
+            Value::String(s) if matches!(s.trim(), "true" | "false") => {
+                Ok(json!(s.trim() == "true"))
+            }
+            o => Err(format!("{name} must be true or false, got {o}")),
+        },
         "aging_cap" | "weights.model_size" | "weights.importance" | "weights.severity"
         | "floors.scheduled" | "floors.background" => Ok(json!(number(name, v)?)),
         _ => Err(format!(
@@ -215,6 +224,7 @@ fn set_policy_field(n: &mut Policy, name: &str, v: &Value) -> Result<(), String>
         "weights.severity" => n.weights.severity = f(&v),
         "floors.scheduled" => n.floors.scheduled = f(&v),
         "floors.background" => n.floors.background = f(&v),
+        "deadline_first" => n.deadline_first = v.as_bool().unwrap_or(true),
         _ => return Err(format!("{name} is not a scheduler setting")),
     }
     Ok(())

@@ -17,7 +17,7 @@ use crate::storage::remote::RemoteRoot;
 use crate::storage::router::Router;
 use crate::storage::{read_chunks_versioned, FileVersion, RangeRead, ScanError, SourceStore};
 use ferry_catalog::{
-    Catalog, CatalogError, NewWatchedTransfer, ProgressNote, SourceTimes, Transfer,
+    Catalog, CatalogError, DeadlineState, NewWatchedTransfer, ProgressNote, SourceTimes, Transfer,
 };
 use ferry_proto::manifest::{hex, ChunkMap, FileEntry, FileInfo, Hash, Manifest};
 use ferry_proto::state::{CheckpointState, TransferId, TransferState};
@@ -225,6 +225,16 @@ impl LiveProgress {
             bytes_sent: self.sent_before + self.sent.load(Ordering::Relaxed),
         }
     }
+}
+
+/// When a transfer's replica must be ready, as a client gives it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Deadline {
+    /// At this time, Unix ms.
+    At(i64),
+    /// This long after the checkpoint's commit (for a pushed directory,
+    /// after it was queued).
+    AfterCommit(Duration),
 }
 
 /// Why a transfer could not be submitted.
@@ -576,15 +586,14 @@ impl Source {
         let mut links = HashMap::new();
         for l in &cfg.links {
             let share = Share::new(l.rate_bps);
-            let sched = Arc::new(LinkSched::new(
-                scheduler::LinkScheduler::new(
-                    cfg.policy.clone(),
-                    dispatch::payload_rate(l.rate_bps),
-                    l.rtt.as_millis() as u64,
-                    ferry_catalog::now_ms(),
-                ),
-                metrics.link(&l.name),
-            ));
+            let mut ls = scheduler::LinkScheduler::new(
+                cfg.policy.clone(),
+                dispatch::payload_rate(l.rate_bps),
+                l.rtt.as_millis() as u64,
+                ferry_catalog::now_ms(),
+            );
+            ls.set_chunk_bytes(u64::from(cfg.chunk_size));
+            let sched = Arc::new(LinkSched::new(ls, metrics.link(&l.name)));
             let mut client = quinn::ClientConfig::new(crypto.clone());
             let tuning = Tuning {
                 rate_bps: l.rate_bps,
@@ -644,6 +653,7 @@ impl Source {
             bufs: BufPool::new(crate::bufpool::AGENT_POOL_BYTES),
         });
         inner.tasks.spawn(sampler(inner.clone()));
+        inner.tasks.spawn(deadline_watch(inner.clone()));
         for link in inner.links.values() {
             let (i, l) = (inner.clone(), link.clone());
             inner.tasks.spawn(link_worker(i, l));
@@ -1574,6 +1584,97 @@ impl Source {
         Ok(inner.catalog.transfer(id).await?)
     }
 
+    /// Gives transfer `id` a deadline (`None` clears it) and returns the
+    /// row as it is now (`None` if there is no such transfer). A duration
+    /// after commit on a pushed directory, which is complete when queued,
+    /// counts from when it was queued.
+    ///
+    /// # Errors
+    /// Catalog errors.
+    pub async fn set_deadline(
+        &self,
+        id: TransferId,
+        deadline: Option<Deadline>,
+    ) -> Result<Option<Transfer>, CatalogError> {
+        let c = &self.inner.catalog;
+        let Some(t) = c.transfer(id).await? else {
+            return Ok(None);
+        };
+        let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+        let (at, after) = match deadline {
+            None => (None, None),
+            Some(Deadline::At(at)) => (Some(at), None),
+            Some(Deadline::AfterCommit(d)) if t.format.is_none() => {
+                (Some(t.created_at.saturating_add(ms(d))), None)
+            }
+            Some(Deadline::AfterCommit(d)) => (None, Some(ms(d))),
+        };
+        c.set_transfer_deadline(id, at, after).await?;
+        // A pushed directory's size is known once its run lists it; a
+        // deadline needs it now.
+        let local = !crate::storage::router::is_url(Path::new(&t.source_path));
+        if deadline.is_some() && t.bytes_total == 0 && t.format.is_none() && local {
+            let dir = PathBuf::from(&t.source_path);
+            let size =
+                tokio::task::spawn_blocking(move || tree_size(&dir, u64::MAX, DEADLINE_TREE_FILES))
+                    .await
+                    .ok()
+                    .flatten();
+            if let Some((bytes, files)) = size {
+                c.set_transfer_size(id, bytes, files).await?;
+            }
+        }
+        c.transfer(id).await
+    }
+
+    /// The admission answer for transfer `t`'s deadline at the current
+    /// queue and rates of its link ([`scheduler::LinkScheduler::admission`]:
+    /// every unfinished, unpaused transfer of the link counts, wherever it
+    /// runs in a pool, with its live bytes left). A deadline after commit
+    /// of a checkpoint not committed yet is answered as if it committed
+    /// now. `None` without a deadline or for an unknown link.
+    ///
+    /// # Errors
+    /// Catalog errors.
+    pub async fn admission(
+        &self,
+        t: &Transfer,
+    ) -> Result<Option<scheduler::Admission>, CatalogError> {
+        let inner = &self.inner;
+        let now = ferry_catalog::now_ms();
+        let deadline = t
+            .deadline_ms()
+            .or_else(|| t.deadline_after_commit.map(|a| now.saturating_add(a)));
+        let (Some(deadline), Some(link)) = (deadline, inner.links.get(&t.link)) else {
+            return Ok(None);
+        };
+        let jobs: HashMap<String, ferry_catalog::Job> = inner
+            .catalog
+            .jobs()
+            .await?
+            .into_iter()
+            .map(|j| (j.name.clone(), j))
+            .collect();
+        let view = |t: &Transfer| {
+            let mut st = sched_transfer(t, &jobs, now);
+            if let Some(left) = live_bytes_left(inner, t.id) {
+                st.bytes_left = left;
+            }
+            st
+        };
+        let others: Vec<scheduler::Transfer> = inner
+            .catalog
+            .unfinished_transfers()
+            .await?
+            .iter()
+            .filter(|o| o.link == t.link && o.id != t.id && o.state != TransferState::Paused)
+            .map(view)
+            .collect();
+        let mut me = view(t);
+        me.deadline_ms = Some(deadline);
+        Ok(link.sched.lock().ls.admission(&me, &others, &[], now))
+    }
+
     /// Stops: running batches end at the next chunk boundary, transfers
     /// stay resumable in the catalog; waits at most `deadline`.
     pub async fn shutdown(&self, deadline: Duration) {
@@ -1696,6 +1797,13 @@ async fn submit(
 /// [`SMALL_TREE_FILES`] files; `None` as soon as they do not, or on any
 /// error (the transfer is then not treated as small).
 fn small_tree_size(dir: &Path, limit: u64) -> Option<(u64, u64)> {
+    tree_size(dir, limit, SMALL_TREE_FILES)
+}
+
+/// Bytes and files of the regular files under `dir`; `None` if a
+/// directory cannot be read, it holds none, or more than `max_bytes` or
+/// `max_files`.
+fn tree_size(dir: &Path, max_bytes: u64, max_files: u64) -> Option<(u64, u64)> {
     let (mut bytes, mut files) = (0u64, 0u64);
     let mut todo = vec![dir.to_path_buf()];
     while let Some(d) = todo.pop() {
@@ -1705,9 +1813,9 @@ fn small_tree_size(dir: &Path, limit: u64) -> Option<(u64, u64)> {
             if ty.is_dir() {
                 todo.push(e.path());
             } else if ty.is_file() {
-                bytes += e.metadata().ok()?.len();
+                bytes = bytes.saturating_add(e.metadata().ok()?.len());
                 files += 1;
-                if bytes > limit || files > SMALL_TREE_FILES {
+                if bytes > max_bytes || files > max_files {
                     return None;
                 }
             }
@@ -1718,6 +1826,11 @@ fn small_tree_size(dir: &Path, limit: u64) -> Option<(u64, u64)> {
 
 /// At most this many files for a tree to count as small.
 const SMALL_TREE_FILES: u64 = 4096;
+
+/// At most this many files are counted to size a pushed directory given
+/// a deadline before its run lists it (beyond, it is answered with the
+/// size its run finds, 0 until then).
+const DEADLINE_TREE_FILES: u64 = 1_000_000;
 
 /// An established pool of connections to a sink. The first carries the
 /// control stream the transfers use (opens, file tables, commits, cancels
@@ -2177,6 +2290,158 @@ fn sched_transfer(
         // A pushed directory's size is set when it is queued (or listed);
         // a checkpoint's once it is committed.
         size_final: t.bytes_total > 0 && t.checkpoint == CheckpointState::Committed,
+        deadline_ms: t.deadline_ms(),
+    }
+}
+
+/// How often the source checks the deadlines of unfinished transfers
+/// against the fluid model (1 s).
+const DEADLINE_CHECK: Duration = Duration::from_secs(1);
+
+/// Says once when a deadline is at risk (the fluid model's ready time
+/// plus the margin passes it) and once when it is missed, every
+/// [`DEADLINE_CHECK`]: a warning in the log, `ferry_deadlines_total`, and
+/// the transfer's `deadline_state`, which the API and the UI show.
+async fn deadline_watch(inner: Arc<Inner>) {
+    let mut tick = tokio::time::interval(DEADLINE_CHECK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = inner.shutdown.cancelled() => return,
+        }
+        let ts = match inner.catalog.unfinished_transfers().await {
+            Ok(ts) => ts,
+            Err(e) => {
+                debug!(error = %e, "catalog: reading transfers for their deadlines");
+                continue;
+            }
+        };
+        if !ts.iter().any(|t| {
+            t.deadline_ms().is_some() && t.deadline_state.is_none()
+                || t.deadline_state == Some(DeadlineState::AtRisk)
+        }) {
+            continue;
+        }
+        let jobs: HashMap<String, ferry_catalog::Job> = match inner.catalog.jobs().await {
+            Ok(js) => js.into_iter().map(|j| (j.name.clone(), j)).collect(),
+            Err(_) => continue,
+        };
+        let now = ferry_catalog::now_ms();
+        for link in inner.links.values() {
+            let mine: Vec<scheduler::Transfer> = ts
+                .iter()
+                .filter(|t| t.link == link.cfg.name && t.state != TransferState::Paused)
+                .map(|t| {
+                    let mut st = sched_transfer(t, &jobs, now);
+                    if let Some(left) = live_bytes_left(&inner, t.id) {
+                        st.bytes_left = left;
+                    }
+                    st
+                })
+                .collect();
+            let (etas, margins) = {
+                let s = link.sched.lock();
+                let mut busy = [false; 3];
+                for t in &mine {
+                    busy[class_index(t.class)] = true;
+                }
+                let m: HashMap<scheduler::Class, i64> = [
+                    scheduler::Class::Urgent,
+                    scheduler::Class::Scheduled,
+                    scheduler::Class::Background,
+                ]
+                .into_iter()
+                .map(|c| (c, s.ls.deadline_margin_ms(c, busy)))
+                .collect();
+                (s.ls.fluid_eta(&mine, now), m)
+            };
+            for st in &mine {
+                let Some(t) = ts.iter().find(|t| t.id == st.id) else {
+                    continue;
+                };
+                let Some(d) = st.deadline_ms else { continue };
+                let eta = etas.get(&st.id).copied().unwrap_or(i64::MAX);
+                let margin = margins.get(&st.class).copied().unwrap_or(0);
+                let said = if now > d {
+                    Some(DeadlineState::Missed)
+                } else if t.deadline_state.is_none() && eta.saturating_add(margin) > d {
+                    Some(DeadlineState::AtRisk)
+                } else {
+                    None
+                };
+                let Some(state) = said else { continue };
+                match inner.catalog.note_deadline(st.id, state).await {
+                    Ok(true) => say_deadline(&inner, t, st.class, state, d, Some(eta)),
+                    Ok(false) => {}
+                    Err(e) => warn!(transfer = %st.id, error = %e, "catalog: noting a deadline"),
+                }
+            }
+        }
+    }
+}
+
+fn class_index(c: scheduler::Class) -> usize {
+    match c {
+        scheduler::Class::Urgent => 0,
+        scheduler::Class::Scheduled => 1,
+        scheduler::Class::Background => 2,
+    }
+}
+
+/// Logs and counts what was said about transfer `t`'s deadline `d`
+/// (Unix ms): `eta` is the fluid model's ready time, if known.
+fn say_deadline(
+    inner: &Inner,
+    t: &Transfer,
+    class: scheduler::Class,
+    state: DeadlineState,
+    d: i64,
+    eta: Option<i64>,
+) {
+    inner.metrics.count_deadline(class, state.as_str());
+    let by_s = |x: i64| (x - d) as f64 / 1000.0;
+    match state {
+        DeadlineState::AtRisk => warn!(
+            transfer = %t.id,
+            job = t.job,
+            class = %class,
+            late_by_s = eta.filter(|e| *e < i64::MAX).map(by_s),
+            "deadline_at_risk: at the current queue and rates the replica would be ready after \
+             its deadline; an operator can raise its class or importance, or lower others'"
+        ),
+        DeadlineState::Missed => warn!(
+            transfer = %t.id,
+            job = t.job,
+            class = %class,
+            "deadline_missed: the replica was not ready by its deadline"
+        ),
+        DeadlineState::Met => info!(
+            transfer = %t.id,
+            job = t.job,
+            early_by_s = -by_s(ferry_catalog::now_ms()),
+            "deadline met"
+        ),
+    }
+}
+
+/// After transfer `id` is published: says whether its deadline, if it
+/// had one, was met or missed (once).
+async fn settle_deadline(inner: &Inner, id: TransferId) {
+    let Ok(Some(t)) = inner.catalog.transfer(id).await else {
+        return;
+    };
+    let Some(d) = t.deadline_ms() else { return };
+    let at = t.finished_at.unwrap_or_else(ferry_catalog::now_ms);
+    let state = if at <= d {
+        DeadlineState::Met
+    } else {
+        DeadlineState::Missed
+    };
+    match inner.catalog.note_deadline(id, state).await {
+        Ok(true) => say_deadline(inner, &t, t.class, state, d, None),
+        Ok(false) => {}
+        Err(e) => warn!(transfer = %id, error = %e, "catalog: noting a deadline"),
     }
 }
 
@@ -3213,6 +3478,7 @@ async fn handle_end(
                 .set_transfer_published(t.id, &hex(root), &local_path)
                 .await?;
             info!(transfer = %t.id, local_path, root = %hex(root), "replica published at the sink");
+            settle_deadline(inner, t.id).await;
             Ok(())
         }
         Control::Cancel { reason, .. } => Err(RunError::Fatal(format!("sink cancelled: {reason}"))),

@@ -216,13 +216,12 @@ impl LinkScheduler {
             }
             busy
         };
-        let met = |etas: &BTreeMap<TransferId, i64>, t: &Transfer, busy: [bool; 3]| {
-            match (t.deadline_ms, etas.get(&t.id)) {
-                (Some(d), Some(&e)) => {
-                    e.saturating_add(self.deadline_margin_ms(t.class, busy)) <= d
-                }
-                _ => true,
-            }
+        let met = |etas: &BTreeMap<TransferId, i64>, t: &Transfer, busy: [bool; 3]| match (
+            t.deadline_ms,
+            etas.get(&t.id),
+        ) {
+            (Some(d), Some(&e)) => e.saturating_add(self.deadline_margin_ms(t.class, busy)) <= d,
+            _ => true,
         };
         // Without the candidate: which deadlines are met now.
         let before = self.fluid_eta(&others, now_ms);

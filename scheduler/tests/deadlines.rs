@@ -78,7 +78,11 @@ fn trace(ts: &[Transfer], rtt_ms: u64) -> Trace {
 fn admit_all(policy: &Policy, ts: &[Transfer], rtt_ms: u64, chunk: u64) -> (Vec<Transfer>, usize) {
     let mut ls = LinkScheduler::new(policy.clone(), RATE, rtt_ms, 0);
     ls.set_chunk_bytes(chunk);
-    let mut queued: Vec<Transfer> = ts.iter().filter(|t| t.deadline_ms.is_none()).cloned().collect();
+    let mut queued: Vec<Transfer> = ts
+        .iter()
+        .filter(|t| t.deadline_ms.is_none())
+        .cloned()
+        .collect();
     let mut admitted = 0;
     for t in ts.iter().filter(|t| t.deadline_ms.is_some()) {
         let a = ls.admission(t, &queued, &[], 0).unwrap();
@@ -224,7 +228,10 @@ fn an_at_risk_deadline_is_served_first_only_with_deadline_first() {
         let mut ls = LinkScheduler::new(policy, RATE, RTT, 0);
         ls.set_chunk_bytes(CHUNK);
         // 2 is more important; 1 has 10 MB due in 1.5 s at 10 MB/s.
-        ls.upsert(transfer(1, Class::Scheduled, 10_000_000, 0.0, Some(1_500)), 0);
+        ls.upsert(
+            transfer(1, Class::Scheduled, 10_000_000, 0.0, Some(1_500)),
+            0,
+        );
         ls.upsert(transfer(2, Class::Scheduled, 10_000_000, 1.0, None), 0);
         for id in [1, 2] {
             for _ in 0..10 {
@@ -248,5 +255,3 @@ fn an_at_risk_deadline_is_served_first_only_with_deadline_first() {
         }
     }
 }
-
-

@@ -77,7 +77,9 @@ pub use replicas::{
 };
 pub use settings::{PoolListener, Setting, POOL_CHANNEL};
 pub use signals::Signal;
-pub use transfers::{NewWatchedTransfer, ProgressNote, Transfer};
+pub use transfers::{
+    DeadlineState, NewWatchedTransfer, ProgressNote, Transfer, UnknownDeadlineState,
+};
 pub use watches::{RootFingerprint, WatchClaim, WatchLease};
 
 /// Catalog failures.

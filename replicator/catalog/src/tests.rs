@@ -1794,3 +1794,63 @@ async fn hot_file_hints_are_kept_until_they_end(c: Catalog) {
     assert_eq!(c.replica(a).await.unwrap().unwrap().hot, None);
     assert!(c.replicas_hot_ended(i64::MAX).await.unwrap().is_empty());
 }
+
+async fn deadlines_absolute_after_commit_and_said_once(c: Catalog) {
+    use crate::DeadlineState;
+    let id = c
+        .insert_transfer("l", "j", "/ck/s1", "s1", Class::Scheduled)
+        .await
+        .unwrap();
+    let t = c.transfer(id).await.unwrap().unwrap();
+    assert_eq!((t.deadline_ms(), t.deadline_state), (None, None));
+    // Nothing to say about a transfer without a deadline.
+    assert!(!c.note_deadline(id, DeadlineState::AtRisk).await.unwrap());
+
+    c.set_transfer_deadline(id, Some(5_000), None)
+        .await
+        .unwrap();
+    let t = c.transfer(id).await.unwrap().unwrap();
+    assert_eq!(t.deadline_ms(), Some(5_000));
+    // At risk once, then missed once; nothing moves back.
+    assert!(c.note_deadline(id, DeadlineState::AtRisk).await.unwrap());
+    assert!(!c.note_deadline(id, DeadlineState::AtRisk).await.unwrap());
+    assert!(c.note_deadline(id, DeadlineState::Missed).await.unwrap());
+    assert!(!c.note_deadline(id, DeadlineState::Met).await.unwrap());
+    assert!(!c.note_deadline(id, DeadlineState::AtRisk).await.unwrap());
+    let t = c.transfer(id).await.unwrap().unwrap();
+    assert_eq!(t.deadline_state, Some(DeadlineState::Missed));
+
+    // A duration after commit: no time until the commit is seen.
+    let id2 = c
+        .insert_transfer("l", "j", "/ck/s2", "s2", Class::Scheduled)
+        .await
+        .unwrap();
+    c.set_transfer_deadline(id2, None, Some(60_000))
+        .await
+        .unwrap();
+    let t = c.transfer(id2).await.unwrap().unwrap();
+    assert_eq!((t.deadline_at, t.deadline_ms()), (None, None));
+    assert!(!c.note_deadline(id2, DeadlineState::AtRisk).await.unwrap());
+    c.set_checkpoint_state(
+        id2,
+        ferry_proto::state::CheckpointState::Committed,
+        Some(1_000),
+        Some("m"),
+    )
+    .await
+    .unwrap();
+    let t = c.transfer(id2).await.unwrap().unwrap();
+    assert_eq!(
+        (t.deadline_at, t.deadline_ms()),
+        (Some(61_000), Some(61_000))
+    );
+    assert!(c.note_deadline(id2, DeadlineState::Met).await.unwrap());
+    // Given again after the commit: the time follows from the commit at
+    // once, and what was said is forgotten.
+    c.set_transfer_deadline(id2, None, Some(2_000))
+        .await
+        .unwrap();
+    let t = c.transfer(id2).await.unwrap().unwrap();
+    assert_eq!((t.deadline_at, t.deadline_state), (Some(3_000), None));
+}
+both!(deadlines_absolute_after_commit_and_said_once);

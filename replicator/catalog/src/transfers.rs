@@ -103,6 +103,74 @@ pub struct Transfer {
     /// by the database clock (see [`Catalog::claim_transfer`]); `None`:
     /// no agent runs it.
     pub holder: Option<String>,
+    /// When its replica must be ready (Unix ms), if a client said so: the
+    /// time it gave, or the commit time plus
+    /// [`Transfer::deadline_after_commit`] once the commit is seen.
+    pub deadline_at: Option<i64>,
+    /// A deadline given as a duration after the checkpoint's commit, ms.
+    pub deadline_after_commit: Option<i64>,
+    /// What was said about the deadline: `None` (nothing yet), at risk,
+    /// met or missed.
+    pub deadline_state: Option<DeadlineState>,
+}
+
+impl Transfer {
+    /// Its deadline (Unix ms), if it has one and it is known: the time
+    /// given, or the commit time plus the duration given once committed.
+    pub fn deadline_ms(&self) -> Option<i64> {
+        self.deadline_at.or_else(|| {
+            self.committed_at
+                .zip(self.deadline_after_commit)
+                .map(|(c, a)| c.saturating_add(a))
+        })
+    }
+}
+
+/// What was said about a transfer's deadline (the `deadline_state`
+/// column). It only moves forward: nothing, then at risk, then met or
+/// missed; each is said once ([`Catalog::note_deadline`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum DeadlineState {
+    /// The fluid model's ready time passed the deadline (`at_risk`).
+    AtRisk,
+    /// Published at or before the deadline (`met`).
+    Met,
+    /// Not published by the deadline (`missed`).
+    Missed,
+}
+
+impl DeadlineState {
+    /// The column's text: `at_risk`, `met` or `missed`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeadlineState::AtRisk => "at_risk",
+            DeadlineState::Met => "met",
+            DeadlineState::Missed => "missed",
+        }
+    }
+}
+
+impl std::fmt::Display for DeadlineState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A `deadline_state` that is not `at_risk`, `met` or `missed`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown deadline state {0:?} (at_risk, met, missed)")]
+pub struct UnknownDeadlineState(pub String);
+
+impl std::str::FromStr for DeadlineState {
+    type Err = UnknownDeadlineState;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "at_risk" => Ok(DeadlineState::AtRisk),
+            "met" => Ok(DeadlineState::Met),
+            "missed" => Ok(DeadlineState::Missed),
+            o => Err(UnknownDeadlineState(o.into())),
+        }
+    }
 }
 
 /// A transfer of a checkpoint the watcher follows, for
@@ -150,6 +218,7 @@ fn transfer_cols(db: crate::dialect::Dialect) -> String {
          bytes_done, bytes_sent, shards, manifest_root, local_path, error, created_at, \
          started_at, finished_at, checkpoint, format, opened_at, committed_at, \
          commit_identity, profile, importance, urgent_until, signal, \
+         deadline_at, deadline_after_commit, deadline_state, \
          CASE WHEN lease_until >= {} THEN holder END AS holder",
         db.now_ms()
     )
@@ -184,6 +253,17 @@ fn transfer_row(r: &AnyRow) -> Result<Transfer, sqlx::Error> {
         urgent_until: r.try_get("urgent_until")?,
         signal: r.try_get("signal")?,
         holder: r.try_get("holder")?,
+        deadline_at: r.try_get("deadline_at")?,
+        deadline_after_commit: r.try_get("deadline_after_commit")?,
+        deadline_state: r
+            .try_get::<Option<String>, _>("deadline_state")?
+            .map(|s| {
+                s.parse().map_err(|e| sqlx::Error::ColumnDecode {
+                    index: "deadline_state".into(),
+                    source: Box::new(e),
+                })
+            })
+            .transpose()?,
     })
 }
 
@@ -201,6 +281,62 @@ pub(crate) async fn state_counts(
 }
 
 impl Catalog {
+    /// Sets transfer `id`'s deadline: `at` (Unix ms) or `after_commit`
+    /// (ms after its checkpoint's commit; with the commit already seen,
+    /// `deadline_at` is set from it at once). `None` for both clears it.
+    /// What was said about an earlier deadline is forgotten.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_transfer_deadline(
+        &self,
+        id: TransferId,
+        at: Option<i64>,
+        after_commit: Option<i64>,
+    ) -> Result<(), CatalogError> {
+        sqlx::query(&self.db.sql(
+            "UPDATE transfers SET deadline_at = COALESCE(?, committed_at + ?), \
+             deadline_after_commit = ?, deadline_state = NULL WHERE id = ?",
+        ))
+        .bind(at)
+        .bind(after_commit)
+        .bind(after_commit)
+        .bind(id.as_i64())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Records that transfer `id`'s deadline is `state`, if that moves it
+    /// forward (nothing, then at risk, then met or missed). True if this
+    /// call moved it: the caller says it (log, metric), once, even when
+    /// several agents of a pool notice together.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn note_deadline(
+        &self,
+        id: TransferId,
+        state: DeadlineState,
+    ) -> Result<bool, CatalogError> {
+        let from: &[&str] = match state {
+            DeadlineState::AtRisk => &[],
+            DeadlineState::Met | DeadlineState::Missed => &["at_risk"],
+        };
+        let mut cond = "deadline_state IS NULL".to_string();
+        for f in from {
+            cond.push_str(&format!(" OR deadline_state = '{f}'"));
+        }
+        let r = sqlx::query(&self.db.sql(&format!(
+            "UPDATE transfers SET deadline_state = ? WHERE id = ? AND deadline_at IS NOT NULL \
+             AND ({cond})"
+        )))
+        .bind(state.as_str())
+        .bind(id.as_i64())
+        .execute(&self.pool)
+        .await?;
+        Ok(r.rows_affected() > 0)
+    }
     /// Inserts a queued transfer and records its arrival (an `arrival`
     /// event, same transaction, at its `created_at`); returns its id.
     ///
@@ -328,7 +464,8 @@ impl Catalog {
     }
 
     /// Records the checkpoint state of a transfer and,
-    /// when committed, the commit time (Unix ms) and commit identity.
+    /// when committed, the commit time (Unix ms) and commit identity; a
+    /// deadline given after commit then gets its time (`deadline_at`).
     ///
     /// # Errors
     /// SQL errors.
@@ -341,11 +478,13 @@ impl Catalog {
     ) -> Result<(), CatalogError> {
         sqlx::query(&self.db.sql(
             "UPDATE transfers SET checkpoint = ?, committed_at = COALESCE(?, committed_at), \
-             commit_identity = COALESCE(?, commit_identity) WHERE id = ?",
+             commit_identity = COALESCE(?, commit_identity), \
+             deadline_at = COALESCE(deadline_at, ? + deadline_after_commit) WHERE id = ?",
         ))
         .bind(ckpt.as_str())
         .bind(committed_at)
         .bind(identity)
+        .bind(committed_at)
         .bind(id.as_i64())
         .execute(&self.pool)
         .await?;

@@ -956,6 +956,7 @@ mod tests {
                 bytes_left: 1 << 20,
                 created_ms: 0,
                 size_final: true,
+                deadline_ms: None,
             },
             Arc::default(),
         );
