@@ -152,6 +152,40 @@ fn text<'a>(v: &'a Value, key: &str) -> &'a str {
     v[key].as_str().unwrap_or("?")
 }
 
+/// One line for an admission answer (`admission` of `POST
+/// /v1/transfers`): in time or not, when, and what would make it.
+pub fn admission_line(a: &Value) -> String {
+    let ms = |k: &str| a[k].as_i64().unwrap_or(0);
+    let eta_in = (ms("eta_ms") - ferry_catalog::now_ms()) as f64 / 1000.0;
+    let spare = (ms("deadline_ms") - ms("eta_ms")) as f64 / 1000.0;
+    if a["feasible"] == Value::Bool(true) {
+        return format!(
+            "deadline feasible: ready in about {eta_in:.1} s at the current queue and rates, \
+             {spare:.1} s before the deadline"
+        );
+    }
+    let mut line = format!(
+        "deadline NOT feasible: ready in about {eta_in:.1} s at the current queue and rates, \
+         {:.1} s after the deadline (margin {:.1} s)",
+        -spare,
+        ms("margin_ms") as f64 / 1000.0
+    );
+    if let Some(c) = a["class_needed"].as_str() {
+        line.push_str(&format!(
+            "; class {c} would make it (ferry push --class {c})"
+        ));
+    } else if let Some(b) = a["bytes_over"].as_u64() {
+        line.push_str(&format!(
+            "; no class makes it: {:.2} GB over budget",
+            b as f64 / 1e9
+        ));
+    }
+    if let Some(e) = a["endangers"].as_array().filter(|e| !e.is_empty()) {
+        line.push_str(&format!("; it would make transfers {e:?} miss theirs"));
+    }
+    line
+}
+
 /// Size of a transfer's checkpoint as far as known: the catalog's, or the
 /// live count of a checkpoint still being written (the catalog's is 0
 /// until its commit, or the announced size).

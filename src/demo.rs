@@ -90,6 +90,14 @@ pub struct DemoArgs {
     /// --priority: total size of the background copies (4 of them).
     #[arg(long, default_value = "1.6GB", value_parser = ferry_proto::units::parse_size, requires = "priority")]
     pub background_size: u64,
+    /// --priority: then this many runs of two urgent checkpoints (each
+    /// --urgent-size) against the background copies, with deadlines at
+    /// 1.2 x and 2.0 x the solo time after they are queued, under
+    /// earliest-deadline-first and again in score order
+    /// (`deadline_first = false`); prints how often each deadline is met.
+    /// 0 skips them.
+    #[arg(long, default_value_t = 5, requires = "priority")]
+    pub deadline_runs: usize,
 }
 
 /// The temporary work directory of a running demo, for cleanup after an

@@ -68,6 +68,12 @@ enum Command {
         /// logs: the rest of the link, at least its floor) or "urgent".
         #[arg(long, default_value = "scheduled", value_parser = ["scheduled", "background", "urgent"])]
         class: String,
+        /// When the replica must be ready: an RFC 3339 time
+        /// (2026-12-01T10:00:00Z) or a duration from now (15m). The agent
+        /// answers at once whether its link's queue makes it, and if not,
+        /// which class would or how many bytes are over budget.
+        #[arg(long)]
+        deadline: Option<String>,
         #[command(flatten)]
         server: client::ServerArgs,
         /// Return after queueing instead of waiting for the replica.
@@ -749,9 +755,10 @@ async fn run(cli: Cli) -> Result<()> {
             path,
             link,
             class,
+            deadline,
             server,
             no_wait,
-        } => push(&path, link, &class, &server, no_wait).await,
+        } => push(&path, link, &class, deadline, &server, no_wait).await,
         Command::Status { server, json } => commands::status(&server, json).await,
         Command::Resolve {
             path,
@@ -1250,6 +1257,7 @@ async fn push(
     path: &Path,
     link: Option<String>,
     class: &str,
+    deadline: Option<String>,
     server: &client::ServerArgs,
     no_wait: bool,
 ) -> Result<()> {
@@ -1264,11 +1272,14 @@ async fn push(
     let (_, body) = client
         .post(
             "/v1/transfers",
-            &serde_json::json!({ "path": abs, "link": link, "class": class }),
+            &serde_json::json!({ "path": abs, "link": link, "class": class, "deadline": deadline }),
         )
         .await?;
     let id = body["id"].as_i64().context("answer has no transfer id")?;
     outln!("transfer {id} queued: {}", abs.display())?;
+    if let Some(a) = body.get("admission") {
+        outln!("{}", commands::admission_line(a))?;
+    }
     if no_wait {
         return Ok(());
     }

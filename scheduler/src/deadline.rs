@@ -35,10 +35,6 @@ use serde::Serialize;
 use crate::link::{ci, CLASSES};
 use crate::{Class, LinkScheduler, PolicyKind, Transfer};
 
-/// The chunk length the margin assumes until the dispatcher has seen a
-/// longer one, bytes: the agents' default `[source] chunk_size` (4 MiB).
-pub const DEFAULT_CHUNK_BYTES: u64 = 4 << 20;
-
 /// The answer to a transfer given a deadline: whether the fluid model has
 /// it ready in time at the current queue and rates.
 #[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]

@@ -28,7 +28,9 @@ mod score;
 pub mod trace;
 
 pub use deadline::Admission;
-pub use link::{priority, Decision, Explanation, LinkScheduler, Transfer, SCORE_REFRESH_MS};
+pub use link::{
+    priority, Decision, Explanation, LinkScheduler, Transfer, DEFAULT_CHUNK_BYTES, SCORE_REFRESH_MS,
+};
 pub use policy::{Floors, Policy, PolicyKind, Weights};
 pub use score::{
     effective_class, score, severity, Score, ScoreInputs, MIN_SIZE_TERM, SIZE_REFERENCE_PARAMS,

@@ -38,6 +38,10 @@ use crate::{Class, Policy, PolicyKind};
 /// move slowly), ms.
 pub const SCORE_REFRESH_MS: i64 = 1_000;
 
+/// The chunk length deadline margins assume until the dispatcher has seen
+/// a longer one, bytes: the agents' default `[source] chunk_size` (4 MiB).
+pub const DEFAULT_CHUNK_BYTES: u64 = 4 << 20;
+
 /// Signals whose decayed severity falls below this are forgotten.
 const SEVERITY_FLOOR: f64 = 1e-3;
 
@@ -221,7 +225,7 @@ impl LinkScheduler {
             policy,
             bucket,
             max_chunk: 0,
-            chunk_hint: crate::deadline::DEFAULT_CHUNK_BYTES,
+            chunk_hint: DEFAULT_CHUNK_BYTES,
             entries: BTreeMap::new(),
             signals: HashMap::new(),
             class_tag: [0.0; 3],
@@ -275,7 +279,7 @@ impl LinkScheduler {
 
     /// Tells the scheduler the chunk length its senders use, bytes (the
     /// agent's `[source] chunk_size`; default
-    /// [`crate::deadline::DEFAULT_CHUNK_BYTES`]), so deadline margins are
+    /// [`DEFAULT_CHUNK_BYTES`]), so deadline margins are
     /// right before the first chunk is seen.
     pub fn set_chunk_bytes(&mut self, bytes: u64) {
         self.chunk_hint = bytes.max(1);

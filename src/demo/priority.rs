@@ -11,6 +11,12 @@
 //!    its bytes arriving at the sink reach 80 % of the rate cap (the sink's
 //!    catalog records when each chunk arrived).
 //! 3. **fifo**: the same as 2 with `policy = "fifo"`.
+//! 4. **deadlines** (`--deadline-runs N`, default 5): background copies
+//!    fill the link; two urgent checkpoints are queued together with
+//!    deadlines at 1.2 x and 2.0 x the solo time after they are queued.
+//!    N runs with `deadline_first` (earliest deadline first while one is
+//!    at risk) and N in score order; how often each deadline is met, and
+//!    what the admission answer predicted.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -58,8 +64,12 @@ pub(super) async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Resul
         sets.push(data.join(format!("set-{i}")));
     }
     let warmup = data.join("warmup");
+    let second = train.join("step_006000");
     {
         let mut jobs = vec![(ckpt.clone(), a.urgent_size), (warmup.clone(), 100_000)];
+        if a.deadline_runs > 0 {
+            jobs.push((second.clone(), a.urgent_size));
+        }
         for s in &sets {
             jobs.push((s.clone(), a.background_size / BACKGROUND_COPIES as u64));
         }
@@ -186,6 +196,11 @@ pub(super) async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Resul
             "preemption_latency_rtt": latency.map(|l| round3(l / rtt)),
         });
     }
+    if a.deadline_runs > 0 {
+        let second = std::fs::canonicalize(&second)?;
+        out["deadlines"] =
+            deadline_runs(a, dir, &roots, &sets, [&ckpt, &second], solo, say).await?;
+    }
     let p = &out["priority"];
     let ratio_ok = p["over_solo"].as_f64().is_some_and(|r| r <= MAX_OVER_SOLO);
     let latency_ok = p["preemption_latency_rtt"]
@@ -203,6 +218,116 @@ pub(super) async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Resul
         "max_preemption_latency_rtt": MAX_LATENCY_RTT,
         "preemption_latency_met": latency_ok,
     });
+    Ok(out)
+}
+
+/// Deadlines of the two urgent checkpoints, as multiples of the solo
+/// time after they are queued.
+const DEADLINE_FACTORS: [f64; 2] = [1.2, 2.0];
+
+/// The deadline runs (see the module's documentation): per mode, how
+/// often each deadline was met and the admission answers.
+async fn deadline_runs(
+    a: &DemoArgs,
+    dir: &Path,
+    roots: &[RootSection],
+    sets: &[PathBuf],
+    ckpts: [&Path; 2],
+    solo: f64,
+    say: &dyn Fn(String),
+) -> Result<Value> {
+    say(format!(
+        "deadlines: two urgent {} checkpoints against the background copies, due {} x and {} x solo ({:.2} s, {:.2} s) after queued; {} runs each way",
+        mb(a.urgent_size),
+        DEADLINE_FACTORS[0],
+        DEADLINE_FACTORS[1],
+        DEADLINE_FACTORS[0] * solo,
+        DEADLINE_FACTORS[1] * solo,
+        a.deadline_runs
+    ));
+    let mut out = json!({ "factors": DEADLINE_FACTORS, "runs": a.deadline_runs });
+    for (mode, edf) in [("deadline_first", true), ("score_order", false)] {
+        let mut met = [0usize; 2];
+        let mut feasible = [0usize; 2];
+        let mut walls: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+        for run in 0..a.deadline_runs {
+            let run_dir = dir.join(format!("run-{mode}-{run}"));
+            let sched = SchedulerSection {
+                deadline_first: edf,
+                ..Default::default()
+            };
+            let pair = start_pair(dir, &run_dir, a, roots.to_vec(), Duration::ZERO, sched).await?;
+            let api = pair.source.api_addr;
+            let sink = pair.sink.sink.clone().context("sink role")?;
+            let mut background = Vec::new();
+            for s in sets {
+                let t = post(
+                    api,
+                    "/v1/transfers",
+                    json!({ "path": s, "class": "background" }),
+                )
+                .await?;
+                background.push(t["id"].as_i64().context("transfer id")?);
+            }
+            tokio::time::sleep(LOAD_FIRST).await;
+            let t0 = Instant::now();
+            for (i, c) in ckpts.iter().enumerate() {
+                let due_ms = (DEADLINE_FACTORS[i] * solo * 1000.0).round() as u64;
+                let t = post(
+                    api,
+                    "/v1/transfers",
+                    json!({ "path": c, "class": "urgent", "deadline": format!("{due_ms}ms") }),
+                )
+                .await?;
+                if t["admission"]["feasible"] == json!(true) {
+                    feasible[i] += 1;
+                }
+            }
+            let (w0, w1) = tokio::join!(
+                wait_local(&sink, ckpts[0], t0),
+                wait_local(&sink, ckpts[1], t0)
+            );
+            let w = [w0?, w1?];
+            for i in 0..2 {
+                walls[i].push(w[i]);
+                if w[i] <= DEADLINE_FACTORS[i] * solo {
+                    met[i] += 1;
+                }
+            }
+            for id in &background {
+                let _ = post(api, &format!("/v1/transfers/{id}/cancel"), json!({})).await;
+            }
+            pair.source.stop(Duration::from_secs(5)).await;
+            pair.sink.stop(Duration::from_secs(5)).await;
+            remove_run(run_dir).await;
+            say(format!(
+                "  {mode:<14} run {}: {:.2} s ({:.2} x solo), {:.2} s ({:.2} x solo)",
+                run + 1,
+                w[0],
+                w[0] / solo,
+                w[1],
+                w[1] / solo
+            ));
+        }
+        say(format!(
+            "  {mode:<14} met {}/{} at {} x, {}/{} at {} x (admission said feasible {}/{} and {}/{})",
+            met[0],
+            a.deadline_runs,
+            DEADLINE_FACTORS[0],
+            met[1],
+            a.deadline_runs,
+            DEADLINE_FACTORS[1],
+            feasible[0],
+            a.deadline_runs,
+            feasible[1],
+            a.deadline_runs
+        ));
+        out[mode] = json!({
+            "met": met,
+            "admission_feasible": feasible,
+            "over_solo": walls.iter().map(|ws| ws.iter().map(|w| round3(w / solo)).collect::<Vec<_>>()).collect::<Vec<_>>(),
+        });
+    }
     Ok(out)
 }
 
