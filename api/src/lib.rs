@@ -268,6 +268,7 @@ pub fn build(state: AppState) -> (Router, utoipa::openapi::OpenApi) {
             .routes(routes!(source_api::list_transfers))
             .routes(routes!(source_api::get_transfer))
             .routes(routes!(source_api::list_jobs))
+            .routes(routes!(source_api::job_outlook))
             .routes(routes!(source_api::list_links))
             .routes(routes!(source_api::list_signals))
             .routes(routes!(source_api::get_settings));

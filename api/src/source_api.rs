@@ -223,6 +223,11 @@ pub(crate) struct AnnounceOutcome {
     /// Why it was not selected.
     #[serde(skip_serializing_if = "Option::is_none")]
     reason: Option<String>,
+    /// The job's outlook with this checkpoint's `expected_bytes` as its
+    /// size (see `GET /v1/jobs/{job}/outlook`): the backpressure answer
+    /// to the training controller.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    outlook: Option<scheduler::Outlook>,
 }
 
 /// A training controller says a checkpoint is coming: the transfer is
@@ -267,6 +272,11 @@ pub(crate) async fn announce(
         )
         .await
         .map_err(submit_error)?;
+    let outlook = src
+        .outlook(&req.job, Some(req.expected_bytes))
+        .await
+        .map_err(ApiError::catalog)?
+        .map(|(_, o)| o);
     Ok(match t {
         Some(t) => (
             StatusCode::CREATED,
@@ -274,12 +284,14 @@ pub(crate) async fn announce(
                 selected: true,
                 transfer: Some(with_deadline(src, t, deadline).await?),
                 reason: None,
+                outlook,
             }),
         )
             .into_response(),
         None => Json(AnnounceOutcome {
             selected: false,
             transfer: None,
+            outlook,
             reason: Some(format!(
                 "step {} is not selected by the root's every_n_steps",
                 req.step
@@ -528,6 +540,53 @@ pub(crate) async fn list_jobs(
         limit,
         offset,
     }))
+}
+
+/// Answer of `GET /v1/jobs/{job}/outlook`.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub(crate) struct JobOutlook {
+    /// The job.
+    job: String,
+    /// The link its checkpoints go on.
+    link: String,
+    /// The outlook (times Unix ms, rates bit/s, sizes bytes).
+    #[serde(flatten)]
+    outlook: scheduler::Outlook,
+}
+
+/// What a job can expect from its link now: the backlog ahead of it
+/// (bytes, when ready), the expected time to eval-ready of a checkpoint
+/// committed now, and, when its checkpoint interval is shorter than that,
+/// advice in numbers: replicate every k-th checkpoint, or the link rate
+/// that would keep up. From the scheduler's fluid model of the link at
+/// the current queue and rates; the checkpoint size and interval are
+/// those of the job's recent checkpoints.
+#[utoipa::path(
+    get, path = "/v1/jobs/{job}/outlook", tag = "source",
+    params(("job" = String, Path, description = "Job name")),
+    security(("bearer" = ["reader"])),
+    responses(
+        (status = 200, description = "The job's outlook", body = JobOutlook),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 404, description = "No source root and no transfer of this job", body = ErrorBody),
+    )
+)]
+pub(crate) async fn job_outlook(
+    State(s): State<AppState>,
+    job: Result<Path<String>, PathRejection>,
+) -> Result<Json<JobOutlook>, ApiError> {
+    let Path(job) = job?;
+    let src = source(&s)?;
+    let (link, outlook) = src
+        .outlook(&job, None)
+        .await
+        .map_err(ApiError::catalog)?
+        .ok_or_else(|| {
+            ApiError::not_found(format!(
+                "job {job:?} has no source root here and no transfer: nothing to plan with"
+            ))
+        })?;
+    Ok(Json(JobOutlook { job, link, outlook }))
 }
 
 /// Body of `PUT /v1/jobs/{job}`.

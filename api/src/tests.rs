@@ -1671,3 +1671,48 @@ async fn a_deadline_is_answered_at_once_and_said_at_risk_then_missed_once() {
         );
     }
 }
+
+#[tokio::test]
+async fn a_job_writing_faster_than_its_link_is_told_so_in_numbers() {
+    let w = with_source().await;
+    // Five 15 MB checkpoints (small: sized when queued) 20 ms apart on a
+    // 10 Gbit/s link that never connects.
+    let mb = 1_000_000u64;
+    for i in 0..5 {
+        push_sized(&w, &format!("step-{i}"), 15 * mb, json!({})).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (s, o) = call(w.r(), get("/v1/jobs/job/outlook")).await;
+    assert_eq!(s, StatusCode::OK, "{o}");
+    assert_eq!(
+        (o["job"].as_str(), o["link"].as_str()),
+        (Some("job"), Some("l")),
+        "{o}"
+    );
+    assert_eq!(o["backlog_bytes"], 75 * mb, "{o}");
+    assert_eq!(o["checkpoint_bytes"], 15 * mb, "{o}");
+    // The fluid model has the next one after the backlog: 90 MB at
+    // about 1.2 GB/s.
+    let now = ferry_catalog::now_ms();
+    let next = o["next_ready_ms"].as_i64().unwrap() - now;
+    assert!((40..2_000).contains(&next), "{next} ms: {o}");
+    let cadence = o["cadence_ms"].as_i64().unwrap();
+    assert!((15..1_000).contains(&cadence), "{o}");
+    assert_eq!(o["keeps_up"], false, "{o}");
+    assert!(o["every_k"].as_u64().unwrap() >= 2, "{o}");
+    assert!(
+        o["rate_needed_bps"].as_u64().unwrap() > 10_000_000_000,
+        "{o}"
+    );
+    assert_eq!(
+        metric(&w, "ferry_job_backlog_bytes{job=\"job\"}").await,
+        (75 * mb) as f64
+    );
+    assert_eq!(metric(&w, "ferry_job_keeps_up{job=\"job\"}").await, 0.0);
+
+    refused(
+        call(w.r(), get("/v1/jobs/nobody/outlook")).await,
+        StatusCode::NOT_FOUND,
+        &["nobody"],
+    );
+}

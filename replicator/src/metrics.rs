@@ -39,6 +39,9 @@
 //! - `ferry_queue_depth_transfers{link,class}`: transfers not in a final
 //!   state, by link and effective class.
 //! - `ferry_state_transfers{state}`: transfers per state.
+//! - `ferry_job_backlog_bytes{job}`, `ferry_job_next_ready_seconds{job}`
+//!   and `ferry_job_keeps_up{job}`: each job's outlook (a job with a
+//!   source root here; see `Source::outlook`), computed at scrape time.
 //! - `ferry_deadlines_total{class,outcome}`: transfer deadlines said to
 //!   be `at_risk` (once, when the fluid model's ready time first passes
 //!   the deadline), `met` or `missed` (once), by the transfer's class.
@@ -352,6 +355,11 @@ struct LinkClassLabel {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct JobLabel {
+    job: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DeadlineLabel {
     class: &'static str,
     outcome: &'static str,
@@ -453,7 +461,15 @@ pub(crate) struct SourceMetrics {
     root_watched: Family<RootLabel, Gauge>,
     root_refused: Family<RootLabel, Gauge>,
     deadlines: Family<DeadlineLabel, Counter>,
+    job_backlog: Family<JobLabel, Gauge>,
+    job_next_ready: Family<JobLabel, Gauge<f64, AtomicU64>>,
+    job_keeps_up: Family<JobLabel, Gauge>,
 }
+
+/// One job's outlook for the scrape-time gauges: job, backlog (bytes),
+/// seconds until a checkpoint committed now is ready (`None`: never),
+/// whether replication keeps up with its interval (`None`: unknown).
+pub(crate) type JobGauges = (String, u64, Option<f64>, Option<bool>);
 
 impl std::fmt::Debug for SourceMetrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -479,7 +495,29 @@ impl SourceMetrics {
             root_watched: Family::default(),
             root_refused: Family::default(),
             deadlines: Family::default(),
+            job_backlog: Family::default(),
+            job_next_ready: Family::default(),
+            job_keeps_up: Family::default(),
         };
+        registry.register(
+            "ferry_job_backlog_bytes",
+            "Bytes of the job's unfinished transfers, by job (jobs with a source root here), \
+             in bytes",
+            m.job_backlog.clone(),
+        );
+        registry.register(
+            "ferry_job_next_ready_seconds",
+            "When a checkpoint of the job committed now would be ready at the sink, by the \
+             fluid model of its link at the current queue and rates, in seconds from now",
+            m.job_next_ready.clone(),
+        );
+        registry.register(
+            "ferry_job_keeps_up",
+            "1 if one checkpoint per the job's checkpoint interval fits in what its link \
+             gives it, 0 if not (see GET /v1/jobs/JOB/outlook for the advice); absent until \
+             the job has two checkpoints",
+            m.job_keeps_up.clone(),
+        );
         registry.register(
             "ferry_deadlines",
             "Transfer deadlines this source said something about, by class and outcome: \
@@ -565,6 +603,25 @@ impl SourceMetrics {
                 outcome,
             })
             .inc();
+    }
+
+    /// Sets the jobs' outlook gauges (all jobs: the ones not listed go).
+    pub(crate) fn set_jobs(&self, jobs: &[JobGauges]) {
+        self.job_backlog.clear();
+        self.job_next_ready.clear();
+        self.job_keeps_up.clear();
+        for (job, backlog, next, keeps) in jobs {
+            let l = JobLabel { job: job.clone() };
+            self.job_backlog
+                .get_or_create(&l)
+                .set(i64::try_from(*backlog).unwrap_or(i64::MAX));
+            if let Some(n) = next {
+                self.job_next_ready.get_or_create(&l).set(*n);
+            }
+            if let Some(k) = keeps {
+                self.job_keeps_up.get_or_create(&l).set(i64::from(*k));
+            }
+        }
     }
 
     /// The counters of `link`, created now (each a handle on the

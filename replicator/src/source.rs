@@ -817,6 +817,33 @@ impl Source {
                 None
             }
         };
+        if catalog.is_some() {
+            let mut names: Vec<&str> = inner.cfg.roots.iter().map(|r| r.job.as_str()).collect();
+            names.sort_unstable();
+            names.dedup();
+            let read = async {
+                let now = ferry_catalog::now_ms();
+                let mut out = Vec::new();
+                for job in names {
+                    if let Some((_, o)) = self.outlook(job, None).await? {
+                        out.push((
+                            job.to_string(),
+                            o.backlog_bytes,
+                            o.next_ready_ms.map(|r| (r - now).max(0) as f64 / 1000.0),
+                            o.keeps_up,
+                        ));
+                    }
+                }
+                Ok::<_, CatalogError>(out)
+            };
+            match tokio::time::timeout(crate::metrics::SCRAPE_CATALOG_WAIT, read).await {
+                Ok(Ok(jobs)) => inner.metrics.set_jobs(&jobs),
+                Ok(Err(e)) => warn!(error = %e, "metrics: the jobs' outlooks: catalog"),
+                Err(_) => warn!(
+                    "metrics: the jobs' outlooks took over 2 s; gauges keep their last values"
+                ),
+            }
+        }
         let links = self
             .link_stats(false)
             .into_iter()
@@ -1675,6 +1702,97 @@ impl Source {
         Ok(link.sched.lock().ls.admission(&me, &others, &[], now))
     }
 
+    /// What job `job` can expect from its link now
+    /// ([`scheduler::LinkScheduler::outlook`]): its backlog, when a
+    /// checkpoint committed now would be ready, and whether replication
+    /// keeps up with its checkpoint interval, with advice when not. The
+    /// checkpoint size is the mean of its last [`OUTLOOK_HISTORY`]
+    /// committed checkpoints (or `planned_bytes` when given, e.g. an
+    /// announcement's), the interval the median between their commits (or
+    /// queue times). The link is the job's source root's, else its newest
+    /// transfer's. `Ok(None)`: the job has no root and no transfer, or its
+    /// link is not configured here.
+    ///
+    /// # Errors
+    /// Catalog errors.
+    pub async fn outlook(
+        &self,
+        job: &str,
+        planned_bytes: Option<u64>,
+    ) -> Result<Option<(String, scheduler::Outlook)>, CatalogError> {
+        let inner = &self.inner;
+        let recent = inner
+            .catalog
+            .recent_job_transfers(job, OUTLOOK_HISTORY)
+            .await?;
+        let link = inner
+            .cfg
+            .roots
+            .iter()
+            .find(|r| r.job == job)
+            .map(|r| r.link.clone())
+            .or_else(|| recent.first().map(|t| t.link.clone()));
+        let Some(link_name) = link else {
+            return Ok(None);
+        };
+        let Some(link) = inner.links.get(&link_name) else {
+            return Ok(None);
+        };
+        let now = ferry_catalog::now_ms();
+        let jobs: HashMap<String, ferry_catalog::Job> = inner
+            .catalog
+            .jobs()
+            .await?
+            .into_iter()
+            .map(|j| (j.name.clone(), j))
+            .collect();
+        let others: Vec<scheduler::Transfer> = inner
+            .catalog
+            .unfinished_transfers()
+            .await?
+            .iter()
+            .filter(|t| t.link == link_name && t.state != TransferState::Paused)
+            .map(|t| {
+                let mut st = sched_transfer(t, &jobs, now);
+                if let Some(left) = live_bytes_left(inner, t.id) {
+                    st.bytes_left = left;
+                }
+                st
+            })
+            .collect();
+        let sizes: Vec<u64> = recent.iter().map(|t| t.bytes_total.max(0) as u64).collect();
+        let bytes = planned_bytes
+            .filter(|b| *b > 0)
+            .unwrap_or_else(|| sizes.iter().sum::<u64>() / sizes.len().max(1) as u64);
+        let mut times: Vec<i64> = recent
+            .iter()
+            .map(|t| t.committed_at.unwrap_or(t.created_at))
+            .collect();
+        times.sort_unstable();
+        let mut gaps: Vec<i64> = times
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .filter(|g| *g > 0)
+            .collect();
+        gaps.sort_unstable();
+        let cadence = (!gaps.is_empty()).then(|| gaps[gaps.len() / 2]);
+        let job_row = jobs.get(job);
+        let next = scheduler::Transfer {
+            // An id no transfer has.
+            id: TransferId(u64::MAX >> 1),
+            class: scheduler::Class::Scheduled,
+            job: job.to_string(),
+            model_params: job_row.and_then(|j| j.model_params),
+            importance: job_row.map_or(0.0, |j| j.importance),
+            bytes_left: bytes,
+            created_ms: now,
+            size_final: true,
+            deadline_ms: None,
+        };
+        let o = link.sched.lock().ls.outlook(&next, &others, cadence, now);
+        Ok(Some((link_name, o)))
+    }
+
     /// Stops: running batches end at the next chunk boundary, transfers
     /// stay resumable in the catalog; waits at most `deadline`.
     pub async fn shutdown(&self, deadline: Duration) {
@@ -2293,6 +2411,10 @@ fn sched_transfer(
         deadline_ms: t.deadline_ms(),
     }
 }
+
+/// How many of a job's newest committed checkpoints its outlook reads
+/// its checkpoint size and interval from ([`Source::outlook`]).
+pub const OUTLOOK_HISTORY: i64 = 6;
 
 /// How often the source checks the deadlines of unfinished transfers
 /// against the fluid model (1 s).

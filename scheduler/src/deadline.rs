@@ -331,3 +331,109 @@ impl LinkScheduler {
         }
     }
 }
+
+/// What a job can expect from its link: the answer to a training
+/// controller asking whether replication keeps up with its checkpoints
+/// ([`LinkScheduler::outlook`]). Times are Unix ms, rates bit/s.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct Outlook {
+    /// Bytes of the job's own unfinished transfers on the link.
+    pub backlog_bytes: u64,
+    /// When the fluid model has the last of them ready (`None`: none).
+    pub backlog_ready_ms: Option<i64>,
+    /// The checkpoint size the answer plans with, bytes (the job's recent
+    /// checkpoints).
+    pub checkpoint_bytes: u64,
+    /// Bytes the link carries for other transfers (and the job's backlog)
+    /// before a checkpoint of the job committed now is ready.
+    pub ahead_bytes: u64,
+    /// When the fluid model has a checkpoint of the job committed now
+    /// ready: its expected time to eval-ready (`None`: never, no rate).
+    pub next_ready_ms: Option<i64>,
+    /// The job's checkpoint interval the answer plans with, ms (`None`:
+    /// not known yet, fewer than two checkpoints).
+    pub cadence_ms: Option<i64>,
+    /// The rate the next checkpoint gets on average until it is ready
+    /// (its bytes over its time to ready), bit/s.
+    pub carried_bps: u64,
+    /// Whether one checkpoint per interval fits in what the job gets:
+    /// its time to ready plus the deadline margin is at most the
+    /// interval (`None` without a cadence).
+    pub keeps_up: Option<bool>,
+    /// When it does not: replicate every k-th checkpoint (the smallest
+    /// k whose interval covers the time to ready plus the deadline
+    /// margin, [`LinkScheduler::deadline_margin_ms`]).
+    pub every_k: Option<u32>,
+    /// When it does not: the rate cap of the link at which the job, with
+    /// the same share, would carry one checkpoint per interval, bit/s.
+    pub rate_needed_bps: Option<u64>,
+}
+
+impl LinkScheduler {
+    /// The outlook of job `next.job` on this link at `now_ms`: `next` is
+    /// a checkpoint of the job committed now (its class, importance and
+    /// size as planned), `others` every other unfinished transfer of the
+    /// link (the job's own included), `cadence_ms` the job's checkpoint
+    /// interval if known. See [`Outlook`].
+    pub fn outlook(
+        &self,
+        next: &Transfer,
+        others: &[Transfer],
+        cadence_ms: Option<i64>,
+        now_ms: i64,
+    ) -> Outlook {
+        let own: Vec<&Transfer> = others.iter().filter(|t| t.job == next.job).collect();
+        let backlog_bytes = own.iter().map(|t| t.bytes_left).sum();
+        let mut all: Vec<Transfer> = others.iter().filter(|t| t.id != next.id).cloned().collect();
+        let before = self.fluid_eta(&all, now_ms);
+        let backlog_ready_ms = own
+            .iter()
+            .filter_map(|t| before.get(&t.id).copied())
+            .max()
+            .filter(|e| *e < i64::MAX);
+        all.push(next.clone());
+        let etas = self.fluid_eta(&all, now_ms);
+        let next_ready_ms = etas.get(&next.id).copied().filter(|e| *e < i64::MAX);
+        let rate = self.bytes_per_ms();
+        let (ahead_bytes, carried_bps) = match next_ready_ms {
+            Some(e) => {
+                let dur = (e - now_ms).max(1) as f64;
+                (
+                    (rate * dur - next.bytes_left as f64).max(0.0) as u64,
+                    (next.bytes_left as f64 * 8.0 * 1000.0 / dur) as u64,
+                )
+            }
+            None => (0, 0),
+        };
+        let (mut keeps_up, mut every_k, mut rate_needed_bps) = (None, None, None);
+        if let (Some(c), Some(e)) = (cadence_ms.filter(|c| *c > 0), next_ready_ms) {
+            // With the margin a deadline keeps: a checkpoint is ready
+            // before the next one is due.
+            let mut busy = [false; 3];
+            for t in &all {
+                busy[ci(t.class)] = true;
+            }
+            let margin = self.deadline_margin_ms(next.class, busy);
+            let dur = (e - now_ms).max(1).saturating_add(margin);
+            let ok = dur <= c;
+            keeps_up = Some(ok);
+            if !ok {
+                every_k = Some(u32::try_from((dur + c - 1) / c).unwrap_or(u32::MAX));
+                let cap = self.rate_bps() as f64;
+                rate_needed_bps = Some((cap * dur as f64 / c as f64).ceil() as u64);
+            }
+        }
+        Outlook {
+            backlog_bytes,
+            backlog_ready_ms,
+            checkpoint_bytes: next.bytes_left,
+            ahead_bytes,
+            next_ready_ms,
+            cadence_ms,
+            carried_bps,
+            keeps_up,
+            every_k,
+            rate_needed_bps,
+        }
+    }
+}

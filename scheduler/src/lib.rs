@@ -27,7 +27,7 @@ pub mod replay;
 mod score;
 pub mod trace;
 
-pub use deadline::Admission;
+pub use deadline::{Admission, Outlook};
 pub use link::{
     priority, Decision, Explanation, LinkScheduler, Transfer, DEFAULT_CHUNK_BYTES, SCORE_REFRESH_MS,
 };

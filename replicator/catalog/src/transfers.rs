@@ -555,6 +555,31 @@ impl Catalog {
         Ok(rows.iter().map(transfer_row).collect::<Result<_, _>>()?)
     }
 
+    /// The newest `limit` transfers of `job` whose checkpoint was
+    /// committed (watched and committed, or pushed), newest first: what
+    /// the job's checkpoint size and interval are read from.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn recent_job_transfers(
+        &self,
+        job: &str,
+        limit: i64,
+    ) -> Result<Vec<Transfer>, CatalogError> {
+        let cols = transfer_cols(self.db);
+        let q = format!(
+            "SELECT {cols} FROM transfers WHERE job = ? AND checkpoint = ? AND bytes_total > 0 \
+             ORDER BY id DESC LIMIT ?"
+        );
+        let rows = sqlx::query(&self.db.sql(&q))
+            .bind(job)
+            .bind(CheckpointState::Committed.as_str())
+            .bind(limit)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(transfer_row).collect::<Result<_, _>>()?)
+    }
+
     /// Source-side transfers per state (states with none are left out).
     ///
     /// # Errors
