@@ -176,6 +176,12 @@ pub struct Progress {
     /// Bytes the sink already had when this run started (0 until it
     /// says, right after the start).
     pub bytes_skipped: u64,
+    /// Payload bytes of this run the sink confirmed written and verified
+    /// (whole batches, protocol version 4 on); progress follows these,
+    /// not the bytes handed to QUIC, which may still wait in the
+    /// connection's send buffers. Equal to `bytes_sent` with an older
+    /// sink, which confirms nothing.
+    pub bytes_verified: u64,
     /// Payload bit/s written for this transfer over the last ~5 s
     /// ([`crate::metrics::RATE_WINDOW_MS`]; resends included), updated
     /// every second; 0 when idle.
@@ -189,6 +195,11 @@ struct LiveProgress {
     total: AtomicU64,
     /// Payload bytes sent in this run.
     sent: AtomicU64,
+    /// Payload bytes of this run in batches the sink confirmed.
+    pub(crate) verified: AtomicU64,
+    /// Whether the sink confirms batches (protocol version 4 on): then
+    /// progress follows `verified`, else `sent`.
+    confirms: std::sync::atomic::AtomicBool,
     skipped: AtomicU64,
     /// [`Progress::rate_bps`] as `f64` bits, set by the sampler.
     rate_bits: AtomicU64,
@@ -200,12 +211,21 @@ struct LiveProgress {
 
 impl LiveProgress {
     /// Bytes at the sink as far as the source knows: those it had when
-    /// this run started and those sent since (resends can count twice,
-    /// hence the cap at the total), never less than before the run.
+    /// this run started and those it confirmed since (with a sink that
+    /// confirms nothing, those sent; resends can count twice, hence the
+    /// cap at the total), never less than before the run.
     fn done(&self) -> u64 {
         let total = self.total.load(Ordering::Relaxed);
-        let run = self.skipped.load(Ordering::Relaxed) + self.sent.load(Ordering::Relaxed);
+        let run = self.skipped.load(Ordering::Relaxed) + self.verified_or_sent();
         self.done_before.max(run.min(total))
+    }
+
+    fn verified_or_sent(&self) -> u64 {
+        if self.confirms.load(Ordering::Relaxed) {
+            self.verified.load(Ordering::Relaxed)
+        } else {
+            self.sent.load(Ordering::Relaxed)
+        }
     }
 
     fn snapshot(&self) -> Progress {
@@ -213,6 +233,7 @@ impl LiveProgress {
             bytes_total: self.total.load(Ordering::Relaxed),
             bytes_sent: self.sent.load(Ordering::Relaxed),
             bytes_skipped: self.skipped.load(Ordering::Relaxed),
+            bytes_verified: self.verified_or_sent(),
             rate_bps: f64::from_bits(self.rate_bits.load(Ordering::Relaxed)),
         }
     }
@@ -3207,10 +3228,15 @@ async fn begin(inner: &Inner, t: &Transfer) -> Result<bool, RunError> {
 }
 
 /// Registers the live progress of a run of transfer `t` (the catalog row
-/// it started from: what earlier runs did) of `total` bytes.
-fn track_run(inner: &Inner, t: &Transfer, total: u64) -> Arc<LiveProgress> {
+/// it started from: what earlier runs did) of `total` bytes on `c`.
+fn track_run(inner: &Inner, c: &LinkConn, t: &Transfer, total: u64) -> Arc<LiveProgress> {
     let done = (t.bytes_done.max(0) as u64).min(total);
-    track_progress(inner, t.id, total, done, t.bytes_sent.max(0) as u64)
+    let p = track_progress(inner, t.id, total, done, t.bytes_sent.max(0) as u64);
+    p.confirms.store(
+        c.version >= ferry_proto::wire::BATCH_SEQ_VERSION,
+        Ordering::Relaxed,
+    );
+    p
 }
 
 /// Registers the live progress of transfer `id` of `total` bytes, of
@@ -3303,7 +3329,7 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
             .set_transfer_size(t.id, bytes_total, scan.files.len() as u64)
             .await?;
     }
-    let progress = track_run(inner, &t, bytes_total);
+    let progress = track_run(inner, c, &t, bytes_total);
 
     let chunk_size = inner.cfg.chunk_size;
     let t_recorded = t_start.elapsed();

@@ -13,8 +13,9 @@
 //! no signal comes and no rate changes in the model.
 //!
 //! **Margin.** The dispatcher sends whole chunks, the rate cap's bucket
-//! lets a round trip's worth of bytes ahead, and a transfer is ready when
-//! its last chunk has crossed. A deadline counts as met in the model only
+//! lets a round trip's worth of bytes ahead, a run waits a round trip for
+//! its open's answer and one for its commit's, and a transfer is ready
+//! when its last chunk has crossed. A deadline counts as met in the model only
 //! with [`LinkScheduler::deadline_margin_ms`] to spare.
 //!
 //! **Slack.** At time `t`, in a class served at `R` bytes per ms (its
@@ -76,10 +77,12 @@ struct Fluid {
 
 impl LinkScheduler {
     /// The margin kept before a deadline in class `class` when the link
-    /// is shared as now by transfers of `busy` classes, ms: the round
-    /// trip, plus a bucket of bytes and three chunks at the class's rate
-    /// (a chunk waiting behind another class's, the chunk being sent, and
-    /// the last one crossing). `i64::MAX` if the class gets no rate.
+    /// is shared as now by transfers of `busy` classes, ms: three round
+    /// trips (the open's and the commit's answers, and the last chunk
+    /// crossing), plus a bucket of bytes and three chunks at the class's
+    /// rate (a chunk waiting behind another class's, the chunk being sent,
+    /// and the last one). `i64::MAX` if the class gets no rate. Not in
+    /// it: the sink's verification and publish time.
     pub fn deadline_margin_ms(&self, class: Class, busy: [bool; 3]) -> i64 {
         let w = if self.policy().kind == PolicyKind::Fifo {
             1.0
@@ -94,7 +97,7 @@ impl LinkScheduler {
         }
         let chunk = self.chunk_bytes() as f64;
         let bytes = self.capacity().max(chunk) + 3.0 * chunk;
-        self.rtt_ms() as i64 + (bytes / rate).ceil() as i64
+        3 * self.rtt_ms() as i64 + (bytes / rate).ceil() as i64
     }
 
     /// The fluid model's ready time of each of `ts` (Unix ms), from

@@ -88,6 +88,9 @@ struct Queue {
     /// Sequence numbers of batches given up (their connection was lost
     /// before the sink confirmed them), in the order they were.
     lost: Vec<u64>,
+    /// Payload bytes written on each batch not yet confirmed, by sequence
+    /// number (progress counts them once the sink confirms).
+    batch_bytes: HashMap<u64, u64>,
     progress: Arc<LiveProgress>,
 }
 
@@ -332,6 +335,7 @@ impl LinkSched {
                 open: 0,
                 batches: 0,
                 unconfirmed: HashMap::new(),
+                batch_bytes: HashMap::new(),
                 lost: Vec::new(),
                 progress,
             },
@@ -459,6 +463,7 @@ impl LinkSched {
                     .collect();
                 gone.sort_unstable();
                 for seq in gone {
+                    q.batch_bytes.remove(&seq);
                     if let Some(b) = q.unconfirmed.remove(&seq) {
                         batches += 1;
                         chunks += b.recs.len() as u64;
@@ -474,13 +479,17 @@ impl LinkSched {
         (batches, chunks)
     }
 
-    /// The sink confirmed batches `seqs` of `id`: their records are let go.
+    /// The sink confirmed batches `seqs` of `id`: their records are let
+    /// go, and their bytes count as verified in its progress.
     pub(crate) fn confirmed(&self, id: TransferId, seqs: &[u64]) {
         let mut s = self.lock();
         if let Some(q) = s.queues.get_mut(&id) {
+            let mut bytes = 0;
             for seq in seqs {
                 q.unconfirmed.remove(seq);
+                bytes += q.batch_bytes.remove(seq).unwrap_or(0);
             }
+            q.progress.verified.fetch_add(bytes, Ordering::Relaxed);
         }
     }
 
@@ -753,6 +762,7 @@ pub(crate) async fn writer(
                 if let Some(p) = progress {
                     p.sent.fetch_add(len, Ordering::Relaxed);
                 }
+
                 if let Some(c) = sched.counters.sent.get(class_index(class)) {
                     c.inc_by(len);
                 }
@@ -920,6 +930,11 @@ async fn write(
         ];
         b.s.write_all_chunks(&mut parts).await.map_err(classify)?;
         b.bytes += len as u64;
+        // Counted as verified once the sink confirms the batch (its end
+        // comes after this write, so never before).
+        if let Some(q) = sched.lock().queues.get_mut(&id) {
+            *q.batch_bytes.entry(b.seq).or_default() += len as u64;
+        }
         let took = t0.elapsed();
         if took > std::time::Duration::from_millis(20) {
             // The connection's send window or the stream's flow control
@@ -1026,6 +1041,29 @@ mod tests {
         st.writing(w0, true, 125_000);
         st.writing(w0, false, 0);
         assert!(!st.defer(w0, 3000));
+    }
+
+    #[test]
+    fn progress_counts_a_batch_s_bytes_once_the_sink_confirms_it() {
+        let (s, id) = sched();
+        let p = Arc::new(LiveProgress::default());
+        s.set_progress(id, p.clone());
+        {
+            let mut l = s.lock();
+            let q = l.queues.get_mut(&id).unwrap();
+            q.batch_bytes.insert(0, 3_000);
+            q.batch_bytes.insert(1, 5_000);
+            q.batch_bytes.insert(2, 7_000);
+        }
+        assert_eq!(p.verified.load(Ordering::Relaxed), 0);
+        s.confirmed(id, &[1]);
+        assert_eq!(p.verified.load(Ordering::Relaxed), 5_000);
+        // Twice, or a batch never written: nothing more.
+        s.confirmed(id, &[1, 9]);
+        assert_eq!(p.verified.load(Ordering::Relaxed), 5_000);
+        s.confirmed(id, &[0, 2]);
+        assert_eq!(p.verified.load(Ordering::Relaxed), 15_000);
+        assert!(s.lock().queues[&id].batch_bytes.is_empty());
     }
 
     #[test]
