@@ -326,6 +326,18 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
     }
     let stop_pool = CancellationToken::new();
     let pool_task = tokio::spawn(pool.clone().run(stop_pool.clone()));
+    if let (Some(sk), Some(s)) = (&sink, &cfg.sink) {
+        let hooks = s
+            .webhooks
+            .iter()
+            .enumerate()
+            .map(|(i, w)| {
+                w.webhook()
+                    .map_err(|e| anyhow::anyhow!("sink.webhooks[{i}]: {e}"))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        crate::webhooks::spawn(sk.clone(), hooks, stop_pool.clone());
+    }
     let router = api::router(
         api::AppState::new(cfg.agent.name.clone(), source.clone(), sink.clone(), auth)
             .with_pool(pool.clone()),

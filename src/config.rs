@@ -820,6 +820,53 @@ pub struct SinkSection {
     /// See `min_free`; at least `min_free`.
     #[serde(default, deserialize_with = "de_threshold_opt")]
     pub target_free: Option<Threshold>,
+    /// `[[sink.webhooks]]`: URLs each publish event (published, replaced,
+    /// removed) of matching jobs is POSTed to, signed.
+    #[serde(default)]
+    pub webhooks: Vec<WebhookSection>,
+}
+
+/// `[[sink.webhooks]]`: one receiver of publish events (see
+/// `crate::webhooks`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WebhookSection {
+    /// `http://` or `https://` URL events are POSTed to.
+    pub url: String,
+    /// Jobs whose events go there, a glob; default `"*"`.
+    #[serde(default = "default_glob")]
+    pub job: String,
+    /// File holding the shared secret the body is signed with
+    /// (`Ferry-Signature: sha256=<hex HMAC-SHA256>`); a trailing newline
+    /// is not part of it.
+    pub secret_file: PathBuf,
+}
+
+fn default_glob() -> String {
+    "*".into()
+}
+
+impl WebhookSection {
+    /// The hook, ready to run: the URL checked, the glob compiled, the
+    /// secret read.
+    ///
+    /// # Errors
+    /// A message naming the bad key.
+    pub fn webhook(&self) -> Result<crate::webhooks::Webhook> {
+        let u = reqwest::Url::parse(&self.url)
+            .map_err(|e| anyhow::anyhow!("url {:?}: {e}", self.url))?;
+        if !matches!(u.scheme(), "http" | "https") {
+            bail!("url {:?} must be http:// or https://", self.url);
+        }
+        let jobs = globset::Glob::new(&self.job)
+            .map_err(|e| anyhow::anyhow!("job {:?} is not a glob: {e}", self.job))?
+            .compile_matcher();
+        Ok(crate::webhooks::Webhook {
+            url: self.url.clone(),
+            jobs,
+            secret: crate::webhooks::read_secret(&self.secret_file)?,
+        })
+    }
 }
 
 /// `[sink.hdfs]`: replication hints for the files every eval rank reads

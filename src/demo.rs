@@ -669,6 +669,7 @@ pub(crate) async fn start_pair(
         retention_interval: std::time::Duration::from_secs(60),
         min_free: None,
         target_free: None,
+        webhooks: Vec::new(),
     });
     let mut src_cfg = agent_config(dir, "demo-source", Role::Source, loopback);
     src_cfg.agent.data_dir = data.join("demo-source-data");

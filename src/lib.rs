@@ -17,3 +17,4 @@ pub mod demo;
 pub mod out;
 pub mod remote_gen;
 pub mod replay;
+pub mod webhooks;

@@ -225,6 +225,12 @@ pub fn build(state: AppState) -> (Router, utoipa::openapi::OpenApi) {
         ),
     ];
     if state.sink.is_some() {
+        // A stream: no timeout.
+        groups.push((
+            OpenApiRouter::new().routes(routes!(sink_api::replica_events)),
+            Role::Reader,
+            None,
+        ));
         groups.push((
             OpenApiRouter::new()
                 .routes(routes!(sink_api::replicas))

@@ -592,3 +592,150 @@ pub(crate) async fn unpin_replica(
     info!(replica = id, by = by(&caller), "replica unpinned");
     Ok(Json(replica_view(&s, r)?))
 }
+
+/// Query of `GET /v1/replicas/events`.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub(crate) struct EventsQuery {
+    /// Only events of jobs matching this glob (`mm-*`); default every job.
+    job: Option<String>,
+    /// Replay the log after this event id first (as the `Last-Event-ID`
+    /// header does; the query wins). Without either, only new events.
+    since: Option<String>,
+}
+
+/// How often a publish event stream reads the log when nothing woke it
+/// (another agent of a pool may have written), 1 s.
+const EVENT_POLL: Duration = Duration::from_secs(1);
+
+/// Events read from the log at once.
+const EVENT_BATCH: i64 = 256;
+
+/// Publish events as server-sent events, so eval schedulers start evals
+/// without polling: `published` (a replica is ready), `replaced` (a newer
+/// version of its checkpoint was published; `replaced_by`) and `removed`.
+/// Each event's `id:` is its id in the log, which keeps 7 days: a client
+/// that reconnects with `Last-Event-ID` (or `?since=`) gets every event
+/// after it, in order. `data:` is the event as JSON (replica id, job,
+/// rel, source_path, step, profile, location, at_ms). In a pool every
+/// sink agent streams every agent's events.
+#[utoipa::path(
+    get, path = "/v1/replicas/events", tag = "sink",
+    params(EventsQuery),
+    security(("bearer" = ["reader"])),
+    responses(
+        (status = 200, description = "text/event-stream of `published`, `replaced` and `removed` events", content_type = "text/event-stream"),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 422, description = "`since`, `Last-Event-ID` or `job` is invalid", body = ErrorBody),
+        (status = 503, description = "32 live streams are open already", body = ErrorBody),
+    )
+)]
+pub(crate) async fn replica_events(
+    State(s): State<AppState>,
+    headers: axum::http::HeaderMap,
+    q: Result<Query<EventsQuery>, QueryRejection>,
+) -> Result<axum::response::Response, ApiError> {
+    use axum::response::sse::{Event, KeepAlive, Sse};
+    let Query(q) = q?;
+    let sink = sink(&s)?.clone();
+    let header = headers
+        .get("last-event-id")
+        .map(|v| v.to_str().unwrap_or("?").to_string());
+    let named = |name: &str, v: &str| {
+        v.trim()
+            .parse::<i64>()
+            .ok()
+            .filter(|n| *n >= 0)
+            .ok_or_else(|| {
+                ApiError::unprocessable(format!(
+                    "`{name}` must be an event id (a whole number, 0 or more), got {v:?}"
+                ))
+            })
+    };
+    let since = match (&q.since, &header) {
+        (Some(v), _) => Some(named("since", v)?),
+        (None, Some(v)) => Some(named("Last-Event-ID", v)?),
+        (None, None) => None,
+    };
+    let jobs = match &q.job {
+        Some(g) => Some(
+            globset::Glob::new(g)
+                .map_err(|e| ApiError::unprocessable(format!("`job` {g:?} is not a glob: {e}")))?
+                .compile_matcher(),
+        ),
+        None => None,
+    };
+    let after = match since {
+        Some(n) => n,
+        None => sink
+            .catalog()
+            .last_replica_event()
+            .await
+            .map_err(ApiError::catalog)?,
+    };
+    let Ok(slot) = s.live.slots.clone().try_acquire_owned() else {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "{} live streams are open already; close one",
+                crate::ui::MAX_EVENT_STREAMS
+            ),
+        ));
+    };
+    let changes = sink.changes();
+    let state = (
+        sink,
+        after,
+        changes,
+        std::collections::VecDeque::new(),
+        slot,
+    );
+    let stream = futures::stream::unfold(
+        state,
+        move |(sink, mut after, mut changes, mut queue, slot)| {
+            let jobs = jobs.clone();
+            async move {
+                loop {
+                    if let Some(e) = queue.pop_front() {
+                        return Some((
+                            Ok::<_, std::convert::Infallible>(e),
+                            (sink, after, changes, queue, slot),
+                        ));
+                    }
+                    match sink
+                        .catalog()
+                        .replica_events_after(after, EVENT_BATCH)
+                        .await
+                    {
+                        Ok(evs) if !evs.is_empty() => {
+                            for e in evs {
+                                after = e.id;
+                                if jobs.as_ref().is_some_and(|g| !g.is_match(&e.job)) {
+                                    continue;
+                                }
+                                let ev = Event::default()
+                                    .id(e.id.to_string())
+                                    .event(e.kind.clone())
+                                    .json_data(&e)
+                                    .unwrap_or_else(|_| {
+                                        Event::default().event("error").data("encoding")
+                                    });
+                                queue.push_back(ev);
+                            }
+                            continue;
+                        }
+                        Ok(_) => {}
+                        Err(e) => tracing::warn!(error = %e, "catalog: reading publish events"),
+                    }
+                    // A sink that is stopping wakes nobody any more: poll.
+                    if let Ok(Err(_)) = tokio::time::timeout(EVENT_POLL, changes.changed()).await {
+                        tokio::time::sleep(EVENT_POLL).await;
+                    }
+                }
+            }
+        },
+    );
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response())
+}

@@ -298,7 +298,8 @@ pub(crate) async fn status(
     Ok(Json(snapshot(&s, q.history.unwrap_or(false)).await?))
 }
 
-/// Most `/v1/events` streams open at once; more get 503.
+/// Most live streams (`/v1/events` and `/v1/replicas/events` together)
+/// open at once; more get 503.
 pub const MAX_EVENT_STREAMS: usize = 32;
 
 /// State shared by every live view of one agent: the newest status as
@@ -307,7 +308,8 @@ pub const MAX_EVENT_STREAMS: usize = 32;
 #[derive(Debug)]
 pub(crate) struct Live {
     newest: tokio::sync::Mutex<Option<(tokio::time::Instant, Event)>>,
-    slots: Arc<Semaphore>,
+    /// Slots of the live streams (`/v1/events`, `/v1/replicas/events`).
+    pub(crate) slots: Arc<Semaphore>,
 }
 
 impl Default for Live {

@@ -12,7 +12,7 @@ use crate::{Catalog, CatalogError};
 /// catalog's id (`catalog_identity`) is carried over. `settings` is empty
 /// on SQLite (a single agent's settings are its config's, which seed the
 /// pool's at its first start on PostgreSQL).
-pub const COPIED_TABLES: [&str; 9] = [
+pub const COPIED_TABLES: [&str; 11] = [
     "transfers",
     "jobs",
     "signals",
@@ -22,6 +22,8 @@ pub const COPIED_TABLES: [&str; 9] = [
     "chunks",
     "leases",
     "pin_requests",
+    "replica_events",
+    "webhook_positions",
 ];
 
 /// Rows copied per table, in [`COPIED_TABLES`] order.

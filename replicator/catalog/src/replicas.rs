@@ -303,6 +303,7 @@ pub(crate) async fn publish_in(
         .bind(p.id)
         .execute(&mut *conn)
         .await?;
+    crate::replica_events::record_publish(db, conn, p.id, now).await?;
     Ok(lag(p.times.committed_ms))
 }
 
@@ -845,13 +846,19 @@ impl Catalog {
     /// # Errors
     /// SQL errors.
     pub async fn finish_replica_removal(&self, id: i64) -> Result<(), CatalogError> {
-        sqlx::query(&self.db.sql(
+        let now = now_ms();
+        let mut tx = self.pool.begin().await?;
+        let r = sqlx::query(&self.db.sql(
             "UPDATE replicas SET state = 'removed', removed_at = ? WHERE id = ? AND state = 'removing'",
         ))
-        .bind(now_ms())
+        .bind(now)
         .bind(id)
-        .execute(&self.pool)
+        .execute(&mut *tx)
         .await?;
+        if r.rows_affected() > 0 {
+            crate::replica_events::record_removed(self.db, &mut tx, id, now).await?;
+        }
+        tx.commit().await?;
         Ok(())
     }
 

@@ -1854,3 +1854,52 @@ async fn deadlines_absolute_after_commit_and_said_once(c: Catalog) {
     assert_eq!((t.deadline_at, t.deadline_state), (Some(3_000), None));
 }
 both!(deadlines_absolute_after_commit_and_said_once);
+
+/// Publish events: a publish, the version a re-save replaces, a removal,
+/// in order, each once; read after an id; pruned after 7 days.
+async fn publish_events_are_logged_in_order(c: Catalog) {
+    assert_eq!(c.last_replica_event().await.unwrap(), 0);
+    let a = published_at(&c, 1, "/eval/a").await;
+    let other = published_at(&c, 2, "/eval/b").await;
+    let a2 = published_at(&c, 3, "/eval/a").await;
+    assert!(c
+        .begin_replica_removal(a, RemovalReason::Operator, "test", false, 10)
+        .await
+        .unwrap());
+    c.finish_replica_removal(a).await.unwrap();
+    // Finishing again says nothing more.
+    c.finish_replica_removal(a).await.unwrap();
+    let ev = c.replica_events_after(0, 100).await.unwrap();
+    let got: Vec<(&str, i64, Option<i64>)> = ev
+        .iter()
+        .map(|e| (e.kind.as_str(), e.replica, e.replaced_by))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            ("published", a, None),
+            ("published", other, None),
+            ("published", a2, None),
+            ("replaced", a, Some(a2)),
+            ("removed", a, None),
+        ]
+    );
+    assert!(ev.windows(2).all(|w| w[0].id < w[1].id));
+    assert_eq!(ev[0].location, "/eval/a");
+    assert_eq!((ev[0].job.as_str(), ev[0].profile.as_str()), ("j", "full"));
+    assert_eq!(c.last_replica_event().await.unwrap(), ev[4].id);
+    let after = c.replica_events_after(ev[2].id, 100).await.unwrap();
+    assert_eq!(after.len(), 2);
+    assert_eq!(
+        c.replica_events_after(ev[1].id, 1).await.unwrap()[0].id,
+        ev[2].id
+    );
+    // Nothing is a week old yet.
+    assert_eq!(c.prune_replica_events().await.unwrap(), 0);
+    // Webhook positions.
+    assert_eq!(c.webhook_position("http://h/x").await.unwrap(), None);
+    c.set_webhook_position("http://h/x", 3).await.unwrap();
+    c.set_webhook_position("http://h/x", 5).await.unwrap();
+    assert_eq!(c.webhook_position("http://h/x").await.unwrap(), Some(5));
+}
+both!(publish_events_are_logged_in_order);

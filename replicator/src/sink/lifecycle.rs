@@ -793,6 +793,10 @@ pub(super) async fn run(inner: Arc<Inner>) {
             if let Err(e) = inner.catalog.forget_ended_leases(now_ms()).await {
                 warn!(error = %e, "forgetting ended leases");
             }
+            // Publish events are kept 7 days.
+            if let Err(e) = inner.catalog.prune_replica_events().await {
+                warn!(error = %e, "deleting publish events older than 7 days");
+            }
         }
     }
 }
