@@ -663,16 +663,26 @@ impl Sink {
                 // move a crash interrupted) makes the published row's
                 // directory hold neither version for certain: not local
                 // until that publish is finished.
-                let settling = |p: &ferry_catalog::Replica| {
-                    rows.iter().any(|r| {
-                        r.id > p.id
-                            && r.state != TransferState::Published
-                            && r.local_path == p.local_path
-                            && self
-                                .inner
-                                .store
-                                .publish_under_way(Path::new(&r.staging_path))
-                    })
+                // (Asking the store may cross the network on HDFS or S3:
+                // on a blocking thread.)
+                let settling = async |p: &ferry_catalog::Replica| {
+                    let stagings: Vec<PathBuf> = rows
+                        .iter()
+                        .filter(|r| {
+                            r.id > p.id
+                                && r.state != TransferState::Published
+                                && r.local_path == p.local_path
+                        })
+                        .map(|r| PathBuf::from(&r.staging_path))
+                        .collect();
+                    if stagings.is_empty() {
+                        return false;
+                    }
+                    let store = self.inner.store.clone();
+                    // Unknown counts as settling: not local yet.
+                    blocking(move || Ok(stagings.iter().any(|s| store.publish_under_way(s))))
+                        .await
+                        .unwrap_or(true)
                 };
                 // The newest published version, unless a newer one was
                 // removed since (the older row's bytes went with the
@@ -683,10 +693,12 @@ impl Sink {
                         TransferState::Published | TransferState::Removing | TransferState::Removed
                     )
                 });
-                if let Some(p) = newest
-                    .filter(|p| p.state == TransferState::Published)
-                    .filter(|p| !settling(p))
-                {
+                let published = newest.filter(|p| p.state == TransferState::Published);
+                let settled = match published {
+                    Some(p) => !settling(p).await,
+                    None => false,
+                };
+                if let Some(p) = published.filter(|_| settled) {
                     let local = if suffix.as_os_str().is_empty() {
                         PathBuf::from(&p.local_path)
                     } else {

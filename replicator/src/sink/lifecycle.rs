@@ -1723,13 +1723,28 @@ async fn replaced(inner: &Inner, r: &Replica) -> bool {
     let Ok(rows) = inner.catalog.replicas_for_source(&r.source_path).await else {
         return true;
     };
-    rows.iter().any(|n| {
-        n.id > r.id
-            && n.local_path == r.local_path
-            && (n.state == TransferState::Published
-                || (n.state == TransferState::Receiving
-                    && inner.store.publish_under_way(Path::new(&n.staging_path))))
-    })
+    if rows
+        .iter()
+        .any(|n| n.id > r.id && n.local_path == r.local_path && n.state == TransferState::Published)
+    {
+        return true;
+    }
+    let stagings: Vec<std::path::PathBuf> = rows
+        .iter()
+        .filter(|n| {
+            n.id > r.id && n.local_path == r.local_path && n.state == TransferState::Receiving
+        })
+        .map(|n| std::path::PathBuf::from(&n.staging_path))
+        .collect();
+    if stagings.is_empty() {
+        return false;
+    }
+    // Asking the store may cross the network (HDFS, S3): not on the
+    // async threads. Unknown counts as replaced: nothing is moved.
+    let store = inner.store.clone();
+    tokio::task::spawn_blocking(move || stagings.iter().any(|s| store.publish_under_way(s)))
+        .await
+        .unwrap_or(true)
 }
 
 /// Each regular file under `dir` as ((device, inode), bytes); symlinks and
