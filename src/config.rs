@@ -1938,10 +1938,14 @@ link = "to-eval"
             s.retention.is_empty(),
             "without a policy every replica is kept"
         );
-        // The commented retention policy is valid.
+        // The commented retention policy and webhook are valid (both have
+        // a `job` key, so both are uncommented together).
         let mut ret = sink.clone();
         for key in [
             "[[sink.retention]]",
+            "[[sink.webhooks]]",
+            "url = \"https://eval-scheduler",
+            "secret_file = ",
             "job = ",
             "keep_last = ",
             "keep_every = ",
@@ -1964,6 +1968,11 @@ link = "to-eval"
             )
         );
         assert!(p.matches("llama-7b") && !p.matches("mm-large") && !p.dry_run);
+        assert_eq!(
+            (s.webhooks.len(), s.webhooks[0].job.as_str()),
+            (1, "llama-*")
+        );
+        assert!(s.webhooks[0].url.starts_with("https://"));
         // So are the commented HTTPS and token lines.
         let tok = api::auth::new_token();
         let api = include_str!("../ops/ferry.example.toml")
@@ -1986,7 +1995,7 @@ link = "to-eval"
         // So is the commented [catalog] block.
         let cat = include_str!("../ops/ferry.example.toml")
             .replace("# [catalog]", "[catalog]")
-            .replace("# url = ", "url = ")
+            .replace("# url = \"postgres", "url = \"postgres")
             .replace("# password_file = ", "password_file = ");
         let c = load(&cat).unwrap();
         assert_eq!(

@@ -683,11 +683,17 @@ pub(crate) async fn replica_events(
         ));
     };
     let changes = sink.changes();
+    // The stream opens with the reconnection delay a client should use,
+    // so a client (and any proxy) sees the stream start at once, before
+    // the first publish.
+    let opening = Event::default()
+        .retry(EVENT_POLL)
+        .comment("ferry publish events");
     let state = (
         sink,
         after,
         changes,
-        std::collections::VecDeque::new(),
+        std::collections::VecDeque::from([opening]),
         slot,
     );
     let stream = futures::stream::unfold(
