@@ -84,7 +84,7 @@ async fn all_items(c: &Client, path: &str) -> Result<Vec<Value>> {
 ///
 /// # Errors
 /// The agent cannot be reached or refuses (the message says why).
-pub async fn status(args: &ServerArgs, raw: bool) -> Result<()> {
+pub async fn status(args: &ServerArgs, raw: bool, slow: Option<usize>) -> Result<()> {
     let c = Client::new(args, REQUEST_TIMEOUT)?;
     let health = c.get("/healthz", &[]).await?;
     let roles: Vec<&str> = health["roles"]
@@ -119,6 +119,8 @@ pub async fn status(args: &ServerArgs, raw: bool) -> Result<()> {
     }
     if raw {
         outln!("{}", serde_json::to_string_pretty(&out)?)?;
+    } else if let Some(n) = slow {
+        crate::out::print(format_args!("{}", render_slow(&out, n, now_ms())))?;
     } else {
         crate::out::print(format_args!("{}", render_status(c.base(), &out, now_ms())))?;
     }
@@ -130,6 +132,100 @@ pub async fn status(args: &ServerArgs, raw: bool) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// How far back `ferry status --slow` looks, ms.
+const SLOW_WINDOW_MS: i64 = 24 * 3600 * 1000;
+
+/// `ferry status --slow`: the `n` slowest replicas published in the last
+/// 24 hours before `now` (Unix ms), slowest first, each with its
+/// commit-to-eval-ready time, the phase that took longest and every
+/// phase after the commit. A sink's replicas (`replicas`), or a source's
+/// published transfers (`transfers`, whose commit-to-ready time is the
+/// source's: until the sink said it published).
+fn render_slow(out: &Value, n: usize, now: i64) -> String {
+    let mut rows: Vec<(f64, &Value)> = Vec::new();
+    let mut seen = 0;
+    for (key, published, committed) in [
+        ("replicas", "published_at", "committed_at"),
+        ("transfers", "finished_at", "committed_at"),
+    ] {
+        for r in out[key].as_array().into_iter().flatten() {
+            if r["state"] != "published" {
+                continue;
+            }
+            let Some(done) = r[published].as_i64().filter(|d| now - d <= SLOW_WINDOW_MS) else {
+                continue;
+            };
+            seen += 1;
+            // A pushed directory is committed when it is pushed.
+            let Some(from) = r[committed].as_i64().or(r["created_at"].as_i64()) else {
+                continue;
+            };
+            let took = r["commit_to_replica_s"]
+                .as_f64()
+                .unwrap_or((done - from) as f64 / 1000.0);
+            rows.push((took, r));
+        }
+    }
+    if rows.is_empty() {
+        return format!("no replica published in the last 24 hours ({seen} seen)\n");
+    }
+    rows.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let mut t = vec![vec![
+        "COMMIT TO READY".to_string(),
+        "LONGEST PHASE".into(),
+        "JOB".into(),
+        "CHECKPOINT".into(),
+        "PHASES AFTER THE COMMIT".into(),
+    ]];
+    for (took, r) in rows.iter().take(n) {
+        let p = &r["phases"];
+        let after = p["after_commit"].as_object();
+        let longest = match (p["dominant"].as_str(), after) {
+            (Some(d), Some(a)) => {
+                let secs = a.get(d).and_then(Value::as_f64).unwrap_or(0.0);
+                let share = if *took > 0.0 {
+                    100.0 * secs / took
+                } else {
+                    0.0
+                };
+                format!("{d} ({secs:.1} s, {share:.0} %)")
+            }
+            _ => "unknown (no phases recorded)".into(),
+        };
+        let phases = after
+            .map(|a| {
+                ferry_proto::phases::Phase::ALL
+                    .iter()
+                    .filter_map(|ph| {
+                        let v = a.get(ph.as_str())?.as_f64()?;
+                        Some(format!("{ph} {v:.1}"))
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            })
+            .unwrap_or_default();
+        let unattributed = p["unattributed_s"]
+            .as_f64()
+            .filter(|u| u.abs() >= 0.05)
+            .map_or(String::new(), |u| {
+                format!(", unattributed {u:.1} (clock skew and network)")
+            });
+        t.push(vec![
+            format!("{took:.1} s"),
+            longest,
+            text(r, "job").into(),
+            text(r, "rel").into(),
+            format!("{phases}{unattributed}"),
+        ]);
+    }
+    format!(
+        "the {} slowest of {} replicas published in the last 24 hours (seconds):\n{}",
+        t.len() - 1,
+        rows.len(),
+        table(&t)
+    )
 }
 
 fn now_ms() -> i64 {
@@ -1389,6 +1485,49 @@ mod tests {
         assert_eq!(
             replicator::settings::display_value("scheduler.small_transfer", &json!(1000)),
             "1000B"
+        );
+    }
+
+    #[test]
+    fn slow_lists_the_slowest_recent_replicas_with_their_longest_phase() {
+        let now = 100 * 3600 * 1000;
+        let rep = |id: i64, took: f64, ago_h: i64, dominant: &str| {
+            json!({"id": id, "state": "published", "job": "llama-7b", "rel": format!("step_{id}"),
+                   "published_at": now - ago_h * 3600 * 1000, "committed_at": 1,
+                   "commit_to_replica_s": took,
+                   "phases": {"after_commit": {dominant: took * 0.75, "publishing": took * 0.25},
+                              "dominant": dominant, "unattributed_s": 0.0}})
+        };
+        let out = json!({"replicas": [
+            rep(1, 12.0, 1, "sending"),
+            rep(2, 80.0, 30, "queued"),
+            rep(3, 40.0, 2, "queued"),
+            rep(4, 3.0, 3, "verifying"),
+            {"id": 5, "state": "receiving", "job": "x", "rel": "step_5"},
+        ]});
+        let s = render_slow(&out, 2, now);
+        let lines: Vec<&str> = s.lines().collect();
+        assert!(lines[0].contains("the 2 slowest of 3 replicas"), "{s}");
+        // Slowest first; the one published 30 h ago is left out.
+        assert!(
+            lines[2].trim_start().starts_with("40.0 s")
+                && lines[2].contains("queued (30.0 s, 75 %)"),
+            "{s}"
+        );
+        assert!(lines[2].contains("queued 30.0, publishing 10.0"), "{s}");
+        assert!(
+            lines[3].contains("sending (9.0 s, 75 %)") && lines[3].contains("step_1"),
+            "{s}"
+        );
+        assert!(!s.contains("step_2") && !s.contains("step_4"), "{s}");
+        // A replica without phases (an older source) still lists.
+        let old = json!({"replicas": [{"id": 9, "state": "published", "job": "j", "rel": "r",
+            "published_at": now, "committed_at": now - 5_000, "commit_to_replica_s": 5.0}]});
+        assert!(render_slow(&old, 10, now).contains("unknown (no phases recorded)"));
+        let none = render_slow(&json!({"replicas": []}), 10, now);
+        assert!(
+            none.starts_with("no replica published in the last 24 hours"),
+            "{none}"
         );
     }
 

@@ -540,13 +540,15 @@ pub async fn run(a: DemoArgs) -> Result<()> {
             .map_or(0.0, |d| d.as_secs_f64());
         let commit_lag = row.commit_to_replica_s.unwrap_or(f64::NAN);
         let open_lag = row.open_to_replica_s.unwrap_or(f64::NAN);
+        let phases = row.phases.clone().unwrap_or_default();
         say(format!(
-            "  written in {write_s:.2} s; replica published {commit_lag:.3} s after the commit ({open_lag:.2} s after the checkpoint opened)\n  target with start = on_open: commit-to-replica <= 2 RTT + 1 s = {:.2} s\n  replica      {}\n  verified     {}",
+            "  written in {write_s:.2} s; replica published {commit_lag:.3} s after the commit ({open_lag:.2} s after the checkpoint opened)\n  after the commit: {}\n  target with start = on_open: commit-to-replica <= 2 RTT + 1 s = {:.2} s\n  replica      {}\n  verified     {}",
+            phase_line(&phases),
             2.0 * a.rtt.as_secs_f64() + 1.0,
             local.display(),
             if same { "byte for byte identical to the source" } else { "DIFFERS from the source" },
         ));
-        Some((saved, write_s, commit_lag, open_lag, same, local))
+        Some((saved, write_s, commit_lag, open_lag, same, local, phases))
     };
     if a.keep_running {
         keep::run(keep::Running {
@@ -584,7 +586,7 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         "resolve": resolve,
     });
     let watch_ok = watch.as_ref().is_none_or(|w| w.4);
-    if let Some((saved, write_s, commit_lag, open_lag, same, local)) = &watch {
+    if let Some((saved, write_s, commit_lag, open_lag, same, local, phases)) = &watch {
         out["commit_to_replica_s"] = serde_json::json!(round3(*commit_lag));
         out["open_to_replica_s"] = serde_json::json!(round3(*open_lag));
         out["watch"] = serde_json::json!({
@@ -599,6 +601,11 @@ pub async fn run(a: DemoArgs) -> Result<()> {
             "target_s": round3(2.0 * a.rtt.as_secs_f64() + 1.0),
             "replica_path": local,
             "verified": same,
+            "phases_after_commit_s": phases
+                .after
+                .iter()
+                .map(|(p, d)| (p.as_str().to_string(), serde_json::json!(round3(d.as_secs_f64()))))
+                .collect::<serde_json::Map<_, _>>(),
         });
     }
     if a.keep || a.dir.is_some() {
@@ -763,4 +770,17 @@ fn compare_trees(a: &Path, b: &Path) -> Result<bool> {
         }
     }
     Ok(true)
+}
+
+/// The phases after a commit, in the order a checkpoint passes them:
+/// `waiting_for_writer 1.02 s, sending 0.31 s, ...`.
+fn phase_line(p: &ferry_proto::phases::Phases) -> String {
+    if p.after.is_empty() {
+        return "phases not recorded".into();
+    }
+    p.after
+        .iter()
+        .map(|(k, d)| format!("{} {:.2} s", k.as_str().replace('_', " "), d.as_secs_f64()))
+        .collect::<Vec<_>>()
+        .join(", ")
 }

@@ -90,6 +90,12 @@ enum Command {
         /// instead.
         #[arg(long)]
         json: bool,
+        /// List the N slowest replicas published in the last 24 hours
+        /// (default 10) instead: commit to eval-ready, the phase that
+        /// took longest and every phase after the commit (a sink's
+        /// replicas; a source's published transfers).
+        #[arg(long, value_name = "N", num_args = 0..=1, default_missing_value = "10")]
+        slow: Option<usize>,
     },
     /// Where a checkpoint is at a sink: prints its local path (exit code
     /// 0), or its state and progress on stderr (exit code 3: not local).
@@ -759,7 +765,7 @@ async fn run(cli: Cli) -> Result<()> {
             server,
             no_wait,
         } => push(&path, link, &class, deadline, &server, no_wait).await,
-        Command::Status { server, json } => commands::status(&server, json).await,
+        Command::Status { server, json, slow } => commands::status(&server, json, slow).await,
         Command::Resolve {
             path,
             wait,

@@ -111,6 +111,12 @@ async fn generated_checkpoint_replicates_and_resolves() {
             && s(t, "manifest_root") == s(&r, "manifest_root"),
         || format!("source transfer {t} vs resolve {r}"),
     );
+    // A push is committed when it is pushed: its phases from there add
+    // up to its commit-to-eval-ready time.
+    let p = w.assert_phases_add_up(row, t, &["sending", "verifying", "publishing"]);
+    w.ensure(p["before_commit"] == serde_json::json!({}), || {
+        format!("a push has no phase before its commit: {p}")
+    });
 
     // `ferry verify` passes, then catches a flipped byte and names the file.
     let v = w.verify(&c.sink, &replica).await;
@@ -705,6 +711,23 @@ async fn metrics_move_when_a_watched_checkpoint_replicates() {
     let rel = ckpt.file_name().unwrap().to_str().unwrap();
     w.assert_same_tree(&ckpt, &w.replica_path(rel));
     let size = tree_bytes(&ckpt) as f64;
+    // A streamed checkpoint's phases after its commit start with the
+    // writer's last files and add up to its commit-to-eval-ready time.
+    let reps = w.get_json(&format!("{}/v1/replicas", c.sink.url())).await;
+    let row = reps["items"]
+        .as_array()
+        .and_then(|a| a.iter().find(|r| s(r, "source_path") == path).cloned())
+        .unwrap_or_else(|| w.fail(format!("no replica of {path}: {reps}")));
+    let t = w
+        .transfers(&c.source)
+        .await
+        .into_iter()
+        .find(|t| s(t, "source_path") == path)
+        .unwrap();
+    let p = w.assert_phases_add_up(&row, &t, &["waiting_for_writer", "sending", "publishing"]);
+    w.ensure(p["before_commit"]["streaming"].as_f64() > Some(0.0), || {
+        format!("the checkpoint streamed before its commit: {p}")
+    });
 
     let (src1, sink1) = (scrape(&w, &c.source).await, scrape(&w, &c.sink).await);
     let grew = |a: &prometheus_parse::Scrape, b: &prometheus_parse::Scrape, name, labels| {

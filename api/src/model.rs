@@ -82,11 +82,78 @@ pub struct Transfer {
     /// ready time passed it), `met` or `missed`; `null`: nothing yet.
     #[schema(value_type = Option<String>)]
     pub deadline_state: Option<&'static str>,
+    /// Where its time went (ARCHITECTURE.md, "Time to eval-ready"): so
+    /// far while it runs, then as recorded when the sink said it
+    /// published (its `unattributed_s` is then the finish time minus the
+    /// commit time minus the phases after the commit); `null` before its
+    /// first run or from an older sink.
+    pub phases: Option<PhaseTimes>,
+}
+
+/// Where a checkpoint's time to eval-ready went: seconds per phase, each
+/// measured on one agent's monotonic clock (ARCHITECTURE.md, "Time to
+/// eval-ready").
+#[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
+pub struct PhaseTimes {
+    /// Before the commit: `announced` (announced, no file yet), `queued`,
+    /// `streaming` (sending ahead of the writer). Seconds.
+    pub before_commit: std::collections::BTreeMap<String, f64>,
+    /// After the commit: `waiting_for_writer` (the commit marker's mtime
+    /// until the watcher saw the checkpoint complete), `queued`,
+    /// `sending`, `verifying` (read-back included), `publishing`. Seconds.
+    pub after_commit: std::collections::BTreeMap<String, f64>,
+    /// Sum of `after_commit`, seconds.
+    pub after_commit_s: f64,
+    /// The longest phase after the commit.
+    pub dominant: Option<String>,
+    /// The wall-clock commit-to-publish time minus `after_commit_s`: the
+    /// commit message's one-way network delay plus the skew between the
+    /// source's and the sink's clocks (near 0 on one host), seconds;
+    /// `null` while unknown.
+    pub unattributed_s: Option<f64>,
+}
+
+impl PhaseTimes {
+    /// `p` as the API shows it; `commit_to_ready_s` is the wall-clock
+    /// commit-to-publish time, if known.
+    pub fn of(p: &ferry_proto::phases::Phases, commit_to_ready_s: Option<f64>) -> PhaseTimes {
+        let side =
+            |m: &std::collections::BTreeMap<ferry_proto::phases::Phase, std::time::Duration>| {
+                m.iter()
+                    .map(|(k, d)| (k.as_str().to_string(), round_ms(d.as_secs_f64())))
+                    .collect()
+            };
+        let after = p.after_total().as_secs_f64();
+        PhaseTimes {
+            before_commit: side(&p.before),
+            after_commit: side(&p.after),
+            after_commit_s: round_ms(after),
+            dominant: p.dominant().map(|(k, _)| k.as_str().to_string()),
+            unattributed_s: commit_to_ready_s.map(|t| round_ms(t - after)),
+        }
+    }
+}
+
+/// `x` seconds rounded to the millisecond.
+fn round_ms(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
 }
 
 impl From<ferry_catalog::Transfer> for Transfer {
     fn from(r: ferry_catalog::Transfer) -> Self {
         let deadline = r.deadline_ms();
+        // A pushed directory is committed when it is pushed.
+        let committed = r
+            .committed_at
+            .or(r.format.is_none().then_some(r.created_at));
+        let phases = r.phases.as_ref().map(|p| {
+            let done = r
+                .finished_at
+                .zip(committed)
+                .filter(|_| r.state == TransferState::Published)
+                .map(|(f, c)| (f - c) as f64 / 1000.0);
+            PhaseTimes::of(p, done)
+        });
         Transfer {
             id: r.id,
             link: r.link,
@@ -117,6 +184,7 @@ impl From<ferry_catalog::Transfer> for Transfer {
             deadline,
             deadline_after_commit_s: r.deadline_after_commit.map(|a| a as f64 / 1000.0),
             deadline_state: r.deadline_state.map(|s| s.as_str()),
+            phases,
         }
     }
 }
@@ -205,6 +273,12 @@ pub struct Replica {
     /// The live reader leases on this version (`GET /v1/leases` lists
     /// them all).
     pub leases: Vec<replicator::sink::LeaseGrant>,
+    /// Where its time to eval-ready went, once published: the source's
+    /// phases until its commit message went and the sink's after it
+    /// arrived; `unattributed_s` is `commit_to_replica_s` minus their
+    /// sum after the commit. `null` before the publish or from an older
+    /// source.
+    pub phases: Option<PhaseTimes>,
 }
 
 /// A pin on a replica.
@@ -271,6 +345,10 @@ impl From<ferry_catalog::Replica> for Replica {
             published_at: r.published_at,
             committed_at: r.committed_at,
             commit_to_replica_s: r.commit_to_replica_s,
+            phases: r
+                .phases
+                .as_ref()
+                .map(|p| PhaseTimes::of(p, r.commit_to_replica_s)),
             open_to_replica_s: r.open_to_replica_s,
             profile: (r.profile != Profile::Full).then_some(r.profile),
             step: r.step,

@@ -92,6 +92,8 @@ pub(crate) struct PublishedRow {
     /// Publish confirmation minus commit time, seconds (source clock);
     /// `null` when the commit time is unknown.
     commit_to_replica_s: Option<f64>,
+    /// Where that time went (`Transfer::phases`).
+    phases: Option<crate::model::PhaseTimes>,
 }
 
 /// Everything the UI shows, at one instant.
@@ -234,8 +236,12 @@ async fn snapshot_with_catalog(s: &AppState, with_history: bool) -> Result<Statu
                     published_at: t.finished_at,
                     commit_to_replica_s: t
                         .finished_at
-                        .zip(t.committed_at)
+                        .zip(
+                            t.committed_at
+                                .or(t.format.is_none().then_some(t.created_at)),
+                        )
                         .map(|(f, c)| (f - c) as f64 / 1000.0),
+                    phases: crate::model::Transfer::from(t.clone()).phases,
                 });
             }
         }

@@ -515,9 +515,32 @@ function fill(tbody, rows) {
     c instanceof Node ? el('td', {}, c) : el('td', {}, c == null ? '–' : c)))));
 }
 
+// Phases after the commit, in the order a checkpoint passes them.
+const PHASES = ['waiting_for_writer', 'queued', 'sending', 'verifying', 'publishing'];
+
+// Commit to eval-ready as a bar of its phases (each segment's width its
+// share; the title lists them in seconds), after the total.
+function readyCell(total, phases) {
+  const cell = el('span', { class: 'ready' }, fmtDur(total));
+  const after = phases && phases.after_commit;
+  if (!after) return cell;
+  const sum = PHASES.reduce((a, k) => a + (after[k] || 0), 0);
+  const title = PHASES.filter((k) => k in after).map((k) => k.replace(/_/g, ' ') + ' ' + after[k].toFixed(2) + ' s');
+  if (phases.unattributed_s != null && Math.abs(phases.unattributed_s) >= 0.05) {
+    title.push('unattributed (network, clock skew) ' + phases.unattributed_s.toFixed(2) + ' s');
+  }
+  const bar = el('span', { class: 'phases', title: title.join('\n') });
+  for (const k of PHASES) {
+    if (!after[k] || sum <= 0) continue;
+    bar.append(el('i', { class: 'ph-' + k, style: 'width:' + (100 * after[k] / sum).toFixed(1) + '%' }));
+  }
+  cell.append(' ', bar);
+  return cell;
+}
+
 function renderPublished(st) {
   fill($('#published tbody'), st.published.map((p) => [
-    p.id, p.job, p.rel, fmtBytes(p.bytes_total), fmtTime(p.published_at), fmtDur(p.commit_to_replica_s)]));
+    p.id, p.job, p.rel, fmtBytes(p.bytes_total), fmtTime(p.published_at), readyCell(p.commit_to_replica_s, p.phases)]));
 }
 
 function renderSignals(st) {
@@ -545,7 +568,7 @@ function renderReplicas(st) {
     const stateCell = el('span', { title: why.join('; ') }, state);
     return [r.id, r.job, r.source_path, stateCell, bar, fmtBytes(done) + ' / ' + fmtBytes(r.bytes_total),
             r.state === 'published' ? (r.url || r.local_path) : '–',
-            fmtTime(r.published_at), fmtDur(r.commit_to_replica_s), replicaActions(r)];
+            fmtTime(r.published_at), readyCell(r.commit_to_replica_s, r.phases), replicaActions(r)];
   }));
 }
 

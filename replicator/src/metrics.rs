@@ -61,9 +61,14 @@
 //!   not match the transfer's file table.
 //! - `ferry_published_replicas_total`: replicas published (moved into
 //!   place) by this process.
-//! - `ferry_commit_to_replica_lag_seconds`: histogram of publish time
-//!   minus the source's commit time, for replicas whose commit time is
-//!   known (watched checkpoints; a plain `ferry push` has none).
+//! - `ferry_commit_to_replica_lag_seconds{class}`: histogram of publish
+//!   time minus the source's commit time (a pushed directory's commit is
+//!   its push), by the class the replica was served in at commit
+//!   (`unknown` from an older source).
+//! - `ferry_eval_ready_phase_seconds{phase,class}`: histogram of the time
+//!   each replica spent in each phase after its commit (ARCHITECTURE.md,
+//!   "Time to eval-ready"): `waiting_for_writer`, `queued`, `sending`,
+//!   `verifying`, `publishing`.
 //! - `ferry_replica_state_replicas{state}`: sink-side rows per state.
 
 use std::collections::{HashMap, VecDeque};
@@ -379,6 +384,25 @@ struct ReasonLabel {
 struct PeerLabel {
     peer: String,
 }
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ClassLabel {
+    class: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PhaseClassLabel {
+    phase: String,
+    class: String,
+}
+
+/// A histogram with the lag's buckets ([`LAG_BUCKETS_S`]).
+fn lag_histogram() -> Histogram {
+    Histogram::new(LAG_BUCKETS_S)
+}
+
+/// Histograms by label, each with the lag's buckets.
+type LagFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 pub(crate) fn encode(registry: &Registry) -> Result<String, std::fmt::Error> {
     let mut out = String::new();
@@ -702,8 +726,10 @@ pub(crate) struct SinkMetrics {
     pub(crate) received_total: Counter,
     /// Chunks and manifests that failed verification.
     pub(crate) verification_failures: Counter,
-    /// Commit-to-replica lag, seconds.
-    pub(crate) lag: Histogram,
+    /// Commit-to-replica lag, seconds, by class.
+    lag: LagFamily<ClassLabel>,
+    /// Phases after the commit, seconds, by phase and class.
+    phases: LagFamily<PhaseClassLabel>,
     /// Replicas published.
     pub(crate) published: Counter,
     replica_states: Family<StateLabel, Gauge>,
@@ -735,7 +761,8 @@ impl SinkMetrics {
             received: Family::default(),
             received_total: Counter::default(),
             verification_failures: Counter::default(),
-            lag: Histogram::new(LAG_BUCKETS_S),
+            lag: Family::new_with_constructor(lag_histogram as fn() -> Histogram),
+            phases: Family::new_with_constructor(lag_histogram as fn() -> Histogram),
             published: Counter::default(),
             replica_states: Family::default(),
             read_back_wall: Counter::default(),
@@ -768,6 +795,13 @@ impl SinkMetrics {
             "Publish time at the sink minus the source's commit time, for replicas whose \
              commit time is known (negative values from clock skew count as 0), in seconds",
             m.lag.clone(),
+        );
+        registry.register(
+            "ferry_eval_ready_phase_seconds",
+            "Time each replica spent in each phase after its checkpoint's commit (phase: \
+             waiting_for_writer, queued, sending, verifying, publishing; measured on the source's \
+             and the sink's monotonic clocks), by the class it was served in, in seconds",
+            m.phases.clone(),
         );
         registry.register(
             "ferry_replica_state_replicas",
@@ -830,10 +864,28 @@ impl SinkMetrics {
             .clone()
     }
 
-    /// Records a commit-to-replica lag of `lag_s` seconds.
-    pub(crate) fn observe_lag(&self, lag_s: f64) {
+    /// Records a commit-to-replica lag of `lag_s` seconds of a replica
+    /// served in `class`.
+    pub(crate) fn observe_lag(&self, lag_s: f64, class: &str) {
         if lag_s.is_finite() {
-            self.lag.observe(lag_s.max(0.0));
+            self.lag
+                .get_or_create(&ClassLabel {
+                    class: class.to_string(),
+                })
+                .observe(lag_s.max(0.0));
+        }
+    }
+
+    /// Records each phase after the commit of a replica served in
+    /// `class`.
+    pub(crate) fn observe_phases(&self, p: &ferry_proto::phases::Phases, class: &str) {
+        for (phase, d) in &p.after {
+            self.phases
+                .get_or_create(&PhaseClassLabel {
+                    phase: phase.as_str().to_string(),
+                    class: class.to_string(),
+                })
+                .observe(d.as_secs_f64());
         }
     }
 
@@ -1183,9 +1235,25 @@ mod tests {
         m.received_for("train-a-1").inc_by(8);
         m.verification_failures.inc_by(2);
         m.published.inc();
-        m.observe_lag(0.3);
-        m.observe_lag(-1.0);
-        m.observe_lag(4000.0);
+        m.observe_lag(0.3, "urgent");
+        m.observe_lag(-1.0, "urgent");
+        m.observe_lag(4000.0, "urgent");
+        m.observe_lag(2.0, "background");
+        let mut p = ferry_proto::phases::Phases::default();
+        use ferry_proto::phases::Phase;
+        p.add(false, Phase::Streaming, std::time::Duration::from_secs(90));
+        p.add(
+            true,
+            Phase::Sending,
+            std::time::Duration::from_millis(1_500),
+        );
+        p.add(
+            true,
+            Phase::Publishing,
+            std::time::Duration::from_millis(200),
+        );
+        m.observe_phases(&p, "urgent");
+        m.observe_phases(&p, "urgent");
         m.note_read_back(crate::storage::ReadBack {
             wall: std::time::Duration::from_millis(1500),
             cpu: std::time::Duration::from_millis(2250),
@@ -1205,6 +1273,7 @@ mod tests {
             ("ferry_verification_failures_total", "counter"),
             ("ferry_published_replicas_total", "counter"),
             ("ferry_commit_to_replica_lag_seconds", "histogram"),
+            ("ferry_eval_ready_phase_seconds", "histogram"),
             ("ferry_replica_state_replicas", "gauge"),
             ("ferry_read_back_seconds_total", "counter"),
             ("ferry_read_back_cpu_seconds_total", "counter"),
@@ -1226,18 +1295,41 @@ mod tests {
         assert_eq!(value(&s, "ferry_published_replicas_total", &[]), 1.0);
         close(value(&s, "ferry_read_back_seconds_total", &[]), 1.5);
         close(value(&s, "ferry_read_back_cpu_seconds_total", &[]), 2.25);
+        let urgent = [("class", "urgent")];
         assert_eq!(
-            value(&s, "ferry_commit_to_replica_lag_seconds_count", &[]),
+            value(&s, "ferry_commit_to_replica_lag_seconds_count", &urgent),
             3.0
         );
         close(
-            value(&s, "ferry_commit_to_replica_lag_seconds_sum", &[]),
+            value(&s, "ferry_commit_to_replica_lag_seconds_sum", &urgent),
             4000.3,
         );
+        close(
+            value(
+                &s,
+                "ferry_commit_to_replica_lag_seconds_sum",
+                &[("class", "background")],
+            ),
+            2.0,
+        );
+        // Only the phases after the commit, each by phase and class.
+        let sending = [("phase", "sending"), ("class", "urgent")];
+        assert_eq!(
+            value(&s, "ferry_eval_ready_phase_seconds_count", &sending),
+            2.0
+        );
+        close(
+            value(&s, "ferry_eval_ready_phase_seconds_sum", &sending),
+            3.0,
+        );
+        assert!(!text.contains("phase=\"streaming\""), "{text}");
         let h = s
             .samples
             .iter()
-            .find(|x| x.metric == "ferry_commit_to_replica_lag_seconds")
+            .find(|x| {
+                x.metric == "ferry_commit_to_replica_lag_seconds"
+                    && x.labels.get("class") == Some("urgent")
+            })
             .map(|x| x.value.clone());
         let Some(prometheus_parse::Value::Histogram(b)) = h else {
             panic!("no histogram in {text}");

@@ -23,6 +23,7 @@ use ferry_catalog::{
 };
 use ferry_proto::manifest::{hex, ChunkMap, FileInfo, Hash, Manifest};
 use ferry_proto::paths::check_name;
+use ferry_proto::phases::Phases;
 use ferry_proto::state::{Profile, TransferId, TransferState};
 use ferry_proto::wire::{
     BatchHeader, Commit, Control, Hello, Open, RecordHeader, MIN_PROTOCOL_VERSION,
@@ -331,6 +332,12 @@ struct LiveState {
     bytes_at_open: u64,
     commit: Option<(Manifest, u64)>,
     times: SourceTimes,
+    /// When the latest commit arrived, the phases the source measured
+    /// until it went, and whether the source takes the sink's phases in
+    /// its published answer (protocol version 7).
+    commit_at: Option<Instant>,
+    source_phases: Phases,
+    answer_phases: bool,
     /// The step and class the source sent with the commit.
     meta: CheckpointMeta,
     siblings: Vec<(String, Vec<u8>)>,
@@ -1095,7 +1102,8 @@ async fn serve_connection(
                 if let Some(before) = before {
                     let _ = before.await;
                 }
-                let r = handle_control(&inner2, &open2, &ctl2, &peer2, &site2, msg).await;
+                let r =
+                    handle_control(&inner2, &open2, &ctl2, &peer2, &site2, version, msg).await;
                 drop(permit);
                 match r {
                     Ok(()) => {}
@@ -1133,6 +1141,7 @@ async fn handle_control(
     ctl: &Arc<ControlSender>,
     peer: &str,
     site: &str,
+    version: u16,
     msg: Control,
 ) -> Result<(), ConnError> {
     match msg {
@@ -1177,6 +1186,7 @@ async fn handle_control(
             siblings,
             checkpoint,
             lost,
+            phases,
         }) => {
             let live = open.get(id);
             let Some(live) = live else {
@@ -1205,6 +1215,11 @@ async fn handle_control(
                 };
                 st.siblings = siblings;
                 st.meta = checkpoint_meta(id, checkpoint);
+                // The sink's phases start again at each commit: those
+                // before it are in the source's.
+                st.commit_at = Some(Instant::now());
+                st.source_phases = phases;
+                st.answer_phases = version >= ferry_proto::wire::PHASES_VERSION;
             }
             maybe_finish(inner, &live, ctl, id).await?;
         }
@@ -2170,7 +2185,12 @@ async fn maybe_finish(
     enum Next {
         Need(Vec<u64>, u64),
         Mismatch(String),
-        Publish(Manifest, (SourceTimes, CheckpointMeta), Vec<(u64, Hash)>),
+        Publish(
+            Manifest,
+            (SourceTimes, CheckpointMeta),
+            Vec<(u64, Hash)>,
+            PhaseMarks,
+        ),
     }
     let next = {
         let mut st = crate::lock::lock(&live.st);
@@ -2192,7 +2212,13 @@ async fn maybe_finish(
             Ok(keys) => match decide::commit_verdict(&keys, &st.verified) {
                 decide::CommitVerdict::Publish => {
                     st.publishing = true;
-                    Next::Publish(manifest, (st.times, st.meta), keys)
+                    let marks = PhaseMarks {
+                        commit_at: st.commit_at,
+                        ready_at: Instant::now(),
+                        source: std::mem::take(&mut st.source_phases),
+                        answer: st.answer_phases,
+                    };
+                    Next::Publish(manifest, (st.times, st.meta), keys, marks)
                 }
                 decide::CommitVerdict::Need { keys: need, wrong } => {
                     // Verified against the hash sent with it, but not the
@@ -2226,15 +2252,16 @@ async fn maybe_finish(
             );
             ctl.send(&Control::Need { id, chunks: need }).await
         }
-        Next::Publish(manifest, _, _) if live.published_root == Some(manifest.root()) => {
+        Next::Publish(manifest, _, _, _) if live.published_root == Some(manifest.root()) => {
             ctl.send(&Control::Published {
                 id,
                 local_path: inner.shown(&live.local_path),
                 root: manifest.root(),
+                phases: Phases::default(),
             })
             .await
         }
-        Next::Publish(manifest, (times, meta), keys) => {
+        Next::Publish(manifest, (times, meta), keys, marks) => {
             let t_publish = Instant::now();
             // One publish at a time per local path: two transfers moving
             // versions into the same place must not interleave their steps.
@@ -2265,12 +2292,14 @@ async fn maybe_finish(
             })
             .await;
             let mut reread_ms = None;
+            let mut reread_wall = Duration::ZERO;
             let mut reread_cpu_ms = None;
             let mut hot_raised = None;
             let bad = match res {
                 Ok(PublishOutcome::Published { reread, hot }) => {
                     hot_raised = hot;
                     if let Some(r) = reread {
+                        reread_wall = r.wall;
                         reread_ms = Some(r.wall.as_millis() as u64);
                         reread_cpu_ms = Some(r.cpu.as_millis() as u64);
                         inner.metrics.note_read_back(r);
@@ -2338,10 +2367,19 @@ async fn maybe_finish(
                     .unwrap_or_else(|_| Err("the catalog writer stopped".into())),
                 Err(_) => Err("the catalog writer stopped".into()),
             };
+            let mut at_sink = Phases::default();
             match recorded {
                 Ok(recorded) => {
+                    let class = meta.class.map_or("unknown", |c| c.as_str());
                     if let Some(lag_s) = recorded {
-                        inner.metrics.observe_lag(lag_s);
+                        inner.metrics.observe_lag(lag_s, class);
+                    }
+                    at_sink = marks.at_sink(t_publish, reread_wall, Instant::now());
+                    let mut all = marks.source.clone();
+                    all.merge(&at_sink);
+                    inner.metrics.observe_phases(&all, class);
+                    if let Err(e) = inner.catalog.set_replica_phases(live.id, &all).await {
+                        warn!(transfer = %id, error = %e, "catalog: recording the phases");
                     }
                     // A re-save of a pinned checkpoint stays pinned (before
                     // the policies weigh it).
@@ -2382,9 +2420,50 @@ async fn maybe_finish(
                 id,
                 local_path: inner.shown(&live.local_path),
                 root: manifest.root(),
+                phases: if marks.answer {
+                    at_sink
+                } else {
+                    Phases::default()
+                },
             })
             .await
         }
+    }
+}
+
+/// What a publish needs to say where its time went: when the latest
+/// commit arrived, when every batch was in and the publish decided, and
+/// the source's phases until its commit went.
+struct PhaseMarks {
+    commit_at: Option<Instant>,
+    ready_at: Instant,
+    source: Phases,
+    /// The source takes the sink's phases back (protocol version 7).
+    answer: bool,
+}
+
+impl PhaseMarks {
+    /// The sink's phases after the commit arrived: the last batches
+    /// (sending) until `ready_at`; verifying, from there until the
+    /// publish began (`started`) plus the read-back of staging
+    /// (`reread`); publishing, the rest until `recorded` (the path's
+    /// publish lock, the writes in flight, moving into place, syncing and
+    /// the catalog record).
+    fn at_sink(&self, started: Instant, reread: Duration, recorded: Instant) -> Phases {
+        use ferry_proto::phases::Phase;
+        let mut p = Phases::default();
+        if let Some(c) = self.commit_at {
+            p.add(
+                true,
+                Phase::Sending,
+                self.ready_at.saturating_duration_since(c),
+            );
+        }
+        let total = recorded.saturating_duration_since(self.ready_at);
+        let verifying = (started.saturating_duration_since(self.ready_at) + reread).min(total);
+        p.add(true, Phase::Verifying, verifying);
+        p.add(true, Phase::Publishing, total - verifying);
+        p
     }
 }
 

@@ -40,6 +40,7 @@ use crate::tls;
 use crate::transport::{transport_config, SocketFactory, Tuning};
 
 mod dispatch;
+pub(crate) mod phases;
 pub mod pins;
 mod shared;
 mod streaming;
@@ -504,6 +505,8 @@ struct Inner {
     progress: Mutex<HashMap<TransferId, Arc<LiveProgress>>>,
     /// Views of watched checkpoints, by transfer id (see [`watcher`]).
     views: Mutex<HashMap<TransferId, watch::Receiver<CheckpointView>>>,
+    /// Each live transfer's phase log (see [`phases`]).
+    phase_clocks: phases::PhaseClocks,
     /// Checkpoints signals' pins picked for replication whatever `select`
     /// says, for the watchers of their roots: (root, pick, until Unix
     /// ms). Each root's watcher takes its own at its next pass.
@@ -661,6 +664,7 @@ impl Source {
             links,
             progress: Mutex::new(HashMap::new()),
             views: Mutex::new(HashMap::new()),
+            phase_clocks: phases::PhaseClocks::default(),
             picks: Mutex::new(Vec::new()),
             step_pins: Mutex::new(Vec::new()),
             shutdown: CancellationToken::new(),
@@ -766,6 +770,10 @@ impl Source {
     /// achieved) and the running one's, so they never move backwards,
     /// also across pause, resume and reconnect.
     pub fn with_progress(&self, mut t: Transfer) -> (Transfer, Option<Progress>) {
+        // Where its time went so far, until the publish records it.
+        if t.phases.is_none() {
+            t.phases = self.inner.phase_clocks.phases(t.id);
+        }
         let live = self
             .inner
             .progress
@@ -2936,6 +2944,10 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                     running_big += 1;
                 }
                 link.sched.activate(st, Arc::new(LiveProgress::default()));
+                inner
+                    .phase_clocks
+                    .begin(id, t.created_at, t.opened_at, t.format.is_none());
+                inner.phase_clocks.note(id, phases::Event::RunStart);
                 let stop = inner.shutdown.child_token();
                 stops.insert(id, stop.clone());
                 let (inner2, c2) = (inner.clone(), c.clone());
@@ -2982,6 +2994,9 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                         ) if !p.holds(id, *at) => fenced(),
                         _ => r,
                     };
+                    if r.is_err() {
+                        inner2.phase_clocks.note(id, phases::Event::RunEnd);
+                    }
                     (id, r)
                 });
             }
@@ -3106,6 +3121,7 @@ async fn end_transfer(
         }
         Err(RunError::Cancelled(why)) => {
             info!(transfer = %id, "transfer cancelled: {why}");
+            inner.phase_clocks.forget(id);
             tell_sink(why.clone()).await;
             if let Err(e) = inner
                 .catalog
@@ -3118,6 +3134,7 @@ async fn end_transfer(
         }
         Err(RunError::Fatal(why)) => {
             warn!(transfer = %id, "transfer failed: {why}");
+            inner.phase_clocks.forget(id);
             tell_sink(why.clone()).await;
             if let Err(e) = inner
                 .catalog
@@ -3383,7 +3400,11 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
         manifest: Arc::new(manifest),
         map,
         slots: Arc::new(slots),
-        times: SourceTimes::default(),
+        // A pushed directory is committed when it is pushed.
+        times: SourceTimes {
+            committed_ms: t.created_at,
+            opened_ms: 0,
+        },
         siblings: Vec::new(),
         recheck: Some(versions),
     };
@@ -3440,6 +3461,7 @@ async fn commit_loop(
             }
         }
         if !need.is_empty() {
+            inner.phase_clocks.note(id, phases::Event::Need);
             let mut list = std::mem::take(&mut need);
             list.sort_unstable();
             list.dedup();
@@ -3496,6 +3518,13 @@ async fn commit_loop(
             .await?;
         let checkpoint = checkpoint_info(c, t, &sealed.manifest);
         let commit = |(batches, lost): (u64, Vec<u64>)| {
+            // Where the time went so far, for a sink that takes it.
+            inner.phase_clocks.note(id, phases::Event::CommitSent);
+            let phases = if c.version >= ferry_proto::wire::PHASES_VERSION {
+                inner.phase_clocks.phases(id).unwrap_or_default()
+            } else {
+                Default::default()
+            };
             Control::Commit(Commit {
                 id,
                 committed_ms: sealed.times.committed_ms,
@@ -3505,6 +3534,7 @@ async fn commit_loop(
                 siblings: sealed.siblings.clone(),
                 checkpoint: Some(checkpoint.clone()),
                 lost,
+                phases,
             })
         };
         // The commit goes once every chunk queued is written (chunks moved
@@ -3612,6 +3642,7 @@ async fn handle_end(
         Control::Published {
             local_path,
             root: their_root,
+            phases: at_sink,
             ..
         } => {
             if &their_root != root {
@@ -3625,6 +3656,14 @@ async fn handle_end(
                 .catalog
                 .set_transfer_published(t.id, &hex(root), &local_path)
                 .await?;
+            // Ours until the commit went (the time since is the sink's),
+            // then the sink's after it arrived.
+            if let Some(mut p) = inner.phase_clocks.finish(t.id) {
+                p.merge(&at_sink);
+                if let Err(e) = inner.catalog.set_transfer_phases(t.id, &p).await {
+                    warn!(transfer = %t.id, error = %e, "catalog: recording the phases");
+                }
+            }
             info!(transfer = %t.id, local_path, root = %hex(root), "replica published at the sink");
             settle_deadline(inner, t.id).await;
             Ok(())

@@ -437,6 +437,7 @@ async fn out_of_order_control_messages_close_the_connection() {
                 siblings: vec![],
                 checkpoint: None,
                 lost: vec![],
+                phases: Default::default(),
             }),
             "commit for unknown transfer 77",
         ),
@@ -453,6 +454,7 @@ async fn out_of_order_control_messages_close_the_connection() {
                 id: TransferId(1),
                 local_path: "/etc".into(),
                 root: [0; 32],
+                phases: Default::default(),
             },
             "unexpected published",
         ),
@@ -586,6 +588,7 @@ async fn records_past_the_declared_file_size_are_dropped() {
             siblings: vec![],
             checkpoint: None,
             lost: vec![],
+            phases: Default::default(),
         })
         .encode(),
     )
@@ -665,6 +668,7 @@ async fn publish_at(
             siblings: vec![],
             checkpoint,
             lost: vec![],
+            phases: Default::default(),
         })
         .encode(),
     )

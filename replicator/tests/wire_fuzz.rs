@@ -12,6 +12,7 @@ use std::path::{Component, Path};
 use ferry_proto::limits::{MAX_CHUNK, MAX_FRAME, MAX_SIBLINGS, MAX_SIBLING_BYTES};
 use ferry_proto::manifest::{chunk_count, FileEntry, FileInfo, Manifest, MIN_CHUNK_SIZE};
 use ferry_proto::paths::{check_name, check_relative};
+use ferry_proto::phases::{Phase, Phases};
 use ferry_proto::state::{Profile, TransferId};
 use ferry_proto::wire::{
     frame_len, BatchHeader, CheckpointInfo, Commit, Control, Hello, Open, PinRequest, PinTarget,
@@ -146,6 +147,25 @@ fn decode_all(body: &[u8]) {
 
 // ---- strategies for valid values ----
 
+/// Phase durations before and after a commit (protocol version 7).
+fn phases() -> impl Strategy<Value = Phases> {
+    let side = || prop::collection::vec((0..Phase::ALL.len(), any::<u64>()), 0..5);
+    (side(), side()).prop_map(|(before, after)| {
+        let mut p = Phases::default();
+        for (after_commit, list) in [(false, before), (true, after)] {
+            for (i, us) in list {
+                let side = if after_commit {
+                    &mut p.after
+                } else {
+                    &mut p.before
+                };
+                side.insert(Phase::ALL[i], std::time::Duration::from_micros(us));
+            }
+        }
+        p
+    })
+}
+
 fn short_str() -> impl Strategy<Value = String> {
     prop_oneof![
         "[a-z0-9._-]{0,12}",
@@ -279,15 +299,18 @@ fn control() -> impl Strategy<Value = Control> {
                 (short_str(), prop::collection::vec(any::<u8>(), 0..64)),
                 0..=MAX_SIBLINGS as usize
             ),
-            // Version 2 (nothing), 3 (checkpoint info) or 4 (checkpoint
-            // info and lost batches, possibly none).
-            prop::option::of((prop::option::of(any::<u64>()), short_str(), ids))
+            // Version 2 (nothing), 3 (checkpoint info), 4 (checkpoint
+            // info and lost batches, possibly none) or 7 (and phases,
+            // possibly none).
+            prop::option::of((prop::option::of(any::<u64>()), short_str(), ids, phases()))
         )
             .prop_map(
                 |((id, committed_ms, opened_ms, batches), manifest, siblings, tail)| {
-                    let (checkpoint, lost) = match tail {
-                        Some((step, class, lost)) => (Some(CheckpointInfo { step, class }), lost),
-                        None => (None, Vec::new()),
+                    let (checkpoint, lost, phases) = match tail {
+                        Some((step, class, lost, phases)) => {
+                            (Some(CheckpointInfo { step, class }), lost, phases)
+                        }
+                        None => (None, Vec::new(), Phases::default()),
                     };
                     Control::Commit(Commit {
                         id: TransferId(id),
@@ -298,16 +321,18 @@ fn control() -> impl Strategy<Value = Control> {
                         siblings,
                         checkpoint,
                         lost,
+                        phases,
                     })
                 }
             ),
-        (any::<u64>(), short_str(), any::<[u8; 32]>()).prop_map(|(id, local_path, root)| {
-            Control::Published {
+        (any::<u64>(), short_str(), any::<[u8; 32]>(), phases()).prop_map(
+            |(id, local_path, root, phases)| Control::Published {
                 id: TransferId(id),
                 local_path,
                 root,
+                phases,
             }
-        }),
+        ),
         (any::<u64>(), short_str()).prop_map(|(id, reason)| Control::Cancel {
             id: TransferId(id),
             reason

@@ -961,6 +961,45 @@ impl World {
         }
     }
 
+    /// Checks where a published replica's time went, on one host: the
+    /// sink's row (`GET /v1/replicas`) lists phases after the commit,
+    /// each 0 or more, that include `must` and add up to its
+    /// `commit_to_replica_s` within 50 ms; the source's transfer row
+    /// lists the same phases after the commit. Returns the sink's
+    /// phases.
+    pub fn assert_phases_add_up(&self, replica: &Value, transfer: &Value, must: &[&str]) -> Value {
+        let p = &replica["phases"];
+        let after = p["after_commit"].as_object().cloned().unwrap_or_default();
+        self.ensure(!after.is_empty(), || {
+            format!("no phases after the commit: {replica}")
+        });
+        for (k, v) in &after {
+            self.ensure(v.as_f64().is_some_and(|x| x >= 0.0), || {
+                format!("phase {k} is {v}: {replica}")
+            });
+        }
+        for m in must {
+            self.ensure(after.contains_key(*m), || format!("no phase {m}: {p}"));
+        }
+        let sum: f64 = after.values().filter_map(Value::as_f64).sum();
+        let total = replica["commit_to_replica_s"].as_f64().unwrap_or(f64::NAN);
+        self.ensure((sum - total).abs() <= 0.05, || {
+            format!("the phases after the commit add up to {sum} s, commit to eval-ready took {total} s: {p}")
+        });
+        self.ensure(
+            p["unattributed_s"]
+                .as_f64()
+                .is_some_and(|u| u.abs() <= 0.05),
+            || format!("unattributed: {p}"),
+        );
+        let tp = &transfer["phases"]["after_commit"];
+        self.ensure(
+            tp.as_object().map(|o| o.keys().collect::<Vec<_>>()) == Some(after.keys().collect()),
+            || format!("the source's phases {tp} are not the sink's {p}"),
+        );
+        p.clone()
+    }
+
     /// The source's `GET /v1/transfers/{id}`.
     pub async fn transfer(&self, source: &Agent, id: i64) -> Value {
         self.get_json(&format!("{}/v1/transfers/{id}", source.url()))

@@ -50,6 +50,7 @@ mod export;
 pub mod jobs;
 pub mod leases;
 pub mod notify;
+pub mod phases;
 pub mod pin_requests;
 pub mod pool;
 pub mod replica_events;

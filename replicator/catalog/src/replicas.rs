@@ -81,6 +81,9 @@ pub struct Replica {
     /// The raised replication of its hot files at an HDFS sink, while
     /// the hint lasts.
     pub hot: Option<HotHint>,
+    /// Where the time to eval-ready went ([`crate::phases`]); `None`
+    /// before the publish or from an older source.
+    pub phases: Option<ferry_proto::phases::Phases>,
 }
 
 /// A replication hint in force on a replica's hot files (HDFS sink).
@@ -312,7 +315,7 @@ const REPLICA_COLS: &str = "id, peer, source_site, source_transfer, job, source_
     created_at, published_at, committed_at, commit_to_replica_s, open_to_replica_s, profile, \
     step, class, pinned_at, pinned_until, pin_reason, removal_reason, removal_detail, \
     removal_started_at, removed_at, removed_bytes, removal_forced, leased_until, version_deleted_at, \
-    hot_factor, hot_previous, hot_until";
+    hot_factor, hot_previous, hot_until, phases";
 
 fn replica_row(r: &AnyRow) -> Result<Replica, sqlx::Error> {
     Ok(Replica {
@@ -381,6 +384,7 @@ fn replica_row(r: &AnyRow) -> Result<Replica, sqlx::Error> {
             }),
             _ => None,
         },
+        phases: crate::phases::column(r.try_get("phases")?)?,
     })
 }
 

@@ -112,6 +112,9 @@ pub struct Transfer {
     /// What was said about the deadline: `None` (nothing yet), at risk,
     /// met or missed.
     pub deadline_state: Option<DeadlineState>,
+    /// Where the time to eval-ready went ([`crate::phases`]), recorded
+    /// when the sink said it published; `None` until then.
+    pub phases: Option<ferry_proto::phases::Phases>,
 }
 
 impl Transfer {
@@ -218,7 +221,7 @@ fn transfer_cols(db: crate::dialect::Dialect) -> String {
          bytes_done, bytes_sent, shards, manifest_root, local_path, error, created_at, \
          started_at, finished_at, checkpoint, format, opened_at, committed_at, \
          commit_identity, profile, importance, urgent_until, signal, \
-         deadline_at, deadline_after_commit, deadline_state, \
+         deadline_at, deadline_after_commit, deadline_state, phases, \
          CASE WHEN lease_until >= {} THEN holder END AS holder",
         db.now_ms()
     )
@@ -264,6 +267,7 @@ fn transfer_row(r: &AnyRow) -> Result<Transfer, sqlx::Error> {
                 })
             })
             .transpose()?,
+        phases: crate::phases::column(r.try_get("phases")?)?,
     })
 }
 

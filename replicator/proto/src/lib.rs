@@ -11,6 +11,7 @@ mod codec;
 pub mod limits;
 pub mod manifest;
 pub mod paths;
+pub mod phases;
 pub mod state;
 pub mod units;
 pub mod wire;

@@ -1,4 +1,12 @@
-//! Ferry's wire protocol, version 6: a sans-IO codec.
+//! Ferry's wire protocol, version 7: a sans-IO codec.
+//!
+//! Version 7 adds where the time went ([`crate::phases`]): a commit
+//! carries the durations of the phases the source measured
+//! ([`Commit::phases`]: the writer's last files, queued, sending), and
+//! the published answer those the sink measured ([`Control::Published`]'s
+//! `phases`: the last batches, verifying, publishing). A source sends
+//! them only to a sink that speaks version 7, and a sink only to a
+//! version 7 source; a sink speaks versions 2 to 7.
 //!
 //! Version 6 adds [`Control::Pin`]: a source asks the sink to pin the
 //! replicas around an anomaly signal (the last checkpoint before the
@@ -58,6 +66,7 @@ use std::fmt;
 use crate::codec::{Reader, Writer};
 use crate::limits::{MAX_CHUNK, MAX_FILES, MAX_FRAME, MAX_SIBLINGS, MAX_SIBLING_BYTES};
 use crate::manifest::{FileInfo, Hash, Manifest};
+use crate::phases::Phases;
 use crate::state::{Profile, TransferId};
 
 pub use crate::codec::WireError;
@@ -66,7 +75,11 @@ pub use crate::codec::WireError;
 /// newest a sink speaks. A sink refuses a version outside
 /// [`MIN_PROTOCOL_VERSION`]..=[`PROTOCOL_VERSION`] with [`Control::Error`]
 /// naming both; a source refuses a sink whose hello names another version.
-pub const PROTOCOL_VERSION: u16 = 6;
+pub const PROTOCOL_VERSION: u16 = 7;
+
+/// The first protocol version whose commits and published answers carry
+/// phase durations ([`Commit::phases`]).
+pub const PHASES_VERSION: u16 = 7;
 
 /// The first protocol version whose sink takes [`Control::Pin`].
 pub const PIN_VERSION: u16 = 6;
@@ -194,6 +207,12 @@ pub struct Commit {
     /// sends both) is encoded with an empty checkpoint info, and decodes
     /// with `Some(CheckpointInfo::default())`.
     pub lost: Vec<u64>,
+    /// Version 7: how long the checkpoint spent in each phase at the
+    /// source so far (before the commit, and after it until this commit
+    /// message went). Encoded after the lost batches under flag bit 2
+    /// ([`Phases`]' encoding); empty is encoded as nothing, and a source
+    /// sends none to a sink older than [`PHASES_VERSION`].
+    pub phases: Phases,
 }
 
 /// What a version 3 source tells the sink about a checkpoint at commit,
@@ -294,6 +313,11 @@ pub enum Control {
         local_path: String,
         /// BLAKE3 root of the published manifest.
         root: Hash,
+        /// Version 7: the phases the sink measured for this publish (the
+        /// last batches after the commit arrived, verifying, publishing),
+        /// appended after the root when not empty; a sink sends none to a
+        /// source older than [`PHASES_VERSION`].
+        phases: Phases,
     },
     /// Either direction: stop this transfer and discard its staging data.
     Cancel {
@@ -347,6 +371,8 @@ const PIN_AT_OR_AFTER: u8 = 2;
 const CK_STEP: u8 = 1;
 /// A list of lost batches follows the class (version 4).
 const CK_LOST: u8 = 2;
+/// Phase durations follow the lost batches (version 7).
+const CK_PHASES: u8 = 4;
 
 impl Control {
     /// Short name of the message type, for logs.
@@ -432,6 +458,7 @@ impl Control {
                 siblings,
                 checkpoint,
                 lost,
+                phases,
             }) => {
                 w.u8(T_COMMIT);
                 w.u64(id.0);
@@ -445,10 +472,11 @@ impl Control {
                     w.u32(bytes.len() as u32);
                     w.0.extend_from_slice(bytes);
                 }
-                if checkpoint.is_some() || !lost.is_empty() {
+                if checkpoint.is_some() || !lost.is_empty() || !phases.is_empty() {
                     // Version 3: a flag byte (bit 0: step present), the
                     // step (0 when absent), the class name; version 4
-                    // with lost batches: flag bit 1, then their list.
+                    // with lost batches: flag bit 1, then their list;
+                    // version 7 with phases: flag bit 2, then them.
                     let empty = CheckpointInfo::default();
                     let c = checkpoint.as_ref().unwrap_or(&empty);
                     let mut flags = 0;
@@ -458,11 +486,17 @@ impl Control {
                     if !lost.is_empty() {
                         flags |= CK_LOST;
                     }
+                    if !phases.is_empty() {
+                        flags |= CK_PHASES;
+                    }
                     w.u8(flags);
                     w.u64(c.step.unwrap_or(0));
                     w.str(&c.class);
                     if !lost.is_empty() {
                         w.indices(lost);
+                    }
+                    if !phases.is_empty() {
+                        phases.encode(&mut w);
                     }
                 }
             }
@@ -470,11 +504,15 @@ impl Control {
                 id,
                 local_path,
                 root,
+                phases,
             } => {
                 w.u8(T_PUBLISHED);
                 w.u64(id.0);
                 w.long_str(local_path);
                 w.0.extend_from_slice(root);
+                if !phases.is_empty() {
+                    phases.encode(&mut w);
+                }
             }
             Control::Cancel { id, reason } => {
                 w.u8(T_CANCEL);
@@ -599,17 +637,25 @@ impl Control {
                 }
                 // Version 3 appends the checkpoint's step and class (and
                 // version 4 its lost batches); a version 2 commit ends here.
-                let (checkpoint, lost) = if r.remaining() == 0 {
-                    (None, Vec::new())
+                let (checkpoint, lost, phases) = if r.remaining() == 0 {
+                    (None, Vec::new(), Phases::default())
                 } else {
                     let flags = r.u8("checkpoint flags")?;
-                    if flags & !(CK_STEP | CK_LOST) != 0 {
+                    if flags & !(CK_STEP | CK_LOST | CK_PHASES) != 0 {
                         return Err(WireError::Invalid {
                             what: "checkpoint flags",
                             why: format!("unknown bits in {flags:#04x}"),
                         });
                     }
                     let step = r.u64("step")?;
+                    if flags & CK_STEP == 0 && step != 0 {
+                        // Encoded as 0 when absent: anything else would
+                        // not encode back to the same bytes.
+                        return Err(WireError::Invalid {
+                            what: "step",
+                            why: format!("{step} without the step flag"),
+                        });
+                    }
                     let class = r.str("class")?;
                     if class.len() > 255 {
                         return Err(WireError::TooLarge {
@@ -630,11 +676,16 @@ impl Control {
                     } else {
                         Vec::new()
                     };
+                    let phases = if flags & CK_PHASES != 0 {
+                        Phases::decode(&mut r)?
+                    } else {
+                        Phases::default()
+                    };
                     let info = CheckpointInfo {
                         step: (flags & CK_STEP != 0).then_some(step),
                         class,
                     };
-                    (Some(info), lost)
+                    (Some(info), lost, phases)
                 };
                 Control::Commit(Commit {
                     id,
@@ -645,12 +696,18 @@ impl Control {
                     siblings,
                     checkpoint,
                     lost,
+                    phases,
                 })
             }
             T_PUBLISHED => Control::Published {
                 id: TransferId(r.u64("transfer id")?),
                 local_path: r.long_str("local path")?,
                 root: r.hash("manifest root")?,
+                phases: if r.remaining() > 0 {
+                    Phases::decode(&mut r)?
+                } else {
+                    Phases::default()
+                },
             },
             T_CANCEL => Control::Cancel {
                 id: TransferId(r.u64("transfer id")?),
@@ -857,6 +914,7 @@ mod tests {
     use super::*;
     use crate::manifest::FileEntry;
     use crate::state::TransferId;
+    use std::time::Duration;
 
     fn roundtrip(m: Control) {
         let frame = m.encode();
@@ -968,6 +1026,7 @@ mod tests {
                 class: "urgent".into(),
             }),
             lost: vec![],
+            phases: Phases::default(),
         }));
         // Version 4 with lost batches.
         roundtrip(Control::Commit(Commit {
@@ -982,6 +1041,7 @@ mod tests {
                 class: "scheduled".into(),
             }),
             lost: vec![4, 9, 10],
+            phases: Phases::default(),
         }));
         // Version 2 (no checkpoint info), and version 3 without a step.
         for checkpoint in [
@@ -1000,12 +1060,14 @@ mod tests {
                 siblings: vec![],
                 checkpoint,
                 lost: vec![],
+                phases: Phases::default(),
             }));
         }
         roundtrip(Control::Published {
             id: TransferId(3),
             local_path: "/eval/x".into(),
             root: [9; 32],
+            phases: Phases::default(),
         });
         roundtrip(Control::Cancel {
             id: TransferId(3),
@@ -1061,6 +1123,7 @@ mod tests {
                 class: "scheduled".into(),
             }),
             lost: vec![],
+            phases: Phases::default(),
         })
         .encode();
         // The version 3 tail: flags (1), step (8), class ("scheduled", 2 + 9).
@@ -1204,6 +1267,7 @@ mod tests {
                 class: "urgent".into(),
             }),
             lost: vec![],
+            phases: Phases::default(),
         };
         assert_eq!(Control::decode(&v3).unwrap(), Control::Commit(want.clone()));
         // A version 4 commit that lost nothing is the same bytes.
@@ -1211,6 +1275,7 @@ mod tests {
         // With lost batches: flag bit 1 and the list after the class.
         let v4 = Control::Commit(Commit {
             lost: vec![2],
+            phases: Phases::default(),
             ..want
         })
         .encode();
@@ -1249,11 +1314,103 @@ mod tests {
             Err(WireError::Truncated { .. })
         ));
         // Unknown flag bits are still named.
-        b[flags_at] = 4;
+        b[flags_at] = 8;
         match Control::decode(&b) {
             Err(WireError::Invalid { what, .. }) => assert_eq!(what, "checkpoint flags"),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn version_7_phases_travel_with_the_commit_and_the_published_answer() {
+        use crate::phases::Phase;
+        let mut phases = Phases::default();
+        phases.add(false, Phase::Streaming, Duration::from_millis(42_000));
+        phases.add(true, Phase::Writer, Duration::from_micros(1_500_250));
+        phases.add(true, Phase::Sending, Duration::from_secs(3));
+        let commit = Commit {
+            id: TransferId(9),
+            committed_ms: 1_700_000_000_000,
+            opened_ms: 1_699_999_990_000,
+            batches: 4,
+            manifest: manifest(),
+            siblings: vec![],
+            checkpoint: None,
+            lost: vec![],
+            phases: phases.clone(),
+        };
+        // Phases without checkpoint info travel with an empty one.
+        let frame = Control::Commit(commit.clone()).encode();
+        match Control::decode(&frame[4..]).unwrap() {
+            Control::Commit(c) => {
+                assert_eq!(c.phases, phases);
+                assert_eq!(c.checkpoint, Some(CheckpointInfo::default()));
+                assert!(c.lost.is_empty());
+            }
+            other => panic!("{other:?}"),
+        }
+        roundtrip(Control::Commit(Commit {
+            checkpoint: Some(CheckpointInfo {
+                step: Some(7),
+                class: "urgent".into(),
+            }),
+            lost: vec![3],
+            ..commit.clone()
+        }));
+        // Without phases a commit is byte for byte a version 6 one.
+        let v6 = Control::Commit(Commit {
+            phases: Phases::default(),
+            ..commit.clone()
+        })
+        .encode();
+        assert!(v6.len() < frame.len());
+        let published = Control::Published {
+            id: TransferId(9),
+            local_path: "/eval/x".into(),
+            root: [1; 32],
+            phases: phases.clone(),
+        };
+        roundtrip(published.clone());
+        let bare = Control::Published {
+            id: TransferId(9),
+            local_path: "/eval/x".into(),
+            root: [1; 32],
+            phases: Phases::default(),
+        }
+        .encode();
+        assert_eq!(bare.len(), 4 + 1 + 8 + 4 + 7 + 32, "a version 6 published");
+        // An unknown phase code, a phase twice, and too many are named.
+        let good = published.encode();
+        let at = 4 + 1 + 8 + 4 + 7 + 32;
+        let mut bad = good.clone();
+        bad[at + 1] = 9;
+        match Control::decode(&bad[4..]) {
+            Err(WireError::Invalid { what, .. }) => assert_eq!(what, "phase"),
+            other => panic!("{other:?}"),
+        }
+        // Before: count, code, µs; after: count, then the waiting for
+        // the writer's code at +11 and sending's at +20.
+        let mut twice = good.clone();
+        twice[at + 20] = twice[at + 11];
+        match Control::decode(&twice[4..]) {
+            Err(WireError::Invalid { what, why }) => {
+                assert_eq!(what, "phase");
+                assert!(
+                    why.contains("waiting_for_writer listed twice or out of order"),
+                    "{why}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        let mut many = good.clone();
+        many[at] = 200;
+        assert!(matches!(
+            Control::decode(&many[4..]),
+            Err(WireError::TooLarge {
+                what: "phase count",
+                ..
+            })
+        ));
     }
 
     #[test]
@@ -1267,6 +1424,7 @@ mod tests {
             siblings: vec![],
             checkpoint: None,
             lost: vec![1],
+            phases: Phases::default(),
         })
         .encode();
         match Control::decode(&frame[4..]).unwrap() {

@@ -766,6 +766,7 @@ async fn act(
             commit,
         } => {
             info!(transfer = %transfer, dir = abs(&dir), %format, "checkpoint committed");
+            seen_commit(inner, transfer, commit.committed_ms);
             if let Err(e) = inner
                 .catalog
                 .set_checkpoint_state(
@@ -926,6 +927,7 @@ async fn start_transfer(
         }
     };
     if let Some(c) = &commit {
+        seen_commit(inner, id, c.committed_ms);
         logged(
             "set checkpoint state",
             inner
@@ -982,4 +984,17 @@ async fn end_transfer(
             );
         }
     }
+}
+
+/// Starts the phases after the commit of transfer `id` now: the writer's
+/// share is the time since the commit marker's mtime (`committed_ms`,
+/// Unix ms).
+fn seen_commit(inner: &Inner, id: TransferId, committed_ms: i64) {
+    let writer = ferry_catalog::now_ms().saturating_sub(committed_ms).max(0);
+    inner.phase_clocks.note(
+        id,
+        super::phases::Event::CommitSeen {
+            writer: std::time::Duration::from_millis(writer as u64),
+        },
+    );
 }
