@@ -6,7 +6,7 @@
 //! commit. Chunks the sink already has are skipped; chunks it asks for
 //! again are re-read and re-sent.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -415,9 +415,49 @@ struct LinkState {
     /// dials for them and sends them once connected; lost if this agent
     /// stops first).
     pins: Mutex<Vec<ferry_proto::wire::PinRequest>>,
+    /// The newest publishes' times from last byte to publish at the sink,
+    /// ms ([`LinkState::note_finish`]).
+    finishes: Mutex<VecDeque<i64>>,
+}
+
+/// Publishes of a link whose last-byte-to-publish time the deadline
+/// margin follows (the median of the newest).
+const FINISH_HISTORY: usize = 20;
+
+/// How long a replica took at the sink from its last byte to its publish,
+/// ms: its `verifying` and `publishing` phases after the commit.
+fn finish_ms(p: &ferry_proto::phases::Phases) -> i64 {
+    use ferry_proto::phases::Phase;
+    let d: Duration = [Phase::Verifying, Phase::Publishing]
+        .iter()
+        .filter_map(|k| p.after.get(k))
+        .sum();
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// The median of `v` (the upper one of an even count); 0 when empty.
+fn median(v: &VecDeque<i64>) -> i64 {
+    let mut s: Vec<i64> = v.iter().copied().collect();
+    s.sort_unstable();
+    s.get(s.len() / 2).copied().unwrap_or(0)
 }
 
 impl LinkState {
+    /// Notes how long a publish took at the sink after its last byte
+    /// (`ms`); the link's deadline margin then adds the median of the
+    /// last [`FINISH_HISTORY`] ([`scheduler::LinkScheduler::set_finish_ms`]).
+    fn note_finish(&self, ms: i64) {
+        let m = {
+            let mut f = crate::lock::lock(&self.finishes);
+            f.push_back(ms);
+            while f.len() > FINISH_HISTORY {
+                f.pop_front();
+            }
+            median(&f)
+        };
+        self.sched.lock().ls.set_finish_ms(m);
+    }
+
     /// Paces the link at its cap times this agent's fraction of it (at
     /// least [`MIN_PACE_BPS`]).
     fn apply_rate(&self) {
@@ -641,6 +681,7 @@ impl Source {
                     fraction: AtomicU64::new(1.0f64.to_bits()),
                     signals: Mutex::new(BTreeSet::new()),
                     pins: Mutex::new(Vec::new()),
+                    finishes: Mutex::new(VecDeque::new()),
                 }),
             );
         }
@@ -2715,6 +2756,22 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
     // The lease epoch each running transfer was claimed under (in a pool).
     let mut leases: HashMap<TransferId, i64> = HashMap::new();
     let pool = inner.cfg.pool.clone();
+    // The deadline margin starts from the sink's recent finishing times.
+    match inner.catalog.transfers(200, 0).await {
+        Ok(ts) => {
+            let mut seen: Vec<i64> = ts
+                .iter()
+                .filter(|t| t.link == link.cfg.name && t.state == TransferState::Published)
+                .filter_map(|t| t.phases.as_ref().map(finish_ms))
+                .take(FINISH_HISTORY)
+                .collect();
+            seen.reverse();
+            for ms in seen {
+                link.note_finish(ms);
+            }
+        }
+        Err(e) => warn!(link = link.cfg.name, error = %e, "catalog: reading recent publishes"),
+    }
     let mut saved_at = tokio::time::Instant::now();
     let mut reconciled_at;
     // Signals still live after a restart raise their jobs' scores again.
@@ -3658,6 +3715,11 @@ async fn handle_end(
                 .await?;
             // Ours until the commit went (the time since is the sink's),
             // then the sink's after it arrived.
+            if !at_sink.is_empty() {
+                if let Some(link) = inner.links.get(&t.link) {
+                    link.note_finish(finish_ms(&at_sink));
+                }
+            }
             if let Some(mut p) = inner.phase_clocks.finish(t.id) {
                 p.merge(&at_sink);
                 if let Err(e) = inner.catalog.set_transfer_phases(t.id, &p).await {
@@ -4092,6 +4154,21 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    #[test]
+    fn the_finish_time_is_verifying_plus_publishing_and_its_median_resists_outliers() {
+        use ferry_proto::phases::{Phase, Phases};
+        let mut p = Phases::default();
+        p.add(true, Phase::Sending, Duration::from_secs(9));
+        p.add(true, Phase::Verifying, Duration::from_millis(300));
+        p.add(true, Phase::Publishing, Duration::from_millis(45));
+        p.add(false, Phase::Streaming, Duration::from_secs(60));
+        assert_eq!(finish_ms(&p), 345);
+        assert_eq!(finish_ms(&Phases::default()), 0);
+        assert_eq!(median(&VecDeque::new()), 0);
+        assert_eq!(median(&VecDeque::from([300, 90_000, 280, 310])), 310);
+        assert_eq!(median(&VecDeque::from([300, 90_000, 280])), 300);
+    }
 
     #[test]
     fn default_connections_follow_the_rate_up_to_the_cores() {

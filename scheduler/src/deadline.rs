@@ -81,8 +81,10 @@ impl LinkScheduler {
     /// trips (the open's and the commit's answers, and the last chunk
     /// crossing), plus a bucket of bytes and three chunks at the class's
     /// rate (a chunk waiting behind another class's, the chunk being sent,
-    /// and the last one). `i64::MAX` if the class gets no rate. Not in
-    /// it: the sink's verification and publish time.
+    /// and the last one), plus the time the sink takes from the last byte
+    /// to the publish ([`LinkScheduler::set_finish_ms`]: the agent gives
+    /// it from its recent publishes). `i64::MAX` if the class gets no
+    /// rate.
     pub fn deadline_margin_ms(&self, class: Class, busy: [bool; 3]) -> i64 {
         let w = if self.policy().kind == PolicyKind::Fifo {
             1.0
@@ -97,7 +99,7 @@ impl LinkScheduler {
         }
         let chunk = self.chunk_bytes() as f64;
         let bytes = self.capacity().max(chunk) + 3.0 * chunk;
-        3 * self.rtt_ms() as i64 + (bytes / rate).ceil() as i64
+        (3 * self.rtt_ms() as i64 + (bytes / rate).ceil() as i64).saturating_add(self.finish_ms())
     }
 
     /// The fluid model's ready time of each of `ts` (Unix ms), from

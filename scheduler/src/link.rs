@@ -191,6 +191,9 @@ pub struct LinkScheduler {
     /// The chunk length the deadline margin assumes, bytes (see
     /// [`LinkScheduler::set_chunk_bytes`]).
     chunk_hint: u64,
+    /// The time from a transfer's last byte to its publish the deadline
+    /// margin adds, ms (see [`LinkScheduler::set_finish_ms`]).
+    finish_ms: i64,
     entries: BTreeMap<TransferId, Entry>,
     signals: HashMap<String, Vec<(f64, i64)>>,
     class_tag: [f64; 3],
@@ -226,6 +229,7 @@ impl LinkScheduler {
             bucket,
             max_chunk: 0,
             chunk_hint: DEFAULT_CHUNK_BYTES,
+            finish_ms: 0,
             entries: BTreeMap::new(),
             signals: HashMap::new(),
             class_tag: [0.0; 3],
@@ -283,6 +287,18 @@ impl LinkScheduler {
     /// right before the first chunk is seen.
     pub fn set_chunk_bytes(&mut self, bytes: u64) {
         self.chunk_hint = bytes.max(1);
+    }
+
+    /// Tells the scheduler how long a transfer takes from its last byte
+    /// to its publish at the sink (verification, read-back, publish), ms;
+    /// the deadline margin adds it. Default 0; negative counts as 0.
+    pub fn set_finish_ms(&mut self, ms: i64) {
+        self.finish_ms = ms.max(0);
+    }
+
+    /// The time from last byte to publish the margin adds, ms.
+    pub fn finish_ms(&self) -> i64 {
+        self.finish_ms
     }
 
     /// The active transfers as last given (bytes left as sent so far).

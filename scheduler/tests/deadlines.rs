@@ -255,3 +255,25 @@ fn an_at_risk_deadline_is_served_first_only_with_deadline_first() {
         }
     }
 }
+
+/// The margin adds the time the sink takes from the last byte to the
+/// publish, so a deadline that leaves room for the bytes but not for the
+/// sink's verification and publish is answered infeasible.
+#[test]
+fn the_sinks_finish_time_is_in_the_margin() {
+    let mut ls = LinkScheduler::new(Policy::default(), RATE, RTT, 0);
+    ls.set_chunk_bytes(CHUNK);
+    let busy = [false, true, false];
+    let base = ls.deadline_margin_ms(Class::Scheduled, busy);
+    // 10 MB at 10 MB/s: ready at 1 s, plus the margin; due 1 s later.
+    let cand = transfer(1, Class::Scheduled, 10_000_000, 0.0, Some(2_000 + base));
+    let a = ls.admission(&cand, &[], &[], 0).unwrap();
+    assert!(a.feasible, "{a:?}");
+    ls.set_finish_ms(1_500);
+    assert_eq!(ls.finish_ms(), 1_500);
+    assert_eq!(ls.deadline_margin_ms(Class::Scheduled, busy), base + 1_500);
+    let a = ls.admission(&cand, &[], &[], 0).unwrap();
+    assert!(!a.feasible && a.margin_ms == base + 1_500, "{a:?}");
+    ls.set_finish_ms(-5);
+    assert_eq!(ls.finish_ms(), 0, "a negative time counts as 0");
+}
