@@ -876,8 +876,10 @@ impl WebhookSection {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HdfsSinkSection {
-    /// Expected readers of each replica (eval ranks that start at once);
-    /// 0 (the default) gives no hints.
+    /// Expected readers of each replica (eval ranks that start at once)
+    /// when its transfer does not say (an announcement's or a push's
+    /// `readers` wins); 0 (the default): hints only for transfers that
+    /// say, and only with `datanodes` set.
     #[serde(default)]
     pub readers: u64,
     /// Readers one HDFS replica of a file serves safely; default 157 (the
@@ -885,7 +887,8 @@ pub struct HdfsSinkSection {
     #[serde(default = "default_readers_per_replica")]
     pub readers_per_replica: u64,
     /// DataNodes of the eval cluster: the factor never exceeds it.
-    /// Required with `readers`.
+    /// Required with `readers`; set alone, it enables the hints of
+    /// transfers that say their readers.
     pub datanodes: Option<u16>,
     /// More globs over paths in a checkpoint directory that are hot.
     #[serde(default)]
@@ -905,13 +908,14 @@ fn default_hot_ttl() -> Duration {
 
 impl HdfsSinkSection {
     /// The hints: `ceil(readers / readers_per_replica)` replicas, at most
-    /// `datanodes`; `None` with `readers = 0`.
+    /// `datanodes`, with `readers` from the transfer when it says, else
+    /// this section's; `None` with neither `readers` nor `datanodes`.
     ///
     /// # Errors
     /// `readers` without `datanodes`, a zero `readers_per_replica` or
     /// `hot_ttl`, or a glob that does not parse, each named.
     pub fn hot(&self) -> Result<Option<replicator::storage::hdfs::HotFiles>> {
-        if self.readers == 0 {
+        if self.readers == 0 && self.datanodes.is_none() {
             return Ok(None);
         }
         let Some(datanodes) = self.datanodes.filter(|d| *d > 0) else {
@@ -929,7 +933,7 @@ impl HdfsSinkSection {
             datanodes,
         );
         replicator::storage::hdfs::HotFiles::new(factor, &self.hot_files, self.hot_ttl)
-            .map(Some)
+            .map(|h| Some(h.sized(self.readers_per_replica, datanodes)))
             .map_err(|e| anyhow::anyhow!("sink.hdfs.hot_files: {e}"))
     }
 }

@@ -88,6 +88,10 @@ pub struct Transfer {
     /// commit time minus the phases after the commit); `null` before its
     /// first run or from an older sink.
     pub phases: Option<PhaseTimes>,
+    /// Readers (eval ranks starting at once) its replica should expect,
+    /// as the announcement or the push said: an HDFS sink sizes its
+    /// hot-file replication hints from it. `null` when not said.
+    pub readers: Option<i64>,
 }
 
 /// Where a checkpoint's time to eval-ready went: seconds per phase, each
@@ -185,6 +189,7 @@ impl From<ferry_catalog::Transfer> for Transfer {
             deadline_after_commit_s: r.deadline_after_commit.map(|a| a as f64 / 1000.0),
             deadline_state: r.deadline_state.map(|s| s.as_str()),
             phases,
+            readers: r.readers,
         }
     }
 }

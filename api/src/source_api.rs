@@ -48,6 +48,42 @@ pub(crate) struct CreateTransfer {
     /// queued). The answer carries `admission`.
     #[schema(example = "15m")]
     deadline: Option<String>,
+    /// Readers (eval ranks starting at once) the replica should expect,
+    /// 1 to 10,000,000: an HDFS sink raises the replication of the files
+    /// every rank reads to `ceil(readers / readers_per_replica)` before
+    /// the publish (its `[sink.hdfs]` settings).
+    #[schema(minimum = 1, maximum = 10_000_000)]
+    readers: Option<u64>,
+}
+
+/// Most readers a transfer or an announcement may say to expect.
+const MAX_READERS: u64 = 10_000_000;
+
+/// Checks a `readers` field (1 to [`MAX_READERS`]).
+fn check_readers(r: Option<u64>) -> Result<Option<i64>, ApiError> {
+    match r {
+        None => Ok(None),
+        Some(n) if (1..=MAX_READERS).contains(&n) => Ok(Some(n as i64)),
+        Some(n) => Err(ApiError::unprocessable(format!(
+            "`readers` must be from 1 to {MAX_READERS}, got {n}"
+        ))),
+    }
+}
+
+/// Gives transfer `t` the expected readers `r`, if any.
+async fn with_readers(
+    src: &Source,
+    mut t: ferry_catalog::Transfer,
+    r: Option<i64>,
+) -> Result<ferry_catalog::Transfer, ApiError> {
+    if r.is_some() {
+        src.catalog()
+            .set_transfer_readers(t.id, r)
+            .await
+            .map_err(ApiError::catalog)?;
+        t.readers = r;
+    }
+    Ok(t)
 }
 
 /// A transfer with its live progress, as the API shows it.
@@ -167,10 +203,12 @@ pub(crate) async fn create_transfer(
             .map_err(|e| ApiError::unprocessable(format!("`class`: {e}")))?,
     };
     let deadline = req.deadline.as_deref().map(parse_deadline).transpose()?;
+    let readers = check_readers(req.readers)?;
     let t = src
         .submit_as(&PathBuf::from(&req.path), req.link.as_deref(), class)
         .await
         .map_err(submit_error)?;
+    let t = with_readers(src, t, readers).await?;
     let v = with_deadline(src, t, deadline).await?;
     Ok((StatusCode::CREATED, Json(v)).into_response())
 }
@@ -210,6 +248,10 @@ pub(crate) struct Announce {
     /// committed now, with `expected_bytes` as its size).
     #[schema(example = "15m")]
     deadline: Option<String>,
+    /// Readers (eval ranks starting at once) the replica should expect,
+    /// 1 to 10,000,000, for an HDFS sink's hot-file replication hints.
+    #[schema(minimum = 1, maximum = 10_000_000)]
+    readers: Option<u64>,
 }
 
 /// Answer of `POST /v1/checkpoints/announce`.
@@ -263,6 +305,7 @@ pub(crate) async fn announce(
         return Err(ApiError::unprocessable("`job` must not be empty"));
     }
     let deadline = req.deadline.as_deref().map(parse_deadline).transpose()?;
+    let readers = check_readers(req.readers)?;
     let t = src
         .announce(
             &req.job,
@@ -282,7 +325,9 @@ pub(crate) async fn announce(
             StatusCode::CREATED,
             Json(AnnounceOutcome {
                 selected: true,
-                transfer: Some(with_deadline(src, t, deadline).await?),
+                transfer: Some(
+                    with_deadline(src, with_readers(src, t, readers).await?, deadline).await?,
+                ),
                 reason: None,
                 outlook,
             }),

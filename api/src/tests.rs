@@ -1716,3 +1716,27 @@ async fn a_job_writing_faster_than_its_link_is_told_so_in_numbers() {
         &["nobody"],
     );
 }
+
+#[tokio::test]
+async fn readers_are_checked_and_kept_with_the_transfer() {
+    let w = with_source().await;
+    let v = push_sized(&w, "step-r", 1000, json!({ "readers": 20_000 })).await;
+    assert_eq!(v["readers"], 20_000, "{v}");
+    let id = v["id"].as_i64().unwrap();
+    let (s, t) = call(w.r(), get(&format!("/v1/transfers/{id}"))).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(t["readers"], 20_000, "{t}");
+    let plain = push_sized(&w, "step-p", 1000, json!({})).await;
+    assert!(plain["readers"].is_null(), "{plain}");
+    for bad in [json!(0), json!(10_000_001u64), json!(-3), json!("many")] {
+        let dir = w.root.join("step-bad");
+        std::fs::create_dir_all(&dir).unwrap();
+        let body = json!({ "path": dir.to_str().unwrap(), "readers": bad });
+        let (s, v) = call(w.r(), send("POST", "/v1/transfers", &body.to_string())).await;
+        assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY, "{bad}: {v}");
+        assert!(
+            v["error"].as_str().unwrap().contains("readers"),
+            "{bad}: {v}"
+        );
+    }
+}

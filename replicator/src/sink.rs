@@ -2273,6 +2273,7 @@ async fn maybe_finish(
             let root_hex = hex(&manifest.root());
             let (l2, m2) = (live.clone(), manifest.clone());
             let reread = inner.cfg.reread_before_publish;
+            let readers = meta.readers;
             let version = version_dir(&inner.cfg.root, live.id);
             let (store, lp) = (live.store.clone(), live.local_path.clone());
             if blocking(move || store.exists(&lp)).await.unwrap_or(false) {
@@ -2288,6 +2289,7 @@ async fn maybe_finish(
                     &version,
                     &m2,
                     reread.then_some(&keys[..]),
+                    readers,
                 )
             })
             .await;
@@ -2574,6 +2576,7 @@ fn checkpoint_meta(
     CheckpointMeta {
         step: info.step,
         class,
+        readers: info.readers,
     }
 }
 

@@ -3573,7 +3573,17 @@ async fn commit_loop(
             .catalog
             .set_transfer_state(t.id, TransferState::Verifying, None)
             .await?;
-        let checkpoint = checkpoint_info(c, t, &sealed.manifest);
+        // The readers its replica expects, as said until now (an API
+        // request may set them after the run began).
+        let readers = match inner.catalog.transfer(t.id).await {
+            Ok(Some(now)) => now.readers,
+            Ok(None) => None,
+            Err(e) => {
+                warn!(transfer = %id, error = %e, "catalog: reading the expected readers");
+                t.readers
+            }
+        };
+        let checkpoint = checkpoint_info(c, t, &sealed.manifest, readers);
         let commit = |(batches, lost): (u64, Vec<u64>)| {
             // Where the time went so far, for a sink that takes it.
             inner.phase_clocks.note(id, phases::Event::CommitSent);
@@ -3647,15 +3657,25 @@ async fn commit_loop(
 /// What the commit tells the sink of the checkpoint (protocol version 3):
 /// its step ([`step_at_commit`]) and the class the link's scheduler
 /// serves the transfer in now (`urgent` while a signal promotes it; the
-/// run's class if the scheduler no longer holds it). No catalog read: the
-/// commit waits for nothing.
-fn checkpoint_info(c: &LinkConn, t: &Transfer, m: &Manifest) -> CheckpointInfo {
+/// run's class if the scheduler no longer holds it), and from version 7
+/// the `readers` its replica expects.
+fn checkpoint_info(
+    c: &LinkConn,
+    t: &Transfer,
+    m: &Manifest,
+    readers: Option<i64>,
+) -> CheckpointInfo {
     let class = c.sched.lock().ls.class_of(t.id).unwrap_or_else(|| {
         scheduler::effective_class(t.class, t.urgent_until, ferry_catalog::now_ms())
     });
     CheckpointInfo {
         step: step_at_commit(t.format.is_some(), &t.rel, m),
         class: class.as_str().to_string(),
+        // Flag bit 3: only a version 7 sink reads it.
+        readers: readers
+            .filter(|_| c.version >= ferry_proto::wire::PHASES_VERSION)
+            .and_then(|n| u64::try_from(n).ok())
+            .filter(|n| *n > 0),
     }
 }
 

@@ -268,8 +268,10 @@ pub trait SinkStore: Send + Sync + fmt::Debug {
     /// until [`SinkStore::withdraw`] takes it. Elsewhere `version` is not
     /// used and the previous version is replaced. With `reread` (the
     /// chunk keys of `m`, one per chunk in manifest order), staging is
-    /// read back and checked first. Finishes a publish that a crash
-    /// interrupted.
+    /// read back and checked first. `readers`: how many readers the
+    /// replica should expect, as its transfer said (an HDFS sink sizes
+    /// its hot-file replication hints from it; others ignore it).
+    /// Finishes a publish that a crash interrupted.
     ///
     /// # Errors
     /// I/O errors naming the path.
@@ -280,6 +282,7 @@ pub trait SinkStore: Send + Sync + fmt::Debug {
         version: &Path,
         m: &Manifest,
         reread: Option<&[(u64, Hash)]>,
+        readers: Option<u64>,
     ) -> io::Result<PublishOutcome>;
 
     /// Whether each published version keeps a location of its own that

@@ -708,12 +708,14 @@ async fn an_old_version_source_still_publishes_and_a_new_one_sends_step_and_clas
         Some(CheckpointInfo {
             step: Some(3),
             class: "background".into(),
+            readers: None,
         }),
     )
     .await;
     let info = CheckpointInfo {
         step: Some(1200),
         class: "urgent".into(),
+        readers: None,
     };
     let new = publish_raw(&s, 2, PROTOCOL_VERSION, Some(info)).await;
     let cat = s._sink.catalog();
@@ -888,6 +890,7 @@ async fn a_dry_run_policy_removes_nothing() {
         let info = |step| CheckpointInfo {
             step: Some(step),
             class: "scheduled".into(),
+            readers: None,
         };
         let older = publish_raw(&s, 1, PROTOCOL_VERSION, Some(info(100))).await;
         let newer = publish_raw(&s, 2, PROTOCOL_VERSION, Some(info(200))).await;

@@ -585,3 +585,67 @@ async fn hot_files_of_an_hdfs_replica_are_raised_then_set_back() {
         other => panic!("the hint should be gone: {other:?}"),
     }
 }
+
+/// A transfer that says how many readers its replica expects sizes the
+/// HDFS sink's hints from it (`ceil(readers / readers_per_replica)`, at
+/// most the DataNodes); one that does not gets the configured factor,
+/// here none.
+#[tokio::test]
+async fn readers_said_by_a_transfer_size_the_hdfs_hints() {
+    use replicator::hold::HoldPoint;
+    use replicator::storage::hdfs::HotFiles;
+    let base = server_env("FERRY_TEST_HDFS_URL");
+    let root = unique("hdfs-readers");
+    let h = Hdfs::connect(&base, None).unwrap();
+    h.put_file(Path::new(&format!("{root}/README")), b"sink root")
+        .unwrap();
+    let url = format!("{base}{root}");
+    let ttl = std::time::Duration::from_secs(3600);
+    // No configured readers: hints only for transfers that say.
+    let hot = HotFiles::new(0, &[], ttl).unwrap().sized(100, 6);
+    assert_eq!(hot.factor_for_readers(Some(450)), 5);
+    assert_eq!(
+        hot.factor_for_readers(Some(100_000)),
+        6,
+        "at most the DataNodes"
+    );
+    assert_eq!(hot.factor_for_readers(None), 0);
+    let storage = SinkStorage::Hdfs {
+        url: url.clone(),
+        capacity: None,
+        hot: Some(hot),
+    };
+    let p = pair_on(storage, 0, |_| {}).await;
+    let store = Hdfs::connect(&url, None).unwrap();
+    let factor = |step: &str, rel: &str| {
+        store
+            .replication(Path::new(&format!("{root}/train-a/job/{step}/{rel}")))
+            .unwrap()
+    };
+    for (step, readers) in [("step_8", Some(450)), ("step_9", None)] {
+        let ckpt = p.root.join(step);
+        write_checkpoint(&ckpt, 2);
+        // The readers are said after the run began, before its commit.
+        let mut commit = p.source.hold_at(HoldPoint::Commit);
+        let t = p.source.submit(&ckpt, None).await.unwrap();
+        let held = tokio::time::timeout(std::time::Duration::from_secs(30), commit.reached())
+            .await
+            .expect("the run reached its commit");
+        assert_eq!(held, Some(t.id));
+        p.source
+            .catalog()
+            .set_transfer_readers(t.id, readers)
+            .await
+            .unwrap();
+        commit.release();
+        wait_published(&p, t.id).await;
+        let written = factor(step, "__0_0.distcp");
+        let want = if readers.is_some() { 5 } else { written };
+        assert_eq!(
+            factor(step, ".metadata"),
+            want,
+            "{step}, readers {readers:?}"
+        );
+        assert_eq!(factor(step, "__0_0.distcp"), written, "not a hot file");
+    }
+}

@@ -237,7 +237,9 @@ fn stages_publishes_and_retires(b: &Backend, dir: &Path) {
         }
     }
     let (v1, v2) = (dir.join("versions/1"), dir.join("versions/2"));
-    let out = sink.publish(&staging, &local, &v1, &m1, None).unwrap();
+    let out = sink
+        .publish(&staging, &local, &v1, &m1, None, None)
+        .unwrap();
     assert!(matches!(out, PublishOutcome::Published { .. }), "{out:?}");
     sink.publish_recorded(&staging).unwrap();
     assert!(!sink.publish_under_way(&staging));
@@ -262,7 +264,9 @@ fn stages_publishes_and_retires(b: &Backend, dir: &Path) {
         st.stage_chunk("opt/o.bin", 0, &o2).unwrap();
         st.stage_chunk("COMMITTED", 0, &[]).unwrap();
     }
-    let out = sink.publish(&staging2, &local, &v2, &m2, None).unwrap();
+    let out = sink
+        .publish(&staging2, &local, &v2, &m2, None, None)
+        .unwrap();
     assert!(matches!(out, PublishOutcome::Published { .. }), "{out:?}");
     sink.publish_recorded(&staging2).unwrap();
     same_replica(b, &build(src, &local, &markers, cs).unwrap(), &m2);
@@ -385,7 +389,14 @@ fn rereads_before_publishing(b: &Backend, dir: &Path) {
     }
     let out = b
         .sink
-        .publish(&staging, &local, &dir.join("versions/1"), &m, Some(&keys))
+        .publish(
+            &staging,
+            &local,
+            &dir.join("versions/1"),
+            &m,
+            Some(&keys),
+            None,
+        )
         .unwrap();
     assert_eq!(out, PublishOutcome::Refetch(vec![100]));
     assert!(b.src.list(&local, &[]).is_err(), "nothing published");
@@ -395,7 +406,14 @@ fn rereads_before_publishing(b: &Backend, dir: &Path) {
         .unwrap();
     let out = b
         .sink
-        .publish(&staging, &local, &dir.join("versions/1"), &m, Some(&keys))
+        .publish(
+            &staging,
+            &local,
+            &dir.join("versions/1"),
+            &m,
+            Some(&keys),
+            None,
+        )
         .unwrap();
     assert!(
         matches!(
@@ -628,7 +646,14 @@ fn s3_publishes_large_files_in_parts() {
             .unwrap();
     }
     let out = s
-        .publish(&staging, &dir.join("replica"), &dir.join("v"), &m, None)
+        .publish(
+            &staging,
+            &dir.join("replica"),
+            &dir.join("v"),
+            &m,
+            None,
+            None,
+        )
         .unwrap();
     assert!(matches!(out, PublishOutcome::Published { .. }), "{out:?}");
     let parts = s.multipart_parts();

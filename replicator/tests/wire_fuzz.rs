@@ -302,14 +302,26 @@ fn control() -> impl Strategy<Value = Control> {
             // Version 2 (nothing), 3 (checkpoint info), 4 (checkpoint
             // info and lost batches, possibly none) or 7 (and phases,
             // possibly none).
-            prop::option::of((prop::option::of(any::<u64>()), short_str(), ids, phases()))
+            prop::option::of((
+                prop::option::of(any::<u64>()),
+                short_str(),
+                ids,
+                phases(),
+                prop::option::of(1..=u64::MAX)
+            ))
         )
             .prop_map(
                 |((id, committed_ms, opened_ms, batches), manifest, siblings, tail)| {
                     let (checkpoint, lost, phases) = match tail {
-                        Some((step, class, lost, phases)) => {
-                            (Some(CheckpointInfo { step, class }), lost, phases)
-                        }
+                        Some((step, class, lost, phases, readers)) => (
+                            Some(CheckpointInfo {
+                                step,
+                                class,
+                                readers,
+                            }),
+                            lost,
+                            phases,
+                        ),
                         None => (None, Vec::new(), Phases::default()),
                     };
                     Control::Commit(Commit {

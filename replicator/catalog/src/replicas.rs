@@ -189,6 +189,9 @@ pub struct CheckpointMeta {
     pub step: Option<u64>,
     /// Class at commit.
     pub class: Option<Class>,
+    /// Readers the replica should expect, as the source said (protocol
+    /// version 7); not stored.
+    pub readers: Option<u64>,
 }
 
 /// New sink-side row.

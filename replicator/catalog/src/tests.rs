@@ -391,6 +391,7 @@ async fn transfer_and_replica_rows_roundtrip(c: Catalog) {
             CheckpointMeta {
                 step: Some(1200),
                 class: Some(scheduler::Class::Urgent),
+                readers: None,
             },
         )
         .await
@@ -908,6 +909,7 @@ async fn a_batch_records_chunks_and_publishes_together(c: Catalog) {
         meta: CheckpointMeta {
             step: Some(7),
             class: Some(Class::Background),
+            readers: None,
         },
     };
     let lags = c
@@ -1718,6 +1720,7 @@ async fn an_sqlite_catalog_copies_into_an_empty_postgres_catalog() {
             meta: CheckpointMeta {
                 step: Some(7),
                 class: Some(Class::Background),
+                readers: None,
             },
         }],
     )

@@ -115,6 +115,9 @@ pub struct Transfer {
     /// Where the time to eval-ready went ([`crate::phases`]), recorded
     /// when the sink said it published; `None` until then.
     pub phases: Option<ferry_proto::phases::Phases>,
+    /// Readers (eval ranks starting at once) its replica should expect,
+    /// as an announcement or a push said; `None` when not said.
+    pub readers: Option<i64>,
 }
 
 impl Transfer {
@@ -221,7 +224,7 @@ fn transfer_cols(db: crate::dialect::Dialect) -> String {
          bytes_done, bytes_sent, shards, manifest_root, local_path, error, created_at, \
          started_at, finished_at, checkpoint, format, opened_at, committed_at, \
          commit_identity, profile, importance, urgent_until, signal, \
-         deadline_at, deadline_after_commit, deadline_state, phases, \
+         deadline_at, deadline_after_commit, deadline_state, phases, readers, \
          CASE WHEN lease_until >= {} THEN holder END AS holder",
         db.now_ms()
     )
@@ -268,6 +271,7 @@ fn transfer_row(r: &AnyRow) -> Result<Transfer, sqlx::Error> {
             })
             .transpose()?,
         phases: crate::phases::column(r.try_get("phases")?)?,
+        readers: r.try_get("readers")?,
     })
 }
 
@@ -308,6 +312,25 @@ impl Catalog {
         .bind(id.as_i64())
         .execute(&self.pool)
         .await?;
+        Ok(())
+    }
+
+    /// Sets how many readers transfer `id`'s replica should expect
+    /// (`None` clears it); sent to the sink with the commit for its
+    /// hot-file replication hints.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn set_transfer_readers(
+        &self,
+        id: TransferId,
+        readers: Option<i64>,
+    ) -> Result<(), CatalogError> {
+        sqlx::query(&self.db.sql("UPDATE transfers SET readers = ? WHERE id = ?"))
+            .bind(readers)
+            .bind(id.as_i64())
+            .execute(&self.pool)
+            .await?;
         Ok(())
     }
 

@@ -227,6 +227,12 @@ pub struct CheckpointInfo {
     /// unknown. At most 255 bytes; the sink parses it and ignores a name
     /// it does not know.
     pub class: String,
+    /// Version 7: how many readers (eval ranks starting at once) the
+    /// training controller expects for its replica (the announcement's
+    /// `readers`), for an HDFS sink's hot-file replication hints; encoded
+    /// under flag bit 3 after the phases, a `u64` of at least 1. `None`:
+    /// not given (the sink's configured `readers` applies).
+    pub readers: Option<u64>,
 }
 
 /// Which replica of a job a [`PinRequest`] pins.
@@ -373,6 +379,8 @@ const CK_STEP: u8 = 1;
 const CK_LOST: u8 = 2;
 /// Phase durations follow the lost batches (version 7).
 const CK_PHASES: u8 = 4;
+/// The expected readers follow the phases (version 7).
+const CK_READERS: u8 = 8;
 
 impl Control {
     /// Short name of the message type, for logs.
@@ -473,6 +481,7 @@ impl Control {
                     w.0.extend_from_slice(bytes);
                 }
                 if checkpoint.is_some() || !lost.is_empty() || !phases.is_empty() {
+                    // Version 7 with readers: flag bit 3, then a u64.
                     // Version 3: a flag byte (bit 0: step present), the
                     // step (0 when absent), the class name; version 4
                     // with lost batches: flag bit 1, then their list;
@@ -489,6 +498,9 @@ impl Control {
                     if !phases.is_empty() {
                         flags |= CK_PHASES;
                     }
+                    if c.readers.is_some() {
+                        flags |= CK_READERS;
+                    }
                     w.u8(flags);
                     w.u64(c.step.unwrap_or(0));
                     w.str(&c.class);
@@ -497,6 +509,9 @@ impl Control {
                     }
                     if !phases.is_empty() {
                         phases.encode(&mut w);
+                    }
+                    if let Some(n) = c.readers {
+                        w.u64(n);
                     }
                 }
             }
@@ -641,7 +656,7 @@ impl Control {
                     (None, Vec::new(), Phases::default())
                 } else {
                     let flags = r.u8("checkpoint flags")?;
-                    if flags & !(CK_STEP | CK_LOST | CK_PHASES) != 0 {
+                    if flags & !(CK_STEP | CK_LOST | CK_PHASES | CK_READERS) != 0 {
                         return Err(WireError::Invalid {
                             what: "checkpoint flags",
                             why: format!("unknown bits in {flags:#04x}"),
@@ -681,9 +696,22 @@ impl Control {
                     } else {
                         Phases::default()
                     };
+                    let readers = if flags & CK_READERS != 0 {
+                        let n = r.u64("readers")?;
+                        if n == 0 {
+                            return Err(WireError::Invalid {
+                                what: "readers",
+                                why: "flagged but 0".into(),
+                            });
+                        }
+                        Some(n)
+                    } else {
+                        None
+                    };
                     let info = CheckpointInfo {
                         step: (flags & CK_STEP != 0).then_some(step),
                         class,
+                        readers,
                     };
                     (Some(info), lost, phases)
                 };
@@ -1024,6 +1052,7 @@ mod tests {
             checkpoint: Some(CheckpointInfo {
                 step: Some(12),
                 class: "urgent".into(),
+                readers: None,
             }),
             lost: vec![],
             phases: Phases::default(),
@@ -1039,6 +1068,7 @@ mod tests {
             checkpoint: Some(CheckpointInfo {
                 step: None,
                 class: "scheduled".into(),
+                readers: None,
             }),
             lost: vec![4, 9, 10],
             phases: Phases::default(),
@@ -1049,6 +1079,7 @@ mod tests {
             Some(CheckpointInfo {
                 step: None,
                 class: String::new(),
+                readers: None,
             }),
         ] {
             roundtrip(Control::Commit(Commit {
@@ -1121,6 +1152,7 @@ mod tests {
             checkpoint: Some(CheckpointInfo {
                 step: Some(7),
                 class: "scheduled".into(),
+                readers: None,
             }),
             lost: vec![],
             phases: Phases::default(),
@@ -1265,6 +1297,7 @@ mod tests {
             checkpoint: Some(CheckpointInfo {
                 step: Some(7),
                 class: "urgent".into(),
+                readers: None,
             }),
             lost: vec![],
             phases: Phases::default(),
@@ -1314,7 +1347,7 @@ mod tests {
             Err(WireError::Truncated { .. })
         ));
         // Unknown flag bits are still named.
-        b[flags_at] = 8;
+        b[flags_at] = 16;
         match Control::decode(&b) {
             Err(WireError::Invalid { what, .. }) => assert_eq!(what, "checkpoint flags"),
             other => panic!("{other:?}"),
@@ -1353,10 +1386,23 @@ mod tests {
             checkpoint: Some(CheckpointInfo {
                 step: Some(7),
                 class: "urgent".into(),
+                readers: None,
             }),
             lost: vec![3],
             ..commit.clone()
         }));
+        // The expected readers, with and without phases.
+        for phases in [phases.clone(), Phases::default()] {
+            roundtrip(Control::Commit(Commit {
+                checkpoint: Some(CheckpointInfo {
+                    step: None,
+                    class: "scheduled".into(),
+                    readers: Some(20_000),
+                }),
+                phases,
+                ..commit.clone()
+            }));
+        }
         // Without phases a commit is byte for byte a version 6 one.
         let v6 = Control::Commit(Commit {
             phases: Phases::default(),

@@ -88,6 +88,11 @@ pub struct HotFiles {
     /// How long they keep it after the publish; then the sink sets them
     /// back to the factor they were written with.
     pub ttl: std::time::Duration,
+    /// Readers one replica serves, and the DataNodes (the factor's
+    /// ceiling), for a transfer that says its readers
+    /// ([`HotFiles::factor_for_readers`]); `datanodes` 0: not sized.
+    per_replica: u64,
+    datanodes: u16,
     set: globset::GlobSet,
 }
 
@@ -113,7 +118,34 @@ impl HotFiles {
             b.add(glob);
         }
         let set = b.build().map_err(|e| e.to_string())?;
-        Ok(HotFiles { factor, ttl, set })
+        Ok(HotFiles {
+            factor,
+            ttl,
+            per_replica: READERS_PER_REPLICA,
+            datanodes: 0,
+            set,
+        })
+    }
+
+    /// Sizes the factor for transfers that say how many readers their
+    /// replica expects: `ceil(readers / per_replica)`, at most
+    /// `datanodes`.
+    pub fn sized(mut self, per_replica: u64, datanodes: u16) -> HotFiles {
+        self.per_replica = per_replica.max(1);
+        self.datanodes = datanodes;
+        self
+    }
+
+    /// The factor for a replica whose transfer said it expects `readers`
+    /// (sized as [`HotFiles::sized`] says), else [`HotFiles::factor`]. A
+    /// file already at or above it is left alone.
+    pub fn factor_for_readers(&self, readers: Option<u64>) -> u16 {
+        match readers {
+            Some(r) if self.datanodes > 0 => {
+                HotFiles::factor_for(r, self.per_replica, self.datanodes)
+            }
+            _ => self.factor,
+        }
     }
 
     /// Whether the file at `rel` (relative to the checkpoint directory)
@@ -881,6 +913,7 @@ impl SinkStore for Hdfs {
         _version: &Path,
         m: &Manifest,
         reread: Option<&[(u64, Hash)]>,
+        readers: Option<u64>,
     ) -> io::Result<PublishOutcome> {
         let s = self.root.check(staging)?;
         let l = self.root.check(local_path)?;
@@ -920,7 +953,7 @@ impl SinkStore for Hdfs {
         // Hot files get their higher replication in staging, before the
         // rename makes them readable.
         let hot = match &self.hot {
-            Some(h) => self.raise(&hot, h.factor)?,
+            Some(h) => self.raise(&hot, h.factor_for_readers(readers))?,
             None => None,
         };
         // A checkpoint of markers only still publishes a directory.

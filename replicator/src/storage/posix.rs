@@ -213,6 +213,7 @@ impl SinkStore for Posix {
         version: &Path,
         m: &Manifest,
         reread: Option<&[(u64, Hash)]>,
+        _readers: Option<u64>,
     ) -> io::Result<PublishOutcome> {
         publish::publish(staging, local_path, version, m, reread)
     }

@@ -782,6 +782,7 @@ impl SinkStore for S3 {
         _version: &Path,
         m: &Manifest,
         reread: Option<&[(u64, Hash)]>,
+        _readers: Option<u64>,
     ) -> io::Result<PublishOutcome> {
         let s = self.root.check(staging)?;
         let l = self.root.check(local_path)?;

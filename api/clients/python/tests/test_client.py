@@ -73,9 +73,19 @@ class AgainstAgents(unittest.TestCase):
         s = self.source.signal(self.job, severity=0.5, step=100)
         self.assertIn("signal", s)
         a = self.source.announce(
-            self.job, 200, str(self.root / "step_000200"), expected_bytes=10_000_000, deadline="10m"
+            self.job,
+            200,
+            str(self.root / "step_000200"),
+            expected_bytes=10_000_000,
+            deadline="10m",
+            readers=4096,
         )
         self.assertTrue(a["selected"], a)
+        self.assertEqual(a["transfer"]["readers"], 4096, a)
+        with self.assertRaises(FerryError) as e:
+            self.source.announce(self.job, 300, str(self.root / "step_000300"), readers=0)
+        self.assertEqual(e.exception.status, 422)
+        self.assertIn("readers", e.exception.message)
         self.assertIn("outlook", a)
         self.assertEqual(a["outlook"]["checkpoint_bytes"], 10_000_000, a)
         t = a["transfer"]

@@ -344,12 +344,15 @@ class Client:
         path: str,
         expected_bytes: int = 0,
         deadline: Optional[Union[str, Duration]] = None,
+        readers: Optional[int] = None,
     ) -> Dict[str, Any]:
         """Says a checkpoint is coming: its transfer is queued before its
         first byte. ``deadline`` is an RFC 3339 time or a duration after
-        its commit. Returns the answer: ``selected``, ``transfer`` (with
-        ``admission`` when a deadline was given, see :meth:`admission_of`)
-        and ``outlook``."""
+        its commit; ``readers`` the eval ranks that will read its replica
+        at once (1 to 10,000,000; an HDFS sink raises the replication of
+        the files every rank reads to match). Returns the answer:
+        ``selected``, ``transfer`` (with ``admission`` when a deadline was
+        given, see :meth:`admission_of`) and ``outlook``."""
         body: Dict[str, Any] = {
             "job": job,
             "step": step,
@@ -358,6 +361,8 @@ class Client:
         }
         if deadline is not None:
             body["deadline"] = deadline if isinstance(deadline, str) else _duration(deadline)
+        if readers is not None:
+            body["readers"] = readers
         return self._request("POST", "/v1/checkpoints/announce", body=body)
 
     def push(
@@ -365,13 +370,17 @@ class Client:
         path: str,
         klass: Optional[str] = None,
         deadline: Optional[Union[str, Duration]] = None,
+        readers: Optional[int] = None,
     ) -> Dict[str, Any]:
-        """Queues the directory ``path`` (operator token); the transfer."""
+        """Queues the directory ``path`` (operator token); the transfer.
+        ``deadline`` and ``readers`` as in :meth:`announce`."""
         body: Dict[str, Any] = {"path": path}
         if klass:
             body["class"] = klass
         if deadline is not None:
             body["deadline"] = deadline if isinstance(deadline, str) else _duration(deadline)
+        if readers is not None:
+            body["readers"] = readers
         return self._request("POST", "/v1/transfers", body=body)
 
     @staticmethod
