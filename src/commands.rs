@@ -588,9 +588,21 @@ pub fn render_status(base: &str, out: &Value, now_ms: i64) -> String {
             .iter()
             .find(|r| state_of(r) == Some(TransferState::Published))
         {
+            let longest = p["phases"]["dominant"].as_str().and_then(|d| {
+                let s = p["phases"]["after_commit"][d].as_f64()?;
+                Some(format!(
+                    " (longest phase: {} {s:.2} s; ferry status --slow)",
+                    d.replace('_', " ")
+                ))
+            });
             let lag = p["commit_to_replica_s"]
                 .as_f64()
-                .map_or(String::new(), |l| format!(", {l:.2} s after its commit"));
+                .map_or(String::new(), |l| {
+                    format!(
+                        ", {l:.2} s after its commit{}",
+                        longest.clone().unwrap_or_default()
+                    )
+                });
             s += &format!(
                 "latest replica: {} -> {} at {}{lag}\n",
                 text(p, "source_path"),
@@ -1613,10 +1625,15 @@ mod tests {
                 {"id": 2, "state": "receiving", "job": "mm", "source_path": "/c/step_2",
                  "bytes_total": 200, "bytes_done": 50},
                 {"id": 1, "state": "published", "job": "mm", "source_path": "/c/step_1",
-                 "local_path": "/e/step_1", "published_at": now, "commit_to_replica_s": 1.5},
+                 "local_path": "/e/step_1", "published_at": now, "commit_to_replica_s": 1.5,
+                 "phases": {"after_commit": {"sending": 1.2, "publishing": 0.3}, "dominant": "sending"}},
             ],
         });
         let s = render_status("https://e:7071", &sink, now);
+        assert!(
+            s.contains("(longest phase: sending 1.20 s; ferry status --slow)"),
+            "{s}"
+        );
         assert!(s.contains("replicas: 1 receiving, 1 published"), "{s}");
         assert!(s.contains("25.0") && s.contains("/c/step_2"), "{s}");
         assert!(

@@ -774,7 +774,7 @@ fn compare_trees(a: &Path, b: &Path) -> Result<bool> {
 
 /// The phases after a commit, in the order a checkpoint passes them:
 /// `waiting_for_writer 1.02 s, sending 0.31 s, ...`.
-fn phase_line(p: &ferry_proto::phases::Phases) -> String {
+pub(crate) fn phase_line(p: &ferry_proto::phases::Phases) -> String {
     if p.after.is_empty() {
         return "phases not recorded".into();
     }

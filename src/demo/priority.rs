@@ -288,6 +288,21 @@ async fn deadline_runs(
                 wait_local(&sink, ckpts[1], t0)
             );
             let w = [w0?, w1?];
+            // Where each one's time after its push went.
+            let mut why = [String::new(), String::new()];
+            for (i, c) in ckpts.iter().enumerate() {
+                let rows = sink
+                    .catalog()
+                    .replicas_for_source(&c.to_string_lossy())
+                    .await?;
+                if let Some(p) = rows
+                    .iter()
+                    .find(|r| r.state == TransferState::Published)
+                    .and_then(|r| r.phases.as_ref())
+                {
+                    why[i] = format!(" [{}]", super::phase_line(p));
+                }
+            }
             for i in 0..2 {
                 walls[i].push(w[i]);
                 if w[i] <= DEADLINE_FACTORS[i] * solo {
@@ -301,12 +316,14 @@ async fn deadline_runs(
             pair.sink.stop(Duration::from_secs(5)).await;
             remove_run(run_dir).await;
             say(format!(
-                "  {mode:<14} run {}: {:.2} s ({:.2} x solo), {:.2} s ({:.2} x solo)",
+                "  {mode:<14} run {}: {:.2} s ({:.2} x solo){}, {:.2} s ({:.2} x solo){}",
                 run + 1,
                 w[0],
                 w[0] / solo,
+                why[0],
                 w[1],
-                w[1] / solo
+                w[1] / solo,
+                why[1]
             ));
         }
         say(format!(
