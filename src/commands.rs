@@ -606,7 +606,8 @@ pub fn render_status(base: &str, out: &Value, now_ms: i64) -> String {
             s += &format!(
                 "latest replica: {} -> {} at {}{lag}\n",
                 text(p, "source_path"),
-                text(p, "local_path"),
+                // On an HDFS or S3 sink, the URL readers use.
+                p["url"].as_str().unwrap_or(text(p, "local_path")),
                 p["published_at"].as_i64().map_or("?".into(), at)
             );
         }
@@ -1640,6 +1641,10 @@ mod tests {
             s.contains("/c/step_1 -> /e/step_1") && s.contains("1.50 s after its commit"),
             "{s}"
         );
+        let mut remote = sink.clone();
+        remote["replicas"][1]["url"] = json!("hdfs://nn:8020/eval/step_1");
+        let s = render_status("https://e:7071", &remote, now);
+        assert!(s.contains("/c/step_1 -> hdfs://nn:8020/eval/step_1"), "{s}");
     }
 
     /// Regression: a checkpoint streamed while it is written showed "0 B /
