@@ -367,6 +367,33 @@ async fn the_sink_page_shows_retention_and_an_operator_pins_a_replica() {
             .contains("keep_last 5"),
         "{verdict}"
     );
+    // The replica's commit-to-replica time is drawn as a bar of its
+    // phases, each segment as wide as its share, named in the title.
+    let bar = js(
+        &b,
+        "const bar = document.querySelector('#replicas .phases'); \
+         if (!bar) return null; \
+         const segs = [...bar.querySelectorAll('i')]; \
+         return { title: bar.getAttribute('title'), classes: segs.map(i => i.className), \
+                  widths: segs.reduce((a, i) => a + parseFloat(i.style.width), 0) };",
+    )
+    .await
+    .unwrap();
+    assert!(!bar.is_null(), "no bar of phases in the replicas table");
+    assert!(bar["title"].as_str().unwrap().contains("sending"), "{bar}");
+    assert!(
+        bar["classes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c == "ph-publishing"),
+        "{bar}"
+    );
+    let total = bar["widths"].as_f64().unwrap();
+    assert!(
+        (99.0..=101.0).contains(&total),
+        "the segments fill the bar: {bar}"
+    );
     // Pin from the row (the reason asked for in a dialog).
     js(&b, "window.prompt = () => 'bisecting'; return null;")
         .await
