@@ -2354,6 +2354,12 @@ async fn maybe_finish(
             // Recorded by the catalog writer, in one transaction with the
             // other publishes and chunks that arrive meanwhile.
             let (tx, rx) = oneshot::channel();
+            // The sink's phases until now; the record adds its own time to
+            // `publishing` (in the publish's transaction).
+            let measured_to = Instant::now();
+            let at_sink = marks.at_sink(t_publish, reread_wall, measured_to);
+            let mut all = marks.source.clone();
+            all.merge(&at_sink);
             let rec = PublishedReplica {
                 id: live.id,
                 manifest: manifest.encode(),
@@ -2362,6 +2368,7 @@ async fn maybe_finish(
                 bytes: manifest.bytes(),
                 times,
                 meta,
+                phases: Some((all.clone(), measured_to)),
             };
             let recorded = match inner.chunks.send(CatalogOp::Publish(rec, tx)).await {
                 Ok(()) => rx
@@ -2369,20 +2376,13 @@ async fn maybe_finish(
                     .unwrap_or_else(|_| Err("the catalog writer stopped".into())),
                 Err(_) => Err("the catalog writer stopped".into()),
             };
-            let mut at_sink = Phases::default();
             match recorded {
                 Ok(recorded) => {
                     let class = meta.class.map_or("unknown", |c| c.as_str());
                     if let Some(lag_s) = recorded {
                         inner.metrics.observe_lag(lag_s, class);
                     }
-                    at_sink = marks.at_sink(t_publish, reread_wall, Instant::now());
-                    let mut all = marks.source.clone();
-                    all.merge(&at_sink);
                     inner.metrics.observe_phases(&all, class);
-                    if let Err(e) = inner.catalog.set_replica_phases(live.id, &all).await {
-                        warn!(transfer = %id, error = %e, "catalog: recording the phases");
-                    }
                     // A re-save of a pinned checkpoint stays pinned (before
                     // the policies weigh it).
                     if let Some(h) = hot_raised {
@@ -2770,6 +2770,7 @@ mod tests {
                 bytes: 4,
                 times: SourceTimes::default(),
                 meta: CheckpointMeta::default(),
+                phases: None,
             };
             tx.send(CatalogOp::Publish(rec, w)).await.unwrap();
             answers.push(r);

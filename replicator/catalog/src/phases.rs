@@ -61,19 +61,6 @@ pub(crate) fn column(v: Option<String>) -> Result<Option<Phases>, sqlx::Error> {
 }
 
 impl Catalog {
-    /// Records where a published replica's time went (sink side).
-    ///
-    /// # Errors
-    /// [`CatalogError`] when the database fails.
-    pub async fn set_replica_phases(&self, id: i64, p: &Phases) -> Result<(), CatalogError> {
-        sqlx::query(&self.db.sql("UPDATE replicas SET phases = ? WHERE id = ?"))
-            .bind(encode(p))
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
-        Ok(())
-    }
-
     /// Records where a transfer's time went, once its replica is
     /// published (source side).
     ///

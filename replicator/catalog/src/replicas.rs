@@ -251,6 +251,11 @@ pub struct PublishedReplica {
     pub times: SourceTimes,
     /// Step and class at commit.
     pub meta: CheckpointMeta,
+    /// Where the replica's time went ([`crate::phases`]), with the
+    /// instant its `publishing` phase was measured to: the record adds
+    /// the time from that instant to its write, so the phases are in the
+    /// publish's transaction and reach its time.
+    pub phases: Option<(ferry_proto::phases::Phases, std::time::Instant)>,
 }
 
 /// Most rows [`Catalog::replicas_for_source`] returns (the newest).
@@ -296,6 +301,19 @@ pub(crate) async fn publish_in(
     .bind(p.id)
     .execute(&mut *conn)
     .await?;
+    if let Some((phases, measured_to)) = &p.phases {
+        let mut phases = phases.clone();
+        phases.add(
+            true,
+            ferry_proto::phases::Phase::Publishing,
+            measured_to.elapsed(),
+        );
+        sqlx::query(&db.sql("UPDATE replicas SET phases = ? WHERE id = ?"))
+            .bind(crate::phases::encode(&phases))
+            .bind(p.id)
+            .execute(&mut *conn)
+            .await?;
+    }
     // Keep when the bytes arrived (in bins) before the chunk rows go.
     let windows = crate::chunks::arrival_bins(db, &mut *conn, p.id).await?;
     let arrivals = serde_json::to_string(&windows)
@@ -687,6 +705,7 @@ impl Catalog {
             bytes,
             times,
             meta,
+            phases: None,
         };
         let mut tx = self.pool.begin().await?;
         let lag = publish_in(self.db, &mut tx, &p, now_ms()).await?;

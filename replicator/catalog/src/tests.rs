@@ -911,6 +911,7 @@ async fn a_batch_records_chunks_and_publishes_together(c: Catalog) {
             class: Some(Class::Background),
             readers: None,
         },
+        phases: None,
     };
     let lags = c
         .record_batch(
@@ -990,6 +991,7 @@ async fn a_failed_batch_records_nothing(c: Catalog) {
         bytes: 10,
         times: SourceTimes::default(),
         meta: CheckpointMeta::default(),
+        phases: None,
     };
     let e = c
         .record_batch(
@@ -1005,12 +1007,29 @@ async fn a_failed_batch_records_nothing(c: Catalog) {
         assert_eq!((row.bytes_done, row.manifest_root), (0, None));
         assert!(c.chunks(r).await.unwrap().is_empty());
     }
-    // Alone, the first one records.
-    c.record_batch(&[vc(r1, 0, [1; 32], 4)], &[published(r1)])
+    // Alone, the first one records, with its phases in the same
+    // transaction: `publishing` grows by the time since it was measured.
+    let mut phases = ferry_proto::phases::Phases::default();
+    use ferry_proto::phases::Phase;
+    phases.add(true, Phase::Sending, Duration::from_secs(2));
+    phases.add(true, Phase::Publishing, Duration::from_millis(10));
+    let measured = std::time::Instant::now()
+        .checked_sub(Duration::from_millis(300))
+        .unwrap();
+    let mut with_phases = published(r1);
+    with_phases.phases = Some((phases, measured));
+    c.record_batch(&[vc(r1, 0, [1; 32], 4)], &[with_phases])
         .await
         .unwrap();
     let row = c.replica(r1).await.unwrap().unwrap();
     assert_eq!(row.state, TransferState::Published);
+    let p = row.phases.expect("recorded with the publish");
+    assert_eq!(p.after[&Phase::Sending], Duration::from_secs(2));
+    assert!(
+        p.after[&Phase::Publishing] >= Duration::from_millis(310),
+        "{p:?}"
+    );
+    assert!(c.replica(r2).await.unwrap().unwrap().phases.is_none());
 }
 both!(a_failed_batch_records_nothing);
 
@@ -1722,6 +1741,7 @@ async fn an_sqlite_catalog_copies_into_an_empty_postgres_catalog() {
                 class: Some(Class::Background),
                 readers: None,
             },
+            phases: None,
         }],
     )
     .await

@@ -35,7 +35,7 @@ pub enum Phase {
     Streaming,
     /// After the commit: from the commit marker's time until the watcher
     /// saw the checkpoint complete (the writer's last files, the quiet
-    /// period, the scan interval of a polled root). Zero for a push.
+    /// period, the scan interval of a polled root). Absent for a push.
     Writer,
     /// After the commit: sending, until the commit message went, and at
     /// the sink until the last batch arrived; includes chunks sent again

@@ -45,6 +45,9 @@ pub(crate) struct PhaseLog {
     events: Vec<(Instant, Event)>,
     /// Whether the transfer was announced before its first files.
     announced: bool,
+    /// A pushed directory: committed when queued, with no writer to wait
+    /// for (no `waiting_for_writer` phase).
+    pushed: bool,
 }
 
 impl PhaseLog {
@@ -141,7 +144,9 @@ impl PhaseLog {
                 Event::CommitSeen { writer } => {
                     if !committed {
                         committed = true;
-                        out.add(true, Phase::Writer, writer);
+                        if !self.pushed {
+                            out.add(true, Phase::Writer, writer);
+                        }
                     }
                 }
                 Event::CommitSent => verifying = true,
@@ -205,6 +210,7 @@ impl PhaseClocks {
             log.note(instant_at(o, now, now_ms), Event::Opened);
         }
         if pushed {
+            log.pushed = true;
             log.note(
                 created,
                 Event::CommitSeen {
@@ -283,7 +289,10 @@ mod tests {
     #[test]
     fn a_push_is_committed_at_creation_and_a_second_commit_counts_once() {
         let t0 = Instant::now();
-        let mut l = PhaseLog::default();
+        let mut l = PhaseLog {
+            pushed: true,
+            ..PhaseLog::default()
+        };
         l.note(t0, Event::Created);
         l.note(t0, Event::CommitSeen { writer: ms(0) });
         l.note(t0 + ms(700), Event::RunStart);
@@ -291,7 +300,10 @@ mod tests {
         l.note(t0 + ms(2_700), Event::CommitSent);
         let p = l.phases(t0 + ms(3_000));
         assert!(p.before.is_empty(), "{p:?}");
-        assert_eq!(p.after[&Phase::Writer], ms(0));
+        assert!(
+            !p.after.contains_key(&Phase::Writer),
+            "no writer to wait for: {p:?}"
+        );
         assert_eq!(p.after[&Phase::Queued], ms(700));
         assert_eq!(p.after[&Phase::Sending], ms(2_000));
         assert_eq!(p.after[&Phase::Verifying], ms(300));
