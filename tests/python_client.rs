@@ -41,6 +41,10 @@ async fn the_python_client_works_against_real_agents() {
          makes it",
         python.display()
     );
+    // Installed from a copy: a build writes build/ and *.egg-info beside
+    // the sources it builds.
+    let copy = w.root.join("py-src");
+    copy_tree(&client, &copy);
     let site = w.root.join("py-site");
     let install = tokio::process::Command::new(&python)
         .args([
@@ -53,7 +57,7 @@ async fn the_python_client_works_against_real_agents() {
         ])
         .arg("--target")
         .arg(&site)
-        .arg(&client)
+        .arg(&copy)
         .env("PIP_DISABLE_PIP_VERSION_CHECK", "1")
         .output()
         .await
