@@ -84,7 +84,7 @@ async fn all_items(c: &Client, path: &str) -> Result<Vec<Value>> {
 ///
 /// # Errors
 /// The agent cannot be reached or refuses (the message says why).
-pub async fn status(args: &ServerArgs, raw: bool, slow: Option<usize>) -> Result<()> {
+pub async fn status(args: &ServerArgs, raw: bool, slow: Option<u32>) -> Result<()> {
     let c = Client::new(args, REQUEST_TIMEOUT)?;
     let health = c.get("/healthz", &[]).await?;
     let roles: Vec<&str> = health["roles"]
@@ -120,7 +120,7 @@ pub async fn status(args: &ServerArgs, raw: bool, slow: Option<usize>) -> Result
     if raw {
         outln!("{}", serde_json::to_string_pretty(&out)?)?;
     } else if let Some(n) = slow {
-        crate::out::print(format_args!("{}", render_slow(&out, n, now_ms())))?;
+        crate::out::print(format_args!("{}", render_slow(&out, n as usize, now_ms())))?;
     } else {
         crate::out::print(format_args!("{}", render_status(c.base(), &out, now_ms())))?;
     }
@@ -145,19 +145,20 @@ const SLOW_WINDOW_MS: i64 = 24 * 3600 * 1000;
 /// source's: until the sink said it published).
 fn render_slow(out: &Value, n: usize, now: i64) -> String {
     let mut rows: Vec<(f64, &Value)> = Vec::new();
-    let mut seen = 0;
+    let mut listed = 0;
     for (key, published, committed) in [
         ("replicas", "published_at", "committed_at"),
         ("transfers", "finished_at", "committed_at"),
     ] {
-        for r in out[key].as_array().into_iter().flatten() {
+        let all = out[key].as_array().map_or(&[][..], Vec::as_slice);
+        listed = listed.max(all.len());
+        for r in all {
             if r["state"] != "published" {
                 continue;
             }
             let Some(done) = r[published].as_i64().filter(|d| now - d <= SLOW_WINDOW_MS) else {
                 continue;
             };
-            seen += 1;
             // A pushed directory is committed when it is pushed.
             let Some(from) = r[committed].as_i64().or(r["created_at"].as_i64()) else {
                 continue;
@@ -168,16 +169,22 @@ fn render_slow(out: &Value, n: usize, now: i64) -> String {
             rows.push((took, r));
         }
     }
+    let capped = if listed >= MAX_ITEMS {
+        format!(" (of the newest {MAX_ITEMS} rows; older ones were not read)")
+    } else {
+        String::new()
+    };
     if rows.is_empty() {
-        return format!("no replica published in the last 24 hours ({seen} seen)\n");
+        return format!("no replica published in the last 24 hours{capped}\n");
     }
     rows.sort_by(|a, b| b.0.total_cmp(&a.0));
     let mut t = vec![vec![
-        "COMMIT TO READY".to_string(),
+        "ID".to_string(),
+        "COMMIT TO READY".into(),
         "LONGEST PHASE".into(),
         "JOB".into(),
         "CHECKPOINT".into(),
-        "PHASES AFTER THE COMMIT".into(),
+        "PHASES AFTER THE COMMIT, S".into(),
     ]];
     for (took, r) in rows.iter().take(n) {
         let p = &r["phases"];
@@ -209,10 +216,9 @@ fn render_slow(out: &Value, n: usize, now: i64) -> String {
         let unattributed = p["unattributed_s"]
             .as_f64()
             .filter(|u| u.abs() >= 0.05)
-            .map_or(String::new(), |u| {
-                format!(", unattributed {u:.1} (clock skew and network)")
-            });
+            .map_or(String::new(), |u| format!(", unattributed {u:.1}"));
         t.push(vec![
+            int(r, "id").to_string(),
             format!("{took:.1} s"),
             longest,
             text(r, "job").into(),
@@ -221,7 +227,8 @@ fn render_slow(out: &Value, n: usize, now: i64) -> String {
         ]);
     }
     format!(
-        "the {} slowest of {} replicas published in the last 24 hours (seconds):\n{}",
+        "slowest {} of {} published in the last 24 hours{capped} (unattributed: the commit's \
+         trip between the agents and their clocks' skew)\n{}",
         t.len() - 1,
         rows.len(),
         table(&t)
@@ -1520,10 +1527,11 @@ mod tests {
         ]});
         let s = render_slow(&out, 2, now);
         let lines: Vec<&str> = s.lines().collect();
-        assert!(lines[0].contains("the 2 slowest of 3 replicas"), "{s}");
+        assert!(lines[0].contains("slowest 2 of 3 published"), "{s}");
         // Slowest first; the one published 30 h ago is left out.
         assert!(
-            lines[2].trim_start().starts_with("40.0 s")
+            lines[2].trim_start().starts_with("3 ")
+                && lines[2].contains("40.0 s")
                 && lines[2].contains("queued (30.0 s, 75 %)"),
             "{s}"
         );

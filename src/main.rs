@@ -94,8 +94,15 @@ enum Command {
         /// (default 10) instead: commit to eval-ready, the phase that
         /// took longest and every phase after the commit (a sink's
         /// replicas; a source's published transfers).
-        #[arg(long, value_name = "N", num_args = 0..=1, default_missing_value = "10")]
-        slow: Option<usize>,
+        #[arg(
+            long,
+            value_name = "N",
+            num_args = 0..=1,
+            default_missing_value = "10",
+            value_parser = clap::value_parser!(u32).range(1..=10_000),
+            conflicts_with = "json"
+        )]
+        slow: Option<u32>,
     },
     /// Where a checkpoint is at a sink: prints its local path (exit code
     /// 0), or its state and progress on stderr (exit code 3: not local).
@@ -1627,6 +1634,32 @@ mod tests {
         assert_eq!(e.kind(), ErrorKind::ArgumentConflict, "{e}");
         let e = demo(&["--keep-running", "--priority"]).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::ArgumentConflict, "{e}");
+    }
+
+    #[test]
+    fn status_slow_takes_a_count_from_1_and_not_json() {
+        let slow = |args: &[&str]| {
+            let mut v = vec!["ferry", "status"];
+            v.extend_from_slice(args);
+            Cli::try_parse_from(v).map(|c| match c.command {
+                Command::Status { slow, .. } => slow,
+                _ => panic!("not status"),
+            })
+        };
+        assert_eq!(slow(&["--slow"]).unwrap(), Some(10));
+        assert_eq!(slow(&["--slow", "3"]).unwrap(), Some(3));
+        assert_eq!(slow(&[]).unwrap(), None);
+        for bad in [
+            &["--slow", "0"][..],
+            &["--slow", "abc"],
+            &["--slow", "--json"],
+        ] {
+            assert!(slow(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(
+            slow(&["--slow", "--json"]).unwrap_err().kind(),
+            ErrorKind::ArgumentConflict
+        );
     }
 
     #[test]

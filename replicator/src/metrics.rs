@@ -401,6 +401,19 @@ fn lag_histogram() -> Histogram {
     Histogram::new(LAG_BUCKETS_S)
 }
 
+/// Upper bounds of the phase histogram's buckets, seconds: the lag's,
+/// with finer ones below 0.1 s (verifying and publishing take tens of
+/// ms).
+pub const PHASE_BUCKETS_S: [f64; 19] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+    1200.0, 1800.0, 3600.0,
+];
+
+/// A histogram with [`PHASE_BUCKETS_S`].
+fn phase_histogram() -> Histogram {
+    Histogram::new(PHASE_BUCKETS_S)
+}
+
 /// Histograms by label, each with the lag's buckets.
 type LagFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
@@ -762,7 +775,7 @@ impl SinkMetrics {
             received_total: Counter::default(),
             verification_failures: Counter::default(),
             lag: Family::new_with_constructor(lag_histogram as fn() -> Histogram),
-            phases: Family::new_with_constructor(lag_histogram as fn() -> Histogram),
+            phases: Family::new_with_constructor(phase_histogram as fn() -> Histogram),
             published: Counter::default(),
             replica_states: Family::default(),
             read_back_wall: Counter::default(),

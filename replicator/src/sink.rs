@@ -1065,6 +1065,9 @@ async fn serve_connection(
                 }
             };
             let Some(msg) = msg else { return Ok(()) };
+            // When it arrived: a commit's phases at the sink start here,
+            // not when its transfer's earlier messages are done.
+            let arrived = Instant::now();
             debug!(msg = msg.name(), "control");
             if let Control::Pin(p) = msg {
                 // About replicas, not a transfer: recorded and applied by
@@ -1102,8 +1105,10 @@ async fn serve_connection(
                 if let Some(before) = before {
                     let _ = before.await;
                 }
-                let r =
-                    handle_control(&inner2, &open2, &ctl2, &peer2, &site2, version, msg).await;
+                let r = handle_control(
+                    &inner2, &open2, &ctl2, &peer2, &site2, version, arrived, msg,
+                )
+                .await;
                 drop(permit);
                 match r {
                     Ok(()) => {}
@@ -1134,7 +1139,8 @@ async fn serve_connection(
 const CONTROL_TASKS_PER_CONNECTION: usize = 64;
 
 /// Handles one control message about a transfer (open, file-table
-/// update, commit or cancel), answering on `ctl`.
+/// update, commit or cancel) that `arrived` then, answering on `ctl`.
+#[allow(clippy::too_many_arguments)]
 async fn handle_control(
     inner: &Arc<Inner>,
     open: &Opened,
@@ -1142,6 +1148,7 @@ async fn handle_control(
     peer: &str,
     site: &str,
     version: u16,
+    arrived: Instant,
     msg: Control,
 ) -> Result<(), ConnError> {
     match msg {
@@ -1217,7 +1224,7 @@ async fn handle_control(
                 st.meta = checkpoint_meta(id, checkpoint);
                 // The sink's phases start again at each commit: those
                 // before it are in the source's.
-                st.commit_at = Some(Instant::now());
+                st.commit_at = Some(arrived);
                 st.source_phases = phases;
                 st.answer_phases = version >= ferry_proto::wire::PHASES_VERSION;
             }
