@@ -678,6 +678,17 @@ pub struct RootSection {
     /// that keep it in separate files only).
     #[serde(default = "default_profile")]
     pub profile: String,
+    /// `whole` (default): one publish of the replica. `weights-first`
+    /// (with `profile = "full"`): metadata and weight files cross first
+    /// and a weights-only version is published at the commit while the
+    /// optimizer state still moves; the full replica replaces it.
+    /// Refused for formats that do not keep them in separate files.
+    #[serde(default = "default_publish")]
+    pub publish: String,
+}
+
+fn default_publish() -> String {
+    "whole".into()
 }
 
 impl RootSection {
@@ -695,6 +706,7 @@ impl RootSection {
             select: default_select(),
             every_n_steps: None,
             profile: default_profile(),
+            publish: default_publish(),
         }
     }
 
@@ -739,17 +751,33 @@ impl RootSection {
                 "source.roots[{i}].select must be \"all\", \"latest_only\" or \"every_n_steps\", got {o:?}"
             ),
         };
-        let profile: Profile = self.profile.parse().map_err(|_| {
-            anyhow::anyhow!(
-                "source.roots[{i}].profile must be \"full\" or \"weights-only\", got {:?}",
-                self.profile
-            )
-        })?;
+        let profile = match self.profile.as_str() {
+            "full" => Profile::Full,
+            "weights-only" => Profile::WeightsOnly,
+            o => bail!("source.roots[{i}].profile must be \"full\" or \"weights-only\", got {o:?}"),
+        };
         if let (Profile::WeightsOnly, Some(f)) = (profile, format) {
             replicator::formats::is_optimizer_state(f, "").map_err(|why| {
                 anyhow::anyhow!("source.roots[{i}].profile = \"weights-only\" is not possible with format = \"{f}\": {why}")
             })?;
         }
+        let profile = match (self.publish.as_str(), profile) {
+            ("whole", p) => p,
+            ("weights-first", Profile::Full) => {
+                if let Some(f) = format {
+                    replicator::formats::splits_weights(f).map_err(|why| {
+                        anyhow::anyhow!("source.roots[{i}].publish = \"weights-first\" is not possible with format = \"{f}\": {why}")
+                    })?;
+                }
+                Profile::WeightsFirst
+            }
+            ("weights-first", _) => bail!(
+                "source.roots[{i}].publish = \"weights-first\" needs profile = \"full\" (a weights-only root publishes its weights alone already)"
+            ),
+            (o, _) => bail!(
+                "source.roots[{i}].publish must be \"whole\" or \"weights-first\", got {o:?}"
+            ),
+        };
         let w = RootWatch {
             format,
             start,

@@ -843,3 +843,152 @@ fn watcher_on(src: &mut AgentConfig) {
         s.extra = "quiet_period = \"1s\"\n".into();
     }
 }
+
+/// Weights first on the generator's DeepSpeed and HF Trainer saves (each
+/// written elsewhere, then moved into a root whose transfers start at the
+/// commit, so that all of it is still to send then): the weights-only version is
+/// published first, at or after the commit, byte for byte the source
+/// without its optimizer state; a plain resolve answers it with `profile:
+/// weights-only`, `profile=full` never does; the full replica then
+/// replaces it as a newer version, while a lease taken on the weights-only
+/// version keeps its directory. For the HF Trainer save the sink is killed
+/// (SIGKILL) between the two publishes: the weights-only version stays
+/// readable and the full replica is finished after the restart.
+#[tokio::test]
+async fn weights_first_publishes_the_weights_before_the_optimizer_state() {
+    let w = World::new("weights-first").await;
+    let mut c = w
+        .start_cluster("100Mbit/s", &[], |_, src| {
+            watcher_on(src);
+            if let Some(s) = src.source.as_mut() {
+                // Sent from the commit on: all of it is still to send then.
+                s.root_extra = "publish = \"weights-first\"\nstart = \"on_commit\"\n".into();
+            }
+        })
+        .await;
+    let formats = [
+        ("deepspeed", "global_step1000", Some("latest"), false),
+        ("hf_trainer", "checkpoint-1000", None, true),
+    ];
+    for (format, dir, root_marker, kill) in formats {
+        let saves = w.root.join("saves").join(format);
+        let out = w
+            .ferry(
+                &["gen", "--out", saves.to_str().unwrap(), "--format", format]
+                    .into_iter()
+                    .chain(["--step", "1000", "--size", "24MB"])
+                    .collect::<Vec<_>>(),
+                &[],
+                Duration::from_secs(120),
+            )
+            .await;
+        w.ensure(out.success(), || {
+            format!("ferry gen --format {format}: {out}")
+        });
+        let ckpt = w.source_root().join(dir);
+        std::fs::rename(saves.join(dir), &ckpt).unwrap();
+        if let Some(m) = root_marker {
+            std::fs::rename(saves.join(m), w.source_root().join(m)).unwrap();
+        }
+        // What the weights-only version must hold: the save without its
+        // optimizer state.
+        let fmt: replicator::formats::Format = format.parse().unwrap();
+        // (Hard links: the same bytes, modes and mtimes.)
+        let weights = w.root.join("expected").join(format);
+        let mut left_out = 0;
+        for f in files_under(&ckpt) {
+            if replicator::formats::is_optimizer_state(fmt, &f) == Ok(true) {
+                left_out += 1;
+                continue;
+            }
+            let to = weights.join(&f);
+            std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+            std::fs::hard_link(ckpt.join(&f), to).unwrap();
+        }
+        w.ensure(left_out > 0, || {
+            format!("the {format} save has no optimizer files")
+        });
+
+        // The weights-only version, leased so that it stays.
+        let sink_url = c.sink.url();
+        let url = |q: &str| format!("{sink_url}/v1/resolve?path={}{q}", ckpt.to_str().unwrap());
+        let first = w
+            .wait_until("the weights-only version", TRANSFER, async || {
+                let r = w.try_get_json(&url("&lease=10m")).await?;
+                match (s(&r, "state"), r["profile"].as_str()) {
+                    ("local", Some("weights-only")) => Ok(r),
+                    ("local", _) => Err(format!("the full replica came first: {r}")),
+                    _ => Err(r.to_string()),
+                }
+            })
+            .await;
+        let leased = Path::new(s(&first, "local_path")).to_path_buf();
+        w.assert_same_tree(&weights, &leased);
+        let full_only = w.get_json(&url("&profile=full")).await;
+        w.ensure(
+            s(&full_only, "state") != "local" || full_only["profile"].is_null(),
+            || format!("profile=full answered a weights-only version: {full_only}"),
+        );
+        if kill {
+            w.restart(&mut c.sink).await;
+            let r = w.get_json(&url("")).await;
+            w.ensure(s(&r, "state") == "local", || {
+                format!("after a kill between the publishes the replica is not readable: {r}")
+            });
+            w.assert_same_tree(&weights, &leased);
+        }
+        let full = w
+            .wait_until("the full replica", TRANSFER, async || {
+                let r = w.try_get_json(&url("&profile=full&wait=5s")).await?;
+                match s(&r, "state") {
+                    "local" => Ok(r),
+                    _ => Err(r.to_string()),
+                }
+            })
+            .await;
+        w.ensure(full["profile"].is_null(), || {
+            format!("the full replica says a profile: {full}")
+        });
+        w.assert_same_tree(&ckpt, &w.replica_path(dir));
+        // The lease held the weights-only version through the replacement.
+        w.assert_same_tree(&weights, &leased);
+        let r = w.resolve(&c.sink, &ckpt).await;
+        w.ensure(r["profile"].is_null(), || {
+            format!("a plain resolve still answers the weights-only version: {r}")
+        });
+
+        // Two versions: the weights-only one published first, after the
+        // commit, with its phases.
+        let reps = w.get_json(&format!("{}/v1/replicas", c.sink.url())).await;
+        let rows: Vec<&serde_json::Value> = reps["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| s(r, "source_path") == ckpt.to_str().unwrap())
+            .filter(|r| s(r, "state") == "published")
+            .collect();
+        let by = |p: Option<&str>| {
+            rows.iter()
+                .find(|r| r["profile"].as_str() == p)
+                .unwrap_or_else(|| w.fail(format!("no published {p:?} row: {reps}")))
+        };
+        let (wo, all) = (by(Some("weights-only")), by(None));
+        let at = |r: &serde_json::Value, k: &str| {
+            r[k].as_i64()
+                .unwrap_or_else(|| w.fail(format!("no {k} in {r}")))
+        };
+        w.ensure(at(wo, "published_at") <= at(all, "published_at"), || {
+            format!("the weights-only version was published after the full one: {wo} {all}")
+        });
+        w.ensure(at(wo, "published_at") >= at(wo, "committed_at"), || {
+            format!("the weights-only version was published before the commit: {wo}")
+        });
+        w.ensure(wo["phases"]["after_commit"].is_object(), || {
+            format!("the weights-only version has no phases: {wo}")
+        });
+        w.ensure(
+            wo["bytes_total"].as_i64() < all["bytes_total"].as_i64(),
+            || format!("the weights-only version is not smaller: {wo} {all}"),
+        );
+    }
+}

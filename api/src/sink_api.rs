@@ -56,6 +56,12 @@ pub(crate) struct ResolveQuery {
     /// publishes or a policy expires, until the lease expires or is
     /// released. Renew with `POST /v1/leases/{id}/renew`.
     lease: Option<String>,
+    /// `full`: only the full replica answers `local`. Under a weights-first
+    /// publish the weights-only version is published first (a plain
+    /// resolve answers it, with `profile: weights-only`); with
+    /// `profile=full` the answer stays `replicating` until the full
+    /// replica replaces it (with `wait`, a long poll until then).
+    profile: Option<String>,
 }
 
 /// Longest reader lease (and renewal), 7 days.
@@ -119,13 +125,23 @@ pub(crate) async fn resolve(
         None => None,
         Some(l) => Some(lease_duration(l)?),
     };
+    let full = match q.profile.as_deref() {
+        None | Some("") => false,
+        Some("full") => true,
+        Some(p) => {
+            return Err(ApiError::unprocessable(format!(
+                "`profile` {p:?} is not known: `full` asks for the full replica only (leave it out for the first publish an eval can use)"
+            )))
+        }
+    };
     let deadline = Instant::now() + wait;
     let mut changes = sink.changes();
     loop {
-        let r = match lease {
-            None => sink.resolve(&path).await.map_err(ApiError::catalog)?,
-            Some(d) => sink
-                .resolve_with_lease(&path, d, by(&caller))
+        let r = match (lease, full) {
+            (None, false) => sink.resolve(&path).await.map_err(ApiError::catalog)?,
+            (None, true) => sink.resolve_full(&path).await.map_err(ApiError::catalog)?,
+            (Some(d), _) => sink
+                .resolve_with_lease(&path, full, d, by(&caller))
                 .await
                 .map_err(lifecycle_error)?,
         };

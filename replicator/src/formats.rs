@@ -1175,6 +1175,64 @@ pub fn is_optimizer_state(format: Format, path: &str) -> Result<bool, String> {
     }
 }
 
+/// Whether checkpoints of `format` keep weights and optimizer state in
+/// separate files, so that a weights-first publish
+/// ([`ferry_proto::state::Profile::WeightsFirst`]) has a weights-only
+/// version to publish before the rest: DeepSpeed, HF Trainer, Megatron
+/// legacy (`distrib_optim.pt`) and ByteCheckpoint do
+/// ([`is_optimizer_state`] names their optimizer files).
+///
+/// # Errors
+/// Why not: the format mixes both in its files (DCP, torchtitan, torch_dist,
+/// NeMo, Orbax), holds no optimizer state (HF `save_pretrained`), or has no
+/// known layout (generic).
+pub fn splits_weights(format: Format) -> Result<(), String> {
+    is_optimizer_state(format, "")?;
+    match format {
+        Format::HfPretrained => Err(format!(
+            "format {format} holds weights only: the whole replica is the weights-only one"
+        )),
+        Format::Generic => Err(format!(
+            "format {format} has no known layout: which files hold optimizer state is unknown"
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Where a file goes in a transfer's send order: metadata first, then the
+/// weights, then the optimizer state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum SendClass {
+    /// Small files a reader opens first: DCP `.metadata`, JSON and YAML
+    /// configs and indexes (`model.safetensors.index.json`,
+    /// `trainer_state.json`), text files (`latest`, trackers), tokenizer
+    /// models.
+    Metadata,
+    /// Everything else: weights, and files of no known kind.
+    Weights,
+    /// Optimizer state, by [`is_optimizer_state`] for `format` (only a
+    /// format that keeps it in separate files has any).
+    Optimizer,
+}
+
+/// The [`SendClass`] of `path` (relative to the checkpoint directory) in
+/// a checkpoint of `format` (`None`: not recognised).
+pub fn send_class(format: Option<Format>, path: &str) -> SendClass {
+    if format.is_some_and(|f| is_optimizer_state(f, path) == Ok(true)) {
+        return SendClass::Optimizer;
+    }
+    let n = file_name(path);
+    let ext = n.rsplit_once('.').map_or("", |(_, e)| e);
+    if n == ".metadata"
+        || n == "latest"
+        || matches!(ext, "json" | "yaml" | "yml" | "txt" | "metadata" | "model")
+    {
+        SendClass::Metadata
+    } else {
+        SendClass::Weights
+    }
+}
+
 // ---------------------------------------------------------------------
 // content_check
 // ---------------------------------------------------------------------
@@ -1528,6 +1586,80 @@ mod tests {
             let err = is_optimizer_state(f, "__0_0.distcp").unwrap_err();
             assert!(err.contains(f.name()), "{err}");
         }
+    }
+
+    #[test]
+    fn weights_first_needs_separate_optimizer_files_and_sends_metadata_first() {
+        for f in [
+            Format::DeepSpeed,
+            Format::HfTrainer,
+            Format::MegatronLegacy,
+            Format::ByteCheckpoint,
+        ] {
+            assert_eq!(splits_weights(f), Ok(()), "{f}");
+        }
+        for f in [
+            Format::Dcp,
+            Format::Torchtitan,
+            Format::MegatronDist,
+            Format::Nemo,
+            Format::Orbax,
+            Format::HfPretrained,
+            Format::Generic,
+        ] {
+            let why = splits_weights(f).unwrap_err();
+            assert!(why.contains(f.name()), "{why}");
+        }
+        let ds = Some(Format::DeepSpeed);
+        assert_eq!(send_class(ds, "latest"), SendClass::Metadata);
+        assert_eq!(
+            send_class(ds, "global_step10/mp_rank_00_model_states.pt"),
+            SendClass::Weights
+        );
+        assert_eq!(
+            send_class(
+                ds,
+                "global_step10/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+            ),
+            SendClass::Optimizer
+        );
+        let hf = Some(Format::HfTrainer);
+        for p in [
+            "config.json",
+            "trainer_state.json",
+            "model.safetensors.index.json",
+        ] {
+            assert_eq!(send_class(hf, p), SendClass::Metadata, "{p}");
+        }
+        assert_eq!(
+            send_class(hf, "model-00001-of-00002.safetensors"),
+            SendClass::Weights
+        );
+        assert_eq!(send_class(hf, "optimizer.pt"), SendClass::Optimizer);
+        // DCP mixes both in its shards: nothing is optimizer state alone.
+        assert_eq!(
+            send_class(Some(Format::Dcp), ".metadata"),
+            SendClass::Metadata
+        );
+        assert_eq!(
+            send_class(Some(Format::Dcp), "__0_0.distcp"),
+            SendClass::Weights
+        );
+        assert_eq!(send_class(None, "optimizer.pt"), SendClass::Weights);
+        let mut order = vec![
+            SendClass::Optimizer,
+            SendClass::Metadata,
+            SendClass::Weights,
+        ];
+        order.sort();
+        assert_eq!(
+            order,
+            [
+                SendClass::Metadata,
+                SendClass::Weights,
+                SendClass::Optimizer
+            ]
+        );
     }
 
     // ---- content_check on real files ----

@@ -16,6 +16,9 @@ pub enum HoldPoint {
     /// Sink: an open arrived on the control stream and is about to be
     /// handled (the control stream waits; data streams go on).
     Open,
+    /// Source: a weights-first run sent its weights-only commit and is
+    /// about to send the optimizer state.
+    WeightsCommitted,
 }
 
 #[cfg(feature = "fault-injection")]

@@ -298,6 +298,31 @@ struct Live {
     /// Held while a batch confirmation is sent: batches finishing
     /// meanwhile go together in the next one.
     confirming: tokio::sync::Mutex<()>,
+    /// A weights-first transfer's weights-only version (on storage that
+    /// keeps version directories); `None` for every other transfer.
+    weights: Option<WeightsVersion>,
+}
+
+/// The weights-only version of a weights-first transfer: its own row
+/// (made with the transfer's at open, older than it) and the staging
+/// area its files are hard-linked into from the transfer's at the
+/// weights-only commit.
+#[derive(Debug, Clone)]
+struct WeightsVersion {
+    id: i64,
+    staging: PathBuf,
+}
+
+/// A weights-only commit waiting for its batches and chunks
+/// ([`Commit::weights_only`]).
+struct WeightsCommit {
+    manifest: Manifest,
+    batches: u64,
+    times: SourceTimes,
+    meta: CheckpointMeta,
+    siblings: Vec<(String, Vec<u8>)>,
+    phases: Phases,
+    at: Instant,
 }
 
 /// Staging bytes written before a background `syncfs` starts. Flushing as
@@ -353,6 +378,18 @@ struct LiveState {
     failed: bool,
     /// Publish attempts that found staged chunks changed on disk.
     changed_on_disk: u32,
+    /// The weights-only commit of a weights-first transfer, until its
+    /// version is published (or the full replica is first).
+    weights_commit: Option<WeightsCommit>,
+    /// The weights-only version is being published: the full publish
+    /// waits (chunk writes go on).
+    weights_publishing: bool,
+    /// Root of the weights-only version's manifest once published.
+    weights_published: Option<Hash>,
+    /// Paths of the files the weights-only version shares with staging
+    /// (hard links): a chunk written into one of them again first gives
+    /// staging its own copy ([`SinkStore::detach_staged`]).
+    frozen: std::collections::HashSet<String>,
 }
 
 /// What the catalog writer records ([`catalog_writer`]).
@@ -644,14 +681,28 @@ impl Sink {
     /// # Errors
     /// Catalog errors.
     pub async fn resolve(&self, path: &str) -> Result<Resolution, CatalogError> {
-        Ok(self.resolve_row(path).await?.0)
+        Ok(self.resolve_row(path, false).await?.0)
     }
 
-    /// [`Sink::resolve`], and for a `local` answer the replica row and
-    /// the path of the answer below the replica's directory.
+    /// [`Sink::resolve`] asking for the full replica (`full`): a
+    /// weights-only version is then not an answer. While the full
+    /// replica of a weights-first transfer is still on its way the answer
+    /// is `replicating`; a weights-only replica with nothing newer coming
+    /// (a root whose profile is `weights-only`) is `remote`, saying so.
+    ///
+    /// # Errors
+    /// Catalog errors.
+    pub async fn resolve_full(&self, path: &str) -> Result<Resolution, CatalogError> {
+        Ok(self.resolve_row(path, true).await?.0)
+    }
+
+    /// [`Sink::resolve`] (only the full replica with `full`), and for a
+    /// `local` answer the replica row and the path of the answer below
+    /// the replica's directory.
     pub(crate) async fn resolve_row(
         &self,
         path: &str,
+        full: bool,
     ) -> Result<(Resolution, Option<(i64, PathBuf)>), CatalogError> {
         let Some(path) = normalize_source_path(path) else {
             return Ok((Resolution::Unknown, None));
@@ -705,6 +756,44 @@ impl Sink {
                     Some(p) => !settling(p).await,
                     None => false,
                 };
+                // Only the full replica asked for: a weights-only version
+                // is not it.
+                if let Some(p) = published.filter(|p| full && p.profile == Profile::WeightsOnly) {
+                    let coming = rows.iter().find(|r| {
+                        r.id > p.id
+                            && r.state == TransferState::Receiving
+                            && r.local_path == p.local_path
+                    });
+                    if let Some(r) = coming {
+                        let live = self
+                            .inner
+                            .live
+                            .lock()
+                            .ok()
+                            .and_then(|m| m.get(&r.id).cloned());
+                        let (done, eta) = match live {
+                            Some(l) => l.progress(),
+                            None => (r.bytes_done as u64, None),
+                        };
+                        return Ok((
+                            Resolution::Replicating {
+                                bytes_done: done,
+                                bytes_total: r.bytes_total as u64,
+                                eta_s: eta,
+                            },
+                            None,
+                        ));
+                    }
+                    return Ok((
+                        Resolution::Remote {
+                            reason: Some(format!(
+                                "replica {} is weights-only and no full replica is on its way",
+                                p.id
+                            )),
+                        },
+                        None,
+                    ));
+                }
                 if let Some(p) = published.filter(|_| settled) {
                     let local = if suffix.as_os_str().is_empty() {
                         PathBuf::from(&p.local_path)
@@ -1194,6 +1283,7 @@ async fn handle_control(
             checkpoint,
             lost,
             phases,
+            weights_only,
         }) => {
             let live = open.get(id);
             let Some(live) = live else {
@@ -1201,6 +1291,21 @@ async fn handle_control(
                     "commit for unknown transfer {id}"
                 )));
             };
+            if weights_only {
+                let commit = WeightsCommit {
+                    manifest,
+                    batches,
+                    times: SourceTimes {
+                        committed_ms,
+                        opened_ms,
+                    },
+                    meta: checkpoint_meta(id, checkpoint),
+                    siblings,
+                    phases,
+                    at: arrived,
+                };
+                return weights_commit(inner, &live, ctl, id, version, commit, lost).await;
+            }
             {
                 let mut st = crate::lock::lock(&live.st);
                 debug!(
@@ -1437,29 +1542,52 @@ async fn open_transfer(
             if let Err(e) = blocking(move || store.discard(&leftover)).await {
                 warn!(error = %e, "removing a leftover staging area");
             }
-            let id = inner
-                .catalog
-                .insert_replica(&NewReplica {
-                    peer: owner,
-                    source_site: site,
-                    source_transfer: key.id,
-                    job: &key.job,
-                    source_path: &key.source_path,
-                    rel: &key.rel,
-                    chunk_size,
-                    files: &files,
-                    bytes_total,
-                    staging_path: &staging.to_string_lossy(),
-                    local_path: &local_path.to_string_lossy(),
-                    profile: key.profile,
-                })
-                .await?;
+            let weights_first = key.profile == Profile::WeightsFirst;
+            let new = NewReplica {
+                peer: owner,
+                source_site: site,
+                source_transfer: key.id,
+                job: &key.job,
+                source_path: &key.source_path,
+                rel: &key.rel,
+                chunk_size,
+                files: &files,
+                bytes_total,
+                staging_path: &staging.to_string_lossy(),
+                local_path: &local_path.to_string_lossy(),
+                profile: if weights_first {
+                    Profile::Full
+                } else {
+                    key.profile
+                },
+            };
+            let (id, weights_version) = if weights_first && inner.store.versioned() {
+                let w_staging = weights_staging(&staging);
+                let (leftover, store) = (w_staging.clone(), inner.store.clone());
+                if let Err(e) = blocking(move || store.discard(&leftover)).await {
+                    warn!(error = %e, "removing a leftover staging area");
+                }
+                let (id, w) = inner
+                    .catalog
+                    .insert_replica_weights_first(&new, &w_staging.to_string_lossy())
+                    .await?;
+                (id, Some(w))
+            } else {
+                if weights_first {
+                    info!(
+                        transfer = %key.id,
+                        "weights-first asked, but this sink's storage keeps no version directories: the full replica is published alone"
+                    );
+                }
+                (inner.catalog.insert_replica(&new).await?, None)
+            };
             // Known without reading it back.
             let row = RowAtOpen {
                 id,
                 state: TransferState::Receiving,
                 staging_path: staging.to_string_lossy().into_owned(),
                 local_path: local_path.to_string_lossy().into_owned(),
+                weights_version,
             };
             let reused = reuse_published(
                 inner,
@@ -1518,6 +1646,33 @@ async fn open_transfer(
         }
     }
     let staging = PathBuf::from(&row.staging_path);
+    // A weights-first transfer's weights-only version: still to publish
+    // (`queued`), or published already (its root, and the files it
+    // shares with staging).
+    let mut weights = None;
+    let mut weights_at_open = None;
+    if let (Some(w), None) = (row.weights_version, published_root) {
+        match inner.catalog.replica(w).await? {
+            Some(r) if r.state == TransferState::Queued => {
+                weights = Some(WeightsVersion {
+                    id: w,
+                    staging: PathBuf::from(&r.staging_path),
+                });
+            }
+            Some(r) if r.state == TransferState::Published => {
+                let bytes = inner.catalog.replica_manifest(w).await?.unwrap_or_default();
+                let m =
+                    Manifest::decode(&bytes).map_err(|e| CatalogError::Corrupt(e.to_string()))?;
+                weights_at_open =
+                    Some((m.root(), m.files.iter().map(|f| f.path.clone()).collect()));
+                weights = Some(WeightsVersion {
+                    id: w,
+                    staging: PathBuf::from(&r.staging_path),
+                });
+            }
+            _ => {}
+        }
+    }
     if published_root.is_none() {
         let (s2, store) = (staging.clone(), inner.store.clone());
         blocking(move || store.make_dir(&s2)).await?;
@@ -1543,12 +1698,15 @@ async fn open_transfer(
             verified,
             bytes_done: done,
             bytes_at_open: done,
+            weights_published: weights_at_open.as_ref().map(|w| w.0),
+            frozen: weights_at_open.map(|w| w.1).unwrap_or_default(),
             ..LiveState::default()
         }),
         unsynced: Default::default(),
         syncing: Default::default(),
         writes: Default::default(),
         confirming: Default::default(),
+        weights,
     });
     {
         let mut m = crate::lock::lock(&inner.live);
@@ -1564,6 +1722,8 @@ struct RowAtOpen {
     state: TransferState,
     staging_path: String,
     local_path: String,
+    /// A weights-first transfer's weights-only version row.
+    weights_version: Option<i64>,
 }
 
 impl RowAtOpen {
@@ -1573,6 +1733,7 @@ impl RowAtOpen {
             state: r.state,
             staging_path: r.staging_path.clone(),
             local_path: r.local_path.clone(),
+            weights_version: r.weights_version,
         }
     }
 }
@@ -2085,6 +2246,12 @@ fn write_group(
             bad.push(g);
             continue;
         }
+        // A file the weights-only version shares: staging gets its own
+        // copy first, so the published version's bytes never change.
+        if live.weights.is_some() && crate::lock::lock(&live.st).frozen.remove(&rel) {
+            live.store.detach_staged(&live.staging, &rel)?;
+            staging = live.store.staging(&live.staging);
+        }
         staging.stage_chunk(&rel, u64::from(h.chunk) * u64::from(live.chunk_size), &buf)?;
         good.push((g, hash, buf.len() as u64));
     }
@@ -2199,6 +2366,7 @@ async fn maybe_finish(
             PhaseMarks,
         ),
     }
+    maybe_publish_weights(inner, live, ctl, id).await?;
     let next = {
         let mut st = crate::lock::lock(&live.st);
         let announced = st.commit.as_ref().map(|(_, batches)| *batches);
@@ -2206,7 +2374,7 @@ async fn maybe_finish(
             announced,
             &st.lost,
             &st.batches_in,
-            st.publishing,
+            st.publishing || st.weights_publishing,
             st.failed,
         ) {
             return Ok(());
@@ -2389,7 +2557,15 @@ async fn maybe_finish(
                     if let Some(lag_s) = recorded {
                         inner.metrics.observe_lag(lag_s, class);
                     }
-                    inner.metrics.observe_phases(&all, class);
+                    // Under weights-first the weights-only version was
+                    // eval-ready, and its phases were observed.
+                    let weights_published = crate::lock::lock(&live.st).weights_published;
+                    if weights_published.is_none() {
+                        inner.metrics.observe_phases(&all, class);
+                    }
+                    if let (Some(w), None) = (&live.weights, weights_published) {
+                        weights_version_unused(inner, w).await;
+                    }
                     // A re-save of a pinned checkpoint stays pinned (before
                     // the policies weigh it).
                     if let Some(h) = hot_raised {
@@ -2437,6 +2613,314 @@ async fn maybe_finish(
             })
             .await
         }
+    }
+}
+
+/// The staging area of a weights-first transfer's weights-only version,
+/// beside the transfer's own `staging`.
+fn weights_staging(staging: &Path) -> PathBuf {
+    let mut name = staging.file_name().unwrap_or_default().to_os_string();
+    name.push("-weights");
+    staging.with_file_name(name)
+}
+
+/// A weights-only commit ([`Commit::weights_only`]) arrived: kept until
+/// its batches are in and its chunks verified, then published
+/// ([`maybe_publish_weights`]). Answered at once when the version is
+/// published already (a source that restarted sends it again); ignored
+/// for a transfer without a weights-only version (storage without
+/// version directories, or the full replica was first).
+async fn weights_commit(
+    inner: &Arc<Inner>,
+    live: &Arc<Live>,
+    ctl: &ControlSender,
+    id: TransferId,
+    version: u16,
+    commit: WeightsCommit,
+    lost: Vec<u64>,
+) -> Result<(), ConnError> {
+    if live.weights.is_none() {
+        debug!(transfer = %id, "weights-only commit for a transfer without a weights-only version: the full replica follows");
+        return Ok(());
+    }
+    let published = {
+        let mut st = crate::lock::lock(&live.st);
+        if st.weights_published.is_none() {
+            st.lost = lost.into_iter().collect();
+            st.answer_phases = version >= ferry_proto::wire::PHASES_VERSION;
+            st.weights_commit = Some(commit);
+            None
+        } else {
+            st.weights_published
+        }
+    };
+    match published {
+        Some(root) => {
+            ctl.send(&Control::Published {
+                id,
+                local_path: inner.shown(&live.local_path),
+                root,
+                phases: Phases::default(),
+            })
+            .await
+        }
+        None => maybe_finish(inner, live, ctl, id).await,
+    }
+}
+
+/// Publishes a weights-first transfer's weights-only version once its
+/// commit's batches are all in and every chunk of its manifest is
+/// verified, while the rest of the transfer's chunks still arrive: its
+/// files are hard-linked from the transfer's staging area into its own,
+/// read back, moved into a version directory of its own and named by the
+/// replica's path, exactly as a full publish ([`SinkStore::publish`]),
+/// and recorded under its own row. The source hears a
+/// [`Control::Published`] of the weights-only root. A chunk still missing
+/// leaves it waiting (the full commit asks for what is missing); a
+/// failure is logged and the full replica follows.
+async fn maybe_publish_weights(
+    inner: &Arc<Inner>,
+    live: &Arc<Live>,
+    ctl: &ControlSender,
+    id: TransferId,
+) -> Result<(), ConnError> {
+    let Some(w) = live.weights.clone() else {
+        return Ok(());
+    };
+    let (commit, keys, marks) = {
+        let mut st = crate::lock::lock(&live.st);
+        let Some(c) = st.weights_commit.as_ref() else {
+            return Ok(());
+        };
+        if !decide::commit_ready(
+            Some(c.batches),
+            &st.lost,
+            &st.batches_in,
+            st.publishing || st.weights_publishing,
+            st.failed,
+        ) {
+            return Ok(());
+        }
+        let keys = match seal_table(live, &c.manifest) {
+            Ok(k) => k,
+            Err(why) => {
+                warn!(transfer = %id, "weights-only commit refused ({why}); the full replica follows");
+                st.weights_commit = None;
+                return Ok(());
+            }
+        };
+        if decide::commit_verdict(&keys, &st.verified) != decide::CommitVerdict::Publish {
+            return Ok(());
+        }
+        let Some(c) = st.weights_commit.take() else {
+            return Ok(());
+        };
+        st.weights_publishing = true;
+        let marks = PhaseMarks {
+            commit_at: Some(c.at),
+            ready_at: Instant::now(),
+            source: c.phases.clone(),
+            answer: st.answer_phases,
+        };
+        (c, keys, marks)
+    };
+    let res = publish_weights(inner, live, &w, &commit, &keys, &marks).await;
+    let answer = {
+        let mut st = crate::lock::lock(&live.st);
+        st.weights_publishing = false;
+        match res {
+            Ok(at_sink) => {
+                st.weights_published = Some(commit.manifest.root());
+                Some(at_sink)
+            }
+            Err(e) => {
+                warn!(transfer = %id, replica = w.id, "weights-only version not published ({e}); the full replica follows");
+                None
+            }
+        }
+    };
+    inner.changed.send_modify(|v| *v += 1);
+    if let Some(at_sink) = answer {
+        ctl.send(&Control::Published {
+            id,
+            local_path: inner.shown(&live.local_path),
+            root: commit.manifest.root(),
+            phases: if marks.answer {
+                at_sink
+            } else {
+                Phases::default()
+            },
+        })
+        .await?;
+    }
+    Ok(())
+}
+
+/// The weights-only publish of [`maybe_publish_weights`]; returns the
+/// sink's phases of it.
+async fn publish_weights(
+    inner: &Arc<Inner>,
+    live: &Arc<Live>,
+    w: &WeightsVersion,
+    c: &WeightsCommit,
+    keys: &[(u64, Hash)],
+    marks: &PhaseMarks,
+) -> Result<Phases, String> {
+    let t_publish = Instant::now();
+    let m = &c.manifest;
+    let path_lock = inner.publish_lock(&live.local_path);
+    let _path_lock = path_lock.lock_owned().await;
+    {
+        // No chunk write in flight while the links are made; those after
+        // see the files frozen and write into a copy.
+        let _exclusive = live.writes.clone().write_owned().await;
+        crate::lock::lock(&live.st)
+            .frozen
+            .extend(m.files.iter().map(|f| f.path.clone()));
+        let (store, from, to) = (live.store.clone(), live.staging.clone(), w.staging.clone());
+        let paths: Vec<String> = m.files.iter().map(|f| f.path.clone()).collect();
+        blocking(move || {
+            // A publish a crash interrupted is finished by `publish`;
+            // links a crash left half made are made again.
+            if store.publish_under_way(&to) {
+                return Ok(());
+            }
+            store.discard(&to)?;
+            store.make_dir(&to)?;
+            for p in &paths {
+                store.share_unchanged(&from, &to, p)?;
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| format!("linking the weight files into {}: {e}", w.staging.display()))?;
+    }
+    let (store, lp) = (live.store.clone(), live.local_path.clone());
+    if blocking(move || store.exists(&lp)).await.unwrap_or(false) {
+        // A version is replaced: it goes once no lease holds it.
+        inner
+            .sweep_wanted
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+    let version = version_dir(&inner.cfg.root, w.id);
+    let (store, staging, lp, m2) = (
+        live.store.clone(),
+        w.staging.clone(),
+        live.local_path.clone(),
+        m.clone(),
+    );
+    let reread = inner.cfg.reread_before_publish.then(|| keys.to_vec());
+    let readers = c.meta.readers;
+    let out =
+        blocking(move || store.publish(&staging, &lp, &version, &m2, reread.as_deref(), readers))
+            .await
+            .map_err(|e| format!("publishing {}: {e}", live.local_path.display()))?;
+    let mut reread_wall = Duration::ZERO;
+    match out {
+        PublishOutcome::Published { reread, .. } => {
+            if let Some(r) = reread {
+                reread_wall = r.wall;
+                inner.metrics.note_read_back(r);
+            }
+        }
+        PublishOutcome::Recovered => {}
+        PublishOutcome::Refetch(bad) => {
+            let (store, staging) = (live.store.clone(), w.staging.clone());
+            let _ = blocking(move || store.discard(&staging)).await;
+            return Err(format!(
+                "{} staged chunks changed on disk after they were verified",
+                bad.len()
+            ));
+        }
+    }
+    if !c.siblings.is_empty() {
+        let (l2, siblings) = (live.clone(), c.siblings.clone());
+        if let Err(e) =
+            blocking(move || write_siblings(&*l2.store, &l2.local_path, &siblings)).await
+        {
+            warn!(replica = w.id, error = %e, "could not write the markers beside the replica");
+        }
+    }
+    let measured_to = Instant::now();
+    let at_sink = marks.at_sink(t_publish, reread_wall, measured_to);
+    let mut all = marks.source.clone();
+    all.merge(&at_sink);
+    let local = live.local_path.to_string_lossy().into_owned();
+    let files: Vec<FileInfo> = m
+        .files
+        .iter()
+        .map(|f| FileInfo {
+            path: f.path.clone(),
+            size: f.size,
+            mode: f.mode,
+            mtime_ns: f.mtime_ns,
+        })
+        .collect();
+    if let Err(e) = inner
+        .catalog
+        .set_replica_files(w.id, &files, m.bytes())
+        .await
+    {
+        warn!(replica = w.id, error = %e, "catalog: recording the weights-only version's files");
+    }
+    let rec = PublishedReplica {
+        id: w.id,
+        manifest: m.encode(),
+        root_hex: hex(&m.root()),
+        local_path: local.clone(),
+        bytes: m.bytes(),
+        times: c.times,
+        meta: c.meta,
+        phases: Some((all.clone(), measured_to)),
+    };
+    let (tx, rx) = oneshot::channel();
+    let recorded = match inner.chunks.send(CatalogOp::Publish(rec, tx)).await {
+        Ok(()) => rx
+            .await
+            .unwrap_or_else(|_| Err("the catalog writer stopped".into())),
+        Err(_) => Err("the catalog writer stopped".into()),
+    };
+    let lag = recorded.map_err(|e| {
+        format!("the weights-only version is in place but the catalog could not record it: {e}")
+    })?;
+    let class = c.meta.class.map_or("unknown", |c| c.as_str());
+    if let Some(lag_s) = lag {
+        inner.metrics.observe_lag(lag_s, class);
+    }
+    inner.metrics.observe_phases(&all, class);
+    inner.metrics.published.inc();
+    let (store, staging) = (live.store.clone(), w.staging.clone());
+    if let Err(e) = blocking(move || store.publish_recorded(&staging)).await {
+        warn!(replica = w.id, error = %e, "could not remove the held-markers directory of a finished publish");
+    }
+    inner.retention_wake.notify_one();
+    info!(
+        replica = w.id,
+        path = %local,
+        files = m.files.len(),
+        bytes = m.bytes(),
+        publish_ms = t_publish.elapsed().as_millis() as u64,
+        "weights-only version published; the optimizer state follows"
+    );
+    Ok(at_sink)
+}
+
+/// The full replica of a weights-first transfer was published before its
+/// weights-only version (the weights-only commit came late, or its chunks
+/// were not all verified): that version's row is cancelled, saying so,
+/// and its staging area removed.
+async fn weights_version_unused(inner: &Inner, w: &WeightsVersion) {
+    let why = "the full replica was published first";
+    if let Err(e) = inner
+        .catalog
+        .set_replica_state(w.id, TransferState::Cancelled, Some(why))
+        .await
+    {
+        warn!(replica = w.id, error = %e, "catalog: cancelling an unused weights-only version");
+    }
+    let (store, staging) = (inner.store.clone(), w.staging.clone());
+    if let Err(e) = blocking(move || store.discard(&staging)).await {
+        warn!(replica = w.id, error = %e, "removing an unused weights-only staging area");
     }
 }
 

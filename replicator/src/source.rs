@@ -20,7 +20,7 @@ use ferry_catalog::{
     Catalog, CatalogError, DeadlineState, NewWatchedTransfer, ProgressNote, SourceTimes, Transfer,
 };
 use ferry_proto::manifest::{hex, ChunkMap, FileEntry, FileInfo, Hash, Manifest};
-use ferry_proto::state::{CheckpointState, TransferId, TransferState};
+use ferry_proto::state::{CheckpointState, Profile, TransferId, TransferState};
 use ferry_proto::wire::{
     CheckpointInfo, Commit, Control, Hello, Open, RecordHeader, TransferKey, MIN_SOURCE_VERSION,
     ORIGIN_VERSION, PROTOCOL_VERSION,
@@ -547,6 +547,10 @@ struct Inner {
     views: Mutex<HashMap<TransferId, watch::Receiver<CheckpointView>>>,
     /// Each live transfer's phase log (see [`phases`]).
     phase_clocks: phases::PhaseClocks,
+    /// Weights-first transfers whose weights-only commit went: the root
+    /// of its manifest, which the sink's [`Control::Published`] of that
+    /// version carries (it is not the transfer's end).
+    weights_roots: Mutex<HashMap<TransferId, Hash>>,
     /// Checkpoints signals' pins picked for replication whatever `select`
     /// says, for the watchers of their roots: (root, pick, until Unix
     /// ms). Each root's watcher takes its own at its next pass.
@@ -706,6 +710,7 @@ impl Source {
             progress: Mutex::new(HashMap::new()),
             views: Mutex::new(HashMap::new()),
             phase_clocks: phases::PhaseClocks::default(),
+            weights_roots: Mutex::default(),
             picks: Mutex::new(Vec::new()),
             step_pins: Mutex::new(Vec::new()),
             shutdown: CancellationToken::new(),
@@ -3155,6 +3160,10 @@ async fn end_transfer(
     backoff: Duration,
 ) -> bool {
     save_progress(inner, id, true).await;
+    if !matches!(result, Err(RunError::Retry(_))) {
+        // Ended (a retry sends its weights-only commit again).
+        crate::lock::lock(&inner.weights_roots).remove(&id);
+    }
     let tell_sink = |why: String| async move {
         // Tell the sink, so it drops its staging data and stops reporting
         // the transfer as replicating.
@@ -3359,7 +3368,15 @@ async fn open_on_sink(
                 job: t.job.clone(),
                 source_path: t.source_path.clone(),
                 rel: t.rel.clone(),
-                profile: t.profile,
+                // A sink older than weights-first publishes the whole.
+                profile: match t.profile {
+                    Profile::WeightsFirst
+                        if c.version < ferry_proto::wire::WEIGHTS_FIRST_VERSION =>
+                    {
+                        Profile::Full
+                    }
+                    p => p,
+                },
                 origin: (c.version >= ORIGIN_VERSION).then(|| inner.catalog.id().to_string()),
             },
             chunk_size: inner.cfg.chunk_size,
@@ -3392,7 +3409,10 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
         .await
         .map_err(|e| RunError::Fatal(e.to_string()))?
         .map_err(|e| RunError::Fatal(format!("listing the checkpoint: {e}")))?;
-    let scan = listing.into_infos();
+    let mut scan = listing.into_infos();
+    // Metadata first (the markers stay last, where their indices say).
+    let plain = scan.files.len() - scan.markers.len().min(scan.files.len());
+    scan.files[..plain].sort_by_key(|f| crate::formats::send_class(None, &f.path));
     let t_scanned = t_start.elapsed();
     let bytes_total: u64 = scan.files.iter().map(|f| f.size).sum();
     // A small transfer's size was recorded at submit: not written again
@@ -3514,6 +3534,7 @@ async fn commit_loop(
             match m {
                 Control::Need { chunks, .. } => need.extend(chunks),
                 Control::Have { .. } => {}
+                m if weights_answer(inner, t.id, &m) => {}
                 other => return handle_end(inner, t, other, &root).await,
             }
         }
@@ -3602,6 +3623,7 @@ async fn commit_loop(
                 checkpoint: Some(checkpoint.clone()),
                 lost,
                 phases,
+                weights_only: false,
             })
         };
         // The commit goes once every chunk queued is written (chunks moved
@@ -3637,6 +3659,7 @@ async fn commit_loop(
             tokio::select! {
                 m = recv(inner, c, rx) => match m? {
                     Control::Have { .. } => continue,
+                    m if weights_answer(inner, t.id, &m) => continue,
                     Control::Need { chunks, .. } => {
                         need.extend(chunks);
                         inner
@@ -3709,6 +3732,26 @@ fn step_at_commit(watched_format: bool, rel: &str, m: &Manifest) -> Option<u64> 
     recognised.then(|| formats::step_of(rel)).flatten()
 }
 
+/// Whether `m` is the sink's answer to transfer `id`'s weights-only
+/// commit (its root is the one in [`Inner::weights_roots`]): logged, and
+/// not the transfer's end.
+fn weights_answer(inner: &Inner, id: TransferId, m: &Control) -> bool {
+    match m {
+        Control::Published {
+            root, local_path, ..
+        } if crate::lock::lock(&inner.weights_roots).get(&id) == Some(root) => {
+            info!(
+                transfer = %id,
+                local_path,
+                root = %hex(root),
+                "weights-only version published at the sink; the optimizer state follows"
+            );
+            true
+        }
+        _ => false,
+    }
+}
+
 async fn handle_end(
     inner: &Inner,
     t: &Transfer,
@@ -3733,6 +3776,7 @@ async fn handle_end(
                 .catalog
                 .set_transfer_published(t.id, &hex(root), &local_path)
                 .await?;
+            crate::lock::lock(&inner.weights_roots).remove(&t.id);
             // Ours until the commit went (the time since is the sink's),
             // then the sink's after it arrived.
             if !at_sink.is_empty() {
@@ -3806,6 +3850,7 @@ async fn send_round<T: Send + 'static>(
                     return false;
                 }
                 Some(Control::Have { .. }) => return false,
+                Some(m) if weights_answer(inner, tid, &m) => return false,
                 Some(Control::Refuse { reason, .. }) => {
                     RunError::Fatal(format!("sink refused: {reason}"))
                 }

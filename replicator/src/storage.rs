@@ -259,6 +259,18 @@ pub trait SinkStore: Send + Sync + fmt::Debug {
     /// I/O errors, or that the backend cannot share files.
     fn share_unchanged(&self, previous: &Path, staging: &Path, rel: &str) -> io::Result<()>;
 
+    /// Gives file `rel` of staging area `staging` its own copy of its bytes
+    /// before it is written again, where the backend shares files between
+    /// a staging area and a published version (a hard link of a
+    /// weights-first transfer's weights-only version): the published
+    /// version's bytes never change. A no-op where nothing is shared.
+    ///
+    /// # Errors
+    /// I/O errors naming the path; the file is then not written.
+    fn detach_staged(&self, _staging: &Path, _rel: &str) -> io::Result<()> {
+        Ok(())
+    }
+
     /// Publishes staging area `staging` at `local_path` as checkpoint `m`,
     /// atomically: a reader sees the previous version or the whole new
     /// one, commit markers last. Where the backend keeps versions

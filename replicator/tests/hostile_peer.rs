@@ -438,6 +438,7 @@ async fn out_of_order_control_messages_close_the_connection() {
                 checkpoint: None,
                 lost: vec![],
                 phases: Default::default(),
+                weights_only: false,
             }),
             "commit for unknown transfer 77",
         ),
@@ -589,6 +590,7 @@ async fn records_past_the_declared_file_size_are_dropped() {
             checkpoint: None,
             lost: vec![],
             phases: Default::default(),
+            weights_only: false,
         })
         .encode(),
     )
@@ -669,6 +671,7 @@ async fn publish_at(
             checkpoint,
             lost: vec![],
             phases: Default::default(),
+            weights_only: false,
         })
         .encode(),
     )

@@ -301,19 +301,20 @@ fn control() -> impl Strategy<Value = Control> {
             ),
             // Version 2 (nothing), 3 (checkpoint info), 4 (checkpoint
             // info and lost batches, possibly none) or 7 (and phases,
-            // possibly none).
+            // possibly none), or 8 (and a weights-only commit).
             prop::option::of((
                 prop::option::of(any::<u64>()),
                 short_str(),
                 ids,
                 phases(),
-                prop::option::of(1..=u64::MAX)
+                prop::option::of(1..=u64::MAX),
+                any::<bool>()
             ))
         )
             .prop_map(
                 |((id, committed_ms, opened_ms, batches), manifest, siblings, tail)| {
-                    let (checkpoint, lost, phases) = match tail {
-                        Some((step, class, lost, phases, readers)) => (
+                    let (checkpoint, lost, phases, weights_only) = match tail {
+                        Some((step, class, lost, phases, readers, weights_only)) => (
                             Some(CheckpointInfo {
                                 step,
                                 class,
@@ -321,8 +322,9 @@ fn control() -> impl Strategy<Value = Control> {
                             }),
                             lost,
                             phases,
+                            weights_only,
                         ),
-                        None => (None, Vec::new(), Phases::default()),
+                        None => (None, Vec::new(), Phases::default(), false),
                     };
                     Control::Commit(Commit {
                         id: TransferId(id),
@@ -334,6 +336,7 @@ fn control() -> impl Strategy<Value = Control> {
                         checkpoint,
                         lost,
                         phases,
+                        weights_only,
                     })
                 }
             ),

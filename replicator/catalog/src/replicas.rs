@@ -84,6 +84,10 @@ pub struct Replica {
     /// Where the time to eval-ready went ([`crate::phases`]); `None`
     /// before the publish or from an older source.
     pub phases: Option<ferry_proto::phases::Phases>,
+    /// A weights-first transfer's row: the id of its weights-only
+    /// version's row (made with it at open; `queued` until published at
+    /// the commit). `None` elsewhere.
+    pub weights_version: Option<i64>,
 }
 
 /// A replication hint in force on a replica's hot files (HDFS sink).
@@ -331,12 +335,53 @@ pub(crate) async fn publish_in(
     Ok(lag(p.times.committed_ms))
 }
 
+/// Inserts row `n` in `state` (with `weights_version`) inside the
+/// caller's transaction, and its file list; returns its id.
+async fn insert_in(
+    db: crate::dialect::Dialect,
+    tx: &mut sqlx::AnyConnection,
+    n: &NewReplica<'_>,
+    state: TransferState,
+    weights_version: Option<i64>,
+) -> Result<i64, CatalogError> {
+    let files = serde_json::to_string(n.files).map_err(|e| CatalogError::Corrupt(e.to_string()))?;
+    let r = sqlx::query(&db.sql(
+        "INSERT INTO replicas (peer, source_site, source_transfer, job, source_path, rel, \
+         chunk_size, files, state, bytes_total, staging_path, local_path, created_at, profile, \
+         weights_version) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+    ))
+    .bind(n.peer)
+    .bind(n.source_site)
+    .bind(n.source_transfer.as_i64())
+    .bind(n.job)
+    .bind(n.source_path)
+    .bind(n.rel)
+    .bind(i64::from(n.chunk_size))
+    .bind("")
+    .bind(state.as_str())
+    .bind(n.bytes_total as i64)
+    .bind(n.staging_path)
+    .bind(n.local_path)
+    .bind(now_ms())
+    .bind(n.profile.stored_name())
+    .bind(weights_version)
+    .fetch_one(&mut *tx)
+    .await?;
+    let id: i64 = r.try_get("id")?;
+    sqlx::query(&db.sql("INSERT INTO replica_files (replica, files) VALUES (?, ?)"))
+        .bind(id)
+        .bind(files)
+        .execute(&mut *tx)
+        .await?;
+    Ok(id)
+}
+
 const REPLICA_COLS: &str = "id, peer, source_site, source_transfer, job, source_path, rel, \
     chunk_size, state, bytes_total, bytes_done, staging_path, local_path, manifest_root, error, \
     created_at, published_at, committed_at, commit_to_replica_s, open_to_replica_s, profile, \
     step, class, pinned_at, pinned_until, pin_reason, removal_reason, removal_detail, \
     removal_started_at, removed_at, removed_bytes, removal_forced, leased_until, version_deleted_at, \
-    hot_factor, hot_previous, hot_until, phases";
+    hot_factor, hot_previous, hot_until, phases, weights_version";
 
 fn replica_row(r: &AnyRow) -> Result<Replica, sqlx::Error> {
     Ok(Replica {
@@ -406,6 +451,7 @@ fn replica_row(r: &AnyRow) -> Result<Replica, sqlx::Error> {
             _ => None,
         },
         phases: crate::phases::column(r.try_get("phases")?)?,
+        weights_version: r.try_get("weights_version")?,
     })
 }
 
@@ -587,42 +633,51 @@ impl Catalog {
     /// # Errors
     /// SQL errors.
     pub async fn insert_replica(&self, n: &NewReplica<'_>) -> Result<i64, CatalogError> {
-        let files =
-            serde_json::to_string(n.files).map_err(|e| CatalogError::Corrupt(e.to_string()))?;
         let mut tx = self.pool.begin().await?;
-        let r = sqlx::query(&self.db.sql(
-            "INSERT INTO replicas (peer, source_site, source_transfer, job, source_path, rel, \
-             chunk_size, files, state, bytes_total, staging_path, local_path, created_at, profile) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
-        ))
-        .bind(n.peer)
-        .bind(n.source_site)
-        .bind(n.source_transfer.as_i64())
-        .bind(n.job)
-        .bind(n.source_path)
-        .bind(n.rel)
-        .bind(i64::from(n.chunk_size))
-        .bind("")
-        .bind(TransferState::Receiving.as_str())
-        .bind(n.bytes_total as i64)
-        .bind(n.staging_path)
-        .bind(n.local_path)
-        .bind(now_ms())
-        .bind(n.profile.stored_name())
-        .fetch_one(&mut *tx)
-        .await?;
-        let id: i64 = r.try_get("id")?;
-        sqlx::query(
-            &self
-                .db
-                .sql("INSERT INTO replica_files (replica, files) VALUES (?, ?)"),
-        )
-        .bind(id)
-        .bind(files)
-        .execute(&mut *tx)
-        .await?;
+        let id = insert_in(self.db, &mut tx, n, TransferState::Receiving, None).await?;
         tx.commit().await?;
         Ok(id)
+    }
+
+    /// Inserts a weights-first transfer's two rows in one transaction:
+    /// first its weights-only version's (profile `weights-only`, state
+    /// `queued`, peer `n.peer` + `#weights-only`, staging `weights_staging`,
+    /// no files), then the transfer's own (profile `full`, state
+    /// `receiving`, naming the first in [`Replica::weights_version`]), so
+    /// the full replica is the newer version. Returns `(transfer row,
+    /// weights-only row)`.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn insert_replica_weights_first(
+        &self,
+        n: &NewReplica<'_>,
+        weights_staging: &str,
+    ) -> Result<(i64, i64), CatalogError> {
+        let peer = format!("{}#weights-only", n.peer);
+        let w = NewReplica {
+            peer: &peer,
+            files: &[],
+            staging_path: weights_staging,
+            profile: Profile::WeightsOnly,
+            ..n.clone()
+        };
+        let full = NewReplica {
+            profile: Profile::Full,
+            ..n.clone()
+        };
+        let mut tx = self.pool.begin().await?;
+        let w_id = insert_in(self.db, &mut tx, &w, TransferState::Queued, None).await?;
+        let id = insert_in(
+            self.db,
+            &mut tx,
+            &full,
+            TransferState::Receiving,
+            Some(w_id),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok((id, w_id))
     }
 
     /// The file list stored for a sink-side row.

@@ -171,11 +171,20 @@ pub enum Profile {
     /// Weights only: files that hold optimizer state are left out; refused
     /// for formats that keep both in one file (DCP, torch_dist).
     WeightsOnly,
+    /// Every file, weights first (a source root's `publish =
+    /// "weights-first"`): metadata and weight files cross first, and at
+    /// the commit the sink publishes a [`Profile::WeightsOnly`] version
+    /// of them while the optimizer state still moves; the full replica
+    /// replaces it as a new version. Only a transfer carries it (on the
+    /// wire from [`crate::wire::WEIGHTS_FIRST_VERSION`]); the sink's
+    /// replicas are `full` and `weights-only`.
+    WeightsFirst,
 }
 
 names!(Profile, "replication profile",
     Full => "full",
     WeightsOnly => "weights-only",
+    WeightsFirst => "weights-first",
 );
 
 impl Profile {
@@ -186,6 +195,7 @@ impl Profile {
         match self {
             Profile::Full => None,
             Profile::WeightsOnly => Some("weights-only"),
+            Profile::WeightsFirst => Some("weights-first"),
         }
     }
 

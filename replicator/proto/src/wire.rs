@@ -75,7 +75,12 @@ pub use crate::codec::WireError;
 /// newest a sink speaks. A sink refuses a version outside
 /// [`MIN_PROTOCOL_VERSION`]..=[`PROTOCOL_VERSION`] with [`Control::Error`]
 /// naming both; a source refuses a sink whose hello names another version.
-pub const PROTOCOL_VERSION: u16 = 7;
+pub const PROTOCOL_VERSION: u16 = 8;
+
+/// The first protocol version whose opens may name
+/// [`Profile::WeightsFirst`] and whose commits may be
+/// [`Commit::weights_only`].
+pub const WEIGHTS_FIRST_VERSION: u16 = 8;
 
 /// The first protocol version whose commits and published answers carry
 /// phase durations ([`Commit::phases`]).
@@ -213,6 +218,14 @@ pub struct Commit {
     /// ([`Phases`]' encoding); empty is encoded as nothing, and a source
     /// sends none to a sink older than [`PHASES_VERSION`].
     pub phases: Phases,
+    /// Version 8: this commit names the weights-only part of a
+    /// [`Profile::WeightsFirst`] transfer (its manifest lists the metadata
+    /// and weight files, not the optimizer state): the sink publishes it
+    /// as a `weights-only` version as soon as its chunks are verified and
+    /// answers with [`Control::Published`] of its root; the full commit
+    /// follows. Flag bit 4, no payload; a source sends none to an older
+    /// sink.
+    pub weights_only: bool,
 }
 
 /// What a version 3 source tells the sink about a checkpoint at commit,
@@ -381,6 +394,8 @@ const CK_LOST: u8 = 2;
 const CK_PHASES: u8 = 4;
 /// The expected readers follow the phases (version 7).
 const CK_READERS: u8 = 8;
+/// Commit flag bit 4 (version 8): [`Commit::weights_only`].
+const CK_WEIGHTS_ONLY: u8 = 16;
 
 impl Control {
     /// Short name of the message type, for logs.
@@ -467,6 +482,7 @@ impl Control {
                 checkpoint,
                 lost,
                 phases,
+                weights_only,
             }) => {
                 w.u8(T_COMMIT);
                 w.u64(id.0);
@@ -480,7 +496,7 @@ impl Control {
                     w.u32(bytes.len() as u32);
                     w.0.extend_from_slice(bytes);
                 }
-                if checkpoint.is_some() || !lost.is_empty() || !phases.is_empty() {
+                if checkpoint.is_some() || !lost.is_empty() || !phases.is_empty() || *weights_only {
                     // Version 7 with readers: flag bit 3, then a u64.
                     // Version 3: a flag byte (bit 0: step present), the
                     // step (0 when absent), the class name; version 4
@@ -500,6 +516,9 @@ impl Control {
                     }
                     if c.readers.is_some() {
                         flags |= CK_READERS;
+                    }
+                    if *weights_only {
+                        flags |= CK_WEIGHTS_ONLY;
                     }
                     w.u8(flags);
                     w.u64(c.step.unwrap_or(0));
@@ -652,11 +671,12 @@ impl Control {
                 }
                 // Version 3 appends the checkpoint's step and class (and
                 // version 4 its lost batches); a version 2 commit ends here.
-                let (checkpoint, lost, phases) = if r.remaining() == 0 {
-                    (None, Vec::new(), Phases::default())
+                let (checkpoint, lost, phases, weights_only) = if r.remaining() == 0 {
+                    (None, Vec::new(), Phases::default(), false)
                 } else {
                     let flags = r.u8("checkpoint flags")?;
-                    if flags & !(CK_STEP | CK_LOST | CK_PHASES | CK_READERS) != 0 {
+                    if flags & !(CK_STEP | CK_LOST | CK_PHASES | CK_READERS | CK_WEIGHTS_ONLY) != 0
+                    {
                         return Err(WireError::Invalid {
                             what: "checkpoint flags",
                             why: format!("unknown bits in {flags:#04x}"),
@@ -713,7 +733,7 @@ impl Control {
                         class,
                         readers,
                     };
-                    (Some(info), lost, phases)
+                    (Some(info), lost, phases, flags & CK_WEIGHTS_ONLY != 0)
                 };
                 Control::Commit(Commit {
                     id,
@@ -725,6 +745,7 @@ impl Control {
                     checkpoint,
                     lost,
                     phases,
+                    weights_only,
                 })
             }
             T_PUBLISHED => Control::Published {
@@ -1056,6 +1077,7 @@ mod tests {
             }),
             lost: vec![],
             phases: Phases::default(),
+            weights_only: false,
         }));
         // Version 4 with lost batches.
         roundtrip(Control::Commit(Commit {
@@ -1072,6 +1094,7 @@ mod tests {
             }),
             lost: vec![4, 9, 10],
             phases: Phases::default(),
+            weights_only: false,
         }));
         // Version 2 (no checkpoint info), and version 3 without a step.
         for checkpoint in [
@@ -1092,6 +1115,7 @@ mod tests {
                 checkpoint,
                 lost: vec![],
                 phases: Phases::default(),
+                weights_only: false,
             }));
         }
         roundtrip(Control::Published {
@@ -1156,6 +1180,7 @@ mod tests {
             }),
             lost: vec![],
             phases: Phases::default(),
+            weights_only: false,
         })
         .encode();
         // The version 3 tail: flags (1), step (8), class ("scheduled", 2 + 9).
@@ -1301,6 +1326,7 @@ mod tests {
             }),
             lost: vec![],
             phases: Phases::default(),
+            weights_only: false,
         };
         assert_eq!(Control::decode(&v3).unwrap(), Control::Commit(want.clone()));
         // A version 4 commit that lost nothing is the same bytes.
@@ -1347,11 +1373,62 @@ mod tests {
             Err(WireError::Truncated { .. })
         ));
         // Unknown flag bits are still named.
-        b[flags_at] = 16;
+        b[flags_at] = 32;
         match Control::decode(&b) {
             Err(WireError::Invalid { what, .. }) => assert_eq!(what, "checkpoint flags"),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn version_8_weights_only_commits_and_weights_first_opens_round_trip() {
+        let commit = Commit {
+            id: TransferId(11),
+            committed_ms: 1_700_000_000_000,
+            opened_ms: 0,
+            batches: 2,
+            manifest: manifest(),
+            siblings: vec![],
+            checkpoint: Some(CheckpointInfo {
+                step: Some(100),
+                class: "urgent".into(),
+                readers: None,
+            }),
+            lost: vec![],
+            phases: Phases::default(),
+            weights_only: true,
+        };
+        roundtrip(Control::Commit(commit.clone()));
+        let flagged = Control::Commit(commit.clone()).encode();
+        let full = Control::Commit(Commit {
+            weights_only: false,
+            ..commit
+        })
+        .encode();
+        // One flag bit apart, nothing else: a full commit is unchanged.
+        assert_eq!(flagged.len(), full.len());
+        let diff: Vec<usize> = (0..full.len())
+            .filter(|i| flagged[*i] != full[*i])
+            .collect();
+        assert_eq!(diff.len(), 1, "{diff:?}");
+        assert_eq!(flagged[diff[0]] ^ full[diff[0]], CK_WEIGHTS_ONLY);
+        // An unknown flag bit is still refused.
+        let mut bad = flagged.clone();
+        bad[diff[0]] |= 32;
+        assert!(Control::decode(&bad[4..]).is_err());
+        roundtrip(Control::Open(Open {
+            key: TransferKey {
+                id: TransferId(11),
+                job: "j".into(),
+                source_path: "/ckpt/j/global_step100".into(),
+                rel: "global_step100".into(),
+                profile: Profile::WeightsFirst,
+                origin: Some("c1".into()),
+            },
+            chunk_size: 1 << 20,
+            bytes_total: 0,
+            files: vec![],
+        }));
     }
 
     #[test]
@@ -1371,6 +1448,7 @@ mod tests {
             checkpoint: None,
             lost: vec![],
             phases: phases.clone(),
+            weights_only: false,
         };
         // Phases without checkpoint info travel with an empty one.
         let frame = Control::Commit(commit.clone()).encode();
@@ -1471,6 +1549,7 @@ mod tests {
             checkpoint: None,
             lost: vec![1],
             phases: Phases::default(),
+            weights_only: false,
         })
         .encode();
         match Control::decode(&frame[4..]).unwrap() {

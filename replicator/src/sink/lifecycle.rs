@@ -447,7 +447,8 @@ impl Sink {
             .ok_or(LifecycleError::NotFound(id))
     }
 
-    /// Resolves `path` as [`Sink::resolve`] and, when it is local, grants
+    /// Resolves `path` as [`Sink::resolve`] (as [`Sink::resolve_full`]
+    /// with `full`) and, when it is local, grants
     /// `holder` a lease of `duration` on the version it names: the answer's
     /// `local_path` is then inside that version's own directory, which
     /// stays (whatever a re-save publishes, whatever a policy says) until
@@ -459,6 +460,7 @@ impl Sink {
     pub async fn resolve_with_lease(
         &self,
         path: &str,
+        full: bool,
         duration: Duration,
         holder: &str,
     ) -> Result<Resolution, LifecycleError> {
@@ -470,7 +472,7 @@ impl Sink {
         // A re-save or a removal between the answer and the grant makes
         // the grant fail (or find no directory): ask again.
         for _ in 0..5 {
-            let (res, row) = self.resolve_row(path).await?;
+            let (res, row) = self.resolve_row(path, full).await?;
             let (
                 Resolution::Local {
                     local_path,

@@ -25,6 +25,7 @@
 //! A checkpoint the watcher declares abandoned or deleted cancels the
 //! transfer; the sink then removes its staging data.
 
+use crate::formats::Format;
 use ferry_proto::manifest::{chunk_count, chunk_len};
 
 use super::*;
@@ -246,6 +247,14 @@ pub(super) async fn run_watched(
         "streaming a checkpoint as it is written"
     );
     let mut need: Vec<u64> = Vec::new();
+    // Weights first (a sink that speaks it): which files are optimizer
+    // state follows the format, read again at the commit (the watcher may
+    // recognise it after the run began); `split` is decided there.
+    let weights_first =
+        t.profile == Profile::WeightsFirst && c.version >= ferry_proto::wire::WEIGHTS_FIRST_VERSION;
+    let mut format: Option<Format> = t.format.as_deref().and_then(|f| f.parse().ok());
+    let mut split: Option<bool> = None;
+    let mut weights_root: Option<Hash> = None;
     let (markers, committed_ms, siblings, last) = loop {
         let v = view.borrow_and_update().clone();
         let committed = match &v.state {
@@ -253,6 +262,23 @@ pub(super) async fn run_watched(
             ViewState::Committed { .. } => true,
             ViewState::Open => false,
         };
+        if committed && weights_first && split.is_none() {
+            if let Ok(Some(now)) = inner.catalog.transfer(id).await {
+                format = now
+                    .format
+                    .as_deref()
+                    .and_then(|f| f.parse().ok())
+                    .or(format);
+            }
+            let verdict = match format {
+                Some(f) => crate::formats::splits_weights(f),
+                None => Err("its format is not known".to_string()),
+            };
+            split = Some(verdict.is_ok());
+            if let Err(why) = verdict {
+                info!(transfer = %id, "weights-first: this checkpoint is sent whole: {why}");
+            }
+        }
         // New files and new sizes go to the sink before their chunks.
         let mut grown = Vec::new();
         for f in &v.files {
@@ -340,6 +366,20 @@ pub(super) async fn run_watched(
                 }
             }
         }
+        // Metadata first, then weights, then optimizer state.
+        let class = |i: u32| crate::formats::send_class(format, &table[i as usize].path);
+        jobs.sort_by_key(|j| class(j.idx));
+        if split == Some(true) && weights_root.is_none() && !done {
+            let optimizer = |j: &FileJob| class(j.idx) == crate::formats::SendClass::Optimizer;
+            if jobs.iter().all(optimizer) {
+                // Every metadata and weight file is read in full and its
+                // chunks handed over: commit them as the weights-only
+                // version, then send the optimizer state.
+                weights_root = Some(commit_weights(inner, c, &t, &v, &pos, &tracks, &table).await?);
+                continue;
+            }
+            jobs.retain(|j| !optimizer(j));
+        }
         if done {
             let ViewState::Committed {
                 markers,
@@ -410,6 +450,7 @@ pub(super) async fn run_watched(
                 Some(Control::Cancel { reason, .. }) => {
                     return Err(RunError::Fatal(format!("sink cancelled: {reason}")))
                 }
+                Some(m) if weights_answer(inner, id, &m) => {}
                 Some(other) => {
                     return Err(RunError::Retry(format!("unexpected {} from sink", other.name())))
                 }
@@ -422,10 +463,51 @@ pub(super) async fn run_watched(
         }
     };
 
-    // Seal: the frozen file set, non-markers by path, then the markers in
-    // the format's order.
+    let (manifest, slots, map) = seal(&last.files, &markers, &pos, &tracks, &table, chunk_size)?;
+    let bytes_total = manifest.bytes();
+    progress.total.store(bytes_total, Ordering::Relaxed);
+    inner
+        .catalog
+        .set_transfer_size(t.id, bytes_total, manifest.files.len() as u64)
+        .await?;
+    inner
+        .catalog
+        .note_transfer_progress(t.id, progress.note())
+        .await?;
+    info!(
+        transfer = %id,
+        files = manifest.files.len(),
+        bytes_total,
+        "checkpoint committed; manifest sealed"
+    );
+    let sealed = Sealed {
+        manifest: Arc::new(manifest),
+        map: Arc::new(map),
+        slots: Arc::new(slots),
+        times: SourceTimes {
+            committed_ms,
+            opened_ms: last.opened_ms,
+        },
+        siblings,
+        recheck: None,
+    };
+    commit_loop(inner, c, &t, &dir, &progress, &mut rx, need, sealed).await
+}
+
+/// Seals the manifest of `files` (a frozen file set): non-markers by
+/// path, then the `markers` in the format's order, each file's chunk
+/// hashes from `tracks`. Returns it with each file-table position's index
+/// in it and the chunk map of the table at the final sizes.
+fn seal(
+    files: &[ViewFile],
+    markers: &[String],
+    pos: &HashMap<String, u32>,
+    tracks: &[Track],
+    table: &[FileInfo],
+    chunk_size: u32,
+) -> Result<(Manifest, Vec<Option<usize>>, ChunkMap), RunError> {
     let rank = |p: &str| markers.iter().position(|m| m == p);
-    let mut files: Vec<&ViewFile> = last.files.iter().collect();
+    let mut files: Vec<&ViewFile> = files.iter().collect();
     files.sort_by(|a, b| {
         let ka = (rank(&a.info.path).map_or(0, |r| r + 1), &a.info.path);
         let kb = (rank(&b.info.path).map_or(0, |r| r + 1), &b.info.path);
@@ -433,7 +515,7 @@ pub(super) async fn run_watched(
     });
     let mut entries = Vec::with_capacity(files.len());
     let mut slots: Vec<Option<usize>> = vec![None; table.len()];
-    let mut map = ChunkMap::new(&table, chunk_size);
+    let mut map = ChunkMap::new(table, chunk_size);
     for (mi, f) in files.iter().enumerate() {
         let i = pos[&f.info.path];
         slots[i as usize] = Some(mi);
@@ -464,32 +546,97 @@ pub(super) async fn run_watched(
         files: entries,
         markers: marker_idx,
     };
-    let bytes_total = manifest.bytes();
-    progress.total.store(bytes_total, Ordering::Relaxed);
-    inner
-        .catalog
-        .set_transfer_size(t.id, bytes_total, manifest.files.len() as u64)
-        .await?;
-    inner
-        .catalog
-        .note_transfer_progress(t.id, progress.note())
-        .await?;
-    info!(
-        transfer = %id,
-        files = manifest.files.len(),
-        bytes_total,
-        "checkpoint committed; manifest sealed"
-    );
-    let sealed = Sealed {
-        manifest: Arc::new(manifest),
-        map: Arc::new(map),
-        slots: Arc::new(slots),
-        times: SourceTimes {
-            committed_ms,
-            opened_ms: last.opened_ms,
-        },
+    Ok((manifest, slots, map))
+}
+
+/// Sends a weights-first transfer's weights-only commit
+/// ([`Commit::weights_only`]) for committed view `v`: the manifest of its
+/// metadata and weight files (with the markers among them), once every
+/// chunk handed to the link's queues is written, naming the batches so
+/// far. Returns the manifest's root, which the sink's answer carries.
+#[allow(clippy::too_many_arguments)]
+async fn commit_weights(
+    inner: &Arc<Inner>,
+    c: &LinkConn,
+    t: &Transfer,
+    v: &CheckpointView,
+    pos: &HashMap<String, u32>,
+    tracks: &[Track],
+    table: &[FileInfo],
+) -> Result<Hash, RunError> {
+    let ViewState::Committed {
+        markers,
+        committed_ms,
         siblings,
-        recheck: None,
+    } = &v.state
+    else {
+        return Err(RunError::Retry(
+            "weights-only commit of an open checkpoint".into(),
+        ));
     };
-    commit_loop(inner, c, &t, &dir, &progress, &mut rx, need, sealed).await
+    let format: Option<Format> = inner
+        .catalog
+        .transfer(t.id)
+        .await
+        .ok()
+        .flatten()
+        .and_then(|now| now.format)
+        .or_else(|| t.format.clone())
+        .and_then(|f| f.parse().ok());
+    let weights: Vec<ViewFile> = v
+        .files
+        .iter()
+        .filter(|f| {
+            crate::formats::send_class(format, &f.info.path) != crate::formats::SendClass::Optimizer
+        })
+        .cloned()
+        .collect();
+    let (manifest, _, _) = seal(&weights, markers, pos, tracks, table, inner.cfg.chunk_size)?;
+    let root = manifest.root();
+    // Every chunk queued so far written to a stream: the batch count is
+    // final for them.
+    loop {
+        let changes = c.sched.changes();
+        tokio::pin!(changes);
+        changes.as_mut().enable();
+        if c.sched.drained(t.id) {
+            break;
+        }
+        tokio::select! {
+            _ = &mut changes => {}
+            e = c.conn.closed() => return Err(RunError::Retry(format!("connection to the sink lost: {e}"))),
+            _ = inner.shutdown.cancelled() => return Err(RunError::Shutdown),
+        }
+    }
+    let (batches, lost) = c.sched.commit_point(t.id);
+    crate::lock::lock(&inner.weights_roots).insert(t.id, root);
+    let phases = if c.version >= ferry_proto::wire::PHASES_VERSION {
+        inner.phase_clocks.phases(t.id).unwrap_or_default()
+    } else {
+        Default::default()
+    };
+    let checkpoint = checkpoint_info(c, t, &manifest, t.readers);
+    info!(
+        transfer = %t.id,
+        files = manifest.files.len(),
+        bytes = manifest.bytes(),
+        root = %hex(&root),
+        "weights-only commit: metadata and weights are all sent"
+    );
+    c.ctl
+        .send(&Control::Commit(Commit {
+            id: t.id,
+            committed_ms: *committed_ms,
+            opened_ms: v.opened_ms,
+            batches,
+            manifest,
+            siblings: siblings.clone(),
+            checkpoint: Some(checkpoint),
+            lost,
+            phases,
+            weights_only: true,
+        }))
+        .await?;
+    inner.holds.hold(t.id, HoldPoint::WeightsCommitted).await;
+    Ok(root)
 }

@@ -206,6 +206,22 @@ impl SinkStore for Posix {
         std::fs::hard_link(&src, &dst).map_err(at(&src))
     }
 
+    fn detach_staged(&self, staging: &Path, rel: &str) -> io::Result<()> {
+        let path = staging.join(rel);
+        let meta = std::fs::symlink_metadata(&path).map_err(at(&path))?;
+        if !meta.is_file() || std::os::unix::fs::MetadataExt::nlink(&meta) < 2 {
+            return Ok(());
+        }
+        // A copy beside the staging area (never a stray file inside it),
+        // then renamed over it: the other name keeps the old inode and
+        // its bytes.
+        let mut name = staging.file_name().unwrap_or_default().to_os_string();
+        name.push(".detach");
+        let tmp = staging.with_file_name(name);
+        std::fs::copy(&path, &tmp).map_err(at(&path))?;
+        std::fs::rename(&tmp, &path).map_err(at(&tmp))
+    }
+
     fn publish(
         &self,
         staging: &Path,
