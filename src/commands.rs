@@ -649,13 +649,22 @@ fn check_resolve_args(path: &str, wait: Duration) -> Result<()> {
 /// # Errors
 /// A relative path, an unreachable or refusing agent; [`Exit`] when the
 /// path is not local.
-pub async fn resolve(args: &ServerArgs, path: &str, wait: Duration, raw: bool) -> Result<()> {
+pub async fn resolve(
+    args: &ServerArgs,
+    path: &str,
+    wait: Duration,
+    full: bool,
+    raw: bool,
+) -> Result<()> {
     check_resolve_args(path, wait)?;
     let c = Client::new(args, REQUEST_TIMEOUT + wait)?;
     let wait_s = format!("{}ms", wait.as_millis());
     let mut query = vec![("path", path)];
     if !wait.is_zero() {
         query.push(("wait", wait_s.as_str()));
+    }
+    if full {
+        query.push(("profile", "full"));
     }
     let r = c.get("/v1/resolve", &query).await?;
     let local = r["state"] == "local";
@@ -670,7 +679,10 @@ pub async fn resolve(args: &ServerArgs, path: &str, wait: Duration, raw: bool) -
                 .unwrap_or("?")
         )?;
         if let Some(p) = r["profile"].as_str() {
-            eprintln!("note: a {p} replica (some files of the checkpoint are not here)");
+            eprintln!(
+                "note: a {p} replica (some files of the checkpoint are not here; \
+                 --full waits for a full one under a weights-first publish)"
+            );
         }
     } else {
         eprintln!("{}", describe_resolution(path, &r));
@@ -700,6 +712,7 @@ pub async fn resolve_leased(
     wait: Duration,
     lease: Duration,
     command: &[String],
+    full: bool,
     raw: bool,
 ) -> Result<()> {
     check_resolve_args(path, wait)?;
@@ -712,6 +725,9 @@ pub async fn resolve_leased(
     let mut query = vec![("path", path), ("lease", lease_s.as_str())];
     if !wait.is_zero() {
         query.push(("wait", wait_s.as_str()));
+    }
+    if full {
+        query.push(("profile", "full"));
     }
     let r = c.get("/v1/resolve", &query).await?;
     if r["state"] != "local" {

@@ -2116,6 +2116,21 @@ link = "to-eval"
             e.contains("source.roots[0].profile") && e.contains("dcp"),
             "{e}"
         );
+        // Weights first: refused with the reason for a format that keeps
+        // weights and optimizer state in one file, or has none to split.
+        let e = err(&root("format = \"dcp\"\npublish = \"weights-first\""));
+        assert!(
+            e.contains("source.roots[0].publish") && e.contains("dcp") && e.contains("same files"),
+            "{e}"
+        );
+        let e = err(&root("format = \"hf\"\npublish = \"weights-first\""));
+        assert!(e.contains("holds weights only"), "{e}");
+        let e = err(&root("profile = \"weights-only\"\npublish = \"weights-first\""));
+        assert!(e.contains("needs profile = \"full\""), "{e}");
+        let e = err(&root("publish = \"weights\""));
+        assert!(e.contains("\"whole\" or \"weights-first\""), "{e}");
+        let e = err(&root("profile = \"weights-first\""));
+        assert!(e.contains("source.roots[0].profile"), "{e}");
         let e = err(&GOOD.replace(
             "[source]\n",
             "[source]\ncheckpoint_idle_timeout = \"1ms\"\n",
@@ -2147,6 +2162,14 @@ link = "to-eval"
             replicator::source::watcher::Selection::EveryNSteps(1000)
         );
         assert_eq!(w.mode, replicator::source::watcher::Mode::Poll);
+        for format in ["auto", "deepspeed", "hf_trainer"] {
+            let ok = load(&root(&format!(
+                "format = \"{format}\"\npublish = \"weights-first\""
+            )))
+            .unwrap();
+            let w = ok.source.unwrap().roots[0].watch(0).unwrap();
+            assert_eq!(w.profile, ferry_proto::state::Profile::WeightsFirst, "{format}");
+        }
     }
 
     #[test]

@@ -133,6 +133,12 @@ enum Command {
         /// expiry on stderr) and left to expire.
         #[arg(long, value_parser = humantime::parse_duration)]
         lease: Option<Duration>,
+        /// Only the full replica counts as local: under a weights-first
+        /// publish the weights-only version, published first (and answered
+        /// without --full, with a note), is not it. With --wait, waits for
+        /// the full replica.
+        #[arg(long)]
+        full: bool,
         /// A command to run on the local path while the lease holds (after
         /// `--`): `{}` in its arguments becomes the path, and the
         /// environment variable FERRY_PATH holds it (FERRY_LEASE the
@@ -777,16 +783,17 @@ async fn run(cli: Cli) -> Result<()> {
             path,
             wait,
             lease,
+            full,
             command,
             server,
             json,
         } => match (lease, command.is_empty()) {
-            (None, true) => commands::resolve(&server, &path, wait, json).await,
+            (None, true) => commands::resolve(&server, &path, wait, full, json).await,
             (None, false) => anyhow::bail!(
                 "a command after -- runs under a lease: add --lease (e.g. --lease 10m)"
             ),
             (Some(lease), _) => {
-                commands::resolve_leased(&server, &path, wait, lease, &command, json).await
+                commands::resolve_leased(&server, &path, wait, lease, &command, full, json).await
             }
         },
         Command::Signal {

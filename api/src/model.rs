@@ -214,9 +214,10 @@ pub struct Replica {
     pub rel: String,
     /// Chunk size in bytes.
     pub chunk_size: i64,
-    /// State: `receiving`, `published`, `failed`, `cancelled`, or once
+    /// State: `receiving`, `published`, `failed`, `cancelled`, once
     /// removed `removing` (out of the published namespace, its files
-    /// being deleted) and `removed`.
+    /// being deleted) and `removed`; a weights-first transfer's
+    /// weights-only version is `queued` until its publish.
     pub state: TransferState,
     /// Bytes in the checkpoint.
     pub bytes_total: i64,
@@ -284,6 +285,11 @@ pub struct Replica {
     /// sum after the commit. `null` before the publish or from an older
     /// source.
     pub phases: Option<PhaseTimes>,
+    /// A weights-first transfer's row: the id of its weights-only
+    /// version's row, published first (`queued` until then; `cancelled`
+    /// if the full replica came first). Absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub weights_version: Option<i64>,
 }
 
 /// A pin on a replica.
@@ -369,6 +375,7 @@ impl From<ferry_catalog::Replica> for Replica {
                     && r.state == TransferState::Published
             }),
             leases: Vec::new(),
+            weights_version: r.weights_version,
             removal: r.removal.map(|m| ReplicaRemoval {
                 reason: match m.reason {
                     ferry_catalog::RemovalReason::Rule => RemovalReason::Rule,

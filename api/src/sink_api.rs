@@ -170,8 +170,10 @@ pub(crate) struct ReplicasQuery {
     /// Items to skip (default 0).
     #[param(minimum = 0, maximum = 4294967295_i64)]
     offset: Option<i64>,
-    /// Only rows in this state: `receiving`, `published`, `failed`,
-    /// `cancelled`, `removing` or `removed` (the removal records).
+    /// Only rows in this state: `queued` (a weights-first transfer's
+    /// weights-only version before its publish), `receiving`,
+    /// `published`, `failed`, `cancelled`, `removing` or `removed` (the
+    /// removal records).
     state: Option<String>,
 }
 
@@ -197,7 +199,8 @@ pub(crate) async fn replicas(
         offset: q.offset,
     }
     .get()?;
-    const SINK_STATES: [TransferState; 6] = [
+    const SINK_STATES: [TransferState; 7] = [
+        TransferState::Queued,
         TransferState::Receiving,
         TransferState::Published,
         TransferState::Failed,
@@ -213,7 +216,7 @@ pub(crate) async fn replicas(
                 .find(|st| st.as_str() == name)
                 .ok_or_else(|| {
                     ApiError::unprocessable(format!(
-                        "`state` {name:?} is not one of receiving, published, failed, cancelled, removing, removed"
+                        "`state` {name:?} is not one of queued, receiving, published, failed, cancelled, removing, removed"
                     ))
                 })?,
         ),

@@ -554,6 +554,9 @@ function renderReplicas(st) {
     const done = r.state === 'published' ? r.bytes_total : r.bytes_done;
     // A pin, or why and when a removed replica went (its record's title).
     let state = r.state;
+    // Without optimizer state (a weights-only root, or a weights-first
+    // publish's first version).
+    if (r.profile) state += ' · ' + r.profile;
     if (r.pin) state += ' · pinned';
     // A version a reader lease holds (it is not removed until then).
     if (r.leased_until) state += ' · leased';
@@ -565,6 +568,7 @@ function renderReplicas(st) {
     if (r.pin) why.push('pinned: ' + r.pin.reason);
     if (r.leased_until) why.push('leased until ' + new Date(r.leased_until).toISOString());
     if (r.hot) why.push('hot files at ' + r.hot.factor + ' replicas until ' + r.hot.until + ', then ' + r.hot.previous);
+    if (r.weights_version != null) why.push('weights first: its weights-only version is replica ' + r.weights_version);
     const stateCell = el('span', { title: why.join('; ') }, state);
     return [r.id, r.job, r.source_path, stateCell, bar, fmtBytes(done) + ' / ' + fmtBytes(r.bytes_total),
             r.state === 'published' ? (r.url || r.local_path) : '–',

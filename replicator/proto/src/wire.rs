@@ -1,4 +1,13 @@
-//! Ferry's wire protocol, version 7: a sans-IO codec.
+//! Ferry's wire protocol, version 8: a sans-IO codec.
+//!
+//! Version 8 adds weights-first publishes: an open may name
+//! [`Profile::WeightsFirst`], and such a transfer's source sends a
+//! weights-only commit ([`Commit::weights_only`]: the manifest of its
+//! metadata and weight files) before the optimizer state and the full
+//! commit; the sink publishes it as a weights-only version and answers
+//! with [`Control::Published`] of its root. A source sends neither to a
+//! sink older than version 8 (it opens such a transfer as `full`); a sink
+//! speaks versions 2 to 8.
 //!
 //! Version 7 adds where the time went ([`crate::phases`]): a commit
 //! carries the durations of the phases the source measured

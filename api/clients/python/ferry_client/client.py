@@ -58,7 +58,10 @@ class Resolution:
     """Where a source path is at a sink (``GET /v1/resolve``).
 
     ``state`` is ``local``, ``replicating``, ``remote`` or ``unknown``;
-    ``local_path`` (POSIX sink) or ``url`` (HDFS or S3 sink) when local.
+    ``local_path`` (POSIX sink) or ``url`` (HDFS or S3 sink) when local;
+    ``profile`` is ``weights-only`` for a replica without optimizer state
+    (a weights-only root, or the first version of a weights-first
+    publish), else ``None``.
     """
 
     state: str
@@ -67,6 +70,7 @@ class Resolution:
     replica: Optional[int]
     lease: Optional[Lease]
     raw: Dict[str, Any] = field(repr=False, default_factory=dict)
+    profile: Optional[str] = None
 
     @property
     def location(self) -> Optional[str]:
@@ -216,17 +220,22 @@ class Client:
         path: str,
         wait: Optional[Duration] = None,
         lease: Optional[Duration] = None,
+        full: bool = False,
     ) -> Resolution:
         """Where source path ``path`` is at this sink.
 
         With ``wait`` (at most 300 s), a long poll that answers as soon as
         it is local. With ``lease``, a ``local`` answer holds a reader
-        lease on the version it names (see :meth:`lease`).
+        lease on the version it names (see :meth:`lease`). With ``full``,
+        only the full replica answers ``local``: under a weights-first
+        publish the weights-only version (published first, answered
+        without ``full``) is then still ``replicating``.
         """
         q = {
             "path": path,
             "wait": _duration(wait) if wait is not None else None,
             "lease": _duration(lease) if lease is not None else None,
+            "profile": "full" if full else None,
         }
         extra = _seconds(wait) if wait is not None else 0.0
         v = self._request("GET", "/v1/resolve", q, timeout=self.timeout + extra)
@@ -240,6 +249,7 @@ class Client:
             if le
             else None,
             raw=v,
+            profile=v.get("profile"),
         )
 
     def renew_lease(self, lease_id: str) -> Dict[str, Any]:

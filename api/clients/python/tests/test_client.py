@@ -48,6 +48,10 @@ class AgainstAgents(unittest.TestCase):
         self.assertEqual(r.state, "local", r.raw)
         assert r.location is not None
         self.assertTrue(pathlib.Path(r.location).is_dir(), r.raw)
+        # A pushed directory is published whole: the full replica.
+        full = self.sink.resolve(self.ckpt, full=True)
+        self.assertEqual((full.state, full.profile), ("local", None), full.raw)
+        self.assertEqual(full.replica, r.replica)
 
     def test_2_a_lease_holds_its_version_and_is_released(self) -> None:
         self.sink.resolve(self.ckpt, wait="120s")
