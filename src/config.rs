@@ -2125,7 +2125,9 @@ link = "to-eval"
         );
         let e = err(&root("format = \"hf\"\npublish = \"weights-first\""));
         assert!(e.contains("holds weights only"), "{e}");
-        let e = err(&root("profile = \"weights-only\"\npublish = \"weights-first\""));
+        let e = err(&root(
+            "profile = \"weights-only\"\npublish = \"weights-first\"",
+        ));
         assert!(e.contains("needs profile = \"full\""), "{e}");
         let e = err(&root("publish = \"weights\""));
         assert!(e.contains("\"whole\" or \"weights-first\""), "{e}");
@@ -2168,7 +2170,11 @@ link = "to-eval"
             )))
             .unwrap();
             let w = ok.source.unwrap().roots[0].watch(0).unwrap();
-            assert_eq!(w.profile, ferry_proto::state::Profile::WeightsFirst, "{format}");
+            assert_eq!(
+                w.profile,
+                ferry_proto::state::Profile::WeightsFirst,
+                "{format}"
+            );
         }
     }
 

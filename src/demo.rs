@@ -22,6 +22,7 @@ use replicator::transport::SocketFactory;
 
 mod keep;
 mod priority;
+mod weights;
 
 pub use keep::{handles_interrupts, interrupt};
 
@@ -98,6 +99,17 @@ pub struct DemoArgs {
     /// 0 skips them.
     #[arg(long, default_value_t = 5, requires = "priority")]
     pub deadline_runs: usize,
+    /// Run the weights-first scenario instead: a DeepSpeed save of the 7b
+    /// model (--scale) into a root with publish = "weights-first"; prints
+    /// how long after the commit the weights-only version and the full
+    /// replica were published.
+    #[arg(long, conflicts_with_all = ["size", "write_rate", "start", "no_watch", "priority", "keep_running"])]
+    pub weights_first: bool,
+    /// --weights-first: the 7b model's scale (0 < S <= 1; 1 is the full
+    /// 7B model, about 98 GB as DeepSpeed ZeRO-2 with its optimizer
+    /// state); the default 0.01 saves about 1 GB.
+    #[arg(long, default_value_t = 0.01, requires = "weights_first")]
+    pub scale: f64,
 }
 
 /// The temporary work directory of a running demo, for cleanup after an
@@ -255,6 +267,29 @@ pub async fn run(a: DemoArgs) -> Result<()> {
             noteln!("{s}");
         }
     };
+    if a.weights_first {
+        replicator::tls::init_dev_pki(
+            &dir.join("certs"),
+            &["demo-source".into(), "demo-sink".into()],
+            30,
+        )?;
+        say(format!(
+            "ferry demo --weights-first: emulated {}, {} ms RTT link (work dir {})",
+            format_rate(a.rate),
+            a.rtt.as_millis(),
+            dir.display()
+        ));
+        let out = weights::run(&a, &dir, &say).await?;
+        if a.json {
+            noteln!("{}", serde_json::json!({ "weights_first": out }));
+        }
+        if a.keep {
+            if let Some(t) = tmp {
+                let _ = t.keep();
+            }
+        }
+        return Ok(());
+    }
     if a.priority {
         let total = a.urgent_size.saturating_add(a.background_size);
         if a.urgent_size < 1000 || a.background_size < 4000 {

@@ -255,11 +255,18 @@ pub(super) async fn run_watched(
     let mut format: Option<Format> = t.format.as_deref().and_then(|f| f.parse().ok());
     let mut split: Option<bool> = None;
     let mut weights_root: Option<Hash> = None;
+    // The commit time of the first committed view: a format whose marker
+    // lies beside the directory (DeepSpeed `latest`) has none inside it,
+    // and each later view would say the time it was made.
+    let mut first_commit: Option<i64> = None;
     let (markers, committed_ms, siblings, last) = loop {
         let v = view.borrow_and_update().clone();
         let committed = match &v.state {
             ViewState::Gone(why) => return Err(RunError::Cancelled(why.clone())),
-            ViewState::Committed { .. } => true,
+            ViewState::Committed { committed_ms, .. } => {
+                first_commit.get_or_insert(*committed_ms);
+                true
+            }
             ViewState::Open => false,
         };
         if committed && weights_first && split.is_none() {
@@ -375,7 +382,9 @@ pub(super) async fn run_watched(
                 // Every metadata and weight file is read in full and its
                 // chunks handed over: commit them as the weights-only
                 // version, then send the optimizer state.
-                weights_root = Some(commit_weights(inner, c, &t, &v, &pos, &tracks, &table).await?);
+                let at = first_commit.unwrap_or_default();
+                weights_root =
+                    Some(commit_weights(inner, c, &t, &v, at, &pos, &tracks, &table).await?);
                 continue;
             }
             jobs.retain(|j| !optimizer(j));
@@ -389,7 +398,7 @@ pub(super) async fn run_watched(
             else {
                 continue;
             };
-            break (markers, committed_ms, siblings, v);
+            break (markers, first_commit.unwrap_or(committed_ms), siblings, v);
         }
         if !jobs.is_empty() {
             let t_round = std::time::Instant::now();
@@ -550,7 +559,8 @@ fn seal(
 }
 
 /// Sends a weights-first transfer's weights-only commit
-/// ([`Commit::weights_only`]) for committed view `v`: the manifest of its
+/// ([`Commit::weights_only`]) for committed view `v` (committed at
+/// `committed_ms`, Unix ms): the manifest of its
 /// metadata and weight files (with the markers among them), once every
 /// chunk handed to the link's queues is written, naming the batches so
 /// far. Returns the manifest's root, which the sink's answer carries.
@@ -560,14 +570,13 @@ async fn commit_weights(
     c: &LinkConn,
     t: &Transfer,
     v: &CheckpointView,
+    committed_ms: i64,
     pos: &HashMap<String, u32>,
     tracks: &[Track],
     table: &[FileInfo],
 ) -> Result<Hash, RunError> {
     let ViewState::Committed {
-        markers,
-        committed_ms,
-        siblings,
+        markers, siblings, ..
     } = &v.state
     else {
         return Err(RunError::Retry(
@@ -626,7 +635,7 @@ async fn commit_weights(
     c.ctl
         .send(&Control::Commit(Commit {
             id: t.id,
-            committed_ms: *committed_ms,
+            committed_ms,
             opened_ms: v.opened_ms,
             batches,
             manifest,
