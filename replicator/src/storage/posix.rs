@@ -681,6 +681,49 @@ mod tests {
         assert!(g.sync(|| Ok(())).is_ok());
     }
 
+    /// A staged file a published version shares (a weights-only version's
+    /// hard link) gets its own copy before it is written again: the
+    /// version's bytes stay; an unshared file is left as it is.
+    #[test]
+    fn a_shared_staged_file_is_detached_before_a_write() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let (staging, version) = (d.path().join("staging"), d.path().join("version"));
+        let mut st = Posix.staging(&staging);
+        st.stage_chunk("w/model.pt", 0, b"weights v1")
+            .expect("stage");
+        drop(st);
+        Posix
+            .share_unchanged(&staging, &version, "w/model.pt")
+            .expect("link");
+        Posix.detach_staged(&staging, "w/model.pt").expect("detach");
+        let mut st = Posix.staging(&staging);
+        st.stage_chunk("w/model.pt", 0, b"weights v2")
+            .expect("stage");
+        drop(st);
+        let read = |p: &Path| std::fs::read(p.join("w/model.pt")).expect("read");
+        assert_eq!(read(&version), b"weights v1");
+        assert_eq!(read(&staging), b"weights v2");
+        // Nothing left beside or inside the staging area.
+        let mut names: Vec<_> = std::fs::read_dir(d.path())
+            .expect("read_dir")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["staging", "version"]);
+        // Not shared: untouched (same inode).
+        use std::os::unix::fs::MetadataExt;
+        let ino = std::fs::metadata(staging.join("w/model.pt"))
+            .expect("stat")
+            .ino();
+        Posix.detach_staged(&staging, "w/model.pt").expect("detach");
+        assert_eq!(
+            std::fs::metadata(staging.join("w/model.pt"))
+                .expect("stat")
+                .ino(),
+            ino
+        );
+    }
+
     #[test]
     fn staging_files_refuse_symlinks() {
         let d = tempfile::tempdir().expect("tempdir");
