@@ -386,10 +386,6 @@ struct LiveState {
     weights_publishing: bool,
     /// Root of the weights-only version's manifest once published.
     weights_published: Option<Hash>,
-    /// Paths of the files the weights-only version shares with staging
-    /// (hard links): a chunk written into one of them again first gives
-    /// staging its own copy ([`SinkStore::detach_staged`]).
-    frozen: std::collections::HashSet<String>,
 }
 
 /// What the catalog writer records ([`catalog_writer`]).
@@ -1650,7 +1646,7 @@ async fn open_transfer(
     // (`queued`), or published already (its root, and the files it
     // shares with staging).
     let mut weights = None;
-    let mut weights_at_open = None;
+    let mut weights_published = None;
     if let (Some(w), None) = (row.weights_version, published_root) {
         match inner.catalog.replica(w).await? {
             Some(r) if r.state == TransferState::Queued => {
@@ -1663,8 +1659,7 @@ async fn open_transfer(
                 let bytes = inner.catalog.replica_manifest(w).await?.unwrap_or_default();
                 let m =
                     Manifest::decode(&bytes).map_err(|e| CatalogError::Corrupt(e.to_string()))?;
-                weights_at_open =
-                    Some((m.root(), m.files.iter().map(|f| f.path.clone()).collect()));
+                weights_published = Some(m.root());
                 weights = Some(WeightsVersion {
                     id: w,
                     staging: PathBuf::from(&r.staging_path),
@@ -1698,8 +1693,7 @@ async fn open_transfer(
             verified,
             bytes_done: done,
             bytes_at_open: done,
-            weights_published: weights_at_open.as_ref().map(|w| w.0),
-            frozen: weights_at_open.map(|w| w.1).unwrap_or_default(),
+            weights_published,
             ..LiveState::default()
         }),
         unsynced: Default::default(),
@@ -2246,12 +2240,6 @@ fn write_group(
             bad.push(g);
             continue;
         }
-        // A file the weights-only version shares: staging gets its own
-        // copy first, so the published version's bytes never change.
-        if live.weights.is_some() && crate::lock::lock(&live.st).frozen.remove(&rel) {
-            live.store.detach_staged(&live.staging, &rel)?;
-            staging = live.store.staging(&live.staging);
-        }
         staging.stage_chunk(&rel, u64::from(h.chunk) * u64::from(live.chunk_size), &buf)?;
         good.push((g, hash, buf.len() as u64));
     }
@@ -2771,14 +2759,15 @@ async fn publish_weights(
     let path_lock = inner.publish_lock(&live.local_path);
     let _path_lock = path_lock.lock_owned().await;
     {
-        // No chunk write in flight while the links are made; those after
-        // see the files frozen and write into a copy.
+        // No chunk write in flight while the links are made (a write
+        // after copies first: the staging files are then shared).
         let _exclusive = live.writes.clone().write_owned().await;
-        crate::lock::lock(&live.st)
-            .frozen
-            .extend(m.files.iter().map(|f| f.path.clone()));
-        let (store, from, to) = (live.store.clone(), live.staging.clone(), w.staging.clone());
-        let paths: Vec<String> = m.files.iter().map(|f| f.path.clone()).collect();
+        let (store, from, to, m2) = (
+            live.store.clone(),
+            live.staging.clone(),
+            w.staging.clone(),
+            m.clone(),
+        );
         blocking(move || {
             // A publish a crash interrupted is finished by `publish`;
             // links a crash left half made are made again.
@@ -2787,8 +2776,8 @@ async fn publish_weights(
             }
             store.discard(&to)?;
             store.make_dir(&to)?;
-            for p in &paths {
-                store.share_unchanged(&from, &to, p)?;
+            for f in &m2.files {
+                store.link_staged(&from, &to, f)?;
             }
             Ok(())
         })

@@ -259,16 +259,27 @@ pub trait SinkStore: Send + Sync + fmt::Debug {
     /// I/O errors, or that the backend cannot share files.
     fn share_unchanged(&self, previous: &Path, staging: &Path, rel: &str) -> io::Result<()>;
 
-    /// Gives file `rel` of staging area `staging` its own copy of its bytes
-    /// before it is written again, where the backend shares files between
-    /// a staging area and a published version (a hard link of a
-    /// weights-first transfer's weights-only version): the published
-    /// version's bytes never change. A no-op where nothing is shared.
+    /// Makes file `f` of staging area `from` also file `f` of staging area
+    /// `to` without copying (a weights-first transfer's weights-only
+    /// version, published from `to` while `from` still fills): a hard link,
+    /// after giving the file `f`'s mode and modification time, which both
+    /// publishes set, so that neither copies it. The two names share the
+    /// bytes from then on; a later write into `from` copies first, as
+    /// into any file shared with a published version.
     ///
     /// # Errors
-    /// I/O errors naming the path; the file is then not written.
-    fn detach_staged(&self, _staging: &Path, _rel: &str) -> io::Result<()> {
-        Ok(())
+    /// I/O errors naming the path; [`io::ErrorKind::Unsupported`] where
+    /// the backend has no hard links (the default).
+    fn link_staged(
+        &self,
+        _from: &Path,
+        _to: &Path,
+        _f: &ferry_proto::manifest::FileEntry,
+    ) -> io::Result<()> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "this storage cannot share a file between two staging areas",
+        ))
     }
 
     /// Publishes staging area `staging` at `local_path` as checkpoint `m`,

@@ -206,20 +206,28 @@ impl SinkStore for Posix {
         std::fs::hard_link(&src, &dst).map_err(at(&src))
     }
 
-    fn detach_staged(&self, staging: &Path, rel: &str) -> io::Result<()> {
-        let path = staging.join(rel);
-        let meta = std::fs::symlink_metadata(&path).map_err(at(&path))?;
-        if !meta.is_file() || std::os::unix::fs::MetadataExt::nlink(&meta) < 2 {
-            return Ok(());
+    fn link_staged(
+        &self,
+        from: &Path,
+        to: &Path,
+        f: &ferry_proto::manifest::FileEntry,
+    ) -> io::Result<()> {
+        let src = from.join(&f.path);
+        let file = std::fs::File::open(&src).map_err(at(&src))?;
+        if !file.metadata().map_err(at(&src))?.is_file() {
+            return Err(io::Error::other(format!(
+                "staging file {} is not a regular file",
+                src.display()
+            )));
         }
-        // A copy beside the staging area (never a stray file inside it),
-        // then renamed over it: the other name keeps the old inode and
-        // its bytes.
-        let mut name = staging.file_name().unwrap_or_default().to_os_string();
-        name.push(".detach");
-        let tmp = staging.with_file_name(name);
-        std::fs::copy(&path, &tmp).map_err(at(&path))?;
-        std::fs::rename(&tmp, &path).map_err(at(&tmp))
+        file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(
+            f.mode & 0o7777,
+        ))
+        .map_err(at(&src))?;
+        let mtime =
+            std::time::UNIX_EPOCH + std::time::Duration::from_nanos(f.mtime_ns.max(0) as u64);
+        file.set_modified(mtime).map_err(at(&src))?;
+        self.share_unchanged(from, to, &f.path)
     }
 
     fn publish(
@@ -681,47 +689,42 @@ mod tests {
         assert!(g.sync(|| Ok(())).is_ok());
     }
 
-    /// A staged file a published version shares (a weights-only version's
-    /// hard link) gets its own copy before it is written again: the
-    /// version's bytes stay; an unshared file is left as it is.
+    /// A file linked into a weights-only version's staging area gets its
+    /// final mode and mtime first (so its publish keeps the link instead
+    /// of copying), and a later write into the transfer's staging area
+    /// copies first: the linked bytes stay.
     #[test]
-    fn a_shared_staged_file_is_detached_before_a_write() {
+    fn a_file_linked_between_staging_areas_is_shared_until_written() {
+        use std::os::unix::fs::MetadataExt;
         let d = tempfile::tempdir().expect("tempdir");
-        let (staging, version) = (d.path().join("staging"), d.path().join("version"));
+        let (staging, weights) = (d.path().join("staging"), d.path().join("weights"));
         let mut st = Posix.staging(&staging);
         st.stage_chunk("w/model.pt", 0, b"weights v1")
             .expect("stage");
         drop(st);
-        Posix
-            .share_unchanged(&staging, &version, "w/model.pt")
-            .expect("link");
-        Posix.detach_staged(&staging, "w/model.pt").expect("detach");
+        let f = ferry_proto::manifest::FileEntry {
+            path: "w/model.pt".into(),
+            size: 10,
+            mode: 0o640,
+            mtime_ns: 1_700_000_000_123_456_789,
+            chunks: Vec::new(),
+        };
+        Posix.link_staged(&staging, &weights, &f).expect("link");
+        let md = |p: &Path| std::fs::metadata(p.join("w/model.pt")).expect("stat");
+        assert_eq!(md(&staging).ino(), md(&weights).ino());
+        assert_eq!(md(&weights).mode() & 0o7777, 0o640);
+        assert_eq!(
+            md(&weights).mtime() * 1_000_000_000 + md(&weights).mtime_nsec(),
+            f.mtime_ns
+        );
         let mut st = Posix.staging(&staging);
         st.stage_chunk("w/model.pt", 0, b"weights v2")
             .expect("stage");
         drop(st);
         let read = |p: &Path| std::fs::read(p.join("w/model.pt")).expect("read");
-        assert_eq!(read(&version), b"weights v1");
+        assert_eq!(read(&weights), b"weights v1");
         assert_eq!(read(&staging), b"weights v2");
-        // Nothing left beside or inside the staging area.
-        let mut names: Vec<_> = std::fs::read_dir(d.path())
-            .expect("read_dir")
-            .map(|e| e.expect("entry").file_name())
-            .collect();
-        names.sort();
-        assert_eq!(names, ["staging", "version"]);
-        // Not shared: untouched (same inode).
-        use std::os::unix::fs::MetadataExt;
-        let ino = std::fs::metadata(staging.join("w/model.pt"))
-            .expect("stat")
-            .ino();
-        Posix.detach_staged(&staging, "w/model.pt").expect("detach");
-        assert_eq!(
-            std::fs::metadata(staging.join("w/model.pt"))
-                .expect("stat")
-                .ino(),
-            ino
-        );
+        assert_ne!(md(&staging).ino(), md(&weights).ino());
     }
 
     #[test]
