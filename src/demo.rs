@@ -108,7 +108,12 @@ pub struct DemoArgs {
     /// --weights-first: the 7b model's scale (0 < S <= 1; 1 is the full
     /// 7B model, about 98 GB as DeepSpeed ZeRO-2 with its optimizer
     /// state); the default 0.01 saves about 1 GB.
-    #[arg(long, default_value_t = 0.01, requires = "weights_first")]
+    #[arg(
+        long,
+        default_value_t = 0.01,
+        requires = "weights_first",
+        allow_negative_numbers = true
+    )]
     pub scale: f64,
 }
 
@@ -268,6 +273,12 @@ pub async fn run(a: DemoArgs) -> Result<()> {
         }
     };
     if a.weights_first {
+        if !(a.scale > 0.0 && a.scale <= 1.0) {
+            bail!(
+                "--scale must be above 0 and at most 1 (1 is the full 7B model), got {}",
+                a.scale
+            );
+        }
         replicator::tls::init_dev_pki(
             &dir.join("certs"),
             &["demo-source".into(), "demo-sink".into()],

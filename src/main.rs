@@ -43,12 +43,13 @@ enum Command {
     /// SIGTERM or Ctrl-C drains: batches stop at a chunk boundary, in-flight
     /// writes finish, the catalog is flushed; exits within 10 s.
     ///
-    /// Wire protocol: this build speaks version 5. A sink accepts sources
-    /// of versions 2 to 5; a source speaks 5, or 4 to a sink of the
-    /// previous release (which names the versions it speaks when it
-    /// refuses 5; the source then dials again in 4). Version 5 lets any
-    /// agent of a source pool continue another's transfer, so upgrade the
-    /// sinks of a site pair first, then the sources.
+    /// Wire protocol: this build speaks version 8. A sink accepts sources
+    /// of versions 2 to 8; a source speaks 8, or the newest version a sink
+    /// of an earlier release names when it refuses 8 (4 at least), and
+    /// sends each version's additions only to a sink that speaks it
+    /// (version 8: weights-first publishes). Upgrade the sinks of a site
+    /// pair first, then the sources; upgrade every agent of a pool before
+    /// a root uses publish = "weights-first".
     Serve {
         /// Config file.
         #[arg(long, short, env = "FERRY_CONFIG")]

@@ -991,4 +991,43 @@ async fn weights_first_publishes_the_weights_before_the_optimizer_state() {
             || format!("the weights-only version is not smaller: {wo} {all}"),
         );
     }
+
+    // A DCP save under the same root (format auto) keeps weights and
+    // optimizer state in the same files: it is sent whole, with no
+    // weights-only version at all.
+    let saves = w.root.join("saves").join("dcp");
+    let out = w
+        .ferry(
+            &["gen", "--out", saves.to_str().unwrap(), "--format", "dcp"]
+                .into_iter()
+                .chain(["--step", "1000", "--size", "4MB"])
+                .collect::<Vec<_>>(),
+            &[],
+            Duration::from_secs(120),
+        )
+        .await;
+    w.ensure(out.success(), || format!("ferry gen --format dcp: {out}"));
+    let ckpt = w.source_root().join("step_00001000");
+    std::fs::rename(saves.join("step_00001000"), &ckpt).unwrap();
+    let path = ckpt.to_str().unwrap().to_string();
+    w.wait_until("the DCP replica", TRANSFER, async || {
+        let ts = w.transfers(&c.source).await;
+        match ts.iter().find(|t| s(t, "source_path") == path) {
+            Some(t) if s(t, "state") == "published" => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    w.assert_same_tree(&ckpt, &w.replica_path("step_00001000"));
+    let reps = w.get_json(&format!("{}/v1/replicas", c.sink.url())).await;
+    let rows: Vec<&serde_json::Value> = reps["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| s(r, "source_path") == path)
+        .collect();
+    w.ensure(
+        rows.len() == 1 && rows[0]["profile"].is_null() && rows[0]["weights_version"].is_null(),
+        || format!("a DCP checkpoint under weights-first is not one full replica: {rows:?}"),
+    );
 }

@@ -60,8 +60,9 @@ pub struct Transfer {
     /// Commit identity the watcher saw (marker size and mtime or the
     /// like); a new one in the same directory is a re-save.
     pub commit_identity: Option<String>,
-    /// Replication profile: `weights-only`, or absent (`null`) for every
-    /// file.
+    /// Replication profile: `weights-only`, `weights-first` (every file,
+    /// a weights-only version published first), or absent (`null`) for
+    /// every file.
     pub profile: Option<Profile>,
     /// Importance override for this transfer, 0..1; `None` = the job's
     /// importance.

@@ -2315,6 +2315,10 @@ async fn cancel_live(inner: &Arc<Inner>, live: &Arc<Live>, new_state: TransferSt
     {
         warn!(error = %e, "could not record transfer state");
     }
+    if let Some(w) = &live.weights {
+        let why = format!("its transfer ended: {reason}");
+        weights_version_unused(inner, w, &why).await;
+    }
     // Group writes in flight hold the read side: once they are done, no
     // writer recreates the directory (they see `failed` and write nothing).
     let _writes = live.writes.clone().write_owned().await;
@@ -2552,7 +2556,8 @@ async fn maybe_finish(
                         inner.metrics.observe_phases(&all, class);
                     }
                     if let (Some(w), None) = (&live.weights, weights_published) {
-                        weights_version_unused(inner, w).await;
+                        weights_version_unused(inner, w, "the full replica was published first")
+                            .await;
                     }
                     // A re-save of a pinned checkpoint stays pinned (before
                     // the policies weigh it).
@@ -2698,6 +2703,12 @@ async fn maybe_publish_weights(
             }
         };
         if decide::commit_verdict(&keys, &st.verified) != decide::CommitVerdict::Publish {
+            return Ok(());
+        }
+        // The full commit ready too: the full replica alone.
+        let full_batches = st.commit.as_ref().map(|(_, b)| *b);
+        if decide::commit_ready(full_batches, &st.lost, &st.batches_in, false, false) {
+            st.weights_commit = None;
             return Ok(());
         }
         let Some(c) = st.weights_commit.take() else {
@@ -2898,18 +2909,27 @@ async fn publish_weights(
 /// weights-only version (the weights-only commit came late, or its chunks
 /// were not all verified): that version's row is cancelled, saying so,
 /// and its staging area removed.
-async fn weights_version_unused(inner: &Inner, w: &WeightsVersion) {
-    let why = "the full replica was published first";
-    if let Err(e) = inner
-        .catalog
-        .set_replica_state(w.id, TransferState::Cancelled, Some(why))
-        .await
-    {
-        warn!(replica = w.id, error = %e, "catalog: cancelling an unused weights-only version");
+async fn weights_version_unused(inner: &Inner, w: &WeightsVersion, why: &str) {
+    match inner.catalog.cancel_queued_replica(w.id, why).await {
+        // Published meanwhile (by another run of the transfer): it stays.
+        Ok(false) => return,
+        Ok(true) => {}
+        Err(e) => {
+            warn!(replica = w.id, error = %e, "catalog: cancelling an unused weights-only version");
+            return;
+        }
     }
     let (store, staging) = (inner.store.clone(), w.staging.clone());
-    if let Err(e) = blocking(move || store.discard(&staging)).await {
-        warn!(replica = w.id, error = %e, "removing an unused weights-only staging area");
+    if !blocking({
+        let (store, staging) = (store.clone(), staging.clone());
+        move || Ok(store.publish_under_way(&staging))
+    })
+    .await
+    .unwrap_or(true)
+    {
+        if let Err(e) = blocking(move || store.discard(&staging)).await {
+            warn!(replica = w.id, error = %e, "removing an unused weights-only staging area");
+        }
     }
 }
 

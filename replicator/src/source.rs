@@ -3368,13 +3368,10 @@ async fn open_on_sink(
                 job: t.job.clone(),
                 source_path: t.source_path.clone(),
                 rel: t.rel.clone(),
-                // A sink older than weights-first publishes the whole.
+                // Sent whole: to a sink older than weights-first, or a
+                // checkpoint whose format does not split its weights out.
                 profile: match t.profile {
-                    Profile::WeightsFirst
-                        if c.version < ferry_proto::wire::WEIGHTS_FIRST_VERSION =>
-                    {
-                        Profile::Full
-                    }
+                    Profile::WeightsFirst if !streaming::opens_weights_first(c, t) => Profile::Full,
                     p => p,
                 },
                 origin: (c.version >= ORIGIN_VERSION).then(|| inner.catalog.id().to_string()),

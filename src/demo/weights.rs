@@ -158,10 +158,12 @@ pub(super) async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Resul
             .map(|(k, v)| (k.as_str().to_string(), json!(round3(v.as_secs_f64()))))
             .collect::<serde_json::Map<String, Value>>()
     });
-    if let Some(p) = &phases {
+    if let Some(p) = &weights.phases {
+        // In the order they happen.
         let list: Vec<String> = p
+            .after
             .iter()
-            .map(|(k, v)| format!("{k} {:.2} s", v.as_f64().unwrap_or(0.0)))
+            .map(|(k, v)| format!("{} {:.2} s", k.as_str(), v.as_secs_f64()))
             .collect();
         say(format!(
             "  the weights-only version after the commit: {}",

@@ -642,7 +642,7 @@ impl Catalog {
     /// Inserts a weights-first transfer's two rows in one transaction:
     /// first its weights-only version's (profile `weights-only`, state
     /// `queued`, peer `n.peer` + `#weights-only`, staging `weights_staging`,
-    /// no files), then the transfer's own (profile `full`, state
+    /// no files, 0 bytes until its publish), then the transfer's own (profile `full`, state
     /// `receiving`, naming the first in [`Replica::weights_version`]), so
     /// the full replica is the newer version. Returns `(transfer row,
     /// weights-only row)`.
@@ -658,6 +658,8 @@ impl Catalog {
         let w = NewReplica {
             peer: &peer,
             files: &[],
+            // Known at its publish.
+            bytes_total: 0,
             staging_path: weights_staging,
             profile: Profile::WeightsOnly,
             ..n.clone()
@@ -789,6 +791,23 @@ impl Catalog {
         .execute(&self.pool)
         .await?;
         Ok(())
+    }
+
+    /// Cancels a weights-first transfer's weights-only version `id` with
+    /// `reason`, only while it is still `queued` (never published).
+    /// Returns whether it was.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn cancel_queued_replica(&self, id: i64, reason: &str) -> Result<bool, CatalogError> {
+        let r = sqlx::query(&self.db.sql(
+            "UPDATE replicas SET state = 'cancelled', error = ? WHERE id = ? AND state = 'queued'",
+        ))
+        .bind(reason)
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(r.rows_affected() > 0)
     }
 
     /// One sink-side row by id.

@@ -1168,14 +1168,19 @@ async fn sweep_versions(inner: &Arc<Inner>) {
         }
         if link {
             // A link made for a publish that never finished.
-            if row.state != TransferState::Receiving {
+            if !matches!(row.state, TransferState::Receiving | TransferState::Queued) {
                 let _ = blocking(move || std::fs::remove_file(&path)).await;
             }
             continue;
         }
+        // (`queued`: a weights-first transfer's weights-only version,
+        // whose publish may be under way or interrupted.)
         if matches!(
             row.state,
-            TransferState::Receiving | TransferState::Removing | TransferState::Removed
+            TransferState::Receiving
+                | TransferState::Queued
+                | TransferState::Removing
+                | TransferState::Removed
         ) {
             continue;
         }
@@ -1734,7 +1739,9 @@ async fn replaced(inner: &Inner, r: &Replica) -> bool {
     let stagings: Vec<std::path::PathBuf> = rows
         .iter()
         .filter(|n| {
-            n.id > r.id && n.local_path == r.local_path && n.state == TransferState::Receiving
+            n.id > r.id
+                && n.local_path == r.local_path
+                && matches!(n.state, TransferState::Receiving | TransferState::Queued)
         })
         .map(|n| std::path::PathBuf::from(&n.staging_path))
         .collect();

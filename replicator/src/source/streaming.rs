@@ -120,16 +120,22 @@ struct JobResult {
 
 /// Reads the jobs' chunks in order, hashes them and queues those the sink
 /// does not have with the same hash. A file that vanished or shrank while
-/// read ends its job early and is reported as not stable.
+/// read ends its job early and is reported as not stable; once `stop`
+/// says so, the round ends after the chunk in hand (the jobs left, and
+/// the rest of the one under way, are not stable and go again).
 fn run_jobs(
     inner: &Inner,
     jobs: Vec<FileJob>,
     have: &HashSet<u64>,
     chunk_size: u32,
     out: &mpsc::Sender<Record>,
+    stop: &dyn Fn() -> bool,
 ) -> Result<Vec<JobResult>, String> {
     let mut results = Vec::with_capacity(jobs.len());
     for job in jobs {
+        if stop() {
+            break;
+        }
         let mut r = JobResult {
             idx: job.idx,
             full: job.full,
@@ -150,6 +156,10 @@ fn run_jobs(
             .map_err(|e| format!("{}: {e}", job.path.display()))?;
         let mut complete_read = true;
         for c in job.from..job.to {
+            if stop() {
+                complete_read = false;
+                break;
+            }
             let len = chunk_len(job.size, chunk_size, u64::from(c)) as usize;
             // A pooled buffer per chunk, not zero-filled: a sent chunk's
             // record keeps it until quinn is done with it.
@@ -250,8 +260,7 @@ pub(super) async fn run_watched(
     // Weights first (a sink that speaks it): which files are optimizer
     // state follows the format, read again at the commit (the watcher may
     // recognise it after the run began); `split` is decided there.
-    let weights_first =
-        t.profile == Profile::WeightsFirst && c.version >= ferry_proto::wire::WEIGHTS_FIRST_VERSION;
+    let weights_first = opens_weights_first(c, &t);
     let mut format: Option<Format> = t.format.as_deref().and_then(|f| f.parse().ok());
     let mut split: Option<bool> = None;
     let mut weights_root: Option<Hash> = None;
@@ -263,20 +272,25 @@ pub(super) async fn run_watched(
         let v = view.borrow_and_update().clone();
         let committed = match &v.state {
             ViewState::Gone(why) => return Err(RunError::Cancelled(why.clone())),
-            ViewState::Committed { committed_ms, .. } => {
-                first_commit.get_or_insert(*committed_ms);
-                true
-            }
+            ViewState::Committed { .. } => true,
             ViewState::Open => false,
         };
-        if committed && weights_first && split.is_none() {
-            if let Ok(Some(now)) = inner.catalog.transfer(id).await {
-                format = now
-                    .format
-                    .as_deref()
-                    .and_then(|f| f.parse().ok())
-                    .or(format);
+        if let (true, None, ViewState::Committed { committed_ms, .. }) =
+            (committed, first_commit, &v.state)
+        {
+            // The commit time the watcher recorded once (a restarted run
+            // finds it too), else this view's.
+            let row = inner.catalog.transfer(id).await.ok().flatten();
+            first_commit = Some(
+                row.as_ref()
+                    .and_then(|r| r.committed_at)
+                    .unwrap_or(*committed_ms),
+            );
+            if let Some(f) = row.and_then(|r| r.format).and_then(|f| f.parse().ok()) {
+                format = Some(f);
             }
+        }
+        if committed && weights_first && split.is_none() {
             let verdict = match format {
                 Some(f) => crate::formats::splits_weights(f),
                 None => Err("its format is not known".to_string()),
@@ -407,8 +421,14 @@ pub(super) async fn run_watched(
                 jobs.iter().map(|j| u64::from(j.to - j.from)).sum::<u64>(),
             );
             let (inner2, have2) = (inner.clone(), have.clone());
+            // Weights first: a round that began before the commit ends at
+            // it, so that the weights left go before the optimizer state.
+            let view2 = view.clone();
+            let interrupt = weights_first && !committed;
             let results = send_round(inner, c, id, &progress, &mut rx, &mut need, move |out| {
-                run_jobs(&inner2, jobs, &have2, chunk_size, out)
+                let stop =
+                    || interrupt && matches!(view2.borrow().state, ViewState::Committed { .. });
+                run_jobs(&inner2, jobs, &have2, chunk_size, out, &stop)
             })
             .await?;
             debug!(
@@ -648,4 +668,17 @@ async fn commit_weights(
         .await?;
     inner.holds.hold(t.id, HoldPoint::WeightsCommitted).await;
     Ok(root)
+}
+
+/// Whether transfer `t` runs weights first on connection `c`: its root
+/// asks for it, the sink speaks protocol 8, and its format (when known)
+/// keeps weights and optimizer state in separate files. Otherwise it is
+/// opened and sent whole.
+pub(super) fn opens_weights_first(c: &LinkConn, t: &Transfer) -> bool {
+    t.profile == Profile::WeightsFirst
+        && c.version >= ferry_proto::wire::WEIGHTS_FIRST_VERSION
+        && t.format
+            .as_deref()
+            .and_then(|f| f.parse::<Format>().ok())
+            .is_none_or(|f| crate::formats::splits_weights(f).is_ok())
 }

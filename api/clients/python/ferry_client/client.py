@@ -262,9 +262,14 @@ class Client:
 
     @contextlib.contextmanager
     def lease(
-        self, path: str, duration: Duration = "10m", wait: Optional[Duration] = None
+        self,
+        path: str,
+        duration: Duration = "10m",
+        wait: Optional[Duration] = None,
+        full: bool = False,
     ) -> Iterator[Resolution]:
-        """A reader lease on the replica of ``path`` for the ``with`` block.
+        """A reader lease on the replica of ``path`` for the ``with`` block
+        (only the full replica with ``full``, as :meth:`resolve`).
 
         Yields the :class:`Resolution` (its ``location`` stays readable
         until the block ends, whatever a re-save publishes or a policy
@@ -273,7 +278,7 @@ class Client:
         :class:`FerryError` (409 on a sink without version directories) or
         ``LookupError`` when the path is not local.
         """
-        r = self.resolve(path, wait=wait, lease=duration)
+        r = self.resolve(path, wait=wait, lease=duration, full=full)
         if r.state != "local" or r.lease is None:
             raise LookupError(f"{path} is not local at {self.server}: {r.state}")
         stop = threading.Event()
