@@ -272,63 +272,50 @@ pub async fn run(a: DemoArgs) -> Result<()> {
             noteln!("{s}");
         }
     };
-    if a.weights_first {
-        if !(a.scale > 0.0 && a.scale <= 1.0) {
-            bail!(
-                "--scale must be above 0 and at most 1 (1 is the full 7B model), got {}",
-                a.scale
-            );
-        }
-        replicator::tls::init_dev_pki(
-            &dir.join("certs"),
-            &["demo-source".into(), "demo-sink".into()],
-            30,
-        )?;
-        say(format!(
-            "ferry demo --weights-first: emulated {}, {} ms RTT link (work dir {})",
-            format_rate(a.rate),
-            a.rtt.as_millis(),
-            dir.display()
-        ));
-        let out = weights::run(&a, &dir, &say).await?;
-        if a.json {
-            noteln!("{}", serde_json::json!({ "weights_first": out }));
-        }
-        if a.keep {
-            if let Some(t) = tmp {
-                let _ = t.keep();
+    // A scenario instead of the push and watch phases.
+    if a.weights_first || a.priority {
+        let name = if a.weights_first {
+            if !(a.scale > 0.0 && a.scale <= 1.0) {
+                bail!(
+                    "--scale must be above 0 and at most 1 (1 is the full 7B model), got {}",
+                    a.scale
+                );
             }
-        }
-        return Ok(());
-    }
-    if a.priority {
-        let total = a.urgent_size.saturating_add(a.background_size);
-        if a.urgent_size < 1000 || a.background_size < 4000 {
-            bail!("--urgent-size must be at least 1kB and --background-size at least 4kB");
-        }
-        let est = physical_limit_s(total, a.rate, a.rtt);
-        if est > MAX_DEMO_S {
-            bail!(
-                "the fifo run would take about {est:.0} s at {} (the demo stops at {MAX_DEMO_S:.0} s); lower --urgent-size or --background-size",
-                format_rate(a.rate)
-            );
-        }
-        ferry_gen::ensure_space(&dir, total.saturating_mul(2))
-            .context("the demo needs room for its checkpoints and their replicas")?;
+            "weights-first"
+        } else {
+            let total = a.urgent_size.saturating_add(a.background_size);
+            if a.urgent_size < 1000 || a.background_size < 4000 {
+                bail!("--urgent-size must be at least 1kB and --background-size at least 4kB");
+            }
+            let est = physical_limit_s(total, a.rate, a.rtt);
+            if est > MAX_DEMO_S {
+                bail!(
+                    "the fifo run would take about {est:.0} s at {} (the demo stops at {MAX_DEMO_S:.0} s); lower --urgent-size or --background-size",
+                    format_rate(a.rate)
+                );
+            }
+            ferry_gen::ensure_space(&dir, total.saturating_mul(2))
+                .context("the demo needs room for its checkpoints and their replicas")?;
+            "priority"
+        };
         replicator::tls::init_dev_pki(
             &dir.join("certs"),
             &["demo-source".into(), "demo-sink".into()],
             30,
         )?;
         say(format!(
-            "ferry demo --priority: emulated {}, {} ms RTT link (work dir {})",
+            "ferry demo --{name}: emulated {}, {} ms RTT link (work dir {})",
             format_rate(a.rate),
             a.rtt.as_millis(),
             dir.display()
         ));
-        let out = priority::run(&a, &dir, &say).await?;
+        let out = if a.weights_first {
+            weights::run(&a, &dir, &say).await?
+        } else {
+            priority::run(&a, &dir, &say).await?
+        };
         if a.json {
-            noteln!("{}", serde_json::json!({ "priority": out }));
+            noteln!("{}", serde_json::json!({ name.replace('-', "_"): out }));
         }
         if a.keep {
             if let Some(t) = tmp {

@@ -761,24 +761,7 @@ impl Sink {
                             && r.local_path == p.local_path
                     });
                     if let Some(r) = coming {
-                        let live = self
-                            .inner
-                            .live
-                            .lock()
-                            .ok()
-                            .and_then(|m| m.get(&r.id).cloned());
-                        let (done, eta) = match live {
-                            Some(l) => l.progress(),
-                            None => (r.bytes_done as u64, None),
-                        };
-                        return Ok((
-                            Resolution::Replicating {
-                                bytes_done: done,
-                                bytes_total: r.bytes_total as u64,
-                                eta_s: eta,
-                            },
-                            None,
-                        ));
+                        return Ok((self.replicating(r), None));
                     }
                     return Ok((
                         Resolution::Remote {
@@ -817,24 +800,7 @@ impl Sink {
                     ));
                 }
                 if let Some(r) = rows.iter().find(|r| r.state == TransferState::Receiving) {
-                    let live = self
-                        .inner
-                        .live
-                        .lock()
-                        .ok()
-                        .and_then(|m| m.get(&r.id).cloned());
-                    let (done, eta) = match live {
-                        Some(l) => l.progress(),
-                        None => (r.bytes_done as u64, None),
-                    };
-                    return Ok((
-                        Resolution::Replicating {
-                            bytes_done: done,
-                            bytes_total: r.bytes_total as u64,
-                            eta_s: eta,
-                        },
-                        None,
-                    ));
+                    return Ok((self.replicating(r), None));
                 }
                 if let Some(r) = newest.filter(|r| r.state != TransferState::Published) {
                     let why = r
@@ -861,6 +827,26 @@ impl Sink {
             ancestor = a.parent();
         }
         Ok((Resolution::Unknown, None))
+    }
+
+    /// The `replicating` answer for incoming row `r`: its live progress
+    /// and ETA while this agent receives it, else the catalog's bytes.
+    fn replicating(&self, r: &ferry_catalog::Replica) -> Resolution {
+        let live = self
+            .inner
+            .live
+            .lock()
+            .ok()
+            .and_then(|m| m.get(&r.id).cloned());
+        let (done, eta) = match live {
+            Some(l) => l.progress(),
+            None => (r.bytes_done as u64, None),
+        };
+        Resolution::Replicating {
+            bytes_done: done,
+            bytes_total: r.bytes_total as u64,
+            eta_s: eta,
+        }
     }
 
     /// Stops accepting, lets in-flight chunk writes finish, flushes the
