@@ -4,6 +4,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
@@ -15,13 +16,14 @@ use tracing_subscriber::EnvFilter;
 
 /// Ferry replicates LLM training checkpoints from a training datacenter to
 /// an evaluation datacenter over QUIC, verified with BLAKE3 and published
-/// atomically, and tells eval jobs where the local copy is.
+/// atomically, and tells eval jobs where the replica is (a local path, or a URL
+/// on an HDFS or S3 sink).
 #[derive(Debug, Parser)]
 #[command(
     name = "ferry",
     version,
     about = "Replicates LLM training checkpoints between datacenters over QUIC, verified with BLAKE3 \
-             and published atomically, and tells eval jobs where the local copy is.",
+             and published atomically, and tells eval jobs where the replica is.",
     after_help = "Try it without any setup: ferry demo\n\
                   Run agents: ferry certs init ..., then ferry serve --config FILE \
                   (every key: ops/ferry.example.toml)"
@@ -105,12 +107,14 @@ enum Command {
         )]
         slow: Option<u32>,
     },
-    /// Where a checkpoint is at a sink: prints its local path (exit code
-    /// 0), or its state and progress on stderr (exit code 3: not local).
-    /// Needs a reader token.
+    /// Where a checkpoint is at a sink: prints where its replica is (a
+    /// local path, or its hdfs:// or s3:// URL on an HDFS or S3 sink;
+    /// exit code 0), or its state and progress on stderr (exit code 3:
+    /// no replica at the sink yet). Needs a reader token.
     #[command(
-        after_help = "Exit codes: 0 local (the path is printed), 3 not local (replicating, \
-                            remote or unknown), 1 error; with a command, the command's own.\n\
+        after_help = "Exit codes: 0 replicated (the path or URL is printed; the API calls \
+                            this state local), 3 not replicated yet (replicating, only at the \
+                            source, or unknown), 1 error; with a command, the command's own.\n\
                             Example: ckpt=$(ferry resolve /ckpt/mm-large/step_001000 --wait 5m \
                             --server https://eval-b-1:7070) && run_eval \"$ckpt\"\n\
                             With a lease, the version read cannot change or go while the \
@@ -122,8 +126,8 @@ enum Command {
         /// The checkpoint's absolute path at the source (or a path inside
         /// it).
         path: String,
-        /// Wait up to this long (e.g. 30s, 5m; at most 5m) for the path
-        /// to become local before answering.
+        /// Wait up to this long (e.g. 30s, 5m; at most 5m) for the
+        /// replica to be published before answering.
         #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
         wait: Duration,
         /// Take a reader lease of this length (1s to 7d, e.g. 10m) on the
@@ -264,10 +268,18 @@ enum Command {
         command: CatalogCommand,
     },
     /// Re-hash a published replica against its manifest and report any
-    /// difference (reads the sink's catalog).
+    /// difference (reads the sink's catalog, and the replica through the
+    /// sink's store: a local directory, HDFS or S3).
+    #[command(
+        after_help = "Examples: ferry verify /eval/train-a/job/step_100 --config sink.toml\n  \
+                      ferry verify hdfs://eval-nn:8020/eval/train-a/job/step_100 --config sink.toml\n\
+                      Exit codes: 0 every chunk matches, 1 a difference (each printed as \
+                      MISMATCH) or an error."
+    )]
     Verify {
-        /// Replica directory at the sink (its `local_path`).
-        path: PathBuf,
+        /// The replica as `ferry resolve` prints it: its directory at the
+        /// sink, or on an HDFS or S3 sink its URL (under `[sink] root`).
+        path: String,
         /// The sink agent's config file (for its data directory).
         #[arg(long, short, env = "FERRY_CONFIG")]
         config: PathBuf,
@@ -537,7 +549,8 @@ enum PoolCommand {
 #[derive(Debug, Subcommand)]
 enum ReplicaCommand {
     /// List the sink's replicas, newest first: id, state, job, step,
-    /// bytes, pin or removal, local path.
+    /// bytes, pin or removal, and where it is (a local path, or its URL on
+    /// an HDFS or S3 sink).
     #[command(after_help = "Example: ferry replica ls --state removed (the removal records)")]
     Ls {
         /// Only rows in this state: receiving, published, failed,
@@ -1431,22 +1444,27 @@ async fn catalog_migrate(
     Ok(())
 }
 
-async fn verify(path: &Path, cfg_path: &Path) -> Result<()> {
+async fn verify(path: &str, cfg_path: &Path) -> Result<()> {
     let cfg = config::Config::load(cfg_path)?;
-    let abs = std::fs::canonicalize(path).with_context(|| format!("{}", path.display()))?;
-    let report = match cfg.catalog_url(std::env::var(config::CATALOG_URL_ENV).ok().as_deref())? {
+    let (store, at) = verify_target(&cfg, cfg_path, path).await?;
+    let shown = if path.contains("://") {
+        path.trim_end_matches('/').to_string()
+    } else {
+        at.display().to_string()
+    };
+    let catalog = match cfg.catalog_url(std::env::var(config::CATALOG_URL_ENV).ok().as_deref())? {
         // A PostgreSQL catalog takes several clients at once.
-        Some(url) => {
-            let catalog = ferry_catalog::Catalog::open_postgres(&url, &cfg.agent.site).await?;
-            replicator::verify::verify_replica_in(catalog, &abs).await?
-        }
+        Some(url) => ferry_catalog::Catalog::open_postgres(&url, &cfg.agent.site).await?,
         // Read-only use of the catalog: open the SQLite file directly so a
         // running agent keeps its lock.
-        None => replicator::verify::verify_replica(&cfg.agent.data_dir, &abs).await?,
+        None => ferry_catalog::Catalog::open_read_only(&cfg.agent.data_dir).await?,
     };
+    let report = replicator::verify::verify_replica_in(catalog, store, &at)
+        .await
+        .with_context(|| format!("verifying {shown}"))?;
     outln!(
         "{}: {} files, {} bytes checked against manifest root {}",
-        abs.display(),
+        shown,
         report.files,
         report.bytes,
         report.root
@@ -1459,6 +1477,51 @@ async fn verify(path: &Path, cfg_path: &Path) -> Result<()> {
         }
         bail!("{} problem(s) found", report.problems.len())
     }
+}
+
+/// Where `ferry verify` reads `path`: a local directory (made absolute)
+/// through POSIX, or a URL under the sink's HDFS or S3 root through that
+/// store, as its path in the store.
+///
+/// # Errors
+/// No `[sink]` section for a URL, a URL of another store or outside the
+/// root, a local path that does not exist, or a store that does not
+/// answer.
+async fn verify_target(
+    cfg: &config::Config,
+    cfg_path: &Path,
+    path: &str,
+) -> Result<(Arc<dyn replicator::storage::SourceStore>, PathBuf)> {
+    use replicator::storage::remote::RemoteRoot;
+    if !path.contains("://") {
+        let abs = std::fs::canonicalize(path).with_context(|| path.to_string())?;
+        return Ok((Arc::new(replicator::storage::posix::Posix), abs));
+    }
+    let sink = cfg.sink.as_ref().with_context(|| {
+        format!(
+            "{path}: {} has no [sink] section, so no store to read it from",
+            cfg_path.display()
+        )
+    })?;
+    let storage = sink.storage()?;
+    let Some(root_url) = storage.url() else {
+        bail!(
+            "{path} is a URL, but this sink's root {} is a local directory: give the \
+             replica's directory",
+            sink.root.display()
+        );
+    };
+    let root = RemoteRoot::parse(root_url)?;
+    let target = RemoteRoot::parse(path)?;
+    if (&target.scheme, &target.authority) != (&root.scheme, &root.authority) {
+        bail!("{path} is not in this sink's store ([sink] root = {root_url})");
+    }
+    let at = PathBuf::from(root.check(&target.path)?);
+    let url = root_url.to_string();
+    let store = tokio::task::spawn_blocking(move || storage.reader())
+        .await?
+        .with_context(|| format!("opening the sink's store {url}"))?;
+    Ok((store, at))
 }
 
 /// One direction's counters as `ferry link-emu` prints them at the end.

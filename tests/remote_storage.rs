@@ -43,16 +43,12 @@ fn content(m: &Manifest) -> Content {
     (files, m.markers.clone())
 }
 
-/// Generates a checkpoint, replicates it to a sink agent configured by
-/// `sink_lines` (the `[sink]` keys after `root`, and tables after them)
-/// at `url`, and checks it through `store`, rooted at `root`.
-async fn replicates_to(
-    w: &World,
-    url: &str,
-    sink_lines: &str,
-    store: &dyn SourceStore,
-    root: &str,
-) {
+/// Generates a checkpoint, replicates it to a sink agent on `r` (its
+/// root URL and `[sink]` lines), checks it through `r.store`, and has
+/// `ferry verify` of its URL pass, then fail on a file changed in the
+/// store.
+async fn replicates_to(w: &World, r: &RemoteSink) {
+    let (url, sink_lines, store, root) = (&r.url, &r.lines, &*r.store, &r.root);
     let ckpt = w.source_root().join("step_000100");
     w.gen(&ckpt, "6MB").await;
     let c = w
@@ -93,10 +89,10 @@ async fn replicates_to(
     w.ensure(out.success() && out.stdout.trim() == want_url, || {
         format!("ferry resolve should print {want_url}: {out}")
     });
-    let r = w.resolve(&c.sink, &ckpt).await;
+    let res = w.resolve(&c.sink, &ckpt).await;
     w.ensure(
-        s(&r, "state") == "local" && r.get("local_path").is_none(),
-        || format!("resolve on a remote sink: {r}"),
+        s(&res, "state") == "local" && res.get("local_path").is_none(),
+        || format!("resolve on a remote sink: {res}"),
     );
     let reps = w.get_json(&format!("{}/v1/replicas", c.sink.url())).await;
     let row = &reps["items"][0];
@@ -108,20 +104,51 @@ async fn replicates_to(
     w.ensure(ts.len() == 1 && s(&ts[0], "local_path") == want_url, || {
         format!("the source's transfer should name {want_url}: {ts:?}")
     });
+
+    // `ferry verify` reads the replica through the store by its URL.
+    let out = w.verify(&c.sink, Path::new(&want_url)).await;
+    w.ensure(
+        out.success() && out.stdout.contains("OK: every chunk matches"),
+        || format!("ferry verify {want_url}: {out}"),
+    );
+    // A file changed in the store (same size, one byte flipped) is named.
+    let victim = original
+        .files
+        .iter()
+        .find(|f| f.size > 0 && !markers.contains(&f.path))
+        .unwrap();
+    let mut bytes = std::fs::read(ckpt.join(&victim.path)).unwrap();
+    bytes[0] ^= 0xff;
+    (r.put)(&Path::new(&replica).join(&victim.path), &bytes).unwrap();
+    let out = w.verify(&c.sink, Path::new(&want_url)).await;
+    let want = format!("MISMATCH {}: chunk 0 hashes to", victim.path);
+    w.ensure(!out.success() && out.stdout.contains(&want), || {
+        format!(
+            "ferry verify after {} changed should say {want}: {out}",
+            victim.path
+        )
+    });
+    // A URL outside the sink's root is refused, naming the root.
+    let outside = format!("{url}-elsewhere/step_000100");
+    let out = w.verify(&c.sink, Path::new(&outside)).await;
+    w.ensure(
+        !out.success() && out.stderr.contains("outside storage root"),
+        || format!("ferry verify {outside}: {out}"),
+    );
 }
 
 #[tokio::test]
 async fn a_sink_agent_on_s3_publishes_and_resolves_to_a_url() {
     let w = World::new("s3-sink").await;
     let r = s3_sink(&w, "s3-sink");
-    replicates_to(&w, &r.url, &r.lines, &*r.store, &r.root).await;
+    replicates_to(&w, &r).await;
 }
 
 #[tokio::test]
 async fn a_sink_agent_on_hdfs_publishes_and_resolves_to_a_url() {
     let w = World::new("hdfs-sink").await;
     let r = hdfs_sink("hdfs-sink");
-    replicates_to(&w, &r.url, &r.lines, &*r.store, &r.root).await;
+    replicates_to(&w, &r).await;
 }
 
 /// [`replicator::sink::FAULT_KILL_ENV`].
@@ -131,16 +158,21 @@ const FAULT_ENV: &str = "FERRY_FAULT_KILL_IN_PUBLISH";
 const TRANSFER: Duration = Duration::from_secs(120);
 
 /// A remote sink under test: its root URL, the `[sink]` lines after
-/// `root`, a store to read it with, the root's path in that store, and
+/// `root`, a store to read it with, the root's path in that store,
 /// whether a replica at a path is committed for readers (HDFS: its
-/// marker is there; S3: its commit object is).
+/// marker is there; S3: its commit object is), and a writer that
+/// replaces a file in the store (as something other than Ferry would).
 struct RemoteSink {
     url: String,
     lines: String,
     store: Box<dyn SourceStore>,
     root: String,
     committed: Box<dyn Fn(&Path) -> bool>,
+    put: Put,
 }
+
+/// Writes one whole file of a store (replacing any there).
+type Put = Box<dyn Fn(&Path, &[u8]) -> std::io::Result<()>>;
 
 fn s3_sink(w: &World, name: &str) -> RemoteSink {
     let s3_url = server_env("FERRY_TEST_S3_URL");
@@ -170,12 +202,14 @@ fn s3_sink(w: &World, name: &str) -> RemoteSink {
     )
     .unwrap();
     let reader = store.clone();
+    let writer = store.clone();
     RemoteSink {
         url,
         lines,
         store: Box::new(store),
         root,
         committed: Box::new(move |p| reader.committed(p).unwrap().is_some()),
+        put: Box::new(move |p, data| writer.put_file(p, data)),
     }
 }
 
@@ -190,6 +224,7 @@ fn hdfs_sink(name: &str) -> RemoteSink {
     let url = format!("{base}{root}");
     let store = Hdfs::connect(&url, None).unwrap();
     let reader = store.clone();
+    let writer = store.clone();
     RemoteSink {
         url,
         lines: String::new(),
@@ -198,6 +233,7 @@ fn hdfs_sink(name: &str) -> RemoteSink {
         committed: Box::new(move |p| {
             replicator::storage::SinkStore::exists(&reader, &p.join("COMMITTED")).unwrap()
         }),
+        put: Box::new(move |p, data| writer.put_file(p, data)),
     }
 }
 

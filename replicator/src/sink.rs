@@ -134,6 +134,21 @@ impl SinkStorage {
         }
     }
 
+    /// Opens the store for reading, as `ferry verify` reads a published
+    /// replica: [`Posix`] for a local directory, otherwise the HDFS or S3
+    /// client, checked as [`SinkStorage::open`] checks it. Blocks as that
+    /// does.
+    ///
+    /// # Errors
+    /// As [`SinkStorage::open`].
+    pub fn reader(&self) -> io::Result<Arc<dyn crate::storage::SourceStore>> {
+        Ok(match self {
+            SinkStorage::Local => Arc::new(Posix),
+            SinkStorage::Hdfs { url, capacity, .. } => Arc::new(Hdfs::connect(url, *capacity)?),
+            SinkStorage::S3 { url, config } => Arc::new(S3::connect(url, config)?),
+        })
+    }
+
     /// Opens the store, checking that it answers, and says where the sink
     /// root is in it: `local_root` for a local directory, the URL's path
     /// for a remote store. Blocks for the remote server's answer (bounded

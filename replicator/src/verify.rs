@@ -1,13 +1,16 @@
 //! `ferry verify`: re-hash a published replica against the manifest the
 //! sink recorded when it published it.
 
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
+use std::sync::Arc;
 
 use ferry_catalog::{Catalog, CatalogError};
 use ferry_proto::manifest::FileInfo;
 use ferry_proto::manifest::{hex, Manifest};
 
-use crate::storage::posix::{scan, Posix};
+use crate::storage::posix::Posix;
+use crate::storage::SourceStore;
 
 /// Outcome of a verification.
 #[derive(Debug, Clone)]
@@ -37,29 +40,38 @@ pub enum VerifyError {
     BadManifest(String, String),
 }
 
-/// Re-hashes every file of the replica at `local_path` (absolute) and
-/// compares with the manifest stored in the catalog under `data_dir`.
+/// Re-hashes every file of the replica at `local_path` (absolute, in a
+/// local directory) and compares with the manifest stored in the catalog
+/// under `data_dir`.
 ///
 /// # Errors
 /// [`VerifyError`] when the replica or its manifest cannot be found;
 /// differences are reported in [`Report::problems`], not as errors.
 pub async fn verify_replica(data_dir: &Path, local_path: &Path) -> Result<Report, VerifyError> {
     let catalog = Catalog::open_read_only(data_dir).await?;
-    verify_replica_in(catalog, local_path).await
+    verify_replica_in(catalog, Arc::new(Posix), local_path).await
 }
 
 /// [`verify_replica`] with the manifest from `catalog` (a PostgreSQL
-/// catalog, say), which is closed when the manifest is read.
+/// catalog, say), which is closed when the manifest is read, and the
+/// files read through `store`: [`Posix`] for a local sink, the sink's
+/// HDFS or S3 store for a remote one, where `path` is the replica's path
+/// in that store (`/eval/site/job/step_100`, as the catalog's
+/// `local_path` holds it).
 ///
 /// # Errors
 /// As [`verify_replica`].
-pub async fn verify_replica_in(catalog: Catalog, local_path: &Path) -> Result<Report, VerifyError> {
-    let lp = local_path.to_string_lossy().into_owned();
+pub async fn verify_replica_in(
+    catalog: Catalog,
+    store: Arc<dyn SourceStore>,
+    path: &Path,
+) -> Result<Report, VerifyError> {
+    let lp = path.to_string_lossy().into_owned();
     let row = match catalog.replica_by_local_path(&lp).await? {
         Some(r) => r,
         // A version directory (`<sink root>/.ferry/versions/<id>`: where
         // a published path's link leads, or a leased path).
-        None => match version_id(local_path) {
+        None => match version_id(path) {
             Some(id) => catalog
                 .replica(id)
                 .await?
@@ -75,8 +87,8 @@ pub async fn verify_replica_in(catalog: Catalog, local_path: &Path) -> Result<Re
     catalog.close().await;
     let m = Manifest::decode(&bytes)
         .map_err(|e| VerifyError::BadManifest(lp.clone(), e.to_string()))?;
-    let dir = local_path.to_path_buf();
-    let report = tokio::task::spawn_blocking(move || check(&dir, &m))
+    let dir = path.to_path_buf();
+    let report = tokio::task::spawn_blocking(move || check_in(&*store, &dir, &m))
         .await
         .map_err(|e| VerifyError::BadManifest(lp, e.to_string()))?;
     Ok(report)
@@ -91,26 +103,36 @@ fn version_id(path: &Path) -> Option<i64> {
         .then_some(id)
 }
 
-/// Compares the files under `dir` with `m`.
+/// Compares the files under the local directory `dir` with `m`.
 pub fn check(dir: &Path, m: &Manifest) -> Report {
+    check_in(&Posix, dir, m)
+}
+
+/// Compares the files under `dir` in `store` with `m`: one listing (sizes,
+/// and files the manifest lacks), then every listed file of the manifest
+/// read and hashed chunk by chunk. A listing that fails is one problem
+/// naming the error.
+pub fn check_in(store: &dyn SourceStore, dir: &Path, m: &Manifest) -> Report {
     let mut problems = Vec::new();
     let mut bytes = 0;
+    let listed: HashMap<String, FileInfo> = match store.list(dir, &[]) {
+        Ok(l) => l
+            .files
+            .into_iter()
+            .map(|f| (f.info.path.clone(), f.info))
+            .collect(),
+        Err(e) => {
+            problems.push(format!("{}: {e}", dir.display()));
+            HashMap::new()
+        }
+    };
+    let listing_failed = !problems.is_empty();
     for f in &m.files {
-        let p = dir.join(&f.path);
-        let info = match std::fs::metadata(&p) {
-            Ok(md) => FileInfo {
-                path: f.path.clone(),
-                size: md.len(),
-                mode: f.mode,
-                mtime_ns: {
-                    use std::os::unix::fs::MetadataExt;
-                    md.mtime() * 1_000_000_000 + md.mtime_nsec()
-                },
-            },
-            Err(e) => {
-                problems.push(format!("{}: {e}", f.path));
-                continue;
+        let Some(info) = listed.get(&f.path) else {
+            if !listing_failed {
+                problems.push(format!("{}: missing", f.path));
             }
+            continue;
         };
         if info.size != f.size {
             problems.push(format!(
@@ -119,7 +141,8 @@ pub fn check(dir: &Path, m: &Manifest) -> Report {
             ));
             continue;
         }
-        match crate::storage::read_chunks(&Posix, &p, &info, m.chunk_size, |_, _, _| Ok(())) {
+        let p = dir.join(&f.path);
+        match crate::storage::read_chunks(store, &p, info, m.chunk_size, |_, _, _| Ok(())) {
             Ok(hashes) => {
                 bytes += f.size;
                 for (i, (a, b)) in hashes.iter().zip(&f.chunks).enumerate() {
@@ -136,13 +159,13 @@ pub fn check(dir: &Path, m: &Manifest) -> Report {
             Err(e) => problems.push(format!("{}: {e}", f.path)),
         }
     }
-    if let Ok(scan) = scan::scan(dir, &scan::ScanOptions::default()) {
-        for f in scan.files {
-            if !m.files.iter().any(|e| e.path == f.path) {
-                problems.push(format!("{}: not in the manifest", f.path));
-            }
-        }
-    }
+    let named: HashSet<&str> = m.files.iter().map(|f| f.path.as_str()).collect();
+    let mut extra: Vec<&String> = listed
+        .keys()
+        .filter(|p| !named.contains(p.as_str()))
+        .collect();
+    extra.sort();
+    problems.extend(extra.iter().map(|p| format!("{p}: not in the manifest")));
     Report {
         files: m.files.len(),
         bytes,

@@ -339,6 +339,28 @@ async fn a_sink_on_a_store_it_cannot_use_does_not_start() {
     );
 }
 
+#[test]
+fn an_hdfs_sink_root_that_does_not_exist_says_how_to_create_it() {
+    let url = format!(
+        "{}{}",
+        server_env("FERRY_TEST_HDFS_URL"),
+        unique("missing-root")
+    );
+    let e = SinkStorage::Hdfs {
+        url: url.clone(),
+        capacity: None,
+        hot: None,
+    }
+    .open(Path::new(""))
+    .expect_err("a missing HDFS root must be refused");
+    let msg = e.to_string();
+    assert_eq!(e.kind(), std::io::ErrorKind::NotFound, "{msg}");
+    assert!(
+        msg.contains(&url) && msg.contains("does not exist") && msg.contains("hdfs dfs -mkdir -p"),
+        "the error names the root and the next step: {msg}"
+    );
+}
+
 /// Writes a checkpoint of the generic format into `dir` of a remote store
 /// with `put`, file by file, the `COMMITTED` marker last (as a writer
 /// would); returns the files, path and bytes.
@@ -471,6 +493,91 @@ async fn a_checkpoint_in_an_s3_source_root_is_watched_and_replicated() {
     let s3 = S3::connect(&format!("s3://{bucket}"), &cfg).unwrap();
     let put = |p: &Path, b: &[u8]| s3.put_file(p, b);
     replicates_from(&url, &put, &root).await;
+}
+
+/// A NeMo 2 save in a polled remote root: its `<name>-unfinished` marker
+/// has a temporary's name, which listings leave out, yet while it exists
+/// the checkpoint stays open though `weights/` looks committed and every
+/// file is quiet; once it is removed the checkpoint is replicated whole.
+async fn nemo_waits_for_its_unfinished_marker(
+    url: &str,
+    put: &dyn Fn(&Path, &[u8]) -> std::io::Result<()>,
+    remove: &dyn Fn(&Path) -> std::io::Result<()>,
+    root: &str,
+) {
+    let opened = replicator::storage::router::open_remote(url, &s3_config().1).unwrap();
+    let url_s = url.to_string();
+    let p = pair_on(SinkStorage::Local, 0, move |cfg| {
+        cfg.scan_interval = Some(std::time::Duration::from_millis(200));
+        cfg.quiet_period = std::time::Duration::from_millis(200);
+        cfg.roots[0].path = PathBuf::from(&url_s);
+        cfg.roots[0].watch.mode = replicator::source::watcher::Mode::Poll;
+        cfg.roots[0].watch.format = Some(replicator::formats::Format::Nemo);
+        cfg.remotes = vec![opened];
+    })
+    .await;
+    let name = "gpt--step=99-consumed_samples=792.0";
+    let marker = format!("{root}/{name}-unfinished");
+    put(Path::new(&marker), b"").unwrap();
+    // A shard ends in a zip end record, as torch.save writes it (the
+    // poll rule checks it): no entries, its directory at the record.
+    let mut shard = vec![7u8; 40_000];
+    shard.extend_from_slice(b"PK\x05\x06\0\0\0\0\0\0\0\0\0\0\0\0");
+    shard.extend_from_slice(&40_000u32.to_le_bytes());
+    shard.extend_from_slice(&[0, 0]);
+    let files: Vec<(String, Vec<u8>)> = vec![
+        ("weights/__0_0.distcp".into(), shard),
+        ("weights/.metadata".into(), vec![1u8; 900]),
+        (
+            "weights/metadata.json".into(),
+            br#"{"sharded_backend": "torch_dist", "sharded_backend_version": 1}"#.to_vec(),
+        ),
+        ("context/model.yaml".into(), b"hidden_size: 64\n".to_vec()),
+    ];
+    for (rel, bytes) in &files {
+        put(Path::new(&format!("{root}/{name}/{rel}")), bytes).unwrap();
+    }
+    let src = format!("{url}/{name}");
+    // Well past the quiet period, over many polls: still open.
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    let r = p.sink.resolve(&src).await.unwrap();
+    assert!(
+        !matches!(r, Resolution::Local { .. }),
+        "published while {marker} exists: {r:?}"
+    );
+    let ts = p.source.catalog().transfers(100, 0).await.unwrap();
+    assert!(
+        ts.iter().all(|t| t.committed_at.is_none()),
+        "committed while {marker} exists: {ts:#?}"
+    );
+    remove(Path::new(&marker)).unwrap();
+    let local = wait_local(&p, &src).await;
+    for (rel, bytes) in &files {
+        assert_eq!(&std::fs::read(local.join(rel)).unwrap(), bytes, "{rel}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nemo_save_in_hdfs_waits_for_its_unfinished_marker() {
+    let base = server_env("FERRY_TEST_HDFS_URL");
+    let root = unique("hdfs-nemo");
+    let h = Hdfs::connect(&base, None).unwrap();
+    h.put_file(Path::new(&format!("{root}/README")), b"source root")
+        .unwrap();
+    let put = |p: &Path, b: &[u8]| h.put_file(p, b);
+    let remove = |p: &Path| h.remove_file(p).map(drop);
+    nemo_waits_for_its_unfinished_marker(&format!("{base}{root}"), &put, &remove, &root).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nemo_save_in_s3_waits_for_its_unfinished_marker() {
+    let (bucket, cfg) = s3_config();
+    let root = unique("s3-nemo");
+    let s3 = S3::connect(&format!("s3://{bucket}"), &cfg).unwrap();
+    let put = |p: &Path, b: &[u8]| s3.put_file(p, b);
+    let remove = |p: &Path| s3.remove_file(p);
+    nemo_waits_for_its_unfinished_marker(&format!("s3://{bucket}{root}"), &put, &remove, &root)
+        .await;
 }
 
 /// Hot-file hints at an HDFS sink: the files every eval rank reads (here

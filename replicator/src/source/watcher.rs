@@ -300,8 +300,9 @@ fn scan_root(
 /// files directly in it (siblings), its subdirectories, and each
 /// subdirectory's files, with the content and samples the format and the
 /// core want (read with ranged reads). Temporaries are not listed
-/// ([`crate::storage::remote::skipped`]), no close is ever seen, and
-/// directories have no birth time.
+/// ([`crate::storage::remote::skipped`]), except NeMo's `<dir>-unfinished`
+/// beside a directory with `weights/`, asked for by name; no close is
+/// ever seen, and directories have no birth time.
 ///
 /// # Errors
 /// The root cannot be listed (the pass is skipped, so nothing under it
@@ -375,6 +376,31 @@ fn scan_remote(
         scan.files.push(file);
     }
     dirs.sort();
+    // NeMo's `<name>-unfinished` marker has a temporary's name, which the
+    // listing leaves out: ask for it beside each directory that has
+    // `weights/` (one stat each per pass, on NeMo-like directories only).
+    for d in &dirs {
+        let nemo_like = scans
+            .get(d)
+            .is_some_and(|s| s.files.iter().any(|f| f.path.starts_with("weights/")));
+        if !nemo_like {
+            continue;
+        }
+        let marker = format!("{d}-unfinished");
+        match store.stat(&root.join(&marker)) {
+            Ok((size, mtime_ns, _)) => siblings.push(FileState {
+                path: marker,
+                size,
+                mtime_ns,
+                complete: true,
+                content: None,
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            // Not knowing is not "gone": skip the pass, as for a listing
+            // that fails.
+            Err(e) => return Err(e),
+        }
+    }
     let scanned = dirs
         .iter()
         .map(|d| {

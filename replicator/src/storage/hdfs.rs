@@ -35,7 +35,7 @@ use std::fmt;
 use std::io;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use ferry_proto::manifest::{chunk_count, chunk_len, FileInfo, Hash, Manifest};
@@ -57,6 +57,7 @@ pub struct Hdfs {
     capacity: Option<u64>,
     rewritten: Arc<AtomicU64>,
     hot: Option<HotFiles>,
+    publish_threads: usize,
 }
 
 /// Names of the files every rank of an eval job reads when it starts
@@ -251,8 +252,23 @@ impl Hdfs {
             capacity,
             rewritten: Arc::default(),
             hot: None,
+            publish_threads: remote::PUBLISH_THREADS,
         };
-        let st = h.status(&h.root.path.clone())?;
+        let st = h.status(&h.root.path.clone()).map_err(|e| {
+            if e.kind() == io::ErrorKind::NotFound {
+                io::Error::new(
+                    e.kind(),
+                    format!(
+                        "storage root {url}: directory {} does not exist in HDFS; create it \
+                         (hdfs dfs -mkdir -p {}) or correct the URL",
+                        h.root.path.display(),
+                        h.root.path.display()
+                    ),
+                )
+            } else {
+                e
+            }
+        })?;
         if !st.isdir {
             return Err(io::Error::other(format!(
                 "storage root {url}: not a directory"
@@ -421,6 +437,14 @@ impl Hdfs {
         self
     }
 
+    /// Files a publish assembles and reads back at once (at least 1;
+    /// default [`remote::PUBLISH_THREADS`]): for the benchmark, which
+    /// compares it with one at a time.
+    pub fn with_publish_threads(mut self, n: usize) -> Hdfs {
+        self.publish_threads = n.max(1);
+        self
+    }
+
     /// The replication factor of the file at `path` (under the root).
     ///
     /// # Errors
@@ -465,6 +489,57 @@ impl Hdfs {
     /// extra I/O of HDFS staging is twice this.
     pub fn rewritten_bytes(&self) -> u64 {
         self.rewritten.load(Ordering::Relaxed)
+    }
+
+    /// Assembles (and with `want`, reads back) every file of `m` from
+    /// staging area `staging` into `out` (markers into `held/<i>`),
+    /// [`Hdfs::with_publish_threads`] files at once. Returns the chunks to
+    /// fetch again (unordered) and the hot files' new paths.
+    ///
+    /// # Errors
+    /// The first file's error (the others stop at their next file).
+    fn assemble_all(
+        &self,
+        staging: &str,
+        m: &Manifest,
+        want: Option<&[(u64, Hash)]>,
+        out: &str,
+        held: &str,
+    ) -> io::Result<(Vec<u64>, Vec<String>)> {
+        let firsts: Vec<usize> = m
+            .files
+            .iter()
+            .scan(0usize, |acc, f| {
+                let first = *acc;
+                *acc += f.chunks.len();
+                Some(first)
+            })
+            .collect();
+        let found = Mutex::new((Vec::new(), Vec::new()));
+        remote::for_each_parallel(self.publish_threads, m.files.len(), |fi| {
+            let f = &m.files[fi];
+            let dst = match m.markers.iter().position(|&x| x as usize == fi) {
+                Some(i) => format!("{held}/{i}"),
+                None => format!("{out}/{}", f.path),
+            };
+            let mut refetch = Vec::new();
+            self.assemble(
+                staging,
+                f,
+                m.chunk_size,
+                firsts[fi],
+                want,
+                &dst,
+                &mut refetch,
+            )?;
+            let mut found = found.lock().unwrap_or_else(|p| p.into_inner());
+            found.0.extend(refetch);
+            if self.hot.as_ref().is_some_and(|h| h.matches(&f.path)) {
+                found.1.push(dst);
+            }
+            Ok(())
+        })?;
+        Ok(found.into_inner().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// Puts file `f` at `dst` from staging `staging`: the part written in
@@ -930,20 +1005,8 @@ impl SinkStore for Hdfs {
             }
         }
         let start = std::time::Instant::now();
-        let mut refetch = Vec::new();
-        let mut first_chunk = 0usize;
-        let mut hot = Vec::new();
-        for (fi, f) in m.files.iter().enumerate() {
-            let dst = match m.markers.iter().position(|&x| x as usize == fi) {
-                Some(i) => format!("{held}/{i}"),
-                None => format!("{out}/{}", f.path),
-            };
-            self.assemble(&s, f, m.chunk_size, first_chunk, reread, &dst, &mut refetch)?;
-            first_chunk += f.chunks.len();
-            if self.hot.as_ref().is_some_and(|h| h.matches(&f.path)) {
-                hot.push(dst);
-            }
-        }
+        let (mut refetch, hot) = self.assemble_all(&s, m, reread, &out, &held)?;
+        refetch.sort_unstable();
         if !refetch.is_empty() {
             self.delete_tree(&out)?;
             self.delete_tree(&held)?;

@@ -92,6 +92,52 @@ pub fn block_on<T: Send + 'static>(
         .map_err(|e| io::Error::new(e.kind(), format!("{what}: {e}")))
 }
 
+/// Files a publish on a remote store assembles, reads back or writes at
+/// once: each file is a few round trips to the NameNode and DataNodes or
+/// to the S3 endpoint, which threads overlap (thousands of small files
+/// one after another take seconds of round trips alone).
+pub const PUBLISH_THREADS: usize = 8;
+
+/// Calls `f(i)` for every `i` in `0..n` on up to `threads` threads (the
+/// calling thread waits); items are taken in order, each once.
+///
+/// # Errors
+/// The first error `f` returns; the other threads stop at their next
+/// item.
+pub fn for_each_parallel(
+    threads: usize,
+    n: usize,
+    f: impl Fn(usize) -> io::Result<()> + Sync,
+) -> io::Result<()> {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let first_err = std::sync::Mutex::new(None::<io::Error>);
+    let work = || loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        if i >= n || failed.load(Ordering::Relaxed) {
+            return;
+        }
+        if let Err(e) = f(i) {
+            failed.store(true, Ordering::Relaxed);
+            first_err
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_or_insert(e);
+            return;
+        }
+    };
+    std::thread::scope(|sc| {
+        for _ in 0..threads.clamp(1, n.max(1)) {
+            sc.spawn(work);
+        }
+    });
+    match first_err.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
 /// A root URL of a remote store, split into the store (`hdfs://nn:8020`,
 /// `s3://bucket`) and the root path inside it (`/ckpt/job`, `/prefix`).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -98,6 +98,7 @@ pub struct S3 {
     store: Arc<AmazonS3>,
     capacity: Option<u64>,
     parts: Arc<Mutex<Vec<Vec<u64>>>>,
+    publish_threads: usize,
 }
 
 impl fmt::Debug for S3 {
@@ -115,7 +116,40 @@ fn io_of(e: object_store::Error) -> io::Error {
         E::PermissionDenied { .. } | E::Unauthenticated { .. } => io::ErrorKind::PermissionDenied,
         _ => io::ErrorKind::Other,
     };
-    io::Error::new(kind, e.to_string())
+    io::Error::new(kind, without_xml(&e.to_string()))
+}
+
+/// `msg` with an S3 error document in it (`<?xml ...><Error><Code>..`)
+/// cut down to its code and message (`SignatureDoesNotMatch: The request
+/// signature we calculated does not match ...`): the rest (request id,
+/// host id, resource) only lengthens the logs. A message without one is
+/// returned as it is.
+fn without_xml(msg: &str) -> String {
+    let Some(start) = msg.find("<?xml").or_else(|| msg.find("<Error>")) else {
+        return msg.to_string();
+    };
+    let field = |name: &str| {
+        let open = format!("<{name}>");
+        let from = msg[start..].find(&open)? + start + open.len();
+        let to = msg[from..].find(&format!("</{name}>"))? + from;
+        Some(msg[from..to].trim().to_string())
+    };
+    let said = match (field("Code"), field("Message")) {
+        (Some(c), Some(m)) => format!("{c}: {m}"),
+        (Some(c), None) => c,
+        (None, Some(m)) => m,
+        (None, None) => "an error document without a code".to_string(),
+    };
+    // What object_store wrote after the document (a retry count, say).
+    let tail = msg[start..]
+        .rfind('>')
+        .map_or("", |i| msg[start + i + 1..].trim());
+    let head = msg[..start].trim_end();
+    let mut out = format!("{head} {said}");
+    if !tail.is_empty() {
+        out = format!("{out} {tail}");
+    }
+    out
 }
 
 fn version_of(m: &object_store::ObjectMeta) -> FileVersion {
@@ -181,6 +215,21 @@ impl S3 {
             .clone()
             .or_else(|| std::env::var("AWS_REGION").ok())
             .unwrap_or_else(|| "us-east-1".into());
+        let env_endpoint = ["AWS_ENDPOINT_URL", "AWS_ENDPOINT"]
+            .iter()
+            .find_map(|v| std::env::var(v).ok());
+        match (&cfg.endpoint, env_endpoint) {
+            (Some(e), _) => tracing::info!(root = %url, endpoint = %e, %region, "S3 store"),
+            (None, Some(e)) => {
+                tracing::info!(root = %url, endpoint = %e, %region, "S3 store (endpoint from the environment)")
+            }
+            (None, None) => tracing::info!(
+                root = %url,
+                %region,
+                "S3 store: no endpoint configured, so AWS S3 itself (an endpoint key in the \
+                 config, or AWS_ENDPOINT, names another)"
+            ),
+        }
         b = b.with_region(region);
         if let Some(k) = &cfg.access_key_id {
             b = b.with_access_key_id(k);
@@ -196,6 +245,7 @@ impl S3 {
             store: Arc::new(store),
             capacity: cfg.capacity,
             parts: Arc::default(),
+            publish_threads: remote::PUBLISH_THREADS,
         };
         let prefix = s.key_of_str(&s.root.path.to_string_lossy());
         s.call(
@@ -209,6 +259,14 @@ impl S3 {
     /// The root this store was opened at.
     pub fn root(&self) -> &RemoteRoot {
         &self.root
+    }
+
+    /// Files a publish reads back and writes at once (at least 1;
+    /// default [`remote::PUBLISH_THREADS`]): for the benchmark, which
+    /// compares it with one at a time.
+    pub fn with_publish_threads(mut self, n: usize) -> S3 {
+        self.publish_threads = n.max(1);
+        self
     }
 
     /// The part sizes (bytes) of every multipart upload this store has
@@ -793,18 +851,26 @@ impl SinkStore for S3 {
         }
         let start = std::time::Instant::now();
         if let Some(want) = reread {
-            // Check every staged chunk before anything moves.
-            let mut refetch = Vec::new();
-            let mut i = 0usize;
-            for f in &m.files {
+            // Check every staged chunk before anything moves, a few files
+            // at once.
+            let firsts: Vec<usize> = m
+                .files
+                .iter()
+                .scan(0usize, |acc, f| {
+                    let first = *acc;
+                    *acc += f.chunks.len();
+                    Some(first)
+                })
+                .collect();
+            let refetch = Mutex::new(Vec::new());
+            remote::for_each_parallel(self.publish_threads, m.files.len(), |fi| {
+                let f = &m.files[fi];
                 let shared = self.key_of_str(&format!("{s}/.ferry-shared/{}", f.path));
                 if self.head(shared)?.is_some() {
-                    i += f.chunks.len();
-                    continue;
+                    return Ok(());
                 }
                 for ci in 0..chunk_count(f.size, m.chunk_size) {
-                    let (k, h) = want[i];
-                    i += 1;
+                    let (k, h) = want[firsts[fi] + ci as usize];
                     let key =
                         self.key_of_str(&chunk_key(&s, &f.path, ci * u64::from(m.chunk_size)));
                     let ok = match self.get(key) {
@@ -816,11 +882,14 @@ impl SinkStore for S3 {
                         Err(e) => return Err(e),
                     };
                     if !ok {
-                        refetch.push(k);
+                        refetch.lock().unwrap_or_else(|p| p.into_inner()).push(k);
                     }
                 }
-            }
+                Ok(())
+            })?;
+            let mut refetch = refetch.into_inner().unwrap_or_else(|p| p.into_inner());
             if !refetch.is_empty() {
+                refetch.sort_unstable();
                 return Ok(PublishOutcome::Refetch(refetch));
             }
         }
@@ -838,10 +907,26 @@ impl SinkStore for S3 {
             })?;
         }
         fault_point("placed");
-        // Files in manifest order: non-markers first, markers last.
-        for f in &m.files {
-            let dst = self.key_of_str(&format!("{l}/{}", f.path));
-            self.write_file(&s, f, m.chunk_size, dst)?;
+        // Non-markers a few at once, then the markers in order, last.
+        let is_marker = |i: usize| m.markers.iter().any(|&x| x as usize == i);
+        let files: Vec<usize> = (0..m.files.len()).filter(|&i| !is_marker(i)).collect();
+        remote::for_each_parallel(self.publish_threads, files.len(), |j| {
+            let f = &m.files[files[j]];
+            self.write_file(
+                &s,
+                f,
+                m.chunk_size,
+                self.key_of_str(&format!("{l}/{}", f.path)),
+            )
+        })?;
+        for &i in &m.markers {
+            let f = &m.files[i as usize];
+            self.write_file(
+                &s,
+                f,
+                m.chunk_size,
+                self.key_of_str(&format!("{l}/{}", f.path)),
+            )?;
         }
         fault_point("markers-in");
         // Objects of an older version that this one does not have.
@@ -974,5 +1059,32 @@ impl SinkStore for S3 {
 
     fn url_of(&self, path: &Path) -> Option<String> {
         Some(self.root.url_of(path))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_xml;
+
+    #[test]
+    fn an_s3_error_document_is_cut_to_its_code_and_message() {
+        let msg = "Client error with status 403 Forbidden: <?xml version=\"1.0\" \
+                   encoding=\"UTF-8\"?>\n<Error><Code>SignatureDoesNotMatch</Code><Message>The \
+                   request signature we calculated does not match.</Message><Resource>/ferry/x\
+                   </Resource><RequestId>1836A</RequestId></Error>";
+        assert_eq!(
+            without_xml(msg),
+            "Client error with status 403 Forbidden: SignatureDoesNotMatch: The request \
+             signature we calculated does not match."
+        );
+        let tail = "Error after 3 retries: <Error><Code>NoSuchBucket</Code></Error> in 2.1s";
+        assert_eq!(
+            without_xml(tail),
+            "Error after 3 retries: NoSuchBucket in 2.1s"
+        );
+        let plain = "Generic S3 error: connection refused";
+        assert_eq!(without_xml(plain), plain);
+        let broken = "status 500: <Error><Code>InternalError";
+        assert!(without_xml(broken).starts_with("status 500: "));
     }
 }
