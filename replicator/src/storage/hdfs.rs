@@ -506,15 +506,7 @@ impl Hdfs {
         out: &str,
         held: &str,
     ) -> io::Result<(Vec<u64>, Vec<String>)> {
-        let firsts: Vec<usize> = m
-            .files
-            .iter()
-            .scan(0usize, |acc, f| {
-                let first = *acc;
-                *acc += f.chunks.len();
-                Some(first)
-            })
-            .collect();
+        let firsts = remote::first_chunks(m);
         let found = Mutex::new((Vec::new(), Vec::new()));
         remote::for_each_parallel(self.publish_threads, m.files.len(), |fi| {
             let f = &m.files[fi];

@@ -98,6 +98,19 @@ pub fn block_on<T: Send + 'static>(
 /// one after another take seconds of round trips alone).
 pub const PUBLISH_THREADS: usize = 8;
 
+/// The index of each file's first chunk among all of `m`'s chunks, in
+/// manifest order (where its keys start in a read-back list).
+pub fn first_chunks(m: &ferry_proto::manifest::Manifest) -> Vec<usize> {
+    m.files
+        .iter()
+        .scan(0usize, |acc, f| {
+            let first = *acc;
+            *acc += f.chunks.len();
+            Some(first)
+        })
+        .collect()
+}
+
 /// Calls `f(i)` for every `i` in `0..n` on up to `threads` threads (the
 /// calling thread waits); items are taken in order, each once.
 ///

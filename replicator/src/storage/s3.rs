@@ -853,15 +853,7 @@ impl SinkStore for S3 {
         if let Some(want) = reread {
             // Check every staged chunk before anything moves, a few files
             // at once.
-            let firsts: Vec<usize> = m
-                .files
-                .iter()
-                .scan(0usize, |acc, f| {
-                    let first = *acc;
-                    *acc += f.chunks.len();
-                    Some(first)
-                })
-                .collect();
+            let firsts = remote::first_chunks(m);
             let refetch = Mutex::new(Vec::new());
             remote::for_each_parallel(self.publish_threads, m.files.len(), |fi| {
                 let f = &m.files[fi];

@@ -10,6 +10,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
+pub mod servers;
+
 /// Payload bytes per 1500-byte packet the physical limit assumes
 /// (1500 - 20 IPv4 - 32 TCP with timestamps; QUIC's overhead is similar).
 pub const PAYLOAD_PER_PACKET: f64 = 1448.0;

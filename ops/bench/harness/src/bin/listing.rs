@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use clap::Parser;
 use replicator::storage::hdfs::Hdfs;
-use replicator::storage::s3::{S3Config, S3};
+use replicator::storage::s3::S3;
 use replicator::storage::SourceStore;
 
 /// Listing cost of a polled root of many small files on HDFS, S3 and a
@@ -55,9 +55,7 @@ struct Args {
 type Put = Arc<dyn Fn(&Path, &[u8]) -> std::io::Result<()> + Send + Sync>;
 
 fn env(var: &str) -> Result<String> {
-    std::env::var(var).with_context(|| {
-        format!("{var} is not set: run this through ops/bench/listing, which starts the servers")
-    })
+    ferry_bench::servers::env(var, "ops/bench/listing")
 }
 
 /// Writes `files` files of `size` bytes under `root` with `put`, from
@@ -173,17 +171,7 @@ fn main() -> Result<()> {
         report("hdfs", wrote, &t, &a);
     }
     if only.contains(&"s3") {
-        let url = env("FERRY_TEST_S3_URL")?;
-        let (endpoint, bucket) = url
-            .rsplit_once('/')
-            .context("FERRY_TEST_S3_URL is not ENDPOINT/BUCKET")?;
-        let cfg = S3Config {
-            endpoint: Some(endpoint.to_string()),
-            region: None,
-            access_key_id: Some(env("FERRY_TEST_S3_ACCESS_KEY_ID")?),
-            secret_access_key: Some(env("FERRY_TEST_S3_SECRET_ACCESS_KEY")?),
-            capacity: None,
-        };
+        let (bucket, cfg) = ferry_bench::servers::s3("ops/bench/listing")?;
         let root = PathBuf::from(format!("/ferry-bench/listing-{stamp}"));
         let s = Arc::new(S3::connect(&format!("s3://{bucket}"), &cfg)?);
         let s2 = s.clone();

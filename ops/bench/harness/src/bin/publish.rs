@@ -21,7 +21,7 @@ use clap::Parser;
 use ferry_proto::manifest::{chunk_count, chunk_len, Manifest, DEFAULT_CHUNK_SIZE};
 use replicator::storage::hdfs::Hdfs;
 use replicator::storage::posix::Posix;
-use replicator::storage::s3::{S3Config, S3};
+use replicator::storage::s3::S3;
 use replicator::storage::{PublishOutcome, SinkStore};
 
 /// Publish time of a many-small-files replica on HDFS and S3, one file
@@ -46,9 +46,7 @@ struct Args {
 }
 
 fn env(var: &str) -> Result<String> {
-    std::env::var(var).with_context(|| {
-        format!("{var} is not set: run this through ops/bench/publish, which starts the servers")
-    })
+    ferry_bench::servers::env(var, "ops/bench/publish")
 }
 
 /// Writes the synthetic checkpoint into `dir`; returns its bytes.
@@ -186,17 +184,7 @@ fn main() -> Result<()> {
             measure("hdfs", &open, &base, &local, &m, &a)?;
         }
         if only.contains(&"s3") {
-            let s3 = env("FERRY_TEST_S3_URL")?;
-            let (endpoint, bucket) = s3
-                .rsplit_once('/')
-                .context("FERRY_TEST_S3_URL is not ENDPOINT/BUCKET")?;
-            let cfg = S3Config {
-                endpoint: Some(endpoint.to_string()),
-                region: None,
-                access_key_id: Some(env("FERRY_TEST_S3_ACCESS_KEY_ID")?),
-                secret_access_key: Some(env("FERRY_TEST_S3_SECRET_ACCESS_KEY")?),
-                capacity: None,
-            };
+            let (bucket, cfg) = ferry_bench::servers::s3("ops/bench/publish")?;
             let url = format!("s3://{bucket}{}", base.display());
             let open = |n: usize| -> Result<Box<dyn SinkStore>> {
                 Ok(Box::new(S3::connect(&url, &cfg)?.with_publish_threads(n)))
