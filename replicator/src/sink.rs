@@ -2244,6 +2244,7 @@ fn write_group(
         staging.stage_chunk(&rel, u64::from(h.chunk) * u64::from(live.chunk_size), &buf)?;
         good.push((g, hash, buf.len() as u64));
     }
+    staging.finish()?;
     Ok((good, bad))
 }
 

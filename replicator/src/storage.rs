@@ -187,6 +187,18 @@ pub trait Staging: Send {
     /// I/O errors naming the file; a symlink or special file in the
     /// staging area is refused, never written through.
     fn stage_chunk(&mut self, rel: &str, offset: u64, bytes: &[u8]) -> io::Result<()>;
+
+    /// Ends what [`Staging::stage_chunk`] left under way (HDFS: the closes
+    /// of the files written), so that every chunk staged so far is in
+    /// the store; the caller counts them only after this. Nothing to do
+    /// by default. Dropping a staging area also ends it, but can only
+    /// log an error.
+    ///
+    /// # Errors
+    /// I/O errors naming the file.
+    fn finish(&mut self) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 /// What reading staging back before a publish cost.

@@ -453,12 +453,67 @@ fn small_files(b: &Backend, dir: &Path) {
     assert_eq!(names, ["latest"], "no temporary left beside it");
 }
 
+/// Many files staged in one staging area, in order within each file but
+/// in turns across files (the first chunk of each, then the second of
+/// each), with more small files than HDFS keeps closes pending: finished,
+/// published and read back whole.
+fn stages_files_in_turns(b: &Backend, dir: &Path) {
+    let cs = MIN_CHUNK_SIZE as usize;
+    let ckpt = dir.join("ckpt");
+    let big = |i: u8| pattern(cs * 2 + usize::from(i), 10 + i);
+    let small = |i: u8| pattern(1 + usize::from(i), i);
+    let bigs: Vec<String> = (0..3u8).map(|i| format!("big-{i}.bin")).collect();
+    let smalls: Vec<String> = (0..100u8).map(|i| format!("shards/s-{i:03}.bin")).collect();
+    for (i, rel) in bigs.iter().enumerate() {
+        (b.put)(&ckpt.join(rel), &big(i as u8)).unwrap();
+    }
+    for (i, rel) in smalls.iter().enumerate() {
+        (b.put)(&ckpt.join(rel), &small(i as u8)).unwrap();
+    }
+    (b.put)(&ckpt.join("COMMITTED"), b"").unwrap();
+    let markers = ["COMMITTED".to_string()];
+    let m = build(b.src, &ckpt, &markers, MIN_CHUNK_SIZE).unwrap();
+    let staging = dir.join("staging");
+    let mut st = b.sink.staging(&staging);
+    for round in 0..3 {
+        for (i, rel) in bigs.iter().enumerate() {
+            let data = big(i as u8);
+            let start = round * cs;
+            if start < data.len() {
+                st.stage_chunk(rel, start as u64, &data[start..data.len().min(start + cs)])
+                    .unwrap();
+            }
+        }
+        if round == 0 {
+            for (i, rel) in smalls.iter().enumerate() {
+                st.stage_chunk(rel, 0, &small(i as u8)).unwrap();
+            }
+        }
+    }
+    st.stage_chunk("COMMITTED", 0, &[]).unwrap();
+    st.finish().unwrap();
+    drop(st);
+    let local = dir.join("replicas/ckpt");
+    let out = b
+        .sink
+        .publish(&staging, &local, &dir.join("versions/1"), &m, None, None)
+        .unwrap();
+    assert!(matches!(out, PublishOutcome::Published { .. }), "{out:?}");
+    b.sink.publish_recorded(&staging).unwrap();
+    same_replica(
+        b,
+        &build(b.src, &local, &markers, MIN_CHUNK_SIZE).unwrap(),
+        &m,
+    );
+}
+
 fn conforms(b: &Backend, dir: &Path, server: &str) {
     small_files(b, &dir.join("small"));
     lists(b, &dir.join("list"));
     rereads_before_publishing(b, &dir.join("reread"));
     reads_ranges(b, &dir.join("read"));
     stages_publishes_and_retires(b, &dir.join("publish"));
+    stages_files_in_turns(b, &dir.join("turns"));
     conditional_create(b, &dir.join("create"), server);
 }
 

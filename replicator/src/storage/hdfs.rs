@@ -58,6 +58,8 @@ pub struct Hdfs {
     rewritten: Arc<AtomicU64>,
     hot: Option<HotFiles>,
     publish_threads: usize,
+    /// Closes a staging area runs together ([`PENDING_CLOSES`]).
+    staging_closes: usize,
 }
 
 /// Names of the files every rank of an eval job reads when it starts
@@ -253,6 +255,7 @@ impl Hdfs {
             rewritten: Arc::default(),
             hot: None,
             publish_threads: remote::PUBLISH_THREADS,
+            staging_closes: PENDING_CLOSES,
         };
         let st = h.status(&h.root.path.clone()).map_err(|e| {
             if e.kind() == io::ErrorKind::NotFound {
@@ -442,6 +445,14 @@ impl Hdfs {
     /// compares it with one at a time.
     pub fn with_publish_threads(mut self, n: usize) -> Hdfs {
         self.publish_threads = n.max(1);
+        self
+    }
+
+    /// Files whose closes a staging area runs together (at least 1, which
+    /// closes each file as the next one starts; default 64): for the
+    /// benchmark, which compares the two.
+    pub fn with_staging_closes(mut self, n: usize) -> Hdfs {
+        self.staging_closes = n.max(1);
         self
     }
 
@@ -780,8 +791,15 @@ impl SourceStore for Hdfs {
 /// as one file, `<staging>/.ferry-files/<rel>`, appended to while they
 /// keep coming in order; any chunk out of order is staged as its own
 /// file under `.ferry-chunks/`. One writer is kept open (the file last
-/// written); switching files closes it, and a later in-order chunk of a
-/// closed file reopens it for append.
+/// written); switching files hands it to the closes pending, and a later
+/// in-order chunk of a closed file reopens it for append.
+///
+/// Closing a file waits for the NameNode to complete its last block, and
+/// `hdfs-native` 0.14 retries that call after 500 ms when the DataNode
+/// has not reported the block yet: one close after another, a batch of
+/// small files took about half a second per file. So the closes of up to
+/// [`PENDING_CLOSES`] files (`Hdfs::with_staging_closes`) run together, all before the staging area is
+/// dropped (its chunks count as verified only after that).
 struct HdfsStaging {
     store: Hdfs,
     dir: std::path::PathBuf,
@@ -789,29 +807,66 @@ struct HdfsStaging {
     in_order: HashMap<String, u64>,
     /// The open writer and the file it writes.
     current: Option<(String, FileWriter)>,
+    /// Writers done with, not yet closed: (file, writer).
+    closing: Vec<(String, FileWriter)>,
 }
 
+/// Files whose closes an HDFS staging area runs together (see
+/// [`HdfsStaging`]).
+const PENDING_CLOSES: usize = 64;
+
 impl HdfsStaging {
-    fn close_current(&mut self) -> io::Result<()> {
-        if let Some((rel, mut w)) = self.current.take() {
-            self.store.call("close", &rel, move |_, _| async move {
-                Box::pin(w.close()).await
-            })?;
+    /// Hands the open writer to the closes pending, running them when
+    /// [`PENDING_CLOSES`] wait.
+    fn retire_current(&mut self) -> io::Result<()> {
+        if let Some(c) = self.current.take() {
+            self.closing.push(c);
+        }
+        if self.closing.len() >= self.store.staging_closes {
+            self.close_all()?;
         }
         Ok(())
+    }
+
+    /// Closes the open writer and every pending one, all at once; the
+    /// first error names its file.
+    fn close_all(&mut self) -> io::Result<()> {
+        let mut all = std::mem::take(&mut self.closing);
+        all.extend(self.current.take());
+        if all.is_empty() {
+            return Ok(());
+        }
+        let what = format!("{} close", self.store.root.url);
+        block_on(&what, async move {
+            let closes = all.into_iter().map(|(rel, mut w)| async move {
+                Box::pin(w.close()).await.map_err(|e| {
+                    let e = io_of(e);
+                    io::Error::new(e.kind(), format!("{rel}: {e}"))
+                })
+            });
+            futures::future::join_all(closes)
+                .await
+                .into_iter()
+                .collect::<io::Result<Vec<()>>>()
+                .map(|_| ())
+        })
     }
 }
 
 impl Drop for HdfsStaging {
     fn drop(&mut self) {
         // Callers of the seams run on threads that may block.
-        if let Err(e) = self.close_current() {
-            tracing::warn!(error = %e, "closing a staged HDFS file");
+        if let Err(e) = self.close_all() {
+            tracing::warn!(error = %e, "closing staged HDFS files");
         }
     }
 }
 
 impl Staging for HdfsStaging {
+    fn finish(&mut self) -> io::Result<()> {
+        self.close_all()
+    }
+
     fn stage_chunk(&mut self, rel: &str, offset: u64, bytes: &[u8]) -> io::Result<()> {
         ferry_proto::paths::check_relative(rel)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("{rel}: {e}")))?;
@@ -834,7 +889,11 @@ impl Staging for HdfsStaging {
             Some((r, w)) if r == rel => w,
             other => {
                 self.current = other;
-                self.close_current()?;
+                self.retire_current()?;
+                if self.closing.iter().any(|(r, _)| r == rel) {
+                    // Its writer holds the file's lease until it closes.
+                    self.close_all()?;
+                }
                 let opened = self.store.call("open", &path, move |c, p| async move {
                     if offset == 0 {
                         // Never over another writer's file (a chunk sent
@@ -960,6 +1019,7 @@ impl SinkStore for Hdfs {
             dir: dir.to_path_buf(),
             in_order: HashMap::new(),
             current: None,
+            closing: Vec::new(),
         })
     }
 
