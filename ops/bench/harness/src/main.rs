@@ -44,7 +44,8 @@ const PER_FILE_SUBSET: usize = 300;
 #[command(
     about = "Ferry against rsync, rclone and per-file fetch on one emulated WAN link (run through ops/bench/run).",
     long_about = "Ferry against rsync, rclone and per-file fetch on one emulated WAN link. \
-                  Scenarios: throughput, rtt, loss, coexist, scale, cpu, priority, lag. \
+                  Scenarios: throughput, rtt, loss, coexist, scale, cpu, priority, lag, \
+                  hdfs-source (not in a full run: ops/bench/hdfs-source). \
                   Needs root (network namespaces) and rsync, rclone, iperf3, curl, ping; \
                   ops/bench/run installs them and builds the binaries first."
 )]
@@ -97,9 +98,13 @@ struct Args {
     /// core), and the same count for quinn-bare.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
     connections: Option<u32>,
+    /// hdfs-source scenario: rounds, each a copy from the POSIX root and
+    /// one from the HDFS root, alternating; medians are reported.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
+    hdfs_runs: u32,
 }
 
-const ALL: [&str; 8] = [
+const ALL: [&str; 9] = [
     "throughput",
     "rtt",
     "loss",
@@ -108,7 +113,12 @@ const ALL: [&str; 8] = [
     "cpu",
     "priority",
     "lag",
+    "hdfs-source",
 ];
+
+/// Scenarios a run without `--only` leaves out (they need more than the
+/// harness installs: hdfs-source needs Java, Maven and ops/bench/hdfs-source).
+const ONLY_WHEN_ASKED: [&str; 1] = ["hdfs-source"];
 
 fn main() {
     if let Err(e) = run() {
@@ -175,7 +185,7 @@ fn run() -> Result<()> {
     };
     let wanted = |s: &str, b: &Bench| {
         if b.args.only.is_empty() {
-            !b.args.quick || s == "throughput"
+            (!b.args.quick || s == "throughput") && !ONLY_WHEN_ASKED.contains(&s)
         } else {
             b.args.only.iter().any(|o| o == s)
         }
@@ -193,7 +203,7 @@ fn run() -> Result<()> {
     } else {
         1_400_000_000
     });
-    let needs_main = ["throughput", "rtt", "coexist", "cpu"]
+    let needs_main = ["throughput", "rtt", "coexist", "cpu", "hdfs-source"]
         .iter()
         .any(|sc| wanted(sc, &b));
     let main_ckpt = if needs_main {
@@ -230,6 +240,9 @@ fn run() -> Result<()> {
     }
     if wanted("lag", &b) {
         scenario_lag(&mut b)?;
+    }
+    if wanted("hdfs-source", &b) {
+        scenario_hdfs_source(&mut b, &main_ckpt)?;
     }
     fill_ratios(&mut b.records);
     report::write(&b)?;

@@ -3,7 +3,7 @@
 
 use ferry_proto::state::TransferState;
 
-use super::agents::{wait_port, Agents, Placement};
+use super::agents::{proc_cpu_s, wait_port, Agents, Placement};
 use super::*;
 
 /// Longest copy of the throughput and rtt scenarios (seconds).
@@ -19,6 +19,9 @@ const COEXIST_S: u64 = 30;
 struct Servers {
     rsync: Option<Guard>,
     http: Option<Guard>,
+    /// A MiniDFSCluster in the source namespace and the URL of the HDFS
+    /// source root holding the checkpoint (`hdfs://127.0.0.1:PORT/ckpt`).
+    hdfs: Option<(Guard, String)>,
 }
 
 impl Servers {
@@ -26,7 +29,102 @@ impl Servers {
         Servers {
             rsync: None,
             http: None,
+            hdfs: None,
         }
+    }
+
+    /// Starts a MiniDFSCluster in the source namespace (class path from
+    /// `FERRY_BENCH_MINIDFS_CP`, set by ops/bench/hdfs-source) and copies
+    /// `ck` into it with Hadoop's own `FsShell -put -t 16` (the copy is
+    /// not timed; `ferry gen --out hdfs://` writes one file after another
+    /// and `hdfs-native` waits 500 ms in most closes, about 25 minutes for
+    /// 2,881 files). The replica is compared with the POSIX copy. The
+    /// cluster stops when the guard drops (SIGTERM).
+    fn hdfs(&mut self, b: &Bench, ck: &Ckpt) -> Result<()> {
+        if self.hdfs.is_some() {
+            return Ok(());
+        }
+        let cp = std::env::var("FERRY_BENCH_MINIDFS_CP").map_err(|_| {
+            anyhow!("FERRY_BENCH_MINIDFS_CP is not set: run the hdfs-source scenario through ops/bench/hdfs-source")
+        })?;
+        let base = b.work.join("minidfs");
+        if base.exists() {
+            std::fs::remove_dir_all(&base)?;
+        }
+        std::fs::create_dir_all(&base)?;
+        let log = b.log("minidfs.log");
+        say("hdfs-source: starting a MiniDFSCluster in the source namespace");
+        let mut child = in_ns(SRC_NS, "java")
+            .arg("-cp")
+            .arg(&cp)
+            .arg("ferry.MiniDfs")
+            .arg(&base)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log)?)
+            .spawn()
+            .context("starting java (the MiniDFSCluster)")?;
+        let out = child
+            .stdout
+            .take()
+            .context("no stdout of the MiniDFSCluster")?;
+        let guard = Guard::new(child);
+        // Its one line, the NameNode's URL, once the cluster is up.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(out).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let url = rx
+            .recv_timeout(Duration::from_secs(300))
+            .ok()
+            .map(|l| l.trim().to_string())
+            .filter(|l| l.starts_with("hdfs://"))
+            .with_context(|| {
+                format!(
+                    "the MiniDFSCluster did not print its URL within 300 s; see {}",
+                    log.display()
+                )
+            })?;
+        let root = format!("{url}/ckpt");
+        say(format!(
+            "hdfs-source: {url} up; copying {} into {root} (FsShell -put -t 16)",
+            ck.name
+        ));
+        // FsShell reads its client configuration from the class path;
+        // empty files keep Hadoop's defaults.
+        let conf = b.work.join("minidfs-conf");
+        std::fs::create_dir_all(&conf)?;
+        for f in ["core-site.xml", "hdfs-site.xml"] {
+            std::fs::write(conf.join(f), "<?xml version=\"1.0\"?>\n<configuration/>\n")?;
+        }
+        let t0 = Instant::now();
+        let shell = |args: &[&str]| {
+            let mut c = in_ns(SRC_NS, "java");
+            c.arg("-cp")
+                .arg(format!("{}:{cp}", conf.display()))
+                .args(["org.apache.hadoop.fs.FsShell", "-fs", &url])
+                .args(args);
+            c
+        };
+        cmd_ok(&mut shell(&["-mkdir", "-p", "/ckpt"]), "hdfs dfs -mkdir")?;
+        cmd_ok(
+            &mut shell(&[
+                "-put",
+                "-t",
+                "16",
+                &ck.dir.to_string_lossy(),
+                &format!("/ckpt/{}", ck.name),
+            ]),
+            "hdfs dfs -put",
+        )?;
+        say(format!(
+            "hdfs-source: copied in {:.1} s",
+            t0.elapsed().as_secs_f64()
+        ));
+        self.hdfs = Some((guard, root));
+        Ok(())
     }
 
     fn rsync(&mut self, b: &Bench) -> Result<()> {
@@ -118,13 +216,31 @@ fn copy_with(
     };
     let before;
     let mut rec = match tool {
-        "ferry" => {
-            let agents =
-                Agents::start(b, Placement::Wan, rate, link.rtt, &[b.src_root()], scenario)?;
+        "ferry" | "ferry-hdfs" => {
+            // The source root and the path pushed: the checkpoint's
+            // directory, or its URL in the MiniDFSCluster.
+            let (root, path) = match (tool, &servers.hdfs) {
+                ("ferry", _) => (b.src_root(), ck.dir.clone()),
+                (_, Some((_, root))) => (
+                    PathBuf::from(root),
+                    PathBuf::from(format!("{root}/{}", ck.name)),
+                ),
+                (_, None) => bail!("ferry-hdfs needs the MiniDFSCluster (Servers::hdfs) first"),
+            };
+            let agents = Agents::start(b, Placement::Wan, rate, link.rtt, &[root], scenario)?;
             before = link.snap()?;
-            let (cpu0, emu0) = (agents.cpu_s(), link.cpu_s());
-            let pushed = agents.push_and_wait(&ck.dir, cap)?;
-            let (cpu1, emu1) = (agents.cpu_s(), link.cpu_s());
+            // The MiniDFSCluster's JVM (NameNode and DataNode) serves the
+            // HDFS source's reads on the same cores.
+            let hdfs_cpu = || {
+                servers
+                    .hdfs
+                    .as_ref()
+                    .and_then(|(g, _)| g.pid())
+                    .map_or(0.0, proc_cpu_s)
+            };
+            let (cpu0, emu0, jvm0) = (agents.cpu_s(), link.cpu_s(), hdfs_cpu());
+            let pushed = agents.push_and_wait(&path, cap)?;
+            let (cpu1, emu1, jvm1) = (agents.cpu_s(), link.cpu_s(), hdfs_cpu());
             let mut rec = mk(pushed.wall_s, ck.bytes, ck.files);
             // Where the two cores went during the copy.
             rec.extra = json!({
@@ -132,6 +248,9 @@ fn copy_with(
                 "cpu_sink_s": cpu1.1 - cpu0.1,
                 "cpu_emulator_s": emu1 - emu0,
             });
+            if tool == "ferry-hdfs" {
+                rec.extra["cpu_hdfs_s"] = json!(jvm1 - jvm0);
+            }
             if pushed.state == Some(TransferState::Published) {
                 let local = PathBuf::from(
                     pushed.view["local_path"]
@@ -262,12 +381,16 @@ fn copy_with(
         rec.goodput_bps = done as f64 * 8.0 / rec.wall_s;
         rec.utilisation = ferry_bench::utilisation(done, rec.link_rate_bps, rec.wall_s);
     }
-    if tool == "ferry" {
+    if tool.starts_with("ferry") {
         say(format!(
-            "  CPU during the copy: source {:.2} s, sink {:.2} s, emulator {:.2} s (wall {:.2} s, 2 cores)",
+            "  CPU during the copy: source {:.2} s, sink {:.2} s, emulator {:.2} s{} (wall {:.2} s, 2 cores)",
             rec.extra["cpu_source_s"].as_f64().unwrap_or(0.0),
             rec.extra["cpu_sink_s"].as_f64().unwrap_or(0.0),
             rec.extra["cpu_emulator_s"].as_f64().unwrap_or(0.0),
+            rec.extra["cpu_hdfs_s"]
+                .as_f64()
+                .map(|s| format!(", MiniDFSCluster {s:.2} s"))
+                .unwrap_or_default(),
             rec.wall_s
         ));
     }
@@ -407,6 +530,54 @@ pub fn scenario_throughput(b: &mut Bench, ck: &Ckpt) -> Result<()> {
             continue;
         }
         copy_with(b, &link, &mut servers, tool, ck, "throughput", COPY_CAP)?;
+    }
+    drop(servers);
+    link.down();
+    Ok(())
+}
+
+/// hdfs-source: the main checkpoint from a POSIX source root and from an
+/// HDFS source root (a MiniDFSCluster in the source namespace) over the
+/// same emulated link, `--hdfs-runs` rounds, the order alternating each
+/// round; prints each tool's median wall time against the physical limit.
+pub fn scenario_hdfs_source(b: &mut Bench, ck: &Ckpt) -> Result<()> {
+    let link = Link::up(b, b.args.rtt, 0.0)?;
+    check_emulator(b, &link, false)?;
+    let mut servers = Servers::none();
+    servers.hdfs(b, ck)?;
+    let mut walls: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for round in 0..b.args.hdfs_runs {
+        let order = if round % 2 == 0 {
+            ["ferry", "ferry-hdfs"]
+        } else {
+            ["ferry-hdfs", "ferry"]
+        };
+        for tool in order {
+            let rec = copy_with(b, &link, &mut servers, tool, ck, "hdfs-source", COPY_CAP)?;
+            if !rec.finished || !rec.verified {
+                bail!(
+                    "hdfs-source: {tool}'s copy did not finish verified; see the logs in {}",
+                    b.log("").display()
+                );
+            }
+            walls.entry(tool).or_default().push(rec.wall_s);
+        }
+    }
+    let limit = ferry_bench::limit_s(ck.bytes, link.rate, link.rtt_ms() / 1000.0);
+    let mut medians = BTreeMap::new();
+    for (tool, w) in &mut walls {
+        let (med, lo, hi) = spread(w);
+        medians.insert(*tool, med);
+        say(format!(
+            "hdfs-source: {tool}: median {med:.2} s ({lo:.2}-{hi:.2}), {:.3} x the physical limit ({limit:.2} s)",
+            med / limit
+        ));
+    }
+    if let (Some(h), Some(p)) = (medians.get("ferry-hdfs"), medians.get("ferry")) {
+        say(format!(
+            "hdfs-source: from HDFS / from POSIX, medians: {:.3}",
+            h / p
+        ));
     }
     drop(servers);
     link.down();
