@@ -3769,6 +3769,10 @@ async fn handle_end(
                     hex(root)
                 )));
             }
+            // The run's counters first: a reader that sees the row
+            // published reads its final bytes (a chunk sent again at the
+            // commit included), not the last periodic note.
+            save_progress(inner, t.id, false).await;
             inner
                 .catalog
                 .set_transfer_published(t.id, &hex(root), &local_path)
