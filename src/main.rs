@@ -393,6 +393,15 @@ enum Command {
         fault: ferry_gen::format::Fault,
         #[command(flatten)]
         s3: GenS3Args,
+        /// hdfs:// --out only: how many finished files may wait to be
+        /// closed together. Closing an HDFS file waits for the NameNode to
+        /// complete its last block (often half a second), so closes run
+        /// together at the save's ordering points (before a marker, and at
+        /// the end) or when this many wait; 1 closes each file as it is
+        /// finished.
+        #[arg(long, default_value_t = ferry::remote_gen::PENDING_CLOSES, value_name = "N",
+              value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=4096))]
+        hdfs_closes: usize,
     },
     /// User-space WAN emulator: a UDP relay adding one-way delay and
     /// jitter, a rate cap with a bounded drop-tail queue, loss, corruption,
@@ -932,11 +941,13 @@ async fn run(cli: Cli) -> Result<()> {
             write_rate,
             fault,
             s3,
+            hdfs_closes,
         } => {
             let s3 = s3.settings();
             if !ferry::remote_gen::is_remote(&out) && s3.is_set() {
                 bail!("the --s3-* options apply to an s3:// --out only");
             }
+            let s3 = (s3, hdfs_closes);
             match format {
                 None => {
                     let opts = ferry_gen::GenOptions {
@@ -1050,13 +1061,13 @@ fn gen_bar(total: u64) -> Result<indicatif::ProgressBar> {
 /// [`ferry_gen::generate`], each written whole, the marker last.
 async fn gen_per_tensor_remote(
     opts: ferry_gen::GenOptions,
-    s3: ferry::remote_gen::S3Settings,
+    (s3, closes): (ferry::remote_gen::S3Settings, usize),
 ) -> Result<()> {
     let preview = gen_per_tensor_preview(&opts)?;
     let size = preview.summary.bytes;
     let url = opts.out.to_string_lossy().into_owned();
     let out = tokio::task::spawn_blocking(move || -> Result<_> {
-        let out = ferry::remote_gen::RemoteOut::open(&url, &s3)?;
+        let out = ferry::remote_gen::RemoteOut::open(&url, &s3)?.with_pending_closes(closes);
         if !out.is_empty(Path::new(""))? {
             bail!(
                 "--out {} exists and is not empty; choose a new directory",
@@ -1177,12 +1188,14 @@ fn print_save_summary(
 /// last ([`ferry_gen::format::save_into`]).
 async fn gen_format_remote(
     mut opts: ferry_gen::format::SaveOptions,
-    s3: ferry::remote_gen::S3Settings,
+    (s3, closes): (ferry::remote_gen::S3Settings, usize),
 ) -> Result<()> {
     let (preview, passes) = gen_preview(&opts)?;
     let url = opts.root.to_string_lossy().into_owned();
-    let out = tokio::task::spawn_blocking(move || ferry::remote_gen::RemoteOut::open(&url, &s3))
-        .await??;
+    let out = tokio::task::spawn_blocking(move || {
+        ferry::remote_gen::RemoteOut::open(&url, &s3).map(|o| o.with_pending_closes(closes))
+    })
+    .await??;
     // The summary's paths are the store's URLs.
     opts.root = PathBuf::from(out.url());
     let dir = opts.checkpoint_dir();

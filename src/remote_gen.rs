@@ -5,9 +5,17 @@
 //! before the next is made; on S3 object by object, one PUT up to 8 MiB,
 //! else a multipart upload of 8 MiB parts sent as they fill. Memory stays
 //! at one piece and one part, whatever the file's size.
+//!
+//! Closing an HDFS file waits for the NameNode to complete its last block
+//! (with `hdfs-native` 0.14, often a 500 ms retry), so one close after
+//! another cost about half a second per small file. The closes of up to
+//! [`PENDING_CLOSES`] finished files run together instead, at the
+//! generator's barriers ([`Output::barrier`]: before markers, removals
+//! and the end) or when that many wait.
 
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, Context, Result};
 use ferry_gen::output::{Output, OutputFile};
@@ -81,6 +89,13 @@ enum Store {
     S3(S3),
 }
 
+/// Finished HDFS files whose closes run together (see the module's
+/// documentation).
+pub const PENDING_CLOSES: usize = 64;
+
+/// Finished HDFS files not yet closed: (path, writer).
+type Pending = Arc<Mutex<Vec<(PathBuf, HdfsWriter)>>>;
+
 /// A root in HDFS or S3 that the generator writes into, paths relative to
 /// it.
 #[derive(Debug)]
@@ -89,6 +104,9 @@ pub struct RemoteOut {
     /// The root's path in the store (`/ckpt/job`).
     root: PathBuf,
     store: Store,
+    pending: Pending,
+    /// How many finished HDFS files may wait for their close.
+    pending_closes: usize,
 }
 
 impl RemoteOut {
@@ -122,7 +140,22 @@ impl RemoteOut {
             url,
             root: parsed.path,
             store,
+            pending: Pending::default(),
+            pending_closes: PENDING_CLOSES,
         })
+    }
+
+    /// Closes HDFS files one at a time, as each is finished (`n` = 1), or
+    /// up to `n` together; for measuring what closing together saves.
+    pub fn with_pending_closes(mut self, n: usize) -> RemoteOut {
+        self.pending_closes = n.max(1);
+        self
+    }
+
+    /// Closes every finished HDFS file not yet closed, together.
+    fn close_pending(&self) -> io::Result<()> {
+        let all = std::mem::take(&mut *lock(&self.pending));
+        HdfsWriter::close_together(all.into_iter().map(|(_, w)| w).collect())
     }
 
     /// The root's URL, without a trailing `/`.
@@ -159,7 +192,18 @@ impl Output for RemoteOut {
     fn create(&self, rel: &Path, size: u64) -> io::Result<Box<dyn OutputFile>> {
         let path = self.path(rel);
         Ok(match &self.store {
-            Store::Hdfs(h) => Box::new(HdfsOut(h.create_file(&path)?)),
+            Store::Hdfs(h) => {
+                if lock(&self.pending).iter().any(|(p, _)| *p == path) {
+                    // Its earlier writer holds the file's lease until closed.
+                    self.close_pending()?;
+                }
+                Box::new(HdfsOut {
+                    path: path.clone(),
+                    writer: h.create_file(&path)?,
+                    pending: self.pending.clone(),
+                    max: self.pending_closes,
+                })
+            }
             Store::S3(s) => Box::new(S3Out(s.create_file(&path, size)?)),
         })
     }
@@ -171,22 +215,59 @@ impl Output for RemoteOut {
             Store::S3(s) => s.remove_file(&path),
         }
     }
+
+    fn barrier(&self) -> io::Result<()> {
+        self.close_pending()
+    }
 }
 
-struct HdfsOut(HdfsWriter);
+impl Drop for RemoteOut {
+    fn drop(&mut self) {
+        if let Err(e) = self.close_pending() {
+            tracing::warn!(error = %e, "closing HDFS files the generator wrote");
+        }
+    }
+}
+
+/// The pending closes, even if a thread panicked holding them.
+fn lock(p: &Pending) -> std::sync::MutexGuard<'_, Vec<(PathBuf, HdfsWriter)>> {
+    p.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+struct HdfsOut {
+    path: PathBuf,
+    writer: HdfsWriter,
+    pending: Pending,
+    max: usize,
+}
 
 impl OutputFile for HdfsOut {
     fn write(&mut self, bytes: &[u8]) -> io::Result<()> {
-        self.0.write(bytes)
+        self.writer.write(bytes)
     }
 
     fn finish(self: Box<Self>) -> io::Result<()> {
-        self.0.close()
+        let HdfsOut {
+            path,
+            writer,
+            pending,
+            max,
+        } = *self;
+        let full = {
+            let mut p = lock(&pending);
+            p.push((path, writer));
+            if p.len() >= max {
+                std::mem::take(&mut *p)
+            } else {
+                Vec::new()
+            }
+        };
+        HdfsWriter::close_together(full.into_iter().map(|(_, w)| w).collect())
     }
 
     fn abandon(self: Box<Self>) -> io::Result<bool> {
         // A killed writer's file keeps what reached the DataNodes.
-        self.0.close().map(|()| true)
+        self.writer.close().map(|()| true)
     }
 }
 

@@ -262,7 +262,7 @@ pub fn generate(opts: &GenOptions, progress: &dyn Fn(u64)) -> io::Result<GenSumm
 /// [`generate`] into a store that takes whole files (an HDFS or S3 root
 /// behind [`Output`]): the same files with the same bytes, in the same
 /// order (tensor files in plan order, each finished before the next,
-/// then the marker), paths relative to the store's root; `opts.out` is
+/// then, after an [`Output::barrier`], the marker), paths relative to the store's root; `opts.out` is
 /// not used. A marker of the same name is removed first.
 ///
 /// `progress` is called after every piece (at most 1 MiB) with the
@@ -301,6 +301,8 @@ pub fn generate_into(
         }
         file.finish()?;
     }
+    // Every tensor file whole before the marker (and before this returns).
+    out.barrier()?;
     if let Some(path) = &marker {
         let summary = plan.summary();
         let text = format!(
@@ -310,6 +312,7 @@ pub fn generate_into(
         let mut file = out.create(path, text.len() as u64)?;
         file.write(text.as_bytes())?;
         file.finish()?;
+        out.barrier()?;
     }
     Ok(plan.summary())
 }
@@ -1213,5 +1216,33 @@ mod tests {
             mem.seen.last(),
             Some(&output::mem::Seen::Finish("COMMITTED".into()))
         );
+    }
+
+    #[test]
+    fn generate_into_a_store_completing_files_together_has_them_whole_before_the_marker() {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = GenOptions {
+            marker: Some("COMMITTED".into()),
+            seed: 3,
+            ..GenOptions::new(dir.path().join("out"), 6_000_000)
+        };
+        let out = output::mem::MemOut::deferred();
+        let summary = generate_into(&opts, &out, &|_| {}).unwrap();
+        let mem = out.0.borrow();
+        let is_marker = |p: &Path| p == Path::new("COMMITTED");
+        assert_eq!(output::mem::unbarriered(&mem.seen, is_marker), None);
+        assert!(
+            mem.pending.is_empty(),
+            "files left incomplete: {:?}",
+            mem.pending.len()
+        );
+        assert_eq!(mem.files.len() as u64, summary.shards + 1);
+        // The tensor files are completed together, not one by one.
+        let barriers = mem
+            .seen
+            .iter()
+            .filter(|s| **s == output::mem::Seen::Barrier)
+            .count();
+        assert!(summary.shards > 10 && barriers == 2, "{barriers} barriers");
     }
 }

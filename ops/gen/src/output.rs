@@ -6,7 +6,11 @@
 //! [`Output`]: each file is created, written from its first byte to its
 //! last in pieces of at most 1 MiB (the generator's buffers; the store may
 //! keep a bounded part of its own), and finished before the next file is
-//! created, so a reader never sees two files in progress. The generator
+//! created. A store may complete finished files together (HDFS, where a
+//! close waits for the NameNode): the generator calls [`Output::barrier`]
+//! wherever the save's order matters (before a commit marker, a removal,
+//! a rank telling another it is done, a file written again, and at the
+//! end), so a reader never sees a marker before the files it commits. The generator
 //! itself never talks to a store: the `ferry` command implements this
 //! trait for HDFS and S3, and tests for memory.
 
@@ -34,6 +38,17 @@ pub trait Output {
     /// # Errors
     /// The store's error, naming the file.
     fn remove(&self, rel: &Path) -> io::Result<()>;
+
+    /// Returns once every file finished so far is whole in the store.
+    /// Stores whose [`OutputFile::finish`] completes the file before it
+    /// returns do nothing, the default.
+    ///
+    /// # Errors
+    /// The store's error, naming the first file that could not be
+    /// completed.
+    fn barrier(&self) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 /// A file of an [`Output`] being written, in order.
@@ -44,7 +59,9 @@ pub trait OutputFile {
     /// The store's error, naming the file.
     fn write(&mut self, bytes: &[u8]) -> io::Result<()>;
 
-    /// Completes the file: when this returns it is whole in the store.
+    /// Completes the file: it is whole in the store when this returns or,
+    /// for a store that completes files together, when the next
+    /// [`Output::barrier`] returns.
     ///
     /// # Errors
     /// The store's error, naming the file.
@@ -78,6 +95,7 @@ pub(crate) mod mem {
         Finish(PathBuf),
         Abandon(PathBuf),
         Remove(PathBuf),
+        Barrier,
     }
 
     #[derive(Default)]
@@ -85,10 +103,44 @@ pub(crate) mod mem {
         pub(crate) seen: Vec<Seen>,
         pub(crate) files: BTreeMap<PathBuf, Vec<u8>>,
         pub(crate) open: Option<PathBuf>,
+        /// Completes finished files only at a barrier (as HDFS does).
+        pub(crate) deferred: bool,
+        /// Files finished since the last barrier (deferred mode).
+        pub(crate) pending: Vec<(PathBuf, Vec<u8>)>,
     }
 
     #[derive(Default, Clone)]
     pub(crate) struct MemOut(pub(crate) Rc<RefCell<Mem>>);
+
+    impl MemOut {
+        /// A store that completes finished files only at a barrier.
+        pub(crate) fn deferred() -> MemOut {
+            let out = MemOut::default();
+            out.0.borrow_mut().deferred = true;
+            out
+        }
+    }
+
+    /// The first marker created (`is_marker`) or file removed while a
+    /// finished file was not yet completed by a barrier, as "what: the
+    /// files"; `None` when there is none.
+    pub(crate) fn unbarriered(seen: &[Seen], is_marker: impl Fn(&Path) -> bool) -> Option<String> {
+        let mut pending = Vec::new();
+        for s in seen {
+            match s {
+                Seen::Finish(p) => pending.push(p.clone()),
+                Seen::Barrier => pending.clear(),
+                Seen::Create(p) if is_marker(p) && !pending.is_empty() => {
+                    return Some(format!("marker {p:?} before {pending:?} were whole"));
+                }
+                Seen::Remove(p) if !pending.is_empty() => {
+                    return Some(format!("{p:?} removed before {pending:?} were whole"));
+                }
+                _ => {}
+            }
+        }
+        None
+    }
 
     struct MemFile {
         mem: MemOut,
@@ -102,6 +154,10 @@ pub(crate) mod mem {
             let mut m = self.0.borrow_mut();
             assert!(rel.is_relative(), "{rel:?}");
             assert_eq!(m.open, None, "{rel:?} created while another is open");
+            assert!(
+                !m.pending.iter().any(|(p, _)| p == rel),
+                "{rel:?} created again before a barrier completed it"
+            );
             m.open = Some(rel.to_path_buf());
             m.seen.push(Seen::Create(rel.to_path_buf()));
             Ok(Box::new(MemFile {
@@ -118,6 +174,17 @@ pub(crate) mod mem {
             m.files.remove(rel);
             Ok(())
         }
+
+        fn barrier(&self) -> io::Result<()> {
+            let mut m = self.0.borrow_mut();
+            if m.deferred {
+                m.seen.push(Seen::Barrier);
+                for (p, b) in std::mem::take(&mut m.pending) {
+                    m.files.insert(p, b);
+                }
+            }
+            Ok(())
+        }
     }
 
     impl OutputFile for MemFile {
@@ -132,7 +199,11 @@ pub(crate) mod mem {
             let mut m = self.mem.0.borrow_mut();
             m.open = None;
             m.seen.push(Seen::Finish(self.path.clone()));
-            m.files.insert(self.path, self.bytes);
+            if m.deferred {
+                m.pending.push((self.path, self.bytes));
+            } else {
+                m.files.insert(self.path, self.bytes);
+            }
             Ok(())
         }
 

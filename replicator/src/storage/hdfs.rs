@@ -833,24 +833,31 @@ impl HdfsStaging {
     fn close_all(&mut self) -> io::Result<()> {
         let mut all = std::mem::take(&mut self.closing);
         all.extend(self.current.take());
-        if all.is_empty() {
-            return Ok(());
-        }
-        let what = format!("{} close", self.store.root.url);
-        block_on(&what, async move {
-            let closes = all.into_iter().map(|(rel, mut w)| async move {
-                Box::pin(w.close()).await.map_err(|e| {
-                    let e = io_of(e);
-                    io::Error::new(e.kind(), format!("{rel}: {e}"))
-                })
-            });
-            futures::future::join_all(closes)
-                .await
-                .into_iter()
-                .collect::<io::Result<Vec<()>>>()
-                .map(|_| ())
-        })
+        close_together(&self.store, all)
     }
+}
+
+/// Closes every writer of `all` (file name, writer) at once, so that the
+/// NameNode's waits for their last blocks overlap; the first error names
+/// its file.
+fn close_together(store: &Hdfs, all: Vec<(String, FileWriter)>) -> io::Result<()> {
+    if all.is_empty() {
+        return Ok(());
+    }
+    let what = format!("{} close", store.root.url);
+    block_on(&what, async move {
+        let closes = all.into_iter().map(|(rel, mut w)| async move {
+            Box::pin(w.close()).await.map_err(|e| {
+                let e = io_of(e);
+                io::Error::new(e.kind(), format!("{rel}: {e}"))
+            })
+        });
+        futures::future::join_all(closes)
+            .await
+            .into_iter()
+            .collect::<io::Result<Vec<()>>>()
+            .map(|_| ())
+    })
 }
 
 impl Drop for HdfsStaging {
@@ -985,6 +992,39 @@ impl HdfsWriter {
     /// path and root.
     pub fn close(mut self) -> io::Result<()> {
         self.close_now()
+    }
+
+    /// Closes every writer of `all` at once (the NameNode's waits for
+    /// their last blocks overlap: `hdfs-native` 0.14 retries a close
+    /// after 500 ms when the DataNode has not reported the block yet).
+    /// Every file is complete when this returns `Ok`; writers of another
+    /// store than the first's are closed one by one.
+    ///
+    /// # Errors
+    /// The first NameNode error, naming its file; the others are closed
+    /// still.
+    pub fn close_together(all: Vec<HdfsWriter>) -> io::Result<()> {
+        let Some(store) = all.first().map(|w| w.store.clone()) else {
+            return Ok(());
+        };
+        let mut together = Vec::with_capacity(all.len());
+        let mut first_err = None;
+        for mut w in all {
+            if w.store.root.url != store.root.url {
+                if let Err(e) = w.close_now() {
+                    first_err.get_or_insert(e);
+                }
+                continue;
+            }
+            if let Some(fw) = w.writer.take() {
+                together.push((w.path.clone(), fw));
+            }
+        }
+        let r = close_together(&store, together);
+        match first_err {
+            Some(e) => Err(e),
+            None => r,
+        }
     }
 
     fn close_now(&mut self) -> io::Result<()> {

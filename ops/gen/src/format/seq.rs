@@ -108,6 +108,8 @@ struct Run<'a> {
     cuts: HashMap<PathBuf, Cut>,
     /// Files in the store now, with their sizes.
     files: BTreeMap<PathBuf, u64>,
+    /// The commit marker's path in the store.
+    marker: PathBuf,
     written: u64,
     tensors: u64,
     small_tensors: u64,
@@ -144,12 +146,14 @@ fn run(
         staging: layout.staging.clone().map(|s| (s, layout.dir.clone())),
         cuts,
         files: BTreeMap::new(),
+        marker: PathBuf::new(),
         written: written_before,
         tensors: 0,
         small_tensors: 0,
         committed_at: None,
         killed: false,
     };
+    run.marker = run.target(&layout.marker);
     let opened_at = SystemTime::now();
     run.steps(&layout.prelude)?;
     let mut next = vec![0usize; layout.ranks.len()];
@@ -174,6 +178,8 @@ fn run(
             ));
         }
     }
+    // Whatever was finished, killed save or not, is whole when this returns.
+    out.barrier()?;
     let summary = run.summary(opts, &layout, opened_at);
     Ok((summary, run.written))
 }
@@ -212,10 +218,18 @@ impl Run<'_> {
                 Step::Wait(_) | Step::Mkdir(_) | Step::RenameDir { .. } => {}
                 // Applied when the file was written.
                 Step::Damage { .. } => {}
-                Step::Post(event) => self.board.post(*event),
-                Step::Commit => self.committed_at = Some(SystemTime::now()),
+                Step::Post(event) => {
+                    // What a rank tells the others it has closed is whole.
+                    self.out.barrier()?;
+                    self.board.post(*event);
+                }
+                Step::Commit => {
+                    self.out.barrier()?;
+                    self.committed_at = Some(SystemTime::now());
+                }
                 Step::Remove(path) => {
                     let target = self.target(path);
+                    self.out.barrier()?;
                     self.out.remove(&target)?;
                     self.files.remove(&target);
                 }
@@ -238,6 +252,11 @@ impl Run<'_> {
             Some(Cut::Zero) => 0,
             None => job.size,
         };
+        if target == self.marker || self.files.contains_key(&target) {
+            // A marker comes after every file it commits is whole; a file
+            // written again, after its first version is.
+            self.out.barrier()?;
+        }
         let rng = SmallRng::seed_from_u64(file_seed(self.seed, path_hash(&job.path)));
         let file = self.out.create(&target, keep)?;
         let mut sink = SeqOut {
@@ -537,6 +556,51 @@ mod tests {
                 );
                 assert!(seq.committed_at.is_some());
                 assert_eq!(seq.dir, o.checkpoint_dir());
+            }
+        }
+    }
+
+    #[test]
+    fn save_into_a_store_completing_files_together_has_them_whole_before_each_marker() {
+        for format in GenFormat::ALL {
+            for (ranks, fault) in [(1, Fault::None), (3, Fault::None), (2, Fault::StaleMarker)] {
+                if fault == Fault::StaleMarker
+                    && layout::build(&opts(Path::new("/r"), format, fault, ranks), 5).is_err()
+                {
+                    continue;
+                }
+                let o = opts(Path::new("hdfs://nn:8020/ckpt"), format, fault, ranks);
+                let (local, _, _, _, _) = both(&o);
+                let out = MemOut::deferred();
+                let seq = save_into(&o, &out, &|_| {}).unwrap();
+                let mem = out.0.borrow();
+                let marker = seq.marker.strip_prefix(&o.root).unwrap().to_path_buf();
+                assert_eq!(
+                    crate::output::mem::unbarriered(&mem.seen, |p| p == marker),
+                    None,
+                    "{format} x{ranks} {fault}"
+                );
+                assert!(mem.pending.is_empty(), "{format} x{ranks} {fault}");
+                assert!(mem.files == local, "{format} x{ranks} {fault}: the bytes");
+                // Barriers come at the save's few ordering points (each
+                // rank's post, the commit, the markers), not after each file.
+                let mut filled = 0;
+                let mut since = 0;
+                for s in &mem.seen {
+                    match s {
+                        Seen::Finish(_) => since += 1,
+                        Seen::Barrier if since > 0 => {
+                            filled += 1;
+                            since = 0;
+                        }
+                        _ => {}
+                    }
+                }
+                assert!(
+                    filled <= ranks as usize + 4,
+                    "{format} x{ranks} {fault}: {filled} barriers completed files, of {} files",
+                    finished(&mem).len()
+                );
             }
         }
     }
