@@ -151,6 +151,109 @@ async fn a_sink_agent_on_hdfs_publishes_and_resolves_to_a_url() {
     replicates_to(&w, &r).await;
 }
 
+/// Under `keep_last = 1`, a re-save's publish removes the older replica
+/// from the remote sink: its row says `removed`, nothing of it is left in
+/// the store (S3: no commit object and no object under its prefix), and
+/// the newer replica stays whole and committed. Then the newer one is
+/// removed by hand (`ferry replica rm`).
+async fn removes_from(w: &World, r: &RemoteSink) {
+    let lines = format!(
+        "retention_interval = \"1s\"\n{}\n[[sink.retention]]\njob = \"*\"\nkeep_last = 1\n",
+        r.lines
+    );
+    let c = w
+        .start_cluster("500Mbit/s", &[], |sink, _| {
+            let spec = sink.sink.as_mut().unwrap();
+            spec.root = PathBuf::from(&r.url);
+            spec.extra = lines.clone();
+        })
+        .await;
+    let markers = ["COMMITTED".to_string()];
+    let chunk = ferry_proto::manifest::MIN_CHUNK_SIZE;
+    let replica = |step: &str| PathBuf::from(format!("{}/{SOURCE_SITE}/{JOB}/{step}", r.root));
+    for step in ["step_000100", "step_000200"] {
+        let ckpt = w.source_root().join(step);
+        w.gen(&ckpt, "3MB").await;
+        let out = w.push(&c.source, &ckpt, &[]).await;
+        w.ensure(out.success(), || format!("ferry push {step}: {out}"));
+    }
+    let rows_url = format!("{}/v1/replicas", c.sink.url());
+    let row_of = |reps: &serde_json::Value, step: &str| {
+        reps["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|x| s(x, "local_path").ends_with(step) || s(x, "url").ends_with(step))
+            .cloned()
+    };
+    let old = w
+        .wait_until("the older replica to be removed", TRANSFER, async || {
+            let reps = w.get_json(&format!("{rows_url}?state=removed")).await;
+            row_of(&reps, "step_000100").ok_or_else(|| format!("{reps}"))
+        })
+        .await;
+    w.ensure(s(&old["removal"], "reason") == "rule", || {
+        format!("removed by the policy: {old}")
+    });
+    w.ensure(!(r.committed)(&replica("step_000100")), || {
+        "the removed replica is still committed".to_string()
+    });
+    w.ensure(r.store.list(&replica("step_000100"), &[]).is_err(), || {
+        "files of the removed replica are left in the store".to_string()
+    });
+    let original = build(
+        &Posix,
+        &w.source_root().join("step_000200"),
+        &markers,
+        chunk,
+    )
+    .unwrap();
+    let copy = build(&*r.store, &replica("step_000200"), &markers, chunk).unwrap();
+    w.ensure(
+        (r.committed)(&replica("step_000200")) && content(&copy) == content(&original),
+        || "the newer replica should stay whole and committed".to_string(),
+    );
+
+    let reps = w.get_json(&format!("{rows_url}?state=published")).await;
+    let id = row_of(&reps, "step_000200")
+        .unwrap_or_else(|| w.fail(format!("no published row for step 200: {reps}")))["id"]
+        .as_i64()
+        .unwrap()
+        .to_string();
+    let out = w
+        .ferry(
+            &["replica", "rm", &id, "--server", &c.sink.url()],
+            &[],
+            Duration::from_secs(30),
+        )
+        .await;
+    w.ensure(out.success(), || format!("ferry replica rm {id}: {out}"));
+    w.wait_until("the newer replica to be removed", TRANSFER, async || {
+        let reps = w.get_json(&format!("{rows_url}?state=removed")).await;
+        row_of(&reps, "step_000200").ok_or_else(|| format!("{reps}"))
+    })
+    .await;
+    w.ensure(
+        !(r.committed)(&replica("step_000200"))
+            && r.store.list(&replica("step_000200"), &[]).is_err(),
+        || "the replica removed by hand is still in the store".to_string(),
+    );
+}
+
+#[tokio::test]
+async fn an_s3_sink_removes_replicas_by_policy_and_by_hand() {
+    let w = World::new("s3-remove").await;
+    let r = s3_sink(&w, "s3-remove");
+    removes_from(&w, &r).await;
+}
+
+#[tokio::test]
+async fn an_hdfs_sink_removes_replicas_by_policy_and_by_hand() {
+    let w = World::new("hdfs-remove").await;
+    let r = hdfs_sink("hdfs-remove");
+    removes_from(&w, &r).await;
+}
+
 /// [`replicator::sink::FAULT_KILL_ENV`].
 const FAULT_ENV: &str = "FERRY_FAULT_KILL_IN_PUBLISH";
 

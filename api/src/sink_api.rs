@@ -297,8 +297,7 @@ fn lifecycle_error(e: LifecycleError) -> ApiError {
         | LifecycleError::Leased { .. }
         | LifecycleError::Lease(_)
         | LifecycleError::Elsewhere { .. }
-        | LifecycleError::NotVersioned
-        | LifecycleError::CannotRemove => ApiError::new(StatusCode::CONFLICT, e.to_string()),
+        | LifecycleError::NotVersioned => ApiError::new(StatusCode::CONFLICT, e.to_string()),
         LifecycleError::Catalog(e) => ApiError::catalog(e),
     }
 }

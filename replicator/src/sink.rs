@@ -448,9 +448,6 @@ struct Inner {
     relief: tokio::sync::Mutex<()>,
     /// Replicas a `dry_run` policy was logged as removing (once each).
     dry_run_said: Mutex<std::collections::HashSet<i64>>,
-    /// Replicas logged as kept because the storage cannot remove them
-    /// (once each).
-    unremovable_said: Mutex<std::collections::HashSet<i64>>,
     /// The retention policies in force: the config's, or those set
     /// through the API (the catalog's `sink.retention` setting).
     policies: Mutex<lifecycle::Policies>,
@@ -566,7 +563,6 @@ impl Sink {
             retiring: Mutex::default(),
             relief: tokio::sync::Mutex::new(()),
             dry_run_said: Mutex::default(),
-            unremovable_said: Mutex::default(),
             policies: Mutex::new(policies),
             sweep_wanted: std::sync::atomic::AtomicBool::new(false),
             bufs: BufPool::new(crate::bufpool::AGENT_POOL_BYTES),

@@ -373,21 +373,15 @@ pub trait SinkStore: Send + Sync + fmt::Debug {
     /// newer version published at `local_path` alone, and moves it to
     /// `aside`, a path of the sink's own area that does not exist yet;
     /// [`SinkStore::retire`] then deletes it. Where the backend does not
-    /// keep versions, what is at `local_path` moves. `Ok(false)` when
-    /// there was nothing to move (withdrawn already).
+    /// keep versions, what is at `local_path` moves. A backend that cannot
+    /// move a replica (S3) deletes it here instead, which the caller's
+    /// publish lock on `local_path` keeps from touching a newer version;
+    /// `aside` is then not made. `Ok(false)` when there was nothing to
+    /// move (withdrawn already).
     ///
     /// # Errors
     /// I/O errors naming the path.
     fn withdraw(&self, local_path: &Path, version: &Path, aside: &Path) -> io::Result<bool>;
-
-    /// Whether [`SinkStore::withdraw`] can take a replica out of the
-    /// published namespace here (true, the default). An S3 sink cannot
-    /// yet: a re-publish writes the same keys, so a removal could delete a
-    /// newer version's objects. Removals are refused up front there,
-    /// before anything is recorded.
-    fn removes(&self) -> bool {
-        true
-    }
 
     /// Deletes a version [`SinkStore::withdraw`] moved to `aside`. A
     /// deletion a crash interrupted is finished by calling it again.

@@ -31,10 +31,10 @@ struct Backend<'a> {
     /// Whether a replica read back keeps the modes and mtimes of the
     /// manifest (an object store keeps them in its commit object instead).
     keeps_metadata: bool,
-    /// Whether the store can take a published version out of the
-    /// namespace ([`SinkStore::withdraw`]); S3 refuses until replicas live
-    /// under versioned prefixes.
-    withdraws: bool,
+    /// Whether [`SinkStore::withdraw`] moves a version aside for `retire`
+    /// to delete; false where objects cannot move (S3), and withdrawing
+    /// deletes the version itself.
+    moves_aside: bool,
 }
 
 /// What must match between a checkpoint and its replica: the manifest
@@ -296,17 +296,26 @@ fn stages_publishes_and_retires(b: &Backend, dir: &Path) {
     // Withdrawn in one step (nothing left at the published path), then
     // deleted; both steps may be repeated (a restart finishing them).
     let aside = dir.join("retired/1");
-    if !b.withdraws {
-        let e = sink.withdraw(&local, &v2, &aside).unwrap_err();
-        assert_eq!(e.kind(), std::io::ErrorKind::Unsupported, "{e}");
-        build(src, &local, &markers, cs).expect("a refused withdraw leaves the replica");
-        return;
-    }
+    assert!(sink.exists(&local).unwrap());
     assert!(sink.withdraw(&local, &v2, &aside).unwrap());
     assert!(
         src.list(&local, &[]).is_err(),
         "withdrawn: nothing left to list at the published path"
     );
+    assert!(
+        !sink.exists(&local).unwrap(),
+        "withdrawn: no replica at the published path"
+    );
+    if !b.moves_aside {
+        // Deleted by the withdrawal itself; a repeat finds nothing.
+        assert!(src.list(&aside, &[]).is_err(), "nothing was moved aside");
+        assert!(
+            !sink.withdraw(&local, &v2, &aside).unwrap(),
+            "withdrawn already"
+        );
+        sink.retire(&aside).unwrap();
+        return;
+    }
     assert_eq!(
         build(src, &aside, &markers, cs).unwrap().root(),
         m2.root(),
@@ -543,7 +552,7 @@ fn posix_backend_conforms() {
         put: &put,
         put_if_absent: &put_if_absent,
         keeps_metadata: true,
-        withdraws: true,
+        moves_aside: true,
     };
     conforms(&b, &d.path().join("suite"), "the local file system");
     lists_with_sizes_markers_and_versions(src, &d.path().join("list"));
@@ -618,7 +627,7 @@ fn hdfs_backend_conforms() {
         put: &put,
         put_if_absent: &put_if_absent,
         keeps_metadata: true,
-        withdraws: true,
+        moves_aside: true,
     };
     let dir = unique("hdfs-suite");
     conforms(&b, &dir, &format!("the MiniDFSCluster at {url}"));
@@ -653,7 +662,7 @@ fn s3_backend_conforms() {
         put: &put,
         put_if_absent: &put_if_absent,
         keeps_metadata: false,
-        withdraws: false,
+        moves_aside: false,
     };
     let dir = unique("s3-suite");
     // The server's conditional create first: the publish relies on it.
@@ -731,7 +740,9 @@ fn s3_publishes_large_files_in_parts() {
             m.files[0].mtime_ns
         )]
     );
-    s.retire(&dir.join("replica")).unwrap();
+    assert!(s
+        .withdraw(&dir.join("replica"), &dir.join("v"), &dir.join("aside"))
+        .unwrap());
     assert!(s.committed(&dir.join("replica")).unwrap().is_none());
 }
 

@@ -117,8 +117,6 @@ pub enum LifecycleError {
     Invalid(String),
     /// This sink's storage cannot take a replica out of the published
     /// namespace yet (S3: replicas are not under versioned prefixes).
-    #[error("this sink's storage (S3) cannot remove replicas yet: a re-publish writes the same keys, so removing one could delete a newer version's objects")]
-    CannotRemove,
     /// This sink's storage publishes in place: no version a lease could
     /// hold.
     #[error("this sink's storage publishes replicas in place, without version directories; leases are not available on it")]
@@ -358,9 +356,6 @@ impl Sink {
                 state: r.state,
                 action: "removed",
             });
-        }
-        if !inner.store.removes() {
-            return Err(LifecycleError::CannotRemove);
         }
         if !mine(inner, &r) {
             return Err(LifecycleError::Elsewhere {
@@ -1587,13 +1582,6 @@ async fn remove_version(
     forced: bool,
     wait: bool,
 ) -> Result<bool, CatalogError> {
-    if !inner.store.removes() {
-        // Said once per replica: nothing is recorded, the replica stays.
-        if crate::lock::lock(&inner.unremovable_said).insert(r.id) {
-            warn!(replica = r.id, %reason, "this sink's storage (S3) cannot remove replicas yet; keeping it");
-        }
-        return Ok(false);
-    }
     let local = PathBuf::from(&r.local_path);
     let lock = inner.publish_lock(&local);
     let guard = lock.lock_owned().await;

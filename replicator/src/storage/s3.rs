@@ -38,7 +38,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use ferry_proto::manifest::{chunk_count, chunk_len, FileInfo, Hash, Manifest};
-use futures::TryStreamExt;
+use futures::{StreamExt, TryStreamExt};
 use object_store::aws::{AmazonS3, AmazonS3Builder, S3ConditionalPut};
 use object_store::path::Path as Key;
 use object_store::{
@@ -328,17 +328,31 @@ impl S3 {
         })
     }
 
-    fn delete_prefix(&self, prefix: Key) -> io::Result<()> {
-        for m in self.list_keys(prefix)? {
-            let k = m.location;
-            match self.call("delete", k.to_string(), move |st| async move {
-                st.delete(&k).await
-            }) {
-                Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
-                _ => {}
-            }
+    /// Deletes every object under `prefix`, in bulk deletions (S3's
+    /// DeleteObjects, up to 1,000 keys a request); `Ok(n)`, how many there
+    /// were.
+    fn delete_prefix(&self, prefix: Key) -> io::Result<usize> {
+        let keys: Vec<Key> = self
+            .list_keys(prefix.clone())?
+            .into_iter()
+            .map(|m| m.location)
+            .collect();
+        let n = keys.len();
+        if n == 0 {
+            return Ok(0);
         }
-        Ok(())
+        self.call("delete", prefix.to_string(), move |st| async move {
+            let located = futures::stream::iter(keys.into_iter().map(Ok)).boxed();
+            let mut results = st.delete_stream(located);
+            while let Some(r) = results.next().await {
+                match r {
+                    Ok(_) | Err(object_store::Error::NotFound { .. }) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            Ok(())
+        })?;
+        Ok(n)
     }
 
     fn commit_key(&self, l: &str) -> Key {
@@ -975,38 +989,30 @@ impl SinkStore for S3 {
     }
 
     fn discard(&self, staging: &Path) -> io::Result<()> {
-        self.delete_prefix(self.key(staging)?)
-    }
-
-    fn removes(&self) -> bool {
-        false
+        self.delete_prefix(self.key(staging)?).map(drop)
     }
 
     fn withdraw(&self, local_path: &Path, _version: &Path, _aside: &Path) -> io::Result<bool> {
-        // A replica's objects live under its published prefix, and a
-        // re-publish writes the same keys: deleting them later from an
-        // `aside` record could delete a newer version's objects. Until
-        // replicas live under versioned prefixes, an S3 sink refuses.
-        Err(io::Error::new(
-            io::ErrorKind::Unsupported,
-            format!(
-                "{}: removing a replica from an S3 sink is not supported yet (its objects are \
-                 not under a versioned prefix)",
-                self.root.url_of(local_path)
-            ),
-        ))
-    }
-
-    fn retire(&self, local_path: &Path) -> io::Result<()> {
+        // Objects cannot move: the replica is deleted here, under the
+        // caller's publish lock, so no newer version's objects (a
+        // re-publish writes the same keys) can be among them. The commit
+        // object goes first: from then on no reader takes the rest for a
+        // replica, and a deletion cut short is finished by calling again.
         let l = self.root.check(local_path)?;
         let k = self.commit_key(&l);
-        match self.call("delete", k.to_string(), move |st| async move {
-            st.delete(&k).await
-        }) {
-            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
-            _ => {}
+        let had_commit = self.head(k.clone())?.is_some();
+        if had_commit {
+            self.call("delete", k.to_string(), move |st| async move {
+                st.delete(&k).await
+            })?;
         }
-        self.delete_prefix(self.key_of_str(&l))
+        let deleted = self.delete_prefix(self.key_of_str(&l))?;
+        Ok(had_commit || deleted > 0)
+    }
+
+    fn retire(&self, _aside: &Path) -> io::Result<()> {
+        // [`S3::withdraw`] deleted the replica already.
+        Ok(())
     }
 
     fn free_space(&self, _path: &Path) -> io::Result<Option<u64>> {
