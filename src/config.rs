@@ -924,6 +924,21 @@ pub struct HdfsSinkSection {
     /// How long the hot files keep the raised factor; default `"6h"`.
     #[serde(default = "default_hot_ttl", with = "humantime_serde")]
     pub hot_ttl: Duration,
+    /// The NameNode's HTTP address for its WebHDFS REST API
+    /// (`http://eval-nn:9870`, Hadoop 3.3 or later), through which the
+    /// sink sees where the raised replicas are placed; unset: the publish
+    /// does not wait for them. Simple authentication only (the user
+    /// name is sent as `user.name`); not for a Kerberos cluster.
+    pub webhdfs: Option<String>,
+    /// How long a publish waits for the hot files' raised replicas to be
+    /// placed (with `webhdfs`); it goes ahead either way and logs what it
+    /// saw. Default `"30s"`.
+    #[serde(default = "default_hot_wait", with = "humantime_serde")]
+    pub hot_wait: Duration,
+}
+
+fn default_hot_wait() -> Duration {
+    Duration::from_secs(30)
 }
 
 fn default_readers_per_replica() -> u64 {
@@ -960,9 +975,19 @@ impl HdfsSinkSection {
             self.readers_per_replica,
             datanodes,
         );
-        replicator::storage::hdfs::HotFiles::new(factor, &self.hot_files, self.hot_ttl)
-            .map(|h| Some(h.sized(self.readers_per_replica, datanodes)))
-            .map_err(|e| anyhow::anyhow!("sink.hdfs.hot_files: {e}"))
+        let mut hot =
+            replicator::storage::hdfs::HotFiles::new(factor, &self.hot_files, self.hot_ttl)
+                .map_err(|e| anyhow::anyhow!("sink.hdfs.hot_files: {e}"))?
+                .sized(self.readers_per_replica, datanodes);
+        if let Some(w) = &self.webhdfs {
+            let u = reqwest::Url::parse(w)
+                .map_err(|e| anyhow::anyhow!("sink.hdfs.webhdfs {w:?}: not a URL: {e}"))?;
+            if !matches!(u.scheme(), "http" | "https") || u.host_str().is_none() {
+                bail!("sink.hdfs.webhdfs {w:?}: give the NameNode's HTTP address, e.g. http://eval-nn:9870");
+            }
+            hot = hot.placed_via(w, self.hot_wait);
+        }
+        Ok(Some(hot))
     }
 }
 
@@ -1750,7 +1775,17 @@ link = "to-eval"
                 assert_eq!(h.factor, 128, "the seed's guideline for 20,000 readers");
                 assert!(h.matches("extra/x.pt") && h.matches("model/.metadata"));
                 assert!(!h.matches("extra/deeper/x.pt") && !h.matches("shard.bin"));
+                assert!(!h.waits(), "no webhdfs: the publish does not wait");
             }
+            other => panic!("expected hints, got {other:?}"),
+        }
+        let waits = load(&format!(
+            "{GOOD}[sink]\nroot = \"hdfs://nn:8020/eval\"\n[sink.hdfs]\ndatanodes = 3\n\
+             webhdfs = \"http://nn:9870\"\nhot_wait = \"5s\"\n"
+        ))
+        .unwrap();
+        match waits.sink.as_ref().unwrap().storage().unwrap() {
+            SinkStorage::Hdfs { hot: Some(h), .. } => assert!(h.waits()),
             other => panic!("expected hints, got {other:?}"),
         }
         assert_eq!(
@@ -1770,6 +1805,10 @@ link = "to-eval"
             (
                 "root = \"s3://b/eval\"\n[sink.hdfs]\nreaders = 100\ndatanodes = 3\n",
                 "not an hdfs:// URL",
+            ),
+            (
+                "root = \"hdfs://nn/eval\"\n[sink.hdfs]\ndatanodes = 3\nwebhdfs = \"nn:9870\"\n",
+                "sink.hdfs.webhdfs",
             ),
             ("root = \"ftp://x/eval\"\n", "ftp:// is not a store"),
             ("root = \"s3:///eval\"\n", "no bucket"),

@@ -4,8 +4,9 @@
 //
 // Usage: java -cp CLASSPATH MiniDfs.java BASE_DIR
 // Binds to 127.0.0.1 on free ports, keeps its data under BASE_DIR, prints
-// one line "hdfs://127.0.0.1:PORT" once the cluster is up, and shuts down
-// when its standard input closes.
+// "hdfs://127.0.0.1:PORT" (the NameNode) and, on the next line,
+// "http://127.0.0.1:PORT" (its HTTP server, for WebHDFS) once the cluster
+// is up, and shuts down when its standard input closes.
 package ferry;
 
 import java.io.InputStream;
@@ -35,7 +36,9 @@ public class MiniDfs {
             .format(true)
             .build();
         cluster.waitActive();
-        System.out.println("hdfs://127.0.0.1:" + cluster.getNameNodePort());
+        // Both lines in one write: readers wait for the file to be non-empty.
+        System.out.print("hdfs://127.0.0.1:" + cluster.getNameNodePort() + "\n"
+            + "http://127.0.0.1:" + cluster.getNameNode().getHttpAddress().getPort() + "\n");
         System.out.flush();
         InputStream in = System.in;
         byte[] buf = new byte[256];

@@ -2977,16 +2977,33 @@ async fn note_hot(inner: &Inner, id: i64, h: crate::storage::HotRaised) {
         .set_replica_hot(id, i64::from(h.factor), i64::from(h.previous), until)
         .await
     {
-        Ok(()) => info!(
-            replica = id,
-            files = h.files,
-            factor = h.factor,
-            previous = h.previous,
-            until = %rfc3339(until),
-            "raised the replication of the replica's hot files before its publish (HDFS places \
-             the extra replicas in the background: the hdfs-native client cannot report block \
-             locations, so the publish does not wait for them)"
-        ),
+        Ok(()) => {
+            let placed = match h.placed {
+                Some(n) if n >= h.factor => format!("all {n} replicas were placed before the publish"),
+                Some(n) => format!(
+                    "the publish went ahead after [sink.hdfs] hot_wait with {n} of {} replicas placed; \
+                     HDFS places the rest in the background",
+                    h.factor
+                ),
+                None if inner.cfg.storage.hot().is_some_and(|x| x.waits()) => {
+                    "no placement was seen (files without blocks, or WebHDFS did not answer: see any \
+                 warning before)"
+                    .to_string()
+                }
+                None => "HDFS places the extra replicas in the background; set [sink.hdfs] webhdfs \
+                         for the publish to wait for them"
+                    .to_string(),
+            };
+            info!(
+                replica = id,
+                files = h.files,
+                factor = h.factor,
+                previous = h.previous,
+                placed = h.placed,
+                until = %rfc3339(until),
+                "raised the replication of the replica's hot files before its publish: {placed}"
+            )
+        }
         Err(e) => warn!(replica = id, error = %e, "recording the hot files' replication hint"),
     }
 }

@@ -255,6 +255,10 @@ pub struct HotRaised {
     pub previous: u16,
     /// How many files were raised.
     pub files: u32,
+    /// The fewest DataNodes holding any block of the hot files when the
+    /// publish went ahead, where the sink waited for the placement
+    /// (`[sink.hdfs] webhdfs`); `None` where it did not look.
+    pub placed: Option<u16>,
 }
 
 /// Where a sink stages and publishes replicas.

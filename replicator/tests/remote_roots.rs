@@ -586,10 +586,18 @@ async fn hot_files_of_an_hdfs_replica_are_raised_then_set_back() {
     let url = format!("{base}{root}");
     const FACTOR: u16 = 5;
     let ttl = std::time::Duration::from_secs(4);
+    // The publish waits (at most 1 s here) for the raised replicas to be
+    // placed; the test cluster's one DataNode never holds 5, and the
+    // publish goes ahead.
+    let web = server_env("FERRY_TEST_WEBHDFS_URL");
     let storage = SinkStorage::Hdfs {
         url: url.clone(),
         capacity: None,
-        hot: Some(HotFiles::new(FACTOR, &["sub/*.bin".to_string()], ttl).unwrap()),
+        hot: Some(
+            HotFiles::new(FACTOR, &["sub/*.bin".to_string()], ttl)
+                .unwrap()
+                .placed_via(&web, std::time::Duration::from_secs(1)),
+        ),
     };
     let p = pair_on(storage.clone(), 0, |_| {}).await;
     let ckpt = p.root.join("step_7");
@@ -681,6 +689,43 @@ async fn hot_files_of_an_hdfs_replica_are_raised_then_set_back() {
         Resolution::Local { hot: None, .. } => {}
         other => panic!("the hint should be gone: {other:?}"),
     }
+}
+
+/// WebHDFS tells how many DataNodes hold a file's blocks (the test
+/// cluster has one), a wait for more ends at its bound with what it saw,
+/// a file without blocks has nothing to place, and a missing file or a
+/// WebHDFS that does not answer is an error naming it.
+#[test]
+fn webhdfs_shows_where_hdfs_placed_a_files_blocks() {
+    let base = server_env("FERRY_TEST_HDFS_URL");
+    let web = server_env("FERRY_TEST_WEBHDFS_URL");
+    let root = unique("hdfs-placed");
+    let h = Hdfs::connect(&base, None).unwrap();
+    let file = format!("{root}/a/.metadata");
+    let empty = format!("{root}/a/empty");
+    h.put_file(Path::new(&file), &vec![7u8; 100_000]).unwrap();
+    h.put_file(Path::new(&empty), b"").unwrap();
+    assert_eq!(h.placed_replicas(&web, &[file.clone()]).unwrap(), Some(1));
+    assert_eq!(h.placed_replicas(&web, &[empty.clone()]).unwrap(), None);
+    let both = [file.clone(), empty.clone()];
+    assert_eq!(h.placed_replicas(&web, &both).unwrap(), Some(1));
+    let wait = std::time::Duration::from_millis(1200);
+    assert_eq!(h.wait_placed(&web, &both, 1, wait).unwrap(), Some(1));
+    assert_eq!(
+        h.wait_placed(&web, &both, 3, wait).unwrap(),
+        Some(1),
+        "one DataNode cannot hold 3 replicas: the wait ends with what it saw"
+    );
+    let e = h
+        .placed_replicas(&web, &[format!("{root}/a/none")])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("/a/none") && e.contains("does not exist"), "{e}");
+    let e = h
+        .placed_replicas("http://127.0.0.1:1", &[file])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("127.0.0.1:1"), "{e}");
 }
 
 /// A transfer that says how many readers its replica expects sizes the

@@ -97,6 +97,9 @@ pub struct HotFiles {
     per_replica: u64,
     datanodes: u16,
     set: globset::GlobSet,
+    /// Where to see the replicas placed, and how long to wait for them
+    /// ([`HotFiles::placed_via`]); `None`: the publish does not wait.
+    placement: Option<(String, std::time::Duration)>,
 }
 
 impl HotFiles {
@@ -127,7 +130,19 @@ impl HotFiles {
             per_replica: READERS_PER_REPLICA,
             datanodes: 0,
             set,
+            placement: None,
         })
+    }
+
+    /// Has each publish wait up to `wait` for HDFS to place the raised
+    /// replicas of its hot files, seen through the NameNode's WebHDFS REST
+    /// API at `webhdfs` (`http://namenode:9870`; Hadoop 3.3 or later for
+    /// `GETFILEBLOCKLOCATIONS`): `hdfs-native` 0.14 keeps block locations
+    /// to itself. The publish goes ahead either way once `wait` has
+    /// passed; `HotRaised::placed` says what was seen.
+    pub fn placed_via(mut self, webhdfs: &str, wait: std::time::Duration) -> HotFiles {
+        self.placement = Some((webhdfs.trim_end_matches('/').to_string(), wait));
+        self
     }
 
     /// Sizes the factor for transfers that say how many readers their
@@ -149,6 +164,12 @@ impl HotFiles {
             }
             _ => self.factor,
         }
+    }
+
+    /// Whether publishes wait for the replicas to be placed
+    /// ([`HotFiles::placed_via`]).
+    pub fn waits(&self) -> bool {
+        self.placement.is_some()
     }
 
     /// Whether the file at `rel` (relative to the checkpoint directory)
@@ -491,7 +512,116 @@ impl Hdfs {
             factor,
             previous,
             files: n,
+            placed: None,
         }))
+    }
+
+    /// The fewest DataNodes holding any block of the files at store paths
+    /// `files`, as the NameNode's WebHDFS API at `webhdfs` reports
+    /// (`GETFILEBLOCKLOCATIONS`); `None` when none of them has a block
+    /// (empty files). Asks as the user `hdfs-native` writes as
+    /// (`HADOOP_USER_NAME`, else the process's user), so that staged files
+    /// of mode 0600 can be seen.
+    ///
+    /// # Errors
+    /// WebHDFS unreachable or answering with an error (its `RemoteException`
+    /// message), or an answer of another shape; each naming the URL.
+    pub fn placed_replicas(&self, webhdfs: &str, files: &[String]) -> io::Result<Option<u16>> {
+        let user = std::env::var("HADOOP_USER_NAME").ok().or_else(|| {
+            nix::unistd::User::from_uid(nix::unistd::getuid())
+                .ok()
+                .flatten()
+                .map(|u| u.name)
+        });
+        let mut urls = Vec::with_capacity(files.len());
+        for p in files {
+            let mut u = reqwest::Url::parse(webhdfs).map_err(|e| {
+                io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("webhdfs {webhdfs}: not a URL: {e}"),
+                )
+            })?;
+            u.path_segments_mut()
+                .map_err(|()| {
+                    io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!("webhdfs {webhdfs}: not an http:// URL"),
+                    )
+                })?
+                .pop_if_empty()
+                .extend(["webhdfs", "v1"])
+                .extend(p.split('/').filter(|s| !s.is_empty()));
+            u.query_pairs_mut()
+                .append_pair("op", "GETFILEBLOCKLOCATIONS");
+            if let Some(user) = &user {
+                u.query_pairs_mut().append_pair("user.name", user);
+            }
+            urls.push(u);
+        }
+        let what = format!("webhdfs {webhdfs}");
+        let lowest = block_on(&what, async move {
+            let http = reqwest::Client::builder()
+                .timeout(std::time::Duration::from_secs(10))
+                .build()
+                .map_err(|e| io::Error::other(e.to_string()))?;
+            let mut lowest: Option<u16> = None;
+            for u in urls {
+                let shown = format!("{}{}", u.origin().ascii_serialization(), u.path());
+                let r = http
+                    .get(u)
+                    .send()
+                    .await
+                    .map_err(|e| io::Error::other(format!("{shown}: {e}")))?;
+                let status = r.status();
+                let body: serde_json::Value = r.json().await.map_err(|e| {
+                    io::Error::other(format!("{shown}: {status}, not a WebHDFS answer: {e}"))
+                })?;
+                if !status.is_success() {
+                    let msg = body["RemoteException"]["message"]
+                        .as_str()
+                        .unwrap_or("no message");
+                    return Err(io::Error::other(format!("{shown}: {status}: {msg}")));
+                }
+                let blocks = body["BlockLocations"]["BlockLocation"]
+                    .as_array()
+                    .ok_or_else(|| {
+                        io::Error::other(format!("{shown}: no BlockLocations in the answer"))
+                    })?;
+                for b in blocks {
+                    let n = b["names"].as_array().map_or(0, Vec::len);
+                    let n = u16::try_from(n).unwrap_or(u16::MAX);
+                    lowest = Some(lowest.map_or(n, |l| l.min(n)));
+                }
+            }
+            Ok(lowest)
+        })?;
+        Ok(lowest)
+    }
+
+    /// Waits up to `wait` for every block of `files` to be on `factor`
+    /// DataNodes ([`Hdfs::placed_replicas`], every 500 ms); returns the
+    /// fewest seen last (`None`: the files have no blocks).
+    ///
+    /// # Errors
+    /// As [`Hdfs::placed_replicas`].
+    pub fn wait_placed(
+        &self,
+        webhdfs: &str,
+        files: &[String],
+        factor: u16,
+        wait: std::time::Duration,
+    ) -> io::Result<Option<u16>> {
+        let deadline = std::time::Instant::now() + wait;
+        loop {
+            let seen = self.placed_replicas(webhdfs, files)?;
+            if seen.is_none_or(|n| n >= factor) || std::time::Instant::now() >= deadline {
+                return Ok(seen);
+            }
+            std::thread::sleep(
+                std::time::Duration::from_millis(500)
+                    .min(deadline.saturating_duration_since(std::time::Instant::now())),
+            );
+        }
     }
 
     /// Bytes the publishes of this store have rewritten: staged data read
@@ -1108,7 +1238,19 @@ impl SinkStore for Hdfs {
         // Hot files get their higher replication in staging, before the
         // rename makes them readable.
         let hot = match &self.hot {
-            Some(h) => self.raise(&hot, h.factor_for_readers(readers))?,
+            Some(h) => {
+                let mut raised = self.raise(&hot, h.factor_for_readers(readers))?;
+                if let (Some(r), Some((webhdfs, wait))) = (raised.as_mut(), &h.placement) {
+                    r.placed = match self.wait_placed(webhdfs, &hot, r.factor, *wait) {
+                        Ok(n) => n,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "could not see where HDFS placed the hot files' replicas; publishing without waiting");
+                            None
+                        }
+                    };
+                }
+                raised
+            }
             None => None,
         };
         // A checkpoint of markers only still publishes a directory.
