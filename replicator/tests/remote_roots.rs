@@ -705,8 +705,16 @@ fn webhdfs_shows_where_hdfs_placed_a_files_blocks() {
     let empty = format!("{root}/a/empty");
     h.put_file(Path::new(&file), &vec![7u8; 100_000]).unwrap();
     h.put_file(Path::new(&empty), b"").unwrap();
-    assert_eq!(h.placed_replicas(&web, &[file.clone()]).unwrap(), Some(1));
-    assert_eq!(h.placed_replicas(&web, &[empty.clone()]).unwrap(), None);
+    assert_eq!(
+        h.placed_replicas(&web, std::slice::from_ref(&file))
+            .unwrap(),
+        Some(1)
+    );
+    assert_eq!(
+        h.placed_replicas(&web, std::slice::from_ref(&empty))
+            .unwrap(),
+        None
+    );
     let both = [file.clone(), empty.clone()];
     assert_eq!(h.placed_replicas(&web, &both).unwrap(), Some(1));
     let wait = std::time::Duration::from_millis(1200);
