@@ -1,8 +1,9 @@
-// A MiniDFSCluster (NameNode and one DataNode in one JVM, Hadoop's own
+// A MiniDFSCluster (NameNode and DataNodes in one JVM, Hadoop's own
 // test cluster from Maven Central's hadoop-client-minicluster) for the
 // HDFS tests; started by ops/test.
 //
-// Usage: java -cp CLASSPATH MiniDfs.java BASE_DIR
+// Usage: java -cp CLASSPATH MiniDfs.java BASE_DIR [DATANODES]
+// DATANODES: how many DataNodes (default 1; new files get one replica).
 // Binds to 127.0.0.1 on free ports, keeps its data under BASE_DIR, prints
 // "hdfs://127.0.0.1:PORT" (the NameNode) and, on the next line,
 // "http://127.0.0.1:PORT" (its HTTP server, for WebHDFS) once the cluster
@@ -17,10 +18,11 @@ import org.apache.hadoop.hdfs.MiniDFSCluster;
 
 public class MiniDfs {
     public static void main(String[] args) throws Exception {
-        if (args.length != 1) {
-            System.err.println("usage: MiniDfs BASE_DIR");
+        if (args.length < 1 || args.length > 2) {
+            System.err.println("usage: MiniDfs BASE_DIR [DATANODES]");
             System.exit(2);
         }
+        int dataNodes = args.length == 2 ? Integer.parseInt(args[1]) : 1;
         Configuration conf = new HdfsConfiguration();
         conf.set(MiniDFSCluster.HDFS_MINIDFS_BASEDIR, args[0]);
         conf.set("dfs.replication", "1");
@@ -32,7 +34,7 @@ public class MiniDfs {
         conf.set("dfs.datanode.ipc.address", "127.0.0.1:0");
         MiniDFSCluster cluster = new MiniDFSCluster.Builder(conf)
             .nameNodePort(0)
-            .numDataNodes(1)
+            .numDataNodes(dataNodes)
             .format(true)
             .build();
         cluster.waitActive();

@@ -587,7 +587,7 @@ async fn hot_files_of_an_hdfs_replica_are_raised_then_set_back() {
     const FACTOR: u16 = 5;
     let ttl = std::time::Duration::from_secs(4);
     // The publish waits (at most 1 s here) for the raised replicas to be
-    // placed; the test cluster's one DataNode never holds 5, and the
+    // placed; the test cluster's two DataNodes never hold 5, and the
     // publish goes ahead.
     let web = server_env("FERRY_TEST_WEBHDFS_URL");
     let storage = SinkStorage::Hdfs {
@@ -691,10 +691,11 @@ async fn hot_files_of_an_hdfs_replica_are_raised_then_set_back() {
     }
 }
 
-/// WebHDFS tells how many DataNodes hold a file's blocks (the test
-/// cluster has one), a wait for more ends at its bound with what it saw,
-/// a file without blocks has nothing to place, and a missing file or a
-/// WebHDFS that does not answer is an error naming it.
+/// WebHDFS tells how many DataNodes hold a file's blocks (files are
+/// written with one replica; the test cluster has two DataNodes): a
+/// factor raised to 2 is seen placed, a wait for 3 ends at its bound with
+/// what it saw, a file without blocks has nothing to place, and a missing
+/// file or a WebHDFS that does not answer is an error naming it.
 #[test]
 fn webhdfs_shows_where_hdfs_placed_a_files_blocks() {
     let base = server_env("FERRY_TEST_HDFS_URL");
@@ -716,13 +717,28 @@ fn webhdfs_shows_where_hdfs_placed_a_files_blocks() {
         None
     );
     let both = [file.clone(), empty.clone()];
-    assert_eq!(h.placed_replicas(&web, &both).unwrap(), Some(1));
-    let wait = std::time::Duration::from_millis(1200);
-    assert_eq!(h.wait_placed(&web, &both, 1, wait).unwrap(), Some(1));
+    // Raised as a publish raises a hot file; HDFS copies the block to the
+    // other DataNode in the background.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = hdfs_native::ClientBuilder::new()
+            .with_url(&base)
+            .build()
+            .unwrap();
+        assert!(c.set_replication(&file, 2).await.unwrap());
+    });
+    drop(rt);
     assert_eq!(
-        h.wait_placed(&web, &both, 3, wait).unwrap(),
-        Some(1),
-        "one DataNode cannot hold 3 replicas: the wait ends with what it saw"
+        h.wait_placed(&web, &both, 2, std::time::Duration::from_secs(60))
+            .unwrap(),
+        Some(2),
+        "the raised replica placed"
+    );
+    assert_eq!(
+        h.wait_placed(&web, &both, 3, std::time::Duration::from_millis(1200))
+            .unwrap(),
+        Some(2),
+        "two DataNodes cannot hold 3 replicas: the wait ends with what it saw"
     );
     let e = h
         .placed_replicas(&web, &[format!("{root}/a/none")])
