@@ -35,6 +35,10 @@ struct Backend<'a> {
     /// to delete; false where objects cannot move (S3), and withdrawing
     /// deletes the version itself.
     moves_aside: bool,
+    /// How a re-save shares an unchanged file with the published version:
+    /// "link" (POSIX: a hard link), "in place" (S3: the published object
+    /// is kept, not copied), "copy" (HDFS).
+    shares: &'static str,
 }
 
 /// What must match between a checkpoint and its replica: the manifest
@@ -249,18 +253,16 @@ fn stages_publishes_and_retires(b: &Backend, dir: &Path) {
     // Version 2: w.bin unchanged (shared), o.bin rewritten.
     let o2 = pattern(9, 3);
     (b.put)(&ckpt.join("opt/o.bin"), &o2).unwrap();
+    let w_before = src.stat(&local.join("w.bin")).unwrap();
+    if b.shares == "in place" {
+        // S3 times objects to the second: a copy would show as a newer one.
+        std::thread::sleep(std::time::Duration::from_millis(1100));
+    }
     let m2 = build(src, &ckpt, &markers, cs).unwrap();
     let staging2 = dir.join("staging-2");
     {
         let mut st = sink.staging(&staging2);
-        if sink.share_unchanged(&local, &staging2, "w.bin").is_err() {
-            // Declined: the file is transferred again.
-            let w = content("w.bin");
-            for (i, c) in w.chunks(cs as usize).enumerate() {
-                st.stage_chunk("w.bin", (i * cs as usize) as u64, c)
-                    .unwrap();
-            }
-        }
+        sink.share_unchanged(&local, &staging2, "w.bin").unwrap();
         st.stage_chunk("opt/o.bin", 0, &o2).unwrap();
         st.stage_chunk("COMMITTED", 0, &[]).unwrap();
     }
@@ -270,6 +272,12 @@ fn stages_publishes_and_retires(b: &Backend, dir: &Path) {
     assert!(matches!(out, PublishOutcome::Published { .. }), "{out:?}");
     sink.publish_recorded(&staging2).unwrap();
     same_replica(b, &build(src, &local, &markers, cs).unwrap(), &m2);
+    if b.shares == "in place" {
+        // The published object was kept, not written again.
+        let w_after = src.stat(&local.join("w.bin")).unwrap();
+        assert_eq!(w_after, w_before, "w.bin was copied, not kept");
+        shared_then_changed_is_fetched_again(b, &content("w.bin"), &local, dir, &m2);
+    }
     if sink.versioned() {
         // The older version stays whole in its own directory (a leased
         // reader's path) until it is withdrawn, which leaves the
@@ -328,6 +336,71 @@ fn stages_publishes_and_retires(b: &Backend, dir: &Path) {
     sink.retire(&aside).unwrap();
     sink.retire(&aside).unwrap();
     assert!(src.list(&aside, &[]).is_err(), "retired: nothing left");
+}
+
+/// A file shared with the published version that changes in the store
+/// before the publish (another writer, a damaged object) is not kept: the
+/// read-back asks for its chunks again, and without the read-back the
+/// publish refuses before anything moves.
+fn shared_then_changed_is_fetched_again(
+    b: &Backend,
+    w: &[u8],
+    local: &Path,
+    dir: &Path,
+    m: &Manifest,
+) {
+    let sink = b.sink;
+    // Another version than the one published (its marker newer).
+    let mut m = m.clone();
+    for f in &mut m.files {
+        if f.path == "COMMITTED" {
+            f.mtime_ns += 1_000_000_000;
+        }
+    }
+    let m = &m;
+    let staging = dir.join("staging-changed");
+    sink.staging(&staging)
+        .stage_chunk("COMMITTED", 0, &[])
+        .unwrap();
+    sink.share_unchanged(local, &staging, "w.bin").unwrap();
+    sink.share_unchanged(local, &staging, "opt/o.bin").unwrap();
+    let mut changed = w.to_vec();
+    changed[0] ^= 0xff;
+    (b.put)(&local.join("w.bin"), &changed).unwrap();
+    let keys: Vec<(u64, ferry_proto::manifest::Hash)> = m
+        .files
+        .iter()
+        .flat_map(|f| f.chunks.iter().copied())
+        .enumerate()
+        .map(|(i, h)| (i as u64, h))
+        .collect();
+    let w_keys: Vec<u64> = {
+        let mut first = 0u64;
+        let mut out = Vec::new();
+        for f in &m.files {
+            if f.path == "w.bin" {
+                out = (first..first + f.chunks.len() as u64).collect();
+            }
+            first += f.chunks.len() as u64;
+        }
+        out
+    };
+    let v = dir.join("versions/3");
+    let e = sink
+        .publish(&staging, local, &v, m, None, None)
+        .unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidData, "{e}");
+    assert!(e.to_string().contains("w.bin"), "{e}");
+    assert!(sink.exists(local).unwrap(), "nothing moved");
+    match sink
+        .publish(&staging, local, &v, m, Some(&keys), None)
+        .unwrap()
+    {
+        PublishOutcome::Refetch(k) => assert_eq!(k, w_keys),
+        other => panic!("the changed shared file should be fetched again: {other:?}"),
+    }
+    sink.discard(&staging).unwrap();
+    (b.put)(&local.join("w.bin"), w).unwrap();
 }
 
 /// Staging never writes through a symlink planted in the staging area.
@@ -553,6 +626,7 @@ fn posix_backend_conforms() {
         put_if_absent: &put_if_absent,
         keeps_metadata: true,
         moves_aside: true,
+        shares: "link",
     };
     conforms(&b, &d.path().join("suite"), "the local file system");
     lists_with_sizes_markers_and_versions(src, &d.path().join("list"));
@@ -628,6 +702,7 @@ fn hdfs_backend_conforms() {
         put_if_absent: &put_if_absent,
         keeps_metadata: true,
         moves_aside: true,
+        shares: "copy",
     };
     let dir = unique("hdfs-suite");
     conforms(&b, &dir, &format!("the MiniDFSCluster at {url}"));
@@ -663,6 +738,7 @@ fn s3_backend_conforms() {
         put_if_absent: &put_if_absent,
         keeps_metadata: false,
         moves_aside: false,
+        shares: "in place",
     };
     let dir = unique("s3-suite");
     // The server's conditional create first: the publish relies on it.

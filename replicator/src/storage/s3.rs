@@ -22,8 +22,13 @@
 //!   only while its commit object does; replacing a version first deletes
 //!   the older commit object. `<staging>/.ferry-publishing` says a publish
 //!   is under way.
-//! - **Sharing an unchanged file**: a server-side copy of the previous
-//!   version's object into staging.
+//! - **Sharing an unchanged file** of a re-save (published at the same
+//!   prefix): no copy. Staging records the published object's key, ETag
+//!   and size (`<staging>/.ferry-shared/<rel>`), and the publish leaves
+//!   that object in place for the new commit object to list, once it has
+//!   checked that the object is still what was shared (else, with the
+//!   read-back, the file's chunks are fetched again). An object may be
+//!   up to 5 TB, and S3 copies at most 5 GB in one request.
 //! - **Free space**: a configured capacity less what the root holds;
 //!   `None` without one.
 //!
@@ -167,6 +172,17 @@ struct Commit {
     root: String,
     /// Every file: path, size (bytes), mode, mtime (ns since the epoch).
     files: Vec<(String, u64, u32, i64)>,
+}
+
+/// What `<staging>/.ferry-shared/<rel>` holds: the published object an
+/// unchanged file of a re-save keeps, as it was when it was shared.
+#[derive(Debug, Serialize, Deserialize)]
+struct SharedRef {
+    /// The object's key.
+    key: String,
+    /// Its ETag and size then; the publish keeps it only if both hold.
+    e_tag: Option<String>,
+    size: u64,
 }
 
 fn hex(h: &Hash) -> String {
@@ -355,6 +371,37 @@ impl S3 {
         Ok(n)
     }
 
+    /// Where staging `s` records file `rel` as shared ([`SharedRef`]).
+    fn shared_key(&self, s: &str, rel: &str) -> Key {
+        self.key_of_str(&format!("{s}/.ferry-shared/{rel}"))
+    }
+
+    /// The shared object recorded for file `f` of staging `s`, `None` when
+    /// the file was staged; `Some(false)` when the object no longer is
+    /// what was shared (gone, or another ETag or size).
+    fn shared_holds(
+        &self,
+        s: &str,
+        f: &ferry_proto::manifest::FileEntry,
+    ) -> io::Result<Option<(Key, bool)>> {
+        let r = match self.get(self.shared_key(s, &f.path)) {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let r: SharedRef = serde_json::from_slice(&r).map_err(|e| {
+            io::Error::other(format!(
+                "{}{s}/.ferry-shared/{}: not a shared-file record: {e}",
+                self.root.url, f.path
+            ))
+        })?;
+        let key = Key::from(r.key);
+        let holds = self
+            .head(key.clone())?
+            .is_some_and(|m| m.e_tag == r.e_tag && m.size == r.size && m.size == f.size);
+        Ok(Some((key, holds)))
+    }
+
     fn commit_key(&self, l: &str) -> Key {
         self.key_of_str(&format!("{l}.ferry-commit"))
     }
@@ -495,10 +542,23 @@ impl S3 {
         cs: u32,
         dst: Key,
     ) -> io::Result<()> {
-        let shared = self.key_of_str(&format!("{s}/.ferry-shared/{}", f.path));
-        if self.head(shared.clone())?.is_some() {
+        if let Some((kept, holds)) = self.shared_holds(s, f)? {
+            if !holds {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "{}{}: the published object shared with this version changed or is gone \
+                         since; the file must be sent again",
+                        self.root.url, kept
+                    ),
+                ));
+            }
+            if kept == dst {
+                // The previous version's object, kept in place.
+                return Ok(());
+            }
             return self.call("copy", dst.to_string(), move |st| async move {
-                st.copy(&shared, &dst).await
+                st.copy(&kept, &dst).await
             });
         }
         let n = chunk_count(f.size, cs);
@@ -837,14 +897,28 @@ impl SinkStore for S3 {
     fn share_unchanged(&self, previous: &Path, staging: &Path, rel: &str) -> io::Result<()> {
         ferry_proto::paths::check_relative(rel)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("{rel}: {e}")))?;
+        // No copy: staging records which object (and which ETag) the new
+        // version keeps; the publish leaves it in place.
         let from = self.key_of_str(&format!("{}/{rel}", self.root.check(previous)?));
-        let to = self.key_of_str(&format!(
-            "{}/.ferry-shared/{rel}",
-            self.root.check(staging)?
-        ));
-        self.call("copy", from.to_string(), move |st| async move {
-            st.copy(&from, &to).await
-        })
+        let m = self.head(from.clone())?.ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::NotFound,
+                format!(
+                    "{}/{rel}: not in the published version",
+                    self.root.url_of(previous)
+                ),
+            )
+        })?;
+        let r = SharedRef {
+            key: from.to_string(),
+            e_tag: m.e_tag,
+            size: m.size,
+        };
+        let body = serde_json::to_vec(&r).map_err(io::Error::other)?;
+        self.put(
+            self.shared_key(&self.root.check(staging)?, rel),
+            Bytes::from(body),
+        )
     }
 
     fn publish(
@@ -871,9 +945,22 @@ impl SinkStore for S3 {
             let refetch = Mutex::new(Vec::new());
             remote::for_each_parallel(self.publish_threads, m.files.len(), |fi| {
                 let f = &m.files[fi];
-                let shared = self.key_of_str(&format!("{s}/.ferry-shared/{}", f.path));
-                if self.head(shared)?.is_some() {
-                    return Ok(());
+                match self.shared_holds(&s, f)? {
+                    Some((_, true)) => return Ok(()),
+                    Some((_, false)) => {
+                        // Changed since it was shared: sent again, staged
+                        // as chunks.
+                        let k = self.shared_key(&s, &f.path);
+                        self.call("delete", k.to_string(), move |st| async move {
+                            st.delete(&k).await
+                        })?;
+                        let mut r = refetch.lock().unwrap_or_else(|p| p.into_inner());
+                        for ci in 0..chunk_count(f.size, m.chunk_size) {
+                            r.push(want[firsts[fi] + ci as usize].0);
+                        }
+                        return Ok(());
+                    }
+                    None => {}
                 }
                 for ci in 0..chunk_count(f.size, m.chunk_size) {
                     let (k, h) = want[firsts[fi] + ci as usize];
@@ -900,6 +987,23 @@ impl SinkStore for S3 {
             }
         }
         let reread_time = reread.map(|_| start.elapsed());
+        if reread.is_none() {
+            // Unread, a shared object that changed would only show when
+            // the files are written: check before anything moves.
+            remote::for_each_parallel(self.publish_threads, m.files.len(), |fi| {
+                match self.shared_holds(&s, &m.files[fi])? {
+                    Some((kept, false)) => Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!(
+                            "{}{kept}: the published object shared with this version changed or \
+                             is gone since; the file must be sent again",
+                            self.root.url
+                        ),
+                    )),
+                    _ => Ok(()),
+                }
+            })?;
+        }
         self.put(
             self.key_of_str(&format!("{s}/.ferry-publishing")),
             Bytes::from(l.clone().into_bytes()),
