@@ -12,6 +12,12 @@
 //! remaining bytes of `--size-mb`. Each run stages it afresh in order, as
 //! the sink does when chunks arrive in order, then times one
 //! `SinkStore::publish` with the read-back on (the default).
+//!
+//! Last, per store, it times what a re-save costs the sink for files that
+//! did not change: `SinkStore::share_unchanged` of every file of the last
+//! published replica into a new staging area (HDFS: a copy inside the
+//! cluster; S3: a record of the object to keep), against sending those
+//! bytes over a 1 Gbit/s link.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -145,6 +151,27 @@ fn measure(
             times[k].push(took);
         }
     }
+    // A re-save with every file unchanged: each shared with the last
+    // replica instead of crossing the WAN again.
+    let store = open(settings[1])?;
+    let last = base.join(format!("replica-{}-{}", a.runs - 1, settings[1]));
+    let staging = base.join("staging-shared");
+    let t = Instant::now();
+    for f in &m.files {
+        store
+            .share_unchanged(&last, &staging, &f.path)
+            .with_context(|| format!("{name}: sharing {}", f.path))?;
+    }
+    let shared = t.elapsed().as_secs_f64();
+    let bytes: u64 = m.files.iter().map(|f| f.size).sum();
+    println!(
+        "{name:<5} sharing {} unchanged files ({bytes} bytes) with the published version: {shared:.2} s \
+         ({:.0} MB/s; the same bytes take {:.2} s at 1 Gbit/s)",
+        m.files.len(),
+        bytes as f64 / 1e6 / shared.max(1e-9),
+        bytes as f64 * 8.0 / 1e9
+    );
+    store.discard(&staging)?;
     let median = |v: &mut Vec<Duration>| {
         v.sort();
         v[v.len() / 2].as_secs_f64()
