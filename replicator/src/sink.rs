@@ -1873,23 +1873,37 @@ async fn reuse_published(
         let map = ChunkMap::new(&files, chunk_size);
         let by_path: HashMap<&str, &ferry_proto::manifest::FileEntry> =
             old.files.iter().map(|f| (f.path.as_str(), f)).collect();
+        let unchanged: Vec<(usize, &ferry_proto::manifest::FileEntry)> = files
+            .iter()
+            .enumerate()
+            .filter_map(|(fi, f)| {
+                let e = by_path.get(f.path.as_str())?;
+                ((e.size, e.mode, e.mtime_ns) == (f.size, f.mode, f.mtime_ns)).then_some((fi, *e))
+            })
+            .collect();
+        // Several files at once: on HDFS each share is a copy inside the
+        // cluster, on S3 a few requests; a file declined is sent again.
+        let shared = Mutex::new(Vec::new());
+        let _ = crate::storage::remote::for_each_parallel(
+            crate::storage::remote::PUBLISH_THREADS,
+            unchanged.len(),
+            |i| {
+                let (fi, e) = unchanged[i];
+                if store.share_unchanged(&old_dir, &staging, &e.path).is_ok() {
+                    crate::lock::lock(&shared).push((fi, e));
+                }
+                Ok(())
+            },
+        );
         let mut out = Vec::new();
-        for (fi, f) in files.iter().enumerate() {
-            let Some(e) = by_path.get(f.path.as_str()) else {
-                continue;
-            };
-            if (e.size, e.mode, e.mtime_ns) != (f.size, f.mode, f.mtime_ns) {
-                continue;
-            }
-            if store.share_unchanged(&old_dir, &staging, &f.path).is_err() {
-                continue;
-            }
+        for (fi, e) in shared.into_inner().unwrap_or_else(|p| p.into_inner()) {
             for (ci, h) in e.chunks.iter().enumerate() {
                 if let Some(g) = map.index(fi as u32, ci as u32) {
                     out.push((g, *h, map.span(fi as u32, ci as u32).1));
                 }
             }
         }
+        out.sort_unstable_by_key(|c| c.0);
         out
     })
     .await

@@ -15,9 +15,9 @@
 //!
 //! Last, per store, it times what a re-save costs the sink for files that
 //! did not change: `SinkStore::share_unchanged` of every file of the last
-//! published replica into a new staging area (HDFS: a copy inside the
-//! cluster; S3: a record of the object to keep), against sending those
-//! bytes over a 1 Gbit/s link.
+//! published replica into a new staging area, 8 files at once as the
+//! sink does (HDFS: a copy inside the cluster; S3: a record of the object
+//! to keep), against sending those bytes over a 1 Gbit/s link.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -157,11 +157,17 @@ fn measure(
     let last = base.join(format!("replica-{}-{}", a.runs - 1, settings[1]));
     let staging = base.join("staging-shared");
     let t = Instant::now();
-    for f in &m.files {
-        store
-            .share_unchanged(&last, &staging, &f.path)
-            .with_context(|| format!("{name}: sharing {}", f.path))?;
-    }
+    // As the sink does: several files at once.
+    replicator::storage::remote::for_each_parallel(
+        replicator::storage::remote::PUBLISH_THREADS,
+        m.files.len(),
+        |i| {
+            let f = &m.files[i];
+            store.share_unchanged(&last, &staging, &f.path).map_err(|e| {
+                std::io::Error::new(e.kind(), format!("{name}: sharing {}: {e}", f.path))
+            })
+        },
+    )?;
     let shared = t.elapsed().as_secs_f64();
     let bytes: u64 = m.files.iter().map(|f| f.size).sum();
     println!(
