@@ -163,9 +163,11 @@ fn measure(
         m.files.len(),
         |i| {
             let f = &m.files[i];
-            store.share_unchanged(&last, &staging, &f.path).map_err(|e| {
-                std::io::Error::new(e.kind(), format!("{name}: sharing {}: {e}", f.path))
-            })
+            store
+                .share_unchanged(&last, &staging, &f.path)
+                .map_err(|e| {
+                    std::io::Error::new(e.kind(), format!("{name}: sharing {}: {e}", f.path))
+                })
         },
     )?;
     let shared = t.elapsed().as_secs_f64();
