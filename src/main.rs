@@ -124,7 +124,8 @@ enum Command {
     )]
     Resolve {
         /// The checkpoint's absolute path at the source (or a path inside
-        /// it).
+        /// it), or its hdfs:// or s3:// URL when it is under such a
+        /// source root.
         path: String,
         /// Wait up to this long (e.g. 30s, 5m; at most 5m) for the
         /// replica to be published before answering.

@@ -464,7 +464,7 @@ async fn follow(
     // Checkpoint directories touched by events since the last pass; only
     // those are scanned again until the next full rescan.
     let dirty: Arc<Mutex<HashSet<String>>> = Arc::default();
-    let _watch = if root.watch.mode == Mode::Inotify {
+    let watching = if root.watch.mode == Mode::Inotify {
         let (closed, tx, overflow) = (closed.clone(), tx.clone(), overflow.clone());
         let (dirty, base, store) = (dirty.clone(), root.path.clone(), inner.store.clone());
         let stat = {
@@ -545,7 +545,14 @@ async fn follow(
         None
     };
     drop(tx);
-    info!(root = %root.path.display(), job = root.job, mode = ?root.watch.mode, start = ?root.watch.start, "watching for checkpoints");
+    // The mode in effect: a root configured for inotify that could not
+    // have it is polled.
+    let mode = if watching.is_some() {
+        "inotify".to_string()
+    } else {
+        format!("polling every {:?}", timing.rescan)
+    };
+    info!(root = %root.path.display(), job = root.job, configured = ?root.watch.mode, mode, start = ?root.watch.start, "watching for checkpoints");
     let mut next_full = tokio::time::Instant::now();
     let mut unreadable = false;
     loop {

@@ -121,8 +121,26 @@ fn io_of(e: object_store::Error) -> io::Error {
         E::PermissionDenied { .. } | E::Unauthenticated { .. } => io::ErrorKind::PermissionDenied,
         _ => io::ErrorKind::Other,
     };
-    io::Error::new(kind, without_xml(&e.to_string()))
+    let msg = without_xml(&e.to_string());
+    if msg.contains(METADATA_SERVICE) {
+        // No keys were given, so the client asked the instance metadata
+        // service for some (there is one only on a cloud VM).
+        return io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "no S3 credentials: set access_key_id and secret_access_key_file in [source.s3] or \
+                 [sink.s3] (or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY); without them the \
+                 client asked the instance metadata service at {METADATA_SERVICE}, which answered: {msg}"
+            ),
+        );
+    }
+    io::Error::new(kind, msg)
 }
+
+/// Where an S3 client without keys asks for them (the EC2 instance
+/// metadata service, AWS documentation "Use the Instance Metadata Service
+/// to access instance metadata").
+const METADATA_SERVICE: &str = "169.254.169.254";
 
 /// `msg` with an S3 error document in it (`<?xml ...><Error><Code>..`)
 /// cut down to its code and message (`SignatureDoesNotMatch: The request
@@ -1167,6 +1185,23 @@ impl SinkStore for S3 {
 #[cfg(test)]
 mod tests {
     use super::without_xml;
+
+    #[test]
+    fn an_error_of_the_metadata_service_says_no_credentials_were_given() {
+        let e = super::io_of(object_store::Error::Generic {
+            store: "S3",
+            source: "Error performing PUT http://169.254.169.254/latest/api/token: 403 Forbidden"
+                .into(),
+        });
+        assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied);
+        let m = e.to_string();
+        assert!(
+            m.starts_with("no S3 credentials")
+                && m.contains("AWS_ACCESS_KEY_ID")
+                && m.contains("403"),
+            "{m}"
+        );
+    }
 
     #[test]
     fn an_s3_error_document_is_cut_to_its_code_and_message() {
