@@ -693,6 +693,8 @@ fn s3() -> (String, S3) {
 #[test]
 fn hdfs_backend_conforms() {
     let (url, h) = hdfs();
+    // Every unchanged file shared by a copy, however small.
+    let h = h.with_share_min(0);
     let put = |p: &Path, data: &[u8]| h.put_file(p, data);
     let put_if_absent = |p: &Path, data: &[u8]| h.put_if_absent(p, data);
     let b = Backend {
@@ -713,6 +715,19 @@ fn hdfs_backend_conforms() {
     assert_eq!(
         h.rewritten_bytes(),
         2 * u64::from(MIN_CHUNK_SIZE) + 5 + u64::from(MIN_CHUNK_SIZE) + 100
+    );
+    // The re-save's unchanged w.bin was copied inside the cluster once.
+    assert_eq!(h.copied_bytes(), 2 * u64::from(MIN_CHUNK_SIZE) + 5);
+    h.put_file(&dir.join("small/f.bin"), &pattern(1000, 4))
+        .unwrap();
+    let e = Hdfs::connect(&url, None)
+        .unwrap()
+        .share_unchanged(&dir.join("small"), &dir.join("staging-small"), "f.bin")
+        .unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::Unsupported, "{e}");
+    assert!(
+        e.to_string().contains("sent again"),
+        "files under 64 MiB are sent again, not copied: {e}"
     );
     assert!(
         h.free_space(&dir).unwrap().is_none(),

@@ -25,7 +25,9 @@
 //!   the published file is read and written into staging as its in-order
 //!   file, in pieces of 8 MiB, so it does not cross the WAN again; the
 //!   publish renames it like any file staged in order and reads it back
-//!   ([`Hdfs::copied_bytes`] counts what this costs).
+//!   ([`Hdfs::copied_bytes`] counts what this costs). Files under
+//!   [`SHARE_MIN`] (64 MiB) are sent again instead: each copy's close
+//!   waits for the NameNode, which costs small files more than the WAN.
 //! - **Free space**: a configured capacity less what the root holds, or
 //!   else the root's space quota less what it consumes; `None` without
 //!   either.
@@ -66,6 +68,8 @@ pub struct Hdfs {
     publish_threads: usize,
     /// Closes a staging area runs together ([`PENDING_CLOSES`]).
     staging_closes: usize,
+    /// Smallest file (bytes) a re-save shares by a copy ([`SHARE_MIN`]).
+    share_min: u64,
 }
 
 /// Names of the files every rank of an eval job reads when it starts
@@ -284,6 +288,7 @@ impl Hdfs {
             hot: None,
             publish_threads: remote::PUBLISH_THREADS,
             staging_closes: PENDING_CLOSES,
+            share_min: SHARE_MIN,
         };
         let st = h.status(&h.root.path.clone()).map_err(|e| {
             if e.kind() == io::ErrorKind::NotFound {
@@ -473,6 +478,14 @@ impl Hdfs {
     /// compares it with one at a time.
     pub fn with_publish_threads(mut self, n: usize) -> Hdfs {
         self.publish_threads = n.max(1);
+        self
+    }
+
+    /// Shares unchanged files of a re-save from `bytes` up by a copy
+    /// (default [`SHARE_MIN`]; 0 copies every file): for tests and the
+    /// benchmark.
+    pub fn with_share_min(mut self, bytes: u64) -> Hdfs {
+        self.share_min = bytes;
         self
     }
 
@@ -960,6 +973,14 @@ struct HdfsStaging {
 /// into staging (8 MiB).
 const COPY_PIECE: usize = 8 << 20;
 
+/// Smallest unchanged file (bytes) a re-save copies inside the cluster
+/// rather than sending it over the WAN again: 64 MiB. A copy's close waits
+/// for the NameNode (often 500 ms with `hdfs-native` 0.14), so on this
+/// machine's loopback cluster 434 files of 100 MB in all took 25 s to copy
+/// (8 at once), against 0.8 s at 1 Gbit/s, while 1.2 GB in 6 files copied
+/// at 211 MB/s (`ops/bench/publish`, RESULTS.md).
+pub const SHARE_MIN: u64 = 64 << 20;
+
 /// Files whose closes an HDFS staging area runs together (see
 /// [`HdfsStaging`]).
 const PENDING_CLOSES: usize = 64;
@@ -1220,6 +1241,22 @@ impl SinkStore for Hdfs {
         // which the publish then moves by a rename (and reads back).
         let from = format!("{}/{rel}", self.root.check(previous)?);
         let to = in_order_key(&self.root.check(staging)?, rel);
+        let size = self
+            .call(
+                "stat",
+                &from,
+                |c, p| async move { c.get_file_info(&p).await },
+            )?
+            .length as u64;
+        if size < self.share_min {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                format!(
+                    "{}{from}: {size} bytes, under {} to copy: sent again",
+                    self.root.url, self.share_min
+                ),
+            ));
+        }
         let copied = self.call("copy", &from, move |c, from| async move {
             let r = c.read(&from).await?;
             let size = r.file_length();

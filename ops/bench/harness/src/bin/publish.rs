@@ -16,8 +16,9 @@
 //! Last, per store, it times what a re-save costs the sink for files that
 //! did not change: `SinkStore::share_unchanged` of every file of the last
 //! published replica into a new staging area, 8 files at once as the
-//! sink does (HDFS: a copy inside the cluster; S3: a record of the object
-//! to keep), against sending those bytes over a 1 Gbit/s link.
+//! sink does (HDFS: a copy inside the cluster, here of every file, though
+//! the sink sends files under 64 MiB again; S3: a record of the object to
+//! keep), against sending those bytes over a 1 Gbit/s link.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -225,7 +226,8 @@ fn main() -> Result<()> {
                 Ok(Box::new(
                     Hdfs::connect(&url, None)?
                         .with_publish_threads(n)
-                        .with_staging_closes(a.staging_closes),
+                        .with_staging_closes(a.staging_closes)
+                        .with_share_min(0),
                 ))
             };
             measure("hdfs", &open, &base, &local, &m, &a)?;
