@@ -89,9 +89,9 @@ enum Store {
     S3(S3),
 }
 
-/// Finished HDFS files whose closes run together (see the module's
-/// documentation).
-pub const PENDING_CLOSES: usize = 64;
+/// Finished HDFS files whose closes run together by default (see the
+/// module's documentation).
+pub use replicator::storage::hdfs::PENDING_CLOSES;
 
 /// Finished HDFS files not yet closed: (path, writer).
 type Pending = Arc<Mutex<Vec<(PathBuf, HdfsWriter)>>>;

@@ -981,9 +981,9 @@ const COPY_PIECE: usize = 8 << 20;
 /// at 211 MB/s (`ops/bench/publish`, RESULTS.md).
 pub const SHARE_MIN: u64 = 64 << 20;
 
-/// Files whose closes an HDFS staging area runs together (see
-/// [`HdfsStaging`]).
-const PENDING_CLOSES: usize = 64;
+/// Finished files whose closes run together: an HDFS staging area's (see
+/// [`HdfsStaging`]) and `ferry gen --out hdfs://`'s by default.
+pub const PENDING_CLOSES: usize = 64;
 
 impl HdfsStaging {
     /// Hands the open writer to the closes pending, running them when
@@ -1164,11 +1164,10 @@ impl HdfsWriter {
         self.close_now()
     }
 
-    /// Closes every writer of `all` at once (the NameNode's waits for
-    /// their last blocks overlap: `hdfs-native` 0.14 retries a close
-    /// after 500 ms when the DataNode has not reported the block yet).
-    /// Every file is complete when this returns `Ok`; writers of another
-    /// store than the first's are closed one by one.
+    /// Closes every writer of `all` (all of one store) at once: the
+    /// NameNode's waits for their last blocks overlap (`hdfs-native` 0.14
+    /// retries a close after 500 ms when the DataNode has not reported
+    /// the block yet). Every file is complete when this returns `Ok`.
     ///
     /// # Errors
     /// The first NameNode error, naming its file; the others are closed
@@ -1177,24 +1176,11 @@ impl HdfsWriter {
         let Some(store) = all.first().map(|w| w.store.clone()) else {
             return Ok(());
         };
-        let mut together = Vec::with_capacity(all.len());
-        let mut first_err = None;
-        for mut w in all {
-            if w.store.root.url != store.root.url {
-                if let Err(e) = w.close_now() {
-                    first_err.get_or_insert(e);
-                }
-                continue;
-            }
-            if let Some(fw) = w.writer.take() {
-                together.push((w.path.clone(), fw));
-            }
-        }
-        let r = close_together(&store, together);
-        match first_err {
-            Some(e) => Err(e),
-            None => r,
-        }
+        let together = all
+            .into_iter()
+            .filter_map(|mut w| Some((w.path.clone(), w.writer.take()?)))
+            .collect();
+        close_together(&store, together)
     }
 
     fn close_now(&mut self) -> io::Result<()> {

@@ -420,6 +420,19 @@ impl S3 {
         Ok(Some((key, holds)))
     }
 
+    /// The error of a publish that finds the object `kept`, shared with
+    /// the version it publishes, changed or gone.
+    fn changed_since_shared(&self, kept: &Key) -> io::Error {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "{}{kept}: the published object shared with this version changed or is gone \
+                 since; the file must be sent again",
+                self.root.url
+            ),
+        )
+    }
+
     fn commit_key(&self, l: &str) -> Key {
         self.key_of_str(&format!("{l}.ferry-commit"))
     }
@@ -562,14 +575,7 @@ impl S3 {
     ) -> io::Result<()> {
         if let Some((kept, holds)) = self.shared_holds(s, f)? {
             if !holds {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!(
-                        "{}{}: the published object shared with this version changed or is gone \
-                         since; the file must be sent again",
-                        self.root.url, kept
-                    ),
-                ));
+                return Err(self.changed_since_shared(&kept));
             }
             if kept == dst {
                 // The previous version's object, kept in place.
@@ -1010,14 +1016,7 @@ impl SinkStore for S3 {
             // the files are written: check before anything moves.
             remote::for_each_parallel(self.publish_threads, m.files.len(), |fi| {
                 match self.shared_holds(&s, &m.files[fi])? {
-                    Some((kept, false)) => Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        format!(
-                            "{}{kept}: the published object shared with this version changed or \
-                             is gone since; the file must be sent again",
-                            self.root.url
-                        ),
-                    )),
+                    Some((kept, false)) => Err(self.changed_since_shared(&kept)),
                     _ => Ok(()),
                 }
             })?;
