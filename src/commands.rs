@@ -738,7 +738,11 @@ pub async fn resolve_leased(
         }
         return Err(Exit(NOT_LOCAL_EXIT).into());
     }
-    let local = text(&r, "local_path");
+    // A local directory's path, or (S3) the version's URL.
+    let local = r["local_path"]
+        .as_str()
+        .or(r["url"].as_str())
+        .unwrap_or("?");
     let id = r["lease"]["id"].as_str().unwrap_or_default().to_string();
     if id.is_empty() {
         bail!("the sink answered without a lease: {r}");

@@ -119,7 +119,11 @@ async fn replicates_to(w: &World, r: &RemoteSink) {
         .unwrap();
     let mut bytes = std::fs::read(ckpt.join(&victim.path)).unwrap();
     bytes[0] ^= 0xff;
-    (r.put)(&Path::new(&replica).join(&victim.path), &bytes).unwrap();
+    (r.put)(
+        &(r.object_of)(&Path::new(&replica).join(&victim.path)),
+        &bytes,
+    )
+    .unwrap();
     let out = w.verify(&c.sink, Path::new(&want_url)).await;
     let want = format!("MISMATCH {}: chunk 0 hashes to", victim.path);
     w.ensure(!out.success() && out.stdout.contains(&want), || {
@@ -254,6 +258,149 @@ async fn an_hdfs_sink_removes_replicas_by_policy_and_by_hand() {
     removes_from(&w, &r).await;
 }
 
+/// Reader leases on an S3 sink: `ferry resolve --lease` prints the URL
+/// of the version's own prefix, whose commit object lists it; a re-save
+/// publishes a new version that keeps the unchanged objects by reference
+/// (their URLs are the older version's), while the leased version stays
+/// whole. Released, the older version goes at the next sweep but the
+/// objects the newer one names stay; removed by hand, the newer one
+/// leaves nothing under the versions.
+#[tokio::test]
+async fn an_s3_sink_keeps_a_leased_version_through_a_re_save() {
+    let w = World::new("s3-lease").await;
+    let r = s3_sink(&w, "s3-lease");
+    let lines = format!("retention_interval = \"1s\"\n{}", r.lines);
+    let c = w
+        .start_cluster("500Mbit/s", &[], |sink, _| {
+            let spec = sink.sink.as_mut().unwrap();
+            spec.root = PathBuf::from(&r.url);
+            spec.extra = lines.clone();
+        })
+        .await;
+    let markers = ["COMMITTED".to_string()];
+    let chunk = ferry_proto::manifest::MIN_CHUNK_SIZE;
+    let ckpt = w.source_root().join("step_000100");
+    w.gen(&ckpt, "3MB").await;
+    let out = w.push(&c.source, &ckpt, &[]).await;
+    w.ensure(out.success(), || format!("ferry push: {out}"));
+    let v1 = build(&Posix, &ckpt, &markers, chunk).unwrap();
+    let replica = PathBuf::from(format!("{}/{SOURCE_SITE}/{JOB}/step_000100", r.root));
+    let path_of = |url: &str| PathBuf::from(format!("/{}", url.splitn(4, '/').nth(3).unwrap()));
+
+    let out = w
+        .ferry(
+            &[
+                "resolve",
+                ckpt.to_str().unwrap(),
+                "--lease",
+                "10m",
+                "--server",
+                &c.sink.url(),
+            ],
+            &[],
+            Duration::from_secs(30),
+        )
+        .await;
+    let leased = out.stdout.trim().to_string();
+    w.ensure(
+        out.success() && leased.starts_with(&format!("{}/.ferry/versions/", r.url)),
+        || format!("ferry resolve --lease should print the version's URL: {out}"),
+    );
+    let lease_id = out
+        .stderr
+        .split_whitespace()
+        .skip_while(|x| *x != "lease")
+        .nth(1)
+        .unwrap_or_else(|| w.fail(format!("no lease id: {out}")))
+        .to_string();
+    let leased_at = path_of(&leased);
+
+    // A re-save: one file changed, the others kept by reference.
+    let victim = v1
+        .files
+        .iter()
+        .find(|f| f.size > 0 && !markers.contains(&f.path))
+        .unwrap()
+        .path
+        .clone();
+    let mut bytes = std::fs::read(ckpt.join(&victim)).unwrap();
+    bytes[0] ^= 0xff;
+    std::fs::write(ckpt.join(&victim), &bytes).unwrap();
+    let out = w.push(&c.source, &ckpt, &[]).await;
+    w.ensure(out.success(), || {
+        format!("ferry push of the re-save: {out}")
+    });
+    let v2 = build(&Posix, &ckpt, &markers, chunk).unwrap();
+    let now = build(&*r.store, &replica, &markers, chunk).unwrap();
+    w.ensure(content(&now) == content(&v2), || {
+        "the published path should name the re-save".to_string()
+    });
+    let then = build(&*r.store, &leased_at, &markers, chunk).unwrap();
+    w.ensure(content(&then) == content(&v1), || {
+        format!("the leased version {leased} should stay the first save")
+    });
+    let kept = v1
+        .files
+        .iter()
+        .find(|f| f.path != victim && f.size > 0)
+        .unwrap();
+    let kept_at = (r.object_of)(&replica.join(&kept.path));
+    w.ensure(kept_at.starts_with(&leased_at), || {
+        format!(
+            "{} is unchanged: the re-save should name the first save's object, not {}",
+            kept.path,
+            kept_at.display()
+        )
+    });
+
+    // Released: the first save's version goes, its kept objects stay.
+    let del = reqwest::Client::new()
+        .delete(format!("{}/v1/leases/{lease_id}", c.sink.url()))
+        .send()
+        .await
+        .unwrap();
+    w.ensure(del.status().is_success(), || {
+        format!("releasing the lease: {del:?}")
+    });
+    let sink_store = S3::connect(&r.url, &r.s3).unwrap();
+    w.wait_until("the released version to be deleted", TRANSFER, async || {
+        match replicator::storage::SinkStore::exists(&sink_store, &leased_at) {
+            Ok(false) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    let now = build(&*r.store, &replica, &markers, chunk).unwrap();
+    w.ensure(content(&now) == content(&v2), || {
+        "the re-save should stay whole once the first save is deleted".to_string()
+    });
+
+    // Removed by hand: nothing of either version is left.
+    let reps = w
+        .get_json(&format!("{}/v1/replicas?state=published", c.sink.url()))
+        .await;
+    let id = reps["items"][0]["id"].as_i64().unwrap().to_string();
+    let out = w
+        .ferry(
+            &["replica", "rm", &id, "--server", &c.sink.url()],
+            &[],
+            Duration::from_secs(30),
+        )
+        .await;
+    w.ensure(out.success(), || format!("ferry replica rm {id}: {out}"));
+    let versions = PathBuf::from(format!("{}/.ferry/versions", r.root));
+    w.wait_until("the versions to be deleted", TRANSFER, async || {
+        match r.store.list(&versions, &[]) {
+            Err(_) => Ok(()),
+            Ok(l) => Err(format!(
+                "left: {:?}",
+                l.files.iter().map(|f| &f.info.path).collect::<Vec<_>>()
+            )),
+        }
+    })
+    .await;
+}
+
 /// [`replicator::sink::FAULT_KILL_ENV`].
 const FAULT_ENV: &str = "FERRY_FAULT_KILL_IN_PUBLISH";
 
@@ -263,8 +410,9 @@ const TRANSFER: Duration = Duration::from_secs(120);
 /// A remote sink under test: its root URL, the `[sink]` lines after
 /// `root`, a store to read it with, the root's path in that store,
 /// whether a replica at a path is committed for readers (HDFS: its
-/// marker is there; S3: its commit object is), and a writer that
-/// replaces a file in the store (as something other than Ferry would).
+/// marker is there; S3: its commit object is), a writer that replaces
+/// a file in the store (as something other than Ferry would), and where
+/// the bytes of a replica's file are (S3: its version's object).
 struct RemoteSink {
     url: String,
     lines: String,
@@ -272,6 +420,9 @@ struct RemoteSink {
     root: String,
     committed: Box<dyn Fn(&Path) -> bool>,
     put: Put,
+    object_of: Box<dyn Fn(&Path) -> PathBuf>,
+    /// How to reach the S3 store (S3 sinks only).
+    s3: S3Config,
 }
 
 /// Writes one whole file of a store (replacing any there).
@@ -293,19 +444,17 @@ fn s3_sink(w: &World, name: &str) -> RemoteSink {
         toml_str(&key_id),
         toml_str(secret_file.to_str().unwrap()),
     );
-    let store = S3::connect(
-        &url,
-        &S3Config {
-            endpoint: Some(endpoint.to_string()),
-            region: None,
-            access_key_id: Some(key_id),
-            secret_access_key: Some(secret),
-            capacity: None,
-        },
-    )
-    .unwrap();
+    let s3 = S3Config {
+        endpoint: Some(endpoint.to_string()),
+        region: None,
+        access_key_id: Some(key_id),
+        secret_access_key: Some(secret),
+        capacity: None,
+    };
+    let store = S3::connect(&url, &s3).unwrap();
     let reader = store.clone();
     let writer = store.clone();
+    let locator = store.clone();
     RemoteSink {
         url,
         lines,
@@ -313,6 +462,13 @@ fn s3_sink(w: &World, name: &str) -> RemoteSink {
         root,
         committed: Box::new(move |p| reader.committed(p).unwrap().is_some()),
         put: Box::new(move |p, data| writer.put_file(p, data)),
+        object_of: Box::new(move |p| {
+            let u = replicator::storage::SinkStore::located_url(&locator, p)
+                .unwrap()
+                .unwrap();
+            PathBuf::from(format!("/{}", u.splitn(4, '/').nth(3).unwrap()))
+        }),
+        s3,
     }
 }
 
@@ -337,6 +493,8 @@ fn hdfs_sink(name: &str) -> RemoteSink {
             replicator::storage::SinkStore::exists(&reader, &p.join("COMMITTED")).unwrap()
         }),
         put: Box::new(move |p, data| writer.put_file(p, data)),
+        object_of: Box::new(Path::to_path_buf),
+        s3: S3Config::default(),
     }
 }
 

@@ -51,10 +51,11 @@ pub(crate) struct ResolveQuery {
     /// be local before answering.
     wait: Option<String>,
     /// Take a reader lease for this long (`10m`, `2h`; 1 s to 7 days) on
-    /// the version a `local` answer names: its `local_path` is then in
-    /// that version's own directory, which stays, whatever a re-save
-    /// publishes or a policy expires, until the lease expires or is
-    /// released. Renew with `POST /v1/leases/{id}/renew`.
+    /// the version a `local` answer names: its `local_path` (or, on S3,
+    /// its `url`) is then in that version's own directory (prefix), which
+    /// stays, whatever a re-save publishes or a policy expires, until the
+    /// lease expires or is released. Renew with `POST
+    /// /v1/leases/{id}/renew`. Not on an HDFS sink (409).
     lease: Option<String>,
     /// `full`: only the full replica answers `local`. Under a weights-first
     /// publish the weights-only version is published first (a plain
@@ -93,7 +94,7 @@ fn lease_duration(text: &str) -> Result<Duration, ApiError> {
     responses(
         (status = 200, description = "Where the path is", body = Resolution),
         (status = 401, description = "No or unknown token", body = ErrorBody),
-        (status = 409, description = "`lease` on a sink whose storage keeps no version directories", body = ErrorBody),
+        (status = 409, description = "`lease` on a sink whose storage keeps no version directories (HDFS)", body = ErrorBody),
         (status = 422, description = "A parameter is missing or invalid", body = ErrorBody),
     )
 )]

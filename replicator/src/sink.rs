@@ -633,6 +633,27 @@ impl Sink {
         }
     }
 
+    /// [`Sink::twin`] of `p` if something is there (a replica, or a file
+    /// or directory of one), its URL where a reader finds it (an S3
+    /// version names files kept from an earlier one by their key:
+    /// [`crate::storage::SinkStore::located_url`]); `None` when nothing
+    /// is there or the store cannot tell.
+    pub(crate) async fn twin_there(&self, p: &Path) -> Option<(Option<String>, Option<String>)> {
+        let (store, p2) = (self.inner.store.clone(), p.to_path_buf());
+        let (there, url) = blocking(move || {
+            if !store.exists(&p2)? {
+                return Ok((false, None));
+            }
+            Ok((true, store.located_url(&p2)?))
+        })
+        .await
+        .ok()?;
+        there.then(|| match url {
+            Some(u) => (None, Some(u)),
+            None => (Some(p.to_string_lossy().into_owned()), None),
+        })
+    }
+
     /// Payload bytes verified and written to staging per second since
     /// the previous call (0 on the first), in bit/s: the rate the
     /// agent's heartbeat records in the pool (one caller).
@@ -791,11 +812,9 @@ impl Sink {
                         Path::new(&p.local_path).join(suffix)
                     };
                     // A file the checkpoint does not hold has no twin.
-                    let (store, l2) = (self.inner.store.clone(), local.clone());
-                    if !blocking(move || store.exists(&l2)).await.unwrap_or(false) {
+                    let Some((local_path, url)) = self.twin_there(&local).await else {
                         return Ok((Resolution::Unknown, None));
-                    }
-                    let (local_path, url) = self.twin(&local);
+                    };
                     return Ok((
                         Resolution::Local {
                             local_path,
@@ -1554,7 +1573,7 @@ async fn open_transfer(
                     key.profile
                 },
             };
-            let (id, weights_version) = if weights_first && inner.store.versioned() {
+            let (id, weights_version) = if weights_first && inner.store.hard_links() {
                 let w_staging = weights_staging(&staging);
                 let (leftover, store) = (w_staging.clone(), inner.store.clone());
                 if let Err(e) = blocking(move || store.discard(&leftover)).await {
@@ -1569,7 +1588,7 @@ async fn open_transfer(
                 if weights_first {
                     info!(
                         transfer = %key.id,
-                        "weights-first asked, but this sink's storage keeps no version directories: the full replica is published alone"
+                        "weights-first asked, but this sink's storage cannot share files between two staging areas (HDFS, S3): the full replica is published alone"
                     );
                 }
                 (inner.catalog.insert_replica(&new).await?, None)

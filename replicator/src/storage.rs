@@ -326,8 +326,9 @@ pub trait SinkStore: Send + Sync + fmt::Debug {
 
     /// Whether each published version keeps a location of its own that
     /// later publishes at the same path leave alone (POSIX: version
-    /// directories behind a symbolic link), so that a reader lease can
-    /// hold one. False (the default): publishing replaces in place.
+    /// directories behind a symbolic link; S3: version prefixes named by
+    /// the published path's commit object), so that a reader lease can
+    /// hold one. False (the default, HDFS): publishing replaces in place.
     fn versioned(&self) -> bool {
         false
     }
@@ -383,9 +384,57 @@ pub trait SinkStore: Send + Sync + fmt::Debug {
     /// `aside` is then not made. `Ok(false)` when there was nothing to
     /// move (withdrawn already).
     ///
+    /// `keep`: the version directories of the other versions at
+    /// `local_path` that stay (the catalog's published versions there):
+    /// a backend whose versions share files by reference (S3) leaves the
+    /// objects those versions still name.
+    ///
     /// # Errors
     /// I/O errors naming the path.
-    fn withdraw(&self, local_path: &Path, version: &Path, aside: &Path) -> io::Result<bool>;
+    fn withdraw(
+        &self,
+        local_path: &Path,
+        version: &Path,
+        aside: &Path,
+        keep: &[PathBuf],
+    ) -> io::Result<bool>;
+
+    /// The names directly under directory `dir` (POSIX: its entries; S3:
+    /// the next segment of every key under the prefix, a commit object
+    /// `<name>.ferry-commit` as `name`), in no order; empty when nothing
+    /// is there. Backends that keep versions implement it (the sweep of
+    /// version directories lists with it); the default answers
+    /// [`io::ErrorKind::Unsupported`].
+    ///
+    /// # Errors
+    /// I/O errors naming the path.
+    fn list_names(&self, dir: &Path) -> io::Result<Vec<String>> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!("{}: this storage lists no directories", dir.display()),
+        ))
+    }
+
+    /// Whether versions share unchanged files by hard links (POSIX), so
+    /// that space is counted by file identity and a weights-first
+    /// transfer can link one staging area's files into another's
+    /// ([`SinkStore::link_staged`]). False (the default) elsewhere.
+    fn hard_links(&self) -> bool {
+        false
+    }
+
+    /// Where a reader finds path `path` of a published replica or version
+    /// (a file or directory inside it): its URL, as [`SinkStore::url_of`]
+    /// says, except on a store where a version names some files by
+    /// reference (S3: a file kept from an earlier version is that
+    /// version's object, found through the commit object). `None` on a
+    /// local directory.
+    ///
+    /// # Errors
+    /// I/O errors naming the path.
+    fn located_url(&self, path: &Path) -> io::Result<Option<String>> {
+        Ok(self.url_of(path))
+    }
 
     /// Deletes a version [`SinkStore::withdraw`] moved to `aside`. A
     /// deletion a crash interrupted is finished by calling it again.

@@ -179,12 +179,26 @@ async fn replicates_to(
         }
         other => panic!("expected a replica, got {other:?}"),
     }
+    // (On S3 a file's URL is its object's, under the version's own
+    // prefix: the published path holds only the commit object.)
     let under = format!("{}/sub/bias.bin", ckpt.display());
     match p.sink.resolve(&under).await.unwrap() {
-        Resolution::Local { url, .. } => {
-            assert_eq!(url, Some(format!("{want_url}/sub/bias.bin")))
+        Resolution::Local { url: Some(u), .. } => {
+            if url.starts_with("s3://") {
+                assert!(
+                    u.starts_with(&format!("{url}/.ferry/versions/"))
+                        && u.ends_with("/sub/bias.bin"),
+                    "{u}"
+                );
+            } else {
+                assert_eq!(u, format!("{want_url}/sub/bias.bin"));
+            }
+            let at = format!("/{}", u.splitn(4, '/').nth(3).unwrap());
+            let f = store.open(Path::new(&at)).unwrap();
+            let want = std::fs::read(ckpt.join("sub/bias.bin")).unwrap();
+            assert_eq!(f.read_range(0, want.len() as u64).unwrap(), want, "{u}");
         }
-        other => panic!("expected a replica, got {other:?}"),
+        other => panic!("expected a replica's URL, got {other:?}"),
     }
     let missing = format!("{}/sub/nothing.bin", ckpt.display());
     assert_eq!(

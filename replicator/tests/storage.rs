@@ -276,7 +276,8 @@ fn stages_publishes_and_retires(b: &Backend, dir: &Path) {
         // The published object was kept, not written again.
         let w_after = src.stat(&local.join("w.bin")).unwrap();
         assert_eq!(w_after, w_before, "w.bin was copied, not kept");
-        shared_then_changed_is_fetched_again(b, &content("w.bin"), &local, dir, &m2);
+        // (w.bin is version 1's object, which version 2 names.)
+        shared_then_changed_is_fetched_again(b, &content("w.bin"), &local, &v1, dir, &m2);
     }
     if sink.versioned() {
         // The older version stays whole in its own directory (a leased
@@ -285,9 +286,15 @@ fn stages_publishes_and_retires(b: &Backend, dir: &Path) {
         assert_eq!(sink.named_version(&local).unwrap().as_deref(), Some(&*v2));
         same_replica(b, &build(src, &v1, &markers, cs).unwrap(), &m1);
         let aside1 = dir.join("retired/old");
-        assert!(sink.withdraw(&local, &v1, &aside1).unwrap());
+        assert!(sink
+            .withdraw(&local, &v1, &aside1, std::slice::from_ref(&v2))
+            .unwrap());
         sink.retire(&aside1).unwrap();
-        assert!(src.list(&v1, &[]).is_err(), "the older version is gone");
+        assert!(!sink.exists(&v1).unwrap(), "the older version is gone");
+        if b.shares != "in place" {
+            assert!(src.list(&v1, &[]).is_err(), "the older version is gone");
+        }
+        // (On S3, its w.bin stays where version 2 names it.)
         same_replica(b, &build(src, &local, &markers, cs).unwrap(), &m2);
     }
 
@@ -305,7 +312,7 @@ fn stages_publishes_and_retires(b: &Backend, dir: &Path) {
     // deleted; both steps may be repeated (a restart finishing them).
     let aside = dir.join("retired/1");
     assert!(sink.exists(&local).unwrap());
-    assert!(sink.withdraw(&local, &v2, &aside).unwrap());
+    assert!(sink.withdraw(&local, &v2, &aside, &[]).unwrap());
     assert!(
         src.list(&local, &[]).is_err(),
         "withdrawn: nothing left to list at the published path"
@@ -318,10 +325,16 @@ fn stages_publishes_and_retires(b: &Backend, dir: &Path) {
         // Deleted by the withdrawal itself; a repeat finds nothing.
         assert!(src.list(&aside, &[]).is_err(), "nothing was moved aside");
         assert!(
-            !sink.withdraw(&local, &v2, &aside).unwrap(),
+            !sink.withdraw(&local, &v2, &aside, &[]).unwrap(),
             "withdrawn already"
         );
         sink.retire(&aside).unwrap();
+        // Nothing of either version is left, the object version 2 kept
+        // from version 1 included.
+        assert!(
+            src.list(&dir.join("versions"), &[]).is_err(),
+            "objects of withdrawn versions are left"
+        );
         return;
     }
     assert_eq!(
@@ -330,7 +343,7 @@ fn stages_publishes_and_retires(b: &Backend, dir: &Path) {
         "the whole version moved aside"
     );
     assert!(
-        !sink.withdraw(&local, &v2, &aside).unwrap(),
+        !sink.withdraw(&local, &v2, &aside, &[]).unwrap(),
         "withdrawn already"
     );
     sink.retire(&aside).unwrap();
@@ -346,6 +359,7 @@ fn shared_then_changed_is_fetched_again(
     b: &Backend,
     w: &[u8],
     local: &Path,
+    object_of: &Path,
     dir: &Path,
     m: &Manifest,
 ) {
@@ -366,7 +380,7 @@ fn shared_then_changed_is_fetched_again(
     sink.share_unchanged(local, &staging, "opt/o.bin").unwrap();
     let mut changed = w.to_vec();
     changed[0] ^= 0xff;
-    (b.put)(&local.join("w.bin"), &changed).unwrap();
+    (b.put)(&object_of.join("w.bin"), &changed).unwrap();
     let keys: Vec<(u64, ferry_proto::manifest::Hash)> = m
         .files
         .iter()
@@ -400,7 +414,7 @@ fn shared_then_changed_is_fetched_again(
         other => panic!("the changed shared file should be fetched again: {other:?}"),
     }
     sink.discard(&staging).unwrap();
-    (b.put)(&local.join("w.bin"), w).unwrap();
+    (b.put)(&object_of.join("w.bin"), w).unwrap();
 }
 
 /// Staging never writes through a symlink planted in the staging area.
@@ -771,6 +785,81 @@ fn s3_backend_conforms() {
     assert_parts_at_least_min(&s);
 }
 
+/// A replica an earlier release published on S3 (its objects under the
+/// published path, a commit object without a version) reads as before;
+/// a re-save publishes a version that keeps its unchanged object by
+/// reference, and the older objects it does not keep are deleted; then
+/// withdrawing the re-save leaves nothing.
+#[test]
+fn s3_replaces_a_replica_published_before_versioned_prefixes() {
+    let (_, s) = s3();
+    let dir = unique("s3-legacy");
+    let cs = MIN_CHUNK_SIZE;
+    let local = dir.join("replica");
+    let (w, o) = (pattern(cs as usize + 3, 5), pattern(10, 6));
+    s.put_file(&local.join("w.bin"), &w).unwrap();
+    s.put_file(&local.join("o.bin"), &o).unwrap();
+    let m1 = build(&s, &local, &[], cs).unwrap();
+    let files: Vec<_> = m1
+        .files
+        .iter()
+        .map(|f| serde_json::json!([f.path, f.size, f.mode, f.mtime_ns]))
+        .collect();
+    let root: String = m1.root().iter().map(|b| format!("{b:02x}")).collect();
+    s.put_file(
+        &dir.join("replica.ferry-commit"),
+        serde_json::json!({ "root": root, "files": files })
+            .to_string()
+            .as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(build(&s, &local, &[], cs).unwrap().root(), m1.root());
+    assert_eq!(
+        s.named_version(&local).unwrap(),
+        None,
+        "no version of its own"
+    );
+
+    // The re-save: w.bin unchanged, o.bin changed.
+    let o2 = pattern(12, 7);
+    s.put_file(&dir.join("src/w.bin"), &w).unwrap();
+    s.put_file(&dir.join("src/o.bin"), &o2).unwrap();
+    let m2 = build(&s, &dir.join("src"), &[], cs).unwrap();
+    let staging = dir.join("staging");
+    s.share_unchanged(&local, &staging, "w.bin").unwrap();
+    s.staging(&staging).stage_chunk("o.bin", 0, &o2).unwrap();
+    let v = dir.join("versions/2");
+    let out = s.publish(&staging, &local, &v, &m2, None, None).unwrap();
+    assert!(matches!(out, PublishOutcome::Published { .. }), "{out:?}");
+    assert_eq!(build(&s, &local, &[], cs).unwrap().root(), m2.root());
+    assert_eq!(s.named_version(&local).unwrap().as_deref(), Some(&*v));
+    assert!(
+        SourceStore::stat(&s, &local.join("o.bin")).is_ok(),
+        "o.bin of the re-save is found through its commit object"
+    );
+    // The old o.bin is gone; w.bin stays where it was, named by the
+    // re-save.
+    // (`dir` has no commit object: its listing is the raw objects.)
+    let raw = |s: &S3| -> Vec<String> {
+        s.list(&dir, &[])
+            .unwrap()
+            .files
+            .into_iter()
+            .map(|f| f.info.path)
+            .filter(|p| !p.starts_with("src/") && !p.starts_with("staging/"))
+            .collect()
+    };
+    let left: Vec<String> = raw(&s)
+        .into_iter()
+        .filter(|p| p.starts_with("replica/"))
+        .collect();
+    assert_eq!(left, ["replica/w.bin"], "objects of the old replica left");
+    assert!(s.withdraw(&local, &v, &dir.join("aside"), &[]).unwrap());
+    assert!(!s.exists(&local).unwrap());
+    let rest = raw(&s);
+    assert!(rest.is_empty(), "left after the withdrawal: {rest:?}");
+}
+
 /// Every multipart part but the last is at least 5 MiB (S3 refuses
 /// smaller ones, even where a test server accepts them).
 fn assert_parts_at_least_min(s: &S3) {
@@ -832,7 +921,12 @@ fn s3_publishes_large_files_in_parts() {
         )]
     );
     assert!(s
-        .withdraw(&dir.join("replica"), &dir.join("v"), &dir.join("aside"))
+        .withdraw(
+            &dir.join("replica"),
+            &dir.join("v"),
+            &dir.join("aside"),
+            &[]
+        )
         .unwrap());
     assert!(s.committed(&dir.join("replica")).unwrap().is_none());
 }

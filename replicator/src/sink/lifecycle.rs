@@ -115,11 +115,9 @@ pub enum LifecycleError {
     /// A policy set through the API is not valid.
     #[error("{0}")]
     Invalid(String),
-    /// This sink's storage cannot take a replica out of the published
-    /// namespace yet (S3: replicas are not under versioned prefixes).
-    /// This sink's storage publishes in place: no version a lease could
-    /// hold.
-    #[error("this sink's storage publishes replicas in place, without version directories; leases are not available on it")]
+    /// This sink's storage publishes in place (HDFS): no version a lease
+    /// could hold.
+    #[error("this sink's storage publishes replicas in place, without version directories (HDFS); leases are not available on it")]
     NotVersioned,
     /// A catalog error.
     #[error(transparent)]
@@ -445,13 +443,14 @@ impl Sink {
     /// Resolves `path` as [`Sink::resolve`] (as [`Sink::resolve_full`]
     /// with `full`) and, when it is local, grants
     /// `holder` a lease of `duration` on the version it names: the answer's
-    /// `local_path` is then inside that version's own directory, which
+    /// `local_path` (POSIX) or `url` (S3: the version's own prefix, whose
+    /// `.ferry-commit` lists its files) then names that version, which
     /// stays (whatever a re-save publishes, whatever a policy says) until
     /// the lease expires or is released. Other answers carry no lease.
     ///
     /// # Errors
-    /// [`LifecycleError::NotVersioned`] on storage without version
-    /// directories; catalog errors.
+    /// [`LifecycleError::NotVersioned`] on storage without versions
+    /// (HDFS); catalog errors.
     pub async fn resolve_with_lease(
         &self,
         path: &str,
@@ -470,7 +469,6 @@ impl Sink {
             let (res, row) = self.resolve_row(path, full).await?;
             let (
                 Resolution::Local {
-                    local_path,
                     manifest_root,
                     published_at,
                     profile,
@@ -481,12 +479,18 @@ impl Sink {
             else {
                 return Ok(res);
             };
-            // A versioned store is a local directory: the answer has a path.
-            let local_path = local_path.as_deref().unwrap_or_default();
-            if !Path::new(local_path).starts_with(&inner.cfg.root) {
+            let Some(row_path) = inner
+                .catalog
+                .replica(id)
+                .await?
+                .map(|r| PathBuf::from(r.local_path))
+            else {
+                continue;
+            };
+            if !row_path.starts_with(&inner.cfg.root) {
                 return Err(LifecycleError::Elsewhere {
                     id,
-                    path: local_path.to_string(),
+                    path: row_path.display().to_string(),
                     root: inner.cfg.root.display().to_string(),
                 });
             }
@@ -499,26 +503,26 @@ impl Sink {
             } else {
                 version.join(&suffix)
             };
-            let l2 = local.clone();
-            if !blocking(move || Ok(std::fs::symlink_metadata(&l2).is_ok()))
-                .await
-                .unwrap_or(false)
-            {
+            let Some((local_path, url)) = self.twin_there(&local).await else {
                 let _ = inner.catalog.release_lease(&lease.id).await?;
-                if !version.exists() && !replaced_now(inner, id).await? {
+                let (store, v2) = (inner.store.clone(), version.clone());
+                let version_there = blocking(move || store.exists(&v2)).await.unwrap_or(false);
+                if !version_there && !replaced_now(inner, id).await? {
                     return Err(LifecycleError::Lease(format!(
                         "replica {id} has no version directory ({}); it was published before \
                          version directories and could not be moved into one (see the log)",
-                        version.display()
+                        self.twin(&version)
+                            .1
+                            .unwrap_or_else(|| version.display().to_string())
                     )));
                 }
                 continue;
-            }
+            };
             info!(replica = id, lease = lease.id, holder, expires_at = %super::rfc3339(lease.expires_at), "reader lease granted");
             inner.changed.send_modify(|v| *v += 1);
             return Ok(Resolution::Local {
-                local_path: Some(local.to_string_lossy().into_owned()),
-                url: None,
+                local_path,
+                url,
                 manifest_root: manifest_root.clone(),
                 published_at: published_at.clone(),
                 profile: *profile,
@@ -630,7 +634,7 @@ impl Sink {
         let now = now_ms();
         let mut rows = inner.catalog.current_replicas().await?;
         rows.retain(|r| mine(inner, r));
-        let versions = versions_of(&rows, now, inner.store.versioned(), |r| {
+        let versions = versions_of(&rows, now, inner.store.hard_links(), |r| {
             list.iter()
                 .find(|p| p.matches(&r.job))
                 .is_some_and(|p| p.max_bytes.is_some())
@@ -1002,7 +1006,7 @@ async fn apply_pin_requests(inner: &Arc<Inner>) {
             return;
         }
     };
-    let versions = versions_of(&rows, now, inner.store.versioned(), |_| false).await;
+    let versions = versions_of(&rows, now, inner.store.hard_links(), |_| false).await;
     for p in pending {
         let group: Vec<Version> = versions
             .iter()
@@ -1090,24 +1094,11 @@ async fn sweep_versions(inner: &Arc<Inner>) {
         super::versions_root(&root),
         root.join(".ferry").join("retired"),
     ];
-    let d2 = dirs.clone();
+    let (d2, store) = (dirs.clone(), inner.store.clone());
     let listed = blocking(move || {
         let mut out = Vec::new();
         for (i, d) in d2.iter().enumerate() {
-            match std::fs::read_dir(d) {
-                Ok(rd) => {
-                    for e in rd.flatten() {
-                        out.push((i, e.file_name().to_string_lossy().into_owned()));
-                    }
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => {
-                    return Err(std::io::Error::new(
-                        e.kind(),
-                        format!("{}: {e}", d.display()),
-                    ))
-                }
-            }
+            out.extend(store.list_names(d)?.into_iter().map(|n| (i, n)));
         }
         Ok(out)
     })
@@ -1213,10 +1204,17 @@ async fn sweep_versions(inner: &Arc<Inner>) {
             // A live lease holds it.
             continue;
         }
+        let keep = match staying_versions(inner, &row).await {
+            Ok(k) => k,
+            Err(e) => {
+                warn!(replica = id, error = %e, "listing the versions that stay; sweeping at the next pass");
+                continue;
+            }
+        };
         let aside = retired_path(&root, id);
         let store = inner.store.clone();
         let res = blocking(move || {
-            store.withdraw(&local, &path, &aside)?;
+            store.withdraw(&local, &path, &aside, &keep)?;
             store.retire(&aside)
         })
         .await;
@@ -1247,7 +1245,7 @@ async fn retention_pass(inner: &Arc<Inner>, wait: bool) -> Result<Vec<i64>, Cata
     let now = now_ms();
     let mut rows = inner.catalog.current_replicas().await?;
     rows.retain(|r| mine(inner, r));
-    let versions = versions_of(&rows, now, inner.store.versioned(), |r| {
+    let versions = versions_of(&rows, now, inner.store.hard_links(), |r| {
         policies
             .iter()
             .find(|p| p.matches(&r.job))
@@ -1512,7 +1510,7 @@ async fn relieve(inner: &Arc<Inner>, goal: u64, all_or_nothing: bool) -> Relief 
         }
     };
     let now = now_ms();
-    let versions = versions_of(&rows, now, inner.store.versioned(), |_| true).await;
+    let versions = versions_of(&rows, now, inner.store.hard_links(), |_| true).await;
     let classes: Vec<_> = rows.iter().map(|r| r.class).collect();
     let need = goal.saturating_sub(relief.free.unwrap_or(0));
     let plan = super::pressure::plan(&policies(inner), &versions, &classes, now, need);
@@ -1552,6 +1550,29 @@ async fn relieve(inner: &Arc<Inner>, goal: u64, all_or_nothing: bool) -> Relief 
 
 /// The newest row that replaced `r` at its path: published, or removed
 /// since (its files went with the re-save).
+/// The version directories of the other versions at `r`'s path that stay
+/// (published, not deleted): what a store whose versions name files of
+/// earlier ones by reference (S3) must keep when `r` goes. Empty on a
+/// store with hard links, which needs no list.
+async fn staying_versions(inner: &Inner, r: &Replica) -> Result<Vec<PathBuf>, CatalogError> {
+    if inner.store.hard_links() {
+        return Ok(Vec::new());
+    }
+    Ok(inner
+        .catalog
+        .replicas_for_source(&r.source_path)
+        .await?
+        .into_iter()
+        .filter(|n| {
+            n.id != r.id
+                && n.local_path == r.local_path
+                && n.state == TransferState::Published
+                && n.version_deleted_at.is_none()
+        })
+        .map(|n| super::version_dir(&inner.cfg.root, n.id))
+        .collect())
+}
+
 async fn newer_version(inner: &Inner, r: &Replica) -> Result<Option<i64>, CatalogError> {
     Ok(inner
         .catalog
@@ -1610,8 +1631,9 @@ async fn remove_version(
     );
     let aside = retired_path(&inner.cfg.root, r.id);
     let version = super::version_dir(&inner.cfg.root, r.id);
+    let keep = staying_versions(inner, r).await?;
     let (store, l2, a2) = (inner.store.clone(), local.clone(), aside.clone());
-    let moved = blocking(move || store.withdraw(&l2, &version, &a2)).await;
+    let moved = blocking(move || store.withdraw(&l2, &version, &a2, &keep)).await;
     drop(guard);
     if let Err(e) = moved {
         // The row stays `removing`: finished at the next pass or start.
@@ -1696,8 +1718,15 @@ async fn finish_removals(inner: &Arc<Inner>) {
         let aside_there = blocking(move || store.exists(&a2)).await.unwrap_or(false);
         if !aside_there && !replaced(inner, &r).await {
             let version = super::version_dir(&inner.cfg.root, r.id);
+            let keep = match staying_versions(inner, &r).await {
+                Ok(k) => k,
+                Err(e) => {
+                    warn!(replica = r.id, error = %e, "listing the versions that stay; trying again later");
+                    continue;
+                }
+            };
             let (store, l2, a2) = (inner.store.clone(), local.clone(), aside.clone());
-            if let Err(e) = blocking(move || store.withdraw(&l2, &version, &a2)).await {
+            if let Err(e) = blocking(move || store.withdraw(&l2, &version, &a2, &keep)).await {
                 warn!(replica = r.id, error = %e, "could not move a removed replica aside; trying again later");
                 continue;
             }

@@ -39,7 +39,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::io;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -1360,7 +1360,13 @@ impl SinkStore for Hdfs {
         self.delete_tree(&s)
     }
 
-    fn withdraw(&self, local_path: &Path, _version: &Path, aside: &Path) -> io::Result<bool> {
+    fn withdraw(
+        &self,
+        local_path: &Path,
+        _version: &Path,
+        aside: &Path,
+        _keep: &[PathBuf],
+    ) -> io::Result<bool> {
         let l = self.root.check(local_path)?;
         let a = self.root.check(aside)?;
         if !self.exists_at(&l)? {

@@ -246,6 +246,21 @@ impl SinkStore for Posix {
         true
     }
 
+    fn list_names(&self, dir: &Path) -> io::Result<Vec<String>> {
+        match std::fs::read_dir(dir) {
+            Ok(rd) => Ok(rd
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(e) => Err(at(dir)(e)),
+        }
+    }
+
+    fn hard_links(&self) -> bool {
+        true
+    }
+
     fn named_version(&self, local_path: &Path) -> io::Result<Option<PathBuf>> {
         publish::named_version(local_path)
     }
@@ -272,7 +287,14 @@ impl SinkStore for Posix {
         Ok(())
     }
 
-    fn withdraw(&self, local_path: &Path, version: &Path, aside: &Path) -> io::Result<bool> {
+    fn withdraw(
+        &self,
+        local_path: &Path,
+        version: &Path,
+        aside: &Path,
+        _keep: &[PathBuf],
+    ) -> io::Result<bool> {
+        // Versions share files by hard links: nothing to keep by name.
         if let Some(parent) = aside.parent() {
             std::fs::create_dir_all(parent).map_err(at(parent))?;
         }

@@ -5,8 +5,10 @@
 //!
 //! - **Listing**: the keys under the prefix, with sizes and last-modified
 //!   times (mode 0644: objects have none); the version token is a hash of
-//!   the ETag and version id. The modes and mtimes of a replica published
-//!   here are in its commit object ([`S3::committed`]).
+//!   the ETag and version id. A path with a commit object (a replica or
+//!   version published here) lists as its commit object says, with the
+//!   modes and mtimes it records ([`S3::committed`]), and a file of it is
+//!   read from the object the commit object names.
 //! - **Staging**: objects are immutable and every multipart part but the
 //!   last must be at least 5 MiB (10,000 parts at most), while chunks
 //!   arrive out of order; each chunk is staged as its own object under
@@ -14,27 +16,45 @@
 //!   to [`PART_TARGET`] in one PUT, larger ones as a multipart upload whose
 //!   parts are k whole consecutive chunks, k = ceil(8 MiB / chunk size),
 //!   raised so that no file needs more than 10,000 parts.
-//! - **Publish**: the replica's files are written under the published
-//!   prefix, markers last, then the commit object `<path>.ferry-commit`
-//!   (JSON: the manifest root, every file's path, size, mode and mtime) is
-//!   created with a conditional create (`If-None-Match: *`), so that of
-//!   two publishers exactly one wins. A reader takes a replica to exist
-//!   only while its commit object does; replacing a version first deletes
-//!   the older commit object. `<staging>/.ferry-publishing` says a publish
-//!   is under way.
-//! - **Sharing an unchanged file** of a re-save (published at the same
-//!   prefix): no copy. Staging records the published object's key, ETag
-//!   and size (`<staging>/.ferry-shared/<rel>`), and the publish leaves
-//!   that object in place for the new commit object to list, once it has
-//!   checked that the object is still what was shared (else, with the
-//!   read-back, the file's chunks are fetched again). An object may be
-//!   up to 5 TB, and S3 copies at most 5 GB in one request.
+//! - **Publish**: every version has a prefix of its own, the version
+//!   directory the sink names (`<root>/.ferry/versions/<id>`). Its files
+//!   are written there, markers last, then its commit object
+//!   `<version>.ferry-commit` (JSON: the manifest root; every file's path,
+//!   size, mode and mtime; the version's key prefix; the keys of files kept
+//!   from an earlier version) by a conditional create (`If-None-Match:
+//!   *`), so that of two publishers of a version exactly one wins. Last,
+//!   the published path's commit object `<path>.ferry-commit` is written
+//!   with the same content, by one PUT (a conditional create for the
+//!   first version at a path): a reader sees the older commit object or
+//!   the new one, each naming a whole version, never a mixture. A reader
+//!   takes a replica to exist only while its commit object does, and
+//!   reads file `f` at the key the commit object gives (`kept[f]`, else
+//!   `<version>/f`). An older version stays readable at its own prefix
+//!   (a reader lease's URL) until the sink withdraws it.
+//!   `<staging>/.ferry-publishing` says a publish is under way.
+//! - **Sharing an unchanged file** of a re-save: no copy. Staging records
+//!   the published object's key, ETag and size
+//!   (`<staging>/.ferry-shared/<rel>`), and the new version's commit
+//!   object names that object, once the publish has checked that it is
+//!   still what was shared (else, with the read-back, the file's chunks
+//!   are fetched again). An object may be up to 5 TB, and S3 copies at
+//!   most 5 GB in one request.
+//! - **Removal** ([`SinkStore::withdraw`]): the published path's commit
+//!   object first when it names the version, then the version's objects
+//!   and the kept objects it names, but for those a version that stays
+//!   names (the caller lists them) or owns, then the version's commit
+//!   object.
+//! - **Replicas of an earlier release** (a commit object without a
+//!   version, the files under the published path): read as before; the
+//!   next version at the path deletes their objects but for those it
+//!   keeps.
 //! - **Free space**: a configured capacity less what the root holds;
 //!   `None` without one.
 //!
 //! Credentials come from [`S3Config`] or the standard `AWS_*` environment
 //! variables; they never appear in `Debug` output or errors.
 
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -104,7 +124,36 @@ pub struct S3 {
     capacity: Option<u64>,
     parts: Arc<Mutex<Vec<Vec<u64>>>>,
     publish_threads: usize,
+    /// Commit objects read by the latest listings of published replicas
+    /// (path to commit), so that the reads of a listing's files find
+    /// the objects of the version listed, even if a publish replaces it
+    /// meanwhile. At most [`COMMITS_CACHED`].
+    commits: Arc<Mutex<HashMap<String, Arc<Commit>>>>,
 }
+
+/// The object found for a path ([`S3::locate`]).
+struct Located {
+    meta: object_store::ObjectMeta,
+    /// The file's mtime (ns since the epoch) as its commit object records
+    /// it, where the path was found through one; else the object's own.
+    mtime_ns: Option<i64>,
+}
+
+impl Located {
+    /// Size (bytes), mtime (ns since the epoch) and version token.
+    fn stat(&self) -> (u64, i64, FileVersion) {
+        let m = &self.meta;
+        (
+            m.size,
+            self.mtime_ns
+                .unwrap_or_else(|| m.last_modified.timestamp_nanos_opt().unwrap_or(0)),
+            version_of(m),
+        )
+    }
+}
+
+/// Commit objects an [`S3`] store keeps from its listings.
+const COMMITS_CACHED: usize = 64;
 
 impl fmt::Debug for S3 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -183,13 +232,38 @@ fn version_of(m: &object_store::ObjectMeta) -> FileVersion {
     FileVersion([h(&m.e_tag), h(&m.version), m.size, 0])
 }
 
-/// The commit object of a published replica.
+/// The commit object of a published replica (`<path>.ferry-commit`, JSON)
+/// and of each version (`<version>.ferry-commit`).
 #[derive(Debug, Serialize, Deserialize)]
 struct Commit {
     /// The manifest root, hex.
     root: String,
     /// Every file: path, size (bytes), mode, mtime (ns since the epoch).
     files: Vec<(String, u64, u32, i64)>,
+    /// The key prefix of the version whose objects are the files
+    /// (`eval/.ferry/versions/12`: file `w.bin` is the object
+    /// `eval/.ferry/versions/12/w.bin`); absent for a replica published
+    /// before versioned prefixes, whose files are under the published
+    /// path itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    version: Option<String>,
+    /// Files kept from an earlier version (unchanged by a re-save): path
+    /// to the key of that version's object, which stays while a version
+    /// names it.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    kept: BTreeMap<String, String>,
+}
+
+impl Commit {
+    /// The key of file `rel` of the replica published at `at` (a path
+    /// under the root) with this commit object.
+    fn object(&self, at: &str, rel: &str) -> String {
+        match (self.kept.get(rel), &self.version) {
+            (Some(k), _) => k.clone(),
+            (None, Some(v)) => format!("{v}/{rel}"),
+            (None, None) => format!("{}/{rel}", at.trim_start_matches('/')),
+        }
+    }
 }
 
 /// What `<staging>/.ferry-shared/<rel>` holds: the published object an
@@ -280,6 +354,7 @@ impl S3 {
             capacity: cfg.capacity,
             parts: Arc::default(),
             publish_threads: remote::PUBLISH_THREADS,
+            commits: Arc::default(),
         };
         let prefix = s.key_of_str(&s.root.path.to_string_lossy());
         s.call(
@@ -372,20 +447,7 @@ impl S3 {
             .map(|m| m.location)
             .collect();
         let n = keys.len();
-        if n == 0 {
-            return Ok(0);
-        }
-        self.call("delete", prefix.to_string(), move |st| async move {
-            let located = futures::stream::iter(keys.into_iter().map(Ok)).boxed();
-            let mut results = st.delete_stream(located);
-            while let Some(r) = results.next().await {
-                match r {
-                    Ok(_) | Err(object_store::Error::NotFound { .. }) => {}
-                    Err(e) => return Err(e),
-                }
-            }
-            Ok(())
-        })?;
+        self.delete_keys(prefix.to_string(), keys)?;
         Ok(n)
     }
 
@@ -435,6 +497,90 @@ impl S3 {
 
     fn commit_key(&self, l: &str) -> Key {
         self.key_of_str(&format!("{l}.ferry-commit"))
+    }
+
+    /// The object that is file `path` of a published replica or version,
+    /// through the commit object of the nearest directory above it that
+    /// has one, else the object at `path` itself; `None` when neither
+    /// names one that exists. With `cached` (a reader's open after a
+    /// listing), a commit object of the latest listings comes first (see
+    /// [`S3::commits`]), so that the reads of a listing's files see the
+    /// version it listed.
+    fn locate(&self, path: &Path, cached: bool) -> io::Result<Option<Located>> {
+        let p = self.root.check(path)?;
+        let in_commit = |a: &str, c: &Commit| {
+            let rel = p[a.len()..].trim_start_matches('/');
+            c.files
+                .iter()
+                .find(|f| f.0 == rel)
+                .map(|f| (Key::from(c.object(a, rel)), f.3))
+        };
+        let head = |(k, mtime): (Key, i64)| -> io::Result<Option<Located>> {
+            Ok(self.head(k)?.map(|meta| Located {
+                meta,
+                mtime_ns: Some(mtime),
+            }))
+        };
+        let listed = cached.then(|| {
+            let cache = self.commits.lock().unwrap_or_else(|e| e.into_inner());
+            Path::new(&p).ancestors().skip(1).find_map(|a| {
+                let a = a.to_string_lossy();
+                cache.get(a.as_ref()).and_then(|c| in_commit(&a, c))
+            })
+        });
+        if let Some(k) = listed.flatten() {
+            // (Gone since: a withdrawn version; look again below.)
+            if let Some(l) = head(k)? {
+                return Ok(Some(l));
+            }
+        }
+        if let Some(meta) = self.head(self.key_of_str(&p))? {
+            return Ok(Some(Located {
+                meta,
+                mtime_ns: None,
+            }));
+        }
+        for a in Path::new(&p).ancestors().skip(1) {
+            if !a.starts_with(&self.root.path) {
+                break;
+            }
+            let a = a.to_string_lossy();
+            if let Some(c) = self.read_commit(&a)? {
+                return match in_commit(&a, &c) {
+                    Some(k) => head(k),
+                    None => Ok(None),
+                };
+            }
+        }
+        Ok(None)
+    }
+
+    /// Remembers the commit object read for the replica at `at`.
+    fn cache_commit(&self, at: &str, c: Arc<Commit>) {
+        let mut cache = self.commits.lock().unwrap_or_else(|e| e.into_inner());
+        if cache.len() >= COMMITS_CACHED && !cache.contains_key(at) {
+            cache.clear();
+        }
+        cache.insert(at.to_string(), c);
+    }
+
+    /// Deletes the objects `keys`, in bulk deletions (S3's DeleteObjects,
+    /// up to 1,000 keys a request); an object gone already is no error.
+    fn delete_keys(&self, what: String, keys: Vec<Key>) -> io::Result<()> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        self.call("delete", what, move |st| async move {
+            let located = futures::stream::iter(keys.into_iter().map(Ok)).boxed();
+            let mut results = st.delete_stream(located);
+            while let Some(r) = results.next().await {
+                match r {
+                    Ok(_) | Err(object_store::Error::NotFound { .. }) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            Ok(())
+        })
     }
 
     fn read_commit(&self, l: &str) -> io::Result<Option<Commit>> {
@@ -564,26 +710,22 @@ impl S3 {
         Ok(())
     }
 
-    /// Writes file `f` from staging `s` to key `dst`: a shared copy if
-    /// staging has one, else its chunks in one PUT or a multipart upload.
+    /// Writes file `f` from staging `s` to key `dst`, its chunks in one
+    /// PUT or a multipart upload; `Ok(Some(key))` instead when staging
+    /// shares the file with an earlier version's object `key`, which is
+    /// kept where it is (checked to be what was shared).
     fn write_file(
         &self,
         s: &str,
         f: &ferry_proto::manifest::FileEntry,
         cs: u32,
         dst: Key,
-    ) -> io::Result<()> {
+    ) -> io::Result<Option<Key>> {
         if let Some((kept, holds)) = self.shared_holds(s, f)? {
             if !holds {
                 return Err(self.changed_since_shared(&kept));
             }
-            if kept == dst {
-                // The previous version's object, kept in place.
-                return Ok(());
-            }
-            return self.call("copy", dst.to_string(), move |st| async move {
-                st.copy(&kept, &dst).await
-            });
+            return Ok(Some(kept));
         }
         let n = chunk_count(f.size, cs);
         if f.size <= PART_TARGET {
@@ -592,7 +734,7 @@ impl S3 {
                 data.extend_from_slice(&b);
                 Ok(())
             })?;
-            return self.put(dst, Bytes::from(data));
+            return self.put(dst, Bytes::from(data)).map(|()| None);
         }
         let mut k = PART_TARGET.div_ceil(u64::from(cs));
         if n.div_ceil(k) > MAX_PARTS {
@@ -621,7 +763,7 @@ impl S3 {
                 if let Ok(mut p) = self.parts.lock() {
                     p.push(sizes);
                 }
-                Ok(())
+                Ok(None)
             }
             Err(e) => {
                 let _ = self.call("abort upload", dst.to_string(), move |_| async move {
@@ -771,6 +913,8 @@ struct S3File {
     store: S3,
     key: Key,
     size: u64,
+    /// The mtime its commit object records, if found through one.
+    mtime_ns: Option<i64>,
 }
 
 impl RangeRead for S3File {
@@ -809,11 +953,11 @@ impl RangeRead for S3File {
                 format!("{} {}: gone", self.store.root.url, self.key),
             )
         })?;
-        Ok((
-            m.size,
-            m.last_modified.timestamp_nanos_opt().unwrap_or(0),
-            version_of(&m),
-        ))
+        Ok(Located {
+            meta: m,
+            mtime_ns: self.mtime_ns,
+        }
+        .stat())
     }
 }
 
@@ -828,6 +972,50 @@ impl SourceStore for S3 {
             source,
         };
         let d = self.root.check(dir).map_err(io_err)?;
+        if let Some(c) = self.read_commit(&d).map_err(io_err)? {
+            // A published replica or version: its commit object lists it
+            // (its objects may be under another prefix). Sizes and version
+            // tokens are the objects' own (one listing of the version's
+            // prefix, and a HEAD for each kept file); a file whose object
+            // is gone is left out.
+            let c = Arc::new(c);
+            self.cache_commit(&d, c.clone());
+            let own = c
+                .version
+                .clone()
+                .unwrap_or_else(|| d.trim_start_matches('/').to_string());
+            let mut objects: HashMap<String, object_store::ObjectMeta> = self
+                .list_keys(Key::from(own.as_str()))
+                .map_err(io_err)?
+                .into_iter()
+                .map(|m| (m.location.to_string(), m))
+                .collect();
+            for k in c.kept.values() {
+                if !objects.contains_key(k) {
+                    if let Some(m) = self.head(Key::from(k.as_str())).map_err(io_err)? {
+                        objects.insert(k.clone(), m);
+                    }
+                }
+            }
+            let files = c
+                .files
+                .iter()
+                .filter(|f| !remote::skipped(&f.0))
+                .filter_map(|(path, _, mode, mtime_ns)| {
+                    let m = objects.get(&c.object(&d, path))?;
+                    Some(Listed {
+                        info: FileInfo {
+                            path: path.clone(),
+                            size: m.size,
+                            mode: *mode,
+                            mtime_ns: *mtime_ns,
+                        },
+                        version: version_of(m),
+                    })
+                })
+                .collect();
+            return Ok(remote::order(files, markers));
+        }
         let prefix = self.key_of_str(&d);
         let all = self.list_keys(prefix.clone()).map_err(io_err)?;
         let strip = if prefix.as_ref().is_empty() {
@@ -863,8 +1051,7 @@ impl SourceStore for S3 {
     }
 
     fn open(&self, path: &Path) -> io::Result<Box<dyn RangeRead>> {
-        let key = self.key(path)?;
-        let m = self.head(key.clone())?.ok_or_else(|| {
+        let m = self.locate(path, true)?.ok_or_else(|| {
             io::Error::new(
                 io::ErrorKind::NotFound,
                 format!("{}: no such object", self.root.url_of(path)),
@@ -872,23 +1059,20 @@ impl SourceStore for S3 {
         })?;
         Ok(Box::new(S3File {
             store: self.clone(),
-            key,
-            size: m.size,
+            key: m.meta.location,
+            size: m.meta.size,
+            mtime_ns: m.mtime_ns,
         }))
     }
 
     fn stat(&self, path: &Path) -> io::Result<(u64, i64, FileVersion)> {
-        let m = self.head(self.key(path)?)?.ok_or_else(|| {
+        let m = self.locate(path, true)?.ok_or_else(|| {
             io::Error::new(
                 io::ErrorKind::NotFound,
                 format!("{}: no such object", self.root.url_of(path)),
             )
         })?;
-        Ok((
-            m.size,
-            m.last_modified.timestamp_nanos_opt().unwrap_or(0),
-            version_of(&m),
-        ))
+        Ok(m.stat())
     }
 }
 
@@ -922,8 +1106,16 @@ impl SinkStore for S3 {
         ferry_proto::paths::check_relative(rel)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("{rel}: {e}")))?;
         // No copy: staging records which object (and which ETag) the new
-        // version keeps; the publish leaves it in place.
-        let from = self.key_of_str(&format!("{}/{rel}", self.root.check(previous)?));
+        // version keeps; the publish leaves it in place, and the new
+        // commit object names it.
+        let p = self.root.check(previous)?;
+        let from = self
+            .read_commit(&p)?
+            .filter(|c| c.files.iter().any(|f| f.0 == rel))
+            .map_or_else(
+                || self.key_of_str(&format!("{p}/{rel}")),
+                |c| Key::from(c.object(&p, rel)),
+            );
         let m = self.head(from.clone())?.ok_or_else(|| {
             io::Error::new(
                 io::ErrorKind::NotFound,
@@ -949,137 +1141,162 @@ impl SinkStore for S3 {
         &self,
         staging: &Path,
         local_path: &Path,
-        _version: &Path,
+        version: &Path,
         m: &Manifest,
         reread: Option<&[(u64, Hash)]>,
         _readers: Option<u64>,
     ) -> io::Result<PublishOutcome> {
         let s = self.root.check(staging)?;
         let l = self.root.check(local_path)?;
+        let v = self.root.check(version)?;
         let root = hex(&m.root());
         let existing = self.read_commit(&l)?;
         if existing.as_ref().is_some_and(|c| c.root == root) {
             return Ok(PublishOutcome::Recovered);
         }
-        let start = std::time::Instant::now();
-        if let Some(want) = reread {
-            // Check every staged chunk before anything moves, a few files
-            // at once.
-            let firsts = remote::first_chunks(m);
-            let refetch = Mutex::new(Vec::new());
-            remote::for_each_parallel(self.publish_threads, m.files.len(), |fi| {
-                let f = &m.files[fi];
-                match self.shared_holds(&s, f)? {
-                    Some((_, true)) => return Ok(()),
-                    Some((_, false)) => {
-                        // Changed since it was shared: sent again, staged
-                        // as chunks.
-                        let k = self.shared_key(&s, &f.path);
-                        self.call("delete", k.to_string(), move |st| async move {
-                            st.delete(&k).await
-                        })?;
-                        let mut r = refetch.lock().unwrap_or_else(|p| p.into_inner());
+        let mut reread_time = None;
+        let commit = match self.read_commit(&v)? {
+            // A crash after the version was complete, before the switch.
+            Some(c) if c.root == root => c,
+            Some(_) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    format!(
+                        "{}: another checkpoint's version is there",
+                        self.root.url_of(version)
+                    ),
+                ))
+            }
+            None => {
+                let start = std::time::Instant::now();
+                if let Some(want) = reread {
+                    // Check every staged chunk before anything moves, a few files
+                    // at once.
+                    let firsts = remote::first_chunks(m);
+                    let refetch = Mutex::new(Vec::new());
+                    remote::for_each_parallel(self.publish_threads, m.files.len(), |fi| {
+                        let f = &m.files[fi];
+                        match self.shared_holds(&s, f)? {
+                            Some((_, true)) => return Ok(()),
+                            Some((_, false)) => {
+                                // Changed since it was shared: sent again, staged
+                                // as chunks.
+                                let k = self.shared_key(&s, &f.path);
+                                self.call("delete", k.to_string(), move |st| async move {
+                                    st.delete(&k).await
+                                })?;
+                                let mut r = refetch.lock().unwrap_or_else(|p| p.into_inner());
+                                for ci in 0..chunk_count(f.size, m.chunk_size) {
+                                    r.push(want[firsts[fi] + ci as usize].0);
+                                }
+                                return Ok(());
+                            }
+                            None => {}
+                        }
                         for ci in 0..chunk_count(f.size, m.chunk_size) {
-                            r.push(want[firsts[fi] + ci as usize].0);
+                            let (k, h) = want[firsts[fi] + ci as usize];
+                            let key = self.key_of_str(&chunk_key(
+                                &s,
+                                &f.path,
+                                ci * u64::from(m.chunk_size),
+                            ));
+                            let ok = match self.get(key) {
+                                Ok(b) => {
+                                    b.len() as u64 == chunk_len(f.size, m.chunk_size, ci)
+                                        && *blake3::hash(&b).as_bytes() == h
+                                }
+                                Err(e) if e.kind() == io::ErrorKind::NotFound => false,
+                                Err(e) => return Err(e),
+                            };
+                            if !ok {
+                                refetch.lock().unwrap_or_else(|p| p.into_inner()).push(k);
+                            }
                         }
-                        return Ok(());
-                    }
-                    None => {}
-                }
-                for ci in 0..chunk_count(f.size, m.chunk_size) {
-                    let (k, h) = want[firsts[fi] + ci as usize];
-                    let key =
-                        self.key_of_str(&chunk_key(&s, &f.path, ci * u64::from(m.chunk_size)));
-                    let ok = match self.get(key) {
-                        Ok(b) => {
-                            b.len() as u64 == chunk_len(f.size, m.chunk_size, ci)
-                                && *blake3::hash(&b).as_bytes() == h
-                        }
-                        Err(e) if e.kind() == io::ErrorKind::NotFound => false,
-                        Err(e) => return Err(e),
-                    };
-                    if !ok {
-                        refetch.lock().unwrap_or_else(|p| p.into_inner()).push(k);
+                        Ok(())
+                    })?;
+                    let mut refetch = refetch.into_inner().unwrap_or_else(|p| p.into_inner());
+                    if !refetch.is_empty() {
+                        refetch.sort_unstable();
+                        return Ok(PublishOutcome::Refetch(refetch));
                     }
                 }
-                Ok(())
-            })?;
-            let mut refetch = refetch.into_inner().unwrap_or_else(|p| p.into_inner());
-            if !refetch.is_empty() {
-                refetch.sort_unstable();
-                return Ok(PublishOutcome::Refetch(refetch));
-            }
-        }
-        let reread_time = reread.map(|_| start.elapsed());
-        if reread.is_none() {
-            // Unread, a shared object that changed would only show when
-            // the files are written: check before anything moves.
-            remote::for_each_parallel(self.publish_threads, m.files.len(), |fi| {
-                match self.shared_holds(&s, &m.files[fi])? {
-                    Some((kept, false)) => Err(self.changed_since_shared(&kept)),
-                    _ => Ok(()),
+                reread_time = reread.map(|_| start.elapsed());
+                if reread.is_none() {
+                    // Unread, a shared object that changed would only show when
+                    // the files are written: check before anything moves.
+                    remote::for_each_parallel(
+                        self.publish_threads,
+                        m.files.len(),
+                        |fi| match self.shared_holds(&s, &m.files[fi])? {
+                            Some((kept, false)) => Err(self.changed_since_shared(&kept)),
+                            _ => Ok(()),
+                        },
+                    )?;
                 }
-            })?;
-        }
-        self.put(
-            self.key_of_str(&format!("{s}/.ferry-publishing")),
-            Bytes::from(l.clone().into_bytes()),
-        )?;
-        if existing.is_some() {
-            // The older version stops being a replica before any of its
-            // objects is replaced.
-            let k = self.commit_key(&l);
-            self.call("delete", k.to_string(), move |st| async move {
-                st.delete(&k).await
-            })?;
-        }
-        fault_point("placed");
-        // Non-markers a few at once, then the markers in order, last.
-        let is_marker = |i: usize| m.markers.iter().any(|&x| x as usize == i);
-        let files: Vec<usize> = (0..m.files.len()).filter(|&i| !is_marker(i)).collect();
-        remote::for_each_parallel(self.publish_threads, files.len(), |j| {
-            let f = &m.files[files[j]];
-            self.write_file(
-                &s,
-                f,
-                m.chunk_size,
-                self.key_of_str(&format!("{l}/{}", f.path)),
-            )
-        })?;
-        for &i in &m.markers {
-            let f = &m.files[i as usize];
-            self.write_file(
-                &s,
-                f,
-                m.chunk_size,
-                self.key_of_str(&format!("{l}/{}", f.path)),
-            )?;
-        }
-        fault_point("markers-in");
-        // Objects of an older version that this one does not have.
-        let keep: std::collections::HashSet<&str> =
-            m.files.iter().map(|f| f.path.as_str()).collect();
-        let strip = format!("{}/", self.key_of_str(&l).as_ref());
-        for o in self.list_keys(self.key_of_str(&l))? {
-            let rel = o.location.as_ref().strip_prefix(&strip).unwrap_or("");
-            if !keep.contains(rel) {
-                let k = o.location;
-                self.call("delete", k.to_string(), move |st| async move {
-                    st.delete(&k).await
-                })?;
+                self.put(
+                    self.key_of_str(&format!("{s}/.ferry-publishing")),
+                    Bytes::from(l.clone().into_bytes()),
+                )?;
+                fault_point("placed");
+                // The files under the version's own prefix, nothing at
+                // the published path yet: non-markers a few at once, then
+                // the markers in order, last. Shared files stay where the
+                // earlier version has them.
+                let vk = self.key_of_str(&v).to_string();
+                let kept = Mutex::new(BTreeMap::new());
+                let write = |i: usize| {
+                    let f = &m.files[i];
+                    let dst = Key::from(format!("{vk}/{}", f.path));
+                    if let Some(k) = self.write_file(&s, f, m.chunk_size, dst)? {
+                        kept.lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .insert(f.path.clone(), k.to_string());
+                    }
+                    Ok(())
+                };
+                let is_marker = |i: usize| m.markers.iter().any(|&x| x as usize == i);
+                let files: Vec<usize> = (0..m.files.len()).filter(|&i| !is_marker(i)).collect();
+                remote::for_each_parallel(self.publish_threads, files.len(), |j| write(files[j]))?;
+                for &i in &m.markers {
+                    write(i as usize)?;
+                }
+                fault_point("markers-in");
+                let c = Commit {
+                    root: root.clone(),
+                    files: m
+                        .files
+                        .iter()
+                        .map(|f| (f.path.clone(), f.size, f.mode, f.mtime_ns))
+                        .collect(),
+                    version: Some(vk),
+                    kept: kept.into_inner().unwrap_or_else(|p| p.into_inner()),
+                };
+                // The version's own commit object, by a conditional create:
+                // of two publishers of one version exactly one wins.
+                let body = serde_json::to_vec(&c).map_err(io::Error::other)?;
+                if !self.put_if_absent(Path::new(&format!("{v}.ferry-commit")), &body)?
+                    && self.read_commit(&v)?.is_none_or(|o| o.root != root)
+                {
+                    return Err(io::Error::new(
+                        io::ErrorKind::AlreadyExists,
+                        format!(
+                            "{}: another publish created the version's commit object first",
+                            self.root.url_of(version)
+                        ),
+                    ));
+                }
+                c
             }
-        }
-        let commit = Commit {
-            root: root.clone(),
-            files: m
-                .files
-                .iter()
-                .map(|f| (f.path.clone(), f.size, f.mode, f.mtime_ns))
-                .collect(),
         };
+        // The switch: one PUT of the published path's commit object, which
+        // names the version from then on (a reader sees the older commit
+        // object or this one, each naming a whole version). The first
+        // publish at a path creates it conditionally.
         let body = serde_json::to_vec(&commit).map_err(io::Error::other)?;
-        let commit_path = PathBuf::from(format!("{l}.ferry-commit"));
-        if !self.put_if_absent(&commit_path, &body)? {
+        let pointer = PathBuf::from(format!("{l}.ferry-commit"));
+        if existing.is_some() {
+            self.put(self.key(&pointer)?, Bytes::from(body))?;
+        } else if !self.put_if_absent(&pointer, &body)? {
             return match self.read_commit(&l)? {
                 Some(c) if c.root == root => Ok(PublishOutcome::Recovered),
                 _ => Err(io::Error::new(
@@ -1090,6 +1307,20 @@ impl SinkStore for S3 {
                     ),
                 )),
             };
+        }
+        if let Some(old) = existing.filter(|c| c.version.is_none()) {
+            // A replica published before versioned prefixes had its
+            // objects under the published path: they go now, but for those
+            // this version keeps.
+            let keep: HashSet<&String> = commit.kept.values().collect();
+            let gone: Vec<Key> = old
+                .files
+                .iter()
+                .map(|f| old.object(&l, &f.0))
+                .filter(|k| !keep.contains(k))
+                .map(Key::from)
+                .collect();
+            self.delete_keys(self.root.url_of(local_path), gone)?;
         }
         Ok(PublishOutcome::Published {
             hot: None,
@@ -1113,22 +1344,132 @@ impl SinkStore for S3 {
         self.delete_prefix(self.key(staging)?).map(drop)
     }
 
-    fn withdraw(&self, local_path: &Path, _version: &Path, _aside: &Path) -> io::Result<bool> {
-        // Objects cannot move: the replica is deleted here, under the
-        // caller's publish lock, so no newer version's objects (a
-        // re-publish writes the same keys) can be among them. The commit
-        // object goes first: from then on no reader takes the rest for a
-        // replica, and a deletion cut short is finished by calling again.
+    fn versioned(&self) -> bool {
+        true
+    }
+
+    fn named_version(&self, local_path: &Path) -> io::Result<Option<PathBuf>> {
         let l = self.root.check(local_path)?;
-        let k = self.commit_key(&l);
-        let had_commit = self.head(k.clone())?.is_some();
-        if had_commit {
+        Ok(self
+            .read_commit(&l)?
+            .and_then(|c| c.version)
+            .map(|v| PathBuf::from(format!("/{v}"))))
+    }
+
+    fn withdraw(
+        &self,
+        local_path: &Path,
+        version: &Path,
+        _aside: &Path,
+        keep: &[PathBuf],
+    ) -> io::Result<bool> {
+        // Objects cannot move: the version is deleted here. The published
+        // path's commit object goes first when it names this version (from
+        // then on no reader takes the rest for a replica); then the
+        // objects, but for those another version that stays names; the
+        // version's own commit object last, so that a deletion cut short
+        // is finished by calling again.
+        let l = self.root.check(local_path)?;
+        let v = self.root.check(version)?;
+        let vk = self.key_of_str(&v).to_string();
+        let pointer = self.read_commit(&l)?;
+        let ours = self.read_commit(&v)?;
+        let own_objects = self.list_keys(Key::from(vk.as_str()))?;
+        // A replica published before versioned prefixes is the published
+        // path itself (it has no version of its own).
+        let legacy = pointer.as_ref().is_some_and(|c| c.version.is_none())
+            && ours.is_none()
+            && own_objects.is_empty();
+        let mut did = false;
+        if legacy || pointer.as_ref().and_then(|c| c.version.as_deref()) == Some(vk.as_str()) {
+            let k = self.commit_key(&l);
             self.call("delete", k.to_string(), move |st| async move {
                 st.delete(&k).await
             })?;
+            did = true;
         }
-        let deleted = self.delete_prefix(self.key_of_str(&l))?;
-        Ok(had_commit || deleted > 0)
+        // What the versions that stay name: their kept objects, and their
+        // own prefixes.
+        let mut named: HashSet<String> = HashSet::new();
+        let mut prefixes: Vec<String> = Vec::new();
+        let mut others = Vec::new();
+        for k in keep {
+            others.push(self.read_commit(&self.root.check(k)?)?);
+        }
+        if !legacy {
+            others.push(pointer.filter(|c| c.version.as_deref() != Some(vk.as_str())));
+        }
+        for c in others.into_iter().flatten() {
+            named.extend(c.kept.into_values());
+            prefixes.push(match c.version {
+                Some(p) => format!("{p}/"),
+                None => format!("{}/", l.trim_start_matches('/')),
+            });
+        }
+        let mut gone: Vec<String> = if legacy {
+            self.list_keys(self.key_of_str(&l))?
+                .into_iter()
+                .map(|m| m.location.to_string())
+                .collect()
+        } else {
+            own_objects
+                .into_iter()
+                .map(|m| m.location.to_string())
+                .collect()
+        };
+        if let Some(c) = &ours {
+            gone.extend(
+                c.kept
+                    .values()
+                    .filter(|k| !prefixes.iter().any(|p| k.starts_with(p.as_str())))
+                    .cloned(),
+            );
+        }
+        gone.retain(|k| !named.contains(k));
+        did |= !gone.is_empty();
+        self.delete_keys(
+            self.root.url_of(version),
+            gone.into_iter().map(Key::from).collect(),
+        )?;
+        if ours.is_some() {
+            let k = self.commit_key(&v);
+            self.call("delete", k.to_string(), move |st| async move {
+                st.delete(&k).await
+            })?;
+            did = true;
+        }
+        Ok(did)
+    }
+
+    fn list_names(&self, dir: &Path) -> io::Result<Vec<String>> {
+        let d = self.key(dir)?;
+        let listed = self.call("list", d.to_string(), move |st| async move {
+            st.list_with_delimiter(Some(&d)).await
+        })?;
+        let mut names: Vec<String> = listed
+            .common_prefixes
+            .iter()
+            .chain(listed.objects.iter().map(|o| &o.location))
+            .filter_map(|k| k.filename())
+            .map(|n| n.strip_suffix(".ferry-commit").unwrap_or(n).to_string())
+            .collect();
+        names.sort();
+        names.dedup();
+        Ok(names)
+    }
+
+    fn located_url(&self, path: &Path) -> io::Result<Option<String>> {
+        let l = self.root.check(path)?;
+        if self.head(self.commit_key(&l))?.is_some() {
+            // A replica or version: its URL, read through its commit object.
+            return Ok(Some(self.root.url_of(path)));
+        }
+        Ok(Some(match self.locate(path, false)? {
+            Some(m) => self
+                .root
+                .url_of(Path::new(&format!("/{}", m.meta.location))),
+            None => self.root.url_of(path),
+        }))
     }
 
     fn retire(&self, _aside: &Path) -> io::Result<()> {
@@ -1159,8 +1500,9 @@ impl SinkStore for S3 {
 
     fn exists(&self, path: &Path) -> io::Result<bool> {
         let l = self.root.check(path)?;
-        // A published replica is its commit object; a file is its object.
-        Ok(self.head(self.commit_key(&l))?.is_some() || self.head(self.key_of_str(&l))?.is_some())
+        // A published replica or version is its commit object; a file is
+        // its object (where its replica's commit object says).
+        Ok(self.head(self.commit_key(&l))?.is_some() || self.locate(path, false)?.is_some())
     }
 
     fn read_small(&self, path: &Path) -> io::Result<Option<Vec<u8>>> {
