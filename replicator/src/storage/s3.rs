@@ -129,6 +129,10 @@ pub struct S3 {
     /// the objects of the version listed, even if a publish replaces it
     /// meanwhile. At most [`COMMITS_CACHED`].
     commits: Arc<Mutex<HashMap<String, Arc<Commit>>>>,
+    /// The commit objects a re-save's shared files were looked up in
+    /// (path to ETag and commit), read again only when the ETag moves: a
+    /// checkpoint shares thousands of files with one published version.
+    shared_from: Arc<Mutex<HashMap<String, (Option<String>, Arc<Commit>)>>>,
 }
 
 /// The object found for a path ([`S3::locate`]).
@@ -355,6 +359,7 @@ impl S3 {
             parts: Arc::default(),
             publish_threads: remote::PUBLISH_THREADS,
             commits: Arc::default(),
+            shared_from: Arc::default(),
         };
         let prefix = s.key_of_str(&s.root.path.to_string_lossy());
         s.call(
@@ -553,6 +558,32 @@ impl S3 {
             }
         }
         Ok(None)
+    }
+
+    /// The commit object of the replica published at `p`, read once per
+    /// ETag of it ([`S3::shared_from`]); `None` when there is none.
+    fn published_commit(&self, p: &str) -> io::Result<Option<Arc<Commit>>> {
+        let Some(meta) = self.head(self.commit_key(p))? else {
+            return Ok(None);
+        };
+        {
+            let cache = self.shared_from.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some((tag, c)) = cache.get(p) {
+                if tag.is_some() && *tag == meta.e_tag {
+                    return Ok(Some(c.clone()));
+                }
+            }
+        }
+        let Some(c) = self.read_commit(p)? else {
+            return Ok(None);
+        };
+        let c = Arc::new(c);
+        let mut cache = self.shared_from.lock().unwrap_or_else(|e| e.into_inner());
+        if cache.len() >= COMMITS_CACHED {
+            cache.clear();
+        }
+        cache.insert(p.to_string(), (meta.e_tag, c.clone()));
+        Ok(Some(c))
     }
 
     /// Remembers the commit object read for the replica at `at`.
@@ -1110,7 +1141,7 @@ impl SinkStore for S3 {
         // commit object names it.
         let p = self.root.check(previous)?;
         let from = self
-            .read_commit(&p)?
+            .published_commit(&p)?
             .filter(|c| c.files.iter().any(|f| f.0 == rel))
             .map_or_else(
                 || self.key_of_str(&format!("{p}/{rel}")),
@@ -1149,6 +1180,16 @@ impl SinkStore for S3 {
         let s = self.root.check(staging)?;
         let l = self.root.check(local_path)?;
         let v = self.root.check(version)?;
+        if Path::new(&v).starts_with(&l) || Path::new(&l).starts_with(&v) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{}: a version's prefix must be apart from the published path {}",
+                    self.root.url_of(version),
+                    self.root.url_of(local_path)
+                ),
+            ));
+        }
         let root = hex(&m.root());
         let existing = self.read_commit(&l)?;
         if existing.as_ref().is_some_and(|c| c.root == root) {

@@ -132,12 +132,13 @@ fn measure(
             let store = open(threads)?;
             let staging = base.join(format!("staging-{run}-{threads}"));
             let replica = base.join(format!("replica-{run}-{threads}"));
+            let version = base.join(format!("versions/{run}-{threads}"));
             let t = Instant::now();
             stage(&*store, local, &staging, m)?;
             let staged = t.elapsed();
             let t = Instant::now();
             let out = store
-                .publish(&staging, &replica, &replica, m, Some(&reread), None)
+                .publish(&staging, &replica, &version, m, Some(&reread), None)
                 .with_context(|| format!("{name}: publishing {}", replica.display()))?;
             let took = t.elapsed();
             anyhow::ensure!(
