@@ -935,6 +935,16 @@ pub struct HdfsSinkSection {
     /// saw. Default `"30s"`.
     #[serde(default = "default_hot_wait", with = "humantime_serde")]
     pub hot_wait: Duration,
+    /// Publish each version into its own directory
+    /// (`<root>/.ferry/versions/<id>`) and make the published path a
+    /// pointer file `<path>.ferry-version` naming it: reader leases
+    /// (`resolve --lease`) work, and a re-save never leaves a moment
+    /// without a replica. Readers then find a replica only through
+    /// `resolve`, `/v1/replicas` (whose `url` is the version's directory)
+    /// or a mount table fed from them: nothing is at the published path
+    /// itself. Default `false`: published in place at that path.
+    #[serde(default)]
+    pub versions: bool,
 }
 
 fn default_hot_wait() -> Duration {
@@ -1066,6 +1076,7 @@ impl SinkSection {
                     Some(h) => h.hot()?,
                     None => None,
                 },
+                versions: self.hdfs.as_ref().is_some_and(|h| h.versions),
             },
             _ => SinkStorage::S3 {
                 url,
@@ -1751,7 +1762,7 @@ link = "to-eval"
         let h = load(&format!("{GOOD}[sink]\nroot = \"hdfs://nn:8020/eval\"\n")).unwrap();
         assert!(matches!(
             h.sink.as_ref().unwrap().storage().unwrap(),
-            SinkStorage::Hdfs { ref url, capacity: None, hot: None } if url == "hdfs://nn:8020/eval"
+            SinkStorage::Hdfs { ref url, capacity: None, hot: None, versions: false } if url == "hdfs://nn:8020/eval"
         ));
         let l = load(&format!("{GOOD}[sink]\nroot = \"/eval\"\n")).unwrap();
         assert!(matches!(
@@ -1788,6 +1799,19 @@ link = "to-eval"
             SinkStorage::Hdfs { hot: Some(h), .. } => assert!(h.waits()),
             other => panic!("expected hints, got {other:?}"),
         }
+        // Versions alone: no hints.
+        let versions = load(&format!(
+            "{GOOD}[sink]\nroot = \"hdfs://nn:8020/eval\"\n[sink.hdfs]\nversions = true\n"
+        ))
+        .unwrap();
+        assert!(matches!(
+            versions.sink.as_ref().unwrap().storage().unwrap(),
+            SinkStorage::Hdfs {
+                versions: true,
+                hot: None,
+                ..
+            }
+        ));
         assert_eq!(
             replicator::storage::hdfs::HotFiles::factor_for(10_000, 157, 300),
             64

@@ -132,9 +132,10 @@ enum Command {
         #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
         wait: Duration,
         /// Take a reader lease of this length (1s to 7d, e.g. 10m) on the
-        /// version found: the printed path (on S3, URL) then names that
-        /// version's own directory (prefix), kept until the lease expires
-        /// or is released; not on an HDFS sink. With a
+        /// version found: the printed path (on HDFS or S3, URL) then names
+        /// that version's own directory (prefix), kept until the lease
+        /// expires or is released; not on an HDFS sink without
+        /// [sink.hdfs] versions. With a
         /// command after `--`, the lease is renewed while the command
         /// runs and released when it ends; without, it is printed (id and
         /// expiry on stderr) and left to expire.

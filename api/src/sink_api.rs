@@ -34,7 +34,7 @@ pub(crate) fn sink(s: &AppState) -> Result<&Sink, ApiError> {
 
 /// A replica row as the API shows it, with its URL on an HDFS or S3 sink.
 fn replica_view(s: &AppState, r: ferry_catalog::Replica) -> Result<Replica, ApiError> {
-    let url = sink(s)?.twin(std::path::Path::new(&r.local_path)).1;
+    let url = sink(s)?.replica_url(std::path::Path::new(&r.local_path), r.id);
     Ok(Replica {
         url,
         ..Replica::from(r)
@@ -55,7 +55,8 @@ pub(crate) struct ResolveQuery {
     /// its `url`) is then in that version's own directory (prefix), which
     /// stays, whatever a re-save publishes or a policy expires, until the
     /// lease expires or is released. Renew with `POST
-    /// /v1/leases/{id}/renew`. Not on an HDFS sink (409).
+    /// /v1/leases/{id}/renew`. Not on an HDFS sink without `[sink.hdfs]
+    /// versions` (409).
     lease: Option<String>,
     /// `full`: only the full replica answers `local`. Under a weights-first
     /// publish the weights-only version is published first (a plain
@@ -94,7 +95,7 @@ fn lease_duration(text: &str) -> Result<Duration, ApiError> {
     responses(
         (status = 200, description = "Where the path is", body = Resolution),
         (status = 401, description = "No or unknown token", body = ErrorBody),
-        (status = 409, description = "`lease` on a sink whose storage keeps no version directories (HDFS)", body = ErrorBody),
+        (status = 409, description = "`lease` on a sink whose storage keeps no version directories (HDFS without versions)", body = ErrorBody),
         (status = 422, description = "A parameter is missing or invalid", body = ErrorBody),
     )
 )]

@@ -106,6 +106,10 @@ pub enum SinkStorage {
         /// Hot-file replication hints; `None`: files keep the factor they
         /// are written with.
         hot: Option<HotFiles>,
+        /// Each version in its own directory, named by a pointer file
+        /// (`[sink.hdfs] versions`, [`Hdfs::with_versions`]): reader
+        /// leases, and no moment without a replica at a re-save.
+        versions: bool,
     },
     /// A prefix of an S3 bucket ([`crate::storage::s3`]).
     S3 {
@@ -144,7 +148,12 @@ impl SinkStorage {
     pub fn reader(&self) -> io::Result<Arc<dyn crate::storage::SourceStore>> {
         Ok(match self {
             SinkStorage::Local => Arc::new(Posix),
-            SinkStorage::Hdfs { url, capacity, .. } => Arc::new(Hdfs::connect(url, *capacity)?),
+            SinkStorage::Hdfs {
+                url,
+                capacity,
+                versions,
+                ..
+            } => Arc::new(Hdfs::connect(url, *capacity)?.with_versions(*versions)),
             SinkStorage::S3 { url, config } => Arc::new(S3::connect(url, config)?),
         })
     }
@@ -160,8 +169,15 @@ impl SinkStorage {
     pub fn open(&self, local_root: &Path) -> io::Result<(Arc<dyn SinkStore>, PathBuf)> {
         Ok(match self {
             SinkStorage::Local => (Arc::new(Posix), local_root.to_path_buf()),
-            SinkStorage::Hdfs { url, capacity, hot } => {
-                let h = Hdfs::connect(url, *capacity)?.with_hot(hot.clone());
+            SinkStorage::Hdfs {
+                url,
+                capacity,
+                hot,
+                versions,
+            } => {
+                let h = Hdfs::connect(url, *capacity)?
+                    .with_hot(hot.clone())
+                    .with_versions(*versions);
                 let root = h.root().path.clone();
                 (Arc::new(h), root)
             }
@@ -481,12 +497,13 @@ impl Inner {
         o
     }
 
-    /// Path `p` of the sink's store as users see it: the path itself on a
-    /// local directory, its URL on HDFS or S3.
-    fn shown(&self, p: &Path) -> String {
+    /// Where replica row `id` published at `local_path` is as users see
+    /// it: the path itself on a local directory, its URL on HDFS or S3
+    /// ([`crate::storage::SinkStore::replica_url`]).
+    fn shown(&self, local_path: &Path, id: i64) -> String {
         self.store
-            .url_of(p)
-            .unwrap_or_else(|| p.to_string_lossy().into_owned())
+            .replica_url(local_path, &version_dir(&self.cfg.root, id))
+            .unwrap_or_else(|| local_path.to_string_lossy().into_owned())
     }
 
     /// The lock serialising publishes into `local_path`. Locks nobody
@@ -631,6 +648,15 @@ impl Sink {
             Some(u) => (None, Some(u)),
             None => (Some(p.to_string_lossy().into_owned()), None),
         }
+    }
+
+    /// The URL of replica row `id` published at `local_path` on an HDFS
+    /// or S3 sink (the version's own directory where each version has
+    /// one readers use: HDFS with versions); `None` on a local directory.
+    pub fn replica_url(&self, local_path: &Path, id: i64) -> Option<String> {
+        self.inner
+            .store
+            .replica_url(local_path, &version_dir(&self.inner.cfg.root, id))
     }
 
     /// [`Sink::twin`] of `p` if something is there (a replica, or a file
@@ -2453,7 +2479,7 @@ async fn maybe_finish(
         Next::Publish(manifest, _, _, _) if live.published_root == Some(manifest.root()) => {
             ctl.send(&Control::Published {
                 id,
-                local_path: inner.shown(&live.local_path),
+                local_path: inner.shown(&live.local_path, live.id),
                 root: manifest.root(),
                 phases: Phases::default(),
             })
@@ -2627,7 +2653,7 @@ async fn maybe_finish(
             info!(transfer = %id, path = %local, root = %root_hex, publish_ms = t_publish.elapsed().as_millis() as u64, reread_ms, reread_cpu_ms, "replica published");
             ctl.send(&Control::Published {
                 id,
-                local_path: inner.shown(&live.local_path),
+                local_path: inner.shown(&live.local_path, live.id),
                 root: manifest.root(),
                 phases: if marks.answer {
                     at_sink
@@ -2682,7 +2708,7 @@ async fn weights_commit(
         Some(root) => {
             ctl.send(&Control::Published {
                 id,
-                local_path: inner.shown(&live.local_path),
+                local_path: inner.shown(&live.local_path, live.id),
                 root,
                 phases: Phases::default(),
             })
@@ -2773,7 +2799,7 @@ async fn maybe_publish_weights(
     if let Some(at_sink) = answer {
         ctl.send(&Control::Published {
             id,
-            local_path: inner.shown(&live.local_path),
+            local_path: inner.shown(&live.local_path, live.id),
             root: commit.manifest.root(),
             phases: if marks.answer {
                 at_sink

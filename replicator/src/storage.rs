@@ -327,8 +327,10 @@ pub trait SinkStore: Send + Sync + fmt::Debug {
     /// Whether each published version keeps a location of its own that
     /// later publishes at the same path leave alone (POSIX: version
     /// directories behind a symbolic link; S3: version prefixes named by
-    /// the published path's commit object), so that a reader lease can
-    /// hold one. False (the default, HDFS): publishing replaces in place.
+    /// the published path's commit object; HDFS with versions: version
+    /// directories named by a pointer file), so that a reader lease can
+    /// hold one. False (the default; HDFS without versions): publishing
+    /// replaces in place.
     fn versioned(&self) -> bool {
         false
     }
@@ -421,6 +423,15 @@ pub trait SinkStore: Send + Sync + fmt::Debug {
     /// ([`SinkStore::link_staged`]). False (the default) elsewhere.
     fn hard_links(&self) -> bool {
         false
+    }
+
+    /// The URL of the replica published at `local_path` as version
+    /// `version`, without asking the store: [`SinkStore::url_of`] of
+    /// `local_path` (the default), or of `version` where readers find each
+    /// version at its own directory (HDFS with versions). `None` on a
+    /// local directory.
+    fn replica_url(&self, local_path: &Path, _version: &Path) -> Option<String> {
+        self.url_of(local_path)
     }
 
     /// Where a reader finds path `path` of a published replica or version

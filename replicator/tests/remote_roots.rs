@@ -281,6 +281,7 @@ async fn a_checkpoint_replicates_to_an_hdfs_sink() {
         url: url.clone(),
         capacity: None,
         hot: None,
+        versions: false,
     };
     let store = Hdfs::connect(&url, None).unwrap();
     let reader = hdfs_reader(store.clone());
@@ -354,6 +355,7 @@ fn an_hdfs_sink_root_that_does_not_exist_says_how_to_create_it() {
         url: url.clone(),
         capacity: None,
         hot: None,
+        versions: false,
     }
     .open(Path::new(""))
     .expect_err("a missing HDFS root must be refused");
@@ -612,6 +614,7 @@ async fn hot_files_of_an_hdfs_replica_are_raised_then_set_back() {
                 .unwrap()
                 .placed_via(&web, std::time::Duration::from_secs(1)),
         ),
+        versions: false,
     };
     let p = pair_on(storage.clone(), 0, |_| {}).await;
     let ckpt = p.root.join("step_7");
@@ -794,6 +797,7 @@ async fn readers_said_by_a_transfer_size_the_hdfs_hints() {
         url: url.clone(),
         capacity: None,
         hot: Some(hot),
+        versions: false,
     };
     let p = pair_on(storage, 0, |_| {}).await;
     let store = Hdfs::connect(&url, None).unwrap();

@@ -284,6 +284,12 @@ fn stages_publishes_and_retires(b: &Backend, dir: &Path) {
         // reader's path) until it is withdrawn, which leaves the
         // published path alone.
         assert_eq!(sink.named_version(&local).unwrap().as_deref(), Some(&*v2));
+        if b.shares == "copy" {
+            // HDFS with versions: readers find the version's directory (the
+            // published path is only a pointer file).
+            assert_eq!(sink.located_url(&local).unwrap(), sink.url_of(&v2));
+            assert_eq!(sink.replica_url(&local, &v2), sink.url_of(&v2));
+        }
         same_replica(b, &build(src, &v1, &markers, cs).unwrap(), &m1);
         let aside1 = dir.join("retired/old");
         assert!(sink
@@ -702,6 +708,31 @@ fn s3() -> (String, S3) {
             Err(e) => panic!("S3 test server at {url}: {e}"),
         }
     }
+}
+
+/// The same with each version in its own directory, the published path
+/// a pointer file naming it.
+#[test]
+fn hdfs_with_versions_backend_conforms() {
+    let (url, h) = hdfs();
+    let h = h.with_share_min(0).with_versions(true);
+    let put = |p: &Path, data: &[u8]| h.put_file(p, data);
+    let put_if_absent = |p: &Path, data: &[u8]| h.put_if_absent(p, data);
+    let b = Backend {
+        src: &h,
+        sink: &h,
+        put: &put,
+        put_if_absent: &put_if_absent,
+        keeps_metadata: true,
+        moves_aside: true,
+        shares: "copy",
+    };
+    let dir = unique("hdfs-versions-suite");
+    conforms(
+        &b,
+        &dir,
+        &format!("the MiniDFSCluster at {url}, with versions"),
+    );
 }
 
 #[test]

@@ -115,9 +115,9 @@ pub enum LifecycleError {
     /// A policy set through the API is not valid.
     #[error("{0}")]
     Invalid(String),
-    /// This sink's storage publishes in place (HDFS): no version a lease
-    /// could hold.
-    #[error("this sink's storage publishes replicas in place, without version directories (HDFS); leases are not available on it")]
+    /// This sink's storage publishes in place (HDFS without `[sink.hdfs]
+    /// versions`): no version a lease could hold.
+    #[error("this sink's storage publishes replicas in place, without version directories (HDFS without [sink.hdfs] versions = true); leases are not available on it")]
     NotVersioned,
     /// A catalog error.
     #[error(transparent)]
@@ -444,13 +444,14 @@ impl Sink {
     /// with `full`) and, when it is local, grants
     /// `holder` a lease of `duration` on the version it names: the answer's
     /// `local_path` (POSIX) or `url` (S3: the version's own prefix, whose
-    /// `.ferry-commit` lists its files) then names that version, which
+    /// `.ferry-commit` lists its files; HDFS with versions: its
+    /// directory) then names that version, which
     /// stays (whatever a re-save publishes, whatever a policy says) until
     /// the lease expires or is released. Other answers carry no lease.
     ///
     /// # Errors
     /// [`LifecycleError::NotVersioned`] on storage without versions
-    /// (HDFS); catalog errors.
+    /// (HDFS without `[sink.hdfs] versions`); catalog errors.
     pub async fn resolve_with_lease(
         &self,
         path: &str,

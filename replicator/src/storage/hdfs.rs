@@ -20,6 +20,17 @@
 //!   is renamed to the published path (one directory rename), the markers
 //!   are renamed in one by one, last, and the older version is removed. A
 //!   publish that a crash interrupted is finished from `.ferry-placed` on.
+//! - **Versions** ([`Hdfs::with_versions`], `[sink.hdfs] versions`):
+//!   HDFS has no rename exchange, so instead `.ferry-out` is renamed to
+//!   the version directory the sink names (`<root>/.ferry/versions/<id>`),
+//!   the markers in last, and the published path becomes a pointer file
+//!   `<path>.ferry-version` holding that directory's path, replaced by one
+//!   rename (the switch). An older version stays whole where it is (a
+//!   reader lease's URL) until it is withdrawn (pointer first, then its
+//!   directory renamed aside); a replica published in place before goes
+//!   after the switch. The replica's URL is its version directory
+//!   ([`SinkStore::replica_url`]); reads of the published path follow the
+//!   pointer.
 //! - **Sharing an unchanged file** of a re-save: a copy inside the
 //!   cluster (HDFS has no hard links, `hdfs-native` no server-side copy):
 //!   the published file is read and written into staging as its in-order
@@ -70,6 +81,9 @@ pub struct Hdfs {
     staging_closes: usize,
     /// Smallest file (bytes) a re-save shares by a copy ([`SHARE_MIN`]).
     share_min: u64,
+    /// Each version in its own directory, named by a pointer file
+    /// ([`Hdfs::with_versions`]).
+    versions: bool,
 }
 
 /// Names of the files every rank of an eval job reads when it starts
@@ -289,6 +303,7 @@ impl Hdfs {
             publish_threads: remote::PUBLISH_THREADS,
             staging_closes: PENDING_CLOSES,
             share_min: SHARE_MIN,
+            versions: false,
         };
         let st = h.status(&h.root.path.clone()).map_err(|e| {
             if e.kind() == io::ErrorKind::NotFound {
@@ -479,6 +494,55 @@ impl Hdfs {
     pub fn with_publish_threads(mut self, n: usize) -> Hdfs {
         self.publish_threads = n.max(1);
         self
+    }
+
+    /// With `on`, each version is published into its own directory (the
+    /// version directory the sink names, `<root>/.ferry/versions/<id>`)
+    /// by one rename, markers last, and the published path becomes a
+    /// pointer file `<path>.ferry-version` holding that directory's path,
+    /// replaced by one rename: an older version stays whole where it is
+    /// (a reader lease's URL) until it is withdrawn, and no publish moves
+    /// a replica aside. Readers find a replica through resolve (its URL
+    /// is the version directory) or a mount table fed from it; nothing is
+    /// at the published path itself. Off (the default): replicas are
+    /// published in place.
+    pub fn with_versions(mut self, on: bool) -> Hdfs {
+        self.versions = on;
+        self
+    }
+
+    /// The version directory the published path `l` (a store path) names
+    /// through its pointer file `<l>.ferry-version`; `None` without one.
+    fn pointed(&self, l: &str) -> io::Result<Option<String>> {
+        match self.read_whole(&format!("{l}.ferry-version")) {
+            Ok(b) => String::from_utf8(b.to_vec()).map(Some).map_err(|e| {
+                io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("{}{l}.ferry-version: not a path: {e}", self.root.url),
+                )
+            }),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Store path `p` with a published path above it (or `p` itself)
+    /// replaced by the version directory its pointer file names; `p`
+    /// itself where none does (or without versions).
+    fn mapped(&self, p: &str) -> io::Result<String> {
+        if !self.versions {
+            return Ok(p.to_string());
+        }
+        for a in Path::new(p).ancestors() {
+            if !a.starts_with(&self.root.path) || a == self.root.path {
+                break;
+            }
+            let a = a.to_string_lossy();
+            if let Some(v) = self.pointed(&a)? {
+                return Ok(format!("{v}{}", &p[a.len()..]));
+            }
+        }
+        Ok(p.to_string())
     }
 
     /// Shares unchanged files of a re-save from `bytes` up by a copy
@@ -809,10 +873,44 @@ impl Hdfs {
     }
 
     /// The moves of a publish, from `.ferry-placed` on; safe to run again
-    /// after a crash at any point.
-    fn place(&self, s: &str, l: &str, m: &Manifest) -> io::Result<()> {
+    /// after a crash at any point. With versions, into version directory
+    /// `v`, then the switch of `l`'s pointer file.
+    fn place(&self, s: &str, l: &str, v: &str, m: &Manifest) -> io::Result<()> {
         let out = format!("{s}/.ferry-out");
         let old = format!("{s}/.ferry-old");
+        if self.versions {
+            if self.exists_at(&out)? {
+                self.rename(&out, v)?;
+            }
+            for (i, &fi) in m.markers.iter().enumerate() {
+                let held = format!("{s}/.ferry-markers/{i}");
+                if self.exists_at(&held)? {
+                    let dst = format!("{v}/{}", m.files[fi as usize].path);
+                    if self.exists_at(&dst)? {
+                        self.delete_tree(&dst)?;
+                    }
+                    self.rename(&held, &dst)?;
+                }
+            }
+            // The switch: one rename of the new pointer file over the old.
+            let (parent, name) = l.rsplit_once('/').unwrap_or(("", l));
+            let tmp = format!("{parent}/.{name}.ferry-version.tmp");
+            self.write_whole(&tmp, Bytes::from(v.to_string().into_bytes()), 0o644)?;
+            let pointer = format!("{l}.ferry-version");
+            self.call("rename", &tmp, move |c, from| async move {
+                c.rename(&from, &pointer, true).await
+            })?;
+            fault_point("switched");
+            // A replica published in place before versions goes (readers of
+            // the published path itself see it whole until then).
+            if self.exists_at(l)? {
+                self.rename(l, &old)?;
+            }
+            if self.exists_at(&old)? {
+                self.delete_tree(&old)?;
+            }
+            return Ok(());
+        }
         if self.exists_at(&out)? {
             if self.exists_at(l)? && !self.exists_at(&old)? {
                 self.rename(l, &old)?;
@@ -887,6 +985,12 @@ impl SourceStore for Hdfs {
             source,
         };
         let d = self.root.check(dir).map_err(io_err)?;
+        // (A published path with versions: its version's directory.)
+        let d = if self.versions && !self.exists_at(&d).map_err(io_err)? {
+            self.mapped(&d).map_err(io_err)?
+        } else {
+            d
+        };
         let all = self
             .call(
                 "list",
@@ -920,8 +1024,15 @@ impl SourceStore for Hdfs {
     }
 
     fn open(&self, path: &Path) -> io::Result<Box<dyn RangeRead>> {
-        let p = self.root.check(path)?;
-        let reader = self.call("open", &p, |c, p| async move { c.read(&p).await })?;
+        let mut p = self.root.check(path)?;
+        let reader = match self.call("open", &p, |c, p| async move { c.read(&p).await }) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound && self.versions => {
+                // A file of a published path with versions.
+                p = self.mapped(&p)?;
+                self.call("open", &p, |c, p| async move { c.read(&p).await })?
+            }
+            r => r?,
+        };
         Ok(Box::new(HdfsFile {
             store: self.clone(),
             path: p,
@@ -930,7 +1041,13 @@ impl SourceStore for Hdfs {
     }
 
     fn stat(&self, path: &Path) -> io::Result<(u64, i64, FileVersion)> {
-        let st = self.status(path)?;
+        let st = match self.status(path) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound && self.versions => {
+                let p = self.mapped(&self.root.check(path)?)?;
+                self.call("stat", &p, |c, p| async move { c.get_file_info(&p).await })?
+            }
+            r => r?,
+        };
         if st.isdir {
             return Err(io::Error::other(format!(
                 "{}: a directory",
@@ -1225,7 +1342,7 @@ impl SinkStore for Hdfs {
         // No hard links and no server-side copy: the published file is
         // read and written into staging as the file's in-order copy,
         // which the publish then moves by a rename (and reads back).
-        let from = format!("{}/{rel}", self.root.check(previous)?);
+        let from = format!("{}/{rel}", self.mapped(&self.root.check(previous)?)?);
         let to = in_order_key(&self.root.check(staging)?, rel);
         let size = self
             .call(
@@ -1269,16 +1386,27 @@ impl SinkStore for Hdfs {
         &self,
         staging: &Path,
         local_path: &Path,
-        _version: &Path,
+        version: &Path,
         m: &Manifest,
         reread: Option<&[(u64, Hash)]>,
         readers: Option<u64>,
     ) -> io::Result<PublishOutcome> {
         let s = self.root.check(staging)?;
         let l = self.root.check(local_path)?;
+        let v = self.root.check(version)?;
+        if self.versions && (Path::new(&v).starts_with(&l) || Path::new(&l).starts_with(&v)) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{}: a version directory must be apart from the published path {}",
+                    self.root.url_of(version),
+                    self.root.url_of(local_path)
+                ),
+            ));
+        }
         let placed = format!("{s}/.ferry-placed");
         if self.exists_at(&placed)? {
-            self.place(&s, &l, m)?;
+            self.place(&s, &l, &v, m)?;
             return Ok(PublishOutcome::Recovered);
         }
         let out = format!("{s}/.ferry-out");
@@ -1321,7 +1449,7 @@ impl SinkStore for Hdfs {
         })?;
         self.write_whole(&placed, Bytes::from(l.clone().into_bytes()), 0o600)?;
         fault_point("placed");
-        self.place(&s, &l, m)?;
+        self.place(&s, &l, &v, m)?;
         Ok(PublishOutcome::Published {
             reread: reread_time.map(ReadBack::wall_only),
             hot,
@@ -1332,7 +1460,7 @@ impl SinkStore for Hdfs {
         let Some(h) = &self.hot else {
             return Ok(0);
         };
-        let l = self.root.check(replica)?;
+        let l = self.mapped(&self.root.check(replica)?)?;
         let mut n = 0;
         for f in m.files.iter().filter(|f| h.matches(&f.path)) {
             match self.set_replication(&format!("{l}/{}", f.path), factor) {
@@ -1363,12 +1491,33 @@ impl SinkStore for Hdfs {
     fn withdraw(
         &self,
         local_path: &Path,
-        _version: &Path,
+        version: &Path,
         aside: &Path,
         _keep: &[PathBuf],
     ) -> io::Result<bool> {
         let l = self.root.check(local_path)?;
         let a = self.root.check(aside)?;
+        if self.versions {
+            let v = self.root.check(version)?;
+            let mut moved = false;
+            if self.pointed(&l)?.as_deref() == Some(v.as_str()) {
+                // Out of the published namespace in one step.
+                let pointer = format!("{l}.ferry-version");
+                self.call("delete", &pointer, |c, p| async move {
+                    c.delete(&p, false).await
+                })?;
+                moved = true;
+            }
+            if self.exists_at(&v)? {
+                self.rename(&v, &a)?;
+                moved = true;
+            } else if !moved && self.pointed(&l)?.is_none() && self.exists_at(&l)? {
+                // Published in place before versions.
+                self.rename(&l, &a)?;
+                moved = true;
+            }
+            return Ok(moved);
+        }
         if !self.exists_at(&l)? {
             return Ok(false);
         }
@@ -1419,7 +1568,49 @@ impl SinkStore for Hdfs {
     }
 
     fn exists(&self, path: &Path) -> io::Result<bool> {
-        self.exists_at(&self.root.check(path)?)
+        let p = self.root.check(path)?;
+        Ok(self.exists_at(&p)? || (self.versions && self.exists_at(&self.mapped(&p)?)?))
+    }
+
+    fn versioned(&self) -> bool {
+        self.versions
+    }
+
+    fn named_version(&self, local_path: &Path) -> io::Result<Option<PathBuf>> {
+        if !self.versions {
+            return Ok(None);
+        }
+        Ok(self
+            .pointed(&self.root.check(local_path)?)?
+            .map(PathBuf::from))
+    }
+
+    fn list_names(&self, dir: &Path) -> io::Result<Vec<String>> {
+        let d = self.root.check(dir)?;
+        match self.call(
+            "list",
+            &d,
+            |c, p| async move { c.list_status(&p, false).await },
+        ) {
+            Ok(entries) => Ok(entries
+                .into_iter()
+                .filter_map(|e| e.path.rsplit('/').next().map(str::to_string))
+                .collect()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn located_url(&self, path: &Path) -> io::Result<Option<String>> {
+        let p = self.root.check(path)?;
+        Ok(Some(self.root.url_of(Path::new(&self.mapped(&p)?))))
+    }
+
+    fn replica_url(&self, local_path: &Path, version: &Path) -> Option<String> {
+        Some(
+            self.root
+                .url_of(if self.versions { version } else { local_path }),
+        )
     }
 
     fn read_small(&self, path: &Path) -> io::Result<Option<Vec<u8>>> {

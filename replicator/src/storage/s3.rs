@@ -132,8 +132,11 @@ pub struct S3 {
     /// The commit objects a re-save's shared files were looked up in
     /// (path to ETag and commit), read again only when the ETag moves: a
     /// checkpoint shares thousands of files with one published version.
-    shared_from: Arc<Mutex<HashMap<String, (Option<String>, Arc<Commit>)>>>,
+    shared_from: Arc<Mutex<HashMap<String, TaggedCommit>>>,
 }
+
+/// A commit object with the ETag it was read at.
+type TaggedCommit = (Option<String>, Arc<Commit>);
 
 /// The object found for a path ([`S3::locate`]).
 struct Located {
