@@ -122,6 +122,7 @@ async fn deliver(sink: Sink, hook: Webhook, stop: CancellationToken) {
             continue;
         }
         for e in events {
+            let e = sink.event_view(e);
             if hook.jobs.is_match(&e.job) && !post_until_delivered(&http, &hook, &e, &stop).await {
                 return;
             }

@@ -353,6 +353,32 @@ async fn keeps_a_leased_version(w: &World, r: &RemoteSink) {
         )
     });
 
+    // The publish events name each version where readers find it: the
+    // same URL as the replica rows (S3: the published path; HDFS with
+    // versions: the version's own directory).
+    let rows = w.get_json(&format!("{}/v1/replicas", c.sink.url())).await;
+    let events = publish_events(&c.sink.url(), 2).await;
+    for e in &events {
+        let row = rows["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["id"] == e["replica"])
+            .unwrap_or_else(|| w.fail(format!("no row for event {e}: {rows}")));
+        w.ensure(
+            s(e, "location") == s(row, "url") && s(e, "location").contains("://"),
+            || format!("event {e} should give its replica's URL {}", s(row, "url")),
+        );
+    }
+    if !by_reference {
+        w.ensure(s(&events[0], "location") == leased, || {
+            format!(
+                "the first publish event should name {leased}: {}",
+                events[0]
+            )
+        });
+    }
+
     // Released: the first save's version goes, its kept objects stay.
     let del = reqwest::Client::new()
         .delete(format!("{}/v1/leases/{lease_id}", c.sink.url()))
@@ -419,6 +445,37 @@ async fn an_hdfs_sink_with_versions_keeps_a_leased_version_through_a_re_save() {
     let w = World::new("hdfs-lease").await;
     let r = hdfs_sink_with("hdfs-lease", true);
     keeps_a_leased_version(&w, &r).await;
+}
+
+/// The data of the first `n` `published` events of `GET
+/// {url}/v1/replicas/events?since=0`, read within 30 s.
+async fn publish_events(url: &str, n: usize) -> Vec<serde_json::Value> {
+    let mut resp = reqwest::Client::new()
+        .get(format!("{url}/v1/replicas/events?since=0"))
+        .send()
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let (mut buf, mut out) = (String::new(), Vec::new());
+    while out.len() < n {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let Ok(Ok(Some(chunk))) = tokio::time::timeout(left, resp.chunk()).await else {
+            panic!("{} of {n} publish events within 30 s: {out:?}", out.len());
+        };
+        buf.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = buf.find("\n\n") {
+            let block: String = buf.drain(..end + 2).collect();
+            if block.lines().any(|l| l.trim() == "event: published") {
+                let data: String = block
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data:"))
+                    .map(str::trim)
+                    .collect();
+                out.push(serde_json::from_str(&data).unwrap());
+            }
+        }
+    }
+    out
 }
 
 /// [`replicator::sink::FAULT_KILL_ENV`].

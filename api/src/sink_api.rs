@@ -736,6 +736,7 @@ pub(crate) async fn replica_events(
                         Ok(evs) if !evs.is_empty() => {
                             for e in evs {
                                 after = e.id;
+                                let e = sink.event_view(e);
                                 if jobs.as_ref().is_some_and(|g| !g.is_match(&e.job)) {
                                     continue;
                                 }

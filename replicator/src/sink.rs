@@ -659,6 +659,15 @@ impl Sink {
             .replica_url(local_path, &version_dir(&self.inner.cfg.root, id))
     }
 
+    /// Publish event `e` as clients get it: its `location` (the row's
+    /// path) as its URL on an HDFS or S3 sink ([`Sink::replica_url`]).
+    pub fn event_view(&self, mut e: ferry_catalog::ReplicaEvent) -> ferry_catalog::ReplicaEvent {
+        if let Some(u) = self.replica_url(Path::new(&e.location), e.replica) {
+            e.location = u;
+        }
+        e
+    }
+
     /// [`Sink::twin`] of `p` if something is there (a replica, or a file
     /// or directory of one), its URL where a reader finds it (an S3
     /// version names files kept from an earlier one by their key:

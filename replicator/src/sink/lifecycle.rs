@@ -1549,8 +1549,6 @@ async fn relieve(inner: &Arc<Inner>, goal: u64, all_or_nothing: bool) -> Relief 
     relief
 }
 
-/// The newest row that replaced `r` at its path: published, or removed
-/// since (its files went with the re-save).
 /// The version directories of the other versions at `r`'s path that stay
 /// (published, not deleted): what a store whose versions name files of
 /// earlier ones by reference (S3) must keep when `r` goes. Empty on a
@@ -1574,6 +1572,8 @@ async fn staying_versions(inner: &Inner, r: &Replica) -> Result<Vec<PathBuf>, Ca
         .collect())
 }
 
+/// The newest row that replaced `r` at its path: published, or removed
+/// since (its files went with the re-save).
 async fn newer_version(inner: &Inner, r: &Replica) -> Result<Option<i64>, CatalogError> {
     Ok(inner
         .catalog

@@ -733,6 +733,25 @@ fn adopt(
         // Replicated, failed or cancelled before: only a commit with a new
         // identity (a re-save) copies it again.
         c.settled = true;
+        if t.state == TransferState::Published {
+            // Its files as they were when it was replicated passed their
+            // format checks then: not sampled again (a first pass over a
+            // large polled root would otherwise read the head and tail of
+            // every file of every checkpoint it holds). A file written
+            // since is checked as usual.
+            for f in &scan.files {
+                if f.mtime_ns / 1_000_000 <= t.created_ms {
+                    c.files.insert(
+                        f.path.clone(),
+                        Track {
+                            version: f.version,
+                            since: now.at,
+                            checked: Some(true),
+                        },
+                    );
+                }
+            }
+        }
     }
     c
 }
@@ -1666,6 +1685,58 @@ mod tests {
         let s = starts(&a);
         assert_eq!(paths(s[0].2), ["__0_0.distcp", "__1_0.distcp"]);
         assert_eq!(s[0].1, &ViewState::Open, "a .metadata.tmp is no commit");
+    }
+
+    /// At start, the files of a checkpoint replicated before are not
+    /// sampled again, however long they stay; without that replication
+    /// they are (a polled root: no closes), and so is a file written
+    /// after it.
+    #[test]
+    fn files_of_a_checkpoint_replicated_before_are_not_sampled_at_start() {
+        let run = |replicated: bool| {
+            let mut h = H::new(RootWatch {
+                format: Some(Format::Dcp),
+                ..RootWatch::default()
+            });
+            h.write(STEP, "__0_0.distcp", 4000);
+            h.write(STEP, ".metadata", 300);
+            if replicated {
+                h.rows.push(Row {
+                    dir: STEP.into(),
+                    t: PastTransfer {
+                        id: TransferId(4),
+                        link: "wan".into(),
+                        state: TransferState::Published,
+                        checkpoint: CheckpointState::Committed,
+                        format: Some("dcp".into()),
+                        opened_ms: Some(T0_MS - 5000),
+                        commit_identity: Some("c".into()),
+                        created_ms: T0_MS + 1000,
+                    },
+                    note: None,
+                });
+            }
+            for _ in 0..3 {
+                h.pass();
+                h.advance(QUIET);
+            }
+            h
+        };
+        assert_eq!(run(false).sampled.len(), 2, "not replicated: both checked");
+        let mut h = run(true);
+        assert_eq!(h.sampled, [], "replicated before: not read again");
+        // Rewritten after its replication: checked again once settled.
+        h.advance(Duration::from_secs(5));
+        h.write(STEP, "__0_0.distcp", 4000);
+        for _ in 0..3 {
+            h.pass();
+            h.advance(QUIET);
+        }
+        assert_eq!(
+            h.sampled,
+            [(STEP.to_string(), "__0_0.distcp".to_string())],
+            "the rewritten file is checked"
+        );
     }
 
     #[test]
