@@ -811,7 +811,8 @@ pub struct SinkSection {
     /// `[sink.s3]`: how to reach an `s3://` root.
     #[serde(default)]
     pub s3: Option<S3Section>,
-    /// `[sink.hdfs]`: hot-file replication hints of an `hdfs://` root.
+    /// `[sink.hdfs]`: hot-file replication hints and versions of an
+    /// `hdfs://` root.
     #[serde(default)]
     pub hdfs: Option<HdfsSinkSection>,
     /// Source agent names allowed to connect; default: any with a
@@ -897,7 +898,7 @@ impl WebhookSection {
     }
 }
 
-/// `[sink.hdfs]`: replication hints for the files every eval rank reads
+/// `[sink.hdfs]`: versions (`versions`), and replication hints for the files every eval rank reads
 /// (`.metadata`, `metadata.json`, `common.pt`, `mp_rank_*_model_states.pt`,
 /// `*.index.json`, `config.json`, plus `hot_files`), given in staging
 /// before the publish and taken back after `hot_ttl`.

@@ -147,8 +147,9 @@ enum Command {
         /// the full replica.
         #[arg(long)]
         full: bool,
-        /// A command to run on the local path while the lease holds (after
-        /// `--`): `{}` in its arguments becomes the path, and the
+        /// A command to run on the leased path (on HDFS or S3, URL) while
+        /// the lease holds (after `--`): `{}` in its arguments becomes it,
+        /// and the
         /// environment variable FERRY_PATH holds it (FERRY_LEASE the
         /// lease id). Needs --lease. SIGTERM to ferry goes to the command;
         /// the lease is held until the command exits.

@@ -654,9 +654,16 @@ async fn publish_killed_then_finished(w: &World, r: &RemoteSink, points: &[&str]
             format!("{point}: the replica differs after the restart")
         });
         let res = w.resolve(&c.sink, &ckpt).await;
-        let want = format!("{}/{SOURCE_SITE}/{JOB}/{rel}", r.url);
+        // (HDFS with versions: the version's own directory.)
+        let want = if r.lines.contains("versions = true") {
+            format!("{}/.ferry/versions/", r.url)
+        } else {
+            format!("{}/{SOURCE_SITE}/{JOB}/{rel}", r.url)
+        };
         w.ensure(
-            s(&res, "state") == "local" && s(&res, "url") == want,
+            s(&res, "state") == "local"
+                && (s(&res, "url") == want
+                    || want.ends_with('/') && s(&res, "url").starts_with(&want)),
             || format!("{point}: resolve {res}"),
         );
         let staging = PathBuf::from(format!("{}/.ferry/staging", r.root));
@@ -675,6 +682,13 @@ async fn publish_killed_then_finished(w: &World, r: &RemoteSink, points: &[&str]
 async fn an_hdfs_publish_cut_short_by_a_kill_is_finished_after_restart() {
     let w = World::new("hdfs-kill").await;
     let r = hdfs_sink("hdfs-kill");
+    publish_killed_then_finished(&w, &r, &["placed", "switched", "on-disk"]).await;
+}
+
+#[tokio::test]
+async fn an_hdfs_publish_with_versions_cut_short_by_a_kill_is_finished_after_restart() {
+    let w = World::new("hdfs-kill-v").await;
+    let r = hdfs_sink_with("hdfs-kill-v", true);
     publish_killed_then_finished(&w, &r, &["placed", "switched", "on-disk"]).await;
 }
 

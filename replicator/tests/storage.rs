@@ -733,6 +733,22 @@ fn hdfs_with_versions_backend_conforms() {
         &dir,
         &format!("the MiniDFSCluster at {url}, with versions"),
     );
+    // A replica published in place (versions off) is moved into its
+    // version directory by `adopt`, once, and read through the pointer.
+    let local = dir.join("in-place/step_1");
+    h.put_file(&local.join("a.bin"), b"in place").unwrap();
+    let v = dir.join("versions/9");
+    assert!(h.adopt(&local, &v).unwrap());
+    assert!(!h.adopt(&local, &v).unwrap(), "once");
+    assert_eq!(h.named_version(&local).unwrap().as_deref(), Some(&*v));
+    assert_eq!(
+        h.open(&local.join("a.bin"))
+            .unwrap()
+            .read_range(0, 8)
+            .unwrap(),
+        b"in place"
+    );
+    assert_eq!(h.located_url(&local).unwrap(), h.url_of(&v));
 }
 
 #[test]
@@ -862,6 +878,12 @@ fn s3_replaces_a_replica_published_before_versioned_prefixes() {
     let v = dir.join("versions/2");
     let out = s.publish(&staging, &local, &v, &m2, None, None).unwrap();
     assert!(matches!(out, PublishOutcome::Published { .. }), "{out:?}");
+    // A crash between the switch and the deletion of the old objects
+    // (one put back): the publish again finds this version published and
+    // finishes the deletion.
+    s.put_file(&local.join("o.bin"), &o).unwrap();
+    let out = s.publish(&staging, &local, &v, &m2, None, None).unwrap();
+    assert!(matches!(out, PublishOutcome::Recovered), "{out:?}");
     assert_eq!(build(&s, &local, &[], cs).unwrap().root(), m2.root());
     assert_eq!(s.named_version(&local).unwrap().as_deref(), Some(&*v));
     assert!(

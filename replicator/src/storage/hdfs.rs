@@ -1576,6 +1576,40 @@ impl SinkStore for Hdfs {
         self.versions
     }
 
+    fn adopt(&self, local_path: &Path, version: &Path) -> io::Result<bool> {
+        if !self.versions {
+            return Ok(false);
+        }
+        let l = self.root.check(local_path)?;
+        let v = self.root.check(version)?;
+        if self.pointed(&l)?.is_some() {
+            return Ok(false);
+        }
+        let in_place = self.exists_at(&l)?;
+        if in_place {
+            if self.exists_at(&v)? {
+                return Err(io::Error::other(format!(
+                    "{} exists already; {} stays where it is",
+                    self.root.url_of(version),
+                    self.root.url_of(local_path)
+                )));
+            }
+            // One directory rename, then the pointer (a crash between is
+            // finished at the next start: the directory is then at `v`).
+            self.rename(&l, &v)?;
+        } else if !self.exists_at(&v)? {
+            return Ok(false);
+        }
+        let (parent, name) = l.rsplit_once('/').unwrap_or(("", &l));
+        let tmp = format!("{parent}/.{name}.ferry-version.tmp");
+        self.write_whole(&tmp, Bytes::from(v.clone().into_bytes()), 0o644)?;
+        let pointer = format!("{l}.ferry-version");
+        self.call("rename", &tmp, move |c, from| async move {
+            c.rename(&from, &pointer, true).await
+        })?;
+        Ok(true)
+    }
+
     fn named_version(&self, local_path: &Path) -> io::Result<Option<PathBuf>> {
         if !self.versions {
             return Ok(None);

@@ -589,6 +589,20 @@ impl S3 {
         Ok(Some(c))
     }
 
+    /// Deletes the objects under published path `l` (a replica of an
+    /// earlier release left them there; versions never write there) but
+    /// for those `c`, the commit object now published at `l`, keeps.
+    fn delete_unkept_under(&self, l: &str, c: &Commit) -> io::Result<()> {
+        let keep: HashSet<&String> = c.kept.values().collect();
+        let gone: Vec<Key> = self
+            .list_keys(self.key_of_str(l))?
+            .into_iter()
+            .map(|m| m.location)
+            .filter(|k| !keep.contains(&k.to_string()))
+            .collect();
+        self.delete_keys(self.root.url_of(Path::new(l)), gone)
+    }
+
     /// Remembers the commit object read for the replica at `at`.
     fn cache_commit(&self, at: &str, c: Arc<Commit>) {
         let mut cache = self.commits.lock().unwrap_or_else(|e| e.into_inner());
@@ -1194,8 +1208,16 @@ impl SinkStore for S3 {
             ));
         }
         let root = hex(&m.root());
+        let vk = self.key_of_str(&v).to_string();
         let existing = self.read_commit(&l)?;
-        if existing.as_ref().is_some_and(|c| c.root == root) {
+        if let Some(c) = existing
+            .as_ref()
+            .filter(|c| c.root == root && c.version.as_deref() == Some(vk.as_str()))
+        {
+            // This version is published: a crash came after the switch.
+            // Objects a replica of an earlier release left under the path
+            // (deleted after the switch) go now, but for those it keeps.
+            self.delete_unkept_under(&l, c)?;
             return Ok(PublishOutcome::Recovered);
         }
         let mut reread_time = None;
@@ -1286,7 +1308,6 @@ impl SinkStore for S3 {
                 // the published path yet: non-markers a few at once, then
                 // the markers in order, last. Shared files stay where the
                 // earlier version has them.
-                let vk = self.key_of_str(&v).to_string();
                 let kept = Mutex::new(BTreeMap::new());
                 let write = |i: usize| {
                     let f = &m.files[i];
@@ -1352,19 +1373,11 @@ impl SinkStore for S3 {
                 )),
             };
         }
-        if let Some(old) = existing.filter(|c| c.version.is_none()) {
+        if existing.is_some_and(|c| c.version.is_none()) {
             // A replica published before versioned prefixes had its
             // objects under the published path: they go now, but for those
             // this version keeps.
-            let keep: HashSet<&String> = commit.kept.values().collect();
-            let gone: Vec<Key> = old
-                .files
-                .iter()
-                .map(|f| old.object(&l, &f.0))
-                .filter(|k| !keep.contains(k))
-                .map(Key::from)
-                .collect();
-            self.delete_keys(self.root.url_of(local_path), gone)?;
+            self.delete_unkept_under(&l, &commit)?;
         }
         Ok(PublishOutcome::Published {
             hot: None,
