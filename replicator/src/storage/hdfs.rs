@@ -872,6 +872,36 @@ impl Hdfs {
         })
     }
 
+    /// Renames the markers held in staging `s` into directory `dir`, in
+    /// order (a marker there already is replaced); those moved already
+    /// are skipped.
+    fn markers_in(&self, s: &str, dir: &str, m: &Manifest) -> io::Result<()> {
+        for (i, &fi) in m.markers.iter().enumerate() {
+            let held = format!("{s}/.ferry-markers/{i}");
+            if self.exists_at(&held)? {
+                let dst = format!("{dir}/{}", m.files[fi as usize].path);
+                if self.exists_at(&dst)? {
+                    self.delete_tree(&dst)?;
+                }
+                self.rename(&held, &dst)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes published path `l` name version directory `v`: its pointer
+    /// file `<l>.ferry-version` replaced by one rename (a reader sees the
+    /// old pointer or the new one).
+    fn point(&self, l: &str, v: &str) -> io::Result<()> {
+        let (parent, name) = l.rsplit_once('/').unwrap_or(("", l));
+        let tmp = format!("{parent}/.{name}.ferry-version.tmp");
+        self.write_whole(&tmp, Bytes::from(v.to_string().into_bytes()), 0o644)?;
+        let pointer = format!("{l}.ferry-version");
+        self.call("rename", &tmp, move |c, from| async move {
+            c.rename(&from, &pointer, true).await
+        })
+    }
+
     /// The moves of a publish, from `.ferry-placed` on; safe to run again
     /// after a crash at any point. With versions, into version directory
     /// `v`, then the switch of `l`'s pointer file.
@@ -882,24 +912,8 @@ impl Hdfs {
             if self.exists_at(&out)? {
                 self.rename(&out, v)?;
             }
-            for (i, &fi) in m.markers.iter().enumerate() {
-                let held = format!("{s}/.ferry-markers/{i}");
-                if self.exists_at(&held)? {
-                    let dst = format!("{v}/{}", m.files[fi as usize].path);
-                    if self.exists_at(&dst)? {
-                        self.delete_tree(&dst)?;
-                    }
-                    self.rename(&held, &dst)?;
-                }
-            }
-            // The switch: one rename of the new pointer file over the old.
-            let (parent, name) = l.rsplit_once('/').unwrap_or(("", l));
-            let tmp = format!("{parent}/.{name}.ferry-version.tmp");
-            self.write_whole(&tmp, Bytes::from(v.to_string().into_bytes()), 0o644)?;
-            let pointer = format!("{l}.ferry-version");
-            self.call("rename", &tmp, move |c, from| async move {
-                c.rename(&from, &pointer, true).await
-            })?;
+            self.markers_in(s, v, m)?;
+            self.point(l, v)?;
             fault_point("switched");
             // A replica published in place before versions goes (readers of
             // the published path itself see it whole until then).
@@ -918,16 +932,7 @@ impl Hdfs {
             self.rename(&out, l)?;
             fault_point("switched");
         }
-        for (i, &fi) in m.markers.iter().enumerate() {
-            let held = format!("{s}/.ferry-markers/{i}");
-            if self.exists_at(&held)? {
-                let dst = format!("{l}/{}", m.files[fi as usize].path);
-                if self.exists_at(&dst)? {
-                    self.delete_tree(&dst)?;
-                }
-                self.rename(&held, &dst)?;
-            }
-        }
+        self.markers_in(s, l, m)?;
         if self.exists_at(&old)? {
             self.delete_tree(&old)?;
         }
@@ -1600,13 +1605,7 @@ impl SinkStore for Hdfs {
         } else if !self.exists_at(&v)? {
             return Ok(false);
         }
-        let (parent, name) = l.rsplit_once('/').unwrap_or(("", &l));
-        let tmp = format!("{parent}/.{name}.ferry-version.tmp");
-        self.write_whole(&tmp, Bytes::from(v.clone().into_bytes()), 0o644)?;
-        let pointer = format!("{l}.ferry-version");
-        self.call("rename", &tmp, move |c, from| async move {
-            c.rename(&from, &pointer, true).await
-        })?;
+        self.point(&l, &v)?;
         Ok(true)
     }
 
