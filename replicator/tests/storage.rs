@@ -913,6 +913,77 @@ fn s3_replaces_a_replica_published_before_versioned_prefixes() {
     assert!(rest.is_empty(), "left after the withdrawal: {rest:?}");
 }
 
+/// A commit object (S3) or pointer file (HDFS with versions) changed by
+/// hand to name something outside the sink root is refused with an error
+/// naming it; nothing outside the root is read, moved or deleted.
+#[test]
+fn versions_named_outside_the_root_are_refused() {
+    let named = |r: io::Result<bool>, what: &str| {
+        let e = r.err().unwrap_or_else(|| panic!("{what}: accepted"));
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{what}: {e}");
+        assert!(e.to_string().contains("outside"), "{what}: {e}");
+    };
+    // S3: a commit object whose version is another prefix of the bucket.
+    let (_, base) = s3();
+    let (_, bucket, cfg) = s3_config();
+    let dir = unique("s3-tampered");
+    base.put_file(&dir.join("outside/x"), b"not the sink's")
+        .unwrap();
+    base.put_file(&dir.join("sink/README"), b"sink root")
+        .unwrap();
+    let sink = S3::connect(&format!("s3://{bucket}{}/sink", dir.display()), &cfg).unwrap();
+    let outside = format!("{}/outside", dir.display());
+    base.put_file(
+        &dir.join("sink/replica.ferry-commit"),
+        serde_json::json!({ "root": "00", "files": [["x", 14, 420, 0]], "version": outside.trim_start_matches('/') })
+            .to_string()
+            .as_bytes(),
+    )
+    .unwrap();
+    let (local, v, aside) = (
+        dir.join("sink/replica"),
+        dir.join("sink/v"),
+        dir.join("sink/a"),
+    );
+    named(sink.withdraw(&local, &v, &aside, &[]), "S3 withdraw");
+    named(sink.exists(&local.join("x")), "S3 exists");
+    assert_eq!(
+        base.open(&dir.join("outside/x"))
+            .unwrap()
+            .read_range(0, 14)
+            .unwrap(),
+        b"not the sink's"
+    );
+    // HDFS: a pointer file naming a directory outside the root.
+    let (url, h) = hdfs();
+    let dir = unique("hdfs-tampered");
+    h.put_file(&dir.join("outside/x"), b"not the sink's")
+        .unwrap();
+    h.put_file(&dir.join("sink/README"), b"sink root").unwrap();
+    let sink = Hdfs::connect(&format!("{url}{}/sink", dir.display()), None)
+        .unwrap()
+        .with_versions(true);
+    h.put_file(
+        &dir.join("sink/replica.ferry-version"),
+        format!("{}/outside", dir.display()).as_bytes(),
+    )
+    .unwrap();
+    let (local, v, aside) = (
+        dir.join("sink/replica"),
+        dir.join("sink/v"),
+        dir.join("sink/a"),
+    );
+    named(sink.exists(&local), "HDFS exists");
+    named(sink.withdraw(&local, &v, &aside, &[]), "HDFS withdraw");
+    assert_eq!(
+        h.open(&dir.join("outside/x"))
+            .unwrap()
+            .read_range(0, 14)
+            .unwrap(),
+        b"not the sink's"
+    );
+}
+
 /// Every multipart part but the last is at least 5 MiB (S3 refuses
 /// smaller ones, even where a test server accepts them).
 fn assert_parts_at_least_min(s: &S3) {

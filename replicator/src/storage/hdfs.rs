@@ -514,13 +514,25 @@ impl Hdfs {
     /// The version directory the published path `l` (a store path) names
     /// through its pointer file `<l>.ferry-version`; `None` without one.
     fn pointed(&self, l: &str) -> io::Result<Option<String>> {
+        let bad = |why: String| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{}{l}.ferry-version: {why}", self.root.url),
+            )
+        };
         match self.read_whole(&format!("{l}.ferry-version")) {
-            Ok(b) => String::from_utf8(b.to_vec()).map(Some).map_err(|e| {
-                io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!("{}{l}.ferry-version: not a path: {e}", self.root.url),
-                )
-            }),
+            Ok(b) => {
+                let v =
+                    String::from_utf8(b.to_vec()).map_err(|e| bad(format!("not a path: {e}")))?;
+                // Only a path under the root, apart from `l`: a pointer
+                // changed by hand must not send reads, renames or
+                // deletions anywhere else.
+                self.root
+                    .check(Path::new(&v))
+                    .and_then(|v| self.root.check_apart(&v, l).map(|()| v))
+                    .map(Some)
+                    .map_err(|e| bad(format!("names {v:?}: {e}")))
+            }
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e),
         }
@@ -1399,15 +1411,8 @@ impl SinkStore for Hdfs {
         let s = self.root.check(staging)?;
         let l = self.root.check(local_path)?;
         let v = self.root.check(version)?;
-        if self.versions && (Path::new(&v).starts_with(&l) || Path::new(&l).starts_with(&v)) {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!(
-                    "{}: a version directory must be apart from the published path {}",
-                    self.root.url_of(version),
-                    self.root.url_of(local_path)
-                ),
-            ));
+        if self.versions {
+            self.root.check_apart(&v, &l)?;
         }
         let placed = format!("{s}/.ferry-placed");
         if self.exists_at(&placed)? {

@@ -248,6 +248,28 @@ impl RemoteRoot {
         Ok(p.to_string_lossy().into_owned())
     }
 
+    /// Checks that version path `v` and published path `l` (store path
+    /// strings, as [`RemoteRoot::check`] returns them) are apart: neither
+    /// is `l` itself or inside the other, as a version kept beside its
+    /// published path must be.
+    ///
+    /// # Errors
+    /// `InvalidInput` naming both URLs.
+    pub fn check_apart(&self, v: &str, l: &str) -> io::Result<()> {
+        let (vp, lp) = (Path::new(v), Path::new(l));
+        if vp.starts_with(lp) || lp.starts_with(vp) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{}: a version must be apart from the published path {}",
+                    self.url_of(vp),
+                    self.url_of(lp)
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// The URL of path `p` of this store (`hdfs://nn:8020/ckpt/job/x`).
     pub fn url_of(&self, p: &Path) -> String {
         format!("{}://{}{}", self.scheme, self.authority, p.display())

@@ -632,13 +632,29 @@ impl S3 {
     }
 
     fn read_commit(&self, l: &str) -> io::Result<Option<Commit>> {
+        let bad = |why: String| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{}{l}.ferry-commit: {why}", self.root.url),
+            )
+        };
         match self.get(self.commit_key(l)) {
-            Ok(b) => serde_json::from_slice(&b).map(Some).map_err(|e| {
-                io::Error::other(format!(
-                    "{}{l}.ferry-commit: not a commit object: {e}",
-                    self.root.url
-                ))
-            }),
+            Ok(b) => {
+                let c: Commit = serde_json::from_slice(&b)
+                    .map_err(|e| bad(format!("not a commit object: {e}")))?;
+                // Its keys are read, kept and deleted: only keys under the
+                // root, so that an object changed by hand cannot send a
+                // deletion anywhere else.
+                let under = |k: &str| {
+                    self.root
+                        .check(Path::new(&format!("/{k}")))
+                        .is_ok_and(|p| Path::new(&p) != self.root.path)
+                };
+                if let Some(k) = c.version.iter().chain(c.kept.values()).find(|k| !under(k)) {
+                    return Err(bad(format!("names key {k:?}, outside the root")));
+                }
+                Ok(Some(c))
+            }
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e),
         }
@@ -1197,16 +1213,7 @@ impl SinkStore for S3 {
         let s = self.root.check(staging)?;
         let l = self.root.check(local_path)?;
         let v = self.root.check(version)?;
-        if Path::new(&v).starts_with(&l) || Path::new(&l).starts_with(&v) {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!(
-                    "{}: a version's prefix must be apart from the published path {}",
-                    self.root.url_of(version),
-                    self.root.url_of(local_path)
-                ),
-            ));
-        }
+        self.root.check_apart(&v, &l)?;
         let root = hex(&m.root());
         let vk = self.key_of_str(&v).to_string();
         let existing = self.read_commit(&l)?;
