@@ -53,6 +53,7 @@ pub mod notify;
 pub mod phases;
 pub mod pin_requests;
 pub mod pool;
+pub mod publish_leases;
 pub mod replica_events;
 pub mod replicas;
 pub mod settings;
@@ -73,6 +74,7 @@ pub use jobs::{origin, Job, MAX_MODEL_PARAMS};
 pub use leases::{LeaseProblem, ReaderLease, LEASE_MEMORY_MS};
 pub use pin_requests::PinRequestRow;
 pub use pool::{AgentState, Beat, Claim, Forget, Heartbeat, LeaseRecord, PoolAgent};
+pub use publish_leases::{PublishClaim, PublishHolder};
 pub use replica_events::{ReplicaEvent, REPLICA_EVENT_DAYS};
 pub use replicas::{
     CheckpointMeta, HotHint, NewReplica, Pin, PublishedReplica, Removal, RemovalReason, Replica,

@@ -56,6 +56,9 @@ pub struct Beat {
     /// The source roots whose watches it holds (see
     /// [`Catalog::claim_watch`]), renewed alike, sorted.
     pub watches: Vec<String>,
+    /// The published paths whose publish leases it holds (see
+    /// [`Catalog::claim_publish`]), renewed alike, sorted.
+    pub publishes: Vec<String>,
     /// Agents of its role that are live and not drained, itself included
     /// (at least 1): how many share the pool's work.
     pub live_peers: i64,
@@ -297,6 +300,15 @@ impl Catalog {
         .bind(now)
         .fetch_all(&mut *tx)
         .await?;
+        let mut publishes: Vec<String> = sqlx::query_scalar(&self.db.sql(
+            "UPDATE publish_leases SET lease_until = ? WHERE holder = ? AND lease_until >= ? \
+             RETURNING local_path",
+        ))
+        .bind(now + b.timeout_ms)
+        .bind(b.name)
+        .bind(now)
+        .fetch_all(&mut *tx)
+        .await?;
         let live_peers: i64 = sqlx::query_scalar(&self.db.sql(
             "SELECT COUNT(*) FROM agents WHERE role = ? AND stopped = 0 AND draining = 0 \
              AND heartbeat_at + timeout_ms >= ?",
@@ -309,11 +321,13 @@ impl Catalog {
         let mut held: Vec<TransferId> = held.into_iter().filter_map(TransferId::from_i64).collect();
         held.sort();
         watches.sort();
+        publishes.sort();
         Ok(Beat {
             at_ms: now,
             draining: draining != 0,
             held,
             watches,
+            publishes,
             live_peers: live_peers.max(1),
         })
     }

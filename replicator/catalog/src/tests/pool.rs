@@ -453,3 +453,91 @@ async fn concurrent_watch_claims_on_postgres_give_one_watcher() {
     );
     t.finish().await;
 }
+
+/// A publish lease: one sink agent at a time per published path, renewed
+/// by its heartbeat; a lapsed one is taken over under the next epoch,
+/// naming the agent and replica it interrupted; a released one is not a
+/// takeover.
+async fn one_sink_agent_publishes_into_a_path_and_another_takes_a_lapsed_lease_over(c: Catalog) {
+    c.register_agent(&beat("a", 300)).await.unwrap();
+    c.register_agent(&beat("b", 60_000)).await.unwrap();
+    let first = c
+        .claim_publish("/eval/x", 7, "a", 300)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((first.epoch, first.took_over_from), (1, None));
+    // Renewing keeps the epoch; another agent cannot take a live lease.
+    let again = c
+        .claim_publish("/eval/x", 7, "a", 300)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(again.epoch, 1);
+    assert_eq!(
+        c.claim_publish("/eval/x", 8, "b", 60_000).await.unwrap(),
+        None
+    );
+    let h = c.publish_holder("/eval/x").await.unwrap().unwrap();
+    assert_eq!((h.agent.as_str(), h.replica), ("a", Some(7)));
+    assert!(h.left_ms <= 300, "{h:?}");
+    // Another path is independent.
+    let other = c
+        .claim_publish("/eval/y", 9, "b", 60_000)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(other.epoch, 1);
+    // a stops heartbeating: its lease lapses, is not renewed, and b takes
+    // the publish over.
+    wait_past(&c, c.db_now_ms().await.unwrap() + 300).await;
+    assert_eq!(c.publish_holder("/eval/x").await.unwrap(), None);
+    let taken = c
+        .claim_publish("/eval/x", 7, "b", 60_000)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (taken.epoch, taken.took_over_from),
+        (2, Some(("a".to_string(), Some(7))))
+    );
+    let late = c.heartbeat(&beat("a", 300)).await.unwrap();
+    assert!(late.publishes.is_empty(), "{late:?}");
+    assert!(!c.release_publish("/eval/x", "a", 1).await.unwrap());
+    let b = c.heartbeat(&beat("b", 60_000)).await.unwrap();
+    assert_eq!(
+        b.publishes,
+        vec!["/eval/x".to_string(), "/eval/y".to_string()]
+    );
+    // Released: free, and the next claim is no takeover.
+    assert!(!c.release_publish("/eval/x", "b", 1).await.unwrap());
+    assert!(c.release_publish("/eval/x", "b", 2).await.unwrap());
+    assert_eq!(c.publish_holder("/eval/x").await.unwrap(), None);
+    let next = c
+        .claim_publish("/eval/x", 10, "a", 60_000)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((next.epoch, next.took_over_from), (3, None));
+}
+both!(one_sink_agent_publishes_into_a_path_and_another_takes_a_lapsed_lease_over);
+
+/// Many sink agents claim one path's publish lease at once on
+/// PostgreSQL: exactly one gets it.
+#[tokio::test]
+async fn concurrent_publish_claims_on_postgres_give_one_publisher() {
+    let t = TestCatalog::new(Dialect::Postgres).await;
+    let c = t.catalog.clone();
+    let names: Vec<String> = (0..8).map(|i| format!("sink-{i}")).collect();
+    let claims = futures::future::join_all(names.iter().map(|n| {
+        let c = c.clone();
+        async move { c.claim_publish("/eval/x", 1, n, 60_000).await.unwrap() }
+    }))
+    .await;
+    assert_eq!(
+        claims.iter().filter(|c| c.is_some()).count(),
+        1,
+        "{claims:?}"
+    );
+    t.finish().await;
+}
