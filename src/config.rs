@@ -350,6 +350,11 @@ pub struct LinkSection {
     pub peer: String,
     /// Agent name the sink's certificate must carry.
     pub peer_name: String,
+    /// Further sink agents of the peer site's pool, tried in order after
+    /// `peer` (`[{ peer = "host:port", peer_name = "..." }, ...]`); they
+    /// share the peer site's catalog and sink root. Default: none.
+    #[serde(default)]
+    pub more_peers: Vec<MorePeer>,
     /// Ferry's share of the WAN, e.g. `"1Gbit/s"`.
     #[serde(deserialize_with = "de_rate")]
     pub rate: u64,
@@ -365,7 +370,29 @@ pub struct LinkSection {
     pub connections: Option<usize>,
 }
 
+/// One entry of `[[links]] more_peers`: another sink agent of the link's
+/// peer site.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MorePeer {
+    /// Its QUIC address `host:port` (or a link emulator in front of it).
+    pub peer: String,
+    /// The agent name its certificate must carry.
+    pub peer_name: String,
+}
+
 impl LinkSection {
+    /// The link's sink agents after the first, as the source dials them.
+    pub fn more_peers(&self) -> Vec<replicator::source::SinkPeer> {
+        self.more_peers
+            .iter()
+            .map(|p| replicator::source::SinkPeer {
+                addr: p.peer.clone(),
+                name: p.peer_name.clone(),
+            })
+            .collect()
+    }
+
     /// The configured connection count, or the default for the link's
     /// rate on this host's cores.
     pub fn connections(&self) -> usize {
@@ -1353,10 +1380,35 @@ impl Config {
             if self.links.iter().filter(|o| o.name == l.name).count() > 1 {
                 bail!("links[{i}].name {:?} is used twice", l.name);
             }
-            match l.peer.rsplit_once(':') {
-                Some((host, port))
-                    if !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0) => {}
-                _ => bail!("links[{i}].peer must be host:port, got {:?}", l.peer),
+            let host_port = |a: &str| {
+                a.rsplit_once(':').is_some_and(|(host, port)| {
+                    !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0)
+                })
+            };
+            if !host_port(&l.peer) {
+                bail!("links[{i}].peer must be host:port, got {:?}", l.peer);
+            }
+            if l.peer_name.is_empty() {
+                bail!("links[{i}].peer_name must not be empty");
+            }
+            for (k, p) in l.more_peers.iter().enumerate() {
+                if !host_port(&p.peer) {
+                    bail!(
+                        "links[{i}].more_peers[{k}].peer must be host:port, got {:?}",
+                        p.peer
+                    );
+                }
+                if p.peer_name.is_empty() {
+                    bail!("links[{i}].more_peers[{k}].peer_name must not be empty");
+                }
+                let names = std::iter::once(&l.peer_name)
+                    .chain(l.more_peers[..k].iter().map(|o| &o.peer_name));
+                if names.into_iter().any(|n| *n == p.peer_name) {
+                    bail!(
+                        "links[{i}].more_peers[{k}].peer_name {:?} is already a sink agent of the link",
+                        p.peer_name
+                    );
+                }
             }
             if l.rtt_hint.is_zero() {
                 bail!("links[{i}].rtt_hint must be more than 0");
@@ -1688,6 +1740,51 @@ link = "to-eval"
             let e = err(&with(bad));
             assert!(e.contains("links[0].connections must be 1 to 64"), "{e}");
         }
+    }
+
+    #[test]
+    fn more_sink_agents_of_a_link_are_read_in_order_and_bad_ones_named() {
+        let with = |more: &str| {
+            GOOD.replace(
+                "rtt_hint = \"100ms\"",
+                &format!("rtt_hint = \"100ms\"\nmore_peers = {more}"),
+            )
+        };
+        assert!(load(GOOD).unwrap().links[0].more_peers().is_empty());
+        let c = load(&with(
+            r#"[{ peer = "eval-b-2.example:7443", peer_name = "eval-b-2" }, { peer = "10.0.0.3:7443", peer_name = "eval-b-3" }]"#,
+        ))
+        .unwrap();
+        let names: Vec<String> = c.links[0]
+            .more_peers()
+            .into_iter()
+            .map(|p| p.name)
+            .collect();
+        assert_eq!(names, ["eval-b-2", "eval-b-3"]);
+        for (bad, want) in [
+            (
+                r#"[{ peer = "eval-b-2", peer_name = "eval-b-2" }]"#,
+                "links[0].more_peers[0].peer must be host:port",
+            ),
+            (
+                r#"[{ peer = "h:1", peer_name = "" }]"#,
+                "links[0].more_peers[0].peer_name must not be empty",
+            ),
+            (
+                r#"[{ peer = "h:1", peer_name = "x" }, { peer = "h:2", peer_name = "x" }]"#,
+                "links[0].more_peers[1].peer_name \"x\" is already a sink agent of the link",
+            ),
+            (r#"[{ peer = "h:1" }]"#, "peer_name"),
+            (r#"[{ peer = "h:1", peer_name = "x", port = 3 }]"#, "port"),
+        ] {
+            let e = err(&with(bad));
+            assert!(e.contains(want), "{bad}: {e}");
+        }
+        let first = load(GOOD).unwrap().links[0].peer_name.clone();
+        let e = err(&with(&format!(
+            "[{{ peer = \"h:1\", peer_name = \"{first}\" }}]"
+        )));
+        assert!(e.contains("is already a sink agent of the link"), "{e}");
     }
 
     #[test]

@@ -717,6 +717,7 @@ pub(crate) async fn start_pair(
         name: "to-eval".into(),
         peer: dst_addr.to_string(),
         peer_name: "demo-sink".into(),
+        more_peers: Vec::new(),
         rate: a.rate,
         rtt_hint: a.rtt,
         connections: None,

@@ -167,13 +167,18 @@ fn pool_example_configs_load_as_a_source_pool_and_a_sink_pool() {
         c.links
             .iter()
             .map(|l| {
-                (
-                    l.name.clone(),
-                    l.peer.clone(),
-                    l.peer_name.clone(),
-                    l.rate,
-                    l.rtt_hint,
-                )
+                // Each source agent lists the sink agents in its own
+                // order (to spread over them): the set is shared.
+                let mut sinks: Vec<(String, String)> =
+                    std::iter::once((l.peer.clone(), l.peer_name.clone()))
+                        .chain(
+                            l.more_peers
+                                .iter()
+                                .map(|p| (p.peer.clone(), p.peer_name.clone())),
+                        )
+                        .collect();
+                sinks.sort();
+                (l.name.clone(), sinks, l.rate, l.rtt_hint)
             })
             .collect::<Vec<_>>()
     };
@@ -231,9 +236,21 @@ fn pool_example_configs_load_as_a_source_pool_and_a_sink_pool() {
     let linked: BTreeSet<&str> = sources[0]
         .links
         .iter()
-        .map(|l| l.peer_name.as_str())
+        .flat_map(|l| {
+            std::iter::once(l.peer_name.as_str())
+                .chain(l.more_peers.iter().map(|p| p.peer_name.as_str()))
+        })
         .collect();
-    assert_eq!(linked, sink_names, "a link to each sink agent");
+    assert_eq!(linked, sink_names, "every sink agent on a link");
+    let firsts: BTreeSet<&str> = sources
+        .iter()
+        .map(|c| c.links[0].peer_name.as_str())
+        .collect();
+    assert_eq!(
+        firsts.len(),
+        sources.len(),
+        "each source agent dials another sink agent first"
+    );
     for r in roots(&sources[0]) {
         assert!(r.0.is_absolute(), "{r:?}");
     }

@@ -94,6 +94,7 @@ mod tests {
                 retention: Vec::new(),
                 retention_interval: std::time::Duration::from_secs(60),
                 pressure: None,
+                pool: None,
             },
             catalog,
             ep,

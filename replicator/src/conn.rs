@@ -45,6 +45,9 @@ pub enum ConnError {
     /// The peer refused the connection or transfer.
     #[error("peer: {0}")]
     Peer(String),
+    /// This end cannot go on with the transfer (it is stopping).
+    #[error("{0}")]
+    Local(String),
 }
 
 /// Reads exactly `len` bytes from `recv` into `buf` (emptied first, its

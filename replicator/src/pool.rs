@@ -128,6 +128,8 @@ struct Standing {
     held: HashSet<TransferId>,
     /// Watch leases (source roots) the last heartbeat renewed.
     watches: HashSet<String>,
+    /// Publish leases (published paths) the last heartbeat renewed.
+    publishes: HashSet<String>,
     /// Live, undrained agents of its role at the last heartbeat, itself
     /// included.
     live_peers: i64,
@@ -298,12 +300,19 @@ impl Membership {
     /// after the claim failed to renew this one (a lease that lapsed, or
     /// was taken over, is not renewed).
     pub fn holds(&self, id: TransferId, claimed: Instant) -> bool {
+        self.holds_lease(claimed, |s| s.held.contains(&id))
+    }
+
+    /// Whether the agent's leases are valid and no heartbeat sent after
+    /// `claimed` failed to renew the lease `renewed` finds in the
+    /// standing.
+    fn holds_lease(&self, claimed: Instant, renewed: impl FnOnce(&Standing) -> bool) -> bool {
         let cfg = self.inner.cfg;
         let s = crate::lock::lock(&self.inner.standing);
         match s.last_ok {
             None => false,
             Some(t) if t.elapsed() >= cfg.lease_timeout - cfg.heartbeat_interval => false,
-            Some(t) => t <= claimed || s.held.contains(&id),
+            Some(t) => t <= claimed || renewed(&s),
         }
     }
 
@@ -311,13 +320,14 @@ impl Membership {
     /// it claimed at local time `claimed`: as [`Membership::holds`], for
     /// the root's watch lease.
     pub fn holds_watch(&self, root: &str, claimed: Instant) -> bool {
-        let cfg = self.inner.cfg;
-        let s = crate::lock::lock(&self.inner.standing);
-        match s.last_ok {
-            None => false,
-            Some(t) if t.elapsed() >= cfg.lease_timeout - cfg.heartbeat_interval => false,
-            Some(t) => t <= claimed || s.watches.contains(root),
-        }
+        self.holds_lease(claimed, |s| s.watches.contains(root))
+    }
+
+    /// Whether the sink agent may still act on its publish lease on
+    /// published path `local_path`, claimed at local time `claimed`: as
+    /// [`Membership::holds`], for the path's publish lease.
+    pub fn holds_publish(&self, local_path: &str, claimed: Instant) -> bool {
+        self.holds_lease(claimed, |s| s.publishes.contains(local_path))
     }
 
     /// Resolves once the agent may no longer act on its lease of transfer
@@ -414,6 +424,7 @@ impl Membership {
                 Ok(b) => {
                     let held: HashSet<TransferId> = b.held.into_iter().collect();
                     let watches: HashSet<String> = b.watches.into_iter().collect();
+                    let publishes: HashSet<String> = b.publishes.into_iter().collect();
                     let mut s = crate::lock::lock(&i.standing);
                     if !s.catalog_up {
                         if s.last_ok.is_some() || s.error.is_some() {
@@ -424,6 +435,7 @@ impl Membership {
                     if s.draining != b.draining
                         || s.held.iter().any(|t| !held.contains(t))
                         || s.watches.iter().any(|r| !watches.contains(r))
+                        || s.publishes.iter().any(|p| !publishes.contains(p))
                     {
                         changed = true;
                     }
@@ -440,6 +452,7 @@ impl Membership {
                         draining: b.draining,
                         held,
                         watches,
+                        publishes,
                         live_peers: b.live_peers,
                     };
                     i.catalog_up.set(1);
@@ -457,6 +470,7 @@ impl Membership {
                     s.last_ok = None;
                     s.held.clear();
                     s.watches.clear();
+                    s.publishes.clear();
                     s.catalog_up = true;
                     s.error = Some(why);
                     i.catalog_up.set(1);

@@ -50,6 +50,7 @@ use decide::Table;
 mod decide;
 pub mod lifecycle;
 pub mod pressure;
+mod publish_lease;
 pub mod retention;
 
 pub use crate::storage::posix::publish::FAULT_KILL_ENV;
@@ -88,6 +89,11 @@ pub struct SinkConfig {
     /// transfer that does not fit makes room the same way
     /// ([`pressure`]); `None` removes nothing for space.
     pub pressure: Option<pressure::SpacePressure>,
+    /// The agent's membership of its site's pool: with it, a publish
+    /// claims the published path's publish lease in the catalog first
+    /// (the sink agents of a pool share the sink root); `None` (a sink
+    /// alone, in-process tests) takes only this process's lock.
+    pub pool: Option<crate::pool::Membership>,
 }
 
 /// The store a sink keeps its replicas in.
@@ -556,6 +562,22 @@ impl Sink {
         store
             .make_dir(&staging_root(&cfg.root))
             .map_err(|e| io::Error::new(e.kind(), format!("sink root {name}: {e}")))?;
+        if cfg.pool.is_some() && catalog.dialect() == ferry_catalog::dialect::Dialect::Postgres {
+            // Sink agents of a pool share the root: each publish relies on
+            // what every agent checks here.
+            store
+                .check_pool_ready(&cfg.root.join(".ferry"))
+                .map_err(|e| {
+                    io::Error::new(
+                        e.kind(),
+                        format!(
+                            "sink root {name} cannot be shared by a sink pool (the catalog is PostgreSQL): {e}; \
+                             put the root on a file system that supports both (a local file system, \
+                             or HDFS or S3 natively), or give this agent a catalog of its own"
+                        ),
+                    )
+                })?;
+        }
         if let Some(p) = cfg.pressure {
             let capacity = store.capacity(&cfg.root)?;
             p.bytes(capacity, cfg.reserve_bytes)
@@ -2497,9 +2519,16 @@ async fn maybe_finish(
         Next::Publish(manifest, (times, meta), keys, marks) => {
             let t_publish = Instant::now();
             // One publish at a time per local path: two transfers moving
-            // versions into the same place must not interleave their steps.
-            let path_lock = inner.publish_lock(&live.local_path);
-            let path_lock = path_lock.lock_owned().await;
+            // versions into the same place must not interleave their steps
+            // (in a pool, whichever sink agent they reached).
+            let path_lock =
+                match publish_lease::lock_publish(inner, &live.local_path, live.id).await {
+                    Ok(g) => g,
+                    Err(why) => {
+                        crate::lock::lock(&live.st).publishing = false;
+                        return Err(ConnError::Local(why));
+                    }
+                };
             // Wait for chunk writes in flight; later ones see `publishing`.
             let exclusive = live.writes.clone().write_owned().await;
             flush(inner).await;
@@ -2550,6 +2579,20 @@ async fn maybe_finish(
                     None
                 }
                 Ok(PublishOutcome::Refetch(bad)) => Some(bad),
+                Err(e) if !path_lock.held() => {
+                    // Paused or cut off past the lease: another sink agent
+                    // may have finished this publish (and this one failed
+                    // on what it moved); the catalog is that agent's to
+                    // write, so nothing is recorded here.
+                    warn!(transfer = %id, error = %e, path = %live.local_path.display(), "publish failed after this sink agent's publish lease lapsed; leaving the transfer to the sink agent that took the lease");
+                    drop(exclusive);
+                    crate::lock::lock(&live.st).publishing = false;
+                    crate::lock::lock(&inner.live).remove(&live.id);
+                    return Err(ConnError::Local(format!(
+                        "the publish lease on {} lapsed during the publish",
+                        live.local_path.display()
+                    )));
+                }
                 Err(e) => {
                     let reason = format!("publishing {}: {e}", live.local_path.display());
                     warn!(transfer = %id, "{reason}");
@@ -2603,11 +2646,17 @@ async fn maybe_finish(
                 meta,
                 phases: Some((all.clone(), measured_to)),
             };
-            let recorded = match inner.chunks.send(CatalogOp::Publish(rec, tx)).await {
-                Ok(()) => rx
-                    .await
-                    .unwrap_or_else(|_| Err("the catalog writer stopped".into())),
-                Err(_) => Err("the catalog writer stopped".into()),
+            let recorded = if !path_lock.held() {
+                // Cut off from the catalog or paused past the lease: another
+                // sink agent may be finishing this publish, and records it.
+                Err("this sink agent's publish lease on the path lapsed".into())
+            } else {
+                match inner.chunks.send(CatalogOp::Publish(rec, tx)).await {
+                    Ok(()) => rx
+                        .await
+                        .unwrap_or_else(|_| Err("the catalog writer stopped".into())),
+                    Err(_) => Err("the catalog writer stopped".into()),
+                }
             };
             match recorded {
                 Ok(recorded) => {
@@ -2833,8 +2882,7 @@ async fn publish_weights(
 ) -> Result<Phases, String> {
     let t_publish = Instant::now();
     let m = &c.manifest;
-    let path_lock = inner.publish_lock(&live.local_path);
-    let _path_lock = path_lock.lock_owned().await;
+    let _path_lock = publish_lease::lock_publish(inner, &live.local_path, w.id).await?;
     {
         // No chunk write in flight while the links are made (a write
         // after copies first: the staging files are then shared).

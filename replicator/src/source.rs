@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -67,6 +67,11 @@ pub struct LinkConfig {
     pub peer: String,
     /// Agent name the sink's certificate must carry.
     pub peer_name: String,
+    /// Further sink agents of the peer site's pool (sharing its catalog
+    /// and sink root), tried in order after `peer` when it cannot be
+    /// reached: the link's connections all go to one sink agent at a
+    /// time, and to the next one in the list once that one is lost.
+    pub more_peers: Vec<SinkPeer>,
     /// Ferry's share of the WAN, bit/s.
     pub rate_bps: u64,
     /// Expected base RTT.
@@ -76,6 +81,29 @@ pub struct LinkConfig {
     /// when the source has a [`SocketFactory`], and a congestion
     /// controller aiming at `rate_bps / connections`.
     pub connections: usize,
+}
+
+/// A sink agent a link may dial: its address and the name its
+/// certificate must carry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SinkPeer {
+    /// Address to dial, `host:port` (looked up at each dial).
+    pub addr: String,
+    /// Agent name the sink's certificate must carry.
+    pub name: String,
+}
+
+impl LinkConfig {
+    /// The sink agents the link may dial, in order: `peer` first, then
+    /// `more_peers`.
+    pub fn sinks(&self) -> Vec<SinkPeer> {
+        std::iter::once(SinkPeer {
+            addr: self.peer.clone(),
+            name: self.peer_name.clone(),
+        })
+        .chain(self.more_peers.iter().cloned())
+        .collect()
+    }
 }
 
 /// Link rate served by one connection when the count is not configured,
@@ -415,6 +443,13 @@ struct LinkState {
     /// dials for them and sends them once connected; lost if this agent
     /// stops first).
     pins: Mutex<Vec<ferry_proto::wire::PinRequest>>,
+    /// Index in [`LinkConfig::sinks`] of the sink agent the next dial
+    /// tries first: the one last connected to, moved on to the next when
+    /// its pool was lost or a dial of it failed.
+    sink_at: Arc<AtomicUsize>,
+    /// Index of the sink agent last connected to (`usize::MAX`: none
+    /// yet).
+    sink_last: AtomicUsize,
     /// The newest publishes' times from last byte to publish at the sink,
     /// ms ([`LinkState::note_finish`]).
     finishes: Mutex<VecDeque<i64>>,
@@ -686,6 +721,8 @@ impl Source {
                     signals: Mutex::new(BTreeSet::new()),
                     pins: Mutex::new(Vec::new()),
                     finishes: Mutex::new(VecDeque::new()),
+                    sink_at: Arc::new(AtomicUsize::new(0)),
+                    sink_last: AtomicUsize::new(usize::MAX),
                 }),
             );
         }
@@ -2111,23 +2148,22 @@ async fn handshake(
     link: &LinkState,
     endpoint: &Endpoint,
     peer_addr: std::net::SocketAddr,
+    peer_name: &str,
     version: u16,
 ) -> Result<(Connection, ControlSender, quinn::RecvStream), String> {
-    let l = &link.cfg;
     let connecting = endpoint
-        .connect_with(link.client.clone(), peer_addr, &l.peer_name)
-        .map_err(|e| format!("connect to {} ({peer_addr}): {e}", l.peer_name))?;
+        .connect_with(link.client.clone(), peer_addr, peer_name)
+        .map_err(|e| format!("connect to {peer_name} ({peer_addr}): {e}"))?;
     let conn = connecting.await.map_err(|e| {
         format!(
-            "handshake with {} ({peer_addr}): {}",
-            l.peer_name,
+            "handshake with {peer_name} ({peer_addr}): {}",
             tls::explain_handshake_error(&e)
         )
     })?;
     let (send, recv) = conn
         .open_bi()
         .await
-        .map_err(|e| format!("control stream to {}: {e}", l.peer_name))?;
+        .map_err(|e| format!("control stream to {peer_name}: {e}"))?;
     let ctl = ControlSender::new(send);
     ctl.send(&Control::Hello(Hello {
         version,
@@ -2135,17 +2171,60 @@ async fn handshake(
         site: inner.cfg.site.clone(),
     }))
     .await
-    .map_err(|e| format!("hello to {}: {e}", l.peer_name))?;
+    .map_err(|e| format!("hello to {peer_name}: {e}"))?;
     Ok((conn, ctl, recv))
 }
 
+/// Dials the link's sink agents ([`LinkConfig::sinks`]) in turn, from
+/// the one last connected to, until one answers. A link of several sink
+/// agents moves on to the next after a failed dial, and after losing the
+/// pool of the one it was connected to (see [`LinkState::sink_at`]).
 async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
+    let sinks = link.cfg.sinks();
+    let first = link.sink_at.load(Ordering::Relaxed) % sinks.len();
+    let mut failed = Vec::new();
+    for k in 0..sinks.len() {
+        let at = (first + k) % sinks.len();
+        match dial_sink(inner, link, &sinks[at], at).await {
+            Ok(c) => {
+                let before = link.sink_last.swap(at, Ordering::Relaxed);
+                if before != at && before != usize::MAX {
+                    let why = if failed.is_empty() {
+                        "its connection was lost".to_string()
+                    } else {
+                        failed.join("; ")
+                    };
+                    info!(
+                        link = link.cfg.name,
+                        from = sinks[before % sinks.len()].name,
+                        to = sinks[at].name,
+                        "connected to another sink agent of the link (it resumes what the sink pool has): {why}"
+                    );
+                }
+                link.sink_at.store(at, Ordering::Relaxed);
+                return Ok(c);
+            }
+            Err(e) => failed.push(e),
+        }
+    }
+    link.sink_at.store(first + 1, Ordering::Relaxed);
+    Err(failed.join("; "))
+}
+
+/// Dials sink agent `sink` (index `at` of the link's sinks): the pool's
+/// connections, the first one carrying the control stream.
+async fn dial_sink(
+    inner: &Inner,
+    link: &LinkState,
+    sink: &SinkPeer,
+    at: usize,
+) -> Result<LinkConn, String> {
     let l = &link.cfg;
-    let peer_addr = tokio::net::lookup_host(&l.peer)
+    let peer_addr = tokio::net::lookup_host(&sink.addr)
         .await
-        .map_err(|e| format!("looking up {}: {e}", l.peer))?
+        .map_err(|e| format!("looking up {}: {e}", sink.addr))?
         .next()
-        .ok_or_else(|| format!("{} resolves to no address", l.peer))?;
+        .ok_or_else(|| format!("{} resolves to no address", sink.addr))?;
     let endpoints = link_endpoints(inner, link)?;
     let version = link.speak.load(Ordering::Relaxed);
     // All handshakes at once: a pool takes one round trip, not one each.
@@ -2155,7 +2234,7 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
     let results = futures::future::join_all(
         endpoints
             .iter()
-            .map(|ep| handshake(inner, link, ep, peer_addr, version)),
+            .map(|ep| handshake(inner, link, ep, peer_addr, &sink.name, version)),
     )
     .await;
     let mut dialled = Vec::with_capacity(results.len());
@@ -2188,7 +2267,7 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
         // (the sink answers a transfer on the connection that opened it).
         tokio::spawn(read_control(
             l.name.clone(),
-            l.peer_name.clone(),
+            sink.name.clone(),
             index,
             conn.clone(),
             recv,
@@ -2218,10 +2297,16 @@ async fn dial(inner: &Inner, link: &LinkState) -> Result<LinkConn, String> {
     // commits and the sink's answers travel on it, so every transfer
     // resumes on a new pool.
     let (p2, link_name, sched) = (pool.clone(), l.name.clone(), link.sched.clone());
+    let (sink_at, several) = (link.sink_at.clone(), l.sinks().len() > 1);
     tokio::spawn(async move {
         let Some(control) = p2.first() else { return };
         let why = control.closed().await;
         sched.pool_closed(pool_no);
+        if several && !matches!(why, quinn::ConnectionError::LocallyClosed) {
+            // The sink agent went away (or reset us): the next dial tries
+            // the next sink agent of the link first.
+            let _ = sink_at.compare_exchange(at, at + 1, Ordering::Relaxed, Ordering::Relaxed);
+        }
         if p2.len() > 1 {
             debug!(link = link_name, reason = %why, "the control connection of the link closed; closing the others");
         }
@@ -4342,6 +4427,7 @@ mod tests {
             name: name.into(),
             peer: hole.local_addr().unwrap().to_string(),
             peer_name: "dst".into(),
+            more_peers: Vec::new(),
             rate_bps,
             rtt: Duration::from_millis(10),
             connections: 1,

@@ -425,6 +425,21 @@ pub trait SinkStore: Send + Sync + fmt::Debug {
         false
     }
 
+    /// Checks, in directory `dir` of the sink root (made if missing), that
+    /// this store does what a sink pool relies on when several agents
+    /// publish into one root: on POSIX, that `renameat2(RENAME_EXCHANGE)`
+    /// and hard links work there (an NFS or FUSE mount may refuse either).
+    /// HDFS and S3 pass: their publishes use renames and conditional
+    /// creates that every server does (the conformance suite checks
+    /// both).
+    ///
+    /// # Errors
+    /// An error naming the operation that failed and the path.
+    fn check_pool_ready(&self, dir: &Path) -> io::Result<()> {
+        let _ = dir;
+        Ok(())
+    }
+
     /// The URL of the replica published at `local_path` as version
     /// `version`, without asking the store: [`SinkStore::url_of`] of
     /// `local_path` (the default), or of `version` where readers find each

@@ -172,6 +172,7 @@ async fn a_source_outside_accept_peers_is_refused() {
             retention: Vec::new(),
             retention_interval: std::time::Duration::from_secs(60),
             pressure: None,
+            pool: None,
         },
         catalog,
         ep,

@@ -72,6 +72,7 @@ async fn setup_with(retention: Vec<RetentionPolicy>) -> Setup {
             retention,
             retention_interval: std::time::Duration::from_secs(3600),
             pressure: None,
+            pool: None,
         },
         catalog,
         ep,

@@ -329,6 +329,7 @@ async fn a_sink_on_a_store_it_cannot_use_does_not_start() {
             retention: Vec::new(),
             retention_interval: std::time::Duration::from_secs(60),
             pressure: None,
+            pool: None,
         },
         ferry_catalog::Catalog::open(&dir.path().join("data"))
             .await
@@ -685,6 +686,7 @@ async fn hot_files_of_an_hdfs_replica_are_raised_then_set_back() {
             retention: Vec::new(),
             retention_interval: std::time::Duration::from_secs(60),
             pressure: None,
+            pool: None,
         },
         catalog.expect("the stopped sink's catalog could not be opened again within 10 s"),
         ep,

@@ -261,6 +261,10 @@ impl SinkStore for Posix {
         true
     }
 
+    fn check_pool_ready(&self, dir: &Path) -> io::Result<()> {
+        publish::check_pool_ready(dir)
+    }
+
     fn named_version(&self, local_path: &Path) -> io::Result<Option<PathBuf>> {
         publish::named_version(local_path)
     }

@@ -478,6 +478,52 @@ pub(super) fn adopt(local_path: &Path, version: &Path) -> io::Result<bool> {
     Ok(true)
 }
 
+/// Tries, in a scratch directory of its own under `dir`, the two things
+/// a sink pool's publishes rely on: a hard link, and exchanging two
+/// names with `renameat2(RENAME_EXCHANGE)`. The scratch directory is
+/// removed after, whatever the outcome.
+///
+/// # Errors
+/// An error naming the operation that failed and where.
+pub(super) fn check_pool_ready(dir: &Path) -> io::Result<()> {
+    let scratch = dir.join(format!(".pool-check-{}", std::process::id()));
+    remove_any(&scratch)?;
+    std::fs::create_dir_all(&scratch).map_err(at(&scratch))?;
+    let tried = (|| {
+        let (a, b, link) = (scratch.join("a"), scratch.join("b"), scratch.join("a.link"));
+        std::fs::write(&a, b"a").map_err(at(&a))?;
+        std::fs::write(&b, b"b").map_err(at(&b))?;
+        std::fs::hard_link(&a, &link).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!(
+                    "a hard link ({} to {}) failed: {e}",
+                    link.display(),
+                    a.display()
+                ),
+            )
+        })?;
+        nix::fcntl::renameat2(None, &a, None, &b, nix::fcntl::RenameFlags::RENAME_EXCHANGE)
+            .map_err(|e| {
+                io::Error::other(format!(
+                    "renameat2(RENAME_EXCHANGE) of {} and {} failed: {e}",
+                    a.display(),
+                    b.display()
+                ))
+            })?;
+        if std::fs::read(&a).map_err(at(&a))? != b"b" {
+            return Err(io::Error::other(format!(
+                "renameat2(RENAME_EXCHANGE) of {} and {} did not exchange them",
+                a.display(),
+                b.display()
+            )));
+        }
+        Ok(())
+    })();
+    let cleaned = remove_any(&scratch);
+    tried.and(cleaned)
+}
+
 fn mtime(ns: i64) -> std::time::SystemTime {
     if ns >= 0 {
         UNIX_EPOCH + Duration::from_nanos(ns as u64)
@@ -1048,5 +1094,31 @@ mod tests {
             "{out:?}"
         );
         assert_published(&c);
+    }
+}
+
+#[cfg(test)]
+mod pool_check {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    /// On a local file system both checks pass, and nothing is left.
+    #[test]
+    fn a_local_root_is_ready_for_a_pool_and_the_check_leaves_nothing() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join(".ferry");
+        check_pool_ready(&dir).unwrap();
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+    }
+
+    /// Where the scratch directory cannot be made, the error names it.
+    #[test]
+    fn a_root_it_cannot_write_is_refused_naming_the_path() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("not-a-dir");
+        std::fs::write(&file, b"x").unwrap();
+        let e = check_pool_ready(&file).unwrap_err().to_string();
+        assert!(e.contains("not-a-dir"), "{e}");
     }
 }
