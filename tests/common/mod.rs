@@ -8,6 +8,7 @@
 //! every agent's stderr to the panic message.
 
 pub mod pg;
+pub mod remote;
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt::Display;
@@ -173,6 +174,8 @@ pub struct LinkSpec {
     pub peer: String,
     /// `peer_name`
     pub peer_name: String,
+    /// `more_peers`: further sink agents, `(peer, peer_name)`.
+    pub more_peers: Vec<(String, String)>,
     /// `rate`
     pub rate: String,
     /// `rtt_hint`
@@ -282,6 +285,16 @@ impl AgentConfig {
             );
             if let Some(n) = l.connections {
                 t += &format!("connections = {n}\n");
+            }
+            if !l.more_peers.is_empty() {
+                let more: Vec<String> = l
+                    .more_peers
+                    .iter()
+                    .map(|(p, n)| {
+                        format!("{{ peer = {}, peer_name = {} }}", toml_str(p), toml_str(n))
+                    })
+                    .collect();
+                t += &format!("more_peers = [{}]\n", more.join(", "));
             }
         }
         if let Some(s) = &self.source {
@@ -709,6 +722,7 @@ impl World {
                 name: LINK.into(),
                 peer: peer.into(),
                 peer_name: SINK_NAME.into(),
+                more_peers: Vec::new(),
                 rate: rate.into(),
                 rtt_hint: "20ms".into(),
                 connections: None,

@@ -1,0 +1,311 @@
+//! A sink pool: two sink agents (real `ferry serve` processes) of one
+//! site on one PostgreSQL catalog (a fresh database on the server at
+//! `FERRY_TEST_PG_URL`) and one sink root (a local directory, an HDFS
+//! directory or an S3 prefix on the servers `ops/test` starts), each
+//! behind its own `ferry link-emu`. One source agent's link names both
+//! (`more_peers`). Leases last 5 s, heartbeats come every second.
+//!
+//! - A sink agent SIGKILLed mid-transfer: the source moves to the other,
+//!   which resumes from what the pool's catalog and staging area hold;
+//!   the replica is published once, byte-identical, and both sink agents
+//!   resolve it alike.
+//! - The publishing sink agent SIGKILLed inside its publish (the
+//!   fault-injection kill points) and kept down: the other claims the
+//!   lapsed publish lease and finishes the publish from disk.
+
+#![allow(clippy::unwrap_used)]
+
+#[allow(dead_code)]
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::pg::*;
+use common::remote::*;
+use common::*;
+use replicator::storage::build;
+use replicator::storage::posix::Posix;
+use serde_json::Value;
+use sqlx::{Connection, Row};
+
+/// The second sink agent of the site.
+const SINK_2: &str = "eval-b-2";
+
+/// [`replicator::sink::FAULT_KILL_ENV`].
+const FAULT_ENV: &str = "FERRY_FAULT_KILL_IN_PUBLISH";
+
+/// Bound for a transfer that should complete, a sink agent's death
+/// noticed (the QUIC idle timeout, 10 s) included.
+const TRANSFER: Duration = Duration::from_secs(120);
+
+struct SinkPool {
+    db: String,
+    source: Agent,
+    sinks: [Agent; 2],
+    _relays: [Relay; 2],
+}
+
+/// Two sink agents sharing a fresh PostgreSQL catalog and the sink root
+/// (`remote`'s, or [`World::sink_root`]), each behind a relay at `rate`,
+/// the first one started with `first_env`; one source agent (its own
+/// SQLite catalog) whose link dials the first, then the second.
+async fn sink_pool(
+    w: &World,
+    name: &str,
+    remote: Option<&RemoteSink>,
+    rate: &str,
+    first_env: &[(&str, &str)],
+) -> SinkPool {
+    let db = fresh_db(&format!("sink_pool_{name}")).await;
+    w.certs("certs", &[SOURCE_NAME, SINK_NAME, SINK_2]).await;
+    let tail = format!(
+        "\n[catalog]\nurl = {}\n\n[pool]\nheartbeat_interval = \"1s\"\nlease_timeout = \"5s\"\n",
+        toml_str(&db)
+    );
+    let mut first = w.sink_config();
+    first.tail = tail.clone();
+    if let Some(r) = remote {
+        let spec = first.sink.as_mut().unwrap();
+        spec.root = PathBuf::from(&r.url);
+        spec.extra = r.lines.clone();
+    }
+    let mut second = first.clone();
+    let certs = w.root.join("certs");
+    second.name = SINK_2.into();
+    second.cert = certs.join(format!("{SINK_2}.pem"));
+    second.key = certs.join(format!("{SINK_2}.key"));
+    second.data_dir = w.root.join("sink-2").join("data");
+    second.api_port = free_tcp_port();
+    second.quic_listen = format!("127.0.0.1:{}", free_udp_port());
+    let s1 = w.start_agent("sink", first, first_env).await;
+    let s2 = w.start_agent("sink-2", second, &[]).await;
+    let r1 = w.start_relay(&s1.cfg.quic_listen, rate).await;
+    let r2 = w.start_relay(&s2.cfg.quic_listen, rate).await;
+    let mut src = w.source_config(&format!("127.0.0.1:{}", r1.port), rate);
+    src.links[0].more_peers = vec![(format!("127.0.0.1:{}", r2.port), SINK_2.to_string())];
+    let source = w.start_agent("source", src, &[]).await;
+    SinkPool {
+        db,
+        source,
+        sinks: [s1, s2],
+        _relays: [r1, r2],
+    }
+}
+
+/// Waits until the source's transfer `id` is published.
+async fn wait_published(w: &World, source: &Agent, id: i64) -> Value {
+    w.wait_until("the transfer to be published", TRANSFER, async || {
+        let t = w.transfer(source, id).await;
+        match s(&t, "state") {
+            "published" => Ok(t),
+            "failed" | "cancelled" => w.fail(format!("the transfer ended: {t}")),
+            _ => Err(format!("{t}")),
+        }
+    })
+    .await
+}
+
+/// Fails unless the replica of `ckpt` at `rel` matches it byte for byte
+/// (file paths, sizes and chunk hashes; on a local root the whole tree).
+fn assert_replica(w: &World, remote: Option<&RemoteSink>, ckpt: &Path, rel: &str) {
+    let Some(r) = remote else {
+        w.assert_same_tree(ckpt, &w.replica_path(rel));
+        return;
+    };
+    let markers = ["COMMITTED".to_string()];
+    let chunk = ferry_proto::manifest::MIN_CHUNK_SIZE;
+    let original = build(&Posix, ckpt, &markers, chunk).unwrap();
+    let replica = PathBuf::from(format!("{}/{SOURCE_SITE}/{JOB}/{rel}", r.root));
+    w.ensure((r.committed)(&replica), || {
+        format!("{}: not committed", replica.display())
+    });
+    let copy = build(&*r.store, &replica, &markers, chunk).unwrap();
+    w.ensure(content(&copy) == content(&original), || {
+        format!(
+            "the replica at {} differs from the checkpoint",
+            replica.display()
+        )
+    });
+}
+
+/// The sink catalog's replica rows of `rel` by state, and the publish
+/// leases taken on its path (epochs).
+async fn catalog_view(db: &str, rel: &str) -> (Vec<String>, Vec<(Option<String>, i64)>) {
+    let mut c = sqlx::PgConnection::connect(db).await.unwrap();
+    let like = format!("%/{rel}");
+    let states = sqlx::query("SELECT state FROM replicas WHERE local_path LIKE $1 ORDER BY id")
+        .bind(&like)
+        .fetch_all(&mut c)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<String, _>("state"))
+        .collect();
+    let leases =
+        sqlx::query("SELECT holder, lease_epoch FROM publish_leases WHERE local_path LIKE $1")
+            .bind(&like)
+            .fetch_all(&mut c)
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get("holder"), r.get("lease_epoch")))
+            .collect();
+    c.close().await.unwrap();
+    (states, leases)
+}
+
+/// The sink agent holding part of the transfer is SIGKILLed once the
+/// pool's catalog records 4 MiB of it verified: the source dials the
+/// other sink agent, which resumes (sending less than the whole), and
+/// publishes once, byte-identical. Restarted, the killed agent resolves
+/// the checkpoint as the other does.
+async fn sink_killed_mid_transfer(w: &World, remote: Option<&RemoteSink>, name: &str) {
+    let ckpt = w.source_root().join("step_000100");
+    let total = 24_000_000.0;
+    w.gen(&ckpt, "24MB").await;
+    // 24 MB at 24 Mbit/s: about 8 s, time to kill the receiver midway.
+    let mut pool = sink_pool(w, name, remote, "24Mbit/s", &[]).await;
+    let id = w.push_no_wait(&pool.source, &ckpt).await;
+    let first = pool.sinks[0].url();
+    w.wait_until(
+        "the first sink agent to hold part of the transfer",
+        Duration::from_secs(60),
+        async || {
+            let v = w.get_json(&format!("{first}/v1/replicas?limit=10")).await;
+            let done = v["items"][0]["bytes_done"].as_u64().unwrap_or(0);
+            if done >= 4 << 20 {
+                Ok(())
+            } else {
+                Err(format!("{done} bytes verified: {v}"))
+            }
+        },
+    )
+    .await;
+    pool.sinks[0].kill();
+    wait_published(w, &pool.source, id).await;
+    assert_replica(w, remote, &ckpt, "step_000100");
+    let log = pool.source.stderr();
+    w.ensure(
+        log.contains("connected to another sink agent of the link"),
+        || format!("the source should say it moved to the other sink agent:\n{log}"),
+    );
+    let m = w.metrics_text(&pool.sinks[1]).await;
+    let received: f64 = m
+        .lines()
+        .filter(|l| l.starts_with("ferry_received_bytes_total{"))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum();
+    w.ensure(received > 0.0 && received < total * 0.9, || {
+        format!("the second sink agent received {received} of {total} bytes: it should resume\n{m}")
+    });
+    let (states, _) = catalog_view(&pool.db, "step_000100").await;
+    w.ensure(states == ["published"], || {
+        format!("one replica row, published once: {states:?}")
+    });
+    // Both sink agents answer alike.
+    w.restart(&mut pool.sinks[0]).await;
+    let a = w.resolve(&pool.sinks[0], &ckpt).await;
+    let b = w.resolve(&pool.sinks[1], &ckpt).await;
+    w.ensure(
+        s(&a, "state") == "local"
+            && a["replica"] == b["replica"]
+            && a["url"] == b["url"]
+            && a["local_path"] == b["local_path"],
+        || format!("resolve through each sink agent: {a} vs {b}"),
+    );
+    for a in &mut pool.sinks {
+        a.kill();
+    }
+    pool.source.kill();
+    drop_db(&pool.db).await;
+}
+
+/// The first sink agent SIGKILLs itself at publish step `point` (see
+/// `FAULT_KILL_ENV`) and stays down: the source moves to the second,
+/// which takes the publish lease over once it lapsed and finishes the
+/// publish from disk: published once, byte-identical, resolvable.
+async fn publisher_killed_kept_down(
+    w: &World,
+    remote: Option<&RemoteSink>,
+    name: &str,
+    point: &str,
+) {
+    let ckpt = w.source_root().join("step_000200");
+    w.gen(&ckpt, "3MB").await;
+    let mut pool = sink_pool(w, name, remote, "200Mbit/s", &[(FAULT_ENV, point)]).await;
+    let id = w.push_no_wait(&pool.source, &ckpt).await;
+    let first = &mut pool.sinks[0];
+    let status = w
+        .wait_until(
+            &format!("the first sink agent to kill itself at {point}"),
+            TRANSFER,
+            async || first.exited().ok_or_else(|| "still running".to_string()),
+        )
+        .await;
+    w.ensure(
+        std::os::unix::process::ExitStatusExt::signal(&status) == Some(9),
+        || format!("{point}: the sink exited with {status}, not SIGKILL"),
+    );
+    wait_published(w, &pool.source, id).await;
+    assert_replica(w, remote, &ckpt, "step_000200");
+    let log = pool.sinks[1].stderr();
+    w.ensure(
+        log.contains("took over the publish lease of a sink agent whose lease lapsed"),
+        || format!("{point}: the second sink agent should take the publish over:\n{log}"),
+    );
+    let (states, leases) = catalog_view(&pool.db, "step_000200").await;
+    w.ensure(states == ["published"], || {
+        format!("{point}: one replica row, published once: {states:?}")
+    });
+    w.ensure(leases == [(None, 2)], || {
+        format!("{point}: two publish leases (the lapsed one, the taker's, released): {leases:?}")
+    });
+    let res = w.resolve(&pool.sinks[1], &ckpt).await;
+    w.ensure(s(&res, "state") == "local", || {
+        format!("{point}: resolve {res}")
+    });
+    pool.sinks[1].kill();
+    pool.source.kill();
+    drop_db(&pool.db).await;
+}
+
+#[tokio::test]
+async fn a_sink_agent_killed_mid_transfer_is_replaced_by_another_of_the_pool() {
+    let w = World::new("sink-pool-kill").await;
+    sink_killed_mid_transfer(&w, None, "kill").await;
+}
+
+#[tokio::test]
+async fn a_sink_pool_on_s3_survives_a_sink_agent_killed_mid_transfer() {
+    let w = World::new("sink-pool-s3-kill").await;
+    let r = s3_sink(&w, "sink-pool-s3-kill");
+    sink_killed_mid_transfer(&w, Some(&r), "s3_kill").await;
+}
+
+#[tokio::test]
+async fn a_sink_pool_on_hdfs_survives_a_sink_agent_killed_mid_transfer() {
+    let w = World::new("sink-pool-hdfs-kill").await;
+    let r = hdfs_sink("sink-pool-hdfs-kill");
+    sink_killed_mid_transfer(&w, Some(&r), "hdfs_kill").await;
+}
+
+#[tokio::test]
+async fn a_publish_cut_short_by_a_killed_sink_agent_is_finished_by_another() {
+    let w = World::new("sink-pool-publish").await;
+    publisher_killed_kept_down(&w, None, "publish", "placed").await;
+}
+
+#[tokio::test]
+async fn an_s3_publish_cut_short_by_a_killed_sink_agent_is_finished_by_another() {
+    let w = World::new("sink-pool-s3-publish").await;
+    let r = s3_sink(&w, "sink-pool-s3-publish");
+    publisher_killed_kept_down(&w, Some(&r), "s3_publish", "markers-in").await;
+}
+
+#[tokio::test]
+async fn an_hdfs_publish_cut_short_by_a_killed_sink_agent_is_finished_by_another() {
+    let w = World::new("sink-pool-hdfs-publish").await;
+    let r = hdfs_sink("sink-pool-hdfs-publish");
+    publisher_killed_kept_down(&w, Some(&r), "hdfs_publish", "switched").await;
+}
