@@ -21,6 +21,7 @@ use crate::out::noteln;
 use replicator::transport::SocketFactory;
 
 mod keep;
+mod pool;
 mod priority;
 mod weights;
 
@@ -105,6 +106,14 @@ pub struct DemoArgs {
     /// replica were published.
     #[arg(long, conflicts_with_all = ["size", "write_rate", "start", "no_watch", "priority", "keep_running"])]
     pub weights_first: bool,
+    /// Run N source agents and N sink agents (2 to 8), each a `ferry
+    /// serve` process, as a source pool and a sink pool on a throwaway
+    /// PostgreSQL cluster (started here; needs Debian's postgresql
+    /// package), behind the emulated link; pushes 2 x N checkpoints that
+    /// add up to --size through every source agent and prints each
+    /// agent's payload bytes.
+    #[arg(long, value_name = "N", conflicts_with_all = ["write_rate", "start", "no_watch", "priority", "keep_running", "weights_first"])]
+    pub agents: Option<usize>,
     /// --weights-first: the 7b model's scale (0 < S <= 1; 1 is the full
     /// 7B model, about 98 GB as DeepSpeed ZeRO-2 with its optimizer
     /// state); the default 0.01 saves about 1 GB.
@@ -272,6 +281,20 @@ pub async fn run(a: DemoArgs) -> Result<()> {
             noteln!("{s}");
         }
     };
+    if a.agents.is_some() {
+        ferry_gen::ensure_space(&dir, a.size.saturating_mul(2))
+            .context("the demo needs room for its checkpoints and their replicas")?;
+        let out = pool::run(&a, &dir, &say).await?;
+        if a.json {
+            noteln!("{}", serde_json::json!({ "pool": out }));
+        }
+        if a.keep {
+            if let Some(t) = tmp {
+                let _ = t.keep();
+            }
+        }
+        return Ok(());
+    }
     // A scenario instead of the push and watch phases.
     if a.weights_first || a.priority {
         let name = if a.weights_first {

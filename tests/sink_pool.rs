@@ -12,6 +12,7 @@
 //! - The publishing sink agent SIGKILLed inside its publish (the
 //!   fault-injection kill points) and kept down: the other claims the
 //!   lapsed publish lease and finishes the publish from disk.
+//! - `ferry demo --agents 2` runs both pools as processes.
 
 #![allow(clippy::unwrap_used)]
 
@@ -308,4 +309,64 @@ async fn an_hdfs_publish_cut_short_by_a_killed_sink_agent_is_finished_by_another
     let w = World::new("sink-pool-hdfs-publish").await;
     let r = hdfs_sink("sink-pool-hdfs-publish");
     publisher_killed_kept_down(&w, Some(&r), "hdfs_publish", "switched").await;
+}
+
+/// `ferry demo --agents 2`: two source agents and two sink agents, each a
+/// process of its own, on the PostgreSQL cluster the demo starts; its JSON
+/// summary lists each agent's payload bytes, which add up to the
+/// checkpoints' on each side; every replica matched its checkpoint. Fewer
+/// than 2 agents are refused, naming the range.
+#[tokio::test]
+async fn ferry_demo_with_agents_runs_a_source_pool_and_a_sink_pool() {
+    let w = World::new("demo-agents").await;
+    let out = w
+        .ferry(&["demo", "--agents", "1"], &[], Duration::from_secs(30))
+        .await;
+    w.ensure(
+        !out.success() && out.all().contains("--agents must be 2 to 8, got 1"),
+        || format!("ferry demo --agents 1: {out}"),
+    );
+    let out = w
+        .ferry(
+            &[
+                "demo",
+                "--agents",
+                "2",
+                "--size",
+                "8MB",
+                "--rate",
+                "100Mbit/s",
+                "--rtt",
+                "20ms",
+                "--json",
+            ],
+            &[],
+            TRANSFER,
+        )
+        .await;
+    w.ensure(out.success(), || format!("ferry demo --agents 2: {out}"));
+    let last = out.stdout.lines().last().unwrap_or_default();
+    let v: Value = serde_json::from_str(last).unwrap_or_else(|e| w.fail(format!("{e}: {out}")));
+    let p = &v["pool"];
+    w.ensure(
+        p["identical"] == true && p["checkpoints"] == 4 && p["bytes"] == 8_000_000,
+        || format!("summary: {v}"),
+    );
+    let agents = p["per_agent"].as_array().cloned().unwrap_or_default();
+    let names: Vec<&str> = agents.iter().filter_map(|a| a["name"].as_str()).collect();
+    w.ensure(
+        names == ["train-a-1", "train-a-2", "eval-b-1", "eval-b-2"],
+        || format!("agents: {v}"),
+    );
+    for role in ["source", "sink"] {
+        let sum: u64 = agents
+            .iter()
+            .filter(|a| a["role"] == role)
+            .filter_map(|a| a["bytes"].as_u64())
+            .sum();
+        // (A chunk sent again after a lost connection counts twice.)
+        w.ensure((8_000_000..8_800_000).contains(&sum), || {
+            format!("the {role} agents' bytes add up to {sum}: {v}")
+        });
+    }
 }

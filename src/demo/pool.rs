@@ -1,0 +1,622 @@
+//! `ferry demo --agents N`: a source site and a sink site of N agents
+//! each, every agent a `ferry serve` process of its own on this host, on a
+//! throwaway PostgreSQL cluster (one database per site) this demo starts
+//! and removes. Each sink agent sits behind its own emulated WAN path (a
+//! UDP relay at the link's rate and RTT; the link's rate cap is the
+//! pool's budget, divided among the busy source agents). Every source
+//! agent's link names every sink agent, each in another order. 2 x N
+//! checkpoints are pushed, spread over the source agents; the demo waits
+//! until all are published, checks each replica against its checkpoint
+//! and prints each agent's payload bytes.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use ferry_linkemu::{spawn_relay, LinkParams};
+use serde_json::{json, Value};
+
+use super::DemoArgs;
+use crate::config::format_rate;
+
+/// Most agents per site `--agents` accepts.
+pub const MAX_AGENTS: usize = 8;
+
+/// The source agents' and sink agents' names.
+fn names(n: usize) -> (Vec<String>, Vec<String>) {
+    (
+        (1..=n).map(|i| format!("train-a-{i}")).collect(),
+        (1..=n).map(|i| format!("eval-b-{i}")).collect(),
+    )
+}
+
+/// Runs the pool demo in `dir`; returns its summary.
+///
+/// # Errors
+/// A missing PostgreSQL installation (naming the package), or any step
+/// that fails, named.
+pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value> {
+    let n = a.agents.unwrap_or(2);
+    if !(2..=MAX_AGENTS).contains(&n) {
+        bail!("--agents must be 2 to {MAX_AGENTS}, got {n}");
+    }
+    let pg = Postgres::start().await?;
+    say(format!(
+        "PostgreSQL {} on 127.0.0.1:{} (throwaway, in {})",
+        pg.version,
+        pg.port,
+        pg.dir.path().display()
+    ));
+    let (sources, sinks) = names(n);
+    // A rerun in the same --dir starts afresh.
+    for name in sources.iter().chain(&sinks) {
+        let data = dir.join(format!("{name}-data"));
+        if data.exists() {
+            std::fs::remove_dir_all(&data)
+                .with_context(|| format!("removing the earlier run's {}", data.display()))?;
+        }
+    }
+    let all: Vec<String> = sources.iter().chain(&sinks).cloned().collect();
+    replicator::tls::init_dev_pki(&dir.join("certs"), &all, 30)?;
+    let exe = std::env::current_exe().context("finding the ferry executable")?;
+    let root = dir.join("train").join("pool-demo");
+    std::fs::create_dir_all(&root)?;
+    let root = std::fs::canonicalize(&root)?;
+    let sink_root = dir.join("eval");
+    let mut procs = Vec::new();
+
+    // The sink agents, each behind its relay.
+    let mut relays = Vec::new();
+    let mut sink_apis = Vec::new();
+    for name in &sinks {
+        let quic = free_port(false)?;
+        let api = free_port(true)?;
+        let text = format!(
+            "{}\n[quic]\nlisten = \"127.0.0.1:{quic}\"\nmax_link_rate = \"{}\"\n\n[sink]\nroot = {}\n\n{}",
+            head(dir, name, "eval-b", "sink", api),
+            format_rate(a.rate),
+            toml_path(&sink_root),
+            pool_tail(&pg.url("ferry_eval")),
+        );
+        procs.push(Proc::start(&exe, dir, name, &text)?);
+        let forward: SocketAddr = ([127, 0, 0, 1], quic).into();
+        let mut params = LinkParams::new(a.rate, a.rtt);
+        params.loss = a.loss;
+        let relay = spawn_relay(([127, 0, 0, 1], 0).into(), forward, params.clone(), params)
+            .await
+            .context("starting the emulated link in front of a sink agent")?;
+        relays.push(relay);
+        sink_apis.push((name.clone(), format!("http://127.0.0.1:{api}")));
+    }
+    // The source agents: one link naming every sink agent, rotated.
+    let mut source_apis = Vec::new();
+    for (i, name) in sources.iter().enumerate() {
+        let api = free_port(true)?;
+        let order: Vec<usize> = (0..n).map(|k| (i + k) % n).collect();
+        let peer = |k: usize| format!("127.0.0.1:{}", relays[k].local_addr().port());
+        let more: Vec<String> = order[1..]
+            .iter()
+            .map(|&k| format!("{{ peer = \"{}\", peer_name = \"{}\" }}", peer(k), sinks[k]))
+            .collect();
+        let text = format!(
+            "{}\n[[links]]\nname = \"to-eval\"\npeer = \"{}\"\npeer_name = \"{}\"\nmore_peers = [{}]\n\
+             rate = \"{}\"\nrtt_hint = \"{}ms\"\n\n[source]\nscan_interval = \"0s\"\n\n\
+             [[source.roots]]\npath = {}\njob = \"pool-demo\"\nlink = \"to-eval\"\n\n{}",
+            head(dir, name, "train-a", "source", api),
+            peer(order[0]),
+            sinks[order[0]],
+            more.join(", "),
+            format_rate(a.rate),
+            a.rtt.as_millis().max(1),
+            toml_path(&root),
+            pool_tail(&pg.url("ferry_train")),
+        );
+        procs.push(Proc::start(&exe, dir, name, &text)?);
+        source_apis.push((name.clone(), format!("http://127.0.0.1:{api}")));
+    }
+    say(format!(
+        "{n} source agents and {n} sink agents started (ferry serve, logs in {}), link {} at {} ms RTT",
+        dir.display(),
+        format_rate(a.rate),
+        a.rtt.as_millis()
+    ));
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()?;
+    for (name, url) in source_apis.iter().chain(&sink_apis) {
+        wait_ready(&http, name, url, &mut procs).await?;
+    }
+
+    // The checkpoints, pushed through every source agent in turn.
+    let count = 2 * n;
+    let each = (a.size / count as u64).max(1000);
+    let mut ckpts = Vec::new();
+    for j in 0..count {
+        let ckpt = root.join(format!("step_{:06}", (j + 1) * 100));
+        let opts = ferry_gen::GenOptions::new(ckpt.clone(), each);
+        tokio::task::spawn_blocking(move || ferry_gen::generate(&opts, &|_| {}))
+            .await?
+            .with_context(|| format!("generating {}", ckpt.display()))?;
+        ckpts.push(ckpt);
+    }
+    say(format!(
+        "{count} checkpoints of {each} bytes generated; pushing them through the {n} source agents"
+    ));
+    let t0 = Instant::now();
+    let mut ids = Vec::new();
+    for (j, ckpt) in ckpts.iter().enumerate() {
+        let (name, url) = &source_apis[j % n];
+        let r = http
+            .post(format!("{url}/v1/transfers"))
+            .json(&json!({ "path": ckpt.to_string_lossy() }))
+            .send()
+            .await
+            .with_context(|| format!("pushing through {name}"))?;
+        let status = r.status();
+        let body: Value = r.json().await.unwrap_or(Value::Null);
+        let Some(id) = body["id"].as_i64().filter(|_| status.is_success()) else {
+            bail!(
+                "pushing {} through {name}: HTTP {status}: {body}",
+                ckpt.display()
+            );
+        };
+        ids.push(id);
+    }
+    // Every transfer published, as the pool's catalog lists them.
+    let deadline = Duration::from_secs_f64(
+        (super::physical_limit_s(a.size, a.rate, a.rtt) * 4.0).max(60.0) + 60.0,
+    );
+    let mut said = 0;
+    loop {
+        let v: Value = http
+            .get(format!("{}/v1/transfers?limit=1000", source_apis[0].1))
+            .send()
+            .await?
+            .json()
+            .await?;
+        let items = v["items"].as_array().cloned().unwrap_or_default();
+        let state = |id: i64| {
+            items
+                .iter()
+                .find(|t| t["id"].as_i64() == Some(id))
+                .and_then(|t| t["state"].as_str().map(str::to_string))
+        };
+        if let Some(bad) = ids
+            .iter()
+            .find(|id| matches!(state(**id).as_deref(), Some("failed" | "cancelled")))
+        {
+            bail!("transfer {bad} ended {}", state(*bad).unwrap_or_default());
+        }
+        let done = ids
+            .iter()
+            .filter(|id| state(**id).as_deref() == Some("published"))
+            .count();
+        if done > said {
+            say(format!(
+                "published {done}/{count} ({:.1} s)",
+                t0.elapsed().as_secs_f64()
+            ));
+            said = done;
+        }
+        if done == count {
+            break;
+        }
+        if t0.elapsed() > deadline {
+            bail!("only {done} of {count} transfers published after {deadline:?}");
+        }
+        if let Some(dead) = procs.iter_mut().find_map(Proc::exited) {
+            bail!("{dead}");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let wall = t0.elapsed().as_secs_f64();
+
+    // Each replica against its checkpoint.
+    let chunk = ferry_proto::manifest::MIN_CHUNK_SIZE;
+    for ckpt in &ckpts {
+        let rel = ckpt.file_name().unwrap_or_default();
+        let replica = sink_root.join("train-a").join("pool-demo").join(rel);
+        let (c, r) = (ckpt.clone(), replica.clone());
+        let (want, got) = tokio::task::spawn_blocking(move || {
+            let p = replicator::storage::posix::Posix;
+            (
+                replicator::storage::build(&p, &c, &[], chunk),
+                replicator::storage::build(&p, &r, &[], chunk),
+            )
+        })
+        .await?;
+        let (want, got) = (
+            want?,
+            got.with_context(|| format!("reading {}", replica.display()))?,
+        );
+        let key = |m: &ferry_proto::manifest::Manifest| {
+            m.files
+                .iter()
+                .map(|f| (f.path.clone(), f.size, f.chunks.clone()))
+                .collect::<Vec<_>>()
+        };
+        if key(&want) != key(&got) {
+            bail!(
+                "the replica {} differs from {}",
+                replica.display(),
+                ckpt.display()
+            );
+        }
+    }
+
+    // Each agent's payload bytes, from its metrics.
+    let mut per_agent = Vec::new();
+    let mut table = BTreeMap::new();
+    for ((name, url), (role, metric)) in source_apis
+        .iter()
+        .map(|s| (s, ("source", "ferry_sent_bytes_total{")))
+        .chain(
+            sink_apis
+                .iter()
+                .map(|s| (s, ("sink", "ferry_received_bytes_total{"))),
+        )
+    {
+        let text = http
+            .get(format!("{url}/metrics"))
+            .send()
+            .await?
+            .text()
+            .await?;
+        let bytes: f64 = text
+            .lines()
+            .filter(|l| l.starts_with(metric))
+            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+            .sum();
+        per_agent.push(json!({ "name": name, "role": role, "bytes": bytes as u64 }));
+        table.insert(name.clone(), (role, bytes as u64));
+    }
+    let total = each * count as u64;
+    let sent: u64 = table
+        .values()
+        .filter(|(r, _)| *r == "source")
+        .map(|(_, b)| b)
+        .sum();
+    say(format!(
+        "all {count} replicas published and identical to their checkpoints in {wall:.1} s: {} over {n} agent pairs",
+        format_rate((total as f64 * 8.0 / wall.max(1e-3)) as u64)
+    ));
+    say(format!(
+        "{:<12} {:<7} {:>14}",
+        "agent", "role", "payload bytes"
+    ));
+    for (name, (role, bytes)) in &table {
+        say(format!("{name:<12} {role:<7} {bytes:>14}"));
+    }
+    if sent < total {
+        say(format!(
+            "note: the source agents sent {sent} of {total} bytes (some files were shared at the sink)"
+        ));
+    }
+    for p in &mut procs {
+        p.stop();
+    }
+    for r in relays {
+        r.shutdown().await;
+    }
+    pg.stop();
+    Ok(json!({
+        "agents": n,
+        "checkpoints": count,
+        "bytes": total,
+        "wall_s": wall,
+        "goodput_bps": total as f64 * 8.0 / wall.max(1e-3),
+        "per_agent": per_agent,
+        "identical": true,
+    }))
+}
+
+/// `[agent]`, `[api]` and `[tls]` of demo agent `name`.
+fn head(dir: &Path, name: &str, site: &str, role: &str, api: u16) -> String {
+    let certs = dir.join("certs");
+    format!(
+        "[agent]\nname = \"{name}\"\nsite = \"{site}\"\nrole = \"{role}\"\ndata_dir = {}\n\n\
+         [api]\nlisten = \"127.0.0.1:{api}\"\nallow_unauthenticated = true\n\n\
+         [tls]\nca = {}\ncert = {}\nkey = {}\n",
+        toml_path(&dir.join(format!("{name}-data"))),
+        toml_path(&certs.join("ca.pem")),
+        toml_path(&certs.join(format!("{name}.pem"))),
+        toml_path(&certs.join(format!("{name}.key"))),
+    )
+}
+
+/// `[catalog]` on `url` and `[pool]` with a 1 s heartbeat and 5 s leases.
+fn pool_tail(url: &str) -> String {
+    format!(
+        "[catalog]\nurl = \"{url}\"\n\n[pool]\nheartbeat_interval = \"1s\"\nlease_timeout = \"5s\"\n"
+    )
+}
+
+/// A path as a TOML string.
+fn toml_path(p: &Path) -> String {
+    toml::Value::String(p.to_string_lossy().into_owned()).to_string()
+}
+
+/// A free port on 127.0.0.1 (TCP, or UDP), found by binding port 0.
+fn free_port(tcp: bool) -> Result<u16> {
+    Ok(if tcp {
+        std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port()
+    } else {
+        std::net::UdpSocket::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port()
+    })
+}
+
+/// Waits until the agent answers `/healthz` (or its process exits).
+async fn wait_ready(
+    http: &reqwest::Client,
+    name: &str,
+    url: &str,
+    procs: &mut [Proc],
+) -> Result<()> {
+    let t0 = Instant::now();
+    loop {
+        if let Ok(r) = http.get(format!("{url}/healthz")).send().await {
+            if r.status().is_success() {
+                return Ok(());
+            }
+        }
+        if let Some(dead) = procs.iter_mut().find_map(Proc::exited) {
+            bail!("{dead}");
+        }
+        if t0.elapsed() > Duration::from_secs(60) {
+            bail!("agent {name} did not answer at {url} within 60 s");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A `ferry serve` child process, stopped (SIGTERM, then SIGKILL) when
+/// dropped.
+struct Proc {
+    name: String,
+    log: PathBuf,
+    child: Option<Child>,
+}
+
+impl Proc {
+    /// Writes `config` to `<dir>/<name>.toml` and starts `ferry serve` on
+    /// it, its output in `<dir>/<name>.log`.
+    fn start(exe: &Path, dir: &Path, name: &str, config: &str) -> Result<Proc> {
+        let cfg = dir.join(format!("{name}.toml"));
+        std::fs::write(&cfg, config).with_context(|| format!("writing {}", cfg.display()))?;
+        let log = dir.join(format!("{name}.log"));
+        let out = std::fs::File::create(&log)?;
+        let child = Command::new(exe)
+            .arg("serve")
+            .arg("--config")
+            .arg(&cfg)
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .with_context(|| format!("starting {} serve for {name}", exe.display()))?;
+        Ok(Proc {
+            name: name.to_string(),
+            log,
+            child: Some(child),
+        })
+    }
+
+    /// Why the process exited, with the end of its log, if it did.
+    fn exited(&mut self) -> Option<String> {
+        let status = self.child.as_mut()?.try_wait().ok()??;
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(5).collect();
+        Some(format!(
+            "agent {} exited ({status}); the end of {}:\n{}",
+            self.name,
+            self.log.display(),
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        ))
+    }
+
+    /// SIGTERM (the agent drains), then SIGKILL after 10 s.
+    fn stop(&mut self) {
+        let Some(mut c) = self.child.take() else {
+            return;
+        };
+        if let Ok(pid) = i32::try_from(c.id()) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+        }
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(10) {
+            if matches!(c.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A throwaway PostgreSQL cluster (Debian's server programs), stopped and
+/// its directory removed, when dropped. As root it runs as
+/// the `postgres` user, since PostgreSQL refuses to run as root.
+struct Postgres {
+    bin: PathBuf,
+    data: PathBuf,
+    port: u16,
+    version: String,
+    as_postgres: bool,
+    running: bool,
+    /// Holds the cluster; removed after the server stops.
+    dir: tempfile::TempDir,
+}
+
+impl Postgres {
+    /// The newest `/usr/lib/postgresql/<version>/bin` with `initdb` and
+    /// `pg_ctl`.
+    fn find() -> Option<(PathBuf, String)> {
+        let mut found: Vec<(u32, PathBuf, String)> = std::fs::read_dir("/usr/lib/postgresql")
+            .ok()?
+            .flatten()
+            .filter_map(|e| {
+                let v = e.file_name().to_string_lossy().into_owned();
+                let bin = e.path().join("bin");
+                let major = v.split('.').next()?.parse::<u32>().ok()?;
+                (bin.join("initdb").is_file() && bin.join("pg_ctl").is_file())
+                    .then_some((major, bin, v))
+            })
+            .collect();
+        found.sort();
+        found.pop().map(|(_, b, v)| (b, v))
+    }
+
+    /// initdb in a temporary directory of its own, started on a free port of 127.0.0.1 with trust
+    /// authentication (loopback only, removed with the demo), and the two
+    /// sites' databases made.
+    async fn start() -> Result<Postgres> {
+        let Some((bin, version)) = Self::find() else {
+            bail!(
+                "ferry demo --agents needs the PostgreSQL server programs (initdb and pg_ctl under \
+                 /usr/lib/postgresql/VERSION/bin): install the Debian package postgresql \
+                 (apt-get install postgresql); plain `ferry demo` needs no server"
+            );
+        };
+        let as_postgres = nix::unistd::Uid::effective().is_root();
+        // Its own temporary directory (not under the work directory,
+        // whose parents the user postgres may not reach).
+        let dir = tempfile::Builder::new()
+            .prefix("ferry-demo-pg-")
+            .tempdir()
+            .context("making the PostgreSQL cluster's temporary directory")?;
+        if as_postgres {
+            let user = nix::unistd::User::from_name("postgres")
+                .ok()
+                .flatten()
+                .context("PostgreSQL refuses to run as root and there is no user postgres to run it as (reinstall the Debian package postgresql)")?;
+            nix::unistd::chown(dir.path(), Some(user.uid), Some(user.gid))
+                .with_context(|| format!("giving {} to the user postgres", dir.path().display()))?;
+        }
+        let mut pg = Postgres {
+            bin,
+            data: dir.path().join("cluster"),
+            port: free_port(true)?,
+            version,
+            as_postgres,
+            running: false,
+            dir,
+        };
+        pg.run(
+            "initdb",
+            &[
+                "-D",
+                &pg.data.to_string_lossy(),
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "-E",
+                "UTF8",
+                "--no-sync",
+            ],
+        )?;
+        let opts = format!(
+            "-c listen_addresses=127.0.0.1 -p {} -k {} -c fsync=off",
+            pg.port,
+            pg.dir.path().display()
+        );
+        pg.run(
+            "pg_ctl",
+            &[
+                "-D",
+                &pg.data.to_string_lossy(),
+                "-l",
+                &pg.dir.path().join("postgres.log").to_string_lossy(),
+                "-w",
+                "-t",
+                "60",
+                "-o",
+                &opts,
+                "start",
+            ],
+        )?;
+        pg.running = true;
+        for db in ["ferry_train", "ferry_eval"] {
+            pg.run(
+                "createdb",
+                &[
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    &pg.port.to_string(),
+                    "-U",
+                    "postgres",
+                    db,
+                ],
+            )?;
+        }
+        Ok(pg)
+    }
+
+    /// The URL of database `db`.
+    fn url(&self, db: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
+    }
+
+    /// Runs PostgreSQL program `prog` (as the user postgres when root).
+    fn run(&self, prog: &str, args: &[&str]) -> Result<()> {
+        let path = self.bin.join(prog);
+        let mut cmd = if self.as_postgres {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(&path);
+            c
+        } else {
+            Command::new(&path)
+        };
+        let out = cmd
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .with_context(|| format!("running {}", path.display()))?;
+        if !out.status.success() {
+            bail!(
+                "{} {} failed ({}): {}{}",
+                path.display(),
+                args.join(" "),
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim(),
+                String::from_utf8_lossy(&out.stdout).trim()
+            );
+        }
+        Ok(())
+    }
+
+    fn stop(mut self) {
+        self.halt();
+    }
+
+    fn halt(&mut self) {
+        if std::mem::take(&mut self.running) {
+            let data = self.data.to_string_lossy().into_owned();
+            let _ = self.run("pg_ctl", &["-D", &data, "-m", "immediate", "-w", "stop"]);
+        }
+    }
+}
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        self.halt();
+    }
+}
