@@ -442,6 +442,9 @@ type PublishAnswer = oneshot::Sender<Result<Option<f64>, String>>;
 const PUBLISHES_PER_BATCH: usize = 256;
 
 struct Inner {
+    /// False while the catalog writer cannot record (the catalog does not
+    /// answer): batches wait to be read.
+    recording: watch::Sender<bool>,
     cfg: SinkConfig,
     catalog: Catalog,
     live: Mutex<HashMap<i64, Arc<Live>>>,
@@ -606,8 +609,9 @@ impl Sink {
             sweep_wanted: std::sync::atomic::AtomicBool::new(false),
             bufs: BufPool::new(crate::bufpool::AGENT_POOL_BYTES),
             received_sample: Mutex::new(None),
+            recording: watch::channel(true).0,
         });
-        tokio::spawn(catalog_writer(catalog, rx));
+        tokio::spawn(catalog_writer(catalog, rx, inner.recording.clone()));
         inner.tasks.spawn(lifecycle::run(inner.clone()));
         if let Some(h) = inner.cfg.storage.hot() {
             // Checked four times per TTL (a hint ends at most a quarter
@@ -1028,7 +1032,11 @@ pub fn version_dir(root: &Path, id: i64) -> PathBuf {
 /// so the chunks and publishes of many small transfers arriving together
 /// cost one commit. Should a batch with publishes fail, each is retried
 /// on its own, so that one bad row does not keep the others unrecorded.
-async fn catalog_writer(catalog: Catalog, mut rx: mpsc::Receiver<CatalogOp>) {
+async fn catalog_writer(
+    catalog: Catalog,
+    mut rx: mpsc::Receiver<CatalogOp>,
+    recording: watch::Sender<bool>,
+) {
     let mut batch = Vec::new();
     let mut published = Vec::new();
     let mut waiters = Vec::new();
@@ -1044,7 +1052,7 @@ async fn catalog_writer(catalog: Catalog, mut rx: mpsc::Receiver<CatalogOp>) {
                 next = rx.try_recv().ok();
             }
         }
-        record(&catalog, &mut batch, &mut published).await;
+        record(&catalog, &mut batch, &mut published, &recording).await;
         for w in waiters.drain(..) {
             let _ = w.send(());
         }
@@ -1057,12 +1065,44 @@ async fn record(
     catalog: &Catalog,
     chunks: &mut Vec<VerifiedChunk>,
     published: &mut Vec<(PublishedReplica, PublishAnswer)>,
+    recording: &watch::Sender<bool>,
 ) {
     if chunks.is_empty() && published.is_empty() {
         return;
     }
     let recs: Vec<PublishedReplica> = published.iter().map(|(p, _)| p.clone()).collect();
-    match catalog.record_batch(chunks, &recs).await {
+    // While the catalog does not answer, the batch waits and is tried
+    // again: nothing counts as verified (no batch is confirmed to the
+    // source) until it is recorded, and senders queueing behind it wait
+    // too, so the sources slow down through QUIC flow control.
+    let mut wait = Duration::from_millis(250);
+    let mut said = false;
+    let result = loop {
+        match catalog.record_batch(chunks, &recs).await {
+            Err(e) if e.is_unavailable() => {
+                if !said {
+                    warn!(error = %e, chunks = chunks.len(), publishes = recs.len(), "the catalog does not answer: verified chunks and publishes wait to be recorded, and no batch is confirmed to the sources meanwhile");
+                    said = true;
+                    // No more batches are read meanwhile.
+                    recording.send_replace(false);
+                }
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(2));
+            }
+            r => {
+                if said {
+                    info!(
+                        chunks = chunks.len(),
+                        publishes = recs.len(),
+                        "the catalog answers again: recorded what waited"
+                    );
+                    recording.send_replace(true);
+                }
+                break r;
+            }
+        }
+    };
+    match result {
         Ok(lags) => {
             for ((_, w), lag) in published.drain(..).zip(lags) {
                 let _ = w.send(Ok(lag));
@@ -2080,6 +2120,14 @@ async fn receive_batch(
     version: u16,
     mut s: RecvStream,
 ) -> Result<(), ConnError> {
+    // While the catalog does not answer, batches are not read: what the
+    // sources send waits in QUIC's receive windows, and flow control
+    // slows them down.
+    let mut recording = inner.recording.subscribe();
+    if !*recording.borrow() {
+        debug!("waiting for the catalog before reading a batch");
+        let _ = recording.wait_for(|up| *up).await;
+    }
     let header = read_batch_header(&mut s, version).await?;
     // A fresh transfer's data may overtake its open on the control stream:
     // wait for the open to be handled.
@@ -2253,7 +2301,7 @@ async fn receive_batch(
     if let Some(e) = broken {
         return Err(e);
     }
-    batch_in(&live, ctl, header).await?;
+    batch_in(inner, &live, ctl, header).await?;
     maybe_finish(inner, &live, ctl, header.transfer).await
 }
 
@@ -2276,14 +2324,23 @@ fn given_up(live: &Live, seq: Option<u64>) -> bool {
 /// source (its batches carry a sequence number), confirms it on `ctl`,
 /// together with any others finishing meanwhile. A numbered batch counts
 /// once its confirmation is sent, so the confirmation precedes any answer
-/// to the commit.
-async fn batch_in(live: &Live, ctl: &ControlSender, header: BatchHeader) -> Result<(), ConnError> {
+/// to the commit; it is confirmed once its verified chunks are recorded
+/// in the catalog (which waits while the catalog does not answer).
+async fn batch_in(
+    inner: &Inner,
+    live: &Live,
+    ctl: &ControlSender,
+    header: BatchHeader,
+) -> Result<(), ConnError> {
     let Some(seq) = header.seq else {
         crate::lock::lock(&live.st).batches_in.counted += 1;
         return Ok(());
     };
     crate::lock::lock(&live.st).unconfirmed.push(seq);
     let _one_at_a_time = live.confirming.lock().await;
+    // Every chunk queued so far (this batch's included) recorded: one
+    // catalog transaction confirms the batches finishing meanwhile.
+    flush(inner).await;
     let seqs = std::mem::take(&mut crate::lock::lock(&live.st).unconfirmed);
     if seqs.is_empty() {
         // Sent and counted by the confirmation that held the lock before.
@@ -2521,7 +2578,7 @@ async fn maybe_finish(
             // One publish at a time per local path: two transfers moving
             // versions into the same place must not interleave their steps
             // (in a pool, whichever sink agent they reached).
-            let path_lock =
+            let mut path_lock =
                 match publish_lease::lock_publish(inner, &live.local_path, live.id).await {
                     Ok(g) => g,
                     Err(why) => {
@@ -2646,17 +2703,24 @@ async fn maybe_finish(
                 meta,
                 phases: Some((all.clone(), measured_to)),
             };
-            let recorded = if !path_lock.held() {
-                // Cut off from the catalog or paused past the lease: another
-                // sink agent may be finishing this publish, and records it.
-                Err("this sink agent's publish lease on the path lapsed".into())
-            } else {
-                match inner.chunks.send(CatalogOp::Publish(rec, tx)).await {
-                    Ok(()) => rx
-                        .await
-                        .unwrap_or_else(|_| Err("the catalog writer stopped".into())),
-                    Err(_) => Err("the catalog writer stopped".into()),
-                }
+            if !path_lock.keep(inner).await {
+                // Paused past the lease (or cut off from the catalog), and
+                // another sink agent holds it now: that one finishes this
+                // publish and records it.
+                warn!(transfer = %id, path = %live.local_path.display(), "this sink agent's publish lease lapsed and another sink agent holds it; leaving the publish to that one");
+                drop(exclusive);
+                crate::lock::lock(&live.st).publishing = false;
+                crate::lock::lock(&inner.live).remove(&live.id);
+                return Err(ConnError::Local(format!(
+                    "the publish lease on {} passed to another sink agent",
+                    live.local_path.display()
+                )));
+            }
+            let recorded = match inner.chunks.send(CatalogOp::Publish(rec, tx)).await {
+                Ok(()) => rx
+                    .await
+                    .unwrap_or_else(|_| Err("the catalog writer stopped".into())),
+                Err(_) => Err("the catalog writer stopped".into()),
             };
             match recorded {
                 Ok(recorded) => {
@@ -3386,7 +3450,7 @@ mod tests {
             arrival_started_ms: None,
         };
         let (tx, rx) = mpsc::channel(16);
-        let writer = tokio::spawn(catalog_writer(c.clone(), rx));
+        let writer = tokio::spawn(catalog_writer(c.clone(), rx, watch::channel(true).0));
         // Queued before the writer looks: one batch.
         let mut answers = Vec::new();
         tx.send(CatalogOp::Chunk(chunk(ids[0]))).await.unwrap();

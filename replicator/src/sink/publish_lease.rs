@@ -32,6 +32,8 @@ pub(super) struct PublishGuard {
 struct HeldLease {
     pool: Membership,
     path: String,
+    /// The replica row the publish is of.
+    replica: i64,
     epoch: i64,
     /// Local time the claim was sent.
     claimed: Instant,
@@ -47,6 +49,62 @@ impl PublishGuard {
         self.lease
             .as_ref()
             .is_none_or(|l| l.pool.holds_publish(&l.path, l.claimed))
+    }
+}
+
+impl PublishGuard {
+    /// Makes sure the publish may record itself: true at once when
+    /// [`PublishGuard::held`]; otherwise (the lease may have lapsed while
+    /// the catalog did not answer, or the agent was paused) it claims the
+    /// path's lease again, retrying while the catalog does not answer,
+    /// and is true if no other sink agent took it meanwhile. False when
+    /// another one holds it, or the sink stops.
+    pub(super) async fn keep(&mut self, inner: &Inner) -> bool {
+        let Some(l) = self.lease.as_mut() else {
+            return true;
+        };
+        let timeout_ms = l.pool.config().lease_timeout.as_millis() as i64;
+        let every = l
+            .pool
+            .config()
+            .heartbeat_interval
+            .max(Duration::from_millis(100));
+        let mut said = false;
+        loop {
+            if l.pool.holds_publish(&l.path, l.claimed) {
+                return true;
+            }
+            let claimed = Instant::now();
+            let replica = l.replica;
+            match l
+                .pool
+                .catalog()
+                .claim_publish(&l.path, replica, l.pool.name(), timeout_ms)
+                .await
+            {
+                Ok(Some(c)) => {
+                    info!(
+                        path = l.path,
+                        epoch = c.epoch,
+                        "claimed the publish lease again after it lapsed; nobody took it meanwhile"
+                    );
+                    l.epoch = c.epoch;
+                    l.claimed = claimed;
+                    return true;
+                }
+                Ok(None) => return false,
+                Err(e) => {
+                    if !said {
+                        warn!(path = l.path, error = %e, "claiming the publish lease again; trying until the catalog answers");
+                        said = true;
+                    }
+                }
+            }
+            tokio::select! {
+                _ = inner.shutdown.cancelled() => return false,
+                _ = tokio::time::sleep(every) => {}
+            }
+        }
     }
 }
 
@@ -115,6 +173,7 @@ pub(super) async fn lock_publish(
                     lease: Some(HeldLease {
                         pool,
                         path,
+                        replica,
                         epoch: c.epoch,
                         claimed,
                     }),
