@@ -696,6 +696,11 @@ pub(crate) struct LinkView {
     /// Of those, open now (fewer after one was lost, 0 while the link is
     /// not connected).
     connections_open: Option<usize>,
+    /// For a link naming several sink agents: the one its connections go
+    /// to now (absent while not connected, and for a link to one sink
+    /// agent).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    sink: Option<String>,
 }
 
 fn link_view(src: &Source, name: &str) -> LinkView {
@@ -705,6 +710,7 @@ fn link_view(src: &Source, name: &str) -> LinkView {
         rate_bps: src.link_rate(name),
         connections: pool.map(|p| p.0),
         connections_open: pool.map(|p| p.1),
+        sink: src.link_sink(name),
     }
 }
 

@@ -247,7 +247,8 @@ function renderLinks(st) {
     }
     const conns = l.connections > 1 || l.connections_open !== l.connections
       ? ` · ${l.connections_open} of ${l.connections} connections open` : '';
-    setCell(card.querySelector('.cap'), 'rate cap ' + fmtRate(l.rate_bps) + conns);
+    const sink = l.sink ? ` · to sink agent ${l.sink}` : '';
+    setCell(card.querySelector('.cap'), 'rate cap ' + fmtRate(l.rate_bps) + conns + sink);
     const pct = Math.min(100, 100 * l.utilisation);
     card.querySelector('.meter div').style.width = pct.toFixed(1) + '%';
     setCell(card.querySelector('.util'), 'utilisation ' + pct.toFixed(1) + ' % · goodput ' + fmtRate(l.goodput_bps));

@@ -274,6 +274,11 @@ pub struct LinkStats {
     /// (until the pool is replaced once the link is idle), 0 while the
     /// link is not connected.
     pub connections_open: usize,
+    /// For a link naming several sink agents (`more_peers`): the one its
+    /// connections go to now, by certificate name; absent while the link
+    /// is not connected, and for a link to one sink agent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sink: Option<String>,
     /// Payload bit/s written to the link, all classes, over the last
     /// [`RATE_WINDOW_MS`] (resent chunks included).
     pub goodput_bps: f64,

@@ -1060,8 +1060,15 @@ impl Source {
             .map(|l| l.cap.load(Ordering::Relaxed))
     }
 
-    /// `link`'s pool of QUIC connections: `(connections when all are up,
-    /// open now)`; `None` for an unknown link.
+    /// For a link naming several sink agents, the one `link`'s
+    /// connections go to now (`None` while not connected, for a link to
+    /// one sink agent, or an unknown link).
+    pub fn link_sink(&self, link: &str) -> Option<String> {
+        self.inner.links.get(link).and_then(|l| connected_sink(l))
+    }
+
+    /// The connections of `link`: how many serve it when all are up, and
+    /// how many are open now (`None`: unknown link).
     pub fn link_pool(&self, link: &str) -> Option<(usize, usize)> {
         self.inner
             .links
@@ -2770,6 +2777,7 @@ fn link_stats(l: &LinkState, with_history: bool) -> LinkStats {
         pace_bps,
         connections: l.cfg.connections.max(1),
         connections_open: l.sched.open_connections(),
+        sink: connected_sink(l),
         goodput_bps,
         utilisation: if pace_bps > 0 {
             goodput_bps / pace_bps as f64
@@ -2783,6 +2791,15 @@ fn link_stats(l: &LinkState, with_history: bool) -> LinkStats {
             Vec::new()
         },
     }
+}
+
+/// The sink agent a link of several sink agents is connected to now.
+fn connected_sink(l: &LinkState) -> Option<String> {
+    if l.cfg.more_peers.is_empty() || l.sched.open_connections() == 0 {
+        return None;
+    }
+    let at = l.sink_last.load(Ordering::Relaxed);
+    l.cfg.sinks().get(at).map(|p| p.name.clone())
 }
 
 /// A transfer's rate window and the progress counters it follows (a
