@@ -131,6 +131,25 @@ async fn wait_published(w: &World, source: &Agent, id: i64) -> Value {
     .await
 }
 
+/// Waits until `sink`'s catalog records 4 MiB of the transfer verified.
+async fn holds_part(w: &World, sink: &Agent) {
+    let url = format!("{}/v1/replicas?limit=10", sink.url());
+    w.wait_until(
+        "the first sink agent to hold part of the transfer",
+        Duration::from_secs(60),
+        async || {
+            let v = w.get_json(&url).await;
+            let done = v["items"][0]["bytes_done"].as_u64().unwrap_or(0);
+            if done >= 4 << 20 {
+                Ok(())
+            } else {
+                Err(format!("{done} bytes verified: {v}"))
+            }
+        },
+    )
+    .await;
+}
+
 /// Fails unless the replica of `ckpt` at `rel` matches it byte for byte
 /// (file paths, sizes and chunk hashes; on a local root the whole tree).
 fn assert_replica(w: &World, remote: Option<&RemoteSink>, ckpt: &Path, rel: &str) {
@@ -192,21 +211,7 @@ async fn sink_killed_mid_transfer(w: &World, remote: Option<&RemoteSink>, name: 
     // 24 MB at 24 Mbit/s: about 8 s, time to kill the receiver midway.
     let mut pool = sink_pool(w, name, remote, "24Mbit/s", &[]).await;
     let id = w.push_no_wait(&pool.source, &ckpt).await;
-    let first = pool.sinks[0].url();
-    w.wait_until(
-        "the first sink agent to hold part of the transfer",
-        Duration::from_secs(60),
-        async || {
-            let v = w.get_json(&format!("{first}/v1/replicas?limit=10")).await;
-            let done = v["items"][0]["bytes_done"].as_u64().unwrap_or(0);
-            if done >= 4 << 20 {
-                Ok(())
-            } else {
-                Err(format!("{done} bytes verified: {v}"))
-            }
-        },
-    )
-    .await;
+    holds_part(w, &pool.sinks[0]).await;
     let links = format!("{}/v1/links", pool.source.url());
     let v = w.get_json(&links).await;
     w.ensure(v["items"][0]["sink"] == SINK_NAME, || {
@@ -431,21 +436,7 @@ async fn a_sink_site_whose_catalog_stops_for_10_s_records_everything_after_it() 
     w.gen(&ckpt, "24MB").await;
     let pool = sink_pool_via(&w, "pg_stop", None, "24Mbit/s", &[], Some(&cut)).await;
     let id = w.push_no_wait(&pool.source, &ckpt).await;
-    let first = pool.sinks[0].url();
-    w.wait_until(
-        "the first sink agent to hold part of the transfer",
-        Duration::from_secs(60),
-        async || {
-            let v = w.get_json(&format!("{first}/v1/replicas?limit=10")).await;
-            let done = v["items"][0]["bytes_done"].as_u64().unwrap_or(0);
-            if done >= 4 << 20 {
-                Ok(())
-            } else {
-                Err(format!("{done} bytes verified: {v}"))
-            }
-        },
-    )
-    .await;
+    holds_part(&w, &pool.sinks[0]).await;
     cut.down();
     let cut_at = std::time::Instant::now();
     // The whole checkpoint reaches the sink within the outage, but none

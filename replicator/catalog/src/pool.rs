@@ -291,24 +291,24 @@ impl Catalog {
         .bind(now)
         .fetch_all(&mut *tx)
         .await?;
-        let mut watches: Vec<String> = sqlx::query_scalar(&self.db.sql(
-            "UPDATE watches SET lease_until = ? WHERE holder = ? AND lease_until >= ? \
-             RETURNING root",
-        ))
-        .bind(now + b.timeout_ms)
-        .bind(b.name)
-        .bind(now)
-        .fetch_all(&mut *tx)
-        .await?;
-        let mut publishes: Vec<String> = sqlx::query_scalar(&self.db.sql(
-            "UPDATE publish_leases SET lease_until = ? WHERE holder = ? AND lease_until >= ? \
-             RETURNING local_path",
-        ))
-        .bind(now + b.timeout_ms)
-        .bind(b.name)
-        .bind(now)
-        .fetch_all(&mut *tx)
-        .await?;
+        // Watch leases and publish leases: keyed by text, renewed alike.
+        let mut keyed = Vec::with_capacity(2);
+        for (table, key) in [("watches", "root"), ("publish_leases", "local_path")] {
+            let q = format!(
+                "UPDATE {table} SET lease_until = ? WHERE holder = ? AND lease_until >= ? \
+                 RETURNING {key}"
+            );
+            let mut held: Vec<String> = sqlx::query_scalar(&self.db.sql(&q))
+                .bind(now + b.timeout_ms)
+                .bind(b.name)
+                .bind(now)
+                .fetch_all(&mut *tx)
+                .await?;
+            held.sort();
+            keyed.push(held);
+        }
+        let publishes = keyed.pop().unwrap_or_default();
+        let watches = keyed.pop().unwrap_or_default();
         let live_peers: i64 = sqlx::query_scalar(&self.db.sql(
             "SELECT COUNT(*) FROM agents WHERE role = ? AND stopped = 0 AND draining = 0 \
              AND heartbeat_at + timeout_ms >= ?",
@@ -320,8 +320,6 @@ impl Catalog {
         tx.commit().await?;
         let mut held: Vec<TransferId> = held.into_iter().filter_map(TransferId::from_i64).collect();
         held.sort();
-        watches.sort();
-        publishes.sort();
         Ok(Beat {
             at_ms: now,
             draining: draining != 0,
