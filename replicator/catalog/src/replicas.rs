@@ -283,12 +283,14 @@ pub(crate) async fn publish_in(
     let known = |t: i64| (t > 0).then_some(t);
     // A write first: a transaction that reads first and writes later
     // fails at once (SQLite's `SQLITE_BUSY`, no waiting) when another
-    // connection wrote meanwhile.
-    sqlx::query(&db.sql(
+    // connection wrote meanwhile. A row published already (by another
+    // sink agent of the pool that took the publish over while this one
+    // waited) is left as it is: one publish is recorded once.
+    let updated = sqlx::query(&db.sql(
         "UPDATE replicas SET state = 'published', manifest = ?, manifest_root = ?, \
          local_path = ?, bytes_total = ?, bytes_done = ?, published_at = ?, opened_at = ?, \
          committed_at = ?, commit_to_replica_s = ?, open_to_replica_s = ?, step = ?, \
-         class = ? WHERE id = ?",
+         class = ? WHERE id = ? AND state <> 'published'",
     ))
     .bind(&p.manifest[..])
     .bind(p.root_hex.as_str())
@@ -305,6 +307,9 @@ pub(crate) async fn publish_in(
     .bind(p.id)
     .execute(&mut *conn)
     .await?;
+    if updated.rows_affected() == 0 {
+        return Ok(None);
+    }
     if let Some((phases, measured_to)) = &p.phases {
         let mut phases = phases.clone();
         phases.add(

@@ -954,6 +954,20 @@ async fn a_batch_records_chunks_and_publishes_together(c: Catalog) {
     assert_eq!(row3.state, TransferState::Receiving);
     assert_eq!(row3.bytes_done, 5);
     assert_eq!(c.chunks(r3).await.unwrap(), vec![(0, [3; 32])]);
+    // The same publish recorded again (a sink agent of the pool that
+    // waited on the catalog while another took the publish over) changes
+    // nothing: not the row, its arrival bins or its publish events.
+    let events = c.replica_events_after(0, 100).await.unwrap().len();
+    let before = c.replica(r1).await.unwrap().unwrap();
+    let bins = c.chunk_arrivals(r1).await.unwrap();
+    let again = c
+        .record_batch(&[], &[published(r1, "cc", now_ms() - 1_000)])
+        .await
+        .unwrap();
+    assert_eq!(again, vec![None]);
+    assert_eq!(c.replica(r1).await.unwrap().unwrap(), before);
+    assert_eq!(c.chunk_arrivals(r1).await.unwrap(), bins);
+    assert_eq!(c.replica_events_after(0, 100).await.unwrap().len(), events);
 }
 both!(a_batch_records_chunks_and_publishes_together);
 
