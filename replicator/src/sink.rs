@@ -611,7 +611,12 @@ impl Sink {
             received_sample: Mutex::new(None),
             recording: watch::channel(true).0,
         });
-        tokio::spawn(catalog_writer(catalog, rx, inner.recording.clone()));
+        tokio::spawn(catalog_writer(
+            catalog,
+            rx,
+            inner.recording.clone(),
+            inner.shutdown.clone(),
+        ));
         inner.tasks.spawn(lifecycle::run(inner.clone()));
         if let Some(h) = inner.cfg.storage.hot() {
             // Checked four times per TTL (a hint ends at most a quarter
@@ -946,7 +951,9 @@ impl Sink {
         self.inner.shutdown.cancel();
         self.inner.tasks.close();
         let _ = tokio::time::timeout(deadline, self.inner.tasks.wait()).await;
-        flush(&self.inner).await;
+        // Bounded: a catalog that does not answer is not waited for (the
+        // writer gives up once the sink stops).
+        let _ = tokio::time::timeout(deadline, flush(&self.inner)).await;
     }
 }
 
@@ -1036,6 +1043,7 @@ async fn catalog_writer(
     catalog: Catalog,
     mut rx: mpsc::Receiver<CatalogOp>,
     recording: watch::Sender<bool>,
+    stop: CancellationToken,
 ) {
     let mut batch = Vec::new();
     let mut published = Vec::new();
@@ -1052,7 +1060,7 @@ async fn catalog_writer(
                 next = rx.try_recv().ok();
             }
         }
-        record(&catalog, &mut batch, &mut published, &recording).await;
+        record(&catalog, &mut batch, &mut published, &recording, &stop).await;
         for w in waiters.drain(..) {
             let _ = w.send(());
         }
@@ -1066,6 +1074,7 @@ async fn record(
     chunks: &mut Vec<VerifiedChunk>,
     published: &mut Vec<(PublishedReplica, PublishAnswer)>,
     recording: &watch::Sender<bool>,
+    stop: &CancellationToken,
 ) {
     if chunks.is_empty() && published.is_empty() {
         return;
@@ -1086,7 +1095,20 @@ async fn record(
                     // No more batches are read meanwhile.
                     recording.send_replace(false);
                 }
-                tokio::time::sleep(wait).await;
+                if stop.is_cancelled() {
+                    // Stopping: not recorded, so sent again after the
+                    // restart (the sources were told of none of them).
+                    warn!(chunks = chunks.len(), publishes = recs.len(), "the sink stops while the catalog does not answer: what waited goes unrecorded and is sent again after the restart");
+                    for (_, w) in published.drain(..) {
+                        let _ = w.send(Err("the sink is stopping".into()));
+                    }
+                    chunks.clear();
+                    return;
+                }
+                tokio::select! {
+                    _ = stop.cancelled() => {}
+                    _ = tokio::time::sleep(wait) => {}
+                }
                 wait = (wait * 2).min(Duration::from_secs(2));
             }
             r => {
@@ -1357,6 +1379,14 @@ async fn handle_control(
                 Ok((live, have)) => {
                     open.insert(id, live, ctl.clone());
                     ctl.send(&Control::Have { id, chunks: have }).await?;
+                }
+                Err(TransferError::Catalog(e)) if e.is_unavailable() => {
+                    // Not the transfer's fault: the source retries once
+                    // its connection is gone (on this sink agent or
+                    // another), backing off until the catalog answers.
+                    return Err(ConnError::Local(format!(
+                        "the sink's catalog does not answer ({e}); open transfer {id} again later"
+                    )));
                 }
                 Err(e) => {
                     open.refuse(id);
@@ -2126,7 +2156,10 @@ async fn receive_batch(
     let mut recording = inner.recording.subscribe();
     if !*recording.borrow() {
         debug!("waiting for the catalog before reading a batch");
-        let _ = recording.wait_for(|up| *up).await;
+        tokio::select! {
+            _ = recording.wait_for(|up| *up) => {}
+            _ = inner.shutdown.cancelled() => return Ok(()),
+        }
     }
     let header = read_batch_header(&mut s, version).await?;
     // A fresh transfer's data may overtake its open on the control stream:
@@ -2946,7 +2979,7 @@ async fn publish_weights(
 ) -> Result<Phases, String> {
     let t_publish = Instant::now();
     let m = &c.manifest;
-    let _path_lock = publish_lease::lock_publish(inner, &live.local_path, w.id).await?;
+    let mut path_lock = publish_lease::lock_publish(inner, &live.local_path, w.id).await?;
     {
         // No chunk write in flight while the links are made (a write
         // after copies first: the staging files are then shared).
@@ -3051,6 +3084,12 @@ async fn publish_weights(
         meta: c.meta,
         phases: Some((all.clone(), measured_to)),
     };
+    if !path_lock.keep(inner).await {
+        return Err(format!(
+            "the publish lease on {} passed to another sink agent; the weights-only version is left to it",
+            live.local_path.display()
+        ));
+    }
     let (tx, rx) = oneshot::channel();
     let recorded = match inner.chunks.send(CatalogOp::Publish(rec, tx)).await {
         Ok(()) => rx
@@ -3058,6 +3097,7 @@ async fn publish_weights(
             .unwrap_or_else(|_| Err("the catalog writer stopped".into())),
         Err(_) => Err("the catalog writer stopped".into()),
     };
+    drop(path_lock);
     let lag = recorded.map_err(|e| {
         format!("the weights-only version is in place but the catalog could not record it: {e}")
     })?;
@@ -3450,7 +3490,12 @@ mod tests {
             arrival_started_ms: None,
         };
         let (tx, rx) = mpsc::channel(16);
-        let writer = tokio::spawn(catalog_writer(c.clone(), rx, watch::channel(true).0));
+        let writer = tokio::spawn(catalog_writer(
+            c.clone(),
+            rx,
+            watch::channel(true).0,
+            CancellationToken::new(),
+        ));
         // Queued before the writer looks: one batch.
         let mut answers = Vec::new();
         tx.send(CatalogOp::Chunk(chunk(ids[0]))).await.unwrap();

@@ -486,7 +486,13 @@ pub(super) fn adopt(local_path: &Path, version: &Path) -> io::Result<bool> {
 /// # Errors
 /// An error naming the operation that failed and where.
 pub(super) fn check_pool_ready(dir: &Path) -> io::Result<()> {
-    let scratch = dir.join(format!(".pool-check-{}", std::process::id()));
+    // Unique across the hosts sharing the root (containers' agents may
+    // all be process 1).
+    let scratch = dir.join(format!(
+        ".pool-check-{}-{:016x}",
+        std::process::id(),
+        rand::random::<u64>()
+    ));
     remove_any(&scratch)?;
     std::fs::create_dir_all(&scratch).map_err(at(&scratch))?;
     let tried = (|| {
