@@ -373,7 +373,10 @@ pub struct LinkSection {
 /// One entry of `[[links]] more_peers`: another sink agent of the link's
 /// peer site.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a table { peer = \"host:port\", peer_name = \"...\" }"
+)]
 pub struct MorePeer {
     /// Its QUIC address `host:port` (or a link emulator in front of it).
     pub peer: String,
@@ -1388,7 +1391,7 @@ impl Config {
             if !host_port(&l.peer) {
                 bail!("links[{i}].peer must be host:port, got {:?}", l.peer);
             }
-            if l.peer_name.is_empty() {
+            if l.peer_name.trim().is_empty() {
                 bail!("links[{i}].peer_name must not be empty");
             }
             for (k, p) in l.more_peers.iter().enumerate() {
@@ -1398,8 +1401,16 @@ impl Config {
                         p.peer
                     );
                 }
-                if p.peer_name.is_empty() {
+                if p.peer_name.trim().is_empty() {
                     bail!("links[{i}].more_peers[{k}].peer_name must not be empty");
+                }
+                let addrs =
+                    std::iter::once(&l.peer).chain(l.more_peers[..k].iter().map(|o| &o.peer));
+                if addrs.into_iter().any(|a| *a == p.peer) {
+                    bail!(
+                        "links[{i}].more_peers[{k}].peer {:?} is already the address of a sink agent of the link",
+                        p.peer
+                    );
                 }
                 let names = std::iter::once(&l.peer_name)
                     .chain(l.more_peers[..k].iter().map(|o| &o.peer_name));
@@ -1767,9 +1778,14 @@ link = "to-eval"
                 "links[0].more_peers[0].peer must be host:port",
             ),
             (
-                r#"[{ peer = "h:1", peer_name = "" }]"#,
+                r#"[{ peer = "h:1", peer_name = " " }]"#,
                 "links[0].more_peers[0].peer_name must not be empty",
             ),
+            (
+                r#"[{ peer = "h:1", peer_name = "x" }, { peer = "h:1", peer_name = "y" }]"#,
+                "links[0].more_peers[1].peer \"h:1\" is already the address of a sink agent",
+            ),
+            (r#"["h:1"]"#, "expected a table { peer = \"host:port\""),
             (
                 r#"[{ peer = "h:1", peer_name = "x" }, { peer = "h:2", peer_name = "x" }]"#,
                 "links[0].more_peers[1].peer_name \"x\" is already a sink agent of the link",

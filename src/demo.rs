@@ -110,7 +110,8 @@ pub struct DemoArgs {
     /// serve` process, as a source pool and a sink pool on a throwaway
     /// PostgreSQL cluster (started here; needs Debian's postgresql
     /// package), behind the emulated link; pushes 2 x N checkpoints that
-    /// add up to --size through every source agent and prints each
+    /// add up to --size through the source agents in turn (each runs on
+    /// whichever source agent of the pool claims it) and prints each
     /// agent's payload bytes.
     #[arg(long, value_name = "N", conflicts_with_all = ["write_rate", "start", "no_watch", "priority", "keep_running", "weights_first"])]
     pub agents: Option<usize>,

@@ -424,17 +424,19 @@ async fn ferry_demo_with_agents_runs_a_source_pool_and_a_sink_pool() {
 }
 
 /// The sink site's catalog is cut off from both sink agents for 10 s while
-/// the first receives (as if its PostgreSQL stopped): once it is back the
-/// transfer finishes, byte-identical; the catalog recorded the publish and
-/// every chunk's arrival (a chunk verified in the outage was recorded
-/// after it, not dropped), so both sink agents resolve the replica.
+/// the first receives (as if its PostgreSQL stopped): nothing is published
+/// meanwhile, and the first stops on SIGTERM though its records wait.
+/// Once the catalog is back the transfer finishes through the second,
+/// byte-identical; the catalog recorded the publish and every chunk's
+/// arrival (none verified in the outage is lost), so both sink agents
+/// resolve the replica.
 #[tokio::test]
 async fn a_sink_site_whose_catalog_stops_for_10_s_records_everything_after_it() {
     let w = World::new("sink-pool-pg-stop").await;
     let cut = Cut::start(pg_addr().await).await;
     let ckpt = w.source_root().join("step_000300");
     w.gen(&ckpt, "24MB").await;
-    let pool = sink_pool_via(&w, "pg_stop", None, "24Mbit/s", &[], Some(&cut)).await;
+    let mut pool = sink_pool_via(&w, "pg_stop", None, "24Mbit/s", &[], Some(&cut)).await;
     let id = w.push_no_wait(&pool.source, &ckpt).await;
     holds_part(&w, &pool.sinks[0]).await;
     cut.down();
@@ -451,6 +453,28 @@ async fn a_sink_site_whose_catalog_stops_for_10_s_records_everything_after_it() 
         log.contains("no batch is confirmed to the sources meanwhile"),
         || format!("the sink should say it confirms nothing without its catalog:\n{log}"),
     );
+    // A sink agent stopped with records waiting stops, the catalog gone
+    // or not; what it had not recorded goes to the other sink agent.
+    // (Waited for here without blocking the test's runtime, which runs
+    // the catalog's forwarder.)
+    let pid = pool.sinks[0].pid().unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let first = &mut pool.sinks[0];
+    w.wait_until(
+        "the first sink agent to stop on SIGTERM while its catalog is gone",
+        Duration::from_secs(30),
+        async || {
+            first
+                .exited()
+                .map(|_| ())
+                .ok_or_else(|| "running".to_string())
+        },
+    )
+    .await;
     cut.up();
     let t = wait_published(&w, &pool.source, id).await;
     w.ensure(cut_at.elapsed() >= Duration::from_secs(10), || {
@@ -479,6 +503,7 @@ async fn a_sink_site_whose_catalog_stops_for_10_s_records_everything_after_it() 
     w.ensure(state == "published" && recorded.abs_diff(total as u64) < chunk, || {
         format!("the catalog should record the publish and every chunk's arrival: {state}, {recorded} of {total} bytes: {arrivals}")
     });
+    w.restart(&mut pool.sinks[0]).await;
     for sink in &pool.sinks {
         let r = w.resolve(sink, &ckpt).await;
         w.ensure(s(&r, "state") == "local", || {

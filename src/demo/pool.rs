@@ -118,8 +118,13 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
         source_apis.push((name.clone(), format!("http://127.0.0.1:{api}")));
     }
     say(format!(
-        "{n} source agents and {n} sink agents started (ferry serve, logs in {}), link {} at {} ms RTT",
+        "{n} source agents and {n} sink agents started (ferry serve; configs and logs in {}{}), link {} at {} ms RTT",
         dir.display(),
+        if a.keep || a.dir.is_some() {
+            ""
+        } else {
+            ", removed at the end unless --keep"
+        },
         format_rate(a.rate),
         a.rtt.as_millis()
     ));

@@ -377,6 +377,12 @@ impl Agent {
         self.proc.as_mut()?.exited()
     }
 
+    /// Its process id, while it runs.
+    #[allow(dead_code)]
+    pub fn pid(&self) -> Option<u32> {
+        self.proc.as_ref().map(Proc::pid)
+    }
+
     /// SIGKILLs the agent (no draining) and reaps it.
     pub fn kill(&mut self) {
         if let Some(mut p) = self.proc.take() {
