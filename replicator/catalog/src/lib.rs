@@ -50,6 +50,7 @@ mod export;
 pub mod jobs;
 pub mod leases;
 pub mod notify;
+pub mod parts;
 pub mod phases;
 pub mod pin_requests;
 pub mod pool;
@@ -72,6 +73,10 @@ pub use events::{Change, Event, EventKind};
 pub use export::TraceExport;
 pub use jobs::{origin, Job, MAX_MODEL_PARAMS};
 pub use leases::{LeaseProblem, ReaderLease, LEASE_MEMORY_MS};
+pub use parts::{
+    Claimable, PartClaim, PartClaimRecord, PartFileRead, PartRange, PartRow, PartState,
+    PartsStatus, TransferPlan,
+};
 pub use pin_requests::PinRequestRow;
 pub use pool::{AgentState, Beat, Claim, Forget, Heartbeat, LeaseRecord, PoolAgent};
 pub use publish_leases::{PublishClaim, PublishHolder};

@@ -59,6 +59,9 @@ pub struct Beat {
     /// The published paths whose publish leases it holds (see
     /// [`Catalog::claim_publish`]), renewed alike, sorted.
     pub publishes: Vec<String>,
+    /// The parts of striped transfers it holds (transfer, part; see
+    /// [`Catalog::claim_parts`]), renewed alike, sorted.
+    pub parts: Vec<(TransferId, u64)>,
     /// Agents of its role that are live and not drained, itself included
     /// (at least 1): how many share the pool's work.
     pub live_peers: i64,
@@ -307,6 +310,21 @@ impl Catalog {
             held.sort();
             keyed.push(held);
         }
+        // Parts of striped transfers.
+        let parts: Vec<(i64, i64)> = sqlx::query_as(&self.db.sql(
+            "UPDATE transfer_parts SET lease_until = ? WHERE holder = ? AND state = 'held' \
+             AND lease_until >= ? RETURNING transfer, part",
+        ))
+        .bind(now + b.timeout_ms)
+        .bind(b.name)
+        .bind(now)
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut parts: Vec<(TransferId, u64)> = parts
+            .into_iter()
+            .filter_map(|(t, p)| Some((TransferId::from_i64(t)?, u64::try_from(p).ok()?)))
+            .collect();
+        parts.sort();
         let publishes = keyed.pop().unwrap_or_default();
         let watches = keyed.pop().unwrap_or_default();
         let live_peers: i64 = sqlx::query_scalar(&self.db.sql(
@@ -326,6 +344,7 @@ impl Catalog {
             held,
             watches,
             publishes,
+            parts,
             live_peers: live_peers.max(1),
         })
     }
@@ -359,6 +378,24 @@ impl Catalog {
                 .db
                 .sql("UPDATE watches SET holder = NULL, lease_until = NULL WHERE holder = ?"),
         )
+        .bind(name)
+        .execute(&mut *tx)
+        .await?;
+        // Its parts go back to the queue for the others.
+        sqlx::query(&self.db.sql(
+            "UPDATE part_claims SET ended_at = ?, end_reason = 'given back' WHERE agent = ? \
+             AND ended_at IS NULL AND (transfer, part, epoch) IN (SELECT transfer, part, \
+             lease_epoch FROM transfer_parts WHERE holder = ? AND state = 'held')",
+        ))
+        .bind(now)
+        .bind(name)
+        .bind(name)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(&self.db.sql(
+            "UPDATE transfer_parts SET state = 'queued', holder = NULL, lease_until = NULL \
+             WHERE holder = ? AND state = 'held'",
+        ))
         .bind(name)
         .execute(&mut *tx)
         .await?;

@@ -541,3 +541,202 @@ async fn concurrent_publish_claims_on_postgres_give_one_publisher() {
     );
     t.finish().await;
 }
+
+fn plan_files() -> Vec<ferry_proto::manifest::FileInfo> {
+    ["a", "b", "c"]
+        .iter()
+        .map(|p| ferry_proto::manifest::FileInfo {
+            path: (*p).into(),
+            size: 4 << 20,
+            mode: 0o644,
+            mtime_ns: 7,
+        })
+        .collect()
+}
+
+/// A striped transfer: the plan is stored once, parts are claimed once
+/// each, a lapsed part is taken over under the next epoch (its claim
+/// ended at its lease's end, before the next began), a stale holder
+/// cannot release it, and the heartbeat renews what an agent holds.
+async fn parts_are_claimed_once_and_a_lapsed_part_is_taken_over(c: Catalog) {
+    let id = queued(&c).await;
+    for a in ["a", "b"] {
+        c.register_agent(&beat(a, 60_000)).await.unwrap();
+    }
+    let files = plan_files();
+    let plan = c
+        .plan_transfer(id, &files, &[2], 1 << 20, 2 << 20, "a")
+        .await
+        .unwrap();
+    assert_eq!(
+        (plan.files.clone(), plan.markers.clone()),
+        (files.clone(), vec![2])
+    );
+    // A second plan (a coordinator that took over) gets the first one.
+    let other = vec![files[0].clone()];
+    let again = c
+        .plan_transfer(id, &other, &[], 1 << 20, 8 << 20, "b")
+        .await
+        .unwrap();
+    assert_eq!(
+        (again.files, again.planned_by.as_str()),
+        (files.clone(), "a")
+    );
+    let st = c.parts_status(id).await.unwrap();
+    assert_eq!((st.total, st.claimable, st.done), (6, 6, 0));
+    assert_eq!(
+        c.claimable_transfers(&[id]).await.unwrap(),
+        vec![Claimable {
+            transfer: id,
+            parts: 6
+        }]
+    );
+    let a = c.claim_parts(id, "a", 2, 60_000).await.unwrap();
+    assert_eq!(
+        a.iter()
+            .map(|p| (p.range.part, p.epoch))
+            .collect::<Vec<_>>(),
+        [(0, 1), (1, 1)]
+    );
+    // b gets the next ones, one short lease among them.
+    let b = c.claim_parts(id, "b", 1, 300).await.unwrap();
+    assert_eq!(b[0].range.part, 2);
+    let rest = c.claim_parts(id, "b", 10, 60_000).await.unwrap();
+    assert_eq!(
+        rest.iter().map(|p| p.range.part).collect::<Vec<_>>(),
+        [3, 4, 5]
+    );
+    assert!(c.claim_parts(id, "a", 2, 60_000).await.unwrap().is_empty());
+    // The heartbeat renews a's parts, and says which.
+    let beat_a = c.heartbeat(&beat("a", 60_000)).await.unwrap();
+    assert_eq!(beat_a.parts, vec![(id, 0), (id, 1)]);
+    // b's short lease lapses: a takes part 2 over under epoch 2.
+    wait_past(&c, c.db_now_ms().await.unwrap() + 400).await;
+    let over = c.claim_parts(id, "a", 4, 60_000).await.unwrap();
+    assert_eq!(over.len(), 1);
+    assert_eq!(
+        (
+            over[0].range.part,
+            over[0].epoch,
+            over[0].took_over_from.as_deref()
+        ),
+        (2, 2, Some("b"))
+    );
+    // b, resumed, can neither release nor give it back.
+    let h = [[1u8; 32]; 2];
+    assert!(!c.release_part(id, 2, "b", 1, &h, &[]).await.unwrap());
+    assert!(!c.give_back_part(id, 2, "b", 1).await.unwrap());
+    let read = PartFileRead {
+        file: 1,
+        before: (4 << 20, 7, [1, 2, 3, 4]),
+        after: (4 << 20, 7, [1, 2, 3, 4]),
+    };
+    assert!(c.release_part(id, 2, "a", 2, &h, &[read]).await.unwrap());
+    assert!(!c.release_part(id, 2, "a", 2, &h, &[read]).await.unwrap());
+    assert!(c.give_back_part(id, 0, "a", 1).await.unwrap());
+    let parts = c.parts(id).await.unwrap();
+    assert_eq!(parts[2].state, PartState::Done);
+    assert_eq!(
+        (parts[2].hashes.clone(), parts[2].versions.clone()),
+        (h.to_vec(), vec![read])
+    );
+    assert_eq!(parts[2].done_by.as_deref(), Some("a"));
+    assert_eq!(
+        (parts[0].state, parts[0].holder.clone()),
+        (PartState::Queued, None)
+    );
+    let st = c.parts_status(id).await.unwrap();
+    assert_eq!((st.done, st.held, st.claimable), (1, 4, 1));
+    // No two claims of one part overlap in time (database clock).
+    let claims = c.part_claims(id).await.unwrap();
+    let p2: Vec<_> = claims.iter().filter(|r| r.part == 2).collect();
+    assert_eq!(p2.len(), 2);
+    assert_eq!(p2[0].end_reason.as_deref(), Some("lapsed"));
+    assert!(p2[0].ended_at.unwrap() <= p2[1].claimed_at, "{p2:?}");
+    assert_eq!(p2[1].end_reason.as_deref(), Some("released"));
+    // Requeued after a file changed: hashes forgotten.
+    c.requeue_parts(id, &[2]).await.unwrap();
+    let parts = c.parts(id).await.unwrap();
+    assert_eq!(
+        (parts[2].state, parts[2].hashes.len()),
+        (PartState::Queued, 0)
+    );
+    // An agent that stops gives its parts back.
+    c.agent_stopped("b", "p1").await.unwrap();
+    let st = c.parts_status(id).await.unwrap();
+    assert_eq!((st.held, st.claimable), (1, 5));
+    // A drained agent claims nothing.
+    c.set_agent_draining("a", true).await.unwrap();
+    assert!(c.claim_parts(id, "a", 4, 60_000).await.unwrap().is_empty());
+    c.drop_plan(id).await.unwrap();
+    assert_eq!(c.transfer_plan(id).await.unwrap(), None);
+    assert_eq!(c.parts_status(id).await.unwrap().total, 0);
+}
+both!(parts_are_claimed_once_and_a_lapsed_part_is_taken_over);
+
+/// Claim order across transfers: class first, then the fewest claimed
+/// bytes per unit of weight.
+async fn transfers_are_claimed_by_class_then_fair_share(c: Catalog) {
+    let (x, y, z) = (queued(&c).await, queued(&c).await, queued(&c).await);
+    c.register_agent(&beat("a", 60_000)).await.unwrap();
+    for id in [x, y, z] {
+        c.plan_transfer(id, &plan_files(), &[], 1 << 20, 2 << 20, "a")
+            .await
+            .unwrap();
+    }
+    c.set_plan_rank(x, 0, 1.0).await.unwrap();
+    c.set_plan_rank(y, 1, 1.0).await.unwrap();
+    c.set_plan_rank(z, 1, 3.0).await.unwrap();
+    let order = |v: Vec<Claimable>| v.into_iter().map(|c| c.transfer).collect::<Vec<_>>();
+    // y and z are scheduled, x background; equal claimed bytes (0).
+    let first = order(c.claimable_transfers(&[x, y, z]).await.unwrap());
+    assert_eq!(first[2], x);
+    c.claim_parts(y, "a", 1, 60_000).await.unwrap();
+    // y has 2 MiB per unit of weight claimed, z none: z first.
+    assert_eq!(
+        order(c.claimable_transfers(&[x, y, z]).await.unwrap()),
+        [z, y, x]
+    );
+    c.claim_parts(z, "a", 2, 60_000).await.unwrap();
+    // z: 4 MiB / 3 < y: 2 MiB / 1.
+    assert_eq!(
+        order(c.claimable_transfers(&[x, y, z]).await.unwrap()),
+        [z, y, x]
+    );
+    c.claim_parts(z, "a", 1, 60_000).await.unwrap();
+    // z: 6 MiB / 3 = y: 2 MiB / 1; ties go by id (y first).
+    assert_eq!(
+        order(c.claimable_transfers(&[x, y, z]).await.unwrap()),
+        [y, z, x]
+    );
+    assert_eq!(order(c.claimable_transfers(&[x]).await.unwrap()), [x]);
+}
+both!(transfers_are_claimed_by_class_then_fair_share);
+
+/// Many source agents claim one transfer's parts at once on
+/// PostgreSQL: every part goes to exactly one of them.
+#[tokio::test]
+async fn concurrent_part_claims_on_postgres_give_each_part_once() {
+    let t = TestCatalog::new(Dialect::Postgres).await;
+    let c = t.catalog.clone();
+    let id = queued(&c).await;
+    let names: Vec<String> = (0..8).map(|i| format!("source-{i}")).collect();
+    for n in &names {
+        c.register_agent(&beat(n, 60_000)).await.unwrap();
+    }
+    c.plan_transfer(id, &plan_files(), &[], 1 << 20, 1 << 20, "source-0")
+        .await
+        .unwrap();
+    let claims = futures::future::join_all(names.iter().map(|n| {
+        let c = c.clone();
+        async move { c.claim_parts(id, n, 2, 60_000).await.unwrap() }
+    }))
+    .await;
+    let mut parts: Vec<u64> = claims.iter().flatten().map(|p| p.range.part).collect();
+    parts.sort_unstable();
+    let mut unique = parts.clone();
+    unique.dedup();
+    assert_eq!(parts, unique, "a part claimed twice: {claims:?}");
+    assert_eq!(parts.len(), 12, "{claims:?}");
+    t.finish().await;
+}
