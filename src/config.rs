@@ -61,6 +61,23 @@ pub struct PoolSection {
     /// transfers over. At least three heartbeat intervals. Default 10 s.
     #[serde(default = "default_lease_timeout", with = "humantime_serde")]
     pub lease_timeout: Duration,
+    /// Payload per part of a striped transfer (`"256MiB"`): on a
+    /// PostgreSQL catalog a pushed transfer's chunks are grouped into
+    /// parts of about this size, which every source agent of the pool
+    /// claims and sends. At least 1MiB. Default 256MiB.
+    #[serde(default = "default_part_size", deserialize_with = "de_size")]
+    pub part_size: u64,
+    /// Most parts one agent holds at once (1..64). Default 4.
+    #[serde(default = "default_max_parts")]
+    pub max_parts: usize,
+}
+
+fn default_part_size() -> u64 {
+    replicator::pool::DEFAULT_PART_SIZE
+}
+
+fn default_max_parts() -> usize {
+    replicator::pool::DEFAULT_MAX_PARTS
 }
 
 fn default_heartbeat() -> Duration {
@@ -76,6 +93,8 @@ impl Default for PoolSection {
         PoolSection {
             heartbeat_interval: default_heartbeat(),
             lease_timeout: default_lease_timeout(),
+            part_size: default_part_size(),
+            max_parts: default_max_parts(),
         }
     }
 }
@@ -86,6 +105,8 @@ impl PoolSection {
         replicator::pool::PoolConfig {
             heartbeat_interval: self.heartbeat_interval,
             lease_timeout: self.lease_timeout,
+            part_size: self.part_size,
+            max_parts: self.max_parts,
         }
     }
 }

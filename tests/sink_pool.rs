@@ -16,6 +16,10 @@
 //!   confirmed meanwhile, and once it is back the transfer finishes with
 //!   every chunk recorded and the publish recorded.
 //! - `ferry demo --agents 2` runs both pools as processes.
+//! - One checkpoint striped across two source agents (a source pool on
+//!   its own PostgreSQL database) and two sink agents: parts of 8 MiB,
+//!   claimed by both source agents, received by both sink agents into one
+//!   staging area, published once.
 
 #![allow(clippy::unwrap_used)]
 
@@ -35,6 +39,9 @@ use sqlx::{Connection, Row};
 
 /// The second sink agent of the site.
 const SINK_2: &str = "eval-b-2";
+
+/// The second source agent of the source site (striped tests).
+const SOURCE_2: &str = "train-a-2";
 
 /// [`replicator::sink::FAULT_KILL_ENV`].
 const FAULT_ENV: &str = "FERRY_FAULT_KILL_IN_PUBLISH";
@@ -513,4 +520,176 @@ async fn a_sink_site_whose_catalog_stops_for_10_s_records_everything_after_it() 
     let db = pool.db.clone();
     drop(pool);
     drop_db(&db).await;
+}
+
+/// Two source agents on one PostgreSQL catalog and two sink agents on
+/// another, each sink agent behind its own relay at `rate`; each source
+/// link names both sink agents, in another order on each source agent.
+/// Parts of 8 MiB, at most 2 held per agent.
+struct Striped {
+    source_db: String,
+    sink_db: String,
+    sources: [Agent; 2],
+    sinks: [Agent; 2],
+    _relays: [Relay; 2],
+}
+
+async fn striped_pool(w: &World, name: &str, rate: &str) -> Striped {
+    let sink_db = fresh_db(&format!("striped_sink_{name}")).await;
+    let source_db = fresh_db(&format!("striped_source_{name}")).await;
+    w.certs("certs", &[SOURCE_NAME, SOURCE_2, SINK_NAME, SINK_2])
+        .await;
+    let pool = "[pool]\nheartbeat_interval = \"1s\"\nlease_timeout = \"5s\"\n";
+    let certs = w.root.join("certs");
+    let mut first = w.sink_config();
+    first.tail = format!("\n[catalog]\nurl = {}\n\n{pool}", toml_str(&sink_db));
+    let mut second = first.clone();
+    second.name = SINK_2.into();
+    second.cert = certs.join(format!("{SINK_2}.pem"));
+    second.key = certs.join(format!("{SINK_2}.key"));
+    second.data_dir = w.root.join("sink-2").join("data");
+    second.api_port = free_tcp_port();
+    second.quic_listen = format!("127.0.0.1:{}", free_udp_port());
+    let s1 = w.start_agent("sink", first, &[]).await;
+    let s2 = w.start_agent("sink-2", second, &[]).await;
+    let r1 = w.start_relay(&s1.cfg.quic_listen, rate).await;
+    let r2 = w.start_relay(&s2.cfg.quic_listen, rate).await;
+    let (p1, p2) = (
+        format!("127.0.0.1:{}", r1.port),
+        format!("127.0.0.1:{}", r2.port),
+    );
+    let start = async |label: &str, agent: &str, peer: (&str, &str), more: (&str, &str)| {
+        let mut cfg = w.source_config(peer.0, rate);
+        cfg.name = agent.into();
+        cfg.cert = certs.join(format!("{agent}.pem"));
+        cfg.key = certs.join(format!("{agent}.key"));
+        cfg.data_dir = w.root.join(label).join("data");
+        cfg.links[0].peer_name = peer.1.into();
+        cfg.links[0].more_peers = vec![(more.0.to_string(), more.1.to_string())];
+        cfg.tail = format!(
+            "\n[catalog]\nurl = {}\n\n{pool}part_size = \"8MiB\"\nmax_parts = 2\n",
+            toml_str(&source_db)
+        );
+        w.start_agent(label, cfg, &[]).await
+    };
+    let a = start("source", SOURCE_NAME, (&p1, SINK_NAME), (&p2, SINK_2)).await;
+    let b = start("source-2", SOURCE_2, (&p2, SINK_2), (&p1, SINK_NAME)).await;
+    Striped {
+        source_db,
+        sink_db,
+        sources: [a, b],
+        sinks: [s1, s2],
+        _relays: [r1, r2],
+    }
+}
+
+/// The claims of a transfer's parts in the source catalog: (part, epoch,
+/// agent, claimed_at, ended_at, end_reason), by part and epoch.
+type PartClaimRow = (i64, i64, String, i64, Option<i64>, Option<String>);
+
+async fn part_claims(db: &str) -> Vec<PartClaimRow> {
+    let mut c = sqlx::PgConnection::connect(db).await.unwrap();
+    let rows = sqlx::query(
+        "SELECT part, epoch, agent, claimed_at, ended_at, end_reason FROM part_claims \
+         ORDER BY part, epoch",
+    )
+    .fetch_all(&mut c)
+    .await
+    .unwrap();
+    c.close().await.unwrap();
+    rows.iter()
+        .map(|r| {
+            (
+                r.get("part"),
+                r.get("epoch"),
+                r.get("agent"),
+                r.get("claimed_at"),
+                r.get("ended_at"),
+                r.get("end_reason"),
+            )
+        })
+        .collect()
+}
+
+/// Fails if two claims of one part overlap in time (database clock).
+fn assert_claims_apart(w: &World, claims: &[PartClaimRow]) {
+    for pair in claims.windows(2) {
+        let (a, b) = (&pair[0], &pair[1]);
+        if a.0 != b.0 {
+            continue;
+        }
+        w.ensure(a.4.is_some_and(|end| end <= b.3) && a.1 < b.1, || {
+            format!("claims of part {} overlap: {a:?} then {b:?}", a.0)
+        });
+    }
+}
+
+/// Payload bytes a sink agent received (its metrics).
+async fn received(w: &World, sink: &Agent) -> f64 {
+    let m = w.metrics_text(sink).await;
+    m.lines()
+        .filter(|l| l.starts_with("ferry_received_bytes_total{"))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
+/// One checkpoint striped across two source and two sink agents: each
+/// source agent claims parts, each sink agent receives some, the replica
+/// is published once, byte-identical, resolvable from both sink agents,
+/// and no two claims of a part overlap.
+#[tokio::test]
+async fn one_checkpoint_is_striped_across_two_source_and_two_sink_agents() {
+    let w = World::new("striped").await;
+    let ckpt = w.source_root().join("step_000300");
+    // At least 4 x 2 agents x max_parts 2 = 16 parts of 8 MiB.
+    w.gen(&ckpt, "160MB").await;
+    let mut pool = striped_pool(&w, "two", "400Mbit/s").await;
+    let id = w.push_no_wait(&pool.sources[0], &ckpt).await;
+    wait_published(&w, &pool.sources[0], id).await;
+    assert_replica(&w, None, &ckpt, "step_000300");
+    let claims = part_claims(&pool.source_db).await;
+    let parts: std::collections::BTreeSet<i64> = claims.iter().map(|c| c.0).collect();
+    w.ensure(parts.len() >= 16, || {
+        format!("at least 16 parts of 8 MiB: {claims:?}")
+    });
+    for agent in [SOURCE_NAME, SOURCE_2] {
+        w.ensure(claims.iter().any(|c| c.2 == agent), || {
+            format!("{agent} should have claimed parts: {claims:?}")
+        });
+    }
+    w.ensure(
+        claims.iter().all(|c| c.5.as_deref() == Some("released")),
+        || format!("every claim released once its part was verified: {claims:?}"),
+    );
+    assert_claims_apart(&w, &claims);
+    for sink in &pool.sinks {
+        let r = received(&w, sink).await;
+        w.ensure(r > 0.0, || {
+            format!("{} should have received parts: {r} bytes", sink.cfg.name)
+        });
+    }
+    let (states, leases) = catalog_view(&pool.sink_db, "step_000300").await;
+    w.ensure(states == ["published"], || {
+        format!("one replica row, published once: {states:?}")
+    });
+    w.ensure(leases.len() == 1 && leases[0].0.is_none(), || {
+        format!("one publish, its lease released: {leases:?}")
+    });
+    let a = w.resolve(&pool.sinks[0], &ckpt).await;
+    let b = w.resolve(&pool.sinks[1], &ckpt).await;
+    w.ensure(
+        s(&a, "state") == "local"
+            && a["replica"] == b["replica"]
+            && a["local_path"] == b["local_path"],
+        || format!("resolve through each sink agent: {a} vs {b}"),
+    );
+    let log = pool.sources[0].stderr() + &pool.sources[1].stderr();
+    w.ensure(log.contains("striped across the source pool"), || {
+        format!("the coordinator should say the transfer is striped:\n{log}")
+    });
+    for a in pool.sinks.iter_mut().chain(pool.sources.iter_mut()) {
+        a.kill();
+    }
+    drop_db(&pool.sink_db).await;
+    drop_db(&pool.source_db).await;
 }

@@ -39,13 +39,28 @@ pub struct PoolConfig {
     /// down and may claim its transfers. At least three heartbeat
     /// intervals.
     pub lease_timeout: Duration,
+    /// Payload bytes per part of a striped transfer (default 256 MiB):
+    /// on a PostgreSQL catalog, a pushed transfer's chunks are grouped
+    /// into parts of about this size, which any source agent of the pool
+    /// claims. At least one chunk.
+    pub part_size: u64,
+    /// Most parts an agent holds at once (default 4).
+    pub max_parts: usize,
 }
+
+/// Default [`PoolConfig::part_size`]: 256 MiB.
+pub const DEFAULT_PART_SIZE: u64 = 256 << 20;
+
+/// Default [`PoolConfig::max_parts`].
+pub const DEFAULT_MAX_PARTS: usize = 4;
 
 impl Default for PoolConfig {
     fn default() -> Self {
         PoolConfig {
             heartbeat_interval: Duration::from_secs(2),
             lease_timeout: Duration::from_secs(10),
+            part_size: DEFAULT_PART_SIZE,
+            max_parts: DEFAULT_MAX_PARTS,
         }
     }
 }
@@ -91,6 +106,19 @@ impl PoolConfig {
                 self.heartbeat_interval * 3
             ));
         }
+        if self.part_size < 1 << 20 {
+            return Err(format!(
+                "pool.part_size ({} bytes) must be at least 1MiB: each part is a claim and a \
+                 release in the catalog",
+                self.part_size
+            ));
+        }
+        if !(1..=64).contains(&self.max_parts) {
+            return Err(format!(
+                "pool.max_parts ({}) must be within 1..64",
+                self.max_parts
+            ));
+        }
         Ok(())
     }
 }
@@ -130,6 +158,8 @@ struct Standing {
     watches: HashSet<String>,
     /// Publish leases (published paths) the last heartbeat renewed.
     publishes: HashSet<String>,
+    /// Parts of striped transfers the last heartbeat renewed.
+    parts: HashSet<(TransferId, u64)>,
     /// Live, undrained agents of its role at the last heartbeat, itself
     /// included.
     live_peers: i64,
@@ -330,6 +360,14 @@ impl Membership {
         self.holds_lease(claimed, |s| s.publishes.contains(local_path))
     }
 
+    /// Whether the agent may still send part `part` of transfer `id`,
+    /// claimed at local time `claimed`: as [`Membership::holds`], for the
+    /// part's lease. Once false, the agent sends no more of the part:
+    /// another agent may claim it after its lease's end.
+    pub fn holds_part(&self, id: TransferId, part: u64, claimed: Instant) -> bool {
+        self.holds_lease(claimed, |s| s.parts.contains(&(id, part)))
+    }
+
     /// Resolves once the agent may no longer act on its lease of transfer
     /// `id` claimed at `claimed` (see [`Membership::holds`]), checked
     /// every [`FENCE_CHECK`]: whatever the agent is doing, even waiting on
@@ -425,6 +463,7 @@ impl Membership {
                     let held: HashSet<TransferId> = b.held.into_iter().collect();
                     let watches: HashSet<String> = b.watches.into_iter().collect();
                     let publishes: HashSet<String> = b.publishes.into_iter().collect();
+                    let parts: HashSet<(TransferId, u64)> = b.parts.into_iter().collect();
                     let mut s = crate::lock::lock(&i.standing);
                     if !s.catalog_up {
                         if s.last_ok.is_some() || s.error.is_some() {
@@ -436,6 +475,7 @@ impl Membership {
                         || s.held.iter().any(|t| !held.contains(t))
                         || s.watches.iter().any(|r| !watches.contains(r))
                         || s.publishes.iter().any(|p| !publishes.contains(p))
+                        || s.parts.iter().any(|p| !parts.contains(p))
                     {
                         changed = true;
                     }
@@ -453,6 +493,7 @@ impl Membership {
                         held,
                         watches,
                         publishes,
+                        parts,
                         live_peers: b.live_peers,
                     };
                     i.catalog_up.set(1);
@@ -471,6 +512,7 @@ impl Membership {
                     s.held.clear();
                     s.watches.clear();
                     s.publishes.clear();
+                    s.parts.clear();
                     s.catalog_up = true;
                     s.error = Some(why);
                     i.catalog_up.set(1);
@@ -532,6 +574,7 @@ mod tests {
         PoolConfig {
             heartbeat_interval: Duration::from_millis(hb_ms),
             lease_timeout: Duration::from_millis(lease_ms),
+            ..PoolConfig::default()
         }
     }
 
@@ -551,6 +594,28 @@ mod tests {
                 PoolConfig {
                     heartbeat_interval: Duration::MAX,
                     lease_timeout: Duration::MAX,
+                    ..PoolConfig::default()
+                },
+                "heartbeat_interval",
+            ),
+            (
+                PoolConfig {
+                    part_size: (1 << 20) - 1,
+                    ..PoolConfig::default()
+                },
+                "part_size",
+            ),
+            (
+                PoolConfig {
+                    max_parts: 0,
+                    ..PoolConfig::default()
+                },
+                "max_parts",
+            ),
+            (
+                PoolConfig {
+                    max_parts: 65,
+                    ..PoolConfig::default()
                 },
                 "heartbeat_interval",
             ),

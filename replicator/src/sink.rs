@@ -1853,6 +1853,76 @@ async fn open_transfer(
     Ok((live, have_list))
 }
 
+/// Before a commit's verdict: the chunks the commit's manifest names
+/// that this open has not verified but the catalog records for the row
+/// count as verified (their hashes are still compared with the
+/// manifest's). Another source agent's open of the same transfer (a
+/// striped transfer's parts), on this sink agent or another of the pool,
+/// verified and recorded them into the same staging area. Nothing is
+/// read unless the commit is ready and chunks are missing.
+async fn absorb_recorded(inner: &Arc<Inner>, live: &Arc<Live>, id: TransferId) {
+    let missing = {
+        let st = crate::lock::lock(&live.st);
+        let Some((m, batches)) = st.commit.as_ref() else {
+            return;
+        };
+        if !decide::commit_ready(
+            Some(*batches),
+            &st.lost,
+            &st.batches_in,
+            st.publishing || st.weights_publishing,
+            st.failed,
+        ) {
+            return;
+        }
+        let Ok(t) = live.table.read() else {
+            return;
+        };
+        let mut missing = 0u64;
+        for f in &m.files {
+            let Some(pos) = t.by_path.get(&f.path) else {
+                continue;
+            };
+            for c in 0..f.chunks.len() as u32 {
+                if let Some(k) = t.map.index(*pos, c) {
+                    if !st.verified.contains_key(&k) {
+                        missing += 1;
+                    }
+                }
+            }
+        }
+        missing
+    };
+    if missing == 0 {
+        return;
+    }
+    flush(inner).await;
+    let recorded = match inner.catalog.chunks(live.id).await {
+        Ok(r) => r,
+        Err(e) => {
+            warn!(transfer = %id, error = %e, "catalog: reading the chunks other opens recorded");
+            return;
+        }
+    };
+    let Ok(t) = live.table.read() else {
+        return;
+    };
+    let mut st = crate::lock::lock(&live.st);
+    let mut added = 0u64;
+    for (k, h) in recorded {
+        if let std::collections::hash_map::Entry::Vacant(e) = st.verified.entry(k) {
+            if let Some((f, c)) = t.map.locate(k) {
+                e.insert(h);
+                added += t.map.span(f, c).1;
+            }
+        }
+    }
+    st.bytes_done += added;
+    if added > 0 {
+        debug!(transfer = %id, bytes = added, "chunks recorded by other opens of the transfer count at its commit");
+    }
+}
+
 /// What [`open_transfer`] needs of the transfer's catalog row.
 struct RowAtOpen {
     id: i64,
@@ -2537,6 +2607,7 @@ async fn maybe_finish(
         ),
     }
     maybe_publish_weights(inner, live, ctl, id).await?;
+    absorb_recorded(inner, live, id).await;
     let next = {
         let mut st = crate::lock::lock(&live.st);
         let announced = st.commit.as_ref().map(|(_, batches)| *batches);

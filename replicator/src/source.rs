@@ -40,6 +40,7 @@ use crate::tls;
 use crate::transport::{transport_config, SocketFactory, Tuning};
 
 mod dispatch;
+mod parts;
 pub(crate) mod phases;
 pub mod pins;
 mod shared;
@@ -2862,6 +2863,9 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
     let mut waits_noted: HashSet<TransferId> = HashSet::new();
     // The lease epoch each running transfer was claimed under (in a pool).
     let mut leases: HashMap<TransferId, i64> = HashMap::new();
+    // Striped transfers coordinated elsewhere whose parts this agent sends
+    // now (their runs are in `running` and `stops` too).
+    let mut helping: HashSet<TransferId> = HashSet::new();
     let pool = inner.cfg.pool.clone();
     // The deadline margin starts from the sink's recent finishing times.
     match inner.catalog.transfers(200, 0).await {
@@ -3007,8 +3011,33 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                 conn = None;
             }
         }
+        // Striped transfers held elsewhere with parts left to claim: this
+        // agent sends some (and dials for them).
+        let mut helpable = Vec::new();
+        let room = MAX_HELPED.saturating_sub(helping.len());
+        if room > 0 && pool.as_ref().is_some_and(|p| p.may_claim()) {
+            let candidates: Vec<TransferId> = mine
+                .iter()
+                .filter(|t| {
+                    held_elsewhere(t)
+                        && t.format.is_none()
+                        && t.profile == Profile::Full
+                        && t.state != TransferState::Paused
+                        && !stops.contains_key(&t.id)
+                })
+                .map(|t| t.id)
+                .collect();
+            if !candidates.is_empty() {
+                match inner.catalog.claimable_transfers(&candidates).await {
+                    Ok(list) => helpable = list.into_iter().take(room).collect(),
+                    Err(e) => {
+                        warn!(link = link.cfg.name, error = %e, "catalog: looking for parts to claim")
+                    }
+                }
+            }
+        }
         let pins_pending = !crate::lock::lock(&link.pins).is_empty();
-        if (!waiting.is_empty() || pins_pending)
+        if (!waiting.is_empty() || pins_pending || !helpable.is_empty())
             && conn
                 .as_ref()
                 .is_none_or(|c| c.conn.close_reason().is_some())
@@ -3165,6 +3194,36 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                 });
             }
         }
+        // Striped transfers another agent coordinates: this agent claims
+        // and sends their parts too, in the pool's claim order.
+        if let Some(c) = conn.as_ref().filter(|c| c.conn.close_reason().is_none()) {
+            for cl in helpable.drain(..) {
+                let Some(t) = mine
+                    .iter()
+                    .find(|t| t.id == cl.transfer)
+                    .map(|t| (*t).clone())
+                else {
+                    continue;
+                };
+                let id = t.id;
+                link.sched.activate(
+                    sched_transfer(&t, &jobs, now),
+                    Arc::new(LiveProgress::default()),
+                );
+                let stop = inner.shutdown.child_token();
+                stops.insert(id, stop.clone());
+                helping.insert(id);
+                debug!(link = link.cfg.name, transfer = %id, parts = cl.parts, "claiming parts of a striped transfer another agent coordinates");
+                let (inner2, c2) = (inner.clone(), c.clone());
+                running.spawn(async move {
+                    let r = tokio::select! {
+                        r = parts::run_helper(&inner2, &c2, &t) => r,
+                        _ = stop.cancelled() => Err(RunError::Stopped),
+                    };
+                    (id, r)
+                });
+            }
+        }
         if pool.is_some() {
             // The link's budget is the pool's: this agent paces at its
             // fraction of it, by the class rules over what runs anywhere.
@@ -3199,6 +3258,18 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                         link.sched.deactivate(id);
                         if let Some(c) = conn.as_ref() {
                             crate::lock::lock(&c.inbox).remove(&id);
+                        }
+                        if helping.remove(&id) {
+                            // Its parts are released or given back; the
+                            // transfer's row is its coordinator's.
+                            match &result {
+                                Ok(()) | Err(RunError::Stopped | RunError::Shutdown) => {}
+                                Err(RunError::Retry(why) | RunError::Fatal(why) | RunError::Cancelled(why)) => {
+                                    info!(link = link.cfg.name, transfer = %id, "sending parts of a striped transfer stopped: {why}");
+                                }
+                            }
+                            next = running.try_join_next();
+                            continue;
                         }
                         let lost = end_transfer(&inner, conn.as_ref(), id, result, backoff).await;
                         if let (Some(epoch), Some(p)) = (leases.remove(&id), &pool) {
@@ -3236,6 +3307,10 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
         }
     }
 }
+
+/// Most striped transfers coordinated by other agents whose parts one
+/// agent sends at once, per link.
+const MAX_HELPED: usize = 4;
 
 /// Least time between two reloads of a link's queue from the catalog
 /// after transfers end or are submitted (those ending or arriving
@@ -3501,6 +3576,12 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
     let id = t.id;
     let t_start = std::time::Instant::now();
     let fresh = begin(inner, &t).await?;
+    // A striped transfer continues from its plan (this agent took it over).
+    if inner.cfg.pool.is_some() && t.profile == Profile::Full {
+        if let Some(plan) = inner.catalog.transfer_plan(id).await? {
+            return parts::run_coordinated(inner, c, &t, Some(plan), None).await;
+        }
+    }
     let t_begun = t_start.elapsed();
     let dir = PathBuf::from(&t.source_path);
     let (d2, store, markers) = (dir.clone(), inner.store.clone(), inner.cfg.markers.clone());
@@ -3514,6 +3595,9 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
     scan.files[..plain].sort_by_key(|f| crate::formats::send_class(None, &f.path));
     let t_scanned = t_start.elapsed();
     let bytes_total: u64 = scan.files.iter().map(|f| f.size).sum();
+    if parts::striped(inner, &t, bytes_total) {
+        return parts::run_coordinated(inner, c, &t, None, Some((scan.files, scan.markers))).await;
+    }
     // A small transfer's size was recorded at submit: not written again
     // unless the listing differs.
     if (t.bytes_total, t.shards) != (bytes_total as i64, scan.files.len() as i64) {

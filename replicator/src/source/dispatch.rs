@@ -91,6 +91,9 @@ struct Queue {
     /// Payload bytes written on each batch not yet confirmed, by sequence
     /// number (progress counts them once the sink confirms).
     batch_bytes: HashMap<u64, u64>,
+    /// Sequence numbers of batches the sink confirmed (every batch's
+    /// chunks recorded at the sink), on any connection.
+    confirmed: HashSet<u64>,
     progress: Arc<LiveProgress>,
 }
 
@@ -336,6 +339,7 @@ impl LinkSched {
                 batches: 0,
                 unconfirmed: HashMap::new(),
                 batch_bytes: HashMap::new(),
+                confirmed: HashSet::new(),
                 lost: Vec::new(),
                 progress,
             },
@@ -487,10 +491,27 @@ impl LinkSched {
             let mut bytes = 0;
             for seq in seqs {
                 q.unconfirmed.remove(seq);
+                q.confirmed.insert(*seq);
                 bytes += q.batch_bytes.remove(seq).unwrap_or(0);
             }
             q.progress.verified.fetch_add(bytes, Ordering::Relaxed);
         }
+        drop(s);
+        self.moved.notify_waiters();
+    }
+
+    /// True if `id` is drained ([`LinkSched::drained`]) and the sink
+    /// confirmed every batch opened since it became active, except those
+    /// given up with a lost connection (their chunks went again in later
+    /// batches): every chunk queued so far is recorded at the sink. True
+    /// if it is not active.
+    pub(crate) fn settled(&self, id: TransferId) -> bool {
+        let s = self.lock();
+        let Some(q) = s.queues.get(&id) else {
+            return true;
+        };
+        let given_up = q.lost.iter().filter(|l| !q.confirmed.contains(l)).count() as u64;
+        q.drained() && q.confirmed.len() as u64 + given_up >= q.batches
     }
 
     /// What a commit of `id` sends now: the batches opened since it became

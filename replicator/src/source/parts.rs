@@ -1,0 +1,619 @@
+//! One pushed transfer striped across the source agents of a pool
+//! (ARCHITECTURE.md, "Pool", "Parts").
+//!
+//! The agent holding the transfer's lease, its coordinator, lists the
+//! checkpoint, opens the transfer at the sink (waiting for the answer, so
+//! that the sink's row exists before any other agent opens it), and
+//! stores the plan: the file table and its chunks grouped into parts
+//! ([`ferry_catalog::parts`]). Then every source agent of the pool,
+//! the coordinator included, claims parts (at most `max_parts` at once),
+//! opens the transfer at a sink agent of the link with the plan's file
+//! table, reads and hashes each part's chunks, sends those the sink
+//! lacked when it opened, waits until the sink confirmed every batch
+//! (confirmed means recorded in the sink's catalog), and releases the
+//! part with its hashes and what it saw of each file before and after
+//! reading it. A part whose lease may have lapsed is not sent further
+//! ([`crate::pool::Membership::holds_part`]): another agent takes it over
+//! under the next epoch.
+//!
+//! Once every part is done, the coordinator seals: the manifest comes
+//! from the parts' hashes; a file whose recorded sizes, mtimes or version
+//! tokens differ (rewritten while its parts were read) has its parts
+//! queued again, and one whose size changed makes the transfer plan
+//! again from a new listing. The commit then goes as for any pushed
+//! transfer; the sink counts the chunks the other agents' opens recorded
+//! (`absorb_recorded` in the sink).
+
+use std::time::Instant;
+
+use ferry_catalog::{PartFileRead, PartRange, TransferPlan};
+use ferry_proto::manifest::chunk_len;
+
+use super::*;
+
+/// How long the coordinator waits between looks at the parts other
+/// agents hold.
+const PARTS_POLL: Duration = Duration::from_millis(500);
+
+/// Whether transfer `t`, whose listing holds `bytes_total` bytes, is
+/// striped across the pool: a pushed, whole (`full` profile) transfer of
+/// an agent in a pool, larger than one part. A transfer that has a plan
+/// already (an earlier coordinator made it) stays striped.
+pub(super) fn striped(inner: &Inner, t: &Transfer, bytes_total: u64) -> bool {
+    inner.cfg.pool.as_ref().is_some_and(|p| {
+        t.format.is_none() && t.profile == Profile::Full && bytes_total > p.config().part_size
+    })
+}
+
+/// What reading one part gave: each chunk's hash in key order and what
+/// was seen of each file read.
+struct PartRead {
+    hashes: Vec<Hash>,
+    reads: Vec<PartFileRead>,
+}
+
+/// The coordinator's run of striped transfer `t`: plan (unless a plan
+/// exists: a run after a takeover continues it), send parts alongside
+/// the other agents, seal, commit. `listed` is the checkpoint's listing
+/// (file table in send order, marker indices) when the run listed it.
+pub(super) async fn run_coordinated(
+    inner: &Arc<Inner>,
+    c: &LinkConn,
+    t: &Transfer,
+    existing: Option<TransferPlan>,
+    listed: Option<(Vec<FileInfo>, Vec<u32>)>,
+) -> Result<(), RunError> {
+    let id = t.id;
+    let pool = pool_of(inner)?;
+    let (files, markers) = match (&existing, listed) {
+        (Some(p), _) => (p.files.clone(), p.markers.clone()),
+        (None, Some(l)) => l,
+        (None, None) => return Err(RunError::Retry("a striped transfer without a plan".into())),
+    };
+    let bytes_total: u64 = files.iter().map(|f| f.size).sum();
+    if (t.bytes_total, t.shards) != (bytes_total as i64, files.len() as i64) {
+        inner
+            .catalog
+            .set_transfer_size(id, bytes_total, files.len() as u64)
+            .await?;
+    }
+    let progress = track_run(inner, c, t, bytes_total);
+    // Not fresh, even on a first run: the sink's answer says its row
+    // exists before the plan lets other agents open the transfer.
+    let (mut rx, have) = open_on_sink(inner, c, t, false, files.clone()).await?;
+    let cfg = pool.config();
+    let plan = match existing {
+        Some(p) => p,
+        None => {
+            inner
+                .catalog
+                .plan_transfer(
+                    id,
+                    &files,
+                    &markers,
+                    inner.cfg.chunk_size,
+                    cfg.part_size,
+                    &inner.cfg.agent,
+                )
+                .await?
+        }
+    };
+    if plan.files != files || plan.chunk_size != inner.cfg.chunk_size {
+        return Err(RunError::Retry(
+            "the stored plan's file table differs from the one opened at the sink".into(),
+        ));
+    }
+    let status = inner.catalog.parts_status(id).await?;
+    info!(
+        transfer = %id,
+        files = files.len(),
+        bytes_total,
+        parts = status.total,
+        parts_done = status.done,
+        part_size = plan.part_size,
+        "striped across the source pool: any source agent may claim its parts"
+    );
+    let map = Arc::new(ChunkMap::new(&files, plan.chunk_size));
+    let skipped: u64 = have
+        .iter()
+        .filter_map(|g| map.locate(*g))
+        .map(|(f, c)| map.span(f, c).1)
+        .sum();
+    progress.skipped.store(skipped, Ordering::Relaxed);
+    let have = Arc::new(have);
+    let mut need = Vec::new();
+    loop {
+        write_rank(inner, c, id).await;
+        send_parts(
+            inner, c, t, &plan, &map, &mut rx, &have, &progress, &mut need,
+        )
+        .await?;
+        let st = inner.catalog.parts_status(id).await?;
+        if st.done >= st.total {
+            if let Some(sealed) = seal(inner, t, &plan, &map).await? {
+                inner.holds.hold(id, HoldPoint::Commit).await;
+                let dir = PathBuf::from(&t.source_path);
+                return commit_loop(inner, c, t, &dir, &progress, &mut rx, need, sealed).await;
+            }
+            continue;
+        }
+        // Parts held by other agents: wait for them (or for their leases
+        // to lapse), answering the sink meanwhile.
+        let until = tokio::time::Instant::now() + PARTS_POLL;
+        loop {
+            tokio::select! {
+                m = rx.recv() => on_control(m, &mut need)?,
+                _ = tokio::time::sleep_until(until) => break,
+                _ = inner.shutdown.cancelled() => return Err(RunError::Shutdown),
+            }
+        }
+    }
+}
+
+/// Another agent's run of striped transfer `t` (held by its coordinator
+/// elsewhere): opens it at the sink with the plan's file table and sends
+/// parts while any is left to claim. Ends `Ok` when none is; records
+/// nothing in the transfer's row (the coordinator's).
+pub(super) async fn run_helper(
+    inner: &Arc<Inner>,
+    c: &LinkConn,
+    t: &Transfer,
+) -> Result<(), RunError> {
+    let id = t.id;
+    let Some(plan) = inner.catalog.transfer_plan(id).await? else {
+        return Ok(());
+    };
+    if inner
+        .catalog
+        .parts_status(id)
+        .await
+        .map(|s| s.claimable == 0)?
+    {
+        return Ok(());
+    }
+    let (mut rx, have) = open_on_sink(inner, c, t, false, plan.files.clone()).await?;
+    let map = Arc::new(ChunkMap::new(&plan.files, plan.chunk_size));
+    // This agent's bytes of the transfer: not the transfer's progress,
+    // which its coordinator keeps.
+    let progress = Arc::new(LiveProgress::default());
+    let mut need = Vec::new();
+    let have = Arc::new(have);
+    send_parts(
+        inner, c, t, &plan, &map, &mut rx, &have, &progress, &mut need,
+    )
+    .await
+}
+
+fn pool_of(inner: &Inner) -> Result<&crate::pool::Membership, RunError> {
+    inner
+        .cfg
+        .pool
+        .as_ref()
+        .ok_or_else(|| RunError::Fatal("a striped transfer needs a pool".into()))
+}
+
+/// A control message while waiting: `Need` is kept for the commit,
+/// a refusal or cancel ends the run, a lost control stream retries it.
+fn on_control(m: Option<Control>, need: &mut Vec<u64>) -> Result<(), RunError> {
+    match m {
+        Some(Control::Need { chunks, .. }) => {
+            need.extend(chunks);
+            Ok(())
+        }
+        Some(Control::Refuse { reason, .. }) => {
+            Err(RunError::Fatal(format!("sink refused: {reason}")))
+        }
+        Some(Control::Cancel { reason, .. }) => {
+            Err(RunError::Fatal(format!("sink cancelled: {reason}")))
+        }
+        Some(_) => Ok(()),
+        None => Err(RunError::Retry("connection to the sink lost".into())),
+    }
+}
+
+/// Writes transfer `id`'s place in the pool's claim order from this
+/// link's scheduler: its class and score now.
+async fn write_rank(inner: &Inner, c: &LinkConn, id: TransferId) {
+    let Some(e) = c.sched.lock().ls.explain(id, ferry_catalog::now_ms()) else {
+        return;
+    };
+    let rank = match e.class {
+        scheduler::Class::Urgent => 2,
+        scheduler::Class::Scheduled => 1,
+        scheduler::Class::Background => 0,
+    };
+    if let Err(err) = inner.catalog.set_plan_rank(id, rank, e.score.value).await {
+        warn!(transfer = %id, error = %err, "catalog: writing the transfer's claim rank");
+    }
+}
+
+/// Claims parts of `t` and sends them until none is left to claim (or the
+/// agent may claim no more: drained, or its catalog does not answer).
+#[allow(clippy::too_many_arguments)]
+async fn send_parts(
+    inner: &Arc<Inner>,
+    c: &LinkConn,
+    t: &Transfer,
+    plan: &TransferPlan,
+    map: &Arc<ChunkMap>,
+    rx: &mut mpsc::UnboundedReceiver<Control>,
+    have: &Arc<HashSet<u64>>,
+    progress: &Arc<LiveProgress>,
+    need: &mut Vec<u64>,
+) -> Result<(), RunError> {
+    let id = t.id;
+    let pool = pool_of(inner)?;
+    let cfg = pool.config();
+    let me = inner.cfg.agent.as_str();
+    loop {
+        if inner.shutdown.is_cancelled() {
+            return Err(RunError::Shutdown);
+        }
+        if !pool.may_claim() {
+            return Ok(());
+        }
+        let claims = inner
+            .catalog
+            .claim_parts(id, me, cfg.max_parts, cfg.lease_timeout.as_millis() as i64)
+            .await?;
+        if claims.is_empty() {
+            return Ok(());
+        }
+        let at = Instant::now();
+        for cl in &claims {
+            if let Some(from) = &cl.took_over_from {
+                info!(
+                    transfer = %id,
+                    part = cl.range.part,
+                    epoch = cl.epoch,
+                    from = from.as_str(),
+                    "took a part over: the previous holder's lease lapsed"
+                );
+                pool.count_takeover();
+            }
+        }
+        debug!(
+            transfer = %id,
+            parts = ?claims.iter().map(|c| c.range.part).collect::<Vec<_>>(),
+            "claimed parts"
+        );
+        let ranges: Vec<PartRange> = claims.iter().map(|c| c.range).collect();
+        let lost = async {
+            let mut tick = tokio::time::interval(crate::pool::FENCE_CHECK);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                if let Some(p) = ranges.iter().find(|r| !pool.holds_part(id, r.part, at)) {
+                    return p.part;
+                }
+            }
+        };
+        let sent = tokio::select! {
+            r = send_claimed(inner, c, t, plan, map, rx, have, progress, need, &ranges) => r,
+            part = lost => {
+                warn!(
+                    transfer = %id,
+                    part,
+                    "this agent may no longer hold the part's lease (not renewed in time: the \
+                     catalog does not answer, or the agent was paused); sending no more of its parts"
+                );
+                pool.count_lost();
+                // Chunks queued for the link's writers go too.
+                c.sched.deactivate(id);
+                Err(RunError::Stopped)
+            }
+        };
+        let reads = match sent {
+            Ok(reads) => reads,
+            Err(e) => {
+                for cl in &claims {
+                    if pool.holds_part(id, cl.range.part, at) {
+                        if let Err(err) = inner
+                            .catalog
+                            .give_back_part(id, cl.range.part, me, cl.epoch)
+                            .await
+                        {
+                            warn!(transfer = %id, part = cl.range.part, error = %err, "catalog: giving a part back (its lease lapses by itself)");
+                        }
+                    }
+                }
+                return Err(e);
+            }
+        };
+        for (cl, read) in claims.iter().zip(reads) {
+            if !pool.holds_part(id, cl.range.part, at) {
+                warn!(transfer = %id, part = cl.range.part, "not releasing a part whose lease may have lapsed: another agent sends it again");
+                continue;
+            }
+            match inner
+                .catalog
+                .release_part(id, cl.range.part, me, cl.epoch, &read.hashes, &read.reads)
+                .await
+            {
+                Ok(true) => {}
+                Ok(false) => {
+                    warn!(transfer = %id, part = cl.range.part, "the part was taken over before its release");
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+}
+
+/// Reads the parts `ranges`, sends the chunks the sink lacked, and waits
+/// until the sink confirmed every batch: what each part's read gave, in
+/// `ranges` order.
+#[allow(clippy::too_many_arguments)]
+async fn send_claimed(
+    inner: &Arc<Inner>,
+    c: &LinkConn,
+    t: &Transfer,
+    plan: &TransferPlan,
+    map: &Arc<ChunkMap>,
+    rx: &mut mpsc::UnboundedReceiver<Control>,
+    have: &Arc<HashSet<u64>>,
+    progress: &Arc<LiveProgress>,
+    need: &mut Vec<u64>,
+    ranges: &[PartRange],
+) -> Result<Vec<PartRead>, RunError> {
+    let id = t.id;
+    let (inner2, dir) = (inner.clone(), PathBuf::from(&t.source_path));
+    let (files, map2, have2, ranges2) = (
+        plan.files.clone(),
+        map.clone(),
+        have.clone(),
+        ranges.to_vec(),
+    );
+    let chunk_size = plan.chunk_size;
+    let reads = send_round(inner, c, id, progress, rx, need, move |out| {
+        read_parts(
+            &inner2, &dir, &files, chunk_size, &map2, &ranges2, &have2, out,
+        )
+    })
+    .await?;
+    // Released only once recorded at the sink.
+    loop {
+        let changes = c.sched.changes();
+        tokio::pin!(changes);
+        changes.as_mut().enable();
+        if c.sched.settled(id) {
+            return Ok(reads);
+        }
+        if c.conn.close_reason().is_some() {
+            return Err(RunError::Retry("connection to the sink lost".into()));
+        }
+        tokio::select! {
+            _ = &mut changes => {}
+            m = rx.recv() => on_control(m, need)?,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            _ = inner.shutdown.cancelled() => return Err(RunError::Shutdown),
+        }
+    }
+}
+
+/// The chunk keys of `map` in part `r`, in key order.
+fn part_keys(map: &ChunkMap, r: &PartRange) -> Vec<u64> {
+    let (first_file, last_file) = (r.first_key >> 32, r.end_key.saturating_sub(1) >> 32);
+    let mut keys = Vec::new();
+    for f in first_file..=last_file.min(map.len() as u64) {
+        let Ok(f) = u32::try_from(f) else { break };
+        let mut c = if u64::from(f) == first_file {
+            (r.first_key & 0xffff_ffff) as u32
+        } else {
+            0
+        };
+        while let Some(k) = map.index(f, c).filter(|k| *k < r.end_key) {
+            keys.push(k);
+            c += 1;
+        }
+    }
+    keys
+}
+
+/// Reads each part of `ranges` (chunk keys of `map`, files of `files`
+/// under `dir`): hashes every chunk, queues those not in `have`, and
+/// notes each file's size, mtime and version before and after. A file
+/// shorter than the plan says gives zero hashes for the chunks it lacks
+/// (the seal sees its size and plans again).
+#[allow(clippy::too_many_arguments)]
+fn read_parts(
+    inner: &Inner,
+    dir: &Path,
+    files: &[FileInfo],
+    chunk_size: u32,
+    map: &ChunkMap,
+    ranges: &[PartRange],
+    have: &HashSet<u64>,
+    out: &mpsc::Sender<Record>,
+) -> Result<Vec<PartRead>, String> {
+    let mut all = Vec::with_capacity(ranges.len());
+    for r in ranges {
+        let keys = part_keys(map, r);
+        let mut hashes = Vec::with_capacity(keys.len());
+        let mut reads = Vec::new();
+        let mut i = 0;
+        while i < keys.len() {
+            let Some((fi, _)) = map.locate(keys[i]) else {
+                return Err(format!("chunk key {} is not in the plan", keys[i]));
+            };
+            let info = files
+                .get(fi as usize)
+                .ok_or_else(|| format!("file {fi} is not in the plan"))?;
+            let path = dir.join(&info.path);
+            let f = inner
+                .store
+                .open(&path)
+                .map_err(|e| format!("{}: {e}", path.display()))?;
+            let stat = |f: &dyn RangeRead| {
+                f.current()
+                    .map(|(size, mtime, v)| (size, mtime, v.0))
+                    .map_err(|e| format!("{}: {e}", path.display()))
+            };
+            let before = stat(&*f)?;
+            while i < keys.len() && map.locate(keys[i]).map(|x| x.0) == Some(fi) {
+                let (_, ci) = map.locate(keys[i]).unwrap_or((fi, 0));
+                let (off, len) = map.span(fi, ci);
+                let mut buf = inner.bufs.take(len as usize);
+                let ok = before.0 >= off + len
+                    && f.read_range_into(off, len, &mut buf).is_ok()
+                    && buf.len() as u64 == chunk_len(info.size, chunk_size, u64::from(ci));
+                if !ok {
+                    // Shorter than planned: the seal plans again.
+                    hashes.push([0u8; 32]);
+                    i += 1;
+                    continue;
+                }
+                let hash = *blake3::hash(&buf).as_bytes();
+                hashes.push(hash);
+                if !have.contains(&keys[i]) {
+                    send_read_chunk(inner, out, &path, fi, ci, &mut buf, &hash)
+                        .map_err(|e| e.to_string())?;
+                }
+                i += 1;
+            }
+            let after = stat(&*f)?;
+            reads.push(PartFileRead {
+                file: fi,
+                before,
+                after,
+            });
+        }
+        all.push(PartRead { hashes, reads });
+    }
+    Ok(all)
+}
+
+/// Seals striped transfer `t` from its done parts: the manifest to
+/// commit, or `None` when parts were queued again (a file rewritten while
+/// its parts were read, or a part's record incomplete).
+///
+/// # Errors
+/// [`RunError::Retry`] after dropping the plan when a file's size
+/// differs from the plan's (the next run lists and plans again); catalog
+/// and I/O errors.
+async fn seal(
+    inner: &Arc<Inner>,
+    t: &Transfer,
+    plan: &TransferPlan,
+    map: &Arc<ChunkMap>,
+) -> Result<Option<Sealed>, RunError> {
+    let id = t.id;
+    let parts = inner.catalog.parts(id).await?;
+    if parts
+        .iter()
+        .any(|p| p.state != ferry_catalog::PartState::Done)
+    {
+        return Ok(None);
+    }
+    // What each file looks like now.
+    let (store, dir, files) = (
+        inner.store.clone(),
+        PathBuf::from(&t.source_path),
+        plan.files.clone(),
+    );
+    let now = tokio::task::spawn_blocking(move || {
+        files
+            .iter()
+            .map(|f| {
+                let p = dir.join(&f.path);
+                store
+                    .stat(&p)
+                    .map(|(s, m, v)| (s, m, v.0))
+                    .map_err(|e| format!("{}: {e}", p.display()))
+            })
+            .collect::<Result<Vec<_>, String>>()
+    })
+    .await
+    .map_err(|e| RunError::Fatal(e.to_string()))?
+    .map_err(|e| RunError::Retry(format!("looking at the files before the seal: {e}")))?;
+    for (fi, f) in plan.files.iter().enumerate() {
+        if now[fi].0 != f.size {
+            inner.catalog.drop_plan(id).await?;
+            return Err(RunError::Retry(format!(
+                "{} changed size while it was sent ({} to {} bytes); planning the transfer again",
+                f.path, f.size, now[fi].0
+            )));
+        }
+    }
+    let mut hashes: HashMap<u64, Hash> = HashMap::new();
+    let mut seen: Vec<Vec<(u64, i64, [u64; 4])>> = vec![Vec::new(); plan.files.len()];
+    let mut parts_of: Vec<Vec<u64>> = vec![Vec::new(); plan.files.len()];
+    let mut requeue: BTreeSet<u64> = BTreeSet::new();
+    for p in &parts {
+        let keys = part_keys(map, &p.range);
+        if keys.len() != p.hashes.len() {
+            warn!(transfer = %id, part = p.range.part, "a part's record has {} hashes for {} chunks; reading it again", p.hashes.len(), keys.len());
+            requeue.insert(p.range.part);
+            continue;
+        }
+        hashes.extend(keys.iter().copied().zip(p.hashes.iter().copied()));
+        for r in &p.versions {
+            let f = r.file as usize;
+            if f < seen.len() {
+                seen[f].push(r.before);
+                seen[f].push(r.after);
+                parts_of[f].push(p.range.part);
+            }
+        }
+    }
+    let mut changed = Vec::new();
+    for (fi, obs) in seen.iter().enumerate() {
+        if obs.iter().any(|o| *o != now[fi]) {
+            changed.push(plan.files[fi].path.clone());
+            requeue.extend(parts_of[fi].iter().copied());
+        }
+    }
+    if !requeue.is_empty() {
+        if !changed.is_empty() {
+            warn!(
+                transfer = %id,
+                files = changed.len(),
+                first = %changed[0],
+                "files changed while their parts were read; reading those parts again"
+            );
+        }
+        let list: Vec<u64> = requeue.into_iter().collect();
+        inner.catalog.requeue_parts(id, &list).await?;
+        return Ok(None);
+    }
+    let mut entries = Vec::with_capacity(plan.files.len());
+    let mut versions = Vec::with_capacity(plan.files.len());
+    for (fi, f) in plan.files.iter().enumerate() {
+        let n = ferry_proto::manifest::chunk_count(f.size, plan.chunk_size) as u32;
+        let mut chunks = Vec::with_capacity(n as usize);
+        for ci in 0..n {
+            let k = map
+                .index(fi as u32, ci)
+                .and_then(|k| hashes.get(&k))
+                .ok_or_else(|| {
+                    RunError::Retry(format!("no part recorded chunk {ci} of {}", f.path))
+                })?;
+            chunks.push(*k);
+        }
+        entries.push(FileEntry {
+            path: f.path.clone(),
+            size: f.size,
+            mode: f.mode,
+            mtime_ns: now[fi].1,
+            chunks,
+        });
+        versions.push(FileVersion(now[fi].2));
+    }
+    let n = entries.len();
+    Ok(Some(Sealed {
+        manifest: Arc::new(Manifest {
+            chunk_size: plan.chunk_size,
+            files: entries,
+            markers: plan.markers.clone(),
+        }),
+        map: map.clone(),
+        slots: Arc::new((0..n).map(Some).collect()),
+        // A pushed directory is committed when it is pushed.
+        times: SourceTimes {
+            committed_ms: t.created_at,
+            opened_ms: 0,
+        },
+        siblings: Vec::new(),
+        recheck: Some(versions),
+    }))
+}
