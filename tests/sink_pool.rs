@@ -534,7 +534,7 @@ struct Striped {
     _relays: [Relay; 2],
 }
 
-async fn striped_pool(w: &World, name: &str, rate: &str) -> Striped {
+async fn striped_pool(w: &World, name: &str, rate: &str, source_env: &[(&str, &str)]) -> Striped {
     let sink_db = fresh_db(&format!("striped_sink_{name}")).await;
     let source_db = fresh_db(&format!("striped_source_{name}")).await;
     w.certs("certs", &[SOURCE_NAME, SOURCE_2, SINK_NAME, SINK_2])
@@ -570,7 +570,7 @@ async fn striped_pool(w: &World, name: &str, rate: &str) -> Striped {
             "\n[catalog]\nurl = {}\n\n{pool}part_size = \"8MiB\"\nmax_parts = 2\n",
             toml_str(&source_db)
         );
-        w.start_agent(label, cfg, &[]).await
+        w.start_agent(label, cfg, source_env).await
     };
     let a = start("source", SOURCE_NAME, (&p1, SINK_NAME), (&p2, SINK_2)).await;
     let b = start("source-2", SOURCE_2, (&p2, SINK_2), (&p1, SINK_NAME)).await;
@@ -643,7 +643,7 @@ async fn one_checkpoint_is_striped_across_two_source_and_two_sink_agents() {
     let ckpt = w.source_root().join("step_000300");
     // At least 4 x 2 agents x max_parts 2 = 16 parts of 8 MiB.
     w.gen(&ckpt, "160MB").await;
-    let mut pool = striped_pool(&w, "two", "400Mbit/s").await;
+    let mut pool = striped_pool(&w, "two", "400Mbit/s", &[]).await;
     let id = w.push_no_wait(&pool.sources[0], &ckpt).await;
     wait_published(&w, &pool.sources[0], id).await;
     assert_replica(&w, None, &ckpt, "step_000300");
@@ -686,6 +686,118 @@ async fn one_checkpoint_is_striped_across_two_source_and_two_sink_agents() {
     let log = pool.sources[0].stderr() + &pool.sources[1].stderr();
     w.ensure(log.contains("striped across the source pool"), || {
         format!("the coordinator should say the transfer is striped:\n{log}")
+    });
+    for a in pool.sinks.iter_mut().chain(pool.sources.iter_mut()) {
+        a.kill();
+    }
+    drop_db(&pool.sink_db).await;
+    drop_db(&pool.source_db).await;
+}
+
+/// Whether process `pid` is stopped (SIGSTOP): its state in
+/// `/proc/<pid>/stat` is `T`.
+fn stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(") ").map(|(_, rest)| rest.starts_with('T')))
+        .unwrap_or(false)
+}
+
+/// A source agent stops itself (the fault-injection pause point) right
+/// after the sink recorded the epoch of the first part it claimed; the
+/// other takes the part over once its lease lapsed and registers the
+/// next epoch at the sink; continued, the stopped agent sends the part
+/// without checking its own lease: every sink agent refuses those late
+/// chunks. The replica is published once, byte-identical; the part's
+/// claims do not overlap.
+#[tokio::test]
+async fn a_paused_source_agent_s_late_chunks_are_refused_after_its_part_was_taken_over() {
+    let w = World::new("striped-pause").await;
+    let ckpt = w.source_root().join("step_000400");
+    w.gen(&ckpt, "160MB").await;
+    // Only the agent that does not coordinate the transfer pauses.
+    let env = [("FERRY_FAULT_PAUSE_AFTER_PART", "1")];
+    let mut pool = striped_pool(&w, "pause", "200Mbit/s", &env).await;
+    let id = w.push_no_wait(&pool.sources[0], &ckpt).await;
+    let paused = w
+        .wait_until(
+            "a source agent to stop itself after registering a part",
+            TRANSFER,
+            async || {
+                pool.sources
+                    .iter()
+                    .position(|a| a.pid().is_some_and(stopped))
+                    .ok_or_else(|| "none stopped yet".to_string())
+            },
+        )
+        .await;
+    let name = pool.sources[paused].cfg.name.clone();
+    // The part it holds is claimed again by the other agent and that
+    // epoch recorded at the sink.
+    let taken = w
+        .wait_until(
+            "the paused agent's part to be taken over and registered at the sink",
+            TRANSFER,
+            async || {
+                let claims = part_claims(&pool.source_db).await;
+                let mut c = sqlx::PgConnection::connect(&pool.sink_db).await.unwrap();
+                let epochs: Vec<(i64, i64)> =
+                    sqlx::query_as("SELECT part, epoch FROM part_epochs WHERE epoch >= 2")
+                        .fetch_all(&mut c)
+                        .await
+                        .unwrap();
+                c.close().await.unwrap();
+                claims
+                    .iter()
+                    .find(|cl| cl.2 == name && cl.1 == 1 && epochs.iter().any(|e| e.0 == cl.0))
+                    .map(|cl| cl.0)
+                    .ok_or_else(|| format!("claims {claims:?}, epochs at the sink {epochs:?}"))
+            },
+        )
+        .await;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pool.sources[paused].pid().unwrap() as i32),
+        nix::sys::signal::Signal::SIGCONT,
+    )
+    .unwrap();
+    wait_published(&w, &pool.sources[1 - paused], id).await;
+    assert_replica(&w, None, &ckpt, "step_000400");
+    // Its late chunks reached a sink agent and were refused there.
+    let mut refused = 0.0;
+    w.wait_until("the late chunks to be refused", TRANSFER, async || {
+        refused = 0.0;
+        for sink in &pool.sinks {
+            let m = w.metrics_text(sink).await;
+            refused += m
+                .lines()
+                .filter(|l| l.starts_with("ferry_part_chunks_refused_total"))
+                .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+                .sum::<f64>();
+        }
+        if refused > 0.0 {
+            Ok(())
+        } else {
+            Err("no chunk refused yet".to_string())
+        }
+    })
+    .await;
+    let claims = part_claims(&pool.source_db).await;
+    let of_part: Vec<&PartClaimRow> = claims.iter().filter(|c| c.0 == taken).collect();
+    w.ensure(
+        of_part.len() == 2
+            && of_part[0].2 == name
+            && of_part[0].5.as_deref() == Some("lapsed")
+            && of_part[1].5.as_deref() == Some("released"),
+        || {
+            format!(
+                "part {taken}: claimed by {name}, lapsed, then released by the other: {of_part:?}"
+            )
+        },
+    );
+    assert_claims_apart(&w, &claims);
+    let (states, _) = catalog_view(&pool.sink_db, "step_000400").await;
+    w.ensure(states == ["published"], || {
+        format!("one replica row, published once: {states:?}")
     });
     for a in pool.sinks.iter_mut().chain(pool.sources.iter_mut()) {
         a.kill();

@@ -58,3 +58,20 @@ CREATE TABLE part_claims (
     end_reason  TEXT,
     PRIMARY KEY (transfer, part, epoch)
 );
+
+-- Sink side: the epoch under which a part of a striped transfer was last
+-- claimed, as its sender registered it before sending (replica is the
+-- sink's replica row). Every sink agent of the site refuses the part's
+-- chunks from a sender that registered an older epoch: a source agent
+-- that was paused past its lease cannot write after its part was taken
+-- over.
+CREATE TABLE part_epochs (
+    replica       BIGINT  NOT NULL,
+    part          BIGINT  NOT NULL,
+    epoch         BIGINT  NOT NULL,
+    first_key     BIGINT  NOT NULL,
+    end_key       BIGINT  NOT NULL,
+    registered_by TEXT    NOT NULL,
+    registered_at BIGINT  NOT NULL,
+    PRIMARY KEY (replica, part)
+);

@@ -59,6 +59,9 @@
 //!   to the BLAKE3 sent with them, chunks whose verified hash differed
 //!   from the sealed manifest's at commit, and sealed manifests that did
 //!   not match the transfer's file table.
+//! - `ferry_part_chunks_refused_total`: chunks of a striped transfer's
+//!   part refused because their sender registered the part under an
+//!   older epoch than the catalog's (the part was taken over).
 //! - `ferry_published_replicas_total`: replicas published (moved into
 //!   place) by this process.
 //! - `ferry_commit_to_replica_lag_seconds{class}`: histogram of publish
@@ -744,6 +747,8 @@ pub(crate) struct SinkMetrics {
     pub(crate) received_total: Counter,
     /// Chunks and manifests that failed verification.
     pub(crate) verification_failures: Counter,
+    /// Chunks of parts refused for an older epoch.
+    pub(crate) part_chunks_refused: Counter,
     /// Commit-to-replica lag, seconds, by class.
     lag: LagFamily<ClassLabel>,
     /// Phases after the commit, seconds, by phase and class.
@@ -779,6 +784,7 @@ impl SinkMetrics {
             received: Family::default(),
             received_total: Counter::default(),
             verification_failures: Counter::default(),
+            part_chunks_refused: Counter::default(),
             lag: Family::new_with_constructor(lag_histogram as fn() -> Histogram),
             phases: Family::new_with_constructor(phase_histogram as fn() -> Histogram),
             published: Counter::default(),
@@ -802,6 +808,13 @@ impl SinkMetrics {
              manifest at commit, plus sealed manifests that did not match the transfer's file \
              table, in chunks (manifests count one each)",
             m.verification_failures.clone(),
+        );
+        registry.register(
+            "ferry_part_chunks_refused",
+            "Chunks of a striped transfer's part refused because their sender registered the \
+             part under an older epoch than the sink's catalog holds (the part was taken over), \
+             in chunks",
+            m.part_chunks_refused.clone(),
         );
         registry.register(
             "ferry_published_replicas",

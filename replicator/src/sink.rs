@@ -1301,7 +1301,7 @@ async fn serve_connection(
             let id = match &msg {
                 Control::Open(request) => request.key.id,
                 Control::Files { id, .. } | Control::Commit(Commit { id, .. }) => *id,
-                Control::Cancel { id, .. } => *id,
+                Control::Cancel { id, .. } | Control::Part { id, .. } => *id,
                 Control::Error { message } => return Err(ConnError::Peer(message.clone())),
                 other => {
                     return Err(ConnError::Unexpected(format!(
@@ -1473,6 +1473,49 @@ async fn handle_control(
                 st.answer_phases = version >= ferry_proto::wire::PHASES_VERSION;
             }
             maybe_finish(inner, &live, ctl, id).await?;
+        }
+        Control::Part {
+            id,
+            part,
+            epoch,
+            first_key,
+            end_key,
+        } => {
+            let Some(live) = open.get(id) else {
+                return Err(ConnError::Unexpected(format!(
+                    "a part of transfer {id}, which this connection's source never opened"
+                )));
+            };
+            let range = ferry_catalog::PartRange {
+                part,
+                first_key,
+                end_key,
+                bytes: 0,
+            };
+            let now = match inner
+                .catalog
+                .register_part_epoch(live.id, range, epoch, peer)
+                .await
+            {
+                Ok(e) => e,
+                Err(e) if e.is_unavailable() => {
+                    return Err(ConnError::Local(format!(
+                        "the sink's catalog does not answer ({e}); register the part again later"
+                    )));
+                }
+                Err(e) => {
+                    return Err(ConnError::Local(format!(
+                        "recording part {part} of transfer {id}: {e}"
+                    )))
+                }
+            };
+            open.register_part(id, range, epoch);
+            ctl.send(&Control::PartEpoch {
+                id,
+                part,
+                epoch: now,
+            })
+            .await?;
         }
         Control::Cancel { id, reason } => {
             let live = open.remove(id);
@@ -2162,6 +2205,9 @@ struct Opened {
     changes: watch::Sender<u64>,
     /// Verified payload bytes from this connection's peer (metrics).
     received: prometheus_client::metrics::counter::Counter,
+    /// Parts of striped transfers this source registered
+    /// ([`Control::Part`]), with the epoch it registered each under.
+    parts: Mutex<HashMap<TransferId, Vec<(ferry_catalog::PartRange, u64)>>>,
 }
 
 impl Opened {
@@ -2199,7 +2245,25 @@ impl Opened {
         }
         self.changes.send_modify(|v| *v += 1);
     }
+    /// Notes that this source registered part `range` of `id` under
+    /// `epoch`.
+    fn register_part(&self, id: TransferId, range: ferry_catalog::PartRange, epoch: u64) {
+        let mut m = crate::lock::lock(&self.parts);
+        let v = m.entry(id).or_default();
+        v.retain(|(r, _)| r.part != range.part);
+        v.push((range, epoch));
+    }
+
+    /// The parts of `id` this source registered, with their epochs.
+    fn registered(&self, id: TransferId) -> Vec<(ferry_catalog::PartRange, u64)> {
+        crate::lock::lock(&self.parts)
+            .get(&id)
+            .cloned()
+            .unwrap_or_default()
+    }
+
     fn remove(&self, id: TransferId) -> Option<Arc<Live>> {
+        crate::lock::lock(&self.parts).remove(&id);
         crate::lock::lock(&self.ctls).remove(&id);
         crate::lock::lock(&self.live).remove(&id)
     }
@@ -2329,6 +2393,10 @@ async fn receive_batch(
         if group.is_empty() {
             continue;
         }
+        fence_parts(inner, open, &live, header.transfer, &mut group).await;
+        if group.is_empty() {
+            continue;
+        }
         let arrived: HashMap<u64, (i64, i64)> = group
             .iter()
             .map(|(h, _, at)| (u64::from(h.file) << 32 | u64::from(h.chunk), *at))
@@ -2406,6 +2474,68 @@ async fn receive_batch(
     }
     batch_in(inner, &live, ctl, header).await?;
     maybe_finish(inner, &live, ctl, header.transfer).await
+}
+
+/// Drops the records of `group` that belong to a part of striped
+/// transfer `id` this connection's source registered under an epoch older
+/// than the one the sink's catalog records now: the part was claimed
+/// again, by another source agent, after this one (paused, or cut off
+/// from its catalog) lost its lease. Nothing is read unless the source
+/// registered parts of the transfer. If the catalog does not answer, the
+/// registered parts' records are dropped (the commit asks for whatever is
+/// missing).
+async fn fence_parts(
+    inner: &Inner,
+    open: &Opened,
+    live: &Live,
+    id: TransferId,
+    group: &mut Vec<(RecordHeader, Vec<u8>, (i64, i64))>,
+) {
+    let mine = open.registered(id);
+    if mine.is_empty() {
+        return;
+    }
+    let at_sink = match inner.catalog.part_epochs(live.id).await {
+        Ok(e) => e,
+        Err(e) => {
+            warn!(transfer = %id, error = %e, "catalog: reading the parts' epochs; dropping this source's chunks of its parts");
+            Vec::new()
+        }
+    };
+    let before = group.len();
+    let mut stale = None;
+    let key = |h: &RecordHeader| u64::from(h.file) << 32 | u64::from(h.chunk);
+    let mut kept = Vec::with_capacity(group.len());
+    for rec in group.drain(..) {
+        let k = key(&rec.0);
+        let Some((r, epoch)) = mine.iter().find(|(r, _)| r.contains(k)) else {
+            kept.push(rec);
+            continue;
+        };
+        let now = at_sink
+            .iter()
+            .find(|e| e.range.part == r.part)
+            .map(|e| e.epoch);
+        if now == Some(*epoch) {
+            kept.push(rec);
+        } else {
+            stale = Some((r.part, *epoch, now));
+            inner.bufs.give(rec.1);
+        }
+    }
+    *group = kept;
+    if let Some((part, epoch, now)) = stale {
+        let refused = before - group.len();
+        inner.metrics.part_chunks_refused.inc_by(refused as u64);
+        warn!(
+            transfer = %id,
+            part,
+            epoch,
+            recorded = ?now,
+            chunks = refused,
+            "refused chunks of a part claimed again since this source registered it (an older epoch)"
+        );
+    }
 }
 
 /// Reads a data stream's batch header, of the length protocol `version`

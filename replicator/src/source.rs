@@ -56,6 +56,7 @@ pub use streaming::{CheckpointView, ViewFile, ViewState};
 
 #[cfg(feature = "fault-injection")]
 pub use dispatch::SentChunk;
+pub use parts::FAULT_PAUSE_AFTER_PART_ENV;
 
 /// A link as the source sees it.
 #[derive(Debug, Clone)]
@@ -2476,6 +2477,7 @@ async fn read_control(
                     | Control::Need { id, .. }
                     | Control::Refuse { id, .. }
                     | Control::Published { id, .. }
+                    | Control::PartEpoch { id, .. }
                     | Control::Cancel { id, .. } => *id,
                     Control::Error { message } => {
                         warn!(message, "sink reported an error");

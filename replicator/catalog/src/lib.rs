@@ -74,7 +74,7 @@ pub use export::TraceExport;
 pub use jobs::{origin, Job, MAX_MODEL_PARAMS};
 pub use leases::{LeaseProblem, ReaderLease, LEASE_MEMORY_MS};
 pub use parts::{
-    Claimable, PartClaim, PartClaimRecord, PartFileRead, PartRange, PartRow, PartState,
+    Claimable, PartClaim, PartClaimRecord, PartEpoch, PartFileRead, PartRange, PartRow, PartState,
     PartsStatus, TransferPlan,
 };
 pub use pin_requests::PinRequestRow;

@@ -777,6 +777,89 @@ impl Catalog {
     }
 }
 
+/// The epoch a sink's catalog records for a part of a striped transfer
+/// (see [`Catalog::register_part_epoch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PartEpoch {
+    /// The part's chunk keys and number (its `bytes` are 0: not known at
+    /// the sink).
+    pub range: PartRange,
+    /// The latest epoch registered.
+    pub epoch: u64,
+}
+
+impl Catalog {
+    /// Sink side: source agent `by` registers part `range` of replica row
+    /// `replica` under claim epoch `epoch`, before sending its chunks.
+    /// Recorded unless a later epoch is; returns the epoch recorded now
+    /// (another than `epoch`: the part was claimed again since).
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn register_part_epoch(
+        &self,
+        replica: i64,
+        range: PartRange,
+        epoch: u64,
+        by: &str,
+    ) -> Result<u64, CatalogError> {
+        let mut tx = self.pool.begin().await?;
+        let q = format!("SELECT {} AS now", self.db.now_ms());
+        let now: i64 = sqlx::query_scalar(&q).fetch_one(&mut *tx).await?;
+        sqlx::query(&self.db.sql(
+            "INSERT INTO part_epochs (replica, part, epoch, first_key, end_key, registered_by, \
+             registered_at) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (replica, part) DO UPDATE \
+             SET epoch = excluded.epoch, first_key = excluded.first_key, \
+             end_key = excluded.end_key, registered_by = excluded.registered_by, \
+             registered_at = excluded.registered_at WHERE part_epochs.epoch < excluded.epoch",
+        ))
+        .bind(replica)
+        .bind(range.part as i64)
+        .bind(epoch as i64)
+        .bind(range.first_key as i64)
+        .bind(range.end_key as i64)
+        .bind(by)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        let now_epoch: i64 = sqlx::query_scalar(
+            &self
+                .db
+                .sql("SELECT epoch FROM part_epochs WHERE replica = ? AND part = ?"),
+        )
+        .bind(replica)
+        .bind(range.part as i64)
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(now_epoch.max(0) as u64)
+    }
+
+    /// Sink side: the epochs recorded for replica row `replica`'s parts,
+    /// by part.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn part_epochs(&self, replica: i64) -> Result<Vec<PartEpoch>, CatalogError> {
+        let rows = sqlx::query(&self.db.sql(
+            "SELECT part, epoch, first_key, end_key, CAST(0 AS BIGINT) AS bytes FROM part_epochs \
+             WHERE replica = ? ORDER BY part",
+        ))
+        .bind(replica)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut out = Vec::with_capacity(rows.len());
+        for r in rows {
+            let epoch: i64 = r.try_get("epoch")?;
+            out.push(PartEpoch {
+                range: range_of(&r)?,
+                epoch: epoch.max(0) as u64,
+            });
+        }
+        Ok(out)
+    }
+}
+
 fn range_of(r: &sqlx::any::AnyRow) -> Result<PartRange, CatalogError> {
     let get = |c: &str| -> Result<u64, CatalogError> {
         let v: i64 = r.try_get(c)?;

@@ -84,7 +84,11 @@ pub use crate::codec::WireError;
 /// newest a sink speaks. A sink refuses a version outside
 /// [`MIN_PROTOCOL_VERSION`]..=[`PROTOCOL_VERSION`] with [`Control::Error`]
 /// naming both; a source refuses a sink whose hello names another version.
-pub const PROTOCOL_VERSION: u16 = 8;
+pub const PROTOCOL_VERSION: u16 = 9;
+
+/// The first protocol version whose sink takes [`Control::Part`]: a part
+/// of a striped transfer registered under its claim's epoch.
+pub const PARTS_VERSION: u16 = 9;
 
 /// The first protocol version whose opens may name
 /// [`Profile::WeightsFirst`] and whose commits may be
@@ -370,6 +374,37 @@ pub enum Control {
     /// Source to a version 6 sink: pin a replica because of a signal
     /// (no answer).
     Pin(PinRequest),
+    /// Source to a version 9 sink, before any chunk of a part of a
+    /// striped transfer it opened: it claimed part `part` (chunk keys
+    /// `first_key` to `end_key`, excluded) under `epoch`. The sink records
+    /// the epoch in its catalog, unless a later one is recorded, and
+    /// answers [`Control::PartEpoch`]; from then on every sink agent of
+    /// the site refuses the part's chunks from a sender that registered an
+    /// older epoch.
+    Part {
+        /// Source transfer id.
+        id: TransferId,
+        /// The part's number in the transfer's plan.
+        part: u64,
+        /// The claim's epoch (from 1).
+        epoch: u64,
+        /// The part's first chunk key.
+        first_key: u64,
+        /// One more than its last chunk key.
+        end_key: u64,
+    },
+    /// Sink to source, answering [`Control::Part`]: the epoch the sink's
+    /// catalog holds for the part now. Another than the one registered
+    /// means the part was claimed again since: the sender stops sending
+    /// it.
+    PartEpoch {
+        /// Source transfer id.
+        id: TransferId,
+        /// The part.
+        part: u64,
+        /// The epoch recorded.
+        epoch: u64,
+    },
     /// Either direction: a fatal protocol error; the connection closes.
     Error {
         /// Human-readable message.
@@ -389,6 +424,8 @@ const T_ERROR: u8 = 9;
 const T_FILES: u8 = 10;
 const T_BATCH_DONE: u8 = 11;
 const T_PIN: u8 = 12;
+const T_PART: u8 = 13;
+const T_PART_EPOCH: u8 = 14;
 
 /// [`PinTarget`] kinds on the wire.
 const PIN_NEWEST: u8 = 0;
@@ -421,6 +458,8 @@ impl Control {
             Control::Cancel { .. } => "cancel",
             Control::BatchDone { .. } => "batch-done",
             Control::Pin(_) => "pin",
+            Control::Part { .. } => "part",
+            Control::PartEpoch { .. } => "part-epoch",
             Control::Error { .. } => "error",
         }
     }
@@ -566,6 +605,26 @@ impl Control {
                 w.u8(T_BATCH_DONE);
                 w.u64(id.0);
                 w.indices(seqs);
+            }
+            Control::Part {
+                id,
+                part,
+                epoch,
+                first_key,
+                end_key,
+            } => {
+                w.u8(T_PART);
+                w.u64(id.0);
+                w.u64(*part);
+                w.u64(*epoch);
+                w.u64(*first_key);
+                w.u64(*end_key);
+            }
+            Control::PartEpoch { id, part, epoch } => {
+                w.u8(T_PART_EPOCH);
+                w.u64(id.0);
+                w.u64(*part);
+                w.u64(*epoch);
             }
             Control::Pin(p) => {
                 w.u8(T_PIN);
@@ -774,6 +833,32 @@ impl Control {
             T_BATCH_DONE => Control::BatchDone {
                 id: TransferId(r.u64("transfer id")?),
                 seqs: r.indices_named("batch count", "batch sequence number")?,
+            },
+            T_PART => {
+                let m = Control::Part {
+                    id: TransferId(r.u64("transfer id")?),
+                    part: r.u64("part")?,
+                    epoch: r.u64("epoch")?,
+                    first_key: r.u64("first chunk key")?,
+                    end_key: r.u64("end chunk key")?,
+                };
+                if let Control::Part {
+                    first_key, end_key, ..
+                } = m
+                {
+                    if first_key >= end_key {
+                        return Err(WireError::Invalid {
+                            what: "part",
+                            why: format!("chunk keys {first_key} to {end_key} are empty"),
+                        });
+                    }
+                }
+                m
+            }
+            T_PART_EPOCH => Control::PartEpoch {
+                id: TransferId(r.u64("transfer id")?),
+                part: r.u64("part")?,
+                epoch: r.u64("epoch")?,
             },
             T_PIN => {
                 let job = r.str("job")?;
@@ -1141,6 +1226,28 @@ mod tests {
             id: TransferId(3),
             seqs: vec![0, 7],
         });
+        roundtrip(Control::Part {
+            id: TransferId(3),
+            part: 17,
+            epoch: 2,
+            first_key: 1 << 32,
+            end_key: (1 << 32) + 64,
+        });
+        roundtrip(Control::PartEpoch {
+            id: TransferId(3),
+            part: 17,
+            epoch: 3,
+        });
+        let mut empty = Control::Part {
+            id: TransferId(3),
+            part: 1,
+            epoch: 1,
+            first_key: 9,
+            end_key: 9,
+        }
+        .encode();
+        let e = Control::decode(&empty.split_off(4)).unwrap_err();
+        assert!(e.to_string().contains("empty"), "{e}");
         for target in [
             PinTarget::Newest,
             PinTarget::Step(1200),

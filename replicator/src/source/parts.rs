@@ -31,6 +31,48 @@ use ferry_proto::manifest::chunk_len;
 
 use super::*;
 
+/// Test hook, read only in builds with the `fault-injection` feature:
+/// set (to anything) in an agent's environment, that agent stops itself
+/// (SIGSTOP) right after the sink recorded the epochs of the first parts
+/// it claimed of a transfer another agent coordinates, before sending
+/// them; continued (SIGCONT), it sends them without checking its own
+/// leases first, so that only the sink's epoch check stands between its
+/// late chunks and the replica.
+pub const FAULT_PAUSE_AFTER_PART_ENV: &str = "FERRY_FAULT_PAUSE_AFTER_PART";
+
+/// Whether the [`FAULT_PAUSE_AFTER_PART_ENV`] pause happened in this
+/// process (its own part lease check is off from then on).
+#[cfg(feature = "fault-injection")]
+static PAUSED_AFTER_PART: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The [`FAULT_PAUSE_AFTER_PART_ENV`] pause, once per process.
+#[cfg(feature = "fault-injection")]
+fn pause_after_part() {
+    if std::env::var_os(FAULT_PAUSE_AFTER_PART_ENV).is_none()
+        || PAUSED_AFTER_PART.swap(true, Ordering::SeqCst)
+    {
+        return;
+    }
+    warn!("fault injection: stopping this agent after registering parts ({FAULT_PAUSE_AFTER_PART_ENV}); once continued it does not check its own part leases");
+    let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGSTOP);
+}
+
+#[cfg(not(feature = "fault-injection"))]
+fn pause_after_part() {}
+
+/// Whether this agent checks its own part leases while sending (always,
+/// but after the [`FAULT_PAUSE_AFTER_PART_ENV`] pause).
+fn checks_own_leases() -> bool {
+    #[cfg(feature = "fault-injection")]
+    {
+        !PAUSED_AFTER_PART.load(Ordering::SeqCst)
+    }
+    #[cfg(not(feature = "fault-injection"))]
+    {
+        true
+    }
+}
+
 /// How long the coordinator waits between looks at the parts other
 /// agents hold.
 const PARTS_POLL: Duration = Duration::from_millis(500);
@@ -125,7 +167,7 @@ pub(super) async fn run_coordinated(
     loop {
         write_rank(inner, c, id).await;
         send_parts(
-            inner, c, t, &plan, &map, &mut rx, &have, &progress, &mut need,
+            inner, c, t, &plan, &map, &mut rx, &have, &progress, &mut need, false,
         )
         .await?;
         let st = inner.catalog.parts_status(id).await?;
@@ -179,7 +221,7 @@ pub(super) async fn run_helper(
     let mut need = Vec::new();
     let have = Arc::new(have);
     send_parts(
-        inner, c, t, &plan, &map, &mut rx, &have, &progress, &mut need,
+        inner, c, t, &plan, &map, &mut rx, &have, &progress, &mut need, true,
     )
     .await
 }
@@ -240,6 +282,7 @@ async fn send_parts(
     have: &Arc<HashSet<u64>>,
     progress: &Arc<LiveProgress>,
     need: &mut Vec<u64>,
+    helper: bool,
 ) -> Result<(), RunError> {
     let id = t.id;
     let pool = pool_of(inner)?;
@@ -277,8 +320,20 @@ async fn send_parts(
             parts = ?claims.iter().map(|c| c.range.part).collect::<Vec<_>>(),
             "claimed parts"
         );
+        // Registered at the sink first: from then on no sink agent takes
+        // the part's chunks from an agent that claimed it earlier.
+        let claims = register(inner, c, id, claims, rx, need).await?;
+        if claims.is_empty() {
+            continue;
+        }
+        if helper {
+            pause_after_part();
+        }
         let ranges: Vec<PartRange> = claims.iter().map(|c| c.range).collect();
         let lost = async {
+            if !checks_own_leases() {
+                return std::future::pending().await;
+            }
             let mut tick = tokio::time::interval(crate::pool::FENCE_CHECK);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
@@ -338,6 +393,70 @@ async fn send_parts(
             }
         }
     }
+}
+
+/// Registers each claim's part and epoch at the sink ([`Control::Part`])
+/// and waits for the epochs it recorded: the claims whose epoch the sink
+/// holds, to send; a claim the sink knows a later epoch of was taken over
+/// since (this agent was paused): dropped, neither sent nor released. A
+/// sink older than [`ferry_proto::wire::PARTS_VERSION`] registers
+/// nothing: every claim is kept (the source's own lease check is the
+/// only fence then).
+async fn register(
+    inner: &Inner,
+    c: &LinkConn,
+    id: TransferId,
+    claims: Vec<ferry_catalog::PartClaim>,
+    rx: &mut mpsc::UnboundedReceiver<Control>,
+    need: &mut Vec<u64>,
+) -> Result<Vec<ferry_catalog::PartClaim>, RunError> {
+    if c.version < ferry_proto::wire::PARTS_VERSION {
+        return Ok(claims);
+    }
+    for cl in &claims {
+        c.ctl
+            .send(&Control::Part {
+                id,
+                part: cl.range.part,
+                epoch: cl.epoch.max(0) as u64,
+                first_key: cl.range.first_key,
+                end_key: cl.range.end_key,
+            })
+            .await?;
+    }
+    let mut answered: HashMap<u64, u64> = HashMap::new();
+    let until = tokio::time::Instant::now() + Duration::from_secs(30);
+    while answered.len() < claims.len() {
+        tokio::select! {
+            m = rx.recv() => match m {
+                Some(Control::PartEpoch { part, epoch, .. }) => {
+                    answered.insert(part, epoch);
+                }
+                m => on_control(m, need)?,
+            },
+            _ = tokio::time::sleep_until(until) => {
+                return Err(RunError::Retry("the sink did not answer a part's registration within 30 s".into()));
+            }
+            _ = inner.shutdown.cancelled() => return Err(RunError::Shutdown),
+        }
+    }
+    Ok(claims
+        .into_iter()
+        .filter(|cl| {
+            let at_sink = answered.get(&cl.range.part).copied().unwrap_or(0);
+            let mine = cl.epoch.max(0) as u64;
+            if at_sink != mine {
+                warn!(
+                    transfer = %id,
+                    part = cl.range.part,
+                    epoch = mine,
+                    at_sink,
+                    "the sink holds a later claim of the part: it was taken over; not sending it"
+                );
+            }
+            at_sink == mine
+        })
+        .collect())
 }
 
 /// Reads the parts `ranges`, sends the chunks the sink lacked, and waits

@@ -740,3 +740,46 @@ async fn concurrent_part_claims_on_postgres_give_each_part_once() {
     assert_eq!(parts.len(), 12, "{claims:?}");
     t.finish().await;
 }
+
+/// Sink side: a part's epoch only moves forward; the later sender's
+/// registration wins and an older one learns it.
+async fn part_epochs_only_move_forward(c: Catalog) {
+    let r = PartRange {
+        part: 3,
+        first_key: 1 << 32,
+        end_key: (1 << 32) + 2,
+        bytes: 0,
+    };
+    assert_eq!(
+        c.register_part_epoch(7, r, 1, "train-a-1").await.unwrap(),
+        1
+    );
+    assert_eq!(
+        c.register_part_epoch(7, r, 2, "train-a-2").await.unwrap(),
+        2
+    );
+    // The paused agent, resumed, registers its old epoch again: refused.
+    assert_eq!(
+        c.register_part_epoch(7, r, 1, "train-a-1").await.unwrap(),
+        2
+    );
+    let other = PartRange { part: 4, ..r };
+    assert_eq!(
+        c.register_part_epoch(7, other, 1, "train-a-1")
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        c.part_epochs(7).await.unwrap(),
+        vec![
+            PartEpoch { range: r, epoch: 2 },
+            PartEpoch {
+                range: other,
+                epoch: 1
+            }
+        ]
+    );
+    assert!(c.part_epochs(8).await.unwrap().is_empty());
+}
+both!(part_epochs_only_move_forward);
