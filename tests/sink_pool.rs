@@ -805,3 +805,60 @@ async fn a_paused_source_agent_s_late_chunks_are_refused_after_its_part_was_take
     drop_db(&pool.sink_db).await;
     drop_db(&pool.source_db).await;
 }
+
+/// One source agent and one sink agent SIGKILLed while both source
+/// agents hold parts: the survivors take the killed agent's parts (and,
+/// if it coordinated, the transfer) over; published once, byte-identical,
+/// no two claims of a part overlapping.
+#[tokio::test]
+async fn a_striped_transfer_survives_a_source_and_a_sink_agent_killed_mid_transfer() {
+    let w = World::new("striped-kill").await;
+    let ckpt = w.source_root().join("step_000500");
+    w.gen(&ckpt, "160MB").await;
+    let mut pool = striped_pool(&w, "kill", "100Mbit/s", &[]).await;
+    let id = w.push_no_wait(&pool.sources[0], &ckpt).await;
+    w.wait_until("both source agents to hold parts", TRANSFER, async || {
+        let claims = part_claims(&pool.source_db).await;
+        let holding = |a: &str| claims.iter().any(|c| c.2 == a && c.4.is_none());
+        if holding(SOURCE_NAME) && holding(SOURCE_2) {
+            Ok(())
+        } else {
+            Err(format!("{claims:?}"))
+        }
+    })
+    .await;
+    pool.sources[0].kill();
+    pool.sinks[0].kill();
+    wait_published(&w, &pool.sources[1], id).await;
+    assert_replica(&w, None, &ckpt, "step_000500");
+    let claims = part_claims(&pool.source_db).await;
+    w.ensure(
+        claims
+            .iter()
+            .any(|c| c.2 == SOURCE_NAME && c.5.as_deref() == Some("lapsed")),
+        || format!("the killed agent's parts should have lapsed: {claims:?}"),
+    );
+    w.ensure(
+        claims
+            .iter()
+            .filter(|c| c.5.as_deref() == Some("lapsed"))
+            .all(|l| {
+                claims
+                    .iter()
+                    .any(|c| c.0 == l.0 && c.1 > l.1 && c.5.as_deref() == Some("released"))
+            }),
+        || format!("every lapsed part was taken over and released: {claims:?}"),
+    );
+    assert_claims_apart(&w, &claims);
+    let (states, _) = catalog_view(&pool.sink_db, "step_000500").await;
+    w.ensure(states == ["published"], || {
+        format!("one replica row, published once: {states:?}")
+    });
+    let res = w.resolve(&pool.sinks[1], &ckpt).await;
+    w.ensure(s(&res, "state") == "local", || format!("resolve {res}"));
+    for a in pool.sinks.iter_mut().chain(pool.sources.iter_mut()) {
+        a.kill();
+    }
+    drop_db(&pool.sink_db).await;
+    drop_db(&pool.source_db).await;
+}

@@ -81,6 +81,8 @@ fn payload_bytes(m: &Control) -> usize {
         Control::Published { local_path, .. } => local_path.len() + 32,
         Control::Pin(p) => p.job.len() + p.reason.len(),
         Control::Error { message } => message.len(),
+        // Fixed size: no heap.
+        Control::Part { .. } | Control::PartEpoch { .. } => 0,
     }
 }
 
@@ -369,6 +371,27 @@ fn control() -> impl Strategy<Value = Control> {
                 for_ms
             })),
         short_str().prop_map(|message| Control::Error { message }),
+        (
+            any::<u64>(),
+            any::<u64>(),
+            any::<u64>(),
+            0..u64::MAX - 1,
+            1..1000u64
+        )
+            .prop_map(|(id, part, epoch, first_key, len)| Control::Part {
+                id: TransferId(id),
+                part,
+                epoch,
+                first_key,
+                end_key: first_key.saturating_add(len),
+            }),
+        (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(id, part, epoch)| {
+            Control::PartEpoch {
+                id: TransferId(id),
+                part,
+                epoch,
+            }
+        }),
     ]
 }
 
