@@ -106,15 +106,25 @@ pub struct DemoArgs {
     /// replica were published.
     #[arg(long, conflicts_with_all = ["size", "write_rate", "start", "no_watch", "priority", "keep_running"])]
     pub weights_first: bool,
-    /// Run N source agents and N sink agents (2 to 8), each a `ferry
+    /// Run N source agents and N sink agents (1 to 8), each a `ferry
     /// serve` process, as a source pool and a sink pool on a throwaway
     /// PostgreSQL cluster (started here; needs Debian's postgresql
-    /// package), behind the emulated link; pushes 2 x N checkpoints that
-    /// add up to --size through the source agents in turn (each runs on
-    /// whichever source agent of the pool claims it) and prints each
-    /// agent's payload bytes.
+    /// package), behind the emulated link; pushes --checkpoints
+    /// checkpoints (2 x N by default) that add up to --size through the
+    /// source agents in turn (each runs on whichever source agent of the
+    /// pool claims it; one larger than --part-size is striped across
+    /// them all) and prints each agent's payload bytes.
     #[arg(long, value_name = "N", conflicts_with_all = ["write_rate", "start", "no_watch", "priority", "keep_running", "weights_first"])]
     pub agents: Option<usize>,
+    /// --agents: how many checkpoints to push (1 to 64; default 2 x N).
+    /// One checkpoint shows one transfer striped across the pool.
+    #[arg(long, value_name = "K", requires = "agents")]
+    pub checkpoints: Option<usize>,
+    /// --agents: the pool's part size (`[pool] part_size`), e.g. 32MiB:
+    /// a checkpoint larger than this is striped across the source agents.
+    /// Default 256MiB.
+    #[arg(long, value_name = "SIZE", requires = "agents", value_parser = ferry_proto::units::parse_size)]
+    pub part_size: Option<u64>,
     /// --weights-first: the 7b model's scale (0 < S <= 1; 1 is the full
     /// 7B model, about 98 GB as DeepSpeed ZeRO-2 with its optimizer
     /// state); the default 0.01 saves about 1 GB.

@@ -374,16 +374,16 @@ async fn an_hdfs_publish_cut_short_by_a_killed_sink_agent_is_finished_by_another
 /// process of its own, on the PostgreSQL cluster the demo starts; its JSON
 /// summary lists each agent's payload bytes, which add up to the
 /// checkpoints' on each side; every replica matched its checkpoint. Fewer
-/// than 2 agents are refused, naming the range.
+/// than 1 or more than 8 agents are refused, naming the range.
 #[tokio::test]
 async fn ferry_demo_with_agents_runs_a_source_pool_and_a_sink_pool() {
     let w = World::new("demo-agents").await;
     let out = w
-        .ferry(&["demo", "--agents", "1"], &[], Duration::from_secs(30))
+        .ferry(&["demo", "--agents", "9"], &[], Duration::from_secs(30))
         .await;
     w.ensure(
-        !out.success() && out.all().contains("--agents must be 2 to 8, got 1"),
-        || format!("ferry demo --agents 1: {out}"),
+        !out.success() && out.all().contains("--agents must be 1 to 8, got 9"),
+        || format!("ferry demo --agents 9: {out}"),
     );
     let out = w
         .ferry(

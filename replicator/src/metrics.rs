@@ -1302,6 +1302,7 @@ mod tests {
         let expect = [
             ("ferry_received_bytes_total", "counter"),
             ("ferry_verification_failures_total", "counter"),
+            ("ferry_part_chunks_refused_total", "counter"),
             ("ferry_published_replicas_total", "counter"),
             ("ferry_commit_to_replica_lag_seconds", "histogram"),
             ("ferry_eval_ready_phase_seconds", "histogram"),

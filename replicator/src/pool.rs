@@ -617,7 +617,7 @@ mod tests {
                     max_parts: 65,
                     ..PoolConfig::default()
                 },
-                "heartbeat_interval",
+                "max_parts",
             ),
         ] {
             let e = bad.check().unwrap_err();

@@ -492,12 +492,35 @@ async fn out_of_order_control_messages_close_the_connection() {
     assert!(files_under(&s.sink_root).is_empty());
 }
 
+/// A part registered for a transfer the source never opened closes the
+/// connection, naming it; nothing is recorded or written.
+#[tokio::test]
+async fn a_part_of_a_transfer_never_opened_closes_the_connection() {
+    let s = setup().await;
+    let (conn, mut send, _recv, _) = connect(&s, PROTOCOL_VERSION).await;
+    let part = Control::Part {
+        id: TransferId(77),
+        part: 0,
+        epoch: 1,
+        first_key: 0,
+        end_key: 4,
+    };
+    send.write_all(&part.encode()).await.unwrap();
+    let reason = closed_reason(&conn).await;
+    assert!(
+        reason.contains("a part of transfer 77, which this connection's source never opened"),
+        "{reason}"
+    );
+    assert!(outside_root(&s).is_empty(), "{:?}", outside_root(&s));
+    assert!(files_under(&s.sink_root).is_empty());
+}
+
 /// Bytes that are no message at all: an unknown control message type, and
 /// a data stream without the magic bytes.
 #[tokio::test]
 async fn unknown_message_types_close_the_connection() {
     let s = setup().await;
-    for ty in [0u8, 13, 200, 255] {
+    for ty in [0u8, 15, 200, 255] {
         let (conn, mut send, _recv, _) = connect(&s, PROTOCOL_VERSION).await;
         let mut frame = 9u32.to_be_bytes().to_vec();
         frame.push(ty);

@@ -40,8 +40,16 @@ fn names(n: usize) -> (Vec<String>, Vec<String>) {
 /// that fails, named.
 pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value> {
     let n = a.agents.unwrap_or(2);
-    if !(2..=MAX_AGENTS).contains(&n) {
-        bail!("--agents must be 2 to {MAX_AGENTS}, got {n}");
+    if !(1..=MAX_AGENTS).contains(&n) {
+        bail!("--agents must be 1 to {MAX_AGENTS}, got {n}");
+    }
+    let count = a.checkpoints.unwrap_or(2 * n);
+    if !(1..=64).contains(&count) {
+        bail!("--checkpoints must be 1 to 64, got {count}");
+    }
+    let part_size = a.part_size.unwrap_or(replicator::pool::DEFAULT_PART_SIZE);
+    if part_size < 1 << 20 {
+        bail!("--part-size must be at least 1MiB, got {part_size} bytes");
     }
     let pg = Postgres::start().await?;
     say(format!(
@@ -112,7 +120,8 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
             format_rate(a.rate),
             a.rtt.as_millis().max(1),
             toml_path(&root),
-            pool_tail(&pg.url("ferry_train")),
+            pool_tail(&pg.url("ferry_train"))
+                + &format!("part_size = {}\n", part_size),
         );
         procs.push(Proc::start(&exe, dir, name, &text)?);
         source_apis.push((name.clone(), format!("http://127.0.0.1:{api}")));
@@ -136,7 +145,6 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
     }
 
     // The checkpoints, pushed through every source agent in turn.
-    let count = 2 * n;
     let each = (a.size / count as u64).max(1000);
     let mut ckpts = Vec::new();
     for j in 0..count {
@@ -300,6 +308,12 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
             "note: the source agents sent {sent} of {total} bytes (some files were shared at the sink)"
         ));
     }
+    let (striped, parts, claims) = parts_summary(&pg.url("ferry_train")).await;
+    if striped > 0 {
+        say(format!(
+            "{striped} of the checkpoints striped across the source agents: {parts} parts of {part_size} bytes, {claims} claims"
+        ));
+    }
     for p in &mut procs {
         p.stop();
     }
@@ -310,12 +324,43 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
     Ok(json!({
         "agents": n,
         "checkpoints": count,
+        "part_size": part_size,
+        "striped": striped,
+        "parts": parts,
         "bytes": total,
         "wall_s": wall,
         "goodput_bps": total as f64 * 8.0 / wall.max(1e-3),
         "per_agent": per_agent,
         "identical": true,
     }))
+}
+
+/// From the source pool's catalog at `url`: how many transfers were
+/// striped, their parts and the parts' claims (0s if it cannot be read).
+async fn parts_summary(url: &str) -> (u64, u64, u64) {
+    let Ok(url) = ferry_catalog::PostgresUrl::parse(url) else {
+        return (0, 0, 0);
+    };
+    let Ok(c) = ferry_catalog::Catalog::open_postgres(&url, "train-a").await else {
+        return (0, 0, 0);
+    };
+    let (mut striped, mut parts, mut claims) = (0, 0, 0);
+    if let Ok(ts) = c.transfers(1000, 0).await {
+        for t in ts {
+            if let Ok(ps) = c.parts(t.id).await {
+                if !ps.is_empty() {
+                    striped += 1;
+                    parts += ps.len() as u64;
+                    claims += c
+                        .part_claims(t.id)
+                        .await
+                        .map(|v| v.len() as u64)
+                        .unwrap_or(0);
+                }
+            }
+        }
+    }
+    (striped, parts, claims)
 }
 
 /// `[agent]`, `[api]` and `[tls]` of demo agent `name`.

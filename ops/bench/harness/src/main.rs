@@ -104,7 +104,7 @@ struct Args {
     hdfs_runs: u32,
 }
 
-const ALL: [&str; 9] = [
+const ALL: [&str; 10] = [
     "throughput",
     "rtt",
     "loss",
@@ -114,11 +114,13 @@ const ALL: [&str; 9] = [
     "priority",
     "lag",
     "hdfs-source",
+    "pool",
 ];
 
 /// Scenarios a run without `--only` leaves out (they need more than the
-/// harness installs: hdfs-source needs Java, Maven and ops/bench/hdfs-source).
-const ONLY_WHEN_ASKED: [&str; 1] = ["hdfs-source"];
+/// harness installs: hdfs-source needs Java, Maven and ops/bench/hdfs-source;
+/// pool needs Debian's postgresql package).
+const ONLY_WHEN_ASKED: [&str; 2] = ["hdfs-source", "pool"];
 
 fn main() {
     if let Err(e) = run() {
@@ -243,6 +245,9 @@ fn run() -> Result<()> {
     }
     if wanted("hdfs-source", &b) {
         scenario_hdfs_source(&mut b, &main_ckpt)?;
+    }
+    if wanted("pool", &b) {
+        scenario_pool(&mut b)?;
     }
     fill_ratios(&mut b.records);
     report::write(&b)?;

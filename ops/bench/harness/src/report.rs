@@ -372,6 +372,32 @@ fn markdown(b: &Bench, machine: &Value, date: &str, mode: &str) -> String {
         }
         s.push('\n');
     }
+    let pool: Vec<&Record> = rs.iter().filter(|r| r.scenario == "pool").collect();
+    if !pool.is_empty() {
+        let _ = writeln!(s, "### Pool (`ferry demo --agents N --checkpoints 1`: one checkpoint striped over N agent pairs, budget N x 100 Mbit/s, 40 parts of 8 MiB per agent)\n\n| pairs | bytes | parts | wall s | goodput Mbit/s | over N x one pair's | worst agent off the mean, bytes | within max(10 %, one part) | verified |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |");
+        for r in pool {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {:.2} | {:.0} | {} | {:.0} | {} | {} |",
+                r.extra["agents"],
+                r.bytes,
+                r.extra["parts"],
+                r.wall_s,
+                r.goodput_bps / 1e6,
+                opt(r.extra["over_n_pairs"].as_f64(), 2),
+                r.extra["worst_deviation_bytes"]
+                    .as_f64()
+                    .unwrap_or(f64::NAN),
+                if r.extra["balanced"].as_bool().unwrap_or(false) {
+                    "yes"
+                } else {
+                    "no"
+                },
+                if r.verified { "yes" } else { "no" },
+            );
+        }
+        s.push('\n');
+    }
     let lag: Vec<&Record> = rs.iter().filter(|r| r.scenario == "lag").collect();
     if !lag.is_empty() {
         let _ = writeln!(s, "### Lag (`ferry demo` phase 2, DCP written at half the link rate; target with on_open: <= 2 RTT + 1 s)\n\n| start | bytes | write s | commit-to-replica s | open-to-replica s | verified |\n| --- | ---: | ---: | ---: | ---: | --- |");

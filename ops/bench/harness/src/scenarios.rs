@@ -1345,6 +1345,94 @@ fn demo_json(b: &Bench, args: &[&str], log: &str) -> Result<Value> {
     serde_json::from_str(text.lines().last().unwrap_or("")).context("ferry demo --json output")
 }
 
+/// Parts per source agent in the pool scenario (the measure).
+const POOL_PARTS_PER_AGENT: u64 = 40;
+
+/// Part size of the pool scenario, bytes.
+const POOL_PART_SIZE: u64 = 8 << 20;
+
+/// Each agent pair's share of the pool scenario's budget, bit/s.
+const POOL_PAIR_BPS: u64 = 100_000_000;
+
+/// pool: one checkpoint striped across 1, 2 and 4 agent pairs (`ferry
+/// demo --agents N --checkpoints 1`: `ferry serve` processes, a
+/// throwaway PostgreSQL per site, one user-space emulated link per sink
+/// agent at the scenario's RTT), budget N x 100 Mbit/s, 40 parts of 8 MiB
+/// per source agent. Aggregate goodput against N x one pair's, and each
+/// source agent's bytes against the mean (within max(10 %, one part)).
+pub fn scenario_pool(b: &mut Bench) -> Result<()> {
+    let rtt = format!("{}ms", b.args.rtt.as_millis());
+    let mut one_pair: Option<f64> = None;
+    for n in [1u64, 2, 4] {
+        let size = n * POOL_PARTS_PER_AGENT * POOL_PART_SIZE;
+        let rate = n * POOL_PAIR_BPS;
+        say(format!(
+            "pool: {n} agent pair(s), one {size}-byte checkpoint, budget {rate} bit/s"
+        ));
+        let log = format!("pool-{n}.log");
+        let out = Command::new(&b.ferry)
+            .arg("demo")
+            .args(["--agents", &n.to_string(), "--checkpoints", "1"])
+            .args(["--part-size", &POOL_PART_SIZE.to_string()])
+            .args(["--size", &size.to_string()])
+            .args(["--rate", &format!("{rate}bit/s"), "--rtt", &rtt, "--json"])
+            .stderr(std::fs::File::create(b.log(&log))?)
+            .output()
+            .context("starting ferry demo --agents")?;
+        if !out.status.success() {
+            bail!(
+                "ferry demo --agents {n} failed; see {}",
+                b.log(&log).display()
+            );
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        let v: Value = serde_json::from_str(text.lines().last().unwrap_or(""))
+            .context("ferry demo --json output")?;
+        let p = &v["pool"];
+        let bytes = p["bytes"].as_u64().unwrap_or(0);
+        let wall = p["wall_s"].as_f64().unwrap_or(f64::NAN);
+        let sent: Vec<f64> = p["per_agent"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter(|x| x["role"] == "source")
+                    .filter_map(|x| x["bytes"].as_f64())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mean = sent.iter().sum::<f64>() / sent.len().max(1) as f64;
+        let worst = sent.iter().map(|x| (x - mean).abs()).fold(0.0f64, f64::max);
+        let allowed = (0.1 * mean).max(POOL_PART_SIZE as f64);
+        let goodput = bytes as f64 * 8.0 / wall;
+        if n == 1 {
+            one_pair = Some(goodput);
+        }
+        let over = one_pair.map(|g| goodput / (n as f64 * g));
+        let mut r = Record::copy("pool", "ferry", bytes, 0, wall, rate, link_rtt_ms(b), 0.0);
+        r.verified = p["identical"].as_bool().unwrap_or(false);
+        r.extra = json!({
+            "agents": n,
+            "parts": p["parts"],
+            "part_size": POOL_PART_SIZE,
+            "per_agent": p["per_agent"],
+            "over_n_pairs": over,
+            "worst_deviation_bytes": worst,
+            "allowed_deviation_bytes": allowed,
+            "balanced": worst <= allowed,
+            "link": "ferry demo --agents: ferry serve processes, one user-space emulated link per sink agent",
+        });
+        say(format!(
+            "  {:.1} s, {:.0} Mbit/s ({} x N pairs x one pair's), worst agent {:.0} bytes off the mean (allowed {allowed:.0})",
+            wall,
+            goodput / 1e6,
+            over.map_or("-".to_string(), |o| format!("{o:.2}")),
+            worst
+        ));
+        b.records.push(r);
+    }
+    Ok(())
+}
+
 /// priority: `ferry demo --priority` (in-process agents on the in-memory
 /// emulated link of the same rate and RTT).
 pub fn scenario_priority(b: &mut Bench) -> Result<()> {
