@@ -3229,7 +3229,32 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
         if pool.is_some() {
             // The link's budget is the pool's: this agent paces at its
             // fraction of it, by the class rules over what runs anywhere.
-            let f = link.sched.lock().ls.pool_fraction(&elsewhere, now);
+            // A striped transfer's share is split among the agents
+            // holding its parts now.
+            let running_ids: Vec<TransferId> = stops.keys().copied().collect();
+            let mut split: HashMap<TransferId, f64> = HashMap::new();
+            match inner.catalog.part_holders(&running_ids, me).await {
+                Ok(hs) => {
+                    for (id, holders, mine) in hs {
+                        split.insert(
+                            id,
+                            if mine {
+                                1.0 / holders.max(1) as f64
+                            } else {
+                                0.0
+                            },
+                        );
+                    }
+                }
+                Err(e) => {
+                    debug!(link = link.cfg.name, error = %e, "catalog: reading who holds parts")
+                }
+            }
+            let f = link
+                .sched
+                .lock()
+                .ls
+                .pool_fraction_split(&elsewhere, &split, now);
             let old = f64::from_bits(link.fraction.load(Ordering::Relaxed));
             if (f - old).abs() > 0.01 || (f != old && (f == 1.0 || f == 0.0)) {
                 link.fraction.store(f.to_bits(), Ordering::Relaxed);

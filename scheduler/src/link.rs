@@ -703,7 +703,23 @@ impl LinkScheduler {
     /// elsewhere (a single agent keeps the whole link). Under `fifo`, 1
     /// if the oldest active transfer of the pool is here, else 0.
     pub fn pool_fraction(&self, elsewhere: &[Transfer], now_ms: i64) -> f64 {
-        if elsewhere.is_empty() {
+        self.pool_fraction_split(elsewhere, &HashMap::new(), now_ms)
+    }
+
+    /// [`LinkScheduler::pool_fraction`] when some of this agent's active
+    /// transfers are sent by several agents at once (a transfer striped
+    /// into parts): `split` gives, per such transfer, the portion of its
+    /// share that is this agent's, 0..1 (1 over the number of agents
+    /// holding its parts, 0 if this agent holds none of them now);
+    /// transfers it does not name count whole. With a split, the fraction
+    /// is computed even when nothing else runs elsewhere.
+    pub fn pool_fraction_split(
+        &self,
+        elsewhere: &[Transfer],
+        split: &HashMap<TransferId, f64>,
+        now_ms: i64,
+    ) -> f64 {
+        if elsewhere.is_empty() && split.is_empty() {
             return 1.0;
         }
         if self.entries.is_empty() {
@@ -736,7 +752,8 @@ impl LinkScheduler {
         let w = self.class_weights(busy);
         mine.map(|(t, sc)| {
             let c = ci(t.class);
-            w[c] * sc / sums[c].max(f64::MIN_POSITIVE)
+            let portion = split.get(&t.id).copied().unwrap_or(1.0).clamp(0.0, 1.0);
+            portion * w[c] * sc / sums[c].max(f64::MIN_POSITIVE)
         })
         .sum::<f64>()
         .clamp(0.0, 1.0)

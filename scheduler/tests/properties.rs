@@ -2,6 +2,8 @@
 #![allow(clippy::unwrap_used)]
 //! the next decision, class floors, bounded waits and the rate cap.
 
+use std::collections::HashMap;
+
 use ferry_proto::state::TransferId;
 use proptest::prelude::*;
 use scheduler::{Class, Decision, Floors, LinkScheduler, Policy, PolicyKind, Transfer, Weights};
@@ -639,4 +641,31 @@ fn a_pool_splits_a_link_by_class_and_score() {
     // An agent running nothing gets nothing while others run.
     let idle = LinkScheduler::new(policy, FAST, 100, 0);
     assert_eq!(idle.pool_fraction(&[sched(1)], 0), 0.0);
+}
+
+/// One transfer striped across two agents (both hold its parts): each is
+/// due half of its share, and the two add up to what one agent alone
+/// would be due; an agent holding none of its parts now is due none.
+#[test]
+fn a_striped_transfer_s_share_is_split_among_the_agents_holding_its_parts() {
+    let policy = Policy::default();
+    let sched = |id: u64| transfer(id, Class::Scheduled, 0.5, None);
+    let mut a = LinkScheduler::new(policy.clone(), FAST, 100, 0);
+    let mut b = LinkScheduler::new(policy, FAST, 100, 0);
+    a.upsert(sched(1), 0);
+    b.upsert(sched(1), 0);
+    let half: HashMap<TransferId, f64> = [(TransferId(1), 0.5)].into();
+    let fa = a.pool_fraction_split(&[], &half, 0);
+    let fb = b.pool_fraction_split(&[], &half, 0);
+    assert!(
+        (fa - 0.5).abs() < 1e-9 && (fa + fb - 1.0).abs() < 1e-9,
+        "{fa} {fb}"
+    );
+    // With another scheduled transfer elsewhere: a quarter each.
+    let fa = a.pool_fraction_split(&[sched(2)], &half, 0);
+    assert!((fa - 0.25).abs() < 1e-9, "{fa}");
+    let none: HashMap<TransferId, f64> = [(TransferId(1), 0.0)].into();
+    assert_eq!(a.pool_fraction_split(&[], &none, 0), 0.0);
+    // No split: the whole share, as before.
+    assert_eq!(a.pool_fraction_split(&[], &HashMap::new(), 0), 1.0);
 }

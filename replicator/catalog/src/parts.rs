@@ -692,6 +692,48 @@ impl Catalog {
         })
     }
 
+    /// For each transfer among `ids` whose parts are held under a live
+    /// lease now: how many agents hold them, and whether `agent` is one
+    /// (the split of a striped transfer's share of the link's budget).
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn part_holders(
+        &self,
+        ids: &[TransferId],
+        agent: &str,
+    ) -> Result<Vec<(TransferId, u64, bool)>, CatalogError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let list = ids
+            .iter()
+            .map(|i| i.as_i64().to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        let q = format!(
+            "SELECT transfer, COUNT(DISTINCT holder) AS holders, \
+             MAX(CASE WHEN holder = ? THEN 1 ELSE 0 END) AS mine FROM transfer_parts \
+             WHERE transfer IN ({list}) AND state = 'held' AND lease_until >= {now} \
+             GROUP BY transfer",
+            now = self.db.now_ms()
+        );
+        let rows = sqlx::query(&self.db.sql(&q))
+            .bind(agent)
+            .fetch_all(&self.pool)
+            .await?;
+        let mut out = Vec::with_capacity(rows.len());
+        for r in rows {
+            let t: i64 = r.try_get("transfer")?;
+            let n: i64 = r.try_get("holders")?;
+            let mine: i64 = r.try_get("mine")?;
+            if let Some(t) = TransferId::from_i64(t) {
+                out.push((t, n.max(0) as u64, mine != 0));
+            }
+        }
+        Ok(out)
+    }
+
     /// Every part of transfer `id`, by part number.
     ///
     /// # Errors

@@ -607,6 +607,15 @@ async fn parts_are_claimed_once_and_a_lapsed_part_is_taken_over(c: Catalog) {
         [3, 4, 5]
     );
     assert!(c.claim_parts(id, "a", 2, 60_000).await.unwrap().is_empty());
+    // Two agents hold its parts: each is due half of its share.
+    assert_eq!(
+        c.part_holders(&[id], "a").await.unwrap(),
+        vec![(id, 2, true)]
+    );
+    assert_eq!(
+        c.part_holders(&[id], "z").await.unwrap(),
+        vec![(id, 2, false)]
+    );
     // The heartbeat renews a's parts, and says which.
     let beat_a = c.heartbeat(&beat("a", 60_000)).await.unwrap();
     assert_eq!(beat_a.parts, vec![(id, 0), (id, 1)]);
