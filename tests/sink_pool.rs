@@ -862,3 +862,136 @@ async fn a_striped_transfer_survives_a_source_and_a_sink_agent_killed_mid_transf
     drop_db(&pool.sink_db).await;
     drop_db(&pool.source_db).await;
 }
+
+/// The claims of every transfer's parts: (transfer, part, agent,
+/// claimed_at), by claim time.
+async fn all_claims(db: &str) -> Vec<(i64, i64, String, i64)> {
+    let mut c = sqlx::PgConnection::connect(db).await.unwrap();
+    let rows = sqlx::query(
+        "SELECT transfer, part, agent, claimed_at FROM part_claims ORDER BY claimed_at, transfer, part",
+    )
+    .fetch_all(&mut c)
+    .await
+    .unwrap();
+    c.close().await.unwrap();
+    rows.iter()
+        .map(|r| {
+            (
+                r.get("transfer"),
+                r.get("part"),
+                r.get("agent"),
+                r.get("claimed_at"),
+            )
+        })
+        .collect()
+}
+
+/// A background checkpoint striped across two source agents, then a
+/// second (scheduled) one; a signal makes the second urgent while both
+/// agents hold parts of the first. From the moment the catalog's claim
+/// order shows it urgent, each agent's next claim is one of its parts.
+#[tokio::test]
+async fn after_a_signal_every_source_agent_claims_the_urgent_transfer_s_parts_first() {
+    let w = World::new("striped-signal").await;
+    let (old, new) = (
+        w.source_root().join("step_000600"),
+        w.source_root().join("step_000700"),
+    );
+    w.gen(&old, "160MB").await;
+    w.gen(&new, "160MB").await;
+    let mut pool = striped_pool(&w, "signal", "100Mbit/s", &[]).await;
+    let bg = ["--no-wait", "--class", "background"];
+    let out = w.push(&pool.sources[0], &old, &bg).await;
+    w.ensure(out.success(), || format!("ferry push: {out}"));
+    w.wait_until(
+        "both source agents to hold parts of the first checkpoint",
+        TRANSFER,
+        async || {
+            let claims = part_claims(&pool.source_db).await;
+            let holding = |a: &str| claims.iter().any(|c| c.2 == a && c.4.is_none());
+            if holding(SOURCE_NAME) && holding(SOURCE_2) {
+                Ok(())
+            } else {
+                Err(format!("{claims:?}"))
+            }
+        },
+    )
+    .await;
+    // Background transfers are never promoted: the second is scheduled.
+    let out = w.push(&pool.sources[1], &new, &["--no-wait"]).await;
+    w.ensure(out.success(), || format!("ferry push: {out}"));
+    let newer: i64 = out
+        .stdout
+        .split_whitespace()
+        .skip_while(|w| *w != "transfer")
+        .nth(1)
+        .and_then(|id| id.parse().ok())
+        .unwrap_or_else(|| w.fail(format!("no transfer id: {out}")));
+    let plans = async || {
+        let mut c = sqlx::PgConnection::connect(&pool.source_db).await.unwrap();
+        let v: Option<(i64, i64)> = sqlx::query_as(
+            "SELECT class_rank, CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT) \
+             FROM transfer_plans WHERE transfer = $1",
+        )
+        .bind(newer)
+        .fetch_optional(&mut c)
+        .await
+        .unwrap();
+        c.close().await.unwrap();
+        v
+    };
+    w.wait_until(
+        "the second checkpoint to be planned",
+        TRANSFER,
+        async || {
+            plans()
+                .await
+                .map(|_| ())
+                .ok_or_else(|| "no plan yet".to_string())
+        },
+    )
+    .await;
+    let signal = format!("{}/v1/signals", pool.sources[0].url());
+    let r = w
+        .http()
+        .post(&signal)
+        .json(&serde_json::json!({ "job": JOB, "kind": "loss_spike", "severity": 0.9 }))
+        .send()
+        .await
+        .unwrap();
+    w.ensure(r.status().as_u16() == 201, || {
+        format!("POST /v1/signals: {}", r.status())
+    });
+    // The moment the claim order shows it urgent (database clock).
+    let urgent_at = w
+        .wait_until(
+            "the claim order to show the signal",
+            TRANSFER,
+            async || match plans().await {
+                Some((2, at)) => Ok(at),
+                v => Err(format!("{v:?}")),
+            },
+        )
+        .await;
+    let older = w.transfers(&pool.sources[0]).await;
+    let ids: Vec<i64> = older.iter().filter_map(|t| t["id"].as_i64()).collect();
+    for id in &ids {
+        wait_published(&w, &pool.sources[0], *id).await;
+    }
+    assert_replica(&w, None, &old, "step_000600");
+    assert_replica(&w, None, &new, "step_000700");
+    let claims = all_claims(&pool.source_db).await;
+    for agent in [SOURCE_NAME, SOURCE_2] {
+        let next = claims.iter().find(|c| c.2 == agent && c.3 > urgent_at);
+        w.ensure(next.is_some_and(|c| c.0 == newer), || {
+            format!(
+                "{agent}'s first claim after the claim order showed transfer {newer} urgent (at {urgent_at}) should be one of its parts: {next:?}\n{claims:?}"
+            )
+        });
+    }
+    for a in pool.sinks.iter_mut().chain(pool.sources.iter_mut()) {
+        a.kill();
+    }
+    drop_db(&pool.sink_db).await;
+    drop_db(&pool.source_db).await;
+}

@@ -389,9 +389,10 @@ impl Catalog {
         Ok(r.rows_affected() > 0)
     }
 
-    /// Transfers among `ids` with parts claimable now (queued, or held
-    /// under a lapsed lease), in claim order: class rank first, then
-    /// fewest claimed bytes per unit of weight (fair queuing over parts;
+    /// Transfers among `ids` (striped transfers of one link) with parts
+    /// claimable now (queued, or held under a lapsed lease), in claim
+    /// order: those of the highest class rank among them only, fewest
+    /// claimed bytes per unit of weight first (fair queuing over parts;
     /// see [`Catalog::set_plan_rank`]).
     ///
     /// # Errors
@@ -419,9 +420,16 @@ impl Catalog {
         );
         let rows = sqlx::query(&q).fetch_all(&self.pool).await?;
         let mut out = Vec::with_capacity(rows.len());
+        let mut top = None;
         for r in rows {
             let t: i64 = r.try_get("transfer")?;
             let n: i64 = r.try_get("n")?;
+            let rank: i64 = r.try_get("class_rank")?;
+            // Only the highest class rank's: the others' claims wait
+            // (see [`Catalog::claim_parts`]).
+            if *top.get_or_insert(rank) != rank {
+                break;
+            }
             if let Some(transfer) = TransferId::from_i64(t) {
                 out.push(Claimable {
                     transfer,
@@ -437,7 +445,10 @@ impl Catalog {
     /// parts whose lease lapsed (taken over; the lapsed claim ends at its
     /// `lease_until`, before this one starts). Parts another agent is
     /// claiming right now are skipped (`FOR UPDATE SKIP LOCKED`). A
-    /// drained agent claims nothing.
+    /// drained agent claims nothing, and nothing is claimed while a
+    /// striped transfer of the same link in a higher class rank (see
+    /// [`Catalog::set_plan_rank`]) has parts to claim: its parts go
+    /// first, pool wide.
     ///
     /// # Errors
     /// SQL errors (nothing is claimed then).
@@ -463,6 +474,27 @@ impl Catalog {
         .fetch_optional(&mut *tx)
         .await?;
         if drained.is_some() {
+            tx.rollback().await?;
+            return Ok(Vec::new());
+        }
+        // Claim order, pool wide: while a striped transfer of the same
+        // link in a higher class has parts to claim, none of this one's
+        // is claimed (the caller claims that one's instead).
+        let higher: Option<i64> = sqlx::query_scalar(&self.db.sql(
+            "SELECT o.transfer FROM transfer_plans o \
+             JOIN transfers ot ON ot.id = o.transfer \
+             JOIN transfer_plans me ON me.transfer = ? \
+             JOIN transfers mt ON mt.id = me.transfer \
+             WHERE ot.link = mt.link AND o.class_rank > me.class_rank \
+             AND ot.state NOT IN ('published', 'failed', 'cancelled', 'paused') \
+             AND EXISTS (SELECT 1 FROM transfer_parts p WHERE p.transfer = o.transfer \
+             AND (p.state = 'queued' OR (p.state = 'held' AND p.lease_until < ?))) LIMIT 1",
+        ))
+        .bind(id.as_i64())
+        .bind(now)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if higher.is_some() {
             tx.rollback().await?;
             return Ok(Vec::new());
         }

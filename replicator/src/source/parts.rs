@@ -165,7 +165,6 @@ pub(super) async fn run_coordinated(
     let have = Arc::new(have);
     let mut need = Vec::new();
     loop {
-        write_rank(inner, c, id).await;
         send_parts(
             inner, c, t, &plan, &map, &mut rx, &have, &progress, &mut need, false,
         )
@@ -294,6 +293,10 @@ async fn send_parts(
         }
         if !pool.may_claim() {
             return Ok(());
+        }
+        if !helper {
+            // The claim order follows a signal within one claim.
+            write_rank(inner, c, id).await;
         }
         let claims = inner
             .catalog

@@ -683,7 +683,8 @@ async fn parts_are_claimed_once_and_a_lapsed_part_is_taken_over(c: Catalog) {
 }
 both!(parts_are_claimed_once_and_a_lapsed_part_is_taken_over);
 
-/// Claim order across transfers: class first, then the fewest claimed
+/// Claim order across transfers: class first (a lower class's parts are
+/// not claimed while a higher one's are left), then the fewest claimed
 /// bytes per unit of weight.
 async fn transfers_are_claimed_by_class_then_fair_share(c: Catalog) {
     let (x, y, z) = (queued(&c).await, queued(&c).await, queued(&c).await);
@@ -697,28 +698,38 @@ async fn transfers_are_claimed_by_class_then_fair_share(c: Catalog) {
     c.set_plan_rank(y, 1, 1.0).await.unwrap();
     c.set_plan_rank(z, 1, 3.0).await.unwrap();
     let order = |v: Vec<Claimable>| v.into_iter().map(|c| c.transfer).collect::<Vec<_>>();
-    // y and z are scheduled, x background; equal claimed bytes (0).
+    // y and z are scheduled, x background: only the scheduled ones are
+    // offered, and x's parts cannot be claimed while theirs are left.
     let first = order(c.claimable_transfers(&[x, y, z]).await.unwrap());
-    assert_eq!(first[2], x);
+    assert_eq!(first.len(), 2, "{first:?}");
+    assert!(!first.contains(&x));
+    assert!(c.claim_parts(x, "a", 1, 60_000).await.unwrap().is_empty());
     c.claim_parts(y, "a", 1, 60_000).await.unwrap();
     // y has 2 MiB per unit of weight claimed, z none: z first.
     assert_eq!(
         order(c.claimable_transfers(&[x, y, z]).await.unwrap()),
-        [z, y, x]
+        [z, y]
     );
     c.claim_parts(z, "a", 2, 60_000).await.unwrap();
     // z: 4 MiB / 3 < y: 2 MiB / 1.
     assert_eq!(
         order(c.claimable_transfers(&[x, y, z]).await.unwrap()),
-        [z, y, x]
+        [z, y]
     );
     c.claim_parts(z, "a", 1, 60_000).await.unwrap();
     // z: 6 MiB / 3 = y: 2 MiB / 1; ties go by id (y first).
     assert_eq!(
         order(c.claimable_transfers(&[x, y, z]).await.unwrap()),
-        [y, z, x]
+        [y, z]
     );
     assert_eq!(order(c.claimable_transfers(&[x]).await.unwrap()), [x]);
+    // Once y and z have nothing left to claim, x's parts go.
+    while !c.claim_parts(y, "a", 8, 60_000).await.unwrap().is_empty() {}
+    while !c.claim_parts(z, "a", 8, 60_000).await.unwrap().is_empty() {}
+    assert_eq!(c.claim_parts(x, "a", 1, 60_000).await.unwrap().len(), 1);
+    // A signal makes x urgent: its parts go before the others'.
+    c.set_plan_rank(x, 2, 1.0).await.unwrap();
+    assert_eq!(order(c.claimable_transfers(&[x, y, z]).await.unwrap()), [x]);
 }
 both!(transfers_are_claimed_by_class_then_fair_share);
 
