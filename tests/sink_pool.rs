@@ -995,3 +995,80 @@ async fn after_a_signal_every_source_agent_claims_the_urgent_transfer_s_parts_fi
     drop_db(&pool.sink_db).await;
     drop_db(&pool.source_db).await;
 }
+
+/// A file of a part already sent is rewritten (same size, other bytes)
+/// while both source agents hold other parts: the seal sees its version
+/// change, its part is claimed and sent again, and the replica matches
+/// the file as it is now.
+#[tokio::test]
+async fn a_file_rewritten_while_its_transfer_is_striped_is_sent_again_at_the_seal() {
+    let w = World::new("striped-rewrite").await;
+    let ckpt = w.source_root().join("step_000800");
+    w.gen(&ckpt, "160MB").await;
+    let mut pool = striped_pool(&w, "rewrite", "100Mbit/s", &[]).await;
+    let id = w.push_no_wait(&pool.sources[0], &ckpt).await;
+    // The plan's first file, in part 0, once part 0 is done and both
+    // agents hold parts.
+    let first: String = w
+        .wait_until(
+            "part 0 to be done while both agents hold parts",
+            TRANSFER,
+            async || {
+                let mut c = sqlx::PgConnection::connect(&pool.source_db).await.unwrap();
+                let plan: Option<(Vec<u8>,)> =
+                    sqlx::query_as("SELECT files FROM transfer_plans WHERE transfer = $1")
+                        .bind(id)
+                        .fetch_optional(&mut c)
+                        .await
+                        .unwrap();
+                let done: Option<(String,)> = sqlx::query_as(
+                    "SELECT state FROM transfer_parts WHERE transfer = $1 AND part = 0",
+                )
+                .bind(id)
+                .fetch_optional(&mut c)
+                .await
+                .unwrap();
+                c.close().await.unwrap();
+                let claims = part_claims(&pool.source_db).await;
+                let holding = |a: &str| claims.iter().any(|c| c.2 == a && c.4.is_none());
+                match (plan, done) {
+                    (Some((files,)), Some((state,)))
+                        if state == "done" && holding(SOURCE_NAME) && holding(SOURCE_2) =>
+                    {
+                        let v: Value = serde_json::from_slice(&files).unwrap();
+                        Ok(v["files"][0][0].as_str().unwrap().to_string())
+                    }
+                    other => Err(format!("{other:?} {claims:?}")),
+                }
+            },
+        )
+        .await;
+    let path = ckpt.join(&first);
+    let mut bytes = std::fs::read(&path).unwrap();
+    w.ensure(!bytes.is_empty(), || format!("{first} is empty"));
+    for b in bytes.iter_mut() {
+        *b = b.wrapping_add(1);
+    }
+    std::fs::write(&path, &bytes).unwrap();
+    wait_published(&w, &pool.sources[0], id).await;
+    assert_replica(&w, None, &ckpt, "step_000800");
+    let log = pool.sources[0].stderr() + &pool.sources[1].stderr();
+    w.ensure(
+        log.contains("files changed while their parts were read"),
+        || format!("the coordinator should say it reads the changed file's parts again:\n{log}"),
+    );
+    let claims = part_claims(&pool.source_db).await;
+    w.ensure(
+        claims
+            .iter()
+            .filter(|c| c.0 == 0 && c.5.as_deref() == Some("released"))
+            .count()
+            >= 2,
+        || format!("part 0 released twice (sent again): {claims:?}"),
+    );
+    for a in pool.sinks.iter_mut().chain(pool.sources.iter_mut()) {
+        a.kill();
+    }
+    drop_db(&pool.sink_db).await;
+    drop_db(&pool.source_db).await;
+}
