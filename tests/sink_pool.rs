@@ -583,6 +583,31 @@ async fn striped_pool(w: &World, name: &str, rate: &str, source_env: &[(&str, &s
     }
 }
 
+impl Striped {
+    /// Kills every agent and drops both databases.
+    async fn finish(mut self) {
+        for a in self.sinks.iter_mut().chain(self.sources.iter_mut()) {
+            a.kill();
+        }
+        drop_db(&self.sink_db).await;
+        drop_db(&self.source_db).await;
+    }
+}
+
+/// Waits until both source agents hold parts (claims not ended).
+async fn both_hold_parts(w: &World, pool: &Striped) {
+    w.wait_until("both source agents to hold parts", TRANSFER, async || {
+        let claims = part_claims(&pool.source_db).await;
+        let holding = |a: &str| claims.iter().any(|c| c.2 == a && c.4.is_none());
+        if holding(SOURCE_NAME) && holding(SOURCE_2) {
+            Ok(())
+        } else {
+            Err(format!("{claims:?}"))
+        }
+    })
+    .await;
+}
+
 /// The claims of a transfer's parts in the source catalog: (part, epoch,
 /// agent, claimed_at, ended_at, end_reason), by part and epoch.
 type PartClaimRow = (i64, i64, String, i64, Option<i64>, Option<String>);
@@ -643,7 +668,7 @@ async fn one_checkpoint_is_striped_across_two_source_and_two_sink_agents() {
     let ckpt = w.source_root().join("step_000300");
     // At least 4 x 2 agents x max_parts 2 = 16 parts of 8 MiB.
     w.gen(&ckpt, "160MB").await;
-    let mut pool = striped_pool(&w, "two", "400Mbit/s", &[]).await;
+    let pool = striped_pool(&w, "two", "400Mbit/s", &[]).await;
     let id = w.push_no_wait(&pool.sources[0], &ckpt).await;
     wait_published(&w, &pool.sources[0], id).await;
     assert_replica(&w, None, &ckpt, "step_000300");
@@ -687,11 +712,7 @@ async fn one_checkpoint_is_striped_across_two_source_and_two_sink_agents() {
     w.ensure(log.contains("striped across the source pool"), || {
         format!("the coordinator should say the transfer is striped:\n{log}")
     });
-    for a in pool.sinks.iter_mut().chain(pool.sources.iter_mut()) {
-        a.kill();
-    }
-    drop_db(&pool.sink_db).await;
-    drop_db(&pool.source_db).await;
+    pool.finish().await;
 }
 
 /// Whether process `pid` is stopped (SIGSTOP): its state in
@@ -717,7 +738,7 @@ async fn a_paused_source_agent_s_late_chunks_are_refused_after_its_part_was_take
     w.gen(&ckpt, "160MB").await;
     // Only the agent that does not coordinate the transfer pauses.
     let env = [("FERRY_FAULT_PAUSE_AFTER_PART", "1")];
-    let mut pool = striped_pool(&w, "pause", "200Mbit/s", &env).await;
+    let pool = striped_pool(&w, "pause", "200Mbit/s", &env).await;
     let id = w.push_no_wait(&pool.sources[0], &ckpt).await;
     let paused = w
         .wait_until(
@@ -799,11 +820,7 @@ async fn a_paused_source_agent_s_late_chunks_are_refused_after_its_part_was_take
     w.ensure(states == ["published"], || {
         format!("one replica row, published once: {states:?}")
     });
-    for a in pool.sinks.iter_mut().chain(pool.sources.iter_mut()) {
-        a.kill();
-    }
-    drop_db(&pool.sink_db).await;
-    drop_db(&pool.source_db).await;
+    pool.finish().await;
 }
 
 /// One source agent and one sink agent SIGKILLed while both source
@@ -817,16 +834,7 @@ async fn a_striped_transfer_survives_a_source_and_a_sink_agent_killed_mid_transf
     w.gen(&ckpt, "160MB").await;
     let mut pool = striped_pool(&w, "kill", "100Mbit/s", &[]).await;
     let id = w.push_no_wait(&pool.sources[0], &ckpt).await;
-    w.wait_until("both source agents to hold parts", TRANSFER, async || {
-        let claims = part_claims(&pool.source_db).await;
-        let holding = |a: &str| claims.iter().any(|c| c.2 == a && c.4.is_none());
-        if holding(SOURCE_NAME) && holding(SOURCE_2) {
-            Ok(())
-        } else {
-            Err(format!("{claims:?}"))
-        }
-    })
-    .await;
+    both_hold_parts(&w, &pool).await;
     pool.sources[0].kill();
     pool.sinks[0].kill();
     wait_published(&w, &pool.sources[1], id).await;
@@ -856,11 +864,7 @@ async fn a_striped_transfer_survives_a_source_and_a_sink_agent_killed_mid_transf
     });
     let res = w.resolve(&pool.sinks[1], &ckpt).await;
     w.ensure(s(&res, "state") == "local", || format!("resolve {res}"));
-    for a in pool.sinks.iter_mut().chain(pool.sources.iter_mut()) {
-        a.kill();
-    }
-    drop_db(&pool.sink_db).await;
-    drop_db(&pool.source_db).await;
+    pool.finish().await;
 }
 
 /// The claims of every transfer's parts: (transfer, part, agent,
@@ -899,24 +903,11 @@ async fn after_a_signal_every_source_agent_claims_the_urgent_transfer_s_parts_fi
     );
     w.gen(&old, "160MB").await;
     w.gen(&new, "160MB").await;
-    let mut pool = striped_pool(&w, "signal", "100Mbit/s", &[]).await;
+    let pool = striped_pool(&w, "signal", "100Mbit/s", &[]).await;
     let bg = ["--no-wait", "--class", "background"];
     let out = w.push(&pool.sources[0], &old, &bg).await;
     w.ensure(out.success(), || format!("ferry push: {out}"));
-    w.wait_until(
-        "both source agents to hold parts of the first checkpoint",
-        TRANSFER,
-        async || {
-            let claims = part_claims(&pool.source_db).await;
-            let holding = |a: &str| claims.iter().any(|c| c.2 == a && c.4.is_none());
-            if holding(SOURCE_NAME) && holding(SOURCE_2) {
-                Ok(())
-            } else {
-                Err(format!("{claims:?}"))
-            }
-        },
-    )
-    .await;
+    both_hold_parts(&w, &pool).await;
     // Background transfers are never promoted: the second is scheduled.
     let out = w.push(&pool.sources[1], &new, &["--no-wait"]).await;
     w.ensure(out.success(), || format!("ferry push: {out}"));
@@ -989,11 +980,7 @@ async fn after_a_signal_every_source_agent_claims_the_urgent_transfer_s_parts_fi
             )
         });
     }
-    for a in pool.sinks.iter_mut().chain(pool.sources.iter_mut()) {
-        a.kill();
-    }
-    drop_db(&pool.sink_db).await;
-    drop_db(&pool.source_db).await;
+    pool.finish().await;
 }
 
 /// A file of a part already sent is rewritten (same size, other bytes)
@@ -1005,7 +992,7 @@ async fn a_file_rewritten_while_its_transfer_is_striped_is_sent_again_at_the_sea
     let w = World::new("striped-rewrite").await;
     let ckpt = w.source_root().join("step_000800");
     w.gen(&ckpt, "160MB").await;
-    let mut pool = striped_pool(&w, "rewrite", "100Mbit/s", &[]).await;
+    let pool = striped_pool(&w, "rewrite", "100Mbit/s", &[]).await;
     let id = w.push_no_wait(&pool.sources[0], &ckpt).await;
     // The plan's first file, in part 0, once part 0 is done and both
     // agents hold parts.
@@ -1066,9 +1053,5 @@ async fn a_file_rewritten_while_its_transfer_is_striped_is_sent_again_at_the_sea
             >= 2,
         || format!("part 0 released twice (sent again): {claims:?}"),
     );
-    for a in pool.sinks.iter_mut().chain(pool.sources.iter_mut()) {
-        a.kill();
-    }
-    drop_db(&pool.sink_db).await;
-    drop_db(&pool.source_db).await;
+    pool.finish().await;
 }

@@ -214,6 +214,15 @@ pub struct PartsStatus {
     pub claimable: u64,
 }
 
+/// `ids` as an SQL list of integers (`1,2,3`): built from integers, never
+/// from text.
+fn id_list(ids: &[TransferId]) -> String {
+    ids.iter()
+        .map(|i| i.as_i64().to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 fn corrupt(what: &str, e: impl std::fmt::Display) -> CatalogError {
     CatalogError::Corrupt(format!("{what}: {e}"))
 }
@@ -404,11 +413,7 @@ impl Catalog {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let list = ids
-            .iter()
-            .map(|i| i.as_i64().to_string())
-            .collect::<Vec<_>>()
-            .join(",");
+        let list = id_list(ids);
         let q = format!(
             "SELECT p.transfer AS transfer, COUNT(*) AS n, MAX(t.class_rank) AS class_rank, \
              MAX(t.claimed_bytes / t.weight) AS deficit \
@@ -738,11 +743,7 @@ impl Catalog {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let list = ids
-            .iter()
-            .map(|i| i.as_i64().to_string())
-            .collect::<Vec<_>>()
-            .join(",");
+        let list = id_list(ids);
         let q = format!(
             "SELECT transfer, COUNT(DISTINCT holder) AS holders, \
              MAX(CASE WHEN holder = ? THEN 1 ELSE 0 END) AS mine FROM transfer_parts \

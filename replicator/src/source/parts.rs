@@ -87,6 +87,17 @@ pub(super) fn striped(inner: &Inner, t: &Transfer, bytes_total: u64) -> bool {
     })
 }
 
+/// What an agent's run of a striped transfer sends from: the plan, its
+/// chunk map, the chunks the sink had when the run opened the transfer,
+/// and where the run's progress is counted.
+struct Striping<'a> {
+    t: &'a Transfer,
+    plan: &'a TransferPlan,
+    map: Arc<ChunkMap>,
+    have: Arc<HashSet<u64>>,
+    progress: Arc<LiveProgress>,
+}
+
 /// What reading one part gave: each chunk's hash in key order and what
 /// was seen of each file read.
 struct PartRead {
@@ -162,13 +173,16 @@ pub(super) async fn run_coordinated(
         .map(|(f, c)| map.span(f, c).1)
         .sum();
     progress.skipped.store(skipped, Ordering::Relaxed);
-    let have = Arc::new(have);
+    let s = Striping {
+        t,
+        plan: &plan,
+        map: map.clone(),
+        have: Arc::new(have),
+        progress: progress.clone(),
+    };
     let mut need = Vec::new();
     loop {
-        send_parts(
-            inner, c, t, &plan, &map, &mut rx, &have, &progress, &mut need, false,
-        )
-        .await?;
+        send_parts(inner, c, &s, &mut rx, &mut need, false).await?;
         let st = inner.catalog.parts_status(id).await?;
         if st.done >= st.total {
             if let Some(sealed) = seal(inner, t, &plan, &map).await? {
@@ -213,16 +227,17 @@ pub(super) async fn run_helper(
         return Ok(());
     }
     let (mut rx, have) = open_on_sink(inner, c, t, false, plan.files.clone()).await?;
-    let map = Arc::new(ChunkMap::new(&plan.files, plan.chunk_size));
-    // This agent's bytes of the transfer: not the transfer's progress,
-    // which its coordinator keeps.
-    let progress = Arc::new(LiveProgress::default());
+    let s = Striping {
+        t,
+        plan: &plan,
+        map: Arc::new(ChunkMap::new(&plan.files, plan.chunk_size)),
+        have: Arc::new(have),
+        // This agent's bytes of the transfer: not the transfer's
+        // progress, which its coordinator keeps.
+        progress: Arc::new(LiveProgress::default()),
+    };
     let mut need = Vec::new();
-    let have = Arc::new(have);
-    send_parts(
-        inner, c, t, &plan, &map, &mut rx, &have, &progress, &mut need, true,
-    )
-    .await
+    send_parts(inner, c, &s, &mut rx, &mut need, true).await
 }
 
 fn pool_of(inner: &Inner) -> Result<&crate::pool::Membership, RunError> {
@@ -270,20 +285,15 @@ async fn write_rank(inner: &Inner, c: &LinkConn, id: TransferId) {
 
 /// Claims parts of `t` and sends them until none is left to claim (or the
 /// agent may claim no more: drained, or its catalog does not answer).
-#[allow(clippy::too_many_arguments)]
 async fn send_parts(
     inner: &Arc<Inner>,
     c: &LinkConn,
-    t: &Transfer,
-    plan: &TransferPlan,
-    map: &Arc<ChunkMap>,
+    s: &Striping<'_>,
     rx: &mut mpsc::UnboundedReceiver<Control>,
-    have: &Arc<HashSet<u64>>,
-    progress: &Arc<LiveProgress>,
     need: &mut Vec<u64>,
     helper: bool,
 ) -> Result<(), RunError> {
-    let id = t.id;
+    let id = s.t.id;
     let pool = pool_of(inner)?;
     let cfg = pool.config();
     let me = inner.cfg.agent.as_str();
@@ -347,7 +357,7 @@ async fn send_parts(
             }
         };
         let sent = tokio::select! {
-            r = send_claimed(inner, c, t, plan, map, rx, have, progress, need, &ranges) => r,
+            r = send_claimed(inner, c, s, rx, need, &ranges) => r,
             part = lost => {
                 warn!(
                     transfer = %id,
@@ -465,29 +475,24 @@ async fn register(
 /// Reads the parts `ranges`, sends the chunks the sink lacked, and waits
 /// until the sink confirmed every batch: what each part's read gave, in
 /// `ranges` order.
-#[allow(clippy::too_many_arguments)]
 async fn send_claimed(
     inner: &Arc<Inner>,
     c: &LinkConn,
-    t: &Transfer,
-    plan: &TransferPlan,
-    map: &Arc<ChunkMap>,
+    s: &Striping<'_>,
     rx: &mut mpsc::UnboundedReceiver<Control>,
-    have: &Arc<HashSet<u64>>,
-    progress: &Arc<LiveProgress>,
     need: &mut Vec<u64>,
     ranges: &[PartRange],
 ) -> Result<Vec<PartRead>, RunError> {
-    let id = t.id;
-    let (inner2, dir) = (inner.clone(), PathBuf::from(&t.source_path));
+    let id = s.t.id;
+    let (inner2, dir) = (inner.clone(), PathBuf::from(&s.t.source_path));
     let (files, map2, have2, ranges2) = (
-        plan.files.clone(),
-        map.clone(),
-        have.clone(),
+        s.plan.files.clone(),
+        s.map.clone(),
+        s.have.clone(),
         ranges.to_vec(),
     );
-    let chunk_size = plan.chunk_size;
-    let reads = send_round(inner, c, id, progress, rx, need, move |out| {
+    let chunk_size = s.plan.chunk_size;
+    let reads = send_round(inner, c, id, &s.progress, rx, need, move |out| {
         read_parts(
             &inner2, &dir, &files, chunk_size, &map2, &ranges2, &have2, out,
         )
