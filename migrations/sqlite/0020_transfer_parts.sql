@@ -5,8 +5,8 @@
 -- The file table of a pushed transfer split into parts, written once by
 -- the agent holding the transfer (its coordinator): every agent that
 -- sends a part opens the transfer at the sink with this table. The
--- files column is a manifest in Ferry's wire encoding whose files carry no chunk
--- hashes (ferry_proto::manifest::Manifest).
+-- files column is JSON: {"files": [[path, size in bytes, mode, mtime in
+-- ns], ...], "markers": [file index, ...]}.
 CREATE TABLE transfer_plans (
     transfer    BIGINT  PRIMARY KEY,
     chunk_size  BIGINT  NOT NULL,

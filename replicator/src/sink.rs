@@ -2236,6 +2236,8 @@ impl Opened {
             let mut r = crate::lock::lock(&self.refused);
             r.remove(&id);
         }
+        // A new open starts without the previous one's registrations.
+        crate::lock::lock(&self.parts).remove(&id);
         self.changes.send_modify(|v| *v += 1);
     }
     fn refuse(&self, id: TransferId) {
@@ -2492,7 +2494,11 @@ async fn fence_parts(
     group: &mut Vec<(RecordHeader, Vec<u8>, (i64, i64))>,
 ) {
     let mine = open.registered(id);
-    if mine.is_empty() {
+    // After its commit, what the sender sends answers the sink's own
+    // requests (checked against the sealed manifest): not fenced, or a
+    // chunk of a part it sent under an older epoch, asked for again, would
+    // be refused for ever.
+    if mine.is_empty() || crate::lock::lock(&live.st).commit_at.is_some() {
         return;
     }
     let at_sink = match inner.catalog.part_epochs(live.id).await {

@@ -1,4 +1,11 @@
-//! Ferry's wire protocol, version 8: a sans-IO codec.
+//! Ferry's wire protocol, version 9: a sans-IO codec.
+//!
+//! Version 9 adds the parts of a transfer striped across a source pool:
+//! before sending a part it claimed, a source registers the part and its
+//! claim's epoch ([`Control::Part`]); the sink answers the epoch its
+//! catalog holds ([`Control::PartEpoch`]) and refuses the part's chunks
+//! from a sender that registered an older one. A source registers
+//! nothing with an older sink; a sink speaks versions 2 to 9.
 //!
 //! Version 8 adds weights-first publishes: an open may name
 //! [`Profile::WeightsFirst`], and such a transfer's source sends a
@@ -6,8 +13,7 @@
 //! metadata and weight files) before the optimizer state and the full
 //! commit; the sink publishes it as a weights-only version and answers
 //! with [`Control::Published`] of its root. A source sends neither to a
-//! sink older than version 8 (it opens such a transfer as `full`); a sink
-//! speaks versions 2 to 8.
+//! sink older than version 8 (it opens such a transfer as `full`).
 //!
 //! Version 7 adds where the time went ([`crate::phases`]): a commit
 //! carries the durations of the phases the source measured

@@ -79,9 +79,13 @@ const PARTS_POLL: Duration = Duration::from_millis(500);
 
 /// Whether transfer `t`, whose listing holds `bytes_total` bytes, is
 /// striped across the pool: a pushed, whole (`full` profile) transfer of
-/// an agent in a pool, larger than one part. A transfer that has a plan
+/// an agent on a PostgreSQL catalog, larger than one part. A transfer that has a plan
 /// already (an earlier coordinator made it) stays striped.
 pub(super) fn striped(inner: &Inner, t: &Transfer, bytes_total: u64) -> bool {
+    // A single agent on SQLite (a pool of one) sends it whole.
+    if inner.catalog.dialect() != ferry_catalog::dialect::Dialect::Postgres {
+        return false;
+    }
     inner.cfg.pool.as_ref().is_some_and(|p| {
         t.format.is_none() && t.profile == Profile::Full && bytes_total > p.config().part_size
     })
