@@ -531,7 +531,7 @@ struct Striped {
     sink_db: String,
     sources: [Agent; 2],
     sinks: [Agent; 2],
-    _relays: [Relay; 2],
+    relays: [Relay; 2],
 }
 
 async fn striped_pool(w: &World, name: &str, rate: &str, source_env: &[(&str, &str)]) -> Striped {
@@ -579,7 +579,7 @@ async fn striped_pool(w: &World, name: &str, rate: &str, source_env: &[(&str, &s
         sink_db,
         sources: [a, b],
         sinks: [s1, s2],
-        _relays: [r1, r2],
+        relays: [r1, r2],
     }
 }
 
@@ -776,13 +776,16 @@ async fn a_paused_source_agent_s_late_chunks_are_refused_after_its_part_was_take
             },
         )
         .await;
+    // The taker's link is cut until the late chunks were refused: the
+    // replica cannot be published (and the paused agent's run ended)
+    // before they reach the sink.
+    let taker_link = &pool.relays[1 - paused];
+    taker_link.signal(nix::sys::signal::Signal::SIGUSR1);
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(pool.sources[paused].pid().unwrap() as i32),
         nix::sys::signal::Signal::SIGCONT,
     )
     .unwrap();
-    wait_published(&w, &pool.sources[1 - paused], id).await;
-    assert_replica(&w, None, &ckpt, "step_000400");
     // Its late chunks reached a sink agent and were refused there.
     let mut refused = 0.0;
     w.wait_until("the late chunks to be refused", TRANSFER, async || {
@@ -802,6 +805,9 @@ async fn a_paused_source_agent_s_late_chunks_are_refused_after_its_part_was_take
         }
     })
     .await;
+    taker_link.signal(nix::sys::signal::Signal::SIGUSR2);
+    wait_published(&w, &pool.sources[1 - paused], id).await;
+    assert_replica(&w, None, &ckpt, "step_000400");
     let claims = part_claims(&pool.source_db).await;
     let of_part: Vec<&PartClaimRow> = claims.iter().filter(|c| c.0 == taken).collect();
     w.ensure(

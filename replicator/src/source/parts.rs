@@ -62,7 +62,7 @@ fn pause_after_part() {}
 
 /// Whether this agent checks its own part leases while sending (always,
 /// but after the [`FAULT_PAUSE_AFTER_PART_ENV`] pause).
-fn checks_own_leases() -> bool {
+pub(super) fn checks_own_leases() -> bool {
     #[cfg(feature = "fault-injection")]
     {
         !PAUSED_AFTER_PART.load(Ordering::SeqCst)
