@@ -535,6 +535,28 @@ struct Striped {
 }
 
 async fn striped_pool(w: &World, name: &str, rate: &str, source_env: &[(&str, &str)]) -> Striped {
+    striped_pool_with(w, name, rate, source_env, StripedOn::default()).await
+}
+
+/// Where a striped pool's sink agents write and how its source agents
+/// reach their catalog.
+#[derive(Default)]
+struct StripedOn<'a> {
+    /// The sink root on S3 or HDFS (none: a local directory).
+    remote: Option<&'a RemoteSink>,
+    /// The source agents' catalog through this cut (none: directly).
+    source_cut: Option<&'a Cut>,
+    /// Part size (none: 8 MiB).
+    part_size: Option<&'a str>,
+}
+
+async fn striped_pool_with(
+    w: &World,
+    name: &str,
+    rate: &str,
+    source_env: &[(&str, &str)],
+    on: StripedOn<'_>,
+) -> Striped {
     let sink_db = fresh_db(&format!("striped_sink_{name}")).await;
     let source_db = fresh_db(&format!("striped_source_{name}")).await;
     w.certs("certs", &[SOURCE_NAME, SOURCE_2, SINK_NAME, SINK_2])
@@ -543,6 +565,20 @@ async fn striped_pool(w: &World, name: &str, rate: &str, source_env: &[(&str, &s
     let certs = w.root.join("certs");
     let mut first = w.sink_config();
     first.tail = format!("\n[catalog]\nurl = {}\n\n{pool}", toml_str(&sink_db));
+    if let Some(r) = on.remote {
+        let spec = first.sink.as_mut().unwrap();
+        spec.root = PathBuf::from(&r.url);
+        spec.extra = r.lines.clone();
+    }
+    let source_url = match on.source_cut {
+        Some(c) => source_db.replacen(
+            &pg_addr().await.to_string(),
+            &format!("127.0.0.1:{}", c.port),
+            1,
+        ),
+        None => source_db.clone(),
+    };
+    let part_size = on.part_size.unwrap_or("8MiB");
     let mut second = first.clone();
     second.name = SINK_2.into();
     second.cert = certs.join(format!("{SINK_2}.pem"));
@@ -567,8 +603,8 @@ async fn striped_pool(w: &World, name: &str, rate: &str, source_env: &[(&str, &s
         cfg.links[0].peer_name = peer.1.into();
         cfg.links[0].more_peers = vec![(more.0.to_string(), more.1.to_string())];
         cfg.tail = format!(
-            "\n[catalog]\nurl = {}\n\n{pool}part_size = \"8MiB\"\nmax_parts = 2\n",
-            toml_str(&source_db)
+            "\n[catalog]\nurl = {}\n\n{pool}part_size = \"{part_size}\"\nmax_parts = 2\n",
+            toml_str(&source_url)
         );
         w.start_agent(label, cfg, source_env).await
     };
@@ -665,17 +701,54 @@ async fn received(w: &World, sink: &Agent) -> f64 {
 #[tokio::test]
 async fn one_checkpoint_is_striped_across_two_source_and_two_sink_agents() {
     let w = World::new("striped").await;
-    let ckpt = w.source_root().join("step_000300");
     // At least 4 x 2 agents x max_parts 2 = 16 parts of 8 MiB.
-    w.gen(&ckpt, "160MB").await;
-    let pool = striped_pool(&w, "two", "400Mbit/s", &[]).await;
+    striped_over(&w, None, "two", "160MB", "8MiB").await;
+}
+
+/// As above, the sink agents writing to S3 (parts of 2 MiB, at least 16).
+#[tokio::test]
+async fn one_checkpoint_is_striped_across_two_sink_agents_on_s3() {
+    let w = World::new("striped-s3").await;
+    let r = s3_sink(&w, "striped-s3");
+    striped_over(&w, Some(&r), "s3", "64MB", "2MiB").await;
+}
+
+/// As above, the sink agents writing to HDFS (parts of 2 MiB, at least
+/// 16).
+#[tokio::test]
+async fn one_checkpoint_is_striped_across_two_sink_agents_on_hdfs() {
+    let w = World::new("striped-hdfs").await;
+    let r = hdfs_sink("striped-hdfs");
+    striped_over(&w, Some(&r), "hdfs", "64MB", "2MiB").await;
+}
+
+/// A checkpoint of `size` in parts of `part_size` (at least 16 of them)
+/// striped over two source and two sink agents: each source agent claims
+/// parts, each sink agent receives some, every claim released, none
+/// overlapping; published once, byte-identical, resolvable from both
+/// sink agents.
+async fn striped_over(
+    w: &World,
+    remote: Option<&RemoteSink>,
+    name: &str,
+    size: &str,
+    part_size: &str,
+) {
+    let ckpt = w.source_root().join("step_000300");
+    w.gen(&ckpt, size).await;
+    let on = StripedOn {
+        remote,
+        part_size: Some(part_size),
+        ..Default::default()
+    };
+    let pool = striped_pool_with(w, name, "400Mbit/s", &[], on).await;
     let id = w.push_no_wait(&pool.sources[0], &ckpt).await;
-    wait_published(&w, &pool.sources[0], id).await;
-    assert_replica(&w, None, &ckpt, "step_000300");
+    wait_published(w, &pool.sources[0], id).await;
+    assert_replica(w, remote, &ckpt, "step_000300");
     let claims = part_claims(&pool.source_db).await;
     let parts: std::collections::BTreeSet<i64> = claims.iter().map(|c| c.0).collect();
     w.ensure(parts.len() >= 16, || {
-        format!("at least 16 parts of 8 MiB: {claims:?}")
+        format!("at least 16 parts of {part_size}: {claims:?}")
     });
     for agent in [SOURCE_NAME, SOURCE_2] {
         w.ensure(claims.iter().any(|c| c.2 == agent), || {
@@ -686,9 +759,9 @@ async fn one_checkpoint_is_striped_across_two_source_and_two_sink_agents() {
         claims.iter().all(|c| c.5.as_deref() == Some("released")),
         || format!("every claim released once its part was verified: {claims:?}"),
     );
-    assert_claims_apart(&w, &claims);
+    assert_claims_apart(w, &claims);
     for sink in &pool.sinks {
-        let r = received(&w, sink).await;
+        let r = received(w, sink).await;
         w.ensure(r > 0.0, || {
             format!("{} should have received parts: {r} bytes", sink.cfg.name)
         });
@@ -705,12 +778,81 @@ async fn one_checkpoint_is_striped_across_two_source_and_two_sink_agents() {
     w.ensure(
         s(&a, "state") == "local"
             && a["replica"] == b["replica"]
+            && a["url"] == b["url"]
             && a["local_path"] == b["local_path"],
         || format!("resolve through each sink agent: {a} vs {b}"),
     );
     let log = pool.sources[0].stderr() + &pool.sources[1].stderr();
     w.ensure(log.contains("striped across the source pool"), || {
         format!("the coordinator should say the transfer is striped:\n{log}")
+    });
+    pool.finish().await;
+}
+
+/// The source site's PostgreSQL gone for 10 s while both source agents
+/// hold parts: they stop sending the parts before their leases could
+/// lapse, nothing is published meanwhile; once it is back the lapsed
+/// parts are claimed again under later epochs and the replica is
+/// published once, byte-identical, no two claims of a part overlapping.
+#[tokio::test]
+async fn a_striped_transfer_survives_the_source_site_s_catalog_stopped_for_10_s() {
+    let w = World::new("striped-pg-stop").await;
+    let cut = Cut::start(pg_addr().await).await;
+    let ckpt = w.source_root().join("step_000600");
+    // 8 parts; each agent's two take about 7 s at its half of 40 Mbit/s,
+    // longer than a lease: both are still sending when their leases run out.
+    w.gen(&ckpt, "64MB").await;
+    let on = StripedOn {
+        source_cut: Some(&cut),
+        ..Default::default()
+    };
+    let pool = striped_pool_with(&w, "pg_stop", "40Mbit/s", &[], on).await;
+    let id = w.push_no_wait(&pool.sources[0], &ckpt).await;
+    both_hold_parts(&w, &pool).await;
+    cut.down();
+    let cut_at = std::time::Instant::now();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let (states, _) = catalog_view(&pool.sink_db, "step_000600").await;
+    w.ensure(!states.iter().any(|s| s == "published"), || {
+        format!("published while the source site's catalog was gone: {states:?}")
+    });
+    // Each stopped on a part's lease (or, the coordinator, on the
+    // transfer's, which ends its parts' sending with it).
+    let stopped_sending = |a: &Agent| {
+        let log = a.stderr();
+        log.contains("may no longer hold the part's lease")
+            || log.contains("may no longer hold the transfer's lease")
+    };
+    w.ensure(pool.sources.iter().all(stopped_sending), || {
+        let log = pool.sources[0].stderr() + &pool.sources[1].stderr();
+        format!("each source agent should stop sending its parts before its leases lapse:\n{log}")
+    });
+    cut.up();
+    wait_published(&w, &pool.sources[0], id).await;
+    w.ensure(cut_at.elapsed() >= Duration::from_secs(10), || {
+        "published before the catalog came back".to_string()
+    });
+    assert_replica(&w, None, &ckpt, "step_000600");
+    let claims = part_claims(&pool.source_db).await;
+    let ended_at_cut: Vec<&PartClaimRow> = claims
+        .iter()
+        .filter(|c| matches!(c.5.as_deref(), Some("lapsed" | "given back")))
+        .collect();
+    w.ensure(!ended_at_cut.is_empty(), || {
+        format!("the parts held at the cut should have lapsed: {claims:?}")
+    });
+    w.ensure(
+        ended_at_cut.iter().all(|l| {
+            claims
+                .iter()
+                .any(|c| c.0 == l.0 && c.1 > l.1 && c.5.as_deref() == Some("released"))
+        }),
+        || format!("each part held at the cut released later under a later epoch: {claims:?}"),
+    );
+    assert_claims_apart(&w, &claims);
+    let (states, _) = catalog_view(&pool.sink_db, "step_000600").await;
+    w.ensure(states == ["published"], || {
+        format!("one replica row, published once: {states:?}")
     });
     pool.finish().await;
 }
