@@ -2501,7 +2501,24 @@ async fn fence_parts(
     if mine.is_empty() || crate::lock::lock(&live.st).commit_at.is_some() {
         return;
     }
-    let at_sink = match inner.catalog.part_epochs(live.id).await {
+    // Only the parts this group's chunks fall in are read (a few rows by
+    // primary key): a transfer of the seed's size has thousands of parts.
+    let key = |h: &RecordHeader| u64::from(h.file) << 32 | u64::from(h.chunk);
+    let mut touched: Vec<u64> = group
+        .iter()
+        .filter_map(|rec| {
+            let k = key(&rec.0);
+            mine.iter()
+                .find(|(r, _)| r.contains(k))
+                .map(|(r, _)| r.part)
+        })
+        .collect();
+    touched.sort_unstable();
+    touched.dedup();
+    if touched.is_empty() {
+        return;
+    }
+    let at_sink = match inner.catalog.part_epochs(live.id, Some(&touched)).await {
         Ok(e) => e,
         Err(e) => {
             warn!(transfer = %id, error = %e, "catalog: reading the parts' epochs; dropping this source's chunks of its parts");
@@ -2510,7 +2527,6 @@ async fn fence_parts(
     };
     let before = group.len();
     let mut stale = None;
-    let key = |h: &RecordHeader| u64::from(h.file) << 32 | u64::from(h.chunk);
     let mut kept = Vec::with_capacity(group.len());
     for rec in group.drain(..) {
         let k = key(&rec.0);

@@ -911,15 +911,32 @@ impl Catalog {
     }
 
     /// Sink side: the epochs recorded for replica row `replica`'s parts,
-    /// by part.
+    /// by part: all of them, or only those numbered in `parts` (read by
+    /// primary key: the sink's fence reads the few parts a group of
+    /// chunks falls in).
     ///
     /// # Errors
     /// SQL errors.
-    pub async fn part_epochs(&self, replica: i64) -> Result<Vec<PartEpoch>, CatalogError> {
-        let rows = sqlx::query(&self.db.sql(
+    pub async fn part_epochs(
+        &self,
+        replica: i64,
+        parts: Option<&[u64]>,
+    ) -> Result<Vec<PartEpoch>, CatalogError> {
+        let only = match parts {
+            Some([]) => return Ok(Vec::new()),
+            Some(ps) => format!(
+                " AND part IN ({})",
+                ps.iter()
+                    .map(|p| p.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
+            None => String::new(),
+        };
+        let rows = sqlx::query(&self.db.sql(&format!(
             "SELECT part, epoch, first_key, end_key, CAST(0 AS BIGINT) AS bytes FROM part_epochs \
-             WHERE replica = ? ORDER BY part",
-        ))
+             WHERE replica = ?{only} ORDER BY part"
+        )))
         .bind(replica)
         .fetch_all(&self.pool)
         .await?;

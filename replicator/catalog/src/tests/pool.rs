@@ -791,7 +791,7 @@ async fn part_epochs_only_move_forward(c: Catalog) {
         1
     );
     assert_eq!(
-        c.part_epochs(7).await.unwrap(),
+        c.part_epochs(7, None).await.unwrap(),
         vec![
             PartEpoch { range: r, epoch: 2 },
             PartEpoch {
@@ -800,6 +800,15 @@ async fn part_epochs_only_move_forward(c: Catalog) {
             }
         ]
     );
-    assert!(c.part_epochs(8).await.unwrap().is_empty());
+    // Only the parts asked for.
+    assert_eq!(
+        c.part_epochs(7, Some(&[4, 99])).await.unwrap(),
+        vec![PartEpoch {
+            range: other,
+            epoch: 1
+        }]
+    );
+    assert!(c.part_epochs(7, Some(&[])).await.unwrap().is_empty());
+    assert!(c.part_epochs(8, None).await.unwrap().is_empty());
 }
 both!(part_epochs_only_move_forward);
