@@ -158,6 +158,7 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
     say(format!(
         "{count} checkpoints of {each} bytes generated; pushing them through the {n} source agents"
     ));
+    let usage0 = Usage::take(&procs, &pg).await;
     let t0 = Instant::now();
     let mut ids = Vec::new();
     for (j, ckpt) in ckpts.iter().enumerate() {
@@ -226,6 +227,7 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     let wall = t0.elapsed().as_secs_f64();
+    let usage = Usage::take(&procs, &pg).await.since(&usage0, wall);
 
     // Each replica against its checkpoint.
     let chunk = ferry_proto::manifest::MIN_CHUNK_SIZE;
@@ -283,7 +285,9 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
             .filter(|l| l.starts_with(metric))
             .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
             .sum();
-        per_agent.push(json!({ "name": name, "role": role, "bytes": bytes as u64 }));
+        let cpu_s = usage.agents.get(name.as_str()).copied();
+        per_agent
+            .push(json!({ "name": name, "role": role, "bytes": bytes as u64, "cpu_s": cpu_s }));
         table.insert(name.clone(), (role, bytes as u64));
     }
     let total = each * count as u64;
@@ -314,6 +318,17 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
             "{striped} of the checkpoints striped across the source agents: {parts} parts of {part_size} bytes, {claims} claims"
         ));
     }
+    let gb = total as f64 / 1e9;
+    let agents_cpu: f64 = usage.agents.values().sum();
+    say(format!(
+        "CPU while replicating: agents {agents_cpu:.1} s ({:.1} s/GB), this demo's emulated links {:.1} s, PostgreSQL {:.1} s; machine idle {:.0} %; catalog transactions/s: source site {:.0}, sink site {:.0}",
+        agents_cpu / gb.max(1e-9),
+        usage.demo_s,
+        usage.postgres_s,
+        usage.idle_share * 100.0,
+        usage.tps.0,
+        usage.tps.1,
+    ));
     for p in &mut procs {
         p.stop();
     }
@@ -331,8 +346,156 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
         "wall_s": wall,
         "goodput_bps": total as f64 * 8.0 / wall.max(1e-3),
         "per_agent": per_agent,
+        "cpu": {
+            "agents_s": agents_cpu,
+            "agents_s_per_gb": agents_cpu / gb.max(1e-9),
+            "demo_links_s": usage.demo_s,
+            "postgres_s": usage.postgres_s,
+            "machine_idle_share": usage.idle_share,
+            "cores": usage.cores,
+        },
+        "catalog_tps": { "source_site": usage.tps.0, "sink_site": usage.tps.1 },
         "identical": true,
     }))
+}
+
+/// CPU and catalog counters at one moment of the pool demo, or (after
+/// [`Usage::since`]) over its replication window.
+struct Usage {
+    /// Each agent's CPU, user + system, seconds, by name.
+    agents: BTreeMap<String, f64>,
+    /// This process's CPU, seconds (the emulated links run in it).
+    demo_s: f64,
+    /// PostgreSQL's CPU, seconds: its server process, its live backends
+    /// and the backends it reaped.
+    postgres_s: f64,
+    /// Idle share of all cores, 0..1 (after `since`); before: idle
+    /// jiffies.
+    idle_share: f64,
+    /// Total jiffies of all cores (`/proc/stat`'s `cpu` line).
+    jiffies: f64,
+    /// Cores online.
+    cores: usize,
+    /// Committed plus rolled-back transactions of the source and the sink
+    /// site's catalog databases (`pg_stat_database`); after `since`: per
+    /// second.
+    tps: (f64, f64),
+}
+
+impl Usage {
+    async fn take(procs: &[Proc], pg: &Postgres) -> Usage {
+        let agents = procs
+            .iter()
+            .filter_map(|p| Some((p.name.clone(), proc_cpu_s(p.child.as_ref()?.id(), false)?)))
+            .collect();
+        let demo_s = proc_cpu_s(std::process::id(), false).unwrap_or(0.0);
+        let postgres_s = pg.cpu_s();
+        let (idle, jiffies, cores) = machine_jiffies();
+        let xacts =
+            |db: &'static str| async move { xact_count(&pg.url(db), db).await.unwrap_or(f64::NAN) };
+        let tps = (xacts("ferry_train").await, xacts("ferry_eval").await);
+        Usage {
+            agents,
+            demo_s,
+            postgres_s,
+            idle_share: idle,
+            jiffies,
+            cores,
+            tps,
+        }
+    }
+
+    /// What changed from `before` to `self`, over `wall_s` seconds.
+    fn since(self, before: &Usage, wall_s: f64) -> Usage {
+        let per_s = |a: f64, b: f64| (a - b) / wall_s.max(1e-3);
+        Usage {
+            agents: self
+                .agents
+                .iter()
+                .map(|(k, v)| (k.clone(), v - before.agents.get(k).copied().unwrap_or(0.0)))
+                .collect(),
+            demo_s: self.demo_s - before.demo_s,
+            postgres_s: self.postgres_s - before.postgres_s,
+            idle_share: (self.idle_share - before.idle_share)
+                / (self.jiffies - before.jiffies).max(1.0),
+            jiffies: self.jiffies - before.jiffies,
+            cores: self.cores,
+            tps: (
+                per_s(self.tps.0, before.tps.0),
+                per_s(self.tps.1, before.tps.1),
+            ),
+        }
+    }
+}
+
+/// Linux's USER_HZ: the unit of `/proc`'s CPU times (proc(5)), 100 on
+/// every architecture Ferry builds for.
+const USER_HZ: f64 = 100.0;
+
+/// utime + stime of process `pid`, seconds (`/proc/<pid>/stat` fields
+/// 14 and 15; with `reaped`, also 16 and 17, its waited-for children's),
+/// or `None` if it is gone.
+fn proc_cpu_s(pid: u32, reaped: bool) -> Option<f64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The fields after the command name (in parentheses) start at field 3.
+    let rest = s.rsplit_once(')')?.1;
+    let f: Vec<f64> = rest
+        .split_whitespace()
+        .map(|v| v.parse().unwrap_or(0.0))
+        .collect();
+    let field = |n: usize| f.get(n - 3).copied().unwrap_or(0.0);
+    let mut ticks = field(14) + field(15);
+    if reaped {
+        ticks += field(16) + field(17);
+    }
+    Some(ticks / USER_HZ)
+}
+
+/// The parent process id of `pid` (`/proc/<pid>/stat` field 4).
+fn ppid(pid: u32) -> Option<u32> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    s.rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+/// (idle + iowait jiffies, all jiffies, cores) from `/proc/stat`
+/// (proc(5): the `cpu` line's fields are user, nice, system, idle,
+/// iowait, ...).
+fn machine_jiffies() -> (f64, f64, usize) {
+    let s = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let cores = s
+        .lines()
+        .filter(|l| l.starts_with("cpu") && !l.starts_with("cpu "))
+        .count();
+    let Some(cpu) = s.lines().find(|l| l.starts_with("cpu ")) else {
+        return (0.0, 0.0, cores);
+    };
+    let v: Vec<f64> = cpu
+        .split_whitespace()
+        .skip(1)
+        .map(|x| x.parse().unwrap_or(0.0))
+        .collect();
+    let idle = v.get(3).copied().unwrap_or(0.0) + v.get(4).copied().unwrap_or(0.0);
+    (idle, v.iter().sum(), cores)
+}
+
+/// Transactions (committed and rolled back) of database `db` so far, as
+/// `pg_stat_database` counts them.
+async fn xact_count(url: &str, db: &str) -> Result<f64> {
+    use sqlx::Connection;
+    let mut c = sqlx::PgConnection::connect(url).await?;
+    let n: i64 = sqlx::query_scalar(
+        "SELECT CAST(xact_commit + xact_rollback AS BIGINT) FROM pg_stat_database WHERE datname = $1",
+    )
+    .bind(db)
+    .fetch_one(&mut c)
+    .await?;
+    c.close().await?;
+    Ok(n as f64)
 }
 
 /// From the source pool's catalog at `url`: how many transfers were
@@ -655,6 +818,27 @@ impl Postgres {
 
     fn stop(mut self) {
         self.halt();
+    }
+
+    /// CPU seconds of the server so far: its server process (with the
+    /// backends it reaped) and its live processes (`/proc`; the server's
+    /// pid is the first line of `postmaster.pid`). 0 if unreadable.
+    fn cpu_s(&self) -> f64 {
+        let Some(pid) = std::fs::read_to_string(self.data.join("postmaster.pid"))
+            .ok()
+            .and_then(|s| s.lines().next()?.trim().parse::<u32>().ok())
+        else {
+            return 0.0;
+        };
+        let children: f64 = std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|c| ppid(*c) == Some(pid))
+            .filter_map(|c| proc_cpu_s(c, false))
+            .sum();
+        proc_cpu_s(pid, true).unwrap_or(0.0) + children
     }
 
     fn halt(&mut self) {

@@ -1358,8 +1358,11 @@ const POOL_PAIR_BPS: u64 = 100_000_000;
 /// demo --agents N --checkpoints 1`: `ferry serve` processes, a
 /// throwaway PostgreSQL per site, one user-space emulated link per sink
 /// agent at the scenario's RTT), budget N x 100 Mbit/s, 40 parts of 8 MiB
-/// per source agent. Aggregate goodput against N x one pair's, and each
-/// source agent's bytes against the mean (within max(10 %, one part)).
+/// per source agent. Aggregate goodput against N x one pair's, each
+/// source agent's bytes against the mean (within max(10 %, one part)),
+/// and over the replication window each process's CPU, the machine's
+/// idle share and the catalogs' transactions per second (the demo's
+/// `cpu` and `catalog_tps`).
 pub fn scenario_pool(b: &mut Bench) -> Result<()> {
     let rtt = format!("{}ms", b.args.rtt.as_millis());
     let mut one_pair: Option<f64> = None;
@@ -1419,14 +1422,20 @@ pub fn scenario_pool(b: &mut Bench) -> Result<()> {
             "worst_deviation_bytes": worst,
             "allowed_deviation_bytes": allowed,
             "balanced": worst <= allowed,
+            "cpu": p["cpu"],
+            "catalog_tps": p["catalog_tps"],
             "link": "ferry demo --agents: ferry serve processes, one user-space emulated link per sink agent",
         });
         say(format!(
-            "  {:.1} s, {:.0} Mbit/s ({} x N pairs x one pair's), worst agent {:.0} bytes off the mean (allowed {allowed:.0})",
+            "  {:.1} s, {:.0} Mbit/s ({} x N pairs x one pair's), worst agent {:.0} bytes off the mean (allowed {allowed:.0}); agents {:.1} CPU-s/GB, machine idle {:.0} %, catalog {:.0} + {:.0} tx/s",
             wall,
             goodput / 1e6,
             over.map_or("-".to_string(), |o| format!("{o:.2}")),
-            worst
+            worst,
+            p["cpu"]["agents_s_per_gb"].as_f64().unwrap_or(f64::NAN),
+            p["cpu"]["machine_idle_share"].as_f64().unwrap_or(f64::NAN) * 100.0,
+            p["catalog_tps"]["source_site"].as_f64().unwrap_or(f64::NAN),
+            p["catalog_tps"]["sink_site"].as_f64().unwrap_or(f64::NAN),
         ));
         b.records.push(r);
     }
