@@ -312,9 +312,10 @@ async fn send_parts(
             // The claim order follows a signal within one claim.
             write_rank(inner, c, id).await;
         }
+        let want = claim_size(inner, id, cfg.max_parts, pool.live_peers()).await;
         let claims = inner
             .catalog
-            .claim_parts(id, me, cfg.max_parts, cfg.lease_timeout.as_millis() as i64)
+            .claim_parts(id, me, want, cfg.lease_timeout.as_millis() as i64)
             .await?;
         if claims.is_empty() {
             return Ok(());
@@ -410,6 +411,31 @@ async fn send_parts(
             }
         }
     }
+}
+
+/// How many parts of transfer `id` to claim now: `max_parts`, but no
+/// more than an even split of the claimable parts among the pool's
+/// `peers` live source agents (at least 1). Near the end every agent gets
+/// a share of the last parts rather than the first to ask taking
+/// `max_parts` of them and the others waiting. `max_parts` if the
+/// catalog does not answer (the claim itself will say so).
+async fn claim_size(inner: &Inner, id: TransferId, max_parts: usize, peers: u32) -> usize {
+    if peers <= 1 {
+        return max_parts;
+    }
+    match inner.catalog.parts_status(id).await {
+        Ok(st) => even_share(st.claimable, max_parts, peers),
+        Err(_) => max_parts,
+    }
+}
+
+/// `claimable` parts split among `peers` agents, rounded up, within
+/// 1..=`max_parts`.
+fn even_share(claimable: u64, max_parts: usize, peers: u32) -> usize {
+    let share = claimable.div_ceil(u64::from(peers.max(1)));
+    usize::try_from(share)
+        .unwrap_or(usize::MAX)
+        .clamp(1, max_parts.max(1))
 }
 
 /// Registers each claim's part and epoch at the sink ([`Control::Part`])
@@ -747,4 +773,23 @@ async fn seal(
         siblings: Vec::new(),
         recheck: Some(versions),
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::even_share;
+
+    #[test]
+    fn the_last_parts_are_split_evenly_among_the_pool() {
+        // Plenty left: each claim is max_parts.
+        assert_eq!(even_share(160, 4, 4), 4);
+        // 6 left for 4 agents: 2 each (rounded up), not 4 to the first.
+        assert_eq!(even_share(6, 4, 4), 2);
+        assert_eq!(even_share(3, 4, 4), 1);
+        // Nothing claimable still asks for one (a lapsed lease may be).
+        assert_eq!(even_share(0, 4, 4), 1);
+        // Never above max_parts, whatever the split.
+        assert_eq!(even_share(1000, 2, 1), 2);
+        assert_eq!(even_share(5, 4, 0), 4);
+    }
 }
