@@ -125,6 +125,14 @@ pub struct DemoArgs {
     /// Default 256MiB.
     #[arg(long, value_name = "SIZE", requires = "agents", value_parser = ferry_proto::units::parse_size)]
     pub part_size: Option<u64>,
+    /// --agents: pre-emption across the pool instead. A background
+    /// checkpoint of --size is striped over every source agent; once
+    /// each holds parts of it, an urgent checkpoint of a quarter of
+    /// --size is pushed and its job sent a loss-spike signal. Prints the
+    /// time from the signal to the first 100 ms in which the urgent
+    /// checkpoint's bytes reach 80 % of the link's budget (--rate).
+    #[arg(long, requires = "agents", conflicts_with = "checkpoints")]
+    pub preempt: bool,
     /// --weights-first: the 7b model's scale (0 < S <= 1; 1 is the full
     /// 7B model, about 98 GB as DeepSpeed ZeRO-2 with its optimizer
     /// state); the default 0.01 saves about 1 GB.
@@ -297,7 +305,8 @@ pub async fn run(a: DemoArgs) -> Result<()> {
             .context("the demo needs room for its checkpoints and their replicas")?;
         let out = pool::run(&a, &dir, &say).await?;
         if a.json {
-            noteln!("{}", serde_json::json!({ "pool": out }));
+            let key = if a.preempt { "pool_preempt" } else { "pool" };
+            noteln!("{}", serde_json::json!({ key: out }));
         }
         if a.keep {
             if let Some(t) = tmp {

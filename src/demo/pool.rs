@@ -73,6 +73,10 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
     let root = dir.join("train").join("pool-demo");
     std::fs::create_dir_all(&root)?;
     let root = std::fs::canonicalize(&root)?;
+    // A second job's root: --preempt's background checkpoint.
+    let archive = dir.join("train").join("archive");
+    std::fs::create_dir_all(&archive)?;
+    let archive = std::fs::canonicalize(&archive)?;
     let sink_root = dir.join("eval");
     let mut procs = Vec::new();
 
@@ -112,7 +116,8 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
         let text = format!(
             "{}\n[[links]]\nname = \"to-eval\"\npeer = \"{}\"\npeer_name = \"{}\"\nmore_peers = [{}]\n\
              rate = \"{}\"\nrtt_hint = \"{}ms\"\n\n[source]\nscan_interval = \"0s\"\n\n\
-             [[source.roots]]\npath = {}\njob = \"pool-demo\"\nlink = \"to-eval\"\n\n{}",
+             [[source.roots]]\npath = {}\njob = \"pool-demo\"\nlink = \"to-eval\"\n\n\
+             [[source.roots]]\npath = {}\njob = \"archive\"\nlink = \"to-eval\"\n\n{}",
             head(dir, name, "train-a", "source", api),
             peer(order[0]),
             sinks[order[0]],
@@ -120,6 +125,7 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
             format_rate(a.rate),
             a.rtt.as_millis().max(1),
             toml_path(&root),
+            toml_path(&archive),
             pool_tail(&pg.url("ferry_train"))
                 + &format!("part_size = {}\n", part_size),
         );
@@ -142,6 +148,18 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
         .build()?;
     for (name, url) in source_apis.iter().chain(&sink_apis) {
         wait_ready(&http, name, url, &mut procs).await?;
+    }
+
+    if a.preempt {
+        let out = preempt(a, &http, &source_apis, &pg, &root, &archive, say).await;
+        for p in &mut procs {
+            p.stop();
+        }
+        for r in relays {
+            r.shutdown().await;
+        }
+        pg.stop();
+        return out;
     }
 
     // The checkpoints, pushed through every source agent in turn.
@@ -496,6 +514,140 @@ async fn xact_count(url: &str, db: &str) -> Result<f64> {
     .await?;
     c.close().await?;
     Ok(n as f64)
+}
+
+/// `--preempt`: a background checkpoint of `--size` in `archive`,
+/// striped over every source agent; once each holds parts of it, an
+/// urgent one of a quarter of `--size` in `root` (job `pool-demo`) and a
+/// loss-spike signal for its job. The pre-emption latency is the time
+/// from the signal to the end of the first 100 ms window in which the
+/// urgent checkpoint's bytes arriving at the sink (the sink catalog's
+/// arrival bins, all sink agents together) reach 80 % of `--rate`.
+async fn preempt(
+    a: &DemoArgs,
+    http: &reqwest::Client,
+    sources: &[(String, String)],
+    pg: &Postgres,
+    root: &Path,
+    archive: &Path,
+    say: &dyn Fn(String),
+) -> Result<Value> {
+    let n = sources.len();
+    let urgent_size = a.size / 4;
+    let bg = archive.join("step_000100");
+    let urgent = root.join("step_000200");
+    for (path, size) in [(&bg, a.size), (&urgent, urgent_size)] {
+        let opts = ferry_gen::GenOptions::new(path.clone(), size);
+        tokio::task::spawn_blocking(move || ferry_gen::generate(&opts, &|_| {}))
+            .await?
+            .with_context(|| format!("generating {}", path.display()))?;
+    }
+    let api = &sources[0].1;
+    let push = async |body: Value| -> Result<i64> {
+        let r = http
+            .post(format!("{api}/v1/transfers"))
+            .json(&body)
+            .send()
+            .await?;
+        let status = r.status();
+        let v: Value = r.json().await.unwrap_or(Value::Null);
+        v["id"]
+            .as_i64()
+            .filter(|_| status.is_success())
+            .with_context(|| format!("pushing {body}: HTTP {status}: {v}"))
+    };
+    let bg_id = push(json!({ "path": bg.to_string_lossy(), "class": "background" })).await?;
+    say(format!(
+        "background checkpoint of {} bytes pushed; waiting until all {n} source agents hold parts of it",
+        a.size
+    ));
+    let train =
+        ferry_catalog::PostgresUrl::parse(&pg.url("ferry_train")).map_err(anyhow::Error::msg)?;
+    let catalog = ferry_catalog::Catalog::open_postgres(&train, "train-a").await?;
+    let t0 = Instant::now();
+    loop {
+        let held = catalog
+            .part_holders(&[ferry_proto::state::TransferId(bg_id as u64)], "")
+            .await?
+            .first()
+            .map_or(0, |h| h.1);
+        if held as usize >= n {
+            break;
+        }
+        if t0.elapsed() > Duration::from_secs(120) {
+            bail!("after 120 s only {held} of {n} source agents hold parts of the background checkpoint (is --size at least {n} parts?)");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let t_urgent = Instant::now();
+    let urgent_id = push(json!({ "path": urgent.to_string_lossy() })).await?;
+    let sig: Value = http
+        .post(format!("{api}/v1/signals"))
+        .json(&json!({ "job": "pool-demo", "kind": "loss_spike", "severity": 0.9, "step": 5000 }))
+        .send()
+        .await?
+        .error_for_status()
+        .context("sending the loss-spike signal")?
+        .json()
+        .await?;
+    let signal_ms = sig["signal"]["received_at"]
+        .as_i64()
+        .context("the signal's received_at")?;
+    say(format!(
+        "urgent checkpoint of {urgent_size} bytes pushed and its job signalled"
+    ));
+    loop {
+        let t = catalog
+            .transfer(ferry_proto::state::TransferId(urgent_id as u64))
+            .await?
+            .with_context(|| format!("transfer {urgent_id} is not in the catalog"))?;
+        match t.state {
+            ferry_proto::state::TransferState::Published => break,
+            ferry_proto::state::TransferState::Failed
+            | ferry_proto::state::TransferState::Cancelled => {
+                bail!("the urgent transfer ended {:?}", t.state)
+            }
+            _ => {}
+        }
+        if t_urgent.elapsed() > Duration::from_secs(600) {
+            bail!("the urgent transfer was not published within 600 s");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let urgent_wall = t_urgent.elapsed().as_secs_f64();
+    let eval =
+        ferry_catalog::PostgresUrl::parse(&pg.url("ferry_eval")).map_err(anyhow::Error::msg)?;
+    let sink = ferry_catalog::Catalog::open_postgres(&eval, "eval-b").await?;
+    let row = sink
+        .replicas_for_source(&urgent.to_string_lossy())
+        .await?
+        .into_iter()
+        .find(|r| r.state == ferry_proto::state::TransferState::Published)
+        .context("the urgent replica has no published row at the sink")?;
+    let arrivals = sink.chunk_arrivals(row.id).await?;
+    let latency = super::priority::preemption_latency_s(&arrivals, signal_ms, a.rate);
+    let _ = http
+        .post(format!("{api}/v1/transfers/{bg_id}/cancel"))
+        .json(&json!({}))
+        .send()
+        .await;
+    let rtt = a.rtt.as_secs_f64();
+    say(format!(
+        "signal to the urgent checkpoint at {:.0} % of the budget: {} ({} RTT); urgent checkpoint published {urgent_wall:.1} s after its push",
+        super::priority::PREEMPTED_SHARE * 100.0,
+        latency.map_or("never within its transfer".to_string(), |l| format!("{l:.2} s")),
+        latency.map_or("-".to_string(), |l| format!("{:.1}", l / rtt.max(1e-3))),
+    ));
+    Ok(json!({
+        "agents": n,
+        "background_bytes": a.size,
+        "urgent_bytes": urgent_size,
+        "urgent_wall_s": urgent_wall,
+        "preemption_latency_s": latency,
+        "preemption_latency_rtt": latency.map(|l| l / rtt.max(1e-3)),
+        "rtt_s": rtt,
+        "budget_bps": a.rate,
+    }))
 }
 
 /// From the source pool's catalog at `url`: how many transfers were

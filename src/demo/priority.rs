@@ -35,7 +35,7 @@ const BACKGROUND_COPIES: usize = 4;
 
 /// Share of the rate cap urgent bytes must reach in one window for
 /// pre-emption to count as done (ARCHITECTURE.md "Measures").
-const PREEMPTED_SHARE: f64 = 0.8;
+pub(super) const PREEMPTED_SHARE: f64 = 0.8;
 
 /// Targets (ARCHITECTURE.md, "Measures"): urgent wall time over solo.
 const MAX_OVER_SOLO: f64 = 1.1;
@@ -366,7 +366,7 @@ const WINDOW_MS: i64 = 100;
 /// in which the bytes arriving at the sink reach [`PREEMPTED_SHARE`] of
 /// `rate_bps`. Windows slide in steps of one arrival bin, the first
 /// starting with the bin the signal came in; `None` if none reaches it.
-fn preemption_latency_s(a: &Arrivals, signal_ms: i64, rate_bps: u64) -> Option<f64> {
+pub(super) fn preemption_latency_s(a: &Arrivals, signal_ms: i64, rate_bps: u64) -> Option<f64> {
     let need = PREEMPTED_SHARE * rate_bps as f64 / 8.0 * WINDOW_MS as f64 / 1000.0;
     let step = a.bin_ms.max(1);
     let last = a.bins.last()?.0;

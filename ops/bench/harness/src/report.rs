@@ -407,6 +407,23 @@ fn markdown(b: &Bench, machine: &Value, date: &str, mode: &str) -> String {
         }
         s.push('\n');
     }
+    let pre: Vec<&Record> = rs.iter().filter(|r| r.scenario == "pool-preempt").collect();
+    if !pre.is_empty() {
+        let _ = writeln!(s, "### Pre-emption across the pool (`ferry demo --agents 2 --preempt`: a background checkpoint striped over both pairs, then an urgent one and a loss-spike signal; target <= 2 RTT + the notification delay)\n\n| pairs | background bytes | urgent bytes | signal to 80 % of the budget, s | in RTT | urgent published after, s |\n| ---: | ---: | ---: | ---: | ---: | ---: |");
+        for r in pre {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {:.1} |",
+                r.extra["agents"],
+                r.extra["background_bytes"],
+                r.bytes,
+                opt(r.extra["preemption_latency_s"].as_f64(), 2),
+                opt(r.extra["preemption_latency_rtt"].as_f64(), 1),
+                r.wall_s,
+            );
+        }
+        s.push('\n');
+    }
     let lag: Vec<&Record> = rs.iter().filter(|r| r.scenario == "lag").collect();
     if !lag.is_empty() {
         let _ = writeln!(s, "### Lag (`ferry demo` phase 2, DCP written at half the link rate; target with on_open: <= 2 RTT + 1 s)\n\n| start | bytes | write s | commit-to-replica s | open-to-replica s | verified |\n| --- | ---: | ---: | ---: | ---: | --- |");

@@ -1439,6 +1439,55 @@ pub fn scenario_pool(b: &mut Bench) -> Result<()> {
         ));
         b.records.push(r);
     }
+    // Pre-emption across two pairs: a background checkpoint striped over
+    // both, then an urgent one and its job's loss-spike signal.
+    let (n, size, rate) = (
+        2u64,
+        2 * POOL_PARTS_PER_AGENT * POOL_PART_SIZE,
+        2 * POOL_PAIR_BPS,
+    );
+    say(format!(
+        "pool: pre-emption across {n} agent pairs, budget {rate} bit/s"
+    ));
+    let log = "pool-preempt.log";
+    let out = Command::new(&b.ferry)
+        .arg("demo")
+        .args(["--agents", &n.to_string(), "--preempt"])
+        .args(["--part-size", &POOL_PART_SIZE.to_string()])
+        .args(["--size", &size.to_string()])
+        .args(["--rate", &format!("{rate}bit/s"), "--rtt", &rtt, "--json"])
+        .stderr(std::fs::File::create(b.log(log))?)
+        .output()
+        .context("starting ferry demo --agents --preempt")?;
+    if !out.status.success() {
+        bail!(
+            "ferry demo --agents {n} --preempt failed; see {}",
+            b.log(log).display()
+        );
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: Value = serde_json::from_str(text.lines().last().unwrap_or(""))
+        .context("ferry demo --json output")?;
+    let p = &v["pool_preempt"];
+    let urgent = p["urgent_bytes"].as_u64().unwrap_or(0);
+    let wall = p["urgent_wall_s"].as_f64().unwrap_or(f64::NAN);
+    let mut r = Record::copy(
+        "pool-preempt",
+        "ferry",
+        urgent,
+        0,
+        wall,
+        rate,
+        link_rtt_ms(b),
+        0.0,
+    );
+    r.verified = true;
+    r.extra = p.clone();
+    say(format!(
+        "  signal to the urgent checkpoint at 80 % of the budget: {} s ({} RTT)",
+        p["preemption_latency_s"], p["preemption_latency_rtt"]
+    ));
+    b.records.push(r);
     Ok(())
 }
 
