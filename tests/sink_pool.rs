@@ -428,6 +428,64 @@ async fn ferry_demo_with_agents_runs_a_source_pool_and_a_sink_pool() {
             format!("the {role} agents' bytes add up to {sum}: {v}")
         });
     }
+    // Each agent's CPU, the machine's idle share and the catalogs' load
+    // over the replication window (heartbeats alone make transactions).
+    w.ensure(
+        agents
+            .iter()
+            .all(|a| a["cpu_s"].as_f64().is_some_and(|c| c >= 0.0))
+            && p["cpu"]["machine_idle_share"]
+                .as_f64()
+                .is_some_and(|i| (0.0..=1.0).contains(&i))
+            && p["cpu"]["cores"].as_u64().is_some_and(|c| c >= 1)
+            && p["catalog_tps"]["source_site"]
+                .as_f64()
+                .is_some_and(|t| t > 0.0)
+            && p["catalog_tps"]["sink_site"]
+                .as_f64()
+                .is_some_and(|t| t > 0.0),
+        || format!("CPU and catalog load: {v}"),
+    );
+    // Pre-emption across the pool: the background checkpoint is striped
+    // over both source agents (the demo waits for that), the urgent one
+    // is published and its latency reported.
+    let out = w
+        .ferry(
+            &[
+                "demo",
+                "--agents",
+                "2",
+                "--preempt",
+                "--part-size",
+                "1MiB",
+                "--size",
+                "16MB",
+                "--rate",
+                "100Mbit/s",
+                "--rtt",
+                "20ms",
+                "--json",
+            ],
+            &[],
+            TRANSFER,
+        )
+        .await;
+    w.ensure(out.success(), || {
+        format!("ferry demo --agents 2 --preempt: {out}")
+    });
+    let last = out.stdout.lines().last().unwrap_or_default();
+    let v: Value = serde_json::from_str(last).unwrap_or_else(|e| w.fail(format!("{e}: {out}")));
+    let p = &v["pool_preempt"];
+    w.ensure(
+        p["urgent_bytes"] == 4_000_000
+            && p["urgent_wall_s"].as_f64().is_some_and(|s| s > 0.0)
+            && (p["preemption_latency_s"].is_null()
+                || p["preemption_latency_s"].as_f64().is_some_and(|l| l >= 0.0))
+            && out
+                .stderr
+                .contains("waiting until all 2 source agents hold parts"),
+        || format!("pre-emption summary: {v}\n{out}"),
+    );
 }
 
 /// The sink site's catalog is cut off from both sink agents for 10 s while
