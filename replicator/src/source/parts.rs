@@ -570,8 +570,14 @@ fn part_keys(map: &ChunkMap, r: &PartRange) -> Vec<u64> {
 /// Reads each part of `ranges` (chunk keys of `map`, files of `files`
 /// under `dir`): hashes every chunk, queues those not in `have`, and
 /// notes each file's size, mtime and version before and after. A file
-/// shorter than the plan says gives zero hashes for the chunks it lacks
-/// (the seal sees its size and plans again).
+/// shorter than the plan says, or changed while read, gives zero hashes
+/// for the chunks it lacks (the seal sees its size or version and plans
+/// or sends its parts again).
+///
+/// # Errors
+/// A file that cannot be opened or stated, or a read that fails while
+/// the file is unchanged, named with its path and offset; a chunk key
+/// not in the plan.
 #[allow(clippy::too_many_arguments)]
 fn read_parts(
     inner: &Inner,
@@ -611,11 +617,26 @@ fn read_parts(
                 let (_, ci) = map.locate(keys[i]).unwrap_or((fi, 0));
                 let (off, len) = map.span(fi, ci);
                 let mut buf = inner.bufs.take(len as usize);
-                let ok = before.0 >= off + len
-                    && f.read_range_into(off, len, &mut buf).is_ok()
-                    && buf.len() as u64 == chunk_len(info.size, chunk_size, u64::from(ci));
+                let mut ok = before.0 >= off + len;
+                if ok {
+                    if let Err(e) = f.read_range_into(off, len, &mut buf) {
+                        // A file that changed under the read is for the
+                        // seal; any other read error ends the run, named
+                        // (a zero hash would stall the commit).
+                        if stat(&*f)? == before {
+                            return Err(format!(
+                                "{}: reading {len} bytes at offset {off}: {e}",
+                                path.display()
+                            ));
+                        }
+                        ok = false;
+                    }
+                }
+                ok = ok && buf.len() as u64 == chunk_len(info.size, chunk_size, u64::from(ci));
                 if !ok {
-                    // Shorter than planned: the seal plans again.
+                    // Shorter than planned, or changed while read: the
+                    // seal sees the file's size or version and plans or
+                    // sends its parts again.
                     hashes.push([0u8; 32]);
                     i += 1;
                     continue;
