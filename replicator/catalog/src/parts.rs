@@ -273,16 +273,27 @@ impl Catalog {
         .execute(&mut *tx)
         .await?;
         if r.rows_affected() > 0 {
+            // After a plan was dropped (a file changed size), the new
+            // parts' first claims come after every earlier claim's epoch:
+            // the claim history keeps its rows, and the sink refuses an
+            // epoch below one it recorded for the same part number.
+            let base: i64 = sqlx::query_scalar(&self.db.sql(
+                "SELECT CAST(COALESCE(MAX(epoch), 0) AS BIGINT) FROM part_claims WHERE transfer = ?",
+            ))
+            .bind(id.as_i64())
+            .fetch_one(&mut *tx)
+            .await?;
             for p in &parts {
                 sqlx::query(&self.db.sql(
-                    "INSERT INTO transfer_parts (transfer, part, first_key, end_key, bytes) \
-                     VALUES (?, ?, ?, ?, ?)",
+                    "INSERT INTO transfer_parts (transfer, part, first_key, end_key, bytes, \
+                     lease_epoch) VALUES (?, ?, ?, ?, ?, ?)",
                 ))
                 .bind(id.as_i64())
                 .bind(p.part as i64)
                 .bind(p.first_key as i64)
                 .bind(p.end_key as i64)
                 .bind(p.bytes as i64)
+                .bind(base)
                 .execute(&mut *tx)
                 .await?;
             }

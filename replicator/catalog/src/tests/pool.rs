@@ -680,6 +680,16 @@ async fn parts_are_claimed_once_and_a_lapsed_part_is_taken_over(c: Catalog) {
     c.drop_plan(id).await.unwrap();
     assert_eq!(c.transfer_plan(id).await.unwrap(), None);
     assert_eq!(c.parts_status(id).await.unwrap().total, 0);
+    // Planned again (a file changed size): the new parts' claims come
+    // after every earlier epoch, and their claim rows do not collide with
+    // the old ones.
+    let old_max = claims.iter().map(|r| r.epoch).max().unwrap();
+    c.plan_transfer(id, &files, &[2], 1 << 20, 2 << 20, "b")
+        .await
+        .unwrap();
+    let again = c.claim_parts(id, "b", 2, 60_000).await.unwrap();
+    assert_eq!(again.len(), 2);
+    assert!(again.iter().all(|cl| cl.epoch == old_max + 1), "{again:?}");
 }
 both!(parts_are_claimed_once_and_a_lapsed_part_is_taken_over);
 
