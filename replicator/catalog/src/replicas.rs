@@ -336,6 +336,11 @@ pub(crate) async fn publish_in(
         .bind(p.id)
         .execute(&mut *conn)
         .await?;
+    // A published row takes no more chunks: its parts' epochs go too.
+    sqlx::query(&db.sql("DELETE FROM part_epochs WHERE replica = ?"))
+        .bind(p.id)
+        .execute(&mut *conn)
+        .await?;
     crate::replica_events::record_publish(db, conn, p.id, now).await?;
     Ok(lag(p.times.committed_ms))
 }

@@ -372,6 +372,13 @@ async fn transfer_and_replica_rows_roundtrip(c: Catalog) {
     c.add_chunks(&[vc(r, 0, [7; 32], 5)]).await.unwrap();
     c.add_chunks(&[vc(r, 0, [7; 32], 5)]).await.unwrap();
     assert_eq!(c.chunks(r).await.unwrap(), vec![(0, [7; 32])]);
+    let part = PartRange {
+        part: 0,
+        first_key: 0,
+        end_key: 1,
+        bytes: 5,
+    };
+    c.register_part_epoch(r, part, 1, "a").await.unwrap();
     assert_eq!(
         c.replica_state_counts().await.unwrap(),
         vec![(TransferState::Receiving, 1)]
@@ -401,6 +408,8 @@ async fn transfer_and_replica_rows_roundtrip(c: Catalog) {
         vec![(TransferState::Published, 1)]
     );
     assert!(c.chunks(r).await.unwrap().is_empty());
+    // Its parts' epochs go with the chunk rows.
+    assert!(c.part_epochs(r, None).await.unwrap().is_empty());
     let rep = c.replica_by_local_path("/eval/x").await.unwrap().unwrap();
     assert_eq!(rep.bytes_done, 5);
     assert_eq!(rep.profile, Profile::WeightsOnly);

@@ -825,15 +825,19 @@ impl Catalog {
     }
 
     /// Marks a transfer published at `local_path` with manifest `root`.
+    /// A striped transfer's parts forget their chunk hashes and file
+    /// versions (kept until the seal; about 2 KiB per 256 MiB part): the
+    /// parts and their claims stay, as its record.
     ///
     /// # Errors
-    /// SQL errors.
+    /// SQL errors (nothing changes then).
     pub async fn set_transfer_published(
         &self,
         id: TransferId,
         root_hex: &str,
         local_path: &str,
     ) -> Result<(), CatalogError> {
+        let mut tx = self.pool.begin().await?;
         sqlx::query(&self.db.sql(
             "UPDATE transfers SET state = 'published', manifest_root = ?, local_path = ?, \
              bytes_done = bytes_total, finished_at = ? WHERE id = ?",
@@ -842,8 +846,17 @@ impl Catalog {
         .bind(local_path)
         .bind(now_ms())
         .bind(id.as_i64())
-        .execute(&self.pool)
+        .execute(&mut *tx)
         .await?;
+        sqlx::query(
+            &self
+                .db
+                .sql("UPDATE transfer_parts SET hashes = NULL, versions = NULL WHERE transfer = ?"),
+        )
+        .bind(id.as_i64())
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
         Ok(())
     }
 

@@ -690,6 +690,23 @@ async fn parts_are_claimed_once_and_a_lapsed_part_is_taken_over(c: Catalog) {
     let again = c.claim_parts(id, "b", 2, 60_000).await.unwrap();
     assert_eq!(again.len(), 2);
     assert!(again.iter().all(|cl| cl.epoch == old_max + 1), "{again:?}");
+    // Published: the parts forget their hashes and versions, not their
+    // states or claims.
+    let cl = &again[0];
+    assert!(c
+        .release_part(id, cl.range.part, "b", cl.epoch, &h, &[read])
+        .await
+        .unwrap());
+    c.set_transfer_published(id, "00", "/replica")
+        .await
+        .unwrap();
+    let p = c.parts(id).await.unwrap();
+    let done = p.iter().find(|p| p.range.part == cl.range.part).unwrap();
+    assert_eq!(
+        (done.state, done.hashes.len(), done.versions.len()),
+        (PartState::Done, 0, 0)
+    );
+    assert!(!c.part_claims(id).await.unwrap().is_empty());
 }
 both!(parts_are_claimed_once_and_a_lapsed_part_is_taken_over);
 
