@@ -1196,9 +1196,26 @@ async fn after_a_signal_every_source_agent_claims_the_urgent_transfer_s_parts_fi
 #[tokio::test]
 async fn a_file_rewritten_while_its_transfer_is_striped_is_sent_again_at_the_seal() {
     let w = World::new("striped-rewrite").await;
+    rewritten_while_striped(&w, "rewrite", false).await;
+}
+
+/// As above, but the file grows: the seal drops the plan, the next run
+/// lists the checkpoint and plans it again (its claims under later
+/// epochs than any before), and the replica matches the file as it is
+/// now.
+#[tokio::test]
+async fn a_file_that_grows_while_its_transfer_is_striped_is_planned_again() {
+    let w = World::new("striped-grow").await;
+    rewritten_while_striped(&w, "grow", true).await;
+}
+
+/// The plan's first file (in part 0) changed once part 0 is done and
+/// both source agents hold parts: each byte changed (same size), or with
+/// `grow`, 1 MB appended.
+async fn rewritten_while_striped(w: &World, name: &str, grow: bool) {
     let ckpt = w.source_root().join("step_000800");
     w.gen(&ckpt, "160MB").await;
-    let pool = striped_pool(&w, "rewrite", "100Mbit/s", &[]).await;
+    let pool = striped_pool(w, name, "100Mbit/s", &[]).await;
     let id = w.push_no_wait(&pool.sources[0], &ckpt).await;
     // The plan's first file, in part 0, once part 0 is done and both
     // agents hold parts.
@@ -1239,17 +1256,25 @@ async fn a_file_rewritten_while_its_transfer_is_striped_is_sent_again_at_the_sea
     let path = ckpt.join(&first);
     let mut bytes = std::fs::read(&path).unwrap();
     w.ensure(!bytes.is_empty(), || format!("{first} is empty"));
-    for b in bytes.iter_mut() {
-        *b = b.wrapping_add(1);
+    if grow {
+        bytes.extend(std::iter::repeat_n(7u8, 1_000_000));
+    } else {
+        for b in bytes.iter_mut() {
+            *b = b.wrapping_add(1);
+        }
     }
     std::fs::write(&path, &bytes).unwrap();
-    wait_published(&w, &pool.sources[0], id).await;
-    assert_replica(&w, None, &ckpt, "step_000800");
+    wait_published(w, &pool.sources[0], id).await;
+    assert_replica(w, None, &ckpt, "step_000800");
     let log = pool.sources[0].stderr() + &pool.sources[1].stderr();
-    w.ensure(
-        log.contains("files changed while their parts were read"),
-        || format!("the coordinator should say it reads the changed file's parts again:\n{log}"),
-    );
+    let said = if grow {
+        "changed size while it was sent"
+    } else {
+        "files changed while their parts were read"
+    };
+    w.ensure(log.contains(said), || {
+        format!("the coordinator should say \"{said}\":\n{log}")
+    });
     let claims = part_claims(&pool.source_db).await;
     w.ensure(
         claims
@@ -1259,5 +1284,6 @@ async fn a_file_rewritten_while_its_transfer_is_striped_is_sent_again_at_the_sea
             >= 2,
         || format!("part 0 released twice (sent again): {claims:?}"),
     );
+    assert_claims_apart(w, &claims);
     pool.finish().await;
 }
