@@ -385,27 +385,11 @@ async fn ferry_demo_with_agents_runs_a_source_pool_and_a_sink_pool() {
         !out.success() && out.all().contains("--agents must be 1 to 8, got 9"),
         || format!("ferry demo --agents 9: {out}"),
     );
-    let out = w
-        .ferry(
-            &[
-                "demo",
-                "--agents",
-                "2",
-                "--size",
-                "8MB",
-                "--rate",
-                "100Mbit/s",
-                "--rtt",
-                "20ms",
-                "--json",
-            ],
-            &[],
-            TRANSFER,
-        )
-        .await;
-    w.ensure(out.success(), || format!("ferry demo --agents 2: {out}"));
-    let last = out.stdout.lines().last().unwrap_or_default();
-    let v: Value = serde_json::from_str(last).unwrap_or_else(|e| w.fail(format!("{e}: {out}")));
+    let v = demo_json(
+        &w,
+        &["--agents", "2", "--size", "8MB", "--rate", "100Mbit/s"],
+    )
+    .await;
     let p = &v["pool"];
     w.ensure(
         p["identical"] == true && p["checkpoints"] == 4 && p["bytes"] == 8_000_000,
@@ -449,43 +433,46 @@ async fn ferry_demo_with_agents_runs_a_source_pool_and_a_sink_pool() {
     // Pre-emption across the pool: the background checkpoint is striped
     // over both source agents (the demo waits for that), the urgent one
     // is published and its latency reported.
-    let out = w
-        .ferry(
-            &[
-                "demo",
-                "--agents",
-                "2",
-                "--preempt",
-                "--part-size",
-                "1MiB",
-                "--size",
-                "16MB",
-                "--rate",
-                "100Mbit/s",
-                "--rtt",
-                "20ms",
-                "--json",
-            ],
-            &[],
-            TRANSFER,
-        )
-        .await;
-    w.ensure(out.success(), || {
-        format!("ferry demo --agents 2 --preempt: {out}")
-    });
-    let last = out.stdout.lines().last().unwrap_or_default();
-    let v: Value = serde_json::from_str(last).unwrap_or_else(|e| w.fail(format!("{e}: {out}")));
+    let v = demo_json(
+        &w,
+        &[
+            "--agents",
+            "2",
+            "--preempt",
+            "--part-size",
+            "1MiB",
+            "--size",
+            "16MB",
+            "--rate",
+            "100Mbit/s",
+        ],
+    )
+    .await;
     let p = &v["pool_preempt"];
     w.ensure(
         p["urgent_bytes"] == 4_000_000
             && p["urgent_wall_s"].as_f64().is_some_and(|s| s > 0.0)
             && (p["preemption_latency_s"].is_null()
                 || p["preemption_latency_s"].as_f64().is_some_and(|l| l >= 0.0))
-            && out
-                .stderr
-                .contains("waiting until all 2 source agents hold parts"),
-        || format!("pre-emption summary: {v}\n{out}"),
+            && v["stderr"]
+                .as_str()
+                .is_some_and(|e| e.contains("waiting until all 2 source agents hold parts")),
+        || format!("pre-emption summary: {v}"),
     );
+}
+
+/// `ferry demo ARGS --rtt 20ms --json`, which must succeed: its summary
+/// (the last line of its output), with its stderr added as `stderr`.
+async fn demo_json(w: &World, args: &[&str]) -> Value {
+    let mut all = vec!["demo"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&["--rtt", "20ms", "--json"]);
+    let out = w.ferry(&all, &[], TRANSFER).await;
+    w.ensure(out.success(), || format!("ferry {}: {out}", all.join(" ")));
+    let last = out.stdout.lines().last().unwrap_or_default();
+    let mut v: Value = serde_json::from_str(last).unwrap_or_else(|e| w.fail(format!("{e}: {out}")));
+    v["stderr"] = Value::from(out.stderr.clone());
+    v
 }
 
 /// The sink site's catalog is cut off from both sink agents for 10 s while

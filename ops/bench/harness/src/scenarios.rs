@@ -1325,7 +1325,11 @@ pub fn scenario_cpu(b: &mut Bench, ck: &Ckpt) -> Result<()> {
 
 /// The last stdout line of a `ferry demo --json` run, parsed.
 fn demo_json(b: &Bench, args: &[&str], log: &str) -> Result<Value> {
-    let rate = b.args.rate.to_string();
+    demo_json_at(b, args, b.args.rate, log)
+}
+
+/// [`demo_json`] at link rate `rate` (bit/s) instead of the bench's.
+fn demo_json_at(b: &Bench, args: &[&str], rate: u64, log: &str) -> Result<Value> {
     let rtt = format!("{}ms", b.args.rtt.as_millis());
     let out = Command::new(&b.ferry)
         .arg("demo")
@@ -1364,7 +1368,6 @@ const POOL_PAIR_BPS: u64 = 100_000_000;
 /// idle share and the catalogs' transactions per second (the demo's
 /// `cpu` and `catalog_tps`).
 pub fn scenario_pool(b: &mut Bench) -> Result<()> {
-    let rtt = format!("{}ms", b.args.rtt.as_millis());
     let mut one_pair: Option<f64> = None;
     for n in [1u64, 2, 4] {
         let size = n * POOL_PARTS_PER_AGENT * POOL_PART_SIZE;
@@ -1372,25 +1375,22 @@ pub fn scenario_pool(b: &mut Bench) -> Result<()> {
         say(format!(
             "pool: {n} agent pair(s), one {size}-byte checkpoint, budget {rate} bit/s"
         ));
-        let log = format!("pool-{n}.log");
-        let out = Command::new(&b.ferry)
-            .arg("demo")
-            .args(["--agents", &n.to_string(), "--checkpoints", "1"])
-            .args(["--part-size", &POOL_PART_SIZE.to_string()])
-            .args(["--size", &size.to_string()])
-            .args(["--rate", &format!("{rate}bit/s"), "--rtt", &rtt, "--json"])
-            .stderr(std::fs::File::create(b.log(&log))?)
-            .output()
-            .context("starting ferry demo --agents")?;
-        if !out.status.success() {
-            bail!(
-                "ferry demo --agents {n} failed; see {}",
-                b.log(&log).display()
-            );
-        }
-        let text = String::from_utf8_lossy(&out.stdout);
-        let v: Value = serde_json::from_str(text.lines().last().unwrap_or(""))
-            .context("ferry demo --json output")?;
+        let (agents, part, bytes) = (n.to_string(), POOL_PART_SIZE.to_string(), size.to_string());
+        let v = demo_json_at(
+            b,
+            &[
+                "--agents",
+                &agents,
+                "--checkpoints",
+                "1",
+                "--part-size",
+                &part,
+                "--size",
+                &bytes,
+            ],
+            rate,
+            &format!("pool-{n}.log"),
+        )?;
         let p = &v["pool"];
         let bytes = p["bytes"].as_u64().unwrap_or(0);
         let wall = p["wall_s"].as_f64().unwrap_or(f64::NAN);
@@ -1449,25 +1449,21 @@ pub fn scenario_pool(b: &mut Bench) -> Result<()> {
     say(format!(
         "pool: pre-emption across {n} agent pairs, budget {rate} bit/s"
     ));
-    let log = "pool-preempt.log";
-    let out = Command::new(&b.ferry)
-        .arg("demo")
-        .args(["--agents", &n.to_string(), "--preempt"])
-        .args(["--part-size", &POOL_PART_SIZE.to_string()])
-        .args(["--size", &size.to_string()])
-        .args(["--rate", &format!("{rate}bit/s"), "--rtt", &rtt, "--json"])
-        .stderr(std::fs::File::create(b.log(log))?)
-        .output()
-        .context("starting ferry demo --agents --preempt")?;
-    if !out.status.success() {
-        bail!(
-            "ferry demo --agents {n} --preempt failed; see {}",
-            b.log(log).display()
-        );
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
-    let v: Value = serde_json::from_str(text.lines().last().unwrap_or(""))
-        .context("ferry demo --json output")?;
+    let (agents, part, bytes) = (n.to_string(), POOL_PART_SIZE.to_string(), size.to_string());
+    let v = demo_json_at(
+        b,
+        &[
+            "--agents",
+            &agents,
+            "--preempt",
+            "--part-size",
+            &part,
+            "--size",
+            &bytes,
+        ],
+        rate,
+        "pool-preempt.log",
+    )?;
     let p = &v["pool_preempt"];
     let urgent = p["urgent_bytes"].as_u64().unwrap_or(0);
     let wall = p["urgent_wall_s"].as_f64().unwrap_or(f64::NAN);
