@@ -492,7 +492,6 @@ async fn a_sink_site_whose_catalog_stops_for_10_s_records_everything_after_it() 
     let id = w.push_no_wait(&pool.source, &ckpt).await;
     holds_part(&w, &pool.sinks[0]).await;
     cut.down();
-    let cut_at = std::time::Instant::now();
     // The whole checkpoint reaches the sink within the outage, but none
     // of it past the cut is confirmed: the transfer cannot finish.
     tokio::time::sleep(Duration::from_secs(10)).await;
@@ -528,10 +527,7 @@ async fn a_sink_site_whose_catalog_stops_for_10_s_records_everything_after_it() 
     )
     .await;
     cut.up();
-    let t = wait_published(&w, &pool.source, id).await;
-    w.ensure(cut_at.elapsed() >= Duration::from_secs(10), || {
-        format!("published before the catalog came back: {t}")
-    });
+    wait_published(&w, &pool.source, id).await;
     w.assert_same_tree(&ckpt, &w.replica_path("step_000300"));
     let mut c = sqlx::PgConnection::connect(&pool.db).await.unwrap();
     let row = sqlx::query(
@@ -855,7 +851,6 @@ async fn a_striped_transfer_survives_the_source_site_s_catalog_stopped_for_10_s(
     let id = w.push_no_wait(&pool.sources[0], &ckpt).await;
     both_hold_parts(&w, &pool).await;
     cut.down();
-    let cut_at = std::time::Instant::now();
     tokio::time::sleep(Duration::from_secs(10)).await;
     let (states, _) = catalog_view(&pool.sink_db, "step_000600").await;
     w.ensure(!states.iter().any(|s| s == "published"), || {
@@ -874,9 +869,6 @@ async fn a_striped_transfer_survives_the_source_site_s_catalog_stopped_for_10_s(
     });
     cut.up();
     wait_published(&w, &pool.sources[0], id).await;
-    w.ensure(cut_at.elapsed() >= Duration::from_secs(10), || {
-        "published before the catalog came back".to_string()
-    });
     assert_replica(&w, None, &ckpt, "step_000600");
     let claims = part_claims(&pool.source_db).await;
     let ended_at_cut: Vec<&PartClaimRow> = claims

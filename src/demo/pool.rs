@@ -51,6 +51,12 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
     if part_size < 1 << 20 {
         bail!("--part-size must be at least 1MiB, got {part_size} bytes");
     }
+    if a.preempt && a.size < n as u64 * part_size {
+        bail!(
+            "--preempt needs a background checkpoint of at least one part per source agent: --size {} is below {n} x --part-size {part_size}",
+            a.size
+        );
+    }
     let pg = Postgres::start().await?;
     say(format!(
         "PostgreSQL {} on 127.0.0.1:{} (throwaway, in {})",
@@ -303,7 +309,7 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
             .filter(|l| l.starts_with(metric))
             .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
             .sum();
-        let cpu_s = usage.agents.get(name.as_str()).copied();
+        let cpu_s = usage.agents.get(name.as_str()).copied().map(round2);
         per_agent
             .push(json!({ "name": name, "role": role, "bytes": bytes as u64, "cpu_s": cpu_s }));
         table.insert(name.clone(), (role, bytes as u64));
@@ -319,11 +325,12 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
         format_rate((total as f64 * 8.0 / wall.max(1e-3)) as u64)
     ));
     say(format!(
-        "{:<12} {:<7} {:>14}",
-        "agent", "role", "payload bytes"
+        "{:<12} {:<7} {:>14} {:>7}",
+        "agent", "role", "payload bytes", "CPU s"
     ));
     for (name, (role, bytes)) in &table {
-        say(format!("{name:<12} {role:<7} {bytes:>14}"));
+        let cpu = usage.agents.get(name).copied().unwrap_or(f64::NAN);
+        say(format!("{name:<12} {role:<7} {bytes:>14} {cpu:>7.2}"));
     }
     if sent < total {
         say(format!(
@@ -339,7 +346,7 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
     let gb = total as f64 / 1e9;
     let agents_cpu: f64 = usage.agents.values().sum();
     say(format!(
-        "CPU while replicating: agents {agents_cpu:.1} s ({:.1} s/GB), this demo's emulated links {:.1} s, PostgreSQL {:.1} s; machine idle {:.0} %; catalog transactions/s: source site {:.0}, sink site {:.0}",
+        "CPU while replicating: agents {agents_cpu:.1} s ({:.1} s/GB), this demo process (the emulated links) {:.1} s, PostgreSQL {:.1} s; machine idle {:.0} %; catalog transactions/s, about (PostgreSQL's counts lag by up to a few seconds): source site {:.0}, sink site {:.0}",
         agents_cpu / gb.max(1e-9),
         usage.demo_s,
         usage.postgres_s,
@@ -365,10 +372,10 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
         "goodput_bps": total as f64 * 8.0 / wall.max(1e-3),
         "per_agent": per_agent,
         "cpu": {
-            "agents_s": agents_cpu,
-            "agents_s_per_gb": agents_cpu / gb.max(1e-9),
-            "demo_links_s": usage.demo_s,
-            "postgres_s": usage.postgres_s,
+            "agents_s": round2(agents_cpu),
+            "agents_s_per_gb": round2(agents_cpu / gb.max(1e-9)),
+            "demo_process_s": round2(usage.demo_s),
+            "postgres_s": round2(usage.postgres_s),
             "machine_idle_share": usage.idle_share,
             "cores": usage.cores,
         },
@@ -446,6 +453,11 @@ impl Usage {
     }
 }
 
+/// `x` to 2 decimals (CPU seconds in the summary).
+fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
 /// Linux's USER_HZ: the unit of `/proc`'s CPU times (proc(5)), 100 on
 /// every architecture Ferry builds for.
 const USER_HZ: f64 = 100.0;
@@ -498,11 +510,16 @@ fn machine_jiffies() -> (f64, f64, usize) {
         .map(|x| x.parse().unwrap_or(0.0))
         .collect();
     let idle = v.get(3).copied().unwrap_or(0.0) + v.get(4).copied().unwrap_or(0.0);
-    (idle, v.iter().sum(), cores)
+    // user through steal: guest and guest_nice are already in user and
+    // nice.
+    (idle, v.iter().take(8).sum(), cores)
 }
 
 /// Transactions (committed and rolled back) of database `db` so far, as
-/// `pg_stat_database` counts them.
+/// `pg_stat_database` counts them. Approximate: each backend reports its
+/// counts at most once a second while busy and up to 10 s after it goes
+/// idle (PostgreSQL 15's cumulative statistics), so a window of some
+/// tens of seconds is off by a few seconds' transactions.
 async fn xact_count(url: &str, db: &str) -> Result<f64> {
     use sqlx::Connection;
     let mut c = sqlx::PgConnection::connect(url).await?;
