@@ -951,11 +951,13 @@ impl Catalog {
         Ok(r.rows_affected() == 1)
     }
 
-    /// Records that the files of `removing` replica `id` are gone.
+    /// Records that the files of `removing` replica `id` are gone. True if
+    /// this call recorded it; false if it was recorded already (another
+    /// sink agent of the pool finished the same removal).
     ///
     /// # Errors
     /// SQL errors.
-    pub async fn finish_replica_removal(&self, id: i64) -> Result<(), CatalogError> {
+    pub async fn finish_replica_removal(&self, id: i64) -> Result<bool, CatalogError> {
         let now = now_ms();
         let mut tx = self.pool.begin().await?;
         let r = sqlx::query(&self.db.sql(
@@ -965,11 +967,12 @@ impl Catalog {
         .bind(id)
         .execute(&mut *tx)
         .await?;
-        if r.rows_affected() > 0 {
+        let recorded = r.rows_affected() > 0;
+        if recorded {
             crate::replica_events::record_removed(self.db, &mut tx, id, now).await?;
         }
         tx.commit().await?;
-        Ok(())
+        Ok(recorded)
     }
 
     /// Pins published replica `id` (`until`: Unix ms, `None` = until

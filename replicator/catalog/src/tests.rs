@@ -1912,9 +1912,9 @@ async fn publish_events_are_logged_in_order(c: Catalog) {
         .begin_replica_removal(a, RemovalReason::Operator, "test", false, 10)
         .await
         .unwrap());
-    c.finish_replica_removal(a).await.unwrap();
+    assert!(c.finish_replica_removal(a).await.unwrap());
     // Finishing again says nothing more.
-    c.finish_replica_removal(a).await.unwrap();
+    assert!(!c.finish_replica_removal(a).await.unwrap());
     let ev = c.replica_events_after(0, 100).await.unwrap();
     let got: Vec<(&str, i64, Option<i64>)> = ev
         .iter()

@@ -1668,12 +1668,14 @@ async fn retire(inner: Arc<Inner>, r: Replica, aside: PathBuf) {
             Ok(()) => inner.catalog.finish_replica_removal(r.id).await,
             Err(e) => {
                 warn!(replica = r.id, error = %e, "deleting a removed replica's files; trying again later");
-                Ok(())
+                Ok(false)
             }
         };
         crate::lock::lock(&inner.retiring).remove(&r.id);
         match done {
-            Ok(()) => {
+            // Counted by the one agent of a pool that recorded it.
+            Ok(false) => {}
+            Ok(true) => {
                 let reason = r
                     .removal
                     .as_ref()
