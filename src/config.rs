@@ -62,9 +62,10 @@ pub struct PoolSection {
     #[serde(default = "default_lease_timeout", with = "humantime_serde")]
     pub lease_timeout: Duration,
     /// Payload per part of a striped transfer (`"256MiB"`): on a
-    /// PostgreSQL catalog a pushed transfer's chunks are grouped into
-    /// parts of about this size, which every source agent of the pool
-    /// claims and sends. At least 1MiB. Default 256MiB.
+    /// PostgreSQL catalog a pushed transfer's chunks (and what is left of
+    /// a watched one at its commit) are grouped into parts of about this
+    /// size, which every source agent of the pool claims and sends. At
+    /// least 1MiB. Default 256MiB.
     #[serde(default = "default_part_size", deserialize_with = "de_size")]
     pub part_size: u64,
     /// Most parts one agent holds at once (1..64). Default 4.

@@ -385,6 +385,23 @@ async fn ferry_demo_with_agents_runs_a_source_pool_and_a_sink_pool() {
         !out.success() && out.all().contains("--agents must be 1 to 8, got 9"),
         || format!("ferry demo --agents 9: {out}"),
     );
+    // A background checkpoint too small to stripe over every agent is
+    // refused before anything starts, naming both values.
+    let out = w
+        .ferry(
+            &["demo", "--agents", "2", "--preempt", "--size", "1MB"],
+            &[],
+            Duration::from_secs(30),
+        )
+        .await;
+    w.ensure(
+        !out.success()
+            && out
+                .all()
+                .contains("--size 1000000 is below 2 x --part-size")
+            && !out.all().contains("PostgreSQL"),
+        || format!("ferry demo --preempt --size 1MB: {out}"),
+    );
     let v = demo_json(
         &w,
         &["--agents", "2", "--size", "8MB", "--rate", "100Mbit/s"],
@@ -589,6 +606,9 @@ struct StripedOn<'a> {
     source_cut: Option<&'a Cut>,
     /// Part size (none: 8 MiB).
     part_size: Option<&'a str>,
+    /// Both source agents watch the source root (rescans every 0.5 s,
+    /// 1 s quiet period); one of them holds its watch.
+    watch: bool,
 }
 
 async fn striped_pool_with(
@@ -647,6 +667,10 @@ async fn striped_pool_with(
             "\n[catalog]\nurl = {}\n\n{pool}part_size = \"{part_size}\"\nmax_parts = 2\n",
             toml_str(&source_url)
         );
+        if let Some(s) = cfg.source.as_mut().filter(|_| on.watch) {
+            s.scan_interval = "500ms".into();
+            s.extra = "quiet_period = \"1s\"\n".into();
+        }
         w.start_agent(label, cfg, source_env).await
     };
     let a = start("source", SOURCE_NAME, (&p1, SINK_NAME), (&p2, SINK_2)).await;
@@ -827,6 +851,68 @@ async fn striped_over(
     w.ensure(log.contains("striped across the source pool"), || {
         format!("the coordinator should say the transfer is striped:\n{log}")
     });
+    pool.finish().await;
+}
+
+/// A checkpoint the watcher streams while a training job writes it,
+/// faster than one agent pair sends: at its commit, the rest is striped
+/// across the pool (the watching agent opens the transfer at the sink
+/// again and plans parts of what it has not sent and confirmed); both
+/// source agents claim parts, every claim released, none overlapping;
+/// published once, byte-identical.
+#[tokio::test]
+async fn a_watched_checkpoint_s_rest_is_striped_across_the_pool_at_its_commit() {
+    let w = World::new("striped-watched").await;
+    let root = w.source_root();
+    std::fs::create_dir_all(&root).unwrap();
+    let on = StripedOn {
+        watch: true,
+        ..Default::default()
+    };
+    let pool = striped_pool_with(&w, "watched", "80Mbit/s", &[], on).await;
+    // 96 MB written at 800 Mbit/s (about 1 s) while each link carries
+    // 80 Mbit/s: most of it is left at the commit (at least 4 x 2 agents
+    // x max_parts 2 = 16 parts of 8 MiB would need 128 MiB; the point
+    // here is the hand-over, not the part count).
+    let mut gen = w.spawn_dcp_save(&root, "800", "96MB", "800Mbit/s");
+    let status = gen.wait().await.unwrap();
+    w.ensure(status.success(), || format!("ferry gen failed: {status}"));
+    let ckpt = root.join("step_00000800");
+    let path = ckpt.to_str().unwrap().to_string();
+    w.wait_until("the checkpoint to publish", TRANSFER, async || {
+        let ts = w.transfers(&pool.sources[0]).await;
+        let mine: Vec<&Value> = ts.iter().filter(|t| s(t, "source_path") == path).collect();
+        match mine.as_slice() {
+            [t] if s(t, "state") == "published" => Ok(()),
+            [t] if matches!(s(t, "state"), "failed" | "cancelled") => {
+                w.fail(format!("the transfer ended: {t}"))
+            }
+            [t] => Err(format!("transfer {}", s(t, "state"))),
+            more => Err(format!("{} transfers: {more:?}", more.len())),
+        }
+    })
+    .await;
+    w.assert_same_tree(&ckpt, &w.replica_path("step_00000800"));
+    let claims = part_claims(&pool.source_db).await;
+    for agent in [SOURCE_NAME, SOURCE_2] {
+        w.ensure(claims.iter().any(|c| c.2 == agent), || {
+            format!("{agent} should have claimed parts: {claims:?}")
+        });
+    }
+    w.ensure(
+        claims.iter().all(|c| c.5.as_deref() == Some("released")),
+        || format!("every claim released once its part was verified: {claims:?}"),
+    );
+    assert_claims_apart(&w, &claims);
+    let (states, _) = catalog_view(&pool.sink_db, "step_00000800").await;
+    w.ensure(states == ["published"], || {
+        format!("one replica row, published once: {states:?}")
+    });
+    let log = pool.sources[0].stderr() + &pool.sources[1].stderr();
+    w.ensure(
+        log.contains("the rest is striped across the source pool"),
+        || format!("the watching agent should say the rest is striped:\n{log}"),
+    );
     pool.finish().await;
 }
 

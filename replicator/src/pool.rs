@@ -40,9 +40,10 @@ pub struct PoolConfig {
     /// intervals.
     pub lease_timeout: Duration,
     /// Payload bytes per part of a striped transfer (default 256 MiB):
-    /// on a PostgreSQL catalog, a pushed transfer's chunks are grouped
-    /// into parts of about this size, which any source agent of the pool
-    /// claims. At least one chunk.
+    /// on a PostgreSQL catalog, a pushed transfer's chunks (and what is
+    /// left of a watched one at its commit) are grouped into parts of
+    /// about this size, which any source agent of the pool claims. At
+    /// least one chunk.
     pub part_size: u64,
     /// Most parts an agent holds at once (default 4).
     pub max_parts: usize,

@@ -1664,6 +1664,7 @@ async fn open_transfer(
                 let live_files = crate::lock::lock(&inner.live)
                     .get(&r.id)
                     .and_then(|l| l.table.read().ok().map(|t| t.files.clone()));
+                let saved = old_files.clone();
                 let old_files = live_files.unwrap_or(old_files);
                 let old = inner.catalog.chunks(r.id).await?;
                 let kept = decide::rekey_chunks(&old_files, &files, chunk_size, &old);
@@ -1676,7 +1677,12 @@ async fn open_transfer(
                         .sum();
                     inner.catalog.replace_chunks(r.id, &kept, done).await?;
                 }
-                if old_files != files {
+                // Compared with the catalog's copy, not the live table: a
+                // watched checkpoint striped at its commit opens again so
+                // that the other sink agents of the pool find its whole
+                // table in the catalog when the source pool's other
+                // agents open it.
+                if saved != files {
                     inner
                         .catalog
                         .set_replica_files(r.id, &files, bytes_total)

@@ -205,7 +205,8 @@ pub struct Progress {
     /// included).
     pub bytes_sent: u64,
     /// Bytes the sink already had when this run started (0 until it
-    /// says, right after the start).
+    /// says, right after the start), and, for the coordinator of a
+    /// striped transfer, those of parts other agents of the pool sent.
     pub bytes_skipped: u64,
     /// Payload bytes of this run the sink confirmed written and verified
     /// (whole batches, protocol version 4 on); progress follows these,
@@ -232,6 +233,9 @@ struct LiveProgress {
     /// progress follows `verified`, else `sent`.
     confirms: std::sync::atomic::AtomicBool,
     skipped: AtomicU64,
+    /// Payload bytes of a striped transfer's parts that other agents of
+    /// the pool sent and released (its coordinator's run counts them).
+    by_others: AtomicU64,
     /// [`Progress::rate_bps`] as `f64` bits, set by the sampler.
     rate_bits: AtomicU64,
     /// The catalog's `bytes_done` when this run started.
@@ -247,7 +251,9 @@ impl LiveProgress {
     /// cap at the total), never less than before the run.
     fn done(&self) -> u64 {
         let total = self.total.load(Ordering::Relaxed);
-        let run = self.skipped.load(Ordering::Relaxed) + self.verified_or_sent();
+        let run = self.skipped.load(Ordering::Relaxed)
+            + self.by_others.load(Ordering::Relaxed)
+            + self.verified_or_sent();
         self.done_before.max(run.min(total))
     }
 
@@ -263,7 +269,8 @@ impl LiveProgress {
         Progress {
             bytes_total: self.total.load(Ordering::Relaxed),
             bytes_sent: self.sent.load(Ordering::Relaxed),
-            bytes_skipped: self.skipped.load(Ordering::Relaxed),
+            bytes_skipped: self.skipped.load(Ordering::Relaxed)
+                + self.by_others.load(Ordering::Relaxed),
             bytes_verified: self.verified_or_sent(),
             rate_bps: f64::from_bits(self.rate_bits.load(Ordering::Relaxed)),
         }
@@ -3021,8 +3028,8 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
             let candidates: Vec<TransferId> = mine
                 .iter()
                 .filter(|t| {
+                    // Pushed, or watched and striped at its commit.
                     held_elsewhere(t)
-                        && t.format.is_none()
                         && t.profile == Profile::Full
                         && t.state != TransferState::Paused
                         && !stops.contains_key(&t.id)
@@ -3039,7 +3046,11 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
             }
         }
         let pins_pending = !crate::lock::lock(&link.pins).is_empty();
-        if (!waiting.is_empty() || pins_pending || !helpable.is_empty())
+        // An agent of a pool keeps its link's connections up while idle:
+        // when another agent stores a plan, it claims and sends parts
+        // without first dialling (a handshake of a round trip or two).
+        let warm = pool.as_ref().is_some_and(|p| p.may_claim());
+        if (!waiting.is_empty() || pins_pending || !helpable.is_empty() || warm)
             && conn
                 .as_ref()
                 .is_none_or(|c| c.conn.close_reason().is_some())
@@ -3053,7 +3064,12 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                     conn = Some(c);
                 }
                 Err(e) => {
-                    warn!(link = link.cfg.name, retry_in = ?backoff, "{e}");
+                    if waiting.is_empty() && helpable.is_empty() && !pins_pending {
+                        // Only keeping the link warm: nothing waits on it.
+                        debug!(link = link.cfg.name, retry_in = ?backoff, "{e}");
+                    } else {
+                        warn!(link = link.cfg.name, retry_in = ?backoff, "{e}");
+                    }
                     for t in waiting.iter().take(16) {
                         if let Err(ce) = inner.catalog.set_transfer_note(t.id, Some(&e)).await {
                             warn!(transfer = %t.id, error = %ce, "recording why the link cannot connect");

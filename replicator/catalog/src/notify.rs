@@ -15,6 +15,8 @@ pub mod payload {
     pub const SETTINGS: &str = "settings";
     /// A training controller's signal was stored.
     pub const SIGNAL: &str = "signal";
+    /// A striped transfer's plan was stored: its parts are claimable.
+    pub const PLAN: &str = "plan";
 }
 
 /// Announces `what` on [`POOL_CHANNEL`] within `tx` (PostgreSQL only;

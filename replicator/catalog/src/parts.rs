@@ -53,11 +53,29 @@ impl PartRange {
 /// is split at chunk boundaries. Empty files hold no chunk and belong to
 /// no part. A `part_size` below `chunk_size` gives one chunk per part.
 pub fn split_into_parts(files: &[FileInfo], chunk_size: u32, part_size: u64) -> Vec<PartRange> {
+    split_into_parts_where(files, chunk_size, part_size, |_, _| true)
+}
+
+/// As [`split_into_parts`], over only the chunks `send(file, chunk)`
+/// keeps (file: position in `files`; chunk: index in the file): a chunk
+/// left out closes the part before it, so every chunk of a part's key
+/// range is kept. A watched checkpoint striped at its commit leaves out
+/// the chunks the watching agent already sent and confirmed.
+pub fn split_into_parts_where(
+    files: &[FileInfo],
+    chunk_size: u32,
+    part_size: u64,
+    send: impl Fn(u32, u64) -> bool,
+) -> Vec<PartRange> {
     let mut parts = Vec::new();
     let mut open: Option<PartRange> = None;
     for (f, info) in files.iter().enumerate() {
         let n = chunk_count(info.size, chunk_size);
         for c in 0..n {
+            if !send(f as u32, c) {
+                parts.extend(open.take());
+                continue;
+            }
             let key = (f as u64) << KEY_CHUNK_BITS | c;
             let len = (info.size - c * u64::from(chunk_size)).min(u64::from(chunk_size));
             let p = open.get_or_insert(PartRange {
@@ -247,7 +265,41 @@ impl Catalog {
         part_size: u64,
         agent: &str,
     ) -> Result<TransferPlan, CatalogError> {
+        let parts = split_into_parts(files, chunk_size, part_size.max(1));
+        self.plan_transfer_parts(id, files, markers, chunk_size, part_size, agent, &parts)
+            .await
+    }
+
+    /// As [`Catalog::plan_transfer`], with the parts given (see
+    /// [`split_into_parts_where`]): numbered from 0 in key order, each
+    /// a key range of `files`' chunks.
+    ///
+    /// # Errors
+    /// [`CatalogError::Invalid`] for a file table Ferry would not send or
+    /// parts not numbered 0, 1, ... in key order; SQL errors (nothing is
+    /// stored then).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn plan_transfer_parts(
+        &self,
+        id: TransferId,
+        files: &[FileInfo],
+        markers: &[u32],
+        chunk_size: u32,
+        part_size: u64,
+        agent: &str,
+        parts: &[PartRange],
+    ) -> Result<TransferPlan, CatalogError> {
         validate_files(files, chunk_size).map_err(|e| CatalogError::Invalid(e.to_string()))?;
+        let ordered = parts.iter().enumerate().all(|(i, p)| {
+            p.part == i as u64
+                && p.first_key < p.end_key
+                && (i == 0 || parts[i - 1].end_key <= p.first_key)
+        });
+        if !ordered {
+            return Err(CatalogError::Invalid(
+                "a plan's parts must be numbered 0, 1, ... in key order and not overlap".into(),
+            ));
+        }
         let table = StoredTable {
             files: files
                 .iter()
@@ -256,7 +308,6 @@ impl Catalog {
             markers: markers.to_vec(),
         };
         let json = serde_json::to_vec(&table).map_err(|e| CatalogError::Invalid(e.to_string()))?;
-        let parts = split_into_parts(files, chunk_size, part_size.max(1));
         let mut tx = self.pool.begin().await?;
         let q = format!("SELECT {} AS now", self.db.now_ms());
         let now: i64 = sqlx::query_scalar(&q).fetch_one(&mut *tx).await?;
@@ -283,7 +334,7 @@ impl Catalog {
             .bind(id.as_i64())
             .fetch_one(&mut *tx)
             .await?;
-            for p in &parts {
+            for p in parts {
                 sqlx::query(&self.db.sql(
                     "INSERT INTO transfer_parts (transfer, part, first_key, end_key, bytes, \
                      lease_epoch) VALUES (?, ?, ?, ?, ?, ?)",
@@ -297,6 +348,9 @@ impl Catalog {
                 .execute(&mut *tx)
                 .await?;
             }
+            // The pool's other agents claim parts at once, not at their
+            // next reload of the queue.
+            crate::notify::announce(self.db, &mut tx, crate::notify::payload::PLAN).await?;
         }
         tx.commit().await?;
         self.transfer_plan(id)
@@ -740,6 +794,27 @@ impl Catalog {
         })
     }
 
+    /// Payload bytes of transfer `id`'s parts done by agents other than
+    /// `agent` (what its coordinator adds to its own progress).
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn parts_done_bytes_by_others(
+        &self,
+        id: TransferId,
+        agent: &str,
+    ) -> Result<u64, CatalogError> {
+        let bytes: i64 = sqlx::query_scalar(&self.db.sql(
+            "SELECT CAST(COALESCE(SUM(bytes), 0) AS BIGINT) FROM transfer_parts \
+             WHERE transfer = ? AND state = 'done' AND done_by <> ?",
+        ))
+        .bind(id.as_i64())
+        .bind(agent)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(bytes.max(0) as u64)
+    }
+
     /// For each transfer among `ids` whose parts are held under a live
     /// lease now: how many agents hold them, and whether `agent` is one
     /// (the split of a striped transfer's share of the link's budget).
@@ -1024,5 +1099,31 @@ mod tests {
         // A part size under the chunk size: one chunk each.
         assert_eq!(split_into_parts(&files, cs, 1).len() as u64, map.total());
         assert!(split_into_parts(&[file("e", 0)], cs, 2048).is_empty());
+    }
+
+    #[test]
+    fn chunks_left_out_of_a_plan_are_in_no_part_and_cut_the_part_before_them() {
+        let cs = 1024u32;
+        let files = [file("a", 4 * 1024), file("b", 3 * 1024)];
+        // a's chunk 1 and all of b but its last chunk were sent already.
+        let send = |f: u32, c: u64| (f, c) == (0, 0) || (f == 0 && c >= 2) || (f, c) == (1, 2);
+        let parts = split_into_parts_where(&files, cs, 8 * 1024, send);
+        let map = ferry_proto::manifest::ChunkMap::new(&files, cs);
+        for k in map.keys() {
+            let (f, c) = map.locate(k).unwrap_or_default();
+            let n = parts.iter().filter(|p| p.contains(k)).count();
+            assert_eq!(
+                n,
+                usize::from(send(f, u64::from(c))),
+                "chunk {f}/{c}: {parts:?}"
+            );
+        }
+        // a0 | a2 a3 | b2: a left-out chunk closes the open part, so each
+        // part's key range holds only chunks to send.
+        assert_eq!(parts.len(), 3, "{parts:?}");
+        assert_eq!(parts.iter().map(|p| p.bytes).sum::<u64>(), 4 * 1024);
+        for (i, p) in parts.iter().enumerate() {
+            assert_eq!(p.part, i as u64);
+        }
     }
 }

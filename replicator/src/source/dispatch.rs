@@ -108,6 +108,16 @@ impl Queue {
     fn drained(&self) -> bool {
         self.recs.is_empty() && self.in_write == 0 && self.open == 0
     }
+
+    /// Drained, and every batch confirmed or given up.
+    fn settled(&self) -> bool {
+        let given_up = self
+            .lost
+            .iter()
+            .filter(|l| !self.confirmed.contains(l))
+            .count() as u64;
+        self.drained() && self.confirmed.len() as u64 + given_up >= self.batches
+    }
 }
 
 /// The scheduler and the queues of one link, behind one lock.
@@ -507,11 +517,7 @@ impl LinkSched {
     /// if it is not active.
     pub(crate) fn settled(&self, id: TransferId) -> bool {
         let s = self.lock();
-        let Some(q) = s.queues.get(&id) else {
-            return true;
-        };
-        let given_up = q.lost.iter().filter(|l| !q.confirmed.contains(l)).count() as u64;
-        q.drained() && q.confirmed.len() as u64 + given_up >= q.batches
+        s.queues.get(&id).is_none_or(Queue::settled)
     }
 
     /// What a commit of `id` sends now: the batches opened since it became
@@ -521,6 +527,27 @@ impl LinkSched {
             .queues
             .get(&id)
             .map_or((0, Vec::new()), |q| (q.batches, q.lost.clone()))
+    }
+
+    /// Starts `id`'s batch numbering again from 0, for a run that opens
+    /// the transfer at the sink again on the same connection (the sink
+    /// counts a commit's batches from the open). False, and nothing
+    /// changed, unless every batch so far is written and confirmed or
+    /// given up ([`LinkSched::settled`]).
+    pub(crate) fn renumber_batches(&self, id: TransferId) -> bool {
+        let mut s = self.lock();
+        let Some(q) = s.queues.get_mut(&id) else {
+            return false;
+        };
+        if !q.settled() {
+            return false;
+        }
+        q.batches = 0;
+        q.lost.clear();
+        q.confirmed.clear();
+        q.unconfirmed.clear();
+        q.batch_bytes.clear();
+        true
     }
 
     /// Batches of `id` given up so far.

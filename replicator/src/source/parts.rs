@@ -1,4 +1,5 @@
-//! One pushed transfer striped across the source agents of a pool
+//! One pushed transfer, or the rest of a watched one at its commit
+//! ([`stripe_at_commit`]), striped across the source agents of a pool
 //! (ARCHITECTURE.md, "Pool", "Parts").
 //!
 //! The agent holding the transfer's lease, its coordinator, lists the
@@ -26,6 +27,7 @@
 
 use std::time::Instant;
 
+use ferry_catalog::parts::split_into_parts_where;
 use ferry_catalog::{PartFileRead, PartRange, TransferPlan};
 use ferry_proto::manifest::chunk_len;
 
@@ -187,6 +189,7 @@ pub(super) async fn run_coordinated(
     let mut need = Vec::new();
     loop {
         send_parts(inner, c, &s, &mut rx, &mut need, false).await?;
+        count_others(inner, id, &progress).await;
         let st = inner.catalog.parts_status(id).await?;
         if st.done >= st.total {
             if let Some(sealed) = seal(inner, t, &plan, &map).await? {
@@ -202,6 +205,200 @@ pub(super) async fn run_coordinated(
         loop {
             tokio::select! {
                 m = rx.recv() => on_control(m, &mut need)?,
+                _ = tokio::time::sleep_until(until) => break,
+                _ = inner.shutdown.cancelled() => return Err(RunError::Shutdown),
+            }
+        }
+    }
+}
+
+/// Whether watched transfer `t`'s rest is striped across the pool at its
+/// commit: an agent of a pool on PostgreSQL, a whole (`full` profile)
+/// transfer not sent weights first.
+pub(super) fn watched_striped(inner: &Inner, t: &Transfer, weights_first: bool) -> bool {
+    inner.cfg.pool.is_some()
+        && inner.catalog.dialect() == ferry_catalog::dialect::Dialect::Postgres
+        && t.profile == Profile::Full
+        && !weights_first
+}
+
+/// A watched checkpoint at its commit, as its run hands it to
+/// [`stripe_at_commit`].
+pub(super) struct WatchedAtCommit<'a> {
+    /// The run's file table (what the sink was sent), in its order.
+    pub table: &'a [FileInfo],
+    /// Positions in `table` of the committed view's files.
+    pub files: Vec<u32>,
+    /// Positions in `table` of the commit markers, in publish order.
+    pub markers: Vec<u32>,
+    /// Whether the run has chunk `chunk` of the file at position `file`
+    /// read in full and its hash (it confirmed the whole file).
+    pub known: &'a (dyn Fn(u32, u64) -> bool + Sync),
+}
+
+/// What the pool's parts gave a watched run (see [`stripe_at_commit`]).
+pub(super) struct StripedRest {
+    /// The chunks the sink held when the run opened the transfer again.
+    pub have: HashSet<u64>,
+    /// Each part-read chunk's key and BLAKE3 hash.
+    pub hashes: Vec<(u64, Hash)>,
+    /// Each file read in parts: its position, and size (bytes) and mtime
+    /// (ns) now, unchanged since its parts were read.
+    pub stable: Vec<(u32, u64, i64)>,
+}
+
+/// The rest of a watched checkpoint, once it is committed (its file set
+/// final), striped across the source pool like a pushed transfer: the
+/// chunks the run has not read in full and confirmed, split into parts
+/// any agent of the pool claims, the run's agent among them. `None`, and
+/// nothing done, when what is left fits in one part. Otherwise: waits
+/// until every batch the run sent is confirmed, opens the transfer at the
+/// sink again with the run's table (the sink records the table in its
+/// catalog, so the sink pool's other agents find it when the source
+/// pool's other agents open the transfer; `rx` is replaced by the new
+/// open's), stores the plan (or continues this table's plan from an
+/// earlier run), sends parts until none is left, and checks each file
+/// read in parts against what it is now: one rewritten while read has its
+/// parts read again. The run seals with the returned hashes.
+///
+/// # Errors
+/// [`RunError::Cancelled`] when the watcher gives the checkpoint up
+/// meanwhile; [`RunError::Retry`] after dropping the plan when a file's
+/// size changed since the commit; catalog, sink and connection errors.
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn stripe_at_commit(
+    inner: &Arc<Inner>,
+    c: &LinkConn,
+    t: &Transfer,
+    w: WatchedAtCommit<'_>,
+    rx: &mut mpsc::UnboundedReceiver<Control>,
+    need: &mut Vec<u64>,
+    progress: &Arc<LiveProgress>,
+    view: &mut watch::Receiver<CheckpointView>,
+) -> Result<Option<StripedRest>, RunError> {
+    let id = t.id;
+    let pool = pool_of(inner)?;
+    let cfg = pool.config();
+    let chunk_size = inner.cfg.chunk_size;
+    let map = Arc::new(ChunkMap::new(w.table, chunk_size));
+    let mut in_view = vec![false; w.table.len()];
+    for f in &w.files {
+        if let Some(v) = in_view.get_mut(*f as usize) {
+            *v = true;
+        }
+    }
+    let unread: u64 = w
+        .files
+        .iter()
+        .map(|&f| {
+            let n = ferry_proto::manifest::chunk_count(w.table[f as usize].size, chunk_size);
+            (0..n)
+                .filter(|&ci| !(w.known)(f, ci))
+                .map(|ci| map.span(f, ci as u32).1)
+                .sum::<u64>()
+        })
+        .sum();
+    if unread <= cfg.part_size {
+        return Ok(None);
+    }
+    // Every batch so far recorded at the sink, then a new open there: its
+    // batch count starts again, and its answer is what the sink holds.
+    loop {
+        let changes = c.sched.changes();
+        tokio::pin!(changes);
+        changes.as_mut().enable();
+        if c.sched.renumber_batches(id) {
+            break;
+        }
+        tokio::select! {
+            _ = &mut changes => {}
+            m = rx.recv() => on_control(m, need)?,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            e = c.conn.closed() => return Err(RunError::Retry(format!("connection to the sink lost: {e}"))),
+            _ = inner.shutdown.cancelled() => return Err(RunError::Shutdown),
+        }
+    }
+    let (new_rx, have) = open_on_sink(inner, c, t, false, w.table.to_vec()).await?;
+    *rx = new_rx;
+    // What the sink holds now is what it lacks no longer.
+    need.clear();
+    let send = |f: u32, ci: u64| {
+        in_view.get(f as usize).copied().unwrap_or(false)
+            && !((w.known)(f, ci) && map.index(f, ci as u32).is_some_and(|k| have.contains(&k)))
+    };
+    let planned = split_into_parts_where(w.table, chunk_size, cfg.part_size.max(1), send);
+    let plan = match inner.catalog.transfer_plan(id).await? {
+        // An earlier run of this table planned it (this agent took the
+        // watch over): its parts go on, the rest is read again below.
+        Some(p) if p.files == w.table && p.chunk_size == chunk_size => p,
+        other => {
+            if other.is_some() {
+                inner.catalog.drop_plan(id).await?;
+            }
+            inner
+                .catalog
+                .plan_transfer_parts(
+                    id,
+                    w.table,
+                    &w.markers,
+                    chunk_size,
+                    cfg.part_size,
+                    &inner.cfg.agent,
+                    &planned,
+                )
+                .await?
+        }
+    };
+    let status = inner.catalog.parts_status(id).await?;
+    info!(
+        transfer = %id,
+        unread_bytes = unread,
+        parts = status.total,
+        parts_done = status.done,
+        part_size = plan.part_size,
+        "checkpoint committed: the rest is striped across the source pool; any source agent may claim its parts"
+    );
+    let s = Striping {
+        t,
+        plan: &plan,
+        map: map.clone(),
+        have: Arc::new(have.clone()),
+        progress: progress.clone(),
+    };
+    loop {
+        send_parts(inner, c, &s, rx, need, false).await?;
+        count_others(inner, id, progress).await;
+        let st = inner.catalog.parts_status(id).await?;
+        if st.done >= st.total {
+            if let Some(ck) = check_parts(inner, t, &plan, &map, false).await? {
+                let stable = ck
+                    .now
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(fi, n)| n.map(|(size, mtime, _)| (fi as u32, size, mtime)))
+                    .collect();
+                return Ok(Some(StripedRest {
+                    have,
+                    hashes: ck.hashes.into_iter().collect(),
+                    stable,
+                }));
+            }
+            continue;
+        }
+        // Parts held by other agents: wait for them (or for their leases
+        // to lapse), answering the sink and following the watcher.
+        let until = tokio::time::Instant::now() + PARTS_POLL;
+        loop {
+            tokio::select! {
+                m = rx.recv() => on_control(m, need)?,
+                r = view.changed() => {
+                    if r.is_err() {
+                        return Err(RunError::Retry("the watcher stopped following this checkpoint".into()));
+                    }
+                    if let ViewState::Gone(why) = &view.borrow().state {
+                        return Err(RunError::Cancelled(why.clone()));
+                    }
+                }
                 _ = tokio::time::sleep_until(until) => break,
                 _ = inner.shutdown.cancelled() => return Err(RunError::Shutdown),
             }
@@ -242,6 +439,21 @@ pub(super) async fn run_helper(
     };
     let mut need = Vec::new();
     send_parts(inner, c, &s, &mut rx, &mut need, true).await
+}
+
+/// Counts in the coordinator's `progress` the parts of `id` other agents
+/// sent and released (the transfer's progress is its coordinator's).
+async fn count_others(inner: &Inner, id: TransferId, progress: &LiveProgress) {
+    match inner
+        .catalog
+        .parts_done_bytes_by_others(id, &inner.cfg.agent)
+        .await
+    {
+        Ok(b) => progress.by_others.store(b, Ordering::Relaxed),
+        Err(e) => {
+            debug!(transfer = %id, error = %e, "catalog: reading the parts other agents sent")
+        }
+    }
 }
 
 fn pool_of(inner: &Inner) -> Result<&crate::pool::Membership, RunError> {
@@ -311,6 +523,7 @@ async fn send_parts(
         if !helper {
             // The claim order follows a signal within one claim.
             write_rank(inner, c, id).await;
+            count_others(inner, id, &s.progress).await;
         }
         let want = claim_size(inner, id, cfg.max_parts, pool.live_peers()).await;
         let claims = inner
@@ -661,20 +874,33 @@ fn read_parts(
     Ok(all)
 }
 
-/// Seals striped transfer `t` from its done parts: the manifest to
-/// commit, or `None` when parts were queued again (a file rewritten while
-/// its parts were read, or a part's record incomplete).
+/// What a striped transfer's done parts hold once checked against the
+/// files now (see [`check_parts`]).
+struct Checked {
+    /// Each chunk's BLAKE3 hash, by chunk key.
+    hashes: HashMap<u64, Hash>,
+    /// Each file of the plan's table as it is now: (size in bytes, mtime
+    /// in ns, version); `None` for one not looked at.
+    now: Vec<Option<(u64, i64, [u64; 4])>>,
+}
+
+/// Checks striped transfer `t`'s done parts against its files now: the
+/// hashes to seal with, or `None` when parts were queued again (a file
+/// rewritten while its parts were read, or a part's record incomplete)
+/// or are not all done. Looks at every file of the plan (`all`, a pushed
+/// transfer: the manifest lists each) or only those read in parts.
 ///
 /// # Errors
 /// [`RunError::Retry`] after dropping the plan when a file's size
-/// differs from the plan's (the next run lists and plans again); catalog
-/// and I/O errors.
-async fn seal(
+/// differs from the plan's (the next run lists and plans again), or when
+/// a file cannot be looked at; catalog errors.
+async fn check_parts(
     inner: &Arc<Inner>,
     t: &Transfer,
     plan: &TransferPlan,
     map: &Arc<ChunkMap>,
-) -> Result<Option<Sealed>, RunError> {
+    all: bool,
+) -> Result<Option<Checked>, RunError> {
     let id = t.id;
     let parts = inner.catalog.parts(id).await?;
     if parts
@@ -682,6 +908,14 @@ async fn seal(
         .any(|p| p.state != ferry_catalog::PartState::Done)
     {
         return Ok(None);
+    }
+    let mut look = vec![all; plan.files.len()];
+    for p in &parts {
+        for r in &p.versions {
+            if let Some(l) = look.get_mut(r.file as usize) {
+                *l = true;
+            }
+        }
     }
     // What each file looks like now.
     let (store, dir, files) = (
@@ -692,11 +926,15 @@ async fn seal(
     let now = tokio::task::spawn_blocking(move || {
         files
             .iter()
-            .map(|f| {
+            .zip(look)
+            .map(|(f, look)| {
+                if !look {
+                    return Ok(None);
+                }
                 let p = dir.join(&f.path);
                 store
                     .stat(&p)
-                    .map(|(s, m, v)| (s, m, v.0))
+                    .map(|(s, m, v)| Some((s, m, v.0)))
                     .map_err(|e| format!("{}: {e}", p.display()))
             })
             .collect::<Result<Vec<_>, String>>()
@@ -705,11 +943,11 @@ async fn seal(
     .map_err(|e| RunError::Fatal(e.to_string()))?
     .map_err(|e| RunError::Retry(format!("looking at the files before the seal: {e}")))?;
     for (fi, f) in plan.files.iter().enumerate() {
-        if now[fi].0 != f.size {
+        if let Some(n) = now[fi].filter(|n| n.0 != f.size) {
             inner.catalog.drop_plan(id).await?;
             return Err(RunError::Retry(format!(
                 "{} changed size while it was sent ({} to {} bytes); planning the transfer again",
-                f.path, f.size, now[fi].0
+                f.path, f.size, n.0
             )));
         }
     }
@@ -736,7 +974,7 @@ async fn seal(
     }
     let mut changed = Vec::new();
     for (fi, obs) in seen.iter().enumerate() {
-        if obs.iter().any(|o| *o != now[fi]) {
+        if obs.iter().any(|o| Some(*o) != now[fi]) {
             changed.push(plan.files[fi].path.clone());
             requeue.extend(parts_of[fi].iter().copied());
         }
@@ -754,6 +992,27 @@ async fn seal(
         inner.catalog.requeue_parts(id, &list).await?;
         return Ok(None);
     }
+    Ok(Some(Checked { hashes, now }))
+}
+
+/// Seals striped transfer `t` from its done parts: the manifest to
+/// commit, or `None` when parts were queued again (see [`check_parts`]).
+///
+/// # Errors
+/// As [`check_parts`].
+async fn seal(
+    inner: &Arc<Inner>,
+    t: &Transfer,
+    plan: &TransferPlan,
+    map: &Arc<ChunkMap>,
+) -> Result<Option<Sealed>, RunError> {
+    let Some(Checked { hashes, now }) = check_parts(inner, t, plan, map, true).await? else {
+        return Ok(None);
+    };
+    let now: Vec<(u64, i64, [u64; 4])> = now
+        .into_iter()
+        .map(|n| n.ok_or_else(|| RunError::Fatal("a file of the plan was not looked at".into())))
+        .collect::<Result<_, _>>()?;
     let mut entries = Vec::with_capacity(plan.files.len());
     let mut versions = Vec::with_capacity(plan.files.len());
     for (fi, f) in plan.files.iter().enumerate() {

@@ -1,11 +1,14 @@
 //! Keeping a source agent of a pool in step with its catalog's shared
 //! settings and signals (see [`crate::settings`]): read every
-//! [`REFRESH`] and at once on the pool's notification channel.
+//! [`REFRESH`] and at once on the pool's notification channel. A
+//! striped transfer's new plan wakes the agent's link workers at once,
+//! so that they claim its parts.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_catalog::dialect::Dialect;
+use ferry_catalog::notify::payload;
 use ferry_catalog::Catalog;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -26,7 +29,8 @@ pub async fn follow(source: Source, stop: CancellationToken) {
         return;
     }
     let poke = Arc::new(Notify::new());
-    let listener = tokio::spawn(listen(catalog, poke.clone(), stop.clone()));
+    let plans = Arc::new(Notify::new());
+    let listener = tokio::spawn(listen(catalog, poke.clone(), plans.clone(), stop.clone()));
     let mut tick = tokio::time::interval(REFRESH);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut failing = false;
@@ -34,6 +38,10 @@ pub async fn follow(source: Source, stop: CancellationToken) {
         tokio::select! {
             _ = tick.tick() => {}
             _ = poke.notified() => {}
+            _ = plans.notified() => {
+                source.wake_all();
+                continue;
+            }
             _ = stop.cancelled() => break,
         }
         let read = tokio::time::timeout(REFRESH * 5, source.refresh_shared());
@@ -60,10 +68,11 @@ pub async fn follow(source: Source, stop: CancellationToken) {
     listener.abort();
 }
 
-/// Listens on the pool's channel, poking `poke` at each notification and
-/// when the connection was lost (something may have been missed);
-/// connects again after a failure, at most once a second.
-async fn listen(catalog: Catalog, poke: Arc<Notify>, stop: CancellationToken) {
+/// Listens on the pool's channel, poking `plans` at each stored plan
+/// ([`payload::PLAN`]) and `poke` at any other notification and when the
+/// connection was lost (something may have been missed); connects again
+/// after a failure, at most once a second.
+async fn listen(catalog: Catalog, poke: Arc<Notify>, plans: Arc<Notify>, stop: CancellationToken) {
     let mut announced_down = false;
     loop {
         let attempt = tokio::select! {
@@ -83,6 +92,7 @@ async fn listen(catalog: Catalog, poke: Arc<Notify>, stop: CancellationToken) {
                         _ = stop.cancelled() => return,
                     };
                     match r {
+                        Ok(Some(p)) if p == payload::PLAN => plans.notify_one(),
                         Ok(Some(_)) => poke.notify_one(),
                         Ok(None) => {
                             warn!("shared settings: the notification connection was lost; connecting again (the settings are read every second meanwhile)");

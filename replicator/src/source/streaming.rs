@@ -231,7 +231,22 @@ pub(super) async fn run_watched(
     if let ViewState::Gone(why) = &first.state {
         return Err(RunError::Cancelled(why.clone()));
     }
-    let mut table: Vec<FileInfo> = first.files.iter().map(|f| f.info.clone()).collect();
+    // A plan stored by an earlier run (the rest striped at the commit,
+    // then this agent took the watch over): its table's order, so that
+    // its parts' chunk keys name the same files (files only this run
+    // sees go after).
+    let planned = if parts::watched_striped(inner, &t, opens_weights_first(c, &t)) {
+        inner.catalog.transfer_plan(id).await?
+    } else {
+        None
+    };
+    let mut table: Vec<FileInfo> = planned.map(|p| p.files).unwrap_or_default();
+    for f in &first.files {
+        match table.iter_mut().find(|e| e.path == f.info.path) {
+            Some(e) => *e = f.info.clone(),
+            None => table.push(f.info.clone()),
+        }
+    }
     let mut pos: HashMap<String, u32> = table
         .iter()
         .enumerate()
@@ -268,6 +283,8 @@ pub(super) async fn run_watched(
     // lies beside the directory (DeepSpeed `latest`) has none inside it,
     // and each later view would say the time it was made.
     let mut first_commit: Option<i64> = None;
+    // Whether the rest was offered to the pool at the commit.
+    let mut striping_tried = false;
     let (markers, committed_ms, siblings, last) = loop {
         let v = view.borrow_and_update().clone();
         let committed = match &v.state {
@@ -338,6 +355,61 @@ pub(super) async fn run_watched(
             // Asked for again: whatever the sink said it had, it lacks now.
             if have.contains(&k) {
                 Arc::make_mut(&mut have).remove(&k);
+            }
+        }
+        if committed && !striping_tried && parts::watched_striped(inner, &t, weights_first) {
+            striping_tried = true;
+            if let ViewState::Committed { markers, .. } = &v.state {
+                let files: Vec<u32> = v.files.iter().map(|f| pos[&f.info.path]).collect();
+                let markers: Vec<u32> =
+                    markers.iter().filter_map(|m| pos.get(m).copied()).collect();
+                for f in &v.files {
+                    let tr = &mut tracks[pos[&f.info.path] as usize];
+                    let n = chunk_count(f.info.size, chunk_size) as usize;
+                    tr.hashes.resize(n, None);
+                    tr.quick.resize(n, None);
+                }
+                let known = |f: u32, ci: u64| {
+                    let (Some(tr), Some(vf)) = (tracks.get(f as usize), table.get(f as usize))
+                    else {
+                        return false;
+                    };
+                    tr.verified
+                        .is_some_and(|(size, mtime)| (size, mtime) == (vf.size, vf.mtime_ns))
+                        && tr.hashes.get(ci as usize).copied().flatten().is_some()
+                };
+                let at_commit = parts::WatchedAtCommit {
+                    table: &table,
+                    files,
+                    markers,
+                    known: &known,
+                };
+                let rest = parts::stripe_at_commit(
+                    inner, c, &t, at_commit, &mut rx, &mut need, &progress, &mut view,
+                )
+                .await?;
+                if let Some(rest) = rest {
+                    have = Arc::new(rest.have);
+                    for (k, h) in rest.hashes {
+                        let (f, ci) = ((k >> 32) as usize, k as u32 as usize);
+                        if let Some(slot) = tracks.get_mut(f).and_then(|tr| tr.hashes.get_mut(ci)) {
+                            *slot = Some(h);
+                        }
+                    }
+                    // A file whose every chunk hash is known now, read in
+                    // parts and unchanged since, is confirmed; any other
+                    // (chunks an earlier run left out of its plan) is read
+                    // again below.
+                    for (f, size, mtime) in rest.stable {
+                        if let Some(tr) = tracks.get_mut(f as usize) {
+                            if tr.hashes.iter().all(Option::is_some) {
+                                tr.verified = Some((size, mtime));
+                                tr.provisional = false;
+                            }
+                        }
+                    }
+                    continue;
+                }
             }
         }
         let mut jobs = Vec::new();

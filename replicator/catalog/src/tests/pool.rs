@@ -760,6 +760,63 @@ async fn transfers_are_claimed_by_class_then_fair_share(c: Catalog) {
 }
 both!(transfers_are_claimed_by_class_then_fair_share);
 
+/// A plan of given parts (a watched checkpoint's rest at its commit)
+/// stores exactly those; parts out of order or overlapping are refused
+/// and store nothing. On PostgreSQL, storing a plan is announced to the
+/// pool's listeners; finding one stored already is not.
+#[tokio::test]
+async fn a_plan_of_given_parts_is_stored_as_given_and_announced() {
+    let t = TestCatalog::new(Dialect::Postgres).await;
+    let c = t.catalog.clone();
+    let id = queued(&c).await;
+    let mut l = c
+        .listen_pool(std::time::Duration::from_secs(10))
+        .await
+        .unwrap()
+        .unwrap();
+    let files = plan_files();
+    let range = |part, first_key, end_key| PartRange {
+        part,
+        first_key,
+        end_key,
+        bytes: (end_key - first_key) << 20,
+    };
+    // b's chunks 1..4 and c's 0..2 (a and the rest were sent already).
+    let given = [
+        range(0, 1 << 32 | 1, 1 << 32 | 4),
+        range(1, 2 << 32, 2 << 32 | 2),
+    ];
+    for bad in [
+        vec![given[1], given[0]],
+        vec![given[0], range(1, 1 << 32 | 3, 1 << 32 | 5)],
+    ] {
+        let e = c
+            .plan_transfer_parts(id, &files, &[], 1 << 20, 4 << 20, "a", &bad)
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("key order"), "{e}");
+    }
+    assert_eq!(c.transfer_plan(id).await.unwrap(), None);
+    c.plan_transfer_parts(id, &files, &[], 1 << 20, 4 << 20, "a", &given)
+        .await
+        .unwrap();
+    let heard = tokio::time::timeout(std::time::Duration::from_secs(10), l.recv())
+        .await
+        .expect("a notification within 10 s")
+        .unwrap();
+    assert_eq!(heard.as_deref(), Some(crate::notify::payload::PLAN));
+    let stored: Vec<PartRange> = c.parts(id).await.unwrap().iter().map(|p| p.range).collect();
+    assert_eq!(stored, given);
+    // Planned again (a second agent): the stored plan, not announced.
+    c.plan_transfer(id, &files, &[], 1 << 20, 4 << 20, "b")
+        .await
+        .unwrap();
+    let quiet = tokio::time::timeout(std::time::Duration::from_millis(500), l.recv()).await;
+    assert!(quiet.is_err(), "announced again: {quiet:?}");
+    drop(l);
+    t.finish().await;
+}
+
 /// Many source agents claim one transfer's parts at once on
 /// PostgreSQL: every part goes to exactly one of them.
 #[tokio::test]
