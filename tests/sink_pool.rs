@@ -469,8 +469,9 @@ async fn ferry_demo_with_agents_runs_a_source_pool_and_a_sink_pool() {
     w.ensure(
         p["urgent_bytes"] == 4_000_000
             && p["urgent_wall_s"].as_f64().is_some_and(|s| s > 0.0)
-            && (p["preemption_latency_s"].is_null()
-                || p["preemption_latency_s"].as_f64().is_some_and(|l| l >= 0.0))
+            && ["preemption_latency_s", "background_yield_s"]
+                .iter()
+                .all(|k| p[k].is_null() || p[k].as_f64().is_some_and(|l| l >= 0.0))
             && v["stderr"]
                 .as_str()
                 .is_some_and(|e| e.contains("waiting until all 2 source agents hold parts")),

@@ -539,7 +539,9 @@ async fn xact_count(url: &str, db: &str) -> Result<f64> {
 /// loss-spike signal for its job. The pre-emption latency is the time
 /// from the signal to the end of the first 100 ms window in which the
 /// urgent checkpoint's bytes arriving at the sink (the sink catalog's
-/// arrival bins, all sink agents together) reach 80 % of `--rate`.
+/// arrival bins, all sink agents together) reach 80 % of `--rate`; the
+/// background checkpoint's yield, the time to the end of the first such
+/// window in which its bytes fall to 20 % of `--rate` or below.
 async fn preempt(
     a: &DemoArgs,
     http: &reqwest::Client,
@@ -643,17 +645,39 @@ async fn preempt(
         .context("the urgent replica has no published row at the sink")?;
     let arrivals = sink.chunk_arrivals(row.id).await?;
     let latency = super::priority::preemption_latency_s(&arrivals, signal_ms, a.rate);
+    // How soon the background checkpoint's senders slowed (its replica
+    // is still being written: read before it is cancelled).
+    let bg_row = sink
+        .replicas_for_source(&bg.to_string_lossy())
+        .await?
+        .into_iter()
+        .max_by_key(|r| r.id);
+    let yielded = match bg_row {
+        Some(r) => {
+            let bg_arrivals = sink.chunk_arrivals(r.id).await?;
+            super::priority::yield_latency_s(&bg_arrivals, signal_ms, a.rate)
+        }
+        None => None,
+    };
     let _ = http
         .post(format!("{api}/v1/transfers/{bg_id}/cancel"))
         .json(&json!({}))
         .send()
         .await;
     let rtt = a.rtt.as_secs_f64();
+    let secs = |l: Option<f64>, never: &str| l.map_or(never.to_string(), |l| format!("{l:.2} s"));
+    let rtts = |l: Option<f64>| l.map_or("-".to_string(), |l| format!("{:.1}", l / rtt.max(1e-3)));
+    say(format!(
+        "signal to the background checkpoint at {:.0} % of the budget or less: {} ({} RTT)",
+        (1.0 - super::priority::PREEMPTED_SHARE) * 100.0,
+        secs(yielded, "never within the urgent transfer"),
+        rtts(yielded),
+    ));
     say(format!(
         "signal to the urgent checkpoint at {:.0} % of the budget: {} ({} RTT); urgent checkpoint published {urgent_wall:.1} s after its push",
         super::priority::PREEMPTED_SHARE * 100.0,
-        latency.map_or("never within its transfer".to_string(), |l| format!("{l:.2} s")),
-        latency.map_or("-".to_string(), |l| format!("{:.1}", l / rtt.max(1e-3))),
+        secs(latency, "never within its transfer"),
+        rtts(latency),
     ));
     Ok(json!({
         "agents": n,
@@ -662,6 +686,8 @@ async fn preempt(
         "urgent_wall_s": urgent_wall,
         "preemption_latency_s": latency,
         "preemption_latency_rtt": latency.map(|l| l / rtt.max(1e-3)),
+        "background_yield_s": yielded,
+        "background_yield_rtt": yielded.map(|l| l / rtt.max(1e-3)),
         "rtt_s": rtt,
         "budget_bps": a.rate,
     }))

@@ -409,14 +409,16 @@ fn markdown(b: &Bench, machine: &Value, date: &str, mode: &str) -> String {
     }
     let pre: Vec<&Record> = rs.iter().filter(|r| r.scenario == "pool-preempt").collect();
     if !pre.is_empty() {
-        let _ = writeln!(s, "### Pre-emption across the pool (`ferry demo --agents 2 --preempt`: a background checkpoint striped over both pairs, then an urgent one and a loss-spike signal; target <= 2 RTT + the notification delay)\n\n| pairs | background bytes | urgent bytes | signal to 80 % of the budget, s | in RTT | urgent published after, s |\n| ---: | ---: | ---: | ---: | ---: | ---: |");
+        let _ = writeln!(s, "### Pre-emption across the pool (`ferry demo --agents 2 --preempt`: a background checkpoint striped over both pairs, then an urgent one and a loss-spike signal; target <= 2 RTT + the notification delay; the background's senders slow within one RTT of it)\n\n| pairs | background bytes | urgent bytes | signal to background <= 20 % of the budget, s | in RTT | signal to urgent >= 80 % of the budget, s | in RTT | urgent published after, s |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
         for r in pre {
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {} | {:.1} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {:.1} |",
                 r.extra["agents"],
                 r.extra["background_bytes"],
                 r.bytes,
+                opt(r.extra["background_yield_s"].as_f64(), 2),
+                opt(r.extra["background_yield_rtt"].as_f64(), 1),
                 opt(r.extra["preemption_latency_s"].as_f64(), 2),
                 opt(r.extra["preemption_latency_rtt"].as_f64(), 1),
                 r.wall_s,

@@ -1480,6 +1480,10 @@ pub fn scenario_pool(b: &mut Bench) -> Result<()> {
     r.verified = true;
     r.extra = p.clone();
     say(format!(
+        "  signal to the background checkpoint at 20 % of the budget or less: {} s ({} RTT)",
+        p["background_yield_s"], p["background_yield_rtt"]
+    ));
+    say(format!(
         "  signal to the urgent checkpoint at 80 % of the budget: {} s ({} RTT)",
         p["preemption_latency_s"], p["preemption_latency_rtt"]
     ));
