@@ -534,7 +534,8 @@ async fn xact_count(url: &str, db: &str) -> Result<f64> {
 }
 
 /// `--preempt`: a background checkpoint of `--size` in `archive`,
-/// striped over every source agent; once each holds parts of it, an
+/// striped over every source agent; once each holds parts of it and it
+/// ran 10 RTT (2 s at least), an
 /// urgent one of a quarter of `--size` in `root` (job `pool-demo`) and a
 /// loss-spike signal for its job. The pre-emption latency is the time
 /// from the signal to the end of the first 100 ms window in which the
@@ -598,6 +599,15 @@ async fn preempt(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // The background checkpoint at full pace before the signal (past
+    // its parts' registrations and slow start), so that its yield is
+    // measured from there.
+    let settle = (a.rtt * 10).max(Duration::from_secs(2));
+    say(format!(
+        "every source agent holds parts; letting the background checkpoint run {:.1} s",
+        settle.as_secs_f64()
+    ));
+    tokio::time::sleep(settle).await;
     let t_urgent = Instant::now();
     let urgent_id = push(json!({ "path": urgent.to_string_lossy() })).await?;
     let sig: Value = http

@@ -100,7 +100,9 @@ struct Striping<'a> {
     t: &'a Transfer,
     plan: &'a TransferPlan,
     map: Arc<ChunkMap>,
-    have: Arc<HashSet<u64>>,
+    /// The chunks the sink had when the run opened the transfer (a
+    /// helper's open is answered while it registers its first parts).
+    have: Mutex<Arc<HashSet<u64>>>,
     progress: Arc<LiveProgress>,
 }
 
@@ -183,7 +185,7 @@ pub(super) async fn run_coordinated(
         t,
         plan: &plan,
         map: map.clone(),
-        have: Arc::new(have),
+        have: Mutex::new(Arc::new(have)),
         progress: progress.clone(),
     };
     let mut need = Vec::new();
@@ -362,7 +364,7 @@ pub(super) async fn stripe_at_commit(
         t,
         plan: &plan,
         map: map.clone(),
-        have: Arc::new(have.clone()),
+        have: Mutex::new(Arc::new(have.clone())),
         progress: progress.clone(),
     };
     loop {
@@ -427,12 +429,16 @@ pub(super) async fn run_helper(
     {
         return Ok(());
     }
-    let (mut rx, have) = open_on_sink(inner, c, t, false, plan.files.clone()).await?;
+    // The open's answer (what the sink has) is awaited together with the
+    // first parts' registrations: one round trip, not two. A sink
+    // without part registrations is waited for.
+    let wait = c.version < ferry_proto::wire::PARTS_VERSION;
+    let (mut rx, have) = open_on_sink(inner, c, t, !wait, plan.files.clone()).await?;
     let s = Striping {
         t,
         plan: &plan,
         map: Arc::new(ChunkMap::new(&plan.files, plan.chunk_size)),
-        have: Arc::new(have),
+        have: Mutex::new(Arc::new(have)),
         // This agent's bytes of the transfer: not the transfer's
         // progress, which its coordinator keeps.
         progress: Arc::new(LiveProgress::default()),
@@ -553,7 +559,7 @@ async fn send_parts(
         );
         // Registered at the sink first: from then on no sink agent takes
         // the part's chunks from an agent that claimed it earlier.
-        let claims = register(inner, c, id, claims, rx, need).await?;
+        let claims = register(inner, c, id, claims, rx, need, &s.have).await?;
         if claims.is_empty() {
             continue;
         }
@@ -657,7 +663,8 @@ fn even_share(claimable: u64, max_parts: usize, peers: u32) -> usize {
 /// since (this agent was paused): dropped, neither sent nor released. A
 /// sink older than [`ferry_proto::wire::PARTS_VERSION`] registers
 /// nothing: every claim is kept (the source's own lease check is the
-/// only fence then).
+/// only fence then). The open's answer arriving meanwhile (a helper does
+/// not wait for it) goes to `have`.
 async fn register(
     inner: &Inner,
     c: &LinkConn,
@@ -665,6 +672,7 @@ async fn register(
     claims: Vec<ferry_catalog::PartClaim>,
     rx: &mut mpsc::UnboundedReceiver<Control>,
     need: &mut Vec<u64>,
+    have: &Mutex<Arc<HashSet<u64>>>,
 ) -> Result<Vec<ferry_catalog::PartClaim>, RunError> {
     if c.version < ferry_proto::wire::PARTS_VERSION {
         return Ok(claims);
@@ -687,6 +695,9 @@ async fn register(
             m = rx.recv() => match m {
                 Some(Control::PartEpoch { part, epoch, .. }) => {
                     answered.insert(part, epoch);
+                }
+                Some(Control::Have { chunks, .. }) => {
+                    *crate::lock::lock(have) = Arc::new(chunks.into_iter().collect());
                 }
                 m => on_control(m, need)?,
             },
@@ -731,7 +742,7 @@ async fn send_claimed(
     let (files, map2, have2, ranges2) = (
         s.plan.files.clone(),
         s.map.clone(),
-        s.have.clone(),
+        crate::lock::lock(&s.have).clone(),
         ranges.to_vec(),
     );
     let chunk_size = s.plan.chunk_size;
