@@ -127,10 +127,12 @@ pub struct DemoArgs {
     pub part_size: Option<u64>,
     /// --agents: pre-emption across the pool instead. A background
     /// checkpoint of --size is striped over every source agent; once
-    /// each holds parts of it, an urgent checkpoint of a quarter of
-    /// --size is pushed and its job sent a loss-spike signal. Prints the
-    /// time from the signal to the first 100 ms in which the urgent
-    /// checkpoint's bytes reach 80 % of the link's budget (--rate).
+    /// each holds parts of it and it ran 10 RTT (2 s at least), an urgent
+    /// checkpoint of a quarter of --size is pushed and its job sent a
+    /// loss-spike signal. Prints the time from the signal to the first
+    /// 100 ms in which the background checkpoint's bytes at the sink
+    /// fall to 20 % of the link's budget (--rate) or below, and to the
+    /// first in which the urgent checkpoint's reach 80 % of it.
     #[arg(long, requires = "agents", conflicts_with = "checkpoints")]
     pub preempt: bool,
     /// --weights-first: the 7b model's scale (0 < S <= 1; 1 is the full

@@ -2875,6 +2875,9 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
     // Striped transfers coordinated elsewhere whose parts this agent sends
     // now (their runs are in `running` and `stops` too).
     let mut helping: HashSet<TransferId> = HashSet::new();
+    // Dialling only to keep the link warm has failed since it last
+    // connected (said once, at info).
+    let mut warm_failing = false;
     let pool = inner.cfg.pool.clone();
     // The deadline margin starts from the sink's recent finishing times.
     match inner.catalog.transfers(200, 0).await {
@@ -3062,11 +3065,17 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                     link.connections
                         .fetch_add(c.pool.len() as u64, Ordering::Relaxed);
                     conn = Some(c);
+                    warm_failing = false;
                 }
                 Err(e) => {
                     if waiting.is_empty() && helpable.is_empty() && !pins_pending {
-                        // Only keeping the link warm: nothing waits on it.
-                        debug!(link = link.cfg.name, retry_in = ?backoff, "{e}");
+                        // Only keeping the link warm: said once per
+                        // streak of failures, since nothing waits on it.
+                        if std::mem::replace(&mut warm_failing, true) {
+                            debug!(link = link.cfg.name, retry_in = ?backoff, "{e}");
+                        } else {
+                            info!(link = link.cfg.name, retry_in = ?backoff, "keeping the link's connections up while idle: {e}");
+                        }
                     } else {
                         warn!(link = link.cfg.name, retry_in = ?backoff, "{e}");
                     }

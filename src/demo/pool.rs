@@ -664,8 +664,10 @@ async fn preempt(
         .max_by_key(|r| r.id);
     let yielded = match bg_row {
         Some(r) => {
+            // Chunks of the last moment may not be recorded yet.
+            let read_ms = ferry_catalog::now_ms() - 1000;
             let bg_arrivals = sink.chunk_arrivals(r.id).await?;
-            super::priority::yield_latency_s(&bg_arrivals, signal_ms, a.rate)
+            super::priority::yield_latency_s(&bg_arrivals, signal_ms, a.rate, read_ms)
         }
         None => None,
     };

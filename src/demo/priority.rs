@@ -384,22 +384,23 @@ pub(super) fn preemption_latency_s(a: &Arrivals, signal_ms: i64, rate_bps: u64) 
 /// Seconds from `signal_ms` to the end of the first [`WINDOW_MS`] window
 /// in which the bytes of a pre-empted (lower-class) transfer arriving at
 /// the sink fall to `1 -` [`PREEMPTED_SHARE`] of `rate_bps` or below:
-/// how soon its senders slowed. Windows slide as in
-/// [`preemption_latency_s`] while they end within the arrival bins (the
-/// first window whatever); `None` if none falls that low, or nothing
-/// arrived.
-pub(super) fn yield_latency_s(a: &Arrivals, signal_ms: i64, rate_bps: u64) -> Option<f64> {
+/// how soon its senders slowed. `a` holds its arrivals up to `until_ms`
+/// (Unix ms; when they were read): windows slide as in
+/// [`preemption_latency_s`] while they end by then, so a transfer that
+/// stopped altogether yields in the first window. `None` if no window
+/// falls that low.
+pub(super) fn yield_latency_s(
+    a: &Arrivals,
+    signal_ms: i64,
+    rate_bps: u64,
+    until_ms: i64,
+) -> Option<f64> {
     let most = (1.0 - PREEMPTED_SHARE) * rate_bps as f64 / 8.0 * WINDOW_MS as f64 / 1000.0;
     let step = a.bin_ms.max(1);
-    let first = signal_ms.div_euclid(step) * step;
-    // Windows that end within the arrivals (a window past their end is
-    // not a slowdown), and the first one whatever: nothing after the
-    // signal is a yield in the first window.
-    let data_end = a.bins.last()?.0 + step;
-    let mut start = first;
+    let mut start = signal_ms.div_euclid(step) * step;
     loop {
         let end = start + WINDOW_MS.max(step);
-        if end > data_end && start != first {
+        if end > until_ms {
             return None;
         }
         if a.bytes_between(start, end) as f64 <= most {
@@ -471,7 +472,7 @@ mod tests {
     #[test]
     fn yield_is_the_end_of_the_first_window_at_a_fifth_of_the_budget_or_less() {
         // 1 Gbit/s: 20 % of a 100 ms window is 2.5 MB; 10 ms bins of
-        // 1.2 MB until 1150, then 0.1 MB.
+        // 1.2 MB until 1150, then 0.1 MB; read at 1400.
         let bins: Vec<(i64, u64)> = (1000..1400)
             .step_by(10)
             .map(|t| (t, if t < 1150 { 1_200_000 } else { 100_000 }))
@@ -479,18 +480,23 @@ mod tests {
         let a = Arrivals { bin_ms: 10, bins };
         // [1140, 1240) holds 1.2 + 0.9 = 2.1 MB, [1130, 1230) 2.4 + 0.8 =
         // 3.2 MB: the first is the one ending at 1240.
-        assert_eq!(yield_latency_s(&a, 1050, 1_000_000_000), Some(0.19));
-        // Nothing arrived after the signal: the first window.
+        assert_eq!(yield_latency_s(&a, 1050, 1_000_000_000, 1400), Some(0.19));
+        // Nothing arrived after the signal (it stopped altogether): the
+        // first window.
         let stopped = Arrivals {
             bin_ms: 10,
             bins: vec![(900, 20_000_000)],
         };
-        assert_eq!(yield_latency_s(&stopped, 1050, 1_000_000_000), Some(0.1));
-        // Never below: none.
+        assert_eq!(
+            yield_latency_s(&stopped, 1050, 1_000_000_000, 1400),
+            Some(0.1)
+        );
+        // Never below while observed: none (a window past the read is
+        // not an observation).
         let busy = Arrivals {
             bin_ms: 10,
             bins: (1000..1400).step_by(10).map(|t| (t, 1_200_000)).collect(),
         };
-        assert_eq!(yield_latency_s(&busy, 1050, 1_000_000_000), None);
+        assert_eq!(yield_latency_s(&busy, 1050, 1_000_000_000, 1400), None);
     }
 }

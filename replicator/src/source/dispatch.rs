@@ -533,11 +533,12 @@ impl LinkSched {
     /// the transfer at the sink again on the same connection (the sink
     /// counts a commit's batches from the open). False, and nothing
     /// changed, unless every batch so far is written and confirmed or
-    /// given up ([`LinkSched::settled`]).
+    /// given up ([`LinkSched::settled`]); true for a transfer not active
+    /// (it has no batches to count).
     pub(crate) fn renumber_batches(&self, id: TransferId) -> bool {
         let mut s = self.lock();
         let Some(q) = s.queues.get_mut(&id) else {
-            return false;
+            return true;
         };
         if !q.settled() {
             return false;

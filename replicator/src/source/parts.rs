@@ -265,8 +265,10 @@ pub(super) struct StripedRest {
 ///
 /// # Errors
 /// [`RunError::Cancelled`] when the watcher gives the checkpoint up
-/// meanwhile; [`RunError::Retry`] after dropping the plan when a file's
-/// size changed since the commit; catalog, sink and connection errors.
+/// meanwhile; [`RunError::Retry`] when a file's size changed since the
+/// commit (the next run plans again, from the stored plan's file order)
+/// or another run stored a plan of another table in between; catalog,
+/// sink and connection errors.
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn stripe_at_commit(
     inner: &Arc<Inner>,
@@ -351,6 +353,12 @@ pub(super) async fn stripe_at_commit(
                 .await?
         }
     };
+    if plan.files != w.table || plan.chunk_size != chunk_size {
+        // Another run stored its plan in between.
+        return Err(RunError::Retry(
+            "the stored plan's file table differs from the one opened at the sink".into(),
+        ));
+    }
     let status = inner.catalog.parts_status(id).await?;
     info!(
         transfer = %id,
@@ -902,9 +910,9 @@ struct Checked {
 /// transfer: the manifest lists each) or only those read in parts.
 ///
 /// # Errors
-/// [`RunError::Retry`] after dropping the plan when a file's size
-/// differs from the plan's (the next run lists and plans again), or when
-/// a file cannot be looked at; catalog errors.
+/// [`RunError::Retry`] when a file's size differs from the plan's (the
+/// next run lists and plans again; a pushed transfer's plan is dropped
+/// here), or when a file cannot be looked at; catalog errors.
 async fn check_parts(
     inner: &Arc<Inner>,
     t: &Transfer,
@@ -955,7 +963,13 @@ async fn check_parts(
     .map_err(|e| RunError::Retry(format!("looking at the files before the seal: {e}")))?;
     for (fi, f) in plan.files.iter().enumerate() {
         if let Some(n) = now[fi].filter(|n| n.0 != f.size) {
-            inner.catalog.drop_plan(id).await?;
+            // A watched transfer's plan stays until its next run plans
+            // again: that run starts its file table from the plan's, so
+            // every file keeps its position (and chunk keys their
+            // meaning) for the agents still sending the old parts.
+            if all {
+                inner.catalog.drop_plan(id).await?;
+            }
             return Err(RunError::Retry(format!(
                 "{} changed size while it was sent ({} to {} bytes); planning the transfer again",
                 f.path, f.size, n.0

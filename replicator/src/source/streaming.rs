@@ -390,21 +390,40 @@ pub(super) async fn run_watched(
                 .await?;
                 if let Some(rest) = rest {
                     have = Arc::new(rest.have);
+                    let read_in_parts: HashSet<u64> = rest.hashes.iter().map(|(k, _)| *k).collect();
                     for (k, h) in rest.hashes {
                         let (f, ci) = ((k >> 32) as usize, k as u32 as usize);
-                        if let Some(slot) = tracks.get_mut(f).and_then(|tr| tr.hashes.get_mut(ci)) {
-                            *slot = Some(h);
+                        if let Some(tr) = tracks.get_mut(f) {
+                            if let Some(slot) = tr.hashes.get_mut(ci) {
+                                *slot = Some(h);
+                            }
+                            // Its quick hash was of what this run read.
+                            if let Some(q) = tr.quick.get_mut(ci) {
+                                *q = None;
+                            }
                         }
                     }
-                    // A file whose every chunk hash is known now, read in
-                    // parts and unchanged since, is confirmed; any other
-                    // (chunks an earlier run left out of its plan) is read
-                    // again below.
+                    // A file read in parts, unchanged since, whose other
+                    // chunks this run hashed at the same size and mtime,
+                    // is confirmed. One this run read at another version
+                    // (rewritten after the commit, in place) loses this
+                    // run's hashes, and so does one with chunks an
+                    // earlier run left out of its plan: read again below.
                     for (f, size, mtime) in rest.stable {
                         if let Some(tr) = tracks.get_mut(f as usize) {
+                            if tr.verified != Some((size, mtime)) {
+                                for (ci, h) in tr.hashes.iter_mut().enumerate() {
+                                    let k = u64::from(f) << 32 | ci as u64;
+                                    if !read_in_parts.contains(&k) {
+                                        *h = None;
+                                    }
+                                }
+                            }
                             if tr.hashes.iter().all(Option::is_some) {
                                 tr.verified = Some((size, mtime));
                                 tr.provisional = false;
+                            } else {
+                                tr.verified = None;
                             }
                         }
                     }
