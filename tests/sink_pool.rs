@@ -751,6 +751,21 @@ fn assert_claims_apart(w: &World, claims: &[PartClaimRow]) {
     }
 }
 
+/// Fails unless both source agents claimed parts, every claim was
+/// released (its part verified), and no two claims of a part overlap.
+fn assert_shared_and_released(w: &World, claims: &[PartClaimRow]) {
+    for agent in [SOURCE_NAME, SOURCE_2] {
+        w.ensure(claims.iter().any(|c| c.2 == agent), || {
+            format!("{agent} should have claimed parts: {claims:?}")
+        });
+    }
+    w.ensure(
+        claims.iter().all(|c| c.5.as_deref() == Some("released")),
+        || format!("every claim released once its part was verified: {claims:?}"),
+    );
+    assert_claims_apart(w, claims);
+}
+
 /// Payload bytes a sink agent received (its metrics).
 async fn received(w: &World, sink: &Agent) -> f64 {
     let m = w.metrics_text(sink).await;
@@ -816,16 +831,7 @@ async fn striped_over(
     w.ensure(parts.len() >= 16, || {
         format!("at least 16 parts of {part_size}: {claims:?}")
     });
-    for agent in [SOURCE_NAME, SOURCE_2] {
-        w.ensure(claims.iter().any(|c| c.2 == agent), || {
-            format!("{agent} should have claimed parts: {claims:?}")
-        });
-    }
-    w.ensure(
-        claims.iter().all(|c| c.5.as_deref() == Some("released")),
-        || format!("every claim released once its part was verified: {claims:?}"),
-    );
-    assert_claims_apart(w, &claims);
+    assert_shared_and_released(w, &claims);
     for sink in &pool.sinks {
         let r = received(w, sink).await;
         w.ensure(r > 0.0, || {
@@ -895,16 +901,7 @@ async fn a_watched_checkpoint_s_rest_is_striped_across_the_pool_at_its_commit() 
     .await;
     w.assert_same_tree(&ckpt, &w.replica_path("step_00000800"));
     let claims = part_claims(&pool.source_db).await;
-    for agent in [SOURCE_NAME, SOURCE_2] {
-        w.ensure(claims.iter().any(|c| c.2 == agent), || {
-            format!("{agent} should have claimed parts: {claims:?}")
-        });
-    }
-    w.ensure(
-        claims.iter().all(|c| c.5.as_deref() == Some("released")),
-        || format!("every claim released once its part was verified: {claims:?}"),
-    );
-    assert_claims_apart(&w, &claims);
+    assert_shared_and_released(&w, &claims);
     let (states, _) = catalog_view(&pool.sink_db, "step_00000800").await;
     w.ensure(states == ["published"], || {
         format!("one replica row, published once: {states:?}")
