@@ -190,23 +190,59 @@ pub(super) async fn run_coordinated(
     };
     let mut need = Vec::new();
     loop {
-        send_parts(inner, c, &s, &mut rx, &mut need, false).await?;
-        count_others(inner, id, &progress).await;
+        send_until_done(inner, c, &s, &mut rx, &mut need, None).await?;
+        if let Some(sealed) = seal(inner, t, &plan, &map).await? {
+            inner.holds.hold(id, HoldPoint::Commit).await;
+            let dir = PathBuf::from(&t.source_path);
+            return commit_loop(inner, c, t, &dir, &progress, &mut rx, need, sealed).await;
+        }
+    }
+}
+
+/// The coordinator's part of striped transfer `s`: claims and sends
+/// parts alongside the other agents until every part is done, waiting
+/// for those others hold (or for their leases to lapse), answering the
+/// sink meanwhile and, for a watched checkpoint, following the
+/// watcher's `view`.
+///
+/// # Errors
+/// [`RunError::Cancelled`] when the watcher gives the checkpoint up,
+/// [`RunError::Retry`] when it stops following it; catalog, sink and
+/// connection errors.
+async fn send_until_done(
+    inner: &Arc<Inner>,
+    c: &LinkConn,
+    s: &Striping<'_>,
+    rx: &mut mpsc::UnboundedReceiver<Control>,
+    need: &mut Vec<u64>,
+    mut view: Option<&mut watch::Receiver<CheckpointView>>,
+) -> Result<(), RunError> {
+    let id = s.t.id;
+    loop {
+        send_parts(inner, c, s, rx, need, false).await?;
+        count_others(inner, id, &s.progress).await;
         let st = inner.catalog.parts_status(id).await?;
         if st.done >= st.total {
-            if let Some(sealed) = seal(inner, t, &plan, &map).await? {
-                inner.holds.hold(id, HoldPoint::Commit).await;
-                let dir = PathBuf::from(&t.source_path);
-                return commit_loop(inner, c, t, &dir, &progress, &mut rx, need, sealed).await;
-            }
-            continue;
+            return Ok(());
         }
-        // Parts held by other agents: wait for them (or for their leases
-        // to lapse), answering the sink meanwhile.
         let until = tokio::time::Instant::now() + PARTS_POLL;
         loop {
+            let watcher = async {
+                match view.as_deref_mut() {
+                    Some(v) => v.changed().await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
-                m = rx.recv() => on_control(m, &mut need)?,
+                m = rx.recv() => on_control(m, need)?,
+                r = watcher => {
+                    if r.is_err() {
+                        return Err(RunError::Retry("the watcher stopped following this checkpoint".into()));
+                    }
+                    if let Some(ViewState::Gone(why)) = view.as_deref().map(|v| v.borrow().state.clone()) {
+                        return Err(RunError::Cancelled(why));
+                    }
+                }
                 _ = tokio::time::sleep_until(until) => break,
                 _ = inner.shutdown.cancelled() => return Err(RunError::Shutdown),
             }
@@ -376,42 +412,19 @@ pub(super) async fn stripe_at_commit(
         progress: progress.clone(),
     };
     loop {
-        send_parts(inner, c, &s, rx, need, false).await?;
-        count_others(inner, id, progress).await;
-        let st = inner.catalog.parts_status(id).await?;
-        if st.done >= st.total {
-            if let Some(ck) = check_parts(inner, t, &plan, &map, false).await? {
-                let stable = ck
-                    .now
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(fi, n)| n.map(|(size, mtime, _)| (fi as u32, size, mtime)))
-                    .collect();
-                return Ok(Some(StripedRest {
-                    have,
-                    hashes: ck.hashes.into_iter().collect(),
-                    stable,
-                }));
-            }
-            continue;
-        }
-        // Parts held by other agents: wait for them (or for their leases
-        // to lapse), answering the sink and following the watcher.
-        let until = tokio::time::Instant::now() + PARTS_POLL;
-        loop {
-            tokio::select! {
-                m = rx.recv() => on_control(m, need)?,
-                r = view.changed() => {
-                    if r.is_err() {
-                        return Err(RunError::Retry("the watcher stopped following this checkpoint".into()));
-                    }
-                    if let ViewState::Gone(why) = &view.borrow().state {
-                        return Err(RunError::Cancelled(why.clone()));
-                    }
-                }
-                _ = tokio::time::sleep_until(until) => break,
-                _ = inner.shutdown.cancelled() => return Err(RunError::Shutdown),
-            }
+        send_until_done(inner, c, &s, rx, need, Some(&mut *view)).await?;
+        if let Some(ck) = check_parts(inner, t, &plan, &map, false).await? {
+            let stable = ck
+                .now
+                .iter()
+                .enumerate()
+                .filter_map(|(fi, n)| n.map(|(size, mtime, _)| (fi as u32, size, mtime)))
+                .collect();
+            return Ok(Some(StripedRest {
+                have,
+                hashes: ck.hashes.into_iter().collect(),
+                stable,
+            }));
         }
     }
 }

@@ -235,7 +235,9 @@ pub(super) async fn run_watched(
     // then this agent took the watch over): its table's order, so that
     // its parts' chunk keys name the same files (files only this run
     // sees go after).
-    let planned = if parts::watched_striped(inner, &t, opens_weights_first(c, &t)) {
+    // Weights first when the sink speaks it (then never striped).
+    let weights_first = opens_weights_first(c, &t);
+    let planned = if parts::watched_striped(inner, &t, weights_first) {
         inner.catalog.transfer_plan(id).await?
     } else {
         None
@@ -272,10 +274,9 @@ pub(super) async fn run_watched(
         "streaming a checkpoint as it is written"
     );
     let mut need: Vec<u64> = Vec::new();
-    // Weights first (a sink that speaks it): which files are optimizer
+    // Weights first (`weights_first`, above): which files are optimizer
     // state follows the format, read again at the commit (the watcher may
     // recognise it after the run began); `split` is decided there.
-    let weights_first = opens_weights_first(c, &t);
     let mut format: Option<Format> = t.format.as_deref().and_then(|f| f.parse().ok());
     let mut split: Option<bool> = None;
     let mut weights_root: Option<Hash> = None;
