@@ -467,7 +467,10 @@ impl Catalog {
     /// claimable now (queued, or held under a lapsed lease), in claim
     /// order: those of the highest class rank among them only, fewest
     /// claimed bytes per unit of weight first (fair queuing over parts;
-    /// see [`Catalog::set_plan_rank`]).
+    /// see [`Catalog::set_plan_rank`]). A transfer whose claims
+    /// [`Catalog::claim_parts`] would refuse now (a striped transfer of
+    /// its link in a higher class rank, among `ids` or not, has parts to
+    /// claim) is not listed: an agent offered it would claim nothing.
     ///
     /// # Errors
     /// SQL errors.
@@ -483,8 +486,15 @@ impl Catalog {
             "SELECT p.transfer AS transfer, COUNT(*) AS n, MAX(t.class_rank) AS class_rank, \
              MAX(t.claimed_bytes / t.weight) AS deficit \
              FROM transfer_parts p JOIN transfer_plans t ON t.transfer = p.transfer \
+             JOIN transfers mt ON mt.id = p.transfer \
              WHERE p.transfer IN ({list}) AND (p.state = 'queued' OR (p.state = 'held' \
-             AND p.lease_until < {now})) GROUP BY p.transfer \
+             AND p.lease_until < {now})) \
+             AND NOT EXISTS (SELECT 1 FROM transfer_plans o JOIN transfers ot ON ot.id = o.transfer \
+             WHERE ot.link = mt.link AND o.class_rank > t.class_rank \
+             AND ot.state NOT IN ('published', 'failed', 'cancelled', 'paused') \
+             AND EXISTS (SELECT 1 FROM transfer_parts q WHERE q.transfer = o.transfer \
+             AND (q.state = 'queued' OR (q.state = 'held' AND q.lease_until < {now})))) \
+             GROUP BY p.transfer \
              ORDER BY class_rank DESC, deficit ASC, transfer ASC",
             now = self.db.now_ms()
         );
