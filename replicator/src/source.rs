@@ -445,6 +445,12 @@ struct LinkState {
     /// of the pool run transfers on the link
     /// ([`scheduler::LinkScheduler::pool_fraction`]).
     fraction: AtomicU64,
+    /// This agent's fractions of `cap` for the classes below the highest
+    /// busy anywhere in the pool, by class (urgent, scheduled,
+    /// background; [`scheduler::PoolShare::class_caps`]): those classes
+    /// are paced at them even while nothing of a higher class is ready
+    /// here. All `None` outside a pool.
+    class_caps: Mutex<[Option<f64>; 3]>,
     /// Ids of the signals the link's scheduler has counted (each once,
     /// whether this agent took it or another agent of the pool did).
     signals: Mutex<BTreeSet<i64>>,
@@ -502,17 +508,22 @@ impl LinkState {
         self.sched.lock().ls.set_finish_ms(m);
     }
 
-    /// Paces the link at its cap times this agent's fraction of it (at
-    /// least [`MIN_PACE_BPS`]).
+    /// Paces the link at its cap times this agent's fraction of it, and
+    /// each capped class at its own fraction (each at least
+    /// [`MIN_PACE_BPS`]).
     fn apply_rate(&self) {
         let cap = self.cap.load(Ordering::Relaxed);
-        let f = f64::from_bits(self.fraction.load(Ordering::Relaxed));
-        let pace = ((cap as f64 * f) as u64).max(MIN_PACE_BPS).min(cap);
+        let pace_of = |f: f64| ((cap as f64 * f) as u64).max(MIN_PACE_BPS).min(cap);
+        let pace = pace_of(f64::from_bits(self.fraction.load(Ordering::Relaxed)));
+        let caps = crate::lock::lock(&self.class_caps)
+            .map(|f| f.map(|f| dispatch::payload_rate(pace_of(f).min(pace))));
         self.share.set_rate_bps(pace);
-        self.sched
-            .lock()
-            .ls
-            .set_rate(dispatch::payload_rate(pace), ferry_catalog::now_ms());
+        {
+            let now = ferry_catalog::now_ms();
+            let mut s = self.sched.lock();
+            s.ls.set_rate(dispatch::payload_rate(pace), now);
+            s.ls.set_class_rates(caps, now);
+        }
         self.sched.poke();
     }
 
@@ -727,6 +738,7 @@ impl Source {
                     speak: Arc::new(AtomicU16::new(PROTOCOL_VERSION)),
                     cap: AtomicU64::new(l.rate_bps),
                     fraction: AtomicU64::new(1.0f64.to_bits()),
+                    class_caps: Mutex::new([None; 3]),
                     signals: Mutex::new(BTreeSet::new()),
                     pins: Mutex::new(Vec::new()),
                     finishes: Mutex::new(VecDeque::new()),
@@ -3279,18 +3291,31 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                     debug!(link = link.cfg.name, error = %e, "catalog: reading who holds parts")
                 }
             }
-            let f = link
-                .sched
-                .lock()
-                .ls
-                .pool_fraction_split(&elsewhere, &split, now);
+            let ps = link.sched.lock().ls.pool_share(&elsewhere, &split, now);
+            let f = ps.fraction;
             let old = f64::from_bits(link.fraction.load(Ordering::Relaxed));
-            if (f - old).abs() > 0.01 || (f != old && (f == 1.0 || f == 0.0)) {
+            // Capped classes change when a class above them starts or ends
+            // anywhere in the pool (a signal's urgent transfer): applied
+            // at once, like a change of the fraction.
+            let caps_moved = {
+                let mut c = crate::lock::lock(&link.class_caps);
+                let moved = c.iter().zip(ps.class_caps).any(|(a, b)| match (a, b) {
+                    (Some(a), Some(b)) => (a - b).abs() > 0.01,
+                    (None, None) => false,
+                    _ => true,
+                });
+                if moved {
+                    *c = ps.class_caps;
+                }
+                moved
+            };
+            if caps_moved || (f - old).abs() > 0.01 || (f != old && (f == 1.0 || f == 0.0)) {
                 link.fraction.store(f.to_bits(), Ordering::Relaxed);
                 link.apply_rate();
                 debug!(
                     link = link.cfg.name,
                     fraction = f,
+                    class_caps = ?ps.class_caps,
                     "this agent's share of the link's budget"
                 );
             }

@@ -29,7 +29,8 @@ pub mod trace;
 
 pub use deadline::{Admission, Outlook};
 pub use link::{
-    priority, Decision, Explanation, LinkScheduler, Transfer, DEFAULT_CHUNK_BYTES, SCORE_REFRESH_MS,
+    priority, Decision, Explanation, LinkScheduler, PoolShare, Transfer, DEFAULT_CHUNK_BYTES,
+    SCORE_REFRESH_MS,
 };
 pub use policy::{Floors, Policy, PolicyKind, Weights};
 pub use score::{

@@ -154,6 +154,22 @@ pub(crate) fn ci(c: Class) -> usize {
     }
 }
 
+/// An agent's part of its pool's budget on one link
+/// ([`LinkScheduler::pool_share`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PoolShare {
+    /// The fraction of the link's rate cap this agent is due, 0..1
+    /// ([`LinkScheduler::pool_fraction_split`]).
+    pub fraction: f64,
+    /// By class (urgent, scheduled, background): for each class below the
+    /// highest class busy anywhere in the pool, the fraction of the link's
+    /// rate cap this agent's transfers of that class are due, 0..1 (0 when
+    /// it runs none); `None` for the highest busy class and the classes
+    /// above it, which may use whatever of `fraction` the capped classes
+    /// leave. Under `fifo`, all `None`.
+    pub class_caps: [Option<f64>; 3],
+}
+
 /// Token bucket in payload bytes.
 #[derive(Debug, Clone)]
 struct Bucket {
@@ -202,6 +218,10 @@ pub struct LinkScheduler {
     v_link: f64,
     /// Virtual time within each class.
     v_class: [f64; 3],
+    /// Rate caps of single classes below the link's, by class index
+    /// (see [`LinkScheduler::set_class_rates`]); `None`: the class may use
+    /// the whole link rate.
+    class_caps: [Option<Bucket>; 3],
 }
 
 impl std::fmt::Debug for LinkScheduler {
@@ -236,6 +256,7 @@ impl LinkScheduler {
             class_was_ready: [false; 3],
             v_link: 0.0,
             v_class: [0.0; 3],
+            class_caps: [None, None, None],
         }
     }
 
@@ -318,6 +339,51 @@ impl LinkScheduler {
         self.bucket.refill(now_ms, cap);
         self.bucket.rate_bps = rate_bps.max(1);
         self.bucket.tokens = self.bucket.tokens.min(self.capacity());
+    }
+
+    /// Caps single classes below the link's rate from `now_ms` on: by class
+    /// (urgent, scheduled, background), `Some(bit/s)` (at least 1) holds
+    /// the class's chunks to that rate even while no other class has a
+    /// chunk ready (not work-conserving); `None` lets the class use the
+    /// whole link rate, shared by the class rules (the default).
+    ///
+    /// A pool uses this to hold the classes below the highest class busy
+    /// anywhere in the pool to their due share at each agent
+    /// ([`PoolShare::class_caps`]): an agent due an urgent share does not
+    /// fill it with background chunks while its urgent chunks are not
+    /// ready yet. A class newly capped starts one chunk in debt (the
+    /// link's chunk length, [`LinkScheduler::set_chunk_bytes`]), so it
+    /// slows at once; a changed cap keeps the class's tokens and debt.
+    /// Under `fifo` the caps are kept but not applied.
+    pub fn set_class_rates(&mut self, rates: [Option<u64>; 3], now_ms: i64) {
+        let rtt_ms = self.bucket.rtt_ms;
+        let chunk = self.chunk_bytes() as f64;
+        for (slot, rate) in self.class_caps.iter_mut().zip(rates) {
+            match (slot.as_mut(), rate) {
+                (_, None) => *slot = None,
+                (Some(b), Some(r)) => {
+                    let full = (b.bdp().max(chunk)) + b.bytes_per_ms();
+                    b.refill(now_ms, full);
+                    b.rate_bps = r.max(1);
+                }
+                (None, Some(r)) => {
+                    *slot = Some(Bucket {
+                        rate_bps: r.max(1),
+                        rtt_ms,
+                        tokens: -chunk,
+                        at_ms: now_ms,
+                    })
+                }
+            }
+        }
+    }
+
+    /// The class rate caps set by [`LinkScheduler::set_class_rates`],
+    /// bit/s, by class (urgent, scheduled, background).
+    pub fn class_rates(&self) -> [Option<u64>; 3] {
+        self.class_caps
+            .each_ref()
+            .map(|b| b.as_ref().map(|b| b.rate_bps))
     }
 
     /// Adds a transfer (now active on the link) or updates its class,
@@ -534,11 +600,37 @@ impl LinkScheduler {
         let cap = self.capacity();
         let full = cap + self.bucket.bytes_per_ms();
         self.bucket.refill(now_ms, full);
+        // Classes held back by their own cap now (ready or not), and when
+        // each may send again.
+        let chunk = self.chunk_bytes() as f64;
+        let mut held: [Option<i64>; 3] = [None; 3];
+        if self.policy.kind == PolicyKind::Priority {
+            for (i, b) in self.class_caps.iter_mut().enumerate() {
+                let Some(b) = b else { continue };
+                let full = b.bdp().max(chunk) + b.bytes_per_ms();
+                b.refill(now_ms, full);
+                if b.tokens < 0.0 {
+                    let wait_ms = (-b.tokens / b.bytes_per_ms()).ceil();
+                    held[i] = Some(now_ms.saturating_add((wait_ms as i64).max(1)));
+                }
+            }
+        }
         let pick = match self.policy.kind {
             PolicyKind::Fifo => self.pick_fifo(),
-            PolicyKind::Priority => self.pick_priority(now_ms),
+            PolicyKind::Priority => self.pick_priority(now_ms, held),
         };
         let Some((id, class_w, by_deadline)) = pick else {
+            // Chunks held back by their class's cap: wait for the first
+            // class that may send again.
+            let until = self
+                .entries
+                .values()
+                .filter(|e| !e.ready.is_empty())
+                .filter_map(|e| held[ci(e.t.class)])
+                .min();
+            if let Some(until_ms) = until {
+                return Decision::Wait { until_ms };
+            }
             // Nothing ready: restart virtual time so tags stay small.
             self.class_tag = [0.0; 3];
             self.v_link = 0.0;
@@ -564,6 +656,9 @@ impl LinkScheduler {
         self.bucket.tokens -= bytes as f64;
         e.ready.pop_front();
         let c = ci(e.t.class);
+        if let Some(b) = self.class_caps[c].as_mut() {
+            b.tokens -= bytes as f64;
+        }
         let b = bytes.max(1) as f64;
         // A chunk sent for a deadline does not move the class's virtual
         // time: transfers that become ready are not pushed behind it.
@@ -634,10 +729,16 @@ impl LinkScheduler {
             .map(|e| e.t.id)
     }
 
-    fn pick_priority(&mut self, now_ms: i64) -> Option<(TransferId, f64, bool)> {
+    /// The class and transfer to serve next under `priority`, among the
+    /// classes with ready chunks not `held` back by their own cap.
+    fn pick_priority(
+        &mut self,
+        now_ms: i64,
+        held: [Option<i64>; 3],
+    ) -> Option<(TransferId, f64, bool)> {
         let mut busy = [false; 3];
         for e in self.entries.values() {
-            if !e.ready.is_empty() {
+            if !e.ready.is_empty() && held[ci(e.t.class)].is_none() {
                 busy[ci(e.t.class)] = true;
             }
         }
@@ -719,11 +820,29 @@ impl LinkScheduler {
         split: &HashMap<TransferId, f64>,
         now_ms: i64,
     ) -> f64 {
+        self.pool_share(elsewhere, split, now_ms).fraction
+    }
+
+    /// [`LinkScheduler::pool_fraction_split`] with the part of it each
+    /// class is due, for [`LinkScheduler::set_class_rates`].
+    pub fn pool_share(
+        &self,
+        elsewhere: &[Transfer],
+        split: &HashMap<TransferId, f64>,
+        now_ms: i64,
+    ) -> PoolShare {
+        let whole = PoolShare {
+            fraction: 1.0,
+            class_caps: [None; 3],
+        };
         if elsewhere.is_empty() && split.is_empty() {
-            return 1.0;
+            return whole;
         }
         if self.entries.is_empty() {
-            return 0.0;
+            return PoolShare {
+                fraction: 0.0,
+                class_caps: [None; 3],
+            };
         }
         let mine = self.entries.values().map(|e| (&e.t, e.score.value));
         let others: Vec<(&Transfer, f64)> = elsewhere
@@ -739,8 +858,11 @@ impl LinkScheduler {
                 .min();
             let oldest_other = others.iter().map(|(t, _)| (t.created_ms, t.id)).min();
             return match (oldest_mine, oldest_other) {
-                (Some(m), Some(o)) if o < m => 0.0,
-                _ => 1.0,
+                (Some(m), Some(o)) if o < m => PoolShare {
+                    fraction: 0.0,
+                    class_caps: [None; 3],
+                },
+                _ => whole,
             };
         }
         let mut busy = [false; 3];
@@ -750,13 +872,21 @@ impl LinkScheduler {
             sums[ci(t.class)] += sc;
         }
         let w = self.class_weights(busy);
-        mine.map(|(t, sc)| {
+        let mut by_class = [0.0; 3];
+        for (t, sc) in mine {
             let c = ci(t.class);
             let portion = split.get(&t.id).copied().unwrap_or(1.0).clamp(0.0, 1.0);
-            portion * w[c] * sc / sums[c].max(f64::MIN_POSITIVE)
-        })
-        .sum::<f64>()
-        .clamp(0.0, 1.0)
+            by_class[c] += portion * w[c] * sc / sums[c].max(f64::MIN_POSITIVE);
+        }
+        let top = busy.iter().position(|&b| b).unwrap_or(0);
+        let mut class_caps = [None; 3];
+        for (c, cap) in class_caps.iter_mut().enumerate().skip(top + 1) {
+            *cap = Some(by_class[c].clamp(0.0, 1.0));
+        }
+        PoolShare {
+            fraction: by_class.iter().sum::<f64>().clamp(0.0, 1.0),
+            class_caps,
+        }
     }
 
     /// Which of `waiting` (queued transfers of this link, not active) to

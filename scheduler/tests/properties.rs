@@ -669,3 +669,130 @@ fn a_striped_transfer_s_share_is_split_among_the_agents_holding_its_parts() {
     // No split: the whole share, as before.
     assert_eq!(a.pool_fraction_split(&[], &HashMap::new(), 0), 1.0);
 }
+
+/// Sends ready chunks (each sent one replaced by another of `chunk`
+/// bytes, so every transfer with one ready stays ready) from `from_ms`
+/// until `until_ms`; bytes sent per transfer and the time of each one's
+/// first send.
+fn send_until(
+    s: &mut LinkScheduler,
+    chunk: u64,
+    from_ms: i64,
+    until_ms: i64,
+) -> (HashMap<u64, u64>, HashMap<u64, i64>) {
+    let mut got = HashMap::new();
+    let mut first = HashMap::new();
+    let mut now = from_ms;
+    while now < until_ms {
+        match s.next(now) {
+            Decision::Send { id, bytes, .. } => {
+                *got.entry(id.0).or_insert(0) += bytes;
+                first.entry(id.0).or_insert(now);
+                s.chunk_ready(id, chunk);
+            }
+            Decision::Wait { until_ms } => now = until_ms.max(now + 1),
+            Decision::Idle => panic!("idle with chunks ready"),
+        }
+    }
+    (got, first)
+}
+
+/// A class capped by `set_class_rates` is held to its rate while nothing
+/// else is ready (not work-conserving), slows at once (its first chunk
+/// waits one chunk's time at the cap), leaves the rest to an uncapped
+/// class, and gets the whole rate again when the cap is lifted.
+#[test]
+fn a_capped_class_is_held_to_its_rate_even_alone() {
+    const RATE: u64 = 100_000_000;
+    const CAP: u64 = 10_000_000;
+    let chunk = MIB;
+    let mut s = LinkScheduler::new(Policy::default(), RATE, 100, 0);
+    s.set_chunk_bytes(chunk);
+    s.upsert(transfer(1, Class::Background, 0.5, None), 0);
+    s.chunk_ready(TransferId(1), chunk);
+    s.set_class_rates([None, None, Some(CAP)], 0);
+    assert_eq!(s.class_rates(), [None, None, Some(CAP)]);
+    let bytes_in = |bps: u64, ms: i64| bps as f64 / 8.0 * ms as f64 / 1000.0;
+    let (got, first) = send_until(&mut s, chunk, 0, 10_000);
+    let want = bytes_in(CAP, 10_000);
+    let have = got[&1] as f64;
+    assert!(
+        (have - want).abs() <= chunk as f64 + 1.0,
+        "background alone under a cap of 10 Mbit/s sent {have} bytes in 10 s, want {want}"
+    );
+    let one_chunk_ms = (chunk as f64 / bytes_in(CAP, 1)) as i64;
+    assert!(
+        first[&1] >= one_chunk_ms,
+        "first capped chunk at {} ms",
+        first[&1]
+    );
+    // An urgent transfer beside it takes what the cap leaves.
+    s.upsert(transfer(2, Class::Urgent, 0.5, None), 10_000);
+    s.chunk_ready(TransferId(2), chunk);
+    let (got, _) = send_until(&mut s, chunk, 10_000, 20_000);
+    let bg = got.get(&1).copied().unwrap_or(0) as f64;
+    let urgent = got.get(&2).copied().unwrap_or(0) as f64;
+    assert!(
+        bg <= bytes_in(CAP, 10_000) + 2.0 * chunk as f64,
+        "background {bg}"
+    );
+    assert!(
+        urgent >= bytes_in(RATE - CAP, 10_000) - 2.0 * chunk as f64,
+        "urgent {urgent}"
+    );
+    // Lifted: the background class alone has the whole rate again.
+    s.remove(TransferId(2));
+    s.set_class_rates([None; 3], 20_000);
+    let (got, _) = send_until(&mut s, chunk, 20_000, 30_000);
+    let have = got[&1] as f64;
+    assert!(
+        have >= bytes_in(RATE, 10_000) - 2.0 * chunk as f64,
+        "background uncapped sent {have} bytes in 10 s"
+    );
+}
+
+/// In a pool, the classes below the highest busy anywhere are capped at
+/// this agent's fraction for them; the highest is not; the capped parts
+/// and the rest add up to the agent's fraction. Nothing is capped when
+/// only one class is busy, or under `fifo`.
+#[test]
+fn a_pool_caps_the_classes_below_the_highest_busy_one() {
+    let policy = Policy::default();
+    let fb = policy.floors.background;
+    let mut a = LinkScheduler::new(policy.clone(), FAST, 100, 0);
+    a.upsert(transfer(1, Class::Background, 0.5, None), 0);
+    a.upsert(transfer(2, Class::Urgent, 0.5, None), 0);
+    // Both striped over two agents: half of each class's share here.
+    let half: HashMap<TransferId, f64> = [(TransferId(1), 0.5), (TransferId(2), 0.5)].into();
+    let ps = a.pool_share(&[], &half, 0);
+    assert_eq!(ps.class_caps[0], None);
+    assert_eq!(ps.class_caps[1], Some(0.0));
+    let bg = ps.class_caps[2].unwrap();
+    assert!((bg - fb / 2.0).abs() < 1e-9, "{ps:?}");
+    assert!((ps.fraction - 0.5).abs() < 1e-9, "{ps:?}");
+    assert_eq!(
+        ps.fraction,
+        a.pool_fraction_split(&[], &half, 0),
+        "the share's fraction is pool_fraction_split's"
+    );
+    // Background alone in the pool: nothing capped.
+    let mut b = LinkScheduler::new(policy.clone(), FAST, 100, 0);
+    b.upsert(transfer(1, Class::Background, 0.5, None), 0);
+    let only: HashMap<TransferId, f64> = [(TransferId(1), 0.5)].into();
+    assert_eq!(b.pool_share(&[], &only, 0).class_caps, [None; 3]);
+    // An urgent transfer elsewhere caps this agent's background at once.
+    let ps = b.pool_share(&[transfer(2, Class::Urgent, 0.5, None)], &only, 0);
+    assert_eq!(ps.class_caps[0], None);
+    assert!(
+        (ps.class_caps[2].unwrap() - fb / 2.0).abs() < 1e-9,
+        "{ps:?}"
+    );
+    let fifo = Policy {
+        kind: PolicyKind::Fifo,
+        ..policy
+    };
+    let mut f = LinkScheduler::new(fifo, FAST, 100, 0);
+    f.upsert(transfer(1, Class::Background, 0.5, None), 0);
+    let ps = f.pool_share(&[transfer(2, Class::Urgent, 0.5, None)], &only, 0);
+    assert_eq!(ps.class_caps, [None; 3]);
+}
