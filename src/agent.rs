@@ -307,6 +307,9 @@ pub async fn start(cfg: &Config, ov: Overrides) -> Result<Agent> {
             "API and web UI at {api_url} (plain HTTP on a non-loopback address because [api] allow_plaintext = true: tokens and answers cross the network unencrypted)"
         );
     }
+    if let Some(c) = cfg.pool.config().caveat() {
+        tracing::warn!("{c}");
+    }
     let auth = cfg.api.auth()?;
     if auth.is_open() {
         tracing::warn!(

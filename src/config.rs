@@ -58,7 +58,9 @@ pub struct PoolSection {
     pub heartbeat_interval: Duration,
     /// How long the agent's leases (and its membership) last without a
     /// heartbeat: after this other agents see it down and take its
-    /// transfers over. At least three heartbeat intervals. Default 10 s.
+    /// transfers and parts over. At least three heartbeat intervals;
+    /// shorter than the QUIC idle timeout (10 s) is advised (said at
+    /// start otherwise). Default 9 s.
     #[serde(default = "default_lease_timeout", with = "humantime_serde")]
     pub lease_timeout: Duration,
     /// Payload per part of a striped transfer (`"256MiB"`): on a

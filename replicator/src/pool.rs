@@ -35,9 +35,11 @@ pub struct PoolConfig {
     /// (default 2 s).
     pub heartbeat_interval: Duration,
     /// How long a lease (and the agent's membership) lasts without a
-    /// heartbeat (default 10 s): after this, other agents see the agent
-    /// down and may claim its transfers. At least three heartbeat
-    /// intervals.
+    /// heartbeat (default 9 s): after this, other agents see the agent
+    /// down and may claim its transfers and parts. At least three
+    /// heartbeat intervals; shorter than the QUIC idle timeout
+    /// ([`crate::transport::IDLE_TIMEOUT`], 10 s) unless said otherwise
+    /// ([`PoolConfig::caveat`]).
     pub lease_timeout: Duration,
     /// Payload bytes per part of a striped transfer (default 256 MiB):
     /// on a PostgreSQL catalog, a pushed transfer's chunks (and what is
@@ -59,7 +61,7 @@ impl Default for PoolConfig {
     fn default() -> Self {
         PoolConfig {
             heartbeat_interval: Duration::from_secs(2),
-            lease_timeout: Duration::from_secs(10),
+            lease_timeout: Duration::from_secs(9),
             part_size: DEFAULT_PART_SIZE,
             max_parts: DEFAULT_MAX_PARTS,
         }
@@ -67,6 +69,25 @@ impl Default for PoolConfig {
 }
 
 impl PoolConfig {
+    /// What an agent should say at start about a timing it accepts but
+    /// advises against: a lease not shorter than the QUIC idle timeout
+    /// ([`crate::transport::IDLE_TIMEOUT`]). With a shorter lease, the
+    /// parts of an agent that stopped answering are taken over before its
+    /// connections time out, and an agent paused past its lease comes
+    /// back on a live connection whose late chunks the sink's epochs
+    /// refuse. `None` when the timing is as advised.
+    pub fn caveat(&self) -> Option<String> {
+        let idle = crate::transport::IDLE_TIMEOUT;
+        (self.lease_timeout >= idle).then(|| {
+            format!(
+                "pool.lease_timeout ({:?}) is not shorter than the QUIC idle timeout ({idle:?}): \
+                 an unresponsive agent's parts are taken over only after its connections \
+                 time out; a shorter lease is advised (default 9s)",
+                self.lease_timeout
+            )
+        })
+    }
+
     /// Checks the timing.
     ///
     /// # Errors
@@ -577,6 +598,21 @@ mod tests {
             lease_timeout: Duration::from_millis(lease_ms),
             ..PoolConfig::default()
         }
+    }
+
+    /// The default lease is shorter than the QUIC idle timeout; a longer
+    /// one is accepted with a caveat naming both.
+    #[test]
+    fn a_lease_not_shorter_than_the_quic_idle_timeout_is_said() {
+        assert!(PoolConfig::default().lease_timeout < crate::transport::IDLE_TIMEOUT);
+        assert_eq!(PoolConfig::default().caveat(), None);
+        let long = cfg(2_000, 10_000);
+        assert_eq!(long.check(), Ok(()));
+        let c = long.caveat().unwrap();
+        assert!(
+            c.contains("pool.lease_timeout (10s)") && c.contains("idle timeout (10s)"),
+            "{c}"
+        );
     }
 
     #[test]
