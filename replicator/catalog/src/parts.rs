@@ -119,6 +119,10 @@ pub struct TransferPlan {
     pub markers: Vec<u32>,
     /// The agent that made it.
     pub planned_by: String,
+    /// When it was stored, Unix ms by the database's clock: with
+    /// `planned_by`, which plan this is (a dropped plan stored again has
+    /// another).
+    pub planned_at: i64,
 }
 
 /// What a part is doing.
@@ -368,7 +372,7 @@ impl Catalog {
         id: TransferId,
     ) -> Result<Option<TransferPlan>, CatalogError> {
         let Some(row) = sqlx::query(&self.db.sql(
-            "SELECT chunk_size, part_size, files, planned_by FROM transfer_plans \
+            "SELECT chunk_size, part_size, files, planned_by, planned_at FROM transfer_plans \
              WHERE transfer = ?",
         ))
         .bind(id.as_i64())
@@ -408,6 +412,7 @@ impl Catalog {
             files,
             markers: table.markers,
             planned_by: row.try_get("planned_by")?,
+            planned_at: row.try_get("planned_at")?,
         }))
     }
 

@@ -578,6 +578,22 @@ async fn send_parts(
             parts = ?claims.iter().map(|c| c.range.part).collect::<Vec<_>>(),
             "claimed parts"
         );
+        if helper && !same_plan(inner, s.plan).await {
+            // The plan this helper read at its start was dropped and
+            // another stored: its parts name chunks of another table.
+            // Given back unsent; the next helper reads the new plan.
+            for cl in &claims {
+                if let Err(err) = inner
+                    .catalog
+                    .give_back_part(id, cl.range.part, me, cl.epoch)
+                    .await
+                {
+                    warn!(transfer = %id, part = cl.range.part, error = %err, "catalog: giving a part back (its lease lapses by itself)");
+                }
+            }
+            debug!(transfer = %id, "the transfer was planned again since this helper started; it stops");
+            return Ok(());
+        }
         // Registered at the sink first: from then on no sink agent takes
         // the part's chunks from an agent that claimed it earlier.
         let claims = register(inner, c, id, claims, rx, need, &s.have).await?;
@@ -666,6 +682,22 @@ async fn claim_size(inner: &Inner, id: TransferId, max_parts: usize, peers: u32)
     match inner.catalog.parts_status(id).await {
         Ok(st) => even_share(st.claimable, max_parts, peers),
         Err(_) => max_parts,
+    }
+}
+
+/// True if `plan` is still the stored plan of its transfer (same maker
+/// and time; a plan dropped and stored again differs). A catalog error
+/// counts as the same plan: the claim's own checks still hold (each part
+/// is registered and fenced at the sink, and every part's hashes are
+/// checked against the table at the seal).
+async fn same_plan(inner: &Inner, plan: &TransferPlan) -> bool {
+    match inner.catalog.transfer_plan(plan.transfer).await {
+        Ok(Some(p)) => p.planned_at == plan.planned_at && p.planned_by == plan.planned_by,
+        Ok(None) => false,
+        Err(e) => {
+            debug!(transfer = %plan.transfer, error = %e, "catalog: reading the transfer's plan");
+            true
+        }
     }
 }
 

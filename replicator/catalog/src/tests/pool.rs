@@ -710,6 +710,33 @@ async fn parts_are_claimed_once_and_a_lapsed_part_is_taken_over(c: Catalog) {
 }
 both!(parts_are_claimed_once_and_a_lapsed_part_is_taken_over);
 
+/// A plan dropped and stored again is another plan: its `planned_at`
+/// differs (a helper that read the first stops claiming by it), while
+/// reading a plan twice gives the same.
+async fn a_plan_stored_again_is_told_apart(c: Catalog) {
+    let id = queued(&c).await;
+    c.register_agent(&beat("a", 60_000)).await.unwrap();
+    let first = c
+        .plan_transfer(id, &plan_files(), &[], 1 << 20, 2 << 20, "a")
+        .await
+        .unwrap();
+    let read = c.transfer_plan(id).await.unwrap().unwrap();
+    assert_eq!(
+        (read.planned_at, &read.planned_by),
+        (first.planned_at, &first.planned_by)
+    );
+    c.drop_plan(id).await.unwrap();
+    assert!(c.transfer_plan(id).await.unwrap().is_none());
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    let again = c
+        .plan_transfer(id, &plan_files(), &[], 1 << 20, 2 << 20, "a")
+        .await
+        .unwrap();
+    assert_eq!(again.files, first.files);
+    assert!(again.planned_at > first.planned_at, "{again:?} {first:?}");
+}
+both!(a_plan_stored_again_is_told_apart);
+
 /// Claim order across transfers: class first (a lower class's parts are
 /// not claimed while a higher one's are left), then the fewest claimed
 /// bytes per unit of weight.
