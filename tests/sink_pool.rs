@@ -398,7 +398,7 @@ async fn ferry_demo_with_agents_runs_a_source_pool_and_a_sink_pool() {
         !out.success()
             && out
                 .all()
-                .contains("--size 1000000 is below 2 x --part-size")
+                .contains("--size 1000000 (1 MB) is below 2 x --part-size")
             && !out.all().contains("PostgreSQL"),
         || format!("ferry demo --preempt --size 1MB: {out}"),
     );

@@ -53,8 +53,11 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
     }
     if a.preempt && a.size < n as u64 * part_size {
         bail!(
-            "--preempt needs a background checkpoint of at least one part per source agent: --size {} is below {n} x --part-size {part_size}",
-            a.size
+            "--preempt needs a background checkpoint of at least one part per source agent: --size {} ({}) is below {n} x --part-size {} ({})",
+            a.size,
+            super::priority::mb(a.size),
+            part_size,
+            super::priority::mb(n as u64 * part_size),
         );
     }
     let pg = Postgres::start().await?;
@@ -180,7 +183,14 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
         ckpts.push(ckpt);
     }
     say(format!(
-        "{count} checkpoints of {each} bytes generated; pushing them through the {n} source agents"
+        "{count} {} of {} generated; pushing {} through the {n} source agents",
+        if count == 1 {
+            "checkpoint"
+        } else {
+            "checkpoints"
+        },
+        super::priority::mb(each),
+        if count == 1 { "it" } else { "them" },
     ));
     let usage0 = Usage::take(&procs, &pg).await;
     let t0 = Instant::now();

@@ -354,7 +354,7 @@ async fn remove_run(dir: PathBuf) {
 }
 
 /// `bytes` in MB (10^6), for messages.
-fn mb(bytes: u64) -> String {
+pub(super) fn mb(bytes: u64) -> String {
     format!("{:.0} MB", bytes as f64 / 1e6)
 }
 
