@@ -123,6 +123,10 @@ pub struct TransferPlan {
     /// `planned_by`, which plan this is (a dropped plan stored again has
     /// another).
     pub planned_at: i64,
+    /// Whether every agent of the pool may claim its parts; false while
+    /// only `planned_by` may ([`Catalog::plan_transfer_quietly`],
+    /// [`Catalog::announce_plan`]).
+    pub announced: bool,
 }
 
 /// What a part is doing.
@@ -293,6 +297,74 @@ impl Catalog {
         agent: &str,
         parts: &[PartRange],
     ) -> Result<TransferPlan, CatalogError> {
+        self.store_plan(
+            id, files, markers, chunk_size, part_size, agent, parts, true,
+        )
+        .await
+    }
+
+    /// As [`Catalog::plan_transfer`], but not announced: until
+    /// [`Catalog::announce_plan`], only `agent` may claim its parts and
+    /// no other agent is offered the transfer. Its coordinator stores it
+    /// this way, claims its first parts and sends its open and their
+    /// registrations to the sink in one round trip, and announces it once
+    /// the sink answered the open (so the sink's row for the transfer
+    /// exists before any other agent opens it at another sink agent). A
+    /// plan stored already is returned as it is.
+    ///
+    /// # Errors
+    /// As [`Catalog::plan_transfer`].
+    pub async fn plan_transfer_quietly(
+        &self,
+        id: TransferId,
+        files: &[FileInfo],
+        markers: &[u32],
+        chunk_size: u32,
+        part_size: u64,
+        agent: &str,
+    ) -> Result<TransferPlan, CatalogError> {
+        let parts = split_into_parts(files, chunk_size, part_size.max(1));
+        self.store_plan(
+            id, files, markers, chunk_size, part_size, agent, &parts, false,
+        )
+        .await
+    }
+
+    /// Lets every agent of the pool claim the parts of transfer `id`'s
+    /// plan and announces it on the pool's channel; true if it was not
+    /// announced before (nothing happens otherwise).
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn announce_plan(&self, id: TransferId) -> Result<bool, CatalogError> {
+        let mut tx = self.pool.begin().await?;
+        let n =
+            sqlx::query(&self.db.sql(
+                "UPDATE transfer_plans SET announced = 1 WHERE transfer = ? AND announced = 0",
+            ))
+            .bind(id.as_i64())
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        if n > 0 {
+            crate::notify::announce(self.db, &mut tx, crate::notify::payload::PLAN).await?;
+        }
+        tx.commit().await?;
+        Ok(n > 0)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn store_plan(
+        &self,
+        id: TransferId,
+        files: &[FileInfo],
+        markers: &[u32],
+        chunk_size: u32,
+        part_size: u64,
+        agent: &str,
+        parts: &[PartRange],
+        announce: bool,
+    ) -> Result<TransferPlan, CatalogError> {
         validate_files(files, chunk_size).map_err(|e| CatalogError::Invalid(e.to_string()))?;
         let ordered = parts.iter().enumerate().all(|(i, p)| {
             p.part == i as u64
@@ -317,7 +389,7 @@ impl Catalog {
         let now: i64 = sqlx::query_scalar(&q).fetch_one(&mut *tx).await?;
         let r = sqlx::query(&self.db.sql(
             "INSERT INTO transfer_plans (transfer, chunk_size, part_size, files, planned_by, \
-             planned_at) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (transfer) DO NOTHING",
+             planned_at, announced) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (transfer) DO NOTHING",
         ))
         .bind(id.as_i64())
         .bind(i64::from(chunk_size))
@@ -325,6 +397,7 @@ impl Catalog {
         .bind(json)
         .bind(agent)
         .bind(now)
+        .bind(i64::from(announce))
         .execute(&mut *tx)
         .await?;
         if r.rows_affected() > 0 {
@@ -354,7 +427,9 @@ impl Catalog {
             }
             // The pool's other agents claim parts at once, not at their
             // next reload of the queue.
-            crate::notify::announce(self.db, &mut tx, crate::notify::payload::PLAN).await?;
+            if announce {
+                crate::notify::announce(self.db, &mut tx, crate::notify::payload::PLAN).await?;
+            }
         }
         tx.commit().await?;
         self.transfer_plan(id)
@@ -372,8 +447,8 @@ impl Catalog {
         id: TransferId,
     ) -> Result<Option<TransferPlan>, CatalogError> {
         let Some(row) = sqlx::query(&self.db.sql(
-            "SELECT chunk_size, part_size, files, planned_by, planned_at FROM transfer_plans \
-             WHERE transfer = ?",
+            "SELECT chunk_size, part_size, files, planned_by, planned_at, announced \
+             FROM transfer_plans WHERE transfer = ?",
         ))
         .bind(id.as_i64())
         .fetch_optional(&self.pool)
@@ -413,6 +488,7 @@ impl Catalog {
             markers: table.markers,
             planned_by: row.try_get("planned_by")?,
             planned_at: row.try_get("planned_at")?,
+            announced: row.try_get::<i64, _>("announced")? != 0,
         }))
     }
 
@@ -475,7 +551,8 @@ impl Catalog {
     /// see [`Catalog::set_plan_rank`]). A transfer whose claims
     /// [`Catalog::claim_parts`] would refuse now (a striped transfer of
     /// its link in a higher class rank, among `ids` or not, has parts to
-    /// claim) is not listed: an agent offered it would claim nothing.
+    /// claim) is not listed: an agent offered it would claim nothing;
+    /// nor is one whose plan is not announced yet.
     ///
     /// # Errors
     /// SQL errors.
@@ -492,8 +569,8 @@ impl Catalog {
              MAX(t.claimed_bytes / t.weight) AS deficit \
              FROM transfer_parts p JOIN transfer_plans t ON t.transfer = p.transfer \
              JOIN transfers mt ON mt.id = p.transfer \
-             WHERE p.transfer IN ({list}) AND (p.state = 'queued' OR (p.state = 'held' \
-             AND p.lease_until < {now})) \
+             WHERE p.transfer IN ({list}) AND t.announced = 1 \
+             AND (p.state = 'queued' OR (p.state = 'held' AND p.lease_until < {now})) \
              AND NOT EXISTS (SELECT 1 FROM transfer_plans o JOIN transfers ot ON ot.id = o.transfer \
              WHERE ot.link = mt.link AND o.class_rank > t.class_rank \
              AND ot.state NOT IN ('published', 'failed', 'cancelled', 'paused') \
@@ -533,7 +610,8 @@ impl Catalog {
     /// drained agent claims nothing, and nothing is claimed while a
     /// striped transfer of the same link in a higher class rank (see
     /// [`Catalog::set_plan_rank`]) has parts to claim: its parts go
-    /// first, pool wide.
+    /// first, pool wide. Only the plan's maker claims the parts of a plan
+    /// not yet announced ([`Catalog::plan_transfer_quietly`]).
     ///
     /// # Errors
     /// SQL errors (nothing is claimed then).
@@ -580,6 +658,18 @@ impl Catalog {
         .fetch_optional(&mut *tx)
         .await?;
         if higher.is_some() {
+            tx.rollback().await?;
+            return Ok(Vec::new());
+        }
+        // A plan not yet announced is its coordinator's alone.
+        let open: Option<i64> = sqlx::query_scalar(&self.db.sql(
+            "SELECT 1 FROM transfer_plans WHERE transfer = ? AND (announced = 1 OR planned_by = ?)",
+        ))
+        .bind(id.as_i64())
+        .bind(agent)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if open.is_none() {
             tx.rollback().await?;
             return Ok(Vec::new());
         }

@@ -3,10 +3,12 @@
 //! (ARCHITECTURE.md, "Pool", "Parts").
 //!
 //! The agent holding the transfer's lease, its coordinator, lists the
-//! checkpoint, opens the transfer at the sink (waiting for the answer, so
-//! that the sink's row exists before any other agent opens it), and
-//! stores the plan: the file table and its chunks grouped into parts
-//! ([`ferry_catalog::parts`]). Then every source agent of the pool,
+//! checkpoint and stores the plan quietly: the file table and its chunks
+//! grouped into parts ([`ferry_catalog::parts`]), claimable by it alone.
+//! It sends its open and its first parts' registrations in one round
+//! trip and announces the plan once the sink answered the open (so that
+//! the sink's row exists before any other agent opens the transfer at
+//! another sink agent). Then every source agent of the pool,
 //! the coordinator included, claims parts (at most `max_parts` at once),
 //! opens the transfer at a sink agent of the link with the plan's file
 //! table, reads and hashes each part's chunks, sends those the sink
@@ -25,6 +27,7 @@
 //! transfer; the sink counts the chunks the other agents' opens recorded
 //! (`absorb_recorded` in the sink).
 
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use ferry_catalog::parts::split_into_parts_where;
@@ -103,6 +106,13 @@ struct Striping<'a> {
     /// The chunks the sink had when the run opened the transfer (a
     /// helper's open is answered while it registers its first parts).
     have: Mutex<Arc<HashSet<u64>>>,
+    /// Whether the sink's answer to the run's open came (`have` holds
+    /// it).
+    opened: AtomicBool,
+    /// Whether the plan is announced to the pool: false while a
+    /// coordinator's quietly stored plan waits for the sink's answer to
+    /// its open ([`announce_when_open`]).
+    announced: AtomicBool,
     progress: Arc<LiveProgress>,
 }
 
@@ -139,16 +149,18 @@ pub(super) async fn run_coordinated(
             .await?;
     }
     let progress = track_run(inner, c, t, bytes_total);
-    // Not fresh, even on a first run: the sink's answer says its row
-    // exists before the plan lets other agents open the transfer.
-    let (mut rx, have) = open_on_sink(inner, c, t, false, files.clone()).await?;
     let cfg = pool.config();
+    // A new plan is stored quietly (only this agent may claim its parts)
+    // so that this agent's open and its first parts' registrations go to
+    // the sink in one round trip; the plan is announced to the pool once
+    // the sink answered the open, so its row for the transfer exists
+    // before any other agent opens the transfer at another sink agent.
     let plan = match existing {
         Some(p) => p,
         None => {
             inner
                 .catalog
-                .plan_transfer(
+                .plan_transfer_quietly(
                     id,
                     &files,
                     &markers,
@@ -161,8 +173,19 @@ pub(super) async fn run_coordinated(
     };
     if plan.files != files || plan.chunk_size != inner.cfg.chunk_size {
         return Err(RunError::Retry(
-            "the stored plan's file table differs from the one opened at the sink".into(),
+            "the stored plan's file table differs from the one listed".into(),
         ));
+    }
+    // Not waited for only while the plan is this agent's alone; an
+    // announced plan (or another agent's, not announced because that
+    // agent stopped) lets others open the transfer meanwhile: the
+    // sink's row must exist first.
+    let quiet = !plan.announced
+        && plan.planned_by == inner.cfg.agent
+        && c.version >= ferry_proto::wire::PARTS_VERSION;
+    let (mut rx, have) = open_on_sink(inner, c, t, quiet, files.clone()).await?;
+    if !quiet && !plan.announced {
+        inner.catalog.announce_plan(id).await?;
     }
     let status = inner.catalog.parts_status(id).await?;
     info!(
@@ -186,6 +209,8 @@ pub(super) async fn run_coordinated(
         plan: &plan,
         map: map.clone(),
         have: Mutex::new(Arc::new(have)),
+        opened: AtomicBool::new(!quiet),
+        announced: AtomicBool::new(!quiet),
         progress: progress.clone(),
     };
     let mut need = Vec::new();
@@ -220,6 +245,9 @@ async fn send_until_done(
     let id = s.t.id;
     loop {
         send_parts(inner, c, s, rx, need, false).await?;
+        // Also when this agent claimed nothing (a higher class's parts go
+        // first): the other agents may claim once the plan is announced.
+        announce_when_open(inner, s, rx, need).await?;
         count_others(inner, id, &s.progress).await;
         let st = inner.catalog.parts_status(id).await?;
         if st.done >= st.total {
@@ -409,6 +437,8 @@ pub(super) async fn stripe_at_commit(
         plan: &plan,
         map: map.clone(),
         have: Mutex::new(Arc::new(have.clone())),
+        opened: AtomicBool::new(true),
+        announced: AtomicBool::new(true),
         progress: progress.clone(),
     };
     loop {
@@ -460,6 +490,8 @@ pub(super) async fn run_helper(
         plan: &plan,
         map: Arc::new(ChunkMap::new(&plan.files, plan.chunk_size)),
         have: Mutex::new(Arc::new(have)),
+        opened: AtomicBool::new(wait),
+        announced: AtomicBool::new(true),
         // This agent's bytes of the transfer: not the transfer's
         // progress, which its coordinator keeps.
         progress: Arc::new(LiveProgress::default()),
@@ -596,7 +628,11 @@ async fn send_parts(
         }
         // Registered at the sink first: from then on no sink agent takes
         // the part's chunks from an agent that claimed it earlier.
-        let claims = register(inner, c, id, claims, rx, need, &s.have).await?;
+        let claims = register(inner, c, id, claims, rx, need, s).await?;
+        if !helper {
+            // The sink answers an open before the registrations after it.
+            announce_when_open(inner, s, rx, need).await?;
+        }
         if claims.is_empty() {
             continue;
         }
@@ -710,6 +746,58 @@ fn even_share(claimable: u64, max_parts: usize, peers: u32) -> usize {
         .clamp(1, max_parts.max(1))
 }
 
+/// Keeps the sink's answer to the run's open: what it has.
+fn took_have(s: &Striping<'_>, chunks: Vec<u64>) {
+    *crate::lock::lock(&s.have) = Arc::new(chunks.into_iter().collect());
+    s.opened.store(true, Ordering::Relaxed);
+}
+
+/// A coordinator's quietly stored plan ([`Catalog::plan_transfer_quietly`])
+/// is announced to the pool once the sink answered the run's open
+/// (waited for here if it has not come yet, 30 s at most); the chunks the
+/// sink had then count as skipped in the run's progress. Nothing to do
+/// for a plan announced already.
+///
+/// # Errors
+/// [`RunError::Retry`] if the sink does not answer within 30 s, the
+/// sink's refusal, catalog errors.
+///
+/// [`Catalog::plan_transfer_quietly`]: ferry_catalog::Catalog::plan_transfer_quietly
+async fn announce_when_open(
+    inner: &Inner,
+    s: &Striping<'_>,
+    rx: &mut mpsc::UnboundedReceiver<Control>,
+    need: &mut Vec<u64>,
+) -> Result<(), RunError> {
+    if s.announced.load(Ordering::Relaxed) {
+        return Ok(());
+    }
+    let until = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !s.opened.load(Ordering::Relaxed) {
+        tokio::select! {
+            m = rx.recv() => match m {
+                Some(Control::Have { chunks, .. }) => took_have(s, chunks),
+                m => on_control(m, need)?,
+            },
+            _ = tokio::time::sleep_until(until) => {
+                return Err(RunError::Retry("the sink did not answer the transfer's open within 30 s".into()));
+            }
+            _ = inner.shutdown.cancelled() => return Err(RunError::Shutdown),
+        }
+    }
+    let have = crate::lock::lock(&s.have).clone();
+    let skipped: u64 = have
+        .iter()
+        .filter_map(|g| s.map.locate(*g))
+        .map(|(f, c)| s.map.span(f, c).1)
+        .sum();
+    s.progress.skipped.store(skipped, Ordering::Relaxed);
+    inner.catalog.announce_plan(s.t.id).await?;
+    s.announced.store(true, Ordering::Relaxed);
+    debug!(transfer = %s.t.id, "the sink answered the open: the plan is announced to the pool");
+    Ok(())
+}
+
 /// Registers each claim's part and epoch at the sink ([`Control::Part`])
 /// and waits for the epochs it recorded: the claims whose epoch the sink
 /// holds, to send; a claim the sink knows a later epoch of was taken over
@@ -725,7 +813,7 @@ async fn register(
     claims: Vec<ferry_catalog::PartClaim>,
     rx: &mut mpsc::UnboundedReceiver<Control>,
     need: &mut Vec<u64>,
-    have: &Mutex<Arc<HashSet<u64>>>,
+    s: &Striping<'_>,
 ) -> Result<Vec<ferry_catalog::PartClaim>, RunError> {
     if c.version < ferry_proto::wire::PARTS_VERSION {
         return Ok(claims);
@@ -749,9 +837,7 @@ async fn register(
                 Some(Control::PartEpoch { part, epoch, .. }) => {
                     answered.insert(part, epoch);
                 }
-                Some(Control::Have { chunks, .. }) => {
-                    *crate::lock::lock(have) = Arc::new(chunks.into_iter().collect());
-                }
+                Some(Control::Have { chunks, .. }) => took_have(s, chunks),
                 m => on_control(m, need)?,
             },
             _ = tokio::time::sleep_until(until) => {

@@ -737,6 +737,45 @@ async fn a_plan_stored_again_is_told_apart(c: Catalog) {
 }
 both!(a_plan_stored_again_is_told_apart);
 
+/// A plan stored quietly is its maker's alone: not offered to other
+/// agents, their claims get nothing, the maker's succeed; once announced
+/// (once only) every agent may claim. Plans stored the usual way are
+/// announced at once.
+async fn a_quiet_plan_is_its_maker_s_until_announced(c: Catalog) {
+    let id = queued(&c).await;
+    for a in ["a", "b"] {
+        c.register_agent(&beat(a, 60_000)).await.unwrap();
+    }
+    let plan = c
+        .plan_transfer_quietly(id, &plan_files(), &[], 1 << 20, 2 << 20, "a")
+        .await
+        .unwrap();
+    assert!(!plan.announced);
+    assert!(c.claimable_transfers(&[id]).await.unwrap().is_empty());
+    assert!(c.claim_parts(id, "b", 2, 60_000).await.unwrap().is_empty());
+    assert_eq!(c.claim_parts(id, "a", 1, 60_000).await.unwrap().len(), 1);
+    assert!(c.announce_plan(id).await.unwrap());
+    assert!(!c.announce_plan(id).await.unwrap(), "announced twice");
+    assert!(c.transfer_plan(id).await.unwrap().unwrap().announced);
+    assert_eq!(
+        c.claimable_transfers(&[id])
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|cl| cl.transfer)
+            .collect::<Vec<_>>(),
+        [id]
+    );
+    assert_eq!(c.claim_parts(id, "b", 1, 60_000).await.unwrap().len(), 1);
+    let other = queued(&c).await;
+    let p = c
+        .plan_transfer(other, &plan_files(), &[], 1 << 20, 2 << 20, "a")
+        .await
+        .unwrap();
+    assert!(p.announced);
+}
+both!(a_quiet_plan_is_its_maker_s_until_announced);
+
 /// Claim order across transfers: class first (a lower class's parts are
 /// not claimed while a higher one's are left), then the fewest claimed
 /// bytes per unit of weight.
@@ -842,6 +881,19 @@ async fn a_plan_of_given_parts_is_stored_as_given_and_announced() {
         .unwrap();
     let quiet = tokio::time::timeout(std::time::Duration::from_millis(500), l.recv()).await;
     assert!(quiet.is_err(), "announced again: {quiet:?}");
+    // A plan stored quietly is announced by announce_plan, not before.
+    let other = queued(&c).await;
+    c.plan_transfer_quietly(other, &files, &[], 1 << 20, 4 << 20, "a")
+        .await
+        .unwrap();
+    let quiet = tokio::time::timeout(std::time::Duration::from_millis(500), l.recv()).await;
+    assert!(quiet.is_err(), "a quiet plan announced: {quiet:?}");
+    assert!(c.announce_plan(other).await.unwrap());
+    let heard = tokio::time::timeout(std::time::Duration::from_secs(10), l.recv())
+        .await
+        .expect("a notification within 10 s of announce_plan")
+        .unwrap();
+    assert_eq!(heard.as_deref(), Some(crate::notify::payload::PLAN));
     drop(l);
     t.finish().await;
 }
