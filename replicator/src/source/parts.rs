@@ -626,6 +626,15 @@ async fn send_parts(
             debug!(transfer = %id, "the transfer was planned again since this helper started; it stops");
             return Ok(());
         }
+        if helper {
+            // This agent's share of the budget counts the parts it holds:
+            // recomputed now (its lower classes stay capped), so that it
+            // is paced for them when their registrations are answered,
+            // not at the link worker's next pass (up to a second later).
+            if let Some(l) = inner.links.get(&s.t.link) {
+                l.wake.notify_one();
+            }
+        }
         // Registered at the sink first: from then on no sink agent takes
         // the part's chunks from an agent that claimed it earlier.
         let claims = register(inner, c, id, claims, rx, need, s).await?;
