@@ -1482,6 +1482,13 @@ async fn handle_control(
             end_key,
         } => {
             let Some(live) = open.get(id) else {
+                if open.is_refused(id) {
+                    // Registrations sent with the open, before its
+                    // refusal reached the source (a coordinator sends
+                    // both in one round trip): the refusal answers them.
+                    debug!(transfer = %id, part, "registration of a part of a refused transfer ignored");
+                    return Ok(());
+                }
                 return Err(ConnError::Unexpected(format!(
                     "a part of transfer {id}, which this connection's source never opened"
                 )));

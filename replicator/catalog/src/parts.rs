@@ -306,11 +306,15 @@ impl Catalog {
     /// As [`Catalog::plan_transfer`], but not announced: until
     /// [`Catalog::announce_plan`], only `agent` may claim its parts and
     /// no other agent is offered the transfer. Its coordinator stores it
-    /// this way, claims its first parts and sends its open and their
-    /// registrations to the sink in one round trip, and announces it once
-    /// the sink answered the open (so the sink's row for the transfer
-    /// exists before any other agent opens it at another sink agent). A
-    /// plan stored already is returned as it is.
+    /// this way, sends its open, claims its first parts and sends their
+    /// registrations without waiting for the open's answer (one round
+    /// trip for both), and announces it once the sink answered the open
+    /// (so the sink's row for the transfer exists before any other agent
+    /// of this version opens it at another sink agent; agents from before
+    /// migration 0021 ignore the flag). A plan stored already is returned
+    /// as it is. While a quiet plan of a higher class has parts left,
+    /// lower classes' parts on its link are not claimed either, as for an
+    /// announced one.
     ///
     /// # Errors
     /// As [`Catalog::plan_transfer`].

@@ -469,7 +469,15 @@ pub(super) async fn run_helper(
     t: &Transfer,
 ) -> Result<(), RunError> {
     let id = t.id;
-    let Some(plan) = inner.catalog.transfer_plan(id).await? else {
+    // A plan not announced yet is its coordinator's alone: its open may
+    // not have reached the sink (this agent's open elsewhere would race
+    // it).
+    let Some(plan) = inner
+        .catalog
+        .transfer_plan(id)
+        .await?
+        .filter(|p| p.announced)
+    else {
         return Ok(());
     };
     if inner
@@ -814,7 +822,8 @@ async fn announce_when_open(
 /// sink older than [`ferry_proto::wire::PARTS_VERSION`] registers
 /// nothing: every claim is kept (the source's own lease check is the
 /// only fence then). The open's answer arriving meanwhile (a helper does
-/// not wait for it) goes to `have`.
+/// not wait for it, nor does a coordinator whose plan is not announced
+/// yet) goes to `s.have` ([`took_have`]).
 async fn register(
     inner: &Inner,
     c: &LinkConn,
