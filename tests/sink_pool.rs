@@ -610,6 +610,8 @@ struct StripedOn<'a> {
     /// Both source agents watch the source root (rescans every 0.5 s,
     /// 1 s quiet period); one of them holds its watch.
     watch: bool,
+    /// The sink agents' `reserve` (none: the default).
+    sink_reserve: Option<&'a str>,
 }
 
 async fn striped_pool_with(
@@ -631,6 +633,9 @@ async fn striped_pool_with(
         let spec = first.sink.as_mut().unwrap();
         spec.root = PathBuf::from(&r.url);
         spec.extra = r.lines.clone();
+    }
+    if let Some(r) = on.sink_reserve {
+        first.sink.as_mut().unwrap().reserve = Some(r.to_string());
     }
     let source_url = match on.source_cut {
         Some(c) => source_db.replacen(
@@ -801,6 +806,47 @@ async fn one_checkpoint_is_striped_across_two_sink_agents_on_hdfs() {
     let w = World::new("striped-hdfs").await;
     let r = hdfs_sink("striped-hdfs");
     striped_over(&w, Some(&r), "hdfs", "64MB", "2MiB").await;
+}
+
+/// The sink refuses a striped transfer's open (no room: a reserve larger
+/// than any disk) while its coordinator's first parts' registrations are
+/// already on the way (sent in the same round trip): the transfer fails
+/// with the sink's reason, once, and the sink keeps the connection (it
+/// ignores registrations of a refused open instead of closing it).
+#[tokio::test]
+async fn a_striped_transfer_refused_at_its_open_fails_with_the_sink_s_reason() {
+    let w = World::new("striped-refused").await;
+    let ckpt = w.source_root().join("step_000400");
+    w.gen(&ckpt, "40MB").await;
+    let on = StripedOn {
+        sink_reserve: Some("1PiB"),
+        ..Default::default()
+    };
+    let pool = striped_pool_with(&w, "refused", "400Mbit/s", &[], on).await;
+    let id = w.push_no_wait(&pool.sources[0], &ckpt).await;
+    let t = w
+        .wait_until("the transfer to fail", TRANSFER, async || {
+            let t = w.transfer(&pool.sources[0], id).await;
+            match s(&t, "state") {
+                "failed" => Ok(t),
+                "published" => w.fail(format!("published despite the reserve: {t}")),
+                _ => Err(format!("{t}")),
+            }
+        })
+        .await;
+    let why = t["error"].as_str().unwrap_or_default().to_string();
+    w.ensure(why.contains("not enough space at the sink"), || {
+        format!("the sink's reason should reach the transfer: {t}")
+    });
+    let sinks = pool.sinks[0].stderr() + &pool.sinks[1].stderr();
+    w.ensure(!sinks.contains("never opened"), || {
+        format!("a registration of the refused open closed the connection:\n{sinks}")
+    });
+    let log = pool.sources[0].stderr() + &pool.sources[1].stderr();
+    w.ensure(log.contains("striped across the source pool"), || {
+        format!("the transfer should have been striped:\n{log}")
+    });
+    pool.finish().await;
 }
 
 /// A checkpoint of `size` in parts of `part_size` (at least 16 of them)
