@@ -129,10 +129,27 @@ pub struct TransferPlan {
     pub announced: bool,
 }
 
+/// `transfer_parts.state` of the parts of a plan not yet announced
+/// ([`Catalog::plan_transfer_quietly`]): queued, for the plan's maker
+/// only. Not `queued`, so that agents from before this state (which
+/// claim `queued` parts and lapsed `held` ones, and ignore
+/// `transfer_plans.announced`) do not claim them either while a pool is
+/// upgraded one agent at a time. [`Catalog::announce_plan`] makes them
+/// `queued`.
+const QUIET: &str = "quiet";
+
+/// The SQL value a part given back (or let go by its holder) is queued
+/// under: `quiet` while its plan is not announced, `queued` after.
+pub(crate) const REQUEUED: &str = "CASE WHEN EXISTS (SELECT 1 FROM transfer_plans qp \
+     WHERE qp.transfer = transfer_parts.transfer AND qp.announced = 0) \
+     THEN 'quiet' ELSE 'queued' END";
+
 /// What a part is doing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PartState {
-    /// Waiting for an agent to claim it.
+    /// Waiting for an agent to claim it (stored as `queued`, or as
+    /// `quiet` while its plan is not announced and only its maker may
+    /// claim it).
     Queued,
     /// Claimed by an agent (its lease may have lapsed).
     Held,
@@ -143,7 +160,7 @@ pub enum PartState {
 impl PartState {
     fn parse(s: &str) -> Result<PartState, CatalogError> {
         match s {
-            "queued" => Ok(PartState::Queued),
+            "queued" | QUIET => Ok(PartState::Queued),
             "held" => Ok(PartState::Held),
             "done" => Ok(PartState::Done),
             other => Err(CatalogError::Corrupt(format!(
@@ -310,8 +327,9 @@ impl Catalog {
     /// registrations without waiting for the open's answer (one round
     /// trip for both), and announces it once the sink answered the open
     /// (so the sink's row for the transfer exists before any other agent
-    /// of this version opens it at another sink agent; agents from before
-    /// migration 0021 ignore the flag). A plan stored already is returned
+    /// opens it at another sink agent). Until then its parts are stored
+    /// in state `quiet`, which agents from before migration 0021 (they
+    /// ignore the flag) do not claim. A plan stored already is returned
     /// as it is. While a quiet plan of a higher class has parts left,
     /// lower classes' parts on its link are not claimed either, as for an
     /// announced one.
@@ -351,6 +369,12 @@ impl Catalog {
             .await?
             .rows_affected();
         if n > 0 {
+            sqlx::query(&self.db.sql(
+                "UPDATE transfer_parts SET state = 'queued' WHERE transfer = ? AND state = 'quiet'",
+            ))
+            .bind(id.as_i64())
+            .execute(&mut *tx)
+            .await?;
             crate::notify::announce(self.db, &mut tx, crate::notify::payload::PLAN).await?;
         }
         tx.commit().await?;
@@ -418,7 +442,7 @@ impl Catalog {
             for p in parts {
                 sqlx::query(&self.db.sql(
                     "INSERT INTO transfer_parts (transfer, part, first_key, end_key, bytes, \
-                     lease_epoch) VALUES (?, ?, ?, ?, ?, ?)",
+                     lease_epoch, state) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 ))
                 .bind(id.as_i64())
                 .bind(p.part as i64)
@@ -426,6 +450,7 @@ impl Catalog {
                 .bind(p.end_key as i64)
                 .bind(p.bytes as i64)
                 .bind(base)
+                .bind(if announce { "queued" } else { QUIET })
                 .execute(&mut *tx)
                 .await?;
             }
@@ -579,7 +604,7 @@ impl Catalog {
              WHERE ot.link = mt.link AND o.class_rank > t.class_rank \
              AND ot.state NOT IN ('published', 'failed', 'cancelled', 'paused') \
              AND EXISTS (SELECT 1 FROM transfer_parts q WHERE q.transfer = o.transfer \
-             AND (q.state = 'queued' OR (q.state = 'held' AND q.lease_until < {now})))) \
+             AND (q.state IN ('queued', 'quiet') OR (q.state = 'held' AND q.lease_until < {now})))) \
              GROUP BY p.transfer \
              ORDER BY class_rank DESC, deficit ASC, transfer ASC",
             now = self.db.now_ms()
@@ -655,7 +680,7 @@ impl Catalog {
              WHERE ot.link = mt.link AND o.class_rank > me.class_rank \
              AND ot.state NOT IN ('published', 'failed', 'cancelled', 'paused') \
              AND EXISTS (SELECT 1 FROM transfer_parts p WHERE p.transfer = o.transfer \
-             AND (p.state = 'queued' OR (p.state = 'held' AND p.lease_until < ?))) LIMIT 1",
+             AND (p.state IN ('queued', 'quiet') OR (p.state = 'held' AND p.lease_until < ?))) LIMIT 1",
         ))
         .bind(id.as_i64())
         .bind(now)
@@ -665,7 +690,8 @@ impl Catalog {
             tx.rollback().await?;
             return Ok(Vec::new());
         }
-        // A plan not yet announced is its coordinator's alone.
+        // A plan not yet announced is its coordinator's alone (its queued
+        // parts are `quiet`; past this check they are claimable).
         let open: Option<i64> = sqlx::query_scalar(&self.db.sql(
             "SELECT 1 FROM transfer_plans WHERE transfer = ? AND (announced = 1 OR planned_by = ?)",
         ))
@@ -679,8 +705,8 @@ impl Catalog {
         }
         let q = format!(
             "SELECT part, first_key, end_key, bytes, state, holder, lease_until, lease_epoch \
-             FROM transfer_parts WHERE transfer = ? AND (state = 'queued' OR (state = 'held' \
-             AND lease_until < ?)) ORDER BY part LIMIT ?{}",
+             FROM transfer_parts WHERE transfer = ? AND (state IN ('queued', 'quiet') \
+             OR (state = 'held' AND lease_until < ?)) ORDER BY part LIMIT ?{}",
             self.db.lock_skip_locked()
         );
         let rows = sqlx::query(&self.db.sql(&q))
@@ -784,7 +810,8 @@ impl Catalog {
     }
 
     /// Agent `agent` gives part `part` of transfer `id` (claimed under
-    /// `epoch`) back unfinished: queued again at once, for any agent.
+    /// `epoch`) back unfinished: queued again at once, for any agent (for
+    /// the plan's maker only while the plan is not announced).
     /// Returns false if it no longer held it.
     ///
     /// # Errors
@@ -816,26 +843,26 @@ impl Catalog {
             "given back"
         };
         let (state, hashes, versions, done_by) = match done {
-            Some((h, v)) => ("done", Some(h), Some(v), Some(agent)),
-            None => ("queued", None, None, None),
+            Some((h, v)) => ("'done'", Some(h), Some(v), Some(agent)),
+            None => (REQUEUED, None, None, None),
         };
-        let n = sqlx::query(&self.db.sql(
-            "UPDATE transfer_parts SET state = ?, holder = NULL, lease_until = NULL, \
+        let q = format!(
+            "UPDATE transfer_parts SET state = {state}, holder = NULL, lease_until = NULL, \
              hashes = ?, versions = ?, done_by = ? \
              WHERE transfer = ? AND part = ? AND holder = ? AND lease_epoch = ? \
-             AND state = 'held'",
-        ))
-        .bind(state)
-        .bind(hashes)
-        .bind(versions)
-        .bind(done_by)
-        .bind(id.as_i64())
-        .bind(part as i64)
-        .bind(agent)
-        .bind(epoch)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
+             AND state = 'held'"
+        );
+        let n = sqlx::query(&self.db.sql(&q))
+            .bind(hashes)
+            .bind(versions)
+            .bind(done_by)
+            .bind(id.as_i64())
+            .bind(part as i64)
+            .bind(agent)
+            .bind(epoch)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
         if n == 0 {
             tx.rollback().await?;
             return Ok(false);

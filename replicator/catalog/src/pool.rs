@@ -392,10 +392,11 @@ impl Catalog {
         .bind(name)
         .execute(&mut *tx)
         .await?;
-        sqlx::query(&self.db.sql(
-            "UPDATE transfer_parts SET state = 'queued', holder = NULL, lease_until = NULL \
+        sqlx::query(&self.db.sql(&format!(
+            "UPDATE transfer_parts SET state = {}, holder = NULL, lease_until = NULL \
              WHERE holder = ? AND state = 'held'",
-        ))
+            crate::parts::REQUEUED
+        )))
         .bind(name)
         .execute(&mut *tx)
         .await?;
