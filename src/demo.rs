@@ -135,6 +135,15 @@ pub struct DemoArgs {
     /// first in which the urgent checkpoint's reach 80 % of it.
     #[arg(long, requires = "agents", conflicts_with = "checkpoints")]
     pub preempt: bool,
+    /// --agents: run the source agents in network namespace `ferry-src`
+    /// and the sink agents in `ferry-dst`, joined by the emulator that
+    /// `ops/wanem/netns` runs (start it first; needs root), instead of one
+    /// user-space relay per sink agent in this process. The link's RTT,
+    /// rate and loss are then the emulator's (give --rtt the same RTT:
+    /// the agents' `rtt_hint` and the RTT counts are taken from it), and
+    /// --rate is only the pool's budget (the links' rate cap).
+    #[arg(long, requires = "agents")]
+    pub netns: bool,
     /// --weights-first: the 7b model's scale (0 < S <= 1; 1 is the full
     /// 7B model, about 98 GB as DeepSpeed ZeRO-2 with its optimizer
     /// state); the default 0.01 saves about 1 GB.

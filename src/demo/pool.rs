@@ -8,6 +8,13 @@
 //! checkpoints are pushed, spread over the source agents; the demo waits
 //! until all are published, checks each replica against its checkpoint
 //! and prints each agent's payload bytes.
+//!
+//! With `--netns` the agents run instead in the network namespaces that
+//! `ops/wanem/netns` brings up (source agents in `ferry-src`, sink agents
+//! in `ferry-dst`), and every byte between the sites crosses its emulator
+//! (TUN devices, one emulated link for the whole pool); PostgreSQL and
+//! this process stay in the root namespace, reached over the namespaces'
+//! management veths.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -24,6 +31,94 @@ use crate::config::format_rate;
 
 /// Most agents per site `--agents` accepts.
 pub const MAX_AGENTS: usize = 8;
+
+/// Where the agents run and how their traffic crosses the emulated link.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Net {
+    /// On this host's loopback, each sink agent behind a user-space relay
+    /// in this process.
+    Loopback,
+    /// In `ops/wanem/netns`'s namespaces, through its emulator.
+    Namespaces,
+}
+
+/// The namespaces and addresses `ops/wanem/netns` sets up (its header).
+mod wanem {
+    /// Namespace of the source agents.
+    pub const SRC_NS: &str = "ferry-src";
+    /// Namespace of the sink agents.
+    pub const DST_NS: &str = "ferry-dst";
+    /// The sink namespace's address on the emulated link.
+    pub const DST_LINK: &str = "10.47.0.2";
+    /// The namespaces' ends of their management veths.
+    pub const SRC_MGMT: &str = "10.48.1.2";
+    pub const DST_MGMT: &str = "10.48.2.2";
+    /// The root namespace's ends of the management veths.
+    pub const SRC_HOST: &str = "10.48.1.1";
+    pub const DST_HOST: &str = "10.48.2.1";
+}
+
+impl Net {
+    /// The namespace an agent of `role` ("source" or "sink") runs in.
+    fn ns(self, role: &str) -> Option<&'static str> {
+        match (self, role) {
+            (Net::Loopback, _) => None,
+            (Net::Namespaces, "source") => Some(wanem::SRC_NS),
+            (Net::Namespaces, _) => Some(wanem::DST_NS),
+        }
+    }
+
+    /// The address an agent of `role` serves its API on, reachable from
+    /// this process.
+    fn api_host(self, role: &str) -> &'static str {
+        match (self, role) {
+            (Net::Loopback, _) => "127.0.0.1",
+            (Net::Namespaces, "source") => wanem::SRC_MGMT,
+            (Net::Namespaces, _) => wanem::DST_MGMT,
+        }
+    }
+
+    /// The address an agent of `role` reaches PostgreSQL at.
+    fn pg_host(self, role: &str) -> &'static str {
+        match (self, role) {
+            (Net::Loopback, _) => "127.0.0.1",
+            (Net::Namespaces, "source") => wanem::SRC_HOST,
+            (Net::Namespaces, _) => wanem::DST_HOST,
+        }
+    }
+
+    /// The address sink agents listen for QUIC on.
+    fn quic_host(self) -> &'static str {
+        match self {
+            Net::Loopback => "127.0.0.1",
+            Net::Namespaces => wanem::DST_LINK,
+        }
+    }
+
+    /// Checks that the namespaces are up.
+    ///
+    /// # Errors
+    /// Not root, or `ops/wanem/netns` not running, said with the command
+    /// to run.
+    fn check(self) -> Result<()> {
+        if self == Net::Loopback {
+            return Ok(());
+        }
+        if !nix::unistd::Uid::effective().is_root() {
+            bail!("--netns runs agents in network namespaces (ip netns exec), which needs root");
+        }
+        for ns in [wanem::SRC_NS, wanem::DST_NS] {
+            if !Path::new("/run/netns").join(ns).exists() {
+                bail!(
+                    "--netns: network namespace {ns} does not exist; start the emulated link first, \
+                     e.g. `ops/wanem/netns --rtt 100ms --rate 1Gbit/s` in another terminal \
+                     (cargo build --release -p wanem)"
+                );
+            }
+        }
+        Ok(())
+    }
+}
 
 /// The source agents' and sink agents' names.
 fn names(n: usize) -> (Vec<String>, Vec<String>) {
@@ -60,10 +155,24 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
             super::priority::mb(n as u64 * part_size),
         );
     }
-    let pg = Postgres::start().await?;
+    let net = if a.netns {
+        Net::Namespaces
+    } else {
+        Net::Loopback
+    };
+    net.check()?;
+    let extra: &[&str] = match net {
+        Net::Loopback => &[],
+        Net::Namespaces => &[wanem::SRC_HOST, wanem::DST_HOST],
+    };
+    let pg = Postgres::start(extra).await?;
     say(format!(
-        "PostgreSQL {} on 127.0.0.1:{} (throwaway, in {})",
+        "PostgreSQL {} on {}:{} (throwaway, in {})",
         pg.version,
+        std::iter::once("127.0.0.1")
+            .chain(extra.iter().copied())
+            .collect::<Vec<_>>()
+            .join(", "),
         pg.port,
         pg.dir.path().display()
     ));
@@ -88,36 +197,50 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
     let archive = std::fs::canonicalize(&archive)?;
     let sink_root = dir.join("eval");
     let mut procs = Vec::new();
+    // --netns: the APIs are off loopback, so they take a token.
+    let token = (net == Net::Namespaces).then(api::auth::new_token);
+    let token_hash = token.as_deref().map(api::auth::hash_token);
 
-    // The sink agents, each behind its relay.
+    // The sink agents, each behind its relay (or the namespaces' link).
     let mut relays = Vec::new();
     let mut sink_apis = Vec::new();
+    let mut sink_addrs = Vec::new();
     for name in &sinks {
         let quic = free_port(false)?;
         let api = free_port(true)?;
-        let text = format!(
-            "{}\n[quic]\nlisten = \"127.0.0.1:{quic}\"\nmax_link_rate = \"{}\"\n\n[sink]\nroot = {}\n\n{}",
-            head(dir, name, "eval-b", "sink", api),
+        let text =
+            format!(
+            "{}\n[quic]\nlisten = \"{}:{quic}\"\nmax_link_rate = \"{}\"\n\n[sink]\nroot = {}\n\n{}",
+            head(dir, name, "eval-b", "sink", net.api_host("sink"), api, token_hash.as_deref()),
+            net.quic_host(),
             format_rate(a.rate),
             toml_path(&sink_root),
-            pool_tail(&pg.url("ferry_eval")),
+            pool_tail(&pg.url_at(net.pg_host("sink"), "ferry_eval")),
         );
-        procs.push(Proc::start(&exe, dir, name, &text)?);
-        let forward: SocketAddr = ([127, 0, 0, 1], quic).into();
-        let mut params = LinkParams::new(a.rate, a.rtt);
-        params.loss = a.loss;
-        let relay = spawn_relay(([127, 0, 0, 1], 0).into(), forward, params.clone(), params)
-            .await
-            .context("starting the emulated link in front of a sink agent")?;
-        relays.push(relay);
-        sink_apis.push((name.clone(), format!("http://127.0.0.1:{api}")));
+        procs.push(Proc::start(&exe, dir, name, net.ns("sink"), &text)?);
+        if net == Net::Loopback {
+            let forward: SocketAddr = ([127, 0, 0, 1], quic).into();
+            let mut params = LinkParams::new(a.rate, a.rtt);
+            params.loss = a.loss;
+            let relay = spawn_relay(([127, 0, 0, 1], 0).into(), forward, params.clone(), params)
+                .await
+                .context("starting the emulated link in front of a sink agent")?;
+            sink_addrs.push(relay.local_addr().to_string());
+            relays.push(relay);
+        } else {
+            sink_addrs.push(format!("{}:{quic}", net.quic_host()));
+        }
+        sink_apis.push((
+            name.clone(),
+            format!("http://{}:{api}", net.api_host("sink")),
+        ));
     }
     // The source agents: one link naming every sink agent, rotated.
     let mut source_apis = Vec::new();
     for (i, name) in sources.iter().enumerate() {
         let api = free_port(true)?;
         let order: Vec<usize> = (0..n).map(|k| (i + k) % n).collect();
-        let peer = |k: usize| format!("127.0.0.1:{}", relays[k].local_addr().port());
+        let peer = |k: usize| sink_addrs[k].clone();
         let more: Vec<String> = order[1..]
             .iter()
             .map(|&k| format!("{{ peer = \"{}\", peer_name = \"{}\" }}", peer(k), sinks[k]))
@@ -127,7 +250,7 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
              rate = \"{}\"\nrtt_hint = \"{}ms\"\n\n[source]\nscan_interval = \"0s\"\n\n\
              [[source.roots]]\npath = {}\njob = \"pool-demo\"\nlink = \"to-eval\"\n\n\
              [[source.roots]]\npath = {}\njob = \"archive\"\nlink = \"to-eval\"\n\n{}",
-            head(dir, name, "train-a", "source", api),
+            head(dir, name, "train-a", "source", net.api_host("source"), api, token_hash.as_deref()),
             peer(order[0]),
             sinks[order[0]],
             more.join(", "),
@@ -135,25 +258,47 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
             a.rtt.as_millis().max(1),
             toml_path(&root),
             toml_path(&archive),
-            pool_tail(&pg.url("ferry_train"))
+            pool_tail(&pg.url_at(net.pg_host("source"), "ferry_train"))
                 + &format!("part_size = {}\n", part_size),
         );
-        procs.push(Proc::start(&exe, dir, name, &text)?);
-        source_apis.push((name.clone(), format!("http://127.0.0.1:{api}")));
+        procs.push(Proc::start(&exe, dir, name, net.ns("source"), &text)?);
+        source_apis.push((
+            name.clone(),
+            format!("http://{}:{api}", net.api_host("source")),
+        ));
     }
     say(format!(
-        "{n} source agents and {n} sink agents started (ferry serve; configs and logs in {}{}), link {} at {} ms RTT",
+        "{n} source agents and {n} sink agents started (ferry serve; configs and logs in {}{}), {}",
         dir.display(),
         if a.keep || a.dir.is_some() {
             ""
         } else {
             ", removed at the end unless --keep"
         },
-        format_rate(a.rate),
-        a.rtt.as_millis()
+        match net {
+            Net::Loopback => format!(
+                "link {} at {} ms RTT (a user-space relay per sink agent)",
+                format_rate(a.rate),
+                a.rtt.as_millis()
+            ),
+            Net::Namespaces => format!(
+                "source agents in namespace {}, sink agents in {}, joined by ops/wanem's emulator; budget {}",
+                wanem::SRC_NS,
+                wanem::DST_NS,
+                format_rate(a.rate)
+            ),
+        }
     ));
+    let mut headers = reqwest::header::HeaderMap::new();
+    if let Some(t) = &token {
+        headers.insert(
+            reqwest::header::AUTHORIZATION,
+            format!("Bearer {t}").parse()?,
+        );
+    }
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(10))
+        .default_headers(headers)
         .build()?;
     for (name, url) in source_apis.iter().chain(&sink_apis) {
         wait_ready(&http, name, url, &mut procs).await?;
@@ -192,7 +337,7 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
         super::priority::mb(each),
         if count == 1 { "it" } else { "them" },
     ));
-    let usage0 = Usage::take(&procs, &pg).await;
+    let usage0 = Usage::take(&procs, &pg, net).await;
     let t0 = Instant::now();
     let mut ids = Vec::new();
     for (j, ckpt) in ckpts.iter().enumerate() {
@@ -261,7 +406,7 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     let wall = t0.elapsed().as_secs_f64();
-    let usage = Usage::take(&procs, &pg).await.since(&usage0, wall);
+    let usage = Usage::take(&procs, &pg, net).await.since(&usage0, wall);
 
     // Each replica against its checkpoint.
     let chunk = ferry_proto::manifest::MIN_CHUNK_SIZE;
@@ -356,9 +501,15 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
     let gb = total as f64 / 1e9;
     let agents_cpu: f64 = usage.agents.values().sum();
     say(format!(
-        "CPU while replicating: agents {agents_cpu:.1} s ({:.1} s/GB), this demo process (the emulated links) {:.1} s, PostgreSQL {:.1} s; machine idle {:.0} %; catalog transactions/s, about (PostgreSQL's counts lag by up to a few seconds): source site {:.0}, sink site {:.0}",
+        "CPU while replicating: agents {agents_cpu:.1} s ({:.1} s/GB), {}, PostgreSQL {:.1} s; machine idle {:.0} %; catalog transactions/s, about (PostgreSQL's counts lag by up to a few seconds): source site {:.0}, sink site {:.0}",
         agents_cpu / gb.max(1e-9),
-        usage.demo_s,
+        match usage.emulator_s {
+            None => format!("this demo process (the emulated links) {:.1} s", usage.demo_s),
+            Some(e) => format!(
+                "this demo process {:.1} s, the emulator (wanem) {e:.1} s",
+                usage.demo_s
+            ),
+        },
         usage.postgres_s,
         usage.idle_share * 100.0,
         usage.tps.0,
@@ -385,12 +536,17 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
             "agents_s": round2(agents_cpu),
             "agents_s_per_gb": round2(agents_cpu / gb.max(1e-9)),
             "demo_process_s": round2(usage.demo_s),
+            "emulator_s": usage.emulator_s.map(round2),
             "postgres_s": round2(usage.postgres_s),
             "machine_idle_share": usage.idle_share,
             "cores": usage.cores,
         },
         "catalog_tps": { "source_site": usage.tps.0, "sink_site": usage.tps.1 },
         "identical": true,
+        "link": match net {
+            Net::Loopback => "a user-space relay per sink agent",
+            Net::Namespaces => "ops/wanem/netns",
+        },
     }))
 }
 
@@ -399,8 +555,12 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
 struct Usage {
     /// Each agent's CPU, user + system, seconds, by name.
     agents: BTreeMap<String, f64>,
-    /// This process's CPU, seconds (the emulated links run in it).
+    /// This process's CPU, seconds (the emulated links run in it, unless
+    /// `--netns`).
     demo_s: f64,
+    /// With `--netns`: the emulator's CPU, seconds (`ops/wanem`'s
+    /// processes, by name `wanem`).
+    emulator_s: Option<f64>,
     /// PostgreSQL's CPU, seconds: its server process, its live backends
     /// and the backends it reaped.
     postgres_s: f64,
@@ -418,12 +578,25 @@ struct Usage {
 }
 
 impl Usage {
-    async fn take(procs: &[Proc], pg: &Postgres) -> Usage {
+    async fn take(procs: &[Proc], pg: &Postgres, net: Net) -> Usage {
         let agents = procs
             .iter()
             .filter_map(|p| Some((p.name.clone(), proc_cpu_s(p.child.as_ref()?.id(), false)?)))
             .collect();
         let demo_s = proc_cpu_s(std::process::id(), false).unwrap_or(0.0);
+        let emulator_s = (net == Net::Namespaces).then(|| {
+            std::fs::read_dir("/proc")
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+                .filter(|p| {
+                    std::fs::read_to_string(format!("/proc/{p}/comm"))
+                        .is_ok_and(|c| c.trim() == "wanem")
+                })
+                .filter_map(|p| proc_cpu_s(p, false))
+                .sum()
+        });
         let postgres_s = pg.cpu_s();
         let (idle, jiffies, cores) = machine_jiffies();
         let xacts =
@@ -432,6 +605,7 @@ impl Usage {
         Usage {
             agents,
             demo_s,
+            emulator_s,
             postgres_s,
             idle_share: idle,
             jiffies,
@@ -450,6 +624,9 @@ impl Usage {
                 .map(|(k, v)| (k.clone(), v - before.agents.get(k).copied().unwrap_or(0.0)))
                 .collect(),
             demo_s: self.demo_s - before.demo_s,
+            emulator_s: self
+                .emulator_s
+                .map(|e| e - before.emulator_s.unwrap_or(0.0)),
             postgres_s: self.postgres_s - before.postgres_s,
             idle_share: (self.idle_share - before.idle_share)
                 / (self.jiffies - before.jiffies).max(1.0),
@@ -743,12 +920,30 @@ async fn parts_summary(url: &str) -> (u64, u64, u64) {
     (striped, parts, claims)
 }
 
-/// `[agent]`, `[api]` and `[tls]` of demo agent `name`.
-fn head(dir: &Path, name: &str, site: &str, role: &str, api: u16) -> String {
+/// `[agent]`, `[api]` (on `api_host:api`) and `[tls]` of demo agent
+/// `name`. The API is open on loopback; elsewhere (`--netns`: the
+/// namespace's management veth, which only this host reaches) it is
+/// plain HTTP and takes the operator token whose hash is `token_hash`.
+#[allow(clippy::too_many_arguments)]
+fn head(
+    dir: &Path,
+    name: &str,
+    site: &str,
+    role: &str,
+    api_host: &str,
+    api: u16,
+    token_hash: Option<&str>,
+) -> String {
     let certs = dir.join("certs");
+    let auth = match token_hash {
+        None => "allow_unauthenticated = true\n".to_string(),
+        Some(hash) => format!(
+            "allow_plaintext = true\n\n[[api.tokens]]\nname = \"ferry-demo\"\nrole = \"operator\"\nhash = \"{hash}\"\n"
+        ),
+    };
     format!(
         "[agent]\nname = \"{name}\"\nsite = \"{site}\"\nrole = \"{role}\"\ndata_dir = {}\n\n\
-         [api]\nlisten = \"127.0.0.1:{api}\"\nallow_unauthenticated = true\n\n\
+         [api]\nlisten = \"{api_host}:{api}\"\n{auth}\n\
          [tls]\nca = {}\ncert = {}\nkey = {}\n",
         toml_path(&dir.join(format!("{name}-data"))),
         toml_path(&certs.join("ca.pem")),
@@ -816,13 +1011,23 @@ struct Proc {
 
 impl Proc {
     /// Writes `config` to `<dir>/<name>.toml` and starts `ferry serve` on
-    /// it, its output in `<dir>/<name>.log`.
-    fn start(exe: &Path, dir: &Path, name: &str, config: &str) -> Result<Proc> {
+    /// it (in network namespace `ns`, through `ip netns exec`, which execs
+    /// it: the child's pid is the agent's), its output in
+    /// `<dir>/<name>.log`.
+    fn start(exe: &Path, dir: &Path, name: &str, ns: Option<&str>, config: &str) -> Result<Proc> {
         let cfg = dir.join(format!("{name}.toml"));
         std::fs::write(&cfg, config).with_context(|| format!("writing {}", cfg.display()))?;
         let log = dir.join(format!("{name}.log"));
         let out = std::fs::File::create(&log)?;
-        let child = Command::new(exe)
+        let mut cmd = match ns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(exe);
+                c
+            }
+            None => Command::new(exe),
+        };
+        let child = cmd
             .arg("serve")
             .arg("--config")
             .arg(&cfg)
@@ -913,10 +1118,11 @@ impl Postgres {
         found.pop().map(|(_, b, v)| (b, v))
     }
 
-    /// initdb in a temporary directory of its own, started on a free port of 127.0.0.1 with trust
-    /// authentication (loopback only, removed with the demo), and the two
-    /// sites' databases made.
-    async fn start() -> Result<Postgres> {
+    /// initdb in a temporary directory of its own, started on a free port
+    /// of 127.0.0.1 and of each address in `extra` with trust
+    /// authentication (loopback and those addresses only; removed with the
+    /// demo), and the two sites' databases made.
+    async fn start(extra: &[&str]) -> Result<Postgres> {
         let Some((bin, version)) = Self::find() else {
             bail!(
                 "ferry demo --agents needs the PostgreSQL server programs (initdb and pg_ctl under \
@@ -962,8 +1168,22 @@ impl Postgres {
                 "--no-sync",
             ],
         )?;
+        if !extra.is_empty() {
+            // initdb's trust lines cover loopback only.
+            let hba = pg.data.join("pg_hba.conf");
+            let mut text = std::fs::read_to_string(&hba)
+                .with_context(|| format!("reading {}", hba.display()))?;
+            for host in extra {
+                text.push_str(&format!("host all all {host}/24 trust\n"));
+            }
+            std::fs::write(&hba, text).with_context(|| format!("writing {}", hba.display()))?;
+        }
+        let listen = std::iter::once("127.0.0.1")
+            .chain(extra.iter().copied())
+            .collect::<Vec<_>>()
+            .join(",");
         let opts = format!(
-            "-c listen_addresses=127.0.0.1 -p {} -k {} -c fsync=off",
+            "-c listen_addresses={listen} -p {} -k {} -c fsync=off",
             pg.port,
             pg.dir.path().display()
         );
@@ -1000,9 +1220,14 @@ impl Postgres {
         Ok(pg)
     }
 
-    /// The URL of database `db`.
+    /// The URL of database `db` (on 127.0.0.1).
     fn url(&self, db: &str) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
+        self.url_at("127.0.0.1", db)
+    }
+
+    /// The URL of database `db` at address `host`.
+    fn url_at(&self, host: &str, db: &str) -> String {
+        format!("postgres://postgres@{host}:{}/{db}", self.port)
     }
 
     /// Runs PostgreSQL program `prog` (as the user postgres when root).

@@ -374,11 +374,11 @@ fn markdown(b: &Bench, machine: &Value, date: &str, mode: &str) -> String {
     }
     let pool: Vec<&Record> = rs.iter().filter(|r| r.scenario == "pool").collect();
     if !pool.is_empty() {
-        let _ = writeln!(s, "### Pool (`ferry demo --agents N --checkpoints 1`: one checkpoint striped over N agent pairs, budget N x 100 Mbit/s, 40 parts of 8 MiB per agent)\n\n| pairs | bytes | parts | wall s | goodput Mbit/s | over N x one pair's | worst agent off the mean, bytes | within max(10 %, one part) | agents' CPU s/GB | machine idle | catalog tx/s (source, sink) | verified |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |");
+        let _ = writeln!(s, "### Pool (`ferry demo --agents N --checkpoints 1 --netns`: one checkpoint striped over N agent pairs in the emulated link's namespaces, budget N x 100 Mbit/s, 40 parts of 8 MiB per agent)\n\n| pairs | bytes | parts | wall s | goodput Mbit/s | over N x one pair's | worst agent off the mean, bytes | within max(10 %, one part) | agents' CPU s/GB | emulator CPU s | machine idle | catalog tx/s (source, sink) | verified |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |");
         for r in pool {
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {:.2} | {:.0} | {} | {:.0} | {} | {} | {} | {}, {} | {} |",
+                "| {} | {} | {} | {:.2} | {:.0} | {} | {:.0} | {} | {} | {} | {} | {}, {} | {} |",
                 r.extra["agents"],
                 r.bytes,
                 r.extra["parts"],
@@ -394,6 +394,7 @@ fn markdown(b: &Bench, machine: &Value, date: &str, mode: &str) -> String {
                     "no"
                 },
                 opt(r.extra["cpu"]["agents_s_per_gb"].as_f64(), 1),
+                opt(r.extra["cpu"]["emulator_s"].as_f64(), 1),
                 opt(
                     r.extra["cpu"]["machine_idle_share"]
                         .as_f64()

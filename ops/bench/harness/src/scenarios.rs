@@ -1359,15 +1359,19 @@ const POOL_PART_SIZE: u64 = 8 << 20;
 const POOL_PAIR_BPS: u64 = 100_000_000;
 
 /// pool: one checkpoint striped across 1, 2 and 4 agent pairs (`ferry
-/// demo --agents N --checkpoints 1`: `ferry serve` processes, a
-/// throwaway PostgreSQL per site, one user-space emulated link per sink
-/// agent at the scenario's RTT), budget N x 100 Mbit/s, 40 parts of 8 MiB
-/// per source agent. Aggregate goodput against N x one pair's, each
+/// demo --agents N --checkpoints 1 --netns`: `ferry serve` processes,
+/// the source agents in namespace `ferry-src` and the sink agents in
+/// `ferry-dst`, joined by the bench's emulated link (`--rate`, 1 Gbit/s by
+/// default, and `--rtt`), a throwaway PostgreSQL cluster with a database
+/// per site in the root namespace), budget N x 100 Mbit/s (the links'
+/// rate cap), 40 parts of 8 MiB per source agent. Aggregate goodput against N x one pair's, each
 /// source agent's bytes against the mean (within max(10 %, one part)),
 /// and over the replication window each process's CPU, the machine's
 /// idle share and the catalogs' transactions per second (the demo's
 /// `cpu` and `catalog_tps`).
 pub fn scenario_pool(b: &mut Bench) -> Result<()> {
+    let link = Link::up(b, b.args.rtt, 0.0)?;
+    check_emulator(b, &link, false)?;
     let mut one_pair: Option<f64> = None;
     for n in [1u64, 2, 4] {
         let size = n * POOL_PARTS_PER_AGENT * POOL_PART_SIZE;
@@ -1387,6 +1391,7 @@ pub fn scenario_pool(b: &mut Bench) -> Result<()> {
                 &part,
                 "--size",
                 &bytes,
+                "--netns",
             ],
             rate,
             &format!("pool-{n}.log"),
@@ -1424,15 +1429,20 @@ pub fn scenario_pool(b: &mut Bench) -> Result<()> {
             "balanced": worst <= allowed,
             "cpu": p["cpu"],
             "catalog_tps": p["catalog_tps"],
-            "link": "ferry demo --agents: ferry serve processes, one user-space emulated link per sink agent",
+            "link": format!(
+                "ops/wanem/netns at {} bit/s, {} ms RTT; ferry serve processes in its namespaces",
+                link.rate,
+                link.rtt_ms()
+            ),
         });
         say(format!(
-            "  {:.1} s, {:.0} Mbit/s ({} x N pairs x one pair's), worst agent {:.0} bytes off the mean (allowed {allowed:.0}); agents {:.1} CPU-s/GB, machine idle {:.0} %, catalog {:.0} + {:.0} tx/s",
+            "  {:.1} s, {:.0} Mbit/s ({} x N pairs x one pair's), worst agent {:.0} bytes off the mean (allowed {allowed:.0}); agents {:.1} CPU-s/GB, emulator {:.1} CPU-s, machine idle {:.0} %, catalog {:.0} + {:.0} tx/s",
             wall,
             goodput / 1e6,
             over.map_or("-".to_string(), |o| format!("{o:.2}")),
             worst,
             p["cpu"]["agents_s_per_gb"].as_f64().unwrap_or(f64::NAN),
+            p["cpu"]["emulator_s"].as_f64().unwrap_or(f64::NAN),
             p["cpu"]["machine_idle_share"].as_f64().unwrap_or(f64::NAN) * 100.0,
             p["catalog_tps"]["source_site"].as_f64().unwrap_or(f64::NAN),
             p["catalog_tps"]["sink_site"].as_f64().unwrap_or(f64::NAN),
@@ -1460,6 +1470,7 @@ pub fn scenario_pool(b: &mut Bench) -> Result<()> {
             &part,
             "--size",
             &bytes,
+            "--netns",
         ],
         rate,
         "pool-preempt.log",
@@ -1479,15 +1490,22 @@ pub fn scenario_pool(b: &mut Bench) -> Result<()> {
     );
     r.verified = true;
     r.extra = p.clone();
+    let num = |k: &str, digits: usize| {
+        p[k].as_f64()
+            .map_or("never".to_string(), |x| format!("{x:.digits$}"))
+    };
     say(format!(
         "  signal to the background checkpoint at 20 % of the budget or less: {} s ({} RTT)",
-        p["background_yield_s"], p["background_yield_rtt"]
+        num("background_yield_s", 3),
+        num("background_yield_rtt", 1)
     ));
     say(format!(
         "  signal to the urgent checkpoint at 80 % of the budget: {} s ({} RTT)",
-        p["preemption_latency_s"], p["preemption_latency_rtt"]
+        num("preemption_latency_s", 3),
+        num("preemption_latency_rtt", 1)
     ));
     b.records.push(r);
+    link.down();
     Ok(())
 }
 
