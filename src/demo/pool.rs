@@ -849,15 +849,51 @@ async fn preempt(
         .await?
         .into_iter()
         .max_by_key(|r| r.id);
-    let yielded = match bg_row {
+    let (yielded, bg_arrivals) = match bg_row {
         Some(r) => {
             // Chunks of the last moment may not be recorded yet.
             let read_ms = ferry_catalog::now_ms() - 1000;
             let bg_arrivals = sink.chunk_arrivals(r.id).await?;
-            super::priority::yield_latency_s(&bg_arrivals, signal_ms, a.rate, read_ms)
+            (
+                super::priority::yield_latency_s(&bg_arrivals, signal_ms, a.rate, read_ms),
+                Some(bg_arrivals),
+            )
         }
-        None => None,
+        None => (None, None),
     };
+    // Both checkpoints' arrival rates at the sink around the signal, per
+    // TIMELINE_BIN_MS (the shape behind the two latencies).
+    let rate_mbps = |arr: Option<&ferry_catalog::Arrivals>, from: i64| {
+        arr.map_or(0, |x| {
+            let bytes = x.bytes_between(signal_ms + from, signal_ms + from + TIMELINE_BIN_MS);
+            (bytes as f64 * 8.0 / (TIMELINE_BIN_MS as f64 / 1000.0) / 1e6).round() as i64
+        })
+    };
+    let bins: Vec<i64> = (TIMELINE_FROM_MS..TIMELINE_TO_MS)
+        .step_by(TIMELINE_BIN_MS as usize)
+        .collect();
+    let timeline: Vec<Value> = bins
+        .iter()
+        .map(|&from| {
+            json!({
+                "from_ms": from,
+                "background_mbps": rate_mbps(bg_arrivals.as_ref(), from),
+                "urgent_mbps": rate_mbps(Some(&arrivals), from),
+            })
+        })
+        .collect();
+    let row_of = |key: &str| {
+        timeline
+            .iter()
+            .map(|t| format!("{:>5}", t[key].as_i64().unwrap_or(0)))
+            .collect::<Vec<_>>()
+            .join("")
+    };
+    say(format!(
+        "arrivals at the sink, Mbit/s per {TIMELINE_BIN_MS} ms from {TIMELINE_FROM_MS} ms to {TIMELINE_TO_MS} ms after the signal:\n  background {}\n  urgent     {}",
+        row_of("background_mbps"),
+        row_of("urgent_mbps"),
+    ));
     let _ = http
         .post(format!("{api}/v1/transfers/{bg_id}/cancel"))
         .json(&json!({}))
@@ -889,8 +925,14 @@ async fn preempt(
         "background_yield_rtt": yielded.map(|l| l / rtt.max(1e-3)),
         "rtt_s": rtt,
         "budget_bps": a.rate,
+        "timeline": timeline,
     }))
 }
+
+/// The `--preempt` timeline's bin, ms, and its span around the signal.
+const TIMELINE_BIN_MS: i64 = 50;
+const TIMELINE_FROM_MS: i64 = -100;
+const TIMELINE_TO_MS: i64 = 800;
 
 /// From the source pool's catalog at `url`: how many transfers were
 /// striped, their parts and the parts' claims (0s if it cannot be read).
