@@ -98,6 +98,16 @@ impl Dialect {
             Dialect::Postgres => " FOR UPDATE SKIP LOCKED",
         }
     }
+
+    /// ` FOR SHARE` on PostgreSQL (the rows read are locked against
+    /// updates until the transaction ends), nothing on SQLite (one writer
+    /// at a time).
+    pub fn lock_for_share(self) -> &'static str {
+        match self {
+            Dialect::Sqlite => "",
+            Dialect::Postgres => " FOR SHARE",
+        }
+    }
 }
 
 /// `sql` with each `?` placeholder outside literals, quoted identifiers

@@ -138,8 +138,11 @@ pub struct TransferPlan {
 /// `queued`.
 const QUIET: &str = "quiet";
 
-/// The SQL value a part given back (or let go by its holder) is queued
-/// under: `quiet` while its plan is not announced, `queued` after.
+/// The SQL value the parts of a stopping agent are queued under: `quiet`
+/// while their plan is not announced, `queued` after. The plans' rows
+/// are not locked here, so a part may stay `quiet` past a concurrent
+/// announcement; every claim query of this release takes `quiet` parts
+/// of an announced plan too.
 pub(crate) const REQUEUED: &str = "CASE WHEN EXISTS (SELECT 1 FROM transfer_plans qp \
      WHERE qp.transfer = transfer_parts.transfer AND qp.announced = 0) \
      THEN 'quiet' ELSE 'queued' END";
@@ -599,7 +602,7 @@ impl Catalog {
              FROM transfer_parts p JOIN transfer_plans t ON t.transfer = p.transfer \
              JOIN transfers mt ON mt.id = p.transfer \
              WHERE p.transfer IN ({list}) AND t.announced = 1 \
-             AND (p.state = 'queued' OR (p.state = 'held' AND p.lease_until < {now})) \
+             AND (p.state IN ('queued', 'quiet') OR (p.state = 'held' AND p.lease_until < {now})) \
              AND NOT EXISTS (SELECT 1 FROM transfer_plans o JOIN transfers ot ON ot.id = o.transfer \
              WHERE ot.link = mt.link AND o.class_rank > t.class_rank \
              AND ot.state NOT IN ('published', 'failed', 'cancelled', 'paused') \
@@ -844,7 +847,7 @@ impl Catalog {
         };
         let (state, hashes, versions, done_by) = match done {
             Some((h, v)) => ("'done'", Some(h), Some(v), Some(agent)),
-            None => (REQUEUED, None, None, None),
+            None => (self.requeued_state(&mut tx, id).await?, None, None, None),
         };
         let q = format!(
             "UPDATE transfer_parts SET state = {state}, holder = NULL, lease_until = NULL, \
@@ -889,11 +892,12 @@ impl Catalog {
     /// SQL errors.
     pub async fn requeue_parts(&self, id: TransferId, parts: &[u64]) -> Result<(), CatalogError> {
         let mut tx = self.pool.begin().await?;
+        let state = self.requeued_state(&mut tx, id).await?;
         for p in parts {
-            sqlx::query(&self.db.sql(
-                "UPDATE transfer_parts SET state = 'queued', hashes = NULL, versions = NULL, \
-                 done_by = NULL WHERE transfer = ? AND part = ? AND state = 'done'",
-            ))
+            sqlx::query(&self.db.sql(&format!(
+                "UPDATE transfer_parts SET state = {state}, hashes = NULL, versions = NULL, \
+                 done_by = NULL WHERE transfer = ? AND part = ? AND state = 'done'"
+            )))
             .bind(id.as_i64())
             .bind(*p as i64)
             .execute(&mut *tx)
@@ -901,6 +905,31 @@ impl Catalog {
         }
         tx.commit().await?;
         Ok(())
+    }
+
+    /// The state (an SQL literal) a part of transfer `id` queued again
+    /// in `tx` takes: `'quiet'` while its plan is not announced,
+    /// `'queued'` after. The plan's row is read locked (PostgreSQL), so
+    /// an announcement running at the same time, which turns `quiet`
+    /// parts to `queued`, comes wholly before or after the caller's
+    /// transaction (SQLite has one writer at a time).
+    async fn requeued_state(
+        &self,
+        tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+        id: TransferId,
+    ) -> Result<&'static str, CatalogError> {
+        let announced: Option<i64> = sqlx::query_scalar(&self.db.sql(&format!(
+            "SELECT announced FROM transfer_plans WHERE transfer = ?{}",
+            self.db.lock_for_share()
+        )))
+        .bind(id.as_i64())
+        .fetch_optional(&mut **tx)
+        .await?;
+        Ok(if announced == Some(0) {
+            "'quiet'"
+        } else {
+            "'queued'"
+        })
     }
 
     /// Counts of transfer `id`'s parts by state, now (database clock).

@@ -778,6 +778,18 @@ async fn a_quiet_plan_is_its_maker_s_until_announced(c: Catalog) {
         .await
         .unwrap());
     assert_eq!(old_agents_see().await, 0);
+    // So does a done part queued again (a file changed before the seal).
+    let first = &mine[0];
+    let h = [[1u8; 32]; 2];
+    assert!(c
+        .release_part(id, first.range.part, "a", first.epoch, &h, &[])
+        .await
+        .unwrap());
+    c.requeue_parts(id, &[first.range.part]).await.unwrap();
+    assert_eq!(old_agents_see().await, 0);
+    let mine = c.claim_parts(id, "a", 1, 60_000).await.unwrap();
+    assert_eq!(mine.len(), 1);
+    assert_eq!(mine[0].range.part, first.range.part);
     let parts = c.parts(id).await.unwrap();
     assert_eq!(parts[back.range.part as usize].state, PartState::Queued);
     assert!(c.claim_parts(id, "b", 2, 60_000).await.unwrap().is_empty());
