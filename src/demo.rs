@@ -132,7 +132,8 @@ pub struct DemoArgs {
     /// loss-spike signal. Prints the time from the signal to the first
     /// 100 ms in which the background checkpoint's bytes at the sink
     /// fall to 20 % of the link's budget (--rate) or below, and to the
-    /// first in which the urgent checkpoint's reach 80 % of it.
+    /// first in which the urgent checkpoint's reach 80 % of it, and both
+    /// checkpoints' arrival rates per 50 ms around the signal.
     #[arg(long, requires = "agents", conflicts_with = "checkpoints")]
     pub preempt: bool,
     /// --agents: run the source agents in network namespace `ferry-src`
@@ -141,7 +142,8 @@ pub struct DemoArgs {
     /// user-space relay per sink agent in this process. The link's RTT,
     /// rate and loss are then the emulator's (give --rtt the same RTT:
     /// the agents' `rtt_hint` and the RTT counts are taken from it), and
-    /// --rate is only the pool's budget (the links' rate cap).
+    /// --rate is only the pool's budget (the links' rate cap). Needs `ip`
+    /// (Debian package iproute2).
     #[arg(long, requires = "agents")]
     pub netns: bool,
     /// --weights-first: the 7b model's scale (0 < S <= 1; 1 is the full

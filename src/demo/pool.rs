@@ -161,11 +161,19 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
         Net::Loopback
     };
     net.check()?;
-    let extra: &[&str] = match net {
-        Net::Loopback => &[],
-        Net::Namespaces => &[wanem::SRC_HOST, wanem::DST_HOST],
+    if net == Net::Namespaces && a.loss > 0.0 {
+        bail!("--loss is the emulator's under --netns: give it to ops/wanem/netns (--loss)");
+    }
+    // PostgreSQL also listens on the management veths' root ends, for
+    // the agents at their namespace ends only.
+    let (extra, clients): (&[&str], &[&str]) = match net {
+        Net::Loopback => (&[], &[]),
+        Net::Namespaces => (
+            &[wanem::SRC_HOST, wanem::DST_HOST],
+            &[wanem::SRC_MGMT, wanem::DST_MGMT],
+        ),
     };
-    let pg = Postgres::start(extra).await?;
+    let pg = Postgres::start(extra, clients).await?;
     say(format!(
         "PostgreSQL {} on {}:{} (throwaway, in {})",
         pg.version,
@@ -885,12 +893,13 @@ async fn preempt(
     let row_of = |key: &str| {
         timeline
             .iter()
-            .map(|t| format!("{:>5}", t[key].as_i64().unwrap_or(0)))
+            .map(|t| format!("{:>6}", t[key].as_i64().unwrap_or(0)))
             .collect::<Vec<_>>()
             .join("")
     };
     say(format!(
-        "arrivals at the sink, Mbit/s per {TIMELINE_BIN_MS} ms from {TIMELINE_FROM_MS} ms to {TIMELINE_TO_MS} ms after the signal:\n  background {}\n  urgent     {}",
+        "arrivals at the sink, Mbit/s per {TIMELINE_BIN_MS} ms (bins from that many ms after the signal; verified chunks, each spread from its first byte to its last):\n  ms from    {}\n  background {}\n  urgent     {}",
+        row_of("from_ms"),
         row_of("background_mbps"),
         row_of("urgent_mbps"),
     ));
@@ -1161,10 +1170,11 @@ impl Postgres {
     }
 
     /// initdb in a temporary directory of its own, started on a free port
-    /// of 127.0.0.1 and of each address in `extra` with trust
-    /// authentication (loopback and those addresses only; removed with the
-    /// demo), and the two sites' databases made.
-    async fn start(extra: &[&str]) -> Result<Postgres> {
+    /// of 127.0.0.1 and of each address in `extra`, with trust
+    /// authentication for loopback and for connections from the
+    /// addresses in `clients` only (removed with the demo), and the two
+    /// sites' databases made.
+    async fn start(extra: &[&str], clients: &[&str]) -> Result<Postgres> {
         let Some((bin, version)) = Self::find() else {
             bail!(
                 "ferry demo --agents needs the PostgreSQL server programs (initdb and pg_ctl under \
@@ -1210,13 +1220,13 @@ impl Postgres {
                 "--no-sync",
             ],
         )?;
-        if !extra.is_empty() {
+        if !clients.is_empty() {
             // initdb's trust lines cover loopback only.
             let hba = pg.data.join("pg_hba.conf");
             let mut text = std::fs::read_to_string(&hba)
                 .with_context(|| format!("reading {}", hba.display()))?;
-            for host in extra {
-                text.push_str(&format!("host all all {host}/24 trust\n"));
+            for host in clients {
+                text.push_str(&format!("host all all {host}/32 trust\n"));
             }
             std::fs::write(&hba, text).with_context(|| format!("writing {}", hba.display()))?;
         }
