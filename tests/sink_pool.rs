@@ -374,7 +374,8 @@ async fn an_hdfs_publish_cut_short_by_a_killed_sink_agent_is_finished_by_another
 /// process of its own, on the PostgreSQL cluster the demo starts; its JSON
 /// summary lists each agent's payload bytes, which add up to the
 /// checkpoints' on each side; every replica matched its checkpoint. Fewer
-/// than 1 or more than 8 agents are refused, naming the range.
+/// than 1 or more than 8 agents are refused, naming the range, and so is
+/// `--loss` with `--netns`.
 #[tokio::test]
 async fn ferry_demo_with_agents_runs_a_source_pool_and_a_sink_pool() {
     let w = World::new("demo-agents").await;
@@ -401,6 +402,21 @@ async fn ferry_demo_with_agents_runs_a_source_pool_and_a_sink_pool() {
                 .contains("--size 1000000 (1 MB) is below 2 x --part-size")
             && !out.all().contains("PostgreSQL"),
         || format!("ferry demo --preempt --size 1MB: {out}"),
+    );
+    // Under --netns the loss is the emulator's: refused before anything
+    // starts, whether or not the namespaces are up.
+    let out = w
+        .ferry(
+            &["demo", "--agents", "2", "--netns", "--loss", "0.01"],
+            &[],
+            Duration::from_secs(30),
+        )
+        .await;
+    w.ensure(
+        !out.success()
+            && out.all().contains("--loss is the emulator's under --netns")
+            && !out.all().contains("PostgreSQL"),
+        || format!("ferry demo --agents 2 --netns --loss 0.01: {out}"),
     );
     let v = demo_json(
         &w,

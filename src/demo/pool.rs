@@ -160,10 +160,10 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
     } else {
         Net::Loopback
     };
-    net.check()?;
     if net == Net::Namespaces && a.loss > 0.0 {
         bail!("--loss is the emulator's under --netns: give it to ops/wanem/netns (--loss)");
     }
+    net.check()?;
     // PostgreSQL also listens on the management veths' root ends, for
     // the agents at their namespace ends only.
     let (extra, clients): (&[&str], &[&str]) = match net {
