@@ -1374,10 +1374,11 @@ async fn handle_control(
     match msg {
         Control::Open(request) => {
             let id = request.key.id;
+            let parts_first = request.parts_first;
             inner.holds.hold(id, HoldPoint::Open).await;
             match open_transfer(inner, peer, site, request).await {
                 Ok((live, have)) => {
-                    open.insert(id, live, ctl.clone());
+                    open.insert(id, live, ctl.clone(), parts_first);
                     ctl.send(&Control::Have { id, chunks: have }).await?;
                 }
                 Err(TransferError::Catalog(e)) if e.is_unavailable() => {
@@ -1556,6 +1557,7 @@ async fn open_transfer(
         chunk_size,
         bytes_total,
         files,
+        parts_first: _,
     } = open;
     let refuse = |s: String| TransferError::Refused(s);
     decide::check_open(&key, chunk_size, bytes_total, &files).map_err(refuse)?;
@@ -2221,6 +2223,9 @@ struct Opened {
     /// Parts of striped transfers this source registered
     /// ([`Control::Part`]), with the epoch it registered each under.
     parts: Mutex<HashMap<TransferId, Vec<(ferry_catalog::PartRange, u64)>>>,
+    /// Transfers whose open set [`Open::parts_first`]: every chunk of
+    /// theirs from this source lies in a part it registers first.
+    parts_first: Mutex<std::collections::HashSet<TransferId>>,
 }
 
 impl Opened {
@@ -2236,7 +2241,15 @@ impl Opened {
     fn ctl(&self, id: TransferId) -> Option<Arc<ControlSender>> {
         crate::lock::lock(&self.ctls).get(&id).cloned()
     }
-    fn insert(&self, id: TransferId, live: Arc<Live>, ctl: Arc<ControlSender>) {
+    fn insert(&self, id: TransferId, live: Arc<Live>, ctl: Arc<ControlSender>, parts_first: bool) {
+        {
+            let mut m = crate::lock::lock(&self.parts_first);
+            if parts_first {
+                m.insert(id);
+            } else {
+                m.remove(&id);
+            }
+        }
         {
             let mut m = crate::lock::lock(&self.live);
             m.insert(id, live);
@@ -2267,6 +2280,14 @@ impl Opened {
         let v = m.entry(id).or_default();
         v.retain(|(r, _)| r.part != range.part);
         v.push((range, epoch));
+        drop(m);
+        // Chunks that overtook the registration wait for it.
+        self.changes.send_modify(|v| *v += 1);
+    }
+
+    /// Whether `id`'s open set [`Open::parts_first`].
+    fn parts_first(&self, id: TransferId) -> bool {
+        crate::lock::lock(&self.parts_first).contains(&id)
     }
 
     /// The parts of `id` this source registered, with their epochs.
@@ -2279,6 +2300,7 @@ impl Opened {
 
     fn remove(&self, id: TransferId) -> Option<Arc<Live>> {
         crate::lock::lock(&self.parts).remove(&id);
+        crate::lock::lock(&self.parts_first).remove(&id);
         crate::lock::lock(&self.ctls).remove(&id);
         crate::lock::lock(&self.live).remove(&id)
     }
@@ -2498,7 +2520,10 @@ async fn receive_batch(
 /// from its catalog) lost its lease. Nothing is read unless the source
 /// registered parts of the transfer. If the catalog does not answer, the
 /// registered parts' records are dropped (the commit asks for whatever is
-/// missing).
+/// missing). A transfer opened with [`Open::parts_first`] first waits
+/// until every record's part is registered ([`OPEN_WAIT`] at most; the
+/// registration may come behind its chunks); records still outside
+/// every registered part are dropped.
 async fn fence_parts(
     inner: &Inner,
     open: &Opened,
@@ -2506,17 +2531,57 @@ async fn fence_parts(
     id: TransferId,
     group: &mut Vec<(RecordHeader, Vec<u8>, (i64, i64))>,
 ) {
-    let mine = open.registered(id);
     // After its commit, what the sender sends answers the sink's own
     // requests (checked against the sealed manifest): not fenced, or a
     // chunk of a part it sent under an older epoch, asked for again, would
     // be refused for ever.
-    if mine.is_empty() || crate::lock::lock(&live.st).commit_at.is_some() {
+    if crate::lock::lock(&live.st).commit_at.is_some() {
+        return;
+    }
+    let key = |h: &RecordHeader| u64::from(h.file) << 32 | u64::from(h.chunk);
+    let mut changes = open.changes.subscribe();
+    let mut mine = open.registered(id);
+    if open.parts_first(id) {
+        // Every chunk lies in a part the sender registered first, but a
+        // chunk may overtake the registration (another QUIC stream):
+        // held until it is recorded, OPEN_WAIT at most.
+        let deadline = tokio::time::Instant::now() + OPEN_WAIT;
+        let covered = |mine: &[(ferry_catalog::PartRange, u64)],
+                       rec: &(RecordHeader, Vec<u8>, (i64, i64))| {
+            mine.iter().any(|(r, _)| r.contains(key(&rec.0)))
+        };
+        while !group.iter().all(|rec| covered(&mine, rec)) && open.get(id).is_some() {
+            if tokio::time::timeout_at(deadline, changes.changed())
+                .await
+                .map_or(true, |r| r.is_err())
+            {
+                break;
+            }
+            mine = open.registered(id);
+        }
+        let before = group.len();
+        let (kept, unregistered): (Vec<_>, Vec<_>) =
+            group.drain(..).partition(|rec| covered(&mine, rec));
+        *group = kept;
+        for rec in unregistered {
+            inner.bufs.give(rec.1);
+        }
+        if group.len() < before {
+            let dropped = before - group.len();
+            inner.metrics.part_chunks_refused.inc_by(dropped as u64);
+            warn!(
+                transfer = %id,
+                chunks = dropped,
+                "dropped chunks whose part this source did not register within {} s (the commit asks for them again)",
+                OPEN_WAIT.as_secs()
+            );
+        }
+    }
+    if mine.is_empty() {
         return;
     }
     // Only the parts this group's chunks fall in are read (a few rows by
     // primary key): a transfer of the seed's size has thousands of parts.
-    let key = |h: &RecordHeader| u64::from(h.file) << 32 | u64::from(h.chunk);
     let mut touched: Vec<u64> = group
         .iter()
         .filter_map(|rec| {

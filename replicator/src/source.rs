@@ -3611,6 +3611,7 @@ async fn open_on_sink(
     t: &Transfer,
     fresh: bool,
     files: Vec<FileInfo>,
+    parts_first: bool,
 ) -> Result<(mpsc::UnboundedReceiver<Control>, HashSet<u64>), RunError> {
     let id = t.id;
     let (tx, mut rx) = mpsc::unbounded_channel();
@@ -3637,6 +3638,7 @@ async fn open_on_sink(
             chunk_size: inner.cfg.chunk_size,
             bytes_total: files.iter().map(|f| f.size).sum(),
             files,
+            parts_first: parts_first && c.version >= ferry_proto::wire::PARTS_FIRST_VERSION,
         }))
         .await?;
     let have = if fresh {
@@ -3691,7 +3693,7 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
 
     let chunk_size = inner.cfg.chunk_size;
     let t_recorded = t_start.elapsed();
-    let (mut rx, have) = open_on_sink(inner, c, &t, fresh, scan.files.clone()).await?;
+    let (mut rx, have) = open_on_sink(inner, c, &t, fresh, scan.files.clone(), false).await?;
     debug!(
         transfer = %id,
         begin_ms = t_begun.as_millis() as u64,
@@ -3721,9 +3723,16 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
     let mut need: Vec<u64> = Vec::new();
     let (entries, versions) = {
         let (files, map, dir, inner2) = (files.clone(), map.clone(), dir.clone(), inner.clone());
-        send_round(inner, c, id, &progress, &mut rx, &mut need, move |out| {
-            read_all(&inner2, &dir, &files, chunk_size, &map, &have, out)
-        })
+        send_round(
+            inner,
+            c,
+            id,
+            &progress,
+            &mut rx,
+            &mut need,
+            None,
+            move |out| read_all(&inner2, &dir, &files, chunk_size, &map, &have, out),
+        )
         .await?
     };
     let manifest = Manifest {
@@ -3815,7 +3824,7 @@ async fn commit_loop(
             );
             let (m2, dir, inner2) = (sealed.manifest.clone(), dir.to_path_buf(), inner.clone());
             let (map2, slots) = (sealed.map.clone(), sealed.slots.clone());
-            send_round(inner, c, id, progress, rx, &mut need, move |out| {
+            send_round(inner, c, id, progress, rx, &mut need, None, move |out| {
                 read_some(&inner2, &dir, &m2, &map2, &slots, &list, out)
             })
             .await?;
@@ -3838,7 +3847,7 @@ async fn commit_loop(
                 );
                 let (m, dir2, inner2) = (sealed.manifest.clone(), dir.to_path_buf(), inner.clone());
                 let map2 = sealed.map.clone();
-                let entries = send_round(inner, c, id, progress, rx, &mut need, move |out| {
+                let entries = send_round(inner, c, id, progress, rx, &mut need, None, move |out| {
                     reread_changed(&inner2, &dir2, &m, &map2, &changed, out)
                 })
                 .await?;
@@ -4098,6 +4107,7 @@ async fn send_round<T: Send + 'static>(
     progress: &Arc<LiveProgress>,
     rx_ctl: &mut mpsc::UnboundedReceiver<Control>,
     need: &mut Vec<u64>,
+    answers: Option<mpsc::UnboundedSender<Control>>,
     produce: impl FnOnce(&mpsc::Sender<Record>) -> Result<T, String> + Send + 'static,
 ) -> Result<T, RunError> {
     let tid = id;
@@ -4110,33 +4120,40 @@ async fn send_round<T: Send + 'static>(
     let mut result: Result<(), RunError> = Ok(());
     let mut ctl_open = true;
     // A control message while sending: true if the round must end.
-    let mut on_ctl =
-        |m: Option<Control>, result: &mut Result<(), RunError>, ctl_open: &mut bool| {
-            let err = match m {
-                Some(Control::Need { chunks, .. }) => {
-                    need.extend(chunks);
-                    return false;
+    let mut on_ctl = |m: Option<Control>,
+                      result: &mut Result<(), RunError>,
+                      ctl_open: &mut bool| {
+        let err = match m {
+            Some(Control::Need { chunks, .. }) => {
+                need.extend(chunks);
+                return false;
+            }
+            Some(m @ (Control::Have { .. } | Control::PartEpoch { .. })) if answers.is_some() => {
+                if let Some(a) = &answers {
+                    let _ = a.send(m);
                 }
-                Some(Control::Have { .. }) => return false,
-                Some(m) if weights_answer(inner, tid, &m) => return false,
-                Some(Control::Refuse { reason, .. }) => {
-                    RunError::Fatal(format!("sink refused: {reason}"))
-                }
-                Some(Control::Cancel { reason, .. }) => {
-                    RunError::Fatal(format!("sink cancelled: {reason}"))
-                }
-                Some(other) => RunError::Retry(format!(
-                    "unexpected {} from sink while sending",
-                    other.name()
-                )),
-                None => {
-                    *ctl_open = false;
-                    RunError::Retry("connection to the sink lost".into())
-                }
-            };
-            *result = Err(err);
-            true
+                return false;
+            }
+            Some(Control::Have { .. }) => return false,
+            Some(m) if weights_answer(inner, tid, &m) => return false,
+            Some(Control::Refuse { reason, .. }) => {
+                RunError::Fatal(format!("sink refused: {reason}"))
+            }
+            Some(Control::Cancel { reason, .. }) => {
+                RunError::Fatal(format!("sink cancelled: {reason}"))
+            }
+            Some(other) => RunError::Retry(format!(
+                "unexpected {} from sink while sending",
+                other.name()
+            )),
+            None => {
+                *ctl_open = false;
+                RunError::Retry("connection to the sink lost".into())
+            }
         };
+        *result = Err(err);
+        true
+    };
     let lost = |e: Lost| RunError::Retry(e.0);
     'produce: loop {
         tokio::select! {

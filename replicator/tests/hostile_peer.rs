@@ -137,6 +137,7 @@ fn open(id: u64, rel: &str, files: Vec<FileInfo>) -> Control {
         chunk_size: 4 << 20,
         bytes_total,
         files,
+        parts_first: false,
     })
 }
 
@@ -1064,4 +1065,142 @@ async fn a_file_table_overflowing_the_chunk_total_is_refused() {
         })
     ));
     assert!(files_under(&s.sink_root).is_empty());
+}
+
+/// A version 10 open with `parts_first`: a chunk that overtakes its
+/// part's registration is held until the registration is recorded, then
+/// fenced like any other. Registered under an older epoch than another
+/// sink agent recorded (written to the shared catalog here), it is
+/// refused and the commit asks for it again; registered under the
+/// current epoch, it is kept and the transfer publishes.
+#[tokio::test]
+async fn a_chunk_ahead_of_its_part_s_registration_waits_for_it_and_is_fenced() {
+    let s = setup().await;
+    let (conn, mut send, mut recv, _) = connect(&s, PROTOCOL_VERSION).await;
+    let open_first = |n: u64| {
+        let mut o = open(n, &format!("step_{n}"), vec![file("a", 10)]);
+        if let Control::Open(op) = &mut o {
+            op.key.origin = Some(ORIGIN.into());
+            op.parts_first = true;
+        }
+        o
+    };
+    let part = |n: u64, epoch: u64| Control::Part {
+        id: TransferId(n),
+        part: 0,
+        epoch,
+        first_key: 0,
+        end_key: 1,
+    };
+    let payload = b"abcdefghij";
+    let commit = |n: u64| {
+        Control::Commit(Commit {
+            id: TransferId(n),
+            committed_ms: 0,
+            opened_ms: 0,
+            batches: 1,
+            manifest: ferry_proto::manifest::Manifest {
+                chunk_size: 4 << 20,
+                files: vec![ferry_proto::manifest::FileEntry {
+                    path: "a".into(),
+                    size: 10,
+                    mode: 0o644,
+                    mtime_ns: 0,
+                    chunks: vec![*blake3::hash(payload).as_bytes()],
+                }],
+                markers: vec![],
+            },
+            siblings: vec![],
+            checkpoint: None,
+            lost: vec![],
+            phases: Default::default(),
+            weights_only: false,
+        })
+    };
+    // Reads frames up to the registration's answer (batch confirmations
+    // may come first): the epoch the sink holds.
+    async fn epoch_answer(recv: &mut quinn::RecvStream) -> u64 {
+        loop {
+            match tokio::time::timeout(Duration::from_secs(20), read_frame(recv))
+                .await
+                .expect("no answer within 20 s")
+                .unwrap()
+            {
+                Some(Control::PartEpoch { epoch, .. }) => return epoch,
+                Some(Control::BatchDone { .. }) => {}
+                other => panic!("expected a part's epoch, got {other:?}"),
+            }
+        }
+    }
+
+    // Transfer 1: another sink agent of the site recorded epoch 2 of part
+    // 0; this source's chunk, sent ahead of its epoch 1 registration, is
+    // refused once that registration arrives.
+    send.write_all(&open_first(1).encode()).await.unwrap();
+    assert!(matches!(
+        read_frame(&mut recv).await.unwrap(),
+        Some(Control::Have { .. })
+    ));
+    let cat = s._sink.catalog();
+    let row = cat
+        .replicas_for_source("/ckpt/job/step_1")
+        .await
+        .unwrap()
+        .into_iter()
+        .next()
+        .expect("the open's replica row");
+    let range = ferry_catalog::PartRange {
+        part: 0,
+        first_key: 0,
+        end_key: 1,
+        bytes: 0,
+    };
+    assert_eq!(
+        cat.register_part_epoch(row.id, range, 2, "another-source")
+            .await
+            .unwrap(),
+        2
+    );
+    let c2 = conn.clone();
+    let ahead =
+        tokio::spawn(async move { send_record(&c2, PROTOCOL_VERSION, 1, 0, 0, 0, payload).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    send.write_all(&part(1, 1).encode()).await.unwrap();
+    assert_eq!(epoch_answer(&mut recv).await, 2);
+    ahead.await.unwrap();
+    send.write_all(&commit(1).encode()).await.unwrap();
+    let (reply, _) = answer_after_confirmations(&mut recv).await;
+    match reply {
+        Some(Control::Need { chunks, .. }) => assert_eq!(chunks, [0]),
+        other => panic!("expected the refused chunk asked for again, got {other:?}"),
+    }
+
+    // Transfer 2: the chunk overtakes its registration under the current
+    // epoch: held, then kept; the transfer publishes.
+    send.write_all(&open_first(2).encode()).await.unwrap();
+    loop {
+        match read_frame(&mut recv).await.unwrap() {
+            Some(Control::Have { id, .. }) if id == TransferId(2) => break,
+            Some(_) => {}
+            None => panic!("the control stream ended"),
+        }
+    }
+    let c2 = conn.clone();
+    let ahead =
+        tokio::spawn(async move { send_record(&c2, PROTOCOL_VERSION, 2, 0, 0, 0, payload).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    send.write_all(&part(2, 1).encode()).await.unwrap();
+    assert_eq!(epoch_answer(&mut recv).await, 1);
+    ahead.await.unwrap();
+    send.write_all(&commit(2).encode()).await.unwrap();
+    let (reply, done) = answer_after_confirmations(&mut recv).await;
+    let Some(Control::Published { local_path, .. }) = reply else {
+        panic!("expected published, got {reply:?}");
+    };
+    assert_eq!(done, [0]);
+    assert_eq!(
+        std::fs::read(Path::new(&local_path).join("a")).unwrap(),
+        payload
+    );
+    assert!(conn.close_reason().is_none(), "{:?}", conn.close_reason());
 }

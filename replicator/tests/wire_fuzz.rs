@@ -269,6 +269,7 @@ fn control() -> impl Strategy<Value = Control> {
                         chunk_size,
                         bytes_total,
                         files,
+                        parts_first: false,
                     })
                 }
             ),
@@ -648,6 +649,7 @@ fn chunk_totals_that_overflow_a_u64_are_refused() {
         chunk_size: MIN_CHUNK_SIZE,
         bytes_total: u64::MAX,
         files,
+        parts_first: false,
     });
     assert!(open.encode().len() < MAX_FRAME);
 }

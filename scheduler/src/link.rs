@@ -24,7 +24,11 @@
 //! would cost several percent of the rate), and a chunk needs its length
 //! in tokens (a chunk longer than the bucket needs a full one). So over
 //! any window of `W` seconds, bytes dispatched are at most
-//! `cap x W + max(BDP, largest chunk) + cap x 1 ms`.
+//! `cap x W + max(BDP, largest chunk) + cap x 1 ms`. An urgent chunk needs
+//! only a bucket not in debt and borrows its length (the next chunks wait
+//! until it is repaid): the first urgent chunk after a signal leaves at
+//! once instead of after one chunk's time at the cap, and the bound grows
+//! by the largest urgent chunk.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
@@ -646,7 +650,15 @@ impl LinkScheduler {
             return Decision::Idle;
         };
         let bytes = e.ready.front().copied().unwrap_or(0);
-        let need = (bytes as f64).min(cap);
+        // An urgent chunk borrows its length from a bucket not in debt:
+        // after a signal it leaves at once rather than after a chunk's
+        // time at the rate (a third of a second for 4 MiB at 100 Mbit/s),
+        // and the chunks after it repay the debt.
+        let need = if e.t.class == Class::Urgent {
+            0.0
+        } else {
+            (bytes as f64).min(cap)
+        };
         if self.bucket.tokens < need {
             let wait_ms = ((need - self.bucket.tokens) / self.bucket.bytes_per_ms()).ceil();
             return Decision::Wait {

@@ -183,6 +183,8 @@ proptest! {
 
     /// Over every window of 1 s or longer, bytes dispatched <= rate x
     /// window + max(BDP, largest chunk) + one millisecond at the cap.
+    /// Urgent chunks borrow their length: the bound grows by the largest
+    /// chunk.
     #[test]
     fn the_rate_cap_holds_over_every_window(
         rate in 1_000_000u64..10_000_000_000,
@@ -190,11 +192,13 @@ proptest! {
         sizes in prop::collection::vec(1..=4 * MIB, 1..32),
         gaps in prop::collection::vec(0i64..50, 1..64),
         transfers in 1usize..4,
+        urgent in any::<bool>(),
     ) {
         let mut s = LinkScheduler::new(Policy::default(), rate, rtt, 0);
         let ids: Vec<u64> = (1..=transfers as u64).collect();
+        let class = if urgent { Class::Urgent } else { Class::Scheduled };
         for &id in &ids {
-            s.upsert(transfer(id, Class::Scheduled, 0.0, None), 0);
+            s.upsert(transfer(id, class, 0.0, None), 0);
         }
         let mut sent: Vec<(i64, u64)> = Vec::new();
         let mut now = 0i64;
@@ -214,7 +218,9 @@ proptest! {
             now += gaps[step % gaps.len()] / 10;
         }
         let bdp = rate as f64 / 8.0 * rtt as f64 / 1000.0;
-        let burst = bdp.max(*sizes.iter().max().unwrap() as f64) + rate as f64 / 8.0 / 1000.0;
+        let largest = *sizes.iter().max().unwrap() as f64;
+        let borrowed = if urgent { largest } else { 0.0 };
+        let burst = bdp.max(largest) + rate as f64 / 8.0 / 1000.0 + borrowed;
         for a in 0..sent.len() {
             let mut sum = 0.0;
             for b in a..sent.len() {
@@ -388,6 +394,44 @@ fn promotion_of_an_active_transfer_preempts_and_a_rate_change_applies_at_once() 
             until_ms - now
         ),
         other => panic!("{other:?}"),
+    }
+}
+
+/// A bucket short of a chunk's length: a scheduled chunk waits for the
+/// tokens, an urgent one (a signal's) leaves at once, and the chunk after
+/// it waits until its borrowed length is repaid.
+#[test]
+fn an_urgent_chunk_borrows_its_length_and_the_next_one_repays_it() {
+    // 100 Mbit/s, 100 ms: 12.5 kB per ms, BDP 1.25 MB.
+    let mut s = LinkScheduler::new(Policy::default(), 100_000_000, 100, 0);
+    s.upsert(transfer(1, Class::Scheduled, 0.0, None), 0);
+    s.chunk_ready(TransferId(1), 1_250_000);
+    assert!(
+        matches!(s.next(0), Decision::Send { .. }),
+        "a full bucket sends"
+    );
+    // The bucket is empty; 4 MiB more of the scheduled transfer needs
+    // 4 MiB of tokens first (about 336 ms at the rate).
+    s.chunk_ready(TransferId(1), 4 * MIB);
+    match s.next(10) {
+        Decision::Wait { until_ms } => assert!(until_ms >= 300, "waits until {until_ms}"),
+        other => panic!("a scheduled chunk went without its tokens: {other:?}"),
+    }
+    // Promoted by a signal: it goes now, borrowing the length.
+    s.upsert(transfer(1, Class::Urgent, 0.0, None), 10);
+    assert!(matches!(s.next(10), Decision::Send { .. }));
+    // The next urgent chunk waits for the debt: about 4 MiB less the 10
+    // ms of tokens, at 12.5 kB per ms.
+    s.chunk_ready(TransferId(1), 1);
+    match s.next(10) {
+        Decision::Wait { until_ms } => {
+            let debt_ms = (4 * MIB) as f64 / 12_500.0 - 10.0;
+            assert!(
+                (until_ms - 10) as f64 >= debt_ms - 2.0,
+                "waits until {until_ms}, debt {debt_ms} ms"
+            );
+        }
+        other => panic!("the next chunk went while the bucket was in debt: {other:?}"),
     }
 }
 

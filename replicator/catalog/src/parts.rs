@@ -718,6 +718,22 @@ impl Catalog {
             .bind(max as i64)
             .fetch_all(&mut *tx)
             .await?;
+        // Whether this agent holds parts of the transfer already: if not,
+        // the pool's set of holders changes, and with it every holder's
+        // share of the link's budget.
+        let held_before: Option<i64> = if rows.is_empty() {
+            None
+        } else {
+            sqlx::query_scalar(&self.db.sql(
+                "SELECT 1 FROM transfer_parts WHERE transfer = ? AND holder = ? \
+                 AND state = 'held' AND lease_until >= ? LIMIT 1",
+            ))
+            .bind(id.as_i64())
+            .bind(agent)
+            .bind(now)
+            .fetch_optional(&mut *tx)
+            .await?
+        };
         let mut claims = Vec::with_capacity(rows.len());
         let mut bytes = 0i64;
         for r in rows {
@@ -783,6 +799,9 @@ impl Catalog {
             .bind(id.as_i64())
             .execute(&mut *tx)
             .await?;
+        }
+        if !claims.is_empty() && held_before.is_none() {
+            crate::notify::announce(self.db, &mut tx, crate::notify::payload::HOLDERS).await?;
         }
         tx.commit().await?;
         Ok(claims)

@@ -1,4 +1,14 @@
-//! Ferry's wire protocol, version 9: a sans-IO codec.
+//! Ferry's wire protocol, version 10: a sans-IO codec.
+//!
+//! Version 10 lets a source send a part's chunks right behind its
+//! registration, without waiting a round trip for the answer: an open
+//! whose [`Open::parts_first`] is set tells the sink that every chunk
+//! the sender sends of that transfer (until its commit) lies in a part
+//! it registered first, and the sink holds a chunk that overtook its
+//! part's registration (QUIC does not order one stream against another)
+//! until the registration is recorded, then fences it as any other. A
+//! source sets it only with a sink that speaks version 10; a sink speaks
+//! versions 2 to 10.
 //!
 //! Version 9 adds the parts of a transfer striped across a source pool:
 //! before sending a part it claimed, a source registers the part and its
@@ -90,7 +100,13 @@ pub use crate::codec::WireError;
 /// newest a sink speaks. A sink refuses a version outside
 /// [`MIN_PROTOCOL_VERSION`]..=[`PROTOCOL_VERSION`] with [`Control::Error`]
 /// naming both; a source refuses a sink whose hello names another version.
-pub const PROTOCOL_VERSION: u16 = 9;
+pub const PROTOCOL_VERSION: u16 = 10;
+
+/// The first protocol version whose opens may set [`Open::parts_first`]:
+/// the sender's chunks of the transfer may arrive before their part's
+/// registration is answered, and the sink holds them until it is
+/// recorded.
+pub const PARTS_FIRST_VERSION: u16 = 10;
 
 /// The first protocol version whose sink takes [`Control::Part`]: a part
 /// of a striped transfer registered under its claim's epoch.
@@ -185,6 +201,14 @@ pub struct Open {
     pub bytes_total: u64,
     /// Files in manifest order.
     pub files: Vec<FileInfo>,
+    /// From [`PARTS_FIRST_VERSION`]: the sender registers
+    /// ([`Control::Part`]) the part of every chunk it sends of this
+    /// transfer before the chunk, until its commit, and does not wait for
+    /// the answer; the sink holds a chunk whose registration it has not
+    /// recorded yet (10 s at most, then drops it: the commit asks for
+    /// it again). On the wire a `u8` of flags (bit 0) after
+    /// [`TransferKey::origin`], only when set, so only with an origin.
+    pub parts_first: bool,
 }
 
 /// [`Control::Commit`]: source to sink, every chunk was sent; the sealed
@@ -420,6 +444,8 @@ pub enum Control {
 
 const T_HELLO: u8 = 1;
 const T_OPEN: u8 = 2;
+/// [`Open::parts_first`]'s bit in an open's flags.
+const OPEN_PARTS_FIRST: u8 = 1;
 const T_HAVE: u8 = 3;
 const T_REFUSE: u8 = 4;
 const T_NEED: u8 = 5;
@@ -486,6 +512,7 @@ impl Control {
                 chunk_size,
                 bytes_total,
                 files,
+                parts_first,
             }) => {
                 w.u8(T_OPEN);
                 w.u64(key.id.0);
@@ -501,6 +528,9 @@ impl Control {
                 }
                 if let Some(origin) = &key.origin {
                     w.str(origin);
+                    if *parts_first {
+                        w.u8(OPEN_PARTS_FIRST);
+                    }
                 }
             }
             Control::Have { id, chunks } => {
@@ -702,11 +732,24 @@ impl Control {
                     }
                     key.origin = Some(origin);
                 }
+                // Version 10 appends flags after the origin.
+                let mut parts_first = false;
+                if key.origin.is_some() && r.remaining() > 0 {
+                    let flags = r.u8("open flags")?;
+                    if flags & !OPEN_PARTS_FIRST != 0 {
+                        return Err(WireError::Invalid {
+                            what: "open flags",
+                            why: format!("unknown bits in {flags:#04x}"),
+                        });
+                    }
+                    parts_first = flags & OPEN_PARTS_FIRST != 0;
+                }
                 Control::Open(Open {
                     key,
                     chunk_size,
                     bytes_total,
                     files,
+                    parts_first,
                 })
             }
             T_HAVE => Control::Have {
@@ -1091,21 +1134,7 @@ mod tests {
     /// naming the field.
     #[test]
     fn an_open_carries_its_origin_and_a_bad_one_is_refused() {
-        let open = |origin: Option<String>| {
-            Control::Open(Open {
-                key: TransferKey {
-                    id: TransferId(7),
-                    job: "mm".into(),
-                    source_path: "/ckpt/mm/step_1".into(),
-                    rel: "step_1".into(),
-                    profile: Profile::Full,
-                    origin,
-                },
-                chunk_size: 4 << 20,
-                bytes_total: 0,
-                files: vec![],
-            })
-        };
+        let open = |origin: Option<String>| open_with(origin, false);
         roundtrip(open(Some("00112233445566778899aabbccddeeff".into())));
         roundtrip(open(None));
         for bad in [String::new(), "x".repeat(256)] {
@@ -1115,6 +1144,48 @@ mod tests {
             let e = Control::decode(&frame[4..]).unwrap_err().to_string();
             assert!(e.contains("origin"), "{e}");
         }
+    }
+
+    /// A version 10 open's flags follow its origin: `parts_first` comes
+    /// back as sent, an older open (no flags byte) reads as unset, and an
+    /// unknown bit is refused, naming the field.
+    #[test]
+    fn an_open_carries_parts_first_after_its_origin() {
+        let origin = || Some("00112233445566778899aabbccddeeff".to_string());
+        roundtrip(open_with(origin(), true));
+        let old = open_with(origin(), false).encode();
+        let new = open_with(origin(), true).encode();
+        assert_eq!(new.len(), old.len() + 1, "one flags byte, only when set");
+        match Control::decode(&old[4..]).unwrap() {
+            Control::Open(o) => assert!(!o.parts_first),
+            m => panic!("decoded {m:?}"),
+        }
+        let mut bad = open_with(origin(), false).encode();
+        bad.push(0x82);
+        let e = Control::decode(&bad[4..]).unwrap_err().to_string();
+        assert!(e.contains("open flags"), "{e}");
+        // Without an origin there is nowhere to put the flags: not sent.
+        assert_eq!(
+            open_with(None, true).encode().len(),
+            open_with(None, false).encode().len()
+        );
+    }
+
+    fn open_with(origin: Option<String>, parts_first: bool) -> Control {
+        Control::Open(Open {
+            key: TransferKey {
+                id: TransferId(7),
+                job: "mm".into(),
+                source_path: "/ckpt/mm/step_1".into(),
+                rel: "step_1".into(),
+                profile: Profile::Full,
+                origin,
+            },
+            chunk_size: 4 << 20,
+            bytes_total: 0,
+            files: vec![],
+            parts_first,
+        })
     }
 
     #[test]
@@ -1141,6 +1212,7 @@ mod tests {
                 mode: 0o600,
                 mtime_ns: -5,
             }],
+            parts_first: false,
         }));
         roundtrip(Control::Have {
             id: TransferId(1),
@@ -1373,6 +1445,7 @@ mod tests {
             chunk_size: 1 << 20,
             bytes_total: 0,
             files: vec![],
+            parts_first: false,
         })
         .encode();
         let body = &frame[4..];
@@ -1550,6 +1623,7 @@ mod tests {
             chunk_size: 1 << 20,
             bytes_total: 0,
             files: vec![],
+            parts_first: false,
         }));
     }
 

@@ -65,6 +65,21 @@ fn pause_after_part() {
 #[cfg(not(feature = "fault-injection"))]
 fn pause_after_part() {}
 
+/// Whether this agent will make the [`FAULT_PAUSE_AFTER_PART_ENV`]
+/// pause: it then waits for its registrations' answers before sending,
+/// so that the pause comes after the sink recorded its epochs.
+fn pauses_after_part() -> bool {
+    #[cfg(feature = "fault-injection")]
+    {
+        std::env::var_os(FAULT_PAUSE_AFTER_PART_ENV).is_some()
+            && !PAUSED_AFTER_PART.load(Ordering::SeqCst)
+    }
+    #[cfg(not(feature = "fault-injection"))]
+    {
+        false
+    }
+}
+
 /// Whether this agent checks its own part leases while sending (always,
 /// but after the [`FAULT_PAUSE_AFTER_PART_ENV`] pause).
 pub(super) fn checks_own_leases() -> bool {
@@ -114,6 +129,13 @@ struct Striping<'a> {
     /// its open ([`announce_when_open`]).
     announced: AtomicBool,
     progress: Arc<LiveProgress>,
+    /// Whether the run's open set [`ferry_proto::wire::Open::parts_first`]:
+    /// a part claimed for the first time is sent right behind its
+    /// registration, whose answer is checked before the part is released.
+    parts_first: bool,
+    /// The sink's answers to the run's registrations
+    /// ([`Control::PartEpoch`]): the epoch it holds, by part.
+    epochs: Mutex<HashMap<u64, u64>>,
 }
 
 /// What reading one part gave: each chunk's hash in key order and what
@@ -183,7 +205,7 @@ pub(super) async fn run_coordinated(
     let quiet = !plan.announced
         && plan.planned_by == inner.cfg.agent
         && c.version >= ferry_proto::wire::PARTS_VERSION;
-    let (mut rx, have) = open_on_sink(inner, c, t, quiet, files.clone()).await?;
+    let (mut rx, have) = open_on_sink(inner, c, t, quiet, files.clone(), true).await?;
     if !quiet && !plan.announced {
         inner.catalog.announce_plan(id).await?;
     }
@@ -212,6 +234,8 @@ pub(super) async fn run_coordinated(
         opened: AtomicBool::new(!quiet),
         announced: AtomicBool::new(!quiet),
         progress: progress.clone(),
+        parts_first: c.version >= ferry_proto::wire::PARTS_FIRST_VERSION,
+        epochs: Mutex::default(),
     };
     let mut need = Vec::new();
     loop {
@@ -262,7 +286,7 @@ async fn send_until_done(
                 }
             };
             tokio::select! {
-                m = rx.recv() => on_control(m, need)?,
+                m = rx.recv() => on_striping_control(s, m, need)?,
                 r = watcher => {
                     if r.is_err() {
                         return Err(RunError::Retry("the watcher stopped following this checkpoint".into()));
@@ -386,7 +410,7 @@ pub(super) async fn stripe_at_commit(
             _ = inner.shutdown.cancelled() => return Err(RunError::Shutdown),
         }
     }
-    let (new_rx, have) = open_on_sink(inner, c, t, false, w.table.to_vec()).await?;
+    let (new_rx, have) = open_on_sink(inner, c, t, false, w.table.to_vec(), false).await?;
     *rx = new_rx;
     // What the sink holds now is what it lacks no longer.
     need.clear();
@@ -440,6 +464,8 @@ pub(super) async fn stripe_at_commit(
         opened: AtomicBool::new(true),
         announced: AtomicBool::new(true),
         progress: progress.clone(),
+        parts_first: false,
+        epochs: Mutex::default(),
     };
     loop {
         send_until_done(inner, c, &s, rx, need, Some(&mut *view)).await?;
@@ -492,7 +518,7 @@ pub(super) async fn run_helper(
     // first parts' registrations: one round trip, not two. A sink
     // without part registrations is waited for.
     let wait = c.version < ferry_proto::wire::PARTS_VERSION;
-    let (mut rx, have) = open_on_sink(inner, c, t, !wait, plan.files.clone()).await?;
+    let (mut rx, have) = open_on_sink(inner, c, t, !wait, plan.files.clone(), true).await?;
     let s = Striping {
         t,
         plan: &plan,
@@ -503,6 +529,8 @@ pub(super) async fn run_helper(
         // This agent's bytes of the transfer: not the transfer's
         // progress, which its coordinator keeps.
         progress: Arc::new(LiveProgress::default()),
+        parts_first: c.version >= ferry_proto::wire::PARTS_FIRST_VERSION,
+        epochs: Mutex::default(),
     };
     let mut need = Vec::new();
     send_parts(inner, c, &s, &mut rx, &mut need, true).await
@@ -644,12 +672,27 @@ async fn send_parts(
             }
         }
         // Registered at the sink first: from then on no sink agent takes
-        // the part's chunks from an agent that claimed it earlier.
-        let claims = register(inner, c, id, claims, rx, need, s).await?;
-        if !helper {
-            // The sink answers an open before the registrations after it.
-            announce_when_open(inner, s, rx, need).await?;
-        }
+        // the part's chunks from an agent that claimed it earlier. Parts
+        // claimed for the first time go right behind their registrations
+        // (the sink holds chunks that overtake them), and the answers are
+        // checked before release: the sink can hold none of their chunks
+        // yet, nor a later epoch unless this agent stalled for a lease.
+        let ahead = s.parts_first
+            && !pauses_after_part()
+            && claims
+                .iter()
+                .all(|cl| cl.epoch == 1 && cl.took_over_from.is_none());
+        let claims = if ahead {
+            send_registrations(c, id, &claims).await?;
+            claims
+        } else {
+            let claims = register(inner, c, id, claims, rx, need, s).await?;
+            if !helper {
+                // The sink answers an open before the registrations after it.
+                announce_when_open(inner, s, rx, need).await?;
+            }
+            claims
+        };
         if claims.is_empty() {
             continue;
         }
@@ -685,8 +728,21 @@ async fn send_parts(
                 Err(RunError::Stopped)
             }
         };
-        let reads = match sent {
-            Ok(reads) => reads,
+        let reads: Vec<Option<PartRead>> = match sent {
+            Ok(reads) if ahead => {
+                if !helper {
+                    announce_when_open(inner, s, rx, need).await?;
+                }
+                // The sink's answers: a part it holds a later epoch of
+                // was taken over meanwhile (its chunks were refused).
+                let kept = registered_claims(inner, id, &claims, rx, need, s).await?;
+                claims
+                    .iter()
+                    .zip(reads)
+                    .map(|(cl, r)| (kept.contains(&cl.range.part)).then_some(r))
+                    .collect()
+            }
+            Ok(reads) => reads.into_iter().map(Some).collect(),
             Err(e) => {
                 for cl in &claims {
                     if pool.holds_part(id, cl.range.part, at) {
@@ -703,6 +759,7 @@ async fn send_parts(
             }
         };
         for (cl, read) in claims.iter().zip(reads) {
+            let Some(read) = read else { continue };
             if !pool.holds_part(id, cl.range.part, at) {
                 warn!(transfer = %id, part = cl.range.part, "not releasing a part whose lease may have lapsed: another agent sends it again");
                 continue;
@@ -792,16 +849,22 @@ async fn announce_when_open(
     let until = tokio::time::Instant::now() + Duration::from_secs(30);
     while !s.opened.load(Ordering::Relaxed) {
         tokio::select! {
-            m = rx.recv() => match m {
-                Some(Control::Have { chunks, .. }) => took_have(s, chunks),
-                m => on_control(m, need)?,
-            },
+            m = rx.recv() => on_striping_control(s, m, need)?,
             _ = tokio::time::sleep_until(until) => {
                 return Err(RunError::Retry("the sink did not answer the transfer's open within 30 s".into()));
             }
             _ = inner.shutdown.cancelled() => return Err(RunError::Shutdown),
         }
     }
+    Ok(announce(inner, s).await?)
+}
+
+/// Announces `s`'s plan to the pool once the sink answered the open: the
+/// chunks the sink had then count as skipped in the run's progress.
+///
+/// # Errors
+/// Catalog errors (the plan stays unannounced; call again).
+async fn announce(inner: &Inner, s: &Striping<'_>) -> Result<(), ferry_catalog::CatalogError> {
     let have = crate::lock::lock(&s.have).clone();
     let skipped: u64 = have
         .iter()
@@ -816,14 +879,15 @@ async fn announce_when_open(
 }
 
 /// Registers each claim's part and epoch at the sink ([`Control::Part`])
-/// and waits for the epochs it recorded: the claims whose epoch the sink
-/// holds, to send; a claim the sink knows a later epoch of was taken over
-/// since (this agent was paused): dropped, neither sent nor released. A
-/// sink older than [`ferry_proto::wire::PARTS_VERSION`] registers
-/// nothing: every claim is kept (the source's own lease check is the
-/// only fence then). The open's answer arriving meanwhile (a helper does
-/// not wait for it, nor does a coordinator whose plan is not announced
-/// yet) goes to `s.have` ([`took_have`]).
+/// and waits for the epochs it recorded ([`registered_claims`]): the
+/// claims whose epoch the sink holds, to send; a claim the sink knows a
+/// later epoch of was taken over since (this agent was paused): dropped,
+/// neither sent nor released. A sink older than
+/// [`ferry_proto::wire::PARTS_VERSION`] registers nothing: every claim is
+/// kept (the source's own lease check is the only fence then). The
+/// open's answer arriving meanwhile (a helper does not wait for it, nor
+/// does a coordinator whose plan is not announced yet) goes to `s.have`
+/// ([`took_have`]).
 async fn register(
     inner: &Inner,
     c: &LinkConn,
@@ -836,7 +900,22 @@ async fn register(
     if c.version < ferry_proto::wire::PARTS_VERSION {
         return Ok(claims);
     }
-    for cl in &claims {
+    send_registrations(c, id, &claims).await?;
+    let kept = registered_claims(inner, id, &claims, rx, need, s).await?;
+    Ok(claims
+        .into_iter()
+        .filter(|cl| kept.contains(&cl.range.part))
+        .collect())
+}
+
+/// Sends each claim's registration ([`Control::Part`]) without waiting
+/// for the answers.
+async fn send_registrations(
+    c: &LinkConn,
+    id: TransferId,
+    claims: &[ferry_catalog::PartClaim],
+) -> Result<(), RunError> {
+    for cl in claims {
         c.ctl
             .send(&Control::Part {
                 id,
@@ -847,27 +926,44 @@ async fn register(
             })
             .await?;
     }
-    let mut answered: HashMap<u64, u64> = HashMap::new();
+    Ok(())
+}
+
+/// Waits (30 s at most) until the sink answered the registration of
+/// every claim of `claims` (answers that came already are in `s.epochs`)
+/// and returns the parts whose epoch it holds; a part it holds a later
+/// epoch of was taken over since this agent claimed it.
+///
+/// # Errors
+/// [`RunError::Retry`] if an answer does not come within 30 s; the
+/// sink's refusal or cancel; a lost connection; shutdown.
+async fn registered_claims(
+    inner: &Inner,
+    id: TransferId,
+    claims: &[ferry_catalog::PartClaim],
+    rx: &mut mpsc::UnboundedReceiver<Control>,
+    need: &mut Vec<u64>,
+    s: &Striping<'_>,
+) -> Result<HashSet<u64>, RunError> {
+    let answered = |s: &Striping<'_>| {
+        let e = crate::lock::lock(&s.epochs);
+        claims.iter().all(|cl| e.contains_key(&cl.range.part))
+    };
     let until = tokio::time::Instant::now() + Duration::from_secs(30);
-    while answered.len() < claims.len() {
+    while !answered(s) {
         tokio::select! {
-            m = rx.recv() => match m {
-                Some(Control::PartEpoch { part, epoch, .. }) => {
-                    answered.insert(part, epoch);
-                }
-                Some(Control::Have { chunks, .. }) => took_have(s, chunks),
-                m => on_control(m, need)?,
-            },
+            m = rx.recv() => on_striping_control(s, m, need)?,
             _ = tokio::time::sleep_until(until) => {
                 return Err(RunError::Retry("the sink did not answer a part's registration within 30 s".into()));
             }
             _ = inner.shutdown.cancelled() => return Err(RunError::Shutdown),
         }
     }
+    let e = crate::lock::lock(&s.epochs);
     Ok(claims
-        .into_iter()
+        .iter()
         .filter(|cl| {
-            let at_sink = answered.get(&cl.range.part).copied().unwrap_or(0);
+            let at_sink = e.get(&cl.range.part).copied().unwrap_or(0);
             let mine = cl.epoch.max(0) as u64;
             if at_sink != mine {
                 warn!(
@@ -875,12 +971,34 @@ async fn register(
                     part = cl.range.part,
                     epoch = mine,
                     at_sink,
-                    "the sink holds a later claim of the part: it was taken over; not sending it"
+                    "the sink holds a later claim of the part: it was taken over; not sending or releasing it"
                 );
             }
             at_sink == mine
         })
+        .map(|cl| cl.range.part)
         .collect())
+}
+
+/// A control message for a striped run: the open's answer goes to
+/// `s.have`, a registration's answer to `s.epochs`, anything else to
+/// [`on_control`].
+fn on_striping_control(
+    s: &Striping<'_>,
+    m: Option<Control>,
+    need: &mut Vec<u64>,
+) -> Result<(), RunError> {
+    match m {
+        Some(Control::Have { chunks, .. }) => {
+            took_have(s, chunks);
+            Ok(())
+        }
+        Some(Control::PartEpoch { part, epoch, .. }) => {
+            crate::lock::lock(&s.epochs).insert(part, epoch);
+            Ok(())
+        }
+        m => on_control(m, need),
+    }
 }
 
 /// Reads the parts `ranges`, sends the chunks the sink lacked, and waits
@@ -903,12 +1021,39 @@ async fn send_claimed(
         ranges.to_vec(),
     );
     let chunk_size = s.plan.chunk_size;
-    let reads = send_round(inner, c, id, &s.progress, rx, need, move |out| {
-        read_parts(
-            &inner2, &dir, &files, chunk_size, &map2, &ranges2, &have2, out,
-        )
-    })
-    .await?;
+    // Answers to the open and to registrations sent without waiting come
+    // while the parts are sent: kept, and a quietly stored plan is
+    // announced as soon as the open's answer is here (the other agents
+    // then claim while this one sends).
+    let (answers, mut answered) = mpsc::unbounded_channel();
+    let sending = send_round(
+        inner,
+        c,
+        id,
+        &s.progress,
+        rx,
+        need,
+        Some(answers),
+        move |out| {
+            read_parts(
+                &inner2, &dir, &files, chunk_size, &map2, &ranges2, &have2, out,
+            )
+        },
+    );
+    let answering = async {
+        let mut ignored = Vec::new();
+        while let Some(m) = answered.recv().await {
+            let _ = on_striping_control(s, Some(m), &mut ignored);
+            if s.opened.load(Ordering::Relaxed) && !s.announced.load(Ordering::Relaxed) {
+                if let Err(e) = announce(inner, s).await {
+                    // Again after the parts are sent.
+                    warn!(transfer = %id, error = %e, "catalog: announcing the plan");
+                }
+            }
+        }
+    };
+    let (reads, ()) = tokio::join!(sending, answering);
+    let reads = reads?;
     // Released only once recorded at the sink.
     loop {
         let changes = c.sched.changes();
@@ -922,7 +1067,7 @@ async fn send_claimed(
         }
         tokio::select! {
             _ = &mut changes => {}
-            m = rx.recv() => on_control(m, need)?,
+            m = rx.recv() => on_striping_control(s, m, need)?,
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
             _ = inner.shutdown.cancelled() => return Err(RunError::Shutdown),
         }

@@ -2,7 +2,8 @@
 //! settings and signals (see [`crate::settings`]): read every
 //! [`REFRESH`] and at once on the pool's notification channel. A
 //! striped transfer's new plan wakes the agent's link workers at once,
-//! so that they claim its parts.
+//! so that they claim its parts, and so does a change of its parts'
+//! holders, so that they recompute this agent's share of the budget.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -69,7 +70,9 @@ pub async fn follow(source: Source, stop: CancellationToken) {
 }
 
 /// Listens on the pool's channel, poking `plans` at each stored plan
-/// ([`payload::PLAN`]) and `poke` at any other notification and when the
+/// ([`payload::PLAN`]) or change of a striped transfer's holders
+/// ([`payload::HOLDERS`]: the link workers recompute this agent's share
+/// of the budget at once) and `poke` at any other notification and when the
 /// connection was lost (something may have been missed); connects again
 /// after a failure, at most once a second.
 async fn listen(catalog: Catalog, poke: Arc<Notify>, plans: Arc<Notify>, stop: CancellationToken) {
@@ -92,7 +95,9 @@ async fn listen(catalog: Catalog, poke: Arc<Notify>, plans: Arc<Notify>, stop: C
                         _ = stop.cancelled() => return,
                     };
                     match r {
-                        Ok(Some(p)) if p == payload::PLAN => plans.notify_one(),
+                        Ok(Some(p)) if p == payload::PLAN || p == payload::HOLDERS => {
+                            plans.notify_one()
+                        }
                         Ok(Some(_)) => poke.notify_one(),
                         Ok(None) => {
                             warn!("shared settings: the notification connection was lost; connecting again (the settings are read every second meanwhile)");

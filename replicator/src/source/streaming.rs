@@ -257,7 +257,7 @@ pub(super) async fn run_watched(
     let mut tracks: Vec<Track> = vec![Track::default(); table.len()];
     let total = |table: &[FileInfo]| table.iter().map(|f| f.size).sum::<u64>();
     let progress = track_run(inner, c, &t, total(&table));
-    let (mut rx, have) = open_on_sink(inner, c, &t, fresh, table.clone()).await?;
+    let (mut rx, have) = open_on_sink(inner, c, &t, fresh, table.clone(), false).await?;
     // What the sink holds already (a resume) counts as done.
     let map = ChunkMap::new(&table, chunk_size);
     let skipped: u64 = have
@@ -517,11 +517,20 @@ pub(super) async fn run_watched(
             // it, so that the weights left go before the optimizer state.
             let view2 = view.clone();
             let interrupt = weights_first && !committed;
-            let results = send_round(inner, c, id, &progress, &mut rx, &mut need, move |out| {
-                let stop =
-                    || interrupt && matches!(view2.borrow().state, ViewState::Committed { .. });
-                run_jobs(&inner2, jobs, &have2, chunk_size, out, &stop)
-            })
+            let results = send_round(
+                inner,
+                c,
+                id,
+                &progress,
+                &mut rx,
+                &mut need,
+                None,
+                move |out| {
+                    let stop =
+                        || interrupt && matches!(view2.borrow().state, ViewState::Committed { .. });
+                    run_jobs(&inner2, jobs, &have2, chunk_size, out, &stop)
+                },
+            )
             .await?;
             debug!(
                 transfer = %id,

@@ -939,6 +939,20 @@ async fn a_plan_of_given_parts_is_stored_as_given_and_announced() {
         .expect("a notification within 10 s of announce_plan")
         .unwrap();
     assert_eq!(heard.as_deref(), Some(crate::notify::payload::PLAN));
+    // An agent's first claim of the transfer changes its holders and is
+    // announced; a further claim while it holds parts is not.
+    let half_s = std::time::Duration::from_millis(500);
+    assert_eq!(c.claim_parts(other, "b", 1, 60_000).await.unwrap().len(), 1);
+    let heard = tokio::time::timeout(half_s, l.recv())
+        .await
+        .expect("a notification of the first claim");
+    assert_eq!(
+        heard.unwrap().as_deref(),
+        Some(crate::notify::payload::HOLDERS)
+    );
+    assert_eq!(c.claim_parts(other, "b", 1, 60_000).await.unwrap().len(), 1);
+    let quiet = tokio::time::timeout(half_s, l.recv()).await;
+    assert!(quiet.is_err(), "a further claim announced: {quiet:?}");
     drop(l);
     t.finish().await;
 }
