@@ -930,9 +930,10 @@ async fn send_registrations(
 }
 
 /// Waits (30 s at most) until the sink answered the registration of
-/// every claim of `claims` (answers that came already are in `s.epochs`)
-/// and returns the parts whose epoch it holds; a part it holds a later
-/// epoch of was taken over since this agent claimed it.
+/// every claim of `claims` (answers that came already are in `s.epochs`;
+/// one below the claim's epoch answers an earlier registration of the
+/// part) and returns the parts whose epoch it holds; a part it holds a
+/// later epoch of was taken over since this agent claimed it.
 ///
 /// # Errors
 /// [`RunError::Retry`] if an answer does not come within 30 s; the
@@ -945,9 +946,15 @@ async fn registered_claims(
     need: &mut Vec<u64>,
     s: &Striping<'_>,
 ) -> Result<HashSet<u64>, RunError> {
+    // The sink answers the epoch it holds, at least the one registered:
+    // an answer below a claim's epoch is an earlier registration's (the
+    // part was queued again since, and claimed under a later epoch).
     let answered = |s: &Striping<'_>| {
         let e = crate::lock::lock(&s.epochs);
-        claims.iter().all(|cl| e.contains_key(&cl.range.part))
+        claims.iter().all(|cl| {
+            e.get(&cl.range.part)
+                .is_some_and(|at_sink| *at_sink >= cl.epoch.max(0) as u64)
+        })
     };
     let until = tokio::time::Instant::now() + Duration::from_secs(30);
     while !answered(s) {
