@@ -45,12 +45,13 @@ enum Command {
     /// SIGTERM or Ctrl-C drains: batches stop at a chunk boundary, in-flight
     /// writes finish, the catalog is flushed; exits within 10 s.
     ///
-    /// Wire protocol: this build speaks version 9. A sink accepts sources
-    /// of versions 2 to 9; a source speaks 9, or the newest version a sink
-    /// of an earlier release names when it refuses 9 (4 at least), and
+    /// Wire protocol: this build speaks version 10. A sink accepts sources
+    /// of versions 2 to 10; a source speaks 10, or the newest version a sink
+    /// of an earlier release names when it refuses 10 (4 at least), and
     /// sends each version's additions only to a sink that speaks it
     /// (version 8: weights-first publishes; version 9: parts of striped
-    /// transfers registered under their epochs). Upgrade the sinks of a site
+    /// transfers registered under their epochs; version 10: a part's
+    /// chunks sent right behind its registration). Upgrade the sinks of a site
     /// pair first, then the sources; upgrade every agent of a pool before
     /// a root uses publish = "weights-first".
     Serve {

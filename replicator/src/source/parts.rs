@@ -5,10 +5,11 @@
 //! The agent holding the transfer's lease, its coordinator, lists the
 //! checkpoint and stores the plan quietly: the file table and its chunks
 //! grouped into parts ([`ferry_catalog::parts`]), claimable by it alone.
-//! It sends its open and its first parts' registrations in one round
-//! trip and announces the plan once the sink answered the open (so that
-//! the sink's row exists before any other agent opens the transfer at
-//! another sink agent). Then every source agent of the pool,
+//! It sends its open, its first parts' registrations and their chunks
+//! without waiting (with a sink of protocol version 10; the sink holds a
+//! chunk until its part's registration is recorded) and announces the
+//! plan once the sink answered the open (so that the sink's row exists
+//! before any other agent opens the transfer at another sink agent). Then every source agent of the pool,
 //! the coordinator included, claims parts (at most `max_parts` at once),
 //! opens the transfer at a sink agent of the link with the plan's file
 //! table, reads and hashes each part's chunks, sends those the sink
