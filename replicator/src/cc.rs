@@ -7,6 +7,14 @@
 //! outside Ferry is using the link too. Random loss of a few percent does
 //! not shrink the window (Cubic collapses there on a 100 ms path).
 //!
+//! When the share falls because a pool's other agent claimed part of
+//! this one's transfer ([`Share::ease_rate_bps`]), the window follows
+//! over one base RTT of acks rather than at once: cut at once, a
+//! connection with a full old window in flight sends nothing until the
+//! acks bring it under the new one, about 50 ms when the share halves,
+//! and the pool's bytes at the sink dip while the other agent's start.
+//! An increase, and a decrease for a pre-emption, apply at once.
+//!
 //! Measured facts behind this (issue "The spine", Transport facts): on an
 //! emulated 100 ms, 1 Gbit/s link with a one-BDP drop-tail queue, Cubic
 //! reached 0.87 of the link and this kind of controller 0.935 with zero
@@ -62,6 +70,9 @@ pub const MIN_FACTOR_DELAY: f64 = 0.5;
 #[derive(Debug, Clone)]
 pub struct Share {
     rate_bps: Arc<AtomicU64>,
+    /// The last decrease: the rate before it (bit/s) and when it came.
+    /// Cleared by an increase.
+    decreased: Arc<std::sync::Mutex<Option<(u64, Instant)>>>,
 }
 
 impl Share {
@@ -69,15 +80,39 @@ impl Share {
     pub fn new(rate_bps: u64) -> Self {
         Share {
             rate_bps: Arc::new(AtomicU64::new(rate_bps.max(1))),
+            decreased: Arc::default(),
         }
     }
     /// Current rate cap in bit/s.
     pub fn rate_bps(&self) -> u64 {
         self.rate_bps.load(Ordering::Relaxed)
     }
-    /// Changes the rate cap (bit/s); connections follow on their next ack.
+    /// Changes the rate cap (bit/s); connections follow at once (their
+    /// windows are read from it).
     pub fn set_rate_bps(&self, rate: u64) {
         self.rate_bps.store(rate.max(1), Ordering::Relaxed);
+        *crate::lock::lock(&self.decreased) = None;
+    }
+
+    /// Changes the rate cap (bit/s) like [`Share::set_rate_bps`], but a
+    /// decrease reaches the connections' windows over one base RTT of
+    /// their acks ([`ShareController`]), so that a connection with a full
+    /// old window in flight does not fall silent until the acks bring it
+    /// under the new one; Ferry's scheduler, paced at the new rate with
+    /// it, holds new chunks to the new rate meanwhile. For a share split
+    /// again among a striped transfer's holders, not for a pre-emption.
+    pub fn ease_rate_bps(&self, rate: u64) {
+        let rate = rate.max(1);
+        let old = self.rate_bps.swap(rate, Ordering::Relaxed);
+        if rate != old {
+            let mut d = crate::lock::lock(&self.decreased);
+            *d = (rate < old).then(|| (old, Instant::now()));
+        }
+    }
+    /// The last decrease, if the rate has not risen since: the rate
+    /// before it, bit/s, and when it came.
+    fn decrease(&self) -> Option<(u64, Instant)> {
+        *crate::lock::lock(&self.decreased)
     }
 }
 
@@ -109,6 +144,7 @@ impl ControllerFactory for ShareControllerFactory {
             queued_epochs: 0,
             smoothed: self.rtt_hint,
             delay_backoff: false,
+            seen: now,
         })
     }
 }
@@ -132,6 +168,9 @@ pub struct ShareController {
     /// Whether the factor is below 1 because of a standing queue (someone
     /// else fills the bottleneck); cleared when the factor is back to 1.
     delay_backoff: bool,
+    /// The time of the latest ack or loss, the clock a decrease of the
+    /// share is followed by.
+    seen: Instant,
 }
 
 impl ShareController {
@@ -140,9 +179,26 @@ impl ShareController {
         self.share.rate_bps() as f64 / f64::from(self.connections)
     }
 
+    /// `share x (base RTT x gain + allowance)` in bytes, where a share
+    /// that decreased less than one base RTT ago (by the latest ack) is
+    /// still between the old and the new, linearly.
     fn full_window(&self) -> f64 {
         let rtt = self.base_rtt.as_secs_f64() * WINDOW_GAIN + PROCESSING_ALLOWANCE.as_secs_f64();
-        self.rate_bps() / 8.0 * rtt
+        let now = self.rate_bps();
+        let rate = match self.share.decrease() {
+            Some((old, at)) => {
+                let old = old as f64 / f64::from(self.connections);
+                let done = self.seen.saturating_duration_since(at).as_secs_f64()
+                    / self.base_rtt.as_secs_f64().max(1e-6);
+                if done < 1.0 && old > now {
+                    old - (old - now) * done
+                } else {
+                    now
+                }
+            }
+            None => now,
+        };
+        rate / 8.0 * rtt
     }
 
     fn min_window(&self) -> u64 {
@@ -193,6 +249,7 @@ impl ShareController {
     }
 
     fn record_ack(&mut self, now: Instant, bytes: u64, min_rtt: Duration, smoothed: Duration) {
+        self.seen = self.seen.max(now);
         self.epoch_acked += bytes;
         if !min_rtt.is_zero() {
             self.base_rtt = min_rtt;
@@ -220,6 +277,7 @@ impl Controller for ShareController {
         is_persistent_congestion: bool,
         lost_bytes: u64,
     ) {
+        self.seen = self.seen.max(now);
         self.epoch_lost += lost_bytes;
         if is_persistent_congestion {
             self.factor = MIN_FACTOR_LOSS;
@@ -314,6 +372,47 @@ mod tests {
         assert_eq!(c.initial_window(), expect(1e9));
         share.set_rate_bps(500_000_000);
         assert_eq!(c.window(), expect(5e8));
+    }
+
+    /// An eased decrease of the share is followed over one base RTT of
+    /// acks: the old window until an ack comes, half-way after half an
+    /// RTT, the new one from one RTT on; an increase meanwhile applies at
+    /// once, and so does a decrease set outright.
+    #[test]
+    fn an_eased_smaller_share_is_followed_over_one_rtt() {
+        let (share, mut c, _) = controller(1_000_000_000, 100);
+        let old = c.window();
+        share.ease_rate_bps(500_000_000);
+        let at = Instant::now();
+        assert_eq!(c.window(), old, "no ack yet: the old window");
+        let ack = |c: &mut ShareController, ms: u64| {
+            c.record_ack(
+                at + Duration::from_millis(ms),
+                1500,
+                Duration::from_millis(100),
+                Duration::from_millis(100),
+            )
+        };
+        ack(&mut c, 50);
+        let half = c.window();
+        assert!(
+            half.abs_diff(old * 3 / 4) <= old / 50,
+            "{half} half-way, want about {}",
+            old * 3 / 4
+        );
+        ack(&mut c, 100);
+        assert!(
+            c.window().abs_diff(old / 2) <= 2,
+            "{} vs {}",
+            c.window(),
+            old / 2
+        );
+        ack(&mut c, 500);
+        assert!(c.window().abs_diff(old / 2) <= 2);
+        share.ease_rate_bps(1_000_000_000);
+        assert_eq!(c.window(), old, "an increase applies at once");
+        share.set_rate_bps(500_000_000);
+        assert!(c.window().abs_diff(old / 2) <= 2, "set outright: at once");
     }
 
     #[test]

@@ -510,14 +510,21 @@ impl LinkState {
 
     /// Paces the link at its cap times this agent's fraction of it, and
     /// each capped class at its own fraction (each at least
-    /// [`MIN_PACE_BPS`]).
-    fn apply_rate(&self) {
+    /// [`MIN_PACE_BPS`]). With `ease`, a lower pace reaches the
+    /// connections' windows over one RTT ([`crate::cc::Share::ease_rate_bps`]:
+    /// a striped transfer's share split again among more holders); else
+    /// at once.
+    fn apply_rate(&self, ease: bool) {
         let cap = self.cap.load(Ordering::Relaxed);
         let pace_of = |f: f64| ((cap as f64 * f) as u64).max(MIN_PACE_BPS).min(cap);
         let pace = pace_of(f64::from_bits(self.fraction.load(Ordering::Relaxed)));
         let caps = crate::lock::lock(&self.class_caps)
             .map(|f| f.map(|f| dispatch::payload_rate(pace_of(f).min(pace))));
-        self.share.set_rate_bps(pace);
+        if ease {
+            self.share.ease_rate_bps(pace);
+        } else {
+            self.share.set_rate_bps(pace);
+        }
         {
             let now = ferry_catalog::now_ms();
             let mut s = self.sched.lock();
@@ -1037,7 +1044,7 @@ impl Source {
         }
         self.inner.catalog.record_link_rate(link, rate_bps).await?;
         l.cap.store(rate_bps, Ordering::Relaxed);
-        l.apply_rate();
+        l.apply_rate(false);
         Ok(true)
     }
 
@@ -1223,7 +1230,7 @@ impl Source {
             };
             if bps > 0 && l.cap.load(Ordering::Relaxed) != bps {
                 l.cap.store(bps, Ordering::Relaxed);
-                l.apply_rate();
+                l.apply_rate(false);
                 info!(
                     link,
                     rate_bps = bps,
@@ -3311,7 +3318,12 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
             };
             if caps_moved || (f - old).abs() > 0.01 || (f != old && (f == 1.0 || f == 0.0)) {
                 link.fraction.store(f.to_bits(), Ordering::Relaxed);
-                link.apply_rate();
+                // A fraction that falls while the class caps stay is the
+                // budget split again among a transfer's holders (another
+                // agent claimed its parts): eased over one RTT, so this
+                // agent's connection does not fall silent meanwhile. A
+                // pre-emption moves the caps and applies at once.
+                link.apply_rate(!caps_moved);
                 debug!(
                     link = link.cfg.name,
                     fraction = f,

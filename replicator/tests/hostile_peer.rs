@@ -1180,7 +1180,9 @@ async fn a_chunk_ahead_of_its_part_s_registration_waits_for_it_and_is_fenced() {
     send.write_all(&open_first(2).encode()).await.unwrap();
     loop {
         match read_frame(&mut recv).await.unwrap() {
-            Some(Control::Have { id, .. }) if id == TransferId(2) => break,
+            Some(Control::Have {
+                id: TransferId(2), ..
+            }) => break,
             Some(_) => {}
             None => panic!("the control stream ended"),
         }
