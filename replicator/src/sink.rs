@@ -2302,7 +2302,10 @@ impl Opened {
         crate::lock::lock(&self.parts).remove(&id);
         crate::lock::lock(&self.parts_first).remove(&id);
         crate::lock::lock(&self.ctls).remove(&id);
-        crate::lock::lock(&self.live).remove(&id)
+        let live = crate::lock::lock(&self.live).remove(&id);
+        // Chunks waiting for a registration of this transfer stop waiting.
+        self.changes.send_modify(|v| *v += 1);
+        live
     }
 }
 
@@ -2413,6 +2416,10 @@ async fn receive_batch(
             bytes += buf.len();
             group.push((h, buf, (first_byte, now_ms())));
         }
+        // Chunks that overtook their part's registration wait for it here,
+        // before the lock below: a cancel or publish must not queue behind
+        // that wait.
+        wait_for_parts(open, &live, header.transfer, &group).await;
         // Writes hold the read side of `writes`; publishing takes the write
         // side, so no chunk lands in staging once the replica is being
         // moved into place. Duplicates (a chunk asked for twice) and
@@ -2513,6 +2520,43 @@ async fn receive_batch(
     maybe_finish(inner, &live, ctl, header.transfer).await
 }
 
+/// Waits until every record of `group` lies in a part this connection's
+/// source registered, when transfer `id` was opened with
+/// [`Open::parts_first`]: each of its chunks lies in a part the sender
+/// registers first, but a chunk may overtake the registration (it comes
+/// on another QUIC stream). Returns after [`OPEN_WAIT`] at most, at once
+/// for other transfers and after the commit, and as soon as the transfer
+/// is closed on this connection; [`fence_parts`] then drops what is still
+/// unregistered. Holds no lock while it waits.
+async fn wait_for_parts(
+    open: &Opened,
+    live: &Live,
+    id: TransferId,
+    group: &[(RecordHeader, Vec<u8>, (i64, i64))],
+) {
+    if !open.parts_first(id) || crate::lock::lock(&live.st).commit_at.is_some() {
+        return;
+    }
+    let key = |h: &RecordHeader| u64::from(h.file) << 32 | u64::from(h.chunk);
+    let mut changes = open.changes.subscribe();
+    let deadline = tokio::time::Instant::now() + OPEN_WAIT;
+    loop {
+        let mine = open.registered(id);
+        let covered = group
+            .iter()
+            .all(|rec| mine.iter().any(|(r, _)| r.contains(key(&rec.0))));
+        if covered || open.get(id).is_none() {
+            return;
+        }
+        if tokio::time::timeout_at(deadline, changes.changed())
+            .await
+            .map_or(true, |r| r.is_err())
+        {
+            return;
+        }
+    }
+}
+
 /// Drops the records of `group` that belong to a part of striped
 /// transfer `id` this connection's source registered under an epoch older
 /// than the one the sink's catalog records now: the part was claimed
@@ -2520,10 +2564,9 @@ async fn receive_batch(
 /// from its catalog) lost its lease. Nothing is read unless the source
 /// registered parts of the transfer. If the catalog does not answer, the
 /// registered parts' records are dropped (the commit asks for whatever is
-/// missing). A transfer opened with [`Open::parts_first`] first waits
-/// until every record's part is registered ([`OPEN_WAIT`] at most; the
-/// registration may come behind its chunks); records still outside
-/// every registered part are dropped.
+/// missing). For a transfer opened with [`Open::parts_first`], records
+/// outside every registered part are dropped too ([`wait_for_parts`]
+/// gave their registration its time).
 async fn fence_parts(
     inner: &Inner,
     open: &Opened,
@@ -2539,29 +2582,12 @@ async fn fence_parts(
         return;
     }
     let key = |h: &RecordHeader| u64::from(h.file) << 32 | u64::from(h.chunk);
-    let mut changes = open.changes.subscribe();
-    let mut mine = open.registered(id);
+    let mine = open.registered(id);
     if open.parts_first(id) {
-        // Every chunk lies in a part the sender registered first, but a
-        // chunk may overtake the registration (another QUIC stream):
-        // held until it is recorded, OPEN_WAIT at most.
-        let deadline = tokio::time::Instant::now() + OPEN_WAIT;
-        let covered = |mine: &[(ferry_catalog::PartRange, u64)],
-                       rec: &(RecordHeader, Vec<u8>, (i64, i64))| {
-            mine.iter().any(|(r, _)| r.contains(key(&rec.0)))
-        };
-        while !group.iter().all(|rec| covered(&mine, rec)) && open.get(id).is_some() {
-            if tokio::time::timeout_at(deadline, changes.changed())
-                .await
-                .map_or(true, |r| r.is_err())
-            {
-                break;
-            }
-            mine = open.registered(id);
-        }
         let before = group.len();
-        let (kept, unregistered): (Vec<_>, Vec<_>) =
-            group.drain(..).partition(|rec| covered(&mine, rec));
+        let (kept, unregistered): (Vec<_>, Vec<_>) = group
+            .drain(..)
+            .partition(|rec| mine.iter().any(|(r, _)| r.contains(key(&rec.0))));
         *group = kept;
         for rec in unregistered {
             inner.bufs.give(rec.1);

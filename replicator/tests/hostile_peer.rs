@@ -150,6 +150,35 @@ fn file(path: &str, size: u64) -> FileInfo {
     }
 }
 
+/// The commit of transfer `id` whose manifest holds one file `a` of
+/// `payload` (one chunk), after `batches` batches.
+fn commit_of(id: u64, payload: &[u8], batches: u64) -> Control {
+    let manifest = ferry_proto::manifest::Manifest {
+        chunk_size: 4 << 20,
+        files: vec![ferry_proto::manifest::FileEntry {
+            path: "a".into(),
+            size: payload.len() as u64,
+            mode: 0o644,
+            mtime_ns: 0,
+            chunks: vec![*blake3::hash(payload).as_bytes()],
+        }],
+        markers: vec![],
+    };
+    manifest.validate().unwrap();
+    Control::Commit(Commit {
+        id: TransferId(id),
+        committed_ms: 0,
+        opened_ms: 0,
+        batches,
+        manifest,
+        siblings: vec![],
+        checkpoint: None,
+        lost: vec![],
+        phases: Default::default(),
+        weights_only: false,
+    })
+}
+
 /// Every regular file under `dir`, relative.
 fn files_under(dir: &Path) -> Vec<String> {
     let mut out = Vec::new();
@@ -592,35 +621,9 @@ async fn records_past_the_declared_file_size_are_dropped() {
     // The honest record completes the transfer.
     let payload = b"0123456789";
     send_record(&conn, v, 1, 3, 0, 0, payload).await;
-    let m = ferry_proto::manifest::Manifest {
-        chunk_size: 4 << 20,
-        files: vec![ferry_proto::manifest::FileEntry {
-            path: "a".into(),
-            size: 10,
-            mode: 0o644,
-            mtime_ns: 0,
-            chunks: vec![*blake3::hash(payload).as_bytes()],
-        }],
-        markers: vec![],
-    };
-    m.validate().unwrap();
-    send.write_all(
-        &Control::Commit(Commit {
-            id: TransferId(1),
-            committed_ms: 0,
-            opened_ms: 0,
-            batches: 4,
-            manifest: m,
-            siblings: vec![],
-            checkpoint: None,
-            lost: vec![],
-            phases: Default::default(),
-            weights_only: false,
-        })
-        .encode(),
-    )
-    .await
-    .unwrap();
+    send.write_all(&commit_of(1, payload, 4).encode())
+        .await
+        .unwrap();
     let (reply, done) = answer_after_confirmations(&mut recv).await;
     let Some(Control::Published { local_path, .. }) = reply else {
         panic!("expected published, got {reply:?}");
@@ -1067,6 +1070,60 @@ async fn a_file_table_overflowing_the_chunk_total_is_refused() {
     assert!(files_under(&s.sink_root).is_empty());
 }
 
+/// A version 10 open of transfer `n` (checkpoint `step_<n>`, one 10-byte
+/// file `a`) with [`Open::parts_first`] set.
+fn open_first(n: u64) -> Control {
+    let mut o = open(n, &format!("step_{n}"), vec![file("a", 10)]);
+    if let Control::Open(op) = &mut o {
+        op.key.origin = Some(ORIGIN.into());
+        op.parts_first = true;
+    }
+    o
+}
+
+/// The registration of part 0 (file `a`'s one chunk) of transfer `n`
+/// under `epoch`.
+fn part(n: u64, epoch: u64) -> Control {
+    Control::Part {
+        id: TransferId(n),
+        part: 0,
+        epoch,
+        first_key: 0,
+        end_key: 1,
+    }
+}
+
+/// Reads frames up to the registration's answer (batch confirmations may
+/// come first): the epoch the sink holds.
+async fn epoch_answer(recv: &mut quinn::RecvStream) -> u64 {
+    loop {
+        match tokio::time::timeout(Duration::from_secs(20), read_frame(recv))
+            .await
+            .expect("no answer within 20 s")
+            .unwrap()
+        {
+            Some(Control::PartEpoch { epoch, .. }) => return epoch,
+            Some(Control::BatchDone { .. }) => {}
+            other => panic!("expected a part's epoch, got {other:?}"),
+        }
+    }
+}
+
+/// Reads frames up to the sink's `Have` for transfer `n`.
+async fn have_of(recv: &mut quinn::RecvStream, n: u64) {
+    loop {
+        match tokio::time::timeout(Duration::from_secs(20), read_frame(recv))
+            .await
+            .expect("no answer within 20 s")
+            .unwrap()
+        {
+            Some(Control::Have { id, .. }) if id == TransferId(n) => return,
+            Some(_) => {}
+            None => panic!("the control stream ended"),
+        }
+    }
+}
+
 /// A version 10 open with `parts_first`: a chunk that overtakes its
 /// part's registration is held until the registration is recorded, then
 /// fenced like any other. Registered under an older epoch than another
@@ -1077,61 +1134,8 @@ async fn a_file_table_overflowing_the_chunk_total_is_refused() {
 async fn a_chunk_ahead_of_its_part_s_registration_waits_for_it_and_is_fenced() {
     let s = setup().await;
     let (conn, mut send, mut recv, _) = connect(&s, PROTOCOL_VERSION).await;
-    let open_first = |n: u64| {
-        let mut o = open(n, &format!("step_{n}"), vec![file("a", 10)]);
-        if let Control::Open(op) = &mut o {
-            op.key.origin = Some(ORIGIN.into());
-            op.parts_first = true;
-        }
-        o
-    };
-    let part = |n: u64, epoch: u64| Control::Part {
-        id: TransferId(n),
-        part: 0,
-        epoch,
-        first_key: 0,
-        end_key: 1,
-    };
     let payload = b"abcdefghij";
-    let commit = |n: u64| {
-        Control::Commit(Commit {
-            id: TransferId(n),
-            committed_ms: 0,
-            opened_ms: 0,
-            batches: 1,
-            manifest: ferry_proto::manifest::Manifest {
-                chunk_size: 4 << 20,
-                files: vec![ferry_proto::manifest::FileEntry {
-                    path: "a".into(),
-                    size: 10,
-                    mode: 0o644,
-                    mtime_ns: 0,
-                    chunks: vec![*blake3::hash(payload).as_bytes()],
-                }],
-                markers: vec![],
-            },
-            siblings: vec![],
-            checkpoint: None,
-            lost: vec![],
-            phases: Default::default(),
-            weights_only: false,
-        })
-    };
-    // Reads frames up to the registration's answer (batch confirmations
-    // may come first): the epoch the sink holds.
-    async fn epoch_answer(recv: &mut quinn::RecvStream) -> u64 {
-        loop {
-            match tokio::time::timeout(Duration::from_secs(20), read_frame(recv))
-                .await
-                .expect("no answer within 20 s")
-                .unwrap()
-            {
-                Some(Control::PartEpoch { epoch, .. }) => return epoch,
-                Some(Control::BatchDone { .. }) => {}
-                other => panic!("expected a part's epoch, got {other:?}"),
-            }
-        }
-    }
+    let commit = |n: u64| commit_of(n, payload, 1);
 
     // Transfer 1: another sink agent of the site recorded epoch 2 of part
     // 0; this source's chunk, sent ahead of its epoch 1 registration, is
@@ -1178,15 +1182,7 @@ async fn a_chunk_ahead_of_its_part_s_registration_waits_for_it_and_is_fenced() {
     // Transfer 2: the chunk overtakes its registration under the current
     // epoch: held, then kept; the transfer publishes.
     send.write_all(&open_first(2).encode()).await.unwrap();
-    loop {
-        match read_frame(&mut recv).await.unwrap() {
-            Some(Control::Have {
-                id: TransferId(2), ..
-            }) => break,
-            Some(_) => {}
-            None => panic!("the control stream ended"),
-        }
-    }
+    have_of(&mut recv, 2).await;
     let c2 = conn.clone();
     let ahead =
         tokio::spawn(async move { send_record(&c2, PROTOCOL_VERSION, 2, 0, 0, 0, payload).await });
@@ -1204,5 +1200,104 @@ async fn a_chunk_ahead_of_its_part_s_registration_waits_for_it_and_is_fenced() {
         std::fs::read(Path::new(&local_path).join("a")).unwrap(),
         payload
     );
+    assert!(conn.close_reason().is_none(), "{:?}", conn.close_reason());
+}
+
+/// A chunk held for its part's registration holds no lock while it
+/// waits: a commit that fails its transfer (the manifest disagrees with
+/// the file table) is answered at once, so the control stream goes on
+/// while another transfer's chunk is still within its 10 s wait, and
+/// that chunk is kept once its registration comes. A chunk whose part is
+/// never registered is dropped when the wait ends, and the commit asks
+/// for it again.
+#[tokio::test]
+async fn a_held_chunk_stalls_no_cancel_and_an_unregistered_one_is_dropped() {
+    let s = setup().await;
+    let (conn, mut send, mut recv, _) = connect(&s, PROTOCOL_VERSION).await;
+    let payload = b"klmnopqrst";
+    let ahead = |n: u64| {
+        let c = conn.clone();
+        tokio::spawn(async move { send_record(&c, PROTOCOL_VERSION, n, 0, 0, 0, payload).await })
+    };
+    // Transfer 4's chunk starts its wait: this test's clock.
+    send.write_all(&open_first(4).encode()).await.unwrap();
+    have_of(&mut recv, 4).await;
+    let clock = ahead(4);
+    // Transfer 3's chunk waits too; its commit (no batch to wait for, a
+    // file never announced) fails the transfer.
+    send.write_all(&open_first(3).encode()).await.unwrap();
+    have_of(&mut recv, 3).await;
+    let held = ahead(3);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut wrong = commit_of(3, payload, 0);
+    if let Control::Commit(c) = &mut wrong {
+        c.manifest.files[0].path = "b".into();
+    }
+    send.write_all(&wrong.encode()).await.unwrap();
+    let (reply, _) = answer_after_confirmations(&mut recv).await;
+    assert!(
+        matches!(
+            reply,
+            Some(Control::Cancel {
+                id: TransferId(3),
+                ..
+            })
+        ),
+        "expected transfer 3 cancelled, got {reply:?}"
+    );
+    // Transfer 4's chunk is still waiting: the cancel did not sit out
+    // transfer 3's 10 s. Registered now, it is kept.
+    send.write_all(&part(4, 1).encode()).await.unwrap();
+    assert_eq!(epoch_answer(&mut recv).await, 1);
+    clock.await.unwrap();
+    held.await.unwrap();
+    send.write_all(&commit_of(4, payload, 1).encode())
+        .await
+        .unwrap();
+    let (reply, done) = answer_after_confirmations(&mut recv).await;
+    assert!(
+        matches!(
+            reply,
+            Some(Control::Published {
+                id: TransferId(4),
+                ..
+            })
+        ),
+        "expected transfer 4 published with its held chunk, got {reply:?}"
+    );
+    assert_eq!(done, [0]);
+
+    // Transfer 6's part is never registered: its chunk is dropped when
+    // the wait ends, and the commit asks for it. (New bytes: a chunk the
+    // sink already holds in a published replica is not asked for.)
+    let fresh = b"uvwxyz0123";
+    send.write_all(&open_first(6).encode()).await.unwrap();
+    have_of(&mut recv, 6).await;
+    send_record(&conn, PROTOCOL_VERSION, 6, 0, 0, 0, fresh).await;
+    // Committed only after the drop: a chunk that ends its wait after the
+    // commit is judged against the sealed manifest instead.
+    let refused = async {
+        loop {
+            let m = s._sink.render_metrics().await.unwrap();
+            if m.lines().any(|l| l == "ferry_part_chunks_refused_total 1") {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), refused)
+        .await
+        .expect("the unregistered chunk was not dropped within 30 s");
+    send.write_all(&commit_of(6, fresh, 1).encode())
+        .await
+        .unwrap();
+    let (reply, _) = answer_after_confirmations(&mut recv).await;
+    match reply {
+        Some(Control::Need { id, chunks }) => {
+            assert_eq!(id, TransferId(6));
+            assert_eq!(chunks, [0]);
+        }
+        other => panic!("expected the dropped chunk asked for again, got {other:?}"),
+    }
     assert!(conn.close_reason().is_none(), "{:?}", conn.close_reason());
 }
