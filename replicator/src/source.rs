@@ -3614,6 +3614,14 @@ fn track_progress(
     progress
 }
 
+/// Whether a striped transfer's open on `c` sets
+/// [`Open::parts_first`]: the sink speaks
+/// [`ferry_proto::wire::PARTS_FIRST_VERSION`] (and so takes the open's
+/// origin, which the flag follows on the wire).
+fn opens_parts_first(c: &LinkConn) -> bool {
+    c.version >= ferry_proto::wire::PARTS_FIRST_VERSION
+}
+
 /// Sends the open of `t` with the file table `files` and returns the
 /// transfer's inbox of control messages and the chunk keys the sink
 /// already has (none, without waiting, for a `fresh` transfer).
@@ -3632,6 +3640,7 @@ async fn open_on_sink(
         m.insert(id, tx);
     }
     *crate::lock::lock(&c.unanswered).entry(id).or_insert(0) += 1;
+    let origin = (c.version >= ORIGIN_VERSION).then(|| inner.catalog.id().to_string());
     c.ctl
         .send(&Control::Open(Open {
             key: TransferKey {
@@ -3645,12 +3654,12 @@ async fn open_on_sink(
                     Profile::WeightsFirst if !streaming::opens_weights_first(c, t) => Profile::Full,
                     p => p,
                 },
-                origin: (c.version >= ORIGIN_VERSION).then(|| inner.catalog.id().to_string()),
+                origin,
             },
             chunk_size: inner.cfg.chunk_size,
             bytes_total: files.iter().map(|f| f.size).sum(),
             files,
-            parts_first: parts_first && c.version >= ferry_proto::wire::PARTS_FIRST_VERSION,
+            parts_first: parts_first && opens_parts_first(c),
         }))
         .await?;
     let have = if fresh {

@@ -17,9 +17,10 @@ pub mod payload {
     pub const SIGNAL: &str = "signal";
     /// A striped transfer's plan was stored: its parts are claimable.
     pub const PLAN: &str = "plan";
-    /// An agent claimed parts of a striped transfer it held none of: the
-    /// agents holding its parts, and so each one's share of the link's
-    /// budget, changed.
+    /// An agent claimed parts of a striped transfer it held none of, or
+    /// ended its last part of one with none left to claim: the agents
+    /// holding its parts, and so each one's share of the link's budget,
+    /// changed.
     pub const HOLDERS: &str = "holders";
 }
 

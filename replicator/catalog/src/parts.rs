@@ -900,6 +900,24 @@ impl Catalog {
         .bind(epoch)
         .execute(&mut *tx)
         .await?;
+        // The agent's last live part of the transfer, and none left for it
+        // to claim next: the transfer's holders changed (the others'
+        // shares of the link's budget grow now, not at their next pass).
+        // While parts are claimable it usually claims again at once, which
+        // announces itself.
+        let still: Option<i64> = sqlx::query_scalar(&self.db.sql(
+            "SELECT 1 FROM transfer_parts WHERE transfer = ? \
+             AND ((holder = ? AND state = 'held' AND lease_until >= ?) \
+             OR state IN ('queued', 'quiet')) LIMIT 1",
+        ))
+        .bind(id.as_i64())
+        .bind(agent)
+        .bind(now)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if still.is_none() {
+            crate::notify::announce(self.db, &mut tx, crate::notify::payload::HOLDERS).await?;
+        }
         tx.commit().await?;
         Ok(true)
     }

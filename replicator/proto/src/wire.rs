@@ -105,8 +105,11 @@ pub const PROTOCOL_VERSION: u16 = 10;
 /// The first protocol version whose opens may set [`Open::parts_first`]:
 /// the sender's chunks of the transfer may arrive before their part's
 /// registration is answered, and the sink holds them until it is
-/// recorded.
+/// recorded. The flag is written after the open's origin, so this is
+/// never below [`ORIGIN_VERSION`] (checked when compiled), and an open
+/// without an origin cannot set it.
 pub const PARTS_FIRST_VERSION: u16 = 10;
+const _: () = assert!(PARTS_FIRST_VERSION >= ORIGIN_VERSION);
 
 /// The first protocol version whose sink takes [`Control::Part`]: a part
 /// of a striped transfer registered under its claim's epoch.

@@ -235,7 +235,7 @@ pub(super) async fn run_coordinated(
         opened: AtomicBool::new(!quiet),
         announced: AtomicBool::new(!quiet),
         progress: progress.clone(),
-        parts_first: c.version >= ferry_proto::wire::PARTS_FIRST_VERSION,
+        parts_first: super::opens_parts_first(c),
         epochs: Mutex::default(),
     };
     let mut need = Vec::new();
@@ -530,7 +530,7 @@ pub(super) async fn run_helper(
         // This agent's bytes of the transfer: not the transfer's
         // progress, which its coordinator keeps.
         progress: Arc::new(LiveProgress::default()),
-        parts_first: c.version >= ferry_proto::wire::PARTS_FIRST_VERSION,
+        parts_first: super::opens_parts_first(c),
         epochs: Mutex::default(),
     };
     let mut need = Vec::new();
@@ -745,6 +745,19 @@ async fn send_parts(
             }
             Ok(reads) => reads.into_iter().map(Some).collect(),
             Err(e) => {
+                // A coordinator that sent its first parts ahead announces
+                // its plan before it gives them back, if the sink answered
+                // the open: the other agents need not wait for its retry
+                // (or, if it dies, for a takeover) to claim.
+                if ahead
+                    && !helper
+                    && s.opened.load(Ordering::Relaxed)
+                    && !s.announced.load(Ordering::Relaxed)
+                {
+                    if let Err(err) = announce(inner, s).await {
+                        warn!(transfer = %id, error = %err, "catalog: announcing the plan");
+                    }
+                }
                 for cl in &claims {
                     if pool.holds_part(id, cl.range.part, at) {
                         if let Err(err) = inner

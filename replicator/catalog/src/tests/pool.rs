@@ -953,6 +953,49 @@ async fn a_plan_of_given_parts_is_stored_as_given_and_announced() {
     assert_eq!(c.claim_parts(other, "b", 1, 60_000).await.unwrap().len(), 1);
     let quiet = tokio::time::timeout(half_s, l.recv()).await;
     assert!(quiet.is_err(), "a further claim announced: {quiet:?}");
+    // Another agent takes the rest (its first claim: announced).
+    let total = c.parts(other).await.unwrap().len();
+    assert!(total > 2, "{total} parts");
+    let rest = c.claim_parts(other, "c", total, 60_000).await.unwrap();
+    assert_eq!(rest.len(), total - 2);
+    let heard = tokio::time::timeout(half_s, l.recv())
+        .await
+        .expect("a notification of c's first claim");
+    assert_eq!(
+        heard.unwrap().as_deref(),
+        Some(crate::notify::payload::HOLDERS)
+    );
+    // b ends its parts: the first while it holds another is not
+    // announced; its last, with nothing left to claim, is.
+    let b_parts: Vec<_> = c
+        .parts(other)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|p| p.holder.as_deref() == Some("b"))
+        .collect();
+    assert_eq!(b_parts.len(), 2);
+    let (first, last) = (&b_parts[0], &b_parts[1]);
+    assert!(c
+        .release_part(other, first.range.part, "b", first.epoch, &[], &[])
+        .await
+        .unwrap());
+    let quiet = tokio::time::timeout(half_s, l.recv()).await;
+    assert!(
+        quiet.is_err(),
+        "a release while holding another announced: {quiet:?}"
+    );
+    assert!(c
+        .release_part(other, last.range.part, "b", last.epoch, &[], &[])
+        .await
+        .unwrap());
+    let heard = tokio::time::timeout(half_s, l.recv())
+        .await
+        .expect("a notification of b's last release");
+    assert_eq!(
+        heard.unwrap().as_deref(),
+        Some(crate::notify::payload::HOLDERS)
+    );
     drop(l);
     t.finish().await;
 }
