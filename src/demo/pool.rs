@@ -975,7 +975,6 @@ async fn parts_summary(url: &str) -> (u64, u64, u64) {
 /// `name`. The API is open on loopback; elsewhere (`--netns`: the
 /// namespace's management veth, which only this host reaches) it is
 /// plain HTTP and takes the operator token whose hash is `token_hash`.
-#[allow(clippy::too_many_arguments)]
 fn head(
     dir: &Path,
     name: &str,
