@@ -312,6 +312,10 @@ struct Live {
     table: std::sync::RwLock<Table>,
     /// Bumped whenever `table` changes, for data streams waiting on it.
     table_changed: watch::Sender<u64>,
+    /// Bumped when the transfer's commit arrives, when it fails and when
+    /// its publish starts, for data streams waiting on its parts
+    /// ([`wait_for_parts`]).
+    state_changed: watch::Sender<u64>,
     /// When the table was last written to the catalog.
     table_saved: Mutex<Instant>,
     /// A delayed write of the table to the catalog is scheduled.
@@ -1473,6 +1477,9 @@ async fn handle_control(
                 st.source_phases = phases;
                 st.answer_phases = version >= ferry_proto::wire::PHASES_VERSION;
             }
+            // Chunks waiting for their part's registration are judged
+            // against the sealed manifest from now on.
+            live.state_changed.send_modify(|v| *v += 1);
             maybe_finish(inner, &live, ctl, id).await?;
         }
         Control::Part {
@@ -1878,6 +1885,7 @@ async fn open_transfer(
         id: row.id,
         table: std::sync::RwLock::new(Table::new(files, chunk_size)),
         table_changed: watch::channel(0).0,
+        state_changed: watch::channel(0).0,
         table_saved: Mutex::new(Instant::now()),
         table_pending: Default::default(),
         chunk_size,
@@ -2524,33 +2532,51 @@ async fn receive_batch(
 /// source registered, when transfer `id` was opened with
 /// [`Open::parts_first`]: each of its chunks lies in a part the sender
 /// registers first, but a chunk may overtake the registration (it comes
-/// on another QUIC stream). Returns after [`OPEN_WAIT`] at most, at once
-/// for other transfers and after the commit, and as soon as the transfer
-/// is closed on this connection; [`fence_parts`] then drops what is still
-/// unregistered. Holds no lock while it waits.
+/// on another QUIC stream). Returns at once for other transfers; else
+/// after [`OPEN_WAIT`] at most, or as soon as the transfer's commit has
+/// arrived, it has failed or is publishing (each bumps
+/// `live.state_changed`), or `live` is no longer this connection's open
+/// of `id` (closed, or opened again). [`fence_parts`] then drops what is
+/// still unregistered before the commit. Holds no lock while it waits.
 async fn wait_for_parts(
     open: &Opened,
-    live: &Live,
+    live: &Arc<Live>,
     id: TransferId,
     group: &[(RecordHeader, Vec<u8>, (i64, i64))],
 ) {
-    if !open.parts_first(id) || crate::lock::lock(&live.st).commit_at.is_some() {
+    if !open.parts_first(id) {
         return;
     }
     let key = |h: &RecordHeader| u64::from(h.file) << 32 | u64::from(h.chunk);
-    let mut changes = open.changes.subscribe();
+    let mut registered = open.changes.subscribe();
+    let mut state = live.state_changed.subscribe();
     let deadline = tokio::time::Instant::now() + OPEN_WAIT;
     loop {
-        let mine = open.registered(id);
-        let covered = group
-            .iter()
-            .all(|rec| mine.iter().any(|(r, _)| r.contains(key(&rec.0))));
-        if covered || open.get(id).is_none() {
+        {
+            let st = crate::lock::lock(&live.st);
+            if st.commit_at.is_some() || st.failed || st.publishing {
+                return;
+            }
+        }
+        if !open.get(id).is_some_and(|l| Arc::ptr_eq(&l, live)) {
             return;
         }
-        if tokio::time::timeout_at(deadline, changes.changed())
+        let mine = open.registered(id);
+        if group
+            .iter()
+            .all(|rec| mine.iter().any(|(r, _)| r.contains(key(&rec.0))))
+        {
+            return;
+        }
+        let changed = async {
+            tokio::select! {
+                r = registered.changed() => r.is_ok(),
+                r = state.changed() => r.is_ok(),
+            }
+        };
+        if !tokio::time::timeout_at(deadline, changed)
             .await
-            .map_or(true, |r| r.is_err())
+            .unwrap_or(false)
         {
             return;
         }
@@ -2808,6 +2834,7 @@ async fn cancel_live(inner: &Arc<Inner>, live: &Arc<Live>, new_state: TransferSt
         }
         st.failed = true;
     }
+    live.state_changed.send_modify(|v| *v += 1);
     {
         let mut m = crate::lock::lock(&inner.live);
         m.remove(&live.id);
@@ -2903,6 +2930,11 @@ async fn maybe_finish(
             },
         }
     };
+    if matches!(next, Next::Publish(..)) {
+        // Chunks still waiting for their part's registration are dropped
+        // now (every chunk the manifest lists is here).
+        live.state_changed.send_modify(|v| *v += 1);
+    }
     match next {
         Next::Mismatch(reason) => {
             inner.metrics.verification_failures.inc();

@@ -165,7 +165,13 @@ fn commit_of(id: u64, payload: &[u8], batches: u64) -> Control {
         markers: vec![],
     };
     manifest.validate().unwrap();
-    Control::Commit(Commit {
+    Control::Commit(commit_with(id, manifest, batches))
+}
+
+/// The commit of transfer `id` sealing `manifest` after `batches`
+/// batches, with nothing else set.
+fn commit_with(id: u64, manifest: ferry_proto::manifest::Manifest, batches: u64) -> Commit {
+    Commit {
         id: TransferId(id),
         committed_ms: 0,
         opened_ms: 0,
@@ -176,7 +182,7 @@ fn commit_of(id: u64, payload: &[u8], batches: u64) -> Control {
         lost: vec![],
         phases: Default::default(),
         weights_only: false,
-    })
+    }
 }
 
 /// Every regular file under `dir`, relative.
@@ -459,18 +465,7 @@ async fn out_of_order_control_messages_close_the_connection() {
             "unexpected hello",
         ),
         (
-            Control::Commit(Commit {
-                id: TransferId(77),
-                committed_ms: 0,
-                opened_ms: 0,
-                batches: 0,
-                manifest,
-                siblings: vec![],
-                checkpoint: None,
-                lost: vec![],
-                phases: Default::default(),
-                weights_only: false,
-            }),
+            Control::Commit(commit_with(77, manifest, 0)),
             "commit for unknown transfer 77",
         ),
         // Messages only a sink sends.
@@ -690,16 +685,8 @@ async fn publish_at(
     };
     send.write_all(
         &Control::Commit(Commit {
-            id: TransferId(n),
-            committed_ms: 0,
-            opened_ms: 0,
-            batches: 1,
-            manifest: m,
-            siblings: vec![],
             checkpoint,
-            lost: vec![],
-            phases: Default::default(),
-            weights_only: false,
+            ..commit_with(n, m, 1)
         })
         .encode(),
     )
@@ -1300,4 +1287,74 @@ async fn a_held_chunk_stalls_no_cancel_and_an_unregistered_one_is_dropped() {
         other => panic!("expected the dropped chunk asked for again, got {other:?}"),
     }
     assert!(conn.close_reason().is_none(), "{:?}", conn.close_reason());
+}
+
+/// A chunk waiting for its part's registration stops waiting when its
+/// transfer's commit arrives (it is then judged against the sealed
+/// manifest), not after the wait's 10 s.
+#[tokio::test]
+async fn a_commit_ends_a_held_chunks_wait() {
+    let s = setup().await;
+    let (conn, mut send, mut recv, _) = connect(&s, PROTOCOL_VERSION).await;
+    let early = b"0123456789";
+    let late = b"abcdefghij";
+    // Transfer 8's chunk starts its wait first: this test's clock.
+    send.write_all(&open_first(8).encode()).await.unwrap();
+    have_of(&mut recv, 8).await;
+    let c = conn.clone();
+    let clock =
+        tokio::spawn(async move { send_record(&c, PROTOCOL_VERSION, 8, 0, 0, 0, early).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Transfer 9's chunk is held too, and its commit comes before any
+    // registration: published at once with it.
+    send.write_all(&open_first(9).encode()).await.unwrap();
+    have_of(&mut recv, 9).await;
+    send_record(&conn, PROTOCOL_VERSION, 9, 0, 0, 0, late).await;
+    send.write_all(&commit_of(9, late, 1).encode())
+        .await
+        .unwrap();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(20), read_frame(&mut recv))
+            .await
+            .expect("no answer from the sink within 20 s")
+            .unwrap()
+        {
+            Some(Control::BatchDone { id, .. }) => assert_eq!(
+                id,
+                TransferId(9),
+                "transfer 8's held batch ended before transfer 9 was published: \
+                 9's chunk sat out its wait after the commit"
+            ),
+            Some(Control::Published {
+                id: TransferId(9), ..
+            }) => break,
+            other => panic!("expected transfer 9 published with its held chunk, got {other:?}"),
+        }
+    }
+    // Transfer 8's chunk, held since before, is still within its wait:
+    // transfer 9's did not sit out its 10 s. Registered now, it is kept.
+    send.write_all(&part(8, 1).encode()).await.unwrap();
+    assert_eq!(epoch_answer(&mut recv).await, 1);
+    clock.await.unwrap();
+    send.write_all(&commit_of(8, early, 1).encode())
+        .await
+        .unwrap();
+    let (reply, done) = answer_after_confirmations(&mut recv).await;
+    assert!(
+        matches!(
+            reply,
+            Some(Control::Published {
+                id: TransferId(8),
+                ..
+            })
+        ),
+        "expected transfer 8 published with its held chunk, got {reply:?}"
+    );
+    assert_eq!(done, [0]);
+    let m = s._sink.render_metrics().await.unwrap();
+    assert!(
+        !m.lines()
+            .any(|l| l.starts_with("ferry_part_chunks_refused_total ") && !l.ends_with(" 0")),
+        "a held chunk was refused"
+    );
 }

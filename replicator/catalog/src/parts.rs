@@ -904,7 +904,12 @@ impl Catalog {
         // to claim next: the transfer's holders changed (the others'
         // shares of the link's budget grow now, not at their next pass).
         // While parts are claimable it usually claims again at once, which
-        // announces itself.
+        // announces itself. (Read committed: a part another agent is
+        // claiming right now still counts as queued here; if that agent
+        // already held parts and this one then finds nothing to claim,
+        // no one announces, and the others' shares grow at their next
+        // pass. Locking the queued rows instead would make that claim
+        // skip them.)
         let still: Option<i64> = sqlx::query_scalar(&self.db.sql(
             "SELECT 1 FROM transfer_parts WHERE transfer = ? \
              AND ((holder = ? AND state = 'held' AND lease_until >= ?) \

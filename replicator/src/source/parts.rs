@@ -98,6 +98,10 @@ pub(super) fn checks_own_leases() -> bool {
 /// agents hold.
 const PARTS_POLL: Duration = Duration::from_millis(500);
 
+/// How long a coordinator whose first round failed waits for the catalog
+/// to announce its plan before it gives its parts back anyway.
+const ANNOUNCE_ON_ERROR: Duration = Duration::from_secs(5);
+
 /// Whether transfer `t`, whose listing holds `bytes_total` bytes, is
 /// striped across the pool: a pushed, whole (`full` profile) transfer of
 /// an agent on a PostgreSQL catalog, larger than one part. A transfer that has a plan
@@ -744,18 +748,42 @@ async fn send_parts(
                     .collect()
             }
             Ok(reads) => reads.into_iter().map(Some).collect(),
-            Err(e) => {
+            Err(mut e) => {
                 // A coordinator that sent its first parts ahead announces
                 // its plan before it gives them back, if the sink answered
                 // the open: the other agents need not wait for its retry
-                // (or, if it dies, for a takeover) to claim.
+                // (or, if it dies, for a takeover) to claim. Not on
+                // shutdown, and not for longer than ANNOUNCE_ON_ERROR.
                 if ahead
                     && !helper
-                    && s.opened.load(Ordering::Relaxed)
+                    && !matches!(e, RunError::Shutdown)
                     && !s.announced.load(Ordering::Relaxed)
                 {
-                    if let Err(err) = announce(inner, s).await {
-                        warn!(transfer = %id, error = %err, "catalog: announcing the plan");
+                    // The open's answer may have come but be unread (the
+                    // round failed first).
+                    let mut sink_said = false;
+                    while !s.opened.load(Ordering::Relaxed) {
+                        let Ok(m) = rx.try_recv() else { break };
+                        if let Err(said) = on_striping_control(s, Some(m), need) {
+                            // The sink's own word (a refusal, a cancel)
+                            // outranks the round's error.
+                            e = said;
+                            sink_said = true;
+                            break;
+                        }
+                    }
+                    if s.opened.load(Ordering::Relaxed) && !sink_said {
+                        match tokio::time::timeout(ANNOUNCE_ON_ERROR, announce(inner, s)).await {
+                            Ok(Ok(())) => {}
+                            Ok(Err(err)) => {
+                                warn!(transfer = %id, error = %err, "catalog: announcing the plan")
+                            }
+                            Err(_) => warn!(
+                                transfer = %id,
+                                "catalog: announcing the plan took over {} s; given up (the retry announces it)",
+                                ANNOUNCE_ON_ERROR.as_secs()
+                            ),
+                        }
                     }
                 }
                 for cl in &claims {
