@@ -628,6 +628,8 @@ struct StripedOn<'a> {
     watch: bool,
     /// The sink agents' `reserve` (none: the default).
     sink_reserve: Option<&'a str>,
+    /// Environment of both sink agents.
+    sink_env: &'a [(&'a str, &'a str)],
 }
 
 async fn striped_pool_with(
@@ -669,8 +671,8 @@ async fn striped_pool_with(
     second.data_dir = w.root.join("sink-2").join("data");
     second.api_port = free_tcp_port();
     second.quic_listen = format!("127.0.0.1:{}", free_udp_port());
-    let s1 = w.start_agent("sink", first, &[]).await;
-    let s2 = w.start_agent("sink-2", second, &[]).await;
+    let s1 = w.start_agent("sink", first, on.sink_env).await;
+    let s2 = w.start_agent("sink-2", second, on.sink_env).await;
     let r1 = w.start_relay(&s1.cfg.quic_listen, rate).await;
     let r2 = w.start_relay(&s2.cfg.quic_listen, rate).await;
     let (p1, p2) = (
@@ -861,6 +863,54 @@ async fn a_striped_transfer_refused_at_its_open_fails_with_the_sink_s_reason() {
     let log = pool.sources[0].stderr() + &pool.sources[1].stderr();
     w.ensure(log.contains("striped across the source pool"), || {
         format!("the transfer should have been striped:\n{log}")
+    });
+    pool.finish().await;
+}
+
+/// A source agent whose joining opens the sink refuses (fault injection:
+/// both sink agents refuse every one) gives back each part it claimed at
+/// once, rather than holding it (its heartbeats would renew the claim
+/// for as long as it lives), and waits before it helps again; the
+/// coordinator sends every part: published once, byte-identical.
+#[tokio::test]
+async fn a_source_agent_refused_at_its_join_gives_its_parts_back() {
+    let w = World::new("striped-join-refused").await;
+    let ckpt = w.source_root().join("step_000500");
+    w.gen(&ckpt, "64MB").await;
+    let on = StripedOn {
+        sink_env: &[(replicator::sink::FAULT_REFUSE_JOINS_ENV, "1")],
+        ..Default::default()
+    };
+    let pool = striped_pool_with(&w, "join_refused", "400Mbit/s", &[], on).await;
+    let id = w.push_no_wait(&pool.sources[0], &ckpt).await;
+    wait_published(&w, &pool.sources[0], id).await;
+    assert_replica(&w, None, &ckpt, "step_000500");
+    let claims = part_claims(&pool.source_db).await;
+    let coordinator = &claims
+        .iter()
+        .find(|c| c.0 == 0 && c.1 == 1)
+        .expect("part 0's first claim")
+        .2;
+    for c in &claims {
+        let expected = if &c.2 == coordinator {
+            "released"
+        } else {
+            "given back"
+        };
+        w.ensure(c.5.as_deref() == Some(expected), || {
+            format!("each claim of the refused agent given back, each of the coordinator's released: {claims:?}")
+        });
+    }
+    w.ensure(claims.iter().any(|c| &c.2 != coordinator), || {
+        format!("the other agent should have claimed parts (and been refused): {claims:?}")
+    });
+    let (states, _) = catalog_view(&pool.sink_db, "step_000500").await;
+    w.ensure(states == ["published"], || {
+        format!("one replica row, published once: {states:?}")
+    });
+    let log = pool.sources[0].stderr() + &pool.sources[1].stderr();
+    w.ensure(log.contains("helping it again in 2 s"), || {
+        format!("the refused agent should say it waits before helping again:\n{log}")
     });
     pool.finish().await;
 }

@@ -1553,6 +1553,82 @@ async fn handle_control(
 }
 
 /// Opens (or resumes) a transfer the source announced with `open`.
+/// Fault injection (`fault-injection` builds only): set in a sink agent's
+/// environment, it refuses every joining open ([`Open::joins`]) at once,
+/// so a test can follow what a source agent does with a refused join.
+pub const FAULT_REFUSE_JOINS_ENV: &str = "FERRY_FAULT_REFUSE_JOINS";
+
+/// How long a joining open ([`Open::joins`]) waits for its transfer's
+/// row: the coordinator's open, sent at about the same time, creates it
+/// (at this sink agent or another of the pool).
+const JOIN_WAIT: Duration = Duration::from_secs(5);
+
+/// How often a joining open looks for its transfer's row.
+const JOIN_POLL: Duration = Duration::from_millis(25);
+
+/// The row a joining open of `key` (owned by `owner`) continues, and the
+/// file table it works with ([`decide::join_table`] of `files` and the
+/// row's): `existing` if it agrees, else read again every [`JOIN_POLL`]
+/// until the coordinator's open created the row and wrote its table.
+/// A row that is not receiving (published, failed) is returned as it is,
+/// with `files`, for [`decide::plan_open`] to answer.
+///
+/// # Errors
+/// [`TransferError::Refused`] after [`JOIN_WAIT`], naming what is still
+/// missing (no row, or the first file that differs); catalog errors.
+async fn row_to_join(
+    inner: &Arc<Inner>,
+    owner: &str,
+    key: &ferry_proto::wire::TransferKey,
+    files: &[FileInfo],
+    mut existing: Option<ferry_catalog::Replica>,
+) -> Result<(ferry_catalog::Replica, Vec<FileInfo>), TransferError> {
+    #[cfg(feature = "fault-injection")]
+    if std::env::var_os(FAULT_REFUSE_JOINS_ENV).is_some() {
+        return Err(TransferError::Refused(format!(
+            "fault injection: joining opens refused ({FAULT_REFUSE_JOINS_ENV})"
+        )));
+    }
+    let deadline = tokio::time::Instant::now() + JOIN_WAIT;
+    loop {
+        let why = match existing.take() {
+            Some(r) if r.state != TransferState::Receiving => return Ok((r, files.to_vec())),
+            Some(r) => {
+                // The catalog's copy is the latest non-joining open's.
+                // This sink agent's live table may be newer (a growing
+                // table is saved every few seconds), or an older run's.
+                match decide::join_table(files, &inner.catalog.replica_files(r.id).await?) {
+                    Ok(t) => return Ok((r, t)),
+                    Err(why) => {
+                        let live = crate::lock::lock(&inner.live)
+                            .get(&r.id)
+                            .and_then(|l| l.table.read().ok().map(|t| t.files.clone()));
+                        match live.map(|t| decide::join_table(files, &t)) {
+                            Some(Ok(t)) => return Ok((r, t)),
+                            _ => why,
+                        }
+                    }
+                }
+            }
+            None => format!(
+                "no transfer {} from this source pool to join at this sink: its coordinator's open did not arrive",
+                key.id
+            ),
+        };
+        if tokio::time::Instant::now() >= deadline {
+            return Err(TransferError::Refused(format!(
+                "{why} (waited {} s)",
+                JOIN_WAIT.as_secs()
+            )));
+        }
+        tokio::time::sleep(JOIN_POLL).await;
+        existing = inner
+            .catalog
+            .find_replica(owner, key.id, &key.source_path)
+            .await?;
+    }
+}
+
 async fn open_transfer(
     inner: &Arc<Inner>,
     peer: &str,
@@ -1562,9 +1638,10 @@ async fn open_transfer(
     let Open {
         key,
         chunk_size,
-        bytes_total,
-        files,
+        mut bytes_total,
+        mut files,
         parts_first: _,
+        joins,
     } = open;
     let refuse = |s: String| TransferError::Refused(s);
     decide::check_open(&key, chunk_size, bytes_total, &files).map_err(refuse)?;
@@ -1618,6 +1695,14 @@ async fn open_transfer(
             }
         }
     }
+    if joins {
+        // Another agent of the source's pool: the transfer's row is its
+        // coordinator's open's to make (at this sink agent or another).
+        let (r, table) = row_to_join(inner, owner, &key, &files, existing).await?;
+        existing = Some(r);
+        bytes_total = table.iter().map(|f| f.size).sum();
+        files = table;
+    }
     let mut published_root = None;
     let plan = decide::plan_open(
         key.id,
@@ -1662,6 +1747,11 @@ async fn open_transfer(
                     Manifest::decode(&bytes).map_err(|e| CatalogError::Corrupt(e.to_string()))?;
                 published_root = Some(m.root());
                 decide::published_keys(&m, &files)
+            } else if plan == decide::OpenPlan::Resume && joins {
+                // Joined: the row's chunks and table stay as they are
+                // (`files` agrees with the table, see `row_to_join`).
+                flush(inner).await;
+                inner.catalog.chunks(r.id).await?
             } else if plan == decide::OpenPlan::Resume {
                 // A resume: keep what is verified, re-keyed to the file
                 // table the source sends now (matched by path). Chunks of
@@ -1705,6 +1795,11 @@ async fn open_transfer(
                         .await?;
                 }
                 kept
+            } else if joins {
+                return Err(refuse(format!(
+                    "transfer {} is recorded at this sink with chunks of {} bytes, the joining open says {chunk_size}: only its coordinator's open may start it over",
+                    key.id, r.chunk_size
+                )));
             } else {
                 // The files changed at the source since the first attempt:
                 // start over for this transfer.
@@ -1913,9 +2008,15 @@ async fn open_transfer(
     });
     {
         let mut m = crate::lock::lock(&inner.live);
-        m.insert(row.id, live.clone());
+        if joins {
+            // The coordinator's open here, if any, stays the one this
+            // agent knows the transfer by.
+            m.entry(row.id).or_insert_with(|| live.clone());
+        } else {
+            m.insert(row.id, live.clone());
+        }
     }
-    info!(transfer = %key.id, peer, path = %key.source_path, bytes_total, resumed_bytes = done, "transfer opened");
+    info!(transfer = %key.id, peer, path = %key.source_path, bytes_total, resumed_bytes = done, joins, "transfer opened");
     Ok((live, have_list))
 }
 

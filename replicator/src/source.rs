@@ -2894,6 +2894,10 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
     // Striped transfers coordinated elsewhere whose parts this agent sends
     // now (their runs are in `running` and `stops` too).
     let mut helping: HashSet<TransferId> = HashSet::new();
+    // Striped transfers whose last help here ended in an error, and when
+    // this agent may help them again (a sink that refuses at once would
+    // otherwise be asked again at every notification).
+    let mut help_after: HashMap<TransferId, tokio::time::Instant> = HashMap::new();
     // Dialling only to keep the link warm has failed since it last
     // connected (said once, at info).
     let mut warm_failing = false;
@@ -3047,6 +3051,8 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
         let mut helpable = Vec::new();
         let room = MAX_HELPED.saturating_sub(helping.len());
         if room > 0 && pool.as_ref().is_some_and(|p| p.may_claim()) {
+            let now_i = tokio::time::Instant::now();
+            help_after.retain(|_, at| *at > now_i);
             let candidates: Vec<TransferId> = mine
                 .iter()
                 .filter(|t| {
@@ -3055,11 +3061,19 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                         && t.profile == Profile::Full
                         && t.state != TransferState::Paused
                         && !stops.contains_key(&t.id)
+                        && !help_after.contains_key(&t.id)
                 })
                 .map(|t| t.id)
                 .collect();
             if !candidates.is_empty() {
-                match inner.catalog.claimable_transfers(&candidates).await {
+                let joins = conn
+                    .as_ref()
+                    .is_some_and(|c| c.version >= ferry_proto::wire::JOIN_VERSION);
+                match inner
+                    .catalog
+                    .claimable_transfers_for(&candidates, joins)
+                    .await
+                {
                     Ok(list) => helpable = list.into_iter().take(room).collect(),
                     Err(e) => {
                         warn!(link = link.cfg.name, error = %e, "catalog: looking for parts to claim")
@@ -3358,7 +3372,13 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                             match &result {
                                 Ok(()) | Err(RunError::Stopped | RunError::Shutdown) => {}
                                 Err(RunError::Retry(why) | RunError::Fatal(why) | RunError::Cancelled(why)) => {
-                                    info!(link = link.cfg.name, transfer = %id, "sending parts of a striped transfer stopped: {why}");
+                                    info!(
+                                        link = link.cfg.name,
+                                        transfer = %id,
+                                        "sending parts of a striped transfer stopped: {why}; helping it again in {} s at the earliest",
+                                        HELP_RETRY.as_secs()
+                                    );
+                                    help_after.insert(id, tokio::time::Instant::now() + HELP_RETRY);
                                 }
                             }
                             next = running.try_join_next();
@@ -3404,6 +3424,11 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
 /// Most striped transfers coordinated by other agents whose parts one
 /// agent sends at once, per link.
 const MAX_HELPED: usize = 4;
+
+/// How long an agent waits before it helps a striped transfer again
+/// after its help ended in an error (its parts were given back; the
+/// coordinator and the other agents claim them meanwhile).
+const HELP_RETRY: Duration = Duration::from_secs(2);
 
 /// Least time between two reloads of a link's queue from the catalog
 /// after transfers end or are submitted (those ending or arriving
@@ -3624,7 +3649,11 @@ fn opens_parts_first(c: &LinkConn) -> bool {
 
 /// Sends the open of `t` with the file table `files` and returns the
 /// transfer's inbox of control messages and the chunk keys the sink
-/// already has (none, without waiting, for a `fresh` transfer).
+/// already has (none, without waiting, for a `fresh` transfer). A
+/// striped transfer's open sets [`Open::parts_first`] (`parts_first`)
+/// and, from an agent that is not its coordinator, [`Open::joins`]
+/// (`joins`), each where the sink speaks its version.
+#[allow(clippy::too_many_arguments)]
 async fn open_on_sink(
     inner: &Inner,
     c: &LinkConn,
@@ -3632,6 +3661,7 @@ async fn open_on_sink(
     fresh: bool,
     files: Vec<FileInfo>,
     parts_first: bool,
+    joins: bool,
 ) -> Result<(mpsc::UnboundedReceiver<Control>, HashSet<u64>), RunError> {
     let id = t.id;
     let (tx, mut rx) = mpsc::unbounded_channel();
@@ -3660,6 +3690,7 @@ async fn open_on_sink(
             bytes_total: files.iter().map(|f| f.size).sum(),
             files,
             parts_first: parts_first && opens_parts_first(c),
+            joins: joins && c.version >= ferry_proto::wire::JOIN_VERSION,
         }))
         .await?;
     let have = if fresh {
@@ -3714,7 +3745,8 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
 
     let chunk_size = inner.cfg.chunk_size;
     let t_recorded = t_start.elapsed();
-    let (mut rx, have) = open_on_sink(inner, c, &t, fresh, scan.files.clone(), false).await?;
+    let (mut rx, have) =
+        open_on_sink(inner, c, &t, fresh, scan.files.clone(), false, false).await?;
     debug!(
         transfer = %id,
         begin_ms = t_begun.as_millis() as u64,

@@ -29,6 +29,9 @@ struct Setup {
     sink_root: std::path::PathBuf,
     sink_addr: SocketAddr,
     client: Endpoint,
+    /// Another source agent of the same site and catalog (its own
+    /// certificate, so the sink tells the two apart).
+    helper: Endpoint,
     _sink: Sink,
 }
 
@@ -41,7 +44,12 @@ async fn setup_with(retention: Vec<RetentionPolicy>) -> Setup {
     let dir = tempfile::tempdir().unwrap();
     let base = dir.path().to_path_buf();
     let certs = base.join("certs");
-    tls::init_dev_pki(&certs, &["evil-src".into(), "sink-1".into()], 2).unwrap();
+    tls::init_dev_pki(
+        &certs,
+        &["evil-src".into(), "helper-src".into(), "sink-1".into()],
+        2,
+    )
+    .unwrap();
     let id = |n: &str| {
         AgentIdentity::load(
             &certs.join("ca.pem"),
@@ -83,12 +91,18 @@ async fn setup_with(retention: Vec<RetentionPolicy>) -> Setup {
     client.set_default_client_config(quinn::ClientConfig::new(
         tls::client_crypto(&id("evil-src")).unwrap(),
     ));
+    let mut helper =
+        transport::endpoint(SocketKind::Udp("127.0.0.1:0".parse().unwrap()), None).unwrap();
+    helper.set_default_client_config(quinn::ClientConfig::new(
+        tls::client_crypto(&id("helper-src")).unwrap(),
+    ));
     Setup {
         _dir: dir,
         base,
         sink_root,
         sink_addr,
         client,
+        helper,
         _sink: sink,
     }
 }
@@ -102,8 +116,21 @@ async fn connect(
     quinn::RecvStream,
     Option<Control>,
 ) {
-    let conn = s
-        .client
+    connect_from(s, &s.client, version).await
+}
+
+/// [`connect`] from `client` (`s.client` or `s.helper`).
+async fn connect_from(
+    s: &Setup,
+    client: &Endpoint,
+    version: u16,
+) -> (
+    Connection,
+    quinn::SendStream,
+    quinn::RecvStream,
+    Option<Control>,
+) {
+    let conn = client
         .connect(s.sink_addr, "sink-1")
         .unwrap()
         .await
@@ -138,6 +165,7 @@ fn open(id: u64, rel: &str, files: Vec<FileInfo>) -> Control {
         bytes_total,
         files,
         parts_first: false,
+        joins: false,
     })
 }
 
@@ -1356,5 +1384,158 @@ async fn a_commit_ends_a_held_chunks_wait() {
         !m.lines()
             .any(|l| l.starts_with("ferry_part_chunks_refused_total ") && !l.ends_with(" 0")),
         "a held chunk was refused"
+    );
+}
+
+/// An open of transfer `n` (checkpoint `step_<n>`) keyed by [`ORIGIN`],
+/// with file table `files`, joining (`joins`) or not.
+fn open_origin(n: u64, files: Vec<FileInfo>, joins: bool) -> Control {
+    let mut o = open(n, &format!("step_{n}"), files);
+    if let Control::Open(op) = &mut o {
+        op.key.origin = Some(ORIGIN.into());
+        op.joins = joins;
+    }
+    o
+}
+
+/// The next control frame, within 20 s.
+async fn next_frame(recv: &mut quinn::RecvStream) -> Control {
+    tokio::time::timeout(Duration::from_secs(20), read_frame(recv))
+        .await
+        .expect("no answer from the sink within 20 s")
+        .unwrap()
+        .expect("the control stream ended")
+}
+
+/// Reads frames up to the confirmation of a batch of transfer `n`.
+async fn batch_done_of(recv: &mut quinn::RecvStream, n: u64) {
+    loop {
+        match next_frame(recv).await {
+            Control::BatchDone { id, .. } if id == TransferId(n) => return,
+            Control::BatchDone { .. } => {}
+            other => panic!("expected transfer {n}'s batch confirmed, got {other:?}"),
+        }
+    }
+}
+
+/// A joining open (another agent of the source's pool, version 11)
+/// waits for its coordinator's open to make the transfer's row, works
+/// with the row's longer table without cutting it to its own, and its
+/// chunks count toward the coordinator's commit. One whose table
+/// disagrees with the row's, or whose coordinator never opens, is
+/// refused after the wait, naming why.
+#[tokio::test]
+async fn a_joining_open_waits_for_the_row_and_keeps_its_table() {
+    let s = setup().await;
+    let (c_conn, mut c_send, mut c_recv, _) = connect(&s, PROTOCOL_VERSION).await;
+    let (h_conn, mut h_send, mut h_recv, _) = connect_from(&s, &s.helper, PROTOCOL_VERSION).await;
+    let (_h2, mut h2_send, mut h2_recv, _) = connect_from(&s, &s.helper, PROTOCOL_VERSION).await;
+    let (pa, pb) = (b"0123456789", b"abcdefghij");
+    let both = || vec![file("a", 10), file("b", 10)];
+
+    // Refused after the wait, on a connection of their own (alongside the
+    // rest): no coordinator for transfer 7; another table for 6.
+    h2_send
+        .write_all(&open_origin(7, vec![file("a", 10)], true).encode())
+        .await
+        .unwrap();
+    c_send
+        .write_all(&open_origin(6, vec![file("a", 10)], false).encode())
+        .await
+        .unwrap();
+    have_of(&mut c_recv, 6).await;
+    h2_send
+        .write_all(&open_origin(6, vec![file("x", 10)], true).encode())
+        .await
+        .unwrap();
+
+    // Transfer 5: the join comes first, with the first file only; the
+    // coordinator's open, later, makes the row.
+    h_send
+        .write_all(&open_origin(5, vec![file("a", 10)], true).encode())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    c_send
+        .write_all(&open_origin(5, both(), false).encode())
+        .await
+        .unwrap();
+    have_of(&mut c_recv, 5).await;
+    have_of(&mut h_recv, 5).await;
+    send_record(&h_conn, PROTOCOL_VERSION, 5, 0, 0, 0, pa).await;
+    batch_done_of(&mut h_recv, 5).await;
+    send_record(&c_conn, PROTOCOL_VERSION, 5, 0, 1, 0, pb).await;
+    let manifest = ferry_proto::manifest::Manifest {
+        chunk_size: 4 << 20,
+        files: [("a", pa), ("b", pb)]
+            .iter()
+            .map(|(p, b)| ferry_proto::manifest::FileEntry {
+                path: (*p).into(),
+                size: 10,
+                mode: 0o644,
+                mtime_ns: 0,
+                chunks: vec![*blake3::hash(*b).as_bytes()],
+            })
+            .collect(),
+        markers: vec![],
+    };
+    c_send
+        .write_all(&Control::Commit(commit_with(5, manifest, 1)).encode())
+        .await
+        .unwrap();
+    let (reply, done) = answer_after_confirmations(&mut c_recv).await;
+    let Some(Control::Published { local_path, .. }) = reply else {
+        panic!("expected transfer 5 published with the joined agent's chunk, got {reply:?}");
+    };
+    assert_eq!(done, [0]);
+    assert_eq!(std::fs::read(Path::new(&local_path).join("a")).unwrap(), pa);
+    assert_eq!(std::fs::read(Path::new(&local_path).join("b")).unwrap(), pb);
+
+    // Transfer 8: file b's chunk is verified before the join with file a
+    // only, and the join's answer still lists it: the table was not cut.
+    let pc = b"9876543210";
+    c_send
+        .write_all(&open_origin(8, both(), false).encode())
+        .await
+        .unwrap();
+    have_of(&mut c_recv, 8).await;
+    send_record(&c_conn, PROTOCOL_VERSION, 8, 0, 1, 0, pc).await;
+    batch_done_of(&mut c_recv, 8).await;
+    h_send
+        .write_all(&open_origin(8, vec![file("a", 10)], true).encode())
+        .await
+        .unwrap();
+    match next_frame(&mut h_recv).await {
+        Control::Have { id, chunks } => {
+            assert_eq!(id, TransferId(8));
+            assert_eq!(chunks, [1 << 32], "file b's verified chunk was forgotten");
+        }
+        other => panic!("expected transfer 8's have, got {other:?}"),
+    }
+
+    // The two refusals, in either order.
+    let mut refused = std::collections::BTreeMap::new();
+    while refused.len() < 2 {
+        match next_frame(&mut h2_recv).await {
+            Control::Refuse { id, reason } => {
+                refused.insert(id.0, reason);
+            }
+            other => panic!("expected refusals of transfers 6 and 7, got {other:?}"),
+        }
+    }
+    assert!(
+        refused[&6].contains("at file 0: x (10 bytes"),
+        "{}",
+        refused[&6]
+    );
+    assert!(
+        refused[&7].contains("no transfer 7") && refused[&7].contains("waited 5 s"),
+        "{}",
+        refused[&7]
+    );
+    assert!(
+        h_conn.close_reason().is_none(),
+        "{:?}",
+        h_conn.close_reason()
     );
 }

@@ -270,6 +270,7 @@ fn control() -> impl Strategy<Value = Control> {
                         bytes_total,
                         files,
                         parts_first: false,
+                        joins: false,
                     })
                 }
             ),
@@ -650,6 +651,7 @@ fn chunk_totals_that_overflow_a_u64_are_refused() {
         bytes_total: u64::MAX,
         files,
         parts_first: false,
+        joins: false,
     });
     assert!(open.encode().len() < MAX_FRAME);
 }

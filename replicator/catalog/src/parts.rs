@@ -125,9 +125,20 @@ pub struct TransferPlan {
     pub planned_at: i64,
     /// Whether every agent of the pool may claim its parts; false while
     /// only `planned_by` may ([`Catalog::plan_transfer_quietly`],
-    /// [`Catalog::announce_plan`]).
+    /// [`Catalog::announce_plan`]) or only agents whose sink takes
+    /// joining opens may ([`Catalog::announce_plan_to_joiners`]).
     pub announced: bool,
+    /// Whether an agent whose sink takes joining opens
+    /// ([`ferry_proto::wire::Open::joins`]) may claim its parts: the plan
+    /// is announced, or announced to such agents.
+    pub joinable: bool,
 }
+
+/// `transfer_plans.announced`: 0 while only the plan's maker may claim
+/// its parts, 1 once every agent may, and this while only agents whose
+/// sink takes joining opens may (their parts stay `quiet`, which agents
+/// from before it do not claim; agents from before it check for 1).
+const ANNOUNCED_TO_JOINERS: i64 = 2;
 
 /// `transfer_parts.state` of the parts of a plan not yet announced
 /// ([`Catalog::plan_transfer_quietly`]): queued, for the plan's maker
@@ -144,7 +155,7 @@ const QUIET: &str = "quiet";
 /// announcement; every claim query of this release takes `quiet` parts
 /// of an announced plan too.
 pub(crate) const REQUEUED: &str = "CASE WHEN EXISTS (SELECT 1 FROM transfer_plans qp \
-     WHERE qp.transfer = transfer_parts.transfer AND qp.announced = 0) \
+     WHERE qp.transfer = transfer_parts.transfer AND qp.announced <> 1) \
      THEN 'quiet' ELSE 'queued' END";
 
 /// What a part is doing.
@@ -365,7 +376,7 @@ impl Catalog {
         let mut tx = self.pool.begin().await?;
         let n =
             sqlx::query(&self.db.sql(
-                "UPDATE transfer_plans SET announced = 1 WHERE transfer = ? AND announced = 0",
+                "UPDATE transfer_plans SET announced = 1 WHERE transfer = ? AND announced <> 1",
             ))
             .bind(id.as_i64())
             .execute(&mut *tx)
@@ -378,6 +389,34 @@ impl Catalog {
             .bind(id.as_i64())
             .execute(&mut *tx)
             .await?;
+            crate::notify::announce(self.db, &mut tx, crate::notify::payload::PLAN).await?;
+        }
+        tx.commit().await?;
+        Ok(n > 0)
+    }
+
+    /// Lets the agents of the pool whose sink takes joining opens
+    /// ([`ferry_proto::wire::Open::joins`]: their opens wait at the sink
+    /// for the coordinator's row instead of racing it) claim the parts of
+    /// transfer `id`'s quiet plan, and announces it on the pool's
+    /// channel; true if it was quiet before (nothing happens otherwise).
+    /// Its parts stay `quiet`; [`Catalog::announce_plan`] opens them to
+    /// every agent later.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn announce_plan_to_joiners(&self, id: TransferId) -> Result<bool, CatalogError> {
+        let mut tx = self.pool.begin().await?;
+        let n =
+            sqlx::query(&self.db.sql(
+                "UPDATE transfer_plans SET announced = ? WHERE transfer = ? AND announced = 0",
+            ))
+            .bind(ANNOUNCED_TO_JOINERS)
+            .bind(id.as_i64())
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        if n > 0 {
             crate::notify::announce(self.db, &mut tx, crate::notify::payload::PLAN).await?;
         }
         tx.commit().await?;
@@ -520,7 +559,8 @@ impl Catalog {
             markers: table.markers,
             planned_by: row.try_get("planned_by")?,
             planned_at: row.try_get("planned_at")?,
-            announced: row.try_get::<i64, _>("announced")? != 0,
+            announced: row.try_get::<i64, _>("announced")? == 1,
+            joinable: row.try_get::<i64, _>("announced")? != 0,
         }))
     }
 
@@ -592,6 +632,20 @@ impl Catalog {
         &self,
         ids: &[TransferId],
     ) -> Result<Vec<Claimable>, CatalogError> {
+        self.claimable_transfers_for(ids, false).await
+    }
+
+    /// As [`Catalog::claimable_transfers`], for an agent whose sink takes
+    /// joining opens (`joins`): plans announced to such agents only
+    /// ([`Catalog::announce_plan_to_joiners`]) are listed too.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn claimable_transfers_for(
+        &self,
+        ids: &[TransferId],
+        joins: bool,
+    ) -> Result<Vec<Claimable>, CatalogError> {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
@@ -601,7 +655,7 @@ impl Catalog {
              MAX(t.claimed_bytes / t.weight) AS deficit \
              FROM transfer_parts p JOIN transfer_plans t ON t.transfer = p.transfer \
              JOIN transfers mt ON mt.id = p.transfer \
-             WHERE p.transfer IN ({list}) AND t.announced = 1 \
+             WHERE p.transfer IN ({list}) AND t.announced IN ({announced}) \
              AND (p.state IN ('queued', 'quiet') OR (p.state = 'held' AND p.lease_until < {now})) \
              AND NOT EXISTS (SELECT 1 FROM transfer_plans o JOIN transfers ot ON ot.id = o.transfer \
              WHERE ot.link = mt.link AND o.class_rank > t.class_rank \
@@ -610,7 +664,12 @@ impl Catalog {
              AND (q.state IN ('queued', 'quiet') OR (q.state = 'held' AND q.lease_until < {now})))) \
              GROUP BY p.transfer \
              ORDER BY class_rank DESC, deficit ASC, transfer ASC",
-            now = self.db.now_ms()
+            now = self.db.now_ms(),
+            announced = if joins {
+                format!("1, {ANNOUNCED_TO_JOINERS}")
+            } else {
+                "1".to_string()
+            }
         );
         let rows = sqlx::query(&q).fetch_all(&self.pool).await?;
         let mut out = Vec::with_capacity(rows.len());
@@ -654,6 +713,24 @@ impl Catalog {
         max: usize,
         timeout_ms: i64,
     ) -> Result<Vec<PartClaim>, CatalogError> {
+        self.claim_parts_for(id, agent, max, timeout_ms, false)
+            .await
+    }
+
+    /// As [`Catalog::claim_parts`], for an agent whose sink takes joining
+    /// opens (`joins`): it may claim the parts of a plan announced to
+    /// such agents only ([`Catalog::announce_plan_to_joiners`]) too.
+    ///
+    /// # Errors
+    /// SQL errors (nothing is claimed then).
+    pub async fn claim_parts_for(
+        &self,
+        id: TransferId,
+        agent: &str,
+        max: usize,
+        timeout_ms: i64,
+        joins: bool,
+    ) -> Result<Vec<PartClaim>, CatalogError> {
         if max == 0 {
             return Ok(Vec::new());
         }
@@ -696,10 +773,13 @@ impl Catalog {
         // A plan not yet announced is its coordinator's alone (its queued
         // parts are `quiet`; past this check they are claimable).
         let open: Option<i64> = sqlx::query_scalar(&self.db.sql(
-            "SELECT 1 FROM transfer_plans WHERE transfer = ? AND (announced = 1 OR planned_by = ?)",
+            "SELECT 1 FROM transfer_plans WHERE transfer = ? \
+             AND (announced = 1 OR planned_by = ? OR (announced = ? AND ? = 1))",
         ))
         .bind(id.as_i64())
         .bind(agent)
+        .bind(ANNOUNCED_TO_JOINERS)
+        .bind(i64::from(joins))
         .fetch_optional(&mut *tx)
         .await?;
         if open.is_none() {
@@ -967,7 +1047,7 @@ impl Catalog {
         .bind(id.as_i64())
         .fetch_optional(&mut **tx)
         .await?;
-        Ok(if announced == Some(0) {
+        Ok(if announced.is_some_and(|a| a != 1) {
             "'quiet'"
         } else {
             "'queued'"

@@ -1,4 +1,15 @@
-//! Ferry's wire protocol, version 10: a sans-IO codec.
+//! Ferry's wire protocol, version 11: a sans-IO codec.
+//!
+//! Version 11 lets a source pool's agents open a striped transfer before
+//! the sink has its row: an open whose [`Open::joins`] is set joins the
+//! transfer its coordinator opens (at this sink agent or another of the
+//! sink's pool). The sink never creates the transfer's row for it, and
+//! never rewrites the row's file table or forgets its verified chunks:
+//! it waits (5 s at most) for the coordinator's open to create the row,
+//! and takes the open's table only where it agrees with the row's. So a
+//! coordinator may announce its plan with its open, not one round trip
+//! later. A source sets it only with a sink that speaks version 11; a
+//! sink speaks versions 2 to 11.
 //!
 //! Version 10 lets a source send a part's chunks right behind its
 //! registration, without waiting a round trip for the answer: an open
@@ -100,7 +111,12 @@ pub use crate::codec::WireError;
 /// newest a sink speaks. A sink refuses a version outside
 /// [`MIN_PROTOCOL_VERSION`]..=[`PROTOCOL_VERSION`] with [`Control::Error`]
 /// naming both; a source refuses a sink whose hello names another version.
-pub const PROTOCOL_VERSION: u16 = 10;
+pub const PROTOCOL_VERSION: u16 = 11;
+
+/// The first protocol version whose opens may set [`Open::joins`]. Like
+/// [`Open::parts_first`], the flag is written after the open's origin.
+pub const JOIN_VERSION: u16 = 11;
+const _: () = assert!(JOIN_VERSION >= ORIGIN_VERSION);
 
 /// The first protocol version whose opens may set [`Open::parts_first`]:
 /// the sender's chunks of the transfer may arrive before their part's
@@ -212,6 +228,16 @@ pub struct Open {
     /// it again). On the wire a `u8` of flags (bit 0) after
     /// [`TransferKey::origin`], only when set, so only with an origin.
     pub parts_first: bool,
+    /// From [`JOIN_VERSION`]: the sender is not the transfer's
+    /// coordinator but another agent of its source pool, sending parts
+    /// of it. The sink does not create the transfer's row for this open:
+    /// it waits for the coordinator's open to create it (5 s at most,
+    /// then refuses the open), keeps the row's verified chunks, and
+    /// never writes the open's file table to the row; the open's table
+    /// must agree with the row's (one a prefix of the other, file by
+    /// file), or the open is refused naming the first file that differs.
+    /// On the wire bit 1 of the flags byte (see [`Open::parts_first`]).
+    pub joins: bool,
 }
 
 /// [`Control::Commit`]: source to sink, every chunk was sent; the sealed
@@ -449,6 +475,8 @@ const T_HELLO: u8 = 1;
 const T_OPEN: u8 = 2;
 /// [`Open::parts_first`]'s bit in an open's flags.
 const OPEN_PARTS_FIRST: u8 = 1;
+/// [`Open::joins`]'s bit in an open's flags.
+const OPEN_JOINS: u8 = 2;
 const T_HAVE: u8 = 3;
 const T_REFUSE: u8 = 4;
 const T_NEED: u8 = 5;
@@ -516,6 +544,7 @@ impl Control {
                 bytes_total,
                 files,
                 parts_first,
+                joins,
             }) => {
                 w.u8(T_OPEN);
                 w.u64(key.id.0);
@@ -531,8 +560,10 @@ impl Control {
                 }
                 if let Some(origin) = &key.origin {
                     w.str(origin);
-                    if *parts_first {
-                        w.u8(OPEN_PARTS_FIRST);
+                    let flags = if *parts_first { OPEN_PARTS_FIRST } else { 0 }
+                        | if *joins { OPEN_JOINS } else { 0 };
+                    if flags != 0 {
+                        w.u8(flags);
                     }
                 }
             }
@@ -736,23 +767,23 @@ impl Control {
                     key.origin = Some(origin);
                 }
                 // Version 10 appends flags after the origin.
-                let mut parts_first = false;
+                let mut flags = 0;
                 if key.origin.is_some() && r.remaining() > 0 {
-                    let flags = r.u8("open flags")?;
-                    if flags & !OPEN_PARTS_FIRST != 0 {
+                    flags = r.u8("open flags")?;
+                    if flags & !(OPEN_PARTS_FIRST | OPEN_JOINS) != 0 {
                         return Err(WireError::Invalid {
                             what: "open flags",
                             why: format!("unknown bits in {flags:#04x}"),
                         });
                     }
-                    parts_first = flags & OPEN_PARTS_FIRST != 0;
                 }
                 Control::Open(Open {
                     key,
                     chunk_size,
                     bytes_total,
                     files,
-                    parts_first,
+                    parts_first: flags & OPEN_PARTS_FIRST != 0,
+                    joins: flags & OPEN_JOINS != 0,
                 })
             }
             T_HAVE => Control::Have {
@@ -1137,7 +1168,7 @@ mod tests {
     /// naming the field.
     #[test]
     fn an_open_carries_its_origin_and_a_bad_one_is_refused() {
-        let open = |origin: Option<String>| open_with(origin, false);
+        let open = |origin: Option<String>| open_with(origin, false, false);
         roundtrip(open(Some("00112233445566778899aabbccddeeff".into())));
         roundtrip(open(None));
         for bad in [String::new(), "x".repeat(256)] {
@@ -1149,32 +1180,40 @@ mod tests {
         }
     }
 
-    /// A version 10 open's flags follow its origin: `parts_first` comes
-    /// back as sent, an older open (no flags byte) reads as unset, and an
-    /// unknown bit is refused, naming the field.
+    /// A version 10 open's flags follow its origin: `parts_first` and
+    /// (version 11) `joins` come back as sent, alone or together, an
+    /// older open (no flags byte) reads as both unset, and an unknown bit
+    /// is refused, naming the field.
     #[test]
-    fn an_open_carries_parts_first_after_its_origin() {
+    fn an_open_carries_its_flags_after_its_origin() {
         let origin = || Some("00112233445566778899aabbccddeeff".to_string());
-        roundtrip(open_with(origin(), true));
-        let old = open_with(origin(), false).encode();
-        let new = open_with(origin(), true).encode();
+        for (parts_first, joins) in [(true, false), (false, true), (true, true)] {
+            let o = open_with(origin(), parts_first, joins);
+            roundtrip(o.clone());
+            match Control::decode(&o.encode()[4..]).unwrap() {
+                Control::Open(d) => assert_eq!((d.parts_first, d.joins), (parts_first, joins)),
+                m => panic!("decoded {m:?}"),
+            }
+        }
+        let old = open_with(origin(), false, false).encode();
+        let new = open_with(origin(), true, true).encode();
         assert_eq!(new.len(), old.len() + 1, "one flags byte, only when set");
         match Control::decode(&old[4..]).unwrap() {
-            Control::Open(o) => assert!(!o.parts_first),
+            Control::Open(o) => assert!(!o.parts_first && !o.joins),
             m => panic!("decoded {m:?}"),
         }
-        let mut bad = open_with(origin(), false).encode();
-        bad.push(0x82);
+        let mut bad = open_with(origin(), false, false).encode();
+        bad.push(0x84);
         let e = Control::decode(&bad[4..]).unwrap_err().to_string();
         assert!(e.contains("open flags"), "{e}");
         // Without an origin there is nowhere to put the flags: not sent.
         assert_eq!(
-            open_with(None, true).encode().len(),
-            open_with(None, false).encode().len()
+            open_with(None, true, true).encode().len(),
+            open_with(None, false, false).encode().len()
         );
     }
 
-    fn open_with(origin: Option<String>, parts_first: bool) -> Control {
+    fn open_with(origin: Option<String>, parts_first: bool, joins: bool) -> Control {
         Control::Open(Open {
             key: TransferKey {
                 id: TransferId(7),
@@ -1188,6 +1227,7 @@ mod tests {
             bytes_total: 0,
             files: vec![],
             parts_first,
+            joins,
         })
     }
 
@@ -1216,6 +1256,7 @@ mod tests {
                 mtime_ns: -5,
             }],
             parts_first: false,
+            joins: false,
         }));
         roundtrip(Control::Have {
             id: TransferId(1),
@@ -1449,6 +1490,7 @@ mod tests {
             bytes_total: 0,
             files: vec![],
             parts_first: false,
+            joins: false,
         })
         .encode();
         let body = &frame[4..];
@@ -1627,6 +1669,7 @@ mod tests {
             bytes_total: 0,
             files: vec![],
             parts_first: false,
+            joins: false,
         }));
     }
 

@@ -404,6 +404,26 @@ pub(crate) fn rekey_chunks(
         .collect()
 }
 
+/// The file table a joining open ([`ferry_proto::wire::Open::joins`])
+/// works with: the longer of the open's table `open` and the transfer's
+/// table at the sink `row` when one is a prefix of the other, file by
+/// file (path, size, mode and mtime equal), so every chunk key names the
+/// same bytes in both. A watched checkpoint's table grows at its end, and
+/// either side may have seen more of it.
+///
+/// # Errors
+/// A reason naming the first position where the two differ.
+pub(crate) fn join_table(open: &[FileInfo], row: &[FileInfo]) -> Result<Vec<FileInfo>, String> {
+    if let Some((i, (o, r))) = open.iter().zip(row).enumerate().find(|(_, (o, r))| o != r) {
+        return Err(format!(
+            "the joining open's file table differs from the transfer's at the sink at file {i}: \
+             {} ({} bytes, mtime {} ns) against {} ({} bytes, mtime {} ns)",
+            o.path, o.size, o.mtime_ns, r.path, r.size, r.mtime_ns
+        ));
+    }
+    Ok(if open.len() > row.len() { open } else { row }.to_vec())
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -435,6 +455,30 @@ mod tests {
 
     fn h(b: u8) -> Hash {
         [b; 32]
+    }
+
+    /// A joining open keeps the longer of two agreeing tables, whichever
+    /// side saw more files, and is refused where they differ (a size,
+    /// an mtime, another file in the same place), naming the position.
+    #[test]
+    fn a_joining_open_takes_the_longer_agreeing_table() {
+        let row = vec![fi("a", 10), fi("b", 20)];
+        let longer = vec![fi("a", 10), fi("b", 20), fi("c", 5)];
+        assert_eq!(join_table(&row[..1], &row).unwrap(), row);
+        assert_eq!(join_table(&longer, &row).unwrap(), longer);
+        assert_eq!(join_table(&row, &row).unwrap(), row);
+        assert_eq!(join_table(&[], &row).unwrap(), row);
+        let mut grown = row.clone();
+        grown[1].size = 30;
+        let e = join_table(&grown, &row).unwrap_err();
+        assert!(e.contains("file 1: b (30 bytes"), "{e}");
+        let mut touched = row.clone();
+        touched[0].mtime_ns = 2;
+        assert!(join_table(&touched, &row).unwrap_err().contains("file 0"));
+        let other = vec![fi("a", 10), fi("x", 20)];
+        assert!(join_table(&other, &longer)
+            .unwrap_err()
+            .contains("file 1: x"));
     }
 
     #[test]

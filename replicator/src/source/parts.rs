@@ -133,6 +133,17 @@ struct Striping<'a> {
     /// coordinator's quietly stored plan waits for the sink's answer to
     /// its open ([`announce_when_open`]).
     announced: AtomicBool,
+    /// A coordinator's quiet plan is announced to the agents whose sink
+    /// takes joining opens ([`ferry_proto::wire::Open::joins`]: they wait
+    /// there for this open's row instead of racing it) as soon as the
+    /// run claimed and began sending its first parts, without waiting for
+    /// the sink's answer to its open: this run's sink speaks
+    /// [`ferry_proto::wire::JOIN_VERSION`] too. To every agent once the
+    /// answer came, as without it.
+    announce_early: bool,
+    /// Whether the plan was announced to the agents whose sink takes
+    /// joining opens ([`Striping::announce_early`]).
+    joiners_told: AtomicBool,
     progress: Arc<LiveProgress>,
     /// Whether the run's open set [`ferry_proto::wire::Open::parts_first`]:
     /// a part claimed for the first time is sent right behind its
@@ -210,7 +221,7 @@ pub(super) async fn run_coordinated(
     let quiet = !plan.announced
         && plan.planned_by == inner.cfg.agent
         && c.version >= ferry_proto::wire::PARTS_VERSION;
-    let (mut rx, have) = open_on_sink(inner, c, t, quiet, files.clone(), true).await?;
+    let (mut rx, have) = open_on_sink(inner, c, t, quiet, files.clone(), true, false).await?;
     if !quiet && !plan.announced {
         inner.catalog.announce_plan(id).await?;
     }
@@ -238,6 +249,8 @@ pub(super) async fn run_coordinated(
         have: Mutex::new(Arc::new(have)),
         opened: AtomicBool::new(!quiet),
         announced: AtomicBool::new(!quiet),
+        announce_early: quiet && c.version >= ferry_proto::wire::JOIN_VERSION,
+        joiners_told: AtomicBool::new(false),
         progress: progress.clone(),
         parts_first: super::opens_parts_first(c),
         epochs: Mutex::default(),
@@ -415,7 +428,7 @@ pub(super) async fn stripe_at_commit(
             _ = inner.shutdown.cancelled() => return Err(RunError::Shutdown),
         }
     }
-    let (new_rx, have) = open_on_sink(inner, c, t, false, w.table.to_vec(), false).await?;
+    let (new_rx, have) = open_on_sink(inner, c, t, false, w.table.to_vec(), false, false).await?;
     *rx = new_rx;
     // What the sink holds now is what it lacks no longer.
     need.clear();
@@ -468,6 +481,8 @@ pub(super) async fn stripe_at_commit(
         have: Mutex::new(Arc::new(have.clone())),
         opened: AtomicBool::new(true),
         announced: AtomicBool::new(true),
+        announce_early: false,
+        joiners_told: AtomicBool::new(false),
         progress: progress.clone(),
         parts_first: false,
         epochs: Mutex::default(),
@@ -503,11 +518,14 @@ pub(super) async fn run_helper(
     // A plan not announced yet is its coordinator's alone: its open may
     // not have reached the sink (this agent's open elsewhere would race
     // it).
+    // With a sink that takes joining opens, this agent's open waits there
+    // for the coordinator's row: a plan announced to such agents will do.
+    let joins = c.version >= ferry_proto::wire::JOIN_VERSION;
     let Some(plan) = inner
         .catalog
         .transfer_plan(id)
         .await?
-        .filter(|p| p.announced)
+        .filter(|p| p.announced || (joins && p.joinable))
     else {
         return Ok(());
     };
@@ -523,7 +541,7 @@ pub(super) async fn run_helper(
     // first parts' registrations: one round trip, not two. A sink
     // without part registrations is waited for.
     let wait = c.version < ferry_proto::wire::PARTS_VERSION;
-    let (mut rx, have) = open_on_sink(inner, c, t, !wait, plan.files.clone(), true).await?;
+    let (mut rx, have) = open_on_sink(inner, c, t, !wait, plan.files.clone(), true, true).await?;
     let s = Striping {
         t,
         plan: &plan,
@@ -531,6 +549,8 @@ pub(super) async fn run_helper(
         have: Mutex::new(Arc::new(have)),
         opened: AtomicBool::new(wait),
         announced: AtomicBool::new(true),
+        announce_early: false,
+        joiners_told: AtomicBool::new(false),
         // This agent's bytes of the transfer: not the transfer's
         // progress, which its coordinator keeps.
         progress: Arc::new(LiveProgress::default()),
@@ -628,7 +648,13 @@ async fn send_parts(
         let want = claim_size(inner, id, cfg.max_parts, pool.live_peers()).await;
         let claims = inner
             .catalog
-            .claim_parts(id, me, want, cfg.lease_timeout.as_millis() as i64)
+            .claim_parts_for(
+                id,
+                me,
+                want,
+                cfg.lease_timeout.as_millis() as i64,
+                c.version >= ferry_proto::wire::JOIN_VERSION,
+            )
             .await?;
         if claims.is_empty() {
             return Ok(());
@@ -687,54 +713,57 @@ async fn send_parts(
             && claims
                 .iter()
                 .all(|cl| cl.epoch == 1 && cl.took_over_from.is_none());
-        let claims = if ahead {
-            send_registrations(c, id, &claims).await?;
-            claims
-        } else {
-            let claims = register(inner, c, id, claims, rx, need, s).await?;
-            if !helper {
-                // The sink answers an open before the registrations after it.
-                announce_when_open(inner, s, rx, need).await?;
-            }
-            claims
-        };
-        if claims.is_empty() {
-            continue;
-        }
-        if helper {
-            pause_after_part();
-        }
-        let ranges: Vec<PartRange> = claims.iter().map(|c| c.range).collect();
-        let lost = async {
-            if !checks_own_leases() {
-                return std::future::pending().await;
-            }
-            let mut tick = tokio::time::interval(crate::pool::FENCE_CHECK);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                if let Some(p) = ranges.iter().find(|r| !pool.holds_part(id, r.part, at)) {
-                    return p.part;
+        // From here on, an error gives back every claim this agent still
+        // holds: a claim left behind would be renewed with the agent's
+        // other leases and never sent.
+        let outcome: Result<(Vec<ferry_catalog::PartClaim>, Vec<Option<PartRead>>), RunError> = async {
+            let claims = if ahead {
+                send_registrations(c, id, &claims).await?;
+                claims.clone()
+            } else {
+                let kept = register(inner, c, id, claims.clone(), rx, need, s).await?;
+                if !helper {
+                    // The sink answers an open before the registrations after it.
+                    announce_when_open(inner, s, rx, need).await?;
                 }
+                kept
+            };
+            if claims.is_empty() {
+                return Ok((claims, Vec::new()));
             }
-        };
-        let sent = tokio::select! {
-            r = send_claimed(inner, c, s, rx, need, &ranges) => r,
-            part = lost => {
-                warn!(
-                    transfer = %id,
-                    part,
-                    "this agent may no longer hold the part's lease (not renewed in time: the \
-                     catalog does not answer, or the agent was paused); sending no more of its parts"
-                );
-                pool.count_lost();
-                // Chunks queued for the link's writers go too.
-                c.sched.deactivate(id);
-                Err(RunError::Stopped)
+            if helper {
+                pause_after_part();
             }
-        };
-        let reads: Vec<Option<PartRead>> = match sent {
-            Ok(reads) if ahead => {
+            let ranges: Vec<PartRange> = claims.iter().map(|c| c.range).collect();
+            let lost = async {
+                if !checks_own_leases() {
+                    return std::future::pending().await;
+                }
+                let mut tick = tokio::time::interval(crate::pool::FENCE_CHECK);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tick.tick().await;
+                    if let Some(p) = ranges.iter().find(|r| !pool.holds_part(id, r.part, at)) {
+                        return p.part;
+                    }
+                }
+            };
+            let reads = tokio::select! {
+                r = send_claimed(inner, c, s, rx, need, &ranges) => r,
+                part = lost => {
+                    warn!(
+                        transfer = %id,
+                        part,
+                        "this agent may no longer hold the part's lease (not renewed in time: the \
+                         catalog does not answer, or the agent was paused); sending no more of its parts"
+                    );
+                    pool.count_lost();
+                    // Chunks queued for the link's writers go too.
+                    c.sched.deactivate(id);
+                    Err(RunError::Stopped)
+                }
+            }?;
+            let reads: Vec<Option<PartRead>> = if ahead {
                 if !helper {
                     announce_when_open(inner, s, rx, need).await?;
                 }
@@ -746,8 +775,15 @@ async fn send_parts(
                     .zip(reads)
                     .map(|(cl, r)| (kept.contains(&cl.range.part)).then_some(r))
                     .collect()
-            }
-            Ok(reads) => reads.into_iter().map(Some).collect(),
+            } else {
+                reads.into_iter().map(Some).collect()
+            };
+            Ok((claims, reads))
+        }
+        .await;
+        let (claims, reads) = match outcome {
+            Ok((claims, _)) if claims.is_empty() => continue,
+            Ok(sent) => sent,
             Err(mut e) => {
                 // A coordinator that sent its first parts ahead announces
                 // its plan before it gives them back, if the sink answered
@@ -864,14 +900,21 @@ fn even_share(claimable: u64, max_parts: usize, peers: u32) -> usize {
 
 /// Keeps the sink's answer to the run's open: what it has.
 fn took_have(s: &Striping<'_>, chunks: Vec<u64>) {
-    *crate::lock::lock(&s.have) = Arc::new(chunks.into_iter().collect());
+    let have: HashSet<u64> = chunks.into_iter().collect();
+    // What the sink had counts as done in the run's progress.
+    let skipped: u64 = have
+        .iter()
+        .filter_map(|g| s.map.locate(*g))
+        .map(|(f, c)| s.map.span(f, c).1)
+        .sum();
+    s.progress.skipped.store(skipped, Ordering::Relaxed);
+    *crate::lock::lock(&s.have) = Arc::new(have);
     s.opened.store(true, Ordering::Relaxed);
 }
 
 /// A coordinator's quietly stored plan ([`Catalog::plan_transfer_quietly`])
 /// is announced to the pool once the sink answered the run's open
-/// (waited for here if it has not come yet, 30 s at most); the chunks the
-/// sink had then count as skipped in the run's progress. Nothing to do
+/// (waited for here if it has not come yet, 30 s at most). Nothing to do
 /// for a plan announced already.
 ///
 /// # Errors
@@ -901,22 +944,15 @@ async fn announce_when_open(
     Ok(announce(inner, s).await?)
 }
 
-/// Announces `s`'s plan to the pool once the sink answered the open: the
-/// chunks the sink had then count as skipped in the run's progress.
+/// Announces `s`'s plan to the pool: the other agents may claim its
+/// parts from now on.
 ///
 /// # Errors
 /// Catalog errors (the plan stays unannounced; call again).
 async fn announce(inner: &Inner, s: &Striping<'_>) -> Result<(), ferry_catalog::CatalogError> {
-    let have = crate::lock::lock(&s.have).clone();
-    let skipped: u64 = have
-        .iter()
-        .filter_map(|g| s.map.locate(*g))
-        .map(|(f, c)| s.map.span(f, c).1)
-        .sum();
-    s.progress.skipped.store(skipped, Ordering::Relaxed);
     inner.catalog.announce_plan(s.t.id).await?;
     s.announced.store(true, Ordering::Relaxed);
-    debug!(transfer = %s.t.id, "the sink answered the open: the plan is announced to the pool");
+    debug!(transfer = %s.t.id, answered = s.opened.load(Ordering::Relaxed), "the plan is announced to the pool");
     Ok(())
 }
 
@@ -1090,6 +1126,20 @@ async fn send_claimed(
         },
     );
     let answering = async {
+        if s.announce_early
+            && !s.announced.load(Ordering::Relaxed)
+            && !s.joiners_told.swap(true, Ordering::Relaxed)
+        {
+            match inner.catalog.announce_plan_to_joiners(id).await {
+                Ok(_) => {
+                    debug!(transfer = %id, "the plan is announced to the agents whose sink takes joining opens")
+                }
+                // The announcement at the open's answer lets them in.
+                Err(e) => {
+                    warn!(transfer = %id, error = %e, "catalog: announcing the plan to joining agents")
+                }
+            }
+        }
         let mut ignored = Vec::new();
         while let Some(m) = answered.recv().await {
             let _ = on_striping_control(s, Some(m), &mut ignored);

@@ -257,7 +257,7 @@ pub(super) async fn run_watched(
     let mut tracks: Vec<Track> = vec![Track::default(); table.len()];
     let total = |table: &[FileInfo]| table.iter().map(|f| f.size).sum::<u64>();
     let progress = track_run(inner, c, &t, total(&table));
-    let (mut rx, have) = open_on_sink(inner, c, &t, fresh, table.clone(), false).await?;
+    let (mut rx, have) = open_on_sink(inner, c, &t, fresh, table.clone(), false, false).await?;
     // What the sink holds already (a resume) counts as done.
     let map = ChunkMap::new(&table, chunk_size);
     let skipped: u64 = have

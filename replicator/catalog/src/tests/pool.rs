@@ -793,6 +793,41 @@ async fn a_quiet_plan_is_its_maker_s_until_announced(c: Catalog) {
     let parts = c.parts(id).await.unwrap();
     assert_eq!(parts[back.range.part as usize].state, PartState::Queued);
     assert!(c.claim_parts(id, "b", 2, 60_000).await.unwrap().is_empty());
+    assert!(c
+        .claimable_transfers_for(&[id], true)
+        .await
+        .unwrap()
+        .is_empty());
+    // Announced to the agents whose sink takes joining opens: they may
+    // claim; agents without such a sink, and agents from before it, may
+    // not (its parts stay quiet).
+    assert!(c.announce_plan_to_joiners(id).await.unwrap());
+    assert!(
+        !c.announce_plan_to_joiners(id).await.unwrap(),
+        "announced twice"
+    );
+    let p = c.transfer_plan(id).await.unwrap().unwrap();
+    assert!(p.joinable && !p.announced, "{p:?}");
+    assert!(c.claimable_transfers(&[id]).await.unwrap().is_empty());
+    assert_eq!(
+        c.claimable_transfers_for(&[id], true)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|cl| cl.transfer)
+            .collect::<Vec<_>>(),
+        [id]
+    );
+    assert!(c.claim_parts(id, "b", 1, 60_000).await.unwrap().is_empty());
+    let joined = c.claim_parts_for(id, "b", 1, 60_000, true).await.unwrap();
+    assert_eq!(joined.len(), 1);
+    assert_eq!(old_agents_see().await, 0);
+    // Given back, it stays out of reach of the others.
+    assert!(c
+        .give_back_part(id, joined[0].range.part, "b", joined[0].epoch)
+        .await
+        .unwrap());
+    assert_eq!(old_agents_see().await, 0);
     assert!(c.announce_plan(id).await.unwrap());
     let queued_now = old_agents_see().await;
     assert_eq!(
