@@ -1552,7 +1552,6 @@ async fn handle_control(
     Ok(())
 }
 
-/// Opens (or resumes) a transfer the source announced with `open`.
 /// Fault injection (`fault-injection` builds only): set in a sink agent's
 /// environment, it refuses every joining open ([`Open::joins`]) at once,
 /// so a test can follow what a source agent does with a refused join.
@@ -1629,6 +1628,7 @@ async fn row_to_join(
     }
 }
 
+/// Opens (or resumes) a transfer the source announced with `open`.
 async fn open_transfer(
     inner: &Arc<Inner>,
     peer: &str,
@@ -2634,11 +2634,13 @@ async fn receive_batch(
 /// [`Open::parts_first`]: each of its chunks lies in a part the sender
 /// registers first, but a chunk may overtake the registration (it comes
 /// on another QUIC stream). Returns at once for other transfers; else
-/// after [`OPEN_WAIT`] at most, or as soon as the transfer's commit has
-/// arrived, it has failed or is publishing (each bumps
-/// `live.state_changed`), or `live` is no longer this connection's open
-/// of `id` (closed, or opened again). [`fence_parts`] then drops what is
-/// still unregistered before the commit. Holds no lock while it waits.
+/// after [`OPEN_WAIT`] at most, or as soon as this open (`live`) has
+/// received the transfer's commit, failed or started publishing (each
+/// bumps `live.state_changed`), or `live` is no longer this connection's
+/// open of `id` (closed, or opened again). Another source agent's open
+/// of the same transfer is another `live`: its commit does not end this
+/// wait. [`fence_parts`] then drops what is still unregistered before the
+/// commit. Holds no lock while it waits.
 async fn wait_for_parts(
     open: &Opened,
     live: &Arc<Live>,
@@ -2725,7 +2727,7 @@ async fn fence_parts(
             warn!(
                 transfer = %id,
                 chunks = dropped,
-                "dropped chunks whose part this source did not register within {} s (the commit asks for them again)",
+                "dropped chunks whose part this source had not registered when their wait ended ({} s at most, less if the transfer failed or was opened again; the commit asks for them again)",
                 OPEN_WAIT.as_secs()
             );
         }
@@ -2937,8 +2939,12 @@ async fn cancel_live(inner: &Arc<Inner>, live: &Arc<Live>, new_state: TransferSt
     }
     live.state_changed.send_modify(|v| *v += 1);
     {
+        // Only this open's entry: a joining open's cancel leaves the
+        // coordinator's.
         let mut m = crate::lock::lock(&inner.live);
-        m.remove(&live.id);
+        if m.get(&live.id).is_some_and(|l| Arc::ptr_eq(l, live)) {
+            m.remove(&live.id);
+        }
     }
     if let Err(e) = inner
         .catalog

@@ -3363,6 +3363,17 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                     if let Ok((id, result)) = r {
                         stops.remove(&id);
                         link.sched.deactivate(id);
+                        if matches!(result, Err(RunError::Stopped)) && pool.is_some() {
+                            // A run stopped mid-part (paused, cancelled)
+                            // left its claims: given back, or the
+                            // heartbeat would renew them for as long as
+                            // this agent lives.
+                            match inner.catalog.give_back_parts_of(id, me).await {
+                                Ok(0) => {}
+                                Ok(n) => debug!(transfer = %id, parts = n, "gave back the parts of a stopped run"),
+                                Err(e) => warn!(transfer = %id, error = %e, "catalog: giving back the parts of a stopped run (their leases lapse once this agent stops)"),
+                            }
+                        }
                         if let Some(c) = conn.as_ref() {
                             crate::lock::lock(&c.inbox).remove(&id);
                         }

@@ -1455,7 +1455,13 @@ async fn a_joining_open_waits_for_the_row_and_keeps_its_table() {
         .write_all(&open_origin(5, vec![file("a", 10)], true).encode())
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // No answer while there is no row: the join waits.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), read_frame(&mut h_recv))
+            .await
+            .is_err(),
+        "the joining open was answered before its coordinator's open"
+    );
     c_send
         .write_all(&open_origin(5, both(), false).encode())
         .await

@@ -134,12 +134,6 @@ pub struct TransferPlan {
     pub joinable: bool,
 }
 
-/// `transfer_plans.announced`: 0 while only the plan's maker may claim
-/// its parts, 1 once every agent may, and this while only agents whose
-/// sink takes joining opens may (their parts stay `quiet`, which agents
-/// from before it do not claim; agents from before it check for 1).
-const ANNOUNCED_TO_JOINERS: i64 = 2;
-
 /// `transfer_parts.state` of the parts of a plan not yet announced
 /// ([`Catalog::plan_transfer_quietly`]): queued, for the plan's maker
 /// only. Not `queued`, so that agents from before this state (which
@@ -155,7 +149,7 @@ const QUIET: &str = "quiet";
 /// announcement; every claim query of this release takes `quiet` parts
 /// of an announced plan too.
 pub(crate) const REQUEUED: &str = "CASE WHEN EXISTS (SELECT 1 FROM transfer_plans qp \
-     WHERE qp.transfer = transfer_parts.transfer AND qp.announced <> 1) \
+     WHERE qp.transfer = transfer_parts.transfer AND qp.announced = 0) \
      THEN 'quiet' ELSE 'queued' END";
 
 /// What a part is doing.
@@ -376,7 +370,7 @@ impl Catalog {
         let mut tx = self.pool.begin().await?;
         let n =
             sqlx::query(&self.db.sql(
-                "UPDATE transfer_plans SET announced = 1 WHERE transfer = ? AND announced <> 1",
+                "UPDATE transfer_plans SET announced = 1 WHERE transfer = ? AND announced = 0",
             ))
             .bind(id.as_i64())
             .execute(&mut *tx)
@@ -400,8 +394,10 @@ impl Catalog {
     /// for the coordinator's row instead of racing it) claim the parts of
     /// transfer `id`'s quiet plan, and announces it on the pool's
     /// channel; true if it was quiet before (nothing happens otherwise).
-    /// Its parts stay `quiet`; [`Catalog::announce_plan`] opens them to
-    /// every agent later.
+    /// Its parts stay `quiet` and `transfer_plans.announced` 0 (agents
+    /// from before migration 0022 read only that: to them the plan is
+    /// still quiet, and one that takes the transfer over announces it);
+    /// [`Catalog::announce_plan`] opens them to every agent later.
     ///
     /// # Errors
     /// SQL errors.
@@ -409,9 +405,8 @@ impl Catalog {
         let mut tx = self.pool.begin().await?;
         let n =
             sqlx::query(&self.db.sql(
-                "UPDATE transfer_plans SET announced = ? WHERE transfer = ? AND announced = 0",
+                "UPDATE transfer_plans SET joinable = 1 WHERE transfer = ? AND announced = 0 AND joinable = 0",
             ))
-            .bind(ANNOUNCED_TO_JOINERS)
             .bind(id.as_i64())
             .execute(&mut *tx)
             .await?
@@ -518,7 +513,7 @@ impl Catalog {
         id: TransferId,
     ) -> Result<Option<TransferPlan>, CatalogError> {
         let Some(row) = sqlx::query(&self.db.sql(
-            "SELECT chunk_size, part_size, files, planned_by, planned_at, announced \
+            "SELECT chunk_size, part_size, files, planned_by, planned_at, announced, joinable \
              FROM transfer_plans WHERE transfer = ?",
         ))
         .bind(id.as_i64())
@@ -559,8 +554,9 @@ impl Catalog {
             markers: table.markers,
             planned_by: row.try_get("planned_by")?,
             planned_at: row.try_get("planned_at")?,
-            announced: row.try_get::<i64, _>("announced")? == 1,
-            joinable: row.try_get::<i64, _>("announced")? != 0,
+            announced: row.try_get::<i64, _>("announced")? != 0,
+            joinable: row.try_get::<i64, _>("announced")? != 0
+                || row.try_get::<i64, _>("joinable")? != 0,
         }))
     }
 
@@ -655,7 +651,7 @@ impl Catalog {
              MAX(t.claimed_bytes / t.weight) AS deficit \
              FROM transfer_parts p JOIN transfer_plans t ON t.transfer = p.transfer \
              JOIN transfers mt ON mt.id = p.transfer \
-             WHERE p.transfer IN ({list}) AND t.announced IN ({announced}) \
+             WHERE p.transfer IN ({list}) AND (t.announced = 1 OR (t.joinable = 1 AND {joins} = 1)) \
              AND (p.state IN ('queued', 'quiet') OR (p.state = 'held' AND p.lease_until < {now})) \
              AND NOT EXISTS (SELECT 1 FROM transfer_plans o JOIN transfers ot ON ot.id = o.transfer \
              WHERE ot.link = mt.link AND o.class_rank > t.class_rank \
@@ -665,11 +661,7 @@ impl Catalog {
              GROUP BY p.transfer \
              ORDER BY class_rank DESC, deficit ASC, transfer ASC",
             now = self.db.now_ms(),
-            announced = if joins {
-                format!("1, {ANNOUNCED_TO_JOINERS}")
-            } else {
-                "1".to_string()
-            }
+            joins = i64::from(joins),
         );
         let rows = sqlx::query(&q).fetch_all(&self.pool).await?;
         let mut out = Vec::with_capacity(rows.len());
@@ -774,11 +766,10 @@ impl Catalog {
         // parts are `quiet`; past this check they are claimable).
         let open: Option<i64> = sqlx::query_scalar(&self.db.sql(
             "SELECT 1 FROM transfer_plans WHERE transfer = ? \
-             AND (announced = 1 OR planned_by = ? OR (announced = ? AND ? = 1))",
+             AND (announced = 1 OR planned_by = ? OR (joinable = 1 AND ? = 1))",
         ))
         .bind(id.as_i64())
         .bind(agent)
-        .bind(ANNOUNCED_TO_JOINERS)
         .bind(i64::from(joins))
         .fetch_optional(&mut *tx)
         .await?;
@@ -1007,6 +998,51 @@ impl Catalog {
         Ok(true)
     }
 
+    /// Gives back every part of transfer `id` agent `agent` holds (its run
+    /// of the transfer stopped: paused or cancelled, and the claims it
+    /// made would otherwise be renewed with the agent's other leases):
+    /// their claims end as given back and the parts are queued again
+    /// (`quiet` while their plan is not announced). Returns how many.
+    ///
+    /// # Errors
+    /// SQL errors.
+    pub async fn give_back_parts_of(
+        &self,
+        id: TransferId,
+        agent: &str,
+    ) -> Result<u64, CatalogError> {
+        let mut tx = self.pool.begin().await?;
+        let q = format!("SELECT {} AS now", self.db.now_ms());
+        let now: i64 = sqlx::query_scalar(&q).fetch_one(&mut *tx).await?;
+        sqlx::query(&self.db.sql(
+            "UPDATE part_claims SET ended_at = ?, end_reason = 'given back' WHERE agent = ? \
+             AND transfer = ? AND ended_at IS NULL AND (transfer, part, epoch) IN \
+             (SELECT transfer, part, lease_epoch FROM transfer_parts WHERE transfer = ? \
+             AND holder = ? AND state = 'held')",
+        ))
+        .bind(now)
+        .bind(agent)
+        .bind(id.as_i64())
+        .bind(id.as_i64())
+        .bind(agent)
+        .execute(&mut *tx)
+        .await?;
+        let n = sqlx::query(&self.db.sql(&format!(
+            "UPDATE transfer_parts SET state = {REQUEUED}, holder = NULL, lease_until = NULL \
+             WHERE transfer = ? AND holder = ? AND state = 'held'"
+        )))
+        .bind(id.as_i64())
+        .bind(agent)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if n > 0 {
+            crate::notify::announce(self.db, &mut tx, crate::notify::payload::HOLDERS).await?;
+        }
+        tx.commit().await?;
+        Ok(n)
+    }
+
     /// Queues done parts `parts` of transfer `id` again (a file they read
     /// changed before the seal): their hashes and reads are forgotten.
     ///
@@ -1047,7 +1083,7 @@ impl Catalog {
         .bind(id.as_i64())
         .fetch_optional(&mut **tx)
         .await?;
-        Ok(if announced.is_some_and(|a| a != 1) {
+        Ok(if announced == Some(0) {
             "'quiet'"
         } else {
             "'queued'"

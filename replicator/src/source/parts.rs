@@ -822,24 +822,18 @@ async fn send_parts(
                         }
                     }
                 }
-                for cl in &claims {
-                    if pool.holds_part(id, cl.range.part, at) {
-                        if let Err(err) = inner
-                            .catalog
-                            .give_back_part(id, cl.range.part, me, cl.epoch)
-                            .await
-                        {
-                            warn!(transfer = %id, part = cl.range.part, error = %err, "catalog: giving a part back (its lease lapses by itself)");
-                        }
-                    }
-                }
+                // Tried even when the lease may have lapsed: the catalog
+                // gives back only a claim this agent still holds under
+                // this epoch, and one left would be renewed.
+                give_back(inner, id, me, &claims).await;
                 return Err(e);
             }
         };
-        for (cl, read) in claims.iter().zip(reads) {
+        for (i, (cl, read)) in claims.iter().zip(reads).enumerate() {
             let Some(read) = read else { continue };
             if !pool.holds_part(id, cl.range.part, at) {
                 warn!(transfer = %id, part = cl.range.part, "not releasing a part whose lease may have lapsed: another agent sends it again");
+                give_back(inner, id, me, std::slice::from_ref(cl)).await;
                 continue;
             }
             match inner
@@ -851,8 +845,28 @@ async fn send_parts(
                 Ok(false) => {
                     warn!(transfer = %id, part = cl.range.part, "the part was taken over before its release");
                 }
-                Err(e) => return Err(e.into()),
+                Err(e) => {
+                    // This and the claims not released yet go back.
+                    give_back(inner, id, me, &claims[i..]).await;
+                    return Err(e.into());
+                }
             }
+        }
+    }
+}
+
+/// Gives back `claims` of transfer `id` (agent `me`'s): each one the
+/// catalog still records as `me`'s under its epoch is queued again.
+/// Catalog errors are logged (the leases lapse once this agent stops
+/// renewing them).
+async fn give_back(inner: &Inner, id: TransferId, me: &str, claims: &[ferry_catalog::PartClaim]) {
+    for cl in claims {
+        if let Err(err) = inner
+            .catalog
+            .give_back_part(id, cl.range.part, me, cl.epoch)
+            .await
+        {
+            warn!(transfer = %id, part = cl.range.part, error = %err, "catalog: giving a part back (its lease lapses once this agent stops renewing it)");
         }
     }
 }

@@ -819,15 +819,29 @@ async fn a_quiet_plan_is_its_maker_s_until_announced(c: Catalog) {
         [id]
     );
     assert!(c.claim_parts(id, "b", 1, 60_000).await.unwrap().is_empty());
-    let joined = c.claim_parts_for(id, "b", 1, 60_000, true).await.unwrap();
-    assert_eq!(joined.len(), 1);
+    // Agents from before migration 0022 read only `announced`: still 0.
+    let announced: i64 = sqlx::query_scalar(&format!(
+        "SELECT announced FROM transfer_plans WHERE transfer = {}",
+        id.as_i64()
+    ))
+    .fetch_one(&c.pool)
+    .await
+    .unwrap();
+    assert_eq!(announced, 0);
+    let joined = c.claim_parts_for(id, "b", 2, 60_000, true).await.unwrap();
+    assert_eq!(joined.len(), 2);
     assert_eq!(old_agents_see().await, 0);
-    // Given back, it stays out of reach of the others.
+    // Given back (a run of "b" stopped), they stay out of reach of the
+    // others; nothing of "b"'s is left held.
+    assert_eq!(c.give_back_parts_of(id, "b").await.unwrap(), 2);
+    assert_eq!(c.give_back_parts_of(id, "b").await.unwrap(), 0);
+    assert_eq!(old_agents_see().await, 0);
     assert!(c
-        .give_back_part(id, joined[0].range.part, "b", joined[0].epoch)
+        .parts(id)
         .await
-        .unwrap());
-    assert_eq!(old_agents_see().await, 0);
+        .unwrap()
+        .iter()
+        .all(|p| p.holder.as_deref() != Some("b")));
     assert!(c.announce_plan(id).await.unwrap());
     let queued_now = old_agents_see().await;
     assert_eq!(
