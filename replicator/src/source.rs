@@ -3363,15 +3363,20 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
                     if let Ok((id, result)) = r {
                         stops.remove(&id);
                         link.sched.deactivate(id);
-                        if matches!(result, Err(RunError::Stopped)) && pool.is_some() {
-                            // A run stopped mid-part (paused, cancelled)
-                            // left its claims: given back, or the
-                            // heartbeat would renew them for as long as
-                            // this agent lives.
-                            match inner.catalog.give_back_parts_of(id, me).await {
-                                Ok(0) => {}
-                                Ok(n) => debug!(transfer = %id, parts = n, "gave back the parts of a stopped run"),
-                                Err(e) => warn!(transfer = %id, error = %e, "catalog: giving back the parts of a stopped run (their leases lapse once this agent stops)"),
+                        if pool.is_some() && !matches!(result, Err(RunError::Shutdown)) {
+                            // Whatever ended the run (a pause, a cancel, an
+                            // error after a claim whose answer was lost),
+                            // no claim of it stays held: the heartbeat
+                            // would renew it for as long as this agent
+                            // lives. No other run of the transfer exists
+                            // here now (a new one starts only after
+                            // `stops` lost it, in this loop). Bounded: a
+                            // stop often means the catalog does not answer.
+                            match tokio::time::timeout(GIVE_BACK_WAIT, inner.catalog.give_back_parts_of(id, me)).await {
+                                Ok(Ok(0)) => {}
+                                Ok(Ok(n)) => debug!(transfer = %id, parts = n, "gave back the parts its ended run still held"),
+                                Ok(Err(e)) => warn!(transfer = %id, error = %e, "catalog: giving back the parts of an ended run (their leases lapse once this agent stops)"),
+                                Err(_) => warn!(transfer = %id, "catalog: giving back the parts of an ended run took over {} s; given up (their leases lapse once this agent stops)", GIVE_BACK_WAIT.as_secs()),
                             }
                         }
                         if let Some(c) = conn.as_ref() {
@@ -3435,6 +3440,10 @@ async fn link_worker(inner: Arc<Inner>, link: Arc<LinkState>) {
 /// Most striped transfers coordinated by other agents whose parts one
 /// agent sends at once, per link.
 const MAX_HELPED: usize = 4;
+
+/// How long the link worker waits for the catalog to give back the parts
+/// an ended run still held.
+const GIVE_BACK_WAIT: Duration = Duration::from_secs(5);
 
 /// How long an agent waits before it helps a striped transfer again
 /// after its help ended in an error (its parts were given back; the

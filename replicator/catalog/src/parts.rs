@@ -1014,28 +1014,32 @@ impl Catalog {
         let mut tx = self.pool.begin().await?;
         let q = format!("SELECT {} AS now", self.db.now_ms());
         let now: i64 = sqlx::query_scalar(&q).fetch_one(&mut *tx).await?;
-        sqlx::query(&self.db.sql(
-            "UPDATE part_claims SET ended_at = ?, end_reason = 'given back' WHERE agent = ? \
-             AND transfer = ? AND ended_at IS NULL AND (transfer, part, epoch) IN \
-             (SELECT transfer, part, lease_epoch FROM transfer_parts WHERE transfer = ? \
-             AND holder = ? AND state = 'held')",
-        ))
-        .bind(now)
-        .bind(agent)
-        .bind(id.as_i64())
-        .bind(id.as_i64())
-        .bind(agent)
-        .execute(&mut *tx)
-        .await?;
-        let n = sqlx::query(&self.db.sql(&format!(
+        // The parts first, then their claims: the order a claim and a
+        // release lock them in (the other order deadlocks with a takeover
+        // running at the same time).
+        let rows = sqlx::query(&self.db.sql(&format!(
             "UPDATE transfer_parts SET state = {REQUEUED}, holder = NULL, lease_until = NULL \
-             WHERE transfer = ? AND holder = ? AND state = 'held'"
+             WHERE transfer = ? AND holder = ? AND state = 'held' RETURNING part, lease_epoch"
         )))
         .bind(id.as_i64())
         .bind(agent)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
+        .fetch_all(&mut *tx)
+        .await?;
+        for r in &rows {
+            let part: i64 = r.try_get("part")?;
+            let epoch: i64 = r.try_get("lease_epoch")?;
+            sqlx::query(&self.db.sql(
+                "UPDATE part_claims SET ended_at = ?, end_reason = 'given back' \
+                 WHERE transfer = ? AND part = ? AND epoch = ? AND ended_at IS NULL",
+            ))
+            .bind(now)
+            .bind(id.as_i64())
+            .bind(part)
+            .bind(epoch)
+            .execute(&mut *tx)
+            .await?;
+        }
+        let n = rows.len() as u64;
         if n > 0 {
             crate::notify::announce(self.db, &mut tx, crate::notify::payload::HOLDERS).await?;
         }

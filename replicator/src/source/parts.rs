@@ -716,12 +716,13 @@ async fn send_parts(
         // From here on, an error gives back every claim this agent still
         // holds: a claim left behind would be renewed with the agent's
         // other leases and never sent.
+        let claimed = claims;
         let outcome: Result<(Vec<ferry_catalog::PartClaim>, Vec<Option<PartRead>>), RunError> = async {
             let claims = if ahead {
-                send_registrations(c, id, &claims).await?;
-                claims.clone()
+                send_registrations(c, id, &claimed).await?;
+                claimed.clone()
             } else {
-                let kept = register(inner, c, id, claims.clone(), rx, need, s).await?;
+                let kept = register(inner, c, id, claimed.clone(), rx, need, s).await?;
                 if !helper {
                     // The sink answers an open before the registrations after it.
                     announce_when_open(inner, s, rx, need).await?;
@@ -782,8 +783,24 @@ async fn send_parts(
         }
         .await;
         let (claims, reads) = match outcome {
-            Ok((claims, _)) if claims.is_empty() => continue,
-            Ok(sent) => sent,
+            Ok((kept, _)) if kept.is_empty() => {
+                // Every one taken over since (the sink holds a later
+                // epoch): nothing of them is this agent's to give back,
+                // which the catalog checks.
+                give_back(inner, id, me, &claimed).await;
+                continue;
+            }
+            Ok((kept, reads)) => {
+                // Claims the sink holds a later epoch of (taken over
+                // since) are not sent: see above.
+                let dropped: Vec<_> = claimed
+                    .iter()
+                    .filter(|cl| !kept.iter().any(|k| k.range.part == cl.range.part))
+                    .cloned()
+                    .collect();
+                give_back(inner, id, me, &dropped).await;
+                (kept, reads)
+            }
             Err(mut e) => {
                 // A coordinator that sent its first parts ahead announces
                 // its plan before it gives them back, if the sink answered
@@ -825,12 +842,16 @@ async fn send_parts(
                 // Tried even when the lease may have lapsed: the catalog
                 // gives back only a claim this agent still holds under
                 // this epoch, and one left would be renewed.
-                give_back(inner, id, me, &claims).await;
+                give_back(inner, id, me, &claimed).await;
                 return Err(e);
             }
         };
         for (i, (cl, read)) in claims.iter().zip(reads).enumerate() {
-            let Some(read) = read else { continue };
+            let Some(read) = read else {
+                // Taken over since (see above).
+                give_back(inner, id, me, std::slice::from_ref(cl)).await;
+                continue;
+            };
             if !pool.holds_part(id, cl.range.part, at) {
                 warn!(transfer = %id, part = cl.range.part, "not releasing a part whose lease may have lapsed: another agent sends it again");
                 give_back(inner, id, me, std::slice::from_ref(cl)).await;
