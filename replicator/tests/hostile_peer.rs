@@ -1218,6 +1218,32 @@ async fn a_chunk_ahead_of_its_part_s_registration_waits_for_it_and_is_fenced() {
     assert!(conn.close_reason().is_none(), "{:?}", conn.close_reason());
 }
 
+/// Registers part 0 of transfer `n` under epoch 1, waits for the `held`
+/// sends of its one chunk (`payload`) to end, commits it, and checks that
+/// it is published with that chunk confirmed in batch 0.
+async fn register_and_publish<const N: usize>(
+    send: &mut quinn::SendStream,
+    recv: &mut quinn::RecvStream,
+    n: u64,
+    payload: &[u8],
+    held: [tokio::task::JoinHandle<()>; N],
+) {
+    send.write_all(&part(n, 1).encode()).await.unwrap();
+    assert_eq!(epoch_answer(recv).await, 1);
+    for h in held {
+        h.await.unwrap();
+    }
+    send.write_all(&commit_of(n, payload, 1).encode())
+        .await
+        .unwrap();
+    let (reply, done) = answer_after_confirmations(recv).await;
+    assert!(
+        matches!(reply, Some(Control::Published { id, .. }) if id == TransferId(n)),
+        "expected transfer {n} published with its held chunk, got {reply:?}"
+    );
+    assert_eq!(done, [0]);
+}
+
 /// A chunk held for its part's registration holds no lock while it
 /// waits: a commit that fails its transfer (the manifest disagrees with
 /// the file table) is answered at once, so the control stream goes on
@@ -1262,25 +1288,7 @@ async fn a_held_chunk_stalls_no_cancel_and_an_unregistered_one_is_dropped() {
     );
     // Transfer 4's chunk is still waiting: the cancel did not sit out
     // transfer 3's 10 s. Registered now, it is kept.
-    send.write_all(&part(4, 1).encode()).await.unwrap();
-    assert_eq!(epoch_answer(&mut recv).await, 1);
-    clock.await.unwrap();
-    held.await.unwrap();
-    send.write_all(&commit_of(4, payload, 1).encode())
-        .await
-        .unwrap();
-    let (reply, done) = answer_after_confirmations(&mut recv).await;
-    assert!(
-        matches!(
-            reply,
-            Some(Control::Published {
-                id: TransferId(4),
-                ..
-            })
-        ),
-        "expected transfer 4 published with its held chunk, got {reply:?}"
-    );
-    assert_eq!(done, [0]);
+    register_and_publish(&mut send, &mut recv, 4, payload, [clock, held]).await;
 
     // Transfer 6's part is never registered: its chunk is dropped when
     // the wait ends, and the commit asks for it. (New bytes: a chunk the
@@ -1361,24 +1369,7 @@ async fn a_commit_ends_a_held_chunks_wait() {
     }
     // Transfer 8's chunk, held since before, is still within its wait:
     // transfer 9's did not sit out its 10 s. Registered now, it is kept.
-    send.write_all(&part(8, 1).encode()).await.unwrap();
-    assert_eq!(epoch_answer(&mut recv).await, 1);
-    clock.await.unwrap();
-    send.write_all(&commit_of(8, early, 1).encode())
-        .await
-        .unwrap();
-    let (reply, done) = answer_after_confirmations(&mut recv).await;
-    assert!(
-        matches!(
-            reply,
-            Some(Control::Published {
-                id: TransferId(8),
-                ..
-            })
-        ),
-        "expected transfer 8 published with its held chunk, got {reply:?}"
-    );
-    assert_eq!(done, [0]);
+    register_and_publish(&mut send, &mut recv, 8, early, [clock]).await;
     let m = s._sink.render_metrics().await.unwrap();
     assert!(
         !m.lines()
