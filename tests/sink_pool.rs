@@ -1026,6 +1026,96 @@ async fn a_watched_checkpoint_s_rest_is_striped_across_the_pool_at_its_commit() 
     pool.finish().await;
 }
 
+/// A checkpoint still being written: once its complete files add up to
+/// more than a part per live source agent, they are striped across the
+/// pool before the commit (both source agents send and release parts of
+/// them while its commit marker does not exist yet); the rest follows at
+/// the commit. Published once, byte-identical, every claim released,
+/// none overlapping.
+#[tokio::test]
+async fn complete_files_of_a_checkpoint_still_being_written_are_striped_across_the_pool() {
+    let w = World::new("striped-writing").await;
+    let root = w.source_root();
+    std::fs::create_dir_all(&root).unwrap();
+    let on = StripedOn {
+        watch: true,
+        ..Default::default()
+    };
+    let pool = striped_pool_with(&w, "writing", "80Mbit/s", &[], on).await;
+    // A DCP save made beside the root, copied in file by file: its data
+    // files (4 ranks of 24 MB, 3 parts each) first, its `.metadata` (the
+    // commit) only once both source agents have released parts.
+    let staging = w.root.join("staging");
+    let mut gen = w.spawn_dcp_save(&staging, "900", "96MB", "8Gbit/s");
+    let status = gen.wait().await.unwrap();
+    w.ensure(status.success(), || format!("ferry gen failed: {status}"));
+    let made = staging.join("step_00000900");
+    let ckpt = root.join("step_00000900");
+    std::fs::create_dir_all(&ckpt).unwrap();
+    let mut names: Vec<String> = std::fs::read_dir(&made)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    w.ensure(names.iter().any(|n| n == ".metadata"), || {
+        format!("the DCP save has no .metadata: {names:?}")
+    });
+    for n in names.iter().filter(|n| *n != ".metadata") {
+        std::fs::copy(made.join(n), ckpt.join(n)).unwrap();
+    }
+    w.wait_until(
+        "both source agents to release parts before the commit",
+        TRANSFER,
+        async || {
+            let claims = part_claims(&pool.source_db).await;
+            let released = |a: &str| {
+                claims
+                    .iter()
+                    .any(|c| c.2 == a && c.5.as_deref() == Some("released"))
+            };
+            if released(SOURCE_NAME) && released(SOURCE_2) {
+                Ok(())
+            } else {
+                Err(format!("{claims:?}"))
+            }
+        },
+    )
+    .await;
+    let path = ckpt.to_str().unwrap().to_string();
+    let ts = w.transfers(&pool.sources[0]).await;
+    w.ensure(
+        ts.iter()
+            .any(|t| s(t, "source_path") == path && s(t, "state") == "active"),
+        || format!("the checkpoint's transfer should be active before its commit: {ts:?}"),
+    );
+    std::fs::copy(made.join(".metadata"), ckpt.join(".metadata")).unwrap();
+    w.wait_until("the checkpoint to publish", TRANSFER, async || {
+        let ts = w.transfers(&pool.sources[0]).await;
+        let mine: Vec<&Value> = ts.iter().filter(|t| s(t, "source_path") == path).collect();
+        match mine.as_slice() {
+            [t] if s(t, "state") == "published" => Ok(()),
+            [t] if matches!(s(t, "state"), "failed" | "cancelled") => {
+                w.fail(format!("the transfer ended: {t}"))
+            }
+            [t] => Err(format!("transfer {}", s(t, "state"))),
+            more => Err(format!("{} transfers: {more:?}", more.len())),
+        }
+    })
+    .await;
+    w.assert_same_tree(&ckpt, &w.replica_path("step_00000900"));
+    assert_shared_and_released(&w, &part_claims(&pool.source_db).await);
+    let (states, _) = catalog_view(&pool.sink_db, "step_00000900").await;
+    w.ensure(states == ["published"], || {
+        format!("one replica row, published once: {states:?}")
+    });
+    let log = pool.sources[0].stderr() + &pool.sources[1].stderr();
+    w.ensure(
+        log.contains("its complete files are striped across the source pool"),
+        || format!("the watching agent should say it stripes the complete files:\n{log}"),
+    );
+    pool.finish().await;
+}
+
 /// The source site's PostgreSQL gone for 10 s while both source agents
 /// hold parts: they stop sending the parts before their leases could
 /// lapse, nothing is published meanwhile; once it is back the lapsed

@@ -236,6 +236,10 @@ struct LiveProgress {
     /// Payload bytes of a striped transfer's parts that other agents of
     /// the pool sent and released (its coordinator's run counts them).
     by_others: AtomicU64,
+    /// Payload bytes other agents sent in parts of plans this run stored
+    /// and replaced since (a watched checkpoint striped in rounds while it
+    /// is written).
+    others_before: AtomicU64,
     /// [`Progress::rate_bps`] as `f64` bits, set by the sampler.
     rate_bits: AtomicU64,
     /// The catalog's `bytes_done` when this run started.
@@ -253,6 +257,7 @@ impl LiveProgress {
         let total = self.total.load(Ordering::Relaxed);
         let run = self.skipped.load(Ordering::Relaxed)
             + self.by_others.load(Ordering::Relaxed)
+            + self.others_before.load(Ordering::Relaxed)
             + self.verified_or_sent();
         self.done_before.max(run.min(total))
     }
@@ -270,7 +275,8 @@ impl LiveProgress {
             bytes_total: self.total.load(Ordering::Relaxed),
             bytes_sent: self.sent.load(Ordering::Relaxed),
             bytes_skipped: self.skipped.load(Ordering::Relaxed)
-                + self.by_others.load(Ordering::Relaxed),
+                + self.by_others.load(Ordering::Relaxed)
+                + self.others_before.load(Ordering::Relaxed),
             bytes_verified: self.verified_or_sent(),
             rate_bps: f64::from_bits(self.rate_bits.load(Ordering::Relaxed)),
         }

@@ -1,5 +1,5 @@
-//! One pushed transfer, or the rest of a watched one at its commit
-//! ([`stripe_at_commit`]), striped across the source agents of a pool
+//! One pushed transfer, or the complete files of a watched one while it is
+//! written and its rest at its commit ([`stripe_watched`]), striped across the source agents of a pool
 //! (ARCHITECTURE.md, "Pool", "Parts").
 //!
 //! The agent holding the transfer's lease, its coordinator, lists the
@@ -320,9 +320,10 @@ async fn send_until_done(
     }
 }
 
-/// Whether watched transfer `t`'s rest is striped across the pool at its
-/// commit: an agent of a pool on PostgreSQL, a whole (`full` profile)
-/// transfer not sent weights first.
+/// Whether watched transfer `t` is striped across the pool (its complete
+/// files while it is written, its rest at its commit; see
+/// [`stripe_watched`]): an agent of a pool on PostgreSQL, a whole (`full`
+/// profile) transfer not sent weights first.
 pub(super) fn watched_striped(inner: &Inner, t: &Transfer, weights_first: bool) -> bool {
     inner.cfg.pool.is_some()
         && inner.catalog.dialect() == ferry_catalog::dialect::Dialect::Postgres
@@ -330,22 +331,42 @@ pub(super) fn watched_striped(inner: &Inner, t: &Transfer, weights_first: bool) 
         && !weights_first
 }
 
-/// A watched checkpoint at its commit, as its run hands it to
-/// [`stripe_at_commit`].
-pub(super) struct WatchedAtCommit<'a> {
+/// Bytes of complete files a watched checkpoint still being written must
+/// have unread (not read in full and confirmed by its run) before they
+/// are striped across the pool ([`stripe_watched`]): one part per live
+/// source agent of the pool. `None` when this agent is in no pool or the
+/// only live source agent of its pool: its run sends them itself.
+pub(super) fn writing_threshold(inner: &Inner) -> Option<u64> {
+    let pool = inner.cfg.pool.as_ref()?;
+    let peers = u64::from(pool.live_peers());
+    (peers > 1).then(|| pool.config().part_size.max(1).saturating_mul(peers))
+}
+
+/// A watched checkpoint's files that can no longer change, as its run
+/// hands them to [`stripe_watched`]: at its commit, every file of the
+/// committed view; while it is written, the files complete so far.
+pub(super) struct WatchedFiles<'a> {
     /// The run's file table (what the sink was sent), in its order.
     pub table: &'a [FileInfo],
-    /// Positions in `table` of the committed view's files.
+    /// Positions in `table` of the files to stripe.
     pub files: Vec<u32>,
-    /// Positions in `table` of the commit markers, in publish order.
+    /// Positions in `table` of the commit markers, in publish order
+    /// (none before the commit).
     pub markers: Vec<u32>,
+    /// Whether the checkpoint is committed (its file set final).
+    pub committed: bool,
+    /// `planned_at` of the plan this run stored last (Unix ms), if any:
+    /// a later round replaces it rather than continuing it.
+    pub made: Option<i64>,
     /// Whether the run has chunk `chunk` of the file at position `file`
     /// read in full and its hash (it confirmed the whole file).
     pub known: &'a (dyn Fn(u32, u64) -> bool + Sync),
 }
 
-/// What the pool's parts gave a watched run (see [`stripe_at_commit`]).
+/// What the pool's parts gave a watched run (see [`stripe_watched`]).
 pub(super) struct StripedRest {
+    /// `planned_at` of the plan whose parts were sent (Unix ms).
+    pub planned_at: i64,
     /// The chunks the sink held when the run opened the transfer again.
     pub have: HashSet<u64>,
     /// Each part-read chunk's key and BLAKE3 hash.
@@ -355,11 +376,16 @@ pub(super) struct StripedRest {
     pub stable: Vec<(u32, u64, i64)>,
 }
 
-/// The rest of a watched checkpoint, once it is committed (its file set
-/// final), striped across the source pool like a pushed transfer: the
-/// chunks the run has not read in full and confirmed, split into parts
-/// any agent of the pool claims, the run's agent among them. `None`, and
-/// nothing done, when what is left fits in one part. Otherwise: waits
+/// Files of a watched checkpoint that can no longer change, striped
+/// across the source pool like a pushed transfer: the chunks of `w.files`
+/// the run has not read in full and confirmed, split into parts any agent
+/// of the pool claims, the run's agent among them. At the commit (`w.files`
+/// is then the final file set) `None`, and nothing done, when what is
+/// left fits in one part; while the checkpoint is written (`w.files` its
+/// complete files, a round of its own for each batch of them), when the
+/// pool has one live source agent or what is left fits in one part per
+/// live source agent (at least two): the run sends those itself, as it
+/// sends the growing files' full chunks. Otherwise: waits
 /// until every batch the run sent is confirmed, opens the transfer at the
 /// sink again with the run's table (the sink records the table in its
 /// catalog, so the sink pool's other agents find it when the source
@@ -367,20 +393,24 @@ pub(super) struct StripedRest {
 /// open's), stores the plan (or continues this table's plan from an
 /// earlier run), sends parts until none is left, and checks each file
 /// read in parts against what it is now: one rewritten while read has its
-/// parts read again. The run seals with the returned hashes.
+/// parts read again. The run keeps the returned hashes and seals with
+/// them. A plan stored by an earlier round of this run is replaced (its
+/// parts are done; the numbering of the new one's first claims goes on
+/// after its epochs); one stored by another run with the same table is
+/// continued (this agent took the watch over).
 ///
 /// # Errors
 /// [`RunError::Cancelled`] when the watcher gives the checkpoint up
-/// meanwhile; [`RunError::Retry`] when a file's size changed since the
-/// commit (the next run plans again, from the stored plan's file order)
+/// meanwhile; [`RunError::Retry`] when a file's size changed since it was
+/// complete (the next run plans again, from the stored plan's file order)
 /// or another run stored a plan of another table in between; catalog,
 /// sink and connection errors.
 #[allow(clippy::too_many_arguments)]
-pub(super) async fn stripe_at_commit(
+pub(super) async fn stripe_watched(
     inner: &Arc<Inner>,
     c: &LinkConn,
     t: &Transfer,
-    w: WatchedAtCommit<'_>,
+    w: WatchedFiles<'_>,
     rx: &mut mpsc::UnboundedReceiver<Control>,
     need: &mut Vec<u64>,
     progress: &Arc<LiveProgress>,
@@ -408,7 +438,12 @@ pub(super) async fn stripe_at_commit(
                 .sum::<u64>()
         })
         .sum();
-    if unread <= cfg.part_size {
+    let worth = if w.committed {
+        unread > cfg.part_size
+    } else {
+        writing_threshold(inner).is_some_and(|limit| unread > limit)
+    };
+    if !worth {
         return Ok(None);
     }
     // Every batch so far recorded at the sink, then a new open there: its
@@ -440,9 +475,22 @@ pub(super) async fn stripe_at_commit(
     let plan = match inner.catalog.transfer_plan(id).await? {
         // An earlier run of this table planned it (this agent took the
         // watch over): its parts go on, the rest is read again below.
-        Some(p) if p.files == w.table && p.chunk_size == chunk_size => p,
+        Some(p)
+            if p.files == w.table && p.chunk_size == chunk_size && Some(p.planned_at) != w.made =>
+        {
+            p
+        }
         other => {
-            if other.is_some() {
+            if let Some(p) = other {
+                // This run's earlier round: what the other agents sent of
+                // it stays in the transfer's progress.
+                if Some(p.planned_at) == w.made {
+                    count_others(inner, id, progress).await;
+                    let b = progress.by_others.swap(0, Ordering::Relaxed);
+                    progress.others_before.fetch_add(b, Ordering::Relaxed);
+                } else {
+                    progress.by_others.store(0, Ordering::Relaxed);
+                }
                 inner.catalog.drop_plan(id).await?;
             }
             inner
@@ -466,14 +514,26 @@ pub(super) async fn stripe_at_commit(
         ));
     }
     let status = inner.catalog.parts_status(id).await?;
-    info!(
-        transfer = %id,
-        unread_bytes = unread,
-        parts = status.total,
-        parts_done = status.done,
-        part_size = plan.part_size,
-        "checkpoint committed: the rest is striped across the source pool; any source agent may claim its parts"
-    );
+    if w.committed {
+        info!(
+            transfer = %id,
+            unread_bytes = unread,
+            parts = status.total,
+            parts_done = status.done,
+            part_size = plan.part_size,
+            "checkpoint committed: the rest is striped across the source pool; any source agent may claim its parts"
+        );
+    } else {
+        info!(
+            transfer = %id,
+            unread_bytes = unread,
+            files = w.files.len(),
+            parts = status.total,
+            parts_done = status.done,
+            part_size = plan.part_size,
+            "checkpoint still being written: its complete files are striped across the source pool; any source agent may claim their parts"
+        );
+    }
     let s = Striping {
         t,
         plan: &plan,
@@ -497,6 +557,7 @@ pub(super) async fn stripe_at_commit(
                 .filter_map(|(fi, n)| n.map(|(size, mtime, _)| (fi as u32, size, mtime)))
                 .collect();
             return Ok(Some(StripedRest {
+                planned_at: plan.planned_at,
                 have,
                 hashes: ck.hashes.into_iter().collect(),
                 stable,

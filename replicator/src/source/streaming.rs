@@ -18,6 +18,10 @@
 //!   training job rewriting its own file, not against an adversary with
 //!   write access to the checkpoint; what reaches the sink is verified with
 //!   BLAKE3 either way;
+//! - in a pool on PostgreSQL, hands complete files to the pool as parts
+//!   any source agent claims, while the checkpoint is written once enough
+//!   of them wait, and the rest at its commit ([`parts::stripe_watched`],
+//!   [`HandOver`]), keeping the parts' hashes;
 //! - at commit, seals the manifest from the chunk hashes of the frozen file
 //!   set (temporaries and filtered files were never in the view) and hands
 //!   it to the commit loop shared with `ferry push`.
@@ -215,6 +219,74 @@ fn run_jobs(
     Ok(results)
 }
 
+/// When a send round of a striped checkpoint still being written ends
+/// early: at its commit, or once its complete files that the round does
+/// not read in full, and that were not confirmed before it, add up to more
+/// than [`parts::writing_threshold`] (then the pool takes them).
+struct HandOver {
+    view: std::sync::Mutex<watch::Receiver<CheckpointView>>,
+    /// Paths of the files read in full by this round or confirmed before.
+    settled: HashSet<String>,
+    /// [`parts::writing_threshold`] at the round's start, bytes.
+    limit: u64,
+    /// Once due, due for the rest of the round.
+    fired: std::sync::atomic::AtomicBool,
+}
+
+impl HandOver {
+    /// For a round of `jobs` (`view` follows the watcher): `None` when the pool would not take complete files now
+    /// (see [`parts::writing_threshold`]).
+    fn new(
+        inner: &Inner,
+        view: &watch::Receiver<CheckpointView>,
+        jobs: &[FileJob],
+        table: &[FileInfo],
+        tracks: &[Track],
+    ) -> Option<Self> {
+        let limit = parts::writing_threshold(inner)?;
+        let mut settled: HashSet<String> = jobs
+            .iter()
+            .filter(|j| j.full)
+            .filter_map(|j| table.get(j.idx as usize).map(|f| f.path.clone()))
+            .collect();
+        for (f, tr) in table.iter().zip(tracks) {
+            if tr.verified == Some((f.size, f.mtime_ns)) {
+                settled.insert(f.path.clone());
+            }
+        }
+        Some(HandOver {
+            view: std::sync::Mutex::new(view.clone()),
+            settled,
+            limit,
+            fired: Default::default(),
+        })
+    }
+
+    /// True once the round should end: the checkpoint is committed, or its
+    /// complete files not settled add up to more than the limit; then for
+    /// the rest of the round. Looks at the watcher's view only when it
+    /// changed.
+    fn due(&self) -> bool {
+        if self.fired.load(Ordering::Relaxed) {
+            return true;
+        }
+        let mut rx = crate::lock::lock(&self.view);
+        if !rx.has_changed().unwrap_or(false) {
+            return false;
+        }
+        let v = rx.borrow_and_update();
+        let due = matches!(v.state, ViewState::Committed { .. })
+            || v.files
+                .iter()
+                .filter(|f| f.complete && !self.settled.contains(&f.info.path))
+                .map(|f| f.info.size)
+                .sum::<u64>()
+                > self.limit;
+        self.fired.store(due, Ordering::Relaxed);
+        due
+    }
+}
+
 /// Replicates a checkpoint the watcher follows, from its first files to
 /// the sink's publish.
 pub(super) async fn run_watched(
@@ -286,6 +358,10 @@ pub(super) async fn run_watched(
     let mut first_commit: Option<i64> = None;
     // Whether the rest was offered to the pool at the commit.
     let mut striping_tried = false;
+    // `planned_at` of the plan this run stored last (its complete files
+    // striped while the checkpoint is written, or its rest at the commit).
+    let mut made: Option<i64> = None;
+    let striped = parts::watched_striped(inner, &t, weights_first);
     let (markers, committed_ms, siblings, last) = loop {
         let v = view.borrow_and_update().clone();
         let committed = match &v.state {
@@ -358,78 +434,92 @@ pub(super) async fn run_watched(
                 Arc::make_mut(&mut have).remove(&k);
             }
         }
-        if committed && !striping_tried && parts::watched_striped(inner, &t, weights_first) {
-            striping_tried = true;
-            if let ViewState::Committed { markers, .. } = &v.state {
-                let files: Vec<u32> = v.files.iter().map(|f| pos[&f.info.path]).collect();
-                let markers: Vec<u32> =
-                    markers.iter().filter_map(|m| pos.get(m).copied()).collect();
-                for f in &v.files {
-                    let tr = &mut tracks[pos[&f.info.path] as usize];
-                    let n = chunk_count(f.info.size, chunk_size) as usize;
-                    tr.hashes.resize(n, None);
-                    tr.quick.resize(n, None);
-                }
-                let known = |f: u32, ci: u64| {
-                    let (Some(tr), Some(vf)) = (tracks.get(f as usize), table.get(f as usize))
-                    else {
-                        return false;
-                    };
-                    tr.verified
-                        .is_some_and(|(size, mtime)| (size, mtime) == (vf.size, vf.mtime_ns))
-                        && tr.hashes.get(ci as usize).copied().flatten().is_some()
+        // Files that can no longer change go to the pool: complete files
+        // while the checkpoint is written (when enough of them wait), the
+        // rest at the commit.
+        if striped && !(committed && striping_tried) {
+            striping_tried |= committed;
+            let (files, markers): (Vec<u32>, Vec<u32>) = match &v.state {
+                ViewState::Committed { markers, .. } => (
+                    v.files.iter().map(|f| pos[&f.info.path]).collect(),
+                    markers.iter().filter_map(|m| pos.get(m).copied()).collect(),
+                ),
+                _ => (
+                    v.files
+                        .iter()
+                        .filter(|f| f.complete)
+                        .map(|f| pos[&f.info.path])
+                        .collect(),
+                    Vec::new(),
+                ),
+            };
+            for f in &v.files {
+                let tr = &mut tracks[pos[&f.info.path] as usize];
+                let n = chunk_count(f.info.size, chunk_size) as usize;
+                tr.hashes.resize(n, None);
+                tr.quick.resize(n, None);
+            }
+            let known = |f: u32, ci: u64| {
+                let (Some(tr), Some(vf)) = (tracks.get(f as usize), table.get(f as usize)) else {
+                    return false;
                 };
-                let at_commit = parts::WatchedAtCommit {
-                    table: &table,
-                    files,
-                    markers,
-                    known: &known,
-                };
-                let rest = parts::stripe_at_commit(
-                    inner, c, &t, at_commit, &mut rx, &mut need, &progress, &mut view,
-                )
-                .await?;
-                if let Some(rest) = rest {
-                    have = Arc::new(rest.have);
-                    let read_in_parts: HashSet<u64> = rest.hashes.iter().map(|(k, _)| *k).collect();
-                    for (k, h) in rest.hashes {
-                        let (f, ci) = ((k >> 32) as usize, k as u32 as usize);
-                        if let Some(tr) = tracks.get_mut(f) {
-                            if let Some(slot) = tr.hashes.get_mut(ci) {
-                                *slot = Some(h);
-                            }
-                            // Its quick hash was of what this run read.
-                            if let Some(q) = tr.quick.get_mut(ci) {
-                                *q = None;
-                            }
+                tr.verified
+                    .is_some_and(|(size, mtime)| (size, mtime) == (vf.size, vf.mtime_ns))
+                    && tr.hashes.get(ci as usize).copied().flatten().is_some()
+            };
+            let watched = parts::WatchedFiles {
+                table: &table,
+                files,
+                markers,
+                committed,
+                made,
+                known: &known,
+            };
+            let rest = parts::stripe_watched(
+                inner, c, &t, watched, &mut rx, &mut need, &progress, &mut view,
+            )
+            .await?;
+            if let Some(rest) = rest {
+                made = Some(rest.planned_at);
+                have = Arc::new(rest.have);
+                let read_in_parts: HashSet<u64> = rest.hashes.iter().map(|(k, _)| *k).collect();
+                for (k, h) in rest.hashes {
+                    let (f, ci) = ((k >> 32) as usize, k as u32 as usize);
+                    if let Some(tr) = tracks.get_mut(f) {
+                        if let Some(slot) = tr.hashes.get_mut(ci) {
+                            *slot = Some(h);
+                        }
+                        // Its quick hash was of what this run read.
+                        if let Some(q) = tr.quick.get_mut(ci) {
+                            *q = None;
                         }
                     }
-                    // A file read in parts, unchanged since, whose other
-                    // chunks this run hashed at the same size and mtime,
-                    // is confirmed. One this run read at another version
-                    // (rewritten after the commit, in place) loses this
-                    // run's hashes, and so does one with chunks an
-                    // earlier run left out of its plan: read again below.
-                    for (f, size, mtime) in rest.stable {
-                        if let Some(tr) = tracks.get_mut(f as usize) {
-                            if tr.verified != Some((size, mtime)) {
-                                for (ci, h) in tr.hashes.iter_mut().enumerate() {
-                                    let k = u64::from(f) << 32 | ci as u64;
-                                    if !read_in_parts.contains(&k) {
-                                        *h = None;
-                                    }
+                }
+                // A file read in parts, unchanged since, whose other
+                // chunks this run hashed at the same size and mtime,
+                // is confirmed. One this run read at another version
+                // (rewritten after the commit, in place) loses this
+                // run's hashes, and so does one with chunks an
+                // earlier run left out of its plan: read again below.
+                for (f, size, mtime) in rest.stable {
+                    if let Some(tr) = tracks.get_mut(f as usize) {
+                        if tr.verified != Some((size, mtime)) {
+                            for (ci, h) in tr.hashes.iter_mut().enumerate() {
+                                let k = u64::from(f) << 32 | ci as u64;
+                                if !read_in_parts.contains(&k) {
+                                    *h = None;
                                 }
                             }
-                            if tr.hashes.iter().all(Option::is_some) {
-                                tr.verified = Some((size, mtime));
-                                tr.provisional = false;
-                            } else {
-                                tr.verified = None;
-                            }
+                        }
+                        if tr.hashes.iter().all(Option::is_some) {
+                            tr.verified = Some((size, mtime));
+                            tr.provisional = false;
+                        } else {
+                            tr.verified = None;
                         }
                     }
-                    continue;
                 }
+                continue;
             }
         }
         let mut jobs = Vec::new();
@@ -517,6 +607,13 @@ pub(super) async fn run_watched(
             // it, so that the weights left go before the optimizer state.
             let view2 = view.clone();
             let interrupt = weights_first && !committed;
+            // Striped: a round that began while the checkpoint was written
+            // ends at its commit, or once enough complete files wait that
+            // this round does not read in full, so that the pool takes
+            // them (above).
+            let handover = (striped && !committed)
+                .then(|| HandOver::new(inner, &view, &jobs, &table, &tracks))
+                .flatten();
             let results = send_round(
                 inner,
                 c,
@@ -526,8 +623,10 @@ pub(super) async fn run_watched(
                 &mut need,
                 None,
                 move |out| {
-                    let stop =
-                        || interrupt && matches!(view2.borrow().state, ViewState::Committed { .. });
+                    let stop = || {
+                        (interrupt && matches!(view2.borrow().state, ViewState::Committed { .. }))
+                            || handover.as_ref().is_some_and(HandOver::due)
+                    };
                     run_jobs(&inner2, jobs, &have2, chunk_size, out, &stop)
                 },
             )
@@ -782,4 +881,78 @@ pub(super) fn opens_weights_first(c: &LinkConn, t: &Transfer) -> bool {
             .as_deref()
             .and_then(|f| f.parse::<Format>().ok())
             .is_none_or(|f| crate::formats::splits_weights(f).is_ok())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn file(path: &str, size: u64, complete: bool) -> ViewFile {
+        ViewFile {
+            info: FileInfo {
+                path: path.into(),
+                size,
+                mode: 0o644,
+                mtime_ns: 1,
+            },
+            complete,
+            appendable: true,
+        }
+    }
+
+    fn view(files: Vec<ViewFile>, state: ViewState) -> CheckpointView {
+        CheckpointView {
+            files,
+            state,
+            opened_ms: 0,
+        }
+    }
+
+    #[test]
+    fn a_round_hands_over_once_enough_complete_files_it_does_not_read_wait() {
+        let (tx, rx) = watch::channel(view(vec![file("a", 30, false)], ViewState::Open));
+        let round = || HandOver {
+            view: std::sync::Mutex::new(rx.clone()),
+            settled: ["a".to_string()].into_iter().collect(),
+            limit: 20,
+            fired: Default::default(),
+        };
+        let h = round();
+        assert!(!h.due(), "no new view");
+        // `a` is the round's own; `b` still grows; `c` is complete but
+        // within the limit.
+        tx.send(view(
+            vec![
+                file("a", 30, true),
+                file("b", 50, false),
+                file("c", 20, true),
+            ],
+            ViewState::Open,
+        ))
+        .unwrap();
+        assert!(!h.due());
+        tx.send(view(
+            vec![
+                file("a", 30, true),
+                file("b", 50, true),
+                file("c", 20, true),
+            ],
+            ViewState::Open,
+        ))
+        .unwrap();
+        assert!(h.due(), "b and c complete: 70 bytes wait");
+        assert!(h.due(), "due for the rest of the round");
+        let h = round();
+        tx.send(view(
+            vec![file("a", 30, true)],
+            ViewState::Committed {
+                markers: Vec::new(),
+                committed_ms: 0,
+                siblings: Vec::new(),
+            },
+        ))
+        .unwrap();
+        assert!(h.due(), "the commit ends the round");
+    }
 }
