@@ -64,15 +64,22 @@ pub struct PoolSection {
     #[serde(default = "default_lease_timeout", with = "humantime_serde")]
     pub lease_timeout: Duration,
     /// Payload per part of a striped transfer (`"256MiB"`): on a
-    /// PostgreSQL catalog a pushed transfer's chunks (and what is left of
-    /// a watched one at its commit) are grouped into parts of about this
-    /// size, which every source agent of the pool claims and sends. At
-    /// least 1MiB. Default 256MiB.
+    /// PostgreSQL catalog a pushed transfer's chunks (and a watched one's
+    /// complete files while it is written, and what is left of it at its
+    /// commit) are grouped into parts of about this size, which every
+    /// source agent of the pool claims and sends. At least 1MiB. Default
+    /// 256MiB.
     #[serde(default = "default_part_size", deserialize_with = "de_size")]
     pub part_size: u64,
     /// Most parts one agent holds at once (1..64). Default 4.
     #[serde(default = "default_max_parts")]
     pub max_parts: usize,
+    /// Stripe a watched checkpoint's complete files across the pool
+    /// while it is still written, once more than one part per live
+    /// source agent of them waits; false leaves them to the watching
+    /// agent until the commit. Default true.
+    #[serde(default = "default_true")]
+    pub stripe_while_writing: bool,
 }
 
 fn default_part_size() -> u64 {
@@ -98,6 +105,7 @@ impl Default for PoolSection {
             lease_timeout: default_lease_timeout(),
             part_size: default_part_size(),
             max_parts: default_max_parts(),
+            stripe_while_writing: true,
         }
     }
 }
@@ -110,6 +118,7 @@ impl PoolSection {
             lease_timeout: self.lease_timeout,
             part_size: self.part_size,
             max_parts: self.max_parts,
+            stripe_while_writing: self.stripe_while_writing,
         }
     }
 }

@@ -54,7 +54,13 @@ pub struct DemoArgs {
     pub keep: bool,
     /// Write rate of the second phase's training job (a DCP save of
     /// --size bytes by 4 ranks that the watcher replicates while it is
-    /// written); default half the link rate.
+    /// written); default half the link rate. With --agents: instead of
+    /// pushing, a training job writes one checkpoint of --size at this
+    /// rate the way transformers' save_pretrained does (safetensors
+    /// shards one after another, the index last) into a root every source
+    /// agent watches (one holds the watch); prints how long after its
+    /// commit the replica was published and how many parts each source
+    /// agent claimed before the commit.
     #[arg(long, value_parser = crate::config::parse_rate)]
     pub write_rate: Option<u64>,
     /// When the second phase's transfer starts: "on_open" (stream while
@@ -114,17 +120,27 @@ pub struct DemoArgs {
     /// source agents in turn (each runs on whichever source agent of the
     /// pool claims it; one larger than --part-size is striped across
     /// them all) and prints each agent's payload bytes.
-    #[arg(long, value_name = "N", conflicts_with_all = ["write_rate", "start", "no_watch", "priority", "keep_running", "weights_first"])]
+    #[arg(long, value_name = "N", conflicts_with_all = ["start", "no_watch", "priority", "keep_running", "weights_first"])]
     pub agents: Option<usize>,
     /// --agents: how many checkpoints to push (1 to 64; default 2 x N).
     /// One checkpoint shows one transfer striped across the pool.
-    #[arg(long, value_name = "K", requires = "agents")]
+    #[arg(
+        long,
+        value_name = "K",
+        requires = "agents",
+        conflicts_with = "write_rate"
+    )]
     pub checkpoints: Option<usize>,
     /// --agents: the pool's part size (`[pool] part_size`), e.g. 32MiB:
     /// a checkpoint larger than this is striped across the source agents.
     /// Default 256MiB.
     #[arg(long, value_name = "SIZE", requires = "agents", value_parser = ferry_proto::units::parse_size)]
     pub part_size: Option<u64>,
+    /// --agents --write-rate: the source agents' `[pool]
+    /// stripe_while_writing = false` (the watching agent sends the
+    /// complete files alone until the commit), to compare.
+    #[arg(long, requires = "write_rate")]
+    pub no_stripe_while_writing: bool,
     /// --agents: pre-emption across the pool instead. A background
     /// checkpoint of --size is striped over every source agent; once
     /// each holds parts of it and it ran 10 RTT (2 s at least), an urgent
@@ -134,7 +150,7 @@ pub struct DemoArgs {
     /// fall to 20 % of the link's budget (--rate) or below, and to the
     /// first in which the urgent checkpoint's reach 80 % of it, and both
     /// checkpoints' arrival rates per 50 ms around the signal.
-    #[arg(long, requires = "agents", conflicts_with = "checkpoints")]
+    #[arg(long, requires = "agents", conflicts_with_all = ["checkpoints", "write_rate"])]
     pub preempt: bool,
     /// --agents: run the source agents in network namespace `ferry-src`
     /// and the sink agents in `ferry-dst`, joined by the emulator that

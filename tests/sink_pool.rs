@@ -1029,9 +1029,10 @@ async fn a_watched_checkpoint_s_rest_is_striped_across_the_pool_at_its_commit() 
 /// A checkpoint still being written: once its complete files add up to
 /// more than a part per live source agent, they are striped across the
 /// pool before the commit (both source agents send and release parts of
-/// them while its commit marker does not exist yet); the rest follows at
-/// the commit. Published once, byte-identical, every claim released,
-/// none overlapping.
+/// them while its commit marker does not exist yet), in a round of their
+/// own for each batch of them (a later round's plan replaces the earlier
+/// one's); the rest follows at the commit. Published once,
+/// byte-identical, every claim released, none overlapping.
 #[tokio::test]
 async fn complete_files_of_a_checkpoint_still_being_written_are_striped_across_the_pool() {
     let w = World::new("striped-writing").await;
@@ -1042,9 +1043,11 @@ async fn complete_files_of_a_checkpoint_still_being_written_are_striped_across_t
         ..Default::default()
     };
     let pool = striped_pool_with(&w, "writing", "80Mbit/s", &[], on).await;
-    // A DCP save made beside the root, copied in file by file: its data
-    // files (4 ranks of 24 MB, 3 parts each) first, its `.metadata` (the
-    // commit) only once both source agents have released parts.
+    // A DCP save made beside the root, copied in file by file: two of its
+    // data files (4 ranks of 24 MB, 3 parts each), then the other two
+    // once both source agents released parts of the first, then its
+    // `.metadata` (the commit) once a part of the second round's plan
+    // was released.
     let staging = w.root.join("staging");
     let mut gen = w.spawn_dcp_save(&staging, "900", "96MB", "8Gbit/s");
     let status = gen.wait().await.unwrap();
@@ -1057,23 +1060,71 @@ async fn complete_files_of_a_checkpoint_still_being_written_are_striped_across_t
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     names.sort();
-    w.ensure(names.iter().any(|n| n == ".metadata"), || {
-        format!("the DCP save has no .metadata: {names:?}")
-    });
-    for n in names.iter().filter(|n| *n != ".metadata") {
-        std::fs::copy(made.join(n), ckpt.join(n)).unwrap();
+    let data: Vec<&String> = names.iter().filter(|n| n.ends_with(".distcp")).collect();
+    w.ensure(
+        data.len() == 4 && names.iter().any(|n| n == ".metadata"),
+        || format!("the DCP save should have 4 data files and .metadata: {names:?}"),
+    );
+    // Striping while written needs a second live source agent, as each
+    // agent counts them at its heartbeats (every second here).
+    w.wait_until("both source agents to be live", TRANSFER, async || {
+        let pool_now = w
+            .get_json(&format!("{}/v1/pool", pool.sources[0].url()))
+            .await;
+        let live = |name: &str| {
+            pool_now["agents"]
+                .as_array()
+                .is_some_and(|v| v.iter().any(|x| x["name"] == name && x["state"] == "live"))
+        };
+        if live(SOURCE_NAME) && live(SOURCE_2) {
+            Ok(())
+        } else {
+            Err(format!("{pool_now}"))
+        }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let copy = |n: &str| std::fs::copy(made.join(n), ckpt.join(n)).unwrap();
+    for n in names
+        .iter()
+        .filter(|n| *n != ".metadata" && !data[2..].contains(n))
+    {
+        copy(n);
     }
+    let first = w
+        .wait_until(
+            "both source agents to release parts of the first complete files",
+            TRANSFER,
+            async || {
+                let claims = part_claims(&pool.source_db).await;
+                let released = |a: &str| {
+                    claims
+                        .iter()
+                        .any(|c| c.2 == a && c.5.as_deref() == Some("released"))
+                };
+                if released(SOURCE_NAME) && released(SOURCE_2) {
+                    Ok(claims)
+                } else {
+                    Err(format!("{claims:?}"))
+                }
+            },
+        )
+        .await;
+    for n in &data[2..] {
+        copy(n);
+    }
+    // The next round's plan: its first claims come under epochs above
+    // every earlier claim's.
+    let top = first.iter().map(|c| c.1).max().unwrap_or(0);
     w.wait_until(
-        "both source agents to release parts before the commit",
+        "a part of the next round's plan to be released",
         TRANSFER,
         async || {
             let claims = part_claims(&pool.source_db).await;
-            let released = |a: &str| {
-                claims
-                    .iter()
-                    .any(|c| c.2 == a && c.5.as_deref() == Some("released"))
-            };
-            if released(SOURCE_NAME) && released(SOURCE_2) {
+            if claims
+                .iter()
+                .any(|c| c.1 > top && c.5.as_deref() == Some("released"))
+            {
                 Ok(())
             } else {
                 Err(format!("{claims:?}"))
@@ -1109,10 +1160,12 @@ async fn complete_files_of_a_checkpoint_still_being_written_are_striped_across_t
         format!("one replica row, published once: {states:?}")
     });
     let log = pool.sources[0].stderr() + &pool.sources[1].stderr();
-    w.ensure(
-        log.contains("its complete files are striped across the source pool"),
-        || format!("the watching agent should say it stripes the complete files:\n{log}"),
-    );
+    let rounds = log
+        .matches("its complete files are striped across the source pool")
+        .count();
+    w.ensure(rounds >= 2, || {
+        format!("the watching agent should say it stripes complete files twice:\n{log}")
+    });
     pool.finish().await;
 }
 

@@ -42,13 +42,19 @@ pub struct PoolConfig {
     /// ([`PoolConfig::caveat`]).
     pub lease_timeout: Duration,
     /// Payload bytes per part of a striped transfer (default 256 MiB):
-    /// on a PostgreSQL catalog, a pushed transfer's chunks (and what is
-    /// left of a watched one at its commit) are grouped into parts of
-    /// about this size, which any source agent of the pool claims. At
-    /// least one chunk.
+    /// on a PostgreSQL catalog, a pushed transfer's chunks (and a watched
+    /// one's complete files, see [`PoolConfig::stripe_while_writing`], and
+    /// what is left of it at its commit) are grouped into parts of about
+    /// this size, which any source agent of the pool claims. At least one
+    /// chunk.
     pub part_size: u64,
     /// Most parts an agent holds at once (default 4).
     pub max_parts: usize,
+    /// Whether a watched checkpoint's complete files are striped across
+    /// the pool while it is still being written, once more than one part
+    /// per live source agent of them waits (default true); false leaves
+    /// them to the watching agent until the commit.
+    pub stripe_while_writing: bool,
 }
 
 /// Default [`PoolConfig::part_size`]: 256 MiB.
@@ -64,6 +70,7 @@ impl Default for PoolConfig {
             lease_timeout: Duration::from_secs(9),
             part_size: DEFAULT_PART_SIZE,
             max_parts: DEFAULT_MAX_PARTS,
+            stripe_while_writing: true,
         }
     }
 }

@@ -205,8 +205,10 @@ pub struct Progress {
     /// included).
     pub bytes_sent: u64,
     /// Bytes the sink already had when this run started (0 until it
-    /// says, right after the start), and, for the coordinator of a
-    /// striped transfer, those of parts other agents of the pool sent.
+    /// says, right after the start; for a watched checkpoint striped
+    /// across the pool, when its run last opened it again, its own
+    /// confirmed bytes included), and, for the coordinator of a striped
+    /// transfer, those of parts other agents of the pool sent since.
     pub bytes_skipped: u64,
     /// Payload bytes of this run the sink confirmed written and verified
     /// (whole batches, protocol version 4 on); progress follows these,
@@ -236,10 +238,6 @@ struct LiveProgress {
     /// Payload bytes of a striped transfer's parts that other agents of
     /// the pool sent and released (its coordinator's run counts them).
     by_others: AtomicU64,
-    /// Payload bytes other agents sent in parts of plans this run stored
-    /// and replaced since (a watched checkpoint striped in rounds while it
-    /// is written).
-    others_before: AtomicU64,
     /// [`Progress::rate_bps`] as `f64` bits, set by the sampler.
     rate_bits: AtomicU64,
     /// The catalog's `bytes_done` when this run started.
@@ -257,7 +255,6 @@ impl LiveProgress {
         let total = self.total.load(Ordering::Relaxed);
         let run = self.skipped.load(Ordering::Relaxed)
             + self.by_others.load(Ordering::Relaxed)
-            + self.others_before.load(Ordering::Relaxed)
             + self.verified_or_sent();
         self.done_before.max(run.min(total))
     }
@@ -275,8 +272,7 @@ impl LiveProgress {
             bytes_total: self.total.load(Ordering::Relaxed),
             bytes_sent: self.sent.load(Ordering::Relaxed),
             bytes_skipped: self.skipped.load(Ordering::Relaxed)
-                + self.by_others.load(Ordering::Relaxed)
-                + self.others_before.load(Ordering::Relaxed),
+                + self.by_others.load(Ordering::Relaxed),
             bytes_verified: self.verified_or_sent(),
             rate_bps: f64::from_bits(self.rate_bits.load(Ordering::Relaxed)),
         }

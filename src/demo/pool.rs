@@ -243,7 +243,9 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
             format!("http://{}:{api}", net.api_host("sink")),
         ));
     }
-    // The source agents: one link naming every sink agent, rotated.
+    // The source agents: one link naming every sink agent, rotated. With
+    // --write-rate every one watches the roots (one holds the watch).
+    let scan = if a.write_rate.is_some() { "1s" } else { "0s" };
     let mut source_apis = Vec::new();
     for (i, name) in sources.iter().enumerate() {
         let api = free_port(true)?;
@@ -255,7 +257,7 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
             .collect();
         let text = format!(
             "{}\n[[links]]\nname = \"to-eval\"\npeer = \"{}\"\npeer_name = \"{}\"\nmore_peers = [{}]\n\
-             rate = \"{}\"\nrtt_hint = \"{}ms\"\n\n[source]\nscan_interval = \"0s\"\n\n\
+             rate = \"{}\"\nrtt_hint = \"{}ms\"\n\n[source]\nscan_interval = \"{scan}\"\n\n\
              [[source.roots]]\npath = {}\njob = \"pool-demo\"\nlink = \"to-eval\"\n\n\
              [[source.roots]]\npath = {}\njob = \"archive\"\nlink = \"to-eval\"\n\n{}",
             head(dir, name, "train-a", "source", net.api_host("source"), api, token_hash.as_deref()),
@@ -267,7 +269,10 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
             toml_path(&root),
             toml_path(&archive),
             pool_tail(&pg.url_at(net.pg_host("source"), "ferry_train"))
-                + &format!("part_size = {}\n", part_size),
+                + &format!(
+                    "part_size = {part_size}\nstripe_while_writing = {}\n",
+                    !a.no_stripe_while_writing
+                ),
         );
         procs.push(Proc::start(&exe, dir, name, net.ns("source"), &text)?);
         source_apis.push((
@@ -324,48 +329,67 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
         return out;
     }
 
-    // The checkpoints, pushed through every source agent in turn.
-    let each = (a.size / count as u64).max(1000);
-    let mut ckpts = Vec::new();
-    for j in 0..count {
-        let ckpt = root.join(format!("step_{:06}", (j + 1) * 100));
-        let opts = ferry_gen::GenOptions::new(ckpt.clone(), each);
-        tokio::task::spawn_blocking(move || ferry_gen::generate(&opts, &|_| {}))
-            .await?
-            .with_context(|| format!("generating {}", ckpt.display()))?;
-        ckpts.push(ckpt);
-    }
-    say(format!(
-        "{count} {} of {} generated; pushing {} through the {n} source agents",
-        if count == 1 {
-            "checkpoint"
-        } else {
-            "checkpoints"
-        },
-        super::priority::mb(each),
-        if count == 1 { "it" } else { "them" },
-    ));
-    let usage0 = Usage::take(&procs, &pg, net).await;
-    let t0 = Instant::now();
-    let mut ids = Vec::new();
-    for (j, ckpt) in ckpts.iter().enumerate() {
-        let (name, url) = &source_apis[j % n];
-        let r = http
-            .post(format!("{url}/v1/transfers"))
-            .json(&json!({ "path": ckpt.to_string_lossy() }))
-            .send()
-            .await
-            .with_context(|| format!("pushing through {name}"))?;
-        let status = r.status();
-        let body: Value = r.json().await.unwrap_or(Value::Null);
-        let Some(id) = body["id"].as_i64().filter(|_| status.is_success()) else {
-            bail!(
-                "pushing {} through {name}: HTTP {status}: {body}",
-                ckpt.display()
-            );
-        };
-        ids.push(id);
-    }
+    let (ckpts, ids, each, count, usage0, t0, save) = match a.write_rate {
+        Some(rate) => {
+            let usage0 = Usage::take(&procs, &pg, net).await;
+            let t0 = Instant::now();
+            let (save, id) = write_watched(a, rate, &http, &source_apis, &root, say).await?;
+            (
+                vec![save.dir.clone()],
+                vec![id],
+                save.bytes,
+                1,
+                usage0,
+                t0,
+                Some(save),
+            )
+        }
+        None => {
+            // The checkpoints, pushed through every source agent in turn.
+            let each = (a.size / count as u64).max(1000);
+            let mut ckpts = Vec::new();
+            for j in 0..count {
+                let ckpt = root.join(format!("step_{:06}", (j + 1) * 100));
+                let opts = ferry_gen::GenOptions::new(ckpt.clone(), each);
+                tokio::task::spawn_blocking(move || ferry_gen::generate(&opts, &|_| {}))
+                    .await?
+                    .with_context(|| format!("generating {}", ckpt.display()))?;
+                ckpts.push(ckpt);
+            }
+            say(format!(
+                "{count} {} of {} generated; pushing {} through the {n} source agents",
+                if count == 1 {
+                    "checkpoint"
+                } else {
+                    "checkpoints"
+                },
+                super::priority::mb(each),
+                if count == 1 { "it" } else { "them" },
+            ));
+            let usage0 = Usage::take(&procs, &pg, net).await;
+            let t0 = Instant::now();
+            let mut ids = Vec::new();
+            for (j, ckpt) in ckpts.iter().enumerate() {
+                let (name, url) = &source_apis[j % n];
+                let r = http
+                    .post(format!("{url}/v1/transfers"))
+                    .json(&json!({ "path": ckpt.to_string_lossy() }))
+                    .send()
+                    .await
+                    .with_context(|| format!("pushing through {name}"))?;
+                let status = r.status();
+                let body: Value = r.json().await.unwrap_or(Value::Null);
+                let Some(id) = body["id"].as_i64().filter(|_| status.is_success()) else {
+                    bail!(
+                        "pushing {} through {name}: HTTP {status}: {body}",
+                        ckpt.display()
+                    );
+                };
+                ids.push(id);
+            }
+            (ckpts, ids, each, count, usage0, t0, None)
+        }
+    };
     // Every transfer published, as the pool's catalog lists them.
     let deadline = Duration::from_secs_f64(
         (super::physical_limit_s(a.size, a.rate, a.rtt) * 4.0).max(60.0) + 60.0,
@@ -415,6 +439,10 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
     }
     let wall = t0.elapsed().as_secs_f64();
     let usage = Usage::take(&procs, &pg, net).await.since(&usage0, wall);
+    let watched = match &save {
+        Some(w) => Some(watched_summary(a, w, ids[0], &http, &source_apis, &pg, say).await?),
+        None => None,
+    };
 
     // Each replica against its checkpoint.
     let chunk = ferry_proto::manifest::MIN_CHUNK_SIZE;
@@ -551,6 +579,7 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
         },
         "catalog_tps": { "source_site": usage.tps.0, "sink_site": usage.tps.1 },
         "identical": true,
+        "watched": watched,
         "link": match net {
             Net::Loopback => "a user-space relay per sink agent",
             Net::Namespaces => "ops/wanem/netns",
@@ -945,6 +974,156 @@ const TIMELINE_TO_MS: i64 = 800;
 
 /// From the source pool's catalog at `url`: how many transfers were
 /// striped, their parts and the parts' claims (0s if it cannot be read).
+/// The checkpoint `--write-rate` wrote (see [`write_watched`]).
+struct WatchedSave {
+    /// Its directory in the watched root.
+    dir: PathBuf,
+    /// Bytes of all its files.
+    bytes: u64,
+    /// From its first file opened to its commit marker, seconds.
+    write_s: f64,
+}
+
+/// Writes one checkpoint of `--size` at `rate` bit/s into `root`, which
+/// every source agent watches, as transformers' `save_pretrained` does
+/// (safetensors shards one after another, so complete files accumulate
+/// while it is written), and returns it with the id of the transfer the
+/// watching agent queued for it.
+///
+/// # Errors
+/// The save's; no transfer queued within 60 s; an API that does not
+/// answer.
+async fn write_watched(
+    a: &DemoArgs,
+    rate: u64,
+    http: &reqwest::Client,
+    source_apis: &[(String, String)],
+    root: &Path,
+    say: &dyn Fn(String),
+) -> Result<(WatchedSave, i64)> {
+    use ferry_gen::format::{GenFormat, SaveOptions};
+    let opts = SaveOptions {
+        write_rate_bps: Some(rate),
+        ..SaveOptions::new(root, GenFormat::Hf, a.size)
+    };
+    let dir = opts.checkpoint_dir();
+    say(format!(
+        "a training job writes a checkpoint ({}, save_pretrained: safetensors shards one after another) at {} into the root every source agent watches ({})",
+        super::priority::mb(a.size),
+        format_rate(rate),
+        if a.no_stripe_while_writing {
+            "stripe_while_writing = false: the watching agent sends its complete files alone until the commit"
+        } else {
+            "its complete files are striped across the pool while it is written"
+        }
+    ));
+    let save = tokio::task::spawn_blocking(move || ferry_gen::format::save(&opts, &|_| {}));
+    let path = dir.to_string_lossy().into_owned();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let id = loop {
+        let v: Value = http
+            .get(format!("{}/v1/transfers?limit=1000", source_apis[0].1))
+            .send()
+            .await?
+            .json()
+            .await?;
+        let found = v["items"].as_array().and_then(|ts| {
+            ts.iter()
+                .find(|t| t["source_path"].as_str() == Some(path.as_str()))
+                .and_then(|t| t["id"].as_i64())
+        });
+        if let Some(id) = found {
+            break id;
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "no source agent queued {} within 60 s of its first file",
+                dir.display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let saved = save
+        .await?
+        .with_context(|| format!("writing {}", dir.display()))?;
+    let write_s = saved
+        .committed_at
+        .and_then(|c| c.duration_since(saved.opened_at).ok())
+        .map_or(0.0, |d| d.as_secs_f64());
+    say(format!(
+        "written in {write_s:.2} s ({} bytes); transfer {id}",
+        saved.bytes
+    ));
+    Ok((
+        WatchedSave {
+            dir: saved.dir,
+            bytes: saved.bytes,
+            write_s,
+        },
+        id,
+    ))
+}
+
+/// Says how long after its commit watched checkpoint `w` (transfer `id`)
+/// was published, as its source agent recorded both, and how many of its
+/// parts each source agent claimed before the commit; returns the same
+/// as JSON.
+///
+/// # Errors
+/// An API or catalog that does not answer; a transfer with no commit or
+/// end time.
+async fn watched_summary(
+    a: &DemoArgs,
+    w: &WatchedSave,
+    id: i64,
+    http: &reqwest::Client,
+    source_apis: &[(String, String)],
+    pg: &Postgres,
+    say: &dyn Fn(String),
+) -> Result<Value> {
+    let t: Value = http
+        .get(format!("{}/v1/transfers/{id}", source_apis[0].1))
+        .send()
+        .await?
+        .json()
+        .await?;
+    let (Some(committed), Some(finished)) = (t["committed_at"].as_i64(), t["finished_at"].as_i64())
+    else {
+        bail!("transfer {id} has no commit or end time: {t}");
+    };
+    let lag_s = (finished - committed) as f64 / 1000.0;
+    let url =
+        ferry_catalog::PostgresUrl::parse(&pg.url("ferry_train")).map_err(anyhow::Error::msg)?;
+    let c = ferry_catalog::Catalog::open_postgres(&url, "train-a").await?;
+    let claims = c
+        .part_claims(ferry_proto::state::TransferId(id.max(0) as u64))
+        .await?;
+    let mut before: BTreeMap<String, u64> = BTreeMap::new();
+    for cl in claims.iter().filter(|cl| cl.claimed_at < committed) {
+        *before.entry(cl.agent.clone()).or_default() += 1;
+    }
+    say(format!(
+        "watched checkpoint: written in {:.2} s, published {lag_s:.2} s after its commit; parts claimed before the commit: {}",
+        w.write_s,
+        if before.is_empty() {
+            "none".to_string()
+        } else {
+            before
+                .iter()
+                .map(|(agent, n)| format!("{agent} {n}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
+    ));
+    Ok(json!({
+        "write_s": w.write_s,
+        "commit_to_published_s": lag_s,
+        "stripe_while_writing": !a.no_stripe_while_writing,
+        "claims_before_commit": before,
+        "claims": claims.len(),
+    }))
+}
+
 async fn parts_summary(url: &str) -> (u64, u64, u64) {
     let Ok(url) = ferry_catalog::PostgresUrl::parse(url) else {
         return (0, 0, 0);

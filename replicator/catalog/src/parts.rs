@@ -59,8 +59,9 @@ pub fn split_into_parts(files: &[FileInfo], chunk_size: u32, part_size: u64) -> 
 /// As [`split_into_parts`], over only the chunks `send(file, chunk)`
 /// keeps (file: position in `files`; chunk: index in the file): a chunk
 /// left out closes the part before it, so every chunk of a part's key
-/// range is kept. A watched checkpoint striped at its commit leaves out
-/// the chunks the watching agent already sent and confirmed.
+/// range is kept. A watched checkpoint striped while it is written or at
+/// its commit leaves out the chunks the watching agent already sent and
+/// confirmed, and the files still being written.
 pub fn split_into_parts_where(
     files: &[FileInfo],
     chunk_size: u32,
@@ -466,7 +467,8 @@ impl Catalog {
         .execute(&mut *tx)
         .await?;
         if r.rows_affected() > 0 {
-            // After a plan was dropped (a file changed size), the new
+            // After a plan was dropped (a file changed size, or a watched
+            // checkpoint's next round of complete files replaced it), the new
             // parts' first claims come after every earlier claim's epoch:
             // the claim history keeps its rows, and the sink refuses an
             // epoch below one it recorded for the same part number.
@@ -561,8 +563,9 @@ impl Catalog {
     }
 
     /// Forgets the plan and parts of transfer `id` (its files changed
-    /// size: the next run plans it again from a new listing). Claims'
-    /// history stays.
+    /// size: the next run plans it again from a new listing; or a watched
+    /// checkpoint's run replaces the plan of its previous round, every
+    /// part of it done). Claims' history stays.
     ///
     /// # Errors
     /// SQL errors.

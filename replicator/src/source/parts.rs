@@ -334,10 +334,14 @@ pub(super) fn watched_striped(inner: &Inner, t: &Transfer, weights_first: bool) 
 /// Bytes of complete files a watched checkpoint still being written must
 /// have unread (not read in full and confirmed by its run) before they
 /// are striped across the pool ([`stripe_watched`]): one part per live
-/// source agent of the pool. `None` when this agent is in no pool or the
-/// only live source agent of its pool: its run sends them itself.
+/// source agent of the pool. `None` when this agent is in no pool, is the
+/// only live source agent of its pool, or its `[pool]
+/// stripe_while_writing` is false: its run sends them itself.
 pub(super) fn writing_threshold(inner: &Inner) -> Option<u64> {
     let pool = inner.cfg.pool.as_ref()?;
+    if !pool.config().stripe_while_writing {
+        return None;
+    }
     let peers = u64::from(pool.live_peers());
     (peers > 1).then(|| pool.config().part_size.max(1).saturating_mul(peers))
 }
@@ -467,11 +471,35 @@ pub(super) async fn stripe_watched(
     *rx = new_rx;
     // What the sink holds now is what it lacks no longer.
     need.clear();
+    // The transfer's progress starts again from what the sink holds: it
+    // counts every batch this run sent before and every part another
+    // agent sent of an earlier plan (this run's confirmed batches count
+    // from 0 again on the new open; the new plan's parts from none).
+    let at_sink: u64 = have
+        .iter()
+        .filter_map(|k| map.locate(*k))
+        .map(|(f, ci)| map.span(f, ci).1)
+        .sum();
+    progress.skipped.store(at_sink, Ordering::Relaxed);
+    progress.verified.store(0, Ordering::Relaxed);
+    progress.by_others.store(0, Ordering::Relaxed);
     let send = |f: u32, ci: u64| {
         in_view.get(f as usize).copied().unwrap_or(false)
             && !((w.known)(f, ci) && map.index(f, ci as u32).is_some_and(|k| have.contains(&k)))
     };
-    let planned = split_into_parts_where(w.table, chunk_size, cfg.part_size.max(1), send);
+    // A part's bytes are those it has to send: chunks the sink holds
+    // already are read and hashed, not sent (claims are shared, and the
+    // progress counted, by what is sent).
+    let mut planned = split_into_parts_where(w.table, chunk_size, cfg.part_size.max(1), send);
+    for p in &mut planned {
+        let held: u64 = part_keys(&map, p)
+            .into_iter()
+            .filter(|k| have.contains(k))
+            .filter_map(|k| map.locate(k))
+            .map(|(f, ci)| map.span(f, ci).1)
+            .sum();
+        p.bytes = p.bytes.saturating_sub(held);
+    }
     let plan = match inner.catalog.transfer_plan(id).await? {
         // An earlier run of this table planned it (this agent took the
         // watch over): its parts go on, the rest is read again below.
@@ -481,16 +509,7 @@ pub(super) async fn stripe_watched(
             p
         }
         other => {
-            if let Some(p) = other {
-                // This run's earlier round: what the other agents sent of
-                // it stays in the transfer's progress.
-                if Some(p.planned_at) == w.made {
-                    count_others(inner, id, progress).await;
-                    let b = progress.by_others.swap(0, Ordering::Relaxed);
-                    progress.others_before.fetch_add(b, Ordering::Relaxed);
-                } else {
-                    progress.by_others.store(0, Ordering::Relaxed);
-                }
+            if other.is_some() {
                 inner.catalog.drop_plan(id).await?;
             }
             inner
@@ -548,8 +567,19 @@ pub(super) async fn stripe_watched(
         epochs: Mutex::default(),
     };
     loop {
-        send_until_done(inner, c, &s, rx, need, Some(&mut *view)).await?;
-        if let Some(ck) = check_parts(inner, t, &plan, &map, false).await? {
+        let round = async {
+            send_until_done(inner, c, &s, rx, need, Some(&mut *view)).await?;
+            check_parts(inner, t, &plan, &map, false, !w.committed).await
+        }
+        .await;
+        // A file deleted under the parts' reads: the watcher says why.
+        let checked = match round {
+            Err(e @ (RunError::Fatal(_) | RunError::Retry(_))) => {
+                return Err(unless_gone(view, e).await);
+            }
+            other => other?,
+        };
+        if let Some(ck) = checked {
             let stable = ck
                 .now
                 .iter()
@@ -563,6 +593,28 @@ pub(super) async fn stripe_watched(
                 stable,
             }));
         }
+    }
+}
+
+/// How long a watched run whose parts failed waits for the watcher to
+/// say the checkpoint is gone (a checkpoint deleted while read fails its
+/// reads before the watcher notices).
+const GONE_WAIT: Duration = Duration::from_secs(1);
+
+/// `e`, or [`RunError::Cancelled`] with the watcher's reason if it says
+/// within [`GONE_WAIT`] that the checkpoint is gone.
+async fn unless_gone(view: &mut watch::Receiver<CheckpointView>, e: RunError) -> RunError {
+    let gone = tokio::time::timeout(
+        GONE_WAIT,
+        view.wait_for(|v| matches!(v.state, ViewState::Gone(_))),
+    )
+    .await;
+    match gone {
+        Ok(Ok(v)) => match &v.state {
+            ViewState::Gone(why) => RunError::Cancelled(why.clone()),
+            _ => e,
+        },
+        _ => e,
     }
 }
 
@@ -1396,18 +1448,22 @@ struct Checked {
 /// hashes to seal with, or `None` when parts were queued again (a file
 /// rewritten while its parts were read, or a part's record incomplete)
 /// or are not all done. Looks at every file of the plan (`all`, a pushed
-/// transfer: the manifest lists each) or only those read in parts.
+/// transfer: the manifest lists each) or only those read in parts. With
+/// `writing` (a watched checkpoint still being written), a file whose size
+/// differs from the plan's is left out instead: none of its hashes, `None`
+/// as its state now (its watching run reads it again once it is complete).
 ///
 /// # Errors
-/// [`RunError::Retry`] when a file's size differs from the plan's (the
-/// next run lists and plans again; a pushed transfer's plan is dropped
-/// here), or when a file cannot be looked at; catalog errors.
+/// [`RunError::Retry`] when a file's size differs from the plan's and not
+/// `writing` (the next run lists and plans again; a pushed transfer's plan
+/// is dropped here), or when a file cannot be looked at; catalog errors.
 async fn check_parts(
     inner: &Arc<Inner>,
     t: &Transfer,
     plan: &TransferPlan,
     map: &Arc<ChunkMap>,
     all: bool,
+    writing: bool,
 ) -> Result<Option<Checked>, RunError> {
     let id = t.id;
     let parts = inner.catalog.parts(id).await?;
@@ -1450,7 +1506,14 @@ async fn check_parts(
     .await
     .map_err(|e| RunError::Fatal(e.to_string()))?
     .map_err(|e| RunError::Retry(format!("looking at the files before the seal: {e}")))?;
+    let mut now = now;
+    let mut resized = vec![false; plan.files.len()];
     for (fi, f) in plan.files.iter().enumerate() {
+        if writing && now[fi].is_some_and(|n| n.0 != f.size) {
+            resized[fi] = true;
+            now[fi] = None;
+            continue;
+        }
         if let Some(n) = now[fi].filter(|n| n.0 != f.size) {
             // A watched transfer's plan stays until its next run plans
             // again: that run starts its file table from the plan's, so
@@ -1476,10 +1539,15 @@ async fn check_parts(
             requeue.insert(p.range.part);
             continue;
         }
-        hashes.extend(keys.iter().copied().zip(p.hashes.iter().copied()));
+        hashes.extend(
+            keys.iter()
+                .copied()
+                .zip(p.hashes.iter().copied())
+                .filter(|(k, _)| !resized.get((k >> 32) as usize).copied().unwrap_or(false)),
+        );
         for r in &p.versions {
             let f = r.file as usize;
-            if f < seen.len() {
+            if f < seen.len() && !resized[f] {
                 seen[f].push(r.before);
                 seen[f].push(r.after);
                 parts_of[f].push(p.range.part);
@@ -1520,7 +1588,7 @@ async fn seal(
     plan: &TransferPlan,
     map: &Arc<ChunkMap>,
 ) -> Result<Option<Sealed>, RunError> {
-    let Some(Checked { hashes, now }) = check_parts(inner, t, plan, map, true).await? else {
+    let Some(Checked { hashes, now }) = check_parts(inner, t, plan, map, true, false).await? else {
         return Ok(None);
     };
     let now: Vec<(u64, i64, [u64; 4])> = now

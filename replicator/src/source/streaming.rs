@@ -126,7 +126,8 @@ struct JobResult {
 /// does not have with the same hash. A file that vanished or shrank while
 /// read ends its job early and is reported as not stable; once `stop`
 /// says so, the round ends after the chunk in hand (the jobs left, and
-/// the rest of the one under way, are not stable and go again).
+/// the rest of the one under way, are not stable and go again); once
+/// `stop_between` says so, before the next job.
 fn run_jobs(
     inner: &Inner,
     jobs: Vec<FileJob>,
@@ -134,10 +135,11 @@ fn run_jobs(
     chunk_size: u32,
     out: &mpsc::Sender<Record>,
     stop: &dyn Fn() -> bool,
+    stop_between: &dyn Fn() -> bool,
 ) -> Result<Vec<JobResult>, String> {
     let mut results = Vec::with_capacity(jobs.len());
     for job in jobs {
-        if stop() {
+        if stop() || stop_between() {
             break;
         }
         let mut r = JobResult {
@@ -220,9 +222,10 @@ fn run_jobs(
 }
 
 /// When a send round of a striped checkpoint still being written ends
-/// early: at its commit, or once its complete files that the round does
-/// not read in full, and that were not confirmed before it, add up to more
-/// than [`parts::writing_threshold`] (then the pool takes them).
+/// early, before its next file: at its commit, or once its complete files
+/// that the round does not read in full, and that were not confirmed
+/// before it, add up to more than [`parts::writing_threshold`] (then the
+/// pool takes them).
 struct HandOver {
     view: std::sync::Mutex<watch::Receiver<CheckpointView>>,
     /// Paths of the files read in full by this round or confirmed before.
@@ -303,8 +306,9 @@ pub(super) async fn run_watched(
     if let ViewState::Gone(why) = &first.state {
         return Err(RunError::Cancelled(why.clone()));
     }
-    // A plan stored by an earlier run (the rest striped at the commit,
-    // then this agent took the watch over): its table's order, so that
+    // A plan stored by an earlier run (complete files striped while the
+    // checkpoint was written or the rest at the commit, then this agent
+    // took the watch over): its table's order, so that
     // its parts' chunk keys name the same files (files only this run
     // sees go after).
     // Weights first when the sink speaks it (then never striped).
@@ -487,6 +491,13 @@ pub(super) async fn run_watched(
                     let (f, ci) = ((k >> 32) as usize, k as u32 as usize);
                     if let Some(tr) = tracks.get_mut(f) {
                         if let Some(slot) = tr.hashes.get_mut(ci) {
+                            // Sent by this run before, and changed since:
+                            // the sink holds the old bytes (the parts send
+                            // only what it lacked), so it goes again
+                            // (below, as if asked for).
+                            if slot.is_some_and(|old| old != h) && have.contains(&k) {
+                                need.push(k);
+                            }
                             *slot = Some(h);
                         }
                         // Its quick hash was of what this run read.
@@ -610,7 +621,7 @@ pub(super) async fn run_watched(
             // Striped: a round that began while the checkpoint was written
             // ends at its commit, or once enough complete files wait that
             // this round does not read in full, so that the pool takes
-            // them (above).
+            // them (above); before its next file.
             let handover = (striped && !committed)
                 .then(|| HandOver::new(inner, &view, &jobs, &table, &tracks))
                 .flatten();
@@ -623,11 +634,12 @@ pub(super) async fn run_watched(
                 &mut need,
                 None,
                 move |out| {
-                    let stop = || {
-                        (interrupt && matches!(view2.borrow().state, ViewState::Committed { .. }))
-                            || handover.as_ref().is_some_and(HandOver::due)
-                    };
-                    run_jobs(&inner2, jobs, &have2, chunk_size, out, &stop)
+                    let stop =
+                        || interrupt && matches!(view2.borrow().state, ViewState::Committed { .. });
+                    // Between files: a file read in part would be read
+                    // again whole by the pool.
+                    let between = || handover.as_ref().is_some_and(HandOver::due);
+                    run_jobs(&inner2, jobs, &have2, chunk_size, out, &stop, &between)
                 },
             )
             .await?;
