@@ -136,6 +136,13 @@ pub struct DemoArgs {
     /// Default 256MiB.
     #[arg(long, value_name = "SIZE", requires = "agents", value_parser = ferry_proto::units::parse_size)]
     pub part_size: Option<u64>,
+    /// --agents: each sink agent's emulated link carries at most this
+    /// (bit/s, e.g. 200Mbit/s), while --rate stays the pool's budget
+    /// (the links' rate cap): one agent pair then cannot use the whole
+    /// budget, as one pair's connections and cores cannot fill a 60
+    /// Gbit/s link. Default --rate. Not with --netns.
+    #[arg(long, requires = "agents", conflicts_with = "netns", value_parser = crate::config::parse_rate)]
+    pub pair_rate: Option<u64>,
     /// --agents --write-rate: the source agents' `[pool]
     /// stripe_while_writing = false` (the watching agent sends the
     /// complete files alone until the commit), to compare.

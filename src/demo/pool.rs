@@ -228,7 +228,7 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
         procs.push(Proc::start(&exe, dir, name, net.ns("sink"), &text)?);
         if net == Net::Loopback {
             let forward: SocketAddr = ([127, 0, 0, 1], quic).into();
-            let mut params = LinkParams::new(a.rate, a.rtt);
+            let mut params = LinkParams::new(a.pair_rate.unwrap_or(a.rate), a.rtt);
             params.loss = a.loss;
             let relay = spawn_relay(([127, 0, 0, 1], 0).into(), forward, params.clone(), params)
                 .await
@@ -290,9 +290,13 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
         },
         match net {
             Net::Loopback => format!(
-                "link {} at {} ms RTT (a user-space relay per sink agent)",
+                "link {} at {} ms RTT (a user-space relay per sink agent{})",
                 format_rate(a.rate),
-                a.rtt.as_millis()
+                a.rtt.as_millis(),
+                a.pair_rate.map_or(String::new(), |r| format!(
+                    ", each at most {}",
+                    format_rate(r)
+                ))
             ),
             Net::Namespaces => format!(
                 "source agents in namespace {}, sink agents in {}, joined by ops/wanem's emulator; budget {}",
