@@ -469,7 +469,8 @@ pub(super) async fn stripe_watched(
     }
     let (new_rx, have) = open_on_sink(inner, c, t, false, w.table.to_vec(), false, false).await?;
     *rx = new_rx;
-    // What the sink holds now is what it lacks no longer.
+    // What the sink holds now is what it lacks no longer; what it lacks
+    // of what the run sent the run finds from `have` (streaming.rs).
     need.clear();
     // The transfer's progress starts again from what the sink holds: it
     // counts every batch this run sent before and every part another

@@ -487,6 +487,17 @@ pub(super) async fn run_watched(
                 made = Some(rest.planned_at);
                 have = Arc::new(rest.have);
                 let read_in_parts: HashSet<u64> = rest.hashes.iter().map(|(k, _)| *k).collect();
+                // Every batch this run sent was confirmed before the open:
+                // a chunk it sent that the sink lacks now (asked for again
+                // meanwhile) goes again, as if asked for.
+                for (f, tr) in tracks.iter().enumerate() {
+                    for (ci, h) in tr.hashes.iter().enumerate() {
+                        let k = (f as u64) << 32 | ci as u64;
+                        if h.is_some() && !have.contains(&k) && !read_in_parts.contains(&k) {
+                            need.push(k);
+                        }
+                    }
+                }
                 for (k, h) in rest.hashes {
                     let (f, ci) = ((k >> 32) as usize, k as u32 as usize);
                     if let Some(tr) = tracks.get_mut(f) {
