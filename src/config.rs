@@ -74,10 +74,11 @@ pub struct PoolSection {
     /// Most parts one agent holds at once (1..64). Default 4.
     #[serde(default = "default_max_parts")]
     pub max_parts: usize,
-    /// Stripe a watched checkpoint's complete files across the pool
-    /// while it is still written, once more than one part per live
-    /// source agent of them waits; false leaves them to the watching
-    /// agent until the commit. Default true.
+    /// Stripe what can no longer change of a watched checkpoint still
+    /// being written (complete files, full chunks of files only ever
+    /// appended to) across the pool, once more than one part per live
+    /// source agent of it waits; false leaves it to the watching agent
+    /// until the commit. Default true.
     #[serde(default = "default_true")]
     pub stripe_while_writing: bool,
 }

@@ -145,8 +145,8 @@ pub struct DemoArgs {
     pub pair_rate: Option<u64>,
     /// --agents --write-rate: the source agents' `[pool]
     /// stripe_while_writing = false` (the watching agent sends the
-    /// complete files alone until the commit), to compare.
-    #[arg(long, requires = "write_rate")]
+    /// checkpoint alone until the commit), to compare.
+    #[arg(long, requires_all = ["write_rate", "agents"])]
     pub no_stripe_while_writing: bool,
     /// --agents: pre-emption across the pool instead. A background
     /// checkpoint of --size is striped over every source agent; once

@@ -1065,25 +1065,7 @@ async fn complete_files_of_a_checkpoint_still_being_written_are_striped_across_t
         data.len() == 4 && names.iter().any(|n| n == ".metadata"),
         || format!("the DCP save should have 4 data files and .metadata: {names:?}"),
     );
-    // Striping while written needs a second live source agent, as each
-    // agent counts them at its heartbeats (every second here).
-    w.wait_until("both source agents to be live", TRANSFER, async || {
-        let pool_now = w
-            .get_json(&format!("{}/v1/pool", pool.sources[0].url()))
-            .await;
-        let live = |name: &str| {
-            pool_now["agents"]
-                .as_array()
-                .is_some_and(|v| v.iter().any(|x| x["name"] == name && x["state"] == "live"))
-        };
-        if live(SOURCE_NAME) && live(SOURCE_2) {
-            Ok(())
-        } else {
-            Err(format!("{pool_now}"))
-        }
-    })
-    .await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    both_live(&w, &pool).await;
     let copy = |n: &str| std::fs::copy(made.join(n), ckpt.join(n)).unwrap();
     for n in names
         .iter()
@@ -1161,12 +1143,125 @@ async fn complete_files_of_a_checkpoint_still_being_written_are_striped_across_t
     });
     let log = pool.sources[0].stderr() + &pool.sources[1].stderr();
     let rounds = log
-        .matches("its complete files are striped across the source pool")
+        .matches("what can no longer change (complete files, full chunks of files only appended to) is striped")
         .count();
     w.ensure(rounds >= 2, || {
         format!("the watching agent should say it stripes complete files twice:\n{log}")
     });
     pool.finish().await;
+}
+
+/// Files still being written that are only ever appended to (a DCP
+/// save's ranks write theirs at once, and they complete together with
+/// the commit): their full chunks below the current end are striped
+/// across the pool while the files are still open for writing; the
+/// watching agent keeps the tails and reads each file again once it is
+/// complete. Published once, byte-identical, every claim released, none
+/// overlapping.
+#[tokio::test]
+async fn full_chunks_of_files_still_being_written_are_striped_across_the_pool() {
+    use std::io::Write as _;
+    let w = World::new("striped-growing").await;
+    let root = w.source_root();
+    std::fs::create_dir_all(&root).unwrap();
+    let on = StripedOn {
+        watch: true,
+        ..Default::default()
+    };
+    let pool = striped_pool_with(&w, "growing", "80Mbit/s", &[], on).await;
+    let staging = w.root.join("staging");
+    let mut gen = w.spawn_dcp_save(&staging, "950", "96MB", "8Gbit/s");
+    let status = gen.wait().await.unwrap();
+    w.ensure(status.success(), || format!("ferry gen failed: {status}"));
+    let made = staging.join("step_00000950");
+    let ckpt = root.join("step_00000950");
+    both_live(&w, &pool).await;
+    std::fs::create_dir_all(&ckpt).unwrap();
+    let mut names: Vec<String> = std::fs::read_dir(&made)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    // Each rank's file: its first half written, the file left open.
+    let mut open = Vec::new();
+    for n in names.iter().filter(|n| *n != ".metadata") {
+        let bytes = std::fs::read(made.join(n)).unwrap();
+        let mut f = std::fs::File::create(ckpt.join(n)).unwrap();
+        let half = bytes.len() / 2;
+        f.write_all(&bytes[..half]).unwrap();
+        f.flush().unwrap();
+        open.push((f, bytes, half));
+    }
+    w.ensure(open.len() == 4, || {
+        format!("4 data files expected: {names:?}")
+    });
+    w.wait_until(
+        "both source agents to release parts while the files are open",
+        TRANSFER,
+        async || {
+            let claims = part_claims(&pool.source_db).await;
+            let released = |a: &str| {
+                claims
+                    .iter()
+                    .any(|c| c.2 == a && c.5.as_deref() == Some("released"))
+            };
+            if released(SOURCE_NAME) && released(SOURCE_2) {
+                Ok(())
+            } else {
+                Err(format!("{claims:?}"))
+            }
+        },
+    )
+    .await;
+    for (mut f, bytes, half) in open {
+        f.write_all(&bytes[half..]).unwrap();
+    }
+    std::fs::copy(made.join(".metadata"), ckpt.join(".metadata")).unwrap();
+    let path = ckpt.to_str().unwrap().to_string();
+    w.wait_until("the checkpoint to publish", TRANSFER, async || {
+        let ts = w.transfers(&pool.sources[0]).await;
+        let mine: Vec<&Value> = ts.iter().filter(|t| s(t, "source_path") == path).collect();
+        match mine.as_slice() {
+            [t] if s(t, "state") == "published" => Ok(()),
+            [t] if matches!(s(t, "state"), "failed" | "cancelled") => {
+                w.fail(format!("the transfer ended: {t}"))
+            }
+            [t] => Err(format!("transfer {}", s(t, "state"))),
+            more => Err(format!("{} transfers: {more:?}", more.len())),
+        }
+    })
+    .await;
+    w.assert_same_tree(&ckpt, &w.replica_path("step_00000950"));
+    assert_shared_and_released(&w, &part_claims(&pool.source_db).await);
+    let (states, _) = catalog_view(&pool.sink_db, "step_00000950").await;
+    w.ensure(states == ["published"], || {
+        format!("one replica row, published once: {states:?}")
+    });
+    pool.finish().await;
+}
+
+/// Waits until source agent 0's `GET /v1/pool` lists both source agents
+/// live, then two heartbeats more: striping while a checkpoint is written
+/// needs a second live source agent, as each agent counts them at its
+/// heartbeats (every second here).
+async fn both_live(w: &World, pool: &Striped) {
+    w.wait_until("both source agents to be live", TRANSFER, async || {
+        let pool_now = w
+            .get_json(&format!("{}/v1/pool", pool.sources[0].url()))
+            .await;
+        let live = |name: &str| {
+            pool_now["agents"]
+                .as_array()
+                .is_some_and(|v| v.iter().any(|x| x["name"] == name && x["state"] == "live"))
+        };
+        if live(SOURCE_NAME) && live(SOURCE_2) {
+            Ok(())
+        } else {
+            Err(format!("{pool_now}"))
+        }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
 }
 
 /// The source site's PostgreSQL gone for 10 s while both source agents

@@ -43,17 +43,19 @@ pub struct PoolConfig {
     pub lease_timeout: Duration,
     /// Payload bytes per part of a striped transfer (default 256 MiB):
     /// on a PostgreSQL catalog, a pushed transfer's chunks (and a watched
-    /// one's complete files, see [`PoolConfig::stripe_while_writing`], and
+    /// one's complete files and full chunks while it is written, see
+    /// [`PoolConfig::stripe_while_writing`], and
     /// what is left of it at its commit) are grouped into parts of about
     /// this size, which any source agent of the pool claims. At least one
     /// chunk.
     pub part_size: u64,
     /// Most parts an agent holds at once (default 4).
     pub max_parts: usize,
-    /// Whether a watched checkpoint's complete files are striped across
-    /// the pool while it is still being written, once more than one part
-    /// per live source agent of them waits (default true); false leaves
-    /// them to the watching agent until the commit.
+    /// Whether what can no longer change of a watched checkpoint still
+    /// being written (complete files, full chunks of files only ever
+    /// appended to) is striped across the pool, once more than one part
+    /// per live source agent of it waits (default true); false leaves it
+    /// to the watching agent until the commit.
     pub stripe_while_writing: bool,
 }
 

@@ -259,6 +259,8 @@ impl LiveProgress {
         self.done_before.max(run.min(total))
     }
 
+    /// Payload bytes of this run the sink confirmed (with a sink that
+    /// confirms nothing, those sent).
     fn verified_or_sent(&self) -> u64 {
         if self.confirms.load(Ordering::Relaxed) {
             self.verified.load(Ordering::Relaxed)

@@ -395,8 +395,14 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
         }
     };
     // Every transfer published, as the pool's catalog lists them.
+    // The pool carries at most its budget, and each pair its own link's.
+    let carried = a
+        .pair_rate
+        .map_or(a.rate, |p| a.rate.min(p.saturating_mul(n as u64)));
     let deadline = Duration::from_secs_f64(
-        (super::physical_limit_s(a.size, a.rate, a.rtt) * 4.0).max(60.0) + 60.0,
+        (super::physical_limit_s(a.size, carried, a.rtt) * 4.0).max(60.0)
+            + 60.0
+            + save.as_ref().map_or(0.0, |w| w.write_s),
     );
     let mut said = 0;
     loop {
@@ -516,7 +522,12 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
         .map(|(_, b)| b)
         .sum();
     say(format!(
-        "all {count} replicas published and identical to their checkpoints in {wall:.1} s: {} over {n} agent pairs",
+        "all {count} replicas published and identical to their checkpoints in {wall:.1} s{}: {} over {n} agent pairs",
+        if save.is_some() {
+            " from its first file written"
+        } else {
+            ""
+        },
         format_rate((total as f64 * 8.0 / wall.max(1e-3)) as u64)
     ));
     say(format!(
@@ -535,7 +546,7 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
     let (striped, parts, claims) = parts_summary(&pg.url("ferry_train")).await;
     if striped > 0 {
         say(format!(
-            "{striped} of the checkpoints striped across the source agents: {parts} parts of {part_size} bytes, {claims} claims"
+            "{striped} of the checkpoints striped across the source agents: {parts} parts of {part_size} bytes in the last plan of each, {claims} claims in all"
         ));
     }
     let gb = total as f64 / 1e9;
@@ -1016,15 +1027,24 @@ async fn write_watched(
         super::priority::mb(a.size),
         format_rate(rate),
         if a.no_stripe_while_writing {
-            "stripe_while_writing = false: the watching agent sends its complete files alone until the commit"
+            "stripe_while_writing = false: the watching agent sends it alone until the commit"
         } else {
-            "its complete files are striped across the pool while it is written"
+            "what can no longer change is striped across the pool while it is written"
         }
     ));
-    let save = tokio::task::spawn_blocking(move || ferry_gen::format::save(&opts, &|_| {}));
+    let mut save = tokio::task::spawn_blocking(move || ferry_gen::format::save(&opts, &|_| {}));
     let path = dir.to_string_lossy().into_owned();
     let deadline = Instant::now() + Duration::from_secs(60);
+    let mut saved = None;
     let id = loop {
+        // A save that fails says why at once.
+        if saved.is_none() && save.is_finished() {
+            saved = Some(
+                (&mut save)
+                    .await?
+                    .with_context(|| format!("writing {}", dir.display()))?,
+            );
+        }
         let v: Value = http
             .get(format!("{}/v1/transfers?limit=1000", source_apis[0].1))
             .send()
@@ -1047,9 +1067,12 @@ async fn write_watched(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    let saved = save
-        .await?
-        .with_context(|| format!("writing {}", dir.display()))?;
+    let saved = match saved {
+        Some(s) => s,
+        None => save
+            .await?
+            .with_context(|| format!("writing {}", dir.display()))?,
+    };
     let write_s = saved
         .committed_at
         .and_then(|c| c.duration_since(saved.opened_at).ok())

@@ -1,4 +1,4 @@
-//! One pushed transfer, or the complete files of a watched one while it is
+//! One pushed transfer, or what can no longer change of a watched one while it is
 //! written and its rest at its commit ([`stripe_watched`]), striped across the source agents of a pool
 //! (ARCHITECTURE.md, "Pool", "Parts").
 //!
@@ -331,10 +331,11 @@ pub(super) fn watched_striped(inner: &Inner, t: &Transfer, weights_first: bool) 
         && !weights_first
 }
 
-/// Bytes of complete files a watched checkpoint still being written must
-/// have unread (not read in full and confirmed by its run) before they
-/// are striped across the pool ([`stripe_watched`]): one part per live
-/// source agent of the pool. `None` when this agent is in no pool, is the
+/// Bytes of a watched checkpoint still being written that can no longer
+/// change and that its run has not confirmed (complete files it has not
+/// read in full, full chunks of files only ever appended to that it has
+/// not sent) there must be before they are striped across the pool
+/// ([`stripe_watched`]): one part per live source agent of the pool. `None` when this agent is in no pool, is the
 /// only live source agent of its pool, or its `[pool]
 /// stripe_while_writing` is false: its run sends them itself.
 pub(super) fn writing_threshold(inner: &Inner) -> Option<u64> {
@@ -352,8 +353,13 @@ pub(super) fn writing_threshold(inner: &Inner) -> Option<u64> {
 pub(super) struct WatchedFiles<'a> {
     /// The run's file table (what the sink was sent), in its order.
     pub table: &'a [FileInfo],
-    /// Positions in `table` of the files to stripe.
+    /// Positions in `table` of the complete files to stripe (at the
+    /// commit, every file).
     pub files: Vec<u32>,
+    /// Files still being written that are only ever appended to, before
+    /// the commit: (position in `table`, chunks below its current end).
+    /// Those full chunks cannot change; the run keeps the tail.
+    pub growing: Vec<(u32, u32)>,
     /// Positions in `table` of the commit markers, in publish order
     /// (none before the commit).
     pub markers: Vec<u32>,
@@ -380,16 +386,16 @@ pub(super) struct StripedRest {
     pub stable: Vec<(u32, u64, i64)>,
 }
 
-/// Files of a watched checkpoint that can no longer change, striped
-/// across the source pool like a pushed transfer: the chunks of `w.files`
-/// the run has not read in full and confirmed, split into parts any agent
-/// of the pool claims, the run's agent among them. At the commit (`w.files`
-/// is then the final file set) `None`, and nothing done, when what is
-/// left fits in one part; while the checkpoint is written (`w.files` its
-/// complete files, a round of its own for each batch of them), when the
-/// pool has one live source agent or what is left fits in one part per
-/// live source agent (at least two): the run sends those itself, as it
-/// sends the growing files' full chunks. Otherwise: waits
+/// What of a watched checkpoint can no longer change, striped across the
+/// source pool like a pushed transfer: the chunks of `w.files` the run
+/// has not read in full and confirmed, and the full chunks of
+/// `w.growing` it has not sent, split into parts any agent of the pool
+/// claims, the run's agent among them. At the commit (`w.files` is then
+/// the final file set) `None`, and nothing done, when what is left fits
+/// in one part; while the checkpoint is written (a round of its own for
+/// each batch of it), when the pool has one live source agent or what is
+/// left fits in one part per live source agent (at least two): the run
+/// sends those itself. Otherwise: waits
 /// until every batch the run sent is confirmed, opens the transfer at the
 /// sink again with the run's table (the sink records the table in its
 /// catalog, so the sink pool's other agents find it when the source
@@ -425,18 +431,22 @@ pub(super) async fn stripe_watched(
     let cfg = pool.config();
     let chunk_size = inner.cfg.chunk_size;
     let map = Arc::new(ChunkMap::new(w.table, chunk_size));
-    let mut in_view = vec![false; w.table.len()];
+    // Chunks of each file that may go into parts: all of a complete
+    // file's, a growing one's below its end.
+    let mut limit = vec![0u64; w.table.len()];
     for f in &w.files {
-        if let Some(v) = in_view.get_mut(*f as usize) {
-            *v = true;
+        if let Some(l) = limit.get_mut(*f as usize) {
+            *l = ferry_proto::manifest::chunk_count(w.table[*f as usize].size, chunk_size);
         }
     }
-    let unread: u64 = w
-        .files
-        .iter()
-        .map(|&f| {
-            let n = ferry_proto::manifest::chunk_count(w.table[f as usize].size, chunk_size);
-            (0..n)
+    for (f, full) in &w.growing {
+        if let Some(l) = limit.get_mut(*f as usize) {
+            *l = u64::from(*full);
+        }
+    }
+    let unread: u64 = (0..w.table.len() as u32)
+        .map(|f| {
+            (0..limit[f as usize])
                 .filter(|&ci| !(w.known)(f, ci))
                 .map(|ci| map.span(f, ci as u32).1)
                 .sum::<u64>()
@@ -474,18 +484,21 @@ pub(super) async fn stripe_watched(
     need.clear();
     // The transfer's progress starts again from what the sink holds: it
     // counts every batch this run sent before and every part another
-    // agent sent of an earlier plan (this run's confirmed batches count
-    // from 0 again on the new open; the new plan's parts from none).
+    // agent sent of an earlier plan (the new plan's parts from none).
     let at_sink: u64 = have
         .iter()
         .filter_map(|k| map.locate(*k))
         .map(|(f, ci)| map.span(f, ci).1)
         .sum();
-    progress.skipped.store(at_sink, Ordering::Relaxed);
-    progress.verified.store(0, Ordering::Relaxed);
+    // What this run's own counter holds stays (clients show its sent
+    // bytes beside the skipped ones).
+    let mine = progress.verified_or_sent();
+    progress
+        .skipped
+        .store(at_sink.saturating_sub(mine), Ordering::Relaxed);
     progress.by_others.store(0, Ordering::Relaxed);
     let send = |f: u32, ci: u64| {
-        in_view.get(f as usize).copied().unwrap_or(false)
+        ci < limit.get(f as usize).copied().unwrap_or(0)
             && !((w.known)(f, ci) && map.index(f, ci as u32).is_some_and(|k| have.contains(&k)))
     };
     // A part's bytes are those it has to send: chunks the sink holds
@@ -547,13 +560,15 @@ pub(super) async fn stripe_watched(
         info!(
             transfer = %id,
             unread_bytes = unread,
-            files = w.files.len(),
+            complete_files = w.files.len(),
+            growing_files = w.growing.len(),
             parts = status.total,
             parts_done = status.done,
             part_size = plan.part_size,
-            "checkpoint still being written: its complete files are striped across the source pool; any source agent may claim their parts"
+            "checkpoint still being written: what can no longer change (complete files, full chunks of files only appended to) is striped across the source pool; any source agent may claim its parts"
         );
     }
+    let growing: HashSet<u32> = w.growing.iter().map(|(f, _)| *f).collect();
     let s = Striping {
         t,
         plan: &plan,
@@ -570,13 +585,13 @@ pub(super) async fn stripe_watched(
     loop {
         let round = async {
             send_until_done(inner, c, &s, rx, need, Some(&mut *view)).await?;
-            check_parts(inner, t, &plan, &map, false, !w.committed).await
+            check_parts(inner, t, &plan, &map, false, !w.committed, &growing).await
         }
         .await;
         // A file deleted under the parts' reads: the watcher says why.
         let checked = match round {
             Err(e @ (RunError::Fatal(_) | RunError::Retry(_))) => {
-                return Err(unless_gone(view, e).await);
+                return Err(unless_gone(inner, view, e).await);
             }
             other => other?,
         };
@@ -597,16 +612,25 @@ pub(super) async fn stripe_watched(
     }
 }
 
-/// How long a watched run whose parts failed waits for the watcher to
+/// Least time a watched run whose parts failed waits for the watcher to
 /// say the checkpoint is gone (a checkpoint deleted while read fails its
-/// reads before the watcher notices).
+/// reads before the watcher notices); with a rescan interval, two of
+/// them if longer (a root the watcher polls notices at its next scan).
 const GONE_WAIT: Duration = Duration::from_secs(1);
 
 /// `e`, or [`RunError::Cancelled`] with the watcher's reason if it says
-/// within [`GONE_WAIT`] that the checkpoint is gone.
-async fn unless_gone(view: &mut watch::Receiver<CheckpointView>, e: RunError) -> RunError {
+/// within [`GONE_WAIT`] (or two rescans) that the checkpoint is gone.
+async fn unless_gone(
+    inner: &Inner,
+    view: &mut watch::Receiver<CheckpointView>,
+    e: RunError,
+) -> RunError {
+    let wait = inner
+        .cfg
+        .scan_interval
+        .map_or(GONE_WAIT, |s| GONE_WAIT.max(s * 2));
     let gone = tokio::time::timeout(
-        GONE_WAIT,
+        wait,
         view.wait_for(|v| matches!(v.state, ViewState::Gone(_))),
     )
     .await;
@@ -1453,6 +1477,9 @@ struct Checked {
 /// `writing` (a watched checkpoint still being written), a file whose size
 /// differs from the plan's is left out instead: none of its hashes, `None`
 /// as its state now (its watching run reads it again once it is complete).
+/// Files at `growing` positions (being written, only ever appended to:
+/// their parts hold full chunks below the end they had) are not looked
+/// at: their hashes are kept, their state now is `None`.
 ///
 /// # Errors
 /// [`RunError::Retry`] when a file's size differs from the plan's and not
@@ -1465,6 +1492,7 @@ async fn check_parts(
     map: &Arc<ChunkMap>,
     all: bool,
     writing: bool,
+    growing: &HashSet<u32>,
 ) -> Result<Option<Checked>, RunError> {
     let id = t.id;
     let parts = inner.catalog.parts(id).await?;
@@ -1478,7 +1506,7 @@ async fn check_parts(
     for p in &parts {
         for r in &p.versions {
             if let Some(l) = look.get_mut(r.file as usize) {
-                *l = true;
+                *l = !growing.contains(&r.file);
             }
         }
     }
@@ -1548,7 +1576,7 @@ async fn check_parts(
         );
         for r in &p.versions {
             let f = r.file as usize;
-            if f < seen.len() && !resized[f] {
+            if f < seen.len() && !resized[f] && !growing.contains(&r.file) {
                 seen[f].push(r.before);
                 seen[f].push(r.after);
                 parts_of[f].push(p.range.part);
@@ -1589,7 +1617,9 @@ async fn seal(
     plan: &TransferPlan,
     map: &Arc<ChunkMap>,
 ) -> Result<Option<Sealed>, RunError> {
-    let Some(Checked { hashes, now }) = check_parts(inner, t, plan, map, true, false).await? else {
+    let Some(Checked { hashes, now }) =
+        check_parts(inner, t, plan, map, true, false, &HashSet::new()).await?
+    else {
         return Ok(None);
     };
     let now: Vec<(u64, i64, [u64; 4])> = now

@@ -18,9 +18,10 @@
 //!   training job rewriting its own file, not against an adversary with
 //!   write access to the checkpoint; what reaches the sink is verified with
 //!   BLAKE3 either way;
-//! - in a pool on PostgreSQL, hands complete files to the pool as parts
-//!   any source agent claims, while the checkpoint is written once enough
-//!   of them wait, and the rest at its commit ([`parts::stripe_watched`],
+//! - in a pool on PostgreSQL, hands what can no longer change (complete
+//!   files, full chunks of appended files) to the pool as parts any source
+//!   agent claims, while the checkpoint is written once enough of it
+//!   waits, and the rest at its commit ([`parts::stripe_watched`],
 //!   [`HandOver`]), keeping the parts' hashes;
 //! - at commit, seals the manifest from the chunk hashes of the frozen file
 //!   set (temporaries and filtered files were never in the view) and hands
@@ -222,14 +223,20 @@ fn run_jobs(
 }
 
 /// When a send round of a striped checkpoint still being written ends
-/// early, before its next file: at its commit, or once its complete files
-/// that the round does not read in full, and that were not confirmed
-/// before it, add up to more than [`parts::writing_threshold`] (then the
-/// pool takes them).
+/// early, before its next file: at its commit, or once what waits beyond
+/// the round adds up to more than [`parts::writing_threshold`] (then the
+/// pool takes it): complete files that the round does not read in full
+/// and that were not confirmed before it, and full chunks of files only
+/// ever appended to beyond what the round reads or was sent before.
 struct HandOver {
     view: std::sync::Mutex<watch::Receiver<CheckpointView>>,
     /// Paths of the files read in full by this round or confirmed before.
     settled: HashSet<String>,
+    /// Bytes from the start of each file sent before this round or read
+    /// by it (its full chunks, in order), by path.
+    covered: HashMap<String, u64>,
+    /// Chunk size, bytes.
+    chunk_size: u32,
     /// [`parts::writing_threshold`] at the round's start, bytes.
     limit: u64,
     /// Once due, due for the rest of the round.
@@ -237,7 +244,7 @@ struct HandOver {
 }
 
 impl HandOver {
-    /// For a round of `jobs` (`view` follows the watcher): `None` when the pool would not take complete files now
+    /// For a round of `jobs` (`view` follows the watcher): `None` when the pool would not take anything now
     /// (see [`parts::writing_threshold`]).
     fn new(
         inner: &Inner,
@@ -245,8 +252,21 @@ impl HandOver {
         jobs: &[FileJob],
         table: &[FileInfo],
         tracks: &[Track],
+        chunk_size: u32,
     ) -> Option<Self> {
         let limit = parts::writing_threshold(inner)?;
+        let mut covered: HashMap<String, u64> = HashMap::new();
+        for (f, tr) in table.iter().zip(tracks) {
+            let sent = tr.hashes.iter().take_while(|h| h.is_some()).count() as u64;
+            covered.insert(f.path.clone(), sent * u64::from(chunk_size));
+        }
+        for j in jobs.iter().filter(|j| !j.full) {
+            if let Some(f) = table.get(j.idx as usize) {
+                let to = u64::from(j.to) * u64::from(chunk_size);
+                let c = covered.entry(f.path.clone()).or_default();
+                *c = (*c).max(to);
+            }
+        }
         let mut settled: HashSet<String> = jobs
             .iter()
             .filter(|j| j.full)
@@ -260,13 +280,15 @@ impl HandOver {
         Some(HandOver {
             view: std::sync::Mutex::new(view.clone()),
             settled,
+            covered,
+            chunk_size,
             limit,
             fired: Default::default(),
         })
     }
 
     /// True once the round should end: the checkpoint is committed, or its
-    /// complete files not settled add up to more than the limit; then for
+    /// what waits beyond the round adds up to more than the limit; then for
     /// the rest of the round. Looks at the watcher's view only when it
     /// changed.
     fn due(&self) -> bool {
@@ -278,13 +300,23 @@ impl HandOver {
             return false;
         }
         let v = rx.borrow_and_update();
+        let cs = u64::from(self.chunk_size.max(1));
+        let waiting = |f: &ViewFile| {
+            if f.complete {
+                if self.settled.contains(&f.info.path) {
+                    0
+                } else {
+                    f.info.size
+                }
+            } else if f.appendable {
+                let full = f.info.size / cs * cs;
+                full.saturating_sub(self.covered.get(&f.info.path).copied().unwrap_or(0))
+            } else {
+                0
+            }
+        };
         let due = matches!(v.state, ViewState::Committed { .. })
-            || v.files
-                .iter()
-                .filter(|f| f.complete && !self.settled.contains(&f.info.path))
-                .map(|f| f.info.size)
-                .sum::<u64>()
-                > self.limit;
+            || v.files.iter().map(waiting).sum::<u64>() > self.limit;
         self.fired.store(due, Ordering::Relaxed);
         due
     }
@@ -306,7 +338,7 @@ pub(super) async fn run_watched(
     if let ViewState::Gone(why) = &first.state {
         return Err(RunError::Cancelled(why.clone()));
     }
-    // A plan stored by an earlier run (complete files striped while the
+    // A plan stored by an earlier run (what could no longer change striped while the
     // checkpoint was written or the rest at the commit, then this agent
     // took the watch over): its table's order, so that
     // its parts' chunk keys name the same files (files only this run
@@ -362,7 +394,7 @@ pub(super) async fn run_watched(
     let mut first_commit: Option<i64> = None;
     // Whether the rest was offered to the pool at the commit.
     let mut striping_tried = false;
-    // `planned_at` of the plan this run stored last (its complete files
+    // `planned_at` of the plan this run stored last (what could no longer change
     // striped while the checkpoint is written, or its rest at the commit).
     let mut made: Option<i64> = None;
     let striped = parts::watched_striped(inner, &t, weights_first);
@@ -419,9 +451,13 @@ pub(super) async fn run_watched(
             c.ctl.send(&Control::Files { id, files: grown }).await?;
             progress.total.store(total(&table), Ordering::Relaxed);
         }
-        // Chunks the sink asked for again are sent again.
+        // Chunks the sink asked for again are sent again: by this run,
+        // before the pool's next round while the checkpoint is written (a
+        // round's parts send only what the sink lacks, and the sink may
+        // hold other bytes under the same key).
         need.sort_unstable();
         need.dedup();
+        let asked = !need.is_empty();
         c.sched.counters.retries.inc_by(need.len() as u64);
         for k in need.drain(..) {
             if let Some(tr) = tracks.get_mut((k >> 32) as usize) {
@@ -438,10 +474,10 @@ pub(super) async fn run_watched(
                 Arc::make_mut(&mut have).remove(&k);
             }
         }
-        // Files that can no longer change go to the pool: complete files
-        // while the checkpoint is written (when enough of them wait), the
-        // rest at the commit.
-        if striped && !(committed && striping_tried) {
+        // What can no longer change goes to the pool: complete files and
+        // full chunks of appended files while the checkpoint is written
+        // (when enough of them wait), the rest at the commit.
+        if striped && !(committed && striping_tried) && (committed || !asked) {
             striping_tried |= committed;
             let (files, markers): (Vec<u32>, Vec<u32>) = match &v.state {
                 ViewState::Committed { markers, .. } => (
@@ -457,23 +493,44 @@ pub(super) async fn run_watched(
                     Vec::new(),
                 ),
             };
+            // Before the commit, the full chunks of files only ever appended
+            // to go too (they cannot change; the run keeps their tails).
+            let growing: Vec<(u32, u32)> = if committed {
+                Vec::new()
+            } else {
+                v.files
+                    .iter()
+                    .filter(|f| !f.complete && f.appendable)
+                    .map(|f| {
+                        let full = (f.info.size / u64::from(chunk_size)) as u32;
+                        (pos[&f.info.path], full)
+                    })
+                    .collect()
+            };
+            let grows: HashSet<u32> = growing.iter().map(|(f, _)| *f).collect();
             for f in &v.files {
                 let tr = &mut tracks[pos[&f.info.path] as usize];
                 let n = chunk_count(f.info.size, chunk_size) as usize;
                 tr.hashes.resize(n, None);
                 tr.quick.resize(n, None);
             }
+            // A complete file's chunk is known once the run read the whole
+            // file and confirmed it; a growing file's once the run sent it.
             let known = |f: u32, ci: u64| {
                 let (Some(tr), Some(vf)) = (tracks.get(f as usize), table.get(f as usize)) else {
                     return false;
                 };
-                tr.verified
-                    .is_some_and(|(size, mtime)| (size, mtime) == (vf.size, vf.mtime_ns))
-                    && tr.hashes.get(ci as usize).copied().flatten().is_some()
+                let hashed = tr.hashes.get(ci as usize).copied().flatten().is_some();
+                hashed
+                    && (grows.contains(&f)
+                        || tr
+                            .verified
+                            .is_some_and(|(size, mtime)| (size, mtime) == (vf.size, vf.mtime_ns)))
             };
             let watched = parts::WatchedFiles {
                 table: &table,
                 files,
+                growing,
                 markers,
                 committed,
                 made,
@@ -501,6 +558,11 @@ pub(super) async fn run_watched(
                 for (k, h) in rest.hashes {
                     let (f, ci) = ((k >> 32) as usize, k as u32 as usize);
                     if let Some(tr) = tracks.get_mut(f) {
+                        // Sent while the file grows: read again whole once
+                        // it is complete.
+                        if grows.contains(&(f as u32)) {
+                            tr.provisional = true;
+                        }
                         if let Some(slot) = tr.hashes.get_mut(ci) {
                             // Sent by this run before, and changed since:
                             // the sink holds the old bytes (the parts send
@@ -630,11 +692,11 @@ pub(super) async fn run_watched(
             let view2 = view.clone();
             let interrupt = weights_first && !committed;
             // Striped: a round that began while the checkpoint was written
-            // ends at its commit, or once enough complete files wait that
-            // this round does not read in full, so that the pool takes
-            // them (above); before its next file.
+            // ends at its commit (after the chunk in hand), or before its
+            // next file once enough of what can no longer change waits
+            // beyond it, so that the pool takes it (above).
             let handover = (striped && !committed)
-                .then(|| HandOver::new(inner, &view, &jobs, &table, &tracks))
+                .then(|| HandOver::new(inner, &view, &jobs, &table, &tracks, chunk_size))
                 .flatten();
             let results = send_round(
                 inner,
@@ -645,8 +707,13 @@ pub(super) async fn run_watched(
                 &mut need,
                 None,
                 move |out| {
-                    let stop =
-                        || interrupt && matches!(view2.borrow().state, ViewState::Committed { .. });
+                    // At the commit, a striped run hands the rest over at
+                    // once: chunks it read are at the sink (the pool reads
+                    // them again, it does not send them).
+                    let stop = || {
+                        (interrupt || handover.is_some())
+                            && matches!(view2.borrow().state, ViewState::Committed { .. })
+                    };
                     // Between files: a file read in part would be read
                     // again whole by the pool.
                     let between = || handover.as_ref().is_some_and(HandOver::due);
@@ -935,21 +1002,25 @@ mod tests {
     #[test]
     fn a_round_hands_over_once_enough_complete_files_it_does_not_read_wait() {
         let (tx, rx) = watch::channel(view(vec![file("a", 30, false)], ViewState::Open));
+        // `a` is read whole by the round; the round (or an earlier one)
+        // covers `b`'s first 40 bytes; chunks of 10 bytes.
         let round = || HandOver {
             view: std::sync::Mutex::new(rx.clone()),
             settled: ["a".to_string()].into_iter().collect(),
+            covered: [("b".to_string(), 40)].into_iter().collect(),
+            chunk_size: 10,
             limit: 20,
             fired: Default::default(),
         };
         let h = round();
         assert!(!h.due(), "no new view");
-        // `a` is the round's own; `b` still grows; `c` is complete but
-        // within the limit.
+        // `b` grows by one full chunk (and a tail), `c` is complete: 20
+        // bytes wait, not more than the limit.
         tx.send(view(
             vec![
                 file("a", 30, true),
-                file("b", 50, false),
-                file("c", 20, true),
+                file("b", 55, false),
+                file("c", 10, true),
             ],
             ViewState::Open,
         ))
@@ -958,13 +1029,13 @@ mod tests {
         tx.send(view(
             vec![
                 file("a", 30, true),
-                file("b", 50, true),
-                file("c", 20, true),
+                file("b", 75, false),
+                file("c", 10, true),
             ],
             ViewState::Open,
         ))
         .unwrap();
-        assert!(h.due(), "b and c complete: 70 bytes wait");
+        assert!(h.due(), "b's 30 new full bytes and c's 10 wait");
         assert!(h.due(), "due for the rest of the round");
         let h = round();
         tx.send(view(
