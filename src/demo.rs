@@ -143,6 +143,14 @@ pub struct DemoArgs {
     /// Gbit/s link. Default --rate. Not with --netns.
     #[arg(long, requires = "agents", conflicts_with = "netns", value_parser = crate::config::parse_rate)]
     pub pair_rate: Option<u64>,
+    /// --agents --write-rate: how the training job saves: hf
+    /// (transformers' save_pretrained: safetensors shards one after
+    /// another, so complete files accumulate while it writes) or dcp
+    /// (PyTorch DCP, 4 ranks writing their files at once; they complete
+    /// with the commit, and the pool takes their full chunks while they
+    /// grow).
+    #[arg(long, default_value = "hf", value_parser = ["hf", "dcp"], requires_all = ["write_rate", "agents"])]
+    pub save: String,
     /// --agents --write-rate: the source agents' `[pool]
     /// stripe_while_writing = false` (the watching agent sends the
     /// checkpoint alone until the commit), to compare.

@@ -1019,12 +1019,25 @@ async fn write_watched(
     use ferry_gen::format::{GenFormat, SaveOptions};
     let opts = SaveOptions {
         write_rate_bps: Some(rate),
-        ..SaveOptions::new(root, GenFormat::Hf, a.size)
+        ..SaveOptions::new(
+            root,
+            if a.save == "dcp" {
+                GenFormat::Dcp
+            } else {
+                GenFormat::Hf
+            },
+            a.size,
+        )
     };
     let dir = opts.checkpoint_dir();
     say(format!(
-        "a training job writes a checkpoint ({}, save_pretrained: safetensors shards one after another) at {} into the root every source agent watches ({})",
+        "a training job writes a checkpoint ({}, {}) at {} into the root every source agent watches ({})",
         super::priority::mb(a.size),
+        if a.save == "dcp" {
+            "PyTorch DCP: 4 ranks write their files at once"
+        } else {
+            "save_pretrained: safetensors shards one after another"
+        },
         format_rate(rate),
         if a.no_stripe_while_writing {
             "stripe_while_writing = false: the watching agent sends it alone until the commit"
