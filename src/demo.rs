@@ -269,20 +269,36 @@ pub async fn run(a: DemoArgs) -> Result<()> {
     if a.rtt.is_zero() || a.rtt > Duration::from_secs(10) {
         bail!("--rtt must be more than 0 and at most 10s, got {:?}", a.rtt);
     }
-    let estimate = physical_limit_s(a.size, a.rate, a.rtt) / (1.0 - a.loss).max(0.01);
+    // A pool carries at most its budget (--rate), and each agent pair
+    // at most its own link's (--pair-rate).
+    let carried = match (a.agents, a.pair_rate) {
+        (Some(n), Some(p)) => a.rate.min(p.saturating_mul(n.max(1) as u64)),
+        _ => a.rate,
+    };
+    let estimate = physical_limit_s(a.size, carried, a.rtt) / (1.0 - a.loss).max(0.01);
     if let Some(w) = a.write_rate.filter(|_| !a.no_watch) {
         let write_s = a.size as f64 * 8.0 / w.max(1) as f64;
         if write_s > MAX_DEMO_S {
             bail!(
-                "the second phase would write for about {write_s:.0} s at --write-rate {} (the demo stops at {MAX_DEMO_S:.0} s); raise --write-rate or lower --size",
+                "{} would write for about {write_s:.0} s at --write-rate {} (the demo stops at {MAX_DEMO_S:.0} s); raise --write-rate or lower --size",
+                if a.agents.is_some() {
+                    "the training job"
+                } else {
+                    "the second phase"
+                },
                 format_rate(w)
             );
         }
     }
     if estimate > MAX_DEMO_S {
         bail!(
-            "this would take about {estimate:.0} s at {} (the demo stops at {MAX_DEMO_S:.0} s); raise --rate or lower --size",
-            format_rate(a.rate)
+            "this would take about {estimate:.0} s at {} (the demo stops at {MAX_DEMO_S:.0} s); raise {} or lower --size",
+            format_rate(carried),
+            if carried < a.rate {
+                "--pair-rate"
+            } else {
+                "--rate"
+            }
         );
     }
     let mut tmp = None;

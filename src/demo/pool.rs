@@ -1159,6 +1159,9 @@ async fn watched_summary(
         "write_s": w.write_s,
         "commit_to_published_s": lag_s,
         "stripe_while_writing": !a.no_stripe_while_writing,
+        "save": a.save,
+        "write_rate_bps": a.write_rate,
+        "pair_rate_bps": a.pair_rate,
         "claims_before_commit": before,
         "claims": claims.len(),
     }))
