@@ -998,19 +998,7 @@ async fn a_watched_checkpoint_s_rest_is_striped_across_the_pool_at_its_commit() 
     w.ensure(status.success(), || format!("ferry gen failed: {status}"));
     let ckpt = root.join("step_00000800");
     let path = ckpt.to_str().unwrap().to_string();
-    w.wait_until("the checkpoint to publish", TRANSFER, async || {
-        let ts = w.transfers(&pool.sources[0]).await;
-        let mine: Vec<&Value> = ts.iter().filter(|t| s(t, "source_path") == path).collect();
-        match mine.as_slice() {
-            [t] if s(t, "state") == "published" => Ok(()),
-            [t] if matches!(s(t, "state"), "failed" | "cancelled") => {
-                w.fail(format!("the transfer ended: {t}"))
-            }
-            [t] => Err(format!("transfer {}", s(t, "state"))),
-            more => Err(format!("{} transfers: {more:?}", more.len())),
-        }
-    })
-    .await;
+    published_at(&w, &pool.sources[0], &path).await;
     w.assert_same_tree(&ckpt, &w.replica_path("step_00000800"));
     let claims = part_claims(&pool.source_db).await;
     assert_shared_and_released(&w, &claims);
@@ -1073,25 +1061,7 @@ async fn complete_files_of_a_checkpoint_still_being_written_are_striped_across_t
     {
         copy(n);
     }
-    let first = w
-        .wait_until(
-            "both source agents to release parts of the first complete files",
-            TRANSFER,
-            async || {
-                let claims = part_claims(&pool.source_db).await;
-                let released = |a: &str| {
-                    claims
-                        .iter()
-                        .any(|c| c.2 == a && c.5.as_deref() == Some("released"))
-                };
-                if released(SOURCE_NAME) && released(SOURCE_2) {
-                    Ok(claims)
-                } else {
-                    Err(format!("{claims:?}"))
-                }
-            },
-        )
-        .await;
+    let first = both_released(&w, &pool, "of the first complete files").await;
     for n in &data[2..] {
         copy(n);
     }
@@ -1122,19 +1092,7 @@ async fn complete_files_of_a_checkpoint_still_being_written_are_striped_across_t
         || format!("the checkpoint's transfer should be active before its commit: {ts:?}"),
     );
     std::fs::copy(made.join(".metadata"), ckpt.join(".metadata")).unwrap();
-    w.wait_until("the checkpoint to publish", TRANSFER, async || {
-        let ts = w.transfers(&pool.sources[0]).await;
-        let mine: Vec<&Value> = ts.iter().filter(|t| s(t, "source_path") == path).collect();
-        match mine.as_slice() {
-            [t] if s(t, "state") == "published" => Ok(()),
-            [t] if matches!(s(t, "state"), "failed" | "cancelled") => {
-                w.fail(format!("the transfer ended: {t}"))
-            }
-            [t] => Err(format!("transfer {}", s(t, "state"))),
-            more => Err(format!("{} transfers: {more:?}", more.len())),
-        }
-    })
-    .await;
+    published_at(&w, &pool.sources[0], &path).await;
     w.assert_same_tree(&ckpt, &w.replica_path("step_00000900"));
     assert_shared_and_released(&w, &part_claims(&pool.source_db).await);
     let (states, _) = catalog_view(&pool.sink_db, "step_00000900").await;
@@ -1195,31 +1153,27 @@ async fn full_chunks_of_files_still_being_written_are_striped_across_the_pool() 
     w.ensure(open.len() == 4, || {
         format!("4 data files expected: {names:?}")
     });
-    w.wait_until(
-        "both source agents to release parts while the files are open",
-        TRANSFER,
-        async || {
-            let claims = part_claims(&pool.source_db).await;
-            let released = |a: &str| {
-                claims
-                    .iter()
-                    .any(|c| c.2 == a && c.5.as_deref() == Some("released"))
-            };
-            if released(SOURCE_NAME) && released(SOURCE_2) {
-                Ok(())
-            } else {
-                Err(format!("{claims:?}"))
-            }
-        },
-    )
-    .await;
+    both_released(&w, &pool, "while the files are open").await;
     for (mut f, bytes, half) in open {
         f.write_all(&bytes[half..]).unwrap();
     }
     std::fs::copy(made.join(".metadata"), ckpt.join(".metadata")).unwrap();
     let path = ckpt.to_str().unwrap().to_string();
+    published_at(&w, &pool.sources[0], &path).await;
+    w.assert_same_tree(&ckpt, &w.replica_path("step_00000950"));
+    assert_shared_and_released(&w, &part_claims(&pool.source_db).await);
+    let (states, _) = catalog_view(&pool.sink_db, "step_00000950").await;
+    w.ensure(states == ["published"], || {
+        format!("one replica row, published once: {states:?}")
+    });
+    pool.finish().await;
+}
+
+/// Waits until the one transfer of source path `path` that `source`
+/// lists is published; fails at once if it failed or was cancelled.
+async fn published_at(w: &World, source: &Agent, path: &str) {
     w.wait_until("the checkpoint to publish", TRANSFER, async || {
-        let ts = w.transfers(&pool.sources[0]).await;
+        let ts = w.transfers(source).await;
         let mine: Vec<&Value> = ts.iter().filter(|t| s(t, "source_path") == path).collect();
         match mine.as_slice() {
             [t] if s(t, "state") == "published" => Ok(()),
@@ -1231,13 +1185,29 @@ async fn full_chunks_of_files_still_being_written_are_striped_across_the_pool() 
         }
     })
     .await;
-    w.assert_same_tree(&ckpt, &w.replica_path("step_00000950"));
-    assert_shared_and_released(&w, &part_claims(&pool.source_db).await);
-    let (states, _) = catalog_view(&pool.sink_db, "step_00000950").await;
-    w.ensure(states == ["published"], || {
-        format!("one replica row, published once: {states:?}")
-    });
-    pool.finish().await;
+}
+
+/// Waits until both source agents have released a part (`when` says at
+/// what point of the test); returns the claims then.
+async fn both_released(w: &World, pool: &Striped, when: &str) -> Vec<PartClaimRow> {
+    w.wait_until(
+        &format!("both source agents to release parts {when}"),
+        TRANSFER,
+        async || {
+            let claims = part_claims(&pool.source_db).await;
+            let released = |a: &str| {
+                claims
+                    .iter()
+                    .any(|c| c.2 == a && c.5.as_deref() == Some("released"))
+            };
+            if released(SOURCE_NAME) && released(SOURCE_2) {
+                Ok(claims)
+            } else {
+                Err(format!("{claims:?}"))
+            }
+        },
+    )
+    .await
 }
 
 /// Waits until source agent 0's `GET /v1/pool` lists both source agents
