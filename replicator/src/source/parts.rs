@@ -320,8 +320,8 @@ async fn send_until_done(
     }
 }
 
-/// Whether watched transfer `t` is striped across the pool (its complete
-/// files while it is written, its rest at its commit; see
+/// Whether watched transfer `t` is striped across the pool (what of it
+/// can no longer change while it is written, its rest at its commit; see
 /// [`stripe_watched`]): an agent of a pool on PostgreSQL, a whole (`full`
 /// profile) transfer not sent weights first.
 pub(super) fn watched_striped(inner: &Inner, t: &Transfer, weights_first: bool) -> bool {
@@ -347,9 +347,10 @@ pub(super) fn writing_threshold(inner: &Inner) -> Option<u64> {
     (peers > 1).then(|| pool.config().part_size.max(1).saturating_mul(peers))
 }
 
-/// A watched checkpoint's files that can no longer change, as its run
-/// hands them to [`stripe_watched`]: at its commit, every file of the
-/// committed view; while it is written, the files complete so far.
+/// What of a watched checkpoint can no longer change, as its run hands
+/// it to [`stripe_watched`]: at its commit, every file of the committed
+/// view; while it is written, the files complete so far and the full
+/// chunks of those only ever appended to.
 pub(super) struct WatchedFiles<'a> {
     /// The run's file table (what the sink was sent), in its order.
     pub table: &'a [FileInfo],
