@@ -630,6 +630,8 @@ struct StripedOn<'a> {
     sink_reserve: Option<&'a str>,
     /// Environment of both sink agents.
     sink_env: &'a [(&'a str, &'a str)],
+    /// More lines of the source agents' `[pool]` section.
+    source_pool: &'a str,
 }
 
 async fn striped_pool_with(
@@ -688,8 +690,9 @@ async fn striped_pool_with(
         cfg.links[0].peer_name = peer.1.into();
         cfg.links[0].more_peers = vec![(more.0.to_string(), more.1.to_string())];
         cfg.tail = format!(
-            "\n[catalog]\nurl = {}\n\n{pool}part_size = \"{part_size}\"\nmax_parts = 2\n",
-            toml_str(&source_url)
+            "\n[catalog]\nurl = {}\n\n{pool}part_size = \"{part_size}\"\nmax_parts = 2\n{}",
+            toml_str(&source_url),
+            on.source_pool
         );
         if let Some(s) = cfg.source.as_mut().filter(|_| on.watch) {
             s.scan_interval = "500ms".into();
@@ -791,9 +794,20 @@ fn assert_shared_and_released(w: &World, claims: &[PartClaimRow]) {
 
 /// Payload bytes a sink agent received (its metrics).
 async fn received(w: &World, sink: &Agent) -> f64 {
-    let m = w.metrics_text(sink).await;
+    counter_total(w, sink, "ferry_received_bytes_total").await
+}
+
+/// Payload bytes source agent `source` wrote to QUIC (its
+/// `ferry_sent_bytes_total`, every link and class).
+async fn sent(w: &World, source: &Agent) -> f64 {
+    counter_total(w, source, "ferry_sent_bytes_total").await
+}
+
+/// The sum of counter `name` over its labels in `agent`'s metrics.
+async fn counter_total(w: &World, agent: &Agent, name: &str) -> f64 {
+    let m = w.metrics_text(agent).await;
     m.lines()
-        .filter(|l| l.starts_with("ferry_received_bytes_total{"))
+        .filter(|l| l.strip_prefix(name).is_some_and(|r| r.starts_with('{')))
         .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
         .sum()
 }
@@ -974,11 +988,14 @@ async fn striped_over(
 }
 
 /// A checkpoint the watcher streams while a training job writes it,
-/// faster than one agent pair sends: at its commit, the rest is striped
-/// across the pool (the watching agent opens the transfer at the sink
-/// again and plans parts of what it has not sent and confirmed); both
-/// source agents claim parts, every claim released, none overlapping;
-/// published once, byte-identical.
+/// faster than one agent pair sends (striping while it is written
+/// switched off): at its commit, the rest is striped across the pool
+/// (the watching agent opens the transfer at the sink again and plans
+/// parts of what it has not sent and confirmed); both source agents claim
+/// parts, every claim released, none overlapping; published once,
+/// byte-identical; the source agents sent each byte once (the parts hold
+/// chunks the watching agent streamed while the rank files grew: read
+/// again, not sent again).
 #[tokio::test]
 async fn a_watched_checkpoint_s_rest_is_striped_across_the_pool_at_its_commit() {
     let w = World::new("striped-watched").await;
@@ -986,14 +1003,17 @@ async fn a_watched_checkpoint_s_rest_is_striped_across_the_pool_at_its_commit() 
     std::fs::create_dir_all(&root).unwrap();
     let on = StripedOn {
         watch: true,
+        source_pool: "stripe_while_writing = false\n",
         ..Default::default()
     };
     let pool = striped_pool_with(&w, "watched", "80Mbit/s", &[], on).await;
-    // 96 MB written at 800 Mbit/s (about 1 s) while each link carries
-    // 80 Mbit/s: most of it is left at the commit (at least 4 x 2 agents
-    // x max_parts 2 = 16 parts of 8 MiB would need 128 MiB; the point
-    // here is the hand-over, not the part count).
-    let mut gen = w.spawn_dcp_save(&root, "800", "96MB", "800Mbit/s");
+    // 96 MB written at 200 Mbit/s (about 4 s; the ranks append to their
+    // files side by side) while each link carries 80 Mbit/s: most of it
+    // is left at the commit, and about a third was streamed, spread over
+    // every rank file (at least 4 x 2 agents x max_parts 2 = 16 parts of
+    // 8 MiB would need 128 MiB; the point here is the hand-over, not the
+    // part count).
+    let mut gen = w.spawn_dcp_save(&root, "800", "96MB", "400Mbit/s");
     let status = gen.wait().await.unwrap();
     w.ensure(status.success(), || format!("ferry gen failed: {status}"));
     let ckpt = root.join("step_00000800");
@@ -1006,6 +1026,7 @@ async fn a_watched_checkpoint_s_rest_is_striped_across_the_pool_at_its_commit() 
     w.ensure(states == ["published"], || {
         format!("one replica row, published once: {states:?}")
     });
+    assert_sent_once(&w, &pool, &ckpt).await;
     let log = pool.sources[0].stderr() + &pool.sources[1].stderr();
     w.ensure(
         log.contains("the rest is striped across the source pool"),
@@ -1020,7 +1041,8 @@ async fn a_watched_checkpoint_s_rest_is_striped_across_the_pool_at_its_commit() 
 /// them while its commit marker does not exist yet), in a round of their
 /// own for each batch of them (a later round's plan replaces the earlier
 /// one's); the rest follows at the commit. Published once,
-/// byte-identical, every claim released, none overlapping.
+/// byte-identical, every claim released, none overlapping, each byte
+/// sent once.
 #[tokio::test]
 async fn complete_files_of_a_checkpoint_still_being_written_are_striped_across_the_pool() {
     let w = World::new("striped-writing").await;
@@ -1099,6 +1121,7 @@ async fn complete_files_of_a_checkpoint_still_being_written_are_striped_across_t
     w.ensure(states == ["published"], || {
         format!("one replica row, published once: {states:?}")
     });
+    assert_sent_once(&w, &pool, &ckpt).await;
     let log = pool.sources[0].stderr() + &pool.sources[1].stderr();
     let rounds = log
         .matches("what can no longer change (complete files, full chunks of files only appended to) is striped")
@@ -1115,7 +1138,7 @@ async fn complete_files_of_a_checkpoint_still_being_written_are_striped_across_t
 /// across the pool while the files are still open for writing; the
 /// watching agent keeps the tails and reads each file again once it is
 /// complete. Published once, byte-identical, every claim released, none
-/// overlapping.
+/// overlapping, each byte sent once.
 #[tokio::test]
 async fn full_chunks_of_files_still_being_written_are_striped_across_the_pool() {
     use std::io::Write as _;
@@ -1166,7 +1189,19 @@ async fn full_chunks_of_files_still_being_written_are_striped_across_the_pool() 
     w.ensure(states == ["published"], || {
         format!("one replica row, published once: {states:?}")
     });
+    assert_sent_once(&w, &pool, &ckpt).await;
     pool.finish().await;
+}
+
+/// Checks that `pool`'s source agents sent, together, each byte of
+/// checkpoint `ckpt` once: chunks one of them sent and the sink holds
+/// are not sent again by a part that holds them.
+async fn assert_sent_once(w: &World, pool: &Striped, ckpt: &Path) {
+    let size = tree_bytes(ckpt);
+    let got = sent(w, &pool.sources[0]).await + sent(w, &pool.sources[1]).await;
+    w.ensure(got as u64 == size, || {
+        format!("the source agents should have sent each of the {size} bytes once: {got} bytes")
+    });
 }
 
 /// Waits until the one transfer of source path `path` that `source`

@@ -1776,11 +1776,7 @@ async fn open_transfer(
                 let kept = decide::rekey_chunks(&old_files, &files, chunk_size, &old);
                 if kept != old {
                     let new_map = ChunkMap::new(&files, chunk_size);
-                    let done = kept
-                        .iter()
-                        .filter_map(|(k, _)| new_map.locate(*k))
-                        .map(|(f, c)| new_map.span(f, c).1)
-                        .sum();
+                    let done = new_map.bytes_of(kept.iter().map(|(k, _)| *k));
                     inner.catalog.replace_chunks(r.id, &kept, done).await?;
                 }
                 // Compared with the catalog's copy, not the live table: a

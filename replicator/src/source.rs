@@ -3780,11 +3780,7 @@ async fn run_transfer(inner: &Arc<Inner>, c: &LinkConn, t: Transfer) -> Result<(
         "transfer start"
     );
     let map = Arc::new(ChunkMap::new(&scan.files, chunk_size));
-    let skipped: u64 = have
-        .iter()
-        .filter_map(|g| map.locate(*g))
-        .map(|(f, c)| map.span(f, c).1)
-        .sum();
+    let skipped = map.bytes_of(have.iter().copied());
     progress.skipped.store(skipped, Ordering::Relaxed);
     info!(
         transfer = %id,

@@ -227,6 +227,15 @@ impl ChunkMap {
     pub fn file_size(&self, file: u32) -> u64 {
         self.sizes.get(file as usize).copied().unwrap_or(0)
     }
+
+    /// Payload bytes of the chunks `keys` names, each counted as often as
+    /// it is named; a key naming no chunk of the map counts 0.
+    pub fn bytes_of(&self, keys: impl IntoIterator<Item = u64>) -> u64 {
+        keys.into_iter()
+            .filter_map(|k| self.locate(k))
+            .map(|(f, c)| self.span(f, c).1)
+            .sum()
+    }
 }
 
 /// Validates a file list received from a peer: chunk size within bounds,
@@ -433,6 +442,12 @@ mod tests {
         assert_eq!(m.locate(5 << 32), Some((5, 0)));
         m.set_size(2, 200);
         assert_eq!(m.span(2, 3), (192, 8));
+        // Bytes of keys: whole and last chunks, a key named twice counts
+        // twice, a key of no chunk counts nothing.
+        let (a, last) = (m.index(2, 0).unwrap(), m.index(2, 3).unwrap());
+        assert_eq!(m.bytes_of([a, last]), 64 + 8);
+        assert_eq!(m.bytes_of([a, a, 1 << 32, 4 << 32 | 9]), 128);
+        assert_eq!(m.bytes_of(m.keys().collect::<Vec<_>>()), 10 + 200 + 64 + 1);
     }
 
     #[test]

@@ -236,11 +236,7 @@ pub(super) async fn run_coordinated(
         "striped across the source pool: any source agent may claim its parts"
     );
     let map = Arc::new(ChunkMap::new(&files, plan.chunk_size));
-    let skipped: u64 = have
-        .iter()
-        .filter_map(|g| map.locate(*g))
-        .map(|(f, c)| map.span(f, c).1)
-        .sum();
+    let skipped = map.bytes_of(have.iter().copied());
     progress.skipped.store(skipped, Ordering::Relaxed);
     let s = Striping {
         t,
@@ -486,11 +482,7 @@ pub(super) async fn stripe_watched(
     // The transfer's progress starts again from what the sink holds: it
     // counts every batch this run sent before and every part another
     // agent sent of an earlier plan (the new plan's parts from none).
-    let at_sink: u64 = have
-        .iter()
-        .filter_map(|k| map.locate(*k))
-        .map(|(f, ci)| map.span(f, ci).1)
-        .sum();
+    let at_sink = map.bytes_of(have.iter().copied());
     // What this run's own counter holds stays (clients show its sent
     // bytes beside the skipped ones).
     let mine = progress.verified_or_sent();
@@ -507,12 +499,7 @@ pub(super) async fn stripe_watched(
     // progress counted, by what is sent).
     let mut planned = split_into_parts_where(w.table, chunk_size, cfg.part_size.max(1), send);
     for p in &mut planned {
-        let held: u64 = part_keys(&map, p)
-            .into_iter()
-            .filter(|k| have.contains(k))
-            .filter_map(|k| map.locate(k))
-            .map(|(f, ci)| map.span(f, ci).1)
-            .sum();
+        let held = map.bytes_of(part_keys(&map, p).into_iter().filter(|k| have.contains(k)));
         p.bytes = p.bytes.saturating_sub(held);
     }
     let plan = match inner.catalog.transfer_plan(id).await? {
@@ -847,11 +834,19 @@ async fn send_parts(
         // (the sink holds chunks that overtake them), and the answers are
         // checked before release: the sink can hold none of their chunks
         // yet, nor a later epoch unless this agent stalled for a lease.
+        // Not when the plan left out bytes the sink held (a watched
+        // checkpoint's parts) and this agent has not heard what the sink
+        // holds: the registrations' answers come after the open's, which
+        // says which chunks not to send.
         let ahead = s.parts_first
             && !pauses_after_part()
             && claims
                 .iter()
-                .all(|cl| cl.epoch == 1 && cl.took_over_from.is_none());
+                .all(|cl| cl.epoch == 1 && cl.took_over_from.is_none())
+            && (s.opened.load(Ordering::Relaxed)
+                || claims
+                    .iter()
+                    .all(|cl| s.map.bytes_of(part_keys(&s.map, &cl.range)) == cl.range.bytes));
         // From here on, an error gives back every claim this agent still
         // holds: a claim left behind would be renewed with the agent's
         // other leases and never sent.
@@ -1076,11 +1071,7 @@ fn even_share(claimable: u64, max_parts: usize, peers: u32) -> usize {
 fn took_have(s: &Striping<'_>, chunks: Vec<u64>) {
     let have: HashSet<u64> = chunks.into_iter().collect();
     // What the sink had counts as done in the run's progress.
-    let skipped: u64 = have
-        .iter()
-        .filter_map(|g| s.map.locate(*g))
-        .map(|(f, c)| s.map.span(f, c).1)
-        .sum();
+    let skipped = s.map.bytes_of(have.iter().copied());
     s.progress.skipped.store(skipped, Ordering::Relaxed);
     *crate::lock::lock(&s.have) = Arc::new(have);
     s.opened.store(true, Ordering::Relaxed);

@@ -368,11 +368,7 @@ pub(super) async fn run_watched(
     let (mut rx, have) = open_on_sink(inner, c, &t, fresh, table.clone(), false, false).await?;
     // What the sink holds already (a resume) counts as done.
     let map = ChunkMap::new(&table, chunk_size);
-    let skipped: u64 = have
-        .iter()
-        .filter_map(|k| map.locate(*k))
-        .map(|(f, c)| map.span(f, c).1)
-        .sum();
+    let skipped = map.bytes_of(have.iter().copied());
     progress.skipped.store(skipped, Ordering::Relaxed);
     let mut have = Arc::new(have);
     info!(
