@@ -403,6 +403,32 @@ async fn ferry_demo_with_agents_runs_a_source_pool_and_a_sink_pool() {
             && !out.all().contains("PostgreSQL"),
         || format!("ferry demo --preempt --size 1MB: {out}"),
     );
+    // A watched checkpoint too small for its save's format: refused
+    // before anything starts, naming the format.
+    let out = w
+        .ferry(
+            &[
+                "demo",
+                "--agents",
+                "2",
+                "--write-rate",
+                "400Mbit/s",
+                "--save",
+                "dcp",
+                "--size",
+                "100kB",
+            ],
+            &[],
+            Duration::from_secs(30),
+        )
+        .await;
+    w.ensure(
+        !out.success()
+            && out.all().contains("--save dcp: ")
+            && out.all().contains("too small for the dcp format")
+            && !out.all().contains("PostgreSQL"),
+        || format!("ferry demo --write-rate --save dcp --size 100kB: {out}"),
+    );
     // Under --netns the loss is the emulator's: refused before anything
     // starts, whether or not the namespaces are up.
     let out = w

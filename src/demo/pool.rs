@@ -155,6 +155,13 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
             super::priority::mb(n as u64 * part_size),
         );
     }
+    if let Some(rate) = a.write_rate {
+        // Before any agent starts: a size the save's format cannot hold.
+        let opts = save_options(a, dir, rate);
+        if let Err(e) = ferry_gen::format::preview(&opts) {
+            bail!("--save {}: {e}", a.save);
+        }
+    }
     let net = if a.netns {
         Net::Namespaces
     } else {
@@ -999,6 +1006,25 @@ struct WatchedSave {
     write_s: f64,
 }
 
+/// The training job's save of the watched checkpoint (`--write-rate`):
+/// `--save` (`hf` or `dcp`) of `--size` bytes under `root`, written at
+/// `rate` bit/s.
+fn save_options(a: &DemoArgs, root: &Path, rate: u64) -> ferry_gen::format::SaveOptions {
+    use ferry_gen::format::{GenFormat, SaveOptions};
+    SaveOptions {
+        write_rate_bps: Some(rate),
+        ..SaveOptions::new(
+            root,
+            if a.save == "dcp" {
+                GenFormat::Dcp
+            } else {
+                GenFormat::Hf
+            },
+            a.size,
+        )
+    }
+}
+
 /// Writes one checkpoint of `--size` at `rate` bit/s into `root`, which
 /// every source agent watches, as transformers' `save_pretrained` does
 /// (safetensors shards one after another, so complete files accumulate
@@ -1016,19 +1042,7 @@ async fn write_watched(
     root: &Path,
     say: &dyn Fn(String),
 ) -> Result<(WatchedSave, i64)> {
-    use ferry_gen::format::{GenFormat, SaveOptions};
-    let opts = SaveOptions {
-        write_rate_bps: Some(rate),
-        ..SaveOptions::new(
-            root,
-            if a.save == "dcp" {
-                GenFormat::Dcp
-            } else {
-                GenFormat::Hf
-            },
-            a.size,
-        )
-    };
+    let opts = save_options(a, root, rate);
     let dir = opts.checkpoint_dir();
     say(format!(
         "a training job writes a checkpoint ({}, {}) at {} into the root every source agent watches ({})",
