@@ -832,12 +832,19 @@ async fn send_parts(
         // the part's chunks from an agent that claimed it earlier. Parts
         // claimed for the first time go right behind their registrations
         // (the sink holds chunks that overtake them), and the answers are
-        // checked before release: the sink can hold none of their chunks
-        // yet, nor a later epoch unless this agent stalled for a lease.
-        // Not when the plan left out bytes the sink held (a watched
+        // checked before release: the sink holds no later epoch unless
+        // this agent stalled for a lease, and none of their chunks but
+        // those of files it reused from a published copy (sent again
+        // then, by the first claims only). Not when the plan left out bytes the sink held (a watched
         // checkpoint's parts) and this agent has not heard what the sink
         // holds: the registrations' answers come after the open's, which
         // says which chunks not to send.
+        // An agent whose open was not waited for speaks PARTS_VERSION
+        // (the open's answer then comes before the registrations'; see
+        // `register`).
+        debug_assert!(
+            s.opened.load(Ordering::Relaxed) || c.version >= ferry_proto::wire::PARTS_VERSION
+        );
         let ahead = s.parts_first
             && !pauses_after_part()
             && claims
