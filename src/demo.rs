@@ -292,13 +292,19 @@ pub async fn run(a: DemoArgs) -> Result<()> {
     }
     if estimate > MAX_DEMO_S {
         bail!(
-            "this would take about {estimate:.0} s at {} (the demo stops at {MAX_DEMO_S:.0} s); raise {} or lower --size",
+            "this would take about {estimate:.0} s at {}{} (the demo stops at {MAX_DEMO_S:.0} s); raise {}{} or lower --size",
             format_rate(carried),
+            if a.loss > 0.0 {
+                format!(" with --loss {}", a.loss)
+            } else {
+                String::new()
+            },
             if carried < a.rate {
                 "--pair-rate"
             } else {
                 "--rate"
-            }
+            },
+            if a.loss > 0.0 { ", lower --loss" } else { "" }
         );
     }
     let mut tmp = None;

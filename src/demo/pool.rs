@@ -157,9 +157,24 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
     }
     if let Some(rate) = a.write_rate {
         // Before any agent starts: a size the save's format cannot hold.
-        let opts = save_options(a, dir, rate);
-        if let Err(e) = ferry_gen::format::preview(&opts) {
-            bail!("--save {}: {e}", a.save);
+        let fits = |size: u64| {
+            let mut opts = save_options(a, dir, rate);
+            opts.total_bytes = size;
+            ferry_gen::format::preview(&opts).is_ok()
+        };
+        if !fits(a.size) {
+            // The format's own message states a framing estimate that
+            // depends on the size asked for; the smallest size it takes
+            // is what a user needs.
+            bail!(
+                "--size {} is too small for a --save {} checkpoint{}",
+                a.size,
+                a.save,
+                smallest_fitting(a.size, fits).map_or(String::new(), |m| format!(
+                    ": the smallest is about {} kB",
+                    m.div_ceil(1000)
+                ))
+            );
         }
     }
     let net = if a.netns {
@@ -1006,6 +1021,30 @@ struct WatchedSave {
     write_s: f64,
 }
 
+/// The smallest size above `refused` (bytes) that `fits`, to within
+/// 1 %, found by halving; `None` if even 1 TB does not fit. Assumes that
+/// a size that fits stays fitting as it grows (a save's framing grows
+/// slower than its tensor data).
+fn smallest_fitting(refused: u64, fits: impl Fn(u64) -> bool) -> Option<u64> {
+    let mut hi = refused.max(1_000).saturating_mul(2);
+    while !fits(hi) {
+        if hi >= 1_000_000_000_000 {
+            return None;
+        }
+        hi = hi.saturating_mul(2);
+    }
+    let mut lo = refused;
+    while hi - lo > (hi / 100).max(1) {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    Some(hi)
+}
+
 /// The training job's save of the watched checkpoint (`--write-rate`):
 /// `--save` (`hf` or `dcp`) of `--size` bytes under `root`, written at
 /// `rate` bit/s.
@@ -1581,5 +1620,22 @@ impl Postgres {
 impl Drop for Postgres {
     fn drop(&mut self) {
         self.halt();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::smallest_fitting;
+
+    #[test]
+    fn the_smallest_fitting_size_is_found_within_one_percent() {
+        let min = 987_654;
+        let found = smallest_fitting(1_000, |s| s >= min).unwrap();
+        assert!(found >= min && found <= min + min / 100, "{found}");
+        // Above the one asked for even when that is large.
+        let found = smallest_fitting(600_000, |s| s >= 5_000_000).unwrap();
+        assert!((5_000_000..=5_050_000).contains(&found), "{found}");
+        assert_eq!(smallest_fitting(1_000, |_| false), None);
     }
 }
