@@ -255,6 +255,16 @@ fn agent_config(dir: &Path, name: &str, role: Role, api: SocketAddr) -> Config {
     }
 }
 
+/// The most the demo's links carry together, in bit/s: `--rate` (the
+/// budget), or with `--agents N --pair-rate P` (each agent pair's
+/// emulated link carries at most P) the lesser of it and N x P.
+fn carried_rate(a: &DemoArgs) -> u64 {
+    match (a.agents, a.pair_rate) {
+        (Some(n), Some(p)) => a.rate.min(p.saturating_mul(n.max(1) as u64)),
+        _ => a.rate,
+    }
+}
+
 /// Runs the demo.
 ///
 /// # Errors
@@ -269,12 +279,7 @@ pub async fn run(a: DemoArgs) -> Result<()> {
     if a.rtt.is_zero() || a.rtt > Duration::from_secs(10) {
         bail!("--rtt must be more than 0 and at most 10s, got {:?}", a.rtt);
     }
-    // A pool carries at most its budget (--rate), and each agent pair
-    // at most its own link's (--pair-rate).
-    let carried = match (a.agents, a.pair_rate) {
-        (Some(n), Some(p)) => a.rate.min(p.saturating_mul(n.max(1) as u64)),
-        _ => a.rate,
-    };
+    let carried = carried_rate(&a);
     let estimate = physical_limit_s(a.size, carried, a.rtt) / (1.0 - a.loss).max(0.01);
     if let Some(w) = a.write_rate.filter(|_| !a.no_watch) {
         let write_s = a.size as f64 * 8.0 / w.max(1) as f64;

@@ -1043,17 +1043,7 @@ async fn a_watched_checkpoint_s_rest_is_striped_across_the_pool_at_its_commit() 
     let mut gen = w.spawn_dcp_save(&root, "800", "96MB", "400Mbit/s");
     let status = gen.wait().await.unwrap();
     w.ensure(status.success(), || format!("ferry gen failed: {status}"));
-    let ckpt = root.join("step_00000800");
-    let path = ckpt.to_str().unwrap().to_string();
-    published_at(&w, &pool.sources[0], &path).await;
-    w.assert_same_tree(&ckpt, &w.replica_path("step_00000800"));
-    let claims = part_claims(&pool.source_db).await;
-    assert_shared_and_released(&w, &claims);
-    let (states, _) = catalog_view(&pool.sink_db, "step_00000800").await;
-    w.ensure(states == ["published"], || {
-        format!("one replica row, published once: {states:?}")
-    });
-    assert_sent_once(&w, &pool, &ckpt).await;
+    assert_striped_replica(&w, &pool, &root.join("step_00000800")).await;
     let log = pool.sources[0].stderr() + &pool.sources[1].stderr();
     w.ensure(
         log.contains("the rest is striped across the source pool"),
@@ -1073,36 +1063,12 @@ async fn a_watched_checkpoint_s_rest_is_striped_across_the_pool_at_its_commit() 
 #[tokio::test]
 async fn complete_files_of_a_checkpoint_still_being_written_are_striped_across_the_pool() {
     let w = World::new("striped-writing").await;
-    let root = w.source_root();
-    std::fs::create_dir_all(&root).unwrap();
-    let on = StripedOn {
-        watch: true,
-        ..Default::default()
-    };
-    let pool = striped_pool_with(&w, "writing", "80Mbit/s", &[], on).await;
-    // A DCP save made beside the root, copied in file by file: two of its
-    // data files (4 ranks of 24 MB, 3 parts each), then the other two
-    // once both source agents released parts of the first, then its
-    // `.metadata` (the commit) once a part of the second round's plan
-    // was released.
-    let staging = w.root.join("staging");
-    let mut gen = w.spawn_dcp_save(&staging, "900", "96MB", "8Gbit/s");
-    let status = gen.wait().await.unwrap();
-    w.ensure(status.success(), || format!("ferry gen failed: {status}"));
-    let made = staging.join("step_00000900");
-    let ckpt = root.join("step_00000900");
-    std::fs::create_dir_all(&ckpt).unwrap();
-    let mut names: Vec<String> = std::fs::read_dir(&made)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
+    // Copied in file by file: two of the save's data files (4 ranks of 24
+    // MB, 3 parts each), then the other two once both source agents
+    // released parts of the first, then its `.metadata` (the commit) once
+    // a part of the second round's plan was released.
+    let (pool, made, ckpt, names) = watched_pool_and_save(&w, "writing", "900").await;
     let data: Vec<&String> = names.iter().filter(|n| n.ends_with(".distcp")).collect();
-    w.ensure(
-        data.len() == 4 && names.iter().any(|n| n == ".metadata"),
-        || format!("the DCP save should have 4 data files and .metadata: {names:?}"),
-    );
-    both_live(&w, &pool).await;
     let copy = |n: &str| std::fs::copy(made.join(n), ckpt.join(n)).unwrap();
     for n in names
         .iter()
@@ -1141,14 +1107,7 @@ async fn complete_files_of_a_checkpoint_still_being_written_are_striped_across_t
         || format!("the checkpoint's transfer should be active before its commit: {ts:?}"),
     );
     std::fs::copy(made.join(".metadata"), ckpt.join(".metadata")).unwrap();
-    published_at(&w, &pool.sources[0], &path).await;
-    w.assert_same_tree(&ckpt, &w.replica_path("step_00000900"));
-    assert_shared_and_released(&w, &part_claims(&pool.source_db).await);
-    let (states, _) = catalog_view(&pool.sink_db, "step_00000900").await;
-    w.ensure(states == ["published"], || {
-        format!("one replica row, published once: {states:?}")
-    });
-    assert_sent_once(&w, &pool, &ckpt).await;
+    assert_striped_replica(&w, &pool, &ckpt).await;
     let log = pool.sources[0].stderr() + &pool.sources[1].stderr();
     let rounds = log
         .matches("what can no longer change (complete files, full chunks of files only appended to) is striped")
@@ -1170,26 +1129,7 @@ async fn complete_files_of_a_checkpoint_still_being_written_are_striped_across_t
 async fn full_chunks_of_files_still_being_written_are_striped_across_the_pool() {
     use std::io::Write as _;
     let w = World::new("striped-growing").await;
-    let root = w.source_root();
-    std::fs::create_dir_all(&root).unwrap();
-    let on = StripedOn {
-        watch: true,
-        ..Default::default()
-    };
-    let pool = striped_pool_with(&w, "growing", "80Mbit/s", &[], on).await;
-    let staging = w.root.join("staging");
-    let mut gen = w.spawn_dcp_save(&staging, "950", "96MB", "8Gbit/s");
-    let status = gen.wait().await.unwrap();
-    w.ensure(status.success(), || format!("ferry gen failed: {status}"));
-    let made = staging.join("step_00000950");
-    let ckpt = root.join("step_00000950");
-    both_live(&w, &pool).await;
-    std::fs::create_dir_all(&ckpt).unwrap();
-    let mut names: Vec<String> = std::fs::read_dir(&made)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
+    let (pool, made, ckpt, names) = watched_pool_and_save(&w, "growing", "950").await;
     // Each rank's file: its first half written, the file left open.
     let mut open = Vec::new();
     for n in names.iter().filter(|n| *n != ".metadata") {
@@ -1200,24 +1140,70 @@ async fn full_chunks_of_files_still_being_written_are_striped_across_the_pool() 
         f.flush().unwrap();
         open.push((f, bytes, half));
     }
-    w.ensure(open.len() == 4, || {
-        format!("4 data files expected: {names:?}")
-    });
     both_released(&w, &pool, "while the files are open").await;
     for (mut f, bytes, half) in open {
         f.write_all(&bytes[half..]).unwrap();
     }
     std::fs::copy(made.join(".metadata"), ckpt.join(".metadata")).unwrap();
+    assert_striped_replica(&w, &pool, &ckpt).await;
+    pool.finish().await;
+}
+
+/// Two source agents watching the source root (see [`StripedOn::watch`])
+/// and two sink agents on a local root, links of 80 Mbit/s, both source
+/// agents live; and a 96 MB DCP save of step `step` made beside the root
+/// (under `<world>/staging`, not watched) for a test to copy in piece by
+/// piece. Returns the pool, the save's directory, the checkpoint's
+/// directory under the source root (created, empty) and the save's file
+/// names, sorted: 4 `.distcp` data files and `.metadata` (checked).
+async fn watched_pool_and_save(
+    w: &World,
+    name: &str,
+    step: &str,
+) -> (Striped, PathBuf, PathBuf, Vec<String>) {
+    let root = w.source_root();
+    std::fs::create_dir_all(&root).unwrap();
+    let on = StripedOn {
+        watch: true,
+        ..Default::default()
+    };
+    let pool = striped_pool_with(w, name, "80Mbit/s", &[], on).await;
+    let staging = w.root.join("staging");
+    let mut gen = w.spawn_dcp_save(&staging, step, "96MB", "8Gbit/s");
+    let status = gen.wait().await.unwrap();
+    w.ensure(status.success(), || format!("ferry gen failed: {status}"));
+    let dir = format!("step_{step:0>8}");
+    let (made, ckpt) = (staging.join(&dir), root.join(&dir));
+    std::fs::create_dir_all(&ckpt).unwrap();
+    let mut names: Vec<String> = std::fs::read_dir(&made)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    let data = names.iter().filter(|n| n.ends_with(".distcp")).count();
+    w.ensure(
+        data == 4 && names.len() == 5 && names.iter().any(|n| n == ".metadata"),
+        || format!("the DCP save should have 4 data files and .metadata: {names:?}"),
+    );
+    both_live(w, &pool).await;
+    (pool, made, ckpt, names)
+}
+
+/// Waits until watched checkpoint `ckpt` (under the source root) is
+/// published through `pool`, then checks it: the replica byte-identical,
+/// every part claim released and none overlapping, one replica row
+/// published once, each byte sent once ([`assert_sent_once`]).
+async fn assert_striped_replica(w: &World, pool: &Striped, ckpt: &Path) {
     let path = ckpt.to_str().unwrap().to_string();
-    published_at(&w, &pool.sources[0], &path).await;
-    w.assert_same_tree(&ckpt, &w.replica_path("step_00000950"));
-    assert_shared_and_released(&w, &part_claims(&pool.source_db).await);
-    let (states, _) = catalog_view(&pool.sink_db, "step_00000950").await;
+    let name = ckpt.file_name().unwrap().to_str().unwrap();
+    published_at(w, &pool.sources[0], &path).await;
+    w.assert_same_tree(ckpt, &w.replica_path(name));
+    assert_shared_and_released(w, &part_claims(&pool.source_db).await);
+    let (states, _) = catalog_view(&pool.sink_db, name).await;
     w.ensure(states == ["published"], || {
         format!("one replica row, published once: {states:?}")
     });
-    assert_sent_once(&w, &pool, &ckpt).await;
-    pool.finish().await;
+    assert_sent_once(w, pool, ckpt).await;
 }
 
 /// Checks that `pool`'s source agents sent, together, each byte of

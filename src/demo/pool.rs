@@ -417,10 +417,7 @@ pub async fn run(a: &DemoArgs, dir: &Path, say: &dyn Fn(String)) -> Result<Value
         }
     };
     // Every transfer published, as the pool's catalog lists them.
-    // The pool carries at most its budget, and each pair its own link's.
-    let carried = a
-        .pair_rate
-        .map_or(a.rate, |p| a.rate.min(p.saturating_mul(n as u64)));
+    let carried = super::carried_rate(a);
     let deadline = Duration::from_secs_f64(
         (super::physical_limit_s(a.size, carried, a.rtt) * 4.0).max(60.0)
             + 60.0
